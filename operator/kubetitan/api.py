@@ -1,0 +1,562 @@
+"""The ``LlamaPretrain`` API: typed spec and status, with their defaults.
+
+This module is the single source of truth for the resource. Every field is documented
+once, by the docstring under it; the CRD (``kubectl explain``), the API reference in
+``docs/api.md`` and the defaults the operator applies are all generated from here.
+
+Python names are snake_case; the wire format (YAML, the CRD) is camelCase, derived by
+the alias generator. Defaults live on the fields, and nowhere else: ``LlamaPretrain``
+parsed from a user's YAML *is* the defaulted object.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from kubetitan import API_VERSION, KIND
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+    def dump(self) -> dict[str, Any]:
+        """The camelCase wire form, without unset optional fields."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# --------------------------------------------------------------------------- model
+class CustomModelSpec(_Base):
+    """Dimensions of a custom Llama 3 architecture (``model.flavor: custom``)."""
+
+    dim: int = Field(ge=64, le=65536)
+    """Hidden size of the transformer (torchtitan ``dim``). Must be divisible by ``nHeads``."""
+    n_layers: int = Field(ge=1, le=1024)
+    """Number of transformer blocks."""
+    n_heads: int = Field(ge=1, le=1024)
+    """Number of attention (query) heads."""
+    n_kv_heads: int | None = Field(default=None, ge=1, le=1024)
+    """Number of key/value heads for grouped-query attention. Defaults to ``nHeads`` (no GQA)."""
+    ffn_dim_multiplier: float | None = Field(default=None, gt=0, le=16)
+    """Multiplier on the feed-forward hidden size, as in Llama 3 (e.g. 1.3 for 8B). Unset means 1."""
+    multiple_of: int = Field(default=256, ge=1, le=65536)
+    """The feed-forward hidden size is rounded up to a multiple of this."""
+    rope_theta: float = Field(default=500000.0, gt=0)
+    """Base frequency of the rotary position embedding."""
+    vocab_size: int = Field(default=128256, ge=2, le=1_048_576)
+    """Vocabulary size; must be at least the tokenizer's (128256 for the Llama 3 tokenizer)."""
+
+
+class ModelSpec(_Base):
+    """Which Llama 3 architecture to pre-train."""
+
+    flavor: Literal["debug", "1B", "3B", "8B", "70B", "405B", "custom"] = "8B"
+    """Model size. `debug` is torchtitan's tiny debug model (runs on CPU); `1B`..`405B` are
+    torchtitan 0.2.2's Llama 3 flavours; `custom` takes its dimensions from `model.custom`."""
+    custom: CustomModelSpec | None = None
+    """Dimensions of the model when `flavor` is `custom`; must be unset otherwise."""
+
+
+# ------------------------------------------------------------------------ training
+class TrainingSpec(_Base):
+    """Optimisation: steps, batch, learning-rate schedule."""
+
+    steps: int = Field(default=1000, ge=1, le=1_000_000_000)
+    """Total number of optimizer steps. Mutable while running: the new total applies from the
+    next attempt, and a run that has already passed it succeeds at its next checkpoint."""
+    seq_len: int = Field(default=8192, ge=16, le=1_048_576)
+    """Tokens per sequence."""
+    local_batch_size: int = Field(default=1, ge=1, le=65536)
+    """Sequences per data-parallel rank per micro-batch."""
+    global_batch_size: int | None = Field(default=None, ge=1)
+    """Sequences per optimizer step over all data-parallel ranks. Unset means
+    `localBatchSize` x data-parallel degree (no gradient accumulation); a multiple of that
+    turns on gradient accumulation."""
+    learning_rate: float = Field(default=3.0e-4, gt=0, le=1)
+    """Peak learning rate of AdamW."""
+    warmup_steps: int = Field(default=200, ge=0)
+    """Steps of linear learning-rate warm-up from zero to `learningRate`."""
+    decay_ratio: float | None = Field(default=None, ge=0, le=1)
+    """Fraction of the steps spent decaying the learning rate at the end (warmup-stable-decay).
+    Unset means decay over every step after the warm-up."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the learning-rate decay."""
+    min_lr_factor: float = Field(default=0.0, ge=0, le=1)
+    """Final learning rate as a fraction of `learningRate`."""
+    weight_decay: float = Field(default=0.1, ge=0, le=10)
+    """AdamW weight decay."""
+    max_norm: float = Field(default=1.0, gt=0, le=1000)
+    """Gradient clipping: maximum global L2 norm of the gradients."""
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    """Random seed for model initialisation and data order. Unset means torchtitan's default."""
+
+
+# --------------------------------------------------------------------- parallelism
+class ParallelismSpec(_Base):
+    """How the model and the batch are split over the GPUs. The product of the degrees must
+    equal the number of training processes (`resources.nodes` x processes per node)."""
+
+    data_parallel_shard_degree: int = Field(default=-1, ge=-1, le=1_000_000)
+    """FSDP2 sharding degree. -1 means every process not used by the other degrees."""
+    data_parallel_replicate_degree: int = Field(default=1, ge=1, le=1_000_000)
+    """Replicated data-parallel degree (HSDP when combined with sharding)."""
+    tensor_parallel_degree: int = Field(default=1, ge=1, le=1024)
+    """Tensor-parallel degree; must divide the number of attention heads."""
+    pipeline_parallel_degree: int = Field(default=1, ge=1, le=1024)
+    """Pipeline-parallel degree; must divide the number of layers."""
+    context_parallel_degree: int = Field(default=1, ge=1, le=1024)
+    """Context-parallel degree; `training.seqLen` must be divisible by twice this."""
+
+
+# ----------------------------------------------------------------------- precision
+class Float8Spec(_Base):
+    """FP8 linear layers through torchao (torchtitan's `quantize.linear.float8` converter)."""
+
+    enabled: bool = False
+    """Train the linear layers in FP8. Needs GPUs of compute capability 8.9 or newer
+    (H100, H200, L40S), or `emulate` on CPU."""
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """Scaling recipe. `tensorwise`: one scale per tensor, fastest, supports FP8 all-gather.
+    `rowwise`: one scale per row, more accurate, no FP8 all-gather."""
+    fsdp_float8_all_gather: bool = False
+    """All-gather FSDP-sharded weights in FP8 instead of bf16 (halves all-gather traffic).
+    Needs the `tensorwise` recipe and a data-parallel shard degree above 1."""
+    precompute_dynamic_scale: bool = False
+    """Compute the FP8 scales of all sharded weights in one fused all-reduce after each
+    optimizer step. Needs `fsdpFloat8AllGather`."""
+    emulate: bool = False
+    """Emulate FP8 in higher precision (torchao's emulation mode), for CPU tests and debugging only."""
+    filter_fqns: list[str] = Field(default_factory=lambda: ["output"])
+    """Module names (fully-qualified-name fragments) kept out of FP8; the output projection by default."""
+
+
+class PrecisionSpec(_Base):
+    """Numerics and the compiler: mixed precision, FP8, torch.compile, activation checkpointing."""
+
+    compile: bool = True
+    """Compile the model with torch.compile (per transformer block)."""
+    float8: Float8Spec = Field(default_factory=Float8Spec)
+    """FP8 training settings."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "selective"
+    """Recompute activations in the backward pass to save memory: `none`, `selective`
+    (per op, the seeds' recipe) or `full` (every block)."""
+    selective_activation_checkpointing: str = Field(default="op", pattern=r"^(op|[1-9][0-9]*)$")
+    """With `selective`: `op` to save the outputs of expensive ops only, or an integer N to
+    checkpoint every N-th block."""
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the parameters during the forward and backward pass under FSDP."""
+
+
+# ---------------------------------------------------------------------------- data
+class VolumeClaim(_Base):
+    """A PersistentVolumeClaim mounted into every training pod."""
+
+    claim_name: str = Field(min_length=1, max_length=253)
+    """Name of the PersistentVolumeClaim in the LlamaPretrain's namespace."""
+    read_only: bool = False
+    """Mount the claim read-only."""
+
+
+class HuggingFaceDataSpec(_Base):
+    """A Hugging Face text dataset, read the way torchtitan reads c4."""
+
+    dataset: str = Field(default="allenai/c4", min_length=1)
+    """Dataset repository on the Hugging Face hub, or a local path inside the image or a volume."""
+    config: str | None = "en"
+    """Dataset configuration (subset) name."""
+    split: str = "train"
+    """Split to read."""
+    streaming: bool = True
+    """Stream the dataset instead of downloading it whole first."""
+    text_field: str = "text"
+    """Column that holds the text."""
+
+
+class ShardsDataSpec(_Base):
+    """Pre-tokenized shards: flat token files written by `kubetitan prepare-data`."""
+
+    path: str = Field(min_length=1)
+    """Directory holding `*.bin` token shards (and their `index.json`) inside the pod."""
+    dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    """Token dtype of the shards; `auto` reads it from `index.json`."""
+
+
+class DataSpec(_Base):
+    """Where the training tokens come from."""
+
+    source: Literal["synthetic", "huggingface", "shards"] = "synthetic"
+    """`synthetic`: random tokens (benchmarks); `huggingface`: a streamed text dataset
+    tokenized on the fly; `shards`: pre-tokenized files on a volume."""
+    huggingface: HuggingFaceDataSpec | None = None
+    """Settings for `source: huggingface`; unset means c4 `en` `train`, streamed."""
+    shards: ShardsDataSpec | None = None
+    """Settings for `source: shards` (required there)."""
+    volume: VolumeClaim | None = None
+    """A claim mounted at `mountPath` that holds data (shards or a dataset copy)."""
+    mount_path: str = Field(default="/data", pattern=r"^/")
+    """Where `volume` is mounted."""
+
+
+class SecretKeyRef(_Base):
+    """A key in a Secret in the LlamaPretrain's namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the Secret."""
+    key: str = Field(default="token", min_length=1)
+    """Key within the Secret."""
+
+
+class TokenizerSpec(_Base):
+    """The tokenizer. Tokens and secrets are never written into the resource itself."""
+
+    source: Literal["builtin", "path", "huggingface"] = "builtin"
+    """`builtin`: the small byte-level tokenizer shipped with the trainer (debug runs);
+    `path`: a directory with `tokenizer.json` inside the image or a volume;
+    `huggingface`: downloaded from the hub at start (Llama 3 needs a token)."""
+    path: str | None = Field(default=None, pattern=r"^/")
+    """Directory holding `tokenizer.json` (and `tokenizer_config.json`), for `source: path`."""
+    repo: str | None = None
+    """Hub repository to download the tokenizer from, for `source: huggingface`,
+    e.g. `meta-llama/Meta-Llama-3.1-8B`."""
+    token_secret_ref: SecretKeyRef | None = None
+    """Secret key holding a Hugging Face access token; exposed to the trainer as `HF_TOKEN`."""
+
+
+# ---------------------------------------------------------------------- checkpoint
+class CheckpointStorage(_Base):
+    """Where checkpoints live. Set exactly one of the fields."""
+
+    persistent_volume_claim: VolumeClaim | None = None
+    """A shared ReadWriteMany claim (e.g. FSx for Lustre, EFS) mounted at `checkpoint.mountPath`."""
+    host_path: str | None = Field(default=None, pattern=r"^/")
+    """A directory on the node (single-node clusters and local runs only: lost with the node)."""
+    uri: str | None = Field(default=None, pattern=r"^[a-z0-9]+://")
+    """An fsspec URI for an object store (e.g. `s3://bucket/run`); the trainer image needs
+    the matching fsspec backend (s3fs for S3)."""
+
+
+class CheckpointSpec(_Base):
+    """Distributed checkpoints (torch.distributed.checkpoint, via torchtitan)."""
+
+    enabled: bool = True
+    """Save checkpoints. Restarts need them: with checkpoints off, `runPolicy.maxRestarts` must be 0."""
+    storage: CheckpointStorage = Field(default_factory=CheckpointStorage)
+    """Where checkpoints are written; required for runs on a cluster when enabled."""
+    mount_path: str = Field(default="/checkpoints", pattern=r"^/")
+    """Directory inside the pod where checkpoint storage is mounted (the torchtitan dump folder)."""
+    interval_steps: int = Field(default=500, ge=1)
+    """Save a checkpoint every this many steps (and at the last step)."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "async"
+    """torchtitan's `checkpoint.async_mode`: `disabled` blocks training for the whole save;
+    `async` stalls only for the device-to-host copy; `async_with_pinned_mem` also overlaps that."""
+    keep_latest_k: int = Field(default=3, ge=0, le=1000)
+    """Keep only the newest K checkpoints (0 keeps all). Must be 0 or at least 2 so that a
+    partial newest checkpoint never leaves nothing to resume from."""
+    save_timeout_seconds: int = Field(default=300, ge=10, le=86400)
+    """Time a pod gets to save a checkpoint after SIGTERM (suspend, preemption) before it
+    is killed; becomes the pod's `terminationGracePeriodSeconds`."""
+
+
+# ----------------------------------------------------------------------- resources
+class ResourcesSpec(_Base):
+    """The nodes of the gang and what each pod gets."""
+
+    nodes: int = Field(default=1, ge=1, le=4096)
+    """Number of nodes, one pod per node."""
+    gpus_per_node: int = Field(default=8, ge=0, le=16)
+    """GPUs each pod requests (`nvidia.com/gpu`). 0 runs on CPU (debug model only)."""
+    processes_per_node: int | None = Field(default=None, ge=1, le=64)
+    """Training processes per pod (torchrun `--nproc-per-node`). Unset means one per GPU,
+    or 1 on CPU."""
+    platform: Literal["generic", "eks", "hyperpod"] = "generic"
+    """Cluster flavour. `eks` adds EFA settings; `hyperpod` also requires nodes whose
+    SageMaker HyperPod health label says they are schedulable."""
+    instance_type: str | None = None
+    """Node instance type, e.g. `p5.48xlarge` (EKS) or `ml.p5.48xlarge` (HyperPod).
+    Becomes a node selector and tells the validator the GPU model."""
+    gpu_product: Literal["H100", "H200", "A100", "L40S", "A10G"] | None = None
+    """GPU model, when `instanceType` does not say it. Used for FP8 checks and MFU."""
+    image: str = Field(default="kubetitan/trainer:0.1.0", min_length=1)
+    """Trainer container image (see `images/trainer.Dockerfile`)."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Image pull policy of the trainer container."""
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    """Names of Secrets used to pull the image."""
+    efa_per_node: int | None = Field(default=None, ge=0, le=64)
+    """EFA interfaces per pod (`vpc.amazonaws.com/efa`). Unset means all of the instance
+    type's interfaces on `eks`/`hyperpod`, none elsewhere."""
+    shm_size: str = Field(default="64Gi", pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
+    """Size of the memory-backed `/dev/shm` (data loader workers and NCCL need it)."""
+    cpu: str | None = Field(default=None, pattern=r"^[0-9]+(\.[0-9]+|m)?$")
+    """CPU request and limit per pod (e.g. `180`); unset means none."""
+    memory: str | None = Field(default=None, pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
+    """Memory request and limit per pod (e.g. `1800Gi`); unset means none."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Extra node labels the pods must match."""
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    """Extra tolerations (core/v1 Toleration). A toleration for `nvidia.com/gpu` is always added
+    when GPUs are requested."""
+    affinity: dict[str, Any] | None = None
+    """Pod affinity (core/v1 Affinity), merged with the operator's own node rules."""
+    env: list[dict[str, Any]] = Field(default_factory=list)
+    """Extra environment variables (core/v1 EnvVar) for the trainer container."""
+    service_account_name: str | None = None
+    """Service account of the training pods. Its API token is never mounted."""
+    priority_class_name: str | None = None
+    """PriorityClass of the training pods."""
+
+
+# ---------------------------------------------------------------------- run policy
+class RunPolicySpec(_Base):
+    """What the operator does when things go wrong, and when the run ends."""
+
+    suspend: bool = False
+    """Stop the gang gracefully (each trainer saves a checkpoint on SIGTERM) and keep the run.
+    Setting it back to false continues from that checkpoint."""
+    max_restarts: int = Field(default=10, ge=0, le=10000)
+    """Gang restarts allowed before the run is marked Failed. 0 disables restarts."""
+    max_restarts_without_progress: int = Field(default=3, ge=1, le=10000)
+    """Consecutive restarts that made no step progress before the run is marked Failed."""
+    backoff_seconds: int = Field(default=10, ge=0, le=3600)
+    """Delay before the first restart; doubles with each consecutive restart."""
+    max_backoff_seconds: int = Field(default=600, ge=0, le=86400)
+    """Upper bound of the restart delay."""
+    hang_timeout_seconds: int = Field(default=900, ge=30, le=86400)
+    """A running attempt whose step has not advanced for this long is declared hung and restarted."""
+    startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400)
+    """Time from all pods running to the first step (image, compile, data) before the attempt
+    counts as hung."""
+    node_failure_grace_seconds: int = Field(default=60, ge=0, le=3600)
+    """Pods on a NotReady or missing node are force-deleted after this long."""
+    unschedulable_timeout_seconds: int = Field(default=900, ge=0, le=604800)
+    """Time an attempt may wait for all its pods to be scheduled before the Unschedulable
+    condition turns True."""
+    unschedulable_action: Literal["Wait", "Fail"] = "Wait"
+    """What to do once `unschedulableTimeoutSeconds` has passed: keep waiting (and say so)
+    or fail the run."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Wall-clock limit of the whole run, counted from its start; then it fails with
+    reason DeadlineExceeded."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Delete the LlamaPretrain this long after it succeeded or failed. Unset keeps it."""
+    cleanup_policy: Literal["None", "Running", "All"] = "Running"
+    """Pods deleted when the run finishes: `None`, the still-`Running` ones, or `All`."""
+
+
+class SchedulingSpec(_Base):
+    """Gang scheduling integrations; all optional."""
+
+    queue_name: str | None = None
+    """Kueue LocalQueue; the pods of an attempt form one Kueue pod group."""
+    scheduler_name: str | None = None
+    """Scheduler for the pods, e.g. `volcano`; unset means the default scheduler."""
+
+
+class MonitoringSpec(_Base):
+    """Metrics and logs."""
+
+    metrics_port: int = Field(default=9090, ge=1024, le=65535)
+    """Port of the trainer's Prometheus `/metrics` endpoint (served by each pod's local rank 0)."""
+    log_frequency_steps: int = Field(default=10, ge=1)
+    """Log and export metrics every this many steps."""
+    tensorboard: bool = False
+    """Write TensorBoard event files under the checkpoint mount (`tb/`)."""
+
+
+class LlamaPretrainSpec(_Base):
+    """Desired state of a Llama 3 pre-training run."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """Model architecture."""
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    """Steps, batch and learning-rate schedule."""
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    """Parallel degrees."""
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
+    """FP8, compile and activation checkpointing."""
+    data: DataSpec = Field(default_factory=DataSpec)
+    """Training data."""
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    """Tokenizer."""
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpointing."""
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """Nodes, GPUs, image and pod settings."""
+    run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec)
+    """Restarts, timeouts, suspension and clean-up."""
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """Queueing and gang scheduling."""
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    """Metrics and TensorBoard."""
+
+
+# -------------------------------------------------------------------------- status
+Phase = Literal["Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+
+RestartCause = Literal[
+    "ContainerFailed",
+    "OOMKilled",
+    "Evicted",
+    "Preempted",
+    "NodeFailure",
+    "Hang",
+    "StartupTimeout",
+    "NonFiniteLoss",
+    "Unknown",
+]
+
+
+class Condition(_Base):
+    """A Kubernetes-style condition."""
+
+    type: str
+    """Condition type, e.g. `Ready`, `Running`, `Succeeded`, `Failed`, `Suspended`."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+    reason: str
+    """CamelCase reason for the last transition."""
+    message: str = ""
+    """Human-readable detail."""
+    last_transition_time: str | None = None
+    """When `status` last changed (RFC 3339)."""
+    observed_generation: int | None = None
+    """The `metadata.generation` this condition was computed from."""
+
+
+class RestartRecord(_Base):
+    """One gang restart."""
+
+    attempt: int
+    """The attempt that ended."""
+    cause: RestartCause
+    """Classified cause of the restart."""
+    message: str = ""
+    """What was observed (pod, exit code, node, reason)."""
+    time: str
+    """When the failure was detected (RFC 3339)."""
+    node_name: str | None = None
+    """Node the failure was attributed to, if any."""
+    downtime_seconds: float | None = None
+    """Time from failure detection to the next attempt's first step."""
+    resumed_from_step: int | None = None
+    """Checkpoint step the next attempt resumed from (0 = from scratch)."""
+    lost_steps: int | None = None
+    """Steps trained in the failed attempt after its last checkpoint, i.e. work lost."""
+
+
+class TrainingStatus(_Base):
+    """Training progress scraped from rank 0's metrics."""
+
+    step: int | None = None
+    """Last completed optimizer step."""
+    total_steps: int | None = None
+    """`spec.training.steps`."""
+    progress: str | None = None
+    """`step/totalSteps`, for the printer column."""
+    loss: float | None = None
+    """Training loss at `step`."""
+    tokens_per_second: float | None = None
+    """Training throughput over all GPUs, tokens per second."""
+    tokens_per_second_per_gpu: float | None = None
+    """Training throughput per GPU, tokens per second."""
+    tflops_per_gpu: float | None = None
+    """Achieved model TFLOP/s per GPU."""
+    mfu: float | None = None
+    """Model FLOPs utilisation, ratio 0-1 of the GPU's dense bf16 peak."""
+    last_checkpoint_step: int | None = None
+    """Step of the newest complete checkpoint."""
+    eta: str | None = None
+    """Estimated completion time (RFC 3339) at the current throughput."""
+    goodput: float | None = None
+    """Productive step time over wall time since the run started, ratio 0-1."""
+    last_update_time: str | None = None
+    """When these numbers were last scraped."""
+
+
+class LlamaPretrainStatus(_Base):
+    """Observed state of a Llama 3 pre-training run; rebuilt by the operator."""
+
+    phase: Phase | None = None
+    """Summary derived from the conditions, for display only."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Conditions keyed by type."""
+    observed_generation: int | None = None
+    """The `metadata.generation` the operator last acted on."""
+    attempt: int | None = None
+    """Current attempt number (0 for the first gang, +1 per restart)."""
+    restart_count: int = 0
+    """Number of gang restarts so far."""
+    restarts: list[RestartRecord] = Field(default_factory=list)
+    """The newest restarts (at most 50), oldest first."""
+    training: TrainingStatus | None = None
+    """Training progress."""
+    start_time: str | None = None
+    """When the first attempt was created."""
+    completion_time: str | None = None
+    """When the run succeeded or failed."""
+    message: str | None = None
+    """Human-readable summary of the current state."""
+
+
+class ObjectMeta(BaseModel):
+    """The subset of metadata the planner uses; everything else is kept as is."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(default="", max_length=253)
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class LlamaPretrain(_Base):
+    """A Llama 3 pre-training run: a gang of torchrun pods running torchtitan."""
+
+    api_version: Literal["kubetitan.io/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
+    """`kubetitan.io/v1alpha1`."""
+    kind: Literal["LlamaPretrain"] = KIND
+    """`LlamaPretrain`."""
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    """Standard object metadata."""
+    spec: LlamaPretrainSpec = Field(default_factory=LlamaPretrainSpec)
+    """Desired state of the run."""
+    status: LlamaPretrainStatus | None = None
+    """Observed state of the run, written by the operator."""
+
+
+# ------------------------------------------------------------------ derived values
+def processes_per_node(spec: LlamaPretrainSpec) -> int:
+    """torchrun's ``--nproc-per-node``: explicit, else one per GPU, else 1 on CPU."""
+    r = spec.resources
+    if r.processes_per_node is not None:
+        return r.processes_per_node
+    return r.gpus_per_node if r.gpus_per_node > 0 else 1
+
+
+def world_size(spec: LlamaPretrainSpec) -> int:
+    """Total number of training processes in one attempt."""
+    return spec.resources.nodes * processes_per_node(spec)
+
+
+def resolved_dp_shard(spec: LlamaPretrainSpec) -> int | None:
+    """The FSDP shard degree with -1 resolved; None when the degrees do not divide the world."""
+    p = spec.parallelism
+    if p.data_parallel_shard_degree != -1:
+        return p.data_parallel_shard_degree
+    others = (
+        p.data_parallel_replicate_degree
+        * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree
+        * p.context_parallel_degree
+    )
+    ws = world_size(spec)
+    return ws // others if ws % others == 0 and ws >= others else None

@@ -1,0 +1,87 @@
+"""What the trainer and the operator agree on: exit codes, env, file names, metric names.
+
+Both sides import these constants; neither restates them. Pure, torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Exit codes of the trainer process (and so of the pod's container).
+
+    The operator's restart decision classifies failures by these codes; docs/api.md lists them.
+    """
+
+    OK = 0
+    """Training reached `spec.training.steps`; the final checkpoint is saved."""
+    FAILED = 1
+    """Unclassified error (a Python exception, a collective timeout). Retryable."""
+    CONFIG_ERROR = 2
+    """The configuration cannot work (bad value, missing file, unknown flavour). Not retried."""
+    NON_FINITE_LOSS = 3
+    """The loss became NaN or infinite. Retried from the last checkpoint; repeated ones stop the run."""
+    TERMINATED_CHECKPOINTED = 75
+    """SIGTERM received (suspend, preemption, node drain); a full checkpoint was saved. Resumable."""
+
+
+# Exit codes the kernel produces: 128 + signal number.
+EXIT_SIGKILL = 137
+EXIT_SIGTERM = 143
+
+# ---- environment the planner sets on every training pod and the trainer reads
+ENV_ATTEMPT = "KUBETITAN_ATTEMPT"
+ENV_JOB_NAME = "KUBETITAN_JOB_NAME"
+ENV_JOB_NAMESPACE = "KUBETITAN_JOB_NAMESPACE"
+ENV_JOB_START_TIME = "KUBETITAN_JOB_START_TIME"  # unix seconds of the run's first attempt
+ENV_POD_IP = "KUBETITAN_POD_IP"
+ENV_NODE_NAME = "KUBETITAN_NODE_NAME"
+
+# ---- files
+CONFIG_KEY = "trainer.toml"  # ConfigMap key, and file name under CONFIG_MOUNT
+CONFIG_MOUNT = "/etc/kubetitan"
+CHECKPOINT_SUBDIR = "checkpoint"  # torchtitan's checkpoint.folder under job.dump_folder
+DCP_METADATA_FILE = ".metadata"  # written last by torch.distributed.checkpoint
+
+# ---- metrics the trainer exports and the operator scrapes (rank 0 of each pod)
+M_STEP = "kubetitan_trainer_step"
+M_TOTAL_STEPS = "kubetitan_trainer_total_steps"
+M_LOSS = "kubetitan_trainer_loss"
+M_GRAD_NORM = "kubetitan_trainer_grad_norm"
+M_TOKENS_PER_SECOND = "kubetitan_trainer_tokens_per_second"
+M_TOKENS_PER_SECOND_PER_GPU = "kubetitan_trainer_tokens_per_second_per_gpu"
+M_FLOPS_PER_GPU = "kubetitan_trainer_flops_per_second_per_gpu"
+M_MFU = "kubetitan_trainer_mfu_ratio"
+M_STEP_DURATION = "kubetitan_trainer_step_duration_seconds"
+M_DATA_LOADING_DURATION = "kubetitan_trainer_data_loading_duration_seconds"
+M_MEMORY_MAX_ACTIVE = "kubetitan_trainer_memory_max_active_bytes"
+M_MEMORY_MAX_RESERVED = "kubetitan_trainer_memory_max_reserved_bytes"
+M_CHECKPOINT_SAVE_DURATION = "kubetitan_trainer_checkpoint_save_duration_seconds"
+M_LAST_CHECKPOINT_STEP = "kubetitan_trainer_last_checkpoint_step"
+M_LAST_CHECKPOINT_TIMESTAMP = "kubetitan_trainer_last_checkpoint_timestamp_seconds"
+M_TOKENS = "kubetitan_trainer_tokens_total"
+M_ATTEMPT = "kubetitan_trainer_attempt"
+M_LAST_STEP_TIMESTAMP = "kubetitan_trainer_last_step_timestamp_seconds"  # the heartbeat
+M_PRODUCTIVE_SECONDS = "kubetitan_trainer_productive_step_seconds_total"
+M_JOB_START_TIMESTAMP = "kubetitan_trainer_job_start_timestamp_seconds"
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def newest_complete_step(entries: Iterable[tuple[str, bool]]) -> int | None:
+    """The one resume rule: the highest ``step-N`` whose DCP metadata file exists.
+
+    ``entries`` are (directory name, has metadata file) pairs of the checkpoint folder.
+    torch.distributed.checkpoint writes ``.metadata`` last, so a step directory without it
+    is a save that was cut off and must never be loaded.
+    """
+    steps = [int(m.group(1)) for name, done in entries if done and (m := _STEP_DIR.match(name))]
+    return max(steps) if steps else None
+
+
+def incomplete_steps(entries: Iterable[tuple[str, bool]]) -> list[int]:
+    """Step directories without their metadata file (partial saves), oldest first."""
+    return sorted(int(m.group(1)) for name, done in entries if not done and (m := _STEP_DIR.match(name)))
