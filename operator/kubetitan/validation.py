@@ -1,0 +1,402 @@
+"""Semantic validation of a LlamaPretrain: the rules a JSON schema cannot express.
+
+Two layers check a spec. The CRD's OpenAPI schema (types, enums, bounds) plus the CEL rules in
+``CEL_RULES`` run inside the API server; ``validate`` runs in ``kubetitan validate`` and in the
+operator, and covers everything, including the checks CEL cannot express (flavour lookups, hardware).
+Every Python rule that has a CEL twin shares its ``rule`` id with it, and a test evaluates both on
+the same corpus so that the two layers cannot disagree.
+
+Each error names the field path, what is wrong, and how to fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from kubetitan import API_VERSION, KIND
+from kubetitan.api import (
+    LlamaPretrain,
+    LlamaPretrainSpec,
+    ModelSpec,
+    processes_per_node,
+    resolved_dp_shard,
+    world_size,
+)
+from kubetitan.catalog import FLAVOURS, INSTANCE_TYPES, ModelDims, accelerator_for
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One problem with a spec: where, what, and how to fix it."""
+
+    path: str
+    """Dotted wire path, e.g. ``spec.parallelism.tensorParallelDegree``."""
+    message: str
+    """What is wrong and how to fix it."""
+    rule: str = "schema"
+    """Id of the rule that failed (``schema`` for type/enum/bound errors)."""
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+@dataclass(frozen=True)
+class CelRule:
+    """A rule the API server enforces through ``x-kubernetes-validations`` on ``spec``."""
+
+    id: str
+    rule: str
+    message: str
+    field_path: str
+
+
+_PROCS = (
+    "(has(self.resources.processesPerNode) ? self.resources.processesPerNode : "
+    "(self.resources.gpusPerNode > 0 ? self.resources.gpusPerNode : 1))"
+)
+_OTHERS = (
+    "self.parallelism.dataParallelReplicateDegree * self.parallelism.tensorParallelDegree"
+    " * self.parallelism.pipelineParallelDegree * self.parallelism.contextParallelDegree"
+)
+
+CEL_RULES: list[CelRule] = [
+    CelRule(
+        "parallelism.product",
+        f"self.parallelism.dataParallelShardDegree == -1 ? "
+        f"(self.resources.nodes * {_PROCS}) % ({_OTHERS}) == 0 : "
+        f"self.parallelism.dataParallelShardDegree * {_OTHERS} == self.resources.nodes * {_PROCS}",
+        "the product of the parallel degrees must equal resources.nodes x processes per node",
+        ".parallelism",
+    ),
+    CelRule(
+        "parallelism.context-seq-len",
+        "self.training.seqLen % (2 * self.parallelism.contextParallelDegree) == 0",
+        "training.seqLen must be divisible by 2 x parallelism.contextParallelDegree",
+        ".training.seqLen",
+    ),
+    CelRule(
+        "float8.all-gather-recipe",
+        "!self.precision.float8.fsdpFloat8AllGather || "
+        "(self.precision.float8.enabled && self.precision.float8.recipe == 'tensorwise')",
+        "precision.float8.fsdpFloat8AllGather needs precision.float8.enabled and recipe tensorwise",
+        ".precision.float8.fsdpFloat8AllGather",
+    ),
+    CelRule(
+        "float8.precompute-needs-all-gather",
+        "!self.precision.float8.precomputeDynamicScale || self.precision.float8.fsdpFloat8AllGather",
+        "precision.float8.precomputeDynamicScale needs precision.float8.fsdpFloat8AllGather",
+        ".precision.float8.precomputeDynamicScale",
+    ),
+    CelRule(
+        "model.custom",
+        "(self.model.flavor == 'custom') == has(self.model.custom)",
+        "model.custom must be set exactly when model.flavor is custom",
+        ".model.custom",
+    ),
+    CelRule(
+        "data.shards-required",
+        "self.data.source != 'shards' || has(self.data.shards)",
+        "data.shards is required when data.source is shards",
+        ".data.shards",
+    ),
+    CelRule(
+        "restarts.need-checkpoint",
+        "self.runPolicy.maxRestarts == 0 || self.checkpoint.enabled",
+        "runPolicy.maxRestarts > 0 needs checkpoint.enabled (a restart resumes from a checkpoint)",
+        ".runPolicy.maxRestarts",
+    ),
+    CelRule(
+        "checkpoint.keep-latest-k",
+        "self.checkpoint.keepLatestK != 1",
+        "checkpoint.keepLatestK must be 0 (keep all) or at least 2",
+        ".checkpoint.keepLatestK",
+    ),
+    CelRule(
+        "checkpoint.one-storage",
+        "(has(self.checkpoint.storage.persistentVolumeClaim) ? 1 : 0) + "
+        "(has(self.checkpoint.storage.hostPath) ? 1 : 0) + (has(self.checkpoint.storage.uri) ? 1 : 0) <= 1",
+        "set at most one of checkpoint.storage.persistentVolumeClaim, hostPath, uri",
+        ".checkpoint.storage",
+    ),
+    CelRule(
+        "tokenizer.path-required",
+        "self.tokenizer.source != 'path' || has(self.tokenizer.path)",
+        "tokenizer.path is required when tokenizer.source is path",
+        ".tokenizer.path",
+    ),
+    CelRule(
+        "tokenizer.repo-required",
+        "self.tokenizer.source != 'huggingface' || has(self.tokenizer.repo)",
+        "tokenizer.repo is required when tokenizer.source is huggingface",
+        ".tokenizer.repo",
+    ),
+    CelRule(
+        "run-policy.backoff-order",
+        "self.runPolicy.maxBackoffSeconds >= self.runPolicy.backoffSeconds",
+        "runPolicy.maxBackoffSeconds must be at least runPolicy.backoffSeconds",
+        ".runPolicy.maxBackoffSeconds",
+    ),
+]
+
+
+def model_dims(model: ModelSpec) -> ModelDims | None:
+    """Dimensions of the spec's model, or None for an incomplete custom model."""
+    if model.flavor != "custom":
+        return FLAVOURS[model.flavor][1]
+    c = model.custom
+    if c is None:
+        return None
+    return ModelDims(
+        c.dim, c.n_layers, c.n_heads, c.n_kv_heads or c.n_heads, c.ffn_dim_multiplier,
+        c.multiple_of, c.rope_theta, c.vocab_size,
+    )
+
+
+def validate(lpt: LlamaPretrain) -> list[FieldError]:
+    """All semantic errors of a parsed (defaulted) LlamaPretrain; empty when it is good."""
+    errs: list[FieldError] = []
+    name = lpt.metadata.name
+    if not name:
+        errs.append(FieldError("metadata.name", "is required: give the run a name", "metadata.name"))
+    elif len(name) > 48:
+        errs.append(
+            FieldError(
+                "metadata.name",
+                f"{name!r} is {len(name)} characters; at most 48 so that pod names "
+                "(<name>-a<attempt>-<rank>) stay valid DNS labels",
+                "metadata.name",
+            )
+        )
+    errs += validate_spec(lpt.spec)
+    return errs
+
+
+def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
+    """Semantic errors of a spec (paths start at ``spec.``)."""
+    out: list[FieldError] = []
+
+    def err(path: str, message: str, rule: str) -> None:
+        out.append(FieldError(f"spec.{path}", message, rule))
+
+    p, r, t, f8 = s.parallelism, s.resources, s.training, s.precision.float8
+    ws = world_size(s)
+    procs = processes_per_node(s)
+    others = (
+        p.data_parallel_replicate_degree
+        * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree
+        * p.context_parallel_degree
+    )
+    dp_shard = resolved_dp_shard(s)
+
+    # ---- parallel degrees vs processes
+    if p.data_parallel_shard_degree == 0:
+        err("parallelism.dataParallelShardDegree", "must be -1 (all remaining processes) or >= 1", "schema")
+    elif p.data_parallel_shard_degree == -1 and dp_shard is None:
+        err(
+            "parallelism",
+            f"with dataParallelShardDegree -1 the other degrees (replicate x tensor x pipeline x context = "
+            f"{others}) must divide the {ws} processes (resources.nodes {r.nodes} x {procs} per node); "
+            "change a degree or the number of nodes",
+            "parallelism.product",
+        )
+    elif dp_shard is not None and dp_shard * others != ws:
+        err(
+            "parallelism",
+            f"dataParallelShardDegree ({dp_shard}) x dataParallelReplicateDegree "
+            f"({p.data_parallel_replicate_degree}) x tensorParallelDegree ({p.tensor_parallel_degree}) x "
+            f"pipelineParallelDegree ({p.pipeline_parallel_degree}) x contextParallelDegree "
+            f"({p.context_parallel_degree}) = {dp_shard * others} must equal resources.nodes ({r.nodes}) x "
+            f"processes per node ({procs}) = {ws}; change a degree, or set dataParallelShardDegree: -1 to "
+            "use every remaining process",
+            "parallelism.product",
+        )
+    if t.seq_len % (2 * p.context_parallel_degree) != 0:
+        err(
+            "training.seqLen",
+            f"{t.seq_len} is not divisible by 2 x contextParallelDegree ({2 * p.context_parallel_degree}); "
+            "pick a seqLen that is",
+            "parallelism.context-seq-len",
+        )
+
+    # ---- model
+    if s.model.flavor == "custom" and s.model.custom is None:
+        err("model.custom", "is required when model.flavor is custom: give dim, nLayers and nHeads", "model.custom")
+    if s.model.flavor != "custom" and s.model.custom is not None:
+        err("model.custom", f"must be unset when model.flavor is {s.model.flavor}; remove it or use flavor custom",
+            "model.custom")
+    dims = model_dims(s.model)
+    if dims is not None:
+        tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
+        if dims.dim % dims.n_heads != 0:
+            err("model.custom.dim", f"{dims.dim} is not divisible by nHeads ({dims.n_heads})", "model.dims")
+        if dims.n_heads % tp != 0:
+            err("parallelism.tensorParallelDegree",
+                f"{tp} does not divide the model's {dims.n_heads} attention heads; use a divisor of {dims.n_heads}",
+                "model.heads-tp")
+        elif dims.n_kv_heads % tp != 0:
+            err("parallelism.tensorParallelDegree",
+                f"{tp} does not divide the model's {dims.n_kv_heads} key/value heads; use a divisor of "
+                f"{dims.n_kv_heads}", "model.heads-tp")
+        if dims.n_heads % dims.n_kv_heads != 0:
+            err("model.custom.nKvHeads", f"{dims.n_kv_heads} does not divide nHeads ({dims.n_heads})", "model.dims")
+        if dims.n_layers % pp != 0:
+            err("parallelism.pipelineParallelDegree",
+                f"{pp} does not divide the model's {dims.n_layers} layers; use a divisor of {dims.n_layers}",
+                "model.layers-pp")
+        if s.tokenizer.source == "builtin" and dims.vocab_size < 2048:
+            err("tokenizer.source", f"the builtin tokenizer has 2048 tokens but the model's vocabulary is "
+                f"{dims.vocab_size}; raise model.custom.vocabSize", "tokenizer.vocab")
+    if s.model.flavor == "debug" and s.tokenizer.source != "builtin":
+        err("tokenizer.source", "the debug model has a 2048-token vocabulary and needs the builtin tokenizer",
+            "tokenizer.vocab")
+
+    # ---- batch
+    if dp_shard is not None and t.global_batch_size is not None:
+        dp = dp_shard * p.data_parallel_replicate_degree
+        micro = t.local_batch_size * dp
+        if t.global_batch_size % micro != 0:
+            err("training.globalBatchSize",
+                f"{t.global_batch_size} is not a multiple of localBatchSize ({t.local_batch_size}) x "
+                f"data-parallel degree ({dp}) = {micro}; use a multiple of {micro} or leave it unset",
+                "training.global-batch")
+    if t.warmup_steps >= t.steps and t.steps > 1:
+        err("training.warmupSteps", f"{t.warmup_steps} warm-up steps leave nothing of the {t.steps} steps; "
+            "lower warmupSteps below steps", "training.warmup")
+
+    # ---- hardware
+    if r.instance_type and r.instance_type in INSTANCE_TYPES:
+        it = INSTANCE_TYPES[r.instance_type]
+        if r.gpus_per_node > it.gpus:
+            err("resources.gpusPerNode", f"{r.gpus_per_node} exceeds the {it.gpus} GPUs of {r.instance_type}",
+                "resources.gpus")
+        if r.efa_per_node is not None and r.efa_per_node > it.efa:
+            err("resources.efaPerNode", f"{r.efa_per_node} exceeds the {it.efa} EFA interfaces of "
+                f"{r.instance_type}", "resources.efa")
+        if it.hyperpod != (r.platform == "hyperpod"):
+            want = "hyperpod" if it.hyperpod else "eks or generic"
+            err("resources.platform", f"instance type {r.instance_type} belongs to platform {want}; "
+                "set resources.platform accordingly (HyperPod names start with ml.)", "resources.platform")
+    if r.gpus_per_node == 0:
+        if s.model.flavor not in ("debug", "custom"):
+            err("resources.gpusPerNode", f"0 (CPU) cannot train the {s.model.flavor} model; request GPUs or use "
+                "model.flavor debug", "resources.cpu-model")
+    if r.processes_per_node is not None and r.gpus_per_node > 0 and r.processes_per_node != r.gpus_per_node:
+        err("resources.processesPerNode", f"{r.processes_per_node} differs from gpusPerNode ({r.gpus_per_node}); "
+            "one process drives one GPU, so leave it unset on GPU nodes", "resources.procs")
+
+    # ---- FP8
+    if f8.enabled and not f8.emulate:
+        acc = accelerator_for(r.instance_type, r.gpu_product)
+        if r.gpus_per_node == 0:
+            err("precision.float8.enabled", "FP8 needs GPUs with compute capability >= 8.9; on CPU set "
+                "precision.float8.emulate: true (tests only)", "float8.hardware")
+        elif acc is not None and not acc.supports_float8:
+            err("precision.float8.enabled", f"{acc.product} has compute capability "
+                f"{acc.compute_capability[0]}.{acc.compute_capability[1]} < 8.9 and no FP8 tensor cores; "
+                "disable FP8 or use H100/H200 nodes", "float8.hardware")
+    if f8.emulate and s.precision.compile:
+        err("precision.float8.emulate", "FP8 emulation does not work with torch.compile; set "
+            "precision.compile: false", "float8.emulate-compile")
+    if f8.fsdp_float8_all_gather and not (f8.enabled and f8.recipe == "tensorwise"):
+        err("precision.float8.fsdpFloat8AllGather", "needs precision.float8.enabled: true and recipe tensorwise",
+            "float8.all-gather-recipe")
+    elif f8.fsdp_float8_all_gather and dp_shard is not None and dp_shard <= 1:
+        err("precision.float8.fsdpFloat8AllGather", f"needs a data-parallel shard degree above 1 (it is {dp_shard}):"
+            " with one shard there is nothing to all-gather; turn it off or add processes", "float8.all-gather-dp")
+    if f8.precompute_dynamic_scale and not f8.fsdp_float8_all_gather:
+        err("precision.float8.precomputeDynamicScale", "needs precision.float8.fsdpFloat8AllGather: true",
+            "float8.precompute-needs-all-gather")
+
+    # ---- data and tokenizer
+    if s.data.source == "shards" and s.data.shards is None:
+        err("data.shards", "is required when data.source is shards: set data.shards.path", "data.shards-required")
+    if s.tokenizer.source == "path" and not s.tokenizer.path:
+        err("tokenizer.path", "is required when tokenizer.source is path", "tokenizer.path-required")
+    if s.tokenizer.source == "huggingface" and not s.tokenizer.repo:
+        err("tokenizer.repo", "is required when tokenizer.source is huggingface, e.g. meta-llama/Meta-Llama-3.1-8B",
+            "tokenizer.repo-required")
+
+    # ---- checkpoints and restarts
+    ck, rp = s.checkpoint, s.run_policy
+    if rp.max_restarts > 0 and not ck.enabled:
+        err("runPolicy.maxRestarts", f"{rp.max_restarts} restarts need checkpoint.enabled: true (each restart "
+            "resumes from the newest checkpoint); enable checkpoints or set maxRestarts: 0",
+            "restarts.need-checkpoint")
+    if ck.keep_latest_k == 1:
+        err("checkpoint.keepLatestK", "must be 0 (keep all) or at least 2, so that a cut-off newest save never "
+            "leaves nothing to resume from", "checkpoint.keep-latest-k")
+    st = ck.storage
+    n_storage = sum(x is not None for x in (st.persistent_volume_claim, st.host_path, st.uri))
+    if n_storage > 1:
+        err("checkpoint.storage", "set only one of persistentVolumeClaim, hostPath and uri",
+            "checkpoint.one-storage")
+    elif ck.enabled and n_storage == 0 and r.nodes > 1:
+        err("checkpoint.storage", f"a {r.nodes}-node run needs shared checkpoint storage: set "
+            "persistentVolumeClaim (ReadWriteMany, e.g. FSx for Lustre) or uri", "checkpoint.storage-required")
+    if st.host_path is not None and r.nodes > 1:
+        err("checkpoint.storage.hostPath", "is per node and cannot hold a multi-node checkpoint; use a "
+            "ReadWriteMany persistentVolumeClaim or uri", "checkpoint.host-path-single-node")
+    if rp.max_backoff_seconds < rp.backoff_seconds:
+        err("runPolicy.maxBackoffSeconds", f"{rp.max_backoff_seconds} is below backoffSeconds "
+            f"({rp.backoff_seconds}); raise it", "run-policy.backoff-order")
+    if s.monitoring.metrics_port == 29500:
+        err("monitoring.metricsPort", "29500 is torchrun's rendezvous port; pick another", "monitoring.port")
+    return out
+
+
+def _loc_to_path(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for x in loc:
+        if isinstance(x, int):
+            parts[-1] = f"{parts[-1]}[{x}]" if parts else f"[{x}]"
+        elif x in ("function-after", "function-before", "literal_error") or str(x).startswith("function-"):
+            continue
+        else:
+            parts.append(str(x))
+    return ".".join(parts)
+
+
+def _pydantic_errors(e: ValidationError) -> list[FieldError]:
+    out = []
+    for d in e.errors():
+        path = _loc_to_path(d["loc"])
+        kind = d["type"]
+        if kind == "extra_forbidden":
+            msg = "unknown field; remove it (see `kubectl explain llamapretrain.spec` or docs/api.md for the fields)"
+        elif kind == "literal_error":
+            msg = f"{d.get('input')!r} is not allowed: {d['msg'].replace('Input should be', 'use')}"
+        elif kind == "missing":
+            msg = "is required"
+        else:
+            msg = f"{d['msg']} (got {d.get('input')!r})"
+        out.append(FieldError(path, msg, "schema"))
+    return out
+
+
+def parse(obj: Any) -> tuple[LlamaPretrain | None, list[FieldError]]:
+    """Parse a raw object (from YAML or the API) into a defaulted LlamaPretrain.
+
+    Returns the object and every error; the object is None when it cannot be parsed at all.
+    Semantic errors are included only when the object parsed.
+    """
+    if not isinstance(obj, dict):
+        return None, [FieldError("", f"expected a YAML mapping (a LlamaPretrain object), got {type(obj).__name__}")]
+    errs: list[FieldError] = []
+    if obj.get("apiVersion") != API_VERSION:
+        errs.append(FieldError("apiVersion", f"{obj.get('apiVersion')!r} is not served here; use {API_VERSION}",
+                               "schema"))
+    if obj.get("kind") != KIND:
+        errs.append(FieldError("kind", f"{obj.get('kind')!r} is not {KIND}; this file is not a LlamaPretrain",
+                               "schema"))
+    if errs:
+        return None, errs
+    body = {k: v for k, v in obj.items() if k != "status"}
+    try:
+        lpt = LlamaPretrain.model_validate(body)
+    except ValidationError as e:
+        return None, _pydantic_errors(e)
+    return lpt, validate(lpt)
