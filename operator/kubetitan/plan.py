@@ -1,0 +1,344 @@
+"""The planner: (LlamaPretrain, attempt) -> the child objects of that attempt.
+
+Pure: no I/O, no clock, no randomness. Names are deterministic, so creating the same plan twice
+is idempotent (``AlreadyExists`` is success), and pod names carry the attempt number, so a pod of
+an earlier attempt stuck terminating on a dead node never blocks the next one.
+
+One attempt = one gang:
+- a ConfigMap ``<name>-config`` with ``trainer.toml`` (shared by all attempts; pods record its hash),
+- a headless Service ``<name>`` giving every pod a stable DNS name (rendezvous + metrics),
+- ``resources.nodes`` Pods ``<name>-a<attempt>-<rank>``, each running torchrun for one node.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from kubetitan import API_VERSION, KIND, contract
+from kubetitan.api import LlamaPretrain, processes_per_node
+from kubetitan.catalog import INSTANCE_TYPES
+from kubetitan.render import trainer_toml
+
+LABEL_NAME = "kubetitan.io/name"
+LABEL_UID = "kubetitan.io/uid"
+LABEL_ATTEMPT = "kubetitan.io/attempt"
+LABEL_RANK = "kubetitan.io/rank"
+ANNOTATION_CONFIG_HASH = "kubetitan.io/config-hash"
+CONTAINER_NAME = "trainer"
+RENDEZVOUS_PORT = 29500
+TERMINATION_MARGIN_SECONDS = 30
+"""Extra grace on top of checkpoint.saveTimeoutSeconds for the process to flush and exit."""
+
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-config"
+
+
+def service_name(name: str) -> str:
+    return name
+
+
+def pod_name(name: str, attempt: int, rank: int) -> str:
+    return f"{name}-a{attempt}-{rank}"
+
+
+def master_address(lpt: LlamaPretrain, attempt: int) -> str:
+    """DNS name of rank 0 through the headless service."""
+    ns = lpt.metadata.namespace or "default"
+    return f"{pod_name(lpt.metadata.name, attempt, 0)}.{service_name(lpt.metadata.name)}.{ns}.svc"
+
+
+def job_labels(lpt: LlamaPretrain) -> dict[str, str]:
+    """Labels on every child; select a run's children with ``kubetitan.io/name=<name>``."""
+    labels = {
+        "app.kubernetes.io/name": "kubetitan",
+        "app.kubernetes.io/component": "trainer",
+        "app.kubernetes.io/managed-by": "kubetitan",
+        LABEL_NAME: lpt.metadata.name,
+    }
+    if lpt.metadata.uid:
+        labels[LABEL_UID] = lpt.metadata.uid
+    return labels
+
+
+def owner_references(lpt: LlamaPretrain) -> list[dict[str, Any]]:
+    """Owner reference to the LlamaPretrain (omitted when rendering offline without a uid)."""
+    if not lpt.metadata.uid:
+        return []
+    return [
+        {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": lpt.metadata.name,
+            "uid": lpt.metadata.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+
+
+def _meta(lpt: LlamaPretrain, name: str, labels: dict[str, str], annotations: dict[str, str] | None = None):
+    meta: dict[str, Any] = {"name": name, "labels": labels}
+    if lpt.metadata.namespace:
+        meta["namespace"] = lpt.metadata.namespace
+    if annotations:
+        meta["annotations"] = annotations
+    if refs := owner_references(lpt):
+        meta["ownerReferences"] = refs
+    return meta
+
+
+def config_map(lpt: LlamaPretrain) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(lpt, config_map_name(lpt.metadata.name), job_labels(lpt)),
+        "data": {contract.CONFIG_KEY: trainer_toml(lpt)},
+    }
+
+
+def service(lpt: LlamaPretrain) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(lpt, service_name(lpt.metadata.name), job_labels(lpt)),
+        "spec": {
+            "clusterIP": "None",
+            # Rendezvous must resolve before the pods are Ready.
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_NAME: lpt.metadata.name},
+            "ports": [
+                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT},
+                {"name": "metrics", "port": lpt.spec.monitoring.metrics_port,
+                 "targetPort": lpt.spec.monitoring.metrics_port},
+            ],
+        },
+    }
+
+
+def efa_per_node(lpt: LlamaPretrain) -> int:
+    r = lpt.spec.resources
+    if r.efa_per_node is not None:
+        return r.efa_per_node
+    if r.platform in ("eks", "hyperpod") and r.instance_type in INSTANCE_TYPES and r.gpus_per_node > 0:
+        return INSTANCE_TYPES[r.instance_type].efa
+    return 0
+
+
+def _env(lpt: LlamaPretrain, attempt: int, job_start_time: float | None) -> list[dict[str, Any]]:
+    s = lpt.spec
+    env: list[dict[str, Any]] = [
+        {"name": contract.ENV_ATTEMPT, "value": str(attempt)},
+        {"name": contract.ENV_JOB_NAME, "value": lpt.metadata.name},
+        {"name": contract.ENV_JOB_NAMESPACE, "value": lpt.metadata.namespace or "default"},
+        {"name": contract.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": contract.ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    if job_start_time is not None:
+        env.append({"name": contract.ENV_JOB_START_TIME, "value": f"{job_start_time:.3f}"})
+    if s.resources.gpus_per_node > 0:
+        env += [
+            {"name": "NCCL_DEBUG", "value": "WARN"},
+            # Dump the NCCL flight recorder when a collective times out: the evidence for a hang.
+            {"name": "TORCH_NCCL_DUMP_ON_TIMEOUT", "value": "1"},
+            {"name": "TORCH_NCCL_TRACE_BUFFER_SIZE", "value": "2000"},
+            {"name": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "value": f"{s.checkpoint.mount_path}/nccl_trace/rank_"},
+        ]
+    if efa_per_node(lpt) > 0:
+        env += [
+            {"name": "FI_PROVIDER", "value": "efa"},
+            {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},
+            {"name": "FI_EFA_FORK_SAFE", "value": "1"},
+        ]
+    tok = s.tokenizer.token_secret_ref
+    if tok is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": tok.name, "key": tok.key}}})
+    # The user's variables come last so that they can override ours.
+    env += copy.deepcopy(s.resources.env)
+    return env
+
+
+def _affinity(lpt: LlamaPretrain, attempt: int, avoid_nodes: Sequence[str]) -> dict[str, Any] | None:
+    s = lpt.spec
+    aff: dict[str, Any] = copy.deepcopy(s.resources.affinity) if s.resources.affinity else {}
+    exprs: list[dict[str, Any]] = []
+    if s.resources.platform == "hyperpod":
+        exprs.append({"key": HYPERPOD_HEALTH_LABEL, "operator": "In", "values": ["Schedulable"]})
+    if avoid_nodes:
+        exprs.append({"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(set(avoid_nodes))})
+    if exprs:
+        node_aff = aff.setdefault("nodeAffinity", {})
+        req = node_aff.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {"nodeSelectorTerms": []})
+        terms = req.setdefault("nodeSelectorTerms", [])
+        if not terms:
+            terms.append({"matchExpressions": []})
+        for term in terms:  # terms are ORed: every term must carry our rules
+            term.setdefault("matchExpressions", []).extend(copy.deepcopy(exprs))
+    if s.resources.gpus_per_node > 0 and s.resources.nodes > 1:
+        # One pod per node: a gang of N nodes must really be N machines.
+        pod_anti = aff.setdefault("podAntiAffinity", {})
+        pod_anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+            {
+                "labelSelector": {
+                    "matchLabels": {LABEL_NAME: lpt.metadata.name, LABEL_ATTEMPT: str(attempt)}
+                },
+                "topologyKey": HOSTNAME_LABEL,
+            }
+        )
+    return aff or None
+
+
+def pod(
+    lpt: LlamaPretrain,
+    attempt: int,
+    rank: int,
+    job_start_time: float | None = None,
+    avoid_nodes: Sequence[str] = (),
+    config_hash: str | None = None,
+) -> dict[str, Any]:
+    """The pod of node ``rank`` in ``attempt``."""
+    s, meta = lpt.spec, lpt.metadata
+    r, ck, data = s.resources, s.checkpoint, s.data
+    name = pod_name(meta.name, attempt, rank)
+    nproc = processes_per_node(s)
+    labels = {**job_labels(lpt), LABEL_ATTEMPT: str(attempt), LABEL_RANK: str(rank)}
+    annotations = {ANNOTATION_CONFIG_HASH: config_hash or _hash(trainer_toml(lpt))}
+    if s.scheduling.queue_name:
+        labels[KUEUE_QUEUE_LABEL] = s.scheduling.queue_name
+        labels[KUEUE_GROUP_LABEL] = f"{meta.name}-a{attempt}"
+        annotations[KUEUE_GROUP_COUNT] = str(r.nodes)
+
+    args = [
+        f"--config={contract.CONFIG_MOUNT}/{contract.CONFIG_KEY}",
+        f"--nnodes={r.nodes}",
+        f"--nproc-per-node={nproc}",
+        f"--node-rank={rank}",
+        f"--master-addr={master_address(lpt, attempt)}",
+        f"--master-port={RENDEZVOUS_PORT}",
+        f"--rdzv-id={meta.namespace or 'default'}-{meta.name}-a{attempt}",
+    ]
+    limits: dict[str, Any] = {}
+    requests: dict[str, Any] = {}
+    if r.gpus_per_node > 0:
+        limits[GPU_RESOURCE] = r.gpus_per_node
+    if (efa := efa_per_node(lpt)) > 0:
+        limits[EFA_RESOURCE] = efa
+    for key, value in (("cpu", r.cpu), ("memory", r.memory)):
+        if value is not None:
+            limits[key] = requests[key] = value
+    resources: dict[str, Any] = {}
+    if limits:
+        resources["limits"] = limits
+    if requests:
+        resources["requests"] = requests
+
+    mounts = [
+        {"name": "config", "mountPath": contract.CONFIG_MOUNT, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(meta.name)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}},
+    ]
+    st = ck.storage
+    if ck.enabled and (st.persistent_volume_claim or st.host_path):
+        mounts.append({"name": "checkpoints", "mountPath": ck.mount_path})
+        if st.persistent_volume_claim:
+            volumes.append({"name": "checkpoints", "persistentVolumeClaim": {
+                "claimName": st.persistent_volume_claim.claim_name}})
+        else:
+            volumes.append({"name": "checkpoints", "hostPath": {"path": st.host_path, "type": "DirectoryOrCreate"}})
+    if data.volume is not None:
+        mounts.append({"name": "data", "mountPath": data.mount_path, "readOnly": data.volume.read_only})
+        volumes.append({"name": "data", "persistentVolumeClaim": {
+            "claimName": data.volume.claim_name, "readOnly": data.volume.read_only}})
+
+    ports = [{"name": "metrics", "containerPort": s.monitoring.metrics_port, "protocol": "TCP"}]
+    if rank == 0:
+        ports.append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": r.image,
+        "imagePullPolicy": r.image_pull_policy,
+        "command": ["python", "-m", "kubetitan_trainer.launch"],
+        "args": args,
+        "env": _env(lpt, attempt, job_start_time),
+        "ports": ports,
+        "volumeMounts": mounts,
+        # The trainer's own message (e.g. the config error) becomes the pod's termination message.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if resources:
+        container["resources"] = resources
+
+    node_selector = dict(r.node_selector)
+    if r.instance_type:
+        node_selector.setdefault(INSTANCE_TYPE_LABEL, r.instance_type)
+    tolerations = copy.deepcopy(r.tolerations)
+    if r.gpus_per_node > 0 and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # the operator restarts whole gangs, never single pods
+        "hostname": name,
+        "subdomain": service_name(meta.name),
+        "automountServiceAccountToken": False,  # training pods get no Kubernetes API access
+        "terminationGracePeriodSeconds": ck.save_timeout_seconds + TERMINATION_MARGIN_SECONDS,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    if tolerations:
+        spec["tolerations"] = tolerations
+    if aff := _affinity(lpt, attempt, avoid_nodes):
+        spec["affinity"] = aff
+    if r.service_account_name:
+        spec["serviceAccountName"] = r.service_account_name
+    if r.priority_class_name:
+        spec["priorityClassName"] = r.priority_class_name
+    if s.scheduling.scheduler_name:
+        spec["schedulerName"] = s.scheduling.scheduler_name
+    if r.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in r.image_pull_secrets]
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(lpt, name, labels, annotations),
+        "spec": spec,
+    }
+
+
+def _hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def attempt_children(
+    lpt: LlamaPretrain,
+    attempt: int,
+    job_start_time: float | None = None,
+    avoid_nodes: Sequence[str] = (),
+) -> list[dict[str, Any]]:
+    """Every child object of ``attempt``: ConfigMap, Service, then the pods by rank."""
+    if attempt < 0:
+        raise ValueError(f"attempt must be >= 0, got {attempt}")
+    cm = config_map(lpt)
+    digest = _hash(cm["data"][contract.CONFIG_KEY])
+    pods = [
+        pod(lpt, attempt, rank, job_start_time, avoid_nodes, digest) for rank in range(lpt.spec.resources.nodes)
+    ]
+    return [cm, service(lpt), *pods]
