@@ -293,6 +293,35 @@ def crd(rules: Iterable[Any] | None = None, kubernetes_version: str | None = Non
     }
 
 
+def apply_schema_defaults(value: Any, schema: dict[str, Any]) -> Any:
+    """Default ``value`` the way the API server defaults a custom resource with ``schema``.
+
+    A copy of apiextensions' structural defaulting: for each object, absent (or null)
+    properties with a ``default`` get a copy of it, then every property is defaulted
+    recursively, so ``default: {}`` on a section cascades into the section's own fields.
+    Lets tests (and ``kubetitan``) see what the cluster stores without a cluster.
+    """
+    value = copy.deepcopy(value)
+    _default_in_place(value, schema)
+    return value
+
+
+def _default_in_place(value: Any, schema: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for name, prop in props.items():
+            if value.get(name) is None and "default" in prop:
+                value[name] = copy.deepcopy(prop["default"])
+        for name, item in value.items():
+            if name in props:
+                _default_in_place(item, props[name])
+            elif isinstance(schema.get("additionalProperties"), dict):
+                _default_in_place(item, schema["additionalProperties"])
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for item in value:
+            _default_in_place(item, schema["items"])
+
+
 def crd_yaml(rules: Iterable[Any] | None = None, kubernetes_version: str | None = None) -> str:
     """The CRD as YAML, exactly as committed under ``crds/`` (and as ``kubetitan crd`` prints)."""
     return yaml.safe_dump(crd(rules, kubernetes_version), sort_keys=False)
