@@ -194,7 +194,8 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
 
     # ---- parallel degrees vs processes
     if p.data_parallel_shard_degree == 0:
-        err("parallelism.dataParallelShardDegree", "must be -1 (all remaining processes) or >= 1", "schema")
+        err("parallelism.dataParallelShardDegree", "must be -1 (all remaining processes) or >= 1",
+            "parallelism.product")
     elif p.data_parallel_shard_degree == -1 and dp_shard is None:
         err(
             "parallelism",

@@ -1,0 +1,176 @@
+"""The ``kubetitan`` command.
+
+    kubetitan validate FILE...          check LlamaPretrains; exit 1 listing every error
+    kubetitan render FILE [--attempt N] print the child objects of one attempt as YAML
+    kubetitan crd                       print the CustomResourceDefinition
+    kubetitan run FILE                  train locally (CPU with gloo, or local GPUs)
+    kubetitan prepare-data ...          tokenize a corpus into training shards
+    kubetitan operator ...              run the operator
+
+``validate``, ``render`` and ``crd`` need neither a cluster nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kubetitan import __version__
+from kubetitan.api import LlamaPretrain
+from kubetitan.validation import FieldError, parse
+
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+
+class InputError(Exception):
+    """The input file cannot be used; the message says why and what to do."""
+
+
+def load_documents(path: str) -> list[Any]:
+    """All YAML documents of a file (``-`` is standard input), empty ones dropped."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the file: {e.strerror or e}") from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        raise InputError(f"{path}: not valid YAML: {e}") from None
+    if not docs:
+        raise InputError(f"{path}: holds no YAML document; expected a LlamaPretrain")
+    return docs
+
+
+def load_one(path: str) -> tuple[LlamaPretrain | None, list[FieldError]]:
+    docs = load_documents(path)
+    if len(docs) != 1:
+        raise InputError(f"{path}: holds {len(docs)} documents; this command takes exactly one LlamaPretrain")
+    return parse(docs[0])
+
+
+def _print_errors(path: str, name: str, errors: list[FieldError]) -> None:
+    print(f"{path}: LlamaPretrain {name or '<unnamed>'} is invalid ({len(errors)} error(s)):", file=sys.stderr)
+    for e in errors:
+        print(f"  - {e}", file=sys.stderr)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    bad = 0
+    for path in args.files:
+        for doc in load_documents(path):
+            lpt, errors = parse(doc)
+            name = (doc.get("metadata") or {}).get("name", "") if isinstance(doc, dict) else ""
+            if errors:
+                bad += 1
+                _print_errors(path, name, errors)
+            else:
+                print(f"{path}: LlamaPretrain {name} is valid")
+    return EXIT_INVALID if bad else 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from kubetitan.plan import attempt_children
+
+    lpt, errors = load_one(args.file)
+    if errors or lpt is None:
+        _print_errors(args.file, lpt.metadata.name if lpt else "", errors)
+        return EXIT_INVALID
+    if args.namespace:
+        lpt.metadata.namespace = args.namespace
+    objs = attempt_children(lpt, args.attempt)
+    print(f"# kubetitan {__version__}: children of LlamaPretrain {lpt.metadata.name}, attempt {args.attempt}.")
+    print("# The operator adds owner references (they need the object's uid) when it creates them.")
+    sys.stdout.write(yaml.safe_dump_all(objs, sort_keys=False))
+    return 0
+
+
+def cmd_crd(args: argparse.Namespace) -> int:
+    from kubetitan.crd import crd
+
+    sys.stdout.write(yaml.safe_dump(crd(), sort_keys=False))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    lpt, errors = load_one(args.file)
+    if errors or lpt is None:
+        _print_errors(args.file, lpt.metadata.name if lpt else "", errors)
+        return EXIT_INVALID
+    try:
+        from kubetitan_trainer.local import run_local
+    except ImportError as e:
+        raise InputError(
+            f"`kubetitan run` needs the trainer package (torch, torchtitan): {e}. "
+            "Install it with `make setup` or `pip install -e ./trainer`."
+        ) from None
+    return run_local(lpt, output_dir=args.output_dir, steps=args.steps)
+
+
+def _forward(module: str, func: str, argv: list[str], what: str) -> int:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise InputError(f"`kubetitan {what}` needs {module}: {e}. Run `make setup`.") from None
+    return int(getattr(mod, func)(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kubetitan", description="Llama 3 pre-training on Kubernetes with torchtitan.")
+    p.add_argument("--version", action="version", version=f"kubetitan {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    v = sub.add_parser("validate", help="check LlamaPretrain files; exit 1 listing every error")
+    v.add_argument("files", nargs="+", metavar="FILE", help="YAML files (- for stdin); several documents allowed")
+    v.set_defaults(func=cmd_validate)
+
+    r = sub.add_parser("render", help="print the child objects of one attempt as YAML (like helm template)")
+    r.add_argument("file", metavar="FILE")
+    r.add_argument("--attempt", type=int, default=0, help="attempt number (default 0)")
+    r.add_argument("--namespace", "-n", help="namespace to render into (default: the file's, else default)")
+    r.set_defaults(func=cmd_render)
+
+    c = sub.add_parser("crd", help="print the LlamaPretrain CustomResourceDefinition")
+    c.set_defaults(func=cmd_crd)
+
+    run = sub.add_parser("run", help="train locally with the same trainer the pods run")
+    run.add_argument("file", metavar="FILE")
+    run.add_argument("--output-dir", help="where checkpoints, logs and metrics go (default ./runs/<name>)")
+    run.add_argument("--steps", type=int, help="override spec.training.steps")
+    run.set_defaults(func=cmd_run)
+
+    # These two forward their arguments untouched to their own parsers.
+    sub.add_parser("prepare-data", help="tokenize a text/JSONL/Parquet corpus into shards", add_help=False)
+    sub.add_parser("operator", help="run the operator (see `kubetitan operator --help`)", add_help=False)
+    return p
+
+
+FORWARDED = {
+    "prepare-data": ("kubetitan_trainer.prepare", "main"),
+    "operator": ("kubetitan.handlers", "main"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in FORWARDED:
+            module, func = FORWARDED[argv[0]]
+            return _forward(module, func, argv[1:], argv[0])
+        args = build_parser().parse_args(argv)
+        if getattr(args, "attempt", 0) is not None and getattr(args, "attempt", 0) < 0:
+            raise InputError("--attempt must be 0 or more")
+        return args.func(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The `kubetitan` CLI: validate, render and crd, with clear errors for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+
+def kt(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "kubetitan.cli", *args], input=stdin, capture_output=True,
+                          text=True, cwd=REPO, timeout=60)
+
+
+def test_validate_good_examples():
+    r = kt("validate", *[str(p) for p in sorted((REPO / "examples").glob("*.yaml"))])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("is valid") == len(list((REPO / "examples").glob("*.yaml")))
+
+
+def test_validate_lists_every_error(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump({"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+                                 "metadata": {"name": "bad"},
+                                 "spec": {"checkpoint": {"enabled": False, "keepLatestK": 1}}}))
+    r = kt("validate", str(f))
+    assert r.returncode == 1
+    assert "spec.runPolicy.maxRestarts" in r.stderr and "spec.checkpoint.keepLatestK" in r.stderr
+    assert "(2 error(s))" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("a: [unclosed", "not valid YAML"),
+        ("", "no YAML document"),
+        ("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n", "not LlamaPretrain"),
+        ("apiVersion: kubetitan.io/v1alpha1\nkind: LlamaPretrain\nmetadata: {name: p}\nspec: {trainin: {}}\n",
+         "spec.trainin: unknown field"),
+    ],
+    ids=["bad-yaml", "empty", "wrong-kind", "unknown-field"],
+)
+def test_bad_input_is_explained(tmp_path, content, fragment):
+    f = tmp_path / "x.yaml"
+    f.write_text(content)
+    r = kt("validate", str(f))
+    assert r.returncode in (1, 2)
+    assert fragment in r.stderr
+
+
+def test_missing_file():
+    r = kt("validate", "/nonexistent.yaml")
+    assert r.returncode == 2 and "cannot read the file" in r.stderr
+
+
+def test_render_prints_the_children_of_an_attempt():
+    r = kt("render", "examples/llama3-8b-p5-4node.yaml", "--attempt", "2")
+    assert r.returncode == 0, r.stderr
+    objs = [o for o in yaml.safe_load_all(r.stdout) if o]
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "Pod", "Pod", "Pod", "Pod"]
+    assert objs[2]["metadata"]["name"] == "llama3-8b-p5-4node-a2-0"
+
+
+def test_render_refuses_invalid_spec(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("apiVersion: kubetitan.io/v1alpha1\nkind: LlamaPretrain\nmetadata: {name: p}\n"
+                 "spec: {parallelism: {dataParallelShardDegree: 3}}\n")
+    r = kt("render", str(f))
+    assert r.returncode == 1 and "spec.parallelism" in r.stderr and r.stdout == ""
+
+
+def test_render_takes_stdin():
+    r = kt("render", "-", stdin=(REPO / "examples/debug-cpu.yaml").read_text())
+    assert r.returncode == 0 and "kind: Pod" in r.stdout
+
+
+def test_render_several_documents_is_an_error(tmp_path):
+    f = tmp_path / "two.yaml"
+    text = (REPO / "examples/debug-cpu.yaml").read_text()
+    f.write_text(text + "\n---\n" + text)
+    r = kt("render", str(f))
+    assert r.returncode == 2 and "exactly one" in r.stderr

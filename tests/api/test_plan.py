@@ -1,0 +1,157 @@
+"""The planner: one attempt of a LlamaPretrain -> ConfigMap, headless Service and one pod per node."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_lpt
+from kubetitan import contract
+from kubetitan.plan import attempt_children, master_address, pod_name
+from kubetitan.validation import parse
+
+PVC = {"storage": {"persistentVolumeClaim": {"claimName": "fsx"}}}
+
+
+def plan(spec, attempt=0, **kw):
+    lpt, errors = parse(make_lpt(spec, uid="uid-1"))
+    assert errors == [], errors
+    return lpt, attempt_children(lpt, attempt, **kw)
+
+
+def arg(pod, flag):
+    args = pod["spec"]["containers"][0]["args"]
+    return next(a.split("=", 1)[1] for a in args if a.startswith(f"--{flag}="))
+
+
+def env(pod):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize("nodes", [1, 4, 64], ids=["1-node", "4-nodes", "64-nodes"])
+def test_gang_shape(nodes):
+    spec = {"resources": {"nodes": nodes, "instanceType": "p5.48xlarge", "platform": "eks"}, "checkpoint": PVC}
+    lpt, objs = plan(spec, attempt=3)
+    kinds = [o["kind"] for o in objs]
+    assert kinds == ["ConfigMap", "Service"] + ["Pod"] * nodes
+    pods = objs[2:]
+    assert [p["metadata"]["name"] for p in pods] == [f"run-a3-{r}" for r in range(nodes)]
+    assert len({p["metadata"]["name"] for p in pods}) == nodes
+    for rank, p in enumerate(pods):
+        labels = p["metadata"]["labels"]
+        assert labels["kubetitan.io/attempt"] == "3" and labels["kubetitan.io/rank"] == str(rank)
+        assert labels["kubetitan.io/name"] == "run" and labels["kubetitan.io/uid"] == "uid-1"
+        assert arg(p, "node-rank") == str(rank)
+        assert arg(p, "nnodes") == str(nodes)
+        assert arg(p, "nproc-per-node") == "8"
+        assert arg(p, "master-addr") == "run-a3-0.run.ml.svc" == master_address(lpt, 3)
+        assert arg(p, "rdzv-id") == "ml-run-a3"
+        assert p["spec"]["hostname"] == p["metadata"]["name"] and p["spec"]["subdomain"] == "run"
+        assert p["spec"]["restartPolicy"] == "Never"
+        assert p["spec"]["automountServiceAccountToken"] is False
+        assert p["spec"]["containers"][0]["resources"]["limits"] == {
+            "nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
+        assert p["spec"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in p["spec"]["tolerations"]
+        assert env(p)[contract.ENV_ATTEMPT] == "3" and env(p)["FI_PROVIDER"] == "efa"
+        ref = p["metadata"]["ownerReferences"][0]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("LlamaPretrain", "run", "uid-1", True)
+        anti = p["spec"].get("affinity", {}).get("podAntiAffinity")
+        assert (anti is not None) == (nodes > 1), "one pod per node only matters for several nodes"
+    ports = {pt["name"] for pt in pods[0]["spec"]["containers"][0]["ports"]}
+    assert ports == {"metrics", "rendezvous"}
+    svc = objs[1]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {"kubetitan.io/name": "run"}
+
+
+def test_plan_is_deterministic_and_attempts_never_collide():
+    _, a = plan({})
+    _, b = plan({})
+    assert a == b
+    _, c = plan({}, attempt=1)
+    assert {o["metadata"]["name"] for o in a if o["kind"] == "Pod"}.isdisjoint(
+        {o["metadata"]["name"] for o in c if o["kind"] == "Pod"})
+    # The config and service are shared by attempts: same names, same content.
+    assert a[:2] == c[:2]
+
+
+def test_config_map_holds_the_rendered_trainer_config_and_pods_record_its_hash():
+    _, objs = plan({"training": {"steps": 77, "warmupSteps": 5}})
+    toml = objs[0]["data"][contract.CONFIG_KEY]
+    assert "steps = 77" in toml and 'name = "kubetitan_llama3"' in toml
+    _, objs2 = plan({"training": {"steps": 78, "warmupSteps": 5}})
+    h1 = objs[2]["metadata"]["annotations"]["kubetitan.io/config-hash"]
+    h2 = objs2[2]["metadata"]["annotations"]["kubetitan.io/config-hash"]
+    assert h1 != h2
+
+
+@pytest.mark.parametrize(
+    "spec, check",
+    [
+        ({"scheduling": {"queueName": "q"}},
+         lambda p: p["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
+         and p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "run-a0"
+         and p["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "1"),
+        ({"scheduling": {"schedulerName": "volcano"}}, lambda p: p["spec"]["schedulerName"] == "volcano"),
+        ({"resources": {"platform": "hyperpod", "instanceType": "ml.p5.48xlarge"}},
+         lambda p: {"key": "sagemaker.amazonaws.com/node-health-status", "operator": "In", "values": ["Schedulable"]}
+         in p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+             "nodeSelectorTerms"][0]["matchExpressions"]),
+        ({"resources": {"gpusPerNode": 0, "processesPerNode": 2}, "model": {"flavor": "debug"},
+          "precision": {"compile": False}},
+         lambda p: "resources" not in p["spec"]["containers"][0] and "tolerations" not in p["spec"]
+         and arg(p, "nproc-per-node") == "2"),
+        ({"checkpoint": {"saveTimeoutSeconds": 900}}, lambda p: p["spec"]["terminationGracePeriodSeconds"] == 930),
+        ({"tokenizer": {"source": "huggingface", "repo": "r", "tokenSecretRef": {"name": "hf"}}},
+         lambda p: env(p)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}),
+        ({"resources": {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}},
+         lambda p: [e for e in p["spec"]["containers"][0]["env"] if e["name"] == "NCCL_DEBUG"][-1]["value"] == "INFO"),
+        ({"resources": {"shmSize": "32Gi"}},
+         lambda p: {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in p["spec"]["volumes"]),
+        ({"data": {"source": "shards", "shards": {"path": "/data/t"}, "volume": {"claimName": "d", "readOnly": True}}},
+         lambda p: {"name": "data", "persistentVolumeClaim": {"claimName": "d", "readOnly": True}}
+         in p["spec"]["volumes"]),
+        ({"checkpoint": {"storage": {"hostPath": "/ck"}}},
+         lambda p: {"name": "checkpoints", "hostPath": {"path": "/ck", "type": "DirectoryOrCreate"}}
+         in p["spec"]["volumes"]),
+        ({"resources": {"cpu": "180", "memory": "1800Gi"}},
+         lambda p: p["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "180", "memory": "1800Gi"}),
+    ],
+    ids=["kueue", "scheduler", "hyperpod-health", "cpu", "grace", "hf-token", "user-env-last", "shm", "data-pvc",
+         "host-path", "cpu-memory"],
+)
+def test_pod_options(spec, check):
+    _, objs = plan(spec)
+    assert check(objs[2])
+
+
+def test_avoided_nodes_become_node_affinity():
+    _, objs = plan({"resources": {"nodes": 2}, "checkpoint": PVC}, attempt=2, avoid_nodes=["n2", "n1", "n1"])
+    terms = objs[2]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1", "n2"]} in terms[0][
+        "matchExpressions"]
+
+
+def test_user_affinity_terms_all_get_the_operator_rules():
+    user = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]}}}
+    _, objs = plan({"resources": {"affinity": user}}, avoid_nodes=["bad"])
+    terms = objs[2]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert len(terms) == 2
+    assert all(any(e["key"] == "kubernetes.io/hostname" for e in t["matchExpressions"]) for t in terms)
+    # The user's object is not mutated by planning.
+    assert len(user["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"]) == 1
+
+
+def test_pod_name_fits_a_dns_label_for_the_longest_allowed_name():
+    assert len(pod_name("x" * 48, 9999, 4095)) <= 63
+
+
+def test_negative_attempt_is_refused():
+    lpt, _ = parse(make_lpt({}))
+    with pytest.raises(ValueError, match="attempt"):
+        attempt_children(lpt, -1)

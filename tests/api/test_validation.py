@@ -1,0 +1,67 @@
+"""The semantic validator: every invalid spec is rejected with its field path and a fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import EXAMPLES, load_example, make_lpt
+from kubetitan.validation import CEL_RULES, parse
+
+CORPUS = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())
+
+
+def test_corpus_is_large_enough():
+    assert len(CORPUS) >= 30
+    assert len({c["name"] for c in CORPUS}) == len(CORPUS), "corpus names must be unique"
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
+def test_invalid_spec_is_rejected_with_path_and_rule(case):
+    _, errors = parse(make_lpt(case["spec"]))
+    got = sorted((e.path, e.rule) for e in errors)
+    want = sorted((e["path"], e["rule"]) for e in case["errors"])
+    assert got == want, "\n".join(str(e) for e in errors)
+    for e in errors:
+        # A message says what is wrong in words, not just a repeat of the path.
+        assert len(e.message) > 10 and e.path not in e.message
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_examples_are_valid(path):
+    lpt, errors = parse(load_example(path))
+    assert errors == [] and lpt is not None
+
+
+def test_empty_spec_is_valid_and_defaulted():
+    lpt, errors = parse(make_lpt({}))
+    assert errors == []
+    s = lpt.spec
+    assert (s.model.flavor, s.training.seq_len, s.resources.gpus_per_node) == ("8B", 8192, 8)
+    assert s.parallelism.data_parallel_shard_degree == -1
+    assert s.checkpoint.async_mode == "async"
+
+
+@pytest.mark.parametrize(
+    "obj, path, fragment",
+    [
+        ({"apiVersion": "kubetitan.io/v1", "kind": "LlamaPretrain"}, "apiVersion", "kubetitan.io/v1alpha1"),
+        ({"apiVersion": "kubetitan.io/v1alpha1", "kind": "PyTorchJob"}, "kind", "not LlamaPretrain"),
+        ([1, 2], "", "expected a YAML mapping"),
+        ({**make_lpt({}), "metadata": {}}, "metadata.name", "required"),
+        (make_lpt({}, name="x" * 60), "metadata.name", "at most 48"),
+        ({**make_lpt({}), "extra": 1}, "extra", "unknown field"),
+    ],
+    ids=["wrong-version", "wrong-kind", "not-a-mapping", "no-name", "long-name", "unknown-top-level"],
+)
+def test_object_level_errors(obj, path, fragment):
+    _, errors = parse(obj)
+    assert any(e.path == path and fragment in e.message for e in errors), errors
+
+
+def test_every_cel_rule_has_a_python_twin_in_the_corpus():
+    exercised = {e["rule"] for c in CORPUS for e in c["errors"]}
+    missing = {r.id for r in CEL_RULES} - exercised
+    assert not missing, f"CEL rules without a corpus case: {missing}"
