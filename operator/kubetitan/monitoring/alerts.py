@@ -1,0 +1,151 @@
+"""kubetitan's Prometheus alerts, generated from code (kubernetes-mixin shape).
+
+Every alert has one shape: a ``KubeTitan<Symptom>`` name, ``expr``, ``for``,
+``labels.severity`` (critical pages someone now, warning goes to the work queue), a fixed
+``summary`` and a templated ``description`` that names the LlamaPretrain and says what to
+check. ``runbook_url`` is added in exactly one place (``with_runbook_urls``) from the
+config's base URL and the lowercased alert name; ``docs/runbook.md`` has one entry per alert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kubetitan import contract as c
+from kubetitan.monitoring import queries as q
+from kubetitan.monitoring.config import DEFAULT, MonitoringConfig
+
+GROUP_NAME = "kubetitan"
+LPT = "LlamaPretrain {{ $labels.namespace }}/{{ $labels.name }}"
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    for_: str
+    severity: str
+    summary: str
+    description: str
+
+    def rule(self) -> dict[str, Any]:
+        return {
+            "alert": self.name,
+            "expr": self.expr,
+            "for": self.for_,
+            "labels": {"severity": self.severity},
+            "annotations": {"summary": self.summary, "description": self.description},
+        }
+
+
+def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
+    t, by = cfg.trainer, cfg.by_job
+    return [
+        Alert(
+            "KubeTitanTrainingStalled",
+            f"(time() - max by ({by}) ({c.M_LAST_STEP_TIMESTAMP}{{{t}}}) > {cfg.stalled_seconds})"
+            f" and on ({by}) (max by ({by}) ({c.M_STEP}{{{t}}}) < max by ({by}) ({c.M_TOTAL_STEPS}{{{t}}}))",
+            cfg.stalled_for,
+            "critical",
+            "Training has made no step progress.",
+            f"{LPT} has not completed a training step for {{{{ $value | humanizeDuration }}}} while its "
+            "pods still serve metrics. Check `kubectl describe lpt` (Hung condition), the trainer logs of "
+            "every pod for a collective timeout or a stuck data loader, and NCCL/EFA health of the nodes.",
+        ),
+        Alert(
+            "KubeTitanLossNotFinite",
+            f"(max by ({by}) ({c.M_LOSS}{{{t}}} != {c.M_LOSS}{{{t}}}))"
+            f" or (max by ({by}) (abs({c.M_LOSS}{{{t}}})) == +Inf)"
+            f" or (sum by ({by}) (increase({q.OP_RESTARTS}{{{cfg.operator}, cause=\"NonFiniteLoss\"}}[30m])) > 0)",
+            cfg.loss_not_finite_for,
+            "warning",
+            "Training loss is NaN or infinite.",
+            f"{LPT} reported a NaN or infinite loss (or was restarted for one in the last 30 minutes). "
+            "The operator restarts from the last checkpoint and fails the run if it repeats. Check the "
+            "learning rate and warm-up, gradient clipping (`training.maxNorm`), FP8 settings, and the "
+            "data around the failing step.",
+        ),
+        Alert(
+            "KubeTitanLossDiverging",
+            f"max by ({by}) (avg_over_time({c.M_LOSS}{{{t}}}[{cfg.loss_short_window}]))"
+            f" > {cfg.loss_divergence_factor} * max by ({by}) (min_over_time({c.M_LOSS}{{{t}}}[{cfg.loss_long_window}]))",
+            cfg.loss_diverging_for,
+            "warning",
+            "Training loss is diverging.",
+            f"{LPT}: loss averaged over {cfg.loss_short_window} is {{{{ $value | humanize }}}}, more than "
+            f"{cfg.loss_divergence_factor}x its lowest value over {cfg.loss_long_window}. Check the learning "
+            "rate schedule, recent spec changes, a resume from an unexpected checkpoint, and the data mix.",
+        ),
+        Alert(
+            "KubeTitanRestartRateHigh",
+            f"sum by ({by}) (increase({q.OP_RESTARTS}{{{cfg.operator}}}[{cfg.restart_rate_window}]))"
+            f" > {cfg.restart_rate_threshold}",
+            cfg.restart_rate_for,
+            "warning",
+            "A training run restarts too often.",
+            f"{LPT} was gang-restarted {{{{ $value | humanize }}}} times in the last {cfg.restart_rate_window}. "
+            "Check the restart causes in `kubectl get lpt -o yaml` (status.restarts) and the "
+            "kubetitan_operator_restarts_total{cause} series: OOMKilled, NodeFailure or Hang each point "
+            "at a different fix.",
+        ),
+        Alert(
+            "KubeTitanMFUDropped",
+            f"avg by ({by}) (avg_over_time({c.M_MFU}{{{t}}}[{cfg.mfu_short_window}]))"
+            f" < {cfg.mfu_drop_factor} * avg by ({by}) "
+            f"(quantile_over_time(0.5, {c.M_MFU}{{{t}}}[{cfg.mfu_baseline_window}]))",
+            cfg.mfu_dropped_for,
+            "warning",
+            "Model FLOPs utilisation dropped far below the run's own recent level.",
+            f"{LPT} runs at {{{{ $value | humanizePercentage }}}} MFU, below {cfg.mfu_drop_factor:.0%} of its "
+            f"median over the last {cfg.mfu_baseline_window}. Check the step-time-per-pod panel for a "
+            "straggler node, the data-loading share, GPU clocks and thermal throttling, and EFA errors.",
+        ),
+        Alert(
+            "KubeTitanCheckpointStale",
+            f"max by ({by}) ({c.M_STEP}{{{t}}}) - max by ({by}) ({c.M_LAST_CHECKPOINT_STEP}{{{t}}})"
+            f" > {cfg.checkpoint_stale_intervals} * (max by ({by}) ({q.M_CHECKPOINT_INTERVAL_STEPS}{{{t}}})"
+            f" or 0 * max by ({by}) ({c.M_STEP}{{{t}}}) + {cfg.checkpoint_interval_steps_default})",
+            cfg.checkpoint_stale_for,
+            "warning",
+            "The newest complete checkpoint is too old.",
+            f"{LPT} has trained {{{{ $value | humanize }}}} steps since its last complete checkpoint, more than "
+            f"{cfg.checkpoint_stale_intervals} checkpoint intervals: a restart now loses that work. Check the "
+            "trainer logs for failed saves, the checkpoint storage (capacity, credentials, throughput) and "
+            "the checkpoint save time panel.",
+        ),
+        Alert(
+            "KubeTitanOperatorDown",
+            f"absent(up{{{cfg.operator}}} == 1)",
+            cfg.operator_down_for,
+            "critical",
+            "The kubetitan operator is not running.",
+            f"No kubetitan operator target ({cfg.operator}) has been up for {cfg.operator_down_for}: "
+            "LlamaPretrains are neither restarted nor updated. Check the operator Deployment "
+            "(`kubectl -n <release namespace> get deploy,pods -l app.kubernetes.io/name=kubetitan`), "
+            "its logs, and the ServiceMonitor.",
+        ),
+        Alert(
+            "KubeTitanReconcileErrors",
+            f"sum by (namespace) (increase({q.OP_RECONCILE_ERRORS}{{{cfg.operator}}}[{cfg.reconcile_errors_window}]))"
+            f" > {cfg.reconcile_errors_threshold}",
+            cfg.reconcile_errors_for,
+            "warning",
+            "The kubetitan operator keeps failing to reconcile.",
+            "The kubetitan operator in {{ $labels.namespace }} failed {{ $value | humanize }} reconciliations "
+            f"in {cfg.reconcile_errors_window}. Check its logs for API errors (RBAC Forbidden, conflicts, "
+            "webhook failures) and the events of the LlamaPretrains it manages.",
+        ),
+    ]
+
+
+def with_runbook_urls(rules: list[dict[str, Any]], cfg: MonitoringConfig = DEFAULT) -> list[dict[str, Any]]:
+    """The one place that adds ``runbook_url`` (kubernetes-mixin's add-runbook-links)."""
+    for rule in rules:
+        rule["annotations"]["runbook_url"] = f"{cfg.runbook_url_base}#{rule['alert'].lower()}"
+    return rules
+
+
+def rule_groups(cfg: MonitoringConfig = DEFAULT) -> dict[str, Any]:
+    """The rules file (also the ``spec`` of the chart's PrometheusRule)."""
+    return {"groups": [{"name": GROUP_NAME, "rules": with_runbook_urls([a.rule() for a in alerts(cfg)], cfg)}]}

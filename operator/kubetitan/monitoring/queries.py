@@ -1,0 +1,220 @@
+"""PromQL of every dashboard panel, as functions of the monitoring config.
+
+Kept apart from the panel layout (kubernetes-mixin's ``queries/*.libsonnet`` habit) so that
+the live test can run each query against a real Prometheus. Dashboard variables appear as
+``$namespace`` and ``$job`` (the LlamaPretrain's name) and Grafana's ``$__rate_interval``.
+"""
+
+from __future__ import annotations
+
+from kubetitan import contract as c
+from kubetitan.monitoring.config import MonitoringConfig
+
+# ---- the operator's own metrics (operator/kubetitan/operator_metrics.py exports them)
+OP_LLAMAPRETRAINS = "kubetitan_operator_llamapretrains"
+OP_RESTARTS = "kubetitan_operator_restarts_total"
+OP_RECONCILE_DURATION = "kubetitan_operator_reconcile_duration_seconds"
+OP_RECONCILE_ERRORS = "kubetitan_operator_reconcile_errors_total"
+OP_RECOVERY_DURATION = "kubetitan_operator_recovery_duration_seconds"
+OP_JOB_STEP = "kubetitan_operator_job_step"
+OP_JOB_TOKENS_PER_SECOND = "kubetitan_operator_job_tokens_per_second"
+OP_JOB_MFU = "kubetitan_operator_job_mfu_ratio"
+OP_JOB_GOODPUT = "kubetitan_operator_job_goodput_ratio"
+BUILD_INFO = "kubetitan_build_info"
+# Trainer metric the alerts need beyond contract.M_* (the trainer exports it; see docs/monitoring.md).
+# The alert falls back to config.checkpoint_interval_steps_default while the trainer does not export it.
+M_CHECKPOINT_INTERVAL_STEPS = getattr(c, "M_CHECKPOINT_INTERVAL_STEPS", "kubetitan_trainer_checkpoint_interval_steps")
+
+RATE = "$__rate_interval"
+
+
+def run_selector(cfg: MonitoringConfig) -> str:
+    """Trainer series of the LlamaPretrain picked in the dashboard."""
+    return f'{cfg.trainer}, namespace="$namespace", name="$job"'
+
+
+def op_job_selector(cfg: MonitoringConfig) -> str:
+    """Operator per-job series of the LlamaPretrain picked in the dashboard."""
+    return f'{cfg.operator}, namespace="$namespace", name="$job"'
+
+
+# ------------------------------------------------------------------ run dashboard
+def step(cfg: MonitoringConfig) -> str:
+    return f"max({c.M_STEP}{{{run_selector(cfg)}}})"
+
+
+def total_steps(cfg: MonitoringConfig) -> str:
+    return f"max({c.M_TOTAL_STEPS}{{{run_selector(cfg)}}})"
+
+
+def progress(cfg: MonitoringConfig) -> str:
+    return f"{step(cfg)} / {total_steps(cfg)}"
+
+
+def attempt(cfg: MonitoringConfig) -> str:
+    return f"max({c.M_ATTEMPT}{{{run_selector(cfg)}}})"
+
+
+def loss(cfg: MonitoringConfig) -> str:
+    return f"max({c.M_LOSS}{{{run_selector(cfg)}}})"
+
+
+def grad_norm(cfg: MonitoringConfig) -> str:
+    return f"max({c.M_GRAD_NORM}{{{run_selector(cfg)}}})"
+
+
+def tokens_per_second_total(cfg: MonitoringConfig) -> str:
+    return f"sum({c.M_TOKENS_PER_SECOND}{{{run_selector(cfg)}}})"
+
+
+def tokens_per_second_per_gpu(cfg: MonitoringConfig) -> str:
+    return f"avg({c.M_TOKENS_PER_SECOND_PER_GPU}{{{run_selector(cfg)}}})"
+
+
+def tokens_per_second_per_gpu_by_pod(cfg: MonitoringConfig) -> str:
+    return f"avg by ({cfg.pod_label}) ({c.M_TOKENS_PER_SECOND_PER_GPU}{{{run_selector(cfg)}}})"
+
+
+def tokens_rate_counter(cfg: MonitoringConfig) -> str:
+    """Tokens/s from the token counter (survives missed scrapes, unlike the gauge)."""
+    return f"sum(rate({c.M_TOKENS}{{{run_selector(cfg)}}}[{RATE}]))"
+
+
+def tflops_per_gpu(cfg: MonitoringConfig) -> str:
+    return f"avg({c.M_FLOPS_PER_GPU}{{{run_selector(cfg)}}}) / 1e12"
+
+
+def mfu(cfg: MonitoringConfig) -> str:
+    return f"avg({c.M_MFU}{{{run_selector(cfg)}}})"
+
+
+def _hist_mean_by(cfg: MonitoringConfig, metric: str, by: str) -> str:
+    sel = run_selector(cfg)
+    return (
+        f"sum by ({by}) (rate({metric}_sum{{{sel}}}[{RATE}]))"
+        f" / sum by ({by}) (rate({metric}_count{{{sel}}}[{RATE}]))"
+    )
+
+
+def step_time_by_pod(cfg: MonitoringConfig) -> str:
+    """Mean step time of each pod: one line above the others is a straggler."""
+    return _hist_mean_by(cfg, c.M_STEP_DURATION, cfg.pod_label)
+
+
+def step_time_p90_by_pod(cfg: MonitoringConfig) -> str:
+    return (
+        f"histogram_quantile(0.9, sum by ({cfg.pod_label}, le) "
+        f"(rate({c.M_STEP_DURATION}_bucket{{{run_selector(cfg)}}}[{RATE}])))"
+    )
+
+
+def step_time_spread(cfg: MonitoringConfig) -> str:
+    """Slowest pod's mean step time over the median pod's: 1 means no straggler."""
+    per_pod = step_time_by_pod(cfg)
+    return f"max({per_pod}) / quantile(0.5, {per_pod})"
+
+
+def step_time_heatmap(cfg: MonitoringConfig) -> str:
+    return f"sum by (le) (rate({c.M_STEP_DURATION}_bucket{{{run_selector(cfg)}}}[{RATE}]))"
+
+
+def data_loading_share(cfg: MonitoringConfig) -> str:
+    """Fraction of step time spent waiting for the data loader, per pod."""
+    by, sel = cfg.pod_label, run_selector(cfg)
+    return (
+        f"sum by ({by}) (rate({c.M_DATA_LOADING_DURATION}_sum{{{sel}}}[{RATE}]))"
+        f" / sum by ({by}) (rate({c.M_STEP_DURATION}_sum{{{sel}}}[{RATE}]))"
+    )
+
+
+def memory_max_active(cfg: MonitoringConfig) -> str:
+    return f"max by ({cfg.pod_label}) ({c.M_MEMORY_MAX_ACTIVE}{{{run_selector(cfg)}}})"
+
+
+def memory_max_reserved(cfg: MonitoringConfig) -> str:
+    return f"max by ({cfg.pod_label}) ({c.M_MEMORY_MAX_RESERVED}{{{run_selector(cfg)}}})"
+
+
+def checkpoint_age(cfg: MonitoringConfig) -> str:
+    return f"time() - max({c.M_LAST_CHECKPOINT_TIMESTAMP}{{{run_selector(cfg)}}} > 0)"
+
+
+def checkpoint_last_step(cfg: MonitoringConfig) -> str:
+    return f"max({c.M_LAST_CHECKPOINT_STEP}{{{run_selector(cfg)}}})"
+
+
+def checkpoint_save_time(cfg: MonitoringConfig) -> str:
+    """Mean blocking time of this attempt's checkpoint saves, per pod (saves are rare: a rate
+    window would mostly be empty)."""
+    m, sel, by = c.M_CHECKPOINT_SAVE_DURATION, run_selector(cfg), cfg.pod_label
+    return f"max by ({by}) ({m}_sum{{{sel}}} / {m}_count{{{sel}}})"
+
+
+def checkpoint_saves(cfg: MonitoringConfig) -> str:
+    return f"max({c.M_CHECKPOINT_SAVE_DURATION}_count{{{run_selector(cfg)}}})"
+
+
+def heartbeat_age(cfg: MonitoringConfig) -> str:
+    return f"time() - max({c.M_LAST_STEP_TIMESTAMP}{{{run_selector(cfg)}}})"
+
+
+def restarts_by_cause(cfg: MonitoringConfig) -> str:
+    return f"sum by (cause) ({OP_RESTARTS}{{{op_job_selector(cfg)}}})"
+
+
+def goodput(cfg: MonitoringConfig) -> str:
+    return f"max({OP_JOB_GOODPUT}{{{op_job_selector(cfg)}}})"
+
+
+def trainer_goodput(cfg: MonitoringConfig) -> str:
+    """Productive step time of the current attempt over wall time since the job started."""
+    sel = run_selector(cfg)
+    return f"max({c.M_PRODUCTIVE_SECONDS}{{{sel}}}) / (time() - max({c.M_JOB_START_TIMESTAMP}{{{sel}}}))"
+
+
+# ------------------------------------------------------------- operator dashboard
+def jobs_by_phase(cfg: MonitoringConfig) -> str:
+    return f"sum by (phase) ({OP_LLAMAPRETRAINS}{{{cfg.operator}}})"
+
+
+def operator_up(cfg: MonitoringConfig) -> str:
+    return f"sum(up{{{cfg.operator}}})"
+
+
+def reconcile_latency(cfg: MonitoringConfig, q: float) -> str:
+    return (
+        f"histogram_quantile({q}, sum by (le) "
+        f"(rate({OP_RECONCILE_DURATION}_bucket{{{cfg.operator}}}[{RATE}])))"
+    )
+
+
+def reconcile_rate(cfg: MonitoringConfig) -> str:
+    return f"sum(rate({OP_RECONCILE_DURATION}_count{{{cfg.operator}}}[{RATE}]))"
+
+
+def reconcile_errors(cfg: MonitoringConfig) -> str:
+    return f"sum(rate({OP_RECONCILE_ERRORS}{{{cfg.operator}}}[{RATE}]))"
+
+
+def recovery_time(cfg: MonitoringConfig, q: float) -> str:
+    return (
+        f"histogram_quantile({q}, sum by (le) "
+        f"(rate({OP_RECOVERY_DURATION}_bucket{{{cfg.operator}}}[{RATE}])))"
+    )
+
+
+def recovery_time_mean(cfg: MonitoringConfig) -> str:
+    sel = cfg.operator
+    return f"sum({OP_RECOVERY_DURATION}_sum{{{sel}}}) / sum({OP_RECOVERY_DURATION}_count{{{sel}}})"
+
+
+def restarts_by_cause_all(cfg: MonitoringConfig) -> str:
+    return f"sum by (cause) ({OP_RESTARTS}{{{cfg.operator}}})"
+
+
+def jobs_table(cfg: MonitoringConfig, metric: str) -> str:
+    return f"max by ({cfg.by_job}) ({metric}{{{cfg.operator}}})"
+
+
+def build_info(cfg: MonitoringConfig) -> str:
+    return f"max by (version) ({BUILD_INFO}{{{cfg.operator}}})"
