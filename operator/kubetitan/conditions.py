@@ -1,0 +1,117 @@
+"""Conditions and the derived phase of a LlamaPretrain (pure: no kopf, no client, no clock).
+
+Conditions follow the Kubernetes API conventions: a list keyed by ``type``; each has a status
+(True/False/Unknown), a CamelCase reason (one of the constants below), a sentence message,
+``lastTransitionTime`` (kept unless the status flips) and ``observedGeneration``.
+
+``phase`` is for display only (the printer column); it is derived from the conditions by
+:func:`derive_phase` and no decision ever reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kubetitan.api import Condition, Phase
+
+# ------------------------------------------------------------------ condition types
+READY = "Ready"
+"""Summary: True while the current attempt trains (its step advances)."""
+SUSPENDED = "Suspended"
+"""True while ``runPolicy.suspend`` holds the run stopped."""
+RESTARTING = "Restarting"
+"""True from a gang failure until the next attempt's pods exist and train."""
+UNSCHEDULABLE = "Unschedulable"
+"""True once an attempt has waited longer than ``unschedulableTimeoutSeconds`` for its pods."""
+SPEC_ACCEPTED = "SpecAccepted"
+"""False when the spec is invalid or a change cannot be applied to a running run."""
+SUCCEEDED = "Succeeded"
+"""Terminal: training reached ``spec.training.steps``."""
+FAILED = "Failed"
+"""Terminal: the run gave up (see the reason)."""
+
+ALL_TYPES = (READY, SPEC_ACCEPTED, SUSPENDED, RESTARTING, UNSCHEDULABLE, SUCCEEDED, FAILED)
+
+# ------------------------------------------------------------------ reasons
+INVALID_SPEC = "InvalidSpec"
+SPEC_APPLIED = "Applied"
+DEFERRED_TO_NEXT_ATTEMPT = "DeferredToNextAttempt"
+IMMUTABLE_FIELD_CHANGED = "ImmutableFieldChanged"
+CREATING = "Creating"
+WAITING_FOR_PODS = "WaitingForPods"
+WAITING_FOR_FIRST_STEP = "WaitingForFirstStep"
+TRAINING = "Training"
+BACKOFF = "BackOff"
+RESTARTED = "Restarted"
+NOT_RESTARTING = "NotRestarting"
+SUSPENDING = "Suspending"
+SUSPENDED_BY_USER = "SuspendedByUser"
+NOT_SUSPENDED = "NotSuspended"
+PODS_UNSCHEDULABLE = "PodsUnschedulable"
+PODS_SCHEDULED = "PodsScheduled"
+COMPLETED = "Completed"
+DEADLINE_EXCEEDED = "DeadlineExceeded"
+IMAGE_PULL_FAILED = "ImagePullFailed"
+CONFIG_ERROR = "ConfigError"
+MAX_RESTARTS_EXCEEDED = "MaxRestartsExceeded"
+NO_PROGRESS = "RestartsWithoutProgress"
+UNSCHEDULABLE_TIMEOUT = "UnschedulableTimeout"
+TRAINER_SUCCEEDED_EARLY = "TrainerSucceeded"
+NOT_FINISHED = "NotFinished"
+
+
+def find(conditions: Sequence[Condition], type_: str) -> Condition | None:
+    return next((c for c in conditions if c.type == type_), None)
+
+
+def is_true(conditions: Sequence[Condition], type_: str) -> bool:
+    c = find(conditions, type_)
+    return c is not None and c.status == "True"
+
+
+def set_condition(
+    conditions: list[Condition],
+    type_: str,
+    status: str,
+    reason: str,
+    message: str,
+    now: str,
+    generation: int | None,
+) -> bool:
+    """Set one condition in place; return whether anything changed.
+
+    ``lastTransitionTime`` moves only when ``status`` flips (JobSet's ``updateCondition``);
+    a new reason or message alone keeps it.
+    """
+    new = Condition(
+        type=type_, status=status, reason=reason, message=message,
+        last_transition_time=now, observed_generation=generation,
+    )
+    for i, old in enumerate(conditions):
+        if old.type != type_:
+            continue
+        if old.status == status:
+            new.last_transition_time = old.last_transition_time or now
+        if old == new:
+            return False
+        conditions[i] = new
+        return True
+    conditions.append(new)
+    return True
+
+
+def derive_phase(conditions: Sequence[Condition], attempt_exists: bool) -> Phase:
+    """The single rule from conditions to the displayed phase (the first matching line wins)."""
+    if is_true(conditions, SUCCEEDED):
+        return "Succeeded"
+    if is_true(conditions, FAILED):
+        return "Failed"
+    if is_true(conditions, SUSPENDED):
+        return "Suspended"
+    if is_true(conditions, RESTARTING):
+        return "Restarting"
+    if is_true(conditions, READY):
+        return "Running"
+    if attempt_exists:
+        return "Starting"
+    return "Pending"

@@ -1,0 +1,420 @@
+"""The kopf edge of the operator: read, call the pure core, write status once, apply, send events.
+
+One reconcile *cycle* of one LlamaPretrain (``cycle``):
+
+1. parse + validate the object (invalid: ``Ready=False/InvalidSpec``, no children);
+2. observe: its pods from the ``lpt_pods`` index, the nodes they run on, rank 0's ``/metrics``;
+3. ``decide.decide`` -> a Decision, ``decide.next_status`` -> the new status;
+4. write the status through the status subresource (only when it changed);
+5. delete / force-delete / create what the decision lists (``AlreadyExists`` is success);
+6. send the decision's Kubernetes Event and update the operator metrics.
+
+Cycles run from ``on.create``/``on.resume``/``on.update`` and from one daemon per LlamaPretrain, which
+loops every ``--scan-interval`` seconds or as soon as a pod of the run changes (level-triggered,
+edge-woken). A per-run lock keeps one cycle at a time. The operator deletes no child when a
+LlamaPretrain is deleted: every child has an owner reference, and Kubernetes' garbage collector
+removes them (the kmock test server emulates that collector).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from kubetitan import GROUP, PLURAL, VERSION, __version__, plan, validation
+from kubetitan import conditions as C
+from kubetitan.api import LlamaPretrainStatus
+from kubetitan.decide import Action, Observed, decide, next_status, parse_time, restart_event
+from kubetitan.kube import Client, load_config
+from kubetitan.observe import ProgressTracker, node_obs, parse_metrics, pod_obs, scrape, spec_changes, \
+    training_status
+from kubetitan.operator_metrics import OperatorMetrics
+
+log = logging.getLogger("kubetitan.operator")
+ANNOTATION_APPLIED_SPEC = "kubetitan.io/applied-spec"
+"""On the run's ConfigMap: the spec (JSON) the current attempt was created from."""
+FINALIZER = "kubetitan.io/finalizer"
+
+
+@dataclass
+class Options:
+    namespaces: list[str] = field(default_factory=list)
+    all_namespaces: bool = False
+    peering: str | None = None
+    priority: int = 0
+    metrics_port: int | None = 8080
+    metrics_addr: str = "0.0.0.0"
+    liveness: str | None = None
+    kubeconfig: str | None = None
+    scan_interval: float = 10.0
+    """Seconds between two cycles of one run when nothing wakes it."""
+    scrape_interval: float = 15.0
+    scrape_timeout: float = 3.0
+    clock: Callable[[], float] = time.time
+    """Source of 'now' for every decision; tests pass a faster clock instead of lowering API minimums."""
+
+
+@dataclass
+class JobState:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    tracker: ProgressTracker = field(default_factory=ProgressTracker)
+    status: LlamaPretrainStatus | None = None
+    """The status this operator wrote last (the watch may still deliver an older one)."""
+    applied_spec: dict[str, Any] | None = None
+    applied_loaded: bool = False
+    last_scrape: float = float("-inf")
+    metrics_text: dict[str, float] | None = None
+    recovered_attempt: int = -1
+
+
+@dataclass
+class Context:
+    options: Options
+    cfg: Any
+    metrics: OperatorMetrics
+    client: Client | None = None
+    session: Any = None
+    jobs: dict[str, JobState] = field(default_factory=dict)
+
+    def job(self, uid: str) -> JobState:
+        if uid not in self.jobs:
+            self.jobs[uid] = JobState()
+        return self.jobs[uid]
+
+
+def _ctx(memo: Any) -> Context:
+    return memo["ctx"] if isinstance(memo, Mapping) else memo.ctx
+
+
+# ------------------------------------------------------------------ kopf wiring
+@kopf.on.startup()
+async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    import aiohttp
+
+    ctx = _ctx(memo)
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kubetitan.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kubetitan.io", key="last-handled-configuration")
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.peering.name = ctx.options.peering or settings.peering.name
+    settings.peering.priority = ctx.options.priority
+    ctx.client = Client(ctx.cfg)
+    ctx.session = aiohttp.ClientSession()
+
+
+@kopf.on.cleanup()
+async def _cleanup(memo: Any, **_: Any) -> None:
+    ctx = _ctx(memo)
+    if ctx.session is not None:
+        await ctx.session.close()
+    if ctx.client is not None:
+        ctx.client.close()
+
+
+@kopf.on.login()
+def _login(memo: Any, **_: Any) -> Any:
+    from kubetitan.kube import connection_info
+
+    return connection_info(_ctx(memo).cfg, kopf)
+
+
+@kopf.index("pods", labels={plan.LABEL_UID: kopf.PRESENT})
+def lpt_pods(body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
+    """Pods by their run's uid (only the fields the decision reads)."""
+    obs = pod_obs(body)
+    return {labels[plan.LABEL_UID]: obs} if obs is not None else {}
+
+
+@kopf.on.event("pods", labels={plan.LABEL_UID: kopf.PRESENT})
+def _pod_changed(labels: Mapping[str, str], memo: Any, **_: Any) -> None:
+    """Wake the run's daemon at once: observation stays level-based, this only cuts the latency."""
+    job = _ctx(memo).jobs.get(labels[plan.LABEL_UID])
+    if job is not None:
+        job.wake.set()
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+async def reconcile(body: kopf.Body, memo: Any, lpt_pods: kopf.Index, **_: Any) -> None:
+    errors = await cycle(_ctx(memo), body, lpt_pods)
+    if errors:
+        raise kopf.PermanentError("invalid spec: " + "; ".join(map(str, errors)))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
+async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, lpt_pods: kopf.Index,
+                      **_: Any) -> None:
+    """Re-run the cycle every scan interval, or as soon as one of the run's pods changes."""
+    ctx = _ctx(memo)
+    job = ctx.job(body["metadata"]["uid"])
+    while not stopped:
+        job.wake.clear()
+        wait = ctx.options.scan_interval
+        try:
+            requeue = await cycle(ctx, body, lpt_pods, from_daemon=True)
+            if isinstance(requeue, float):
+                wait = max(0.05, min(wait, requeue))
+        except Exception as e:  # noqa: BLE001 - the daemon must survive one bad cycle; it is counted and logged
+            ctx.metrics.errors.labels(type(e).__name__).inc()
+            log.exception("Reconcile failed", extra={"name": body["metadata"]["name"]})
+        try:
+            await asyncio.wait_for(job.wake.wait(), timeout=wait)
+        except TimeoutError:
+            pass
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def _forget(body: kopf.Body, memo: Any, **_: Any) -> None:
+    """Children go with the owner references; only the run's metric series and memory go here."""
+    ctx = _ctx(memo)
+    ctx.metrics.forget(body["metadata"].get("namespace", ""), body["metadata"]["name"])
+    ctx.jobs.pop(body["metadata"]["uid"], None)
+
+
+# ------------------------------------------------------------------ one cycle
+def merge_patch(old: Any, new: Any) -> Any:
+    """RFC 7386 merge patch turning ``old`` into ``new`` (removed keys become None)."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    out: dict[str, Any] = {}
+    for k in old.keys() - new.keys():
+        out[k] = None
+    for k, v in new.items():
+        if k not in old:
+            out[k] = v
+        elif old[k] != v:
+            out[k] = merge_patch(old[k], v)
+    return out
+
+
+def _load_status(raw: Any) -> LlamaPretrainStatus:
+    try:
+        return LlamaPretrainStatus.model_validate({k: v for k, v in (raw or {}).items() if k != "kopf"})
+    except Exception:  # noqa: BLE001 - a status we cannot read is rebuilt from observation
+        return LlamaPretrainStatus()
+
+
+async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: bool = False) -> Any:
+    """One observe -> decide -> write -> apply round; returns validation errors or the requeue delay."""
+    started = time.perf_counter()
+    meta = body["metadata"]
+    ns, name, uid = meta.get("namespace", "default"), meta["name"], meta["uid"]
+    job = ctx.job(uid)
+    client = ctx.client
+    assert client is not None
+    try:
+        async with job.lock:
+            if meta.get("deletionTimestamp"):
+                return None
+            now = ctx.options.clock()
+            old = job.status if job.status is not None else _load_status(body.get("status"))
+            lpt, errors = validation.parse(dict(body))
+            if errors or lpt is None:
+                await _write_invalid(ctx, ns, name, old, errors, meta.get("generation"), now, job)
+                return errors
+            spec = lpt.spec
+            attempt = old.attempt if old.attempt is not None else 0
+            pods = tuple(p for p in (index.get(uid, ()) if index is not None else ()) if p is not None)
+
+            nodes = {}
+            for n in sorted({p.node_name for p in pods if p.node_name}):
+                nodes[n] = node_obs(n, await client.get("nodes", None, n))
+
+            # rank 0's metrics
+            rank0 = next((p for p in pods if p.attempt == attempt and p.rank == 0), None)
+            scraped = None
+            if rank0 is not None and rank0.phase == "Running" and rank0.pod_ip and \
+                    now - job.last_scrape >= ctx.options.scrape_interval * _clock_rate(ctx):
+                text = await scrape(ctx.session, rank0.pod_ip, spec.monitoring.metrics_port,
+                                    ctx.options.scrape_timeout)
+                job.last_scrape = now
+                scraped = parse_metrics(text) if text else None
+            job.tracker.update(attempt, scraped, now)
+            training = training_status(spec, scraped, now, old.training) if scraped else None
+
+            # spec changes against what the current attempt was created from
+            block = deferred = None
+            current = [p for p in pods if p.attempt == attempt]
+            if current and not job.applied_loaded:
+                cm = await client.get("configmaps", ns, plan.config_map_name(name))
+                raw = ((cm or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_APPLIED_SPEC)
+                job.applied_spec = json.loads(raw) if raw else None
+                job.applied_loaded = True
+            desired = spec.model_dump(by_alias=True, exclude_none=True, mode="json")
+            if job.applied_spec is not None and old.attempt is not None:
+                _live, later, rejected = spec_changes(job.applied_spec, desired)
+                if rejected:
+                    block = (f"changing {', '.join(rejected)} would make the run's checkpoints unusable; "
+                             "revert it, or create a new LlamaPretrain")
+                elif later:
+                    deferred = f"{', '.join(later)} changed; applied when the next attempt starts " \
+                               "(suspend and resume to apply now)"
+
+            obs = Observed(pods=pods, nodes=nodes, progress=job.tracker.progress(), now=now,
+                           generation=meta.get("generation"), spec_block=block, spec_deferred=deferred,
+                           training=training)
+            d = decide(spec, old, obs)
+            new = next_status(spec, old, d, obs)
+
+            # 4. status, once
+            old_raw, new_raw = old.dump(), new.dump()
+            if old_raw != new_raw or body.get("status") is None:
+                await client.patch_status(ns, name, merge_patch(old_raw, new_raw))
+            job.status = new
+
+            # 5. apply
+            deletes = [client.delete_pod(ns, n) for n in d.delete if n not in d.force_delete]
+            deletes += [client.delete_pod(ns, n, grace_seconds=0) for n in d.force_delete]
+            if deletes:
+                await asyncio.gather(*deletes)
+            if d.action == Action.CREATE:
+                await _create_attempt(ctx, lpt, new, d.avoid_nodes, job, desired)
+            if d.delete_self:
+                await client.delete_run(ns, name)
+
+            # 6. events and metrics
+            ev = restart_event(d, attempt)
+            if ev is not None:
+                kopf.event(dict(body), type=ev[0], reason=ev[1], message=ev[2])
+            if d.action == Action.RESTART and d.cause:
+                ctx.metrics.restarts.labels(d.cause).inc()
+            ctx.metrics.set_phase(ns, name, new.phase)
+            ctx.metrics.set_training(ns, name, new.training, new.restart_count)
+            return d.requeue_after
+    except Exception as e:
+        if not from_daemon:
+            ctx.metrics.errors.labels(type(e).__name__).inc()
+        raise
+    finally:
+        ctx.metrics.reconcile.observe(time.perf_counter() - started)
+
+
+def _clock_rate(ctx: Context) -> float:
+    """How many clock seconds pass per real second (1 in production; tests run faster clocks)."""
+    return getattr(ctx.options.clock, "rate", 1.0)
+
+
+async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainStatus, errors: list[Any],
+                         generation: int | None, now: float, job: JobState) -> None:
+    from kubetitan.decide import iso
+
+    new = old.model_copy(deep=True)
+    msg = "; ".join(map(str, errors)) or "the object cannot be parsed"
+    C.set_condition(new.conditions, C.READY, "False", C.INVALID_SPEC, msg, iso(now), generation)
+    C.set_condition(new.conditions, C.SPEC_ACCEPTED, "False", C.INVALID_SPEC, msg, iso(now), generation)
+    new.observed_generation = generation
+    new.phase = C.derive_phase(new.conditions, attempt_exists=new.attempt is not None)
+    new.message = f"invalid spec: {msg}"
+    if new.dump() != old.dump():
+        assert ctx.client is not None
+        await ctx.client.patch_status(ns, name, merge_patch(old.dump(), new.dump()))
+    job.status = new
+    ctx.metrics.set_phase(ns, name, new.phase)
+
+
+async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, avoid: tuple[str, ...],
+                          job: JobState, desired: dict[str, Any]) -> None:
+    """Create every child of the current attempt; existing ones count as created."""
+    client = ctx.client
+    assert client is not None
+    attempt = status.attempt or 0
+    start = parse_time(status.start_time)
+    children = plan.attempt_children(lpt, attempt, job_start_time=start, avoid_nodes=avoid)
+    applied = json.dumps(desired, sort_keys=True, separators=(",", ":"))
+    cm = next(c for c in children if c["kind"] == "ConfigMap")
+    cm["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_SPEC] = applied
+    others = [c for c in children if c["kind"] == "Service"]
+    pods = [c for c in children if c["kind"] == "Pod"]
+    ns = cm["metadata"]["namespace"]
+    if not await client.create(cm):  # shared by all attempts: bring it up to date
+        await client.patch("configmaps", ns, cm["metadata"]["name"],
+                           {"metadata": {"annotations": cm["metadata"]["annotations"]}, "data": cm["data"]})
+    job.applied_spec, job.applied_loaded = desired, True
+    await asyncio.gather(*(client.create(o) for o in others))
+    await asyncio.gather(*(client.create(p) for p in pods))
+    if status.restarts and status.restarts[-1].attempt == attempt - 1 and job.recovered_attempt != attempt:
+        t0 = parse_time(status.restarts[-1].time)
+        if t0 is not None:
+            ctx.metrics.recovery.observe(max(0.0, ctx.options.clock() - t0) / _clock_rate(ctx))
+        job.recovered_attempt = attempt
+    log.info("Created attempt %s of LlamaPretrain %s/%s (%d pods)", attempt, ns, lpt.metadata.name, len(pods))
+
+
+# ------------------------------------------------------------------ running it
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kubetitan operator", description="Run the kubetitan operator (kopf).")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable; globs like 'team-*' work)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (cluster-wide)")
+    p.add_argument("--peering", metavar="NAME",
+                   help="HA: coordinate replicas through the KopfPeering NAME; only the highest-priority one acts")
+    p.add_argument("--priority", type=int, default=0, help="peering priority of this replica (default 0)")
+    p.add_argument("--metrics-port", type=int, default=8080, help="port of the operator's /metrics (0: off)")
+    p.add_argument("--liveness", metavar="URL", default=None,
+                   help="liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    p.add_argument("--scan-interval", type=float, default=10.0, help="seconds between cycles of a run (default 10)")
+    p.add_argument("--scrape-interval", type=float, default=15.0,
+                   help="seconds between scrapes of rank 0's /metrics (default 15)")
+    p.add_argument("--log-format", choices=["json", "plain", "full"], default="json",
+                   help="log format (default json: one structured object per line)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+    return p
+
+
+def options_from_args(a: argparse.Namespace) -> Options:
+    return Options(namespaces=list(a.namespace), all_namespaces=a.all_namespaces, peering=a.peering,
+                   priority=a.priority, metrics_port=a.metrics_port or None, liveness=a.liveness,
+                   kubeconfig=a.kubeconfig, scan_interval=a.scan_interval, scrape_interval=a.scrape_interval)
+
+
+def run(options: Options, stop_flag: Any = None, ready_flag: Any = None,
+        registry: Any = None) -> OperatorMetrics:
+    """Run the operator until ``stop_flag`` is set (blocking); returns its metrics (for tests)."""
+    if not options.namespaces and not options.all_namespaces:
+        raise SystemExit("error: say which namespaces to watch: --namespace NS (repeatable) or --all-namespaces")
+    cfg = load_config(options.kubeconfig)
+    metrics = OperatorMetrics(registry)
+    ctx = Context(options=options, cfg=cfg, metrics=metrics)
+    server = None
+    if options.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(options.metrics_port, options.metrics_addr, registry=metrics.registry)
+    try:
+        asyncio.run(kopf.operator(
+            clusterwide=options.all_namespaces, namespaces=options.namespaces,
+            standalone=options.peering is None, peering_name=options.peering, priority=options.priority,
+            liveness_endpoint=options.liveness, stop_flag=stop_flag, ready_flag=ready_flag,
+            memo=kopf.Memo(ctx=ctx),
+        ))
+    finally:
+        if server is not None:
+            server.shutdown()
+    return metrics
+
+
+def main(argv: list[str]) -> int:
+    """``kubetitan operator ...``: the CLI entry point (``kubetitan.cli`` forwards to it)."""
+    a = build_parser().parse_args(argv)
+    fmt = {"json": kopf.LogFormat.JSON, "plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL}[a.log_format]
+    kopf.configure(verbose=a.verbose, log_format=fmt, log_refkey="object")
+    log.info("Started kubetitan operator", extra={"version": __version__})
+    try:
+        run(options_from_args(a))
+    except KeyboardInterrupt:
+        return 0
+    return 0

@@ -1,0 +1,75 @@
+"""The operator's own Prometheus metrics (prefix ``kubetitan_operator_``), on its own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from kubetitan import __version__
+from kubetitan.api import Phase, TrainingStatus
+
+PHASES: tuple[Phase, ...] = ("Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.build = Info("kubetitan_build", "Version of the kubetitan operator.", registry=r)
+        self.build.info({"version": __version__, "component": "operator"})
+        self.phase = Gauge("kubetitan_operator_llamapretrains", "LlamaPretrains by phase (count).",
+                           ["phase"], registry=r)
+        self.restarts = Counter("kubetitan_operator_restarts_total", "Gang restarts by cause (count).",
+                                ["cause"], registry=r)
+        self.reconcile = Histogram("kubetitan_operator_reconcile_duration_seconds",
+                                   "Duration of one reconcile cycle of one LlamaPretrain (seconds).", registry=r,
+                                   buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.errors = Counter("kubetitan_operator_reconcile_errors_total",
+                              "Reconcile cycles that raised an error (count).", ["kind"], registry=r)
+        self.recovery = Histogram("kubetitan_operator_recovery_duration_seconds",
+                                  "Time from a gang failure being detected to the next attempt's pods being "
+                                  "created (seconds).", registry=r,
+                                  buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
+        labels = ["namespace", "name"]
+        self.step = Gauge("kubetitan_operator_job_step", "Last step of a LlamaPretrain (steps).", labels, registry=r)
+        self.tokens = Gauge("kubetitan_operator_job_tokens_per_second",
+                            "Training throughput of a LlamaPretrain (tokens per second).", labels, registry=r)
+        self.mfu = Gauge("kubetitan_operator_job_mfu_ratio", "Model FLOPs utilisation of a LlamaPretrain (ratio 0-1).",
+                         labels, registry=r)
+        self.goodput = Gauge("kubetitan_operator_job_goodput_ratio",
+                             "Productive step time over wall time since the run started (ratio 0-1).", labels,
+                             registry=r)
+        self.job_restarts = Gauge("kubetitan_operator_job_restarts", "Gang restarts of a LlamaPretrain (count).",
+                                  labels, registry=r)
+        self._phases: dict[tuple[str, str], str] = {}
+        for p in PHASES:
+            self.phase.labels(p).set(0)
+
+    def set_phase(self, ns: str, name: str, phase: str | None) -> None:
+        key = (ns, name)
+        old = self._phases.get(key)
+        if old == phase:
+            return
+        if old is not None:
+            self.phase.labels(old).dec()
+        if phase is None:
+            self._phases.pop(key, None)
+        else:
+            self._phases[key] = phase
+            self.phase.labels(phase).inc()
+
+    def set_training(self, ns: str, name: str, t: TrainingStatus | None, restart_count: int) -> None:
+        self.job_restarts.labels(ns, name).set(restart_count)
+        if t is None:
+            return
+        for gauge, value in ((self.step, t.step), (self.tokens, t.tokens_per_second), (self.mfu, t.mfu),
+                             (self.goodput, t.goodput)):
+            if value is not None:
+                gauge.labels(ns, name).set(value)
+
+    def forget(self, ns: str, name: str) -> None:
+        """Drop a deleted run's series."""
+        self.set_phase(ns, name, None)
+        for gauge in (self.step, self.tokens, self.mfu, self.goodput, self.job_restarts):
+            try:
+                gauge.remove(ns, name)
+            except KeyError:
+                pass

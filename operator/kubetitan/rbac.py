@@ -1,0 +1,54 @@
+"""The exact Kubernetes API access the operator needs: one table, used by the code and the chart.
+
+``kube.Client`` refuses any call that is not listed here (so the table cannot drift from the code),
+kopf's own calls (watching, finalizers, events, peering) are listed too, and the Helm chart renders
+the Role/ClusterRole from ``rules()``. A test compares the table with the calls the operator makes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kubetitan import GROUP, PLURAL
+
+
+class Rule(NamedTuple):
+    api_group: str
+    resource: str
+    verbs: tuple[str, ...]
+    why: str
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(GROUP, PLURAL, ("get", "list", "watch", "patch", "delete"),
+         "watch runs, finalizer/annotations (kopf), TTL after finished deletes the run"),
+    Rule(GROUP, f"{PLURAL}/status", ("get", "patch"), "write status once per cycle"),
+    Rule("", "pods", ("get", "list", "watch", "create", "delete"), "the gang: index, create, delete, force delete"),
+    Rule("", "configmaps", ("get", "create", "patch"), "trainer.toml of the run"),
+    Rule("", "services", ("get", "create"), "headless service for rendezvous and DNS"),
+    Rule("", "nodes", ("get",), "health of the nodes running the gang (cluster-scoped)"),
+    Rule("", "events", ("create", "patch"), "restart/fail/succeed events (kopf posts them)"),
+    Rule("events.k8s.io", "events", ("create", "patch"), "the same through the newer events API"),
+    Rule("kopf.dev", "kopfpeerings", ("get", "list", "watch", "patch"), "HA peering (--peering), namespaced"),
+    Rule("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"), "HA peering, cluster-wide"),
+    Rule("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch"),
+         "kopf resource discovery"),
+    Rule("", "namespaces", ("get", "list", "watch"), "kopf namespace discovery with --all-namespaces"),
+)
+
+CLUSTER_SCOPED = frozenset({"nodes", "clusterkopfpeerings", "customresourcedefinitions", "namespaces"})
+
+
+def allowed(api_group: str, resource: str, verb: str) -> bool:
+    return any(r.api_group == api_group and r.resource == resource and verb in r.verbs for r in RULES)
+
+
+def rules(cluster_wide: bool = True) -> list[dict[str, object]]:
+    """Kubernetes PolicyRules for a (Cluster)Role; namespaced mode still needs a ClusterRole for the
+    cluster-scoped rows (see docs/operator.md)."""
+    out: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for r in RULES:
+        if not cluster_wide and r.resource in CLUSTER_SCOPED:
+            continue
+        out.setdefault((r.api_group, r.verbs), []).append(r.resource)
+    return [{"apiGroups": [g], "resources": sorted(res), "verbs": list(v)} for (g, v), res in out.items()]
