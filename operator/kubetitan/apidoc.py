@@ -1,0 +1,266 @@
+"""The API reference (``docs/api.md``), generated from the same schema as the CRD.
+
+Every row comes from :func:`kubetitan.crd.openapi_schema`, which comes from the docstrings,
+defaults and bounds in :mod:`kubetitan.api`; so the reference, ``kubectl explain`` and the
+defaults the operator applies cannot disagree. The exit codes come from
+:class:`kubetitan.contract.ExitCode` and its member docstrings.
+
+Run ``python -m kubetitan.apidoc --write`` after changing the API; a test fails when
+``docs/api.md`` drifts from this generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+import signal
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from kubetitan import API_VERSION, KIND, PLURAL, SHORT_NAMES, contract
+from kubetitan.api import RestartCause
+from kubetitan.crd import GENERATE_COMMAND as CRD_COMMAND
+from kubetitan.crd import PRINTER_COLUMNS, _description, openapi_schema
+
+GENERATE_COMMAND = "python -m kubetitan.apidoc --write"
+DOC_FILE = "api.md"
+
+RESTART_CAUSES: dict[str, str] = {
+    "ContainerFailed": "A trainer container exited with a retryable error: exit code 1, a signal "
+    "(137, 143) or any other non-zero code not listed below.",
+    "OOMKilled": "The kernel's OOM killer stopped a trainer container (terminated reason `OOMKilled`).",
+    "Evicted": "The kubelet evicted a pod (node pressure).",
+    "Preempted": "A pod was preempted by the scheduler, or the trainer exited with code 75 after "
+    "saving a checkpoint on SIGTERM.",
+    "NodeFailure": "A node became NotReady or disappeared, or its taint manager or kubelet "
+    "terminated the pod.",
+    "Hang": "The step did not advance for `runPolicy.hangTimeoutSeconds`.",
+    "StartupTimeout": "No first step within `runPolicy.startupTimeoutSeconds` after all pods ran.",
+    "NonFiniteLoss": "The loss became NaN or infinite (exit code 3).",
+    "Unknown": "The attempt ended and no cause could be attributed.",
+}
+"""What each ``status.restarts[].cause`` means; one entry per value of ``api.RestartCause``."""
+
+
+# ------------------------------------------------------------------------ formatting
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n\n", "<br><br>").replace("\n", " ")
+
+
+def _code(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return f"`{text}`" if text != "" else '`""`'
+
+
+def _type(node: dict[str, Any]) -> str:
+    kind = node.get("type", "")
+    if kind == "array":
+        return f"[]{_type(node['items'])}"
+    if kind == "object":
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            return f"map[string]{_type(extra)}"
+        if node.get("x-kubernetes-preserve-unknown-fields") and "properties" not in node:
+            return "object (free-form)"
+    return kind
+
+
+def _bound(node: dict[str, Any], key: str, op: str, strict_op: str) -> str | None:
+    if key not in node:
+        return None
+    strict = node.get(f"exclusive{key.capitalize()}") is True
+    return f"{strict_op if strict else op} {node[key]}"
+
+
+def _constraints(node: dict[str, Any]) -> str:
+    parts = []
+    if "enum" in node:
+        parts.append("one of " + ", ".join(_code(v) for v in node["enum"]))
+    lo = _bound(node, "minimum", "≥", ">")
+    hi = _bound(node, "maximum", "≤", "<")
+    parts += [b for b in (lo, hi) if b]
+    if "minLength" in node or "maxLength" in node:
+        parts.append(f"length {node.get('minLength', 0)}–{node.get('maxLength', '∞')}")
+    if "pattern" in node:
+        parts.append(f"pattern {_code(node['pattern'])}")
+    return ", ".join(parts)
+
+
+def _default(node: dict[str, Any], required: bool) -> str:
+    if required:
+        return "required"
+    if "default" in node:
+        if node["default"] == {} and "properties" in node:
+            return "its fields' defaults"
+        return _code(node["default"])
+    if node.get("type") == "array":
+        return "`[]`"
+    if node.get("type") == "object" and "additionalProperties" in node:
+        return "`{}`"
+    return "unset"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, spaces to dashes, punctuation dropped."""
+    return "".join(c for c in heading.lower().replace(" ", "-") if c.isalnum() or c in "-_")
+
+
+def _has_fields(node: dict[str, Any]) -> bool:
+    return "properties" in node
+
+
+# ------------------------------------------------------------------------- sections
+def _sections(node: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every object with fields under ``node``, depth first, parents before children."""
+    out = [(path, node)]
+    for name, child in node.get("properties", {}).items():
+        if _has_fields(child):
+            out += _sections(child, f"{path}.{name}")
+        elif child.get("type") == "array" and _has_fields(child.get("items", {})):
+            out += _sections(child["items"], f"{path}.{name}[]")
+    return out
+
+
+def _field_table(path: str, node: dict[str, Any]) -> list[str]:
+    required = set(node.get("required", []))
+    rows = [
+        "| Field | Type | Default | Bounds / values | Description |",
+        "|---|---|---|---|---|",
+    ]
+    for name, child in node["properties"].items():
+        full = f"{path}.{name}"
+        kind = _type(child)
+        target = full if _has_fields(child) else f"{full}[]" if _has_fields(child.get("items", {})) else None
+        if target:
+            kind = f"[{kind}](#{_anchor(target)})"
+        rows.append(
+            f"| `{full}` | {kind} | {_cell(_default(child, name in required))} | "
+            f"{_cell(_constraints(child))} | {_cell(child.get('description', ''))} |"
+        )
+    return rows
+
+
+def _rules_table(spec: dict[str, Any], rules: list[Any]) -> list[str]:
+    by_rule = {r.rule: r for r in rules}
+    rows = ["| Id | Field | Rule (CEL, `self` = `spec`) | Message |", "|---|---|---|---|"]
+    for v in spec.get("x-kubernetes-validations", []):
+        r = by_rule[v["rule"]]
+        rows.append(f"| `{r.id}` | `spec{r.field_path}` | `{_cell(r.rule)}` | {_cell(r.message)} |")
+    return rows
+
+
+def exit_codes() -> list[tuple[int, str, str]]:
+    """(code, name, meaning) of every trainer exit code, from contract.py's docstrings."""
+    tree = ast.parse(inspect.getsource(contract.ExitCode))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for stmt, nxt in zip(body, body[1:] + [None]):
+        if isinstance(stmt, ast.Assign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[stmt.targets[0].id] = inspect.cleandoc(nxt.value.value)  # type: ignore[attr-defined]
+    out = [(int(c), c.name, docs.get(c.name, "")) for c in contract.ExitCode]
+    for code in (contract.EXIT_SIGKILL, contract.EXIT_SIGTERM):
+        sig = signal.Signals(code - 128).name
+        out.append((code, sig, f"Killed by {sig} (128 + {code - 128}) before the trainer could exit "
+                    "on its own. Retried (cause `ContainerFailed`, or `OOMKilled` if the OOM killer sent it)."))
+    return sorted(out)
+
+
+def render(rules: list[Any] | None = None) -> str:
+    """The whole of ``docs/api.md``."""
+    if rules is None:
+        from kubetitan.validation import CEL_RULES
+
+        rules = list(CEL_RULES)
+    root = openapi_schema(rules)
+    spec, status = root["properties"]["spec"], root["properties"]["status"]
+    spec_sections = _sections(spec, "spec")
+    status_sections = _sections(status, "status")
+
+    out = [
+        f"# {KIND} API reference (`{API_VERSION}`)",
+        "",
+        f"<!-- Generated by `{GENERATE_COMMAND}` from operator/kubetitan/api.py; do not edit by hand. -->",
+        "",
+        f"{_cell(root['description'])} Resource `{PLURAL}`, short name "
+        f"{', '.join(f'`{s}`' for s in SHORT_NAMES)}, namespaced. The same descriptions are shown by "
+        f"`kubectl explain {SHORT_NAMES[0]}.spec.<field>`; the CRD in `crds/` comes from the same types "
+        f"(`{CRD_COMMAND}`).",
+        "",
+        "Defaults are applied by the API server (from the CRD) and by `kubetitan validate` / the operator "
+        "(from the same types): a field shown as *unset* is absent unless you set it. "
+        "Sections default to their fields' defaults, so an empty `spec: {}` is Llama 3 8B on one 8-GPU node.",
+        "",
+        "## Contents",
+        "",
+    ]
+    for path, _ in spec_sections + status_sections:
+        out.append(f"{'  ' * path.count('.')}- [`{path}`](#{_anchor(path)})")
+    out += ["- [Cross-field rules](#cross-field-rules)", "- [Printer columns](#printer-columns)",
+            "- [Trainer exit codes](#trainer-exit-codes)", "- [Restart causes](#restart-causes)", ""]
+
+    out += ["## Spec", ""]
+    for path, node in spec_sections:
+        out += [f"### `{path}`", "", _cell(node.get("description", "")), "", *_field_table(path, node), ""]
+
+    out += [
+        "## Cross-field rules",
+        "",
+        "Checked by the API server (`x-kubernetes-validations` on `spec`, reason `FieldValueInvalid`) and, "
+        "with the same ids, by `kubetitan validate` and the operator. The Python validator also checks "
+        "what CEL cannot see (model dimensions, instance types, FP8 hardware); run `kubetitan validate FILE` "
+        "before applying.",
+        "",
+        *_rules_table(spec, rules),
+        "",
+    ]
+
+    out += ["## Status", "", "Written only by the operator, through the `status` subresource.", ""]
+    for path, node in status_sections:
+        out += [f"### `{path}`", "", _cell(node.get("description", "")), "", *_field_table(path, node), ""]
+
+    out += ["## Printer columns", "", "`kubectl get lpt` shows the first group; `-o wide` adds the rest.", "",
+            "| Column | Field | Type | Wide only | Description |", "|---|---|---|---|---|"]
+    for c in PRINTER_COLUMNS:
+        out.append(f"| {c['name']} | `{c['jsonPath']}` | {c['type']} | {'yes' if c.get('priority') else ''} | "
+                   f"{_cell(c.get('description', 'Time since the resource was created.'))} |")
+    out.append("")
+
+    out += ["## Trainer exit codes", "", _description(contract.ExitCode.__doc__ or ""), "",
+            "| Code | Name | Meaning |", "|---|---|---|"]
+    out += [f"| {code} | `{name}` | {_cell(doc)} |" for code, name, doc in exit_codes()]
+    out.append("")
+
+    out += ["## Restart causes", "", "Values of `status.restarts[].cause` (and of the `cause` label of "
+            "`kubetitan_operator_restarts_total`).", "", "| Cause | Meaning |", "|---|---|"]
+    out += [f"| `{cause}` | {_cell(RESTART_CAUSES[cause])} |" for cause in typing.get_args(RestartCause)]
+    out.append("")
+    return "\n".join(out)
+
+
+def default_path() -> Path:
+    """``docs/api.md`` of the source checkout."""
+    return Path(__file__).resolve().parents[2] / "docs" / DOC_FILE
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kubetitan.apidoc", description=__doc__.split("\n")[0])
+    parser.add_argument("--write", action="store_true", help=f"write docs/{DOC_FILE} of this checkout")
+    parser.add_argument("--output", type=Path, help="write to this file instead")
+    args = parser.parse_args(argv)
+    text = render()
+    target = args.output or (default_path() if args.write else None)
+    if target is None:
+        sys.stdout.write(text)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        print(f"Wrote {target}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
