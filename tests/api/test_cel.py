@@ -17,6 +17,7 @@ double, ``integer`` -> int), as the API server types them.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,17 @@ def cel_failures(spec: dict[str, Any]) -> dict[str, str]:
 
 
 def api_server(raw_spec: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """(OpenAPI errors, CEL failures) the API server reports for a spec (memoised)."""
+    key = json.dumps(raw_spec, sort_keys=True)
+    if key not in _SEEN:
+        _SEEN[key] = _api_server(raw_spec)
+    return copy.deepcopy(_SEEN[key])
+
+
+_SEEN: dict[str, tuple[list[str], dict[str, str]]] = {}
+
+
+def _api_server(raw_spec: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
     """(OpenAPI errors, CEL failures) the API server reports for a spec.
 
     Like apiextensions-apiserver, CEL is skipped when a value has the wrong type (a
