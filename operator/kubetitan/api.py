@@ -329,9 +329,9 @@ class RunPolicySpec(_Base):
     """Delay before the first restart; doubles with each consecutive restart."""
     max_backoff_seconds: int = Field(default=600, ge=0, le=86400)
     """Upper bound of the restart delay."""
-    hang_timeout_seconds: int = Field(default=900, ge=30, le=86400)
+    hang_timeout_seconds: int = Field(default=900, ge=10, le=86400)
     """A running attempt whose step has not advanced for this long is declared hung and restarted."""
-    startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400)
+    startup_timeout_seconds: int = Field(default=1800, ge=10, le=86400)
     """Time from all pods running to the first step (image, compile, data) before the attempt
     counts as hung."""
     node_failure_grace_seconds: int = Field(default=60, ge=0, le=3600)
