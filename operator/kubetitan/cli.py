@@ -92,7 +92,11 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_crd(args: argparse.Namespace) -> int:
     from kubetitan.crd import crd
 
-    sys.stdout.write(yaml.safe_dump(crd(), sort_keys=False))
+    try:
+        obj = crd(kubernetes_version=args.kubernetes_version)
+    except ValueError as e:  # a --kubernetes-version that is not MAJOR.MINOR
+        raise InputError(f"--kubernetes-version: {e}") from None
+    sys.stdout.write(yaml.safe_dump(obj, sort_keys=False))
     return 0
 
 
@@ -137,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_render)
 
     c = sub.add_parser("crd", help="print the LlamaPretrain CustomResourceDefinition")
+    c.add_argument("--kubernetes-version", metavar="X.Y",
+                   help="target an older API server: 1.27 drops the CEL rules' fieldPath and reason (1.28+)")
     c.set_defaults(func=cmd_crd)
 
     run = sub.add_parser("run", help="train locally with the same trainer the pods run")

@@ -327,3 +327,22 @@ def test_converter_rejects_unions():
     raw = _Bad.model_json_schema(by_alias=True)
     with pytest.raises(ValueError, match=r"_Bad\.either: anyOf with 2 non-null options"):
         crdmod._structural(raw, {}, "_Bad")
+
+
+@pytest.mark.parametrize(
+    "argv, rc, has_field_path",
+    [(["crd"], 0, True), (["crd", "--kubernetes-version", "1.27"], 0, False),
+     (["crd", "--kubernetes-version", "1.35"], 0, True), (["crd", "--kubernetes-version", "latest"], 2, None)],
+    ids=["default", "1.27", "1.35", "not-a-version"],
+)
+def test_cli_crd_kubernetes_version(argv, rc, has_field_path, capsys):
+    from kubetitan.cli import main
+
+    assert main(argv) == rc
+    out, err = capsys.readouterr()
+    if rc:
+        assert "--kubernetes-version" in err and "MAJOR.MINOR" in err
+    else:
+        obj = yaml.safe_load(out)
+        assert kubernetes_validate.validate(obj, "1.27" if not has_field_path else "1.35", strict=True)
+        assert ("fieldPath" in out) == has_field_path
