@@ -105,7 +105,7 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kubetitan.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="kubetitan.io", key="last-handled-configuration")
-    settings.posting.level = logging.INFO
+    settings.posting.level = logging.WARNING  # only problems become Events; ours are sent explicitly
     settings.watching.server_timeout = 300
     settings.peering.name = ctx.options.peering or settings.peering.name
     settings.peering.priority = ctx.options.priority

@@ -1,0 +1,267 @@
+"""Run kmockx and the real kubetitan operator in-process, and play the kubelet.
+
+- ``Cluster``: a KubeEmulator on 127.0.0.1 in its own thread and event loop, with the resources the
+  operator uses declared (the LlamaPretrain CRD's printer columns come from ``kubetitan.crd``).
+- ``Operator``: ``kubetitan.handlers.run`` in a thread (the same code ``kubetitan operator`` runs),
+  stopped through kopf's stop flag; ``ScaledClock`` lets API-minimum timeouts (e.g. 30 s) pass fast.
+- ``Rank0Metrics``: a real prometheus-client exporter serving the trainer's metric names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kmock
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from kmockx import KubeEmulator, kubeconfig
+from kubetitan import contract, crd
+from kubetitan.handlers import Options, run
+
+LPT = "kubetitan.io/v1alpha1/llamapretrains"
+PODS, NODES, CMS, SVCS, EVENTS = "v1/pods", "v1/nodes", "v1/configmaps", "v1/services", "v1/events"
+
+
+class ScaledClock:
+    """Wall time running ``rate`` times faster from its creation."""
+
+    def __init__(self, rate: float = 1.0) -> None:
+        self.rate, self.t0 = rate, time.time()
+
+    def __call__(self) -> float:
+        return self.t0 + (time.time() - self.t0) * self.rate
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.k: KubeEmulator | None = None
+        self.url = ""
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True, name="kmock")
+        fd, self.kubeconfig = tempfile.mkstemp(suffix=".kubeconfig")
+        os.close(fd)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        async with KubeEmulator() as k, kmock.Server(k) as srv:
+            self.k = k
+            self.url = str(srv.url).rstrip("/")
+            k.declare(LPT, "LlamaPretrain", status=True, shortnames=("lpt",), singular="llamapretrain",
+                      printer_columns=crd.PRINTER_COLUMNS)
+            k.declare(PODS, "Pod", status=True)
+            k.declare(NODES, "Node", namespaced=False, status=True)
+            k.declare(CMS, "ConfigMap")
+            k.declare(SVCS, "Service", status=True)
+            k.declare(EVENTS, "Event")
+            k.declare("v1/namespaces", "Namespace", namespaced=False, status=True)
+            for ns in ("default", NS):  # kopf only watches namespaces that exist
+                await k.put("v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> Cluster:
+        self.thread.start()
+        assert self._ready.wait(10), "kmock did not start"
+        with open(self.kubeconfig, "w") as f:
+            f.write(kubeconfig(self.url))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._stop is not None
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(10)
+        os.unlink(self.kubeconfig)
+
+    def call(self, coro: Any, timeout: float = 10.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    # ---- API as a client / kubelet / node controller
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        assert self.k is not None
+        return self.call(self.k.put(LPT, obj))
+
+    def get(self, resource: str, ns: str | None, name: str) -> dict[str, Any] | None:
+        assert self.k is not None
+        return self.k.get(resource, ns, name)
+
+    def list(self, resource: str, ns: str | None = None, selector: str | None = None) -> list[dict[str, Any]]:
+        assert self.k is not None
+        return self.k.list(resource, ns, selector)
+
+    def patch(self, resource: str, ns: str | None, name: str, patch: dict[str, Any],
+              subresource: str | None = None) -> dict[str, Any]:
+        assert self.k is not None
+        return self.call(self.k.patch_obj(resource, ns, name, patch, subresource))
+
+    def delete(self, resource: str, ns: str | None, name: str) -> None:
+        assert self.k is not None
+        self.call(self.k.remove(resource, ns, name))
+
+    def add_node(self, name: str, ready: bool = True) -> None:
+        assert self.k is not None
+        self.call(self.k.put(NODES, {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+                                     "status": {"conditions": [self._ready_cond(ready)]}}))
+
+    @staticmethod
+    def _ready_cond(ready: bool, when: str | None = None) -> dict[str, Any]:
+        return {"type": "Ready", "status": "True" if ready else "Unknown",
+                "reason": "KubeletReady" if ready else "NodeStatusUnknown",
+                "lastTransitionTime": when or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def set_node_ready(self, name: str, ready: bool, when: str | None = None) -> None:
+        self.patch(NODES, None, name, {"status": {"conditions": [self._ready_cond(ready, when)]}}, "status")
+
+    def pods(self, ns: str, name: str) -> list[dict[str, Any]]:
+        return sorted(self.list(PODS, ns, f"kubetitan.io/name={name}"), key=lambda p: p["metadata"]["name"])
+
+    def pod_names(self, ns: str, name: str) -> list[str]:
+        return [p["metadata"]["name"] for p in self.pods(ns, name)]
+
+    def run_pod(self, ns: str, pod: str, node: str, ip: str = "127.0.0.1") -> None:
+        self.patch(PODS, ns, pod, {"spec": {"nodeName": node}})
+        self.patch(PODS, ns, pod, {"status": {
+            "phase": "Running", "podIP": ip,
+            "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}],
+            "containerStatuses": [{"name": "trainer", "ready": True, "state": {
+                "running": {"startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}}]}}, "status")
+
+    def terminate_pod(self, ns: str, pod: str, exit_code: int, reason: str = "Error", message: str = "") -> None:
+        self.patch(PODS, ns, pod, {"status": {
+            "phase": "Succeeded" if exit_code == 0 else "Failed",
+            "containerStatuses": [{"name": "trainer", "ready": False, "state": {"terminated": {
+                "exitCode": exit_code, "reason": reason, "message": message}}}]}}, "status")
+
+    def wait_pod(self, ns: str, pod: str, reason: str, message: str = "") -> None:
+        self.patch(PODS, ns, pod, {"status": {"phase": "Pending", "containerStatuses": [
+            {"name": "trainer", "ready": False, "state": {"waiting": {"reason": reason, "message": message}}}]}},
+            "status")
+
+    def lpt(self, ns: str, name: str) -> dict[str, Any] | None:
+        return self.get(LPT, ns, name)
+
+    def status(self, ns: str, name: str) -> dict[str, Any]:
+        return (self.lpt(ns, name) or {}).get("status") or {}
+
+    def condition(self, ns: str, name: str, type_: str) -> dict[str, Any] | None:
+        return next((c for c in self.status(ns, name).get("conditions", []) if c["type"] == type_), None)
+
+
+class Operator:
+    """The real operator in a thread; ``stop()`` is kopf's graceful stop (like SIGTERM)."""
+
+    def __init__(self, cluster: Cluster, namespaces: tuple[str, ...] = ("ml",), clock: Callable[[], float] | None = None,
+                 scan_interval: float = 0.1, scrape_interval: float = 0.05) -> None:
+        self.options = Options(namespaces=list(namespaces), kubeconfig=cluster.kubeconfig, metrics_port=None,
+                               scan_interval=scan_interval, scrape_interval=scrape_interval, scrape_timeout=1.0,
+                               clock=clock or time.time)
+        self.registry = CollectorRegistry()
+        self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True, name="operator")
+
+    def _main(self) -> None:
+        try:
+            run(self.options, stop_flag=self.stop_flag, ready_flag=self.ready_flag, registry=self.registry)
+        except BaseException as e:  # noqa: BLE001 - surfaced by stop()
+            self.error = e
+
+    def __enter__(self) -> Operator:
+        self.thread.start()
+        assert self.ready_flag.wait(15), f"operator did not start: {self.error!r}"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        self.thread.join(20)
+        assert not self.thread.is_alive(), "operator did not stop"
+        assert self.error is None, f"operator crashed: {self.error!r}"
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        return self.registry.get_sample_value(name, labels or {})
+
+
+class Rank0Metrics:
+    """Rank 0's /metrics with the trainer's metric names, served by a real exporter on 127.0.0.1."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.registry = CollectorRegistry()
+        names = {contract.M_STEP: "step", contract.M_TOTAL_STEPS: "steps", contract.M_LOSS: "loss",
+                 contract.M_TOKENS_PER_SECOND: "tok/s", contract.M_TOKENS_PER_SECOND_PER_GPU: "tok/s/gpu",
+                 contract.M_FLOPS_PER_GPU: "flop/s", contract.M_MFU: "ratio", contract.M_STEP_DURATION: "s",
+                 contract.M_LAST_CHECKPOINT_STEP: "step", contract.M_LAST_STEP_TIMESTAMP: "s",
+                 contract.M_PRODUCTIVE_SECONDS: "s", contract.M_JOB_START_TIMESTAMP: "s",
+                 contract.M_ATTEMPT: "attempt"}
+        self.g = {n: Gauge(n, f"test gauge ({u})", registry=self.registry) for n, u in names.items()}
+        self.server, _ = start_http_server(0, "127.0.0.1", registry=self.registry)
+        self.port = self.server.server_port
+
+    def set(self, **values: float) -> None:
+        for k, v in values.items():
+            self.g[getattr(contract, k)].set(v)
+
+    def step(self, step: int, attempt: int = 0, checkpoint: int | None = None, loss: float = 2.5) -> None:
+        now = self.clock()
+        self.set(M_STEP=step, M_ATTEMPT=attempt, M_LOSS=loss, M_LAST_STEP_TIMESTAMP=now,
+                 M_TOKENS_PER_SECOND=8192.0, M_TOKENS_PER_SECOND_PER_GPU=1024.0, M_FLOPS_PER_GPU=4.0e14,
+                 M_MFU=0.4, M_STEP_DURATION=1.0, M_PRODUCTIVE_SECONDS=step * 1.0,
+                 M_JOB_START_TIMESTAMP=now - step * 1.25)
+        if checkpoint is not None:
+            self.set(M_LAST_CHECKPOINT_STEP=checkpoint)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+NS = "ml"
+
+
+def cpu_spec(nodes: int = 2, **run_policy: Any) -> dict[str, Any]:
+    """A small valid CPU spec (the debug model), `nodes` pods per attempt."""
+    return {
+        "model": {"flavor": "debug"},
+        "training": {"steps": 100, "seqLen": 256, "localBatchSize": 8, "warmupSteps": 10},
+        "parallelism": {"dataParallelShardDegree": 2 * nodes},
+        "precision": {"compile": False, "activationCheckpointing": "none"},
+        "data": {"source": "synthetic"},
+        "tokenizer": {"source": "builtin"},
+        "checkpoint": {"intervalSteps": 10, "asyncMode": "disabled", "storage": {"persistentVolumeClaim": {"claimName": "ckpt"}}},
+        "resources": {"nodes": nodes, "gpusPerNode": 0, "processesPerNode": 2, "shmSize": "1Gi"},
+        "runPolicy": {"backoffSeconds": 0, "nodeFailureGraceSeconds": 0, **run_policy},
+    }
+
+
+def lpt(name: str, spec: dict[str, Any], metrics_port: int | None = None) -> dict[str, Any]:
+    spec = copy.deepcopy(spec)
+    if metrics_port is not None:
+        spec.setdefault("monitoring", {})["metricsPort"] = metrics_port
+    return {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+            "metadata": {"name": name, "namespace": NS}, "spec": spec}
