@@ -1,0 +1,186 @@
+"""kubetitan's alerts: shape, `promtool check rules`, and a `promtool test rules` case for every
+alert, firing and not firing (evaluated just before and after `for`, labels and annotations)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubetitan.monitoring import alerts as al
+from kubetitan.monitoring.config import DEFAULT
+
+REPO = Path(__file__).resolve().parents[2]
+RULES_FILE = REPO / "charts" / "kubetitan" / "files" / "kubetitan-rules.yaml"
+RUNBOOK = REPO / "docs" / "runbook.md"
+ALERTS = {a.name: a for a in al.alerts()}
+T = 'job="kubetitan-trainer",namespace="ml",name="run",pod="run-a0-0"'
+O = 'job="kubetitan-operator",namespace="kubetitan-system",pod="kt-kubetitan-0"'
+
+
+def promtool() -> str:
+    found = shutil.which("promtool")
+    if not found:
+        pytest.fail("promtool not found: run `make tools` (Debian's prometheus package)")
+    return found
+
+
+@dataclass
+class Case:
+    id: str
+    alert: str
+    series: dict[str, str]
+    eval_time: str
+    firing: bool
+    value_text: str = ""
+    labels: dict[str, str] = field(default_factory=lambda: {"namespace": "ml", "name": "run"})
+
+
+CASES = [
+    # -- stalled: heartbeat frozen at t=0; condition from 31m, `for` 5m
+    Case("stalled-fires", "KubeTitanTrainingStalled",
+         {f"kubetitan_trainer_last_step_timestamp_seconds{{{T}}}": "0x60", f"kubetitan_trainer_step{{{T}}}": "10x60",
+          f"kubetitan_trainer_total_steps{{{T}}}": "100x60"}, "40m", True, "40m 0s"),
+    Case("stalled-pending", "KubeTitanTrainingStalled",
+         {f"kubetitan_trainer_last_step_timestamp_seconds{{{T}}}": "0x60", f"kubetitan_trainer_step{{{T}}}": "10x60",
+          f"kubetitan_trainer_total_steps{{{T}}}": "100x60"}, "35m", False),
+    Case("stalled-finished-run", "KubeTitanTrainingStalled",
+         {f"kubetitan_trainer_last_step_timestamp_seconds{{{T}}}": "0x60", f"kubetitan_trainer_step{{{T}}}": "100x60",
+          f"kubetitan_trainer_total_steps{{{T}}}": "100x60"}, "40m", False),
+    Case("stalled-healthy", "KubeTitanTrainingStalled",
+         {f"kubetitan_trainer_last_step_timestamp_seconds{{{T}}}": "0+60x60", f"kubetitan_trainer_step{{{T}}}": "0+1x60",
+          f"kubetitan_trainer_total_steps{{{T}}}": "100x60"}, "40m", False),
+    # -- loss not finite
+    Case("loss-nan-fires", "KubeTitanLossNotFinite", {f"kubetitan_trainer_loss{{{T}}}": "3 NaN NaN"}, "1m", True),
+    Case("loss-inf-fires", "KubeTitanLossNotFinite", {f"kubetitan_trainer_loss{{{T}}}": "3 Inf Inf"}, "1m", True),
+    Case("loss-nonfinite-restart-fires", "KubeTitanLossNotFinite",
+         {f'kubetitan_operator_restarts_total{{{O},name="run",cause="NonFiniteLoss"}}': "0 0 1 1 1"}, "4m", True,
+         labels={"namespace": "kubetitan-system", "name": "run"}),
+    Case("loss-finite", "KubeTitanLossNotFinite",
+         {f"kubetitan_trainer_loss{{{T}}}": "3-0.1x5",
+          f'kubetitan_operator_restarts_total{{{O},name="run",cause="Hang"}}': "0 0 1 1 1"}, "4m", False),
+    # -- loss diverging: 2.0 for 2h, then 4.0; condition from ~128m, `for` 15m
+    Case("diverging-fires", "KubeTitanLossDiverging", {f"kubetitan_trainer_loss{{{T}}}": "2x120 4x40"}, "150m", True, "4"),
+    Case("diverging-pending", "KubeTitanLossDiverging", {f"kubetitan_trainer_loss{{{T}}}": "2x120 4x40"}, "135m", False),
+    Case("diverging-falling-loss", "KubeTitanLossDiverging", {f"kubetitan_trainer_loss{{{T}}}": "8-0.02x200"}, "190m", False),
+    # -- restart rate: 5 restarts in minutes 61-65
+    Case("restarts-fire", "KubeTitanRestartRateHigh",
+         {f'kubetitan_operator_restarts_total{{{O},name="run",cause="Hang"}}': "0x60 1 2 3 4 5 5x60"}, "70m", True, "5",
+         labels={"namespace": "kubetitan-system", "name": "run"}),
+    Case("restarts-pending", "KubeTitanRestartRateHigh",
+         {f'kubetitan_operator_restarts_total{{{O},name="run",cause="Hang"}}': "0x60 1 2 3 4 5 5x60"}, "66m", False),
+    Case("restarts-few", "KubeTitanRestartRateHigh",
+         {f'kubetitan_operator_restarts_total{{{O},name="run",cause="Hang"}}': "0x60 1 2 2x60"}, "70m", False),
+    # -- MFU: 0.5 for 400m, then 0.2; condition from ~408m, `for` 30m
+    Case("mfu-fires", "KubeTitanMFUDropped", {f"kubetitan_trainer_mfu_ratio{{{T}}}": "0.5x400 0.2x60"}, "445m", True, "20%"),
+    Case("mfu-pending", "KubeTitanMFUDropped", {f"kubetitan_trainer_mfu_ratio{{{T}}}": "0.5x400 0.2x60"}, "420m", False),
+    Case("mfu-steady", "KubeTitanMFUDropped", {f"kubetitan_trainer_mfu_ratio{{{T}}}": "0.5x460"}, "445m", False),
+    # -- checkpoint stale: 10 steps/min, interval 20 steps, never saved; condition from 7m, `for` 10m
+    Case("checkpoint-stale-fires", "KubeTitanCheckpointStale",
+         {f"kubetitan_trainer_step{{{T}}}": "0+10x30", f"kubetitan_trainer_last_checkpoint_step{{{T}}}": "0x30",
+          f"kubetitan_trainer_checkpoint_interval_steps{{{T}}}": "20x30"}, "20m", True, "200"),
+    Case("checkpoint-stale-pending", "KubeTitanCheckpointStale",
+         {f"kubetitan_trainer_step{{{T}}}": "0+10x30", f"kubetitan_trainer_last_checkpoint_step{{{T}}}": "0x30",
+          f"kubetitan_trainer_checkpoint_interval_steps{{{T}}}": "20x30"}, "15m", False),
+    Case("checkpoint-stale-default-interval-fires", "KubeTitanCheckpointStale",
+         {f"kubetitan_trainer_step{{{T}}}": "0+100x40", f"kubetitan_trainer_last_checkpoint_step{{{T}}}": "0x40"},
+         "30m", True, "3k"),
+    Case("checkpoint-fresh", "KubeTitanCheckpointStale",
+         {f"kubetitan_trainer_step{{{T}}}": "0+10x30", f"kubetitan_trainer_last_checkpoint_step{{{T}}}": "0+10x30",
+          f"kubetitan_trainer_checkpoint_interval_steps{{{T}}}": "20x30"}, "20m", False),
+    # -- operator down
+    Case("operator-down-fires", "KubeTitanOperatorDown", {f"up{{{O}}}": "0x20"}, "15m", True, labels={}),
+    Case("operator-down-no-target-fires", "KubeTitanOperatorDown", {f"up{{{T}}}": "1x20"}, "15m", True, labels={}),
+    Case("operator-down-pending", "KubeTitanOperatorDown", {f"up{{{O}}}": "0x20"}, "9m", False),
+    Case("operator-up", "KubeTitanOperatorDown", {f"up{{{O}}}": "1x20"}, "15m", False),
+    # -- reconcile errors: one a minute; condition from 6m, `for` 15m
+    Case("reconcile-errors-fire", "KubeTitanReconcileErrors",
+         {f"kubetitan_operator_reconcile_errors_total{{{O}}}": "0+1x60"}, "40m", True, "15",
+         labels={"namespace": "kubetitan-system"}),
+    Case("reconcile-errors-pending", "KubeTitanReconcileErrors",
+         {f"kubetitan_operator_reconcile_errors_total{{{O}}}": "0+1x60"}, "20m", False),
+    Case("reconcile-no-errors", "KubeTitanReconcileErrors",
+         {f"kubetitan_operator_reconcile_errors_total{{{O}}}": "0x60"}, "40m", False),
+]
+
+
+def expected_annotations(case: Case) -> dict[str, str]:
+    """The alert's annotations with its templates filled in by hand for this case."""
+    rule = next(r for g in al.rule_groups()["groups"] for r in g["rules"] if r["alert"] == case.alert)
+    desc = rule["annotations"]["description"]
+    for key, val in case.labels.items():
+        desc = desc.replace(f"{{{{ $labels.{key} }}}}", val)
+    desc = re.sub(r"\{\{ \$value \| \w+ \}\}", case.value_text, desc)
+    assert "{{" not in desc, f"{case.id}: description still has a template: {desc}"
+    return {**rule["annotations"], "description": desc}
+
+
+def promtool_test_file(case: Case, tmp: Path) -> Path:
+    alert_test = {"eval_time": case.eval_time, "alertname": case.alert, "exp_alerts": []}
+    if case.firing:
+        alert_test["exp_alerts"] = [{
+            "exp_labels": {"severity": ALERTS[case.alert].severity, **case.labels},
+            "exp_annotations": expected_annotations(case),
+        }]
+    doc = {
+        "rule_files": [str(RULES_FILE)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m",
+                   "input_series": [{"series": s, "values": v} for s, v in case.series.items()],
+                   "alert_rule_test": [alert_test]}],
+    }
+    path = tmp / f"{case.id}.test.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False, width=1000))
+    return path
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_promtool_rule_unit_test(case, tmp_path):
+    proc = subprocess.run([promtool(), "test", "rules", str(promtool_test_file(case, tmp_path))],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_alert_has_a_firing_and_a_non_firing_case():
+    for name in ALERTS:
+        assert {c.firing for c in CASES if c.alert == name} == {True, False}, name
+
+
+def test_a_wrong_expectation_fails(tmp_path):
+    """The harness can fail: a firing case turned into 'expect nothing' must not pass."""
+    case = next(c for c in CASES if c.id == "stalled-fires")
+    case = Case(**{**case.__dict__, "firing": False})
+    proc = subprocess.run([promtool(), "test", "rules", str(promtool_test_file(case, tmp_path))],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "KubeTitanTrainingStalled" in proc.stdout + proc.stderr
+
+
+def test_promtool_check_rules():
+    proc = subprocess.run([promtool(), "check", "rules", str(RULES_FILE)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"SUCCESS: {len(ALERTS)} rules found" in proc.stdout
+
+
+def test_rules_file_is_generated_from_code():
+    assert yaml.safe_load(RULES_FILE.read_text()) == al.rule_groups()
+
+
+@pytest.mark.parametrize("name", sorted(ALERTS))
+def test_alert_shape_and_runbook(name):
+    a = ALERTS[name]
+    rule = next(r for r in al.rule_groups()["groups"][0]["rules"] if r["alert"] == name)
+    assert re.fullmatch(r"KubeTitan[A-Z][A-Za-z]+", name)
+    assert a.severity in {"critical", "warning", "info"}
+    assert "{{" not in a.summary and a.summary.endswith(".")
+    assert "Check" in a.description
+    if name not in {"KubeTitanOperatorDown", "KubeTitanReconcileErrors"}:  # operator-level alerts
+        assert "{{ $labels.namespace }}/{{ $labels.name }}" in a.description
+    assert rule["annotations"]["runbook_url"] == f"{DEFAULT.runbook_url_base}#{name.lower()}"
+    # docs/runbook.md has the entry the anchor points at (GitHub anchors: lowercased headings).
+    headings = [h.strip().lower() for h in re.findall(r"^## (.+)$", RUNBOOK.read_text(), re.M)]
+    assert name.lower() in headings
