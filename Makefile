@@ -34,7 +34,7 @@ $(TOOLS)/.prometheus:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    prometheus=$(PROMETHEUS_DEB) >/dev/null; fi
 	# The package may start a system daemon on :9090; tests run their own instance.
-	-pkill -x prometheus 2>/dev/null
+	pkill -x prometheus 2>/dev/null || true
 	touch $@
 
 demo: python-env
