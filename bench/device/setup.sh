@@ -1,0 +1,16 @@
+# Sourced by every device script: carried wheels -> /tmp/site, kubetitan packages on PYTHONPATH, environment facts.
+# Wheels: .whl/ (ignored via .git/info/exclude), made as /work/.library/device/README.md says; see docs/benchmarks.md.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/bench:$PWD/trainer:$PWD/operator
+export PYTHONUNBUFFERED=1 LOG_RANK=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$OUT/r"
+{ date -u; nvidia-smi; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
+  df -h / /tmp; free -g; nproc
+  python3 -c 'import sys,torch,torchtitan,torchao; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version()); print("torchtitan", torchtitan.__version__, "torchao", torchao.__version__)'
+} > "$OUT/r/env.txt" 2>&1
+finish() {  # logs into one archive (the call returns at most 8 files)
+  tar -C "$OUT/r" -czf "$OUT/logs.tgz" . 2>/dev/null; cp "$OUT/r/results.jsonl" "$OUT/" 2>/dev/null
+  python3 bench/gpu_bench.py table "$OUT/r"
+}

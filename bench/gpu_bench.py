@@ -1,0 +1,297 @@
+"""GPU bench: Llama 3 1B/3B-class training on one GPU, plain torchtitan 0.2.2 vs kubetitan's launch path.
+
+One entry, runnable on the device in one call (see ``bench/device/*.sh``)::
+
+    python bench/gpu_bench.py matmul --out DIR                 # bf16 8192^3 matmul ceiling
+    python bench/gpu_bench.py run --out DIR --cases 3B:compile:2,1B:fp8tw:4 [--path plain|kubetitan]
+    python bench/gpu_bench.py table DIR [DIR...]               # the summary table of results.jsonl
+
+A case is ``FLAVOUR:MODE:BATCH[:key=value...]``. MODE is ``eager`` (bf16 autocast, no compile),
+``compile``, ``fp8tw`` (compile + FP8 tensorwise) or ``fp8rw`` (compile + FP8 rowwise); the output
+projection stays in bf16 (``filter_fqns = ["output"]``, torchtitan's and kubetitan's default). Options:
+``spec=fast`` (kubetitan_trainer.fast components), ``ac=selective|full``, ``ckpt=sync|async`` (checkpoint
+every ``ckint`` steps), ``profile=N`` (profile steps N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
+
+Every run: seq_len 8192, synthetic tokens, no activation checkpointing unless asked, AdamW
+(torchtitan defaults: fused, lr 8e-4 warm-up 2 steps... see ``toml_for``), ``log_freq = 1``; the
+bench parses torchtitan's per-step log line (tokens/s, TFLOP/s, MFU, reserved memory, loss) and
+reports median and spread over the steps after ``warmup``.
+
+FLOPs per token (torchtitan's formula, also kubetitan's): 6 * (params - embedding params)
++ 12 * n_layers * n_heads * head_dim * seq_len (attention counted without causal halving);
+MFU = tokens/s * FLOPs/token / peak, with peak = 989 TFLOP/s (dense bf16, H100/H200 SXM) and
+also against the bf16 matmul ceiling measured in the same call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+SEQ_LEN = int(os.environ.get("GPUBENCH_SEQ_LEN", "8192"))  # smaller only in CPU tests
+PEAK_BF16_TFLOPS = 989.0
+
+STEP_RE = re.compile(
+    r"step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:\s*(\S+)\s+memory:\s*([\d.]+)GiB\(([\d.]+)%\)\s+"
+    r"tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*([\d.]+)%"
+)
+PEAK_RE = re.compile(r"GPUBENCH peak_allocated_gib=([\d.]+) peak_reserved_gib=([\d.]+)")
+PARAMS_RE = re.compile(r"size:\s*([\d,]+) total parameters")
+SAVE_RE = re.compile(r"Finished saving the checkpoint .*?in ([\d.]+) seconds")
+
+MODES = {
+    "eager": dict(compile=False, fp8=None),
+    "compile": dict(compile=True, fp8=None),
+    "fp8tw": dict(compile=True, fp8="tensorwise"),
+    "fp8rw": dict(compile=True, fp8="rowwise"),
+}
+
+
+def parse_case(text: str) -> dict:
+    parts = text.split(":")
+    if len(parts) < 3 or parts[1] not in MODES:
+        raise SystemExit(f"bad case {text!r}: write FLAVOUR:MODE:BATCH[:key=value...], MODE one of {sorted(MODES)}")
+    case = {"flavor": parts[0], "mode": parts[1], "batch": int(parts[2]), "spec": "plain", "ac": "none",
+            "ckpt": "none", "ckint": 10, "profile": 0, "steps": 28, "warmup": 8, "seed": 42, "id": text}
+    for kv in parts[3:]:
+        k, _, v = kv.partition("=")
+        if k not in case:
+            raise SystemExit(f"bad option {k!r} in case {text!r}")
+        case[k] = type(case[k])(v) if not isinstance(case[k], str) else v
+    return case
+
+
+def case_id(case: dict, path: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{path}-{case['id']}")
+
+
+def _toml(d: dict, prefix: str = "") -> str:
+    """A minimal TOML writer (tables of scalars/lists); tomli_w may be missing on the device."""
+
+    def val(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        raise TypeError(v)
+
+    out, sub = [], []
+    for k, v in d.items():
+        (sub if isinstance(v, dict) else out).append((k, v))
+    text = "".join(f"{k} = {val(v)}\n" for k, v in out)
+    for k, v in sub:
+        name = f"{prefix}.{k}" if prefix else k
+        text += f"\n[{name}]\n" + _toml(v, name)
+    return text
+
+
+def toml_for(case: dict, dump_folder: str) -> dict:
+    """The plain torchtitan 0.2.2 job config of a case (what ``--job.config_file`` gets)."""
+    mode = MODES[case["mode"]]
+    spec = {"plain": "llama3_gpubench", "fast": "llama3_gpubench_fast"}[case["spec"]]
+    cfg = {
+        "job": {"dump_folder": dump_folder, "description": case["id"]},
+        "experimental": {"custom_import": "gpu_plain_spec"},
+        "model": {"name": spec, "flavor": case["flavor"],
+                  "converters": ["quantize.linear.float8"] if mode["fp8"] else []},
+        "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8, "weight_decay": 0.1},
+        "lr_scheduler": {"warmup_steps": 4},
+        "training": {"local_batch_size": case["batch"], "seq_len": SEQ_LEN, "max_norm": 1.0,
+                     "steps": case["steps"], "dataset": "gpubench_synthetic", "mixed_precision_param": "bfloat16"},
+        "parallelism": {"data_parallel_shard_degree": -1},
+        "checkpoint": {"enable": case["ckpt"] != "none", "folder": "checkpoint", "interval": case["ckint"],
+                       "async_mode": {"none": "disabled", "sync": "disabled", "async": "async"}[case["ckpt"]],
+                       "keep_latest_k": 2, "last_save_model_only": False},
+        "activation_checkpoint": {"mode": case["ac"], "selective_ac_option": "op"},
+        "compile": {"enable": mode["compile"], "components": ["model", "loss"]},
+        "metrics": {"log_freq": 1, "disable_color_printing": True, "enable_tensorboard": False},
+        "debug": {"seed": case["seed"]},
+    }
+    if mode["fp8"]:
+        cfg["quantize"] = {"linear": {"float8": {"recipe_name": mode["fp8"], "filter_fqns": ["output"]}}}
+    return cfg
+
+
+def parse_log(text: str, warmup: int, profile_after: int = 0) -> dict:
+    steps = [m.groups() for m in STEP_RE.finditer(text)]
+    rows = [dict(step=int(s), loss=float(lo), grad_norm=float(g), mem_reserved_gib=float(mr), mem_pct=float(mp),
+                 tps=float(t.replace(",", "")), tflops=float(tf.replace(",", "")), mfu=float(mf))
+            for s, lo, g, mr, mp, t, tf, mf in steps]
+    res: dict = {"steps_logged": len(rows)}
+    if not rows:
+        return res
+    timed = [r for r in rows if r["step"] > warmup and (not profile_after or r["step"] <= profile_after)]
+    res["loss_first"], res["loss_last"] = rows[0]["loss"], rows[-1]["loss"]
+    res["loss_finite"] = all(r["loss"] == r["loss"] and abs(r["loss"]) != float("inf") for r in rows)
+    res["losses"] = [r["loss"] for r in rows]
+    res["mem_reserved_gib"] = max(r["mem_reserved_gib"] for r in rows)
+    if timed:
+        tps = sorted(r["tps"] for r in timed)
+        q = statistics.quantiles(tps, n=4) if len(tps) >= 2 else [tps[0]] * 3
+        res.update(
+            timed_steps=len(timed), tps_median=statistics.median(tps), tps_min=tps[0], tps_max=tps[-1],
+            tps_q1=q[0], tps_q3=q[2], spread_pct=100 * (q[2] - q[0]) / statistics.median(tps),
+            tflops_median=statistics.median(r["tflops"] for r in timed),
+            mfu_median=statistics.median(r["mfu"] for r in timed),
+            step_tps=[r["tps"] for r in rows],
+        )
+    if m := PEAK_RE.search(text):
+        res["peak_allocated_gib"], res["peak_reserved_gib"] = float(m.group(1)), float(m.group(2))
+    if m := PARAMS_RE.search(text):
+        res["params"] = int(m.group(1).replace(",", ""))
+    res["ckpt_save_s"] = [float(x) for x in SAVE_RE.findall(text)]
+    return res
+
+
+def run_case(case: dict, path: str, out: Path, timeout: float, env_extra: dict | None = None) -> dict:
+    cid = case_id(case, path)
+    work = Path(os.environ.get("GPUBENCH_WORK", "/tmp/gpubench")) / cid
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH), str(REPO / "trainer"), str(REPO / "operator"),
+                                         env.get("PYTHONPATH", "")])
+    env.setdefault("LOG_RANK", "0")
+    env["PYTHONUNBUFFERED"] = "1"
+    if case["profile"]:
+        env["GPUBENCH_PROFILE_AFTER"] = str(case["profile"])
+    env.update(env_extra or {})
+    if path == "plain":
+        cfg_file = work / "job.toml"
+        cfg_file.write_text(_toml(toml_for(case, str(work / "dump"))))
+        port = str(29500 + (os.getpid() % 1000))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=1",
+               f"--rdzv_endpoint=localhost:{port}", "--rdzv_backend=c10d", "--local-ranks-filter=0",
+               "--role=rank", "--tee=3", "-m", "torchtitan.train", "--job.config_file", str(cfg_file)]
+    elif path == "kubetitan":
+        from gpu_kubetitan import kubetitan_command  # bench/gpu_kubetitan.py
+
+        cmd = kubetitan_command(case, work)
+    else:
+        raise SystemExit(f"unknown path {path!r}")
+    t0 = time.monotonic()
+    log_path = out / f"{cid}.log"
+    with open(log_path, "w") as log:
+        log.write("# " + " ".join(cmd) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.monotonic() - t0
+    res = {"case": case["id"], "path": path, "flavor": case["flavor"], "mode": case["mode"], "batch": case["batch"],
+           "spec": case["spec"], "ac": case["ac"], "ckpt": case["ckpt"], "rc": rc, "wall_s": round(wall, 1),
+           **parse_log(log_path.read_text(errors="replace"), case["warmup"], case["profile"])}
+    if path == "plain" or case["ckpt"] != "none":
+        shutil.rmtree(work / "dump", ignore_errors=True)
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(res) + "\n")
+    print(fmt_row(res), flush=True)
+    return res
+
+
+def matmul_ceiling(out: Path) -> dict:
+    import torch
+
+    n, dev = 8192, "cuda"
+    sets = [(torch.randn(n, n, device=dev, dtype=torch.bfloat16), torch.randn(n, n, device=dev, dtype=torch.bfloat16))
+            for _ in range(3)]
+    c = torch.empty(n, n, device=dev, dtype=torch.bfloat16)
+    for i in range(10):
+        torch.matmul(*sets[i % 3], out=c)
+    times = []
+    for i in range(60):
+        a, b = sets[i % 3]
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.matmul(a, b, out=c)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    med = statistics.median(times)
+    assert torch.isfinite(c.float()).all()
+    res = {"case": "matmul_bf16_8192", "tflops_median": 2 * n**3 / med / 1e12,
+           "tflops_min": 2 * n**3 / max(times) / 1e12, "tflops_max": 2 * n**3 / min(times) / 1e12,
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(res) + "\n")
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def fmt_row(r: dict, ceiling: float | None = None) -> str:
+    if r.get("case", "").startswith("matmul"):
+        return f"{'matmul bf16 8192^3':44s} {r['tflops_median']:8.1f} TFLOP/s (min {r['tflops_min']:.1f}, max {r['tflops_max']:.1f})"
+    if "tps_median" not in r:
+        return f"{r['path']:9s} {r['case']:34s} rc={r['rc']} FAILED (steps logged {r.get('steps_logged', 0)}, wall {r['wall_s']} s)"
+    vs = f" {100 * r['tflops_median'] / ceiling:5.1f}%c" if ceiling else ""
+    return (f"{r['path']:9s} {r['case']:34s} tok/s {r['tps_median']:9,.0f} [{r['tps_q1']:,.0f}-{r['tps_q3']:,.0f}] "
+            f"TF {r['tflops_median']:6.1f} MFU {r['mfu_median']:5.1f}%{vs} mem {r.get('peak_allocated_gib', float('nan')):6.1f}/"
+            f"{r['mem_reserved_gib']:6.1f}GiB loss {r['loss_first']:.3f}->{r['loss_last']:.3f} n={r['timed_steps']} "
+            f"wall {r['wall_s']}s rc={r['rc']}")
+
+
+def table(dirs: list[str]) -> None:
+    rows = []
+    for d in dirs:
+        p = Path(d) / "results.jsonl"
+        if p.exists():
+            rows += [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    ceiling = next((r["tflops_median"] for r in rows if r.get("case", "").startswith("matmul")), None)
+    for r in rows:
+        print(fmt_row(r, ceiling))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--cases", required=True)
+    r.add_argument("--path", default="plain", help="plain, kubetitan, or alt (each case kubetitan then plain, alternating)")
+    r.add_argument("--out", required=True)
+    r.add_argument("--case-timeout", type=float, default=240)
+    r.add_argument("--deadline", type=float, default=0, help="stop starting cases this many seconds from now")
+    m = sub.add_parser("matmul")
+    m.add_argument("--out", required=True)
+    t = sub.add_parser("table")
+    t.add_argument("dirs", nargs="+")
+    a = ap.parse_args(argv)
+    if a.cmd == "table":
+        return table(a.dirs)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.cmd == "matmul":
+        matmul_ceiling(out)
+        return
+    t0 = time.monotonic()
+    cases = [parse_case(c) for c in a.cases.split(",") if c]
+    plan = []
+    for i, c in enumerate(cases):
+        if a.path == "alt":  # alternate which path goes first, so that drift hits both alike
+            plan += [(c, "kubetitan"), (c, "plain")] if i % 2 == 0 else [(c, "plain"), (c, "kubetitan")]
+        else:
+            plan.append((c, a.path))
+    for c, path in plan:
+        left = a.deadline - (time.monotonic() - t0) if a.deadline else a.case_timeout
+        if left < 45:
+            print(f"SKIPPED {path} {c['id']}: deadline", flush=True)
+            continue
+        run_case(c, path, out, timeout=min(a.case_timeout, left))
+
+
+if __name__ == "__main__":
+    main()
