@@ -142,6 +142,8 @@ class Cluster:
         return [p["metadata"]["name"] for p in self.pods(ns, name)]
 
     def run_pod(self, ns: str, pod: str, node: str, ip: str = "127.0.0.1") -> None:
+        if self.get(NODES, None, node) is None:
+            self.add_node(node)
         self.patch(PODS, ns, pod, {"spec": {"nodeName": node}})
         self.patch(PODS, ns, pod, {"status": {
             "phase": "Running", "podIP": ip,
