@@ -218,14 +218,14 @@ def test_operator_pod_is_hardened_and_probed(files, sets):
         ([], ["--all-namespaces", "--peering=kubetitan"], [("ClusterKopfPeering", None)]),
         (["watch.mode=namespaced", "watch.namespaces={a,b}"], ["--namespace=a", "--namespace=b", "--peering=kubetitan"],
          [("KopfPeering", "a"), ("KopfPeering", "b")]),
-        (["replicaCount=1", "peering.enabled=false"], ["--all-namespaces", "--standalone"], []),
+        (["replicaCount=1", "peering.enabled=false"], ["--all-namespaces"], []),
     ],
     ids=["cluster", "namespaced", "standalone"],
 )
 def test_watch_mode_and_peering(sets, want_args, want_peerings):
     docs = render([], sets)
     args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert [a for a in args if a.startswith(("--all-namespaces", "--namespace", "--peering", "--standalone"))] == want_args
+    assert [a for a in args if a.startswith(("--all-namespaces", "--namespace", "--peering"))] == want_args
     got = [(d["kind"], d["metadata"].get("namespace")) for d in docs if d["kind"].endswith("KopfPeering")]
     assert got == want_peerings
 
@@ -244,9 +244,10 @@ def test_watch_mode_and_peering(sets, want_args, want_peerings):
         (["monitoring.dashboard.enabled=true"], "Additional property dashboard is not allowed"),
         (["replicas=3"], "Additional property replicas is not allowed"),
         (["operator.logFormat=xml"], "operator.logFormat: operator.logFormat must be one of the following"),
+        (["operator.verbose=maybe"], "operator.verbose: Invalid type. Expected: boolean, given: string"),
     ],
     ids=["replicas-zero", "bad-mode", "bad-namespace", "privileged-port", "pull-policy", "bad-interval",
-         "relative-runbook", "typo-nested", "typo-top", "log-format"],
+         "relative-runbook", "typo-nested", "typo-top", "log-format", "verbose"],
 )
 def test_invalid_values_are_rejected_with_a_clear_message(sets, message):
     proc = helm("template", "kt", str(CHART), *values_args([], sets), check=False)
@@ -329,3 +330,41 @@ def test_notes_tell_what_to_run_next(tmp_path, sets, expect):
     for text in expect:
         assert text in notes, notes
     assert "rollout status deploy/kt-kubetitan" in notes
+
+
+@pytest.mark.parametrize(
+    "sets, want",
+    [
+        ([], {"all_namespaces": True, "namespaces": [], "peering": "kubetitan"}),
+        (["watch.mode=namespaced", "watch.namespaces={a,b}", "peering.name=kt"],
+         {"all_namespaces": False, "namespaces": ["a", "b"], "peering": "kt"}),
+        (["replicaCount=1", "peering.enabled=false", "operator.verbose=true"],
+         {"all_namespaces": True, "namespaces": [], "peering": None}),
+    ],
+    ids=["cluster", "namespaced", "standalone"],
+)
+def test_the_operator_accepts_the_rendered_command_line(sets, want):
+    """The container's command runs through /bin/sh as rendered, and the operator's own argument
+    parser accepts the result; peered replicas get distinct priorities from their pod names."""
+    from kubetitan import handlers
+
+    (c,) = by_kind(render([], sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    argvs = []
+    for hostname in ("kt-kubetitan-7d9f-abcde", "kt-kubetitan-7d9f-fghij"):
+        if c["command"][:2] == ["/bin/sh", "-c"]:
+            # Run the real shell line with `kubetitan` replaced by a printer of its argv.
+            script = c["command"][2].replace("exec kubetitan operator", "printf '%s\\n'")
+            out = subprocess.run(["/bin/sh", "-c", script, *c["command"][3:], *c["args"]], capture_output=True,
+                                 text=True, env={"HOSTNAME": hostname, "PATH": "/usr/bin:/bin"}, check=True).stdout
+            argvs.append(out.splitlines())
+        else:
+            assert c["command"] == ["kubetitan", "operator"]
+            argvs.append(c["args"])
+    parsed = [handlers.build_parser().parse_args(a) for a in argvs]
+    p = parsed[0]
+    assert {"all_namespaces": p.all_namespaces, "namespaces": p.namespace, "peering": p.peering} == want
+    assert p.metrics_port == 8080 and p.liveness == "http://0.0.0.0:8081/healthz" and p.log_format == "json"
+    if want["peering"]:
+        assert parsed[0].priority != parsed[1].priority and parsed[0].priority > 0
+    else:
+        assert p.verbose is True

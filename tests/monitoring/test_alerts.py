@@ -21,6 +21,7 @@ RUNBOOK = REPO / "docs" / "runbook.md"
 ALERTS = {a.name: a for a in al.alerts()}
 T = 'job="kubetitan-trainer",namespace="ml",name="run",pod="run-a0-0"'
 O = 'job="kubetitan-operator",namespace="kubetitan-system",pod="kt-kubetitan-0"'
+J = 'job="kubetitan-operator",namespace="ml",name="run",pod="kt-kubetitan-0"'  # per-run operator series
 
 
 def promtool() -> str:
@@ -58,24 +59,23 @@ CASES = [
     # -- loss not finite
     Case("loss-nan-fires", "KubeTitanLossNotFinite", {f"kubetitan_trainer_loss{{{T}}}": "3 NaN NaN"}, "1m", True),
     Case("loss-inf-fires", "KubeTitanLossNotFinite", {f"kubetitan_trainer_loss{{{T}}}": "3 Inf Inf"}, "1m", True),
-    Case("loss-nonfinite-restart-fires", "KubeTitanLossNotFinite",
-         {f'kubetitan_operator_restarts_total{{{O},name="run",cause="NonFiniteLoss"}}': "0 0 1 1 1"}, "4m", True,
-         labels={"namespace": "kubetitan-system", "name": "run"}),
-    Case("loss-finite", "KubeTitanLossNotFinite",
-         {f"kubetitan_trainer_loss{{{T}}}": "3-0.1x5",
-          f'kubetitan_operator_restarts_total{{{O},name="run",cause="Hang"}}': "0 0 1 1 1"}, "4m", False),
+    Case("loss-nan-once-then-gone-fires", "KubeTitanLossNotFinite", {f"kubetitan_trainer_loss{{{T}}}": "3 3 NaN _ _ _"},
+         "5m", True),
+    Case("loss-nan-long-ago", "KubeTitanLossNotFinite", {f"kubetitan_trainer_loss{{{T}}}": "3 NaN 3x20"}, "20m", False),
+    Case("loss-finite", "KubeTitanLossNotFinite", {f"kubetitan_trainer_loss{{{T}}}": "3-0.1x5"}, "4m", False),
     # -- loss diverging: 2.0 for 2h, then 4.0; condition from ~128m, `for` 15m
     Case("diverging-fires", "KubeTitanLossDiverging", {f"kubetitan_trainer_loss{{{T}}}": "2x120 4x40"}, "150m", True, "4"),
     Case("diverging-pending", "KubeTitanLossDiverging", {f"kubetitan_trainer_loss{{{T}}}": "2x120 4x40"}, "135m", False),
     Case("diverging-falling-loss", "KubeTitanLossDiverging", {f"kubetitan_trainer_loss{{{T}}}": "8-0.02x200"}, "190m", False),
     # -- restart rate: 5 restarts in minutes 61-65
     Case("restarts-fire", "KubeTitanRestartRateHigh",
-         {f'kubetitan_operator_restarts_total{{{O},name="run",cause="Hang"}}': "0x60 1 2 3 4 5 5x60"}, "70m", True, "5",
-         labels={"namespace": "kubetitan-system", "name": "run"}),
+         {f'kubetitan_operator_job_restarts{{{J}}}': "0x60 1 2 3 4 5 5x60"}, "70m", True, "5"),
     Case("restarts-pending", "KubeTitanRestartRateHigh",
-         {f'kubetitan_operator_restarts_total{{{O},name="run",cause="Hang"}}': "0x60 1 2 3 4 5 5x60"}, "66m", False),
+         {f'kubetitan_operator_job_restarts{{{J}}}': "0x60 1 2 3 4 5 5x60"}, "66m", False),
     Case("restarts-few", "KubeTitanRestartRateHigh",
-         {f'kubetitan_operator_restarts_total{{{O},name="run",cause="Hang"}}': "0x60 1 2 2x60"}, "70m", False),
+         {f'kubetitan_operator_job_restarts{{{J}}}': "0x60 1 2 2x60"}, "70m", False),
+    Case("restarts-long-ago", "KubeTitanRestartRateHigh",
+         {f'kubetitan_operator_job_restarts{{{J}}}': "0 1 2 3 4 5 5x130"}, "130m", False),
     # -- MFU: 0.5 for 400m, then 0.2; condition from ~408m, `for` 30m
     Case("mfu-fires", "KubeTitanMFUDropped", {f"kubetitan_trainer_mfu_ratio{{{T}}}": "0.5x400 0.2x60"}, "445m", True, "20%"),
     Case("mfu-pending", "KubeTitanMFUDropped", {f"kubetitan_trainer_mfu_ratio{{{T}}}": "0.5x400 0.2x60"}, "420m", False),

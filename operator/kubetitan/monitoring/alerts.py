@@ -55,16 +55,17 @@ def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
         ),
         Alert(
             "KubeTitanLossNotFinite",
-            f"(max by ({by}) ({c.M_LOSS}{{{t}}} != {c.M_LOSS}{{{t}}}))"
-            f" or (max by ({by}) (abs({c.M_LOSS}{{{t}}})) == +Inf)"
-            f" or (sum by ({by}) (increase({q.OP_RESTARTS}{{{cfg.operator}, cause=\"NonFiniteLoss\"}}[30m])) > 0)",
+            # A non-finite loss makes the trainer exit (code 3) right away, so its series may be seen
+            # in one scrape only: look back over a window instead of at the latest sample.
+            f"max by ({by}) (count_over_time((({c.M_LOSS}{{{t}}} != {c.M_LOSS}{{{t}}})"
+            f" or (abs({c.M_LOSS}{{{t}}}) == +Inf))[{cfg.loss_not_finite_window}:1m])) > 0",
             cfg.loss_not_finite_for,
             "warning",
             "Training loss is NaN or infinite.",
-            f"{LPT} reported a NaN or infinite loss (or was restarted for one in the last 30 minutes). "
-            "The operator restarts from the last checkpoint and fails the run if it repeats. Check the "
-            "learning rate and warm-up, gradient clipping (`training.maxNorm`), FP8 settings, and the "
-            "data around the failing step.",
+            f"{LPT} reported a NaN or infinite loss in the last {cfg.loss_not_finite_window}. The trainer exits "
+            "(code 3), the operator restarts from the last checkpoint and fails the run if it repeats. Check the "
+            "learning rate and warm-up, gradient clipping (`training.maxNorm`), FP8 settings, and the data "
+            "around the failing step.",
         ),
         Alert(
             "KubeTitanLossDiverging",
@@ -79,7 +80,10 @@ def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
         ),
         Alert(
             "KubeTitanRestartRateHigh",
-            f"sum by ({by}) (increase({q.OP_RESTARTS}{{{cfg.operator}}}[{cfg.restart_rate_window}]))"
+            # kubetitan_operator_job_restarts is the run's restart count (status.restartCount): a gauge
+            # that only grows during a run, so its spread over the window is the restarts in it.
+            f"max by ({by}) (max_over_time({q.OP_JOB_RESTARTS}{{{cfg.operator}}}[{cfg.restart_rate_window}])"
+            f" - min_over_time({q.OP_JOB_RESTARTS}{{{cfg.operator}}}[{cfg.restart_rate_window}]))"
             f" > {cfg.restart_rate_threshold}",
             cfg.restart_rate_for,
             "warning",

@@ -28,6 +28,7 @@ class MonitoringConfig:
     """No step for this long (twice the default ``runPolicy.hangTimeoutSeconds``: the
     operator's own hang restart should have acted first) -> KubeTitanTrainingStalled."""
     stalled_for: str = "5m"
+    loss_not_finite_window: str = "10m"
     loss_not_finite_for: str = "0m"
     loss_divergence_factor: float = 1.5
     """Loss averaged over ``loss_short_window`` above this factor times its lowest value over

@@ -20,6 +20,7 @@ OP_JOB_STEP = "kubetitan_operator_job_step"
 OP_JOB_TOKENS_PER_SECOND = "kubetitan_operator_job_tokens_per_second"
 OP_JOB_MFU = "kubetitan_operator_job_mfu_ratio"
 OP_JOB_GOODPUT = "kubetitan_operator_job_goodput_ratio"
+OP_JOB_RESTARTS = "kubetitan_operator_job_restarts"
 BUILD_INFO = "kubetitan_build_info"
 # Trainer metric the alerts need beyond contract.M_* (the trainer exports it; see docs/monitoring.md).
 # The alert falls back to config.checkpoint_interval_steps_default while the trainer does not export it.
@@ -158,8 +159,8 @@ def heartbeat_age(cfg: MonitoringConfig) -> str:
     return f"time() - max({c.M_LAST_STEP_TIMESTAMP}{{{run_selector(cfg)}}})"
 
 
-def restarts_by_cause(cfg: MonitoringConfig) -> str:
-    return f"sum by (cause) ({OP_RESTARTS}{{{op_job_selector(cfg)}}})"
+def job_restarts(cfg: MonitoringConfig) -> str:
+    return f"max({OP_JOB_RESTARTS}{{{op_job_selector(cfg)}}})"
 
 
 def goodput(cfg: MonitoringConfig) -> str:
