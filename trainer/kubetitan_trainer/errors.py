@@ -1,0 +1,28 @@
+"""Exceptions that map to the documented exit codes (``kubetitan.contract.ExitCode``)."""
+
+from __future__ import annotations
+
+from kubetitan.contract import ExitCode
+
+
+class ConfigError(Exception):
+    """The configuration cannot work. Exit code 2; the message names the field and the fix."""
+
+    exit_code = ExitCode.CONFIG_ERROR
+
+    def __init__(self, field: str, problem: str, fix: str) -> None:
+        self.field, self.problem, self.fix = field, problem, fix
+        super().__init__(f"{field}: {problem}. Fix: {fix}")
+
+
+class NonFiniteLossError(Exception):
+    """The loss became NaN or infinite. Exit code 3."""
+
+    exit_code = ExitCode.NON_FINITE_LOSS
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        super().__init__(
+            f"The loss became non-finite (NaN or inf) at step {step}; the run resumes from the last "
+            "checkpoint. If it repeats, lower spec.training.learningRate or spec.training.maxNorm"
+        )

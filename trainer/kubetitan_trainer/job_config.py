@@ -1,0 +1,111 @@
+"""The ``[kubetitan]`` table of ``trainer.toml``, merged into torchtitan's ``JobConfig``.
+
+torchtitan 0.2.2 extends its config through ``job.custom_config_module``: the module named there
+must define a ``JobConfig`` dataclass, whose fields ConfigManager merges with its own
+(``torchtitan/config/manager.py``, ``_maybe_add_custom_config``). The operator's renderer
+(``kubetitan.render._kubetitan_table``) writes exactly these keys.
+
+Torch-free on purpose: the operator and the contract test import it without torch.
+No ``from __future__ import annotations`` here: ConfigManager checks ``is_dataclass(field.type)``
+to recurse into nested tables, which fails on string annotations.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class KubetitanData:
+    """``[kubetitan.data]``: where the training tokens come from."""
+
+    source: Literal["synthetic", "huggingface", "shards"] = "synthetic"
+    """`synthetic`: deterministic random tokens (benchmarks); `huggingface`: a text dataset
+    tokenized on the fly, read the way torchtitan reads c4; `shards`: pre-tokenized `.bin` files."""
+    hf_dataset: str = "allenai/c4"
+    """Dataset repository on the hub, a local directory or file (`.jsonl`, `.json`, `.txt`,
+    `.parquet`), or `builtin` for the small corpus shipped with the trainer."""
+    hf_config: str = ""
+    """Dataset configuration (subset) name; empty means none. Ignored for local files."""
+    hf_split: str = "train"
+    """Split to read."""
+    hf_streaming: bool = True
+    """Stream the dataset instead of downloading it whole first."""
+    hf_text_field: str = "text"
+    """Column holding the text."""
+    shards_path: str = ""
+    """Directory with `*.bin` token shards and `index.json` (written by `kubetitan prepare-data`)."""
+    shards_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    """Token dtype of the shards; `auto` reads it from `index.json`."""
+
+
+@dataclass
+class KubetitanTokenizer:
+    """``[kubetitan.tokenizer]``: which tokenizer to load."""
+
+    source: Literal["builtin", "path", "huggingface"] = "builtin"
+    """`builtin`: the byte-level BPE shipped with the trainer (vocabulary below 2048);
+    `path`: a directory holding `tokenizer.json`; `huggingface`: downloaded from the hub at start
+    (uses `HF_TOKEN` from the environment)."""
+    path: str = ""
+    """Directory holding `tokenizer.json` (and `tokenizer_config.json`), for `source = "path"`."""
+    repo: str = ""
+    """Hub repository for `source = "huggingface"`, e.g. `meta-llama/Meta-Llama-3.1-8B`."""
+
+
+@dataclass
+class KubetitanModel:
+    """``[kubetitan.model]``: dimensions of the `custom` flavour (unused by named flavours)."""
+
+    dim: int = 256
+    """Hidden size; divisible by `n_heads`."""
+    n_layers: int = 6
+    """Transformer blocks."""
+    n_heads: int = 16
+    """Attention (query) heads."""
+    n_kv_heads: int = 16
+    """Key/value heads (grouped-query attention); divides `n_heads`."""
+    ffn_dim_multiplier: float = 1.0
+    """Multiplier on the feed-forward hidden size."""
+    multiple_of: int = 256
+    """The feed-forward hidden size is rounded up to a multiple of this."""
+    rope_theta: float = 500000.0
+    """Base frequency of the rotary position embedding."""
+    vocab_size: int = 2048
+    """Vocabulary size; at least the tokenizer's."""
+
+
+@dataclass
+class Kubetitan:
+    """``[kubetitan]``: what torchtitan's own sections cannot say."""
+
+    job_name: str = "local"
+    """Name of the LlamaPretrain (labels metrics and logs)."""
+    namespace: str = "default"
+    """Namespace of the LlamaPretrain."""
+    metrics_port: int = 9090
+    """Port of the Prometheus `/metrics` endpoint served by each node's local rank 0; 0 turns it off."""
+    metrics_host: str = "0.0.0.0"
+    """Address the metrics endpoint binds to."""
+    gpu_product: str = ""
+    """GPU model from the spec (H100, H200, ...); the MFU peak when the device name does not say."""
+    instance_type: str = ""
+    """Node instance type from the spec (informational; also tells the GPU model)."""
+    requested_fsdp_float8_all_gather: bool = False
+    """The spec asked for FSDP FP8 all-gather (the renderer turns it off when dp_shard is 1;
+    the trainer says so in its log)."""
+    requested_precompute_float8_scale: bool = False
+    """The spec asked for precomputed FP8 scales (same rule as above)."""
+    data: KubetitanData = field(default_factory=KubetitanData)
+    """Training data."""
+    tokenizer: KubetitanTokenizer = field(default_factory=KubetitanTokenizer)
+    """Tokenizer."""
+    model: KubetitanModel = field(default_factory=KubetitanModel)
+    """Custom model dimensions."""
+
+
+@dataclass
+class JobConfig:
+    """The extension torchtitan merges into its own ``JobConfig``."""
+
+    kubetitan: Kubetitan = field(default_factory=Kubetitan)
+    """kubetitan's settings."""

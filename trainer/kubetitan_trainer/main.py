@@ -1,0 +1,73 @@
+"""Worker entry point: ``python -m kubetitan_trainer.main --job.config_file trainer.toml``.
+
+torchrun (``kubetitan_trainer.launch``) starts one per rank. It applies the CPU bridges when
+there is no GPU, registers the TrainSpec, checks the config, then runs torchtitan's own
+``main(trainer_class)`` with :class:`~kubetitan_trainer.trainer.KubetitanTrainer`, and turns
+the outcome into the documented exit code (``kubetitan.contract.ExitCode``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from kubetitan.contract import ExitCode
+
+
+def load_config(argv: list[str]):
+    """Parse ``argv`` with torchtitan's ConfigManager (kubetitan's table merged in)."""
+    from torchtitan.config import ConfigManager
+
+    import kubetitan_trainer.train_spec  # noqa: F401 - registers the TrainSpec
+
+    return ConfigManager().parse_args(argv)
+
+
+def parse_error_message(exc: BaseException) -> str:
+    return f"config: cannot parse the trainer config: {exc}. Fix: render it again with `kubetitan render`"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from kubetitan_trainer import cpu_bridge
+
+    bridged = cpu_bridge.apply()
+    import torch
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    if bridged:
+        logger.info("No GPU: applied kubetitan's CPU bridges (gloo, CPU memory monitor, plain-sum FSDP)")
+
+    from kubetitan_trainer.checks import check
+    from kubetitan_trainer.errors import ConfigError, NonFiniteLossError
+
+    try:
+        config = load_config(argv)
+    except (Exception, SystemExit) as e:  # tyro exits on bad values
+        logger.error(parse_error_message(e))
+        return ExitCode.CONFIG_ERROR
+    try:
+        check(config, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
+    except ConfigError as e:
+        logger.error(f"Config error: {e}")
+        return ExitCode.CONFIG_ERROR
+
+    from torchtitan.train import main as torchtitan_main
+
+    from kubetitan_trainer.trainer import KubetitanTrainer
+
+    sys.argv = [sys.argv[0], *argv]  # torchtitan's main parses sys.argv
+    try:
+        torchtitan_main(KubetitanTrainer)
+    except ConfigError as e:
+        logger.error(f"Config error: {e}")
+        return ExitCode.CONFIG_ERROR
+    except NonFiniteLossError as e:
+        logger.error(str(e))
+        return ExitCode.NON_FINITE_LOSS
+    return int(KubetitanTrainer.exit_code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

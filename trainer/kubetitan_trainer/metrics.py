@@ -1,0 +1,251 @@
+"""Prometheus metrics served by the trainer, and the MetricsProcessor that feeds them.
+
+Who serves: each pod's **local rank 0** serves ``/metrics`` on ``[kubetitan] metrics_port`` with
+its own rank's numbers (throughput, FLOP/s, memory, timings), plus the values torchtitan already
+reduces over all ranks (the loss is the global average, the token count the global total). The
+operator scrapes rank 0's pod for the status; Prometheus may scrape every pod (PodMonitor) to see
+per-node stragglers. Other local ranks export nothing (a null exporter).
+
+MFU (computed by kubetitan, also with FP8 on)::
+
+    flops_per_second_per_gpu = num_flops_per_token * tokens_per_second_per_gpu
+    mfu_ratio                = flops_per_second_per_gpu / peak_bf16_flops_per_second
+
+``num_flops_per_token`` is torchtitan's own (``model_args.get_nparams_and_flops``: 6 x parameters
+(embedding excluded) + 12 x layers x heads x head_dim x seq_len, i.e. forward + backward, PaLM
+appendix B). ``tokens_per_second_per_gpu`` is torchtitan's ``tps`` (this rank's tokens over the
+log interval, divided by the non-data-parallel degree). The peak is the dense bf16 tensor-core
+peak of ``kubetitan.catalog.ACCELERATORS``, matched on the CUDA device name (else the spec's
+``gpuProduct``). FP8 runs are still divided by the bf16 peak, so FP8 speed-ups show as a higher
+MFU (the seeds' convention). On CPU, or on an unknown GPU, there is no peak: the
+``mfu_ratio`` and ``peak_flops_per_second_per_gpu`` series are not exported at all (absent rather
+than a made-up number or NaN).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from torchtitan.components.metrics import (
+    MetricsProcessor,
+    _build_metric_logger,
+    build_device_memory_monitor,
+)
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.tools import utils
+from torchtitan.tools.logging import logger
+
+from kubetitan import contract
+from kubetitan.catalog import ACCELERATORS, accelerator_for
+
+from kubetitan_trainer import cpu_bridge
+
+try:  # prometheus-client >= 0.18: no `_created` series for counters/histograms.
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()
+except ImportError:  # pragma: no cover
+    pass
+
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
+DATA_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10)
+CKPT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+def peak_flops_for(device_name: str | None, gpu_product: str = "", instance_type: str = "") -> float | None:
+    """Dense bf16 peak FLOP/s of one GPU, or None when unknown (CPU, unlisted GPU)."""
+    if device_name:
+        # Longest product names first so that e.g. "H200" is never taken for "H20".
+        for key in sorted(ACCELERATORS, key=len, reverse=True):
+            if key in device_name:
+                return ACCELERATORS[key].peak_bf16_tflops * 1e12
+    acc = accelerator_for(instance_type or None, gpu_product or None)
+    return acc.peak_bf16_tflops * 1e12 if acc else None
+
+
+def mfu_ratio(flops_per_token: float, tokens_per_second_per_gpu: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation, 0-1: achieved model FLOP/s of one GPU over its bf16 peak."""
+    if not peak_flops or peak_flops <= 0:
+        return None
+    return flops_per_token * tokens_per_second_per_gpu / peak_flops
+
+
+class NullExporter:
+    """Exporter of ranks that do not serve (every local rank but 0): every attribute and call is a no-op."""
+
+    enabled = False
+    port = 0
+
+    def __getattr__(self, name: str) -> "NullExporter":
+        return self
+
+    def __call__(self, *args, **kwargs) -> None:
+        return None
+
+
+class Exporter:
+    """kubetitan's trainer metrics in one registry, served over HTTP by local rank 0."""
+
+    enabled = True
+
+    def __init__(self, *, peak_flops: float | None, total_steps: int, attempt: int, job_start: float) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.port = 0
+        self.step = Gauge(contract.M_STEP, "Last completed optimizer step (steps).", registry=r)
+        self.total_steps = Gauge(contract.M_TOTAL_STEPS, "Optimizer steps the run trains for (steps).", registry=r)
+        self.loss = Gauge(contract.M_LOSS, "Training loss averaged over all ranks' tokens at the last logged step (nats per token).", registry=r)
+        self.grad_norm = Gauge(contract.M_GRAD_NORM, "Global L2 norm of the gradients before clipping at the last logged step (ratio).", registry=r)
+        self.lr = Gauge("kubetitan_trainer_learning_rate", "Learning rate of the last logged step (ratio).", registry=r)
+        self.tps_total = Gauge(contract.M_TOKENS_PER_SECOND, "Training throughput of the whole job over the last log interval (tokens per second).", registry=r)
+        self.tps_gpu = Gauge(contract.M_TOKENS_PER_SECOND_PER_GPU, "Training throughput of this rank over the last log interval, divided by the non-data-parallel degree (tokens per second).", registry=r)
+        self.flops_gpu = Gauge(contract.M_FLOPS_PER_GPU, "Achieved model FLOP/s of this rank's device over the last log interval (FLOP per second).", registry=r)
+        self.mfu = self.peak = None
+        if peak_flops:
+            self.mfu = Gauge(contract.M_MFU, "Model FLOPs utilisation: achieved model FLOP/s over the device's dense bf16 peak (ratio 0-1).", registry=r)
+            self.peak = Gauge("kubetitan_trainer_peak_flops_per_second_per_gpu", "Dense bf16 peak of one device used as the MFU denominator (FLOP per second).", registry=r)
+            self.peak.set(peak_flops)
+        self.step_duration = Histogram(contract.M_STEP_DURATION, "Wall time of one optimizer step including its collectives (seconds).", buckets=STEP_BUCKETS, registry=r)
+        self.data_loading = Histogram(contract.M_DATA_LOADING_DURATION, "Time to fetch one micro-batch from the data loader (seconds).", buckets=DATA_BUCKETS, registry=r)
+        self.mem_active = Gauge(contract.M_MEMORY_MAX_ACTIVE, "Peak active device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
+        self.mem_reserved = Gauge(contract.M_MEMORY_MAX_RESERVED, "Peak reserved device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
+        self.ckpt_duration = Histogram(contract.M_CHECKPOINT_SAVE_DURATION, "Time training was blocked by a checkpoint save (staging only with async saves) (seconds).", buckets=CKPT_BUCKETS, registry=r)
+        self.ckpt_step = Gauge(contract.M_LAST_CHECKPOINT_STEP, "Step of the last checkpoint this attempt saved (steps).", registry=r)
+        self.ckpt_ts = Gauge(contract.M_LAST_CHECKPOINT_TIMESTAMP, "Unix time the last checkpoint save finished (seconds).", registry=r)
+        self.tokens = Counter(contract.M_TOKENS.removesuffix("_total"), "Tokens trained on by the whole job, carried across attempts through the checkpoint (tokens).", registry=r)
+        self.attempt = Gauge(contract.M_ATTEMPT, "Attempt number of this gang; restarts seen = attempt (count).", registry=r)
+        self.heartbeat = Gauge(contract.M_LAST_STEP_TIMESTAMP, "Unix time the last optimizer step completed; the heartbeat for hang detection (seconds).", registry=r)
+        self.productive = Counter(contract.M_PRODUCTIVE_SECONDS.removesuffix("_total"), "Wall time of optimizer steps kept in checkpoints, carried across attempts (seconds).", registry=r)
+        self.job_start = Gauge(contract.M_JOB_START_TIMESTAMP, "Unix time the run's first attempt started; goodput = productive seconds / (now - this) (seconds).", registry=r)
+        self.total_steps.set(total_steps)
+        self.attempt.set(attempt)
+        self.job_start.set(job_start)
+        self._tokens_seen = 0
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        if port <= 0:
+            return
+        start_http_server(port, addr=host, registry=self.registry)
+        self.port = port
+        logger.info(f"Serving Prometheus metrics on http://{host}:{port}/metrics")
+
+    def step_done(self, step: int, seconds: float) -> None:
+        self.step.set(step)
+        self.step_duration.observe(seconds)
+        self.productive.inc(seconds)
+        self.heartbeat.set(time.time())
+
+    def carried(self, productive_seconds: float) -> None:
+        """Productive seconds restored from the checkpoint (earlier attempts' kept work)."""
+        self.productive.inc(productive_seconds)
+
+    def tokens_seen(self, global_tokens: int) -> None:
+        if global_tokens > self._tokens_seen:
+            self.tokens.inc(global_tokens - self._tokens_seen)
+            self._tokens_seen = global_tokens
+
+    def checkpoint_saved(self, step: int, seconds: float) -> None:
+        self.ckpt_duration.observe(seconds)
+        self.ckpt_step.set(step)
+        self.ckpt_ts.set(time.time())
+
+
+def _job_start() -> float:
+    try:
+        return float(os.environ.get(contract.ENV_JOB_START_TIME, ""))
+    except ValueError:
+        return time.time()
+
+
+class KubetitanMetricsProcessor(MetricsProcessor):
+    """torchtitan's processor (console, TensorBoard) plus the Prometheus exporter and a step log.
+
+    ``__init__`` mirrors the base class's, but picks the memory monitor itself: the CPU bridge's
+    :class:`~kubetitan_trainer.cpu_bridge.CpuMemoryMonitor` when there is no GPU (bridge 2).
+    """
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag: str | None = None):
+        self.logger = _build_metric_logger(job_config, parallel_dims, tag)
+        self.parallel_dims = parallel_dims
+        self.job_config = job_config
+        self.device_memory_monitor = (
+            cpu_bridge.CpuMemoryMonitor() if cpu_bridge.needed() else build_device_memory_monitor()
+        )
+        self.color = utils.NoColor() if job_config.metrics.disable_color_printing else utils.Color()
+        kt = job_config.kubetitan
+        self.peak_flops = peak_flops_for(
+            None if cpu_bridge.needed() else self.device_memory_monitor.device_name,
+            kt.gpu_product,
+            kt.instance_type,
+        )
+        # torchtitan divides by this for its own console MFU; it must not be zero.
+        self.gpu_peak_flops = self.peak_flops or 1e12
+        self.ntokens_since_last_log = 0
+        self.data_loading_times = []
+        self.time_last_log = time.perf_counter()
+        self.device_memory_monitor.reset_peak_stats()
+        self.num_flops_per_token = -1
+        self.optimizers = None
+        self.lr_schedulers = None
+        self.model_parts = None
+
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        attempt = int(os.environ.get(contract.ENV_ATTEMPT, "0") or 0)
+        if local_rank == 0:
+            self.exporter: Exporter | NullExporter = Exporter(
+                peak_flops=self.peak_flops,
+                total_steps=job_config.training.steps,
+                attempt=attempt,
+                job_start=_job_start(),
+            )
+            self.exporter.serve(kt.metrics_port, kt.metrics_host)
+        else:
+            self.exporter = NullExporter()
+        self.step_log: Path | None = None
+        if self.rank == 0:
+            self.step_log = Path(job_config.job.dump_folder) / "kubetitan" / "steps.jsonl"
+            self.step_log.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None) -> None:
+        # Read the interval's counters before torchtitan's log() resets them.
+        time_delta = time.perf_counter() - self.time_last_log
+        tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
+        flops = self.num_flops_per_token * tps
+        mfu = mfu_ratio(self.num_flops_per_token, tps, self.peak_flops)
+        mem = self.device_memory_monitor.get_peak_stats()
+        extra = dict(extra_metrics or {})
+        global_tokens = int(extra.get("n_tokens_seen", 0))
+        ex = self.exporter
+        ex.loss.set(global_avg_loss)
+        ex.grad_norm.set(grad_norm)
+        if "lr" in extra:
+            ex.lr.set(float(extra["lr"]))
+        ex.tps_gpu.set(tps)
+        ex.tps_total.set(tps * self.parallel_dims.world_size)
+        ex.flops_gpu.set(flops)
+        if mfu is not None and getattr(ex, "mfu", None) is not None:
+            ex.mfu.set(mfu)
+        ex.mem_active.set(mem.max_active_gib * 2**30)
+        ex.mem_reserved.set(mem.max_reserved_gib * 2**30)
+        ex.tokens_seen(global_tokens)
+        if mfu is not None:
+            extra["kubetitan/mfu_ratio"] = mfu
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+        if self.step_log is not None:
+            rec = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, "tokens_per_second_per_gpu": tps,
+                   "flops_per_second_per_gpu": flops, "mfu_ratio": mfu, "tokens": global_tokens, "time": time.time()}
+            with open(self.step_log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+def build_metrics_processor(job_config: JobConfig, parallel_dims: ParallelDims, model_args=None, tag: str | None = None):
+    """TrainSpec ``build_metrics_processor_fn``."""
+    return KubetitanMetricsProcessor(job_config, parallel_dims, tag)

@@ -1,0 +1,62 @@
+"""The TrainSpec's ``build_tokenizer_fn``: builtin, a local path, or a hub repository."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.config import JobConfig
+from torchtitan.tools.logging import logger
+
+from kubetitan_trainer.errors import ConfigError
+
+BUILTIN_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer"
+_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def tokenizer_dir(job_config: JobConfig) -> str:
+    """The directory holding ``tokenizer.json`` for the configured source (downloads for `huggingface`)."""
+    t = job_config.kubetitan.tokenizer
+    if t.source == "builtin":
+        return str(BUILTIN_TOKENIZER)
+    if t.source == "path":
+        if not t.path or not (Path(t.path) / "tokenizer.json").is_file():
+            raise ConfigError(
+                "kubetitan.tokenizer.path (spec.tokenizer.path)",
+                f"no tokenizer.json in {t.path or '(unset)'}",
+                "point it at a directory holding tokenizer.json inside the image or a mounted volume",
+            )
+        return t.path
+    if t.source == "huggingface":
+        if not t.repo:
+            raise ConfigError("kubetitan.tokenizer.repo (spec.tokenizer.repo)", "is empty",
+                              "set it to a hub repository such as meta-llama/Meta-Llama-3.1-8B")
+        from huggingface_hub import snapshot_download
+
+        dest = os.path.join(job_config.job.dump_folder, "tokenizer", t.repo.replace("/", "--"))
+        logger.info(f"Downloading the tokenizer of {t.repo} to {dest}")
+        try:
+            snapshot_download(t.repo, local_dir=dest, allow_patterns=_FILES, token=os.environ.get("HF_TOKEN"))
+        except Exception as e:  # noqa: BLE001 - any hub failure is a config problem for the user
+            raise ConfigError("kubetitan.tokenizer.repo (spec.tokenizer.repo)", f"cannot download {t.repo}: {e}",
+                              "check the name, and for gated models set spec.tokenizer.tokenSecretRef") from None
+        return dest
+    raise ConfigError("kubetitan.tokenizer.source (spec.tokenizer.source)", f"unknown source {t.source!r}",
+                      "use builtin, path or huggingface")
+
+
+def build_tokenizer(job_config: JobConfig) -> HuggingFaceTokenizer:
+    """TrainSpec ``build_tokenizer_fn``; checks the model's vocabulary can hold every token id."""
+    from kubetitan_trainer.train_spec import model_args_for
+
+    tok = HuggingFaceTokenizer(tokenizer_dir(job_config))
+    vocab = tok.get_vocab_size()
+    model_vocab = model_args_for(job_config).vocab_size
+    if vocab > model_vocab:
+        raise ConfigError(
+            "model.flavor (spec.model.flavor / spec.tokenizer)",
+            f"the tokenizer has {vocab} tokens but flavour {job_config.model.flavor} has vocab_size {model_vocab}",
+            "use a tokenizer that fits (the builtin one fits every flavour) or a custom flavour with a larger vocabSize",
+        )
+    return tok

@@ -1,0 +1,186 @@
+"""``KubetitanTrainer``: torchtitan's Trainer with checks at step boundaries that no hook reaches.
+
+Everything else comes through the TrainSpec. The subclass adds, and only adds:
+
+- **Stop and non-finite agreement** after every step: one all-reduce (MAX) of two flags, "a stop was
+  requested" (the launcher's stop file exists, i.e. the pod got SIGTERM) and "my loss is not
+  finite". All ranks see the same answer at the same step, so they stop together.
+- **Stop** (SIGTERM): the checkpoint of that step is saved in full and synchronously (torchtitan's
+  last-step save, forced on), the loop ends, and the worker exits 75.
+- **Non-finite loss**: raises :class:`NonFiniteLossError` (exit 3) before anything is saved.
+- **Resume** from the newest *complete* checkpoint (``kubetitan.contract.newest_complete_step``);
+  partial newer step directories are skipped with a warning.
+- **Goodput state**: productive step seconds travel in the checkpoint's ``train_state``.
+- **Step metrics**: step time, heartbeat, data-loading time and checkpoint save time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.config import JobConfig
+from torchtitan.tools.logging import logger
+from torchtitan.train import Trainer
+
+from kubetitan import contract
+from kubetitan.contract import ExitCode
+
+from kubetitan_trainer import ENV_STOP_FILE
+from kubetitan_trainer.errors import NonFiniteLossError
+
+
+def checkpoint_entries(folder: str) -> list[tuple[str, bool]]:
+    """(directory name, has DCP metadata) pairs of a checkpoint folder."""
+    if not os.path.isdir(folder):
+        return []
+    return [(n, os.path.isfile(os.path.join(folder, n, contract.DCP_METADATA_FILE))) for n in os.listdir(folder)]
+
+
+def resolve_load_step(folder: str) -> int:
+    """The step to resume from under the one resume rule, -1 for none; warns about partial saves."""
+    entries = checkpoint_entries(folder)
+    newest = contract.newest_complete_step(entries)
+    for step in contract.incomplete_steps(entries):
+        if newest is None or step > newest:
+            logger.warning(
+                f"Skipped checkpoint step-{step} in {folder}: it has no {contract.DCP_METADATA_FILE} "
+                "(a save that was cut off); resuming from the newest complete one instead"
+            )
+    return -1 if newest is None else newest
+
+
+class KubetitanTrainer(Trainer):
+    """torchtitan's Trainer plus kubetitan's step-boundary checks (see the module docstring)."""
+
+    exit_code: int = ExitCode.OK
+    """Set when the loop ended for a reason other than reaching the last step (read by ``main``)."""
+
+    def __init__(self, job_config: JobConfig):
+        self.productive_seconds = 0.0
+        self._stop_file = os.environ.get(ENV_STOP_FILE, "")
+        self._stopping = False
+        self._local_loss: torch.Tensor | None = None
+        super().__init__(job_config)
+        self._log_float8_notes()
+        self._wrap_checkpoint_save()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "productive_step_seconds": self.productive_seconds}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.productive_seconds = float(state_dict.get("productive_step_seconds", 0.0))
+
+    # ------------------------------------------------------------------ loop
+    def train(self):
+        ck = self.job_config.checkpoint
+        if ck.enable and ck.load_step == -1:
+            step = resolve_load_step(os.path.join(self.job_config.job.dump_folder, ck.folder))
+            if step >= 0:
+                ck.load_step = step
+                logger.info(f"Resuming from the newest complete checkpoint, step {step}")
+        return super().train()
+
+    def _after_load(self) -> None:
+        ex = self.metrics_processor.exporter
+        ex.carried(self.productive_seconds)
+        ex.step.set(self.step)
+
+    def should_continue_training(self) -> bool:
+        return not self._stopping and super().should_continue_training()
+
+    def batch_generator(self, data_iterable):
+        times = self.metrics_processor.data_loading_times
+        observe = self.metrics_processor.exporter.data_loading.observe
+        for item in super().batch_generator(data_iterable):
+            if times:
+                observe(times[-1])
+            yield item
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        d = loss.detach()
+        self._local_loss = d if self._local_loss is None else self._local_loss + d
+        return loss
+
+    def train_step(self, data_iterator):
+        begin = time.perf_counter()
+        self._local_loss = None
+        super().train_step(data_iterator)
+        stop, non_finite = self._agree()
+        seconds = time.perf_counter() - begin
+        if non_finite:
+            raise NonFiniteLossError(self.step)
+        self.productive_seconds += seconds
+        self.metrics_processor.exporter.step_done(self.step, seconds)
+        if stop:
+            self._stopping = True
+            logger.warning(f"Stop requested (SIGTERM): saving a full checkpoint at step {self.step}, then exiting")
+
+    def _stop_requested(self) -> bool:
+        return bool(self._stop_file) and os.path.exists(self._stop_file)
+
+    def _agree(self) -> tuple[bool, bool]:
+        """All ranks agree on (stop, non-finite loss) with one MAX all-reduce."""
+        loss = self._local_loss if self._local_loss is not None else torch.zeros((), device=self.device)
+        flags = torch.stack([
+            torch.tensor(float(self._stop_requested()), device=self.device),
+            (~torch.isfinite(loss.float().reshape(-1)).all()).float().to(self.device),
+        ])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, non_finite = (bool(v) for v in flags.tolist())
+        return stop, non_finite
+
+    # ------------------------------------------------------------------ checkpoints
+    def _wrap_checkpoint_save(self) -> None:
+        ckpt = self.checkpointer
+        save = ckpt.save
+
+        def timed_save(curr_step: int, last_step: bool = False) -> None:
+            if self._stopping:
+                # A stop save must be complete and resumable: full state, synchronous.
+                last_step, ckpt.last_save_model_only = True, False
+            will_save = ckpt._should_save(curr_step, last_step)
+            begin = time.perf_counter()
+            save(curr_step, last_step=last_step)
+            if will_save:
+                self.metrics_processor.exporter.checkpoint_saved(curr_step, time.perf_counter() - begin)
+            if self._stopping:
+                if will_save:
+                    KubetitanTrainer.exit_code = ExitCode.TERMINATED_CHECKPOINTED
+                    logger.info(f"Saved the stop checkpoint at step {curr_step}")
+                else:
+                    KubetitanTrainer.exit_code = contract.EXIT_SIGTERM
+                    logger.warning("Stopping without a checkpoint: checkpoint.enable is false")
+
+        ckpt.save = timed_save
+        load = ckpt.load
+
+        def load_then_publish(step: int = -1) -> bool:
+            loaded = load(step)
+            self._after_load()
+            return loaded
+
+        ckpt.load = load_then_publish
+
+    def _log_float8_notes(self) -> None:
+        kt = self.job_config.kubetitan
+        if "quantize.linear.float8" not in self.job_config.model.converters:
+            return
+        f8 = self.job_config.quantize.linear.float8
+        dp_shard = self.parallel_dims.dp_shard
+        for asked, on, what in (
+            (kt.requested_fsdp_float8_all_gather, f8.enable_fsdp_float8_all_gather, "FSDP FP8 all-gather"),
+            (kt.requested_precompute_float8_scale, f8.precompute_float8_dynamic_scale_for_fsdp, "precomputed FP8 scales"),
+        ):
+            if asked and not on:
+                logger.warning(f"{what} was requested but is off: torchtitan only uses it with dp_shard > 1 "
+                               f"(this run has dp_shard={dp_shard})")
+            elif on:
+                logger.info(f"{what} is on (dp_shard={dp_shard})")
