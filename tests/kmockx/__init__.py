@@ -17,6 +17,12 @@ subclass fills exactly the gaps kubetitan's tests hit; each one is marked ``GAP:
 - GAP tables: ``Accept: ...;as=Table`` (kubectl get) renders ``additionalPrinterColumns`` like the API
   server does, so printer columns can be asserted with the real kubectl.
 
+Opt-in (``graceful_pod_deletion=True``, used by tests/e2e's process-running kubelet): deleting a Pod that is
+bound to a node and not finished only sets ``deletionTimestamp``/``deletionGracePeriodSeconds`` (from the
+DeleteOptions, else ``spec.terminationGracePeriodSeconds``, else 30), as the API server does; the kubelet then
+kills the containers and removes the object with a grace-0 delete. Grace 0 (a force delete) removes it at once.
+Off by default, so tests that play the kubelet by hand keep the immediate deletes they expect.
+
 Mutations also call ``self.hooks`` (async callables taking the parsed request) before they apply, so a
 test can hold a request (e.g. "operator killed mid-reconcile").
 """
@@ -115,6 +121,7 @@ def _age(ts: str | None) -> str:
 class KubeEmulator(kmock.KubernetesEmulator):
     printer_columns: dict[Any, list[dict[str, Any]]] = attrs.field(factory=dict)
     hooks: list[Hook] = attrs.field(factory=list)
+    graceful_pod_deletion: bool = False
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
 
     # ------------------------------------------------------------------ helpers for tests
@@ -286,6 +293,15 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if obj is None:
             return 404, {"reason": "NotFound", "message": f'{res.plural} "{name}" not found'}
         raw = copy.deepcopy(obj.raw)
+        grace = self._pod_grace(res, raw, options)
+        if grace is not None and not raw["metadata"].get("finalizers"):
+            if raw["metadata"].get("deletionGracePeriodSeconds") == grace:
+                return 200, raw  # already terminating with this grace
+            raw["metadata"].update(deletionTimestamp=_now(), deletionGracePeriodSeconds=grace)
+            self._stamp(raw)
+            obj.patch(kdicts_replace(obj.raw, raw))
+            await self._emit(res, "MODIFIED", raw)
+            return 200, raw
         if raw["metadata"].get("finalizers"):
             if not raw["metadata"].get("deletionTimestamp"):
                 raw["metadata"]["deletionTimestamp"] = _now()
@@ -295,6 +311,19 @@ class KubeEmulator(kmock.KubernetesEmulator):
             return 200, raw
         await self._really_delete(res, ns, name)
         return 200, raw
+
+    def _pod_grace(self, res: Any, raw: dict[str, Any], options: dict[str, Any] | None) -> int | None:
+        """Grace seconds when this delete of a Pod is graceful (opt-in), None when it removes the object now."""
+        if not self.graceful_pod_deletion or res.plural != "pods":
+            return None
+        spec, meta = raw.get("spec") or {}, raw["metadata"]
+        grace = (options or {}).get("gracePeriodSeconds")
+        grace = int(spec.get("terminationGracePeriodSeconds", 30) if grace is None else grace)
+        if not spec.get("nodeName") or (raw.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return None  # unscheduled or finished pods go at once, as on the API server
+        if meta.get("deletionTimestamp") is not None:  # already terminating: only a shorter grace changes it
+            grace = min(grace, int(meta.get("deletionGracePeriodSeconds") or 0))
+        return grace if grace > 0 else None
 
     async def _really_delete(self, res: Any, ns: str | None, name: str) -> None:
         obj = self._objects[(res, ns, name)]
@@ -312,8 +341,18 @@ class KubeEmulator(kmock.KubernetesEmulator):
                        and all(ref.get("uid") not in live for ref in refs)]
             if not orphans:
                 return
+            removed = False  # orphans that only got a deletionTimestamp stay; stop once nothing went
             for r, n, nm in orphans:
                 obj = self._objects[(r, n, nm)]
+                if (grace := self._pod_grace(r, obj.raw, None)) is not None:
+                    if obj.raw["metadata"].get("deletionTimestamp"):
+                        continue  # terminating (graceful deletion): its kubelet removes it
+                    raw = copy.deepcopy(obj.raw)
+                    raw["metadata"].update(deletionTimestamp=_now(), deletionGracePeriodSeconds=grace)
+                    self._stamp(raw)
+                    obj.patch(kdicts_replace(obj.raw, raw))
+                    await self._emit(r, "MODIFIED", raw)
+                    continue
                 if obj.raw["metadata"].get("finalizers"):
                     if not obj.raw["metadata"].get("deletionTimestamp"):
                         raw = copy.deepcopy(obj.raw)
@@ -324,6 +363,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 raw = copy.deepcopy(obj.raw)
                 obj.delete()
                 await self._emit(r, "DELETED", raw)
+                removed = True
+            if not removed:
+                return
 
     # ------------------------------------------------------------------ reads
     def _select(self, request: rendering.Request, strict: bool) -> list[dict[str, Any]]:
