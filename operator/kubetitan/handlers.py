@@ -269,8 +269,10 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             new = next_status(spec, old, d, obs)
 
             # 4. status, once
-            old_raw, new_raw = old.dump(), new.dump()
-            if old_raw != new_raw or body.get("status") is None:
+            # Against what the server holds: our last write, or (first cycle here) the watched status.
+            old_raw = old.dump() if job.status is not None else dict(body.get("status") or {})
+            new_raw = new.dump()
+            if old_raw != new_raw:
                 await client.patch_status(ns, name, merge_patch(old_raw, new_raw))
             job.status = new
 
@@ -317,9 +319,10 @@ async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainSta
     new.observed_generation = generation
     new.phase = C.derive_phase(new.conditions, attempt_exists=new.attempt is not None)
     new.message = f"invalid spec: {msg}"
-    if new.dump() != old.dump():
+    old_raw = old.dump() if job.status is not None else {}
+    if new.dump() != old_raw:
         assert ctx.client is not None
-        await ctx.client.patch_status(ns, name, merge_patch(old.dump(), new.dump()))
+        await ctx.client.patch_status(ns, name, merge_patch(old_raw, new.dump()))
     job.status = new
     ctx.metrics.set_phase(ns, name, new.phase)
 
