@@ -1,0 +1,306 @@
+"""Unit tests of the trainer's pure parts: config table, flavours, data sources, MFU, launcher logic."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kubetitan import contract, render
+from kubetitan.api import LlamaPretrain
+from kubetitan.catalog import ACCELERATORS, FLAVOURS
+
+from tests.conftest import EXAMPLES, load_example
+from tests.trainer.helpers import lpt, write_config
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+
+def parse(path: Path):
+    from kubetitan_trainer.main import load_config
+
+    return load_config(["--job.config_file", str(path)])
+
+
+def test_job_config_module_is_torch_free():
+    code = "import sys, kubetitan_trainer.job_config, kubetitan.render; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([PY, "-c", code], check=True, cwd=REPO)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_is_accepted_by_the_trainer_config_loader(example, tmp_path):
+    """Contract: what the planner renders is what torchtitan's ConfigManager (with our table) accepts."""
+    obj = LlamaPretrain.model_validate(load_example(example))
+    path = tmp_path / contract.CONFIG_KEY
+    path.write_text(render.trainer_toml(obj))
+    cfg = parse(path)
+    table = render.trainer_config(obj)["kubetitan"]
+    assert cfg.model.name == render.TRAIN_SPEC_NAME
+    assert cfg.kubetitan.job_name == obj.metadata.name
+    assert cfg.kubetitan.data.source == table["data"]["source"] == obj.spec.data.source
+    assert cfg.kubetitan.tokenizer.source == obj.spec.tokenizer.source
+    assert cfg.kubetitan.metrics_port == obj.spec.monitoring.metrics_port
+    from kubetitan_trainer.train_spec import model_args_for
+
+    assert model_args_for(cfg).dim > 0  # the flavour exists in the registered TrainSpec
+
+
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS), ids=sorted(FLAVOURS))
+def test_catalog_dims_match_registered_model_args(flavour):
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import kubetitan_trainer.train_spec  # noqa: F401
+
+    tt_name, dims = FLAVOURS[flavour]
+    args = get_train_spec(render.TRAIN_SPEC_NAME).model_args[tt_name]
+    got = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of", "rope_theta", "vocab_size")}
+    want = dict(dims.__dict__)
+    if got["n_kv_heads"] is None:
+        got["n_kv_heads"] = got["n_heads"]
+    assert got == want
+
+
+def test_custom_flavour_takes_dims_from_the_kubetitan_table(tmp_path):
+    obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 128, "nLayers": 2, "nHeads": 4, "nKvHeads": 2, "vocabSize": 1024}}})
+    cfg = parse(write_config(tmp_path / "t.toml", obj, tmp_path))
+    from kubetitan_trainer.train_spec import model_args_for
+
+    a = model_args_for(cfg)
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size) == (128, 2, 4, 2, 1024)
+
+
+# ----------------------------------------------------------------------------- data sources
+def test_synthetic_is_deterministic_per_seed_rank_and_index_and_resumes():
+    from kubetitan_trainer.data import SyntheticTokens
+
+    a, b = SyntheticTokens(2048, 32, seed=1, dp_rank=0), SyntheticTokens(2048, 32, seed=1, dp_rank=0)
+    assert np.array_equal(a.sample(5), b.sample(5))
+    assert not np.array_equal(a.sample(5), SyntheticTokens(2048, 32, seed=1, dp_rank=1).sample(5))
+    assert not np.array_equal(a.sample(5), SyntheticTokens(2048, 32, seed=2, dp_rank=0).sample(5))
+    it = iter(a)
+    first = [next(it)[1] for _ in range(3)]
+    state = a.state_dict()
+    fourth = next(it)[1]
+    c = SyntheticTokens(2048, 32, seed=1, dp_rank=0)
+    c.load_state_dict(state)
+    assert np.array_equal(next(iter(c))[1].numpy(), fourth.numpy())
+    assert state == {"sample_idx": 3} and len(first) == 3
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    src = out / "docs.jsonl"
+    src.write_text("".join(json.dumps({"body": f"Doc {i}: Ada has a red fox near the river. " * 3}) + "\n" for i in range(200)))
+    from kubetitan_trainer.prepare import main
+
+    assert main([str(src), "-o", str(out / "s"), "--text-field", "body", "--shard-tokens", "1000"]) == 0
+    return out / "s"
+
+
+def test_prepare_data_writes_shards_and_index(shards):
+    index = json.loads((shards / "index.json").read_text())
+    assert index["dtype"] == "uint16" and index["documents"] == 200
+    assert len(index["files"]) >= 3  # 1000-token shards
+    assert sum(f["tokens"] for f in index["files"]) == index["total_tokens"]
+    for f in index["files"]:
+        assert (shards / f["name"]).stat().st_size == 2 * f["tokens"]
+    tokens = np.concatenate([np.fromfile(shards / f["name"], dtype=np.uint16) for f in index["files"]])
+    assert (tokens == index["eos_id"]).sum() == 200  # one EOS per document
+
+
+def test_prepare_data_rejects_a_missing_field(tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"text": "x"}\n')
+    from kubetitan_trainer.prepare import main
+
+    with pytest.raises(SystemExit, match="no key 'body'"):
+        main([str(src), "-o", str(tmp_path / "o"), "--text-field", "body"])
+
+
+def test_shards_are_split_by_rank_and_resume_at_the_saved_position(shards):
+    from kubetitan_trainer.data import TokenShards
+
+    world = 3
+    ranks = [TokenShards(str(shards), 16, r, world) for r in range(world)]
+    windows = [{ds.window_of(i) for i in range(ds.windows_per_rank)} for ds in ranks]
+    assert all(not (windows[i] & windows[j]) for i in range(world) for j in range(i + 1, world))
+    assert set().union(*windows) == set(range(ranks[0].windows_per_rank * world))
+    # a window spanning two shard files reads the concatenated stream
+    index = json.loads((shards / "index.json").read_text())
+    stream = np.concatenate([np.fromfile(shards / f["name"], dtype=np.uint16) for f in index["files"]]).astype(np.int64)
+    ds = ranks[1]
+    for i in range(ds.windows_per_rank):
+        w = ds.window_of(i)
+        assert np.array_equal(ds.sample(i), stream[w * 17 : (w + 1) * 17])
+    it = iter(ds)
+    [next(it) for _ in range(4)]
+    state = ds.state_dict()
+    want = next(it)
+    again = TokenShards(str(shards), 16, 1, world)
+    again.load_state_dict(state)
+    got = next(iter(again))
+    assert np.array_equal(got[1].numpy(), want[1].numpy())
+
+
+def test_shards_dtype_mismatch_is_a_config_error(shards):
+    from kubetitan_trainer.data import TokenShards
+    from kubetitan_trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="shards_dtype.*uint16"):
+        TokenShards(str(shards), 16, 0, 1, dtype="uint32")
+
+
+def test_huggingface_source_reads_a_local_jsonl_and_resumes(tmp_path):
+    from kubetitan_trainer.data import KubetitanHFTextDataset
+    from kubetitan_trainer.job_config import KubetitanData
+    from kubetitan_trainer.tokenizer import BUILTIN_TOKENIZER
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"content": f"Milo has {i} green owls in the garden."}) + "\n" for i in range(40)))
+    tok = HuggingFaceTokenizer(str(BUILTIN_TOKENIZER))
+    cfg = KubetitanData(source="huggingface", hf_dataset=str(src), hf_streaming=False, hf_text_field="content")
+    r0 = KubetitanHFTextDataset(cfg, tok, 16, 0, 2)
+    r1 = KubetitanHFTextDataset(cfg, tok, 16, 1, 2)
+    assert len(r0._data) == len(r1._data) == 20  # split by DP rank
+    it = iter(r0)
+    [next(it) for _ in range(3)]
+    state = r0.state_dict()
+    want = next(it)
+    again = KubetitanHFTextDataset(cfg, tok, 16, 0, 2)
+    again.load_state_dict(state)
+    got = next(iter(again))
+    assert got[0]["input"].tolist() == want[0]["input"].tolist()
+
+
+# ----------------------------------------------------------------------------- metrics
+@pytest.mark.parametrize(
+    ("flops_per_token", "tps", "peak", "want"),
+    [(6e9, 8000.0, 989.4e12, 6e9 * 8000 / 989.4e12), (1e6, 0.0, 312e12, 0.0), (1e6, 10.0, None, None)],
+    ids=["8B-class-on-H100", "idle", "cpu-no-peak"],
+)
+def test_mfu_formula(flops_per_token, tps, peak, want):
+    from kubetitan_trainer.metrics import mfu_ratio
+
+    got = mfu_ratio(flops_per_token, tps, peak)
+    assert got == pytest.approx(want) if want is not None else got is None
+
+
+@pytest.mark.parametrize(
+    ("device", "product", "want"),
+    [("NVIDIA H100 80GB HBM3", "", "H100"), ("NVIDIA H200", "", "H200"), ("NVIDIA A100-SXM4-80GB", "", "A100"),
+     (None, "L40S", "L40S"), (None, "", None), ("Some Other GPU", "", None)],
+    ids=["h100", "h200", "a100", "spec-product", "cpu", "unknown"],
+)
+def test_peak_flops_by_device_name(device, product, want):
+    from kubetitan_trainer.metrics import peak_flops_for
+
+    got = peak_flops_for(device, product)
+    assert got == (ACCELERATORS[want].peak_bf16_tflops * 1e12 if want else None)
+
+
+def test_exported_metrics_pass_promtool():
+    from prometheus_client import generate_latest
+
+    from kubetitan_trainer.metrics import Exporter
+
+    ex = Exporter(peak_flops=989.4e12, total_steps=10, attempt=2, job_start=1.7e9)
+    ex.step_done(3, 0.5)
+    ex.tokens_seen(1000)
+    ex.checkpoint_saved(3, 1.2)
+    ex.data_loading.observe(0.001)
+    text = generate_latest(ex.registry).decode()
+    for name in [v for k, v in vars(contract).items() if k.startswith("M_")]:
+        assert f"\n{name}" in "\n" + text, name
+    r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
+
+
+# ----------------------------------------------------------------------------- launcher
+def _failure(code, ts):
+    return SimpleNamespace(exitcode=code, timestamp=ts, message="")
+
+
+@pytest.mark.parametrize(
+    ("failures", "want"),
+    [({0: _failure(3, 10), 1: _failure(-15, 10)}, 3), ({0: _failure(-15, 11), 1: _failure(2, 10)}, 2),
+     ({0: _failure(75, 10), 1: _failure(75, 10)}, 75), ({0: _failure(-9, 10)}, 137), ({}, 1)],
+    ids=["self-exit-beats-killed-on-tie", "earliest-wins", "all-checkpointed", "signal-to-shell-code", "none"],
+)
+def test_launcher_takes_the_failing_workers_exit_code(failures, want):
+    from kubetitan_trainer.launch import exit_code_of
+
+    assert exit_code_of(failures) == want
+
+
+def test_launcher_waits_for_dns_then_gives_up():
+    from kubetitan_trainer.launch import wait_for_dns
+
+    calls = []
+
+    def resolve_after_three(host, port):
+        calls.append(host)
+        if len(calls) < 3:
+            raise socket.gaierror("not yet")
+
+    assert wait_for_dns("m.svc", 1, timeout=60, sleep=lambda s: None, resolve=resolve_after_three)
+    assert len(calls) == 3
+
+    def never(host, port):
+        raise socket.gaierror("nope")
+
+    assert not wait_for_dns("m.svc", 1, timeout=0, sleep=lambda s: None, resolve=never)
+
+
+BAD = [
+    ("unknown-flavour", {"model": {"flavor": "nope"}}, "model.flavor"),
+    ("degrees-vs-world", {"parallelism": {"data_parallel_shard_degree": 4}}, "parallelism.data_parallel_shard_degree"),
+    ("fp8-on-cpu-without-emulate", {"model": {"converters": ["quantize.linear.float8"]}}, "quantize.linear.float8.emulate"),
+    ("shards-missing", {"kubetitan.data": {"source": "shards", "shards_path": "/nonexistent"}}, "kubetitan.data.shards_path"),
+    ("tokenizer-path-missing", {"kubetitan.tokenizer": {"source": "path", "path": "/nonexistent"}}, "kubetitan.tokenizer.path"),
+    ("global-batch", {"training": {"global_batch_size": 5}}, "training.global_batch_size"),
+    ("unknown-key", {"training": {"no_such_key": 1}}, "no_such_key"),
+]
+
+
+def _patched(tmp_path, patch):
+    import tomllib
+
+    import tomli_w
+
+    path = write_config(tmp_path / "t.toml", lpt(), tmp_path / "dump")
+    cfg = tomllib.loads(path.read_text())
+    for section, values in patch.items():
+        node = cfg
+        for part in section.split("."):
+            node = node.setdefault(part, {})
+        node.update(values)
+    path.write_text(tomli_w.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize(("name", "patch", "field"), BAD, ids=[b[0] for b in BAD])
+def test_bad_configs_are_config_errors_naming_the_field(name, patch, field, tmp_path, caplog):
+    from kubetitan_trainer.launch import precheck
+
+    with caplog.at_level("ERROR"):
+        assert precheck(str(_patched(tmp_path, patch)), 2) == contract.ExitCode.CONFIG_ERROR
+    assert field in caplog.text and "Fix:" in caplog.text
+
+
+def test_launcher_process_exits_2_on_a_bad_config(tmp_path):
+    path = _patched(tmp_path, {"model": {"flavor": "nope"}})
+    r = subprocess.run(
+        [PY, "-m", "kubetitan_trainer.launch", f"--config={path}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "model.flavor" in r.stderr and "Fix:" in r.stderr

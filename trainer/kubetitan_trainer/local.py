@@ -1,0 +1,120 @@
+"""``kubetitan run FILE``: the same launcher and trainer the pods run, on this machine.
+
+Renders ``trainer.toml`` into the output folder (default ``./runs/<name>``), starts
+``python -m kubetitan_trainer.launch`` with one node, ``processesPerNode`` workers, master
+127.0.0.1 and free ports, shows a progress bar fed by the trainer's own ``/metrics`` endpoint
+(step, loss, tokens/s) and returns the launcher's exit code. Ctrl-C asks for a checkpoint and a
+clean stop (SIGTERM to the launcher, exit 75); a second Ctrl-C kills the run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import tomli_w
+
+from kubetitan import contract, render
+from kubetitan.api import LlamaPretrain
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int, timeout: float = 1.0) -> dict[str, float]:
+    """Sample name -> value of the trainer's /metrics (unlabelled samples only)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+def processes_per_node(lpt: LlamaPretrain) -> int:
+    r = lpt.spec.resources
+    return r.processes_per_node or max(1, r.gpus_per_node)
+
+
+def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port: int) -> Path:
+    cfg = render.trainer_config(lpt, dump_folder=str(out))
+    if steps is not None:
+        cfg["training"]["steps"] = steps
+    cfg["kubetitan"]["metrics_port"] = metrics_port
+    cfg["kubetitan"]["metrics_host"] = "127.0.0.1"
+    path = out / contract.CONFIG_KEY
+    path.write_text(render.trainer_toml(lpt, str(out)).split("\n", 1)[0] + "\n" + tomli_w.dumps(cfg))
+    return path
+
+
+def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | None = None) -> int:
+    """Train ``lpt`` locally; returns the trainer's exit code (``kubetitan.contract.ExitCode``)."""
+    from tqdm import tqdm
+
+    name = lpt.metadata.name
+    out = Path(output_dir or Path("runs") / name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_port, master_port = free_port(), free_port()
+    config = write_config(lpt, out, steps, metrics_port)
+    total = steps or lpt.spec.training.steps
+    nproc = processes_per_node(lpt)
+    log_path = out / "train.log"
+    cmd = [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
+           f"--nproc-per-node={nproc}", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={master_port}",
+           f"--rdzv-id=local-{name}", "--dns-timeout=5"]
+    env = {**os.environ, contract.ENV_ATTEMPT: os.environ.get(contract.ENV_ATTEMPT, "0"),
+           contract.ENV_JOB_NAME: name, contract.ENV_JOB_NAMESPACE: lpt.metadata.namespace or "default",
+           contract.ENV_JOB_START_TIME: str(int(time.time()))}
+    print(f"Training {name} with {nproc} process(es); log: {log_path}")
+    with open(log_path, "ab") as logf:
+        # Own session: Ctrl-C reaches this process only, which turns it into a graceful stop.
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        interrupts = 0
+        bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
+        try:
+            while True:
+                try:
+                    if proc.poll() is not None:
+                        break
+                    try:
+                        m = scrape(metrics_port)
+                    except OSError:
+                        m = {}
+                    if contract.M_STEP in m:
+                        step = int(m[contract.M_STEP])
+                        bar.update(max(0, step - bar.n))
+                        post = {}
+                        if contract.M_LOSS in m:
+                            post["loss"] = f"{m[contract.M_LOSS]:.4f}"
+                        if contract.M_TOKENS_PER_SECOND in m:
+                            post["tok/s"] = f"{m[contract.M_TOKENS_PER_SECOND]:,.0f}"
+                        bar.set_postfix(post, refresh=True)
+                    time.sleep(0.5)
+                except KeyboardInterrupt:
+                    interrupts += 1
+                    if interrupts == 1:
+                        bar.write("Stopping: the trainer saves a checkpoint at the next step (Ctrl-C again to kill)")
+                        proc.send_signal(signal.SIGTERM)
+                    else:
+                        os.killpg(proc.pid, signal.SIGKILL)
+        finally:
+            bar.close()
+        code = proc.wait()
+    ck = out / contract.CHECKPOINT_SUBDIR
+    print(f"Exit code {code}" + ("" if code == 0 else f"; see {log_path}"))
+    print(f"Metrics:     served on http://127.0.0.1:{metrics_port}/metrics while running; per-step log {out / 'kubetitan' / 'steps.jsonl'}")
+    if lpt.spec.monitoring.tensorboard:
+        print(f"TensorBoard: {out / 'tb'}  (tensorboard --logdir {out / 'tb'})")
+    print(f"Checkpoints: {ck}")
+    if code != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        print("\n".join(tail))
+    return code
