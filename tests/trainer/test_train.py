@@ -1,0 +1,151 @@
+"""The real torchtitan train loop on CPU: 2 gloo ranks, FSDP dp_shard=2, the debug model.
+
+Runs are data (like torchtitan's OverrideDefinitions): each case is a list of launches in one
+dump folder. All share one xdist group so that two torch runs never overlap on the 2-core CI box.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kubetitan import contract
+from kubetitan.contract import ExitCode
+from kubetitan_trainer.local import free_port, scrape
+
+from tests.trainer.helpers import lpt, write_config
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(900)]
+
+
+def launch(config: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, contract.ENV_ATTEMPT: "3", contract.ENV_JOB_START_TIME: "1700000000", "OMP_NUM_THREADS": "1",
+           **(env_extra or {})}
+    log = open(config.with_suffix(".log"), "ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1", "--nproc-per-node=2",
+         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=test"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+    )
+
+
+def losses(dump: Path) -> dict[int, float]:
+    out = {}
+    for line in (dump / "kubetitan" / "steps.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def tail(config: Path) -> str:
+    return config.with_suffix(".log").read_text(errors="replace")[-4000:]
+
+
+def wait_for(proc: subprocess.Popen, port: int, cond, timeout: float = 400) -> dict[str, float] | None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            m = scrape(port)
+            if cond(m):
+                return m
+        except OSError:
+            pass
+        time.sleep(0.3)
+    return None
+
+
+def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
+    """One uninterrupted run, then a run stopped by SIGTERM and resumed: same losses step by step."""
+    steps = 8
+    # --- A: uninterrupted, with the metrics endpoint checked while it runs
+    port = free_port()
+    a_dump = tmp_path / "a"
+    a_cfg = write_config(tmp_path / "a.toml", lpt({"training": {"steps": steps}}), a_dump,
+                         {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
+    proc = launch(a_cfg)
+    m = wait_for(proc, port, lambda m: m.get(contract.M_STEP, 0) >= 2 and contract.M_LOSS in m)
+    text = None
+    if m is not None:
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    assert proc.wait(timeout=600) == 0, tail(a_cfg)
+    assert m is not None, "metrics endpoint never showed step >= 2: " + tail(a_cfg)
+    now = time.time()
+    assert 0 < m[contract.M_LOSS] < 20
+    assert m[contract.M_TOKENS_PER_SECOND_PER_GPU] > 0
+    assert m[contract.M_TOKENS_PER_SECOND] == pytest.approx(2 * m[contract.M_TOKENS_PER_SECOND_PER_GPU])
+    assert m[contract.M_FLOPS_PER_GPU] > 0
+    assert m[contract.M_TOTAL_STEPS] == steps
+    assert m[contract.M_ATTEMPT] == 3 and m[contract.M_JOB_START_TIMESTAMP] == 1700000000
+    assert now - 120 < m[contract.M_LAST_STEP_TIMESTAMP] <= now
+    assert m[contract.M_PRODUCTIVE_SECONDS] > 0
+    assert m[contract.M_TOKENS] >= 2 * 2 * 4 * 64  # >= 2 steps x 2 ranks x batch 4 x seq 64
+    assert m[contract.M_MEMORY_MAX_RESERVED] > 1e7
+    assert m[contract.M_STEP_DURATION + "_count"] >= 2 and m[contract.M_DATA_LOADING_DURATION + "_count"] >= 2
+    assert contract.M_MFU not in m  # CPU: no peak, no MFU series (documented)
+    r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    a = losses(a_dump)
+    assert sorted(a) == list(range(1, steps + 1))
+    assert a[steps] < a[1] - 1.0, f"loss did not fall: {a}"
+    ck = a_dump / contract.CHECKPOINT_SUBDIR
+    assert (ck / "step-4" / contract.DCP_METADATA_FILE).is_file() and (ck / f"step-{steps}" / contract.DCP_METADATA_FILE).is_file()
+
+    # --- B: same config, SIGTERM once step >= 2 -> full checkpoint at that step, exit 75
+    port = free_port()
+    b_dump = tmp_path / "b"
+    b_cfg = write_config(tmp_path / "b.toml", lpt({"training": {"steps": steps}, "checkpoint": {"intervalSteps": 100}}), b_dump,
+                         {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
+    proc = launch(b_cfg)
+    assert wait_for(proc, port, lambda m: m.get(contract.M_STEP, 0) >= 2) is not None, tail(b_cfg)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == ExitCode.TERMINATED_CHECKPOINTED, tail(b_cfg)
+    saved = sorted(int(p.name.split("-")[1]) for p in (b_dump / contract.CHECKPOINT_SUBDIR).glob("step-*"))
+    assert len(saved) == 1 and 2 <= saved[0] < steps, saved
+    stop = saved[0]
+    assert (b_dump / contract.CHECKPOINT_SUBDIR / f"step-{stop}" / contract.DCP_METADATA_FILE).is_file()
+    assert "Saving a full checkpoint" in tail(b_cfg)
+
+    # --- B': a newer partial save (no .metadata) must be skipped with a warning; resume at stop+1
+    partial = b_dump / contract.CHECKPOINT_SUBDIR / f"step-{stop + 1}"
+    shutil.copytree(b_dump / contract.CHECKPOINT_SUBDIR / f"step-{stop}", partial)
+    (partial / contract.DCP_METADATA_FILE).unlink()
+    before = len(losses(b_dump))
+    proc = launch(b_cfg)
+    assert proc.wait(timeout=600) == 0, tail(b_cfg)
+    log = tail(b_cfg)
+    assert f"Skipped checkpoint step-{stop + 1}" in b_cfg.with_suffix(".log").read_text()
+    assert f"Training starts at step {stop + 1}" in b_cfg.with_suffix(".log").read_text(), log
+    b = losses(b_dump)
+    assert before == stop and sorted(b) == list(range(1, steps + 1))
+    for s in range(1, steps + 1):
+        assert b[s] == pytest.approx(a[s], rel=1e-4, abs=1e-5), (s, a, b)
+
+
+def test_fp8_tensorwise_fsdp_all_gather_precomputed_scales_with_compile(tmp_path):
+    """The seeds' recipe in torchao's emulation mode on 2 ranks, with torch.compile on."""
+    obj = lpt({
+        "training": {"steps": 3, "seqLen": 32, "localBatchSize": 2},
+        "precision": {"compile": True, "activationCheckpointing": "none", "mixedPrecisionParam": "float32",
+                      "float8": {"enabled": True, "recipe": "tensorwise", "fsdpFloat8AllGather": True,
+                                 "precomputeDynamicScale": True, "emulate": True}},
+        "data": {"source": "synthetic"},
+        "checkpoint": {"enabled": False},
+    })
+    cfg = write_config(tmp_path / "f.toml", obj, tmp_path / "f", {"kubetitan": {"metrics_port": 0}})
+    proc = launch(cfg)
+    assert proc.wait(timeout=800) == 0, tail(cfg)
+    text = cfg.with_suffix(".log").read_text()
+    assert "FSDP FP8 all-gather is on" in text and "precomputed FP8 scales is on" in text
+    assert "Compiling each TransformerBlock with torch.compile" in text or "torch.compile" in text
+    assert sorted(losses(tmp_path / "f")) == [1, 2, 3]
