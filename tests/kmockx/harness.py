@@ -39,14 +39,14 @@ class ScaledClock:
         return self.t0 + (time.time() - self.t0) * self.rate
 
 
-def wait_for(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+def wait_for(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition", every: float = 0.02) -> Any:
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
         last = pred()
         if last:
             return last
-        time.sleep(0.02)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 

@@ -29,8 +29,8 @@ def test_kubectl_apply_and_get_shows_printer_columns(cluster: Cluster, tmp_path:
     with Operator(cluster):
         out = kubectl(cluster, "apply", "--validate=false", "-f", str(f))
         assert "llamapretrain.kubetitan.io/kc created" in out
-        wait_for(lambda: len(cluster.pod_names(NS, "kc")) == 2, 10, "pods")
-        wait_for(lambda: cluster.status(NS, "kc").get("phase") == "Starting", 10, "phase")
+        wait_for(lambda: len(cluster.pod_names(NS, "kc")) == 2, 20, "pods")
+        wait_for(lambda: cluster.status(NS, "kc").get("phase") == "Starting", 20, "phase")
         table = kubectl(cluster, "get", "lpt", "-n", NS)
         header, row = table.splitlines()[:2]
         assert header.split() == ["NAME", "PHASE", "PROGRESS", "LOSS", "TOK/S", "MFU", "CKPT", "RESTARTS", "AGE"]

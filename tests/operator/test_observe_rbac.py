@@ -106,13 +106,13 @@ def test_every_api_call_is_in_the_rbac_table(cluster: Cluster) -> None:
     """Derive (apiGroup, resource, verb) from every request the operator (kopf + our client) made."""
     with Operator(cluster, namespaces=(NS,)):
         cluster.apply(lpt("rb", cpu_spec(ttlSecondsAfterFinished=0)))
-        wait_for(lambda: len(cluster.pod_names(NS, "rb")) == 2, 10, "pods")
+        wait_for(lambda: len(cluster.pod_names(NS, "rb")) == 2, 20, "pods")
         for r in range(2):
             cluster.run_pod(NS, f"rb-a0-{r}", f"node-{r}")
         cluster.terminate_pod(NS, "rb-a0-1", 1)
-        wait_for(lambda: "rb-a1-0" in cluster.pod_names(NS, "rb"), 10, "restart")
+        wait_for(lambda: "rb-a1-0" in cluster.pod_names(NS, "rb"), 20, "restart")
         cluster.terminate_pod(NS, "rb-a1-0", 0, "Completed")
-        wait_for(lambda: cluster.lpt(NS, "rb") is None, 10, "TTL deleted the run")
+        wait_for(lambda: cluster.lpt(NS, "rb") is None, 20, "TTL deleted the run")
     seen = {v for r in list(cluster.k) if (v := _verb(r)) is not None}
     seen = {v for v in seen if v[1] != "namespaces" or v[2] != "create"}  # the test harness itself
     missing = sorted(v for v in seen if not rbac.allowed(*v))
