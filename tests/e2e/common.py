@@ -1,0 +1,50 @@
+"""Shared builders and readers for the end-to-end scenarios and bench/goodput_bench.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+NS = "ml"
+CLAIM = "checkpoints"
+"""The ReadWriteMany claim every scenario checkpoints to (the e2e kubelet maps it to a temp dir)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def e2e_spec(ckpt_dir: Path, steps: int, interval: int, metrics_port: int, **run_policy: Any) -> dict[str, Any]:
+    """2 "nodes" x 1 process, torchtitan's debug model on CPU (gloo), checkpoints every ``interval`` steps."""
+    return {
+        "model": {"flavor": "debug"},
+        "training": {"steps": steps, "seqLen": 32, "localBatchSize": 2, "learningRate": 0.002,
+                     "warmupSteps": 2, "seed": 42},
+        "parallelism": {"dataParallelShardDegree": 2},
+        "precision": {"compile": False, "activationCheckpointing": "none"},
+        "data": {"source": "synthetic"},
+        "tokenizer": {"source": "builtin"},
+        "checkpoint": {"intervalSteps": interval, "asyncMode": "disabled", "saveTimeoutSeconds": 10,
+                       "mountPath": str(ckpt_dir), "storage": {"persistentVolumeClaim": {"claimName": CLAIM}}},
+        "resources": {"nodes": 2, "gpusPerNode": 0, "processesPerNode": 1, "shmSize": "1Gi"},
+        "runPolicy": {"maxRestarts": 20, "backoffSeconds": 0, "nodeFailureGraceSeconds": 0,
+                      "hangTimeoutSeconds": 10, "startupTimeoutSeconds": 300, **run_policy},
+        "monitoring": {"metricsPort": metrics_port, "logFrequencySteps": 1},
+    }
+
+
+def lpt(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+            "metadata": {"name": name, "namespace": NS}, "spec": spec}
+
+
+def step_log(ckpt_dir: Path) -> list[dict[str, Any]]:
+    """Rank 0's per-step records (``<dump folder>/kubetitan/steps.jsonl``), across every attempt."""
+    path = Path(ckpt_dir) / "kubetitan" / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,522 @@
+"""A process-running kubelet for end-to-end tests (a test double, not a product feature).
+
+It plays the node agents of a small fake cluster against kmockx (tests/kmockx):
+
+- **Nodes**: creates ``Node`` objects (``node-0``, ``node-1``, ...) whose ``Ready`` condition tests flip
+  with :meth:`Kubelet.fail_node` / :meth:`Kubelet.restore_node`.
+- **Scheduling**: binds each new Pod of a LlamaPretrain (label ``kubetitan.io/name``) to the ready node with
+  the fewest live pods, honouring ``kubernetes.io/hostname NotIn`` node affinity (the planner's
+  avoid-nodes rule); gives it its own loopback address (127.0.0.2, 127.0.0.3, ...) as ``status.podIP``.
+- **Containers**: runs the pod's own ``command + args`` with its ``env`` as a local process, with
+  ``python`` replaced by ``sys.executable``. Env ``valueFrom.fieldRef`` is resolved like the downward API
+  (``status.podIP``, ``status.hostIP``, ``spec.nodeName``, ``metadata.name``, ``metadata.namespace``).
+  Nothing is mounted: the ConfigMap mounted at ``/etc/kubetitan`` is written into a temp dir and
+  ``--config=/etc/kubetitan/...`` is rewritten to it; a ``persistentVolumeClaim`` must be one the test
+  registered (``claims={name: dir}``, a ReadWriteMany volume shared by every "node") and a ``hostPath`` its own
+  directory, each mounted at that same path (so paths are the same inside and out); ``emptyDir`` volumes are
+  ignored; anything else makes the pod wait with ``CreateContainerConfigError``, as a kubelet does when it
+  cannot set a container up.
+- **Names**: like a kubelet writes ``/etc/hosts`` for a pod, each process runs under
+  ``unshare --mount --uts`` with its own hosts file bind-mounted on ``/etc/hosts`` and its hostname set to
+  ``spec.hostname``; the file also lists the other pods of the same headless service (``subdomain``),
+  standing in for cluster DNS, so ``<run>-a<N>-0.<run>.<ns>.svc`` resolves to rank 0's loopback address.
+  (Where unshare is not permitted, ``--master-addr`` is rewritten to rank 0's address instead; see
+  :data:`NAMESPACES`.)
+- **Status**: reports phases and exit codes exactly like a kubelet: ``Pending`` + ``ContainerCreating``,
+  ``Running`` + ``containerStatuses[].state.running``, then ``Succeeded``/``Failed`` with
+  ``state.terminated.exitCode`` (128 + signal for a signal), ``reason`` (``Completed``, ``Error``,
+  ``OOMKilled`` when :meth:`oom_kill` simulates it) and the log tail as ``message``
+  (``terminationMessagePolicy: FallbackToLogsOnError``).
+- **Deletion** (kmockx with ``graceful_pod_deletion``): SIGTERM to the container's main process, SIGKILL
+  to every process of the pod after ``deletionGracePeriodSeconds``, report the final status, then remove the
+  object with a grace-0 delete. A pod whose object disappears (force delete) is killed at once. A failed
+  node's kubelet is dead: it neither reports nor deletes until :meth:`restore_node`, and then kills what
+  the API no longer has, as a reconnecting kubelet does.
+
+Two artefacts of sharing one network namespace, where real pods each have their own:
+
+- rank 0's ``/metrics`` server binds ``[kubetitan] metrics_host`` (default ``0.0.0.0``), which would clash
+  between the two pods of a gang: the materialised ``trainer.toml`` binds it to the pod's address instead;
+- torch's TCPStore (the rendezvous on rank 0) binds every interface, so the processes of an old attempt
+  still terminating would hold the next attempt's ``--master-port``: the double gives each rendezvous
+  (``--rdzv-id``, one per attempt) its own free port and rewrites ``--master-port`` to it on every rank.
+
+Workers started by torchrun run in their own sessions, so the double tracks every descendant of the
+container's main process (from ``/proc``) and kills them all, like a container runtime killing a cgroup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kmock
+import tomli_w
+
+from kmockx.harness import PODS, Cluster
+
+LABEL_NAME = "kubetitan.io/name"
+CONFIG_MOUNT = "/etc/kubetitan"
+LOG_TAIL_BYTES = 2048  # the kubelet's FallbackToLogsOnError limit (2048 bytes or 80 lines)
+
+
+def _probe_namespaces() -> bool:
+    try:
+        return subprocess.run(["unshare", "--mount", "--uts", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+NAMESPACES = _probe_namespaces()
+"""True when each pod gets its own mount + UTS namespace (hosts file, hostname); False: --master-addr rewrite."""
+
+
+def _now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _children_map() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        out.setdefault(ppid, []).append(int(d))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class PodProc:
+    """One pod this kubelet runs (or ran)."""
+
+    ns: str
+    name: str
+    node: str
+    ip: str
+    dir: Path
+    state: str = "Bound"  # Bound -> Running -> Exited
+    proc: subprocess.Popen | None = None
+    pids: set[int] = field(default_factory=set)
+    started_at: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    term_sent: float | None = None
+    oom: bool = False
+    reported: bool = False
+
+    def live_pids(self) -> list[int]:
+        return [p for p in self.pids if _alive(p)]
+
+    def signal(self, sig: int, main_only: bool = False) -> None:
+        targets = [self.proc.pid] if main_only and self.proc else self.live_pids()
+        for pid in targets:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class Kubelet:
+    """Runs the pods of LlamaPretrains as local processes (see the module docstring)."""
+
+    def __init__(self, cluster: Cluster, workdir: Path, nodes: int = 2, poll: float = 0.1,
+                 claims: dict[str, Path] | None = None) -> None:
+        assert cluster.k is not None
+        cluster.k.graceful_pod_deletion = True
+        self.c, self.workdir, self.poll = cluster, Path(workdir), poll
+        self.nodes = [f"node-{i}" for i in range(nodes)]
+        self.claims = {k: str(v) for k, v in (claims or {}).items()}
+        self.dead: set[str] = set()
+        self.pods: dict[tuple[str, str], PodProc] = {}
+        self.ips: dict[str, str] = {}  # pod key "ns/name" -> ip, never reused within a kubelet
+        self._next_ip = 2
+        self.exits: dict[tuple[str, str], tuple[int, str]] = {}  # (ns, pod) -> (exit code, reason), kept
+        self.rdzv_ports: dict[str, int] = {}  # --rdzv-id -> the port its rank 0 listens on
+        self.lock = threading.RLock()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="e2e-kubelet")
+        self.errors: list[BaseException] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Kubelet:
+        for n in self.nodes:
+            self.c.add_node(n)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self.thread.join(10)
+        self.kill_all()
+
+    def kill_all(self) -> None:
+        with self.lock:
+            for p in self.pods.values():
+                p.signal(signal.SIGKILL)
+            for p in self.pods.values():
+                if p.proc is not None:
+                    try:
+                        p.proc.wait(10)
+                    except subprocess.TimeoutExpired:
+                        pass
+
+    # ------------------------------------------------------------------ faults and queries for tests
+    def proc(self, ns: str, name: str) -> PodProc:
+        with self.lock:
+            return self.pods[(ns, name)]
+
+    def worker_pids(self, ns: str, name: str) -> list[int]:
+        """Live processes of the pod other than the container's main one (torchrun's workers)."""
+        p = self.proc(ns, name)
+        self._refresh(p)
+        return sorted(x for x in p.live_pids() if p.proc is None or x != p.proc.pid)
+
+    def kill(self, ns: str, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to every process of the pod (a crash of the whole container)."""
+        p = self.proc(ns, name)
+        self._refresh(p)
+        p.signal(sig)
+
+    def freeze(self, ns: str, name: str) -> list[int]:
+        """SIGSTOP the pod's workers (a hung training process); returns their pids."""
+        pids = self.worker_pids(ns, name)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    def oom_kill(self, ns: str, name: str) -> None:
+        """Simulate the kernel's OOM killer: SIGKILL, reported as ``OOMKilled`` with exit code 137."""
+        p = self.proc(ns, name)
+        p.oom = True
+        self.kill(ns, name)
+
+    def fail_node(self, node: str) -> None:
+        """The node stops reporting: Ready=Unknown, its kubelet is dead, its processes freeze (no RST)."""
+        with self.lock:
+            self.dead.add(node)
+            for p in self.pods.values():
+                if p.node == node:
+                    self._refresh(p)
+                    p.signal(signal.SIGSTOP)
+        self.c.set_node_ready(node, False)
+
+    def crash_node_processes(self, node: str) -> None:
+        """The failed machine's processes are gone for good (SIGKILL); the API is not told."""
+        with self.lock:
+            for p in self.pods.values():
+                if p.node == node:
+                    p.signal(signal.SIGKILL)
+
+    def restore_node(self, node: str) -> None:
+        with self.lock:
+            self.dead.discard(node)
+        self.c.set_node_ready(node, True)
+
+    def force_delete(self, ns: str, name: str) -> None:
+        """``kubectl delete pod --grace-period=0 --force``."""
+        k = self.c.k
+        assert k is not None
+
+        async def go() -> None:
+            async with k._lock:
+                await k._delete(kmock.resource(PODS), ns, name, {"gracePeriodSeconds": 0})
+
+        self.c.call(go())
+
+    def live_processes(self) -> list[int]:
+        with self.lock:
+            return sorted(pid for p in self.pods.values() for pid in p.live_pids())
+
+    def log(self, ns: str, name: str) -> str:
+        path = self.workdir / ns / name / "container.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    # ------------------------------------------------------------------ the sync loop
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except Exception as e:  # noqa: BLE001 - surfaced to the test through .errors
+                self.errors.append(e)
+            self._stop.wait(self.poll)
+
+    def sync(self) -> None:
+        pods = {(p["metadata"].get("namespace"), p["metadata"]["name"]): p for p in self.c.list(PODS)
+                if LABEL_NAME in (p["metadata"].get("labels") or {})}
+        with self.lock:
+            for key, pp in list(self.pods.items()):
+                if key not in pods and pp.node not in self.dead:
+                    pp.signal(signal.SIGKILL)  # the object is gone (force delete): kill at once
+                    if pp.proc is not None:
+                        pp.proc.poll()
+                    if not pp.live_pids():
+                        del self.pods[key]
+            for key, pod in sorted(pods.items()):
+                if key not in self.pods and not pod["spec"].get("nodeName") and not pod["metadata"].get(
+                        "deletionTimestamp"):
+                    self._bind(pod)
+            for key, pod in sorted(pods.items()):
+                pp = self.pods.get(key)
+                if pp is None or pp.node in self.dead:
+                    continue
+                self._sync_pod(pp, pod)
+
+    # ------------------------------------------------------------------ one pod
+    def _bind(self, pod: dict[str, Any]) -> None:
+        meta, spec = pod["metadata"], pod["spec"]
+        avoid = set()
+        for term in (((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+                "requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []:
+            for e in term.get("matchExpressions") or []:
+                if e.get("key") == "kubernetes.io/hostname" and e.get("operator") == "NotIn":
+                    avoid |= set(e.get("values") or [])
+        load = {n: 0 for n in self.nodes if n not in self.dead and n not in avoid}
+        if not load:
+            return  # stays Pending (no schedulable node)
+        for p in self.pods.values():
+            if p.node in load and p.state != "Exited":
+                load[p.node] += 1
+        node = min(load, key=lambda n: (load[n], n))
+        ns, name = meta.get("namespace", "default"), meta["name"]
+        ip = self.ips.setdefault(f"{ns}/{name}", f"127.0.0.{self._next_ip}")
+        if ip == f"127.0.0.{self._next_ip}":
+            self._next_ip += 1
+        d = self.workdir / ns / name
+        d.mkdir(parents=True, exist_ok=True)
+        self.pods[(ns, name)] = PodProc(ns=ns, name=name, node=node, ip=ip, dir=d)
+        self.c.patch(PODS, ns, name, {"spec": {"nodeName": node}})
+        self.c.patch(PODS, ns, name, {"status": {
+            "phase": "Pending", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": ip,
+            "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": _now_iso()}],
+            "containerStatuses": [self._cstatus(spec, {"waiting": {"reason": "ContainerCreating"}})]}}, "status")
+        self._write_hosts()
+
+    @staticmethod
+    def _cstatus(spec: dict[str, Any], state: dict[str, Any], ready: bool = False) -> dict[str, Any]:
+        c = spec["containers"][0]
+        return {"name": c["name"], "image": c.get("image", ""), "ready": ready, "restartCount": 0, "state": state}
+
+    def _sync_pod(self, pp: PodProc, pod: dict[str, Any]) -> None:
+        deleting = pod["metadata"].get("deletionTimestamp") is not None
+        if pp.state == "Bound":
+            if deleting:
+                pp.state, pp.exit_code, pp.reason = "Exited", None, None
+            else:
+                self._start(pp, pod)
+        if pp.state == "Running":
+            self._refresh(pp)
+            assert pp.proc is not None
+            code = pp.proc.poll()
+            if deleting:
+                grace = int(pod["metadata"].get("deletionGracePeriodSeconds") or 0)
+                if pp.term_sent is None:
+                    pp.term_sent = time.monotonic()
+                    pp.signal(signal.SIGTERM, main_only=True)  # the container's main process
+                elif time.monotonic() - pp.term_sent >= grace:
+                    pp.signal(signal.SIGKILL)
+            if code is not None:
+                pp.signal(signal.SIGKILL)  # the main process is gone: the runtime kills the rest
+                pp.state = "Exited"
+                pp.exit_code = 128 - code if code < 0 else code
+                pp.reason = "OOMKilled" if pp.oom else ("Completed" if pp.exit_code == 0 else "Error")
+                self.exits[(pp.ns, pp.name)] = (pp.exit_code, pp.reason)
+        if pp.state == "Exited" and not pp.reported:
+            pp.reported = True
+            if pp.exit_code is not None:
+                self._report_exit(pp, pod)
+        if pp.state == "Exited" and deleting and not pp.live_pids():
+            try:
+                self.c.call(self.c.k.remove(PODS, pp.ns, pp.name))  # the kubelet's final grace-0 delete
+            except AssertionError:
+                pass
+
+    def _refresh(self, pp: PodProc) -> None:
+        """Track every descendant of the main process (workers start their own sessions)."""
+        if pp.proc is None:
+            return
+        kids = _children_map()
+        todo = [pp.proc.pid, *pp.pids]
+        while todo:
+            pid = todo.pop()
+            if pid not in pp.pids and _alive(pid):
+                pp.pids.add(pid)
+            todo += [k for k in kids.get(pid, []) if k not in pp.pids]
+
+    def _report_exit(self, pp: PodProc, pod: dict[str, Any]) -> None:
+        code = pp.exit_code
+        term: dict[str, Any] = {"exitCode": code, "reason": pp.reason, "startedAt": pp.started_at,
+                                "finishedAt": _now_iso(), "containerID": f"e2e://{pp.proc.pid if pp.proc else 0}"}
+        if code != 0:
+            tail = self.log(pp.ns, pp.name)[-LOG_TAIL_BYTES:]
+            if tail:
+                term["message"] = tail
+        self.c.patch(PODS, pp.ns, pp.name, {"status": {
+            "phase": "Succeeded" if code == 0 else "Failed",
+            "conditions": [{"type": "PodScheduled", "status": "True"},
+                           {"type": "Ready", "status": "False", "reason": "PodCompleted"}],
+            "containerStatuses": [self._cstatus(pod["spec"], {"terminated": term})]}}, "status")
+
+    # ------------------------------------------------------------------ starting a container
+    def _start(self, pp: PodProc, pod: dict[str, Any]) -> None:
+        spec = pod["spec"]
+        c = spec["containers"][0]
+        try:
+            env = self._env(pod, pp)
+            argv = self._argv(pod, pp, c)
+        except ValueError as e:
+            self.c.patch(PODS, pp.ns, pp.name, {"status": {"containerStatuses": [self._cstatus(spec, {
+                "waiting": {"reason": "CreateContainerConfigError", "message": str(e)}})]}}, "status")
+            return
+        if NAMESPACES:
+            script = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+            argv = ["unshare", "--mount", "--uts", "--", "sh", "-c", script, "kubelet",
+                    str(pp.dir / "hosts"), spec.get("hostname") or pp.name, *argv]
+        log = open(pp.dir / "container.log", "ab")
+        pp.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, cwd=str(pp.dir))
+        log.close()
+        pp.pids = {pp.proc.pid}
+        pp.state, pp.started_at = "Running", _now_iso()
+        self.c.patch(PODS, pp.ns, pp.name, {"status": {
+            "phase": "Running", "startTime": pp.started_at,
+            "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Initialized", "status": "True"},
+                           {"type": "ContainersReady", "status": "True"}, {"type": "Ready", "status": "True"}],
+            "containerStatuses": [self._cstatus(spec, {"running": {"startedAt": pp.started_at}}, True)]}},
+            "status")
+
+    def _env(self, pod: dict[str, Any], pp: PodProc) -> dict[str, str]:
+        c = pod["spec"]["containers"][0]
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("KUBETITAN_", "PYTEST_", "MASTER_", "TORCHELASTIC_")) and k not in (
+                   "RANK", "LOCAL_RANK", "WORLD_SIZE", "KUBECONFIG")}
+        # One CPU thread per process unless the pod asks otherwise: the gang shares two cores.
+        env.update(HOSTNAME=spec_hostname(pod), OMP_NUM_THREADS="1")
+        fields = {"status.podIP": pp.ip, "status.hostIP": pp.ip, "spec.nodeName": pp.node,
+                  "metadata.name": pp.name, "metadata.namespace": pp.ns}
+        for e in c.get("env") or []:
+            if "value" in e:
+                env[e["name"]] = str(e["value"])
+            elif (ref := (e.get("valueFrom") or {}).get("fieldRef")) is not None:
+                if ref.get("fieldPath") not in fields:
+                    raise ValueError(f"env {e['name']}: fieldRef {ref.get('fieldPath')} is not supported")
+                env[e["name"]] = fields[ref["fieldPath"]]
+            else:
+                raise ValueError(f"env {e['name']}: only value and fieldRef are supported by the e2e kubelet")
+        return env
+
+    def _argv(self, pod: dict[str, Any], pp: PodProc, c: dict[str, Any]) -> list[str]:
+        spec = pod["spec"]
+        vols = {v["name"]: v for v in spec.get("volumes") or []}
+        config_dir = None
+        for m in c.get("volumeMounts") or []:
+            v = vols.get(m["name"], {})
+            if "configMap" in v and m["mountPath"] == CONFIG_MOUNT:
+                config_dir = self._materialise(pp, v["configMap"]["name"])
+            elif "hostPath" in v or "persistentVolumeClaim" in v:
+                if "hostPath" in v:
+                    path = v["hostPath"]["path"]
+                elif (path := self.claims.get(v["persistentVolumeClaim"]["claimName"])) is None:
+                    raise ValueError(f"persistentvolumeclaim {v['persistentVolumeClaim']['claimName']!r} not found")
+                if path != m["mountPath"]:
+                    raise ValueError(f"volume {m['name']}: {path} must be mounted at the same path, not at "
+                                     f"{m['mountPath']} (the e2e kubelet mounts nothing)")
+                Path(path).mkdir(parents=True, exist_ok=True)
+            elif "emptyDir" not in v:
+                raise ValueError(f"volume {m['name']}: only configMap, hostPath, persistentVolumeClaim and emptyDir are supported")
+        argv = [sys.executable if x == "python" else x for x in c.get("command") or []]
+        rdzv = next((a.split("=", 1)[1] for a in c.get("args") or [] if a.startswith("--rdzv-id=")), pp.name)
+        for a in c.get("args") or []:
+            if a.startswith("--master-port="):  # see the module docstring
+                a = f"--master-port={self.rdzv_ports.setdefault(rdzv, _free_port())}"
+            if a.startswith(f"--config={CONFIG_MOUNT}/") and config_dir is not None:
+                a = f"--config={config_dir}/{a.split('/')[-1]}"
+            if a.startswith("--master-addr=") and not NAMESPACES:
+                a = f"--master-addr={self._resolve(pp.ns, a.split('=', 1)[1]) or a.split('=', 1)[1]}"
+            argv.append(a)
+        return argv
+
+    def _materialise(self, pp: PodProc, cm_name: str) -> Path:
+        cm = self.c.get("v1/configmaps", pp.ns, cm_name)
+        if cm is None:
+            raise ValueError(f"configmap {cm_name!r} not found")
+        d = pp.dir / "etc-kubetitan"
+        d.mkdir(exist_ok=True)
+        for key, text in (cm.get("data") or {}).items():
+            if key.endswith(".toml"):
+                cfg = tomllib.loads(text)
+                if "kubetitan" in cfg:  # see the module docstring: one shared network namespace
+                    cfg["kubetitan"]["metrics_host"] = pp.ip
+                text = tomli_w.dumps(cfg)
+            (d / key).write_text(text)
+        return d
+
+    # ------------------------------------------------------------------ names
+    def _names(self, ns: str, pod: dict[str, Any]) -> list[str]:
+        spec = pod["spec"]
+        host = spec.get("hostname") or pod["metadata"]["name"]
+        if not spec.get("subdomain"):
+            return [host]
+        fq = f"{host}.{spec['subdomain']}.{ns}.svc"
+        return [f"{fq}.cluster.local", fq, host]
+
+    def _resolve(self, ns: str, hostname: str) -> str | None:
+        for (pns, name), pp in self.pods.items():
+            pod = self.c.get(PODS, pns, name)
+            if pod is not None and pns == ns and hostname in self._names(pns, pod):
+                return pp.ip
+        return None
+
+    def _write_hosts(self) -> None:
+        entries = []
+        for (ns, name), pp in self.pods.items():
+            pod = self.c.get(PODS, ns, name)
+            if pod is not None and pp.state != "Exited":
+                entries.append((ns, pod["spec"].get("subdomain"), pp.ip, self._names(ns, pod)))
+        for (ns, name), pp in self.pods.items():
+            pod = self.c.get(PODS, ns, name)
+            if pod is None:
+                continue
+            lines = ["# Kubernetes-managed hosts file (kubetitan e2e kubelet).", "127.0.0.1\tlocalhost",
+                     "::1\tlocalhost ip6-localhost ip6-loopback", f"{pp.ip}\t{' '.join(self._names(ns, pod))}",
+                     "# the headless service's other pods (cluster DNS stand-in)"]
+            lines += [f"{ip}\t{' '.join(names)}" for ens, sub, ip, names in entries
+                      if ens == ns and sub and sub == pod["spec"].get("subdomain") and ip != pp.ip]
+            path = pp.dir / "hosts"
+            # Rewrite in place: the bind mount follows the inode, so running pods see new peers.
+            with open(path, "a+") as f:
+                f.seek(0)
+                f.truncate()
+                f.write("\n".join(lines) + "\n")
+
+
+def spec_hostname(pod: dict[str, Any]) -> str:
+    return pod["spec"].get("hostname") or pod["metadata"]["name"]
+
