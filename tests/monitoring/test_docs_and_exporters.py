@@ -15,6 +15,8 @@ from kubetitan.monitoring import alerts, dashboards
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = (REPO / "docs" / "monitoring.md").read_text()
+# One worker imports the trainer's exporter (torch + torchtitan) once for the whole module.
+pytestmark = pytest.mark.xdist_group("trainer-exporter")
 
 
 def metric_names(registry) -> set[str]:
