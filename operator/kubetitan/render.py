@@ -107,10 +107,15 @@ def trainer_config(lpt: LlamaPretrain, dump_folder: str | None = None) -> dict[s
     if t.seed is not None:
         cfg["debug"] = {"seed": t.seed}
     if f8.enabled:
+        float8: dict[str, Any] = {}
+        if f8.recipe != "tensorwise":
+            # torchtitan 0.2.2: any recipe_name selects torchao's recipe path, which rejects FSDP FP8
+            # all-gather; tensorwise with all-gather is the plain (recipe_name unset) path.
+            float8["recipe_name"] = f8.recipe
         cfg["quantize"] = {
             "linear": {
                 "float8": {
-                    "recipe_name": f8.recipe,
+                    **float8,
                     "enable_fsdp_float8_all_gather": f8.fsdp_float8_all_gather and dp_shard > 1,
                     "precompute_float8_dynamic_scale_for_fsdp": f8.precompute_dynamic_scale
                     and dp_shard > 1,

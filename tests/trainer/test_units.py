@@ -264,6 +264,8 @@ BAD = [
     ("unknown-flavour", {"model": {"flavor": "nope"}}, "model.flavor"),
     ("degrees-vs-world", {"parallelism": {"data_parallel_shard_degree": 4}}, "parallelism.data_parallel_shard_degree"),
     ("fp8-on-cpu-without-emulate", {"model": {"converters": ["quantize.linear.float8"]}}, "quantize.linear.float8.emulate"),
+    ("fp8-emulate-with-compile", {"model": {"converters": ["quantize.linear.float8"]}, "compile": {"enable": True},
+                                  "quantize.linear.float8": {"emulate": True}}, "compile.enable"),
     ("shards-missing", {"kubetitan.data": {"source": "shards", "shards_path": "/nonexistent"}}, "kubetitan.data.shards_path"),
     ("tokenizer-path-missing", {"kubetitan.tokenizer": {"source": "path", "path": "/nonexistent"}}, "kubetitan.tokenizer.path"),
     ("global-batch", {"training": {"global_batch_size": 5}}, "training.global_batch_size"),
@@ -304,3 +306,16 @@ def test_launcher_process_exits_2_on_a_bad_config(tmp_path):
     )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "model.flavor" in r.stderr and "Fix:" in r.stderr
+
+
+@pytest.mark.parametrize(("recipe", "want"), [("tensorwise", None), ("rowwise", "rowwise")], ids=["tensorwise", "rowwise"])
+def test_float8_recipe_rendering_matches_torchtitan_paths(recipe, want, tmp_path):
+    """tensorwise must render without recipe_name: torchtitan's recipe path rejects FP8 all-gather."""
+    obj = lpt({"precision": {"compile": False, "activationCheckpointing": "none", "mixedPrecisionParam": "float32",
+                             "float8": {"enabled": True, "recipe": recipe, "emulate": True,
+                                        "fsdpFloat8AllGather": recipe == "tensorwise"}}})
+    cfg = parse(write_config(tmp_path / "t.toml", obj, tmp_path))
+    assert cfg.quantize.linear.float8.recipe_name == want
+    from kubetitan_trainer.checks import check
+
+    check(cfg, 2, cuda=False)  # accepted

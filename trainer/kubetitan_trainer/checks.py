@@ -56,11 +56,17 @@ def check(job_config: JobConfig, world_size: int, cuda: bool) -> None:
                 "FP8 is on but there is no GPU",
                 "set emulate: true for CPU runs, or run on H100/H200/L40S GPUs",
             )
-        if f8.enable_fsdp_float8_all_gather and f8.recipe_name not in (None, "tensorwise"):
+        if f8.emulate and job_config.compile.enable and "model" in job_config.compile.components:
+            raise ConfigError(
+                "compile.enable (spec.precision.compile)",
+                "torchao's FP8 emulation only runs in eager mode",
+                "set compile: false when float8.emulate is true",
+            )
+        if f8.enable_fsdp_float8_all_gather and f8.recipe_name is not None:
             raise ConfigError(
                 "quantize.linear.float8.enable_fsdp_float8_all_gather (spec.precision.float8.fsdpFloat8AllGather)",
-                f"needs the tensorwise recipe, not {f8.recipe_name}",
-                "set recipe: tensorwise or turn fsdpFloat8AllGather off",
+                f"needs the plain tensorwise path, but recipe_name is {f8.recipe_name}",
+                "set recipe: tensorwise (rendered without recipe_name) or turn fsdpFloat8AllGather off",
             )
     d = job_config.kubetitan.data
     if d.source == "shards":
