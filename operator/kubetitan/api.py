@@ -169,7 +169,8 @@ class HuggingFaceDataSpec(_Base):
     """A Hugging Face text dataset, read the way torchtitan reads c4."""
 
     dataset: str = Field(default="allenai/c4", min_length=1)
-    """Dataset repository on the Hugging Face hub, or a local path inside the image or a volume."""
+    """Dataset repository on the Hugging Face hub, a local path inside the image or a volume, or
+    `builtin` for the small text corpus shipped with the trainer (debug runs, offline tests)."""
     config: str | None = "en"
     """Dataset configuration (subset) name."""
     split: str = "train"

@@ -95,7 +95,8 @@ class Exporter:
 
     enabled = True
 
-    def __init__(self, *, peak_flops: float | None, total_steps: int, attempt: int, job_start: float) -> None:
+    def __init__(self, *, peak_flops: float | None, total_steps: int, attempt: int, job_start: float,
+                 checkpoint_interval: int = 0) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.port = 0
         self.step = Gauge(contract.M_STEP, "Last completed optimizer step (steps).", registry=r)
@@ -126,6 +127,10 @@ class Exporter:
         self.total_steps.set(total_steps)
         self.attempt.set(attempt)
         self.job_start.set(job_start)
+        # Alerts judge checkpoint age in intervals; 0 means checkpoints are off.
+        self.ckpt_interval = Gauge(contract.M_CHECKPOINT_INTERVAL, "Configured steps between two checkpoint "
+                                   "saves; 0 when checkpoints are off (steps).", registry=r)
+        self.ckpt_interval.set(checkpoint_interval)
         self._tokens_seen = 0
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
@@ -204,6 +209,7 @@ class KubetitanMetricsProcessor(MetricsProcessor):
                 total_steps=job_config.training.steps,
                 attempt=attempt,
                 job_start=_job_start(),
+                checkpoint_interval=job_config.checkpoint.interval if job_config.checkpoint.enable else 0,
             )
             self.exporter.serve(kt.metrics_port, kt.metrics_host)
         else:

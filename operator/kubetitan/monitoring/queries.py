@@ -24,7 +24,7 @@ OP_JOB_RESTARTS = "kubetitan_operator_job_restarts"
 BUILD_INFO = "kubetitan_build_info"
 # Trainer metric the alerts need beyond contract.M_* (the trainer exports it; see docs/monitoring.md).
 # The alert falls back to config.checkpoint_interval_steps_default while the trainer does not export it.
-M_CHECKPOINT_INTERVAL_STEPS = getattr(c, "M_CHECKPOINT_INTERVAL_STEPS", "kubetitan_trainer_checkpoint_interval_steps")
+M_CHECKPOINT_INTERVAL_STEPS = c.M_CHECKPOINT_INTERVAL
 
 RATE = "$__rate_interval"
 
