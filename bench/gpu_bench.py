@@ -33,6 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def parse_case(text: str) -> dict:
     if len(parts) < 3 or parts[1] not in MODES:
         raise SystemExit(f"bad case {text!r}: write FLAVOUR:MODE:BATCH[:key=value...], MODE one of {sorted(MODES)}")
     case = {"flavor": parts[0], "mode": parts[1], "batch": int(parts[2]), "spec": "plain", "ac": "none",
-            "ckpt": "none", "ckint": 10, "profile": 0, "steps": 28, "warmup": 8, "seed": 42, "id": text}
+            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "steps": 28, "warmup": 8, "seed": 42, "id": text}
     for kv in parts[3:]:
         k, _, v = kv.partition("=")
         if k not in case:
@@ -115,7 +116,7 @@ def toml_for(case: dict, dump_folder: str) -> dict:
         "parallelism": {"data_parallel_shard_degree": -1},
         "checkpoint": {"enable": case["ckpt"] != "none", "folder": "checkpoint", "interval": case["ckint"],
                        "async_mode": {"none": "disabled", "sync": "disabled", "async": "async"}[case["ckpt"]],
-                       "keep_latest_k": 2, "last_save_model_only": False},
+                       "keep_latest_k": 2, "last_save_model_only": True},  # 3B: 43 GB a full save, 64 GB disk
         "activation_checkpoint": {"mode": case["ac"], "selective_ac_option": "op"},
         "compile": {"enable": mode["compile"], "components": ["model", "loss"]},
         "metrics": {"log_freq": 1, "disable_color_printing": True, "enable_tensorboard": False},
@@ -127,6 +128,7 @@ def toml_for(case: dict, dump_folder: str) -> dict:
 
 
 def parse_log(text: str, warmup: int, profile_after: int = 0) -> dict:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # kubetitan's log keeps torchtitan's colours
     steps = [m.groups() for m in STEP_RE.finditer(text)]
     rows = [dict(step=int(s), loss=float(lo), grad_norm=float(g), mem_reserved_gib=float(mr), mem_pct=float(mp),
                  tps=float(t.replace(",", "")), tflops=float(tf.replace(",", "")), mfu=float(mf))
@@ -181,10 +183,18 @@ def run_case(case: dict, path: str, out: Path, timeout: float, env_extra: dict |
         from gpu_kubetitan import kubetitan_command  # bench/gpu_kubetitan.py
 
         cmd = kubetitan_command(case, work)
+        if case["resume"]:
+            assert case["ckpt"] != "none", "resume=N needs ckpt=sync|async"
     else:
         raise SystemExit(f"unknown path {path!r}")
     t0 = time.monotonic()
     log_path = out / f"{cid}.log"
+    stop = threading.Event()
+    if path == "kubetitan" and case["scrape"]:
+        from gpu_kubetitan import metrics_scraper
+
+        metrics_scraper(work, out / f"{cid}.metrics.txt", stop)
+    extra = {}
     with open(log_path, "w") as log:
         log.write("# " + " ".join(cmd) + "\n")
         log.flush()
@@ -192,12 +202,38 @@ def run_case(case: dict, path: str, out: Path, timeout: float, env_extra: dict |
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    wall = time.monotonic() - t0
+        wall = time.monotonic() - t0
+        stop.set()
+        if path == "kubetitan":
+            from gpu_kubetitan import train_log
+
+            first = train_log(work)
+            log.write("\n# ---- train.log (kubetitan run) ----\n" + first)
+            if case["resume"] and rc == 0:  # the same run again with more steps: resumes from its checkpoint
+                t1 = time.monotonic()
+                cmd2 = cmd + ["--steps", str(case["resume"])]
+                log.write("\n# ---- resume: " + " ".join(cmd2) + "\n")
+                log.flush()
+                try:
+                    rc2 = subprocess.run(cmd2, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work,
+                                         timeout=max(30.0, timeout - wall)).returncode
+                except subprocess.TimeoutExpired:
+                    rc2 = "timeout"
+                second = train_log(work)[len(first):]
+                log.write("\n# ---- train.log (resumed run) ----\n" + second)
+                m = re.search(r"Training starts at step (\d+)", second)
+                resumed_rows = [g for g in STEP_RE.findall(second)]
+                extra = {"resume_rc": rc2, "resume_wall_s": round(time.monotonic() - t1, 1),
+                         "resume_starts_at_step": int(m.group(1)) if m else None,
+                         "resume_steps": [int(g[0]) for g in resumed_rows],
+                         "resume_losses": [float(g[1]) for g in resumed_rows]}
+            text_for_parse = first
+    text = log_path.read_text(errors="replace") if path == "plain" else text_for_parse
     res = {"case": case["id"], "path": path, "flavor": case["flavor"], "mode": case["mode"], "batch": case["batch"],
            "spec": case["spec"], "ac": case["ac"], "ckpt": case["ckpt"], "rc": rc, "wall_s": round(wall, 1),
-           **parse_log(log_path.read_text(errors="replace"), case["warmup"], case["profile"])}
-    if path == "plain" or case["ckpt"] != "none":
-        shutil.rmtree(work / "dump", ignore_errors=True)
+           **parse_log(text, case["warmup"], case["profile"]), **extra}
+    shutil.rmtree(work / "dump", ignore_errors=True)  # checkpoints: disk space for the next case
+    shutil.rmtree(work / "out" / "checkpoint", ignore_errors=True)
     with open(out / "results.jsonl", "a") as f:
         f.write(json.dumps(res) + "\n")
     print(fmt_row(res), flush=True)
@@ -281,10 +317,11 @@ def main(argv=None) -> None:
     cases = [parse_case(c) for c in a.cases.split(",") if c]
     plan = []
     for i, c in enumerate(cases):
-        if a.path == "alt":  # alternate which path goes first, so that drift hits both alike
+        path = c["path"] or a.path
+        if path == "alt":  # alternate which path goes first, so that drift hits both alike
             plan += [(c, "kubetitan"), (c, "plain")] if i % 2 == 0 else [(c, "plain"), (c, "kubetitan")]
         else:
-            plan.append((c, a.path))
+            plan.append((c, path))
     for c, path in plan:
         left = a.deadline - (time.monotonic() - t0) if a.deadline else a.case_timeout
         if left < 45:

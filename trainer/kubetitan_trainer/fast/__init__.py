@@ -137,7 +137,11 @@ class _FusedLinearCE(torch.autograd.Function):
             loss += l
             torch.mm(g, wc, out=grad_h[s:e])
             if low:  # fp32 accumulation of the weight gradient straight out of the GEMM
-                grad_w += torch.mm(g.t(), hc, out_dtype=torch.float32)
+                try:
+                    grad_w += torch.mm(g.t(), hc, out_dtype=torch.float32)
+                except (RuntimeError, NotImplementedError):  # a build without mm(out_dtype=) for this dtype
+                    low = False
+                    grad_w += (g.t() @ hc).float()
             else:
                 grad_w += (g.t() @ hc).float()
         ctx.save_for_backward(grad_h, grad_w)

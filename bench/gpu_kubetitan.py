@@ -1,0 +1,94 @@
+"""The kubetitan launch path of a bench case: LlamaPretrain YAML -> ``kubetitan run`` -> trainer -> torchtitan.
+
+``kubetitan run`` renders the same ``trainer.toml`` the operator puts in the ConfigMap, starts the
+pod entry point (``kubetitan_trainer.launch``: torchrun in-process) with kubetitan's TrainSpec,
+metrics exporter, heartbeat and checkpoint glue, and writes torchtitan's log to ``train.log``.
+The YAML matches ``gpu_bench.toml_for`` key for key (optimizer, schedule, batch, seq_len, compile,
+FP8 recipe and filter, no activation checkpointing, log every step, seed); what differs is
+kubetitan's own: its synthetic data source (a seeded Markov chain) and its runtime glue.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+MODE_PRECISION = {
+    "eager": {"compile": False, "float8": {"enabled": False}},
+    "compile": {"compile": True, "float8": {"enabled": False}},
+    "fp8tw": {"compile": True, "float8": {"enabled": True, "recipe": "tensorwise"}},
+    "fp8rw": {"compile": True, "float8": {"enabled": True, "recipe": "rowwise"}},
+}
+
+
+def lpt_for(case: dict, name: str) -> dict:
+    from gpu_bench import SEQ_LEN
+
+    ck = case["ckpt"] if case["ckpt"] != "none" else None
+    return {
+        "apiVersion": "kubetitan.io/v1alpha1",
+        "kind": "LlamaPretrain",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"flavor": {"debugmodel": "debug"}.get(case["flavor"], case["flavor"])},
+            "training": {"steps": case["steps"], "seqLen": SEQ_LEN, "localBatchSize": case["batch"],
+                         "learningRate": 3e-4, "warmupSteps": 4, "weightDecay": 0.1, "maxNorm": 1.0,
+                         "seed": case["seed"]},
+            "parallelism": {"dataParallelShardDegree": -1},
+            "precision": {**MODE_PRECISION[case["mode"]], "activationCheckpointing": case["ac"],
+                          "mixedPrecisionParam": "bfloat16"},
+            "data": {"source": "synthetic"},
+            "tokenizer": {"source": "builtin"},
+            "checkpoint": {"enabled": ck is not None, "intervalSteps": case["ckint"],
+                           "asyncMode": {"sync": "disabled", "async": "async", None: "disabled"}[ck],
+                           "keepLatestK": 2},
+            "resources": {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H200"},
+            "monitoring": {"logFrequencySteps": 1, "tensorboard": False},
+        },
+    }
+
+
+def kubetitan_command(case: dict, work: Path) -> list[str]:
+    name = "bench-" + "".join(ch if ch.isalnum() else "-" for ch in case["id"].lower())[:40].strip("-")
+    f = work / "lpt.yaml"
+    f.write_text(yaml.safe_dump(lpt_for(case, name), sort_keys=False))
+    return [sys.executable, "-m", "kubetitan.cli", "run", str(f), "--output-dir", str(work / "out")]
+
+
+def metrics_scraper(work: Path, dest: Path, stop: threading.Event) -> threading.Thread:
+    """Poll the trainer's /metrics (port from the rendered trainer.toml); keep the last good scrape."""
+
+    def loop():
+        port, n = None, 0
+        while not stop.wait(2.0):
+            try:
+                if port is None:
+                    import tomllib
+
+                    cfg = tomllib.loads((work / "out" / "trainer.toml").read_text())
+                    port = cfg["kubetitan"]["metrics_port"]
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    text = r.read().decode()
+                n += 1
+                dest.write_text(f"# scrape {n} at {time.strftime('%H:%M:%S')} from port {port}\n{text}")
+            except Exception:  # not up yet, or gone
+                continue
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+def train_log(work: Path) -> str:
+    p = work / "out" / "train.log"
+    return p.read_text(errors="replace") if p.exists() else ""
+
+
+def dump_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1))
