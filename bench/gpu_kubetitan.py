@@ -50,6 +50,7 @@ def lpt_for(case: dict, name: str) -> dict:
                            "keepLatestK": 2},
             "resources": {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H200"},
             "monitoring": {"logFrequencySteps": 1, "tensorboard": False},
+            "runPolicy": {"maxRestarts": 3 if ck else 0},
         },
     }
 
