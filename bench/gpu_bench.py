@@ -123,7 +123,12 @@ def toml_for(case: dict, dump_folder: str) -> dict:
         "debug": {"seed": case["seed"]},
     }
     if mode["fp8"]:
-        cfg["quantize"] = {"linear": {"float8": {"recipe_name": mode["fp8"], "filter_fqns": ["output"]}}}
+        # tensorwise = torchao's default Float8LinearConfig (recipe_name unset), as kubetitan renders it;
+        # call 1 (bench/results/gpu_call1) used recipe_name = "tensorwise", the same config.
+        f8 = {"filter_fqns": ["output"]}
+        if mode["fp8"] != "tensorwise":
+            f8["recipe_name"] = mode["fp8"]
+        cfg["quantize"] = {"linear": {"float8": f8}}
     return cfg
 
 
