@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -42,6 +43,10 @@ log = logging.getLogger("kubetitan.operator")
 ANNOTATION_APPLIED_SPEC = "kubetitan.io/applied-spec"
 """On the run's ConfigMap: the spec (JSON) the current attempt was created from."""
 FINALIZER = "kubetitan.io/finalizer"
+ENSURED_SECONDS = 10.0
+"""How long a child we created counts as existing while the pod index has not shown it yet."""
+NODE_CACHE_SECONDS = 1.0
+"""Node objects are shared by every run on them: one GET per node per second, not one per node per cycle."""
 
 
 @dataclass
@@ -74,6 +79,19 @@ class JobState:
     last_scrape: float = float("-inf")
     metrics_text: dict[str, float] | None = None
     recovered_attempt: int = -1
+    parsed_from: Any = None
+    """The ``spec`` the cached parse below came from: a cycle re-validates only when the spec changed."""
+    parsed: tuple[Any, list[Any], dict[str, Any]] | None = None
+    """(LlamaPretrain or None, validation errors, the spec dumped in wire form)."""
+    changes_for: tuple[Any, Any] | None = None
+    changes: tuple[list[str], list[str], list[str]] = ([], [], [])
+    """``spec_changes(applied, desired)`` for the (applied, desired) pair in ``changes_for``."""
+    ensured_attempt: int = -1
+    ensured: dict[str, float] = field(default_factory=dict)
+    """Children of ``ensured_attempt`` this operator created (or found existing), by monotonic time: the pod
+    index lags behind our own creates, so a cycle woken by the first pod events must not POST the whole gang
+    again. Entries expire after ``ENSURED_SECONDS``, so a child that vanished before the index saw it is
+    created again (as before)."""
 
 
 @dataclass
@@ -84,6 +102,9 @@ class Context:
     client: Client | None = None
     session: Any = None
     jobs: dict[str, JobState] = field(default_factory=dict)
+    nodes: dict[str, tuple[float, Any]] = field(default_factory=dict)
+    """Node name -> (monotonic time, the Node or None), see ``NODE_CACHE_SECONDS``."""
+    node_gets: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
 
     def job(self, uid: str) -> JobState:
         if uid not in self.jobs:
@@ -220,7 +241,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 return None
             now = ctx.options.clock()
             old = job.status if job.status is not None else _load_status(body.get("status"))
-            lpt, errors = validation.parse(dict(body))
+            lpt, errors, desired = _parse(job, body)
             if errors or lpt is None:
                 await _write_invalid(ctx, ns, name, old, errors, meta.get("generation"), now, job)
                 return errors
@@ -228,9 +249,9 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             attempt = old.attempt if old.attempt is not None else 0
             pods = tuple(p for p in (index.get(uid, ()) if index is not None else ()) if p is not None)
 
-            nodes = {}
-            for n in sorted({p.node_name for p in pods if p.node_name}):
-                nodes[n] = node_obs(n, await client.get("nodes", None, n))
+            names = sorted({p.node_name for p in pods if p.node_name})
+            got = await asyncio.gather(*(_get_node(ctx, n) for n in names))
+            nodes = {n: node_obs(n, obj) for n, obj in zip(names, got, strict=True)}
 
             # rank 0's metrics
             rank0 = next((p for p in pods if p.attempt == attempt and p.rank == 0), None)
@@ -252,9 +273,11 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 raw = ((cm or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_APPLIED_SPEC)
                 job.applied_spec = json.loads(raw) if raw else None
                 job.applied_loaded = True
-            desired = spec.model_dump(by_alias=True, exclude_none=True, mode="json")
             if job.applied_spec is not None and old.attempt is not None:
-                _live, later, rejected = spec_changes(job.applied_spec, desired)
+                if job.changes_for is None or job.changes_for[0] is not job.applied_spec \
+                        or job.changes_for[1] is not desired:
+                    job.changes_for, job.changes = (job.applied_spec, desired), spec_changes(job.applied_spec, desired)
+                _live, later, rejected = job.changes
                 if rejected:
                     block = (f"changing {', '.join(rejected)} would make the run's checkpoints unusable; "
                              "revert it, or create a new LlamaPretrain")
@@ -282,7 +305,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if deletes:
                 await asyncio.gather(*deletes)
             if d.action == Action.CREATE:
-                await _create_attempt(ctx, lpt, new, d.avoid_nodes, job, desired)
+                await _create_attempt(ctx, lpt, new, d.avoid_nodes, job, desired, {p.name for p in current})
             if d.delete_self:
                 await client.delete_run(ns, name)
 
@@ -301,6 +324,38 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
         raise
     finally:
         ctx.metrics.reconcile.observe(time.perf_counter() - started)
+
+
+def _parse(job: JobState, body: Mapping[str, Any]) -> tuple[Any, list[Any], dict[str, Any]]:
+    """``validation.parse`` of the object, cached while its spec is unchanged.
+
+    The parse reads the spec and the immutable identity (apiVersion, kind, name, namespace, uid); status
+    writes and kopf's annotation patches change none of them, so most cycles reuse the last result.
+    """
+    spec = body.get("spec")
+    if job.parsed is None or spec != job.parsed_from:
+        lpt, errors = validation.parse(dict(body))
+        desired = lpt.spec.model_dump(by_alias=True, exclude_none=True, mode="json") if lpt is not None else {}
+        job.parsed_from, job.parsed = copy.deepcopy(spec), (lpt, errors, desired)
+    return job.parsed
+
+
+async def _get_node(ctx: Context, name: str) -> Any:
+    """The Node (None if it does not exist), shared by concurrent cycles and cached briefly."""
+    hit = ctx.nodes.get(name)
+    if hit is not None and time.monotonic() - hit[0] < NODE_CACHE_SECONDS:
+        return hit[1]
+    pending = ctx.node_gets.get(name)
+    if pending is None:
+        assert ctx.client is not None
+        pending = ctx.node_gets[name] = asyncio.ensure_future(ctx.client.get("nodes", None, name))
+        try:
+            obj = await pending
+        finally:
+            del ctx.node_gets[name]
+        ctx.nodes[name] = (time.monotonic(), obj)
+        return obj
+    return await asyncio.shield(pending)
 
 
 def _clock_rate(ctx: Context) -> float:
@@ -328,31 +383,47 @@ async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainSta
 
 
 async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, avoid: tuple[str, ...],
-                          job: JobState, desired: dict[str, Any]) -> None:
-    """Create every child of the current attempt; existing ones count as created."""
+                          job: JobState, desired: dict[str, Any], present: set[str]) -> None:
+    """Create every child of the current attempt that is not known to exist; existing ones count as created.
+
+    ``present``: the attempt's pods the index shows. Children this operator created moments ago count as
+    existing too (``JobState.ensured``), so the cycles woken by their own watch events send nothing.
+    """
     client = ctx.client
     assert client is not None
     attempt = status.attempt or 0
+    if job.ensured_attempt != attempt:
+        job.ensured_attempt, job.ensured = attempt, {}
+    mono = time.monotonic()
+
+    def needed(name: str) -> bool:
+        return name not in present and mono - job.ensured.get(name, float("-inf")) >= ENSURED_SECONDS
+
     start = parse_time(status.start_time)
     children = plan.attempt_children(lpt, attempt, job_start_time=start, avoid_nodes=avoid)
     applied = json.dumps(desired, sort_keys=True, separators=(",", ":"))
     cm = next(c for c in children if c["kind"] == "ConfigMap")
     cm["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_SPEC] = applied
-    others = [c for c in children if c["kind"] == "Service"]
-    pods = [c for c in children if c["kind"] == "Pod"]
+    others = [c for c in children if c["kind"] == "Service" and needed(c["metadata"]["name"])]
+    pods = [c for c in children if c["kind"] == "Pod" and needed(c["metadata"]["name"])]
     ns = cm["metadata"]["namespace"]
-    if not await client.create(cm):  # shared by all attempts: bring it up to date
-        await client.patch("configmaps", ns, cm["metadata"]["name"],
-                           {"metadata": {"annotations": cm["metadata"]["annotations"]}, "data": cm["data"]})
+    if needed(cm["metadata"]["name"]):
+        if not await client.create(cm):  # shared by all attempts: bring it up to date
+            await client.patch("configmaps", ns, cm["metadata"]["name"],
+                               {"metadata": {"annotations": cm["metadata"]["annotations"]}, "data": cm["data"]})
+        job.ensured[cm["metadata"]["name"]] = mono
     job.applied_spec, job.applied_loaded = desired, True
-    await asyncio.gather(*(client.create(o) for o in others))
-    await asyncio.gather(*(client.create(p) for p in pods))
+    # Service and pods concurrently; the client's thread pool bounds the requests in flight.
+    await asyncio.gather(*(client.create(o) for o in others + pods))
+    for o in others + pods:
+        job.ensured[o["metadata"]["name"]] = mono
     if status.restarts and status.restarts[-1].attempt == attempt - 1 and job.recovered_attempt != attempt:
         t0 = parse_time(status.restarts[-1].time)
         if t0 is not None:
             ctx.metrics.recovery.observe(max(0.0, ctx.options.clock() - t0) / _clock_rate(ctx))
         job.recovered_attempt = attempt
-    log.info("Created attempt %s of LlamaPretrain %s/%s (%d pods)", attempt, ns, lpt.metadata.name, len(pods))
+    if pods:
+        log.info("Created attempt %s of LlamaPretrain %s/%s (%d pods)", attempt, ns, lpt.metadata.name, len(pods))
 
 
 # ------------------------------------------------------------------ running it

@@ -182,13 +182,15 @@ REJECTED_FIELDS = ("model", "tokenizer", "checkpoint.storage", "checkpoint.mount
 or create a new LlamaPretrain."""
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
+def _flatten(d: Any, prefix: str = "", out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Leaf paths of nested dicts (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; an empty dict is a leaf)."""
+    out = {} if out is None else out
+    if isinstance(d, dict) and d:
         for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
-        return out or {prefix: {}}
-    return {prefix: d}
+            _flatten(v, f"{prefix}.{k}" if prefix else k, out)
+    else:
+        out[prefix] = {} if isinstance(d, dict) else d
+    return out
 
 
 def spec_changes(applied: Mapping[str, Any], desired: Mapping[str, Any]) -> tuple[list[str], list[str], list[str]]:

@@ -4,6 +4,7 @@
   operator uses declared (the LlamaPretrain CRD's printer columns come from ``kubetitan.crd``).
 - ``Operator``: ``kubetitan.handlers.run`` in a thread (the same code ``kubetitan operator`` runs),
   stopped through kopf's stop flag; ``ScaledClock`` lets API-minimum timeouts (e.g. 30 s) pass fast.
+- ``OperatorProcess``: ``kubetitan operator`` as a separate process (HA replicas, logs, liveness, benchmark).
 - ``Rank0Metrics``: a real prometheus-client exporter serving the trainer's metric names.
 """
 
@@ -11,7 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -19,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import kmock
+import requests
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from kmockx import KubeEmulator, kubeconfig
@@ -27,6 +34,8 @@ from kubetitan.handlers import Options, run
 
 LPT = "kubetitan.io/v1alpha1/llamapretrains"
 PODS, NODES, CMS, SVCS, EVENTS = "v1/pods", "v1/nodes", "v1/configmaps", "v1/services", "v1/events"
+NS = "ml"
+PEERINGS, CLUSTER_PEERINGS = "kopf.dev/v1/kopfpeerings", "kopf.dev/v1/clusterkopfpeerings"
 
 
 class ScaledClock:
@@ -51,7 +60,8 @@ def wait_for(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condit
 
 
 class Cluster:
-    def __init__(self) -> None:
+    def __init__(self, namespaces: tuple[str, ...] = ()) -> None:
+        self.namespaces = ("default", NS, *namespaces)
         self.loop = asyncio.new_event_loop()
         self.k: KubeEmulator | None = None
         self.url = ""
@@ -78,7 +88,10 @@ class Cluster:
             k.declare(SVCS, "Service", status=True)
             k.declare(EVENTS, "Event")
             k.declare("v1/namespaces", "Namespace", namespaced=False, status=True)
-            for ns in ("default", NS):  # kopf only watches namespaces that exist
+            # kopf's peering objects (HA): replicas keep their keep-alives in .status
+            k.declare(PEERINGS, "KopfPeering", status=True)
+            k.declare(CLUSTER_PEERINGS, "ClusterKopfPeering", namespaced=False, status=True)
+            for ns in dict.fromkeys(self.namespaces):  # kopf only watches namespaces that exist
                 await k.put("v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
             self._ready.set()
             await self._stop.wait()
@@ -120,6 +133,19 @@ class Cluster:
     def delete(self, resource: str, ns: str | None, name: str) -> None:
         assert self.k is not None
         self.call(self.k.remove(resource, ns, name))
+
+    def add_peering(self, name: str, ns: str | None = NS) -> None:
+        """The KopfPeering (namespaced) or ClusterKopfPeering (ns None) object HA replicas coordinate through."""
+        kind = "KopfPeering" if ns else "ClusterKopfPeering"
+        meta = {"name": name, **({"namespace": ns} if ns else {})}
+        assert self.k is not None
+        self.call(self.k.put(PEERINGS if ns else CLUSTER_PEERINGS,
+                             {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": meta}))
+
+    def peers(self, name: str, ns: str | None = NS) -> dict[str, Any]:
+        """The live keep-alives in a peering object's status (kopf writes one key per replica)."""
+        obj = self.get(PEERINGS if ns else CLUSTER_PEERINGS, ns, name) or {}
+        return {k: v for k, v in (obj.get("status") or {}).items() if v}
 
     def add_node(self, name: str, ready: bool = True) -> None:
         assert self.k is not None
@@ -176,8 +202,9 @@ class Operator:
     """The real operator in a thread; ``stop()`` is kopf's graceful stop (like SIGTERM)."""
 
     def __init__(self, cluster: Cluster, namespaces: tuple[str, ...] = ("ml",), clock: Callable[[], float] | None = None,
-                 scan_interval: float = 0.1, scrape_interval: float = 0.05) -> None:
-        self.options = Options(namespaces=list(namespaces), kubeconfig=cluster.kubeconfig, metrics_port=None,
+                 scan_interval: float = 0.1, scrape_interval: float = 0.05, all_namespaces: bool = False) -> None:
+        self.options = Options(namespaces=[] if all_namespaces else list(namespaces), all_namespaces=all_namespaces,
+                               kubeconfig=cluster.kubeconfig, metrics_port=None,
                                scan_interval=scan_interval, scrape_interval=scrape_interval, scrape_timeout=1.0,
                                clock=clock or time.time)
         self.registry = CollectorRegistry()
@@ -207,6 +234,96 @@ class Operator:
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         return self.registry.get_sample_value(name, labels or {})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def proc_memory_mb(pid: int) -> dict[str, float]:
+    """``VmRSS`` (now) and ``VmHWM`` (peak RSS) of a process, in MiB, from /proc."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(line.split()[1]) / 1024
+    return out
+
+
+class OperatorProcess:
+    """``kubetitan operator`` as its own process (the CLI code path), JSON logs to a file, liveness on.
+
+    ``stop()`` sends SIGTERM (kopf's graceful stop: a peering replica says goodbye), ``kill()`` SIGKILL.
+    """
+
+    def __init__(self, kubeconfig: str, *args: str, log_format: str = "json", env: dict[str, str] | None = None
+                 ) -> None:
+        self.port = free_port()
+        self.liveness = f"http://127.0.0.1:{self.port}/healthz"
+        fd, self.log_path = tempfile.mkstemp(suffix=".log", prefix="kubetitan-operator-")
+        os.close(fd)
+        self.argv = [sys.executable, "-m", "kubetitan.cli", "operator", "--kubeconfig", kubeconfig,
+                     "--metrics-port", "0", "--liveness", self.liveness, "--log-format", log_format, *args]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 30.0) -> OperatorProcess:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        wait_for(self.alive, timeout, f"the operator's liveness endpoint {self.liveness}", every=0.1)
+        return self
+
+    def alive(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"operator exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+        try:
+            return requests.get(self.liveness, timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def __enter__(self) -> OperatorProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+        os.unlink(self.log_path)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                raise AssertionError(f"operator did not stop on SIGTERM within {timeout}s") from None
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def memory_mb(self) -> dict[str, float]:
+        return proc_memory_mb(self.pid)
+
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_records(self) -> list[dict[str, Any]]:
+        """Every log line parsed as JSON (raises on a line that is not one JSON object)."""
+        return [json.loads(line) for line in self.log_text().splitlines() if line.strip()]
 
 
 class Rank0Metrics:
@@ -242,8 +359,6 @@ class Rank0Metrics:
         self.server.shutdown()
         self.server.server_close()
 
-
-NS = "ml"
 
 
 def cpu_spec(nodes: int = 2, **run_policy: Any) -> dict[str, Any]:

@@ -1,0 +1,108 @@
+"""How the operator runs, against kmockx: HA peering, namespace scope, liveness, structured logs.
+
+The HA and log tests start ``kubetitan operator`` as real processes (the CLI code path); the scope
+tests run ``kubetitan.handlers.run`` in-process (the same function the CLI calls).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import pytest
+import requests
+
+from kmockx.harness import NS, Cluster, Operator, OperatorProcess, cpu_spec, lpt, wait_for
+
+pytestmark = pytest.mark.xdist_group("operator-kmock")
+OTHER = "team-b"
+
+
+def _in(ns: str, name: str) -> dict[str, Any]:
+    obj = copy.deepcopy(lpt(name, cpu_spec(nodes=1)))
+    obj["metadata"]["namespace"] = ns
+    return obj
+
+
+def _pod_creates(c: Cluster) -> list[str]:
+    """Pod names of every pod-create request the server received (from kmock's request log)."""
+    return [(r.data or {}).get("metadata", {}).get("name", "") for r in list(c.k)
+            if r.method is not None and r.method.value == "POST" and r.resource is not None
+            and r.resource.plural == "pods"]
+
+
+def _created(op: OperatorProcess, name: str) -> bool:
+    return any(r.get("message", "").startswith("Created attempt") and f"/{name} " in r["message"]
+               for r in op.log_records())
+
+
+def test_peering_one_active_replica_then_takeover(cluster: Cluster) -> None:
+    cluster.add_peering("kubetitan")
+    args = ("--namespace", NS, "--peering", "kubetitan", "--scan-interval", "0.5")
+    with OperatorProcess(cluster.kubeconfig, *args, "--priority", "100") as a:
+        wait_for(lambda: len(cluster.peers("kubetitan")) == 1, 15, "replica A's keep-alive")
+        with OperatorProcess(cluster.kubeconfig, *args, "--priority", "50") as b:
+            wait_for(lambda: len(cluster.peers("kubetitan")) == 2, 15, "both keep-alives")
+            # both start paused (peering is mandatory); only the highest priority resumes
+            assert "Resuming operations" in a.log_text() and "Resuming operations" not in b.log_text()
+            cluster.apply(lpt("ha1", cpu_spec(nodes=2)))
+            wait_for(lambda: len(cluster.pod_names(NS, "ha1")) == 2, 15, "ha1 pods")
+            time.sleep(1.0)  # room for a second actor to show up
+            assert sorted(_pod_creates(cluster)) == ["ha1-a0-0", "ha1-a0-1"], "each pod created once, by one replica"
+            assert _created(a, "ha1") and not _created(b, "ha1")
+            a.stop()
+            wait_for(lambda: "Resuming operations" in b.log_text(), 15, "replica B takes over")
+            assert list(cluster.peers("kubetitan")) and len(cluster.peers("kubetitan")) == 1
+            # B serves new runs and continues the old one (a gang failure still restarts it)
+            cluster.apply(lpt("ha2", cpu_spec(nodes=2)))
+            wait_for(lambda: len(cluster.pod_names(NS, "ha2")) == 2, 15, "ha2 pods by replica B")
+            cluster.terminate_pod(NS, "ha1-a0-0", 1)
+            wait_for(lambda: cluster.pod_names(NS, "ha1") == ["ha1-a1-0", "ha1-a1-1"], 15, "ha1 restarted by B")
+            assert _created(b, "ha2") and not _created(a, "ha2")
+            assert sorted(_pod_creates(cluster)) == sorted(
+                ["ha1-a0-0", "ha1-a0-1", "ha1-a1-0", "ha1-a1-1", "ha2-a0-0", "ha2-a0-1"])
+
+
+@pytest.mark.parametrize(
+    ("scope", "kwargs", "served", "ignored"),
+    [
+        ("namespaced", {"namespaces": (NS,)}, [NS], [OTHER]),
+        ("glob", {"namespaces": ("team-*",)}, [OTHER], [NS]),
+        ("all-namespaces", {"all_namespaces": True}, [NS, OTHER], []),
+    ],
+    ids=["namespace-ml", "namespace-glob", "all-namespaces"],
+)
+def test_namespace_scope(scope: str, kwargs: dict[str, Any], served: list[str], ignored: list[str]) -> None:
+    with Cluster(namespaces=(OTHER,)) as c, Operator(c, **kwargs):
+        for ns in (NS, OTHER):
+            c.apply(_in(ns, f"run-{ns}"))
+        for ns in served:
+            wait_for(lambda ns=ns: c.pod_names(ns, f"run-{ns}") == [f"run-{ns}-a0-0"], 15, f"pods in {ns}")
+            wait_for(lambda ns=ns: c.status(ns, f"run-{ns}").get("phase") == "Starting", 10, f"status in {ns}")
+        time.sleep(0.5)  # the served runs are done; an ignored one would have been handled alongside
+        for ns in ignored:
+            assert c.pod_names(ns, f"run-{ns}") == [], f"{scope}: a run in {ns} got pods"
+            obj = c.lpt(ns, f"run-{ns}")
+            assert obj is not None and not obj.get("status") and not obj["metadata"].get("finalizers"), obj
+
+
+def test_liveness_and_json_logs(cluster: Cluster) -> None:
+    with OperatorProcess(cluster.kubeconfig, "--namespace", NS, log_format="json") as op:
+        r = requests.get(op.liveness, timeout=5)
+        assert r.status_code == 200 and isinstance(r.json(), dict)
+        cluster.apply(lpt("lg", cpu_spec(nodes=1)))
+        wait_for(lambda: _created(op, "lg"), 15, "the create log line")
+        cluster.apply(lpt("bad", {**cpu_spec(nodes=1), "training": {"steps": 0}}))
+        wait_for(lambda: (cluster.condition(NS, "bad", "SpecAccepted") or {}).get("status") == "False", 15,
+                 "invalid spec condition")
+        assert op.stop() == 0
+        with pytest.raises(requests.RequestException):
+            requests.get(op.liveness, timeout=1)
+        records = op.log_records()  # raises on any line that is not one JSON object
+    assert all(isinstance(r, dict) and r.get("message") and r.get("severity") and r.get("timestamp")
+               for r in records)
+    # per-object records carry the object reference (kopf's refkey "object")
+    refs = [(o.get("name"), o.get("namespace")) for r in records if isinstance(o := r.get("object"), dict)]
+    assert ("bad", NS) in refs and ("lg", NS) in refs
+    assert any(r["severity"] == "error" and "invalid spec" in r["message"] for r in records)
