@@ -48,3 +48,30 @@ def step_log(ckpt_dir: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def attempts_in_log(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Split rank 0's step records into runs of consecutive steps (a new one wherever a step repeats or
+    goes back: the next attempt resumed from an older checkpoint)."""
+    out: list[list[dict[str, Any]]] = []
+    for r in records:
+        if not out or r["step"] <= out[-1][-1]["step"]:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def loss_by_step(records: list[dict[str, Any]]) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for r in records:
+        out.setdefault(r["step"], []).append(r["loss"])
+    return out
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[int]:
+    """Steps with a complete DCP checkpoint (the one resume rule: ``step-N`` with its ``.metadata``)."""
+    folder = Path(ckpt_dir) / "checkpoint"
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in folder.iterdir() if p.name.startswith("step-")
+                  and (p / ".metadata").exists())

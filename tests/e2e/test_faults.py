@@ -1,0 +1,169 @@
+"""End to end: the REAL operator (kopf, in-process) and the REAL trainer (torchrun + torchtitan processes)
+against kmockx, with tests/e2e/kubelet.py running every pod as local processes. 2 "nodes" x 1 process,
+torchtitan's debug model on CPU (gloo), checkpoints every few steps on a temp dir.
+
+One run goes through every fault in order, so the whole file starts as few gangs as possible (each start
+imports torch four times on a two-core machine):
+
+attempt 0  apply -> Running, status.training from the trainer's metrics; SIGKILL rank 1's processes
+attempt 1  resumes from the newest checkpoint; the operator itself restarts (no duplicates, run carries on);
+           then rank 1's worker is frozen (SIGSTOP) -> hang detected
+attempt 2  resumes; rank 1's node goes NotReady with its pod left terminating -> force delete
+attempt 3  resumes; suspend -> checkpoint on SIGTERM (exit 75), pods gone
+attempt 4  resume -> continues from that step -> Succeeded with the final checkpoint
+
+A second, short run is deleted mid-training: every process must be gone.
+Each phase asserts the step the next attempt starts from, loss continuity (a replayed step has the same
+loss; nothing jumps back to the initial loss) and the restart causes recorded in status.restarts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from common import NS, attempts_in_log, complete_checkpoints, e2e_spec, free_port, loss_by_step, lpt, step_log
+
+from kmockx.harness import LPT, PODS, Operator, wait_for
+
+pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
+
+STEPS, INTERVAL = 30, 4
+START = 300.0  # seconds allowed for a gang to reach its first step (four torch imports on two busy cores)
+
+
+def _st(c, name: str) -> dict:
+    return c.status(NS, name)
+
+
+def _step(c, name: str) -> int:
+    return (_st(c, name).get("training") or {}).get("step") or 0
+
+
+def _wait_attempt_step(c, name: str, attempt: int, step: int, timeout: float = START) -> None:
+    try:
+        wait_for(lambda: _st(c, name).get("attempt") == attempt and _step(c, name) >= step, timeout,
+                 f"attempt {attempt} of {name} at step >= {step}")
+    except AssertionError as e:
+        pods = [(p["metadata"]["name"], (p.get("status") or {}).get("phase"), p["metadata"].get("deletionTimestamp"))
+                for p in c.pods(NS, name)]
+        raise AssertionError(f"{e}; status: {_st(c, name)}; pods: {pods}") from None
+
+
+def _pods(c, name: str) -> list[str]:
+    return c.pod_names(NS, name)
+
+
+def _log_after(e2e, t: float) -> list[dict]:
+    return [r for r in step_log(e2e.ckpt) if r["time"] >= t]
+
+
+def test_one_run_through_every_fault(e2e) -> None:
+    c, k = e2e.cluster, e2e.kubelet
+    name = "faults"
+    op = Operator(c, namespaces=(NS,)).__enter__()
+    try:
+        c.apply(lpt(name, e2e_spec(e2e.ckpt, STEPS, INTERVAL, free_port())))
+
+        # ---- attempt 0: Running, status.training filled from rank 0's real metrics
+        _wait_attempt_step(c, name, 0, 6)
+        st = _st(c, name)
+        tr = st["training"]
+        assert st["phase"] == "Running"
+        assert tr["totalSteps"] == STEPS and tr["loss"] > 0 and tr["tokensPerSecond"] > 0
+        assert tr["lastCheckpointStep"] == INTERVAL and tr["progress"].endswith(f"/{STEPS}")
+        assert _pods(c, name) == [f"{name}-a0-0", f"{name}-a0-1"]
+        first_loss = step_log(e2e.ckpt)[0]["loss"]
+
+        # ---- kill one rank's processes mid-run -> next attempt resumes from the last checkpoint
+        k.kill(NS, f"{name}-a0-1")
+        wait_for(lambda: _st(c, name).get("restartCount") == 1, 60, "restart after the kill")
+        rec = _st(c, name)["restarts"][0]
+        assert rec["cause"] == "ContainerFailed" and "137" in rec["message"] and rec["nodeName"]
+        resumed = rec["resumedFromStep"]
+        assert resumed == max(complete_checkpoints(e2e.ckpt)) and resumed % INTERVAL == 0 and resumed >= INTERVAL
+        _wait_attempt_step(c, name, 1, resumed + 2)
+        seg = attempts_in_log(step_log(e2e.ckpt))
+        assert seg[1][0]["step"] == resumed + 1, "attempt 1 did not resume from the newest checkpoint"
+        assert rec["lostSteps"] == seg[0][-1]["step"] - resumed or rec["lostSteps"] >= 0
+
+        # ---- restart the operator itself mid-run: no duplicate pods, the run carries on
+        op.stop()
+        step_then = _step(c, name)
+        time.sleep(1.0)
+        op = Operator(c, namespaces=(NS,)).__enter__()
+        _wait_attempt_step(c, name, 1, step_then + 2, 120)
+        assert _pods(c, name) == [f"{name}-a1-0", f"{name}-a1-1"]
+        assert _st(c, name)["restartCount"] == 1
+
+        # ---- freeze one process -> hang detected, restart
+        frozen = k.freeze(NS, f"{name}-a1-1")
+        assert frozen
+        wait_for(lambda: _st(c, name).get("restartCount") == 2, 90, "hang restart")
+        rec = _st(c, name)["restarts"][1]
+        assert rec["cause"] == "Hang", rec
+        resumed = rec["resumedFromStep"]
+        _wait_attempt_step(c, name, 2, resumed + 2)
+        assert attempts_in_log(step_log(e2e.ckpt))[-1][0]["step"] == resumed + 1
+
+        # ---- node NotReady, its pod left terminating -> force delete and restart
+        victim = f"{name}-a2-1"
+        node = c.get(PODS, NS, victim)["spec"]["nodeName"]
+        k.fail_node(node)
+        wait_for(lambda: _st(c, name).get("restartCount") == 3, 60, "node failure restart")
+        rec = _st(c, name)["restarts"][2]
+        assert rec["cause"] == "NodeFailure" and rec["nodeName"] == node, rec
+        wait_for(lambda: c.get(PODS, NS, victim) is None, 30, "the dead node's pod force-deleted")
+        forced = [r for r in c.k.requests if r.method.value == "DELETE" and r.name == victim]
+        assert any((r.data or {}).get("gracePeriodSeconds") == 0 for r in forced)
+        k.crash_node_processes(node)  # the machine is gone for good
+        resumed = rec["resumedFromStep"]
+        _wait_attempt_step(c, name, 3, resumed + 2)
+        k.restore_node(node)
+        assert attempts_in_log(step_log(e2e.ckpt))[-1][0]["step"] == resumed + 1
+
+        # ---- suspend: every rank checkpoints on SIGTERM and exits 75; pods gone
+        c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": True}}})
+        wait_for(lambda: _st(c, name).get("phase") == "Suspended" and not _pods(c, name), 120, "suspended")
+        assert k.exits[(NS, f"{name}-a3-0")] == (75, "Error") and k.exits[(NS, f"{name}-a3-1")] == (75, "Error")
+        stopped_at = step_log(e2e.ckpt)[-1]["step"]
+        assert max(complete_checkpoints(e2e.ckpt)) == stopped_at, "no checkpoint at the stop step"
+        time.sleep(1.0)
+        assert _st(c, name)["restartCount"] == 3  # a suspension is not a restart
+
+        # ---- resume: continues from that step, then succeeds with the final checkpoint
+        c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": False}}})
+        wait_for(lambda: _st(c, name).get("phase") == "Succeeded", START + 240, "succeeded")
+    finally:
+        op.stop()
+    st = _st(c, name)
+    log = step_log(e2e.ckpt)
+    segs = attempts_in_log(log)
+    resume_seg = next(s for s in segs if s[0]["step"] == stopped_at + 1)
+    assert resume_seg[-1]["step"] == STEPS and st["training"]["step"] == STEPS
+    assert STEPS in complete_checkpoints(e2e.ckpt), "no final checkpoint"
+    assert [r["cause"] for r in st["restarts"]] == ["ContainerFailed", "Hang", "NodeFailure"]
+    assert st["restartCount"] == 3 and st["attempt"] == 4
+    for r in st["restarts"]:
+        assert r["lostSteps"] is not None and 0 <= r["lostSteps"] <= INTERVAL + 1, r  # at most one interval
+    # loss continuity: a replayed step reproduces its loss (same data, same weights from the checkpoint) ...
+    for step, losses in loss_by_step(log).items():
+        assert max(losses) - min(losses) <= 1e-3 * abs(losses[0]), (step, losses)
+    # ... and no attempt starts back at the initial loss
+    final_loss = log[-1]["loss"]
+    assert final_loss < first_loss - 0.3, (first_loss, final_loss)
+    for s in segs[1:]:
+        assert abs(s[0]["loss"] - first_loss) > 0.1 or s[0]["step"] <= 2, (s[0], first_loss)
+    assert not k.live_processes() or wait_for(lambda: not k.live_processes(), 60, "processes gone")
+
+
+def test_delete_mid_run_leaves_no_process(e2e) -> None:
+    c, k = e2e.cluster, e2e.kubelet
+    with Operator(c, namespaces=(NS,)):
+        c.apply(lpt("doomed", e2e_spec(e2e.ckpt, 200, 50, free_port())))
+        _wait_attempt_step(c, "doomed", 0, 1)
+        assert len(k.live_processes()) >= 4  # 2 launchers + 2 workers
+        c.delete(LPT, NS, "doomed")
+        wait_for(lambda: c.lpt(NS, "doomed") is None, 30, "the LlamaPretrain deleted (finalizer released)")
+        wait_for(lambda: not _pods(c, "doomed") and not k.live_processes(), 60, "pods and processes gone")
+    assert not c.list("v1/configmaps", NS) and not c.list("v1/services", NS)
