@@ -1,0 +1,116 @@
+"""Goodput under injected faults (issue 8): prints numbers, not a test.
+
+The REAL operator (in-process kopf) and the REAL trainer (torchrun + torchtitan's debug model on CPU,
+gloo) run against kmockx with the e2e kubelet double (tests/e2e/kubelet.py): 2 "nodes" x 1 process.
+One run kills one rank's processes (SIGKILL, alternating ranks) every ``--kill-every`` steps; a second,
+identical run has no faults. Reported:
+
+- goodput = productive step time / wall time since apply (productive: the step time of every step
+  that the final model kept, i.e. the last occurrence of each step number in rank 0's step log);
+- time to recover per failure = kill -> first step of the next attempt (p50 / max);
+- lost steps per failure = steps trained before the kill that the next attempt trained again;
+- restart-cause accuracy = status.restarts causes equal to the injected fault's (``ContainerFailed``).
+
+    .venv/bin/python bench/goodput_bench.py --steps 600 --kill-every 100 --interval 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
+
+from common import CLAIM, NS, attempts_in_log, e2e_spec, free_port, lpt, step_log  # noqa: E402
+from kubelet import Kubelet  # noqa: E402
+
+from kmockx.harness import Cluster, Operator  # noqa: E402
+
+
+def run(steps: int, interval: int, kill_every: int | None, timeout: float) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="goodput-"))
+    ckpt = tmp / "ckpt"
+    kills: list[dict] = []
+    with Cluster() as c, Kubelet(c, tmp / "kubelet", claims={CLAIM: ckpt}) as k, Operator(c, namespaces=(NS,)):
+        t0 = time.time()
+        c.apply(lpt("goodput", e2e_spec(ckpt, steps, interval, free_port(), hangTimeoutSeconds=120)))
+        next_kill = kill_every
+        while time.time() - t0 < timeout:
+            st = c.status(NS, "goodput")
+            if st.get("phase") in ("Succeeded", "Failed"):
+                break
+            step = (st.get("training") or {}).get("step") or 0
+            attempt = st.get("attempt") or 0
+            if next_kill is not None and step >= next_kill and next_kill < steps:
+                rank = len(kills) % 2
+                pod = f"goodput-a{attempt}-{rank}"
+                log = step_log(ckpt)
+                k.kill(NS, pod)
+                kills.append({"time": time.time(), "pod": pod, "step": log[-1]["step"] if log else step})
+                next_kill += kill_every
+            time.sleep(0.1)
+        wall = time.time() - t0
+        st = c.status(NS, "goodput")
+    log = step_log(ckpt)
+    segs = attempts_in_log(log)
+    # productive time: the duration of each kept step (the last occurrence of each step number)
+    kept: dict[int, float] = {}
+    for seg in segs:
+        gaps = [b["time"] - a["time"] for a, b in zip(seg, seg[1:], strict=False)]
+        first = statistics.median(gaps) if gaps else 0.0
+        for i, r in enumerate(seg):
+            kept[r["step"]] = first if i == 0 else seg[i]["time"] - seg[i - 1]["time"]
+    productive = sum(kept.values())
+    recover, lost = [], []
+    for kill in kills:
+        nxt = next((s for s in segs if s[0]["time"] > kill["time"]), None)
+        if nxt is None:
+            continue
+        recover.append(nxt[0]["time"] - kill["time"])
+        lost.append(max(0, kill["step"] - (nxt[0]["step"] - 1)))
+    causes = [r["cause"] for r in st.get("restarts") or []]
+    right = sum(1 for c_ in causes if c_ == "ContainerFailed")
+    return {"phase": st.get("phase"), "final_step": (st.get("training") or {}).get("step"), "wall_s": round(wall, 1),
+            "productive_s": round(productive, 1), "goodput": round(productive / wall, 4) if wall else None,
+            "status_goodput": (st.get("training") or {}).get("goodput"), "faults": len(kills),
+            "restarts": st.get("restartCount"), "recover_s": [round(x, 1) for x in recover],
+            "recover_p50_s": round(statistics.median(recover), 1) if recover else None,
+            "recover_max_s": round(max(recover), 1) if recover else None, "lost_steps": lost,
+            "cause_accuracy": round(right / len(kills), 3) if kills else None, "causes": causes}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--interval", type=int, default=50, help="checkpoint.intervalSteps")
+    p.add_argument("--kill-every", type=int, default=100)
+    p.add_argument("--timeout", type=float, default=7200)
+    p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    a = p.parse_args()
+    out = {"args": vars(a) | {"json": str(a.json) if a.json else None}}
+    out["faults"] = run(a.steps, a.interval, a.kill_every, a.timeout)
+    print("with faults:", json.dumps(out["faults"]), flush=True)
+    if not a.no_baseline:
+        out["baseline"] = run(a.steps, a.interval, None, a.timeout)
+        print("fault-free: ", json.dumps(out["baseline"]), flush=True)
+        f, b = out["faults"], out["baseline"]
+        if f["goodput"] and b["goodput"]:
+            out["goodput_vs_fault_free"] = round(f["goodput"] / b["goodput"], 3)
+    f = out["faults"]
+    print(f"goodput {f['goodput']} (fault-free {out.get('baseline', {}).get('goodput')}, "
+          f"ratio {out.get('goodput_vs_fault_free')}); recover p50 {f['recover_p50_s']} s max {f['recover_max_s']} s; "
+          f"lost steps {f['lost_steps']} (interval {a.interval}); cause accuracy {f['cause_accuracy']}")
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
