@@ -113,9 +113,8 @@ def test_one_run_through_every_fault(e2e) -> None:
         wait_for(lambda: _st(c, name).get("restartCount") == 3, 60, "node failure restart")
         rec = _st(c, name)["restarts"][2]
         assert rec["cause"] == "NodeFailure" and rec["nodeName"] == node, rec
+        # The dead node's kubelet never finishes a graceful deletion: only a grace-0 delete removes the pod.
         wait_for(lambda: c.get(PODS, NS, victim) is None, 30, "the dead node's pod force-deleted")
-        forced = [r for r in c.k.requests if r.method.value == "DELETE" and r.name == victim]
-        assert any((r.data or {}).get("gracePeriodSeconds") == 0 for r in forced)
         k.crash_node_processes(node)  # the machine is gone for good
         resumed = rec["resumedFromStep"]
         _wait_attempt_step(c, name, 3, resumed + 2)
