@@ -164,6 +164,43 @@ def parse_log(text: str, warmup: int, profile_after: int = 0) -> dict:
     return res
 
 
+def _descendants(pid: int) -> list[int]:
+    """All descendant pids of ``pid`` (from /proc; ``kubetitan run`` starts its launcher in a new session)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def run_tree(cmd: list[str], log, env: dict, cwd: Path, timeout: float):
+    """``subprocess.run`` whose timeout kills the whole process tree (torchrun's workers hold the GPU)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in reversed(_descendants(proc.pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait()
+        time.sleep(3)  # let the driver release the killed workers' GPU memory
+        return "timeout"
+
+
 def run_case(case: dict, path: str, out: Path, timeout: float, env_extra: dict | None = None) -> dict:
     cid = case_id(case, path)
     work = Path(os.environ.get("GPUBENCH_WORK", "/tmp/gpubench")) / cid
@@ -203,10 +240,7 @@ def run_case(case: dict, path: str, out: Path, timeout: float, env_extra: dict |
     with open(log_path, "w") as log:
         log.write("# " + " ".join(cmd) + "\n")
         log.flush()
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_tree(cmd, log, env, work, timeout)
         wall = time.monotonic() - t0
         stop.set()
         if path == "kubetitan":
@@ -219,12 +253,8 @@ def run_case(case: dict, path: str, out: Path, timeout: float, env_extra: dict |
                 cmd2 = cmd + ["--steps", str(case["resume"])]
                 log.write("\n# ---- resume: " + " ".join(cmd2) + "\n")
                 log.flush()
-                try:
-                    rc2 = subprocess.run(cmd2, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                         timeout=max(30.0, timeout - wall)).returncode
-                except subprocess.TimeoutExpired:
-                    rc2 = "timeout"
-                second = train_log(work)[len(first):]
+                rc2 = run_tree(cmd2, log, env, work, max(30.0, timeout - wall))
+                second = re.sub(r"\x1b\[[0-9;]*m", "", train_log(work)[len(first):])
                 log.write("\n# ---- train.log (resumed run) ----\n" + second)
                 m = re.search(r"Training starts at step (\d+)", second)
                 resumed_rows = [g for g in STEP_RE.findall(second)]
