@@ -131,6 +131,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         assert _st(c, name)["restartCount"] == 3  # a suspension is not a restart
 
         # ---- resume: continues from that step, then succeeds with the final checkpoint
+        resumed_at = time.time()
         c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": False}}})
         wait_for(lambda: _st(c, name).get("phase") == "Succeeded", START + 240, "succeeded")
     finally:
@@ -138,8 +139,9 @@ def test_one_run_through_every_fault(e2e) -> None:
     st = _st(c, name)
     log = step_log(e2e.ckpt)
     segs = attempts_in_log(log)
-    resume_seg = next(s for s in segs if s[0]["step"] == stopped_at + 1)
-    assert resume_seg[-1]["step"] == STEPS and st["training"]["step"] == STEPS
+    after = [r for r in log if r["time"] > resumed_at]  # stop at S, resume at S + 1: one unbroken run of steps
+    assert after[0]["step"] == stopped_at + 1, (stopped_at, after[:2])
+    assert after[-1]["step"] == STEPS and st["training"]["step"] == STEPS
     assert STEPS in complete_checkpoints(e2e.ckpt), "no final checkpoint"
     assert [r["cause"] for r in st["restarts"]] == ["ContainerFailed", "Hang", "NodeFailure"]
     assert st["restartCount"] == 3 and st["attempt"] == 4
