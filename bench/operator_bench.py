@@ -1,6 +1,7 @@
 """Operator benchmark against kmockx (prints numbers; asserts no timing).
 
     .venv/bin/python bench/operator_bench.py [--runs 500] [--profile DIR] [--only gang|recovery|many]
+                                             [--operator-src DIR]
 
 Three processes, so that the operator is measured on its own:
 
@@ -43,6 +44,8 @@ from kmockx.harness import NS, OperatorProcess, cpu_spec, lpt, proc_memory_mb, w
 
 LPT_PATH = f"/apis/kubetitan.io/v1alpha1/namespaces/{NS}/llamapretrains"
 POD_PATH = f"/api/v1/namespaces/{NS}/pods"
+OPERATOR_SRC: str | None = None
+"""--operator-src: a directory holding another ``kubetitan`` package (e.g. an older commit's) to compare."""
 
 
 class Server:
@@ -125,7 +128,8 @@ class Watch:
 
 
 def operator(server: Server, profile: str | None, scenario: str, *args: str) -> OperatorProcess:
-    op = OperatorProcess(server.kubeconfig, "--namespace", NS, *args, log_format="plain")
+    env = {"PYTHONPATH": OPERATOR_SRC} if OPERATOR_SRC else None
+    op = OperatorProcess(server.kubeconfig, "--namespace", NS, *args, log_format="plain", env=env)
     if profile:
         Path(profile).mkdir(parents=True, exist_ok=True)
         i = op.argv.index("-m")
@@ -207,7 +211,12 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=500)
     p.add_argument("--profile", metavar="DIR")
     p.add_argument("--only", choices=["gang", "recovery", "many"])
+    p.add_argument("--operator-src", metavar="DIR",
+                   help="run the operator from DIR/kubetitan instead (A/B against an older commit: "
+                        "git archive COMMIT operator/kubetitan | tar -x -C /tmp/old; DIR=/tmp/old/operator)")
     a = p.parse_args()
+    global OPERATOR_SRC
+    OPERATOR_SRC = a.operator_src
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start; operator, kmockx "
           "and this driver are separate processes")
     if a.only in (None, "gang"):

@@ -140,7 +140,7 @@ async def _cleanup(memo: Any, **_: Any) -> None:
     if ctx.session is not None:
         await ctx.session.close()
     if ctx.client is not None:
-        ctx.client.close()
+        await ctx.client.aclose()
 
 
 @kopf.on.login()
@@ -170,7 +170,7 @@ def _pod_changed(labels: Mapping[str, str], memo: Any, **_: Any) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 async def reconcile(body: kopf.Body, memo: Any, lpt_pods: kopf.Index, **_: Any) -> None:
     errors = await cycle(_ctx(memo), body, lpt_pods)
-    if errors:
+    if isinstance(errors, list) and errors:  # (a float is the daemon's requeue delay)
         raise kopf.PermanentError("invalid spec: " + "; ".join(map(str, errors)))
 
 
@@ -317,6 +317,8 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 ctx.metrics.restarts.labels(d.cause).inc()
             ctx.metrics.set_phase(ns, name, new.phase)
             ctx.metrics.set_training(ns, name, new.training, new.restart_count)
+            if d.action == Action.RESTART:
+                return 0.0  # the next attempt (or its backoff) is decided at once, not on the next pod event
             return d.requeue_after
     except Exception as e:
         if not from_daemon:

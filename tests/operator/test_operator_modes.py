@@ -96,6 +96,8 @@ def test_liveness_and_json_logs(cluster: Cluster) -> None:
         cluster.apply(lpt("bad", {**cpu_spec(nodes=1), "training": {"steps": 0}}))
         wait_for(lambda: (cluster.condition(NS, "bad", "SpecAccepted") or {}).get("status") == "False", 15,
                  "invalid spec condition")
+        wait_for(lambda: any(r["severity"] == "error" and "invalid spec" in r["message"] for r in op.log_records()),
+                 15, "the handler's error record")
         assert op.stop() == 0
         with pytest.raises(requests.RequestException):
             requests.get(op.liveness, timeout=1)
@@ -105,4 +107,5 @@ def test_liveness_and_json_logs(cluster: Cluster) -> None:
     # per-object records carry the object reference (kopf's refkey "object")
     refs = [(o.get("name"), o.get("namespace")) for r in records if isinstance(o := r.get("object"), dict)]
     assert ("bad", NS) in refs and ("lg", NS) in refs
-    assert any(r["severity"] == "error" and "invalid spec" in r["message"] for r in records)
+    assert any(r["severity"] == "error" and "invalid spec" in r["message"] and r.get("object", {}).get("name") == "bad"
+               for r in records)
