@@ -150,11 +150,10 @@ def test_one_run_through_every_fault(e2e) -> None:
     # loss continuity: a replayed step reproduces its loss (same data, same weights from the checkpoint) ...
     for step, losses in loss_by_step(log).items():
         assert max(losses) - min(losses) <= 1e-3 * abs(losses[0]), (step, losses)
-    # ... and no attempt starts back at the initial loss
+    # ... no attempt starts over from step 1 (fresh weights), and training still lowers the loss
+    assert all(s[0]["step"] > 1 for s in segs[1:]), [s[0]["step"] for s in segs]
     final_loss = log[-1]["loss"]
     assert final_loss < first_loss - 0.3, (first_loss, final_loss)
-    for s in segs[1:]:
-        assert abs(s[0]["loss"] - first_loss) > 0.1 or s[0]["step"] <= 2, (s[0], first_loss)
     assert not k.live_processes() or wait_for(lambda: not k.live_processes(), 60, "processes gone")
 
 
