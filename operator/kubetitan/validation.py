@@ -194,7 +194,7 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
 
     # ---- parallel degrees vs processes
     if p.data_parallel_shard_degree == 0:
-        err("parallelism.dataParallelShardDegree", "must be -1 (all remaining processes) or >= 1",
+        err("parallelism.dataParallelShardDegree", "0 is not a degree: set -1 (all remaining processes) or a value >= 1",
             "parallelism.product")
     elif p.data_parallel_shard_degree == -1 and dp_shard is None:
         err(
@@ -233,7 +233,8 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
     if dims is not None:
         tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
         if dims.dim % dims.n_heads != 0:
-            err("model.custom.dim", f"{dims.dim} is not divisible by nHeads ({dims.n_heads})", "model.dims")
+            err("model.custom.dim", f"{dims.dim} is not divisible by nHeads ({dims.n_heads}); use a multiple of {dims.n_heads}",
+                "model.dims")
         if dims.n_heads % tp != 0:
             err("parallelism.tensorParallelDegree",
                 f"{tp} does not divide the model's {dims.n_heads} attention heads; use a divisor of {dims.n_heads}",
@@ -243,7 +244,8 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
                 f"{tp} does not divide the model's {dims.n_kv_heads} key/value heads; use a divisor of "
                 f"{dims.n_kv_heads}", "model.heads-tp")
         if dims.n_heads % dims.n_kv_heads != 0:
-            err("model.custom.nKvHeads", f"{dims.n_kv_heads} does not divide nHeads ({dims.n_heads})", "model.dims")
+            err("model.custom.nKvHeads", f"{dims.n_kv_heads} does not divide nHeads ({dims.n_heads}); use a divisor of "
+                f"{dims.n_heads}", "model.dims")
         if dims.n_layers % pp != 0:
             err("parallelism.pipelineParallelDegree",
                 f"{pp} does not divide the model's {dims.n_layers} layers; use a divisor of {dims.n_layers}",
@@ -252,7 +254,8 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
             err("tokenizer.source", f"the builtin tokenizer has 2048 tokens but the model's vocabulary is "
                 f"{dims.vocab_size}; raise model.custom.vocabSize", "tokenizer.vocab")
     if s.model.flavor == "debug" and s.tokenizer.source != "builtin":
-        err("tokenizer.source", "the debug model has a 2048-token vocabulary and needs the builtin tokenizer",
+        err("tokenizer.source", "the debug model has a 2048-token vocabulary and needs the builtin tokenizer; set "
+            "tokenizer.source: builtin or pick a larger model",
             "tokenizer.vocab")
 
     # ---- batch
@@ -272,11 +275,11 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
     if r.instance_type and r.instance_type in INSTANCE_TYPES:
         it = INSTANCE_TYPES[r.instance_type]
         if r.gpus_per_node > it.gpus:
-            err("resources.gpusPerNode", f"{r.gpus_per_node} exceeds the {it.gpus} GPUs of {r.instance_type}",
+            err("resources.gpusPerNode", f"{r.gpus_per_node} exceeds the {it.gpus} GPUs of {r.instance_type}; request at most {it.gpus}",
                 "resources.gpus")
         if r.efa_per_node is not None and r.efa_per_node > it.efa:
             err("resources.efaPerNode", f"{r.efa_per_node} exceeds the {it.efa} EFA interfaces of "
-                f"{r.instance_type}", "resources.efa")
+                f"{r.instance_type}; request at most {it.efa} or leave it unset",  "resources.efa")
         if it.hyperpod != (r.platform == "hyperpod"):
             want = "hyperpod" if it.hyperpod else "eks or generic"
             err("resources.platform", f"instance type {r.instance_type} belongs to platform {want}; "
@@ -303,22 +306,25 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
         err("precision.float8.emulate", "FP8 emulation does not work with torch.compile; set "
             "precision.compile: false", "float8.emulate-compile")
     if f8.fsdp_float8_all_gather and not (f8.enabled and f8.recipe == "tensorwise"):
-        err("precision.float8.fsdpFloat8AllGather", "needs precision.float8.enabled: true and recipe tensorwise",
+        err("precision.float8.fsdpFloat8AllGather", "needs precision.float8.enabled: true and recipe tensorwise; set those or turn it off",
             "float8.all-gather-recipe")
     elif f8.fsdp_float8_all_gather and dp_shard is not None and dp_shard <= 1:
         err("precision.float8.fsdpFloat8AllGather", f"needs a data-parallel shard degree above 1 (it is {dp_shard}):"
             " with one shard there is nothing to all-gather; turn it off or add processes", "float8.all-gather-dp")
     if f8.precompute_dynamic_scale and not f8.fsdp_float8_all_gather:
-        err("precision.float8.precomputeDynamicScale", "needs precision.float8.fsdpFloat8AllGather: true",
+        err("precision.float8.precomputeDynamicScale", "needs precision.float8.fsdpFloat8AllGather: true; "
+            "set it or turn this off",
             "float8.precompute-needs-all-gather")
 
     # ---- data and tokenizer
     if s.data.source == "shards" and s.data.shards is None:
         err("data.shards", "is required when data.source is shards: set data.shards.path", "data.shards-required")
     if s.tokenizer.source == "path" and not s.tokenizer.path:
-        err("tokenizer.path", "is required when tokenizer.source is path", "tokenizer.path-required")
+        err("tokenizer.path", "is required when tokenizer.source is path: set it to the directory holding "
+            "tokenizer.json", "tokenizer.path-required")
     if s.tokenizer.source == "huggingface" and not s.tokenizer.repo:
-        err("tokenizer.repo", "is required when tokenizer.source is huggingface, e.g. meta-llama/Meta-Llama-3.1-8B",
+        err("tokenizer.repo", "is required when tokenizer.source is huggingface: set the hub repository, e.g. "
+            "meta-llama/Meta-Llama-3.1-8B",
             "tokenizer.repo-required")
 
     # ---- checkpoints and restarts
@@ -333,7 +339,8 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
     st = ck.storage
     n_storage = sum(x is not None for x in (st.persistent_volume_claim, st.host_path, st.uri))
     if n_storage > 1:
-        err("checkpoint.storage", "set only one of persistentVolumeClaim, hostPath and uri",
+        err("checkpoint.storage", "has more than one location; keep only one of persistentVolumeClaim, "
+            "hostPath and uri",
             "checkpoint.one-storage")
     elif ck.enabled and n_storage == 0 and r.nodes > 1:
         err("checkpoint.storage", f"a {r.nodes}-node run needs shared checkpoint storage: set "
@@ -373,7 +380,8 @@ def _pydantic_errors(e: ValidationError) -> list[FieldError]:
         elif kind == "missing":
             msg = "is required"
         else:
-            msg = f"{d['msg']} (got {d.get('input')!r})"
+            msg = d["msg"].replace("Input should be", "must be").replace("String should", "must")
+            msg = f"{msg} (got {d.get('input')!r}); fix the value (bounds and allowed values: docs/api.md)"
         out.append(FieldError(path, msg, "schema"))
     return out
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import pytest
 import yaml
 
@@ -11,6 +13,8 @@ from conftest import EXAMPLES, load_example, make_lpt
 from kubetitan.validation import CEL_RULES, parse
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())
+# Every message says how to fix the problem, not only what it is.
+FIX = re.compile(r"\b(use|set|remove|lower|raise|pick|change|give|leave|keep|turn|request|fix|enable|add)\b")
 
 
 def test_corpus_is_large_enough():
@@ -27,6 +31,7 @@ def test_invalid_spec_is_rejected_with_path_and_rule(case):
     for e in errors:
         # A message says what is wrong in words, not just a repeat of the path.
         assert len(e.message) > 10 and e.path not in e.message
+        assert FIX.search(e.message), f"no fix in: {e}"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
