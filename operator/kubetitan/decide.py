@@ -81,12 +81,13 @@ class Progress:
     step: int | None = None
     """Newest step this attempt reported (None: no step yet)."""
     start_step: int | None = None
-    """Step the attempt started from (its first reported step minus one), when known."""
+    """Step the attempt started from (the checkpoint step it published after loading, else its first reported
+    step minus one), when known."""
     last_checkpoint_step: int | None = None
     last_progress_time: float | None = None
     """When the step last advanced (the trainer's heartbeat, or when the operator saw it move)."""
     first_step_time: float | None = None
-    """When the attempt's first step was seen."""
+    """When the attempt's first trained step completed (its heartbeat; not the checkpoint load)."""
 
 
 @dataclass(frozen=True)
@@ -378,13 +379,15 @@ def decide(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, obs: Observed) 
     running = [p for p in current if p.phase == "Running"]
     pr = obs.progress
     if len(running) == len(current) and node_wait is None:
-        if pr.step is not None and pr.last_progress_time is not None:
+        # The hang timer starts with the attempt's first trained step: loading a checkpoint (after which the
+        # trainer publishes the resumed step) and the first step's warm-up/compile count as start-up.
+        if pr.first_step_time is not None and pr.last_progress_time is not None:
             idle = now - pr.last_progress_time
             if idle >= rp.hang_timeout_seconds:
                 return _restart_or_fail(spec, status, obs, Failure(
                     "Hang", f"no step progress for {idle:.0f}s (step {pr.step}; runPolicy.hangTimeoutSeconds="
                     f"{rp.hang_timeout_seconds})", "", None), current, stale, stuck)
-        elif pr.step is None:
+        elif pr.first_step_time is None:
             since = max((p.running_since or now) for p in running)
             if now - since >= rp.startup_timeout_seconds:
                 return _restart_or_fail(spec, status, obs, Failure(

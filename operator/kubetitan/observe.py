@@ -127,8 +127,12 @@ class ProgressTracker:
             self.last_checkpoint_step = ck
         if step is None or step <= 0:
             return
-        if self.step is None:
-            self.start_step = step - 1
+        # After loading a checkpoint the trainer publishes the step it resumed from, with its heartbeat still 0
+        # until it completes a step of its own: that step is where the attempt starts, not its first step.
+        loaded_only = beat is not None and beat <= 0
+        if self.start_step is None:
+            self.start_step = step if loaded_only else step - 1
+        if self.first_step_time is None and not loaded_only:
             self.first_step_time = beat if beat is not None else now
         if self.step is None or step > self.step:
             self.last_progress_time = now
