@@ -314,7 +314,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if ev is not None:
                 kopf.event(dict(body), type=ev[0], reason=ev[1], message=ev[2])
             if d.action == Action.RESTART and d.cause:
-                ctx.metrics.restarts.labels(d.cause).inc()
+                ctx.metrics.restarted(ns, name, d.cause)
             ctx.metrics.set_phase(ns, name, new.phase)
             ctx.metrics.set_training(ns, name, new.training, new.restart_count)
             if d.action == Action.RESTART:

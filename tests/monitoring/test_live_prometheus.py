@@ -164,7 +164,7 @@ def start_operator_metrics(port: int):
     m.set_phase(NS, "other", "Succeeded")
     m.set_training(NS, NAME, TrainingStatus(step=40, total_steps=400, tokens_per_second=1234.0, mfu=0.41,
                                             goodput=0.93), restart_count=1)
-    m.restarts.labels("NodeFailure").inc()
+    m.restarted(NS, NAME, "NodeFailure")
     for seconds in (0.01, 0.03, 0.2):
         m.reconcile.observe(seconds)
     m.errors.labels("ApiError").inc()

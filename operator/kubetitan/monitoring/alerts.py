@@ -90,7 +90,7 @@ def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
             "A training run restarts too often.",
             f"{LPT} was gang-restarted {{{{ $value | humanize }}}} times in the last {cfg.restart_rate_window}. "
             "Check the restart causes in `kubectl get lpt -o yaml` (status.restarts) and the "
-            "kubetitan_operator_restarts_total{cause} series: OOMKilled, NodeFailure or Hang each point "
+            "kubetitan_operator_restarts_total series by cause: OOMKilled, NodeFailure or Hang each point "
             "at a different fix.",
         ),
         Alert(

@@ -172,9 +172,9 @@ def run_panels(cfg: MonitoringConfig = DEFAULT) -> list[Panel]:
               [Target(q.checkpoint_saves(cfg), "saves")], width=6, kind="stat"),
         Panel("Restarts", "Gang restarts of this run so far (the operator's status.restartCount).",
               [Target(q.job_restarts(cfg), "restarts")], width=6, kind="stat"),
-        Panel("Restart causes (all runs)", "Gang restarts by cause over every run of this operator; this "
-              "run's own causes are in `kubectl get lpt -o yaml` (status.restarts).",
-              [Target(q.restarts_by_cause_all(cfg), "{{cause}}")], width=6, kind="bargauge"),
+        Panel("Restart causes", "Gang restarts of this run by cause; the details of each (node, downtime, "
+              "lost steps) are in `kubectl get lpt -o yaml` (status.restarts).",
+              [Target(q.restarts_by_cause(cfg), "{{cause}}")], width=6, kind="bargauge"),
         Panel("Goodput", "Productive step time over wall time since the run started: the operator's "
               "figure (all attempts) and the trainer's own.",
               [Target(q.goodput(cfg), "operator"), Target(q.trainer_goodput(cfg), "trainer")], unit="percentunit"),

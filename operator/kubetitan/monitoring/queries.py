@@ -209,6 +209,10 @@ def recovery_time_mean(cfg: MonitoringConfig) -> str:
     return f"sum({OP_RECOVERY_DURATION}_sum{{{sel}}}) / sum({OP_RECOVERY_DURATION}_count{{{sel}}})"
 
 
+def restarts_by_cause(cfg: MonitoringConfig) -> str:
+    return f"sum by (cause) ({OP_RESTARTS}{{{op_job_selector(cfg)}}})"
+
+
 def restarts_by_cause_all(cfg: MonitoringConfig) -> str:
     return f"sum by (cause) ({OP_RESTARTS}{{{cfg.operator}}})"
 
