@@ -25,6 +25,7 @@ import pytest
 from common import NS, attempts_in_log, complete_checkpoints, e2e_spec, free_port, loss_by_step, lpt, step_log
 
 from kmockx.harness import LPT, PODS, Operator, wait_for
+from kubetitan.decide import parse_time
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
 
@@ -147,6 +148,12 @@ def test_one_run_through_every_fault(e2e) -> None:
     assert st["restartCount"] == 3 and st["attempt"] == 4
     for r in st["restarts"]:
         assert r["lostSteps"] is not None and 0 <= r["lostSteps"] <= INTERVAL + 1, r  # at most one interval
+    # downtime ends with the next attempt's first TRAINED step (not its checkpoint load): restart i is followed
+    # by run i + 1 of the step log (suspend at S / resume at S + 1 continues the last run unbroken)
+    for i, r in enumerate(st["restarts"]):
+        first_new = segs[i + 1][0]
+        assert r["downtimeSeconds"] is not None and first_new["step"] == r["resumedFromStep"] + 1, (r, first_new)
+        assert abs(parse_time(r["time"]) + r["downtimeSeconds"] - first_new["time"]) < 1.0, (i, r, first_new)
     # loss continuity: a replayed step reproduces its loss (same data, same weights from the checkpoint) ...
     for step, losses in loss_by_step(log).items():
         assert max(losses) - min(losses) <= 1e-3 * abs(losses[0]), (step, losses)
