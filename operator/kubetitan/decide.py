@@ -383,10 +383,18 @@ def decide(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, obs: Observed) 
         # trainer publishes the resumed step) and the first step's warm-up/compile count as start-up.
         if pr.first_step_time is not None and pr.last_progress_time is not None:
             idle = now - pr.last_progress_time
-            if idle >= rp.hang_timeout_seconds:
+            limit = rp.hang_timeout_seconds
+            ck = spec.checkpoint
+            if pr.step is not None and (pr.step >= spec.training.steps
+                                        or (ck.enabled and pr.step % ck.interval_steps == 0)):
+                # after a checkpoint step (and the last one: final save, then exit) a whole save may pass
+                limit += ck.save_timeout_seconds
+            if idle >= limit:
                 return _restart_or_fail(spec, status, obs, Failure(
                     "Hang", f"no step progress for {idle:.0f}s (step {pr.step}; runPolicy.hangTimeoutSeconds="
-                    f"{rp.hang_timeout_seconds})", "", None), current, stale, stuck)
+                    f"{rp.hang_timeout_seconds}" + (f" + checkpoint.saveTimeoutSeconds={ck.save_timeout_seconds} "
+                    "after a checkpoint step" if limit > rp.hang_timeout_seconds else "") + ")", "", None),
+                    current, stale, stuck)
         elif pr.first_step_time is None:
             since = max((p.running_since or now) for p in running)
             if now - since >= rp.startup_timeout_seconds:

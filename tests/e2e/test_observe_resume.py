@@ -64,3 +64,25 @@ def _decide(scrapes: list[tuple[float, dict]], now: float):
 def test_hang_timer_starts_with_the_first_trained_step(scrapes, now, cause) -> None:
     d = _decide(scrapes, now)
     assert d.cause == cause, d
+
+
+@pytest.mark.parametrize(("step", "idle", "cause"), [
+    (7, 11, "Hang"),    # an ordinary step: hangTimeoutSeconds (10)
+    (8, 11, None),      # a checkpoint step (interval 4): its save may block for saveTimeoutSeconds (10) more
+    (8, 21, "Hang"),
+    (20, 15, None),     # the last step: final save, then the processes exit
+    (20, 21, "Hang"),
+], ids=["plain-step", "checkpoint-step-saving", "checkpoint-step-stuck", "last-step-exiting", "last-step-stuck"])
+def test_hang_window_covers_a_checkpoint_save(step, idle, cause) -> None:
+    from kubetitan.api import LlamaPretrainSpec, LlamaPretrainStatus
+    from kubetitan.decide import NodeObs, Observed, PodObs, Progress, decide
+
+    spec = LlamaPretrainSpec.model_validate({
+        "training": {"steps": 20}, "resources": {"nodes": 2},
+        "checkpoint": {"intervalSteps": 4, "saveTimeoutSeconds": 10}, "runPolicy": {"hangTimeoutSeconds": 10}})
+    pods = tuple(PodObs(name=f"j-a0-{r}", attempt=0, rank=r, phase="Running", node_name=f"n{r}",
+                        created=NOW - 99, running_since=NOW - 98) for r in range(2))
+    pr = Progress(step=step, start_step=0, last_progress_time=NOW - idle, first_step_time=NOW - 90)
+    d = decide(spec, LlamaPretrainStatus(attempt=0), Observed(pods=pods, nodes={f"n{r}": NodeObs(f"n{r}") for r in
+                                                                               range(2)}, progress=pr, now=NOW))
+    assert d.cause == cause, d
