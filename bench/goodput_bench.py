@@ -27,10 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
 
-from common import CLAIM, NS, attempts_in_log, e2e_spec, free_port, lpt, step_log  # noqa: E402
+from common import CLAIM, NS, e2e_spec, free_port, lpt, step_log  # noqa: E402
 from kubelet import Kubelet  # noqa: E402
 
 from kmockx.harness import Cluster, Operator  # noqa: E402
+from kubetitan.decide import parse_time  # noqa: E402
 
 
 def run(steps: int, interval: int, kill_every: int | None, timeout: float) -> dict:
@@ -51,14 +52,31 @@ def run(steps: int, interval: int, kill_every: int | None, timeout: float) -> di
                 rank = len(kills) % 2
                 pod = f"goodput-a{attempt}-{rank}"
                 log = step_log(ckpt)
-                k.kill(NS, pod)
+                try:
+                    k.kill(NS, pod)
+                except KeyError:  # the status is ahead of the kubelet: look again
+                    time.sleep(0.1)
+                    continue
                 kills.append({"time": time.time(), "pod": pod, "step": log[-1]["step"] if log else step})
                 next_kill += kill_every
             time.sleep(0.1)
         wall = time.time() - t0
         st = c.status(NS, "goodput")
+    (tmp / "raw.json").write_text(json.dumps({"status": st, "kills": kills, "wall_s": wall}))  # re-analysable
+    print(f"  raw data: {tmp}/raw.json, {ckpt}/kubetitan/steps.jsonl", flush=True)
     log = step_log(ckpt)
-    segs = attempts_in_log(log)
+    restarts = st.get("restarts") or []
+    # Where each new attempt starts in rank 0's step log: the first record more than 1 s after the restart was
+    # recorded (rank 0 of the ended attempt is blocked in a collective or gone by then; status times are whole
+    # seconds). A resume right after a checkpoint continues the step numbers, so the numbers alone cannot split it.
+    starts: list[int] = []
+    for r in restarts:
+        t = parse_time(r["time"]) + 1.0
+        j = next((i for i, x in enumerate(log) if x["time"] > t), None)
+        if j is not None:
+            starts.append(j)
+    bounds = [0, *starts, len(log)]
+    segs = [log[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
     # productive time: the duration of each kept step (the last occurrence of each step number)
     kept: dict[int, float] = {}
     for seg in segs:
@@ -67,13 +85,14 @@ def run(steps: int, interval: int, kill_every: int | None, timeout: float) -> di
         for i, r in enumerate(seg):
             kept[r["step"]] = first if i == 0 else seg[i]["time"] - seg[i - 1]["time"]
     productive = sum(kept.values())
-    recover, lost = [], []
-    for kill in kills:
-        nxt = next((s for s in segs if s[0]["time"] > kill["time"]), None)
-        if nxt is None:
-            continue
-        recover.append(nxt[0]["time"] - kill["time"])
-        lost.append(max(0, kill["step"] - (nxt[0]["step"] - 1)))
+    recover, lost, downtime_ok = [], [], []
+    for kill, r, j in zip(kills, restarts, starts, strict=False):
+        first = log[j]
+        recover.append(first["time"] - kill["time"])
+        lost.append(log[j - 1]["step"] - (first["step"] - 1))  # trained by the killed attempt, trained again
+        # the operator's downtimeSeconds must end at this first trained step
+        if r.get("downtimeSeconds") is not None:
+            downtime_ok.append(abs(parse_time(r["time"]) + r["downtimeSeconds"] - first["time"]) < 1.0)
     causes = [r["cause"] for r in st.get("restarts") or []]
     right = sum(1 for c_ in causes if c_ == "ContainerFailed")
     return {"phase": st.get("phase"), "final_step": (st.get("training") or {}).get("step"), "wall_s": round(wall, 1),
@@ -82,7 +101,13 @@ def run(steps: int, interval: int, kill_every: int | None, timeout: float) -> di
             "restarts": st.get("restartCount"), "recover_s": [round(x, 1) for x in recover],
             "recover_p50_s": round(statistics.median(recover), 1) if recover else None,
             "recover_max_s": round(max(recover), 1) if recover else None, "lost_steps": lost,
-            "cause_accuracy": round(right / len(kills), 3) if kills else None, "causes": causes}
+            "cause_accuracy": round(right / len(kills), 3) if kills else None, "causes": causes,
+            "resumed_from": [r.get("resumedFromStep") for r in restarts],
+            "status_lost_steps": [r.get("lostSteps") for r in restarts],
+            "status_downtime_s": [r.get("downtimeSeconds") for r in restarts],
+            "downtime_ends_at_first_step": all(downtime_ok) if downtime_ok else None,
+            "step_seconds_p50": round(statistics.median(
+                [b["time"] - a["time"] for s_ in segs for a, b in zip(s_, s_[1:], strict=False)]), 3) if log else None}
 
 
 def main() -> int:
@@ -91,19 +116,23 @@ def main() -> int:
     p.add_argument("--interval", type=int, default=50, help="checkpoint.intervalSteps")
     p.add_argument("--kill-every", type=int, default=100)
     p.add_argument("--timeout", type=float, default=7200)
-    p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run")
+    p.add_argument("--only", choices=("faults", "baseline"), help="run just one of the two runs")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args()
     out = {"args": vars(a) | {"json": str(a.json) if a.json else None}}
-    out["faults"] = run(a.steps, a.interval, a.kill_every, a.timeout)
-    print("with faults:", json.dumps(out["faults"]), flush=True)
-    if not a.no_baseline:
+    if a.only != "baseline":
+        out["faults"] = run(a.steps, a.interval, a.kill_every, a.timeout)
+        print("with faults:", json.dumps(out["faults"]), flush=True)
+    if a.only != "faults":
         out["baseline"] = run(a.steps, a.interval, None, a.timeout)
         print("fault-free: ", json.dumps(out["baseline"]), flush=True)
-        f, b = out["faults"], out["baseline"]
-        if f["goodput"] and b["goodput"]:
-            out["goodput_vs_fault_free"] = round(f["goodput"] / b["goodput"], 3)
-    f = out["faults"]
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+    if "faults" not in out:
+        return 0
+    f, b = out["faults"], out.get("baseline", {})
+    if f["goodput"] and b.get("goodput"):
+        out["goodput_vs_fault_free"] = round(f["goodput"] / b["goodput"], 3)
     print(f"goodput {f['goodput']} (fault-free {out.get('baseline', {}).get('goodput')}, "
           f"ratio {out.get('goodput_vs_fault_free')}); recover p50 {f['recover_p50_s']} s max {f['recover_max_s']} s; "
           f"lost steps {f['lost_steps']} (interval {a.interval}); cause accuracy {f['cause_accuracy']}")
