@@ -181,10 +181,17 @@ def backoff_seconds(spec: LlamaPretrainSpec, records: Sequence[RestartRecord]) -
     return float(min(rp.max_backoff_seconds, rp.backoff_seconds * (2 ** min(k, 30))))
 
 
+NODE_CAUSES: frozenset[str] = frozenset({"NodeFailure"})
+"""Restart causes that blame the node itself. A crashed or killed container (ContainerFailed, OOMKilled,
+NonFiniteLoss, ...) says nothing about its node: counting those would, after a few ordinary crashes,
+exclude every node the gang can use and leave the next attempt unschedulable."""
+
+
 def nodes_to_avoid(records: Sequence[RestartRecord]) -> tuple[str, ...]:
+    """Nodes that failed (as nodes) at least ``NODE_FAILURES_TO_AVOID`` times in this run."""
     counts: dict[str, int] = {}
     for r in records:
-        if r.node_name:
+        if r.node_name and r.cause in NODE_CAUSES:
             counts[r.node_name] = counts.get(r.node_name, 0) + 1
     return tuple(sorted(n for n, c in counts.items() if c >= NODE_FAILURES_TO_AVOID))
 

@@ -93,9 +93,13 @@ CASES = [
      Action.WAIT, C.BACKOFF, None, {"requeue_after": 7.0}),
     ("backoff-elapsed-creates", spec(backoffSeconds=10), status(restarts=[rec(0, ago=11)], attempt=1),
      Observed(now=NOW), Action.CREATE, C.CREATING, None, {}),
-    ("node-failed-twice-avoided", spec(), status(restarts=[rec(0, ago=99, node="bad"), rec(1, ago=99, node="bad")],
+    ("node-failed-twice-avoided", spec(), status(restarts=[rec(0, "NodeFailure", ago=99, node="bad"),
+                                                           rec(1, "NodeFailure", ago=99, node="bad")],
                                                  attempt=2), Observed(now=NOW),
      Action.CREATE, C.CREATING, None, {"avoid_nodes": ("bad",)}),
+    ("containers-crashing-twice-on-a-node-do-not-exclude-it", spec(),
+     status(restarts=[rec(0, ago=99, node="n0"), rec(1, "OOMKilled", ago=99, node="n0")], attempt=2),
+     Observed(now=NOW), Action.CREATE, C.CREATING, None, {"avoid_nodes": ()}),
     ("unschedulable-within-limit-waits", spec(unschedulableTimeoutSeconds=100), status(),
      Observed(pods=gang(over={0: {"phase": "Pending", "unschedulable_message": "0/4 nodes"}}), now=NOW),
      Action.WAIT, C.WAITING_FOR_PODS, None, {"unschedulable": False}),
@@ -169,7 +173,8 @@ def test_backoff_doubles_and_caps(records, want) -> None:
 
 
 def test_nodes_failed_twice_are_avoided() -> None:
-    assert nodes_to_avoid([rec(0, node="a"), rec(1, node="b"), rec(2, node="a")]) == ("a",)
+    assert nodes_to_avoid([rec(0, "NodeFailure", node="a"), rec(1, "NodeFailure", node="b"),
+                           rec(2, "NodeFailure", node="a"), rec(3, node="b"), rec(4, "Hang", node="b")]) == ("a",)
 
 
 @pytest.mark.parametrize(("p", "want"), [
