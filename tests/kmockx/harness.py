@@ -39,13 +39,17 @@ PEERINGS, CLUSTER_PEERINGS = "kopf.dev/v1/kopfpeerings", "kopf.dev/v1/clusterkop
 
 
 class ScaledClock:
-    """Wall time running ``rate`` times faster from its creation."""
+    """Wall time running ``rate`` times faster from its creation (or from the last ``set_rate``)."""
 
     def __init__(self, rate: float = 1.0) -> None:
-        self.rate, self.t0 = rate, time.time()
+        self.rate, self.t0, self.base = rate, time.time(), time.time()
 
     def __call__(self) -> float:
-        return self.t0 + (time.time() - self.t0) * self.rate
+        return self.base + (time.time() - self.t0) * self.rate
+
+    def set_rate(self, rate: float) -> None:
+        """Change the speed from now on; the clock never jumps."""
+        self.base, self.t0, self.rate = self(), time.time(), rate
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition", every: float = 0.02) -> Any:
