@@ -102,6 +102,7 @@ def test_hang_restarts(cluster: Cluster, rank0) -> None:
         wait_for(lambda: (cluster.status(NS, "r4").get("training") or {}).get("step") == 5, 20, "step 5 seen")
         clock.set_rate(60.0)
         wait_for(lambda: cluster.status(NS, "r4").get("restartCount") == 1, 20, "hang restart")
+        clock.set_rate(1.0)  # back to real time: the new attempt's pods are not hung, only not yet running
         assert cluster.status(NS, "r4")["restarts"][0]["cause"] == "Hang"
         wait_for(lambda: cluster.pod_names(NS, "r4") == ["r4-a1-0", "r4-a1-1"], 20, "attempt 1")
 
