@@ -16,7 +16,6 @@ import ast
 import inspect
 import json
 import signal
-import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 from kubetitan import API_VERSION, KIND, PLURAL, SHORT_NAMES, contract
 from kubetitan.api import RestartCause
 from kubetitan.crd import GENERATE_COMMAND as CRD_COMMAND
-from kubetitan.crd import PRINTER_COLUMNS, _description, openapi_schema
+from kubetitan.crd import PRINTER_COLUMNS, _description, emit, openapi_schema
 
 GENERATE_COMMAND = "python -m kubetitan.apidoc --write"
 DOC_FILE = "api.md"
@@ -251,14 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help=f"write docs/{DOC_FILE} of this checkout")
     parser.add_argument("--output", type=Path, help="write to this file instead")
     args = parser.parse_args(argv)
-    text = render()
-    target = args.output or (default_path() if args.write else None)
-    if target is None:
-        sys.stdout.write(text)
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
-        print(f"Wrote {target}", file=sys.stderr)
+    emit(render(), args.output or (default_path() if args.write else None))
     return 0
 
 

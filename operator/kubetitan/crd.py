@@ -332,6 +332,16 @@ def default_path() -> Path:
     return Path(__file__).resolve().parents[2] / "crds" / CRD_FILE
 
 
+def emit(text: str, target: Path | None) -> None:
+    """Print ``text``, or write it to ``target`` (the generators' shared ``--write``/``--output``)."""
+    if target is None:
+        sys.stdout.write(text)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        print(f"Wrote {target}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kubetitan.crd", description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help=f"write crds/{CRD_FILE} of this checkout")
@@ -339,14 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kubernetes-version", help="target an older API server, e.g. 1.27 (drops "
                         "the CEL rules' fieldPath and reason, which 1.27 rejects)")
     args = parser.parse_args(argv)
-    text = crd_yaml(kubernetes_version=args.kubernetes_version)
-    target = args.output or (default_path() if args.write else None)
-    if target is None:
-        sys.stdout.write(text)
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
-        print(f"Wrote {target}", file=sys.stderr)
+    emit(crd_yaml(kubernetes_version=args.kubernetes_version), args.output or (default_path() if args.write else None))
     return 0
 
 

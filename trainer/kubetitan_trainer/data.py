@@ -55,8 +55,32 @@ def _mix(*xs: int) -> int:
     return h
 
 
-class SyntheticTokens(IterableDataset, Stateful):
-    """Deterministic tokens from a seeded Markov chain; sample i of DP rank r never changes."""
+class _IndexedSamples(IterableDataset, Stateful):
+    """A source whose sample ``i`` of a DP rank is a pure function of ``i``: the position is its whole
+    state, so a resumed attempt yields exactly the batches an uninterrupted run would have.
+    Subclasses define ``sample(idx) -> ndarray`` of ``seq_len + 1`` tokens."""
+
+    _sample_idx = 0
+
+    def _before_sample(self, idx: int) -> None:
+        """Hook run before sample ``idx`` is yielded (shards warn when they loop)."""
+
+    def __iter__(self):
+        while True:
+            self._before_sample(self._sample_idx)
+            x = torch.from_numpy(self.sample(self._sample_idx))
+            self._sample_idx += 1
+            yield {"input": x[:-1]}, x[1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sample_idx": self._sample_idx}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._sample_idx = int(state_dict["sample_idx"])
+
+
+class SyntheticTokens(_IndexedSamples):
+    """Deterministic learnable tokens (random phrases); sample i of DP rank r never changes."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int, dp_rank: int = 0, dp_world_size: int = 1) -> None:
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
@@ -72,18 +96,6 @@ class SyntheticTokens(IterableDataset, Stateful):
         picks = rng.integers(0, PHRASES, size=n)
         offset = int(rng.integers(0, PHRASE_LEN))  # samples do not all start at a phrase boundary
         return self._phrases[picks].reshape(-1)[offset : offset + self.seq_len + 1].copy()
-
-    def __iter__(self):
-        while True:
-            x = torch.from_numpy(self.sample(self._sample_idx))
-            self._sample_idx += 1
-            yield {"input": x[:-1]}, x[1:]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sample_idx": self._sample_idx}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._sample_idx = int(state_dict["sample_idx"])
 
 
 def read_index(path: str | os.PathLike) -> dict[str, Any]:
@@ -107,7 +119,7 @@ def read_index(path: str | os.PathLike) -> dict[str, Any]:
     return index
 
 
-class TokenShards(IterableDataset, Stateful):
+class TokenShards(_IndexedSamples):
     """Memory-mapped token shards split by DP rank; the position is saved in the checkpoint."""
 
     def __init__(self, path: str, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1, dtype: str = "auto") -> None:
@@ -153,19 +165,9 @@ class TokenShards(IterableDataset, Stateful):
     def sample(self, idx: int) -> np.ndarray:
         return self._tokens(self.window_of(idx) * self.window, self.window)
 
-    def __iter__(self):
-        while True:
-            if self._sample_idx and self._sample_idx % self.windows_per_rank == 0:
-                logger.warning(f"Shards in {self.path} are being re-looped")
-            x = torch.from_numpy(self.sample(self._sample_idx))
-            self._sample_idx += 1
-            yield {"input": x[:-1]}, x[1:]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sample_idx": self._sample_idx}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._sample_idx = int(state_dict["sample_idx"])
+    def _before_sample(self, idx: int) -> None:
+        if idx and idx % self.windows_per_rank == 0:
+            logger.warning(f"Shards in {self.path} are being re-looped")
 
 
 _LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
