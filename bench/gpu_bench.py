@@ -9,8 +9,9 @@ One entry, runnable on the device in one call (see ``bench/device/*.sh``)::
 A case is ``FLAVOUR:MODE:BATCH[:key=value...]``. MODE is ``eager`` (bf16 autocast, no compile),
 ``compile``, ``fp8tw`` (compile + FP8 tensorwise) or ``fp8rw`` (compile + FP8 rowwise); the output
 projection stays in bf16 (``filter_fqns = ["output"]``, torchtitan's and kubetitan's default). Options:
-``spec=fast`` (kubetitan_trainer.fast components), ``ac=selective|full``, ``ckpt=sync|async`` (checkpoint
-every ``ckint`` steps), ``profile=N`` (profile steps N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
+``spec=fast`` (kubetitan_trainer.fast components) or ``spec=rope`` (its real-valued RoPE alone),
+``fp8out=1`` (the output projection in FP8 too), ``ac=selective|full``, ``ckpt=sync|async|pinned``
+(checkpoint every ``ckint`` steps; pinned = ``async_with_pinned_mem``), ``profile=N`` (profile steps N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
 
 Every run: seq_len 8192, synthetic tokens, no activation checkpointing unless asked, AdamW
 (torchtitan defaults: fused, lr 8e-4 warm-up 2 steps... see ``toml_for``), ``log_freq = 1``; the
@@ -50,6 +51,7 @@ PEAK_RE = re.compile(r"GPUBENCH peak_allocated_gib=([\d.]+) peak_reserved_gib=([
 PARAMS_RE = re.compile(r"size:\s*([\d,]+) total parameters")
 SAVE_RE = re.compile(r"Finished saving the checkpoint .*?in ([\d.]+) seconds")
 
+CKPT_ASYNC_MODE = {"none": "disabled", "sync": "disabled", "async": "async", "pinned": "async_with_pinned_mem"}
 MODES = {
     "eager": dict(compile=False, fp8=None),
     "compile": dict(compile=True, fp8=None),
@@ -63,7 +65,7 @@ def parse_case(text: str) -> dict:
     if len(parts) < 3 or parts[1] not in MODES:
         raise SystemExit(f"bad case {text!r}: write FLAVOUR:MODE:BATCH[:key=value...], MODE one of {sorted(MODES)}")
     case = {"flavor": parts[0], "mode": parts[1], "batch": int(parts[2]), "spec": "plain", "ac": "none",
-            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "steps": 28, "warmup": 8, "seed": 42, "id": text}
+            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "fp8out": 0, "steps": 28, "warmup": 8, "seed": 42, "id": text}
     for kv in parts[3:]:
         k, _, v = kv.partition("=")
         if k not in case:
@@ -103,7 +105,7 @@ def _toml(d: dict, prefix: str = "") -> str:
 def toml_for(case: dict, dump_folder: str) -> dict:
     """The plain torchtitan 0.2.2 job config of a case (what ``--job.config_file`` gets)."""
     mode = MODES[case["mode"]]
-    spec = {"plain": "llama3_gpubench", "fast": "llama3_gpubench_fast"}[case["spec"]]
+    spec = {"plain": "llama3_gpubench", "fast": "llama3_gpubench_fast", "rope": "llama3_gpubench_rope"}[case["spec"]]
     cfg = {
         "job": {"dump_folder": dump_folder, "description": case["id"]},
         "experimental": {"custom_import": "gpu_plain_spec"},
@@ -115,7 +117,7 @@ def toml_for(case: dict, dump_folder: str) -> dict:
                      "steps": case["steps"], "dataset": "gpubench_synthetic", "mixed_precision_param": "bfloat16"},
         "parallelism": {"data_parallel_shard_degree": -1},
         "checkpoint": {"enable": case["ckpt"] != "none", "folder": "checkpoint", "interval": case["ckint"],
-                       "async_mode": {"none": "disabled", "sync": "disabled", "async": "async"}[case["ckpt"]],
+                       "async_mode": CKPT_ASYNC_MODE[case["ckpt"]],
                        "keep_latest_k": 2, "last_save_model_only": True},  # 3B: 43 GB a full save, 64 GB disk
         "activation_checkpoint": {"mode": case["ac"], "selective_ac_option": "op"},
         "compile": {"enable": mode["compile"], "components": ["model", "loss"]},
@@ -125,7 +127,7 @@ def toml_for(case: dict, dump_folder: str) -> dict:
     if mode["fp8"]:
         # tensorwise = torchao's default Float8LinearConfig (recipe_name unset), as kubetitan renders it;
         # call 1 (bench/results/gpu_call1) used recipe_name = "tensorwise", the same config.
-        f8 = {"filter_fqns": ["output"]}
+        f8 = {"filter_fqns": [] if case["fp8out"] else ["output"]}
         if mode["fp8"] != "tensorwise":
             f8["recipe_name"] = mode["fp8"]
         cfg["quantize"] = {"linear": {"float8": f8}}

@@ -27,6 +27,13 @@ MODE_PRECISION = {
 }
 
 
+def _precision(case: dict) -> dict:
+    p = {k: dict(v) if isinstance(v, dict) else v for k, v in MODE_PRECISION[case["mode"]].items()}
+    if case.get("fp8out") and p["float8"]["enabled"]:
+        p["float8"]["filterFqns"] = []
+    return p
+
+
 def lpt_for(case: dict, name: str) -> dict:
     from gpu_bench import SEQ_LEN
 
@@ -41,12 +48,13 @@ def lpt_for(case: dict, name: str) -> dict:
                          "learningRate": 3e-4, "warmupSteps": 4, "weightDecay": 0.1, "maxNorm": 1.0,
                          "seed": case["seed"]},
             "parallelism": {"dataParallelShardDegree": -1},
-            "precision": {**MODE_PRECISION[case["mode"]], "activationCheckpointing": case["ac"],
+            "precision": {**_precision(case), "activationCheckpointing": case["ac"],
                           "mixedPrecisionParam": "bfloat16"},
             "data": {"source": "synthetic"},
             "tokenizer": {"source": "builtin"},
             "checkpoint": {"enabled": ck is not None, "intervalSteps": case["ckint"],
-                           "asyncMode": {"sync": "disabled", "async": "async", None: "disabled"}[ck],
+                           "asyncMode": {"sync": "disabled", "async": "async", "pinned": "async_with_pinned_mem",
+                                         None: "disabled"}[ck],
                            "keepLatestK": 2},
             "resources": {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H200"},
             "monitoring": {"logFrequencySteps": 1, "tensorboard": False},

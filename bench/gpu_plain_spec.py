@@ -17,6 +17,7 @@ Registered TrainSpecs:
 - ``llama3_gpubench``: torchtitan's llama3 TrainSpec with the above (the "plain torchtitan" runs).
 - ``llama3_gpubench_fast``: the same with ``kubetitan_trainer.fast`` components (real-valued RoPE,
   fused chunked linear + cross-entropy), registered only when that package imports.
+- ``llama3_gpubench_rope``: the real-valued RoPE alone (torchtitan's output projection and loss).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torchtitan.protocols import train_spec as ts
 
 SPEC_NAME = "llama3_gpubench"
 FAST_SPEC_NAME = "llama3_gpubench_fast"
+ROPE_SPEC_NAME = "llama3_gpubench_rope"
 N_PHRASES = 4096
 PHRASE_LEN = 16
 
@@ -171,6 +173,7 @@ def register() -> None:
         except ImportError:
             return
         ts.register_train_spec(FAST_SPEC_NAME, fast_train_spec(build_spec()))
+        ts.register_train_spec(ROPE_SPEC_NAME, fast_train_spec(build_spec(), fused_loss=False))
 
 
 register()

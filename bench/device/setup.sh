@@ -4,6 +4,7 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/bench:$PWD/trainer:$PWD/operator
 export PYTHONUNBUFFERED=1 LOG_RANK=0
+export USE_JAX=0 USE_TF=0  # datasets would import JAX (present on the device) in every process: seconds of start-up
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT/r"
 { date -u; nvidia-smi; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv

@@ -44,3 +44,26 @@ def test_examples_cover_the_documented_recipes():
     assert rec.resources.nodes == 4 and rec.resources.instance_type == "p5.48xlarge"
     assert rec.precision.compile and f8.enabled and f8.fsdp_float8_all_gather and f8.precompute_dynamic_scale
     assert (rec.training.seq_len, rec.training.learning_rate, rec.training.warmup_steps) == (8192, 3e-4, 200)
+
+
+def test_h200_3b_recipe_is_the_benchmarked_configuration():
+    """examples/llama3-3b-h200.yaml is the shape measured on the H200 (bench case 3B:fp8tw:4 through the
+    kubetitan path, docs/benchmarks.md): the same model, batch, sequence, precision and parallelism."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        from gpu_bench import parse_case
+        from gpu_kubetitan import lpt_for
+    finally:
+        sys.path.remove(bench)
+    measured = parse(lpt_for(parse_case("3B:fp8tw:4"), "bench"))[0].spec
+    recipe = parse(load_example(next(p for p in EXAMPLES if p.stem == "llama3-3b-h200")))[0].spec
+    for part in ("model", "precision", "parallelism"):
+        assert getattr(recipe, part) == getattr(measured, part), part
+    keys = ("seq_len", "local_batch_size", "learning_rate")
+    assert [getattr(recipe.training, k) for k in keys] == [getattr(measured.training, k) for k in keys]
+    assert (recipe.resources.nodes, recipe.resources.gpus_per_node) == (1, 1)
+    assert recipe.checkpoint.async_mode == "async_with_pinned_mem" and recipe.checkpoint.interval_steps == 100

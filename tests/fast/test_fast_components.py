@@ -18,6 +18,7 @@ from torchtitan.models.llama3.model.model import Transformer, apply_rotary_emb, 
 from kubetitan_trainer.fast import (
     FastTransformer,
     HiddenAndHead,
+    RealRopeTransformer,
     _chunk_loss_and_grad,
     apply_rotary_emb_real,
     build_fused_loss,
@@ -168,3 +169,30 @@ def test_fast_transformer_matches_torchtitan_transformer(chunk_seq):
     fast.eval()  # evaluation returns logits, like torchtitan's model
     with torch.no_grad():
         assert rel(fast(tokens), ref.eval()(tokens)) < 1e-5
+
+
+def test_real_rope_transformer_returns_logits_matching_torchtitan():
+    """The RoPE-only variant: torchtitan's logits, loss and parameter gradients, in training mode."""
+    ref, fast = _build(Transformer), _build(RealRopeTransformer)
+    torch.manual_seed(4)
+    tokens, labels = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    logits = fast(tokens)
+    assert isinstance(logits, torch.Tensor) and logits.shape == (2, 32, 256)
+    ref_loss, fast_loss = cross_entropy_loss(ref(tokens), labels), cross_entropy_loss(logits, labels)
+    assert abs(fast_loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    ref_loss.backward()
+    fast_loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), fast.parameters()):
+        assert rel(q.grad, p.grad) < 1e-4, name
+
+
+def test_fused_loss_backward_scales_by_upstream_gradient():
+    """torchtitan divides the summed loss by the token count: the in-place backward must apply that scale."""
+    torch.manual_seed(5)
+    h0 = torch.randn(12, 16, requires_grad=True)
+    w0 = torch.randn(40, 16, requires_grad=True)
+    labels = torch.randint(0, 40, (12,))
+    h1, w1 = h0.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
+    (F.cross_entropy(h0 @ w0.t(), labels, reduction="sum") / 7.0).backward()
+    (fused_linear_cross_entropy(h1, w1, labels, chunk_tokens=5) / 7.0).backward()
+    assert rel(h1.grad, h0.grad) < 1e-5 and rel(w1.grad, w0.grad) < 1e-5

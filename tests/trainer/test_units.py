@@ -291,10 +291,10 @@ def _patched(tmp_path, patch):
 
 @pytest.mark.parametrize(("name", "patch", "field"), BAD, ids=[b[0] for b in BAD])
 def test_bad_configs_are_config_errors_naming_the_field(name, patch, field, tmp_path, caplog):
-    from kubetitan_trainer.launch import precheck
+    from kubetitan_trainer.main import check_config
 
     with caplog.at_level("ERROR"):
-        assert precheck(str(_patched(tmp_path, patch)), 2) == contract.ExitCode.CONFIG_ERROR
+        assert check_config(["--job.config_file", str(_patched(tmp_path, patch))], 2) == contract.ExitCode.CONFIG_ERROR
     assert field in caplog.text and "Fix:" in caplog.text
 
 
@@ -305,7 +305,18 @@ def test_launcher_process_exits_2_on_a_bad_config(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "model.flavor" in r.stderr and "Fix:" in r.stderr
+    # the workers check the config (the launcher only checks the file exists) and log to stdout
+    out = r.stdout + r.stderr
+    assert "model.flavor" in out and "Fix:" in out
+    assert "Training starts" not in out  # stopped before any training
+
+
+def test_launcher_exits_2_on_a_missing_config(tmp_path):
+    r = subprocess.run(
+        [PY, "-m", "kubetitan_trainer.launch", f"--config={tmp_path / 'absent.toml'}", "--nnodes=1", "--master-addr=127.0.0.1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Fix:" in r.stderr
 
 
 @pytest.mark.parametrize(("recipe", "want"), [("tensorwise", None), ("rowwise", "rowwise")], ids=["tensorwise", "rowwise"])

@@ -2,7 +2,11 @@
 
 1. Waits (bounded, logging) until ``--master-addr`` resolves: pods of a headless Service get
    their DNS records a moment after they start, and rank 0's record is what everyone dials.
-2. Checks the config once (exit 2 with the field and the fix, before any worker starts).
+2. Checks that the config file exists. The config itself is checked by each worker
+   (``kubetitan_trainer.main.check_config``) before any process group exists: a bad one ends every
+   rank with exit 2 (the field and the fix in the log), which this launcher passes on. The launcher
+   does not parse it itself: that would import torchtitan a second time on every gang start
+   (~5 s of the time to recover from a failure on a 2-core machine).
 3. Runs torchrun **in-process** through ``torch.distributed.run``'s own argument parser and
    ``elastic_launch``: static rendezvous at ``master-addr:master-port``, ``max_restarts=0``
    (the operator restarts whole gangs), worker ``kubetitan_trainer.main --job.config_file``.
@@ -89,41 +93,14 @@ def torchrun_argv(a: argparse.Namespace) -> list[str]:
     ]
 
 
-def precheck(config: str, world_size: int) -> int | None:
-    """Parse and check the config in this process; an exit code on failure, None when fine."""
-    from kubetitan_trainer import cpu_bridge
-    from kubetitan_trainer.main import load_config, parse_error_message
-
-    cpu_bridge.apply()
-    import torch
-
-    from kubetitan_trainer.checks import check
-    from kubetitan_trainer.errors import ConfigError
-
-    if not os.path.isfile(config):
-        log.error("Config error: --config %s does not exist. Fix: mount the ConfigMap or render one with `kubetitan render`", config)
-        return ExitCode.CONFIG_ERROR
-    try:
-        cfg = load_config(["--job.config_file", config])
-    except (Exception, SystemExit) as e:
-        log.error(parse_error_message(e))
-        return ExitCode.CONFIG_ERROR
-    try:
-        check(cfg, world_size, torch.cuda.is_available())
-    except ConfigError as e:
-        log.error("Config error: %s", e)
-        return ExitCode.CONFIG_ERROR
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[kubetitan] %(asctime)s %(levelname)s %(message)s")
     a = parse_args(sys.argv[1:] if argv is None else argv)
     if not wait_for_dns(a.master_addr, a.master_port, a.dns_timeout):
         return ExitCode.FAILED
-    code = precheck(a.config, a.nnodes * a.nproc_per_node)
-    if code is not None:
-        return code
+    if not os.path.isfile(a.config):
+        log.error("Config error: --config %s does not exist. Fix: mount the ConfigMap or render one with `kubetitan render`", a.config)
+        return ExitCode.CONFIG_ERROR
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch

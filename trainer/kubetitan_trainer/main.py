@@ -1,7 +1,8 @@
 """Worker entry point: ``python -m kubetitan_trainer.main --job.config_file trainer.toml``.
 
 torchrun (``kubetitan_trainer.launch``) starts one per rank. It applies the CPU bridges when
-there is no GPU, registers the TrainSpec, checks the config, then runs torchtitan's own
+there is no GPU, registers the TrainSpec, checks the config (before any process group exists, so a
+bad config ends every rank at once with exit 2), then runs torchtitan's own
 ``main(trainer_class)`` with :class:`~kubetitan_trainer.trainer.KubetitanTrainer`, and turns
 the outcome into the documented exit code (``kubetitan.contract.ExitCode``).
 """
@@ -27,20 +28,13 @@ def parse_error_message(exc: BaseException) -> str:
     return f"config: cannot parse the trainer config: {exc}. Fix: render it again with `kubetitan render`"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    from kubetitan_trainer import cpu_bridge
-
-    bridged = cpu_bridge.apply()
+def check_config(argv: list[str], world_size: int) -> int | None:
+    """Parse and check the config (logging the field and the fix); an exit code on failure, None when fine."""
     import torch
-    from torchtitan.tools.logging import init_logger, logger
-
-    init_logger()
-    if bridged:
-        logger.info("No GPU: applied kubetitan's CPU bridges (gloo, CPU memory monitor, plain-sum FSDP)")
+    from torchtitan.tools.logging import logger
 
     from kubetitan_trainer.checks import check
-    from kubetitan_trainer.errors import ConfigError, NonFiniteLossError
+    from kubetitan_trainer.errors import ConfigError
 
     try:
         config = load_config(argv)
@@ -48,10 +42,29 @@ def main(argv: list[str] | None = None) -> int:
         logger.error(parse_error_message(e))
         return ExitCode.CONFIG_ERROR
     try:
-        check(config, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
+        check(config, world_size, torch.cuda.is_available())
     except ConfigError as e:
         logger.error(f"Config error: {e}")
         return ExitCode.CONFIG_ERROR
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from kubetitan_trainer import cpu_bridge
+
+    bridged = cpu_bridge.apply()
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    if bridged:
+        logger.info("No GPU: applied kubetitan's CPU bridges (gloo, CPU memory monitor, plain-sum FSDP)")
+
+    from kubetitan_trainer.errors import ConfigError, NonFiniteLossError
+
+    code = check_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
+    if code is not None:
+        return code
 
     from torchtitan.train import main as torchtitan_main
 
