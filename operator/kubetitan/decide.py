@@ -476,11 +476,18 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
     if s.attempt is None and d.action in (Action.CREATE, Action.WAIT, Action.KEEP):
         s.attempt = 0
 
-    # The downtime of the last restart ends with the next attempt's first step.
+    # The downtime of the last restart ends with the next attempt's first step. By then the step that attempt
+    # really resumed from is known too: the record's guess (the newest checkpoint scraped before the failure)
+    # misses a save that completed between the last scrape and the failure, and then overstates lostSteps.
     if s.restarts and s.restarts[-1].downtime_seconds is None and s.restarts[-1].attempt < attempt \
             and obs.progress.first_step_time is not None:
-        t0 = parse_time(s.restarts[-1].time) or obs.now
-        s.restarts[-1].downtime_seconds = round(max(0.0, obs.progress.first_step_time - t0), 3)
+        last = s.restarts[-1]
+        t0 = parse_time(last.time) or obs.now
+        last.downtime_seconds = round(max(0.0, obs.progress.first_step_time - t0), 3)
+        if obs.progress.start_step is not None and last.lost_steps is not None:
+            ended = (last.resumed_from_step or 0) + last.lost_steps  # the failed attempt's last step
+            last.resumed_from_step = obs.progress.start_step
+            last.lost_steps = max(0, ended - obs.progress.start_step)
 
     if d.action == Action.RESTART:
         rec = _record(status, d, obs)

@@ -205,6 +205,26 @@ def test_restart_status_records_history_and_conditions() -> None:
     newer = next_status(s, new, decide(s, new, obs2), obs2)
     assert newer.phase == "Running" and not C.is_true(newer.conditions, C.RESTARTING)
     assert newer.restarts[0].downtime_seconds == 15.0
+    assert (newer.restarts[0].resumed_from_step, newer.restarts[0].lost_steps) == (10, 10)  # as guessed
+
+
+def test_restart_record_takes_the_step_the_next_attempt_really_resumed_from() -> None:
+    """A save that completed after the operator's last scrape: the next attempt loads it, so fewer steps
+    were lost than the record guessed when it was written."""
+    s = spec()
+    obs = Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 137}}), nodes=ok_nodes, now=NOW,
+                   progress=Progress(step=20, last_checkpoint_step=10, last_progress_time=NOW - 1))
+    new = next_status(s, status(), decide(s, status(), obs), obs)
+    assert (new.restarts[0].resumed_from_step, new.restarts[0].lost_steps) == (10, 10)
+    obs2 = Observed(pods=gang(1), nodes=ok_nodes, now=NOW + 20,
+                    progress=Progress(step=21, start_step=20, last_progress_time=NOW + 19, first_step_time=NOW + 18))
+    newer = next_status(s, new, decide(s, new, obs2), obs2)
+    r = newer.restarts[0]
+    assert (r.resumed_from_step, r.lost_steps, r.downtime_seconds) == (20, 0, 18.0)
+    # written once: a later cycle does not move it again
+    obs3 = Observed(pods=gang(1), nodes=ok_nodes, now=NOW + 30,
+                    progress=Progress(step=25, start_step=20, last_progress_time=NOW + 29, first_step_time=NOW + 18))
+    assert next_status(s, newer, decide(s, newer, obs3), obs3).restarts[0] == r
 
 
 @pytest.mark.parametrize(("old_status", "new_status", "reason", "changed", "keeps_time"), [
