@@ -91,20 +91,28 @@ def test_pod_failure_restarts_whole_gang(cluster: Cluster, rank0, exit_code: int
 
 def test_hang_restarts(cluster: Cluster, rank0) -> None:
     # Real time until the gang trains (a fast clock would also age the operator's other grace periods
-    # while a loaded machine delivers pod events late), then 60x: hangTimeoutSeconds=30 passes in 0.5 s.
+    # while a loaded machine delivers pod events late), then 10x: hangTimeoutSeconds=10 passes in ~1 s.
+    # Not faster: the scaled clock runs ahead of the API server's timestamps by what it skipped, and past
+    # decide.MISSING_POD_GRACE_SECONDS (30 s) a new pod that the index has not shown yet counts as
+    # disappeared (hangTimeoutSeconds=30 at 60x put the clock 32 s ahead: attempt 1 was restarted at once).
     clock = ScaledClock(rate=1.0)
     rank0.clock = clock
     with Operator(cluster, clock=clock):
-        cluster.apply(lpt("r4", cpu_spec(hangTimeoutSeconds=30), metrics_port=rank0.port))
+        cluster.apply(lpt("r4", cpu_spec(hangTimeoutSeconds=10), metrics_port=rank0.port))
         wait_for(lambda: len(cluster.pod_names(NS, "r4")) == 2, 20, "pods")
         _running(cluster, "r4", 0)
         rank0.step(5)  # then never again
         wait_for(lambda: (cluster.status(NS, "r4").get("training") or {}).get("step") == 5, 20, "step 5 seen")
-        clock.set_rate(60.0)
+        clock.set_rate(10.0)
         wait_for(lambda: cluster.status(NS, "r4").get("restartCount") == 1, 20, "hang restart")
         clock.set_rate(1.0)  # back to real time: the new attempt's pods are not hung, only not yet running
         assert cluster.status(NS, "r4")["restarts"][0]["cause"] == "Hang"
-        wait_for(lambda: cluster.pod_names(NS, "r4") == ["r4-a1-0", "r4-a1-1"], 20, "attempt 1")
+        try:
+            wait_for(lambda: cluster.pod_names(NS, "r4") == ["r4-a1-0", "r4-a1-1"], 20, "attempt 1")
+        except AssertionError as e:  # say what was there instead
+            st = cluster.status(NS, "r4")
+            raise AssertionError(f"{e}; pods {cluster.pod_names(NS, 'r4')}, attempt {st.get('attempt')}, "
+                                 f"restarts {st.get('restarts')}, conditions {st.get('conditions')}") from None
 
 
 def test_node_not_ready_force_deletes_and_restarts(cluster: Cluster) -> None:
