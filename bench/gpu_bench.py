@@ -11,7 +11,8 @@ A case is ``FLAVOUR:MODE:BATCH[:key=value...]``. MODE is ``eager`` (bf16 autocas
 projection stays in bf16 (``filter_fqns = ["output"]``, torchtitan's and kubetitan's default). Options:
 ``spec=fast`` (kubetitan_trainer.fast components) or ``spec=rope`` (its real-valued RoPE alone),
 ``fp8out=1`` (the output projection in FP8 too), ``ac=selective|full``, ``ckpt=sync|async|pinned``
-(checkpoint every ``ckint`` steps; pinned = ``async_with_pinned_mem``), ``profile=N`` (profile steps N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
+(checkpoint every ``ckint`` steps; pinned = ``async_with_pinned_mem``), ``profile=N`` (profile steps
+N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
 
 Every run: seq_len 8192, synthetic tokens, no activation checkpointing unless asked, AdamW
 (torchtitan defaults: fused, lr 8e-4 warm-up 2 steps... see ``toml_for``), ``log_freq = 1``; the

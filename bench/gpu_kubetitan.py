@@ -35,7 +35,7 @@ def _precision(case: dict) -> dict:
 
 
 def lpt_for(case: dict, name: str) -> dict:
-    from gpu_bench import SEQ_LEN
+    from gpu_bench import CKPT_ASYNC_MODE, SEQ_LEN
 
     ck = case["ckpt"] if case["ckpt"] != "none" else None
     return {
@@ -53,8 +53,7 @@ def lpt_for(case: dict, name: str) -> dict:
             "data": {"source": "synthetic"},
             "tokenizer": {"source": "builtin"},
             "checkpoint": {"enabled": ck is not None, "intervalSteps": case["ckint"],
-                           "asyncMode": {"sync": "disabled", "async": "async", "pinned": "async_with_pinned_mem",
-                                         None: "disabled"}[ck],
+                           "asyncMode": CKPT_ASYNC_MODE[case["ckpt"]],
                            "keepLatestK": 2},
             "resources": {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H200"},
             "monitoring": {"logFrequencySteps": 1, "tensorboard": False},
