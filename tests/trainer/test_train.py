@@ -64,12 +64,13 @@ def wait_for(proc: subprocess.Popen, port: int, cond, timeout: float = 400) -> d
 
 
 def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
-    """One uninterrupted run, then a run stopped by SIGTERM and resumed: same losses step by step."""
+    """One uninterrupted run (async saves), then a run stopped by SIGTERM and resumed: same losses step by step."""
     steps = 8
     # --- A: uninterrupted, with the metrics endpoint checked while it runs
     port = free_port()
     a_dump = tmp_path / "a"
-    a_cfg = write_config(tmp_path / "a.toml", lpt({"training": {"steps": steps}}), a_dump,
+    # A saves asynchronously (the API's default), B synchronously: the losses must not tell them apart.
+    a_cfg = write_config(tmp_path / "a.toml", lpt({"training": {"steps": steps}, "checkpoint": {"asyncMode": "async"}}), a_dump,
                          {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
     proc = launch(a_cfg)
     m = wait_for(proc, port, lambda m: m.get(contract.M_STEP, 0) >= 2 and contract.M_LOSS in m)

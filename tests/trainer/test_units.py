@@ -224,6 +224,27 @@ def test_exported_metrics_pass_promtool():
     assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
 
 
+
+def test_async_checkpoint_is_published_when_its_background_write_ends():
+    """The newest-checkpoint gauges name only complete checkpoints: an async save's step shows once
+    its write future ends, and a failed write never shows (resume would skip that step too)."""
+    from concurrent.futures import Future
+
+    from kubetitan_trainer.metrics import Exporter
+
+    ex = Exporter(peak_flops=None, total_steps=10, attempt=0, job_start=1.7e9)
+    ex.checkpoint_saved(2, 0.3)  # synchronous: complete on return
+    assert (ex.ckpt_step._value.get(), ex.ckpt_duration._sum.get()) == (2, pytest.approx(0.3))
+    ok, bad = Future(), Future()
+    ex.checkpoint_saved(4, 0.05, ok)
+    assert ex.ckpt_step._value.get() == 2 and ex.ckpt_duration._sum.get() == pytest.approx(0.35)
+    ok.set_result(None)
+    assert ex.ckpt_step._value.get() == 4 and ex.ckpt_ts._value.get() > 1.7e9
+    ex.checkpoint_saved(6, 0.05, bad)
+    bad.set_exception(OSError("disk full"))
+    assert ex.ckpt_step._value.get() == 4
+
+
 # ----------------------------------------------------------------------------- launcher
 def _failure(code, ts):
     return SimpleNamespace(exitcode=code, timestamp=ts, message="")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,8 @@ class Exporter:
         self.mem_active = Gauge(contract.M_MEMORY_MAX_ACTIVE, "Peak active device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
         self.mem_reserved = Gauge(contract.M_MEMORY_MAX_RESERVED, "Peak reserved device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
         self.ckpt_duration = Histogram(contract.M_CHECKPOINT_SAVE_DURATION, "Time training was blocked by a checkpoint save (staging only with async saves) (seconds).", buckets=CKPT_BUCKETS, registry=r)
-        self.ckpt_step = Gauge(contract.M_LAST_CHECKPOINT_STEP, "Step of the last checkpoint this attempt saved (steps).", registry=r)
-        self.ckpt_ts = Gauge(contract.M_LAST_CHECKPOINT_TIMESTAMP, "Unix time the last checkpoint save finished (seconds).", registry=r)
+        self.ckpt_step = Gauge(contract.M_LAST_CHECKPOINT_STEP, "Step of the newest complete checkpoint this attempt saved or resumed from; async saves count once their background write has finished (steps).", registry=r)
+        self.ckpt_ts = Gauge(contract.M_LAST_CHECKPOINT_TIMESTAMP, "Unix time the newest checkpoint save completed, background write included (seconds).", registry=r)
         self.tokens = Counter(contract.M_TOKENS.removesuffix("_total"), "Tokens trained on by the whole job, carried across attempts through the checkpoint (tokens).", registry=r)
         self.attempt = Gauge(contract.M_ATTEMPT, "Attempt number of this gang; restarts seen = attempt (count).", registry=r)
         self.heartbeat = Gauge(contract.M_LAST_STEP_TIMESTAMP, "Unix time the last optimizer step completed; the heartbeat for hang detection (seconds).", registry=r)
@@ -155,8 +156,19 @@ class Exporter:
             self.tokens.inc(global_tokens - self._tokens_seen)
             self._tokens_seen = global_tokens
 
-    def checkpoint_saved(self, step: int, seconds: float) -> None:
-        self.ckpt_duration.observe(seconds)
+    def checkpoint_saved(self, step: int, blocked_seconds: float, pending: Future | None = None) -> None:
+        """A save of ``step`` returned after blocking training for ``blocked_seconds``.
+
+        ``pending`` is the background write of an async save: the checkpoint is published as the newest
+        complete one only when it finishes (a write that fails publishes nothing: resume skips it too).
+        """
+        self.ckpt_duration.observe(blocked_seconds)
+        if pending is None:
+            self._checkpoint_complete(step)
+        else:
+            pending.add_done_callback(lambda f: f.exception() is None and self._checkpoint_complete(step))
+
+    def _checkpoint_complete(self, step: int) -> None:
         self.ckpt_step.set(step)
         self.ckpt_ts.set(time.time())
 

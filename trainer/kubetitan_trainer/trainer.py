@@ -11,7 +11,8 @@ Everything else comes through the TrainSpec. The subclass adds, and only adds:
 - **Resume** from the newest *complete* checkpoint (``kubetitan.contract.newest_complete_step``);
   partial newer step directories are skipped with a warning.
 - **Goodput state**: productive step seconds travel in the checkpoint's ``train_state``.
-- **Step metrics**: step time, heartbeat, data-loading time and checkpoint save time.
+- **Step metrics**: step time, heartbeat, data-loading time, the time a checkpoint save blocked
+  training, and the newest *complete* checkpoint (an async save counts once its background write ends).
 """
 
 from __future__ import annotations
@@ -151,10 +152,14 @@ class KubetitanTrainer(Trainer):
                 # A stop save must be complete and resumable: full state, synchronous.
                 last_step, ckpt.last_save_model_only = True, False
             will_save = ckpt._should_save(curr_step, last_step)
+            earlier_write = ckpt.save_future
             begin = time.perf_counter()
             save(curr_step, last_step=last_step)
             if will_save:
-                self.metrics_processor.exporter.checkpoint_saved(curr_step, time.perf_counter() - begin)
+                # An async save leaves its background write in save_future (a new one; a synchronous save,
+                # the last step's included, leaves the earlier one or None): it is complete when that ends.
+                write = ckpt.save_future if ckpt.save_future is not earlier_write else None
+                self.metrics_processor.exporter.checkpoint_saved(curr_step, time.perf_counter() - begin, write)
             if self._stopping:
                 if will_save:
                     KubetitanTrainer.exit_code = ExitCode.TERMINATED_CHECKPOINTED
