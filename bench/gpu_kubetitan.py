@@ -69,8 +69,17 @@ def kubetitan_command(case: dict, work: Path) -> list[str]:
     return [sys.executable, "-m", "kubetitan.cli", "run", str(f), "--output-dir", str(work / "out")]
 
 
+SERIES = ("kubetitan_trainer_step", "kubetitan_trainer_last_checkpoint_step",
+          "kubetitan_trainer_last_checkpoint_timestamp_seconds")
+
+
 def metrics_scraper(work: Path, dest: Path, stop: threading.Event) -> threading.Thread:
-    """Poll the trainer's /metrics (port from the rendered trainer.toml); keep the last good scrape."""
+    """Poll the trainer's /metrics (port from the rendered trainer.toml); keep the last good scrape,
+    and append the step and newest-checkpoint gauges of every scrape to ``<dest>.series.tsv``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    series = dest.with_suffix(".series.tsv")
+    series.write_text("time\t" + "\t".join(SERIES) + "\n")
 
     def loop():
         port, n = None, 0
@@ -85,6 +94,9 @@ def metrics_scraper(work: Path, dest: Path, stop: threading.Event) -> threading.
                     text = r.read().decode()
                 n += 1
                 dest.write_text(f"# scrape {n} at {time.strftime('%H:%M:%S')} from port {port}\n{text}")
+                values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+                with series.open("a") as f:
+                    f.write("\t".join([f"{time.time():.1f}", *(str(values.get(k, "")) for k in SERIES)]) + "\n")
             except Exception:  # not up yet, or gone
                 continue
 
