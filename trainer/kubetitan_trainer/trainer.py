@@ -152,7 +152,8 @@ class KubetitanTrainer(Trainer):
                 # A stop save must be complete and resumable: full state, synchronous.
                 last_step, ckpt.last_save_model_only = True, False
             will_save = ckpt._should_save(curr_step, last_step)
-            earlier_write = ckpt.save_future
+            # A disabled CheckpointManager returns from __init__ before it sets save_future.
+            earlier_write = ckpt.save_future if will_save else None
             begin = time.perf_counter()
             save(curr_step, last_step=last_step)
             if will_save:
