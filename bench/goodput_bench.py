@@ -34,14 +34,17 @@ from kmockx.harness import Cluster, Operator  # noqa: E402
 from kubetitan.decide import parse_time  # noqa: E402
 
 
-def run(steps: int, interval: int, kill_every: int | None, timeout: float) -> dict:
+def run(steps: int, interval: int, kill_every: int | None, timeout: float, async_mode: str = "disabled",
+        kill_offset: int = 0) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="goodput-"))
     ckpt = tmp / "ckpt"
     kills: list[dict] = []
     with Cluster() as c, Kubelet(c, tmp / "kubelet", claims={CLAIM: ckpt}) as k, Operator(c, namespaces=(NS,)):
         t0 = time.time()
-        c.apply(lpt("goodput", e2e_spec(ckpt, steps, interval, free_port(), hangTimeoutSeconds=120)))
-        next_kill = kill_every
+        spec = e2e_spec(ckpt, steps, interval, free_port(), hangTimeoutSeconds=120)
+        spec["checkpoint"]["asyncMode"] = async_mode
+        c.apply(lpt("goodput", spec))
+        next_kill = kill_every + kill_offset if kill_every else None
         while time.time() - t0 < timeout:
             st = c.status(NS, "goodput")
             if st.get("phase") in ("Succeeded", "Failed"):
@@ -115,16 +118,20 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--interval", type=int, default=50, help="checkpoint.intervalSteps")
     p.add_argument("--kill-every", type=int, default=100)
+    p.add_argument("--kill-offset", type=int, default=0,
+                   help="kill at kill-every x k + this many steps (0: on multiples of --kill-every, which are "
+                        "checkpoint steps whenever the interval divides it, so every kill cuts a save short)")
+    p.add_argument("--async-mode", default="disabled", choices=("disabled", "async"), help="checkpoint.asyncMode")
     p.add_argument("--timeout", type=float, default=7200)
     p.add_argument("--only", choices=("faults", "baseline"), help="run just one of the two runs")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args()
     out = {"args": vars(a) | {"json": str(a.json) if a.json else None}}
     if a.only != "baseline":
-        out["faults"] = run(a.steps, a.interval, a.kill_every, a.timeout)
+        out["faults"] = run(a.steps, a.interval, a.kill_every, a.timeout, a.async_mode, a.kill_offset)
         print("with faults:", json.dumps(out["faults"]), flush=True)
     if a.only != "faults":
-        out["baseline"] = run(a.steps, a.interval, None, a.timeout)
+        out["baseline"] = run(a.steps, a.interval, None, a.timeout, a.async_mode)
         print("fault-free: ", json.dumps(out["baseline"]), flush=True)
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
@@ -136,6 +143,10 @@ def main() -> int:
     print(f"goodput {f['goodput']} (fault-free {out.get('baseline', {}).get('goodput')}, "
           f"ratio {out.get('goodput_vs_fault_free')}); recover p50 {f['recover_p50_s']} s max {f['recover_max_s']} s; "
           f"lost steps {f['lost_steps']} (interval {a.interval}); cause accuracy {f['cause_accuracy']}")
+    if b.get("wall_s") and f["faults"]:
+        out["wall_s_per_fault"] = round((f["wall_s"] - b["wall_s"]) / f["faults"], 1)
+        print(f"each fault cost {out['wall_s_per_fault']} s of wall time: recover p50 {f['recover_p50_s']} s "
+              f"+ lost steps {statistics.mean(f['lost_steps']) if f['lost_steps'] else 0:.1f} x {f['step_seconds_p50']} s")
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
     return 0
