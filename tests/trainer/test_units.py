@@ -245,6 +245,74 @@ def test_async_checkpoint_is_published_when_its_background_write_ends():
     assert ex.ckpt_step._value.get() == 4
 
 
+# CPU staging options (pinned memory and non-blocking copies need an accelerator): the code path that
+# torch 2.11 breaks, DefaultStager._stage closing its StateDictStager, is the same.
+def _cpu_staging():
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    return StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                          use_non_blocking_copy=False)
+
+
+def test_torch_default_stager_still_stages_only_once():
+    """Canary for kubetitan_trainer/staging.py: when the pinned torch can stage twice with one
+    DefaultStager (pytorch PR 183424), this fails; then delete the shim and this test."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    stager = DefaultStager(_cpu_staging())
+    state = {"w": torch.arange(4.0), "train_state": {"step": 1}}
+    stager.stage(state).result()
+    with pytest.raises(KeyError):
+        stager.stage(state).result()
+    stager.close()
+
+
+def test_reusable_stager_stages_every_save_and_keeps_its_buffers(tmp_path):
+    """Three async DCP saves through one ReusableStager (as torchtitan keeps one for the run): each is
+    complete and holds that save's values, the staging buffer is reused, and close releases it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from kubetitan_trainer.staging import ReusableStager
+
+    stager = ReusableStager(_cpu_staging())
+    w = torch.zeros(1000)
+    buffers = set()
+    for step in (1, 2, 3):
+        w.fill_(step)
+        res = dcp.async_save({"w": w, "train_state": {"step": step}}, checkpoint_id=tmp_path / f"step-{step}",
+                             async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=stager)
+        res.upload_completion.result()
+        buffers |= {s.data_ptr() for s in stager._state_dict_stager._cached_storage_mapping.values()}
+    assert len(buffers) == 1, "each save allocated a new staging buffer"
+    for step in (1, 2, 3):
+        got = {"w": torch.empty(1000), "train_state": {"step": 0}}
+        dcp.load(got, checkpoint_id=tmp_path / f"step-{step}")
+        assert got["train_state"]["step"] == step and bool((got["w"] == step).all())
+    stager.close()
+    assert len(stager._state_dict_stager._cached_storage_mapping) == 0
+
+
+def test_pinned_checkpoints_get_the_reusable_stager_once():
+    from torch.distributed.checkpoint.staging import DefaultStager
+    from torchtitan.components.checkpoint import AsyncMode
+
+    from kubetitan_trainer.staging import ReusableStager, ensure_reusable_stager
+
+    pinned = SimpleNamespace(async_mode=AsyncMode.ASYNC_WITH_PINNED_MEM, stager=None)
+    ensure_reusable_stager(pinned, _cpu_staging())
+    first = pinned.stager
+    ensure_reusable_stager(pinned, _cpu_staging())
+    assert isinstance(first, ReusableStager) and pinned.stager is first
+    other = SimpleNamespace(async_mode=AsyncMode.ASYNC, stager=None)
+    ensure_reusable_stager(other, _cpu_staging())
+    assert other.stager is None
+    assert issubclass(ReusableStager, DefaultStager)  # torchtitan calls its close() on shutdown
+    first.close()
+
+
 # ----------------------------------------------------------------------------- launcher
 def _failure(code, ts):
     return SimpleNamespace(exitcode=code, timestamp=ts, message="")

@@ -32,6 +32,7 @@ from kubetitan.contract import ExitCode
 
 from kubetitan_trainer import ENV_STOP_FILE
 from kubetitan_trainer.errors import NonFiniteLossError
+from kubetitan_trainer.staging import ensure_reusable_stager
 
 
 def checkpoint_entries(folder: str) -> list[tuple[str, bool]]:
@@ -154,6 +155,8 @@ class KubetitanTrainer(Trainer):
             will_save = ckpt._should_save(curr_step, last_step)
             # A disabled CheckpointManager returns from __init__ before it sets save_future.
             earlier_write = ckpt.save_future if will_save else None
+            if will_save and not last_step:
+                ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
             begin = time.perf_counter()
             save(curr_step, last_step=last_step)
             if will_save:
