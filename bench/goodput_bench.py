@@ -144,8 +144,11 @@ def main() -> int:
           f"ratio {out.get('goodput_vs_fault_free')}); recover p50 {f['recover_p50_s']} s max {f['recover_max_s']} s; "
           f"lost steps {f['lost_steps']} (interval {a.interval}); cause accuracy {f['cause_accuracy']}")
     if b.get("wall_s") and f["faults"]:
-        out["wall_s_per_fault"] = round((f["wall_s"] - b["wall_s"]) / f["faults"], 1)
-        print(f"each fault cost {out['wall_s_per_fault']} s of wall time: recover p50 {f['recover_p50_s']} s "
+        # Unproductive wall time (wall - productive step time) over the baseline's, so that the two runs'
+        # step speeds (the machine's load) do not count as fault cost.
+        idle = (f["wall_s"] - f["productive_s"]) - (b["wall_s"] - b["productive_s"])
+        out["unproductive_s_per_fault"] = round(idle / f["faults"], 1)
+        print(f"each fault cost {out['unproductive_s_per_fault']} s of unproductive wall time: recover p50 {f['recover_p50_s']} s "
               f"+ lost steps {statistics.mean(f['lost_steps']) if f['lost_steps'] else 0:.1f} x {f['step_seconds_p50']} s")
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
