@@ -6,9 +6,7 @@
 # 100 only when step 100's background write has finished (~83 s of disk), not at the end of staging.
 # The final full save after step 201 (another ~83 s write, synchronous) is cut by the case timeout.
 source bench/device/setup.sh
-( while sleep 2; do for d in /tmp/gpubench/*/out/checkpoint/step-*; do
-    [ -f "$d/.metadata" ] && rm -rf "$d" && echo "$(date -u +%T) deleted complete checkpoint $d"; done; done ) \
-  > "$OUT/r/cleaner.txt" 2>&1 &
+ckpt_cleaner
 python3 bench/gpu_bench.py run --out "$OUT/r" --deadline 560 --case-timeout 450 --cases \
 3B:fp8tw:4:path=kubetitan:steps=201:warmup=4:ckpt=pinned:ckint=100:scrape=1
 kill %1

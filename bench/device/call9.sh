@@ -8,9 +8,7 @@
 # step 121. It must exit 0; step 121's time gives the stall of a second pinned save that really completes,
 # and the scraped newest-checkpoint gauge must reach 120 only once that save's write has ended.
 source bench/device/setup.sh
-( while sleep 2; do for d in /tmp/gpubench/*/out/checkpoint/step-*; do
-    [ -f "$d/.metadata" ] && rm -rf "$d" && echo "$(date -u +%T) deleted complete checkpoint $d"; done; done ) \
-  > "$OUT/r/cleaner.txt" 2>&1 &
+ckpt_cleaner
 python3 bench/gpu_bench.py run --out "$OUT/r" --deadline 260 --case-timeout 260 --cases \
 1B:fp8tw:4:path=kubetitan:steps=121:warmup=4:ckpt=pinned:ckint=60:scrape=1
 kill %1

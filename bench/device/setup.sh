@@ -15,3 +15,8 @@ finish() {  # logs into one archive (the call returns at most 8 files)
   tar -C "$OUT/r" -czf "$OUT/logs.tgz" . 2>/dev/null; cp "$OUT/r/results.jsonl" "$OUT/" 2>/dev/null
   python3 bench/gpu_bench.py table "$OUT/r"
 }
+ckpt_cleaner() {  # background: delete each complete checkpoint (it has .metadata) of the runs, for disk room
+  ( while sleep 2; do for d in /tmp/gpubench/*/out/checkpoint/step-*; do
+      [ -f "$d/.metadata" ] && rm -rf "$d" && echo "$(date -u +%T) deleted complete checkpoint $d"; done; done ) \
+    > "$OUT/r/cleaner.txt" 2>&1 &
+}
