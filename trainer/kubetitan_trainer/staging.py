@@ -1,4 +1,4 @@
-"""The one checkpoint-staging shim: a DCP stager that can stage more than once (torch 2.11.0).
+"""A checkpoint-staging shim: a DCP stager that can stage more than once (torch 2.11.0).
 
 torch 2.11.0's ``DefaultStager._stage`` closes its ``StateDictStager`` after every stage (pytorch
 issue 183413, a regression from the leak fix in PR 170431; fixed upstream by PR 183424, after 2.11.0).
