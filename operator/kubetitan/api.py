@@ -482,6 +482,32 @@ class TrainingStatus(_Base):
     """When these numbers were last scraped."""
 
 
+class AttemptObservation(_Base):
+    """What the operator observed of the current attempt, kept so that a restarted or failed-over operator
+    neither resets nor fires its timers (times are RFC 3339)."""
+
+    attempt: int | None = None
+    """The attempt these observations belong to."""
+    step: int | None = None
+    """Newest step the attempt reported."""
+    start_step: int | None = None
+    """Step the attempt started from (the checkpoint it loaded)."""
+    last_checkpoint_step: int | None = None
+    """Newest complete checkpoint the attempt reported."""
+    last_progress_time: str | None = None
+    """When the step last advanced (the hang timer runs from here)."""
+    first_step_time: str | None = None
+    """When the attempt's first trained step completed (start-up ends here)."""
+    metrics_ok_time: str | None = None
+    """When rank 0's /metrics last answered."""
+    metrics_error: str | None = None
+    """Why the newest scrape of rank 0's /metrics failed, if it did."""
+    ranks_seen: list[int] = Field(default_factory=list)
+    """Ranks whose pod has been observed: a seen rank that is gone disappeared; one never seen is created."""
+    nodes_missing_since: dict[str, str] = Field(default_factory=dict)
+    """Node name to when the operator first saw it missing from the API."""
+
+
 class LlamaPretrainStatus(_Base):
     """Observed state of a Llama 3 pre-training run; rebuilt by the operator."""
 
@@ -505,6 +531,8 @@ class LlamaPretrainStatus(_Base):
     """When the run succeeded or failed."""
     message: str | None = None
     """Human-readable summary of the current state."""
+    observation: AttemptObservation | None = None
+    """The operator's timers and last known progress of the current attempt (kept across operator restarts)."""
 
 
 class ObjectMeta(BaseModel):

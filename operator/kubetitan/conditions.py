@@ -30,7 +30,14 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 """Terminal: the run gave up (see the reason)."""
 
-ALL_TYPES = (READY, SPEC_ACCEPTED, SUSPENDED, RESTARTING, UNSCHEDULABLE, SUCCEEDED, FAILED)
+METRICS_AVAILABLE = "MetricsAvailable"
+"""Whether rank 0's /metrics answers the operator (Unknown before the first scrape). False never restarts a
+run: it only means progress is not known."""
+CHILDREN_CREATED = "ChildrenCreated"
+"""False while the API refuses a child of the current attempt (403, 422, a name held by another object)."""
+
+ALL_TYPES = (READY, SPEC_ACCEPTED, SUSPENDED, RESTARTING, UNSCHEDULABLE, CHILDREN_CREATED, METRICS_AVAILABLE,
+             SUCCEEDED, FAILED)
 
 # ------------------------------------------------------------------ reasons
 INVALID_SPEC = "InvalidSpec"
@@ -58,6 +65,17 @@ NO_PROGRESS = "RestartsWithoutProgress"
 UNSCHEDULABLE_TIMEOUT = "UnschedulableTimeout"
 TRAINER_SUCCEEDED_EARLY = "TrainerSucceeded"
 NOT_FINISHED = "NotFinished"
+STALE_STATUS = "StaleStatus"
+PODS_NOT_STARTED = "PodsNotStarted"
+STORAGE_FULL = "StorageFull"
+SCRAPED = "Scraped"
+SCRAPE_FAILED = "ScrapeFailed"
+NOT_SCRAPED = "NotScrapedYet"
+CHILDREN_OK = "Created"
+FORBIDDEN = "Forbidden"
+INVALID = "Invalid"
+NAME_CONFLICT = "NameConflict"
+API_UNAVAILABLE = "APIUnavailable"
 
 
 def find(conditions: Sequence[Condition], type_: str) -> Condition | None:

@@ -1,34 +1,43 @@
-"""The restart decision and the status it leads to (pure: no kopf, no client, no clock).
+"""The restart decision (pure: no kopf, no client, no clock).
 
 ``decide(spec, status, observed)`` looks at what the cluster shows for one LlamaPretrain and returns
 one :class:`Decision`: create the current attempt's children, keep running, wait, restart the gang
-with a cause, fail, succeed, suspend, or clean up a finished run. ``next_status`` turns the decision
-into the new status (conditions, attempt, restart history). The kopf handlers only observe, call
-these two, write the status once, then delete/create what the decision lists and send its events.
+with a cause, fail, succeed, suspend, or clean up a finished run. The decision is the first answer of
+an ordered list of small named rules (:data:`RULES`, JobSet's failure-policy style): each rule reads
+the :class:`Facts` of this cycle and either decides or passes (None). ``kubetitan.status`` turns the
+decision into the new status; the kopf handlers only observe, call these two, write the status once,
+then delete/create what the decision lists and send its events.
 
 Any failure of one pod ends the whole attempt (gang); the next attempt has new pod names and resumes
 from the newest complete checkpoint, so a pod stuck terminating never blocks it.
+
+Observation is not failure: a failed scrape of rank 0's metrics never restarts a run. The hang and
+start-up timers fire only on positive evidence (rank 0's metrics answered and showed no new step);
+they are measured from times kept in the status (``status.observation``), so an operator restart or
+fail-over neither resets nor fires them.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from kubetitan import conditions as C
-from kubetitan.api import LlamaPretrainSpec, LlamaPretrainStatus, RestartCause, RestartRecord, TrainingStatus
+from kubetitan.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, RestartCause, RestartRecord, TrainingStatus
 from kubetitan.contract import EXIT_SIGKILL, EXIT_SIGTERM, ExitCode
 
 MAX_RESTART_RECORDS = 50
 NODE_FAILURES_TO_AVOID = 2
 """A node blamed for this many restarts of the run is kept out of later attempts (anti-affinity)."""
-MISSING_POD_GRACE_SECONDS = 30.0
-"""A rank missing this long after its siblings were created, or while they run, ends the attempt."""
 
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 CONFIG_WAIT_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
+NODE_DISRUPTIONS = frozenset({"DeletionByTaintManager", "TerminationByKubelet", "DeletionByPodGC"})
+"""``DisruptionTarget`` reasons that blame the node: taint eviction, kubelet shutdown, PodGC of a pod whose
+node is gone."""
+PREEMPTIONS = frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler"})
 
 
 # ------------------------------------------------------------------ observed state
@@ -47,7 +56,7 @@ class PodObs:
     """``status.reason`` of the pod, e.g. ``Evicted``."""
     message: str | None = None
     waiting_reason: str | None = None
-    """Trainer container waiting reason, e.g. ``ImagePullBackOff``."""
+    """Trainer container waiting reason, e.g. ``ImagePullBackOff``, ``ContainerCreating``."""
     waiting_message: str | None = None
     exit_code: int | None = None
     terminated_reason: str | None = None
@@ -58,6 +67,8 @@ class PodObs:
     unschedulable_message: str | None = None
     """Set while the pod's ``PodScheduled`` condition is False with reason Unschedulable."""
     created: float | None = None
+    scheduled_since: float | None = None
+    """When the pod's ``PodScheduled`` condition turned True (its ``lastTransitionTime``)."""
     running_since: float | None = None
     deleting: bool = False
 
@@ -71,12 +82,13 @@ class NodeObs:
     ready: bool | None = True
     """Node ``Ready`` condition; None when Unknown (the kubelet stopped reporting)."""
     not_ready_since: float | None = None
-    """``lastTransitionTime`` of a Ready condition that is not True."""
+    """``lastTransitionTime`` of a Ready condition that is not True; for a missing node, when the operator first
+    saw it missing (kept in ``status.observation``)."""
 
 
 @dataclass(frozen=True)
 class Progress:
-    """Training progress of the current attempt, from rank 0's metrics (see ``observe``)."""
+    """Training progress of the current attempt, from rank 0's metrics and ``status.observation``."""
 
     step: int | None = None
     """Newest step this attempt reported (None: no step yet)."""
@@ -88,6 +100,23 @@ class Progress:
     """When the step last advanced (the trainer's heartbeat, or when the operator saw it move)."""
     first_step_time: float | None = None
     """When the attempt's first trained step completed (its heartbeat; not the checkpoint load)."""
+    metrics_available: bool | None = None
+    """Did the newest scrape of rank 0's /metrics answer (None: none tried for this attempt yet)?"""
+    metrics_ok_time: float | None = None
+    """When rank 0's /metrics last answered for this attempt."""
+    metrics_error: str | None = None
+    """Why the newest scrape failed (with the URL), when it did."""
+
+
+@dataclass(frozen=True)
+class ChildError:
+    """A child the API refused to create (403 Forbidden, 422 Invalid, or a name held by another owner)."""
+
+    kind: str
+    name: str
+    reason: str
+    """conditions.FORBIDDEN / INVALID / NAME_CONFLICT / API_UNAVAILABLE."""
+    message: str
 
 
 @dataclass(frozen=True)
@@ -103,6 +132,13 @@ class Observed:
     """Spec changes that wait for the next attempt (a message), or None."""
     training: TrainingStatus | None = None
     """Freshly scraped numbers for ``status.training`` (None keeps the old ones)."""
+    ranks_seen: frozenset[int] = frozenset()
+    """Ranks of the current attempt whose pod has been observed at least once (``status.observation``): a
+    missing rank that was seen disappeared (the attempt ends); one never seen is created (again)."""
+    child_errors: tuple[ChildError, ...] = ()
+    """Children the API refused on the last create of this attempt (cleared by a create that worked)."""
+    observation: AttemptObservation | None = None
+    """The observation these inputs came from (``status.track``); ``status.next_status`` persists it."""
 
 
 # ------------------------------------------------------------------ decision
@@ -143,6 +179,10 @@ class Decision:
     """The current attempt trains."""
     ends_attempt: bool = False
     """Suspension stopped the current attempt's pods: resuming starts a new attempt."""
+    rule: str = ""
+    """Name of the rule that decided (for logs and tests)."""
+    stale_status: bool = False
+    """The status is older than the cluster (pods of a newer attempt exist): re-read it before acting."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -150,10 +190,18 @@ def iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def iso_ms(ts: float) -> str:
+    """RFC 3339 with milliseconds (timers kept in the status)."""
+    return dt.datetime.fromtimestamp(ts, tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
 def parse_time(s: str | None) -> float | None:
     if not s:
         return None
-    return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+    try:
+        return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def made_progress(records: Sequence[RestartRecord], i: int) -> bool:
@@ -217,6 +265,11 @@ def classify_pod(p: PodObs) -> Failure | None:
     if p.reason == "Evicted":
         return Failure("Evicted", f"pod {p.name} was evicted from node {p.node_name}: {p.message or ''}".rstrip(": "),
                        p.name, p.node_name)
+    if p.disruption_reason in NODE_DISRUPTIONS and p.phase not in ("Succeeded",) and p.exit_code != ExitCode.OK:
+        # the node is going or gone: the pod is lost whether or not its container has reported an exit yet
+        what = f"pod {p.name} (rank {p.rank})" + (f" exited with code {p.exit_code}" if p.exit_code is not None
+                                                   else " is being removed")
+        return Failure("NodeFailure", f"{what}: {p.disruption_reason} on node {p.node_name}", p.name, p.node_name)
     if p.phase not in ("Failed", "Succeeded") and p.exit_code is None:
         return None
     if p.phase == "Succeeded" or p.exit_code == ExitCode.OK:
@@ -227,13 +280,15 @@ def classify_pod(p: PodObs) -> Failure | None:
     if code == ExitCode.CONFIG_ERROR:
         return Failure(None, f"{what} (configuration error){tail}; fix the spec and re-apply",
                        p.name, p.node_name, C.CONFIG_ERROR)
+    if code == ExitCode.STORAGE_FULL:
+        return Failure(None, f"{what}: the checkpoint volume has too little free space for a save{tail}; free "
+                       "space or enlarge the volume (or lower checkpoint.keepLatestK), then re-create the run",
+                       p.name, p.node_name, C.STORAGE_FULL)
     if p.terminated_reason == "OOMKilled":
         return Failure("OOMKilled", f"{what}: OOMKilled (raise spec.resources.memory or lower the batch)",
                        p.name, p.node_name)
-    if p.disruption_reason == "PreemptionByScheduler" or p.disruption_reason == "PreemptionByKubeScheduler":
+    if p.disruption_reason in PREEMPTIONS:
         return Failure("Preempted", f"{what} after preemption", p.name, p.node_name)
-    if p.disruption_reason in ("DeletionByTaintManager", "TerminationByKubelet"):
-        return Failure("NodeFailure", f"{what}: {p.disruption_reason} on node {p.node_name}", p.name, p.node_name)
     if code == ExitCode.TERMINATED_CHECKPOINTED:
         return Failure("Preempted", f"{what} (SIGTERM, checkpoint saved)", p.name, p.node_name)
     if code == ExitCode.NON_FINITE_LOSS:
@@ -244,6 +299,7 @@ def classify_pod(p: PodObs) -> Failure | None:
 
 
 def _cleanup(spec: LlamaPretrainSpec, pods: Sequence[PodObs]) -> tuple[str, ...]:
+    """Pods that ``runPolicy.cleanupPolicy`` removes when the run ends (None keeps failed pods for logs)."""
     policy = spec.run_policy.cleanup_policy
     if policy == "All":
         return tuple(p.name for p in pods if not p.deleting)
@@ -256,190 +312,309 @@ def _node_failed(n: NodeObs | None) -> bool:
     return n is not None and (not n.exists or n.ready is not True)
 
 
-# ------------------------------------------------------------------ decide
-def decide(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, obs: Observed) -> Decision:  # noqa: C901
-    now, rp = obs.now, spec.run_policy
+# ------------------------------------------------------------------ facts
+@dataclass(frozen=True)
+class Facts:
+    """What every rule reads, computed once per decision."""
+
+    spec: LlamaPretrainSpec
+    status: LlamaPretrainStatus
+    obs: Observed
+    attempt: int
+    current: tuple[PodObs, ...]
+    """Pods of the status's current attempt."""
+    previous: tuple[PodObs, ...]
+    """Pods of earlier attempts (deleted first; never pods of a newer attempt)."""
+    newer: tuple[PodObs, ...]
+    """Pods of an attempt after the status's: the status is stale (another replica moved on)."""
+
+    @property
+    def now(self) -> float:
+        return self.obs.now
+
+    @property
+    def rp(self):  # noqa: ANN201 - RunPolicy
+        return self.spec.run_policy
+
+    @property
+    def rank0(self) -> PodObs | None:
+        return next((p for p in self.current if p.rank == 0), None)
+
+    def stuck(self) -> tuple[str, ...]:
+        """Earlier attempts' pods stuck terminating on a failed node past the grace: forced out."""
+        out = []
+        for p in self.previous:
+            n = self.obs.nodes.get(p.node_name) if p.node_name else None
+            if p.deleting and _node_failed(n):
+                assert n is not None
+                if self.now - (n.not_ready_since or self.now) >= self.rp.node_failure_grace_seconds:
+                    out.append(p.name)
+        return tuple(out)
+
+
+def facts(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, obs: Observed) -> Facts:
     attempt = status.attempt if status.attempt is not None else 0
-    current = [p for p in obs.pods if p.attempt == attempt]
-    previous = [p for p in obs.pods if p.attempt != attempt]
+    return Facts(spec=spec, status=status, obs=obs, attempt=attempt,
+                 current=tuple(p for p in obs.pods if p.attempt == attempt),
+                 previous=tuple(p for p in obs.pods if p.attempt < attempt),
+                 newer=tuple(p for p in obs.pods if p.attempt > attempt))
 
-    # Earlier attempts' pods go first; a pod stuck terminating on a dead node is forced out.
-    stale = tuple(p.name for p in previous if not p.deleting)
-    stuck = tuple(
-        p.name for p in previous
-        if p.deleting and p.node_name and _node_failed(obs.nodes.get(p.node_name))
-        and now - (obs.nodes[p.node_name].not_ready_since or now) >= rp.node_failure_grace_seconds
-    )
 
-    # 1. Finished runs: clean up, then the TTL.
-    if C.is_true(status.conditions, C.SUCCEEDED) or C.is_true(status.conditions, C.FAILED):
-        done = parse_time(status.completion_time) or now
-        ttl = rp.ttl_seconds_after_finished
-        expired = ttl is not None and now >= done + ttl
-        return Decision(Action.FINISHED, delete=stale + _cleanup(spec, current), force_delete=stuck,
-                        delete_self=expired,
-                        requeue_after=None if ttl is None or expired else done + ttl - now)
+Rule = Callable[[Facts], "Decision | None"]
 
-    # 2. Active deadline of the whole run.
-    start = parse_time(status.start_time)
-    if rp.active_deadline_seconds is not None and start is not None and now - start >= rp.active_deadline_seconds:
-        return Decision(Action.FAIL, C.DEADLINE_EXCEEDED,
-                        f"the run exceeded runPolicy.activeDeadlineSeconds={rp.active_deadline_seconds}",
-                        delete=stale + _cleanup(spec, current), force_delete=stuck)
 
-    # 3. Suspension: stop every pod gracefully (each rank checkpoints on SIGTERM).
-    if rp.suspend:
-        live = [p for p in current if not p.deleting]
-        return Decision(Action.SUSPEND, C.SUSPENDED_BY_USER if not live else C.SUSPENDING,
-                        "suspended by runPolicy.suspend; set it to false to resume from the newest checkpoint",
-                        delete=stale + tuple(p.name for p in live), force_delete=stuck, ends_attempt=bool(live))
+# ------------------------------------------------------------------ rules (in order; the first answer wins)
+def status_behind_cluster(f: Facts) -> Decision | None:
+    """Pods of a newer attempt exist: another replica moved on. Touch nothing; re-read the status."""
+    if not f.newer:
+        return None
+    newest = max(p.attempt for p in f.newer)
+    return Decision(Action.WAIT, C.STALE_STATUS, f"pods of attempt {newest} exist but the status says attempt "
+                    f"{f.attempt}; re-reading the status before acting", stale_status=True, requeue_after=0.0)
 
-    # 4. Rank 0 finished the run.
-    rank0 = next((p for p in current if p.rank == 0), None)
-    if rank0 is not None and (rank0.phase == "Succeeded" or rank0.exit_code == ExitCode.OK):
-        return Decision(Action.SUCCEED, C.COMPLETED, f"training reached step {spec.training.steps}",
-                        delete=stale + _cleanup(spec, [p for p in current if p.rank != 0]), force_delete=stuck)
 
-    # 5. No pods of the current attempt: create them (after the restart backoff).
-    if not current:
-        if obs.spec_block:
-            return Decision(Action.WAIT, C.IMMUTABLE_FIELD_CHANGED, obs.spec_block, delete=stale,
-                            force_delete=stuck)
-        last = status.restarts[-1] if status.restarts else None
-        if last is not None and last.attempt == attempt - 1:
-            ready_at = (parse_time(last.time) or now) + backoff_seconds(spec, status.restarts)
-            if now < ready_at:
-                return Decision(Action.WAIT, C.BACKOFF,
-                                f"attempt {attempt} starts in {ready_at - now:.0f}s (restart backoff)",
-                                delete=stale, force_delete=stuck, requeue_after=ready_at - now)
-        return Decision(Action.CREATE, C.CREATING, f"creating the {spec.resources.nodes} pods of attempt {attempt}",
-                        delete=stale, force_delete=stuck, avoid_nodes=nodes_to_avoid(status.restarts))
+def finished(f: Facts) -> Decision | None:
+    """Finished runs: clean up, then the TTL."""
+    if not (C.is_true(f.status.conditions, C.SUCCEEDED) or C.is_true(f.status.conditions, C.FAILED)):
+        return None
+    done = parse_time(f.status.completion_time) or f.now
+    ttl = f.rp.ttl_seconds_after_finished
+    expired = ttl is not None and f.now >= done + ttl
+    return Decision(Action.FINISHED, delete=_cleanup(f.spec, f.current), delete_self=expired,
+                    requeue_after=None if ttl is None or expired else done + ttl - f.now)
 
-    # 6. A failure of any pod ends the attempt.
-    failures = [f for p in current if (f := classify_pod(p)) is not None]
-    node_wait: float | None = None
-    for p in current:
-        n = obs.nodes.get(p.node_name) if p.node_name else None
-        if _node_failed(n) and p.phase not in ("Succeeded", "Failed"):
-            assert n is not None
-            since = n.not_ready_since if n.not_ready_since is not None else now
-            left = since + rp.node_failure_grace_seconds - now
-            state = "is missing" if not n.exists else "is NotReady"
-            if left <= 0:
-                failures.append(Failure("NodeFailure", f"node {n.name} {state}; pod {p.name} (rank {p.rank}) "
-                                        "is lost", p.name, n.name))
-            else:
-                node_wait = left if node_wait is None else min(node_wait, left)
-    ranks = {p.rank for p in current}
-    missing = [r for r in range(spec.resources.nodes) if r not in ranks]
-    if missing and not failures:
-        oldest = min((p.created for p in current if p.created is not None), default=now)
-        progressed = any(p.phase != "Pending" for p in current)
-        if progressed or now - oldest >= MISSING_POD_GRACE_SECONDS:
-            failures.append(Failure("Unknown", f"pod(s) of rank {', '.join(map(str, missing))} of attempt "
-                                    f"{attempt} disappeared", "", None))
+
+def deadline_exceeded(f: Facts) -> Decision | None:
+    """``runPolicy.activeDeadlineSeconds`` of the whole run."""
+    start = parse_time(f.status.start_time)
+    limit = f.rp.active_deadline_seconds
+    if limit is None or start is None or f.now - start < limit:
+        return None
+    return Decision(Action.FAIL, C.DEADLINE_EXCEEDED, f"the run exceeded runPolicy.activeDeadlineSeconds={limit}",
+                    delete=_cleanup(f.spec, f.current))
+
+
+def suspended(f: Facts) -> Decision | None:
+    """Suspension: stop every pod gracefully (each rank checkpoints on SIGTERM)."""
+    if not f.rp.suspend:
+        return None
+    live = [p for p in f.current if not p.deleting]
+    return Decision(Action.SUSPEND, C.SUSPENDED_BY_USER if not live else C.SUSPENDING,
+                    "suspended by runPolicy.suspend; set it to false to resume from the newest checkpoint",
+                    delete=tuple(p.name for p in live), ends_attempt=bool(live))
+
+
+def rank0_succeeded(f: Facts) -> Decision | None:
+    """Rank 0 exited 0: training reached ``spec.training.steps``."""
+    r0 = f.rank0
+    if r0 is None or not (r0.phase == "Succeeded" or r0.exit_code == ExitCode.OK):
+        return None
+    return Decision(Action.SUCCEED, C.COMPLETED, f"training reached step {f.spec.training.steps}",
+                    delete=_cleanup(f.spec, [p for p in f.current if p.rank != 0]))
+
+
+def attempt_not_created(f: Facts) -> Decision | None:
+    """No pod of the current attempt: create them, unless a blocked spec change or the restart backoff waits."""
+    if f.current:
+        return None
+    if f.obs.spec_block:
+        return Decision(Action.WAIT, C.IMMUTABLE_FIELD_CHANGED, f.obs.spec_block)
+    last = f.status.restarts[-1] if f.status.restarts else None
+    if last is not None and last.attempt == f.attempt - 1:
+        ready_at = (parse_time(last.time) or f.now) + backoff_seconds(f.spec, f.status.restarts)
+        if f.now < ready_at:
+            return Decision(Action.WAIT, C.BACKOFF, f"attempt {f.attempt} starts in {ready_at - f.now:.0f}s "
+                            "(restart backoff)", requeue_after=ready_at - f.now)
+    return _create(f, f"creating the {f.spec.resources.nodes} pods of attempt {f.attempt}")
+
+
+def _create(f: Facts, message: str) -> Decision:
+    errs = f.obs.child_errors
+    if errs:
+        e = errs[0]
+        more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+        message = f"{message}; the API refused {e.kind} {e.name}: {e.message}{more}; retrying"
+    return Decision(Action.CREATE, C.CREATING, message, avoid_nodes=nodes_to_avoid(f.status.restarts))
+
+
+def pod_failed(f: Facts) -> Decision | None:
+    """A failure of any pod, a lost node past its grace, or a rank that disappeared ends the attempt."""
+    failures = [x for p in f.current if (x := classify_pod(p)) is not None]
+    failures += [x for x, _left in _lost_nodes(f) if x is not None]
+    if not failures:
+        gone = sorted(r for r in f.obs.ranks_seen if r not in {p.rank for p in f.current})
+        if gone:
+            failures.append(Failure("Unknown", f"pod(s) of rank {', '.join(map(str, gone))} of attempt {f.attempt} "
+                                    "disappeared", "", None))
+    if not failures:
+        return None
+    fatal = next((x for x in failures if x.cause is None), None)
+    lost = {x.node_name for x in failures if x.cause == "NodeFailure"}
+    force = tuple(p.name for p in f.current if p.node_name in lost and not p.deleting)
+    if fatal is not None:
+        return Decision(Action.FAIL, fatal.fatal_reason or C.CONFIG_ERROR, f"{fatal.message} (not retried)",
+                        delete=_cleanup(f.spec, f.current), force_delete=force, node_name=fatal.node_name)
+    first = failures[0]
+    extra = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
+    return restart_or_fail(f, replace(first, message=first.message + extra), force)
+
+
+def _lost_nodes(f: Facts) -> list[tuple[Failure | None, float]]:
+    """(failure past the grace, or None with the seconds left) per pod on a NotReady or missing node."""
+    out: list[tuple[Failure | None, float]] = []
+    for p in f.current:
+        n = f.obs.nodes.get(p.node_name) if p.node_name else None
+        if not _node_failed(n) or p.phase in ("Succeeded", "Failed"):
+            continue
+        assert n is not None
+        since = n.not_ready_since if n.not_ready_since is not None else f.now
+        left = since + f.rp.node_failure_grace_seconds - f.now
+        state = "is missing" if not n.exists else "is NotReady"
+        if left <= 0:
+            out.append((Failure("NodeFailure", f"node {n.name} {state}; pod {p.name} (rank {p.rank}) is lost",
+                                p.name, n.name), 0.0))
         else:
-            return Decision(Action.CREATE, C.CREATING, f"creating the missing pods of attempt {attempt}",
-                            delete=stale, force_delete=stuck, avoid_nodes=nodes_to_avoid(status.restarts))
+            out.append((None, left))
+    return out
 
-    if failures:
-        fatal = next((f for f in failures if f.cause is None), None)
-        end = tuple(p.name for p in current if not p.deleting)
-        lost_nodes = {f.node_name for f in failures if f.cause == "NodeFailure"}
-        force = stuck + tuple(p.name for p in current if p.node_name in lost_nodes)
-        graceful = stale + tuple(n for n in end if n not in force)
-        if fatal is not None:
-            return Decision(Action.FAIL, fatal.fatal_reason or C.CONFIG_ERROR, f"{fatal.message} (not retried)",
-                            delete=stale + _cleanup(spec, current), force_delete=force, node_name=fatal.node_name)
-        first = failures[0]
-        extra = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
-        if status.restart_count >= rp.max_restarts:
-            return Decision(Action.FAIL, C.MAX_RESTARTS_EXCEEDED,
-                            f"{first.message}{extra}; runPolicy.maxRestarts={rp.max_restarts} restarts are used up",
-                            cause=first.cause, delete=graceful, force_delete=force, node_name=first.node_name)
-        pending = [*status.restarts, _record(status, first, obs)]
-        if trailing_without_progress(pending) >= rp.max_restarts_without_progress + 1:
-            return Decision(Action.FAIL, C.NO_PROGRESS,
-                            f"{first.message}{extra}; {rp.max_restarts_without_progress} restarts in a row made "
-                            "no step progress (runPolicy.maxRestartsWithoutProgress)",
-                            cause=first.cause, delete=graceful, force_delete=force, node_name=first.node_name)
-        return Decision(Action.RESTART, C.RESTARTED, first.message + extra, cause=first.cause,
-                        node_name=first.node_name, delete=graceful, force_delete=force)
 
-    # 7. Scheduling: all pods placed within the limit?
-    unscheduled = [p for p in current if p.unschedulable_message is not None]
-    if unscheduled:
-        oldest = min((p.created for p in current if p.created is not None), default=now)
-        waited = now - oldest
-        msg = f"{len(unscheduled)}/{len(current)} pods of attempt {attempt} cannot be scheduled for " \
-              f"{waited:.0f}s: {unscheduled[0].unschedulable_message}"
-        if waited >= rp.unschedulable_timeout_seconds:
-            if rp.unschedulable_action == "Fail":
-                return Decision(Action.FAIL, C.UNSCHEDULABLE_TIMEOUT, msg + " (runPolicy.unschedulableAction=Fail)",
-                                delete=stale + _cleanup(spec, current), force_delete=stuck, unschedulable=True)
-            return Decision(Action.WAIT, C.PODS_UNSCHEDULABLE, msg, delete=stale, force_delete=stuck,
-                            unschedulable=True)
-        return Decision(Action.WAIT, C.WAITING_FOR_PODS, msg, delete=stale, force_delete=stuck,
-                        requeue_after=rp.unschedulable_timeout_seconds - waited)
+def ranks_missing(f: Facts) -> Decision | None:
+    """Ranks never seen (a create that failed, or not done yet): create them, no restart."""
+    ranks = {p.rank for p in f.current}
+    missing = [r for r in range(f.spec.resources.nodes) if r not in ranks]
+    if not missing:
+        return None
+    return _create(f, f"creating the missing pod(s) of rank {', '.join(map(str, missing))} of attempt {f.attempt}")
 
-    # 8. Hang: no step progress for too long.
-    running = [p for p in current if p.phase == "Running"]
-    pr = obs.progress
-    if len(running) == len(current) and node_wait is None:
-        # The hang timer starts with the attempt's first trained step: loading a checkpoint (after which the
-        # trainer publishes the resumed step) and the first step's warm-up/compile count as start-up.
-        if pr.first_step_time is not None and pr.last_progress_time is not None:
-            idle = now - pr.last_progress_time
-            limit = rp.hang_timeout_seconds
-            ck = spec.checkpoint
-            if pr.step is not None and (pr.step >= spec.training.steps
-                                        or (ck.enabled and pr.step % ck.interval_steps == 0)):
-                # after a checkpoint step (and the last one: final save, then exit) a whole save may pass
-                limit += ck.save_timeout_seconds
-            if idle >= limit:
-                return _restart_or_fail(spec, status, obs, Failure(
-                    "Hang", f"no step progress for {idle:.0f}s (step {pr.step}; runPolicy.hangTimeoutSeconds="
-                    f"{rp.hang_timeout_seconds}" + (f" + checkpoint.saveTimeoutSeconds={ck.save_timeout_seconds} "
-                    "after a checkpoint step" if limit > rp.hang_timeout_seconds else "") + ")", "", None),
-                    current, stale, stuck)
-        elif pr.first_step_time is None:
-            since = max((p.running_since or now) for p in running)
-            if now - since >= rp.startup_timeout_seconds:
-                return _restart_or_fail(spec, status, obs, Failure(
-                    "StartupTimeout", f"no first step {now - since:.0f}s after all pods started "
-                    f"(runPolicy.startupTimeoutSeconds={rp.startup_timeout_seconds})", "", None),
-                    current, stale, stuck)
+
+def unschedulable(f: Facts) -> Decision | None:
+    """Pods not placed: wait up to ``unschedulableTimeoutSeconds``, then report (or fail)."""
+    unscheduled = [p for p in f.current if p.unschedulable_message is not None]
+    if not unscheduled:
+        return None
+    oldest = min((p.created for p in f.current if p.created is not None), default=f.now)
+    waited = f.now - oldest
+    msg = f"{len(unscheduled)}/{len(f.current)} pods of attempt {f.attempt} cannot be scheduled for " \
+          f"{waited:.0f}s: {unscheduled[0].unschedulable_message}"
+    if waited >= f.rp.unschedulable_timeout_seconds:
+        if f.rp.unschedulable_action == "Fail":
+            return Decision(Action.FAIL, C.UNSCHEDULABLE_TIMEOUT, msg + " (runPolicy.unschedulableAction=Fail)",
+                            delete=_cleanup(f.spec, f.current), unschedulable=True)
+        return Decision(Action.WAIT, C.PODS_UNSCHEDULABLE, msg, unschedulable=True)
+    return Decision(Action.WAIT, C.WAITING_FOR_PODS, msg, requeue_after=f.rp.unschedulable_timeout_seconds - waited)
+
+
+def node_grace(f: Facts) -> Decision | None:
+    """A node of the attempt is NotReady or missing but still within ``nodeFailureGraceSeconds``."""
+    left = [w for x, w in _lost_nodes(f) if x is None]
+    if not left:
+        return None
+    wait = min(left)
+    return Decision(Action.WAIT, C.WAITING_FOR_PODS, "a node of the attempt is NotReady or missing; waiting "
+                    f"{wait:.0f}s more (runPolicy.nodeFailureGraceSeconds)", requeue_after=wait,
+                    ready=f.obs.progress.step is not None)
+
+
+def stuck_before_running(f: Facts) -> Decision | None:
+    """Pods scheduled but not running (a failing volume mount, a slow image pull): report the kubelet's reason;
+    past ``startupTimeoutSeconds`` from being scheduled, end the attempt (cause StartupTimeout)."""
+    waiting = [p for p in f.current if p.phase == "Pending" and p.node_name and p.unschedulable_message is None]
+    if not waiting:
+        return None
+    p = min(waiting, key=lambda q: q.scheduled_since or q.created or f.now)
+    since = p.scheduled_since or p.created or f.now
+    waited = f.now - since
+    why = p.waiting_reason or "ContainerCreating"
+    detail = f": {p.waiting_message}" if p.waiting_message else ""
+    msg = f"pod {p.name} (rank {p.rank}) is {why} on node {p.node_name} for {waited:.0f}s{detail}"
+    limit = f.rp.startup_timeout_seconds
+    if waited >= limit:
+        return restart_or_fail(f, Failure("StartupTimeout", f"{msg} (runPolicy.startupTimeoutSeconds={limit})",
+                                          p.name, p.node_name))
+    return Decision(Action.KEEP, C.PODS_NOT_STARTED, f"{len(waiting)}/{len(f.current)} pods of attempt "
+                    f"{f.attempt} are not running yet; {msg}", requeue_after=limit - waited)
+
+
+def _all_running(f: Facts) -> bool:
+    return bool(f.current) and all(p.phase == "Running" for p in f.current)
+
+
+def hung(f: Facts) -> Decision | None:
+    """No step progress for ``hangTimeoutSeconds`` (+ a save after a checkpoint step), seen while rank 0's
+    metrics answer. The timer starts with the attempt's first trained step: loading a checkpoint and the first
+    step's warm-up/compile count as start-up."""
+    pr = f.obs.progress
+    if not _all_running(f) or pr.first_step_time is None or pr.last_progress_time is None:
+        return None
+    if pr.metrics_available is not True or pr.metrics_ok_time is None:
+        return None  # no evidence either way: an unreachable /metrics is reported, never a hang
+    idle = pr.metrics_ok_time - pr.last_progress_time  # the step stood still while /metrics answered
+    rp, ck = f.rp, f.spec.checkpoint
+    limit = rp.hang_timeout_seconds
+    if pr.step is not None and (pr.step >= f.spec.training.steps or (ck.enabled and pr.step % ck.interval_steps == 0)):
+        limit += ck.save_timeout_seconds  # after a checkpoint step (and the last one: final save) a save may pass
+    if idle < limit:
+        return None
+    return restart_or_fail(f, Failure(
+        "Hang", f"no step progress for {idle:.0f}s (step {pr.step}; runPolicy.hangTimeoutSeconds="
+        f"{rp.hang_timeout_seconds}" + (f" + checkpoint.saveTimeoutSeconds={ck.save_timeout_seconds} after a "
+                                        "checkpoint step" if limit > rp.hang_timeout_seconds else "") + ")",
+        "", None))
+
+
+def startup_timed_out(f: Facts) -> Decision | None:
+    """All pods run, rank 0's metrics answer, and no first step ``startupTimeoutSeconds`` after the last pod
+    started."""
+    pr = f.obs.progress
+    if not _all_running(f) or pr.first_step_time is not None or pr.metrics_available is not True \
+            or pr.metrics_ok_time is None:
+        return None
+    since = max((p.running_since or f.now) for p in f.current)
+    waited = pr.metrics_ok_time - since  # up to the newest scrape that answered without a step
+    if waited < f.rp.startup_timeout_seconds:
+        return None
+    return restart_or_fail(f, Failure("StartupTimeout", f"no first step {waited:.0f}s after all pods started "
+                                      f"(runPolicy.startupTimeoutSeconds={f.rp.startup_timeout_seconds})", "", None))
+
+
+def running(f: Facts) -> Decision | None:
+    """Nothing wrong: training, waiting for the first step, or for the other pods to run."""
+    pr = f.obs.progress
+    if _all_running(f):
         if pr.step is not None:
-            return Decision(Action.KEEP, C.TRAINING, f"attempt {attempt} is training (step {pr.step})",
-                            delete=stale, force_delete=stuck, ready=True)
-        return Decision(Action.KEEP, C.WAITING_FOR_FIRST_STEP, f"all pods of attempt {attempt} run; waiting for the "
-                        "first step", delete=stale, force_delete=stuck)
-    if node_wait is not None:
-        return Decision(Action.WAIT, C.WAITING_FOR_PODS, "a node of the attempt is NotReady; waiting "
-                        f"{node_wait:.0f}s more (runPolicy.nodeFailureGraceSeconds)", delete=stale,
-                        force_delete=stuck, requeue_after=node_wait, ready=pr.step is not None)
-    return Decision(Action.KEEP, C.WAITING_FOR_PODS,
-                    f"{len(running)}/{len(current)} pods of attempt {attempt} are running",
-                    delete=stale, force_delete=stuck)
+            return Decision(Action.KEEP, C.TRAINING, f"attempt {f.attempt} is training (step {pr.step})", ready=True)
+        return Decision(Action.KEEP, C.WAITING_FOR_FIRST_STEP, f"all pods of attempt {f.attempt} run; waiting for "
+                        "the first step")
+    n = sum(p.phase == "Running" for p in f.current)
+    return Decision(Action.KEEP, C.WAITING_FOR_PODS, f"{n}/{len(f.current)} pods of attempt {f.attempt} are running")
 
 
-def _restart_or_fail(spec, status, obs, failure: Failure, current, stale, stuck) -> Decision:
-    rp = spec.run_policy
-    end = stale + tuple(p.name for p in current if not p.deleting)
-    if status.restart_count >= rp.max_restarts:
+RULES: tuple[Rule, ...] = (
+    status_behind_cluster, finished, deadline_exceeded, suspended, rank0_succeeded, attempt_not_created,
+    pod_failed, ranks_missing, unschedulable, node_grace, stuck_before_running, hung, startup_timed_out, running,
+)
+"""The decision rules in order; ``decide`` returns the first one's answer that is not None."""
+
+
+def restart_or_fail(f: Facts, failure: Failure, force: tuple[str, ...] = ()) -> Decision:
+    """End the attempt: restart it, unless ``maxRestarts`` or ``maxRestartsWithoutProgress`` are used up."""
+    rp = f.rp
+    if f.status.restart_count >= rp.max_restarts:
         return Decision(Action.FAIL, C.MAX_RESTARTS_EXCEEDED, f"{failure.message}; runPolicy.maxRestarts="
                         f"{rp.max_restarts} restarts are used up", cause=failure.cause,
-                        delete=stale + _cleanup(spec, current), force_delete=stuck)
-    pending = [*status.restarts, _record(status, failure, obs)]
+                        delete=_cleanup(f.spec, f.current), force_delete=force, node_name=failure.node_name)
+    pending = [*f.status.restarts, restart_record(f.status, failure, f.obs)]
     if trailing_without_progress(pending) >= rp.max_restarts_without_progress + 1:
         return Decision(Action.FAIL, C.NO_PROGRESS, f"{failure.message}; {rp.max_restarts_without_progress} "
                         "restarts in a row made no step progress (runPolicy.maxRestartsWithoutProgress)",
-                        cause=failure.cause, delete=stale + _cleanup(spec, current), force_delete=stuck)
-    return Decision(Action.RESTART, C.RESTARTED, failure.message, cause=failure.cause, delete=end,
-                    force_delete=stuck)
+                        cause=failure.cause, delete=_cleanup(f.spec, f.current), force_delete=force,
+                        node_name=failure.node_name)
+    end = tuple(p.name for p in f.current if not p.deleting and p.name not in force)
+    return Decision(Action.RESTART, C.RESTARTED, failure.message, cause=failure.cause, node_name=failure.node_name,
+                    delete=end, force_delete=force)
 
 
-def _record(status: LlamaPretrainStatus, f: Failure | Decision, obs: Observed) -> RestartRecord:
+def restart_record(status: LlamaPretrainStatus, f: Failure | Decision, obs: Observed) -> RestartRecord:
     pr = obs.progress
     ckpt = pr.last_checkpoint_step
     lost = None if pr.step is None else max(0, pr.step - (ckpt or 0))
@@ -449,112 +624,27 @@ def _record(status: LlamaPretrainStatus, f: Failure | Decision, obs: Observed) -
     )
 
 
-# ------------------------------------------------------------------ next status
-def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decision,
-                obs: Observed) -> LlamaPretrainStatus:
-    """The status after ``d``: conditions, attempt, restart history, training numbers."""
-    s = status.model_copy(deep=True)
-    now = iso(obs.now)
-    gen = obs.generation
-    conds = s.conditions
-    s.observed_generation = gen
-    attempt = s.attempt if s.attempt is not None else 0
+# ------------------------------------------------------------------ decide
+def decide(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, obs: Observed,
+           rules: Sequence[Rule] = RULES) -> Decision:
+    """The first rule's answer, with the earlier attempts' pods added to what it deletes.
 
-    def cond(type_: str, st: str, reason: str, msg: str) -> None:
-        C.set_condition(conds, type_, st, reason, msg, now, gen)
-
-    if obs.training is not None:
-        s.training = obs.training
-    if s.training is None:
-        s.training = TrainingStatus()
-    s.training.total_steps = spec.training.steps
-    step = s.training.step
-    s.training.progress = f"{step if step is not None else 0}/{spec.training.steps}"
-
-    if d.action == Action.CREATE and s.start_time is None:
-        s.start_time = now
-    if s.attempt is None and d.action in (Action.CREATE, Action.WAIT, Action.KEEP):
-        s.attempt = 0
-
-    # The downtime of the last restart ends with the next attempt's first step. By then the step that attempt
-    # really resumed from is known too: the record's guess (the newest checkpoint scraped before the failure)
-    # misses a save that completed between the last scrape and the failure, and then overstates lostSteps.
-    if s.restarts and s.restarts[-1].downtime_seconds is None and s.restarts[-1].attempt < attempt \
-            and obs.progress.first_step_time is not None:
-        last = s.restarts[-1]
-        t0 = parse_time(last.time) or obs.now
-        last.downtime_seconds = round(max(0.0, obs.progress.first_step_time - t0), 3)
-        if obs.progress.start_step is not None and last.lost_steps is not None:
-            ended = (last.resumed_from_step or 0) + last.lost_steps  # the failed attempt's last step
-            last.resumed_from_step = obs.progress.start_step
-            last.lost_steps = max(0, ended - obs.progress.start_step)
-
-    if d.action == Action.RESTART:
-        rec = _record(status, d, obs)
-        s.restarts = [*s.restarts, rec][-MAX_RESTART_RECORDS:]
-        s.restart_count += 1
-        s.attempt = attempt + 1
-        s.training.step = None
-    if d.action == Action.SUSPEND and d.ends_attempt:
-        s.attempt = attempt + 1  # the stopped gang's names are used up; resume makes a new attempt
-    if d.action in (Action.FAIL, Action.SUCCEED) and s.completion_time is None:
-        s.completion_time = now
-    if d.action == Action.SUCCEED:
-        s.training.step = spec.training.steps if s.training.step is None else s.training.step
-
-    # ---- conditions (all set on every visit, Unknown-free: we always know)
-    if obs.spec_block:
-        cond(C.SPEC_ACCEPTED, "False", C.IMMUTABLE_FIELD_CHANGED, obs.spec_block)
-    elif obs.spec_deferred:
-        cond(C.SPEC_ACCEPTED, "True", C.DEFERRED_TO_NEXT_ATTEMPT, obs.spec_deferred)
-    else:
-        cond(C.SPEC_ACCEPTED, "True", C.SPEC_APPLIED, "the spec is valid and applied")
-
-    terminal = d.action in (Action.FAIL, Action.SUCCEED, Action.FINISHED)
-    if d.action == Action.SUCCEED:
-        cond(C.SUCCEEDED, "True", d.reason, d.message)
-        cond(C.FAILED, "False", C.NOT_FINISHED, "the run succeeded")
-    elif d.action == Action.FAIL:
-        cond(C.FAILED, "True", d.reason, d.message)
-        cond(C.SUCCEEDED, "False", d.reason, "the run failed")
-    elif not terminal:
-        cond(C.SUCCEEDED, "False", C.NOT_FINISHED, "training has not reached spec.training.steps yet")
-        cond(C.FAILED, "False", C.NOT_FINISHED, "the run has not failed")
-
-    if not terminal:
-        if d.action == Action.SUSPEND:
-            cond(C.SUSPENDED, "True", d.reason, d.message)
-        else:
-            cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "runPolicy.suspend is false")
-        restarting = d.action == Action.RESTART or (
-            C.is_true(conds, C.RESTARTING) and not d.ready and d.action != Action.SUSPEND)
-        if restarting:
-            last = s.restarts[-1] if s.restarts else None
-            msg = d.message if d.action in (Action.RESTART, Action.WAIT) or last is None else \
-                f"attempt {attempt} replaces attempt {last.attempt} ({last.cause}: {last.message})"
-            cond(C.RESTARTING, "True", d.reason if d.action != Action.KEEP else C.RESTARTED, msg)
-        else:
-            cond(C.RESTARTING, "False", C.NOT_RESTARTING, "no restart in progress")
-        if d.unschedulable:
-            cond(C.UNSCHEDULABLE, "True", d.reason, d.message)
-        else:
-            cond(C.UNSCHEDULABLE, "False", C.PODS_SCHEDULED, "no pod waits longer than unschedulableTimeoutSeconds")
-    elif d.action == Action.FAIL or d.action == Action.SUCCEED:
-        cond(C.RESTARTING, "False", C.NOT_RESTARTING, "the run is finished")
-        cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "the run is finished")
-
-    if d.action == Action.FINISHED:
-        pass  # terminal conditions stay as they are
-    elif d.ready:
-        cond(C.READY, "True", C.TRAINING, d.message)
-    else:
-        cond(C.READY, "False", d.reason or C.WAITING_FOR_PODS, d.message)
-
-    s.phase = C.derive_phase(conds, attempt_exists=bool(obs.pods) or d.action in (Action.CREATE,))
-    if d.action != Action.FINISHED:
-        s.message = d.message
-    conds.sort(key=lambda c: C.ALL_TYPES.index(c.type) if c.type in C.ALL_TYPES else len(C.ALL_TYPES))
-    return s
+    Earlier attempts' pods always go (a pod stuck terminating on a dead node is forced out); pods of the
+    current or a newer attempt are deleted only when a rule says so.
+    """
+    f = facts(spec, status, obs)
+    for rule in rules:
+        d = rule(f)
+        if d is not None:
+            break
+    else:  # pragma: no cover - the last rule always answers
+        raise AssertionError("no decision rule answered")
+    if d.stale_status:
+        return replace(d, rule=rule.__name__)
+    force = tuple(dict.fromkeys(f.stuck() + d.force_delete))
+    stale = tuple(p.name for p in f.previous if not p.deleting)
+    delete = tuple(n for n in dict.fromkeys(stale + d.delete) if n not in force)
+    return replace(d, delete=delete, force_delete=force, rule=rule.__name__)
 
 
 def restart_event(d: Decision, attempt: int) -> tuple[str, str, str] | None:
@@ -569,6 +659,7 @@ def restart_event(d: Decision, attempt: int) -> tuple[str, str, str] | None:
 
 
 __all__ = [
-    "Action", "Decision", "NodeObs", "Observed", "PodObs", "Progress", "backoff_seconds", "classify_pod",
-    "decide", "made_progress", "next_status", "nodes_to_avoid", "replace",
+    "RULES", "Action", "ChildError", "Decision", "Facts", "NodeObs", "Observed", "PodObs", "Progress",
+    "backoff_seconds", "classify_pod", "decide", "facts", "made_progress", "nodes_to_avoid", "replace",
+    "restart_record",
 ]

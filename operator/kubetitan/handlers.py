@@ -3,8 +3,9 @@
 One reconcile *cycle* of one LlamaPretrain (``cycle``):
 
 1. parse + validate the object (invalid: ``Ready=False/InvalidSpec``, no children);
-2. observe: its pods from the ``lpt_pods`` index, the nodes they run on, rank 0's ``/metrics``;
-3. ``decide.decide`` -> a Decision, ``decide.next_status`` -> the new status;
+2. observe: its pods from the ``lpt_pods`` index, the nodes they run on, rank 0's ``/metrics``, folded into
+   ``status.observation`` by ``status.track`` (timers survive an operator restart);
+3. ``decide.decide`` -> a Decision, ``status.next_status`` -> the new status (the one status builder);
 4. write the status through the status subresource (only when it changed);
 5. delete / force-delete / create what the decision lists (``AlreadyExists`` is success);
 6. send the decision's Kubernetes Event and update the operator metrics.
@@ -23,20 +24,22 @@ import asyncio
 import copy
 import json
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from kubetitan import GROUP, PLURAL, VERSION, __version__, plan, validation
 from kubetitan import conditions as C
 from kubetitan.api import LlamaPretrainStatus
-from kubetitan.decide import Action, Observed, decide, next_status, parse_time, restart_event
-from kubetitan.kube import Client, load_config
-from kubetitan.observe import ProgressTracker, node_obs, parse_metrics, pod_obs, scrape, spec_changes, \
-    training_status
+from kubetitan import status as status_mod
+from kubetitan.decide import Action, ChildError, decide, parse_time, restart_event
+from kubetitan.kube import Client, classify, load_config, message_of
+from kubetitan.observe import node_obs, parse_metrics, pod_obs, scrape, spec_changes
 from kubetitan.operator_metrics import OperatorMetrics
 
 log = logging.getLogger("kubetitan.operator")
@@ -71,7 +74,6 @@ class Options:
 class JobState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    tracker: ProgressTracker = field(default_factory=ProgressTracker)
     status: LlamaPretrainStatus | None = None
     """The status this operator wrote last (the watch may still deliver an older one)."""
     applied_spec: dict[str, Any] | None = None
@@ -86,12 +88,23 @@ class JobState:
     changes_for: tuple[Any, Any] | None = None
     changes: tuple[list[str], list[str], list[str]] = ([], [], [])
     """``spec_changes(applied, desired)`` for the (applied, desired) pair in ``changes_for``."""
+    child_errors: tuple[ChildError, ...] = ()
+    """Children the API refused on the last create of ``child_errors_attempt`` (fed to the next decision)."""
+    child_errors_attempt: int = -1
+    create_failures: int = 0
+    """Creates in a row that the API refused (the retry backoff doubles with each)."""
     ensured_attempt: int = -1
     ensured: dict[str, float] = field(default_factory=dict)
     """Children of ``ensured_attempt`` this operator created (or found existing), by monotonic time: the pod
     index lags behind our own creates, so a cycle woken by the first pod events must not POST the whole gang
     again. Entries expire after ``ENSURED_SECONDS``, so a child that vanished before the index saw it is
     created again (as before)."""
+
+
+    def forget_children(self) -> None:
+        """Drop what this replica believes about children (after a fail-over, re-read from the API)."""
+        self.ensured_attempt, self.ensured = -1, {}
+        self.applied_spec, self.applied_loaded = None, False
 
 
 @dataclass
@@ -189,7 +202,8 @@ async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, l
                 wait = max(0.05, min(wait, requeue))
         except Exception as e:  # noqa: BLE001 - the daemon must survive one bad cycle; it is counted and logged
             ctx.metrics.errors.labels(type(e).__name__).inc()
-            log.exception("Reconcile failed", extra={"name": body["metadata"]["name"]})
+            log.exception("Reconcile of LlamaPretrain %s/%s failed", body["metadata"].get("namespace"),
+                          body["metadata"]["name"])
         try:
             await asyncio.wait_for(job.wake.wait(), timeout=wait)
         except TimeoutError:
@@ -220,14 +234,8 @@ def merge_patch(old: Any, new: Any) -> Any:
     return out
 
 
-def _load_status(raw: Any) -> LlamaPretrainStatus:
-    try:
-        return LlamaPretrainStatus.model_validate({k: v for k, v in (raw or {}).items() if k != "kopf"})
-    except Exception:  # noqa: BLE001 - a status we cannot read is rebuilt from observation
-        return LlamaPretrainStatus()
-
-
-async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: bool = False) -> Any:
+async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: bool = False,
+                pods_override: tuple[Any, ...] | None = None) -> Any:
     """One observe -> decide -> write -> apply round; returns validation errors or the requeue delay."""
     started = time.perf_counter()
     meta = body["metadata"]
@@ -240,30 +248,39 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if meta.get("deletionTimestamp"):
                 return None
             now = ctx.options.clock()
-            old = job.status if job.status is not None else _load_status(body.get("status"))
+            old = job.status if job.status is not None else status_mod.load(body.get("status"))
             lpt, errors, desired = _parse(job, body)
             if errors or lpt is None:
                 await _write_invalid(ctx, ns, name, old, errors, meta.get("generation"), now, job)
                 return errors
             spec = lpt.spec
             attempt = old.attempt if old.attempt is not None else 0
-            pods = tuple(p for p in (index.get(uid, ()) if index is not None else ()) if p is not None)
+            if pods_override is not None:
+                pods = pods_override
+            else:
+                pods = tuple(p for p in (index.get(uid, ()) if index is not None else ()) if p is not None)
 
             names = sorted({p.node_name for p in pods if p.node_name})
             got = await asyncio.gather(*(_get_node(ctx, n) for n in names))
             nodes = {n: node_obs(n, obj) for n, obj in zip(names, got, strict=True)}
 
-            # rank 0's metrics
+            # rank 0's metrics: a failed scrape is reported (MetricsAvailable), never a training failure
             rank0 = next((p for p in pods if p.attempt == attempt and p.rank == 0), None)
-            scraped = None
+            metrics = scrape_error = None
             if rank0 is not None and rank0.phase == "Running" and rank0.pod_ip and \
                     now - job.last_scrape >= ctx.options.scrape_interval * _clock_rate(ctx):
-                text = await scrape(ctx.session, rank0.pod_ip, spec.monitoring.metrics_port,
-                                    ctx.options.scrape_timeout)
+                text, scrape_error = await scrape(ctx.session, rank0.pod_ip, spec.monitoring.metrics_port,
+                                                  ctx.options.scrape_timeout)
                 job.last_scrape = now
-                scraped = parse_metrics(text) if text else None
-            job.tracker.update(attempt, scraped, now)
-            training = training_status(spec, scraped, now, old.training) if scraped else None
+                if text is not None:
+                    try:
+                        metrics = parse_metrics(text)
+                    except ValueError as e:
+                        scrape_error = f"rank 0's /metrics is not Prometheus text: {e}"
+            seen = status_mod.track(old.observation, attempt, now, metrics=metrics, scrape_error=scrape_error,
+                                    pods=pods, nodes=nodes)
+            training = status_mod.training_status(spec, metrics, now, old.training) \
+                if metrics and not seen.metrics_error else None
 
             # spec changes against what the current attempt was created from
             block = deferred = None
@@ -285,11 +302,19 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                     deferred = f"{', '.join(later)} changed; applied when the next attempt starts " \
                                "(suspend and resume to apply now)"
 
-            obs = Observed(pods=pods, nodes=nodes, progress=job.tracker.progress(), now=now,
-                           generation=meta.get("generation"), spec_block=block, spec_deferred=deferred,
-                           training=training)
+            child_errors = job.child_errors if job.child_errors_attempt == attempt else ()
+            obs = status_mod.observed(seen, pods=pods, nodes=nodes, now=now, generation=meta.get("generation"),
+                                      spec_block=block, spec_deferred=deferred, training=training,
+                                      child_errors=child_errors)
             d = decide(spec, old, obs)
-            new = next_status(spec, old, d, obs)
+            if d.stale_status:
+                # Another replica moved the run on while this one was paused: take the API's status, act later.
+                fresh = await client.get_run(ns, name)
+                job.status = status_mod.load((fresh or {}).get("status"))
+                job.forget_children()
+                log.warning("Re-read the status of LlamaPretrain %s/%s: %s", ns, name, d.message)
+                return 0.0
+            new = status_mod.next_status(spec, old, d, obs)
 
             # 4. status, once
             # Against what the server holds: our last write, or (first cycle here) the watched status.
@@ -304,28 +329,39 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             deletes += [client.delete_pod(ns, n, grace_seconds=0) for n in d.force_delete]
             if deletes:
                 await asyncio.gather(*deletes)
+            requeue = d.requeue_after
             if d.action == Action.CREATE:
-                await _create_attempt(ctx, lpt, new, d.avoid_nodes, job, desired, {p.name for p in current})
+                retry = await _create_attempt(ctx, lpt, new, d.avoid_nodes, job, desired, {p.name for p in current},
+                                              body)
+                if retry is not None:
+                    requeue = retry if requeue is None else min(requeue, retry)
+            elif job.child_errors and job.child_errors_attempt != new.attempt:
+                job.child_errors = ()
             if d.delete_self:
                 await client.delete_run(ns, name)
 
             # 6. events and metrics
             ev = restart_event(d, attempt)
             if ev is not None:
-                kopf.event(dict(body), type=ev[0], reason=ev[1], message=ev[2])
+                _event(body, *ev)
             if d.action == Action.RESTART and d.cause:
                 ctx.metrics.restarted(ns, name, d.cause)
             ctx.metrics.set_phase(ns, name, new.phase)
             ctx.metrics.set_training(ns, name, new.training, new.restart_count)
             if d.action == Action.RESTART:
                 return 0.0  # the next attempt (or its backoff) is decided at once, not on the next pod event
-            return d.requeue_after
+            return requeue
     except Exception as e:
         if not from_daemon:
             ctx.metrics.errors.labels(type(e).__name__).inc()
         raise
     finally:
         ctx.metrics.reconcile.observe(time.perf_counter() - started)
+
+
+def _event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    """A Kubernetes Event on the run (kopf posts it; only the active peering replica gets here)."""
+    kopf.event(dict(body), type=type_, reason=reason, message=message)
 
 
 def _parse(job: JobState, body: Mapping[str, Any]) -> tuple[Any, list[Any], dict[str, Any]]:
@@ -367,15 +403,7 @@ def _clock_rate(ctx: Context) -> float:
 
 async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainStatus, errors: list[Any],
                          generation: int | None, now: float, job: JobState) -> None:
-    from kubetitan.decide import iso
-
-    new = old.model_copy(deep=True)
-    msg = "; ".join(map(str, errors)) or "the object cannot be parsed"
-    C.set_condition(new.conditions, C.READY, "False", C.INVALID_SPEC, msg, iso(now), generation)
-    C.set_condition(new.conditions, C.SPEC_ACCEPTED, "False", C.INVALID_SPEC, msg, iso(now), generation)
-    new.observed_generation = generation
-    new.phase = C.derive_phase(new.conditions, attempt_exists=new.attempt is not None)
-    new.message = f"invalid spec: {msg}"
+    new = status_mod.invalid_status(old, errors, generation, now)
     old_raw = old.dump() if job.status is not None else {}
     if new.dump() != old_raw:
         assert ctx.client is not None
@@ -384,12 +412,21 @@ async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainSta
     ctx.metrics.set_phase(ns, name, new.phase)
 
 
+CREATE_RETRY_BASE_SECONDS = 1.0
+CREATE_RETRY_CAP_SECONDS = 60.0
+
+
 async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, avoid: tuple[str, ...],
-                          job: JobState, desired: dict[str, Any], present: set[str]) -> None:
-    """Create every child of the current attempt that is not known to exist; existing ones count as created.
+                          job: JobState, desired: dict[str, Any], present: set[str], body: Mapping[str, Any]
+                          ) -> float | None:
+    """Create every child of the current attempt that is not known to exist; existing ones (ours) count as created.
 
     ``present``: the attempt's pods the index shows. Children this operator created moments ago count as
     existing too (``JobState.ensured``), so the cycles woken by their own watch events send nothing.
+    A child the API refuses (403, 422, a name held by an object that is not ours, or 429/5xx after the
+    client's retries) becomes a ``ChildrenCreated=False`` condition on the next cycle and one Warning Event
+    ``FailedCreate`` per new error; the create is retried after a capped, jittered backoff (the returned
+    delay). Never a restart: a child that was never seen is simply created again.
     """
     client = ctx.client
     assert client is not None
@@ -409,23 +446,63 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
     others = [c for c in children if c["kind"] == "Service" and needed(c["metadata"]["name"])]
     pods = [c for c in children if c["kind"] == "Pod" and needed(c["metadata"]["name"])]
     ns = cm["metadata"]["namespace"]
+    errors: list[ChildError] = []
+
+    async def one(o: dict[str, Any]) -> bool:
+        """Create ``o``; False (and an entry in ``errors``) when the API refused it."""
+        try:
+            return await client.create(o)
+        except (ApiException, aiohttp_errors()) as e:
+            errors.append(ChildError(o["kind"], o["metadata"]["name"], classify(e), message_of(e)))
+            return False
+
     if needed(cm["metadata"]["name"]):
-        if not await client.create(cm):  # shared by all attempts: bring it up to date
+        created = await one(cm)
+        if not created and not errors:  # ours, shared by all attempts: bring it up to date
             await client.patch("configmaps", ns, cm["metadata"]["name"],
                                {"metadata": {"annotations": cm["metadata"]["annotations"]}, "data": cm["data"]})
-        job.ensured[cm["metadata"]["name"]] = mono
-    job.applied_spec, job.applied_loaded = desired, True
-    # Service and pods concurrently; the client's thread pool bounds the requests in flight.
-    await asyncio.gather(*(client.create(o) for o in others + pods))
-    for o in others + pods:
-        job.ensured[o["metadata"]["name"]] = mono
+        if not errors:
+            job.ensured[cm["metadata"]["name"]] = mono
+            job.applied_spec, job.applied_loaded = desired, True
+    # Service and pods concurrently; the client's semaphore bounds the requests in flight. Pods wait for a
+    # ConfigMap/Service the API refused: without them the gang cannot start.
+    ok = await asyncio.gather(*(one(o) for o in others))
+    for o, _ in zip(others, ok, strict=True):
+        if not any(e.name == o["metadata"]["name"] for e in errors):
+            job.ensured[o["metadata"]["name"]] = mono
+    made: list[dict[str, Any]] = []
+    if not errors:
+        await asyncio.gather(*(one(o) for o in pods))
+        made = [o for o in pods if not any(e.name == o["metadata"]["name"] for e in errors)]
+        for o in made:
+            job.ensured[o["metadata"]["name"]] = mono
+    old_keys = {(e.kind, e.name, e.reason) for e in job.child_errors} if job.child_errors_attempt == attempt else set()
+    job.child_errors, job.child_errors_attempt = tuple(errors), attempt
+    if errors:
+        job.create_failures += 1
+        for e in errors:
+            if (e.kind, e.name, e.reason) not in old_keys:
+                _event(body, "Warning", "FailedCreate", f"Error creating {e.kind} {e.name}: {e.reason}: {e.message}")
+        log.warning("Creating attempt %s of LlamaPretrain %s/%s: the API refused %d object(s): %s %s: %s",
+                    attempt, ns, lpt.metadata.name, len(errors), errors[0].kind, errors[0].name, errors[0].message)
+        cap = min(CREATE_RETRY_CAP_SECONDS, CREATE_RETRY_BASE_SECONDS * 2 ** min(job.create_failures - 1, 10))
+        return random.uniform(cap / 2, cap) * _clock_rate(ctx)
+    job.create_failures = 0
     if status.restarts and status.restarts[-1].attempt == attempt - 1 and job.recovered_attempt != attempt:
         t0 = parse_time(status.restarts[-1].time)
         if t0 is not None:
             ctx.metrics.recovery.observe(max(0.0, ctx.options.clock() - t0) / _clock_rate(ctx))
         job.recovered_attempt = attempt
-    if pods:
-        log.info("Created attempt %s of LlamaPretrain %s/%s (%d pods)", attempt, ns, lpt.metadata.name, len(pods))
+    if made:
+        log.info("Created attempt %s of LlamaPretrain %s/%s (%d pods)", attempt, ns, lpt.metadata.name, len(made))
+    return None
+
+
+def aiohttp_errors() -> tuple[type[BaseException], ...]:
+    """Transport errors that outlive the client's retries (reported like an API refusal, retried later)."""
+    import aiohttp
+
+    return (aiohttp.ClientError, TimeoutError)
 
 
 # ------------------------------------------------------------------ running it

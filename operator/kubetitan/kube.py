@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import ssl
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import kubernetes
@@ -29,6 +31,86 @@ AUTH_REFRESH_SECONDS = 30.0
 
 class NotAllowed(RuntimeError):
     """A call that ``rbac.RULES`` does not list (a bug: add the rule or drop the call)."""
+
+
+# ------------------------------------------------------------------ the one error policy
+RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+"""Answers that say "not now": retried with capped exponential backoff (429 honours Retry-After)."""
+
+
+class ApiError(ApiException):
+    """An API answer that is not success, with the server's own reason and message (its ``Status`` object)."""
+
+    def __init__(self, status: int, method: str, path: str, raw: bytes = b"", retry_after: float | None = None):
+        self.method, self.path, self.retry_after = method, path, retry_after
+        self.api_reason, self.api_message = "", raw[:500].decode(errors="replace")
+        try:
+            st = json.loads(raw) if raw else {}
+            if isinstance(st, dict) and st.get("kind") == "Status":
+                self.api_reason, self.api_message = st.get("reason") or "", st.get("message") or self.api_message
+        except ValueError:
+            pass
+        super().__init__(status=status, reason=f"{method} {path}: {status} {self.api_reason}: {self.api_message}")
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in RETRYABLE_STATUSES
+
+
+class NameConflict(ApiError):
+    """A create found the name taken by an object that is not ours (another owner, or none): never touched."""
+
+    def __init__(self, kind: str, ns: str | None, name: str, owners: list[str]):
+        self.kind, self.name = kind, name
+        who = f"owned by {', '.join(owners)}" if owners else "not owned by this LlamaPretrain"
+        super().__init__(409, "POST", f"{kind} {ns}/{name}")
+        self.api_reason = "AlreadyExists"
+        self.api_message = (f"a {kind} named {name} already exists in namespace {ns} and is {who}; the operator "
+                            "leaves it alone: delete or rename it, or rename the LlamaPretrain")
+        self.reason = self.api_message
+
+
+def classify(e: BaseException) -> str:
+    """The condition reason for an error the API gave on a create: Forbidden, Invalid, NameConflict or
+    APIUnavailable (5xx, 429, timeouts, connection errors after the retries)."""
+    if isinstance(e, NameConflict):
+        return "NameConflict"
+    if isinstance(e, ApiException):
+        if e.status == 403:
+            return "Forbidden"
+        if e.status in (400, 422):
+            return "Invalid"
+    return "APIUnavailable"
+
+
+def message_of(e: BaseException) -> str:
+    """The API's own message (what was wrong), for conditions and Events."""
+    if isinstance(e, ApiError):
+        return e.api_message or str(e)
+    return f"{e.__class__.__name__}: {e}"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Capped exponential backoff with full jitter (AWS architecture blog "Exponential Backoff And Jitter")."""
+
+    attempts: int = 6
+    base_seconds: float = 0.2
+    cap_seconds: float = 10.0
+
+    def delay(self, n: int, retry_after: float | None = None) -> float:
+        """Seconds before retry ``n`` (0-based); a server's Retry-After wins (capped)."""
+        if retry_after is not None:
+            return min(self.cap_seconds, max(0.0, retry_after))
+        return random.uniform(0, min(self.cap_seconds, self.base_seconds * (2 ** n)))
+
+
+def _retry_after(headers: Any) -> float | None:
+    v = headers.get("Retry-After") if headers is not None else None
+    try:
+        return float(v) if v is not None else None
+    except ValueError:
+        return None
 
 
 def load_config(kubeconfig: str | None = None, context: str | None = None) -> kubernetes.client.Configuration:
@@ -69,8 +151,13 @@ class Client:
     ``concurrency`` bounds the requests in flight.
     """
 
-    def __init__(self, cfg: kubernetes.client.Configuration, concurrency: int = 16) -> None:
+    def __init__(self, cfg: kubernetes.client.Configuration, concurrency: int = 16,
+                 retry: RetryPolicy | None = None, timeout_seconds: float = 30.0) -> None:
         self.cfg = cfg
+        self.retry = retry or RetryPolicy()
+        self.timeout_seconds = timeout_seconds
+        self.retries: dict[str, int] = {}
+        """Retries by cause (HTTP status or exception name), for tests and logs."""
         self.host = cfg.host.rstrip("/")
         self.limit = asyncio.Semaphore(concurrency)
         self.session: Any = None
@@ -115,7 +202,11 @@ class Client:
     async def _call(self, group: str, resource: str, verb: str, method: str, path: str,
                     body: Any = None, query: list[tuple[str, Any]] | None = None,
                     content_type: str = "application/json") -> dict[str, Any] | None:
-        """One API call; returns the JSON body, or None for 404 (get/delete) and 409 (create)."""
+        """One API call under the error policy; the JSON body, or None for 404 (get/delete).
+
+        429, 5xx, timeouts and connection errors are retried (``self.retry``); 401 refreshes the credentials
+        once; anything else raises :class:`ApiError` with the server's reason and message.
+        """
         import aiohttp
 
         if not rbac.allowed(group, resource, verb):
@@ -124,22 +215,36 @@ class Client:
         if self.session is None:
             self.session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=0),
-                timeout=aiohttp.ClientTimeout(total=30), proxy=self.cfg.proxy or None)
+                timeout=aiohttp.ClientTimeout(total=self.timeout_seconds), proxy=self.cfg.proxy or None)
         data = None if body is None else json.dumps(body, separators=(",", ":"))
-        for _ in range(2):
+        refreshed = False
+        n = 0
+        while True:
             headers = {"Content-Type": content_type, "Accept": "application/json", **self._auth()}
-            async with self.limit, self.session.request(method, self.host + path, params=query or None, data=data,
-                                                        headers=headers) as r:
-                status, raw = r.status, await r.read()
-            if status != 401 or self._auth_headers is None:
-                break
-            self._auth_headers = None  # a rotated token: refresh the credentials and try once more
+            try:
+                async with self.limit, self.session.request(method, self.host + path, params=query or None,
+                                                            data=data, headers=headers) as r:
+                    status, raw, retry_after = r.status, await r.read(), _retry_after(r.headers)
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+                if n + 1 >= self.retry.attempts:
+                    raise
+                self.retries[type(e).__name__] = self.retries.get(type(e).__name__, 0) + 1
+                await asyncio.sleep(self.retry.delay(n))
+                n += 1
+                continue
+            if status == 401 and not refreshed and self._auth_headers is not None:
+                self._auth_headers, refreshed = None, True  # a rotated token: refresh the credentials, once
+                continue
+            if status in RETRYABLE_STATUSES and n + 1 < self.retry.attempts:
+                self.retries[str(status)] = self.retries.get(str(status), 0) + 1
+                await asyncio.sleep(self.retry.delay(n, retry_after))
+                n += 1
+                continue
+            break
         if status == 404 and verb in ("get", "delete"):
             return None
-        if status == 409 and verb == "create":
-            return None
         if not 200 <= status < 300:
-            raise ApiException(status=status, reason=f"{method} {path}: {raw[:500]!r}")
+            raise ApiError(status, method, path, raw, retry_after)
         return json.loads(raw) if raw else {}
 
     # ---- helpers (paths follow the API conventions)
@@ -149,10 +254,29 @@ class Client:
         return f"{p}/{name}" if name else p
 
     async def create(self, obj: dict[str, Any]) -> bool:
-        """Create a core/v1 child; False when it already exists (success for idempotent applies)."""
+        """Create a core/v1 child: True when created, False when it already exists *and is ours*.
+
+        On 409 the existing object is read: if its owner references do not name the owner ``obj`` names,
+        :class:`NameConflict` is raised and the object is left alone.
+        """
         resource = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services"}[obj["kind"]]
-        ns = obj["metadata"]["namespace"]
-        return await self._call("", resource, "create", "POST", self._core(ns, resource), obj) is not None
+        meta = obj["metadata"]
+        ns = meta["namespace"]
+        try:
+            await self._call("", resource, "create", "POST", self._core(ns, resource), obj)
+            return True
+        except ApiError as e:
+            if e.status != 409:
+                raise
+        existing = await self.get(resource, ns, meta["name"])
+        if existing is None:  # gone again in between: one more create
+            await self._call("", resource, "create", "POST", self._core(ns, resource), obj)
+            return True
+        want = {r.get("uid") for r in meta.get("ownerReferences") or []}
+        have = [r for r in (existing.get("metadata") or {}).get("ownerReferences") or []]
+        if want and not want & {r.get("uid") for r in have}:
+            raise NameConflict(obj["kind"], ns, meta["name"], [f"{r.get('kind')}/{r.get('name')}" for r in have])
+        return False
 
     async def get(self, resource: str, ns: str | None, name: str) -> dict[str, Any] | None:
         return await self._call("", resource, "get", "GET", self._core(ns, resource, name))
@@ -171,6 +295,14 @@ class Client:
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}/status"
         return await self._call(GROUP, f"{PLURAL}/status", "patch", "PATCH", path, {"status": status},
                                 content_type="application/merge-patch+json")
+
+    async def get_run(self, ns: str, name: str) -> dict[str, Any] | None:
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}"
+        return await self._call(GROUP, PLURAL, "get", "GET", path)
+
+    async def list_pods(self, ns: str, selector: str) -> list[dict[str, Any]]:
+        out = await self._call("", "pods", "list", "GET", self._core(ns, "pods"), query=[("labelSelector", selector)])
+        return list((out or {}).get("items") or [])
 
     async def delete_run(self, ns: str, name: str) -> bool:
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}"

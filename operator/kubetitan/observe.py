@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+import ipaddress
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubetitan import contract, plan
-from kubetitan.api import LlamaPretrainSpec, TrainingStatus
-from kubetitan.decide import NodeObs, PodObs, Progress, iso
+from kubetitan import plan
+from kubetitan.decide import NodeObs, PodObs
+from kubetitan.status import training_status  # noqa: F401 - re-exported: observation's numbers for the status
 
 
 def _ts(s: str | None) -> float | None:
@@ -64,6 +64,7 @@ def pod_obs(pod: Mapping[str, Any]) -> PodObs | None:
         disruption_reason=disruption.get("reason") if disruption.get("status") == "True" else None,
         unschedulable_message=unsched,
         created=_ts(meta.get("creationTimestamp")),
+        scheduled_since=_ts(sched.get("lastTransitionTime")) if sched.get("status") == "True" else None,
         running_since=_ts(running.get("startedAt")) if running else None,
         deleting=bool(meta.get("deletionTimestamp")),
     )
@@ -87,94 +88,6 @@ def parse_metrics(text: str) -> dict[str, float]:
         for s in fam.samples:
             out.setdefault(s.name, float(s.value))
     return out
-
-
-def _num(m: Mapping[str, float], key: str) -> float | None:
-    v = m.get(key)
-    return None if v is None or v != v else v  # NaN is "unknown"
-
-
-def _int(m: Mapping[str, float], key: str) -> int | None:
-    v = _num(m, key)
-    return None if v is None else int(v)
-
-
-@dataclass
-class ProgressTracker:
-    """Per-attempt memory of rank 0's step (edge state; rebuilt from the next scrape after a restart)."""
-
-    attempt: int = -1
-    step: int | None = None
-    start_step: int | None = None
-    last_checkpoint_step: int | None = None
-    last_progress_time: float | None = None
-    first_step_time: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def update(self, attempt: int, m: Mapping[str, float] | None, now: float) -> None:
-        if attempt != self.attempt:
-            self.__init__(attempt=attempt)  # type: ignore[misc]
-        if not m:
-            return
-        scraped_attempt = _int(m, contract.M_ATTEMPT)
-        if scraped_attempt is not None and scraped_attempt != attempt:
-            return  # an older attempt's process is still answering: not this attempt's progress
-        self.metrics = dict(m)
-        step = _int(m, contract.M_STEP)
-        beat = _num(m, contract.M_LAST_STEP_TIMESTAMP)
-        ck = _int(m, contract.M_LAST_CHECKPOINT_STEP)
-        if ck is not None:
-            self.last_checkpoint_step = ck
-        if step is None or step <= 0:
-            return
-        # After loading a checkpoint the trainer publishes the step it resumed from, with its heartbeat still 0
-        # until it completes a step of its own: that step is where the attempt starts, not its first step.
-        loaded_only = beat is not None and beat <= 0
-        if self.start_step is None:
-            self.start_step = step if loaded_only else step - 1
-        if self.first_step_time is None and not loaded_only:
-            self.first_step_time = beat if beat is not None else now
-        if self.step is None or step > self.step:
-            self.last_progress_time = now
-        if beat is not None and (self.last_progress_time is None or beat > self.last_progress_time):
-            self.last_progress_time = beat
-        self.step = step if self.step is None else max(self.step, step)
-
-    def progress(self) -> Progress:
-        return Progress(step=self.step, start_step=self.start_step, last_checkpoint_step=self.last_checkpoint_step,
-                        last_progress_time=self.last_progress_time, first_step_time=self.first_step_time)
-
-
-def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
-                    old: TrainingStatus | None) -> TrainingStatus:
-    """``status.training`` from rank 0's metrics (metric names in ``contract.M_*``)."""
-    t = old.model_copy() if old is not None else TrainingStatus()
-    step = _int(m, contract.M_STEP)
-    if step is not None:
-        t.step = step
-    for attr, key in (("loss", contract.M_LOSS), ("tokens_per_second", contract.M_TOKENS_PER_SECOND),
-                      ("tokens_per_second_per_gpu", contract.M_TOKENS_PER_SECOND_PER_GPU),
-                      ("mfu", contract.M_MFU)):
-        v = _num(m, key)
-        if v is not None:
-            setattr(t, attr, round(v, 6))
-    flops = _num(m, contract.M_FLOPS_PER_GPU)
-    if flops is not None:
-        t.tflops_per_gpu = round(flops / 1e12, 3)
-    ck = _int(m, contract.M_LAST_CHECKPOINT_STEP)
-    if ck is not None:
-        t.last_checkpoint_step = ck
-    t.total_steps = spec.training.steps
-    # goodput = productive step seconds / wall seconds since the run started
-    prod, start = _num(m, contract.M_PRODUCTIVE_SECONDS), _num(m, contract.M_JOB_START_TIMESTAMP)
-    if prod is not None and start is not None and now > start:
-        t.goodput = round(min(1.0, max(0.0, prod / (now - start))), 4)
-    dur = _num(m, contract.M_STEP_DURATION)
-    if t.step is not None and dur is not None and dur > 0:
-        t.eta = iso(now + max(0, spec.training.steps - t.step) * dur)
-    t.progress = f"{t.step if t.step is not None else 0}/{spec.training.steps}"
-    t.last_update_time = iso(now)
-    return t
 
 
 # ------------------------------------------------------------------ spec changes
@@ -212,14 +125,30 @@ def spec_changes(applied: Mapping[str, Any], desired: Mapping[str, Any]) -> tupl
     return live, deferred, rejected
 
 
-async def scrape(session: Any, ip: str, port: int, timeout: float) -> str | None:
-    """GET rank 0's /metrics; None when it does not answer (the decision treats that as no progress)."""
+def metrics_url(ip: str, port: int) -> str:
+    """rank 0's /metrics URL; an IPv6 address goes in brackets (RFC 3986)."""
+    try:
+        host = f"[{ip}]" if isinstance(ipaddress.ip_address(ip), ipaddress.IPv6Address) else ip
+    except ValueError:
+        host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}/metrics"
+
+
+async def scrape(session: Any, ip: str, port: int, timeout: float) -> tuple[str | None, str | None]:
+    """GET rank 0's /metrics: (the text, None) or (None, what went wrong, with the URL).
+
+    A failed scrape is an observation failure, never a training failure: the caller reports it in the
+    ``MetricsAvailable`` condition and keeps the last known progress.
+    """
     import aiohttp
 
+    url = metrics_url(ip, port)
     try:
-        async with session.get(f"http://{ip}:{port}/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
-                return None
-            return await r.text()
-    except (aiohttp.ClientError, TimeoutError, OSError):
-        return None
+                return None, f"GET {url} answered HTTP {r.status}"
+            return await r.text(), None
+    except TimeoutError:
+        return None, f"GET {url} timed out after {timeout:g}s"
+    except (aiohttp.ClientError, OSError) as e:
+        return None, f"GET {url} failed: {e.__class__.__name__}: {e}".rstrip(": ")

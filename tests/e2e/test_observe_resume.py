@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kubetitan import contract
-from kubetitan.observe import ProgressTracker
+from kubetitan.status import progress, track
 
 S, A, C, B = contract.M_STEP, contract.M_ATTEMPT, contract.M_LAST_CHECKPOINT_STEP, contract.M_LAST_STEP_TIMESTAMP
 
@@ -26,10 +26,10 @@ S, A, C, B = contract.M_STEP, contract.M_ATTEMPT, contract.M_LAST_CHECKPOINT_STE
 ], ids=["load-then-step", "loaded-not-stepped", "load-then-missed-steps", "first-seen-after-step", "fresh-run",
         "no-heartbeat-metric"])
 def test_resumed_step_is_the_start_not_the_first_step(scrapes, want) -> None:
-    tr = ProgressTracker()
+    o = None
     for now, m in scrapes:
-        tr.update(m[A], {k: float(v) for k, v in m.items()}, now)
-    p = tr.progress()
+        o = track(o, m[A], now, metrics={k: float(v) for k, v in m.items()})
+    p = progress(o)
     assert (p.step, p.start_step, p.first_step_time) == want
 
 
@@ -41,26 +41,31 @@ def _decide(scrapes: list[tuple[float, dict]], now: float):
     from kubetitan.api import LlamaPretrainSpec, LlamaPretrainStatus
     from kubetitan.decide import NodeObs, Observed, PodObs, decide
 
-    tr = ProgressTracker()
+    o = None
     for t, m in scrapes:
-        tr.update(1, {k: float(v) for k, v in m.items()}, t)
+        o = track(o, 1, t, metrics={k: float(v) for k, v in m.items()})
     spec = LlamaPretrainSpec.model_validate({"resources": {"nodes": 2}, "runPolicy": {
         "hangTimeoutSeconds": 10, "startupTimeoutSeconds": 300}})
     pods = tuple(PodObs(name=f"j-a1-{r}", attempt=1, rank=r, phase="Running", node_name=f"n{r}",
                         created=NOW - 20, running_since=NOW - 15) for r in range(2))
-    obs = Observed(pods=pods, nodes={f"n{r}": NodeObs(f"n{r}") for r in range(2)}, progress=tr.progress(), now=now)
+    obs = Observed(pods=pods, nodes={f"n{r}": NodeObs(f"n{r}") for r in range(2)}, progress=progress(o), now=now,
+                   ranks_seen=frozenset({0, 1}))
     return decide(spec, LlamaPretrainStatus(attempt=1, restart_count=1), obs)
 
 
 @pytest.mark.parametrize(("scrapes", "now", "cause"), [
     # loaded at NOW - 12, the first step (warm-up, compile, a busy machine) is still running: start-up, not a hang
     ([(NOW - 12, LOADED)], NOW, None),
-    # ... until runPolicy.startupTimeoutSeconds after the pods started running
-    ([(NOW - 12, LOADED)], NOW + 290, "StartupTimeout"),
-    # once the attempt trained a step, 10 s without another one is a hang
-    ([(NOW - 12, LOADED), (NOW - 11, {S: 5, A: 1, C: 4, B: NOW - 11})], NOW, "Hang"),
+    # ... until runPolicy.startupTimeoutSeconds after the pods started running, seen by a scrape that answered
+    ([(NOW - 12, LOADED), (NOW + 290, LOADED)], NOW + 290, "StartupTimeout"),
+    # without a scrape since, there is no evidence that start-up still runs: no restart
+    ([(NOW - 12, LOADED)], NOW + 290, None),
+    # once the attempt trained a step, 10 s without another one (seen by an answering scrape) is a hang
+    ([(NOW - 12, LOADED), (NOW - 11, {S: 5, A: 1, C: 4, B: NOW - 11}), (NOW, {S: 5, A: 1, C: 4, B: NOW - 11})],
+     NOW, "Hang"),
     ([(NOW - 12, LOADED), (NOW - 5, {S: 5, A: 1, C: 4, B: NOW - 5})], NOW, None),
-], ids=["loaded-waiting-for-first-step", "loaded-startup-timeout", "trained-then-stuck-hang", "trained-recently"])
+], ids=["loaded-waiting-for-first-step", "loaded-startup-timeout", "loaded-no-scrape-since", "trained-then-stuck-hang",
+        "trained-recently"])
 def test_hang_timer_starts_with_the_first_trained_step(scrapes, now, cause) -> None:
     d = _decide(scrapes, now)
     assert d.cause == cause, d
@@ -82,7 +87,9 @@ def test_hang_window_covers_a_checkpoint_save(step, idle, cause) -> None:
         "checkpoint": {"intervalSteps": 4, "saveTimeoutSeconds": 10}, "runPolicy": {"hangTimeoutSeconds": 10}})
     pods = tuple(PodObs(name=f"j-a0-{r}", attempt=0, rank=r, phase="Running", node_name=f"n{r}",
                         created=NOW - 99, running_since=NOW - 98) for r in range(2))
-    pr = Progress(step=step, start_step=0, last_progress_time=NOW - idle, first_step_time=NOW - 90)
+    pr = Progress(step=step, start_step=0, last_progress_time=NOW - idle, first_step_time=NOW - 90,
+                  metrics_available=True, metrics_ok_time=NOW)
     d = decide(spec, LlamaPretrainStatus(attempt=0), Observed(pods=pods, nodes={f"n{r}": NodeObs(f"n{r}") for r in
-                                                                               range(2)}, progress=pr, now=NOW))
+                                                                               range(2)}, progress=pr, now=NOW,
+                                                                      ranks_seen=frozenset({0, 1})))
     assert d.cause == cause, d

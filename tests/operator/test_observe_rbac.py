@@ -8,7 +8,8 @@ from kmockx.harness import LPT, NS, Cluster, Operator, Rank0Metrics, cpu_spec, l
 from kubetitan import contract, rbac
 from kubetitan.api import LlamaPretrainSpec
 from kubetitan.decide import NodeObs
-from kubetitan.observe import ProgressTracker, node_obs, parse_metrics, pod_obs, spec_changes, training_status
+from kubetitan.observe import metrics_url, node_obs, parse_metrics, pod_obs, spec_changes, training_status
+from kubetitan.status import progress, track
 
 
 def _pod(status: dict, **meta) -> dict:
@@ -67,14 +68,28 @@ def test_metrics_from_a_real_exporter_fill_training_status() -> None:
     assert t.eta == "1970-01-01T00:17:30Z"  # 50 steps left x 1 s/step after t=1000
 
 
-def test_progress_tracker_ignores_other_attempts_and_tracks_heartbeat() -> None:
-    tr = ProgressTracker()
-    tr.update(1, {contract.M_STEP: 7.0, contract.M_ATTEMPT: 0.0}, 10.0)
-    assert tr.progress().step is None  # an older attempt's process
-    tr.update(1, {contract.M_STEP: 7.0, contract.M_ATTEMPT: 1.0, contract.M_LAST_STEP_TIMESTAMP: 9.0}, 10.0)
-    tr.update(1, {contract.M_STEP: 7.0, contract.M_ATTEMPT: 1.0, contract.M_LAST_STEP_TIMESTAMP: 9.0}, 50.0)
-    p = tr.progress()
+def test_progress_tracking_ignores_other_attempts_and_tracks_heartbeat() -> None:
+    o = track(None, 1, 10.0, metrics={contract.M_STEP: 7.0, contract.M_ATTEMPT: 0.0})
+    assert progress(o).step is None and progress(o).metrics_available is False  # an older attempt's process
+    o = track(o, 1, 10.0, metrics={contract.M_STEP: 7.0, contract.M_ATTEMPT: 1.0, contract.M_LAST_STEP_TIMESTAMP: 9.0})
+    o = track(o, 1, 50.0, metrics={contract.M_STEP: 7.0, contract.M_ATTEMPT: 1.0, contract.M_LAST_STEP_TIMESTAMP: 9.0})
+    p = progress(o)
     assert (p.step, p.start_step, p.last_progress_time, p.first_step_time) == (7, 6, 10.0, 9.0)
+    assert (p.metrics_available, p.metrics_ok_time) == (True, 50.0)
+    # a failed scrape keeps the last known progress and the timers; it only flips availability
+    q = progress(track(o, 1, 60.0, scrape_error="GET http://[fd00::1]:9090/metrics timed out after 3s"))
+    assert (q.step, q.last_progress_time, q.metrics_ok_time, q.metrics_available) == (7, 10.0, 50.0, False)
+    # the next attempt starts from nothing
+    assert progress(track(o, 2, 70.0)) == progress(None)
+
+
+@pytest.mark.parametrize(("ip", "url"), [
+    ("10.1.2.3", "http://10.1.2.3:9090/metrics"),
+    ("fd00:10:244::5", "http://[fd00:10:244::5]:9090/metrics"),
+    ("::1", "http://[::1]:9090/metrics"),
+], ids=["ipv4", "ipv6", "ipv6-loopback"])
+def test_metrics_url_brackets_ipv6(ip, url) -> None:
+    assert metrics_url(ip, 9090) == url
 
 
 @pytest.mark.parametrize(("old", "new", "want"), [

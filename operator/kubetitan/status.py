@@ -1,0 +1,312 @@
+"""The one place that builds a LlamaPretrain's status (pure: no kopf, no client, no clock).
+
+The handlers call, per cycle:
+
+1. :func:`track` — fold this cycle's scrape of rank 0 and the pods/nodes seen into the persisted
+   ``status.observation`` (last known progress, metrics reachability, ranks seen, nodes missing since);
+2. :func:`observed` — the decision's inputs (:class:`decide.Observed`) from that observation;
+3. ``decide.decide`` — the decision;
+4. :func:`next_status` — the whole new status (conditions, attempt, restart history, training numbers,
+   observation), written once; or :func:`invalid_status` for a spec that does not validate.
+
+Timers live in ``status.observation`` (times as RFC 3339), so a restarted or failed-over operator goes
+on from where the last one stopped instead of starting (or firing) them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kubetitan import conditions as C
+from kubetitan import contract
+from kubetitan.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, TrainingStatus
+from kubetitan.decide import (
+    MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, iso, iso_ms,
+    parse_time, replace, restart_record,
+)
+
+
+# ------------------------------------------------------------------ metrics helpers
+def _num(m: Mapping[str, float], key: str) -> float | None:
+    v = m.get(key)
+    return None if v is None or v != v else v  # NaN is "unknown"
+
+
+def _int(m: Mapping[str, float], key: str) -> int | None:
+    v = _num(m, key)
+    return None if v is None else int(v)
+
+
+# ------------------------------------------------------------------ 1. track
+def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics: Mapping[str, float] | None = None,
+          scrape_error: str | None = None, pods: Iterable[PodObs] = (),
+          nodes: Mapping[str, NodeObs] | None = None) -> AttemptObservation:
+    """The observation of ``attempt`` after this cycle (a new one when the attempt changed).
+
+    ``metrics``: rank 0's parsed exposition when a scrape answered this cycle; ``scrape_error``: why it did
+    not (neither: no scrape this cycle). Only positive evidence moves the progress times: a step that
+    advanced, or the trainer's own heartbeat.
+    """
+    o = prev.model_copy(deep=True) if prev is not None and prev.attempt == attempt else \
+        AttemptObservation(attempt=attempt)
+    o.ranks_seen = sorted(set(o.ranks_seen) | {p.rank for p in pods if p.attempt == attempt})
+    if nodes is not None:
+        missing = {n for n, v in nodes.items() if not v.exists}
+        o.nodes_missing_since = {n: o.nodes_missing_since.get(n) or iso_ms(now) for n in sorted(missing)}
+    if scrape_error is not None:
+        o.metrics_error = scrape_error
+        return o
+    if not metrics:
+        return o
+    scraped_attempt = _int(metrics, contract.M_ATTEMPT)
+    if scraped_attempt is not None and scraped_attempt != attempt:
+        o.metrics_error = f"rank 0's /metrics answers for attempt {scraped_attempt}, not {attempt} (an older " \
+                          "process still runs there)"
+        return o
+    o.metrics_ok_time, o.metrics_error = iso_ms(now), None
+    step = _int(metrics, contract.M_STEP)
+    beat = _num(metrics, contract.M_LAST_STEP_TIMESTAMP)
+    ck = _int(metrics, contract.M_LAST_CHECKPOINT_STEP)
+    if ck is not None:
+        o.last_checkpoint_step = ck
+    if step is None or step <= 0:
+        return o
+    # After loading a checkpoint the trainer publishes the step it resumed from, with its heartbeat still 0
+    # until it completes a step of its own: that step is where the attempt starts, not its first step.
+    loaded_only = beat is not None and beat <= 0
+    if o.start_step is None:
+        o.start_step = step if loaded_only else step - 1
+    if o.first_step_time is None and not loaded_only:
+        o.first_step_time = iso_ms(beat if beat is not None else now)
+    last = parse_time(o.last_progress_time)
+    if o.step is None or step > o.step:
+        last = now
+    if beat is not None and beat > 0 and (last is None or beat > last):
+        last = beat
+    o.last_progress_time = iso_ms(last) if last is not None else None
+    o.step = step if o.step is None else max(o.step, step)
+    return o
+
+
+def progress(o: AttemptObservation | None) -> Progress:
+    """The decision's view of an observation."""
+    if o is None:
+        return Progress()
+    available = False if o.metrics_error else (True if o.metrics_ok_time else None)
+    return Progress(step=o.step, start_step=o.start_step, last_checkpoint_step=o.last_checkpoint_step,
+                    last_progress_time=parse_time(o.last_progress_time), first_step_time=parse_time(o.first_step_time),
+                    metrics_available=available, metrics_ok_time=parse_time(o.metrics_ok_time),
+                    metrics_error=o.metrics_error)
+
+
+# ------------------------------------------------------------------ 2. observed
+def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[str, NodeObs], now: float,
+             generation: int | None = None, spec_block: str | None = None, spec_deferred: str | None = None,
+             training: TrainingStatus | None = None, child_errors: tuple[ChildError, ...] = ()) -> Observed:
+    """The decision's inputs; a missing node is timed from when it was first seen missing."""
+    timed = {n: (replace(v, not_ready_since=parse_time(o.nodes_missing_since.get(n))) if not v.exists else v)
+             for n, v in nodes.items()}
+    return Observed(pods=pods, nodes=timed, progress=progress(o), now=now, generation=generation,
+                    spec_block=spec_block, spec_deferred=spec_deferred, training=training,
+                    ranks_seen=frozenset(o.ranks_seen), child_errors=child_errors, observation=o)
+
+
+def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
+                    old: TrainingStatus | None) -> TrainingStatus:
+    """``status.training`` from rank 0's metrics (metric names in ``contract.M_*``)."""
+    t = old.model_copy() if old is not None else TrainingStatus()
+    step = _int(m, contract.M_STEP)
+    if step is not None:
+        t.step = step
+    for attr, key in (("loss", contract.M_LOSS), ("tokens_per_second", contract.M_TOKENS_PER_SECOND),
+                      ("tokens_per_second_per_gpu", contract.M_TOKENS_PER_SECOND_PER_GPU),
+                      ("mfu", contract.M_MFU)):
+        v = _num(m, key)
+        if v is not None:
+            setattr(t, attr, round(v, 6))
+    flops = _num(m, contract.M_FLOPS_PER_GPU)
+    if flops is not None:
+        t.tflops_per_gpu = round(flops / 1e12, 3)
+    ck = _int(m, contract.M_LAST_CHECKPOINT_STEP)
+    if ck is not None:
+        t.last_checkpoint_step = ck
+    t.total_steps = spec.training.steps
+    # goodput = productive step seconds / wall seconds since the run started
+    prod, start = _num(m, contract.M_PRODUCTIVE_SECONDS), _num(m, contract.M_JOB_START_TIMESTAMP)
+    if prod is not None and start is not None and now > start:
+        t.goodput = round(min(1.0, max(0.0, prod / (now - start))), 4)
+    dur = _num(m, contract.M_STEP_DURATION)
+    if t.step is not None and dur is not None and dur > 0:
+        t.eta = iso(now + max(0, spec.training.steps - t.step) * dur)
+    t.progress = f"{t.step if t.step is not None else 0}/{spec.training.steps}"
+    t.last_update_time = iso(now)
+    return t
+
+
+# ------------------------------------------------------------------ 4. next status
+def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decision,  # noqa: C901
+                obs: Observed) -> LlamaPretrainStatus:
+    """The status after ``d``: conditions, attempt, restart history, training numbers, observation."""
+    s = status.model_copy(deep=True)
+    now = iso(obs.now)
+    gen = obs.generation
+    conds = s.conditions
+    s.observed_generation = gen
+    attempt = s.attempt if s.attempt is not None else 0
+
+    def cond(type_: str, st: str, reason: str, msg: str) -> None:
+        C.set_condition(conds, type_, st, reason, msg, now, gen)
+
+    if obs.training is not None:
+        s.training = obs.training
+    if s.training is None:
+        s.training = TrainingStatus()
+    s.training.total_steps = spec.training.steps
+    step = s.training.step
+    s.training.progress = f"{step if step is not None else 0}/{spec.training.steps}"
+    if obs.observation is not None:
+        s.observation = obs.observation.model_copy(deep=True)
+
+    if d.action == Action.CREATE and s.start_time is None:
+        s.start_time = now
+    if s.attempt is None and d.action in (Action.CREATE, Action.WAIT, Action.KEEP):
+        s.attempt = 0
+
+    # The downtime of the last restart ends with the next attempt's first step. By then the step that attempt
+    # really resumed from is known too: the record's guess (the newest checkpoint scraped before the failure)
+    # misses a save that completed between the last scrape and the failure, and then overstates lostSteps.
+    if s.restarts and s.restarts[-1].downtime_seconds is None and s.restarts[-1].attempt < attempt \
+            and obs.progress.first_step_time is not None:
+        last = s.restarts[-1]
+        t0 = parse_time(last.time) or obs.now
+        last.downtime_seconds = round(max(0.0, obs.progress.first_step_time - t0), 3)
+        if obs.progress.start_step is not None and last.lost_steps is not None:
+            ended = (last.resumed_from_step or 0) + last.lost_steps  # the failed attempt's last step
+            last.resumed_from_step = obs.progress.start_step
+            last.lost_steps = max(0, ended - obs.progress.start_step)
+
+    if d.action == Action.RESTART:
+        rec = restart_record(status, d, obs)
+        s.restarts = [*s.restarts, rec][-MAX_RESTART_RECORDS:]
+        s.restart_count += 1
+        s.attempt = attempt + 1
+        s.training.step = None
+    if d.action == Action.SUSPEND and d.ends_attempt:
+        s.attempt = attempt + 1  # the stopped gang's names are used up; resume makes a new attempt
+    if s.attempt != attempt:
+        s.observation = AttemptObservation(attempt=s.attempt)  # the new attempt's timers start from nothing
+    if d.action in (Action.FAIL, Action.SUCCEED) and s.completion_time is None:
+        s.completion_time = now
+    if d.action == Action.SUCCEED:
+        s.training.step = spec.training.steps if s.training.step is None else s.training.step
+
+    # ---- conditions
+    if obs.spec_block:
+        cond(C.SPEC_ACCEPTED, "False", C.IMMUTABLE_FIELD_CHANGED, obs.spec_block)
+    elif obs.spec_deferred:
+        cond(C.SPEC_ACCEPTED, "True", C.DEFERRED_TO_NEXT_ATTEMPT, obs.spec_deferred)
+    else:
+        cond(C.SPEC_ACCEPTED, "True", C.SPEC_APPLIED, "the spec is valid and applied")
+
+    terminal = d.action in (Action.FAIL, Action.SUCCEED, Action.FINISHED)
+    if d.action == Action.SUCCEED:
+        cond(C.SUCCEEDED, "True", d.reason, d.message)
+        cond(C.FAILED, "False", C.NOT_FINISHED, "the run succeeded")
+    elif d.action == Action.FAIL:
+        cond(C.FAILED, "True", d.reason, d.message)
+        cond(C.SUCCEEDED, "False", d.reason, "the run failed")
+    elif not terminal:
+        cond(C.SUCCEEDED, "False", C.NOT_FINISHED, "training has not reached spec.training.steps yet")
+        cond(C.FAILED, "False", C.NOT_FINISHED, "the run has not failed")
+
+    if not terminal:
+        if d.action == Action.SUSPEND:
+            cond(C.SUSPENDED, "True", d.reason, d.message)
+        else:
+            cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "runPolicy.suspend is false")
+        restarting = d.action == Action.RESTART or (
+            C.is_true(conds, C.RESTARTING) and not d.ready and d.action != Action.SUSPEND)
+        if restarting:
+            last = s.restarts[-1] if s.restarts else None
+            msg = d.message if d.action in (Action.RESTART, Action.WAIT) or last is None else \
+                f"attempt {attempt} replaces attempt {last.attempt} ({last.cause}: {last.message})"
+            cond(C.RESTARTING, "True", d.reason if d.action != Action.KEEP else C.RESTARTED, msg)
+        else:
+            cond(C.RESTARTING, "False", C.NOT_RESTARTING, "no restart in progress")
+        if d.unschedulable:
+            cond(C.UNSCHEDULABLE, "True", d.reason, d.message)
+        else:
+            cond(C.UNSCHEDULABLE, "False", C.PODS_SCHEDULED, "no pod waits longer than unschedulableTimeoutSeconds")
+        _children_condition(spec, s, d, obs, cond)
+        _metrics_condition(s, cond)
+    elif d.action == Action.FAIL or d.action == Action.SUCCEED:
+        cond(C.RESTARTING, "False", C.NOT_RESTARTING, "the run is finished")
+        cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "the run is finished")
+
+    if d.action == Action.FINISHED:
+        pass  # terminal conditions stay as they are
+    elif d.ready:
+        cond(C.READY, "True", C.TRAINING, d.message)
+    else:
+        cond(C.READY, "False", d.reason or C.WAITING_FOR_PODS, d.message)
+
+    s.phase = C.derive_phase(conds, attempt_exists=bool(obs.pods) or d.action in (Action.CREATE,))
+    if d.action != Action.FINISHED:
+        s.message = d.message
+    conds.sort(key=lambda c: C.ALL_TYPES.index(c.type) if c.type in C.ALL_TYPES else len(C.ALL_TYPES))
+    return s
+
+
+def _children_condition(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Decision, obs: Observed,
+                        cond: Any) -> None:
+    attempt = s.attempt if s.attempt is not None else 0
+    if obs.child_errors and d.action == Action.CREATE:
+        e = obs.child_errors[0]
+        more = f" (+{len(obs.child_errors) - 1} more)" if len(obs.child_errors) > 1 else ""
+        cond(C.CHILDREN_CREATED, "False", e.reason, f"the API refused {e.kind} {e.name}: {e.message}{more}; "
+             "retrying with backoff")
+        return
+    present = {p.rank for p in obs.pods if p.attempt == attempt}
+    if len(present) >= spec.resources.nodes:
+        cond(C.CHILDREN_CREATED, "True", C.CHILDREN_OK, f"all {spec.resources.nodes} pods of attempt {attempt} exist")
+    elif C.find(s.conditions, C.CHILDREN_CREATED) is None:
+        cond(C.CHILDREN_CREATED, "Unknown", C.CREATING, f"the pods of attempt {attempt} are being created")
+
+
+def _metrics_condition(s: LlamaPretrainStatus, cond: Any) -> None:
+    o = s.observation
+    if o is not None and o.metrics_error:
+        cond(C.METRICS_AVAILABLE, "False", C.SCRAPE_FAILED,
+             f"{o.metrics_error}; training progress is unknown (last known step {o.step}); this alone never "
+             "restarts the run (see docs/operator.md, 'Metrics')")
+    elif o is not None and o.metrics_ok_time:
+        cond(C.METRICS_AVAILABLE, "True", C.SCRAPED, "rank 0's /metrics answers")
+    else:
+        cond(C.METRICS_AVAILABLE, "Unknown", C.NOT_SCRAPED,
+             f"rank 0's /metrics of attempt {s.attempt or 0} has not been scraped yet")
+
+
+def invalid_status(old: LlamaPretrainStatus, errors: list[Any], generation: int | None,
+                   now: float) -> LlamaPretrainStatus:
+    """The status of an object whose spec does not validate: ``Ready=False`` and ``SpecAccepted=False``
+    with reason ``InvalidSpec`` and what was wrong."""
+    new = old.model_copy(deep=True)
+    msg = "; ".join(map(str, errors)) or "the object cannot be parsed"
+    C.set_condition(new.conditions, C.READY, "False", C.INVALID_SPEC, msg, iso(now), generation)
+    C.set_condition(new.conditions, C.SPEC_ACCEPTED, "False", C.INVALID_SPEC, msg, iso(now), generation)
+    new.observed_generation = generation
+    new.phase = C.derive_phase(new.conditions, attempt_exists=new.attempt is not None)
+    new.message = f"invalid spec: {msg}"
+    return new
+
+
+def load(raw: Mapping[str, Any] | None) -> LlamaPretrainStatus:
+    """The status as the API holds it (kopf's own keys dropped); unreadable parts are rebuilt."""
+    try:
+        return LlamaPretrainStatus.model_validate({k: v for k, v in (raw or {}).items() if k != "kopf"})
+    except Exception:  # noqa: BLE001 - a status we cannot read is rebuilt from observation
+        return LlamaPretrainStatus()
+
+
+__all__ = ["invalid_status", "load", "next_status", "observed", "progress", "track", "training_status"]
