@@ -233,15 +233,12 @@ class TokenizerSpec(_Base):
 
 # ---------------------------------------------------------------------- checkpoint
 class CheckpointStorage(_Base):
-    """Where checkpoints live. Set exactly one of the fields."""
+    """Where checkpoints live. Set exactly one of the fields (object storage is not offered: see docs/trainer.md)."""
 
     persistent_volume_claim: VolumeClaim | None = None
     """A shared ReadWriteMany claim (e.g. FSx for Lustre, EFS) mounted at `checkpoint.mountPath`."""
     host_path: str | None = Field(default=None, pattern=r"^/")
     """A directory on the node (single-node clusters and local runs only: lost with the node)."""
-    uri: str | None = Field(default=None, pattern=r"^[a-z0-9]+://")
-    """An fsspec URI for an object store (e.g. `s3://bucket/run`); the trainer image needs
-    the matching fsspec backend (s3fs for S3)."""
 
 
 class CheckpointSpec(_Base):

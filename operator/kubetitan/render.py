@@ -40,7 +40,7 @@ def trainer_config(lpt: LlamaPretrain, dump_folder: str | None = None) -> dict[s
     converters = ["quantize.linear.float8"] if f8.enabled else []
     cfg: dict[str, Any] = {
         "job": {
-            "dump_folder": dump_folder or ck.storage.uri or ck.mount_path,
+            "dump_folder": dump_folder or ck.mount_path,
             "description": f"{meta.namespace or 'default'}/{meta.name}",
             "custom_config_module": CUSTOM_CONFIG_MODULE,
         },

@@ -116,9 +116,8 @@ CEL_RULES: list[CelRule] = [
     ),
     CelRule(
         "checkpoint.one-storage",
-        "(has(self.checkpoint.storage.persistentVolumeClaim) ? 1 : 0) + "
-        "(has(self.checkpoint.storage.hostPath) ? 1 : 0) + (has(self.checkpoint.storage.uri) ? 1 : 0) <= 1",
-        "set at most one of checkpoint.storage.persistentVolumeClaim, hostPath, uri",
+        "!(has(self.checkpoint.storage.persistentVolumeClaim) && has(self.checkpoint.storage.hostPath))",
+        "set at most one of checkpoint.storage.persistentVolumeClaim and hostPath",
         ".checkpoint.storage",
     ),
     CelRule(
@@ -337,17 +336,17 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
         err("checkpoint.keepLatestK", "must be 0 (keep all) or at least 2, so that a cut-off newest save never "
             "leaves nothing to resume from", "checkpoint.keep-latest-k")
     st = ck.storage
-    n_storage = sum(x is not None for x in (st.persistent_volume_claim, st.host_path, st.uri))
+    n_storage = sum(x is not None for x in (st.persistent_volume_claim, st.host_path))
     if n_storage > 1:
-        err("checkpoint.storage", "has more than one location; keep only one of persistentVolumeClaim, "
-            "hostPath and uri",
+        err("checkpoint.storage", "has more than one location; keep only one of persistentVolumeClaim "
+            "and hostPath",
             "checkpoint.one-storage")
     elif ck.enabled and n_storage == 0 and r.nodes > 1:
         err("checkpoint.storage", f"a {r.nodes}-node run needs shared checkpoint storage: set "
-            "persistentVolumeClaim (ReadWriteMany, e.g. FSx for Lustre) or uri", "checkpoint.storage-required")
+            "persistentVolumeClaim (ReadWriteMany, e.g. FSx for Lustre)", "checkpoint.storage-required")
     if st.host_path is not None and r.nodes > 1:
         err("checkpoint.storage.hostPath", "is per node and cannot hold a multi-node checkpoint; use a "
-            "ReadWriteMany persistentVolumeClaim or uri", "checkpoint.host-path-single-node")
+            "ReadWriteMany persistentVolumeClaim (e.g. FSx for Lustre)", "checkpoint.host-path-single-node")
     if rp.max_backoff_seconds < rp.backoff_seconds:
         err("runPolicy.maxBackoffSeconds", f"{rp.max_backoff_seconds} is below backoffSeconds "
             f"({rp.backoff_seconds}); raise it", "run-policy.backoff-order")

@@ -97,8 +97,8 @@ def test_metrics_url_brackets_ipv6(ip, url) -> None:
     ({"runPolicy": {"suspend": False}}, {"runPolicy": {"suspend": True}}, (["runPolicy.suspend"], [], [])),
     ({"resources": {"nodes": 2}}, {"resources": {"nodes": 4}}, ([], ["resources.nodes"], [])),
     ({"model": {"flavor": "8B"}}, {"model": {"flavor": "70B"}}, ([], [], ["model.flavor"])),
-    ({"checkpoint": {"storage": {"uri": "s3://a"}}}, {"checkpoint": {"storage": {"uri": "s3://b"}}},
-     ([], [], ["checkpoint.storage.uri"])),
+    ({"checkpoint": {"storage": {"hostPath": "/a"}}}, {"checkpoint": {"storage": {"hostPath": "/b"}}},
+     ([], [], ["checkpoint.storage.hostPath"])),
 ], ids=["steps-live", "suspend-live", "nodes-deferred", "model-rejected", "storage-rejected"])
 def test_spec_changes(old, new, want) -> None:
     assert spec_changes(old, new) == want
