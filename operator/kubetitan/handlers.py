@@ -48,8 +48,6 @@ ANNOTATION_APPLIED_SPEC = "kubetitan.io/applied-spec"
 FINALIZER = "kubetitan.io/finalizer"
 ENSURED_SECONDS = 10.0
 """How long a child we created counts as existing while the pod index has not shown it yet."""
-NODE_CACHE_SECONDS = 1.0
-"""Node objects are shared by every run on them: one GET per node per second, not one per node per cycle."""
 
 
 @dataclass
@@ -76,6 +74,8 @@ class JobState:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     status: LlamaPretrainStatus | None = None
     """The status this operator wrote last (the watch may still deliver an older one)."""
+    api_status: dict[str, Any] | None = None
+    """The status as just read from the API (after a fail-over): the next cycle starts from it, not the watch."""
     applied_spec: dict[str, Any] | None = None
     applied_loaded: bool = False
     last_scrape: float = float("-inf")
@@ -91,6 +91,8 @@ class JobState:
     child_errors: tuple[ChildError, ...] = ()
     """Children the API refused on the last create of ``child_errors_attempt`` (fed to the next decision)."""
     child_errors_attempt: int = -1
+    done: bool = False
+    """The run is finished and nothing is left to delete or to time: its daemon may end."""
     create_failures: int = 0
     """Creates in a row that the API refused (the retry backoff doubles with each)."""
     ensured_attempt: int = -1
@@ -115,9 +117,6 @@ class Context:
     client: Client | None = None
     session: Any = None
     jobs: dict[str, JobState] = field(default_factory=dict)
-    nodes: dict[str, tuple[float, Any]] = field(default_factory=dict)
-    """Node name -> (monotonic time, the Node or None), see ``NODE_CACHE_SECONDS``."""
-    node_gets: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
 
     def job(self, uid: str) -> JobState:
         if uid not in self.jobs:
@@ -141,6 +140,10 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
         prefix="kubetitan.io", key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # only problems become Events; ours are sent explicitly
     settings.watching.server_timeout = 300
+    # Namespaced mode with exact names: no cluster-wide namespace listing (it is 403 under a namespaced Role
+    # and kopf then waits for it); only glob patterns ("team-*") need it.
+    settings.scanning.disabled = not ctx.options.all_namespaces and not any(
+        ch in ns for ns in ctx.options.namespaces for ch in "*?[!")
     settings.peering.name = ctx.options.peering or settings.peering.name
     settings.peering.priority = ctx.options.priority
     ctx.client = Client(ctx.cfg)
@@ -170,6 +173,13 @@ def lpt_pods(body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict[str, 
     return {labels[plan.LABEL_UID]: obs} if obs is not None else {}
 
 
+@kopf.index("nodes")
+def lpt_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+    """Health of every node by name (a watch, not one GET per node per cycle; kopf fills the index before any
+    handler runs, so a node absent from it does not exist)."""
+    return {name: node_obs(name, body)}
+
+
 @kopf.on.event("pods", labels={plan.LABEL_UID: kopf.PRESENT})
 def _pod_changed(labels: Mapping[str, str], memo: Any, **_: Any) -> None:
     """Wake the run's daemon at once: observation stays level-based, this only cuts the latency."""
@@ -181,23 +191,40 @@ def _pod_changed(labels: Mapping[str, str], memo: Any, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-async def reconcile(body: kopf.Body, memo: Any, lpt_pods: kopf.Index, **_: Any) -> None:
-    errors = await cycle(_ctx(memo), body, lpt_pods)
+async def reconcile(body: kopf.Body, memo: Any, lpt_pods: kopf.Index, lpt_nodes: kopf.Index, **_: Any) -> None:
+    errors = await cycle(_ctx(memo), body, lpt_pods, nodes_index=lpt_nodes)
     if isinstance(errors, list) and errors:  # (a float is the daemon's requeue delay)
         raise kopf.PermanentError("invalid spec: " + "; ".join(map(str, errors)))
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
 async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, lpt_pods: kopf.Index,
-                      **_: Any) -> None:
-    """Re-run the cycle every scan interval, or as soon as one of the run's pods changes."""
+                      lpt_nodes: kopf.Index, **_: Any) -> None:
+    """Re-run the cycle every scan interval, or as soon as one of the run's pods changes.
+
+    kopf starts this daemon for each run when the operator starts, and again when a peering replica resumes
+    after a higher-priority one went away (it stops daemons while paused). Either way the first cycle works
+    from the API, not from memory: the run's status and its pods are read afresh (``_rebuild``). The daemon
+    ends once the run is finished and nothing is left to clean up or to time (TTL).
+    """
     ctx = _ctx(memo)
     job = ctx.job(body["metadata"]["uid"])
+    pods: tuple[Any, ...] | None = None
+    try:
+        pods = await _rebuild(ctx, job, body)
+    except Exception as e:  # noqa: BLE001 - then the first cycle uses the watched status and the index
+        log.warning("Rebuilding the view of LlamaPretrain %s/%s from the API failed: %s",
+                    body["metadata"].get("namespace"), body["metadata"]["name"], e)
     while not stopped:
         job.wake.clear()
         wait = ctx.options.scan_interval
         try:
-            requeue = await cycle(ctx, body, lpt_pods, from_daemon=True)
+            requeue = await cycle(ctx, body, lpt_pods, from_daemon=True, pods_override=pods, nodes_index=lpt_nodes)
+            pods = None
+            if job.done:
+                log.debug("LlamaPretrain %s/%s is finished; its daemon ends", body["metadata"].get("namespace"),
+                          body["metadata"]["name"])
+                return
             if isinstance(requeue, float):
                 wait = max(0.05, min(wait, requeue))
         except Exception as e:  # noqa: BLE001 - the daemon must survive one bad cycle; it is counted and logged
@@ -208,6 +235,21 @@ async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, l
             await asyncio.wait_for(job.wake.wait(), timeout=wait)
         except TimeoutError:
             pass
+
+
+async def _rebuild(ctx: Context, job: JobState, body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Forget what this replica remembers of the run and read it from the API: the status and the pods by label."""
+    meta = body["metadata"]
+    ns, name, uid = meta.get("namespace", "default"), meta["name"], meta["uid"]
+    assert ctx.client is not None
+    async with job.lock:
+        job.forget_children()
+        job.status, job.api_status, job.done = None, None, False
+        fresh = await ctx.client.get_run(ns, name)
+        if fresh is not None and (fresh.get("metadata") or {}).get("uid") == uid:
+            job.api_status = dict(fresh.get("status") or {})
+        items = await ctx.client.list_pods(ns, f"{plan.LABEL_UID}={uid}")
+    return tuple(p for p in (pod_obs(i) for i in items) if p is not None)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
@@ -235,7 +277,7 @@ def merge_patch(old: Any, new: Any) -> Any:
 
 
 async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: bool = False,
-                pods_override: tuple[Any, ...] | None = None) -> Any:
+                pods_override: tuple[Any, ...] | None = None, nodes_index: Any = None) -> Any:
     """One observe -> decide -> write -> apply round; returns validation errors or the requeue delay."""
     started = time.perf_counter()
     meta = body["metadata"]
@@ -248,7 +290,8 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if meta.get("deletionTimestamp"):
                 return None
             now = ctx.options.clock()
-            old = job.status if job.status is not None else status_mod.load(body.get("status"))
+            raw_status = job.api_status if job.api_status is not None else body.get("status")
+            old = job.status if job.status is not None else status_mod.load(raw_status)
             lpt, errors, desired = _parse(job, body)
             if errors or lpt is None:
                 await _write_invalid(ctx, ns, name, old, errors, meta.get("generation"), now, job)
@@ -261,8 +304,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 pods = tuple(p for p in (index.get(uid, ()) if index is not None else ()) if p is not None)
 
             names = sorted({p.node_name for p in pods if p.node_name})
-            got = await asyncio.gather(*(_get_node(ctx, n) for n in names))
-            nodes = {n: node_obs(n, obj) for n, obj in zip(names, got, strict=True)}
+            nodes = {n: _node(nodes_index, n) for n in names}
 
             # rank 0's metrics: a failed scrape is reported (MetricsAvailable), never a training failure
             rank0 = next((p for p in pods if p.attempt == attempt and p.rank == 0), None)
@@ -310,7 +352,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if d.stale_status:
                 # Another replica moved the run on while this one was paused: take the API's status, act later.
                 fresh = await client.get_run(ns, name)
-                job.status = status_mod.load((fresh or {}).get("status"))
+                job.status, job.api_status = None, dict((fresh or {}).get("status") or {})
                 job.forget_children()
                 log.warning("Re-read the status of LlamaPretrain %s/%s: %s", ns, name, d.message)
                 return 0.0
@@ -318,11 +360,11 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
 
             # 4. status, once
             # Against what the server holds: our last write, or (first cycle here) the watched status.
-            old_raw = old.dump() if job.status is not None else dict(body.get("status") or {})
+            old_raw = old.dump() if job.status is not None else dict(raw_status or {})
             new_raw = new.dump()
             if old_raw != new_raw:
                 await client.patch_status(ns, name, merge_patch(old_raw, new_raw))
-            job.status = new
+            job.status, job.api_status = new, None
 
             # 5. apply
             deletes = [client.delete_pod(ns, n) for n in d.delete if n not in d.force_delete]
@@ -348,6 +390,8 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 ctx.metrics.restarted(ns, name, d.cause)
             ctx.metrics.set_phase(ns, name, new.phase)
             ctx.metrics.set_training(ns, name, new.training, new.restart_count)
+            job.done = d.action == Action.FINISHED and not d.delete and not d.force_delete \
+                and d.requeue_after is None and not d.delete_self
             if d.action == Action.RESTART:
                 return 0.0  # the next attempt (or its backoff) is decided at once, not on the next pod event
             return requeue
@@ -378,22 +422,10 @@ def _parse(job: JobState, body: Mapping[str, Any]) -> tuple[Any, list[Any], dict
     return job.parsed
 
 
-async def _get_node(ctx: Context, name: str) -> Any:
-    """The Node (None if it does not exist), shared by concurrent cycles and cached briefly."""
-    hit = ctx.nodes.get(name)
-    if hit is not None and time.monotonic() - hit[0] < NODE_CACHE_SECONDS:
-        return hit[1]
-    pending = ctx.node_gets.get(name)
-    if pending is None:
-        assert ctx.client is not None
-        pending = ctx.node_gets[name] = asyncio.ensure_future(ctx.client.get("nodes", None, name))
-        try:
-            obj = await pending
-        finally:
-            del ctx.node_gets[name]
-        ctx.nodes[name] = (time.monotonic(), obj)
-        return obj
-    return await asyncio.shield(pending)
+def _node(index: Any, name: str) -> Any:
+    """The node's health from the ``lpt_nodes`` index; absent from the index means absent from the API."""
+    hit = next(iter(index.get(name, ())), None) if index is not None else None
+    return hit if hit is not None else node_obs(name, None)
 
 
 def _clock_rate(ctx: Context) -> float:
@@ -565,6 +597,10 @@ def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     fmt = {"json": kopf.LogFormat.JSON, "plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL}[a.log_format]
     kopf.configure(verbose=a.verbose, log_format=fmt, log_refkey="object")
+    if not a.verbose:
+        # kopf logs every handler call per object at info ("Handler '_pod_changed' succeeded", once per pod
+        # event); keep its warnings and errors, and the operator's own info lines.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     log.info("Started kubetitan operator", extra={"version": __version__})
     try:
         run(options_from_args(a))

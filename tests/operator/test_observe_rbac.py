@@ -133,12 +133,14 @@ def test_every_api_call_is_in_the_rbac_table(cluster: Cluster) -> None:
     missing = sorted(v for v in seen if not rbac.allowed(*v))
     assert not missing, f"calls not in kubetitan.rbac.RULES: {missing}"
     assert ("", "pods", "create") in seen and ("kubetitan.io", "llamapretrains/status", "patch") in seen
-    assert ("", "nodes", "get") in seen and ("kubetitan.io", "llamapretrains", "delete") in seen
+    assert ("", "nodes", "watch") in seen and ("", "nodes", "get") not in seen and ("kubetitan.io", "llamapretrains", "delete") in seen
     assert cluster.get(LPT, NS, "rb") is None
 
 
 def test_rules_render_as_policy_rules() -> None:
     rules = rbac.rules(cluster_wide=True)
-    assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]} in rules
+    assert any(r["apiGroups"] == [""] and "nodes" in r["resources"] and r["verbs"] == ["get", "list", "watch"]
+               for r in rules)
+    assert {"apiGroups": ["kubetitan.io"], "resources": ["llamapretrains/finalizers"], "verbs": ["update"]} in rules
     assert all(r["verbs"] and r["resources"] for r in rules)
     assert not any("nodes" in r["resources"] for r in rbac.rules(cluster_wide=False))
