@@ -9,8 +9,11 @@ One entry, runnable on the device in one call (see ``bench/device/*.sh``)::
 A case is ``FLAVOUR:MODE:BATCH[:key=value...]``. MODE is ``eager`` (bf16 autocast, no compile),
 ``compile``, ``fp8tw`` (compile + FP8 tensorwise) or ``fp8rw`` (compile + FP8 rowwise); the output
 projection stays in bf16 (``filter_fqns = ["output"]``, torchtitan's and kubetitan's default). Options:
-``spec=fast`` (kubetitan_trainer.fast components) or ``spec=rope`` (its real-valued RoPE alone),
-``fp8out=1`` (the output projection in FP8 too), ``ac=selective|full``, ``ckpt=sync|async|pinned``
+``spec=fast`` (bench/fast_components.py) or ``spec=rope`` (its real-valued RoPE alone),
+``fp8out=1`` (the output projection in FP8 too), ``cdt=1`` (Inductor's coordinate-descent tuning:
+``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1``, through ``spec.resources.env`` on the kubetitan path),
+``data=kt`` (plain path: torchtitan's TrainSpec fed kubetitan's synthetic source, for loss parity),
+``lrwarm=`` (warm-up steps, default 4), ``round=`` (a label: repeats of one case get their own log), ``kill=N`` (kill the run once step N is logged: no final save), ``ac=selective|full``, ``ckpt=sync|async|pinned``
 (checkpoint every ``ckint`` steps; pinned = ``async_with_pinned_mem``), ``profile=N`` (profile steps
 N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
 
@@ -66,7 +69,7 @@ def parse_case(text: str) -> dict:
     if len(parts) < 3 or parts[1] not in MODES:
         raise SystemExit(f"bad case {text!r}: write FLAVOUR:MODE:BATCH[:key=value...], MODE one of {sorted(MODES)}")
     case = {"flavor": parts[0], "mode": parts[1], "batch": int(parts[2]), "spec": "plain", "ac": "none",
-            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "fp8out": 0, "steps": 28, "warmup": 8, "seed": 42, "id": text}
+            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "data": "bench", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "id": text}
     for kv in parts[3:]:
         k, _, v = kv.partition("=")
         if k not in case:
@@ -107,13 +110,16 @@ def toml_for(case: dict, dump_folder: str) -> dict:
     """The plain torchtitan 0.2.2 job config of a case (what ``--job.config_file`` gets)."""
     mode = MODES[case["mode"]]
     spec = {"plain": "llama3_gpubench", "fast": "llama3_gpubench_fast", "rope": "llama3_gpubench_rope"}[case["spec"]]
+    if case["data"] == "kt":
+        assert case["spec"] == "plain", "data=kt is for torchtitan's own model and loss"
+        spec = "llama3_gpubench_ktdata"
     cfg = {
         "job": {"dump_folder": dump_folder, "description": case["id"]},
         "experimental": {"custom_import": "gpu_plain_spec"},
         "model": {"name": spec, "flavor": case["flavor"],
                   "converters": ["quantize.linear.float8"] if mode["fp8"] else []},
         "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8, "weight_decay": 0.1},
-        "lr_scheduler": {"warmup_steps": 4},
+        "lr_scheduler": {"warmup_steps": case["lrwarm"]},
         "training": {"local_batch_size": case["batch"], "seq_len": SEQ_LEN, "max_norm": 1.0,
                      "steps": case["steps"], "dataset": "gpubench_synthetic", "mixed_precision_param": "bfloat16"},
         "parallelism": {"data_parallel_shard_degree": -1},
@@ -125,6 +131,9 @@ def toml_for(case: dict, dump_folder: str) -> dict:
         "metrics": {"log_freq": 1, "disable_color_printing": True, "enable_tensorboard": False},
         "debug": {"seed": case["seed"]},
     }
+    if case["data"] == "kt":  # kubetitan's synthetic source reads the [kubetitan] table
+        cfg["job"]["custom_config_module"] = "kubetitan_trainer.job_config"
+        cfg["kubetitan"] = {"data": {"source": "synthetic"}}
     if mode["fp8"]:
         # tensorwise = torchao's default Float8LinearConfig (recipe_name unset), as kubetitan renders it;
         # call 1 (bench/results/gpu_call1) used recipe_name = "tensorwise", the same config.
@@ -185,23 +194,38 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def run_tree(cmd: list[str], log, env: dict, cwd: Path, timeout: float):
-    """``subprocess.run`` whose timeout kills the whole process tree (torchrun's workers hold the GPU)."""
+def _kill_tree(proc: subprocess.Popen) -> None:
     import signal
 
+    for pid in reversed(_descendants(proc.pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.kill()
+    proc.wait()
+    time.sleep(3)  # let the driver release the killed workers' GPU memory
+
+
+def run_tree(cmd: list[str], log, env: dict, cwd: Path, timeout: float, kill_at: tuple[Path, int] | None = None):
+    """``subprocess.run`` whose timeout kills the whole process tree (torchrun's workers hold the GPU).
+
+    ``kill_at = (log file, N)``: kill the tree once the log shows step N (returns ``"killed"``)."""
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in reversed(_descendants(proc.pid)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.kill()
-        proc.wait()
-        time.sleep(3)  # let the driver release the killed workers' GPU memory
-        return "timeout"
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return proc.wait(timeout=min(1.0, max(0.01, end - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            pass
+        if kill_at is not None and kill_at[0].exists():
+            text = kill_at[0].read_text(errors="replace")
+            if any(int(m.group(1)) >= kill_at[1] for m in STEP_RE.finditer(re.sub(r"\x1b\[[0-9;]*m", "", text))):
+                _kill_tree(proc)
+                return "killed"
+        if time.monotonic() >= end:
+            _kill_tree(proc)
+            return "timeout"
 
 
 def run_case(case: dict, path: str, out: Path, timeout: float, env_extra: dict | None = None) -> dict:
@@ -216,6 +240,8 @@ def run_case(case: dict, path: str, out: Path, timeout: float, env_extra: dict |
     env["PYTHONUNBUFFERED"] = "1"
     if case["profile"]:
         env["GPUBENCH_PROFILE_AFTER"] = str(case["profile"])
+    if case["cdt"] and path == "plain":  # the kubetitan path gets it from the spec (spec.resources.env)
+        env["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] = "1"
     env.update(env_extra or {})
     if path == "plain":
         cfg_file = work / "job.toml"
@@ -243,7 +269,8 @@ def run_case(case: dict, path: str, out: Path, timeout: float, env_extra: dict |
     with open(log_path, "w") as log:
         log.write("# " + " ".join(cmd) + "\n")
         log.flush()
-        rc = run_tree(cmd, log, env, work, timeout)
+        watch = (log_path if path == "plain" else work / "out" / "train.log", case["kill"]) if case["kill"] else None
+        rc = run_tree(cmd, log, env, work, timeout, kill_at=watch)
         wall = time.monotonic() - t0
         stop.set()
         if path == "kubetitan":

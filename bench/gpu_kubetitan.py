@@ -27,6 +27,13 @@ MODE_PRECISION = {
 }
 
 
+CDT_ENV = {"name": "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "value": "1"}
+"""Inductor's coordinate-descent tuning of its Triton kernels, set through the spec (``cdt=1``)."""
+
+RECIPE_CASE = "3B:fp8tw:4:fp8out=1:cdt=1"
+"""The bench case that ``examples/llama3-3b-h200.yaml`` is (checked in tests/api/test_examples.py)."""
+
+
 def _precision(case: dict) -> dict:
     p = {k: dict(v) if isinstance(v, dict) else v for k, v in MODE_PRECISION[case["mode"]].items()}
     if case.get("fp8out") and p["float8"]["enabled"]:
@@ -45,7 +52,7 @@ def lpt_for(case: dict, name: str) -> dict:
         "spec": {
             "model": {"flavor": {"debugmodel": "debug"}.get(case["flavor"], case["flavor"])},
             "training": {"steps": case["steps"], "seqLen": SEQ_LEN, "localBatchSize": case["batch"],
-                         "learningRate": 3e-4, "warmupSteps": 4, "weightDecay": 0.1, "maxNorm": 1.0,
+                         "learningRate": 3e-4, "warmupSteps": case.get("lrwarm", 4), "weightDecay": 0.1, "maxNorm": 1.0,
                          "seed": case["seed"]},
             "parallelism": {"dataParallelShardDegree": -1},
             "precision": {**_precision(case), "activationCheckpointing": case["ac"],
@@ -55,7 +62,8 @@ def lpt_for(case: dict, name: str) -> dict:
             "checkpoint": {"enabled": ck is not None, "intervalSteps": case["ckint"],
                            "asyncMode": CKPT_ASYNC_MODE[case["ckpt"]],
                            "keepLatestK": 2},
-            "resources": {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H200"},
+            "resources": {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H200",
+                          **({"env": [dict(CDT_ENV)]} if case.get("cdt") else {})},
             "monitoring": {"logFrequencySteps": 1, "tensorboard": False},
             "runPolicy": {"maxRestarts": 3 if ck else 0},
         },

@@ -15,9 +15,12 @@ train loop; only what 0.2.2 lacks is added here:
 
 Registered TrainSpecs:
 - ``llama3_gpubench``: torchtitan's llama3 TrainSpec with the above (the "plain torchtitan" runs).
-- ``llama3_gpubench_fast``: the same with ``kubetitan_trainer.fast`` components (real-valued RoPE,
+- ``llama3_gpubench_fast``: the same with ``fast_components`` (bench/fast_components.py) (real-valued RoPE,
   fused chunked linear + cross-entropy), registered only when that package imports.
 - ``llama3_gpubench_rope``: the real-valued RoPE alone (torchtitan's output projection and loss).
+- ``llama3_gpubench_ktdata``: ``llama3_gpubench`` fed kubetitan's ``synthetic`` source
+  (``kubetitan_trainer.data``) instead of the phrases above: torchtitan's model, loss, optimizer and
+  loop on the very tokens a kubetitan run with the same seed sees (the loss-parity runs).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torchtitan.protocols import train_spec as ts
 SPEC_NAME = "llama3_gpubench"
 FAST_SPEC_NAME = "llama3_gpubench_fast"
 ROPE_SPEC_NAME = "llama3_gpubench_rope"
+KTDATA_SPEC_NAME = "llama3_gpubench_ktdata"
 N_PHRASES = 4096
 PHRASE_LEN = 16
 
@@ -167,9 +171,13 @@ def register() -> None:
     if SPEC_NAME not in ts._extra_train_specs:
         ts.register_train_spec(SPEC_NAME, build_spec())
         atexit.register(_print_peak_memory)
+    if KTDATA_SPEC_NAME not in ts._extra_train_specs:
+        from kubetitan_trainer.data import build_dataloader as kubetitan_dataloader
+
+        ts.register_train_spec(KTDATA_SPEC_NAME, dataclasses.replace(build_spec(), build_dataloader_fn=kubetitan_dataloader))
     if FAST_SPEC_NAME not in ts._extra_train_specs and os.environ.get("GPUBENCH_NO_FAST") != "1":
         try:
-            from kubetitan_trainer.fast import fast_train_spec
+            from fast_components import fast_train_spec  # bench/fast_components.py
         except ImportError:
             return
         ts.register_train_spec(FAST_SPEC_NAME, fast_train_spec(build_spec()))

@@ -47,8 +47,8 @@ def test_examples_cover_the_documented_recipes():
 
 
 def test_h200_3b_recipe_is_the_benchmarked_configuration():
-    """examples/llama3-3b-h200.yaml is the shape measured on the H200 (bench case 3B:fp8tw:4 through the
-    kubetitan path, docs/benchmarks.md): the same model, batch, sequence, precision and parallelism."""
+    """examples/llama3-3b-h200.yaml is the shape measured on the H200 (bench case ``RECIPE_CASE`` through the
+    kubetitan path, docs/benchmarks.md): the same model, batch, sequence, precision, parallelism and env."""
     import sys
     from pathlib import Path
 
@@ -56,14 +56,16 @@ def test_h200_3b_recipe_is_the_benchmarked_configuration():
     sys.path.insert(0, bench)
     try:
         from gpu_bench import parse_case
-        from gpu_kubetitan import lpt_for
+        from gpu_kubetitan import RECIPE_CASE, lpt_for
     finally:
         sys.path.remove(bench)
-    measured = parse(lpt_for(parse_case("3B:fp8tw:4"), "bench"))[0].spec
+    measured = parse(lpt_for(parse_case(RECIPE_CASE), "bench"))[0].spec
     recipe = parse(load_example(next(p for p in EXAMPLES if p.stem == "llama3-3b-h200")))[0].spec
     for part in ("model", "precision", "parallelism"):
         assert getattr(recipe, part) == getattr(measured, part), part
     keys = ("seq_len", "local_batch_size", "learning_rate")
     assert [getattr(recipe.training, k) for k in keys] == [getattr(measured.training, k) for k in keys]
     assert (recipe.resources.nodes, recipe.resources.gpus_per_node) == (1, 1)
+    assert recipe.resources.env == measured.resources.env
+    assert recipe.precision.float8.filter_fqns == []  # the output projection in FP8 (compiled by the TrainSpec)
     assert recipe.checkpoint.async_mode == "async_with_pinned_mem" and recipe.checkpoint.interval_steps == 100

@@ -1,4 +1,4 @@
-"""kubetitan_trainer.fast against torchtitan 0.2.2's reference implementation (CPU, small shapes).
+"""bench/fast_components.py against torchtitan 0.2.2's reference implementation (CPU, small shapes).
 
 Forward and backward: real-valued RoPE vs torchtitan's complex ``apply_rotary_emb``; the fused
 chunked linear + cross-entropy vs torchtitan's ``cross_entropy_loss`` on the output ``Linear``; the
@@ -15,7 +15,7 @@ from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
 from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer, apply_rotary_emb, precompute_freqs_cis
 
-from kubetitan_trainer.fast import (
+from fast_components import (
     FastTransformer,
     HiddenAndHead,
     RealRopeTransformer,

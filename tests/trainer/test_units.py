@@ -419,3 +419,14 @@ def test_float8_recipe_rendering_matches_torchtitan_paths(recipe, want, tmp_path
     from kubetitan_trainer.checks import check
 
     check(cfg, 2, cuda=False)  # accepted
+
+
+def test_local_run_gives_the_trainer_the_specs_plain_env_values():
+    """`kubetitan run` passes spec.resources.env to the trainer as a pod would (the 3B H200 recipe's
+    Inductor setting travels that way); valueFrom entries need a cluster and are left out."""
+    from kubetitan_trainer.local import spec_env
+
+    env = [{"name": "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "value": "1"},
+           {"name": "FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
+    assert spec_env(lpt({"resources": {"env": env}})) == {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
+    assert spec_env(lpt()) == {}

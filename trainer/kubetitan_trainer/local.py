@@ -44,6 +44,11 @@ def processes_per_node(lpt: LlamaPretrain) -> int:
     return r.processes_per_node or max(1, r.gpus_per_node)
 
 
+def spec_env(lpt: LlamaPretrain) -> dict[str, str]:
+    """``spec.resources.env`` entries with a plain ``value``, as a pod gets them (``valueFrom`` needs a cluster)."""
+    return {e["name"]: str(e["value"]) for e in lpt.spec.resources.env if "name" in e and "value" in e}
+
+
 def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port: int) -> Path:
     cfg = render.trainer_config(lpt, dump_folder=str(out))
     if steps is not None:
@@ -70,7 +75,7 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
     cmd = [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
            f"--nproc-per-node={nproc}", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={master_port}",
            f"--rdzv-id=local-{name}", "--dns-timeout=5"]
-    env = {**os.environ, contract.ENV_ATTEMPT: os.environ.get(contract.ENV_ATTEMPT, "0"),
+    env = {**os.environ, **spec_env(lpt), contract.ENV_ATTEMPT: os.environ.get(contract.ENV_ATTEMPT, "0"),
            contract.ENV_JOB_NAME: name, contract.ENV_JOB_NAMESPACE: lpt.metadata.namespace or "default",
            contract.ENV_JOB_START_TIME: str(int(time.time()))}
     print(f"Training {name} with {nproc} process(es); log: {log_path}")

@@ -1,5 +1,11 @@
 """The ``kubetitan_llama3`` TrainSpec: torchtitan's Llama 3 plus kubetitan's flavours, data and metrics.
 
+One change to the training core: with compile on and the output projection in FP8
+(``precision.float8.filterFqns`` without ``output``), the final norm and the output projection are
+compiled too (:func:`compile_fp8_head`). torchtitan 0.2.2 compiles only the transformer blocks, so an
+FP8 head runs torchao's casts eagerly, through float32 temporaries of the logits' size (out of
+memory at 3B, batch 4, on an H200; docs/benchmarks.md).
+
 Registered at import through ``torchtitan.protocols.train_spec.register_train_spec``. The worker
 entry point imports this module; plain torchtitan runs load it with
 ``--experimental.custom_import kubetitan_trainer.train_spec``.
@@ -8,12 +14,17 @@ entry point imports this module; plain torchtitan runs load it with
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Callable
+
+import torch
 
 from torchtitan.config import JobConfig
 from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
 from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.tools.logging import logger
 
 from kubetitan.catalog import FLAVOURS
 from kubetitan.render import TRAIN_SPEC_NAME
@@ -65,12 +76,48 @@ def model_args() -> dict[str, TransformerModelArgs]:
     return args
 
 
+def compile_fp8_head(model: torch.nn.Module, job_config: JobConfig) -> bool:
+    """Compile the final norm and the output projection when the projection is an FP8 linear.
+
+    Only their ``forward`` is compiled (hooks such as FSDP's stay eager) and the modules stay in
+    place, so parameter names and checkpoints do not change. Inductor then fuses torchao's amax,
+    scale and cast of the logits' gradient into two kernels with FP8 outputs, instead of the eager
+    ``abs``/``float()``/``clamp`` passes over a float32 copy of the logits. Returns whether it did.
+    """
+    c = job_config.compile
+    if not (c.enable and "model" in c.components):
+        return False
+    from torchao.float8.float8_linear import Float8Linear
+
+    head = getattr(model, "output", None)
+    if not isinstance(head, Float8Linear):
+        return False
+    for module in (getattr(model, "norm", None), head):
+        if module is not None:
+            module.forward = torch.compile(module.forward, backend=c.backend, fullgraph=True)
+    logger.info("Compiling the final norm and the FP8 output projection with torch.compile")
+    return True
+
+
+def wrap_parallelize(parallelize_fn: Callable) -> Callable:
+    """torchtitan's parallelize (with the CPU bridge), then :func:`compile_fp8_head`."""
+    parallelize_fn = cpu_bridge.wrap_parallelize(parallelize_fn)
+
+    @functools.wraps(parallelize_fn)
+    def parallelize(model, parallel_dims, job_config, *args, **kwargs):
+        model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
+        compile_fp8_head(model, job_config)
+        return model
+
+    return parallelize
+
+
 def build_train_spec() -> TrainSpec:
     base = llama3_train_spec()
     return dataclasses.replace(
         base,
         model_args=model_args(),
-        parallelize_fn=cpu_bridge.wrap_parallelize(base.parallelize_fn),
+        parallelize_fn=wrap_parallelize(base.parallelize_fn),
         build_dataloader_fn=build_dataloader,
         build_tokenizer_fn=build_tokenizer,
         build_metrics_processor_fn=build_metrics_processor,
