@@ -8,6 +8,9 @@ and parameter gradients).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +18,8 @@ from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
 from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer, apply_rotary_emb, precompute_freqs_cis
 
-from fast_components import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/fast_components.py
+from fast_components import (  # noqa: E402
     FastTransformer,
     HiddenAndHead,
     RealRopeTransformer,
