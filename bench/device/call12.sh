@@ -7,6 +7,6 @@
 #   batch 1 (P3), then a second R if the deadline allows. Predictions: docs/benchmarks.md (session 5).
 source bench/device/setup.sh
 S=steps=18:warmup=5
-python3 bench/gpu_bench.py run --out "$OUT/r" --deadline $((262 - SECONDS)) --case-timeout 120 --cases \
+python3 bench/gpu_bench.py run --out "$OUT/r" --deadline $((240 - SECONDS)) --case-timeout 120 --cases \
 3B:fp8tw:2:path=plain:$S,3B:fp8tw:4:fp8out=1:path=kubetitan:$S,3B:fp8tw:4:path=plain:$S,3B:eager:1:path=plain:$S,3B:fp8tw:4:fp8out=1:path=kubetitan:$S:round=2
 finish
