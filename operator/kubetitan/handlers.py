@@ -484,7 +484,7 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
         """Create ``o``; False (and an entry in ``errors``) when the API refused it."""
         try:
             return await client.create(o)
-        except (ApiException, aiohttp_errors()) as e:
+        except (ApiException, *aiohttp_errors()) as e:
             errors.append(ChildError(o["kind"], o["metadata"]["name"], classify(e), message_of(e)))
             return False
 

@@ -278,7 +278,8 @@ def _metrics_condition(s: LlamaPretrainStatus, cond: Any) -> None:
     o = s.observation
     if o is not None and o.metrics_error:
         cond(C.METRICS_AVAILABLE, "False", C.SCRAPE_FAILED,
-             f"{o.metrics_error}; training progress is unknown (last known step {o.step}); this alone never "
+             f"{o.metrics_error}; training progress is unknown ("
+             + (f"last known step {o.step}" if o.step is not None else "no step seen yet") + "); this alone never "
              "restarts the run (see docs/operator.md, 'Metrics')")
     elif o is not None and o.metrics_ok_time:
         cond(C.METRICS_AVAILABLE, "True", C.SCRAPED, "rank 0's /metrics answers")

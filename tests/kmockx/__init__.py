@@ -180,7 +180,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
             # Reads go through kmock's routing (so user reactions still apply) to the overrides below.
             return await super(kmock.KubernetesEmulator, self)._handle(request)
         for hook in list(self.hooks):
-            await hook(request)
+            try:
+                await hook(request)
+            except aiohttp.web.HTTPException as e:  # a hook may answer instead (a test's injected 403/429/503)
+                return aiohttp.web.Response(status=e.status, body=e.body, headers=e.headers)
         res, ns, name, sub = request.resource, request.namespace, request.name, request.subresource
         async with self._lock:
             if method == "POST" and name is None:
@@ -412,7 +415,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
             rv = str(next(self._rv))
         if self._as_table(request):
             return self._table(request.resource, items, rv)
-        return {"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": rv}, "items": items}
+        # As the API server answers: "<Kind>List" of the resource's group/version (typed clients such as kubectl
+        # describe's event search decode nothing from a bare "List").
+        res, info = request.resource, self.resources.get(request.resource)
+        kind = f"{info.kind}List" if info is not None and info.kind else "List"
+        api_version = f"{res.group}/{res.version}" if res.group else (res.version or "v1")
+        return {"apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": rv}, "items": items}
 
     async def _serve_fetch(self, request: rendering.Request) -> rendering.Payload:
         async with self._lock:

@@ -65,3 +65,142 @@ def test_credentials_cached_and_refreshed_on_401(accepted: str, want_status: int
         assert client.calls[("", "pods", "get")] == (2 if want_status == 200 else 1)
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------ the error policy (one place: kubetitan.kube)
+from kubetitan.kube import ApiError, NameConflict, RetryPolicy, classify, message_of  # noqa: E402
+
+FAST = RetryPolicy(attempts=4, base_seconds=0.001, cap_seconds=0.01)
+
+
+def _status(code: int, reason: str, message: str, headers: dict[str, str] | None = None) -> tuple:
+    return code, reason, message, headers
+
+
+def _serve(script: list[tuple], seen: list[tuple[str, str]], existing: dict | None = None):
+    """A tiny API server: each request takes the next scripted ``Status`` answer, then 201."""
+
+    async def handler(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        seen.append((request.method, request.path))
+        if request.method == "GET" and existing is not None:
+            return aiohttp.web.json_response(existing)
+        if not script:
+            return aiohttp.web.json_response({"kind": "Pod"}, status=201)
+        code, reason, message, headers = script.pop(0)
+        return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+                                          "reason": reason, "message": message}, status=code, headers=headers)
+
+    return handler
+
+
+async def _with_server(handler, body):
+    app = aiohttp.web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = Client(kubernetes.client.Configuration(host=f"http://127.0.0.1:{port}"), retry=FAST)
+    try:
+        return await body(client)
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+POD = {"kind": "Pod", "apiVersion": "v1", "metadata": {"name": "r-a0-0", "namespace": "ml",
+                                                       "ownerReferences": [{"kind": "LlamaPretrain", "uid": "ours"}]}}
+
+
+@pytest.mark.parametrize(("script", "want_retries"), [
+    ([_status(429, "TooManyRequests", "slow down", {"Retry-After": "0"})] * 2, {"429": 2}),
+    ([_status(503, "ServiceUnavailable", "etcd leader changed"), _status(500, "InternalError", "x")],
+     {"503": 1, "500": 1}),
+    ([_status(504, "Timeout", "x")] * 3, {"504": 3}),
+], ids=["429-retry-after", "5xx", "three-gateway-timeouts"])
+def test_retryable_answers_are_retried_then_succeed(script, want_retries) -> None:
+    seen: list = []
+
+    async def body(client: Client) -> None:
+        assert await client.create(POD) is True
+        assert client.retries == want_retries
+
+    asyncio.run(_with_server(_serve(list(script), seen), body))
+    assert len(seen) == sum(want_retries.values()) + 1
+
+
+def test_retries_are_capped_then_the_error_says_what_the_server_said() -> None:
+    seen: list = []
+
+    async def body(client: Client) -> None:
+        with pytest.raises(ApiError) as e:
+            await client.create(POD)
+        assert e.value.status == 503 and e.value.api_message == "apiserver overloaded"
+        assert classify(e.value) == "APIUnavailable"
+
+    asyncio.run(_with_server(_serve([_status(503, "ServiceUnavailable", "apiserver overloaded")] * 9, seen), body))
+    assert len(seen) == FAST.attempts
+
+
+@pytest.mark.parametrize(("code", "reason", "want"), [
+    (403, "Forbidden", "Forbidden"), (422, "Invalid", "Invalid"),
+], ids=["403-quota", "422-pod-security"])
+def test_refusals_are_not_retried_and_classified(code, reason, want) -> None:
+    seen: list = []
+    msg = 'pods "r-a0-0" is forbidden: exceeded quota: gpu, requested: nvidia.com/gpu=8'
+
+    async def body(client: Client) -> None:
+        with pytest.raises(ApiError) as e:
+            await client.create(POD)
+        assert (classify(e.value), message_of(e.value)) == (want, msg)
+
+    asyncio.run(_with_server(_serve([_status(code, reason, msg)], seen), body))
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize(("owner_uid", "want"), [("ours", False), ("theirs", "NameConflict"), (None, "NameConflict")],
+                         ids=["ours-is-success", "other-owner-left-alone", "no-owner-left-alone"])
+def test_409_reads_the_object_and_checks_its_owner(owner_uid, want) -> None:
+    seen: list = []
+    existing = {"kind": "Pod", "metadata": {"name": "r-a0-0", "namespace": "ml", "ownerReferences": [
+        {"kind": "LlamaPretrain", "name": "r", "uid": owner_uid}] if owner_uid else []}}
+
+    async def body(client: Client) -> None:
+        if want is False:
+            assert await client.create(POD) is False
+        else:
+            with pytest.raises(NameConflict) as e:
+                await client.create(POD)
+            assert classify(e.value) == want and "leaves it alone" in message_of(e.value)
+
+    asyncio.run(_with_server(_serve([_status(409, "AlreadyExists", "exists")], seen, existing), body))
+    assert [m for m, _ in seen] == ["POST", "GET"]  # read, never patched
+
+
+def test_connection_errors_are_retried_then_raised() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+
+    async def main() -> None:
+        client = Client(kubernetes.client.Configuration(host=f"http://127.0.0.1:{port}"), retry=FAST)
+        try:
+            with pytest.raises(aiohttp.ClientConnectionError):
+                await client.get("pods", "ml", "p0")
+            assert sum(client.retries.values()) == FAST.attempts - 1
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("n", "retry_after", "low", "high"), [
+    (0, None, 0.0, 0.2), (3, None, 0.0, 1.6), (20, None, 0.0, 10.0), (0, 2.5, 2.5, 2.5), (0, 99.0, 10.0, 10.0),
+], ids=["first", "fourth", "capped", "retry-after", "retry-after-capped"])
+def test_backoff_is_capped_exponential_with_jitter(n, retry_after, low, high) -> None:
+    p = RetryPolicy()
+    for _ in range(20):
+        assert low <= p.delay(n, retry_after) <= high

@@ -6,6 +6,9 @@ Tests play the kubelet by patching pod status and serve rank 0's metrics from a 
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 
 from kmockx.harness import CMS, LPT, NS, PODS, SVCS, Cluster, Operator, ScaledClock, cpu_spec, lpt, wait_for
@@ -234,3 +237,124 @@ def test_invalid_spec_sets_condition_and_creates_nothing(cluster: Cluster) -> No
         assert cond["status"] == "False" and cond["reason"] == "InvalidSpec"
         assert "spec.checkpoint.storage.hostPath" in cond["message"]
         assert cluster.pod_names(NS, "r12") == [] and cluster.list(CMS, NS) == []
+
+
+# ------------------------------------------------------------------ the cluster edge (issue 14)
+class Faults:
+    """A kmockx hook on the operator's writes: a scripted burst of refusals on pod creates, then a seeded share
+    of 429 (Retry-After 0) / 503 answers on every write. Raised aiohttp HTTP errors become the API's answer."""
+
+    def __init__(self, share: float = 0.2, refusals: tuple[tuple[int, str], ...] = (), seed: int = 14) -> None:
+        import random
+
+        self.rng, self.share, self.refusals = random.Random(seed), share, list(refusals)
+        self.injected: dict[int, int] = {}
+        self.status_writes: list[dict] = []
+        self.pod_creates: list[str] = []
+
+    async def __call__(self, request) -> None:
+        import aiohttp.web
+
+        res = request.resource
+        method = request.method.value if request.method else ""
+        if res is None or res.plural in ("namespaces", "kopfpeerings", "clusterkopfpeerings"):
+            return
+        if res.plural == "pods" and method == "POST":
+            self.pod_creates.append(((request.data or {}).get("metadata") or {}).get("name", ""))
+            if self.refusals:
+                code, msg = self.refusals.pop(0)
+                self._count(code)
+                body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+                        "reason": "Forbidden" if code == 403 else "Invalid", "message": msg}
+                raise (aiohttp.web.HTTPForbidden if code == 403 else aiohttp.web.HTTPUnprocessableEntity)(
+                    text=json.dumps(body), content_type="application/json")
+        if self.rng.random() < self.share:
+            if self.rng.random() < 0.5:
+                self._count(429)
+                raise aiohttp.web.HTTPTooManyRequests(headers={"Retry-After": "0"})
+            self._count(503)
+            raise aiohttp.web.HTTPServiceUnavailable()
+        if request.subresource == "status" and res.plural == "llamapretrains":
+            self.status_writes.append(copy.deepcopy(request.data or {}))
+
+    def _count(self, code: int) -> None:
+        self.injected[code] = self.injected.get(code, 0) + 1
+
+
+QUOTA = 'pods "r-a0-1" is forbidden: exceeded quota: team-quota, requested: cpu=8, used: cpu=8, limited: cpu=8'
+PSA = 'pods "r-a0-1" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false'
+
+
+def _conditions_written(f: Faults, type_: str) -> list[tuple[str, str]]:
+    return [(c["status"], c["reason"]) for w in f.status_writes for c in (w.get("status") or {}).get("conditions") or []
+            if c.get("type") == type_]
+
+
+def test_api_faults_no_restart_no_duplicates(cluster: Cluster, rank0) -> None:
+    """429/503 on 20% of the operator's writes and a burst of 403/422 on pod create: the run starts and succeeds
+    with no restart, each child exists once, and the refusal is a condition and an Event (kubectl describe)."""
+    from test_kubectl import kubectl
+
+    faults = Faults(0.2, refusals=((403, QUOTA),) * 3 + ((422, PSA),) * 2)
+    assert cluster.k is not None
+    cluster.k.hooks.append(faults)
+    with Operator(cluster):
+        cluster.apply(lpt("r", cpu_spec(), metrics_port=rank0.port))
+        wait_for(lambda: len(cluster.pod_names(NS, "r")) == 2, 60, "both pods despite the refusals")
+        assert cluster.pod_names(NS, "r") == ["r-a0-0", "r-a0-1"]
+        written = _conditions_written(faults, "ChildrenCreated")
+        assert ("False", "Forbidden") in written or ("False", "Invalid") in written, written
+        events = wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "FailedCreate"],
+                          20, "FailedCreate event")
+        assert any("exceeded quota" in e["message"] or "PodSecurity" in e["message"] for e in events), events
+        out = kubectl(cluster, "describe", "lpt", "r", "-n", NS)
+        assert "Children Created" in out or "ChildrenCreated" in out, out
+        assert "FailedCreate" in out, out
+        _running(cluster, "r", 0)
+        rank0.step(100, checkpoint=100)
+        wait_for(lambda: (cluster.condition(NS, "r", "ChildrenCreated") or {}).get("status") == "True", 30,
+                 "ChildrenCreated=True once both pods exist")
+        cluster.terminate_pod(NS, "r-a0-1", 0, "Completed")
+        cluster.terminate_pod(NS, "r-a0-0", 0, "Completed")
+        wait_for(lambda: _phase(cluster, "r") == "Succeeded", 60, "Succeeded")
+    st = cluster.status(NS, "r")
+    assert st["restartCount"] == 0 and not st.get("restarts")
+    assert set(faults.pod_creates) == {"r-a0-0", "r-a0-1"}, "no pod of another attempt was ever created"
+    assert faults.injected.get(403) == 3 and faults.injected.get(422) == 2
+    assert faults.injected.get(429, 0) + faults.injected.get(503, 0) > 0
+    phases = [p for w in faults.status_writes if (p := (w.get("status") or {}).get("phase"))]
+    assert set(phases) <= {"Pending", "Starting", "Running", "Succeeded"}, phases  # never Restarting or Failed
+
+
+def _closed_port() -> int:
+    from kmockx.harness import free_port
+
+    return free_port()  # bound and closed again: nothing listens there, every scrape is refused
+
+
+def test_metrics_unreachable_for_a_whole_run_succeeds_without_restart(cluster: Cluster) -> None:
+    """rank 0's /metrics never answers (the trainer binds elsewhere / a NetworkPolicy drops the scrape) and the
+    clock runs 60x, far past startupTimeoutSeconds and hangTimeoutSeconds: no restart, MetricsAvailable=False,
+    and the operator restarted mid-run goes on from the status."""
+    clock = ScaledClock(rate=1.0)  # real time until the pods run: pod timestamps come from the server's clock
+    spec = cpu_spec(startupTimeoutSeconds=10, hangTimeoutSeconds=10)
+    with Operator(cluster, clock=clock):
+        cluster.apply(lpt("mu", spec, metrics_port=_closed_port()))
+        wait_for(lambda: len(cluster.pod_names(NS, "mu")) == 2, 20, "pods")
+        _running(cluster, "mu", 0)
+        c = wait_for(lambda: (m := cluster.condition(NS, "mu", "MetricsAvailable")) and m["status"] == "False" and m,
+                     20, "MetricsAvailable=False")
+        assert c["reason"] == "ScrapeFailed" and "/metrics" in c["message"] and "Cannot connect" in c["message"], c
+        first = clock()
+        clock.set_rate(60.0)
+        wait_for(lambda: clock() - first > 600, 30, "10 clock minutes")  # 60x: ~10 s
+    # a new operator process state: only the API's status
+    with Operator(cluster, clock=clock):
+        wait_for(lambda: clock() - first > 1200, 30, "another 10 clock minutes under the new operator")
+        assert cluster.pod_names(NS, "mu") == ["mu-a0-0", "mu-a0-1"]
+        cluster.terminate_pod(NS, "mu-a0-1", 0, "Completed")
+        cluster.terminate_pod(NS, "mu-a0-0", 0, "Completed")
+        wait_for(lambda: _phase(cluster, "mu") == "Succeeded", 20, "Succeeded")
+    st = cluster.status(NS, "mu")
+    assert st["restartCount"] == 0 and not st.get("restarts") and st["attempt"] == 0
+    assert (cluster.condition(NS, "mu", "MetricsAvailable") or {}).get("status") == "False"

@@ -109,3 +109,60 @@ def test_liveness_and_json_logs(cluster: Cluster) -> None:
     assert ("bad", NS) in refs and ("lg", NS) in refs
     assert any(r["severity"] == "error" and "invalid spec" in r["message"] and r.get("object", {}).get("name") == "bad"
                for r in records)
+
+
+def _requests(c: Cluster, method: str, plural: str) -> list[str]:
+    """Object names of every ``method`` request on ``plural`` the server received (kmock's request log)."""
+    out = []
+    for r in list(c.k):
+        if r.method is None or r.method.value != method or r.resource is None or r.resource.plural != plural:
+            continue
+        out.append(r.name or ((r.data or {}).get("metadata") or {}).get("name", ""))
+    return out
+
+
+def test_fail_back_a_b_a_keeps_the_live_gang(cluster: Cluster) -> None:
+    """A active -> B (higher priority) takes over and restarts the run to attempt 1 -> B stops -> A resumes.
+    A must rebuild its view from the API: no pod of attempt 1 deleted, no attempt 2, the run goes on to
+    success under A."""
+    logs: list[OperatorProcess] = []
+    try:
+        _fail_back(cluster, logs)
+    except AssertionError as e:  # say what each replica did
+        raise AssertionError(f"{e}\n" + "\n".join(f"--- replica {i}:\n{op.log_text()[-2500:]}"
+                                                   for i, op in enumerate(logs))) from None
+
+
+def _fail_back(cluster: Cluster, logs: list[OperatorProcess]) -> None:
+    cluster.add_peering("kubetitan")
+    args = ("--namespace", NS, "--peering", "kubetitan", "--scan-interval", "0.5")
+    with OperatorProcess(cluster.kubeconfig, *args, "--priority", "50") as a:
+        logs.append(a)
+        wait_for(lambda: "Resuming operations" in a.log_text(), 15, "replica A active")
+        cluster.apply(lpt("fb", cpu_spec(nodes=2)))
+        wait_for(lambda: cluster.pod_names(NS, "fb") == ["fb-a0-0", "fb-a0-1"], 15, "attempt 0 by A")
+        for r in range(2):
+            cluster.run_pod(NS, f"fb-a0-{r}", f"node-{r}")
+        wait_for(lambda: _created(a, "fb"), 10, "A created attempt 0")
+        with OperatorProcess(cluster.kubeconfig, *args, "--priority", "100") as b:
+            logs.append(b)
+            wait_for(lambda: "Resuming operations" in b.log_text(), 20, "replica B takes over")
+            wait_for(lambda: "Pausing operations" in a.log_text(), 20, "replica A paused")
+            cluster.terminate_pod(NS, "fb-a0-1", 1)
+            wait_for(lambda: cluster.pod_names(NS, "fb") == ["fb-a1-0", "fb-a1-1"], 20, "B restarted to attempt 1")
+            assert _created(b, "fb")
+            for r in range(2):
+                cluster.run_pod(NS, f"fb-a1-{r}", f"node-{r}")
+            wait_for(lambda: (cluster.status(NS, "fb").get("observation") or {}).get("ranksSeen") == [0, 1]
+                     and cluster.status(NS, "fb").get("attempt") == 1, 10, "B's status of attempt 1")
+            b.stop()
+        wait_for(lambda: a.log_text().count("Resuming operations") >= 2, 20, "replica A resumes")
+        # A acts again (its cycles must not touch attempt 1): the run finishes under A
+        cluster.terminate_pod(NS, "fb-a1-1", 0, "Completed")
+        cluster.terminate_pod(NS, "fb-a1-0", 0, "Completed")
+        wait_for(lambda: cluster.status(NS, "fb").get("phase") == "Succeeded", 20, "Succeeded under A")
+    deleted = _requests(cluster, "DELETE", "pods")
+    assert not [n for n in deleted if n.startswith("fb-a1-")], deleted
+    assert sorted(_pod_creates(cluster)) == ["fb-a0-0", "fb-a0-1", "fb-a1-0", "fb-a1-1"]
+    st = cluster.status(NS, "fb")
+    assert (st["restartCount"], st["attempt"]) == (1, 1)
