@@ -30,7 +30,7 @@ MODE_PRECISION = {
 CDT_ENV = {"name": "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "value": "1"}
 """Inductor's coordinate-descent tuning of its Triton kernels, set through the spec (``cdt=1``)."""
 
-RECIPE_CASE = "3B:fp8tw:4:fp8out=1"
+RECIPE_CASE = "3B:fp8tw:4"
 """The bench case that ``examples/llama3-3b-h200.yaml`` is (checked in tests/api/test_examples.py)."""
 
 
