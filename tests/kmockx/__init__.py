@@ -30,10 +30,13 @@ test can hold a request (e.g. "operator killed mid-reconcile").
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import copy
 import datetime as dt
 import itertools
 import json
+import random
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,6 +47,9 @@ import attrs
 import kmock
 from kmock._internal import dicts as kdicts
 from kmock._internal import parsing, rendering
+
+from kmockx import validation
+from kmockx.validation import StructuralSchema
 
 Hook = Callable[[Any], Awaitable[None]]
 
@@ -70,9 +76,12 @@ def _now() -> str:
     return dt.datetime.now(tz=dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
-    return aiohttp.web.json_response({"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
-                                      "code": code, "reason": reason, "message": message}, status=code)
+def _status(code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> aiohttp.web.Response:
+    body = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure", "code": code,
+            "reason": reason, "message": message}
+    if details:
+        body["details"] = details
+    return aiohttp.web.json_response(body, status=code)
 
 
 _SEL = re.compile(r"^\s*(!?)([\w./-]+)\s*(?:(=|==|!=)\s*([\w./-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
@@ -117,26 +126,281 @@ def _age(ts: str | None) -> str:
     return f"{secs}s" if secs < 120 else f"{secs // 60}m"
 
 
+@attrs.define
+class TypeInfo:
+    """One served resource: discovery data and how its objects are checked."""
+    res: Any
+    kind: str
+    namespaced: bool = True
+    singular: str = ""
+    shortnames: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
+    status: bool = False
+    printer_columns: list[dict[str, Any]] | None = None
+    schema: StructuralSchema | None = None  # custom resources: the CRD's structural schema
+    builtin: bool = False  # built-ins: the Kubernetes OpenAPI schema (kubernetes-validate)
+
+    @property
+    def group(self) -> str:
+        return self.res.group or ""
+
+    @property
+    def kind_group(self) -> str:
+        return f"{self.kind}.{self.group}" if self.group else self.kind
+
+
+VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+
+
+class ApiError(Exception):
+    """An in-process call (``put``/``patch_obj``/``remove``) the API refused: ``.code`` and the ``.status`` body."""
+
+    def __init__(self, code: int, status: dict[str, Any]) -> None:
+        super().__init__(f"{code}: {status.get('message')}")
+        self.code, self.status = code, status
+
+
+@attrs.define(kw_only=True)
+class Fault:
+    """An injected answer: matching requests get ``code`` (after ``delay`` seconds), by ``count`` or ``rate``.
+
+    ``verbs``/``resource``/``namespace``/``name``/``user`` select requests (None: any); ``resource`` is a plural,
+    optionally with its subresource (``llamapretrains/status``). ``code`` 0 adds only the latency (a slow server);
+    ``hang=True`` never answers (the client's timeout fires). ``count`` None means unlimited; ``rate`` is the
+    fraction answered (seeded RNG: reproducible). ``hits`` counts the requests it answered.
+    """
+    code: int = 500
+    verbs: frozenset[str] | None = None
+    resource: str | None = None
+    namespace: str | None = None
+    name: str | None = None
+    user: str | None = None
+    count: int | None = None
+    rate: float = 1.0
+    retry_after: int | None = None
+    delay: float = 0.0
+    hang: bool = False
+    message: str | None = None
+    hits: int = 0
+
+    def matches(self, verb: str, resource: str, ns: str | None, name: str | None, user: str) -> bool:
+        return ((self.verbs is None or verb in self.verbs) and (self.resource is None or self.resource == resource)
+                and (self.namespace is None or self.namespace == ns) and (self.name is None or self.name == name)
+                and (self.user is None or self.user == user) and (self.count is None or self.hits < self.count))
+
+
+_FAULT_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict",
+                  410: "Expired", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError",
+                  503: "ServiceUnavailable", 504: "Timeout"}
+
+
+@attrs.define
+class LogEntry:
+    """One line of the readable request log: who asked what, and what they got."""
+    id: int
+    user: str
+    verb: str
+    path: str
+    code: int
+    fault: bool = False
+
+    def __str__(self) -> str:
+        return f"#{self.id} {self.user} {self.verb} {self.path} -> {self.code}{' (injected)' if self.fault else ''}"
+
+
+ADMIN = "system:admin"
+ADMIN_TOKEN = "kmock"
+
+
+def _field_value(obj: dict[str, Any], path: str) -> str:
+    v = _jsonpath(obj, path)
+    return "" if v is None else str(v)
+
+
+def match_fields(obj: dict[str, Any], selector: str | None) -> bool:
+    """Field selectors (``a=b``, ``a==b``, ``a!=b``, comma-separated) on any dotted field path."""
+    for part in (selector or "").split(","):
+        if not part.strip():
+            continue
+        if "!=" in part:
+            k, v = part.split("!=", 1)
+            if _field_value(obj, k.strip()) == v.strip():
+                return False
+        else:
+            k, v = part.replace("==", "=").split("=", 1)
+            if _field_value(obj, k.strip()) != v.strip():
+                return False
+    return True
+
+
+def strategic_merge(old: Any, patch: Any) -> Any:
+    """A strategic merge patch as kubectl sends for built-ins: maps merge, lists of named items merge by
+    ``name`` (containers, env, volumes, ports by name), other lists replace; ``$``-directives are honoured for
+    ``$patch: delete/replace`` and otherwise dropped."""
+    if not isinstance(patch, dict) or not isinstance(old, dict):
+        return copy.deepcopy(patch)
+    if patch.get("$patch") == "replace":
+        return {k: v for k, v in patch.items() if not k.startswith("$")}
+    out = copy.deepcopy(old)
+    for k, v in patch.items():
+        if k.startswith("$"):
+            continue
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, list) and isinstance(out.get(k), list) and v and all(
+                isinstance(i, dict) and "name" in i for i in v) and all(
+                isinstance(i, dict) and "name" in i for i in out[k]):
+            merged = {i["name"]: i for i in out[k]}
+            for item in v:
+                if item.get("$patch") == "delete":
+                    merged.pop(item["name"], None)
+                else:
+                    merged[item["name"]] = strategic_merge(merged.get(item["name"], {}), item)
+            out[k] = list(merged.values())
+        elif isinstance(v, dict):
+            out[k] = strategic_merge(out.get(k) or {}, v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def merge_patch(old: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(old) if isinstance(old, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+_POD_MUTABLE = "`spec.containers[*].image`,`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`," \
+               "`spec.tolerations` (only additions to existing tolerations),`spec.terminationGracePeriodSeconds` " \
+               "(allow it to be set to 1 if it was previously negative)"
+
+
+def _pod_spec_comparable(spec: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    spec = copy.deepcopy(spec or {})
+    for key in ("containers", "initContainers"):
+        for c in spec.get(key) or []:
+            c.pop("image", None)
+    spec.pop("activeDeadlineSeconds", None)
+    spec.pop("tolerations", None)
+    spec.pop("terminationGracePeriodSeconds", None)
+    if not (old or {}).get("nodeName"):
+        spec.pop("nodeName", None)  # binding (the scheduler's pods/binding) sets it once
+    return spec
+
+
 @attrs.define(kw_only=True)
 class KubeEmulator(kmock.KubernetesEmulator):
-    printer_columns: dict[Any, list[dict[str, Any]]] = attrs.field(factory=dict)
     hooks: list[Hook] = attrs.field(factory=list)
     graceful_pod_deletion: bool = False
+    faults: list[Fault] = attrs.field(factory=list)
+    seed: int = 0
+    log: list[LogEntry] = attrs.field(factory=list)
+    identities: dict[str, tuple[str, tuple[str, ...]]] = attrs.field(
+        factory=lambda: {ADMIN_TOKEN: (ADMIN, ("system:masters", "system:authenticated"))})
+    authorizer: Any = None  # kmockx.rbac.Authorizer; None: every authenticated user may do everything
+    types: dict[Any, TypeInfo] = attrs.field(factory=dict)
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _last_rv: int = attrs.field(default=0, init=False)
+    _history: Any = attrs.field(factory=lambda: collections.deque(maxlen=20000), init=False)
+    _compacted_rv: int = attrs.field(default=0, init=False)
+    _watchers: dict[Any, set[Any]] = attrs.field(factory=lambda: collections.defaultdict(set), init=False)
+    _rng: Any = attrs.field(default=None, init=False)
 
-    # ------------------------------------------------------------------ helpers for tests
+    # ------------------------------------------------------------------ declaring resources
     def declare(self, resource: str, kind: str, namespaced: bool = True, status: bool = False,
                 shortnames: tuple[str, ...] = (), singular: str | None = None,
-                printer_columns: list[dict[str, Any]] | None = None) -> Any:
+                printer_columns: list[dict[str, Any]] | None = None, builtin: bool = False,
+                schema: StructuralSchema | None = None, categories: tuple[str, ...] = ()) -> Any:
         res = kmock.resource(resource)
         self.resources[res] = kmock.ResourceInfo(
             kind=kind, namespaced=namespaced, singular=singular or kind.lower(), shortnames=set(shortnames),
-            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
-            subresources={"status"} if status else set())
-        if printer_columns:
-            self.printer_columns[res] = printer_columns
+            verbs=set(VERBS), subresources={"status"} if status else set())
+        self.types[res] = TypeInfo(res, kind, namespaced, singular or kind.lower(), tuple(shortnames),
+                                   tuple(categories), status, printer_columns, schema, builtin)
         return res
 
+    def declare_builtins(self) -> None:
+        """The core kinds kubetitan and kubectl use, checked against the Kubernetes OpenAPI schema."""
+        self.declare("v1/namespaces", "Namespace", namespaced=False, status=True, shortnames=("ns",), builtin=True)
+        self.declare("v1/pods", "Pod", status=True, shortnames=("po",), builtin=True, categories=("all",))
+        self.declare("v1/nodes", "Node", namespaced=False, status=True, shortnames=("no",), builtin=True)
+        self.declare("v1/configmaps", "ConfigMap", shortnames=("cm",), builtin=True)
+        self.declare("v1/services", "Service", status=True, shortnames=("svc",), builtin=True, categories=("all",))
+        self.declare("v1/events", "Event", shortnames=("ev",), builtin=True)
+        self.declare("events.k8s.io/v1/events", "Event", shortnames=("ev",), builtin=True)
+        self.declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition",
+                     namespaced=False, status=True, shortnames=("crd", "crds"), builtin=True)
+
+    def _register_crd(self, crd: dict[str, Any]) -> None:
+        spec = crd["spec"]
+        names = spec["names"]
+        for v in spec["versions"]:
+            if not v.get("served", True):
+                continue
+            schema = (v.get("schema") or {}).get("openAPIV3Schema") or {"type": "object",
+                                                                         "x-kubernetes-preserve-unknown-fields": True}
+            self.declare(f"{spec['group']}/{v['name']}/{names['plural']}", names["kind"],
+                         namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                         status="status" in (v.get("subresources") or {}), shortnames=tuple(names.get("shortNames", [])),
+                         singular=names.get("singular"), printer_columns=v.get("additionalPrinterColumns"),
+                         schema=StructuralSchema(schema), categories=tuple(names.get("categories", [])))
+
+    def _unregister_crd(self, crd: dict[str, Any]) -> None:
+        spec = crd["spec"]
+        for v in spec["versions"]:
+            res = kmock.resource(f"{spec['group']}/{v['name']}/{spec['names']['plural']}")
+            self.types.pop(res, None)
+            if res in self.resources:
+                del self.resources[res]
+
+    # ------------------------------------------------------------------ faults and the request log
+    def inject(self, **kw: Any) -> Fault:
+        """Add a :class:`Fault` (keyword arguments as its fields; ``verbs`` any iterable) and return it."""
+        if kw.get("verbs") is not None:
+            kw["verbs"] = frozenset([kw["verbs"]] if isinstance(kw["verbs"], str) else kw["verbs"])
+        fault = Fault(**kw)
+        self.faults.append(fault)
+        return fault
+
+    def clear_faults(self) -> None:
+        self.faults.clear()
+
+    def expire_watches(self, resource: str | None = None) -> None:
+        """Every open watch (of ``resource``, a plural, or all) gets a 410 Gone ERROR event and ends; watches
+        resuming from an older resourceVersion get 410 too (as after an etcd compaction)."""
+        self._compacted_rv = self._last_rv
+        for res, queues in list(self._watchers.items()):
+            if resource is None or res.plural == resource:
+                for q in list(queues):
+                    q.put_nowait(("expire", None))
+
+    def drop_watches(self, resource: str | None = None) -> None:
+        """Every open watch (of ``resource`` or all) ends without an event, as when a connection drops."""
+        for res, queues in list(self._watchers.items()):
+            if resource is None or res.plural == resource:
+                for q in list(queues):
+                    q.put_nowait(("drop", None))
+
+    def log_text(self) -> str:
+        return "\n".join(str(e) for e in self.log)
+
+    def _pick_fault(self, verb: str, resource: str, ns: str | None, name: str | None, user: str) -> Fault | None:
+        if self._rng is None:
+            self._rng = random.Random(self.seed)
+        for f in self.faults:
+            if f.matches(verb, resource, ns, name, user) and (f.rate >= 1.0 or self._rng.random() < f.rate):
+                f.hits += 1
+                return f
+        return None
+
+    # ------------------------------------------------------------------ helpers for tests (in-process, admin)
     def get(self, resource: Any, ns: str | None, name: str) -> dict[str, Any] | None:  # type: ignore[override]
         key = (kmock.resource(resource) if isinstance(resource, str) else resource, ns, name)
         if key not in self._objects or self._objects[key].deleted:
@@ -149,12 +413,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 if r == res and not o.deleted and (ns is None or n == ns)
                 and match_selector((o.raw.get("metadata") or {}).get("labels") or {}, selector)]
 
-    async def put(self, resource: Any, obj: dict[str, Any]) -> dict[str, Any]:
-        """Create an object as a client would (server-set metadata, watch event)."""
+    async def put(self, resource: Any, obj: dict[str, Any], admit: bool = True) -> dict[str, Any]:
+        """Create an object as a client would (admission, server-set metadata, watch event); ``admit=False``
+        stores it without the schema checks (an object written before its CRD tightened)."""
         res = kmock.resource(resource) if isinstance(resource, str) else resource
         async with self._lock:
-            code, out = await self._create(res, obj["metadata"].get("namespace"), obj)
-        assert code == 201, out
+            code, out = await self._create(res, obj["metadata"].get("namespace"), obj, admit=admit)
+        if code != 201:
+            raise ApiError(code, out)
         return out
 
     async def patch_obj(self, resource: Any, ns: str | None, name: str, patch: dict[str, Any],
@@ -162,8 +428,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
         """Merge-patch an object (as the kubelet patches pod status: ``subresource='status'``)."""
         res = kmock.resource(resource) if isinstance(resource, str) else resource
         async with self._lock:
-            code, out = await self._patch(res, ns, name, patch, subresource)
-        assert code == 200, out
+            code, out = await self._patch(res, ns, name, patch, subresource, "application/merge-patch+json")
+        if code != 200:
+            raise ApiError(code, out)
         return out
 
     async def remove(self, resource: Any, ns: str | None, name: str) -> None:
@@ -172,61 +439,294 @@ class KubeEmulator(kmock.KubernetesEmulator):
             await self._delete(res, ns, name, None)
 
     # ------------------------------------------------------------------ request dispatch
-    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
-        if request.resource is None or request.resource.plural is None:
-            return await super(kmock.KubernetesEmulator, self)._handle(request)  # discovery & others
+    def _authn(self, request: rendering.Request) -> tuple[str, tuple[str, ...]] | None:
+        """Who asks: by bearer token, else by the port the request came in on (client-go sends no token over
+        plain HTTP, so each identity also gets a server port of its own: ``identities['port:N']``)."""
+        headers = {k.lower(): v for k, v in (request.headers or {}).items()}
+        auth = headers.get("authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        if token and token in self.identities:
+            return self.identities[token]
+        port = request.url.port or headers.get("host", "").rpartition(":")[2]
+        return self.identities.get(f"port:{port}", self.identities.get(ADMIN_TOKEN) if not token else None)
+
+    @staticmethod
+    def _verb(request: rendering.Request) -> str:
         method = request.method.value if request.method else "GET"
+        watch = (request.params or {}).get("watch") in ("true", "1")
         if method == "GET":
-            # Reads go through kmock's routing (so user reactions still apply) to the overrides below.
-            return await super(kmock.KubernetesEmulator, self)._handle(request)
+            return "watch" if watch else ("get" if request.name else "list")
+        return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(
+            method, "delete" if request.name else "deletecollection")
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        path = request.url.path
+        ident = self._authn(request)
+        user = ident[0] if ident else "system:anonymous"
+        res = request.resource
+        verb = self._verb(request) if res is not None and res.plural is not None else "get"
+        if ident is None:
+            return self._answer(request, user, verb, _status(401, "Unauthorized", "Unauthorized"))
+        if res is None or res.plural is None or path.startswith("/openapi") or path in ("/version", "/api", "/apis"):
+            return self._answer(request, user, verb, await self._discovery(request))
+        ns, name, sub = request.namespace, request.name, request.subresource
+        resource = res.plural + (f"/{sub}" if sub else "")
+        fault = self._pick_fault(verb, resource, ns, name, user)
+        if fault is not None:
+            if fault.delay:
+                await asyncio.sleep(fault.delay)
+            if fault.hang:
+                await asyncio.sleep(3600)
+            if fault.code:
+                resp = _status(fault.code, _FAULT_REASONS.get(fault.code, "InternalError"),
+                               fault.message or f"injected fault: {fault.code} for {verb} {resource}")
+                if fault.retry_after is not None:
+                    resp.headers["Retry-After"] = str(fault.retry_after)
+                return self._answer(request, user, verb, resp, fault=True)
+        t = self.types.get(res)
+        if t is None:
+            return self._answer(request, user, verb, _status(404, "NotFound",
+                                                            "the server could not find the requested resource"))
+        if self.authorizer is not None:
+            denied = self.authorizer.check(user, ident[1], verb, t.group, res.plural, sub, ns if t.namespaced else None,
+                                           name)
+            if denied:
+                return self._answer(request, user, verb, _status(403, "Forbidden", denied,
+                                                                {"name": name or "", "group": t.group,
+                                                                 "kind": res.plural}))
+        if verb == "watch":
+            return await self._watch(request, t, user)
+        if verb in ("get", "list"):
+            return self._answer(request, user, verb, await self._read(request, t))
         for hook in list(self.hooks):
             try:
                 await hook(request)
             except aiohttp.web.HTTPException as e:  # a hook may answer instead (a test's injected 403/429/503)
-                return aiohttp.web.Response(status=e.status, body=e.body, headers=e.headers)
-        res, ns, name, sub = request.resource, request.namespace, request.name, request.subresource
+                return self._answer(request, user, verb, aiohttp.web.Response(status=e.status, body=e.body,
+                                                                              headers=e.headers), fault=True)
+        strict = (request.params or {}).get("fieldValidation") == "Strict"
+        ctype = {k.lower(): v for k, v in (request.headers or {}).items()}.get("content-type", "")
         async with self._lock:
-            if method == "POST" and name is None:
-                code, out = await self._create(res, ns, request.data or {})
-            elif method == "PATCH" and name:
-                code, out = await self._patch(res, ns, name, request.data or {}, sub)
-            elif method == "PUT" and name:
-                code, out = await self._replace(res, ns, name, request.data or {}, sub)
-            elif method == "DELETE" and name:
-                code, out = await self._delete(res, ns, name, request.data or {})
+            if verb == "create":
+                code, out = await self._create(res, ns, request.data or {}, strict=strict)
+            elif verb == "patch":
+                code, out = await self._patch(res, ns, name, request.data or {}, sub, ctype, strict=strict)
+            elif verb == "update":
+                code, out = await self._replace(res, ns, name, request.data or {}, sub, strict=strict)
+            elif verb == "delete":
+                code, out = await self._delete(res, ns, name, request.data or {}, request.params or {})
             else:
-                code, out = 405, {"reason": "MethodNotAllowed", "message": f"{method} {request.url.path}"}
+                code, out = 405, {"reason": "MethodNotAllowed", "message": f"{verb} {path} is not supported"}
         if code >= 400:
-            return _status(code, out["reason"], out["message"])
-        return aiohttp.web.json_response(out, status=code)
+            resp = (aiohttp.web.json_response(out, status=code) if out.get("kind") == "Status"
+                    else _status(code, out["reason"], out["message"], out.get("details")))
+        else:
+            resp = aiohttp.web.json_response(out, status=code)
+        return self._answer(request, user, verb, resp)
+
+    def _answer(self, request: rendering.Request, user: str, verb: str, resp: aiohttp.web.StreamResponse,
+                fault: bool = False) -> aiohttp.web.StreamResponse:
+        self.log.append(LogEntry(request.id, user, verb, str(request.url.path_qs), resp.status, fault))
+        return resp
+
+    # ------------------------------------------------------------------ discovery and OpenAPI
+    def _group_versions(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for res in self.types:
+            if res.group:
+                out.setdefault(res.group, [])
+                if res.version not in out[res.group]:
+                    out[res.group].append(res.version)
+        return out
+
+    def _resource_list(self, group: str, version: str) -> dict[str, Any] | None:
+        types = [t for r, t in self.types.items() if (r.group or "") == group and r.version == version]
+        if not types:
+            return None
+        resources = []
+        for t in sorted(types, key=lambda t: t.res.plural):
+            resources.append({"name": t.res.plural, "singularName": t.singular, "namespaced": t.namespaced,
+                              "kind": t.kind, "verbs": VERBS, "shortNames": list(t.shortnames),
+                              **({"categories": list(t.categories)} if t.categories else {})})
+            if t.status:
+                resources.append({"name": f"{t.res.plural}/status", "singularName": "", "namespaced": t.namespaced,
+                                  "kind": t.kind, "verbs": ["get", "patch", "update"]})
+        return {"kind": "APIResourceList", "apiVersion": "v1",
+                "groupVersion": f"{group}/{version}" if group else version, "resources": resources}
+
+    def _openapi_doc(self, group: str, version: str) -> dict[str, Any]:
+        """Enough OpenAPI v3 for kubectl: one PATCH operation per kind that takes ``fieldValidation`` (so kubectl
+        sends ``fieldValidation=Strict`` and leaves validation to this server, as with a real one)."""
+        paths: dict[str, Any] = {}
+        prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
+        param = {"name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": True}}
+        for r, t in self.types.items():
+            if (r.group or "") != group or r.version != version:
+                continue
+            gvk = {"group": group, "version": version, "kind": t.kind}
+            where = f"{prefix}/namespaces/{{namespace}}/{r.plural}/{{name}}" if t.namespaced else \
+                f"{prefix}/{r.plural}/{{name}}"
+            paths[where] = {"patch": {"operationId": f"patch{t.kind}", "parameters": [param],
+                                      "x-kubernetes-action": "patch", "x-kubernetes-group-version-kind": gvk,
+                                      "responses": {"200": {"description": "OK"}}}}
+        return {"openapi": "3.0.0", "info": {"title": "Kubernetes (kmockx)", "version": "v1.32.0"},
+                "paths": paths, "components": {"schemas": {}}}
+
+    async def _discovery(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        parts = request.url.path.strip("/").split("/")
+        gvs = self._group_versions()
+        if parts == ["version"]:
+            return aiohttp.web.json_response({"major": "1", "minor": "32", "gitVersion": "v1.32.0-kmockx",
+                                              "platform": "linux/amd64"})
+        if parts == ["api"]:
+            return aiohttp.web.json_response({"kind": "APIVersions", "versions": ["v1"],
+                                              "serverAddressByClientCIDRs": []})
+        if parts == ["apis"]:
+            return aiohttp.web.json_response({"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                self._group(g, vs) for g, vs in sorted(gvs.items())]})
+        if parts[0] == "apis" and len(parts) == 2 and parts[1] in gvs:
+            return aiohttp.web.json_response({"kind": "APIGroup", "apiVersion": "v1",
+                                              **self._group(parts[1], gvs[parts[1]])})
+        if parts[0] == "api" and len(parts) == 2 or parts[0] == "apis" and len(parts) == 3:
+            group, version = ("", parts[1]) if parts[0] == "api" else (parts[1], parts[2])
+            body = self._resource_list(group, version)
+            if body is not None:
+                return aiohttp.web.json_response(body)
+        if parts[:2] == ["openapi", "v3"]:
+            if len(parts) == 2:
+                index = {("api/v1" if not g else f"apis/{g}/{v}"): {"serverRelativeURL": "/openapi/v3/" + (
+                    "api/v1" if not g else f"apis/{g}/{v}") + f"?hash={self._last_rv}"}
+                    for g, vs in [("", ["v1"]), *gvs.items()] for v in vs}
+                return aiohttp.web.json_response({"paths": index})
+            sub = parts[2:]
+            if sub[:1] == ["api"] and len(sub) == 2:
+                return aiohttp.web.json_response(self._openapi_doc("", sub[1]))
+            if sub[:1] == ["apis"] and len(sub) == 3 and sub[1] in gvs:
+                return aiohttp.web.json_response(self._openapi_doc(sub[1], sub[2]))
+        return _status(404, "NotFound", "the server could not find the requested resource")
+
+    @staticmethod
+    def _group(g: str, versions: list[str]) -> dict[str, Any]:
+        return {"name": g, "versions": [{"groupVersion": f"{g}/{v}", "version": v} for v in versions],
+                "preferredVersion": {"groupVersion": f"{g}/{versions[0]}", "version": versions[0]}}
+
+    # ------------------------------------------------------------------ admission (under self._lock)
+    def _has_status(self, res: Any) -> bool:
+        t = self.types.get(res)
+        return t is not None and t.status
+
+    def _admit(self, t: TypeInfo, obj: dict[str, Any], old: dict[str, Any] | None, sub: str | None,
+               strict: bool) -> tuple[int, dict[str, Any]] | None:
+        """None when ``obj`` may be stored (defaults applied and unknown fields pruned in place), else the refusal."""
+        meta = obj.get("metadata") or {}
+        name = meta.get("name") or ""
+        causes = [] if old is not None else validation.meta_errors(t.res.plural, meta)
+        if old is not None:
+            causes += [c for c in validation.meta_errors(t.res.plural, meta) if c.field != "metadata.name"]
+        unknown: list[str] = []
+        if t.schema is not None:
+            more, unknown = t.schema.apply(obj, old)
+            causes += more
+            if not strict:
+                unknown = []  # pruned silently, as the API server does without fieldValidation=Strict
+        elif t.builtin:
+            obj.setdefault("apiVersion", f"{t.group}/{t.res.version}" if t.group else t.res.version)
+            obj.setdefault("kind", t.kind)
+            more, unknown = validation.builtin_errors(obj)
+            causes += [c for c in more if not (c.reason == "FieldValueRequired" and c.field.startswith("status"))]
+        if unknown:
+            what = ", ".join(f'unknown field "{u}"' for u in unknown)
+            gv = f"{t.group}/{t.res.version}" if t.group else t.res.version
+            return 400, {"reason": "BadRequest",
+                         "message": f'{t.kind} in version "{gv}" cannot be handled as a {t.kind}: '
+                                    f"strict decoding error: {what}"}
+        if old is not None:
+            causes += self._immutable(t, obj, old)
+        if old is None and t.res.plural == "pods" and self._psa is not None:
+            denied = self._psa(self, obj)
+            if denied:
+                return 403, {"reason": "Forbidden", "message": f'pods "{name}" is forbidden: {denied}'}
+        if causes:
+            return 422, validation.invalid_status(t.kind_group, name, causes, t.group, t.kind)
+        return None
+
+    _psa: Any = None  # set by kmockx.psa.enable(): (emulator, pod) -> denial message or None
+
+    def _immutable(self, t: TypeInfo, new: dict[str, Any], old: dict[str, Any]) -> list[validation.Cause]:
+        if t.res.plural == "pods" and _pod_spec_comparable(new.get("spec"), old.get("spec")) != \
+                _pod_spec_comparable(old.get("spec"), old.get("spec")):
+            return [validation.Cause("spec", "FieldValueForbidden",
+                                     f"Forbidden: pod updates may not change fields other than {_POD_MUTABLE}")]
+        if t.res.plural == "configmaps" and old.get("immutable"):
+            out = []
+            for k in ("data", "binaryData"):
+                if new.get(k) != old.get(k):
+                    out.append(validation.Cause(k, "FieldValueForbidden",
+                                                "Forbidden: field is immutable when `immutable` is set"))
+            if not new.get("immutable"):
+                out.append(validation.Cause("immutable", "FieldValueForbidden",
+                                            "Forbidden: field is immutable when `immutable` is set"))
+            return out
+        if t.res.plural == "services" and (old.get("spec") or {}).get("clusterIP") and \
+                (new.get("spec") or {}).get("clusterIP") not in (None, "", old["spec"]["clusterIP"]):
+            return [validation.Cause("spec.clusterIP", "FieldValueInvalid",
+                                     f"Invalid value: {json.dumps(new['spec']['clusterIP'])}: field is immutable")]
+        return []
 
     # ------------------------------------------------------------------ mutations (under self._lock)
-    def _has_status(self, res: Any) -> bool:
-        info = self.resources[res] if res in self.resources else None
-        return info is not None and "status" in info.subresources
-
     def _stamp(self, raw: dict[str, Any]) -> None:
-        raw.setdefault("metadata", {})["resourceVersion"] = str(next(self._rv))
+        self._last_rv = next(self._rv)
+        raw.setdefault("metadata", {})["resourceVersion"] = str(self._last_rv)
 
     async def _emit(self, res: Any, type_: str, raw: dict[str, Any]) -> None:
-        await self._buses[res].put({"type": type_, "object": copy.deepcopy(raw)})
+        event = {"type": type_, "object": copy.deepcopy(raw)}
+        rv = int((raw.get("metadata") or {}).get("resourceVersion") or self._last_rv)
+        self._history.append((rv, res, event))
+        for q in list(self._watchers.get(res, ())):
+            q.put_nowait(("event", event))
+        await self._buses[res].put(event)  # kmock's own stream (kept for kmock-level consumers)
 
-    async def _create(self, res: Any, ns: str | None, obj: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def _create(self, res: Any, ns: str | None, obj: dict[str, Any], strict: bool = False,
+                      admit: bool = True) -> tuple[int, dict[str, Any]]:
+        t = self.types.get(res)
+        if t is None:
+            return 404, {"reason": "NotFound", "message": "the server could not find the requested resource"}
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-        if ns is not None:
-            meta["namespace"] = ns
+        if t.namespaced:
+            if ns is not None and meta.get("namespace") not in (None, ns):
+                return 400, {"reason": "BadRequest", "message": "the namespace of the provided object does not "
+                             "match the namespace sent on the request"}
+            meta["namespace"] = ns or meta.get("namespace") or "default"
+            if res.plural != "namespaces" and self.get("v1/namespaces", None, meta["namespace"]) is None \
+                    and any(r.plural == "namespaces" for r in self.types):
+                return 404, {"reason": "NotFound", "message": f'namespaces "{meta["namespace"]}" not found',
+                             "details": {"name": meta["namespace"], "kind": "namespaces"}}
+        else:
+            meta.pop("namespace", None)
+        if self._has_status(res) and res.plural not in ("pods", "nodes", "namespaces", "services"):
+            obj.pop("status", None)  # custom resources: status is written through /status only
+        if admit:
+            refused = self._admit(t, obj, None, None, strict)
+            if refused:
+                return refused
         key = (res, meta.get("namespace"), meta.get("name"))
         if key in self._objects and not self._objects[key].deleted:
-            return 409, {"reason": "AlreadyExists", "message": f'{res.plural} "{meta["name"]}" already exists'}
+            return 409, {"reason": "AlreadyExists", "message": f'{res.plural}{"." + t.group if t.group else ""} '
+                         f'"{meta["name"]}" already exists',
+                         "details": {"name": meta["name"], "group": t.group, "kind": res.plural}}
+        for k in ("resourceVersion", "uid", "deletionTimestamp", "deletionGracePeriodSeconds"):
+            meta.pop(k, None)
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         self._stamp(obj)
         if key in self._objects:
             self._objects[key].create(obj)
         else:
             self._objects[key] = obj
+        if res.plural == "customresourcedefinitions":
+            self._register_crd(obj)
         await self._emit(res, "ADDED", obj)
         return 201, obj
 
@@ -236,8 +736,21 @@ class KubeEmulator(kmock.KubernetesEmulator):
             return None
         return self._objects[key]
 
+    def _not_found(self, res: Any, name: str) -> tuple[int, dict[str, Any]]:
+        t = self.types.get(res)
+        g = "." + t.group if t is not None and t.group else ""
+        return 404, {"reason": "NotFound", "message": f'{res.plural}{g} "{name}" not found',
+                     "details": {"name": name, "group": t.group if t else "", "kind": res.plural}}
+
+    def _conflict(self, res: Any, name: str) -> tuple[int, dict[str, Any]]:
+        t = self.types.get(res)
+        g = "." + t.group if t is not None and t.group else ""
+        return 409, {"reason": "Conflict", "message": f'Operation cannot be fulfilled on {res.plural}{g} "{name}": '
+                     "the object has been modified; please apply your changes to the latest version and try again",
+                     "details": {"name": name, "group": t.group if t else "", "kind": res.plural}}
+
     async def _write(self, res: Any, ns: str | None, name: str, old: dict[str, Any], new: dict[str, Any],
-                     sub: str | None) -> tuple[int, dict[str, Any]]:
+                     sub: str | None, strict: bool = False) -> tuple[int, dict[str, Any]]:
         if self._has_status(res):
             if sub == "status":  # only .status may change
                 new = {**copy.deepcopy(old), "status": new.get("status")}
@@ -248,26 +761,36 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 if "status" in old:
                     new["status"] = copy.deepcopy(old["status"])
         meta = new.setdefault("metadata", {})
-        for k in ("uid", "creationTimestamp", "namespace", "name"):
+        for k in ("uid", "creationTimestamp", "namespace", "name", "deletionTimestamp", "deletionGracePeriodSeconds"):
             if k in old.get("metadata", {}):
                 meta[k] = old["metadata"][k]
+            else:
+                meta.pop(k, None)
+        t = self.types[res]
+        refused = self._admit(t, new, old, sub, strict)
+        if refused:
+            return refused
         meta["generation"] = old["metadata"].get("generation", 1) + (new.get("spec") != old.get("spec"))
+        if new == {**old, "metadata": {**old["metadata"], "generation": meta["generation"]}}:
+            return 200, copy.deepcopy(old)  # a no-op write changes nothing (no new resourceVersion, no event)
         self._stamp(new)
         obj = self._objects[(res, ns, name)]
         obj.patch(kdicts_replace(obj.raw, new))
+        if res.plural == "customresourcedefinitions":
+            self._register_crd(new)
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             await self._really_delete(res, ns, name)
             return 200, new
         await self._emit(res, "MODIFIED", new)
         return 200, new
 
-    async def _patch(self, res: Any, ns: str | None, name: str, patch: Any, sub: str | None
-                     ) -> tuple[int, dict[str, Any]]:
+    async def _patch(self, res: Any, ns: str | None, name: str, patch: Any, sub: str | None, ctype: str = "",
+                     strict: bool = False) -> tuple[int, dict[str, Any]]:
         obj = self._current(res, ns, name)
         if obj is None:
-            return 404, {"reason": "NotFound", "message": f'{res.plural} "{name}" not found'}
+            return self._not_found(res, name)
         old = copy.deepcopy(obj.raw)
-        if isinstance(patch, list):  # GAP: JSON patch (RFC 6902), which kopf uses for finalizers
+        if isinstance(patch, list):  # JSON patch (RFC 6902), which kopf uses for finalizers
             try:
                 new = json_patch(copy.deepcopy(old), patch)
             except _PatchTestFailed as e:
@@ -275,28 +798,55 @@ class KubeEmulator(kmock.KubernetesEmulator):
             except (KeyError, IndexError, ValueError) as e:
                 return 422, {"reason": "Invalid", "message": f"cannot apply the JSON patch: {e!r}"}
         else:
-            new = kdicts.patch_dict(copy.deepcopy(old), patch)
-        return await self._write(res, ns, name, old, new, sub)
+            rv = ((patch or {}).get("metadata") or {}).get("resourceVersion")
+            if rv and rv != old["metadata"].get("resourceVersion"):
+                return self._conflict(res, name)
+            if "strategic-merge-patch" in ctype:
+                t = self.types.get(res)
+                if t is not None and t.schema is not None:
+                    return 415, {"reason": "UnsupportedMediaType", "message": "the body of the request was in an "
+                                 "unknown format - accepted media types include: application/json-patch+json, "
+                                 "application/merge-patch+json, application/apply-patch+yaml"}
+                new = strategic_merge(old, patch)
+            else:
+                new = merge_patch(old, patch)
+        return await self._write(res, ns, name, old, new, sub, strict)
 
-    async def _replace(self, res: Any, ns: str | None, name: str, body: dict[str, Any], sub: str | None
-                       ) -> tuple[int, dict[str, Any]]:
+    async def _replace(self, res: Any, ns: str | None, name: str, body: dict[str, Any], sub: str | None,
+                       strict: bool = False) -> tuple[int, dict[str, Any]]:
         obj = self._current(res, ns, name)
         if obj is None:
-            return 404, {"reason": "NotFound", "message": f'{res.plural} "{name}" not found'}
+            return self._not_found(res, name)
         rv = (body.get("metadata") or {}).get("resourceVersion")
         old = copy.deepcopy(obj.raw)
+        if not rv and res.plural not in ("events",):
+            return 422, validation.invalid_status(self.types[res].kind_group, name, [validation.invalid(
+                "metadata.resourceVersion", "", "must be specified for an update")], self.types[res].group,
+                self.types[res].kind)
         if rv and rv != old["metadata"].get("resourceVersion"):
-            return 409, {"reason": "Conflict", "message": "the object has been modified; please apply your "
-                         "changes to the latest version and try again"}
-        return await self._write(res, ns, name, old, copy.deepcopy(body), sub)
+            return self._conflict(res, name)
+        return await self._write(res, ns, name, old, copy.deepcopy(body), sub, strict)
 
-    async def _delete(self, res: Any, ns: str | None, name: str, options: dict[str, Any] | None
-                      ) -> tuple[int, dict[str, Any]]:
+    async def _delete(self, res: Any, ns: str | None, name: str, options: dict[str, Any] | None,
+                      params: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
         obj = self._current(res, ns, name)
         if obj is None:
-            return 404, {"reason": "NotFound", "message": f'{res.plural} "{name}" not found'}
+            return self._not_found(res, name)
+        options = {**{k: v for k, v in (params or {}).items() if k in ("propagationPolicy", "gracePeriodSeconds")},
+                   **(options or {})}
         raw = copy.deepcopy(obj.raw)
+        pre = (options.get("preconditions") or {})
+        if pre.get("resourceVersion") and pre["resourceVersion"] != raw["metadata"].get("resourceVersion") or \
+                pre.get("uid") and pre["uid"] != raw["metadata"].get("uid"):
+            return self._conflict(res, name)
         grace = self._pod_grace(res, raw, options)
+        policy = options.get("propagationPolicy") or "Background"
+        if policy == "Foreground" and self._dependents(raw["metadata"].get("uid")):
+            fins = raw["metadata"].setdefault("finalizers", [])
+            if "foregroundDeletion" not in fins:
+                fins.append("foregroundDeletion")
+        elif policy == "Orphan":
+            await self._orphan(raw["metadata"].get("uid"))
         if grace is not None and not raw["metadata"].get("finalizers"):
             if raw["metadata"].get("deletionGracePeriodSeconds") == grace:
                 return 200, raw  # already terminating with this grace
@@ -306,14 +856,30 @@ class KubeEmulator(kmock.KubernetesEmulator):
             await self._emit(res, "MODIFIED", raw)
             return 200, raw
         if raw["metadata"].get("finalizers"):
-            if not raw["metadata"].get("deletionTimestamp"):
-                raw["metadata"]["deletionTimestamp"] = _now()
+            if not raw["metadata"].get("deletionTimestamp") or raw != obj.raw:
+                raw["metadata"].setdefault("deletionTimestamp", _now())
                 self._stamp(raw)
                 obj.patch(kdicts_replace(obj.raw, raw))
                 await self._emit(res, "MODIFIED", raw)
+            await self._collect_garbage()
             return 200, raw
         await self._really_delete(res, ns, name)
         return 200, raw
+
+    def _dependents(self, uid: str | None) -> list[tuple[Any, Any, Any]]:
+        return [k for k, o in list(self._objects.items()) if not o.deleted and any(
+            ref.get("uid") == uid for ref in (o.raw.get("metadata") or {}).get("ownerReferences") or [])]
+
+    async def _orphan(self, uid: str | None) -> None:
+        for key in self._dependents(uid):
+            obj = self._objects[key]
+            raw = copy.deepcopy(obj.raw)
+            raw["metadata"]["ownerReferences"] = [r for r in raw["metadata"]["ownerReferences"] if r.get("uid") != uid]
+            if not raw["metadata"]["ownerReferences"]:
+                del raw["metadata"]["ownerReferences"]
+            self._stamp(raw)
+            obj.patch(kdicts_replace(obj.raw, raw))
+            await self._emit(key[0], "MODIFIED", raw)
 
     def _pod_grace(self, res: Any, raw: dict[str, Any], options: dict[str, Any] | None) -> int | None:
         """Grace seconds when this delete of a Pod is graceful (opt-in), None when it removes the object now."""
@@ -332,20 +898,24 @@ class KubeEmulator(kmock.KubernetesEmulator):
         obj = self._objects[(res, ns, name)]
         raw = copy.deepcopy(obj.raw)
         obj.delete()
+        if res.plural == "customresourcedefinitions":
+            self._unregister_crd(raw)
         await self._emit(res, "DELETED", raw)
         await self._collect_garbage()
 
     async def _collect_garbage(self) -> None:
-        """Background cascading deletion of dependents whose owners are all gone."""
+        """The garbage collector: background deletion of dependents whose owners are all gone; foreground
+        deletion of the dependents of owners marked ``foregroundDeletion``, then of the owner itself."""
         while True:
             live = {(o.raw.get("metadata") or {}).get("uid") for o in self._objects.values() if not o.deleted}
+            fg = {(o.raw.get("metadata") or {}).get("uid") for o in self._objects.values() if not o.deleted
+                  and "foregroundDeletion" in ((o.raw.get("metadata") or {}).get("finalizers") or [])}
             orphans = [(r, n, nm) for (r, n, nm), o in list(self._objects.items()) if not o.deleted
                        and (refs := (o.raw.get("metadata") or {}).get("ownerReferences"))
-                       and all(ref.get("uid") not in live for ref in refs)]
-            if not orphans:
-                return
-            removed = False  # orphans that only got a deletionTimestamp stay; stop once nothing went
-            for r, n, nm in orphans:
+                       and (all(ref.get("uid") not in live for ref in refs)
+                            or any(ref.get("uid") in fg for ref in refs))]
+            removed = False
+            for r, n, nm in orphans:  # orphans that only got a deletionTimestamp stay; stop once nothing went
                 obj = self._objects[(r, n, nm)]
                 if (grace := self._pod_grace(r, obj.raw, None)) is not None:
                     if obj.raw["metadata"].get("deletionTimestamp"):
@@ -360,6 +930,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     if not obj.raw["metadata"].get("deletionTimestamp"):
                         raw = copy.deepcopy(obj.raw)
                         raw["metadata"]["deletionTimestamp"] = _now()
+                        self._stamp(raw)
                         obj.patch(kdicts_replace(obj.raw, raw))
                         await self._emit(r, "MODIFIED", raw)
                     continue
@@ -367,12 +938,29 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 obj.delete()
                 await self._emit(r, "DELETED", raw)
                 removed = True
+            for key, o in list(self._objects.items()):  # foreground owners whose dependents are all gone
+                if o.deleted:
+                    continue
+                meta = o.raw.get("metadata") or {}
+                if "foregroundDeletion" in (meta.get("finalizers") or []) \
+                        and meta.get("deletionTimestamp") and not self._dependents(meta.get("uid")):
+                    raw = copy.deepcopy(o.raw)
+                    raw["metadata"]["finalizers"] = [f for f in meta["finalizers"] if f != "foregroundDeletion"]
+                    if raw["metadata"]["finalizers"]:
+                        self._stamp(raw)
+                        o.patch(kdicts_replace(o.raw, raw))
+                        await self._emit(key[0], "MODIFIED", raw)
+                    else:
+                        o.delete()
+                        await self._emit(key[0], "DELETED", raw)
+                        removed = True
             if not removed:
                 return
 
     # ------------------------------------------------------------------ reads
     def _select(self, request: rendering.Request, strict: bool) -> list[dict[str, Any]]:
         selector = (request.params or {}).get("labelSelector")
+        fields = (request.params or {}).get("fieldSelector")
         out = []
         for (r, n, nm), o in list(self._objects.items()):
             if r != request.resource or o.deleted:
@@ -381,7 +969,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 continue
             if request.name is not None and nm != request.name:
                 continue
-            if match_selector((o.raw.get("metadata") or {}).get("labels") or {}, selector):
+            if match_selector((o.raw.get("metadata") or {}).get("labels") or {}, selector) \
+                    and match_fields(o.raw, fields):
                 out.append(o.raw)
         return out
 
@@ -389,64 +978,148 @@ class KubeEmulator(kmock.KubernetesEmulator):
         headers = {k.lower(): v for k, v in (request.headers or {}).items()}
         return "as=Table" in headers.get("accept", "")
 
-    def _table(self, res: Any, items: list[dict[str, Any]], list_rv: str) -> dict[str, Any]:
+    def _table(self, res: Any, items: list[dict[str, Any]], list_rv: str, headers: bool = True) -> dict[str, Any]:
         cols = [{"name": "Name", "type": "string", "format": "name", "priority": 0,
                  "description": "Name of the object."}]
-        extra = self.printer_columns.get(res, [{"name": "Age", "type": "date",
-                                                 "jsonPath": ".metadata.creationTimestamp"}])
+        t = self.types.get(res)
+        extra = (t.printer_columns if t is not None and t.printer_columns else None) or \
+            _BUILTIN_COLUMNS.get(res.plural) or [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
         cols += [{"name": c["name"], "type": c["type"], "format": c.get("format", ""),
                   "priority": c.get("priority", 0), "description": c.get("description", "")} for c in extra]
         rows = []
         for o in items:
             cells: list[Any] = [o["metadata"]["name"]]
             for c in extra:
-                v = _jsonpath(o, c["jsonPath"])
+                v = c["fn"](o) if "fn" in c else _jsonpath(o, c["jsonPath"])
                 cells.append(_age(v) if c["type"] == "date" else ("<none>" if v is None else v))
             rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata",
                                                     "apiVersion": "meta.k8s.io/v1", "metadata": o["metadata"]}})
         return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": list_rv},
-                "columnDefinitions": cols, "rows": rows}
+                "columnDefinitions": cols if headers else [], "rows": rows}
 
-    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
-        if request.resource not in self._get_resources():
-            raise kmock.KubernetesResourceNotFoundError()
-        async with self._lock:
-            items = [copy.deepcopy(o) for o in self._select(request, strict=False)]
-            rv = str(next(self._rv))
-        if self._as_table(request):
-            return self._table(request.resource, items, rv)
-        # As the API server answers: "<Kind>List" of the resource's group/version (typed clients such as kubectl
-        # describe's event search decode nothing from a bare "List").
-        res, info = request.resource, self.resources.get(request.resource)
-        kind = f"{info.kind}List" if info is not None and info.kind else "List"
-        api_version = f"{res.group}/{res.version}" if res.group else (res.version or "v1")
-        return {"apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": rv}, "items": items}
-
-    async def _serve_fetch(self, request: rendering.Request) -> rendering.Payload:
+    async def _read(self, request: rendering.Request, t: TypeInfo) -> aiohttp.web.StreamResponse:
+        if request.name is None:
+            async with self._lock:
+                items = [copy.deepcopy(o) for o in self._select(request, strict=False)]
+                rv = str(self._last_rv)
+            if self._as_table(request):
+                return aiohttp.web.json_response(self._table(request.resource, items, rv))
+            gv = f"{t.group}/{t.res.version}" if t.group else t.res.version
+            return aiohttp.web.json_response({"apiVersion": gv, "kind": f"{t.kind}List",
+                                              "metadata": {"resourceVersion": rv}, "items": items})
         async with self._lock:
             items = [copy.deepcopy(o) for o in self._select(request, strict=True)]
         if not items:
-            raise kmock.KubernetesError(status=404, reason="NotFound", message=f"{request.name} not found")
+            code, body = self._not_found(request.resource, request.name)
+            return _status(code, body["reason"], body["message"], body["details"])
         if self._as_table(request):
-            return self._table(request.resource, items, items[0]["metadata"].get("resourceVersion", ""))
-        return items[0]
+            return aiohttp.web.json_response(self._table(request.resource, items,
+                                                         items[0]["metadata"].get("resourceVersion", "")))
+        return aiohttp.web.json_response(items[0])
 
-    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
-        yield b""
-        selector = (request.params or {}).get("labelSelector")
+    def _watch_match(self, request: rendering.Request, obj: dict[str, Any]) -> bool:
+        meta = obj.get("metadata") or {}
+        return (request.namespace in (None, meta.get("namespace")) and request.name in (None, meta.get("name"))
+                and match_selector(meta.get("labels") or {}, (request.params or {}).get("labelSelector"))
+                and match_fields(obj, (request.params or {}).get("fieldSelector")))
+
+    async def _watch(self, request: rendering.Request, t: TypeInfo, user: str) -> aiohttp.web.StreamResponse:
+        params = request.params or {}
+        rv = params.get("resourceVersion") or ""
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         async with self._lock:
-            events = [{"type": "ADDED", "object": copy.deepcopy(o)} for o in self._select(request, strict=False)]
-        for e in events:
-            yield e
-        async for event in self._buses[request.resource]:
-            meta = event.get("object", {}).get("metadata", {})
-            if request.namespace not in (None, meta.get("namespace")):
-                continue
-            if request.name is not None and meta.get("name") != request.name:
-                continue
-            if not match_selector(meta.get("labels") or {}, selector):
-                continue
-            yield event
+            if rv not in ("", "0"):
+                start = int(rv) if rv.isdigit() else 0
+                oldest = self._history[0][0] if self._history else self._last_rv + 1
+                if start < self._compacted_rv or start < oldest - 1 and start < self._last_rv:
+                    initial = None
+                else:
+                    initial = [e for (erv, r, e) in self._history if r == t.res and erv > start
+                               and self._watch_match(request, e["object"])]
+            else:
+                initial = [{"type": "ADDED", "object": copy.deepcopy(o)} for o in self._select(request, strict=False)]
+            self._watchers[t.res].add(queue)
+        resp = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        self._answer(request, user, "watch", resp)
+        try:
+            await resp.prepare(request._raw_request)
+            table = self._as_table(request)
+
+            async def send(event: dict[str, Any]) -> None:
+                if table and event["type"] != "ERROR":
+                    event = {"type": event["type"], "object": self._table(t.res, [event["object"]],
+                             event["object"]["metadata"].get("resourceVersion", ""))}
+                await resp.write(json.dumps(event).encode() + b"\n")
+
+            if initial is None:
+                await send(_gone(rv))
+                return resp
+            for e in initial:
+                await send(e)
+            timeout = float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
+            deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+            while True:
+                left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+                if left is not None and left <= 0:
+                    break
+                try:
+                    kind, event = await asyncio.wait_for(queue.get(), left)
+                except TimeoutError:
+                    break
+                if kind == "drop":
+                    break
+                if kind == "expire":
+                    await send(_gone(rv))
+                    break
+                if self._watch_match(request, event["object"]):
+                    await send(event)
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self._watchers[t.res].discard(queue)
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            await resp.write_eof()
+        return resp
+
+
+def _gone(rv: str) -> dict[str, Any]:
+    return {"type": "ERROR", "object": {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                                        "code": 410, "reason": "Expired",
+                                        "message": f"too old resource version: {rv}"}}
+
+
+def _pod_ready(o: dict[str, Any]) -> str:
+    cs = (o.get("status") or {}).get("containerStatuses") or []
+    n = len((o.get("spec") or {}).get("containers") or [])
+    return f"{sum(1 for c in cs if c.get('ready'))}/{n}"
+
+
+def _pod_status(o: dict[str, Any]) -> str:
+    if (o.get("metadata") or {}).get("deletionTimestamp"):
+        return "Terminating"
+    for c in (o.get("status") or {}).get("containerStatuses") or []:
+        st = c.get("state") or {}
+        if "waiting" in st and st["waiting"].get("reason"):
+            return st["waiting"]["reason"]
+        if "terminated" in st and st["terminated"].get("reason"):
+            return st["terminated"]["reason"]
+    return (o.get("status") or {}).get("phase") or "Pending"
+
+
+_BUILTIN_COLUMNS: dict[str, list[dict[str, Any]]] = {
+    "pods": [{"name": "Ready", "type": "string", "fn": _pod_ready},
+             {"name": "Status", "type": "string", "fn": _pod_status},
+             {"name": "Restarts", "type": "integer", "fn": lambda o: sum(
+                 c.get("restartCount", 0) for c in (o.get("status") or {}).get("containerStatuses") or [])},
+             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+             {"name": "IP", "type": "string", "priority": 1, "jsonPath": ".status.podIP"},
+             {"name": "Node", "type": "string", "priority": 1, "jsonPath": ".spec.nodeName"}],
+    "events": [{"name": "Type", "type": "string", "jsonPath": ".type"},
+               {"name": "Reason", "type": "string", "jsonPath": ".reason"},
+               {"name": "Object", "type": "string", "fn": lambda o: "{}/{}".format(
+                   ((o.get("involvedObject") or {}).get("kind") or "").lower(), (o.get("involvedObject") or {}).get("name"))},
+               {"name": "Message", "type": "string", "jsonPath": ".message"}],
+}
 
 
 class _PatchTestFailed(Exception):
@@ -492,11 +1165,11 @@ def kdicts_replace(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def kubeconfig(url: str) -> str:
-    """A kubeconfig (YAML text) pointing at a kmock server without auth."""
+def kubeconfig(url: str, token: str = ADMIN_TOKEN, user: str = "kmock") -> str:
+    """A kubeconfig (YAML text) pointing at a kmockx server, authenticating with a bearer ``token``."""
     return json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
         "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-        "users": [{"name": "kmock", "user": {"token": "kmock"}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": user, "namespace": "default"}}],
     })

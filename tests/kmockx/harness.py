@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -28,13 +29,18 @@ import kmock
 import requests
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from kmockx import KubeEmulator, kubeconfig
-from kubetitan import contract, crd
+import yaml
+
+from kmockx import ApiError, KubeEmulator, kubeconfig, rbac  # noqa: F401 - ApiError re-exported for tests
+from kmockx.validation import StructuralSchema
+from kubetitan import contract
 from kubetitan.handlers import Options, run
 
 LPT = "kubetitan.io/v1alpha1/llamapretrains"
 PODS, NODES, CMS, SVCS, EVENTS = "v1/pods", "v1/nodes", "v1/configmaps", "v1/services", "v1/events"
 NS = "ml"
+CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
+CRD_FILE = rbac.REPO / "crds" / "kubetitan.io_llamapretrains.yaml"
 PEERINGS, CLUSTER_PEERINGS = "kopf.dev/v1/kopfpeerings", "kopf.dev/v1/clusterkopfpeerings"
 
 
@@ -64,16 +70,30 @@ def wait_for(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condit
 
 
 class Cluster:
-    def __init__(self, namespaces: tuple[str, ...] = ()) -> None:
+    """kmockx with the built-ins declared, the CRD applied from crds/ and (``rbac=True``, the default) the chart's
+    RBAC enforced: ``kubeconfig`` authenticates as the operator's ServiceAccount with the chart's rules for both
+    watch modes (``operator_kubeconfig`` gives the exact rules of one mode), ``admin_kubeconfig`` as a cluster
+    admin (a user running kubectl). In-process helpers (``apply``, ``patch``, ...) act as an admin."""
+
+    def __init__(self, namespaces: tuple[str, ...] = (), rbac: bool = True) -> None:
         self.namespaces = ("default", NS, *namespaces)
+        self.rbac = rbac
+        self._kubeconfigs: list[str] = []
+        self._stack: contextlib.AsyncExitStack | None = None
         self.loop = asyncio.new_event_loop()
         self.k: KubeEmulator | None = None
         self.url = ""
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self.thread = threading.Thread(target=self._main, daemon=True, name="kmock")
-        fd, self.kubeconfig = tempfile.mkstemp(suffix=".kubeconfig")
+        self.kubeconfig = self._tempfile()
+        self.admin_kubeconfig = self._tempfile()
+
+    def _tempfile(self) -> str:
+        fd, path = tempfile.mkstemp(suffix=".kubeconfig")
         os.close(fd)
+        self._kubeconfigs.append(path)
+        return path
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -81,45 +101,77 @@ class Cluster:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
-        async with KubeEmulator() as k, kmock.Server(k) as srv:
-            self.k = k
+        async with KubeEmulator() as k, kmock.Server(k) as srv, contextlib.AsyncExitStack() as stack:
+            self.k, self._stack = k, stack
             self.url = str(srv.url).rstrip("/")
-            k.declare(LPT, "LlamaPretrain", status=True, shortnames=("lpt",), singular="llamapretrain",
-                      printer_columns=crd.PRINTER_COLUMNS)
-            k.declare(PODS, "Pod", status=True)
-            k.declare(NODES, "Node", namespaced=False, status=True)
-            k.declare(CMS, "ConfigMap")
-            k.declare(SVCS, "Service", status=True)
-            k.declare(EVENTS, "Event")
-            k.declare("v1/namespaces", "Namespace", namespaced=False, status=True)
-            # kopf's peering objects (HA): replicas keep their keep-alives in .status
-            k.declare(PEERINGS, "KopfPeering", status=True)
-            k.declare(CLUSTER_PEERINGS, "ClusterKopfPeering", namespaced=False, status=True)
+            k.declare_builtins()
+            # kopf's peering objects (HA): CRDs whose objects keep any keys (replicas' keep-alives in .status)
+            free = StructuralSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+            k.declare(PEERINGS, "KopfPeering", status=True, schema=free)
+            k.declare(CLUSTER_PEERINGS, "ClusterKopfPeering", namespaced=False, status=True, schema=free)
             for ns in dict.fromkeys(self.namespaces):  # kopf only watches namespaces that exist
                 await k.put("v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+            await k.put(CRDS, yaml.safe_load(CRD_FILE.read_text()))  # the CRD as `kubectl apply -f crds/` does
+            if self.rbac:
+                k.authorizer = rbac.Authorizer()
             self._ready.set()
             await self._stop.wait()
 
     def __enter__(self) -> Cluster:
         self.thread.start()
         assert self._ready.wait(10), "kmock did not start"
-        with open(self.kubeconfig, "w") as f:
+        with open(self.admin_kubeconfig, "w") as f:
             f.write(kubeconfig(self.url))
+        if self.rbac:
+            watched = tuple(n for n in self.namespaces if n != "default")
+            self._bind("kt", rbac.chart_rbac("kt", None) + rbac.chart_rbac("kt", watched), self.kubeconfig)
+        else:
+            with open(self.kubeconfig, "w") as f:
+                f.write(kubeconfig(self.url))
         return self
+
+    def _bind(self, release: str, docs: tuple[dict[str, Any], ...], path: str) -> None:
+        """Authenticate a token as the chart's ServiceAccount of this render, grant its rules, write a kubeconfig."""
+        assert self.k is not None and self.k.authorizer is not None
+        sa = rbac.chart_service_account(docs)
+        token = f"sa-{release}"
+        url = self.call(self._listen())
+        self.k.identities[token] = self.k.identities[f"port:{url.rpartition(':')[2]}"] = rbac.service_account(sa)
+        self.k.authorizer.add(docs)
+        with open(path, "w") as f:
+            f.write(kubeconfig(url, token=token, user=sa))
+
+    async def _listen(self) -> str:
+        """One more port served by the same emulator (an identity of its own: see ``KubeEmulator._authn``)."""
+        assert self.k is not None and self._stack is not None
+        srv = await self._stack.enter_async_context(kmock.Server(self.k))
+        return str(srv.url).rstrip("/")
+
+    def operator_kubeconfig(self, namespaces: tuple[str, ...] | None) -> str:
+        """A kubeconfig for the operator with exactly the chart's RBAC for watching ``namespaces`` (None: all)."""
+        if not self.rbac:
+            return self.kubeconfig
+        release = "ktc" if namespaces is None else "ktn-" + "-".join(sorted(namespaces))
+        path = self._tempfile()
+        self._bind(release, rbac.chart_rbac(release, None if namespaces is None else tuple(sorted(namespaces))), path)
+        return path
 
     def __exit__(self, *exc: Any) -> None:
         assert self._stop is not None
         self.loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(10)
-        os.unlink(self.kubeconfig)
+        for path in self._kubeconfigs:
+            os.unlink(path)
 
     def call(self, coro: Any, timeout: float = 10.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     # ---- API as a client / kubelet / node controller
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], admit: bool = True) -> dict[str, Any]:
+        """Create a LlamaPretrain as an admin would (422 raises ``ApiError``); ``admit=False`` skips the CRD's
+        schema (an object stored before the schema tightened)."""
         assert self.k is not None
-        return self.call(self.k.put(LPT, obj))
+        return self.call(self.k.put(LPT, obj, admit=admit))
 
     def get(self, resource: str, ns: str | None, name: str) -> dict[str, Any] | None:
         assert self.k is not None
@@ -207,8 +259,9 @@ class Operator:
 
     def __init__(self, cluster: Cluster, namespaces: tuple[str, ...] = ("ml",), clock: Callable[[], float] | None = None,
                  scan_interval: float = 0.1, scrape_interval: float = 0.05, all_namespaces: bool = False) -> None:
+        kc = cluster.operator_kubeconfig(None if all_namespaces else tuple(namespaces))
         self.options = Options(namespaces=[] if all_namespaces else list(namespaces), all_namespaces=all_namespaces,
-                               kubeconfig=cluster.kubeconfig, metrics_port=None,
+                               kubeconfig=kc, metrics_port=None,
                                scan_interval=scan_interval, scrape_interval=scrape_interval, scrape_timeout=1.0,
                                clock=clock or time.time)
         self.registry = CollectorRegistry()

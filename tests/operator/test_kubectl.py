@@ -16,7 +16,7 @@ KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 
 
 def kubectl(cluster: Cluster, *args: str) -> str:
-    out = subprocess.run([KUBECTL, "--kubeconfig", cluster.kubeconfig, *args], capture_output=True, text=True,
+    out = subprocess.run([KUBECTL, "--kubeconfig", cluster.admin_kubeconfig, *args], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -27,7 +27,7 @@ def test_kubectl_apply_and_get_shows_printer_columns(cluster: Cluster, tmp_path:
     f = tmp_path / "run.yaml"
     f.write_text(yaml.safe_dump(lpt("kc", cpu_spec())))
     with Operator(cluster):
-        out = kubectl(cluster, "apply", "--validate=false", "-f", str(f))
+        out = kubectl(cluster, "apply", "-f", str(f))
         assert "llamapretrain.kubetitan.io/kc created" in out
         wait_for(lambda: len(cluster.pod_names(NS, "kc")) == 2, 20, "pods")
         wait_for(lambda: cluster.status(NS, "kc").get("phase") == "Starting", 20, "phase")
