@@ -48,7 +48,7 @@ import kmock
 from kmock._internal import dicts as kdicts
 from kmock._internal import parsing, rendering
 
-from kmockx import validation
+from kmockx import psa, validation
 from kmockx.validation import StructuralSchema
 
 Hook = Callable[[Any], Awaitable[None]]
@@ -312,6 +312,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _compacted_rv: int = attrs.field(default=0, init=False)
     _watchers: dict[Any, set[Any]] = attrs.field(factory=lambda: collections.defaultdict(set), init=False)
     _rng: Any = attrs.field(default=None, init=False)
+    _loop: Any = attrs.field(default=None, init=False)
 
     # ------------------------------------------------------------------ declaring resources
     def declare(self, resource: str, kind: str, namespaced: bool = True, status: bool = False,
@@ -375,18 +376,25 @@ class KubeEmulator(kmock.KubernetesEmulator):
     def expire_watches(self, resource: str | None = None) -> None:
         """Every open watch (of ``resource``, a plural, or all) gets a 410 Gone ERROR event and ends; watches
         resuming from an older resourceVersion get 410 too (as after an etcd compaction)."""
-        self._compacted_rv = self._last_rv
+        self._compacted_rv = self._last_rv + 1  # everything up to now is gone; the next list gets a newer version
         for res, queues in list(self._watchers.items()):
             if resource is None or res.plural == resource:
                 for q in list(queues):
-                    q.put_nowait(("expire", None))
+                    self._notify(q, ("expire", None))
 
     def drop_watches(self, resource: str | None = None) -> None:
         """Every open watch (of ``resource`` or all) ends without an event, as when a connection drops."""
         for res, queues in list(self._watchers.items()):
             if resource is None or res.plural == resource:
                 for q in list(queues):
-                    q.put_nowait(("drop", None))
+                    self._notify(q, ("drop", None))
+
+    def _notify(self, q: asyncio.Queue[Any], item: Any) -> None:
+        """Wake a watch from the server's loop or from a test's thread."""
+        if self._loop is None:
+            q.put_nowait(item)
+        else:
+            self._loop.call_soon_threadsafe(q.put_nowait, item)
 
     def log_text(self) -> str:
         return "\n".join(str(e) for e in self.log)
@@ -650,7 +658,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             return 422, validation.invalid_status(t.kind_group, name, causes, t.group, t.kind)
         return None
 
-    _psa: Any = None  # set by kmockx.psa.enable(): (emulator, pod) -> denial message or None
+    _psa: Any = staticmethod(psa.admit)  # Pod Security admission: (emulator, pod) -> denial message or None
 
     def _immutable(self, t: TypeInfo, new: dict[str, Any], old: dict[str, Any]) -> list[validation.Cause]:
         if t.res.plural == "pods" and _pod_spec_comparable(new.get("spec"), old.get("spec")) != \
@@ -767,9 +775,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
             else:
                 meta.pop(k, None)
         t = self.types[res]
-        refused = self._admit(t, new, old, sub, strict)
+        candidate = copy.deepcopy(new)
+        refused = self._admit(t, candidate, old, sub, strict)
         if refused:
             return refused
+        if sub == "status" and self._has_status(res):  # a status write changes .status only (even when the
+            if "status" in candidate:                   # stored spec predates the schema: no pruning there)
+                new["status"] = candidate["status"]
+        else:
+            new = candidate
+            meta = new["metadata"]
         meta["generation"] = old["metadata"].get("generation", 1) + (new.get("spec") != old.get("spec"))
         if new == {**old, "metadata": {**old["metadata"], "generation": meta["generation"]}}:
             return 200, copy.deepcopy(old)  # a no-op write changes nothing (no new resourceVersion, no event)
@@ -1001,6 +1016,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if request.name is None:
             async with self._lock:
                 items = [copy.deepcopy(o) for o in self._select(request, strict=False)]
+                if self._last_rv < self._compacted_rv:
+                    self._last_rv = next(self._rv)
                 rv = str(self._last_rv)
             if self._as_table(request):
                 return aiohttp.web.json_response(self._table(request.resource, items, rv))
@@ -1027,6 +1044,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         params = request.params or {}
         rv = params.get("resourceVersion") or ""
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
         async with self._lock:
             if rv not in ("", "0"):
                 start = int(rv) if rv.isdigit() else 0
@@ -1051,12 +1069,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
                              event["object"]["metadata"].get("resourceVersion", ""))}
                 await resp.write(json.dumps(event).encode() + b"\n")
 
-            if initial is None:
-                await send(_gone(rv))
-                return resp
-            for e in initial:
+            for e in initial if initial is not None else [_gone(rv)]:
                 await send(e)
-            timeout = float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
+            timeout = 0.0 if initial is None else float(params["timeoutSeconds"]) if params.get("timeoutSeconds") \
+                else None
             deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
             while True:
                 left = None if deadline is None else deadline - asyncio.get_running_loop().time()

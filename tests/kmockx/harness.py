@@ -105,10 +105,10 @@ class Cluster:
             self.k, self._stack = k, stack
             self.url = str(srv.url).rstrip("/")
             k.declare_builtins()
-            # kopf's peering objects (HA): CRDs whose objects keep any keys (replicas' keep-alives in .status)
+            # kopf's peering CRDs (HA), as kopf ships them: any keys kept, no status subresource (keep-alives in .status)
             free = StructuralSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
-            k.declare(PEERINGS, "KopfPeering", status=True, schema=free)
-            k.declare(CLUSTER_PEERINGS, "ClusterKopfPeering", namespaced=False, status=True, schema=free)
+            k.declare(PEERINGS, "KopfPeering", schema=free)
+            k.declare(CLUSTER_PEERINGS, "ClusterKopfPeering", namespaced=False, schema=free)
             for ns in dict.fromkeys(self.namespaces):  # kopf only watches namespaces that exist
                 await k.put("v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
             await k.put(CRDS, yaml.safe_load(CRD_FILE.read_text()))  # the CRD as `kubectl apply -f crds/` does
@@ -151,6 +151,8 @@ class Cluster:
         """A kubeconfig for the operator with exactly the chart's RBAC for watching ``namespaces`` (None: all)."""
         if not self.rbac:
             return self.kubeconfig
+        if namespaces is not None and any(ch in n for n in namespaces for ch in "*?[!"):
+            namespaces = None  # a glob needs the cluster-wide rules: the chart's namespaced mode lists exact names
         release = "ktc" if namespaces is None else "ktn-" + "-".join(sorted(namespaces))
         path = self._tempfile()
         self._bind(release, rbac.chart_rbac(release, None if namespaces is None else tuple(sorted(namespaces))), path)

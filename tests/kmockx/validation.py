@@ -196,6 +196,21 @@ def _is_type(value: Any, type_: str) -> bool:
     return isinstance(value, _TYPES.get(type_, object))
 
 
+_MISSING = object()
+
+
+def _lookup(obj: Any, field: str) -> Any:
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", field):
+        if part.startswith("["):
+            i = int(part[1:-1])
+            obj = obj[i] if isinstance(obj, list) and i < len(obj) else _MISSING
+        else:
+            obj = obj.get(part, _MISSING) if isinstance(obj, dict) else _MISSING
+        if obj is _MISSING:
+            return _MISSING
+    return obj
+
+
 class StructuralSchema:
     """One CRD version's structural schema: ``apply(obj, old)`` defaults + prunes in place, returns causes."""
 
@@ -355,7 +370,18 @@ class StructuralSchema:
             out.append(invalid(field, value, message))
 
     def apply(self, obj: dict[str, Any], old: dict[str, Any] | None) -> tuple[list[Cause], list[str]]:
-        """Default and prune ``obj`` in place; return (causes, pruned field paths)."""
+        """Default and prune ``obj`` in place; return (causes, pruned field paths). On updates, errors on values
+        that did not change are dropped (CRD validation ratcheting, on by default since 1.30), so a status write
+        to an object stored before its schema tightened still goes through."""
+        if old is not None:  # the stored object as read back: defaulted and pruned by the current schema too
+            old = copy.deepcopy(old)
+            self._apply(old, None)
+        causes, pruned = self._apply(obj, old)
+        if old is not None:
+            causes = [c for c in causes if _lookup(obj, c.field) != _lookup(old, c.field)]
+        return causes, pruned
+
+    def _apply(self, obj: dict[str, Any], old: dict[str, Any] | None) -> tuple[list[Cause], list[str]]:
         pruned: list[str] = []
         for k, sub in (self.schema.get("properties") or {}).items():
             if k in ("metadata", "apiVersion", "kind"):

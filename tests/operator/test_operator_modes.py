@@ -93,7 +93,7 @@ def test_liveness_and_json_logs(cluster: Cluster) -> None:
         assert r.status_code == 200 and isinstance(r.json(), dict)
         cluster.apply(lpt("lg", cpu_spec(nodes=1)))
         wait_for(lambda: _created(op, "lg"), 15, "the create log line")
-        cluster.apply(lpt("bad", {**cpu_spec(nodes=1), "training": {"steps": 0}}))
+        cluster.apply(lpt("bad", {**cpu_spec(nodes=1), "training": {"steps": 0}}), admit=False)  # past the CRD schema
         wait_for(lambda: (cluster.condition(NS, "bad", "SpecAccepted") or {}).get("status") == "False", 15,
                  "invalid spec condition")
         wait_for(lambda: any(r["severity"] == "error" and "invalid spec" in r["message"] for r in op.log_records()),
