@@ -266,6 +266,9 @@ class StructuralSchema:
             supported = ", ".join(json.dumps(x) for x in schema["enum"])
             out.append(Cause(path, "FieldValueNotSupported",
                              f"Unsupported value: {_fmt(value)}: supported values: {supported}"))
+        if type_ == "integer" and isinstance(value, int) and not -2**63 <= value < 2**63:
+            out.append(invalid(path, value, f"{path} in body must be of type int64"))
+            return
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if "minimum" in schema:
                 lo = schema["minimum"]
@@ -338,11 +341,15 @@ class StructuralSchema:
         expr = rule["rule"]
         if "oldSelf" in expr and old is None:
             return  # a transition rule runs on updates only
-        act = {"self": celpy.json_to_cel(value)}
-        if "oldSelf" in expr:
-            act["oldSelf"] = celpy.json_to_cel(old)
         field = path + (rule.get("fieldPath") or "")
         field = field.lstrip(".")
+        try:
+            act = {"self": celpy.json_to_cel(value)}
+            if "oldSelf" in expr:
+                act["oldSelf"] = celpy.json_to_cel(old)
+        except ValueError as e:  # e.g. an integer beyond int64: the API server cannot represent it either
+            out.append(invalid(field, value, f"cannot evaluate {expr!r}: {e}"))
+            return
         try:
             ok = self._program(expr).evaluate(act)
         except Exception as e:  # noqa: BLE001 - a rule that cannot be evaluated is an error, as in the server
