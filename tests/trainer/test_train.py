@@ -158,3 +158,36 @@ def test_seed_recipe_features_on_cpu(name, precision, log_lines, tmp_path):
     for line in log_lines:
         assert line in text, line
     assert sorted(losses(tmp_path / "f")) == [1, 2]
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tmp_path):
+    """--max-restarts=1: one worker SIGKILLed after the step-4 checkpoint; the same launcher forks new workers for
+    both ranks, they resume from step 4 and finish; the launcher's state file counts one in-place restart."""
+    steps, port = 12, free_port()
+    dump = tmp_path / "ip"
+    cfg = write_config(tmp_path / "ip.toml", lpt({"training": {"steps": steps}, "data": {"source": "synthetic"}}),
+                       dump, {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
+    env = {**os.environ, contract.ENV_ATTEMPT: "0", "OMP_NUM_THREADS": "1"}
+    log = open(cfg.with_suffix(".log"), "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={cfg}", "--nnodes=1", "--nproc-per-node=2",
+         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=inplace", "--max-restarts=1",
+         "--monitor-interval=0.1"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    m = wait_for(proc, port, lambda m: m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= 4 and m.get(contract.M_STEP, 0) >= 5)
+    assert m is not None, tail(cfg)
+    first_workers = _children(proc.pid)
+    assert len(first_workers) == 2, first_workers
+    os.kill(first_workers[1], signal.SIGKILL)
+    assert proc.wait(timeout=600) == 0, tail(cfg)
+    text = cfg.with_suffix(".log").read_text(errors="replace")
+    assert "restarting every rank's workers in place" in text
+    runs = [int(json.loads(x)["step"]) for x in (dump / "kubetitan" / "steps.jsonl").read_text().splitlines()]
+    restart_at = next(i for i in range(1, len(runs)) if runs[i] <= runs[i - 1])
+    assert runs[restart_at] == 5  # resumed after the step-4 checkpoint (the step-8 one did not exist yet)
+    assert runs[-1] == steps
+    assert "Resuming from the newest complete checkpoint, step 4" in text

@@ -430,3 +430,26 @@ def test_local_run_gives_the_trainer_the_specs_plain_env_values():
            {"name": "FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
     assert spec_env(lpt({"resources": {"env": env}})) == {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
     assert spec_env(lpt()) == {}
+
+@pytest.mark.parametrize(
+    ("codes", "stop", "want"),
+    [({1: -9}, False, True), ({0: 1}, False, True), ({0: 2}, False, False), ({0: 75, 1: -15}, False, False),
+     ({0: -9}, True, False)],
+    ids=["killed-worker", "crashed-worker", "config-error", "stop-checkpointed", "sigterm-stop-requested"],
+)
+def test_in_place_restart_only_for_failures_a_restart_can_cure(codes, stop, want):
+    from kubetitan_trainer.launch import restartable
+
+    assert restartable({r: _failure(c, 10) for r, c in codes.items()}, stop) is want
+
+
+def test_in_place_launcher_uses_a_c10d_rendezvous_hosted_by_node_rank_0_and_forks_workers():
+    from kubetitan_trainer.launch import parse_args, torchrun_argv
+
+    base = ["--config=c.toml", "--nnodes=2", "--master-addr=m.svc", "--master-port=29500", "--rdzv-id=r"]
+    static = torchrun_argv(parse_args(base))
+    assert "--rdzv-backend=static" in static and "--max-restarts=0" in static
+    for rank, host in ((0, "true"), (1, "false")):
+        argv = torchrun_argv(parse_args([*base, f"--node-rank={rank}", "--max-restarts=3"]))
+        assert {"--rdzv-backend=c10d", "--rdzv-endpoint=m.svc:29500", f"--rdzv-conf=is_host={host}",
+                "--max-restarts=3", "--start-method=fork"} <= set(argv)

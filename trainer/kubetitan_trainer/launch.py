@@ -10,6 +10,8 @@
 3. Runs torchrun **in-process** through ``torch.distributed.run``'s own argument parser and
    ``elastic_launch``: static rendezvous at ``master-addr:master-port``, ``max_restarts=0``
    (the operator restarts whole gangs), worker ``kubetitan_trainer.main --job.config_file``.
+   With ``--max-restarts=N`` (N > 0) the launcher restarts the workers **in place** instead (see
+   "In-place restarts" below).
 4. Exits with the **failing worker's own exit code** (the earliest failure; a worker that
    exited by itself wins a tie over one torchrun killed) instead of torchrun's blanket 1.
 
@@ -21,11 +23,28 @@ the workers get in ``KUBETITAN_STOP_FILE``. The workers agree to stop at the nex
 save a full checkpoint and exit 75; the launcher then exits 75. The time they get is the pod's
 ``terminationGracePeriodSeconds`` (``spec.checkpoint.saveTimeoutSeconds``), after which the
 kubelet kills everything.
+
+In-place restarts (``--max-restarts=N``, N > 0; docs/operator.md "In-place restarts"): the same
+torchrun agent, with a **c10d rendezvous** hosted by node rank 0's launcher at
+``master-addr:master-port`` instead of the static one. When a worker of any pod dies, that pod's agent
+stops its other local workers and re-enters the rendezvous; every other agent sees a node waiting
+(``num_nodes_waiting() > 0`` in ``SimpleElasticAgent._invoke_run``) and restarts its own workers too, so
+the whole gang restarts together and resumes from the newest complete checkpoint, while the pods, their
+volumes and their placement stay. After N such restarts the next failure ends the launcher with the
+worker's exit code, and the operator re-creates the gang as before. Exit codes that a restart cannot
+cure are never restarted in place: 2 (config error) and 75 / a SIGTERM stop (the pod is going away).
+
+Warm workers: in that mode the launcher imports torch, torchtitan and the trainer once, **before any
+CUDA initialisation** (``PYTORCH_NVML_BASED_CUDA_CHECK=1`` keeps ``torch.cuda.is_available()`` from
+initialising CUDA), and the agent *forks* the workers (``start_method="fork"``, a function entry point),
+so a restart pays no interpreter start and no imports. Each worker first resets the signal handlers it
+inherited from the launcher.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -50,6 +69,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--rdzv-id", default="kubetitan")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="in-place worker restarts of the whole gang before the launcher exits (0: none; the "
+                        "operator re-creates the gang)")
+    p.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between the agent's worker checks")
     p.add_argument("--dns-timeout", type=float, default=600.0, help="seconds to wait for --master-addr to resolve")
     return p.parse_args(argv)
 
@@ -84,13 +107,140 @@ def exit_code_of(failures: dict) -> int:
     return 128 - code if code < 0 else code  # -15 (signal) -> 143, as a shell reports it
 
 
+NOT_RESTARTED_IN_PLACE = frozenset({int(ExitCode.CONFIG_ERROR), int(ExitCode.TERMINATED_CHECKPOINTED)})
+"""Worker exit codes a restart in place cannot cure: a bad config, and a stop after SIGTERM (75)."""
+
+ENV_LAUNCHER_STATE = "KUBETITAN_LAUNCHER_STATE"
+"""Path of the launcher's JSON state file (in-place restarts so far, the last failure), read by workers."""
+
+WARM_MODULES = ("torchtitan.train", "kubetitan_trainer.train_spec", "kubetitan_trainer.trainer",
+                "kubetitan_trainer.main")
+"""What a warm launcher imports once so that forked workers start without imports."""
+
+
+def restartable(failures: dict, stop_requested: bool) -> bool:
+    """May the gang restart in place after ``failures`` (local rank -> ProcessFailure)?"""
+    if stop_requested:
+        return False
+    return not any(f.exitcode in NOT_RESTARTED_IN_PLACE for f in failures.values())
+
+
 def torchrun_argv(a: argparse.Namespace) -> list[str]:
+    if a.max_restarts > 0:
+        is_host = "true" if a.node_rank == 0 else "false"
+        return [
+            f"--nnodes={a.nnodes}", f"--nproc-per-node={a.nproc_per_node}", f"--node-rank={a.node_rank}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={a.master_addr}:{a.master_port}", f"--rdzv-id={a.rdzv_id}",
+            f"--rdzv-conf=is_host={is_host}", f"--max-restarts={a.max_restarts}",
+            f"--monitor-interval={a.monitor_interval}", "--start-method=fork",
+            "-m", "kubetitan_trainer.main", "--job.config_file", a.config,
+        ]
     return [
         f"--nnodes={a.nnodes}", f"--nproc-per-node={a.nproc_per_node}", f"--node-rank={a.node_rank}",
         "--rdzv-backend=static", f"--master-addr={a.master_addr}", f"--master-port={a.master_port}",
-        f"--rdzv-id={a.rdzv_id}", "--max-restarts=0", "--monitor-interval=0.5",
+        f"--rdzv-id={a.rdzv_id}", "--max-restarts=0", f"--monitor-interval={a.monitor_interval}",
         "-m", "kubetitan_trainer.main", "--job.config_file", a.config,
     ]
+
+
+def run_worker(*argv: str) -> int:
+    """A forked worker's entry point: the launcher's signal handlers off, then the trainer's main."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    from kubetitan_trainer import main as worker_main
+
+    sys.argv = [worker_main.__file__, *argv]  # a fork keeps the launcher's argv; torchtitan parses sys.argv
+    code = worker_main.main(list(argv))
+    if code:
+        sys.exit(int(code))  # the agent reads the process's exit code
+    return 0
+
+
+def warm_up(worker_argv: list[str]) -> float:
+    """Import what every worker needs, without initialising CUDA; the seconds it took.
+
+    torchtitan 0.2.2's ``ConfigManager.parse_args(self, args=sys.argv[1:])`` binds its default when the module
+    is imported, and ``torchtitan.train.main`` calls it without arguments: the imports run with the
+    workers' argv in ``sys.argv`` so that the default is theirs, not the launcher's."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    begin = time.perf_counter()
+    import importlib
+
+    saved, sys.argv = sys.argv, [sys.argv[0], *worker_argv]
+    try:
+        from kubetitan_trainer import cpu_bridge
+
+        cpu_bridge.apply()  # patches module globals once; forked workers inherit them
+        for name in WARM_MODULES:
+            importlib.import_module(name)
+    finally:
+        sys.argv = saved
+    return time.perf_counter() - begin
+
+
+class LauncherState:
+    """The JSON file a launcher keeps of its in-place restarts (``KUBETITAN_LAUNCHER_STATE``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.data: dict = {"restarts": 0, "failures": []}
+        self.write()
+
+    def failed(self, failures: dict, restarting: bool) -> None:
+        rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
+        code = first.exitcode
+        self.data["failures"].append({"time": first.timestamp or time.time(), "local_rank": rank,
+                                      "exit_code": 128 - code if code < 0 else code, "restarted": restarting})
+        self.data["failures"] = self.data["failures"][-20:]
+        if restarting:
+            self.data["restarts"] += 1
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f)
+        os.replace(tmp, self.path)
+
+
+def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requested) -> None:
+    """``torch.distributed.launcher.api.launch_agent`` with an agent that records failures and refuses
+    restarts that cannot help (see :func:`restartable`). Raises ChildFailedError when the workers fail."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    class InPlaceAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
+                ok = restartable(result.failures, stop_requested()) and self._remaining_restarts > 0
+                if not ok:
+                    self._remaining_restarts = 0
+                state.failed(result.failures, restarting=ok)
+                if ok:
+                    log.warning("Worker(s) failed (%s); restarting every rank's workers in place (%d left)",
+                                {r: f.exitcode for r, f in result.failures.items()}, self._remaining_restarts - 1)
+            return result
+
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                  local_addr=config.local_addr, **config.rdzv_configs)
+    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+                      args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+                      max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+                      local_addr=config.local_addr)
+    agent = InPlaceAgent(spec=spec, logs_specs=config.logs_specs, start_method="fork",
+                         log_line_prefix_template=config.log_line_prefix_template)
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name="kubetitan_trainer.main", failures=result.failures)
+    finally:
+        spec.rdzv_handler.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,13 +269,25 @@ def main(argv: list[str] | None = None) -> int:
             open(stop_file, "w").close()
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    state = LauncherState(os.path.join(stop_dir, "launcher.json"))
+    os.environ[ENV_LAUNCHER_STATE] = state.path
     config, cmd, cmd_args = config_from_args(torchrun_parse(torchrun_argv(a)))
     # SIGTERM stays ours (see the module docstring); torchrun still handles the others.
     config.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     log.info("Starting %d worker(s) on node %d of %d, master %s:%d", a.nproc_per_node, a.node_rank, a.nnodes, a.master_addr, a.master_port)
     try:
-        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+        if a.max_restarts > 0:
+            # Workers sharing the agents' rendezvous TCPStore would find the previous generation's keys there
+            # (seen: gloo connectFullMesh dialled dead workers' ports after a restart): each generation's rank 0
+            # worker hosts a fresh store instead, at a port its agent picks per rendezvous round.
+            os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            seconds = warm_up(["--job.config_file", a.config])
+            log.info("In-place restarts on (up to %d); warm workers: imported torch/torchtitan once in %.1f s",
+                     a.max_restarts, seconds)
+            run_in_place(config, run_worker, ["--job.config_file", a.config], state, lambda: bool(stopped["at"]))
+        else:
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
         code = ExitCode.OK
     except ChildFailedError as e:
         code = exit_code_of(e.failures)
