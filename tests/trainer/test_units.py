@@ -431,6 +431,7 @@ def test_local_run_gives_the_trainer_the_specs_plain_env_values():
     assert spec_env(lpt({"resources": {"env": env}})) == {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
     assert spec_env(lpt()) == {}
 
+
 @pytest.mark.parametrize(
     ("codes", "stop", "want"),
     [({1: -9}, False, True), ({0: 1}, False, True), ({0: 2}, False, False), ({0: 75, 1: -15}, False, False),
