@@ -454,3 +454,40 @@ def test_in_place_launcher_uses_a_c10d_rendezvous_hosted_by_node_rank_0_and_fork
         argv = torchrun_argv(parse_args([*base, f"--node-rank={rank}", "--max-restarts=3"]))
         assert {"--rdzv-backend=c10d", "--rdzv-endpoint=m.svc:29500", f"--rdzv-conf=is_host={host}",
                 "--max-restarts=3", "--start-method=fork"} <= set(argv)
+
+
+def test_compile_cache_lives_under_the_dump_folder_keyed_by_versions_gpu_and_config(tmp_path):
+    import tomli_w
+
+    from kubetitan_trainer import compile_cache
+
+    def cfg(name, **tables):
+        p = tmp_path / name
+        p.write_text(tomli_w.dumps({"job": {"dump_folder": str(tmp_path / "ck")}, **tables}))
+        return str(p)
+
+    on = {"compile": {"enable": True}, "model": {"flavor": "3B"}, "parallelism": {"data_parallel_shard_degree": 1}}
+    env: dict[str, str] = {}
+    root = compile_cache.configure(cfg("a.toml", **on), env, gpus=["NVIDIA H200"])
+    assert root is not None and root.startswith(str(tmp_path / "ck" / "compile-cache"))
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{root}/inductor" and env["TRITON_CACHE_DIR"] == f"{root}/triton"
+    # the same config on the same GPU model finds the same folder (a re-created gang starts warm) ...
+    assert compile_cache.configure(cfg("b.toml", **on), {}, gpus=["NVIDIA H200"]) == root
+    # ... another GPU model or another parallelism does not
+    assert compile_cache.configure(cfg("c.toml", **on), {}, gpus=["NVIDIA H100 80GB HBM3"]) != root
+    other = {**on, "parallelism": {"data_parallel_shard_degree": 2}}
+    assert compile_cache.configure(cfg("d.toml", **other), {}, gpus=["NVIDIA H200"]) != root
+    # compile off: nothing set; a variable the pod's env sets wins
+    assert compile_cache.configure(cfg("e.toml", compile={"enable": False}), env2 := {}, gpus=[]) is None and not env2
+    mine = {"TORCHINDUCTOR_CACHE_DIR": "/mine"}
+    compile_cache.configure(cfg("f.toml", **on), mine, gpus=[])
+    assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
+
+
+def test_compile_cache_reads_gpu_models_from_the_driver_without_cuda(tmp_path):
+    from kubetitan_trainer.compile_cache import gpu_models
+
+    (tmp_path / "0000:01:00.0").mkdir()
+    (tmp_path / "0000:01:00.0" / "information").write_text("Model: \t\t NVIDIA H200\nIRQ: 1\n")
+    assert gpu_models(str(tmp_path)) == ["NVIDIA H200"]
+    assert gpu_models(str(tmp_path / "none")) == []

@@ -257,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import config_from_args
     from torch.distributed.run import parse_args as torchrun_parse
 
+    from kubetitan_trainer import compile_cache
+
+    cache = compile_cache.configure(a.config)  # before any worker starts: they inherit the variables
+    if cache:
+        log.info("Compile cache (Inductor, AOTAutograd, Triton): %s", cache)
     stop_dir = tempfile.mkdtemp(prefix="kubetitan-")
     stop_file = os.path.join(stop_dir, "stop")
     os.environ[ENV_STOP_FILE] = stop_file
