@@ -51,11 +51,12 @@ def step_log(ckpt_dir: Path) -> list[dict[str, Any]]:
 
 
 def attempts_in_log(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Split rank 0's step records into runs of consecutive steps (a new one wherever a step repeats or
-    goes back: the next attempt resumed from an older checkpoint)."""
+    """Split rank 0's step records into attempts: by the attempt each record carries (the pod's attempt, from
+    the trainer's environment), else (older logs) wherever a step repeats or goes back."""
     out: list[list[dict[str, Any]]] = []
     for r in records:
-        if not out or r["step"] <= out[-1][-1]["step"]:
+        if not out or ("attempt" in r and r["attempt"] != out[-1][-1].get("attempt")) \
+                or ("attempt" not in r and r["step"] <= out[-1][-1]["step"]):
             out.append([])
         out[-1].append(r)
     return out

@@ -227,6 +227,7 @@ class KubetitanMetricsProcessor(MetricsProcessor):
         else:
             self.exporter = NullExporter()
         self.step_log: Path | None = None
+        self.attempt = attempt
         if self.rank == 0:
             self.step_log = Path(job_config.job.dump_folder) / "kubetitan" / "steps.jsonl"
             self.step_log.parent.mkdir(parents=True, exist_ok=True)
@@ -259,7 +260,8 @@ class KubetitanMetricsProcessor(MetricsProcessor):
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         if self.step_log is not None:
             rec = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, "tokens_per_second_per_gpu": tps,
-                   "flops_per_second_per_gpu": flops, "mfu_ratio": mfu, "tokens": global_tokens, "time": time.time()}
+                   "flops_per_second_per_gpu": flops, "mfu_ratio": mfu, "tokens": global_tokens, "time": time.time(),
+                   "attempt": self.attempt}
             with open(self.step_log, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
