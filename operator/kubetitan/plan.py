@@ -229,6 +229,9 @@ def pod(
         f"--master-addr={master_address(lpt, attempt)}",
         f"--master-port={RENDEZVOUS_PORT}",
         f"--rdzv-id={meta.namespace or 'default'}-{meta.name}-a{attempt}",
+        # Outlast the scheduling wait: a rank waiting for rank 0's DNS record of a partly scheduled gang must
+        # not exit (a ContainerFailed restart) before the operator reports Unschedulable.
+        f"--dns-timeout={s.run_policy.unschedulable_timeout_seconds + s.run_policy.startup_timeout_seconds}",
     ]
     limits: dict[str, Any] = {}
     requests: dict[str, Any] = {}

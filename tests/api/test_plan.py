@@ -45,6 +45,8 @@ def test_gang_shape(nodes):
         assert arg(p, "nproc-per-node") == "8"
         assert arg(p, "master-addr") == "run-a3-0.run.ml.svc" == master_address(lpt, 3)
         assert arg(p, "rdzv-id") == "ml-run-a3"
+        rp = lpt.spec.run_policy  # rank 0's DNS wait outlasts the scheduling wait (Unschedulable is reported first)
+        assert arg(p, "dns-timeout") == str(rp.unschedulable_timeout_seconds + rp.startup_timeout_seconds)
         assert p["spec"]["hostname"] == p["metadata"]["name"] and p["spec"]["subdomain"] == "run"
         assert p["spec"]["restartPolicy"] == "Never"
         assert p["spec"]["automountServiceAccountToken"] is False

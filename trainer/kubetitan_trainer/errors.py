@@ -26,3 +26,17 @@ class NonFiniteLossError(Exception):
             f"The loss became non-finite (NaN or inf) at step {step}; the run resumes from the last "
             "checkpoint. If it repeats, lower spec.training.learningRate or spec.training.maxNorm"
         )
+
+
+class StorageFullError(Exception):
+    """The checkpoint volume has less free space than the next save needs. Exit code 4 (not retried)."""
+
+    exit_code = ExitCode.STORAGE_FULL
+
+    def __init__(self, folder: str, free: int, needed: int) -> None:
+        self.folder, self.free, self.needed = folder, free, needed
+        super().__init__(
+            f"The checkpoint volume at {folder} has {free / 2**30:.2f} GiB free; the next save needs about "
+            f"{needed / 2**30:.2f} GiB. Free space, enlarge the volume or lower spec.checkpoint.keepLatestK, "
+            "then re-create the run"
+        )

@@ -85,7 +85,8 @@ class Kubetitan:
     metrics_port: int = 9090
     """Port of the Prometheus `/metrics` endpoint served by each node's local rank 0; 0 turns it off."""
     metrics_host: str = "0.0.0.0"
-    """Address the metrics endpoint binds to."""
+    """Address the metrics endpoint binds to; `0.0.0.0` binds dual-stack (`::`, IPv4 and IPv6) where the
+    kernel has IPv6."""
     gpu_product: str = ""
     """GPU model from the spec (H100, H200, ...); the MFU peak when the device name does not say."""
     instance_type: str = ""

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if bridged:
         logger.info("No GPU: applied kubetitan's CPU bridges (gloo, CPU memory monitor, plain-sum FSDP)")
 
-    from kubetitan_trainer.errors import ConfigError, NonFiniteLossError
+    from kubetitan_trainer.errors import ConfigError, NonFiniteLossError, StorageFullError
 
     code = check_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
     if code is not None:
@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as e:
         logger.error(str(e))
         return ExitCode.NON_FINITE_LOSS
+    except StorageFullError as e:
+        logger.error(str(e))
+        return ExitCode.STORAGE_FULL
     return int(KubetitanTrainer.exit_code)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -135,9 +136,18 @@ class Exporter:
         self._tokens_seen = 0
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Serve /metrics. ``0.0.0.0`` (the default) binds dual-stack ``::`` where the kernel has IPv6, so the
+        operator's scrape reaches rank 0 on IPv4, IPv6 and dual-stack clusters alike."""
         if port <= 0:
             return
-        start_http_server(port, addr=host, registry=self.registry)
+        if host == "0.0.0.0" and socket.has_ipv6:
+            try:
+                start_http_server(port, addr="::", registry=self.registry)  # IPV6_V6ONLY off: IPv4 too
+                host = "[::]"
+            except OSError:  # no IPv6 on this host (disabled in the kernel): IPv4 only
+                start_http_server(port, addr=host, registry=self.registry)
+        else:
+            start_http_server(port, addr=host, registry=self.registry)
         self.port = port
         logger.info(f"Serving Prometheus metrics on http://{host}:{port}/metrics")
 

@@ -31,7 +31,7 @@ from kubetitan import contract
 from kubetitan.contract import ExitCode
 
 from kubetitan_trainer import ENV_STOP_FILE
-from kubetitan_trainer.errors import NonFiniteLossError
+from kubetitan_trainer.errors import NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
 
@@ -155,6 +155,8 @@ class KubetitanTrainer(Trainer):
             will_save = ckpt._should_save(curr_step, last_step)
             # A disabled CheckpointManager returns from __init__ before it sets save_future.
             earlier_write = ckpt.save_future if will_save else None
+            if will_save:
+                check_free_space(ckpt.folder, self._checkpoint_bytes_estimate())
             if will_save and not last_step:
                 ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
             begin = time.perf_counter()
@@ -182,6 +184,19 @@ class KubetitanTrainer(Trainer):
 
         ckpt.load = load_then_publish
 
+    def _checkpoint_bytes_estimate(self) -> int:
+        """Bytes one save writes (all ranks): the newest complete checkpoint's size, else model + AdamW state
+        (parameters in fp32 plus two moments: 12 bytes per parameter)."""
+        newest = newest_checkpoint_dir(self.checkpointer.folder)
+        if newest is not None:
+            return dir_bytes(newest)
+        params = sum(p.numel() for m in self.model_parts for p in m.parameters())
+        if dist.is_initialized():  # each rank holds its shard: the numel above is the local one
+            t = torch.tensor([params], dtype=torch.int64)
+            dist.all_reduce(t)
+            params = int(t.item())
+        return params * 12
+
     def _log_float8_notes(self) -> None:
         kt = self.job_config.kubetitan
         if "quantize.linear.float8" not in self.job_config.model.converters:
@@ -197,3 +212,40 @@ class KubetitanTrainer(Trainer):
                                f"(this run has dp_shard={dp_shard})")
             elif on:
                 logger.info(f"{what} is on (dp_shard={dp_shard})")
+
+
+# ------------------------------------------------------------------ free space before a save
+FREE_SPACE_MARGIN = 1.1
+"""A save needs its estimate plus 10% (metadata, the tail of the previous async write)."""
+
+
+def newest_checkpoint_dir(folder: str) -> str | None:
+    """The newest complete checkpoint's folder (the one resume rule), or None."""
+    step = contract.newest_complete_step(checkpoint_entries(folder))
+    return None if step is None else os.path.join(folder, f"step-{step}")
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def check_free_space(folder: str, needed: int) -> None:
+    """Raise StorageFullError (exit code 4) when the volume under ``folder`` cannot take ``needed`` bytes."""
+    import shutil
+
+    probe = folder
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not probe:
+        return
+    free = shutil.disk_usage(probe).free
+    want = int(needed * FREE_SPACE_MARGIN)
+    if free < want:
+        raise StorageFullError(folder, free, want)

@@ -1,0 +1,63 @@
+"""The trainer's side of the operator edge (issue 14): metrics reachable on IPv4 and IPv6 from one bind, and a
+full checkpoint volume detected before a save (exit code 4, ``ExitCode.STORAGE_FULL``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.request
+from collections import namedtuple
+
+import pytest
+
+from kubetitan.contract import ExitCode
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="this Python has no IPv6")
+def test_metrics_bind_is_dual_stack() -> None:
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from kubetitan_trainer import metrics as M
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("the kernel has no IPv6 loopback here")
+    ex = M.Exporter.__new__(M.Exporter)  # only serve() is under test: no torchtitan state needed
+    ex.registry = CollectorRegistry()
+    Gauge("kubetitan_test_up", "test gauge (ratio)", registry=ex.registry).set(1)
+    port = _free_port()
+    ex.serve(port)  # the default host 0.0.0.0
+    for url in (f"http://127.0.0.1:{port}/metrics", f"http://[::1]:{port}/metrics"):
+        assert "kubetitan_test_up 1.0" in urllib.request.urlopen(url, timeout=5).read().decode()
+
+
+def test_full_volume_is_detected_before_a_save(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    from kubetitan_trainer import trainer as T
+    from kubetitan_trainer.errors import StorageFullError
+
+    (tmp_path / "step-10").mkdir()
+    (tmp_path / "step-10" / ".metadata").write_bytes(b"m")
+    (tmp_path / "step-10" / "__0_0.distcp").write_bytes(b"x" * 4000)
+    (tmp_path / "step-20").mkdir()  # a cut-off save: not the size estimate
+    (tmp_path / "step-20" / "__0_0.distcp").write_bytes(b"x" * 99)
+    assert T.newest_checkpoint_dir(str(tmp_path)) == str(tmp_path / "step-10")
+    needed = T.dir_bytes(T.newest_checkpoint_dir(str(tmp_path)))
+    assert needed == 4001
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 4000, 4000))
+    with pytest.raises(StorageFullError) as e:
+        T.check_free_space(str(tmp_path / "not-yet"), needed)  # a missing folder: its volume is checked
+    assert e.value.exit_code == ExitCode.STORAGE_FULL == 4 and "keepLatestK" in str(e.value)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, 10**6))
+    T.check_free_space(str(tmp_path), needed)  # enough: no error
+    assert os.path.isdir(tmp_path)
