@@ -26,6 +26,9 @@ class _Base(BaseModel):
         populate_by_name=True,
         use_attribute_docstrings=True,
         validate_default=True,
+        # No coercion: "1000" or `yes` is not an integer, .inf/.nan are not numbers (the API server agrees).
+        strict=True,
+        allow_inf_nan=False,
     )
 
     def dump(self) -> dict[str, Any]:

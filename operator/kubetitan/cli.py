@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from kubetitan import __version__
+from kubetitan.strictyaml import YamlError, load_all
 from kubetitan.api import LlamaPretrain
 from kubetitan.validation import FieldError, parse
 
@@ -31,16 +32,20 @@ class InputError(Exception):
     """The input file cannot be used; the message says why and what to do."""
 
 
+class BadYaml(InputError):
+    """The file is malformed YAML (exit code 1, like any invalid LlamaPretrain)."""
+
+
 def load_documents(path: str) -> list[Any]:
     """All YAML documents of a file (``-`` is standard input), empty ones dropped."""
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as e:
         raise InputError(f"{path}: cannot read the file: {e.strerror or e}") from None
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as e:
-        raise InputError(f"{path}: not valid YAML: {e}") from None
+        docs = [d for d in load_all(data) if d is not None]
+    except YamlError as e:
+        raise BadYaml(f"{path}: {e}") from None
     if not docs:
         raise InputError(f"{path}: holds no YAML document; expected a LlamaPretrain")
     return docs
@@ -64,7 +69,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.files:
         for doc in load_documents(path):
             lpt, errors = parse(doc)
-            name = (doc.get("metadata") or {}).get("name", "") if isinstance(doc, dict) else ""
+            meta = doc.get("metadata") if isinstance(doc, dict) else None
+            name = str(meta.get("name", "")) if isinstance(meta, dict) else ""
             if errors:
                 bad += 1
                 _print_errors(path, name, errors)
@@ -173,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "attempt", 0) is not None and getattr(args, "attempt", 0) < 0:
             raise InputError("--attempt must be 0 or more")
         return args.func(args)
+    except BadYaml as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INVALID
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

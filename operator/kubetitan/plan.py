@@ -166,8 +166,10 @@ def _env(lpt: LlamaPretrain, attempt: int, job_start_time: float | None) -> list
     tok = s.tokenizer.token_secret_ref
     if tok is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": tok.name, "key": tok.key}}})
-    # The user's variables come last so that they can override ours.
-    env += copy.deepcopy(s.resources.env)
+    # The user's variables replace ours of the same name (e.g. NCCL_DEBUG) instead of repeating them.
+    user = copy.deepcopy(s.resources.env)
+    names = {e.get("name") for e in user}
+    env = [e for e in env if e["name"] not in names] + user
     return env
 
 

@@ -11,6 +11,7 @@ Each error names the field path, what is wrong, and how to fix it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,21 +155,30 @@ def model_dims(model: ModelSpec) -> ModelDims | None:
     )
 
 
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+ATTEMPT_DIGITS = 5
+"""Digits reserved for the attempt number in pod names (attempts 0..99999, restarts and resumes)."""
+
+
+def max_name_length(spec: LlamaPretrainSpec) -> int:
+    """The longest run name whose pod hostnames ``<name>-a<attempt>-<rank>`` are DNS labels (<= 63)."""
+    return 63 - len("-a") - ATTEMPT_DIGITS - len("-") - len(str(max(spec.resources.nodes - 1, 0)))
+
+
 def validate(lpt: LlamaPretrain) -> list[FieldError]:
     """All semantic errors of a parsed (defaulted) LlamaPretrain; empty when it is good."""
     errs: list[FieldError] = []
     name = lpt.metadata.name
     if not name:
         errs.append(FieldError("metadata.name", "is required: give the run a name", "metadata.name"))
-    elif len(name) > 48:
-        errs.append(
-            FieldError(
-                "metadata.name",
-                f"{name!r} is {len(name)} characters; at most 48 so that pod names "
-                "(<name>-a<attempt>-<rank>) stay valid DNS labels",
-                "metadata.name",
-            )
-        )
+    elif not _DNS1035.match(name):
+        errs.append(FieldError("metadata.name", f"{name!r} cannot name the run's headless Service (a DNS-1035 "
+                               "label): use lower-case letters, digits and '-', starting with a letter and "
+                               "ending with a letter or digit, e.g. 'llama3-8b-run'", "metadata.name"))
+    elif len(name) > (limit := max_name_length(lpt.spec)):
+        errs.append(FieldError("metadata.name", f"{name!r} is {len(name)} characters; pod hostnames "
+                               f"<name>-a<attempt>-<rank> must stay DNS labels of at most 63, so with "
+                               f"{lpt.spec.resources.nodes} node(s) use at most {limit} characters", "metadata.name"))
     errs += validate_spec(lpt.spec)
     return errs
 
@@ -385,6 +395,26 @@ def _pydantic_errors(e: ValidationError) -> list[FieldError]:
     return out
 
 
+def _python_names(value: Any, model: Any, path: str) -> list[FieldError]:
+    """Keys spelled the Python way (``seq_len``) where the API has camelCase (``seqLen``): the API server refuses them."""
+    from kubetitan.crd import _model_in
+
+    if not isinstance(value, dict):
+        return []
+    out: list[FieldError] = []
+    for name, field in model.model_fields.items():
+        alias = field.alias or name
+        if name != alias and name in value:
+            out.append(FieldError(f"{path}.{name}", f"unknown field; the API spells it {alias!r}: rename it", "schema"))
+        sub = _model_in(field.annotation)
+        if sub is not None and alias in value:
+            items = value[alias] if isinstance(value[alias], list) else [value[alias]]
+            for i, item in enumerate(items):
+                where = f"{path}.{alias}[{i}]" if isinstance(value[alias], list) else f"{path}.{alias}"
+                out += _python_names(item, sub, where)
+    return out
+
+
 def parse(obj: Any) -> tuple[LlamaPretrain | None, list[FieldError]]:
     """Parse a raw object (from YAML or the API) into a defaulted LlamaPretrain.
 
@@ -403,6 +433,8 @@ def parse(obj: Any) -> tuple[LlamaPretrain | None, list[FieldError]]:
     if errs:
         return None, errs
     body = {k: v for k, v in obj.items() if k != "status"}
+    if named := _python_names(body.get("spec"), LlamaPretrainSpec, "spec"):
+        return None, named
     try:
         lpt = LlamaPretrain.model_validate(body)
     except ValidationError as e:

@@ -56,7 +56,7 @@ def test_empty_spec_is_valid_and_defaulted():
         ({"apiVersion": "kubetitan.io/v1alpha1", "kind": "PyTorchJob"}, "kind", "not LlamaPretrain"),
         ([1, 2], "", "expected a YAML mapping"),
         ({**make_lpt({}), "metadata": {}}, "metadata.name", "required"),
-        (make_lpt({}, name="x" * 60), "metadata.name", "at most 48"),
+        (make_lpt({}, name="x" * 60), "metadata.name", "at most 54"),
         ({**make_lpt({}), "extra": 1}, "extra", "unknown field"),
     ],
     ids=["wrong-version", "wrong-kind", "not-a-mapping", "no-name", "long-name", "unknown-top-level"],

@@ -1,0 +1,114 @@
+"""A strict, total YAML reader for LlamaPretrain files: every malformed input is an error, never a traceback.
+
+Refuses what the API server (or common sense) refuses and PyYAML accepts or crashes on: bytes that are
+not UTF-8, duplicate mapping keys, more than :data:`MAX_ALIASES` aliases (alias bombs), recursive
+aliases, nesting deeper than :data:`MAX_DEPTH`, and integers outside int64. Errors carry the line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+MAX_DEPTH = 64
+MAX_ALIASES = 64
+MAX_NODES = 100_000
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class YamlError(Exception):
+    """A YAML input that cannot be used; ``str()`` says where and why."""
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that counts aliases as they are composed."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.aliases = 0
+
+    def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                mark = self.peek_event().start_mark
+                raise YamlError(f"line {mark.line + 1}: more than {MAX_ALIASES} aliases; "
+                                "write the values out instead of using anchors")
+        return super().compose_node(parent, index)
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _path(path: list[str]) -> str:
+    return ".".join(path) or "<document>"
+
+
+def _build(loader: _Loader, node: yaml.Node, path: list[str], depth: int, stack: set[int],
+           count: list[int]) -> Any:
+    count[0] += 1
+    if count[0] > MAX_NODES:
+        raise YamlError(f"line {_line(node)}: more than {MAX_NODES} values (alias expansion?); simplify the file")
+    if depth > MAX_DEPTH:
+        raise YamlError(f"line {_line(node)}: {_path(path)}: nested deeper than {MAX_DEPTH} levels; flatten it")
+    if id(node) in stack:
+        raise YamlError(f"line {_line(node)}: {_path(path)}: an alias refers to itself; remove the recursion")
+    if isinstance(node, yaml.ScalarNode):
+        try:
+            value = loader.construct_object(node, deep=True)
+        except (ValueError, yaml.YAMLError) as e:  # e.g. an integer with thousands of digits
+            raise YamlError(f"line {_line(node)}: {_path(path)}: {node.value[:40]!r} cannot be read: "
+                            f"{str(e).splitlines()[0][:120]}; fix the value") from None
+        if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+            raise YamlError(f"line {_line(node)}: {_path(path)}: integer out of the 64-bit range; use a "
+                            "smaller value")
+        if not isinstance(value, (str, int, float, bool, type(None))):
+            value = node.value  # timestamps, binary: kept as the written text
+        return value
+    stack = stack | {id(node)}
+    if isinstance(node, yaml.SequenceNode):
+        return [_build(loader, c, path[:-1] + [f"{path[-1] if path else ''}[{i}]"], depth + 1, stack, count)
+                for i, c in enumerate(node.value)]
+    if isinstance(node, yaml.MappingNode):
+        loader.flatten_mapping(node)  # merge keys (<<)
+        out: dict[Any, Any] = {}
+        lines: dict[Any, int] = {}
+        for k, v in node.value:
+            key = _build(loader, k, path, depth + 1, stack, count)
+            if isinstance(key, (list, dict)):
+                raise YamlError(f"line {_line(k)}: {_path(path)}: a mapping key must be a plain value")
+            if key in out:
+                raise YamlError(f"line {_line(k)}: {_path(path + [str(key)])}: duplicate key (first on line "
+                                f"{lines[key]}); keep only one")
+            lines[key] = _line(k)
+            out[key] = _build(loader, v, path + [str(key)], depth + 1, stack, count)
+        return out
+    raise YamlError(f"line {_line(node)}: unsupported YAML node")
+
+
+def load_all(data: bytes | str) -> list[Any]:
+    """All documents of ``data``, strictly; raises :class:`YamlError`."""
+    if isinstance(data, bytes):
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise YamlError(f"line {line}: byte {e.start} is not UTF-8 ({e.reason}); save the file as UTF-8") from None
+    else:
+        text = data
+    if "\x00" in text:
+        raise YamlError(f"line {text[: text.index(chr(0))].count(chr(10)) + 1}: a NUL character; this is not a text file")
+    docs: list[Any] = []
+    try:
+        loader = _Loader(text)
+        while loader.check_node():
+            node = loader.get_node()
+            if node is not None:
+                docs.append(_build(loader, node, [], 0, set(), [0]))
+    except yaml.YAMLError as e:
+        raise YamlError(f"not valid YAML: {e}") from None
+    except RecursionError:
+        raise YamlError(f"nested deeper than {MAX_DEPTH} levels; flatten it") from None
+    return docs
