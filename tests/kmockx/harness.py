@@ -354,6 +354,7 @@ class OperatorProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+        self._final_log = self.log_text()  # a failing test may still print it after the with block
         os.unlink(self.log_path)
 
     def stop(self, timeout: float = 20.0) -> int:
@@ -377,6 +378,8 @@ class OperatorProcess:
         return proc_memory_mb(self.pid)
 
     def log_text(self) -> str:
+        if getattr(self, "_final_log", None) is not None:
+            return self._final_log
         with open(self.log_path, errors="replace") as f:
             return f.read()
 

@@ -150,7 +150,8 @@ def _fail_back(cluster: Cluster, logs: list[OperatorProcess]) -> None:
             wait_for(lambda: "Pausing operations" in a.log_text(), 20, "replica A paused")
             cluster.terminate_pod(NS, "fb-a0-1", 1)
             wait_for(lambda: cluster.pod_names(NS, "fb") == ["fb-a1-0", "fb-a1-1"], 20, "B restarted to attempt 1")
-            assert _created(b, "fb")
+            # B logs "Created attempt" after its last pod POST: the pods can be listed before the line exists
+            wait_for(lambda: _created(b, "fb"), 10, "B logged creating attempt 1")
             for r in range(2):
                 cluster.run_pod(NS, f"fb-a1-{r}", f"node-{r}")
             wait_for(lambda: (cluster.status(NS, "fb").get("observation") or {}).get("ranksSeen") == [0, 1]
