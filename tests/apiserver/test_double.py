@@ -316,6 +316,33 @@ def test_faults_by_count_rate_latency_and_watch_expiry(c: Cluster) -> None:
     assert json.loads(r.text.splitlines()[0])["object"]["code"] == 410  # resuming from before the expiry
 
 
+def test_a_dropped_watch_ends_without_an_event_and_can_resume_from_its_version(c: Cluster) -> None:
+    """drop_watches is a broken connection, not an expiry: the stream just ends (no ERROR, no 410), and a
+    client that watches again from the resourceVersion it last saw gets the events it missed."""
+    assert c.k is not None
+    cms = f"/api/v1/namespaces/{NS}/configmaps"
+    rv = call(c, "GET", cms).json()["metadata"]["resourceVersion"]
+    res = next(r for r in c.k.types if r.plural == "configmaps")
+    lines: list[dict[str, Any]] = []
+
+    def watch() -> None:
+        with requests.get(c.url + cms, params={"watch": "true", "resourceVersion": rv}, stream=True, timeout=10) as r:
+            for line in r.iter_lines():
+                lines.append(json.loads(line))
+
+    t = threading.Thread(target=watch)
+    t.start()
+    wait_for(lambda: c.k is not None and c.k._watchers.get(res), 5, "the watch to start")
+    c.k.drop_watches("configmaps")
+    t.join(10)
+    assert not t.is_alive() and lines == []  # ended, and said nothing
+    made = call(c, "POST", cms, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "after-drop"}})
+    assert made.status_code == 201
+    r = requests.get(c.url + cms, params={"watch": "true", "resourceVersion": rv, "timeoutSeconds": "1"}, timeout=10)
+    events = [json.loads(x) for x in r.text.splitlines()]
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "after-drop")]
+
+
 # ------------------------------------------------------------------------------------------------ kubectl
 def test_stock_kubectl_apply_get_describe_patch_watch_delete(c: Cluster, tmp_path: Path) -> None:
     out = kubectl(c, "apply", "-f", str(CRD_FILE)).stdout
