@@ -274,6 +274,20 @@ def test_rbac_refuses_what_the_chart_does_not_grant(c: Cluster) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ faults
+def _watch_in_thread(c: Cluster, path: str, rv: str) -> tuple[threading.Thread, list[dict[str, Any]]]:
+    """A watch of ``path`` from ``rv`` read in a thread; its events land in the returned list."""
+    lines: list[dict[str, Any]] = []
+
+    def watch() -> None:
+        with requests.get(c.url + path, params={"watch": "true", "resourceVersion": rv}, stream=True, timeout=10) as r:
+            for line in r.iter_lines():
+                lines.append(json.loads(line))
+
+    t = threading.Thread(target=watch)
+    t.start()
+    return t, lines
+
+
 def test_faults_by_count_rate_latency_and_watch_expiry(c: Cluster) -> None:
     assert c.k is not None
     f = c.k.inject(verbs="create", resource="configmaps", code=429, count=2, retry_after=3)
@@ -298,15 +312,7 @@ def test_faults_by_count_rate_latency_and_watch_expiry(c: Cluster) -> None:
         requests.get(c.url + f"{cms}/flaky", timeout=0.1)
     c.k.clear_faults()
     rv = call(c, "GET", cms).json()["metadata"]["resourceVersion"]
-    lines: list[dict[str, Any]] = []
-
-    def watch() -> None:
-        with requests.get(c.url + cms, params={"watch": "true", "resourceVersion": rv}, stream=True, timeout=10) as r:
-            for line in r.iter_lines():
-                lines.append(json.loads(line))
-
-    t = threading.Thread(target=watch)
-    t.start()
+    t, lines = _watch_in_thread(c, cms, rv)
     wait_for(lambda: c.k is not None and c.k._watchers.get(next(r for r in c.k.types if r.plural == "configmaps")),
              5, "the watch to start")
     c.k.expire_watches("configmaps")
@@ -323,15 +329,7 @@ def test_a_dropped_watch_ends_without_an_event_and_can_resume_from_its_version(c
     cms = f"/api/v1/namespaces/{NS}/configmaps"
     rv = call(c, "GET", cms).json()["metadata"]["resourceVersion"]
     res = next(r for r in c.k.types if r.plural == "configmaps")
-    lines: list[dict[str, Any]] = []
-
-    def watch() -> None:
-        with requests.get(c.url + cms, params={"watch": "true", "resourceVersion": rv}, stream=True, timeout=10) as r:
-            for line in r.iter_lines():
-                lines.append(json.loads(line))
-
-    t = threading.Thread(target=watch)
-    t.start()
+    t, lines = _watch_in_thread(c, cms, rv)
     wait_for(lambda: c.k is not None and c.k._watchers.get(res), 5, "the watch to start")
     c.k.drop_watches("configmaps")
     t.join(10)
