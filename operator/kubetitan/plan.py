@@ -32,6 +32,10 @@ RENDEZVOUS_PORT = 29500
 TERMINATION_MARGIN_SECONDS = 30
 """Extra grace on top of checkpoint.saveTimeoutSeconds for the process to flush and exit."""
 
+TRAINER_UID = 10001
+"""The trainer image's user and group (``ARG TRAINER_UID`` in images/trainer.Dockerfile; a test keeps them equal).
+The pods run as it whatever the image says, and it is the ``fsGroup`` that makes fresh volume roots writable."""
+
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
@@ -173,6 +177,42 @@ def _env(lpt: LlamaPretrain, attempt: int, job_start_time: float | None) -> list
     return env
 
 
+def pod_security_context() -> dict[str, Any]:
+    """Pod-level securityContext: non-root as the image's uid, volumes group-owned by it, seccomp on.
+
+    ``fsGroup`` makes the kubelet give every volume that supports ownership management (emptyDir, configMap,
+    and PVCs whose CSI driver's ``fsGroupPolicy`` allows it) group ``TRAINER_UID`` with group write and the
+    setgid bit, so a fresh root-owned claim is writable by the non-root trainer; ``OnRootMismatch`` does that
+    walk only when the root's ownership is wrong (a large FSx checkpoint tree is not re-chowned at every pod
+    start). hostPath volumes get no ownership change: docs/install.md says what an admin prepares.
+    """
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": TRAINER_UID,
+        "runAsGroup": TRAINER_UID,
+        "fsGroup": TRAINER_UID,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    """Container-level securityContext: Pod Security ``restricted`` with no capability at all, EFA included.
+
+    EFA needs no added capability: the EFA device plugin injects the ``/dev/infiniband/uverbs*`` devices, and
+    libfabric's memory registration needs the locked-memory rlimit, which the container runtime of the node
+    sets (the EKS-optimized accelerated AL2023 AMIs and HyperPod's EKS AMI ship the host-level EFA setup; see
+    "Manage EFA devices on Amazon EKS" in the EKS user guide). Adding ``IPC_LOCK`` would not help either: a
+    process of a non-root user gets an empty effective capability set at execve unless ambient capabilities
+    are set (capabilities(7)), and the pod API has no field for them.
+    """
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
 def _affinity(lpt: LlamaPretrain, attempt: int, avoid_nodes: Sequence[str]) -> dict[str, Any] | None:
     s = lpt.spec
     aff: dict[str, Any] = copy.deepcopy(s.resources.affinity) if s.resources.affinity else {}
@@ -285,6 +325,7 @@ def pod(
         "volumeMounts": mounts,
         # The trainer's own message (e.g. the config error) becomes the pod's termination message.
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": container_security_context(),
     }
     if resources:
         container["resources"] = resources
@@ -301,6 +342,7 @@ def pod(
         "hostname": name,
         "subdomain": service_name(meta.name),
         "automountServiceAccountToken": False,  # training pods get no Kubernetes API access
+        "securityContext": pod_security_context(),
         "terminationGracePeriodSeconds": ck.save_timeout_seconds + TERMINATION_MARGIN_SECONDS,
         "containers": [container],
         "volumes": volumes,
