@@ -12,7 +12,9 @@ projection stays in bf16 (``filter_fqns = ["output"]``, torchtitan's and kubetit
 ``spec=fast`` (bench/fast_components.py) or ``spec=rope`` (its real-valued RoPE alone),
 ``fp8out=1`` (the output projection in FP8 too), ``cdt=1`` (Inductor's coordinate-descent tuning:
 ``TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1``, through ``spec.resources.env`` on the kubetitan path),
-``data=kt`` (plain path: torchtitan's TrainSpec fed kubetitan's synthetic source, for loss parity),
+``alloc=exp`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: the caching allocator grows
+segments instead of keeping fixed blocks, less fragmentation; through ``spec.resources.env`` on the kubetitan
+path), ``data=kt`` (plain path: torchtitan's TrainSpec fed kubetitan's synthetic source, for loss parity),
 ``lrwarm=`` (warm-up steps, default 4), ``round=`` (a label: repeats of one case get their own log), ``kill=N`` (kill the run once step N is logged: no final save), ``ac=selective|full``, ``ckpt=sync|async|pinned``
 (checkpoint every ``ckint`` steps; pinned = ``async_with_pinned_mem``), ``profile=N`` (profile steps
 N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
@@ -69,7 +71,7 @@ def parse_case(text: str) -> dict:
     if len(parts) < 3 or parts[1] not in MODES:
         raise SystemExit(f"bad case {text!r}: write FLAVOUR:MODE:BATCH[:key=value...], MODE one of {sorted(MODES)}")
     case = {"flavor": parts[0], "mode": parts[1], "batch": int(parts[2]), "spec": "plain", "ac": "none",
-            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "data": "bench", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "id": text}
+            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "alloc": "", "data": "bench", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "id": text}
     for kv in parts[3:]:
         k, _, v = kv.partition("=")
         if k not in case:
@@ -242,6 +244,10 @@ def run_case(case: dict, path: str, out: Path, timeout: float, env_extra: dict |
         env["GPUBENCH_PROFILE_AFTER"] = str(case["profile"])
     if case["cdt"] and path == "plain":  # the kubetitan path gets it from the spec (spec.resources.env)
         env["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] = "1"
+    if case["alloc"] and path == "plain":  # likewise
+        from gpu_kubetitan import alloc_env
+
+        env[alloc_env(case)["name"]] = alloc_env(case)["value"]
     env.update(env_extra or {})
     if path == "plain":
         cfg_file = work / "job.toml"

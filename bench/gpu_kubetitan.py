@@ -30,6 +30,21 @@ MODE_PRECISION = {
 CDT_ENV = {"name": "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "value": "1"}
 """Inductor's coordinate-descent tuning of its Triton kernels, set through the spec (``cdt=1``)."""
 
+ALLOC_CONF = {"exp": "expandable_segments:True"}
+"""``alloc=`` values: PyTorch's CUDA caching-allocator settings (``PYTORCH_CUDA_ALLOC_CONF``)."""
+
+
+def alloc_env(case: dict) -> dict:
+    if case["alloc"] not in ALLOC_CONF:
+        raise SystemExit(f"bad alloc={case['alloc']!r} in case {case['id']!r}: use one of {sorted(ALLOC_CONF)}")
+    return {"name": "PYTORCH_CUDA_ALLOC_CONF", "value": ALLOC_CONF[case["alloc"]]}
+
+
+def spec_env(case: dict) -> list[dict]:
+    """The case's ``spec.resources.env`` (plain values; ``kubetitan run`` gives them to the trainer)."""
+    return ([dict(CDT_ENV)] if case.get("cdt") else []) + ([alloc_env(case)] if case.get("alloc") else [])
+
+
 RECIPE_CASE = "3B:fp8tw:4"
 """The bench case that ``examples/llama3-3b-h200.yaml`` is (checked in tests/api/test_examples.py)."""
 
@@ -63,7 +78,7 @@ def lpt_for(case: dict, name: str) -> dict:
                            "asyncMode": CKPT_ASYNC_MODE[case["ckpt"]],
                            "keepLatestK": 2},
             "resources": {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H200",
-                          **({"env": [dict(CDT_ENV)]} if case.get("cdt") else {})},
+                          **({"env": spec_env(case)} if spec_env(case) else {})},
             "monitoring": {"logFrequencySteps": 1, "tensorboard": False},
             "runPolicy": {"maxRestarts": 3 if ck else 0},
         },
