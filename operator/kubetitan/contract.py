@@ -70,6 +70,9 @@ M_ATTEMPT = "kubetitan_trainer_attempt"
 M_LAST_STEP_TIMESTAMP = "kubetitan_trainer_last_step_timestamp_seconds"  # the heartbeat
 M_PRODUCTIVE_SECONDS = "kubetitan_trainer_productive_step_seconds_total"
 M_JOB_START_TIMESTAMP = "kubetitan_trainer_job_start_timestamp_seconds"
+M_STARTUP_PHASE_SECONDS = "kubetitan_trainer_startup_phase_seconds"  # label phase: kubetitan_trainer.anatomy.PHASES
+M_STARTUP_SECONDS = "kubetitan_trainer_startup_seconds"
+M_WORKER_GENERATION = "kubetitan_trainer_worker_generation"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

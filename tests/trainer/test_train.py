@@ -19,6 +19,7 @@ import pytest
 
 from kubetitan import contract
 from kubetitan.contract import ExitCode
+from kubetitan_trainer import anatomy
 from kubetitan_trainer.local import free_port, scrape
 
 from tests.trainer.helpers import lpt, write_config
@@ -167,8 +168,10 @@ def _children(pid: int) -> list[int]:
 
 def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tmp_path):
     """--max-restarts=1: one worker SIGKILLed after the step-4 checkpoint; the same launcher forks new workers for
-    both ranks, they resume from step 4 and finish; the launcher's state file counts one in-place restart."""
+    both ranks, they resume from step 4 out of the restore tier (the replayed step 5 has the same loss) and
+    finish; each generation's start-up anatomy is logged, the tier folder is gone when the launcher exits."""
     steps, port = 12, free_port()
+    tier = tmp_path / "tier"
     dump = tmp_path / "ip"
     cfg = write_config(tmp_path / "ip.toml", lpt({"training": {"steps": steps}, "data": {"source": "synthetic"}}),
                        dump, {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
@@ -177,7 +180,7 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     proc = subprocess.Popen(
         [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={cfg}", "--nnodes=1", "--nproc-per-node=2",
          "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=inplace", "--max-restarts=1",
-         "--monitor-interval=0.1"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+         "--monitor-interval=0.1", f"--restore-tier={tier}"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     m = wait_for(proc, port, lambda m: m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= 4 and m.get(contract.M_STEP, 0) >= 5)
     assert m is not None, tail(cfg)
     first_workers = _children(proc.pid)
@@ -191,3 +194,15 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     assert runs[restart_at] == 5  # resumed after the step-4 checkpoint (the step-8 one did not exist yet)
     assert runs[-1] == steps
     assert "Resuming from the newest complete checkpoint, step 4" in text
+    recs = [json.loads(x) for x in (dump / "kubetitan" / "steps.jsonl").read_text().splitlines()]
+    before, after = recs[:restart_at], recs[restart_at:]
+    assert next(r["loss"] for r in after if r["step"] == 5) == next(r["loss"] for r in before if r["step"] == 5)
+    assert "Loaded step 4 from the restore tier" in text and not tier.exists()
+    starts = [json.loads(x) for x in (dump / "kubetitan" / "startup.jsonl").read_text().splitlines()]
+    assert [(s["generation"], s["origin"], s["first_step"], s["checkpoint_source"]) for s in starts] == [
+        (0, "launcher_start", 1, "none"), (1, "failure_detected", 5, "restore_tier")]
+    for s in starts:
+        assert list(s["phases"]) == list(anatomy.PHASES) and min(s["phases"].values()) >= 0
+        assert sum(s["phases"].values()) == pytest.approx(s["total_seconds"])
+    assert starts[0]["phases"]["imports"] > starts[1]["phases"]["imports"]  # generation 1's workers were forked warm
+    assert starts[1]["phases"]["checkpoint_load"] > 0

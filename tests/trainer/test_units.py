@@ -217,6 +217,9 @@ def test_exported_metrics_pass_promtool():
     ex.tokens_seen(1000)
     ex.checkpoint_saved(3, 1.2)
     ex.data_loading.observe(0.001)
+    from kubetitan_trainer.anatomy import Recorder
+
+    ex.startup(Recorder({"restarts": 0, "failures": [], "started": 1.0}, now=2.0).first_step_ends(4, 2, t=3.0))
     text = generate_latest(ex.registry).decode()
     for name in [v for k, v in vars(contract).items() if k.startswith("M_")]:
         assert f"\n{name}" in "\n" + text, name

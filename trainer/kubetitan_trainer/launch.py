@@ -55,7 +55,7 @@ import time
 
 from kubetitan.contract import EXIT_SIGTERM, ExitCode
 
-from kubetitan_trainer import ENV_STOP_FILE
+from kubetitan_trainer import ENV_STOP_FILE, anatomy
 
 log = logging.getLogger("kubetitan.launch")
 
@@ -72,6 +72,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="in-place worker restarts of the whole gang before the launcher exits (0: none; the "
                         "operator re-creates the gang)")
+    p.add_argument("--restore-tier", default="auto",
+                   help="folder of the node-local restore tier (kubetitan_trainer.restore_tier) for in-place restarts: "
+                        "'auto' = /dev/shm/kubetitan-restore-<rdzv-id> with --max-restarts > 0, 'off' = none")
     p.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between the agent's worker checks")
     p.add_argument("--dns-timeout", type=float, default=600.0, help="seconds to wait for --master-addr to resolve")
     return p.parse_args(argv)
@@ -110,8 +113,9 @@ def exit_code_of(failures: dict) -> int:
 NOT_RESTARTED_IN_PLACE = frozenset({int(ExitCode.CONFIG_ERROR), int(ExitCode.TERMINATED_CHECKPOINTED)})
 """Worker exit codes a restart in place cannot cure: a bad config, and a stop after SIGTERM (75)."""
 
-ENV_LAUNCHER_STATE = "KUBETITAN_LAUNCHER_STATE"
-"""Path of the launcher's JSON state file (in-place restarts so far, the last failure), read by workers."""
+ENV_LAUNCHER_STATE = anatomy.ENV_LAUNCHER_STATE
+"""Path of the launcher's JSON state file (in-place restarts so far, the failures and when they were detected,
+the launcher's start and warm-import seconds), read by workers (:mod:`kubetitan_trainer.anatomy`)."""
 
 WARM_MODULES = ("torchtitan.train", "kubetitan_trainer.train_spec", "kubetitan_trainer.trainer",
                 "kubetitan_trainer.main")
@@ -141,6 +145,20 @@ def torchrun_argv(a: argparse.Namespace) -> list[str]:
         f"--rdzv-id={a.rdzv_id}", "--max-restarts=0", f"--monitor-interval={a.monitor_interval}",
         "-m", "kubetitan_trainer.main", "--job.config_file", a.config,
     ]
+
+
+def restore_tier_folder(a: argparse.Namespace, env: dict) -> str:
+    """The restore tier's folder for this launcher ('' = off); the pod's KUBETITAN_RESTORE_TIER wins."""
+    from kubetitan_trainer.restore_tier import ENV_RESTORE_TIER
+
+    if ENV_RESTORE_TIER in env:
+        return env[ENV_RESTORE_TIER]
+    if a.restore_tier == "off" or (a.restore_tier == "auto" and a.max_restarts <= 0):
+        return ""
+    if a.restore_tier == "auto":
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in a.rdzv_id)
+        return f"/dev/shm/kubetitan-restore-{safe}-{a.node_rank}" if os.path.isdir("/dev/shm") else ""
+    return a.restore_tier
 
 
 def run_worker(*argv: str) -> int:
@@ -181,16 +199,23 @@ def warm_up(worker_argv: list[str]) -> float:
 class LauncherState:
     """The JSON file a launcher keeps of its in-place restarts (``KUBETITAN_LAUNCHER_STATE``)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, started: float | None = None) -> None:
         self.path = path
-        self.data: dict = {"restarts": 0, "failures": []}
+        self.data: dict = {"restarts": 0, "failures": [], "started": started or time.time(), "warm_import_seconds": 0.0}
         self.write()
 
-    def failed(self, failures: dict, restarting: bool) -> None:
+    def warmed(self, seconds: float) -> None:
+        self.data["warm_import_seconds"] = seconds
+        self.write()
+
+    def failed(self, failures: dict, restarting: bool, detected: float | None = None) -> None:
+        """``detected``: when the agent saw the failure (the origin of the next generation's start-up anatomy;
+        ``ProcessFailure.timestamp`` is whole seconds)."""
         rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
         code = first.exitcode
-        self.data["failures"].append({"time": first.timestamp or time.time(), "local_rank": rank,
-                                      "exit_code": 128 - code if code < 0 else code, "restarted": restarting})
+        self.data["failures"].append({"time": first.timestamp or time.time(), "detected": detected or time.time(),
+                                      "local_rank": rank, "exit_code": 128 - code if code < 0 else code,
+                                      "restarted": restarting})
         self.data["failures"] = self.data["failures"][-20:]
         if restarting:
             self.data["restarts"] += 1
@@ -217,10 +242,11 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
+                detected = time.time()
                 ok = restartable(result.failures, stop_requested()) and self._remaining_restarts > 0
                 if not ok:
                     self._remaining_restarts = 0
-                state.failed(result.failures, restarting=ok)
+                state.failed(result.failures, restarting=ok, detected=detected)
                 if ok:
                     log.warning("Worker(s) failed (%s); restarting every rank's workers in place (%d left)",
                                 {r: f.exitcode for r, f in result.failures.items()}, self._remaining_restarts - 1)
@@ -274,7 +300,12 @@ def main(argv: list[str] | None = None) -> int:
             open(stop_file, "w").close()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    state = LauncherState(os.path.join(stop_dir, "launcher.json"))
+    from kubetitan_trainer.restore_tier import ENV_RESTORE_TIER
+
+    tier = os.environ[ENV_RESTORE_TIER] = restore_tier_folder(a, os.environ)
+    if tier:
+        log.info("Restore tier for in-place restarts: %s (removed when the launcher exits)", tier)
+    state = LauncherState(os.path.join(stop_dir, "launcher.json"), started=anatomy.process_start_time())
     os.environ[ENV_LAUNCHER_STATE] = state.path
     config, cmd, cmd_args = config_from_args(torchrun_parse(torchrun_argv(a)))
     # SIGTERM stays ours (see the module docstring); torchrun still handles the others.
@@ -288,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             # worker hosts a fresh store instead, at a port its agent picks per rendezvous round.
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             seconds = warm_up(["--job.config_file", a.config])
+            state.warmed(seconds)
             log.info("In-place restarts on (up to %d); warm workers: imported torch/torchtitan once in %.1f s",
                      a.max_restarts, seconds)
             run_in_place(config, run_worker, ["--job.config_file", a.config], state, lambda: bool(stopped["at"]))
@@ -303,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_SIGTERM
     elif stopped["at"] and code == ExitCode.OK:
         code = ExitCode.OK  # training reached its last step (and saved) before the stop took effect
+    if tier:
+        import shutil
+
+        shutil.rmtree(tier, ignore_errors=True)  # memory of the pod: never leave it behind
     log.info("Exiting with code %d", code)
     return int(code)
 

@@ -51,7 +51,9 @@ def check_config(argv: list[str], world_size: int) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from kubetitan_trainer import cpu_bridge
+    from kubetitan_trainer import anatomy, cpu_bridge
+
+    anatomy.begin()  # the start-up anatomy's "main" mark (kubetitan_trainer.anatomy)
 
     bridged = cpu_bridge.apply()
     from torchtitan.tools.logging import init_logger, logger

@@ -133,7 +133,22 @@ class Exporter:
         self.ckpt_interval = Gauge(contract.M_CHECKPOINT_INTERVAL, "Configured steps between two checkpoint "
                                    "saves; 0 when checkpoints are off (steps).", registry=r)
         self.ckpt_interval.set(checkpoint_interval)
+        self.startup_phase = Gauge(
+            contract.M_STARTUP_PHASE_SECONDS, "Start-up of this worker generation split into phases, from the launcher's "
+            "start (or its detection of the failure an in-place restart answers) to the end of the first step; the "
+            "phases sum to kubetitan_trainer_startup_seconds (seconds).", ["phase"], registry=r)
+        self.startup_total = Gauge(contract.M_STARTUP_SECONDS, "Start-up of this worker generation: from the launcher's "
+                                   "start or its detection of the failure to the end of the first step (seconds).", registry=r)
+        self.generation = Gauge(contract.M_WORKER_GENERATION, "In-place restarts of this gang's workers before the "
+                                "running workers started; 0 for a fresh attempt (count).", registry=r)
         self._tokens_seen = 0
+
+    def startup(self, record: dict) -> None:
+        """The start-up anatomy of this worker generation (:mod:`kubetitan_trainer.anatomy`)."""
+        for phase, seconds in record["phases"].items():
+            self.startup_phase.labels(phase=phase).set(seconds)
+        self.startup_total.set(record["total_seconds"])
+        self.generation.set(record["generation"])
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serve /metrics. ``0.0.0.0`` (the default) binds dual-stack ``::`` where the kernel has IPv6, so the

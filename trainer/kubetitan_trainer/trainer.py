@@ -11,6 +11,8 @@ Everything else comes through the TrainSpec. The subclass adds, and only adds:
 - **Resume** from the newest *complete* checkpoint (``kubetitan.contract.newest_complete_step``);
   partial newer step directories are skipped with a warning.
 - **Goodput state**: productive step seconds travel in the checkpoint's ``train_state``.
+- **Start-up anatomy** (:mod:`kubetitan_trainer.anatomy`): process-group init, checkpoint load and the first
+  step (its compile time apart) are marked; after the first step the phases are exported and logged.
 - **Step metrics**: step time, heartbeat, data-loading time, the time a checkpoint save blocked
   training, and the newest *complete* checkpoint (an async save counts once its background write ends).
 """
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchtitan.components.checkpoint import MODEL as MODEL_KEY
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
@@ -30,7 +33,7 @@ from torchtitan.train import Trainer
 from kubetitan import contract
 from kubetitan.contract import ExitCode
 
-from kubetitan_trainer import ENV_STOP_FILE
+from kubetitan_trainer import ENV_STOP_FILE, anatomy, restore_tier
 from kubetitan_trainer.errors import NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
@@ -78,6 +81,14 @@ class KubetitanTrainer(Trainer):
         super().load_state_dict(state_dict)
         self.productive_seconds = float(state_dict.get("productive_step_seconds", 0.0))
 
+    def init_distributed(self):
+        rec = anatomy.current()
+        rec.mark("pg_begin")
+        try:
+            return super().init_distributed()
+        finally:
+            rec.mark("pg_end")
+
     # ------------------------------------------------------------------ loop
     def train(self):
         ck = self.job_config.checkpoint
@@ -116,6 +127,12 @@ class KubetitanTrainer(Trainer):
 
     def train_step(self, data_iterator):
         begin = time.perf_counter()
+        rec = anatomy.current()
+        first = rec.result is None
+        if first:
+            rec.mark("load_begin")  # no checkpoint load happened: the load phase is 0
+            rec.mark("load_end")
+            rec.first_step_begins()
         self._local_loss = None
         super().train_step(data_iterator)
         stop, non_finite = self._agree()
@@ -124,9 +141,18 @@ class KubetitanTrainer(Trainer):
             raise NonFiniteLossError(self.step)
         self.productive_seconds += seconds
         self.metrics_processor.exporter.step_done(self.step, seconds)
+        if first:
+            self._publish_startup(rec)
         if stop:
             self._stopping = True
             logger.warning(f"Stop requested (SIGTERM): saving a full checkpoint at step {self.step}, then exiting")
+
+    def _publish_startup(self, rec: anatomy.Recorder) -> None:
+        record = rec.first_step_ends(self.step, self.metrics_processor.attempt)
+        self.metrics_processor.exporter.startup(record)
+        if self.metrics_processor.rank == 0:
+            logger.info(anatomy.describe(record))
+            anatomy.append_log(self.job_config.job.dump_folder, record)
 
     def _stop_requested(self) -> bool:
         return bool(self._stop_file) and os.path.exists(self._stop_file)
@@ -161,6 +187,8 @@ class KubetitanTrainer(Trainer):
                 ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
             begin = time.perf_counter()
             save(curr_step, last_step=last_step)
+            if will_save and not last_step and self._tier:
+                self._save_tier(curr_step)
             if will_save:
                 # An async save leaves its background write in save_future (a new one; a synchronous save,
                 # the last step's included, leaves the earlier one or None): it is complete when that ends.
@@ -178,11 +206,84 @@ class KubetitanTrainer(Trainer):
         load = ckpt.load
 
         def load_then_publish(step: int = -1) -> bool:
+            rec = anatomy.current()
+            rec.mark("load_begin")
             loaded = load(step)
+            rec.mark("load_end")
+            if loaded and rec.load_source == "none":
+                rec.load_source = "dcp"
             self._after_load()
             return loaded
 
         ckpt.load = load_then_publish
+        dcp_load = ckpt.dcp_load
+
+        def tier_or_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
+            if not from_hf and self._load_tier(state_dict, checkpoint_id):
+                return None
+            return dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
+
+        ckpt.dcp_load = tier_or_dcp_load
+
+    # ------------------------------------------------------------------ restore tier (kubetitan_trainer.restore_tier)
+    @property
+    def _tier(self) -> str:
+        return os.environ.get(restore_tier.ENV_RESTORE_TIER, "") if self.checkpointer.enable else ""
+
+    def _rank_world(self) -> tuple[int, int]:
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+    def _save_tier(self, step: int) -> None:
+        rank, world = self._rank_world()
+        begin = time.perf_counter()
+        try:
+            n = restore_tier.save(self.checkpointer._flattened_model_states_sd(), self._tier, step=step, rank=rank,
+                                  world_size=world, checkpoint_folder=self.checkpointer.folder)
+        except OSError as e:  # the tier is an optimisation: a failed write leaves DCP as the only source
+            restore_tier.discard(self._tier, rank)
+            logger.warning(f"Restore tier not written at step {step}: {e}")
+            return
+        if n:
+            logger.info(f"Restore tier: step {step}, {n / 2**30:.2f} GiB in {time.perf_counter() - begin:.2f} s "
+                        f"({self._tier})")
+
+    def _load_tier(self, state_dict: dict, checkpoint_id: str) -> bool:
+        """Load from the restore tier when every rank's holds the step being loaded; False: load through DCP."""
+        folder = self._tier
+        if not folder:
+            return False
+        rank, world = self._rank_world()
+        name = os.path.basename(os.path.normpath(checkpoint_id))
+        step = int(name.removeprefix("step-")) if name.startswith("step-") and name[5:].isdigit() else -1
+        ok, prepared = restore_tier.usable(folder, step=step, rank=rank, world_size=world,
+                                           checkpoint_folder=self.checkpointer.folder), None
+        if ok:
+            try:
+                prepared = restore_tier.prepare(state_dict, folder, rank=rank)
+            except (restore_tier.TierMismatch, OSError, ValueError) as e:
+                logger.warning(f"Restore tier does not fit this rank's state ({e}); loading through DCP")
+                restore_tier.discard(folder, rank)
+                ok = False
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
+        if world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # all ranks from the tier, or all through DCP
+        if flag.item() < 1:
+            if ok or step >= 0:
+                logger.info(f"Restore tier not used for step {step} (this rank's is {'fresh' if ok else 'stale or missing'},"
+                            " not every rank's is): loading through DCP")
+            return False
+        begin = time.perf_counter()
+        try:
+            n = prepared.apply()
+        except Exception:
+            restore_tier.discard(folder, rank)  # never try this tier again
+            raise
+        if MODEL_KEY in self.checkpointer.states:  # what torchtitan's dcp_load does after dcp.load
+            self.checkpointer.states[MODEL_KEY].load_state_dict(state_dict)
+        anatomy.current().load_source = "restore_tier"
+        logger.info(f"Loaded step {step} from the restore tier: {n / 2**30:.2f} GiB in "
+                    f"{time.perf_counter() - begin:.2f} s ({folder})")
+        return True
 
     def _checkpoint_bytes_estimate(self) -> int:
         """Bytes one save writes (all ranks): the newest complete checkpoint's size, else model + AdamW state

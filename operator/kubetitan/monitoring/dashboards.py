@@ -175,6 +175,12 @@ def run_panels(cfg: MonitoringConfig = DEFAULT) -> list[Panel]:
         Panel("Restart causes", "Gang restarts of this run by cause; the details of each (node, downtime, "
               "lost steps) are in `kubectl get lpt -o yaml` (status.restarts).",
               [Target(q.restarts_by_cause(cfg), "{{cause}}")], width=6, kind="bargauge"),
+        Panel("Start-up anatomy", "Where the running workers' start-up went, from the launcher's start (or its "
+              "detection of the failure an in-place restart answers) to the end of their first step: process start, "
+              "imports, process-group init, model init, checkpoint load, first-step compile, first step (slowest pod "
+              "per phase); the first thing to read when recovery is slow. Also per restart in status.restarts.",
+              [Target(q.startup_phases(cfg), "{{phase}}"), Target(q.startup_total(cfg), "total"),
+               Target(q.worker_generation(cfg), "in-place generation")], unit="s", kind="bargauge"),
         Panel("Goodput", "Productive step time over wall time since the run started: the operator's "
               "figure (all attempts) and the trainer's own.",
               [Target(q.goodput(cfg), "operator"), Target(q.trainer_goodput(cfg), "trainer")], unit="percentunit"),

@@ -209,6 +209,19 @@ def recovery_time_mean(cfg: MonitoringConfig) -> str:
     return f"sum({OP_RECOVERY_DURATION}_sum{{{sel}}}) / sum({OP_RECOVERY_DURATION}_count{{{sel}}})"
 
 
+def startup_phases(cfg: MonitoringConfig) -> str:
+    """Seconds of each start-up phase of the running workers (the slowest pod's), from the trainer's anatomy."""
+    return f"max by (phase) ({c.M_STARTUP_PHASE_SECONDS}{{{run_selector(cfg)}}})"
+
+
+def startup_total(cfg: MonitoringConfig) -> str:
+    return f"max({c.M_STARTUP_SECONDS}{{{run_selector(cfg)}}})"
+
+
+def worker_generation(cfg: MonitoringConfig) -> str:
+    return f"max({c.M_WORKER_GENERATION}{{{run_selector(cfg)}}})"
+
+
 def restarts_by_cause(cfg: MonitoringConfig) -> str:
     return f"sum by (cause) ({OP_RESTARTS}{{{op_job_selector(cfg)}}})"
 

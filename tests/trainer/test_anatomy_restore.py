@@ -1,0 +1,212 @@
+"""Start-up anatomy accounting (kubetitan_trainer.anatomy) and the node-local restore tier
+(kubetitan_trainer.restore_tier) against DCP, in one process on CPU."""
+
+from __future__ import annotations
+
+import os
+from collections import namedtuple
+
+import pytest
+import torch
+
+from kubetitan_trainer import anatomy, restore_tier
+
+
+# ------------------------------------------------------------------ anatomy
+def test_phases_partition_origin_to_first_step_end():
+    marks = {"origin": 100.0, "main": 101.5, "pg_begin": 103.0, "pg_end": 103.25, "load_begin": 106.0,
+             "load_end": 110.0, "first_step_end": 125.0}
+    p = anatomy.split(marks, compile_in_first_step=12.0)
+    assert list(p) == list(anatomy.PHASES)
+    assert p == {"process_start": 1.5, "imports": 1.5, "process_group_init": 0.25, "model_init": 2.75,
+                 "checkpoint_load": 4.0, "first_step_compile": 12.0, "first_step": 3.0}
+    assert sum(p.values()) == pytest.approx(25.0)
+
+
+def test_warm_launcher_imports_move_from_process_start_to_imports_and_compile_is_capped_by_the_step():
+    marks = {"origin": 0.0, "main": 10.0, "pg_begin": 10.5, "pg_end": 11.0, "first_step_end": 14.0}
+    p = anatomy.split(marks, compile_in_first_step=99.0, warm_import_seconds=8.0)
+    assert p["process_start"] == pytest.approx(2.0) and p["imports"] == pytest.approx(8.5)
+    # no load marks: the load phase is 0 and model_init runs to the first step's start
+    assert p["checkpoint_load"] == 0 and p["model_init"] == 0
+    assert p["first_step_compile"] == pytest.approx(3.0) and p["first_step"] == 0
+    assert sum(p.values()) == pytest.approx(14.0)
+    # a mark out of order (a clock step) never makes a negative phase
+    q = anatomy.split({"origin": 5.0, "main": 4.0, "first_step_end": 6.0}, 0.0)
+    assert min(q.values()) >= 0 and sum(q.values()) == pytest.approx(1.0)
+
+
+def test_origin_is_the_detected_failure_for_an_in_place_generation_else_the_launcher_start():
+    fresh = {"restarts": 0, "failures": [], "started": 50.0}
+    assert anatomy.origin_of(fresh, 99.0) == (50.0, "launcher_start", 0)
+    restarted = {"restarts": 2, "started": 50.0, "failures": [
+        {"time": 60, "detected": 60.4, "restarted": True}, {"time": 80, "detected": 80.2, "restarted": True}]}
+    assert anatomy.origin_of(restarted, 99.0) == (80.2, "failure_detected", 2)
+    assert anatomy.origin_of({}, 99.0) == (99.0, "worker_start", 0)
+
+
+def test_recorder_gives_generation_0_the_warm_imports_and_closes_once(monkeypatch):
+    rec = anatomy.Recorder({"restarts": 0, "failures": [], "started": 10.0, "warm_import_seconds": 3.0}, now=15.0)
+    rec.mark("pg_begin", 15.5)
+    rec.mark("pg_end", 16.0)
+    rec.mark("pg_end", 99.0)  # a second mark of the same name is ignored
+    rec.mark("load_begin", 16.5)
+    rec.mark("load_end", 18.0)
+    rec.load_source = "restore_tier"
+    monkeypatch.setattr(anatomy, "compile_seconds", iter([1.0, 3.5]).__next__)
+    rec.first_step_begins()
+    r = rec.first_step_ends(step=11, attempt=2, t=21.0)
+    assert r["phases"]["process_start"] == pytest.approx(2.0) and r["phases"]["imports"] == pytest.approx(3.5)
+    assert r["phases"]["first_step_compile"] == pytest.approx(2.5) and r["phases"]["first_step"] == pytest.approx(0.5)
+    assert r["total_seconds"] == pytest.approx(11.0)
+    assert (r["generation"], r["attempt"], r["first_step"], r["checkpoint_source"]) == (0, 2, 11, "restore_tier")
+    assert rec.first_step_ends(step=12, attempt=2, t=30.0) is r
+    assert "generation 0" in anatomy.describe(r) and "checkpoint: restore_tier" in anatomy.describe(r)
+    # an in-place generation has no warm imports: its worker was forked from an already warm launcher
+    gen1 = anatomy.Recorder({"restarts": 1, "started": 10.0, "warm_import_seconds": 3.0,
+                             "failures": [{"detected": 40.0, "restarted": True}]}, now=41.0)
+    assert gen1.warm_import_seconds == 0 and gen1.marks["origin"] == 40.0 and gen1.generation == 1
+
+
+def test_process_start_time_of_this_process_is_in_the_past():
+    import time
+
+    t = anatomy.process_start_time()
+    assert t is not None and t <= time.time()
+    assert anatomy.process_start_time(os.getpid()) == pytest.approx(t, abs=0.05)
+
+
+def test_exporter_serves_each_phase_with_a_label(tmp_path):
+    from prometheus_client import generate_latest
+
+    from kubetitan import contract
+    from kubetitan_trainer.metrics import Exporter
+
+    ex = Exporter(peak_flops=None, total_steps=10, attempt=1, job_start=0.0)
+    rec = anatomy.Recorder({"restarts": 1, "failures": [{"detected": 1.0, "restarted": True}]}, now=2.0)
+    r = rec.first_step_ends(step=5, attempt=1, t=4.0)
+    ex.startup(r)
+    text = generate_latest(ex.registry).decode()
+    for phase in anatomy.PHASES:
+        assert f'{contract.M_STARTUP_PHASE_SECONDS}{{phase="{phase}"}}' in text
+    assert f"{contract.M_STARTUP_SECONDS} 3.0" in text and f"{contract.M_WORKER_GENERATION} 1.0" in text
+    assert anatomy.append_log(tmp_path, r).read_text().count("\n") == 1
+
+
+# ------------------------------------------------------------------ restore tier
+class Box:
+    """A Stateful (what torchtitan's optimizer/scheduler/train-state containers are to DCP)."""
+
+    def __init__(self, sd):
+        self.sd = sd
+
+    def state_dict(self):
+        return self.sd
+
+    def load_state_dict(self, sd):
+        self.sd = {**self.sd, **sd}
+
+
+def _trained(seed: int):
+    """A model, an AdamW with state after two steps, and torchtitan's containers around them."""
+    from torchtitan.components.checkpoint import ModelWrapper
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    opt = OptimizersContainer([model], torch.optim.AdamW, {"lr": 1e-2})
+    for _ in range(2):
+        model(torch.randn(3, 8, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    states = {"optimizer": opt, "train_state": Box({"step": 7 + seed, "note": b"bytes", "seconds": 1.5 * seed}),
+              **ModelWrapper(model).state_dict()}
+    return model, opt, states
+
+
+def _flat(model, opt, states) -> dict:
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for k, v in opt.state_dict().items():
+        out[f"opt.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+    out["train_state"] = dict(states["train_state"].state_dict())
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+    return True
+
+
+def test_tier_load_gives_the_same_state_as_a_dcp_load(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    src = _trained(seed=1)
+    tier, ckpt = tmp_path / "tier", tmp_path / "ckpt"
+    dcp.save(restore_tier.materialise(src[2]), checkpoint_id=str(ckpt / "step-8"))
+    n = restore_tier.save(src[2], tier, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
+    assert n > 0 and restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
+
+    via_dcp = _trained(seed=2)  # different weights, optimizer moments and train state
+    dcp.load(via_dcp[2], checkpoint_id=str(ckpt / "step-8"))
+    via_dcp[0].load_state_dict({k: v for k, v in via_dcp[2].items() if isinstance(v, torch.Tensor)})
+    via_tier = _trained(seed=3)
+    assert restore_tier.load(via_tier[2], tier, rank=0) > 0
+
+    want = _flat(*src)
+    assert _same(_flat(*via_dcp), want) and _same(_flat(*via_tier), want)
+    assert via_tier[2]["train_state"].state_dict()["step"] == 8  # the Stateful got its load_state_dict
+
+
+def test_a_stale_or_foreign_tier_is_not_used_and_a_misfit_copies_nothing(tmp_path):
+    src = _trained(seed=1)
+    tier, ckpt = tmp_path / "tier", str(tmp_path / "ckpt")
+    restore_tier.save(src[2], tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
+    assert not restore_tier.usable(tier, step=12, rank=0, world_size=1, checkpoint_folder=ckpt)  # stale step
+    assert not restore_tier.usable(tier, step=8, rank=1, world_size=1, checkpoint_folder=ckpt)  # another rank
+    assert not restore_tier.usable(tier, step=8, rank=0, world_size=2, checkpoint_folder=ckpt)  # another world
+    assert not restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt + "x")
+    assert not restore_tier.usable("", step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
+
+    torch.manual_seed(0)
+    other = torch.nn.Linear(8, 5)  # another shape: the check fails before any tensor is touched
+    before = other.weight.detach().clone()
+    with pytest.raises(restore_tier.TierMismatch, match="keys differ"):
+        restore_tier.prepare(dict(other.state_dict()), tier, rank=0)
+    states = dict(src[2])
+    states["0.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+    with pytest.raises(restore_tier.TierMismatch, match=r"0.weight: tier bfloat16\[16, 8\]"):
+        restore_tier.prepare(states, tier, rank=0)
+    assert torch.equal(other.weight, before) and not states["0.weight"].any()
+
+    # a tier whose JSON is gone (a write that was cut off, or discard) is never used
+    restore_tier.discard(tier, 0)
+    assert not restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
+    assert not list(tier.iterdir())
+
+
+def test_the_tier_is_skipped_and_the_old_one_dropped_when_the_folder_lacks_room(tmp_path, monkeypatch, caplog):
+    src = _trained(seed=1)
+    tier, ckpt = tmp_path / "tier", str(tmp_path / "ckpt")
+    restore_tier.save(src[2], tier, step=4, rank=0, world_size=1, checkpoint_folder=ckpt)
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(restore_tier.shutil, "disk_usage", lambda p: Usage(10, 10, 0))
+    assert restore_tier.save(src[2], tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt) == 0
+    assert "Restore tier skipped at step 8" in caplog.text and "/dev/shm size" in caplog.text
+    assert not restore_tier.usable(tier, step=4, rank=0, world_size=1, checkpoint_folder=ckpt)
+
+
+def test_launcher_turns_the_tier_on_for_in_place_restarts_only():
+    from kubetitan_trainer.launch import parse_args, restore_tier_folder
+
+    base = ["--config=x", "--rdzv-id=ml-run-a0", "--node-rank=1"]
+    assert restore_tier_folder(parse_args(base), {}) == ""
+    assert restore_tier_folder(parse_args([*base, "--max-restarts=2"]), {}) == "/dev/shm/kubetitan-restore-ml-run-a0-1"
+    assert restore_tier_folder(parse_args([*base, "--max-restarts=2", "--restore-tier=off"]), {}) == ""
+    assert restore_tier_folder(parse_args([*base, "--max-restarts=2", "--restore-tier=/x"]), {}) == "/x"
+    env = {restore_tier.ENV_RESTORE_TIER: ""}
+    assert restore_tier_folder(parse_args([*base, "--max-restarts=2"]), env) == ""

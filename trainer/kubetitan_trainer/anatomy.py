@@ -1,0 +1,177 @@
+"""Recovery anatomy: where the seconds from a start (or an in-place restart) to the first trained step went.
+
+Every worker process marks its start-up on one wall clock (``time.time()``) and, after its first optimizer
+step, splits the span **origin -> end of the first step** into contiguous phases (they sum to the total):
+
+============================  =================================================================================
+phase                         from -> to
+============================  =================================================================================
+``process_start``             origin -> the worker's ``main()`` runs. The origin is the launcher's detection of
+                              the failure for an in-place restart (generation > 0: detection, the other ranks'
+                              stop, the rendezvous, the fork), else the launcher process's start (interpreter,
+                              torchrun, worker spawn).
+``imports``                   ``main()`` -> process-group init begins: torch/torchtitan/trainer imports, config
+                              check, plus the launcher's one-time warm imports for generation 0 of a warm
+                              launcher (moved here out of ``process_start``). About 0 for a forked warm worker.
+``process_group_init``        torchtitan's ``init_distributed`` (the NCCL/gloo world).
+``model_init``                model build, parallelisation, optimizer, data loader, up to the checkpoint load.
+``checkpoint_load``           the checkpoint load (0 when there is none): DCP, or the node-local restore tier.
+``first_step_compile``        torch.compile time (Dynamo + Inductor, forward and backward) inside the first step,
+                              read from ``torch._dynamo.utils.calculate_time_spent``: a warm cache shrinks it.
+``first_step``                the rest of the first step (and the few calls between the load and the step).
+============================  =================================================================================
+
+Rank 0 of the job writes one JSON line per worker generation to ``<dump>/kubetitan/startup.jsonl``; local
+rank 0 of every pod exports the phases as ``kubetitan_trainer_startup_phase_seconds{phase=...}`` (see
+:mod:`kubetitan_trainer.metrics`). Pure of torch (torch is read only when a worker has imported it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+PHASES = ("process_start", "imports", "process_group_init", "model_init", "checkpoint_load",
+          "first_step_compile", "first_step")
+"""The phases, in order; they partition origin -> end of the first step."""
+
+ENV_LAUNCHER_STATE = "KUBETITAN_LAUNCHER_STATE"  # same name as launch.ENV_LAUNCHER_STATE (launch imports this)
+
+STARTUP_LOG = "startup.jsonl"
+
+
+def process_start_time(pid: str | int = "self") -> float | None:
+    """Unix time the process ``pid`` started (a fork counts), from ``/proc/<pid>/stat``; None off Linux."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime (clock ticks since boot)
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def read_launcher_state(env: dict | None = None) -> dict:
+    """The launcher's JSON state (restarts, failures with their detection time, start time); {} without one."""
+    path = (os.environ if env is None else env).get(ENV_LAUNCHER_STATE, "")
+    if not path:
+        return {}
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def origin_of(state: dict, fallback: float) -> tuple[float, str, int]:
+    """(origin time, what it is, generation) for a worker starting under the launcher ``state``.
+
+    Generation = in-place restarts before this worker started. A restarted generation counts from the
+    launcher's detection of the failure that restarted it; generation 0 from the launcher's start."""
+    generation = int(state.get("restarts", 0) or 0)
+    if generation > 0:
+        restarted = [f for f in state.get("failures", []) if f.get("restarted")]
+        if restarted and restarted[-1].get("detected"):
+            return float(restarted[-1]["detected"]), "failure_detected", generation
+    if state.get("started"):
+        return float(state["started"]), "launcher_start", generation
+    return fallback, "worker_start", generation
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far (0 when torch._dynamo is not loaded)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0.0
+    try:
+        return float(utils.calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - a private API: never let it break training
+        return 0.0
+
+
+def split(marks: dict[str, float], compile_in_first_step: float, warm_import_seconds: float = 0.0) -> dict[str, float]:
+    """Contiguous phase seconds from the marks (unix times): ``origin``, ``main``, ``pg_begin``, ``pg_end``,
+    ``load_begin``, ``load_end``, ``first_step_end``. A missing mark takes the previous one's time (a phase of 0);
+    negative spans (clock steps, a mark out of order) count 0."""
+    order = ("origin", "main", "pg_begin", "pg_end", "load_begin", "load_end", "first_step_end")
+    t: dict[str, float] = {}
+    last = marks["origin"]
+    for name in order:
+        last = max(last, marks.get(name, last))
+        t[name] = last
+    first = t["first_step_end"] - t["load_end"]
+    warm = min(max(0.0, warm_import_seconds), t["main"] - t["origin"])
+    compiled = min(max(0.0, compile_in_first_step), first)
+    return {
+        "process_start": t["main"] - t["origin"] - warm,
+        "imports": t["pg_begin"] - t["main"] + warm,
+        "process_group_init": t["pg_end"] - t["pg_begin"],
+        "model_init": t["load_begin"] - t["pg_end"],
+        "checkpoint_load": t["load_end"] - t["load_begin"],
+        "first_step_compile": compiled,
+        "first_step": first - compiled,
+    }
+
+
+class Recorder:
+    """One worker process's start-up marks (``begin`` at ``main()``; the trainer marks the rest)."""
+
+    def __init__(self, state: dict | None = None, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self.state = read_launcher_state() if state is None else state
+        origin, self.origin_kind, self.generation = origin_of(self.state, process_start_time() or now)
+        self.marks: dict[str, float] = {"origin": min(origin, now), "main": now}
+        # A warm launcher's one-time imports belong to generation 0's imports, not to its process start.
+        self.warm_import_seconds = float(self.state.get("warm_import_seconds", 0.0) or 0.0) if self.generation == 0 else 0.0
+        self.load_source = "none"
+        self._compile_before = 0.0
+        self.result: dict | None = None
+
+    def mark(self, name: str, t: float | None = None) -> None:
+        self.marks.setdefault(name, time.time() if t is None else t)
+
+    def first_step_begins(self) -> None:
+        self._compile_before = compile_seconds()
+
+    def first_step_ends(self, step: int, attempt: int, t: float | None = None) -> dict:
+        """Close the record at the end of the first step of this process; returns it (once)."""
+        if self.result is not None:
+            return self.result
+        self.mark("first_step_end", t)
+        phases = split(self.marks, compile_seconds() - self._compile_before, self.warm_import_seconds)
+        self.result = {"attempt": attempt, "generation": self.generation, "origin": self.origin_kind,
+                       "first_step": step, "checkpoint_source": self.load_source, "phases": phases,
+                       "total_seconds": sum(phases.values()), "time": self.marks["first_step_end"]}
+        return self.result
+
+
+RECORDER: Recorder | None = None
+"""This process's recorder, created by :func:`begin` (``kubetitan_trainer.main``)."""
+
+
+def begin(state: dict | None = None) -> Recorder:
+    global RECORDER
+    RECORDER = Recorder(state)
+    return RECORDER
+
+
+def current() -> Recorder:
+    """The process's recorder (one is created on first use when ``main`` did not run, e.g. in tests)."""
+    return RECORDER if RECORDER is not None else begin()
+
+
+def append_log(folder: str | Path, record: dict) -> Path:
+    path = Path(folder) / "kubetitan" / STARTUP_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return path
+
+
+def describe(record: dict) -> str:
+    p = record["phases"]
+    return (f"Start-up of generation {record['generation']} (attempt {record['attempt']}, from {record['origin']}) "
+            f"to the end of step {record['first_step']}: {record['total_seconds']:.1f} s = "
+            + ", ".join(f"{k} {p[k]:.1f}" for k in PHASES) + f" (checkpoint: {record['checkpoint_source']})")
