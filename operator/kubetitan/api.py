@@ -331,7 +331,18 @@ class RunPolicySpec(_Base):
     max_backoff_seconds: int = Field(default=600, ge=0, le=86400)
     """Upper bound of the restart delay."""
     hang_timeout_seconds: int = Field(default=900, ge=10, le=86400)
-    """A running attempt whose step has not advanced for this long is declared hung and restarted."""
+    """A running attempt whose step has not advanced for this long is declared hung and restarted
+    (with `hangTimeoutPolicy: Auto`, the upper bound of the automatic timeout)."""
+    hang_timeout_policy: Literal["Auto", "Fixed"] = "Auto"
+    """`Fixed`: the hang timeout is `hangTimeoutSeconds`. `Auto`: it is 10 x the median step time the trainer
+    reports (at least 30 s, at most `hangTimeoutSeconds`) once 5 steps of the current workers are seen, and
+    `hangTimeoutSeconds` before that; a checkpoint step adds `checkpoint.saveTimeoutSeconds` in both."""
+    max_in_place_restarts: int = Field(default=3, ge=0, le=100)
+    """In-place restarts per attempt: a worker process that dies on a healthy node restarts the workers of
+    every rank in the same pods (no rescheduling, no image pull, warm imports), resuming from the newest
+    checkpoint. After this many in one attempt, or when the same pod fails in place twice, the next failure
+    re-creates the gang. 0 turns in-place restarts off (every failure re-creates the gang). Each in-place
+    restart counts towards `maxRestarts` too."""
     startup_timeout_seconds: int = Field(default=1800, ge=10, le=86400)
     """Time from all pods running to the first step (image, compile, data) before the attempt
     counts as hung."""
@@ -432,11 +443,20 @@ class Condition(_Base):
     """The `metadata.generation` this condition was computed from."""
 
 
+RestartMode = Literal["InPlace", "Recreate"]
+
+
 class RestartRecord(_Base):
     """One gang restart."""
 
     attempt: int
-    """The attempt that ended."""
+    """The attempt that ended (`Recreate`), or that restarted its workers in place (`InPlace`)."""
+    mode: RestartMode = "Recreate"
+    """`InPlace`: the launchers restarted every rank's workers in the same pods; `Recreate`: the operator
+    deleted the gang and created the next attempt's pods."""
+    generation: int | None = None
+    """`InPlace` only: the worker generation the restart started (1 for the first in-place restart of the
+    attempt)."""
     cause: RestartCause
     """Classified cause of the restart."""
     message: str = ""
@@ -446,11 +466,11 @@ class RestartRecord(_Base):
     node_name: str | None = None
     """Node the failure was attributed to, if any."""
     downtime_seconds: float | None = None
-    """Time from failure detection to the next attempt's first step."""
+    """Time from failure detection (`time`) to the first step of the next attempt or worker generation."""
     resumed_from_step: int | None = None
-    """Checkpoint step the next attempt resumed from (0 = from scratch)."""
+    """Checkpoint step the next attempt (or worker generation) resumed from (0 = from scratch)."""
     lost_steps: int | None = None
-    """Steps trained in the failed attempt after its last checkpoint, i.e. work lost."""
+    """Steps trained in the failed attempt (or generation) after its last checkpoint, i.e. work lost."""
 
 
 class TrainingStatus(_Base):
@@ -506,6 +526,18 @@ class AttemptObservation(_Base):
     """Ranks whose pod has been observed: a seen rank that is gone disappeared; one never seen is created."""
     nodes_missing_since: dict[str, str] = Field(default_factory=dict)
     """Node name to when the operator first saw it missing from the API."""
+    generation: int | None = None
+    """Worker generation rank 0's metrics report (in-place restarts); step and timers above are this one's."""
+    generation_start_time: str | None = None
+    """When the current worker generation began (the failure a launcher reported)."""
+    previous_generation_step: int | None = None
+    """Newest step the previous worker generation reported (its work lost is counted from here)."""
+    restart_exit_code: int | None = None
+    """Exit code of the worker failure that began the current generation."""
+    restart_node_rank: int | None = None
+    """Pod rank whose worker failure began the current generation."""
+    step_seconds_median: float | None = None
+    """Median step time of the current generation's recent steps (the automatic hang timeout scales with it)."""
 
 
 class LlamaPretrainStatus(_Base):

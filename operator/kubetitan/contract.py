@@ -41,6 +41,14 @@ ENV_JOB_NAMESPACE = "KUBETITAN_JOB_NAMESPACE"
 ENV_JOB_START_TIME = "KUBETITAN_JOB_START_TIME"  # unix seconds of the run's first attempt
 ENV_POD_IP = "KUBETITAN_POD_IP"
 ENV_NODE_NAME = "KUBETITAN_NODE_NAME"
+# ---- set by the launcher on its workers when in-place restarts are on (launch.py --max-restarts=N)
+ENV_RESTART_GENERATION = "KUBETITAN_RESTART_GENERATION"
+"""Worker generation within the attempt: 0 for the first workers, +1 each time the launchers restarted every
+rank's workers in place. The same on every rank (one rendezvous round per generation), unlike torchrun's
+``TORCHELASTIC_RESTART_COUNT``, which counts only the local agent's own failures."""
+ENV_RESTART_FAILURE = "KUBETITAN_RESTART_FAILURE"
+"""JSON ``{"exit_code", "node_rank", "local_rank", "time"}`` of the worker failure that started this generation
+(the earliest one any rank's launcher reported); unset in generation 0."""
 
 # ---- files
 CONFIG_KEY = "trainer.toml"  # ConfigMap key, and file name under CONFIG_MOUNT
@@ -73,6 +81,11 @@ M_JOB_START_TIMESTAMP = "kubetitan_trainer_job_start_timestamp_seconds"
 M_STARTUP_PHASE_SECONDS = "kubetitan_trainer_startup_phase_seconds"  # label phase: kubetitan_trainer.anatomy.PHASES
 M_STARTUP_SECONDS = "kubetitan_trainer_startup_seconds"
 M_WORKER_GENERATION = "kubetitan_trainer_worker_generation"
+M_RESTART_GENERATION = "kubetitan_trainer_restart_generation"  # ENV_RESTART_GENERATION
+M_RESTART_EXIT_CODE = "kubetitan_trainer_restart_exit_code"  # of the failure that began this generation
+M_RESTART_NODE_RANK = "kubetitan_trainer_restart_node_rank"  # node rank (pod rank) of that failure
+M_RESTART_TIMESTAMP = "kubetitan_trainer_restart_timestamp_seconds"  # when a launcher saw that failure
+M_STEP_DURATION_MEDIAN = "kubetitan_trainer_step_duration_median_seconds"  # recent steps of this generation
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

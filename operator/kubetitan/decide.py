@@ -106,6 +106,17 @@ class Progress:
     """When rank 0's /metrics last answered for this attempt."""
     metrics_error: str | None = None
     """Why the newest scrape failed (with the URL), when it did."""
+    generation: int = 0
+    """Worker generation rank 0 reports (+1 per in-place restart); step and times above are this one's."""
+    generation_start_time: float | None = None
+    """When the current generation began (the failure its launcher reported)."""
+    previous_generation_step: int | None = None
+    """Newest step the previous generation reported."""
+    restart_exit_code: int | None = None
+    restart_node_rank: int | None = None
+    """Exit code and pod rank of the worker failure that began the current generation."""
+    step_seconds_median: float | None = None
+    """Median step time of the current generation's recent steps (the trainer's own measure)."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,8 @@ class Action(str, enum.Enum):
     SUSPEND = "Suspend"
     FINISHED = "Finished"
     """The run is over; only clean-up and TTL remain."""
+    RESTARTED_IN_PLACE = "RestartedInPlace"
+    """The launchers restarted every rank's workers in the same pods: record it; delete nothing."""
 
 
 @dataclass(frozen=True)
@@ -549,17 +562,43 @@ def hung(f: Facts) -> Decision | None:
     if pr.metrics_available is not True or pr.metrics_ok_time is None:
         return None  # no evidence either way: an unreachable /metrics is reported, never a hang
     idle = pr.metrics_ok_time - pr.last_progress_time  # the step stood still while /metrics answered
-    rp, ck = f.rp, f.spec.checkpoint
-    limit = rp.hang_timeout_seconds
+    ck = f.spec.checkpoint
+    base, how = hang_timeout(f)
+    limit = base
     if pr.step is not None and (pr.step >= f.spec.training.steps or (ck.enabled and pr.step % ck.interval_steps == 0)):
         limit += ck.save_timeout_seconds  # after a checkpoint step (and the last one: final save) a save may pass
     if idle < limit:
         return None
     return restart_or_fail(f, Failure(
-        "Hang", f"no step progress for {idle:.0f}s (step {pr.step}; runPolicy.hangTimeoutSeconds="
-        f"{rp.hang_timeout_seconds}" + (f" + checkpoint.saveTimeoutSeconds={ck.save_timeout_seconds} after a "
-                                        "checkpoint step" if limit > rp.hang_timeout_seconds else "") + ")",
-        "", None))
+        "Hang", f"no step progress for {idle:.0f}s (step {pr.step}; {how}" + (
+            f" + checkpoint.saveTimeoutSeconds={ck.save_timeout_seconds} after a checkpoint step"
+            if limit > base else "") + ")", "", None))
+
+
+AUTO_HANG_STEP_FACTOR = 10
+"""``hangTimeoutPolicy: Auto``: the timeout is this many median step times ..."""
+AUTO_HANG_FLOOR_SECONDS = 30
+"""... but never less than this (a slow data batch, a GC pause, a log flush) ..."""
+AUTO_HANG_MIN_STEPS = 5
+"""... once the current workers trained this many steps (before that: ``hangTimeoutSeconds``)."""
+
+
+def hang_timeout(f: Facts) -> tuple[float, str]:
+    """The hang timeout of this cycle, before a checkpoint step's save window, and how it was derived.
+
+    ``Auto`` = min(hangTimeoutSeconds, max(10 x the median step time the trainer reports for its current worker
+    generation, 30 s)), once that generation trained 5 steps; ``Fixed`` (or too few steps) = hangTimeoutSeconds.
+    """
+    rp, pr = f.rp, f.obs.progress
+    fixed = float(rp.hang_timeout_seconds), f"runPolicy.hangTimeoutSeconds={rp.hang_timeout_seconds}"
+    if rp.hang_timeout_policy != "Auto" or not pr.step_seconds_median or pr.step is None or pr.start_step is None \
+            or pr.step - pr.start_step < AUTO_HANG_MIN_STEPS:
+        return fixed
+    auto = max(AUTO_HANG_STEP_FACTOR * pr.step_seconds_median, float(AUTO_HANG_FLOOR_SECONDS))
+    if auto >= fixed[0]:
+        return fixed
+    return auto, (f"runPolicy.hangTimeoutPolicy=Auto: max({AUTO_HANG_STEP_FACTOR} x median step "
+                  f"{pr.step_seconds_median:.3g}s, {AUTO_HANG_FLOOR_SECONDS}s) = {auto:.0f}s")
 
 
 def startup_timed_out(f: Facts) -> Decision | None:
@@ -570,6 +609,8 @@ def startup_timed_out(f: Facts) -> Decision | None:
             or pr.metrics_ok_time is None:
         return None
     since = max((p.running_since or f.now) for p in f.current)
+    if pr.generation_start_time is not None:  # restarted in place: the pods ran long before these workers
+        since = max(since, pr.generation_start_time)
     waited = pr.metrics_ok_time - since  # up to the newest scrape that answered without a step
     if waited < f.rp.startup_timeout_seconds:
         return None
@@ -589,21 +630,90 @@ def running(f: Facts) -> Decision | None:
     return Decision(Action.KEEP, C.WAITING_FOR_PODS, f"{n}/{len(f.current)} pods of attempt {f.attempt} are running")
 
 
+def in_place_records(f: Facts) -> list[RestartRecord]:
+    """The current attempt's in-place restarts recorded so far."""
+    return [r for r in f.status.restarts if r.mode == "InPlace" and r.attempt == f.attempt]
+
+
+def in_place_failure(f: Facts) -> Failure:
+    """The worker failure that began the current generation, as rank 0's metrics report it."""
+    pr = f.obs.progress
+    code, rank = pr.restart_exit_code, pr.restart_node_rank
+    pod = next((p for p in f.current if p.rank == rank), None) if rank is not None else None
+    where = f"pod {pod.name} (rank {rank})" if pod else (f"rank {rank}" if rank is not None else "a pod")
+    if code is None:
+        cause: RestartCause = "Unknown"
+        what = "a worker failed (no launcher reported which)"
+    elif code == ExitCode.NON_FINITE_LOSS:
+        cause, what = "NonFiniteLoss", f"a worker of {where} exited with code {code}: the loss became NaN/inf"
+    elif code in (EXIT_SIGKILL, EXIT_SIGTERM):
+        cause, what = "ContainerFailed", f"a worker of {where} was killed by signal {code - 128} (exit code {code})"
+    else:
+        cause, what = "ContainerFailed", f"a worker of {where} exited with code {code}"
+    return Failure(cause, f"{what}; the launchers restarted every rank's workers in place (generation "
+                   f"{pr.generation} of attempt {f.attempt})", pod.name if pod else "", pod.node_name if pod else None)
+
+
+def in_place_record(status: LlamaPretrainStatus, failure: Failure | Decision, obs: Observed) -> RestartRecord:
+    """The record of an in-place restart: timed from the failure the launcher saw; the work lost is what the
+    previous generation trained past the checkpoint this one resumed from."""
+    pr = obs.progress
+    start = pr.start_step if pr.start_step is not None else pr.last_checkpoint_step
+    prev = pr.previous_generation_step
+    lost = None if prev is None else max(0, prev - (start or 0))
+    return RestartRecord(
+        attempt=status.attempt or 0, mode="InPlace", generation=pr.generation, cause=failure.cause or "Unknown",
+        message=failure.message, time=iso_ms(pr.generation_start_time if pr.generation_start_time is not None
+                                              else obs.now),
+        node_name=failure.node_name, resumed_from_step=start or 0, lost_steps=lost,
+    )
+
+
+def restarted_in_place(f: Facts) -> Decision | None:
+    """Rank 0's workers report a generation not recorded yet: the launchers restarted every rank's workers in
+    place. Record it; or, when ``maxInPlaceRestarts`` of this attempt are used up or the same node failed in
+    place before, re-create the gang (escalation); ``maxRestarts`` / ``maxRestartsWithoutProgress`` still apply."""
+    pr = f.obs.progress
+    earlier = in_place_records(f)
+    if pr.generation <= max((r.generation or 0 for r in earlier), default=0):
+        return None
+    failure = in_place_failure(f)
+    rp = f.rp
+    if len(earlier) >= rp.max_in_place_restarts:
+        why = f"runPolicy.maxInPlaceRestarts={rp.max_in_place_restarts} in-place restarts of attempt {f.attempt} " \
+              "are used up"
+    elif failure.node_name and any(r.node_name == failure.node_name for r in earlier):
+        why = f"node {failure.node_name} already failed in place in attempt {f.attempt}"
+    else:
+        why = ""
+    if why:
+        return restart_or_fail(f, replace(failure, message=f"{failure.message}; {why}: re-creating the gang"))
+    record = in_place_record(f.status, failure, f.obs)
+    if f.status.restart_count >= rp.max_restarts or \
+            trailing_without_progress([*f.status.restarts, record]) >= rp.max_restarts_without_progress + 1:
+        return restart_or_fail(f, failure, record=record)
+    return Decision(Action.RESTARTED_IN_PLACE, C.RESTARTED_IN_PLACE, failure.message, cause=failure.cause,
+                    node_name=failure.node_name, ready=pr.first_step_time is not None)
+
+
 RULES: tuple[Rule, ...] = (
     status_behind_cluster, finished, deadline_exceeded, suspended, rank0_succeeded, attempt_not_created,
-    pod_failed, ranks_missing, unschedulable, node_grace, stuck_before_running, hung, startup_timed_out, running,
+    pod_failed, ranks_missing, restarted_in_place, unschedulable, node_grace, stuck_before_running, hung,
+    startup_timed_out, running,
 )
 """The decision rules in order; ``decide`` returns the first one's answer that is not None."""
 
 
-def restart_or_fail(f: Facts, failure: Failure, force: tuple[str, ...] = ()) -> Decision:
-    """End the attempt: restart it, unless ``maxRestarts`` or ``maxRestartsWithoutProgress`` are used up."""
+def restart_or_fail(f: Facts, failure: Failure, force: tuple[str, ...] = (),
+                    record: RestartRecord | None = None) -> Decision:
+    """End the attempt: restart it, unless ``maxRestarts`` or ``maxRestartsWithoutProgress`` are used up
+    (``record``: the restart as it would be recorded, when not the gang's own)."""
     rp = f.rp
     if f.status.restart_count >= rp.max_restarts:
         return Decision(Action.FAIL, C.MAX_RESTARTS_EXCEEDED, f"{failure.message}; runPolicy.maxRestarts="
                         f"{rp.max_restarts} restarts are used up", cause=failure.cause,
                         delete=_cleanup(f.spec, f.current), force_delete=force, node_name=failure.node_name)
-    pending = [*f.status.restarts, restart_record(f.status, failure, f.obs)]
+    pending = [*f.status.restarts, record or restart_record(f.status, failure, f.obs)]
     if trailing_without_progress(pending) >= rp.max_restarts_without_progress + 1:
         return Decision(Action.FAIL, C.NO_PROGRESS, f"{failure.message}; {rp.max_restarts_without_progress} "
                         "restarts in a row made no step progress (runPolicy.maxRestartsWithoutProgress)",
@@ -655,11 +765,13 @@ def restart_event(d: Decision, attempt: int) -> tuple[str, str, str] | None:
         return "Warning", d.reason, d.message
     if d.action == Action.SUCCEED:
         return "Normal", d.reason, d.message
+    if d.action == Action.RESTARTED_IN_PLACE:
+        return "Warning", d.reason, f"Attempt {attempt}: {d.message}"
     return None
 
 
 __all__ = [
     "RULES", "Action", "ChildError", "Decision", "Facts", "NodeObs", "Observed", "PodObs", "Progress",
-    "backoff_seconds", "classify_pod", "decide", "facts", "made_progress", "nodes_to_avoid", "replace",
-    "restart_record",
+    "backoff_seconds", "classify_pod", "decide", "facts", "hang_timeout", "in_place_record", "made_progress",
+    "nodes_to_avoid", "replace", "restart_record",
 ]

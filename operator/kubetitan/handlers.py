@@ -386,8 +386,9 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             ev = restart_event(d, attempt)
             if ev is not None:
                 _event(body, *ev)
-            if d.action == Action.RESTART and d.cause:
-                ctx.metrics.restarted(ns, name, d.cause)
+            if d.action in (Action.RESTART, Action.RESTARTED_IN_PLACE) and d.cause:
+                ctx.metrics.restarted(ns, name, d.cause, "InPlace" if d.action == Action.RESTARTED_IN_PLACE
+                                      else "Recreate")
             ctx.metrics.set_phase(ns, name, new.phase)
             ctx.metrics.set_training(ns, name, new.training, new.restart_count)
             job.done = d.action == Action.FINISHED and not d.delete and not d.force_delete \

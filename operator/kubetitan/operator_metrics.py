@@ -19,8 +19,9 @@ class OperatorMetrics:
                            ["phase"], registry=r)
         # Per run and cause: bounded (causes are a closed set) and dropped when the run is deleted.
         self.restarts = Counter("kubetitan_operator_restarts_total",
-                                "Gang restarts of a LlamaPretrain by cause (count).",
-                                ["namespace", "name", "cause"], registry=r)
+                                "Restarts of a LlamaPretrain by cause and mode: InPlace (the launchers restarted "
+                                "every rank's workers in the same pods) or Recreate (a new gang) (count).",
+                                ["namespace", "name", "cause", "mode"], registry=r)
         self.reconcile = Histogram("kubetitan_operator_reconcile_duration_seconds",
                                    "Duration of one reconcile cycle of one LlamaPretrain (seconds).", registry=r,
                                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
@@ -42,7 +43,7 @@ class OperatorMetrics:
         self.job_restarts = Gauge("kubetitan_operator_job_restarts", "Gang restarts of a LlamaPretrain (count).",
                                   labels, registry=r)
         self._phases: dict[tuple[str, str], str] = {}
-        self._causes: dict[tuple[str, str], set[str]] = {}
+        self._causes: dict[tuple[str, str], set[tuple[str, str]]] = {}
         for p in PHASES:
             self.phase.labels(p).set(0)
 
@@ -59,9 +60,9 @@ class OperatorMetrics:
             self._phases[key] = phase
             self.phase.labels(phase).inc()
 
-    def restarted(self, ns: str, name: str, cause: str) -> None:
-        self.restarts.labels(ns, name, cause).inc()
-        self._causes.setdefault((ns, name), set()).add(cause)
+    def restarted(self, ns: str, name: str, cause: str, mode: str = "Recreate") -> None:
+        self.restarts.labels(ns, name, cause, mode).inc()
+        self._causes.setdefault((ns, name), set()).add((cause, mode))
 
     def set_training(self, ns: str, name: str, t: TrainingStatus | None, restart_count: int) -> None:
         self.job_restarts.labels(ns, name).set(restart_count)
@@ -80,5 +81,5 @@ class OperatorMetrics:
                 gauge.remove(ns, name)
             except KeyError:
                 pass
-        for cause in self._causes.pop((ns, name), ()):
-            self.restarts.remove(ns, name, cause)
+        for cause, mode in self._causes.pop((ns, name), ()):
+            self.restarts.remove(ns, name, cause, mode)

@@ -274,6 +274,10 @@ def pod(
         # Outlast the scheduling wait: a rank waiting for rank 0's DNS record of a partly scheduled gang must
         # not exit (a ContainerFailed restart) before the operator reports Unschedulable.
         f"--dns-timeout={s.run_policy.unschedulable_timeout_seconds + s.run_policy.startup_timeout_seconds}",
+        # In-place restarts (runPolicy.maxInPlaceRestarts; 0: the static launcher, every failure re-creates the
+        # gang). The launchers restart every rank's workers together; the operator records each one from rank 0's
+        # metrics and re-creates the gang when the attempt's budget is used up (decide.restarted_in_place).
+        f"--max-restarts={s.run_policy.max_in_place_restarts}",
     ]
     limits: dict[str, Any] = {}
     requests: dict[str, Any] = {}

@@ -22,8 +22,8 @@ from kubetitan import conditions as C
 from kubetitan import contract
 from kubetitan.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, TrainingStatus
 from kubetitan.decide import (
-    MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, iso, iso_ms,
-    parse_time, replace, restart_record,
+    MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso,
+    iso_ms, parse_time, replace, restart_record,
 )
 
 
@@ -65,6 +65,22 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
                           "process still runs there)"
         return o
     o.metrics_ok_time, o.metrics_error = iso_ms(now), None
+    gen = _int(metrics, contract.M_RESTART_GENERATION)
+    if gen is not None and gen > (o.generation or 0):
+        # The launchers restarted every rank's workers in place: steps may go back (to the checkpoint) and the
+        # hang and start-up timers are this generation's, so the progress starts over.
+        o.previous_generation_step = o.step
+        o.step = o.start_step = o.first_step_time = o.last_progress_time = o.step_seconds_median = None
+        ts = _num(metrics, contract.M_RESTART_TIMESTAMP)
+        o.generation_start_time = iso_ms(ts if ts is not None and 0 < ts <= now else now)
+        code, rank = _int(metrics, contract.M_RESTART_EXIT_CODE), _int(metrics, contract.M_RESTART_NODE_RANK)
+        o.restart_exit_code = code if code is not None and code >= 0 else None
+        o.restart_node_rank = rank if rank is not None and rank >= 0 else None
+    if gen is not None and (o.generation is None or gen > o.generation):
+        o.generation = gen
+    median = _num(metrics, contract.M_STEP_DURATION_MEDIAN)
+    if median is not None and median > 0:
+        o.step_seconds_median = median
     step = _int(metrics, contract.M_STEP)
     beat = _num(metrics, contract.M_LAST_STEP_TIMESTAMP)
     ck = _int(metrics, contract.M_LAST_CHECKPOINT_STEP)
@@ -97,7 +113,10 @@ def progress(o: AttemptObservation | None) -> Progress:
     return Progress(step=o.step, start_step=o.start_step, last_checkpoint_step=o.last_checkpoint_step,
                     last_progress_time=parse_time(o.last_progress_time), first_step_time=parse_time(o.first_step_time),
                     metrics_available=available, metrics_ok_time=parse_time(o.metrics_ok_time),
-                    metrics_error=o.metrics_error)
+                    metrics_error=o.metrics_error, generation=o.generation or 0,
+                    generation_start_time=parse_time(o.generation_start_time),
+                    previous_generation_step=o.previous_generation_step, restart_exit_code=o.restart_exit_code,
+                    restart_node_rank=o.restart_node_rank, step_seconds_median=o.step_seconds_median)
 
 
 # ------------------------------------------------------------------ 2. observed
@@ -186,6 +205,19 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
             last.resumed_from_step = obs.progress.start_step
             last.lost_steps = max(0, ended - obs.progress.start_step)
 
+    if d.action == Action.RESTARTED_IN_PLACE:  # the same attempt and pods; a new worker generation
+        s.restarts = [*s.restarts, in_place_record(status, d, obs)][-MAX_RESTART_RECORDS:]
+        s.restart_count += 1
+    last = s.restarts[-1] if s.restarts else None
+    if last is not None and last.mode == "InPlace" and last.downtime_seconds is None and last.attempt == attempt \
+            and last.generation == obs.progress.generation and obs.progress.first_step_time is not None:
+        # settled at the generation's first trained step, like an attempt's (above)
+        last.downtime_seconds = round(max(0.0, obs.progress.first_step_time - (parse_time(last.time) or obs.now)), 3)
+        if obs.progress.start_step is not None:
+            last.resumed_from_step = obs.progress.start_step
+            prev = obs.progress.previous_generation_step
+            last.lost_steps = None if prev is None else max(0, prev - obs.progress.start_step)
+
     if d.action == Action.RESTART:
         rec = restart_record(status, d, obs)
         s.restarts = [*s.restarts, rec][-MAX_RESTART_RECORDS:]
@@ -226,11 +258,14 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
         else:
             cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "runPolicy.suspend is false")
         restarting = d.action == Action.RESTART or (
-            C.is_true(conds, C.RESTARTING) and not d.ready and d.action != Action.SUSPEND)
+            (d.action == Action.RESTARTED_IN_PLACE or C.is_true(conds, C.RESTARTING)) and not d.ready
+            and d.action != Action.SUSPEND)
         if restarting:
             last = s.restarts[-1] if s.restarts else None
-            msg = d.message if d.action in (Action.RESTART, Action.WAIT) or last is None else \
-                f"attempt {attempt} replaces attempt {last.attempt} ({last.cause}: {last.message})"
+            msg = d.message if d.action in (Action.RESTART, Action.WAIT, Action.RESTARTED_IN_PLACE) or last is None \
+                else (f"worker generation {last.generation} of attempt {attempt} restarted in place ({last.cause}: "
+                      f"{last.message})" if last.mode == "InPlace" else
+                      f"attempt {attempt} replaces attempt {last.attempt} ({last.cause}: {last.message})")
             cond(C.RESTARTING, "True", d.reason if d.action != Action.KEEP else C.RESTARTED, msg)
         else:
             cond(C.RESTARTING, "False", C.NOT_RESTARTING, "no restart in progress")

@@ -205,6 +205,17 @@ class Kubelet:
         self._refresh(p)
         p.signal(sig)
 
+    def kill_workers(self, ns: str, name: str, sig: int = signal.SIGKILL) -> list[int]:
+        """Send ``sig`` to the pod's workers only (a training process crashing while its launcher, the container's
+        main process, lives on); returns their pids."""
+        pids = self.worker_pids(ns, name)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return pids
+
     def freeze(self, ns: str, name: str) -> list[int]:
         """SIGSTOP the pod's workers (a hung training process); returns their pids."""
         pids = self.worker_pids(ns, name)

@@ -49,8 +49,17 @@ def rec(attempt: int, cause: str = "ContainerFailed", ago: float = 5.0, node: st
                          resumed_from_step=resumed, lost_steps=lost)
 
 
+def ip_rec(generation: int, node: str, ago: float = 50.0, attempt: int = 0) -> RestartRecord:
+    return RestartRecord(attempt=attempt, mode="InPlace", generation=generation, cause="ContainerFailed",
+                         time=iso(NOW - ago), node_name=node, resumed_from_step=10, lost_steps=4, downtime_seconds=2.0)
+
+
 TRAINING = Progress(step=20, start_step=0, last_checkpoint_step=10, last_progress_time=NOW - 1, first_step_time=NOW - 30,
                     metrics_available=True, metrics_ok_time=NOW)
+IN_PLACE = Progress(step=12, start_step=10, last_checkpoint_step=10, last_progress_time=NOW - 1, first_step_time=NOW - 2,
+                    metrics_available=True, metrics_ok_time=NOW, generation=1, generation_start_time=NOW - 5,
+                    previous_generation_step=14, restart_exit_code=137, restart_node_rank=1)
+"""Rank 0's workers of generation 1 train (rank 1's worker was SIGKILLed at step 14; resumed from 10)."""
 SCRAPED_NO_STEP = Progress(metrics_available=True, metrics_ok_time=NOW)
 UNREACHABLE = Progress(metrics_available=False, metrics_error="GET http://10.0.0.1:9090/metrics timed out")
 SEEN = frozenset({0, 1})
@@ -223,6 +232,69 @@ CASES = [
      Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 1}}), now=NOW), Action.FINISHED, "", None, {}),
     ("spec-change-blocks-next-attempt", spec(), status(restarts=[rec(0, ago=99)], attempt=1),
      Observed(now=NOW, spec_block="changing model.flavor ..."), Action.WAIT, C.IMMUTABLE_FIELD_CHANGED, None, {}),
+    # ---- in-place restarts (the launchers restart every rank's workers; the operator records, never deletes)
+    ("worker-killed-on-healthy-node-restarts-in-place", spec(), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=IN_PLACE, ranks_seen=SEEN, now=NOW),
+     Action.RESTARTED_IN_PLACE, C.RESTARTED_IN_PLACE, "ContainerFailed",
+     {"node_name": "n1", "ready": True, "rule": "restarted_in_place", "message_has": "killed by signal 9"}),
+    ("in-place-nan-loss-keeps-its-cause", spec(), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(IN_PLACE, restart_exit_code=3), ranks_seen=SEEN,
+              now=NOW), Action.RESTARTED_IN_PLACE, C.RESTARTED_IN_PLACE, "NonFiniteLoss", {"node_name": "n1", "ready": True}),
+    ("in-place-generation-already-recorded-keeps-training", spec(), status(restarts=[ip_rec(1, "n1")]),
+     Observed(pods=gang(), nodes=ok_nodes, progress=IN_PLACE, ranks_seen=SEEN, now=NOW),
+     Action.KEEP, C.TRAINING, None, {"ready": True, "rule": "running"}),
+    ("in-place-budget-used-up-recreates", spec(maxInPlaceRestarts=1), status(restarts=[ip_rec(1, "n0")]),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(IN_PLACE, generation=2), ranks_seen=SEEN, now=NOW),
+     Action.RESTART, C.RESTARTED, "ContainerFailed",
+     {**RESTART_ALL, "node_name": "n1", "message_has": "maxInPlaceRestarts=1", "rule": "restarted_in_place"}),
+    ("same-node-failing-in-place-twice-recreates", spec(), status(restarts=[ip_rec(1, "n1")]),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(IN_PLACE, generation=2), ranks_seen=SEEN, now=NOW),
+     Action.RESTART, C.RESTARTED, "ContainerFailed",
+     {**RESTART_ALL, "node_name": "n1", "message_has": "node n1 already failed in place"}),
+    ("in-place-counts-towards-max-restarts", spec(maxRestarts=1), status(restarts=[rec(0, lost=5)], attempt=1),
+     Observed(pods=gang(1), nodes=ok_nodes, progress=IN_PLACE, ranks_seen=SEEN, now=NOW),
+     Action.FAIL, C.MAX_RESTARTS_EXCEEDED, "ContainerFailed", {"delete": ("j-a1-0", "j-a1-1"), "node_name": "n1"}),
+    ("pod-failure-wins-over-in-place-record", spec(), status(),
+     Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 137}}), nodes=ok_nodes, progress=IN_PLACE,
+              ranks_seen=SEEN, now=NOW),
+     Action.RESTART, C.RESTARTED, "ContainerFailed", {**RESTART_ALL, "node_name": "n1", "rule": "pod_failed"}),
+    ("not-ready-node-recreates-even-with-in-place-on", spec(nodeFailureGraceSeconds=0), status(),
+     Observed(pods=gang(), nodes={"n0": NodeObs("n0"), "n1": NodeObs("n1", ready=None, not_ready_since=NOW - 1)},
+              progress=TRAINING, ranks_seen=SEEN, now=NOW), Action.RESTART, C.RESTARTED, "NodeFailure",
+     {"force_delete": ("j-a0-1",), "delete": ("j-a0-0",), "node_name": "n1", "rule": "pod_failed"}),
+    ("no-startup-timeout-for-a-young-generation-of-old-pods", spec(startupTimeoutSeconds=30), status(restarts=[ip_rec(1, "n1")]),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(SCRAPED_NO_STEP, generation=1,
+                                                            generation_start_time=NOW - 5),
+              ranks_seen=SEEN, now=NOW), Action.KEEP, C.WAITING_FOR_FIRST_STEP, None, {"rule": "running"}),
+    # ---- the automatic hang timeout: min(hangTimeoutSeconds, max(10 x median step, 30 s)) after 5 steps
+    ("auto-hang-fires-at-10x-median-step", spec(hangTimeoutSeconds=900), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, step_seconds_median=4.0,
+                                                            last_progress_time=NOW - 41), now=NOW),
+     Action.RESTART, C.RESTARTED, "Hang", {**RESTART_ALL, "rule": "hung", "message_has": "hangTimeoutPolicy=Auto"}),
+    ("auto-hang-not-before-10x-median-step", spec(hangTimeoutSeconds=900), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, step_seconds_median=4.0,
+                                                            last_progress_time=NOW - 39), ranks_seen=SEEN, now=NOW),
+     Action.KEEP, C.TRAINING, None, {"ready": True, "rule": "running"}),
+    ("auto-hang-floor-30s-for-fast-steps", spec(hangTimeoutSeconds=900), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, step_seconds_median=0.2,
+                                                            last_progress_time=NOW - 29), ranks_seen=SEEN, now=NOW),
+     Action.KEEP, C.TRAINING, None, {"ready": True}),
+    ("auto-hang-keeps-the-save-window-on-a-checkpoint-step", spec(hangTimeoutSeconds=900), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=500, start_step=400, step_seconds_median=0.2,
+                                                            last_progress_time=NOW - 300), ranks_seen=SEEN, now=NOW),
+     Action.KEEP, C.TRAINING, None, {"ready": True}),
+    ("auto-hang-waits-for-5-steps-of-the-generation", spec(hangTimeoutSeconds=900), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, start_step=17, step_seconds_median=0.2,
+                                                            last_progress_time=NOW - 100), ranks_seen=SEEN, now=NOW),
+     Action.KEEP, C.TRAINING, None, {"ready": True}),
+    ("auto-hang-never-longer-than-hang-timeout", spec(hangTimeoutSeconds=60), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, step_seconds_median=100.0,
+                                                            last_progress_time=NOW - 61), now=NOW),
+     Action.RESTART, C.RESTARTED, "Hang", {**RESTART_ALL, "message_has": "hangTimeoutSeconds=60"}),
+    ("fixed-hang-ignores-the-step-time", spec(hangTimeoutSeconds=900, hangTimeoutPolicy="Fixed"), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, step_seconds_median=0.2,
+                                                            last_progress_time=NOW - 100), ranks_seen=SEEN, now=NOW),
+     Action.KEEP, C.TRAINING, None, {"ready": True}),
 ]
 
 
@@ -408,3 +480,38 @@ def test_child_refused_sets_children_created_false_without_flapping() -> None:
     assert again.phase == new.phase == "Starting" and again.restart_count == 0
     assert C.find(again.conditions, C.CHILDREN_CREATED).last_transition_time == \
         C.find(new.conditions, C.CHILDREN_CREATED).last_transition_time
+
+
+def test_in_place_restart_is_tracked_recorded_and_settled_per_generation() -> None:
+    """Rank 0's metrics move to worker generation 1 (rank 1's worker was SIGKILLed at step 14, the new workers
+    resumed from checkpoint 10): the steps go back, the hang timer restarts with the generation, the status gets
+    one InPlace record (same attempt, no pod deleted), settled at the generation's first trained step."""
+    s = spec(hangTimeoutSeconds=60)
+    m0 = {contract.M_STEP: 14.0, contract.M_ATTEMPT: 0.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 100,
+          contract.M_LAST_CHECKPOINT_STEP: 10.0, contract.M_RESTART_GENERATION: 0.0}
+    o = S.track(None, 0, NOW - 100, metrics=m0, pods=gang())
+    obs = S.observed(o, pods=gang(), nodes=ok_nodes, now=NOW - 100)
+    st = S.next_status(s, status(), decide(s, status(), obs), obs)
+    # generation 1 answers, loaded checkpoint 10, no step of its own yet (heartbeat 0); 90 s after the old heartbeat
+    m1 = {**m0, contract.M_STEP: 10.0, contract.M_LAST_STEP_TIMESTAMP: 0.0, contract.M_RESTART_GENERATION: 1.0,
+          contract.M_RESTART_EXIT_CODE: 137.0, contract.M_RESTART_NODE_RANK: 1.0, contract.M_RESTART_TIMESTAMP: NOW - 12}
+    o1 = S.track(st.observation, 0, NOW - 10, metrics=m1, pods=gang())
+    assert (o1.generation, o1.step, o1.start_step, o1.first_step_time, o1.previous_generation_step) == (1, 10, 10, None, 14)
+    obs1 = S.observed(o1, pods=gang(), nodes=ok_nodes, now=NOW - 10)
+    d = decide(s, st, obs1)
+    assert (d.action, d.cause, d.node_name, d.delete, d.force_delete) == (
+        Action.RESTARTED_IN_PLACE, "ContainerFailed", "n1", (), ())
+    st1 = S.next_status(s, st, d, obs1)
+    r = st1.restarts[0]
+    assert (st1.attempt, st1.restart_count, r.mode, r.generation, r.attempt, r.node_name) == (0, 1, "InPlace", 1, 0, "n1")
+    assert r.downtime_seconds is None and C.is_true(st1.conditions, C.RESTARTING)
+    # the first step of generation 1, 3 s after the failure: settled; recorded once
+    m2 = {**m1, contract.M_STEP: 11.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 9}
+    o2 = S.track(o1, 0, NOW - 8, metrics=m2, pods=gang())
+    obs2 = S.observed(o2, pods=gang(), nodes=ok_nodes, now=NOW - 8)
+    d2 = decide(s, st1, obs2)
+    assert (d2.action, d2.reason) == (Action.KEEP, C.TRAINING)
+    st2 = S.next_status(s, st1, d2, obs2)
+    r = st2.restarts[0]
+    assert (len(st2.restarts), r.resumed_from_step, r.lost_steps, r.downtime_seconds) == (1, 10, 4, 3.0)
+    assert not C.is_true(st2.conditions, C.RESTARTING) and C.is_true(st2.conditions, C.READY)

@@ -86,7 +86,8 @@ def test_pod_failure_restarts_whole_gang(cluster: Cluster, rank0, exit_code: int
         rec = st["restarts"][0]
         assert rec["cause"] == cause and rec["attempt"] == 0 and rec["resumedFromStep"] == 10
         assert rec["lostSteps"] == 5 and "r3-a0-1" in rec["message"]
-        assert op.metric("kubetitan_operator_restarts_total", {"namespace": NS, "name": "r3", "cause": cause}) == 1
+        assert op.metric("kubetitan_operator_restarts_total", {"namespace": NS, "name": "r3", "cause": cause,
+                                                                 "mode": "Recreate"}) == 1
         wait_for(lambda: op.metric("kubetitan_operator_recovery_duration_seconds_count") == 1, 5, "recovery histogram")
         wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == f"Restart{cause}"], 5,
                  "restart event")

@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 
+from kubetitan import contract
 from kubetitan.contract import EXIT_SIGTERM, ExitCode
 
 from kubetitan_trainer import ENV_STOP_FILE, anatomy
@@ -228,7 +229,38 @@ class LauncherState:
         os.replace(tmp, self.path)
 
 
-def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requested) -> None:
+FAILURE_KEY = "kubetitan/failure/{generation}/{node_rank}"
+"""Rendezvous-store key under which a launcher posts the worker failure that ended ``generation``."""
+
+
+def post_failure(store, generation: int, node_rank: int, failures: dict) -> None:
+    """Post this pod's first worker failure (exit code, node rank, time) for rank 0's next generation."""
+    rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
+    code = first.exitcode
+    rec = {"exit_code": 128 - code if code < 0 else code, "node_rank": node_rank, "local_rank": rank,
+           "time": time.time()}
+    try:
+        store.set(FAILURE_KEY.format(generation=generation, node_rank=node_rank), json.dumps(rec))
+    except Exception as e:  # noqa: BLE001 - the restart goes on without the report; the operator says Unknown
+        log.warning("Could not post the worker failure to the rendezvous store: %s", e)
+
+
+def earliest_failure(store, generation: int, nnodes: int) -> dict | None:
+    """The earliest failure any pod posted for ``generation`` (the others are usually its collateral: a peer's
+    collective failing after the first worker died)."""
+    found = []
+    for r in range(nnodes):
+        key = FAILURE_KEY.format(generation=generation, node_rank=r)
+        try:
+            if store.check([key]):
+                found.append(json.loads(store.get(key)))
+        except Exception as e:  # noqa: BLE001 - as above
+            log.warning("Could not read %s from the rendezvous store: %s", key, e)
+    return min(found, key=lambda f: f["time"]) if found else None
+
+
+def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requested, node_rank: int = 0,
+                 nnodes: int = 1) -> None:
     """``torch.distributed.launcher.api.launch_agent`` with an agent that records failures and refuses
     restarts that cannot help (see :func:`restartable`). Raises ChildFailedError when the workers fail."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -239,6 +271,10 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     class InPlaceAgent(LocalElasticAgent):
+        generation = -1
+        """Worker generation (contract.ENV_RESTART_GENERATION): one rendezvous round per generation on every
+        rank, so every pod counts the same, where torchrun's restart count moves only on the failing pod."""
+
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
@@ -248,9 +284,26 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                     self._remaining_restarts = 0
                 state.failed(result.failures, restarting=ok, detected=detected)
                 if ok:
+                    post_failure(worker_group.store, self.generation, node_rank, result.failures)
                     log.warning("Worker(s) failed (%s); restarting every rank's workers in place (%d left)",
                                 {r: f.exitcode for r, f in result.failures.items()}, self._remaining_restarts - 1)
             return result
+
+        def _rendezvous(self, worker_group):
+            old = worker_group.store if self.generation >= 0 else None
+            super()._rendezvous(worker_group)
+            # Every failing launcher posted its failure before it joined this round, so all are readable now.
+            failure = earliest_failure(old, self.generation, nnodes) if old is not None else None
+            self.generation += 1
+            os.environ[contract.ENV_RESTART_GENERATION] = str(self.generation)  # forked workers inherit it
+            if failure is not None:
+                os.environ[contract.ENV_RESTART_FAILURE] = json.dumps(failure)
+                log.warning("Worker generation %d starts after a failure of node rank %s (exit code %s)",
+                            self.generation, failure["node_rank"], failure["exit_code"])
+            else:
+                os.environ.pop(contract.ENV_RESTART_FAILURE, None)
+            state.data["generation"] = self.generation
+            state.write()
 
     params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
                                   min_nodes=config.min_nodes, max_nodes=config.max_nodes,
@@ -322,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             state.warmed(seconds)
             log.info("In-place restarts on (up to %d); warm workers: imported torch/torchtitan once in %.1f s",
                      a.max_restarts, seconds)
-            run_in_place(config, run_worker, ["--job.config_file", a.config], state, lambda: bool(stopped["at"]))
+            run_in_place(config, run_worker, ["--job.config_file", a.config], state, lambda: bool(stopped["at"]),
+                         node_rank=a.node_rank, nnodes=a.nnodes)
         else:
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
         code = ExitCode.OK

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -77,6 +78,20 @@ def mfu_ratio(flops_per_token: float, tokens_per_second_per_gpu: float, peak_flo
     if not peak_flops or peak_flops <= 0:
         return None
     return flops_per_token * tokens_per_second_per_gpu / peak_flops
+
+
+MEDIAN_WINDOW = 50
+"""Steps in the rolling median of ``kubetitan_trainer_step_duration_median_seconds``."""
+
+
+def restart_generation() -> tuple[int, dict]:
+    """(worker generation, the failure that began it) from the launcher's environment (contract.ENV_RESTART_*)."""
+    gen = int(os.environ.get(contract.ENV_RESTART_GENERATION, "0") or 0)
+    try:
+        failure = json.loads(os.environ.get(contract.ENV_RESTART_FAILURE) or "{}")
+    except ValueError:
+        failure = {}
+    return gen, failure if isinstance(failure, dict) else {}
 
 
 class NullExporter:
@@ -142,6 +157,25 @@ class Exporter:
         self.generation = Gauge(contract.M_WORKER_GENERATION, "In-place restarts of this gang's workers before the "
                                 "running workers started; 0 for a fresh attempt (count).", registry=r)
         self._tokens_seen = 0
+        # In-place restarts (launch.py --max-restarts): which worker generation this is, and the failure that began it.
+        self.generation = Gauge(contract.M_RESTART_GENERATION, "Worker generation within this attempt: 0 for the "
+                                "first workers, +1 per in-place restart of every rank's workers (count).", registry=r)
+        self.restart_exit_code = Gauge(contract.M_RESTART_EXIT_CODE, "Exit code of the worker failure that began "
+                                       "this generation (128 + signal for a signal); -1 in generation 0 (code).",
+                                       registry=r)
+        self.restart_node_rank = Gauge(contract.M_RESTART_NODE_RANK, "Node rank (pod rank) whose worker failure "
+                                       "began this generation; -1 in generation 0 (rank).", registry=r)
+        self.restart_ts = Gauge(contract.M_RESTART_TIMESTAMP, "Unix time a launcher saw the worker failure that "
+                                "began this generation; 0 in generation 0 (seconds).", registry=r)
+        self.step_median = Gauge(contract.M_STEP_DURATION_MEDIAN, "Median wall time of this generation's last "
+                                 f"{MEDIAN_WINDOW} optimizer steps; the operator's automatic hang timeout scales "
+                                 "with it (seconds).", registry=r)
+        gen, failure = restart_generation()
+        self.generation.set(gen)
+        self.restart_exit_code.set(failure.get("exit_code", -1))
+        self.restart_node_rank.set(failure.get("node_rank", -1))
+        self.restart_ts.set(failure.get("time", 0))
+        self._recent: list[float] = []
 
     def startup(self, record: dict) -> None:
         """The start-up anatomy of this worker generation (:mod:`kubetitan_trainer.anatomy`)."""
@@ -169,6 +203,8 @@ class Exporter:
     def step_done(self, step: int, seconds: float) -> None:
         self.step.set(step)
         self.step_duration.observe(seconds)
+        self._recent = [*self._recent[-(MEDIAN_WINDOW - 1):], seconds]
+        self.step_median.set(statistics.median(self._recent))
         self.productive.inc(seconds)
         self.heartbeat.set(time.time())
 
@@ -253,6 +289,7 @@ class KubetitanMetricsProcessor(MetricsProcessor):
             self.exporter = NullExporter()
         self.step_log: Path | None = None
         self.attempt = attempt
+        self.generation = restart_generation()[0]
         if self.rank == 0:
             self.step_log = Path(job_config.job.dump_folder) / "kubetitan" / "steps.jsonl"
             self.step_log.parent.mkdir(parents=True, exist_ok=True)
@@ -286,7 +323,7 @@ class KubetitanMetricsProcessor(MetricsProcessor):
         if self.step_log is not None:
             rec = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, "tokens_per_second_per_gpu": tps,
                    "flops_per_second_per_gpu": flops, "mfu_ratio": mfu, "tokens": global_tokens, "time": time.time(),
-                   "attempt": self.attempt}
+                   "attempt": self.attempt, "generation": self.generation}
             with open(self.step_log, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
