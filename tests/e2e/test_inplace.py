@@ -1,0 +1,114 @@
+"""End to end, two-level recovery: the REAL operator (kopf, in-process) and the REAL trainer (the launcher with
+in-place restarts on, torchrun's agent with a c10d rendezvous, torchtitan workers) against kmockx, with
+tests/e2e/kubelet.py running every pod as local processes (2 "nodes" x 1 process, debug model on CPU).
+
+One run goes through the three paths in order (every gang start imports torch on a two-core machine):
+
+attempt 0, generation 0  rank 1's WORKER is SIGKILLed (its launcher lives on) -> the launchers restart every
+                         rank's workers in place: same pods (names and uids), generation 1 resumes from the
+                         newest checkpoint, one record with mode InPlace
+attempt 0, generation 1  the same pod's worker is killed again -> the same node failed in place twice: the
+                         operator re-creates the gang (record mode Recreate)
+attempt 1                rank 1's node goes NotReady -> Recreate (NodeFailure), as without in-place restarts
+
+Everything waits on status writes and rank 0's step log (each record carries its attempt and generation).
+"""
+
+from __future__ import annotations
+
+import pytest
+from common import NS, complete_checkpoints, e2e_spec, free_port, lpt, step_log
+
+from kmockx.harness import PODS, Operator, wait_for
+from kubetitan.decide import parse_time
+
+pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
+
+STEPS, INTERVAL = 400, 4
+OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5}
+START = 300.0  # seconds allowed for a gang to reach its first step (torch imports on two busy cores)
+
+
+def _st(c, name: str) -> dict:
+    return c.status(NS, name)
+
+
+def _step(c, name: str) -> int:
+    return (_st(c, name).get("training") or {}).get("step") or 0
+
+
+def _uids(c, name: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in c.pods(NS, name)}
+
+
+def _log_reaches(ckpt, attempt: int, generation: int, step: int, timeout: float = START) -> None:
+    wait_for(lambda: any(r["attempt"] == attempt and r.get("generation") == generation and r["step"] >= step
+                         for r in step_log(ckpt)), timeout,
+             f"rank 0's step log: attempt {attempt} generation {generation} at step >= {step}")
+
+
+def _settled(c, name: str, index: int) -> dict:
+    """Restart record ``index`` once the next attempt or generation trained its first step."""
+    wait_for(lambda: len(_st(c, name).get("restarts") or []) > index
+             and _st(c, name)["restarts"][index].get("downtimeSeconds") is not None, START,
+             f"restart {index} settled (the first step after it)")
+    return _st(c, name)["restarts"][index]
+
+
+def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreates(e2e) -> None:
+    c, k = e2e.cluster, e2e.kubelet
+    name = "inplace"
+    with Operator(c, **OPERATOR):
+        c.apply(lpt(name, e2e_spec(e2e.ckpt, STEPS, INTERVAL, free_port(), maxInPlaceRestarts=3)))
+        _log_reaches(e2e.ckpt, 0, 0, INTERVAL + 1)
+        wait_for(lambda: _step(c, name) >= INTERVAL + 1, 60, "the operator saw the first checkpoint interval")
+        pods = _uids(c, name)
+        assert sorted(pods) == [f"{name}-a0-0", f"{name}-a0-1"]
+        node1 = c.get(PODS, NS, f"{name}-a0-1")["spec"]["nodeName"]
+
+        # ---- a worker dies on a healthy node: every rank's workers restart in place
+        killed_at_step = step_log(e2e.ckpt)[-1]["step"]
+        assert k.kill_workers(NS, f"{name}-a0-1"), "no worker process to kill"
+        rec = _settled(c, name, 0)
+        assert rec["mode"] == "InPlace" and rec["attempt"] == 0 and rec["generation"] == 1, rec
+        assert rec["cause"] == "ContainerFailed" and "signal 9" in rec["message"] and rec["nodeName"] == node1, rec
+        st = _st(c, name)
+        assert st["attempt"] == 0 and st["restartCount"] == 1
+        assert _uids(c, name) == pods, "the pods were re-created: an in-place restart keeps them"
+        deletes = [str(x) for x in c.k.log if x.verb == "delete" and "/pods" in x.path]
+        assert not deletes, f"a pod was deleted during an in-place restart: {deletes}"
+        log = step_log(e2e.ckpt)
+        gen1 = [r for r in log if r["attempt"] == 0 and r.get("generation") == 1]
+        assert gen1[0]["step"] == rec["resumedFromStep"] + 1, (rec, gen1[:2])
+        assert rec["resumedFromStep"] in complete_checkpoints(e2e.ckpt) and rec["resumedFromStep"] % INTERVAL == 0
+        # lost = trained by generation 0 after that checkpoint: at most one interval (+ the step in flight)
+        last_gen0 = max(r["step"] for r in log if r["attempt"] == 0 and r.get("generation") == 0)
+        assert last_gen0 >= killed_at_step and 0 <= last_gen0 - rec["resumedFromStep"] <= INTERVAL + 1, (rec, last_gen0)
+        assert rec["lostSteps"] is not None and abs(rec["lostSteps"] - (last_gen0 - rec["resumedFromStep"])) <= 1
+        # downtime ends with generation 1's first trained step
+        assert abs(parse_time(rec["time"]) + rec["downtimeSeconds"] - gen1[0]["time"]) < 1.0, (rec, gen1[0])
+
+        # ---- the same pod's worker fails again: the node failed in place twice -> re-create the gang
+        _log_reaches(e2e.ckpt, 0, 1, rec["resumedFromStep"] + 2)
+        assert k.kill_workers(NS, f"{name}-a0-1")
+        wait_for(lambda: _st(c, name).get("restartCount") == 2, START, "the second failure recorded")
+        rec2 = _st(c, name)["restarts"][1]
+        assert rec2["mode"] == "Recreate" and rec2["attempt"] == 0 and "already failed in place" in rec2["message"], rec2
+        assert rec2["cause"] == "ContainerFailed"
+        _settled(c, name, 1)
+        assert sorted(_uids(c, name)) == [f"{name}-a1-0", f"{name}-a1-1"]
+        _log_reaches(e2e.ckpt, 1, 0, 1)
+
+        # ---- a NotReady node re-creates the gang, in-place restarts or not
+        victim = f"{name}-a1-1"
+        node = c.get(PODS, NS, victim)["spec"]["nodeName"]
+        k.fail_node(node)
+        wait_for(lambda: _st(c, name).get("restartCount") == 3, 60, "node failure restart")
+        rec3 = _st(c, name)["restarts"][2]
+        assert rec3["mode"] == "Recreate" and rec3["cause"] == "NodeFailure" and rec3["nodeName"] == node, rec3
+        wait_for(lambda: c.get(PODS, NS, victim) is None, 30, "the dead node's pod force-deleted")
+        k.crash_node_processes(node)
+        _settled(c, name, 2)
+        k.restore_node(node)
+        assert sorted(_uids(c, name)) == [f"{name}-a2-0", f"{name}-a2-1"]
+        assert [r["mode"] for r in _st(c, name)["restarts"]] == ["InPlace", "Recreate", "Recreate"]
