@@ -340,7 +340,7 @@ class RunPolicySpec(_Base):
     max_in_place_restarts: int = Field(default=3, ge=0, le=100)
     """In-place restarts per attempt: a worker process that dies on a healthy node restarts the workers of
     every rank in the same pods (no rescheduling, no image pull, warm imports), resuming from the newest
-    checkpoint. A failure beyond this many in one attempt, or a node's second in-place failure in it,
+    checkpoint. A failure beyond this many in one attempt, or a node failing in place twice in a row,
     re-creates the gang instead. 0 turns in-place restarts off (every failure re-creates the gang). Each in-place
     restart counts towards `maxRestarts` too."""
     startup_timeout_seconds: int = Field(default=1800, ge=10, le=86400)

@@ -672,7 +672,8 @@ def in_place_record(status: LlamaPretrainStatus, failure: Failure | Decision, ob
 def restarted_in_place(f: Facts) -> Decision | None:
     """Rank 0's workers report a generation not recorded yet: the launchers restarted every rank's workers in
     place. Record it; or, when ``maxInPlaceRestarts`` of this attempt are used up or the same node failed in
-    place before, re-create the gang (escalation); ``maxRestarts`` / ``maxRestartsWithoutProgress`` still apply."""
+    place twice in a row, re-create the gang (escalation); ``maxRestarts`` / ``maxRestartsWithoutProgress``
+    still apply."""
     pr = f.obs.progress
     earlier = in_place_records(f)
     if pr.generation <= max((r.generation or 0 for r in earlier), default=0):
@@ -682,8 +683,8 @@ def restarted_in_place(f: Facts) -> Decision | None:
     if len(earlier) >= rp.max_in_place_restarts:
         why = f"runPolicy.maxInPlaceRestarts={rp.max_in_place_restarts} in-place restarts of attempt {f.attempt} " \
               "are used up"
-    elif failure.node_name and any(r.node_name == failure.node_name for r in earlier):
-        why = f"node {failure.node_name} already failed in place in attempt {f.attempt}"
+    elif failure.node_name and earlier and earlier[-1].node_name == failure.node_name:
+        why = f"node {failure.node_name} failed in place twice in a row in attempt {f.attempt}"
     else:
         why = ""
     if why:

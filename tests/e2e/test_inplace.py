@@ -7,7 +7,7 @@ One run goes through the three paths in order (every gang start imports torch on
 attempt 0, generation 0  rank 1's WORKER is SIGKILLed (its launcher lives on) -> the launchers restart every
                          rank's workers in place: same pods (names and uids), generation 1 resumes from the
                          newest checkpoint, one record with mode InPlace
-attempt 0, generation 1  the same pod's worker is killed again -> the same node failed in place twice: the
+attempt 0, generation 1  the same pod's worker is killed again -> the node failed in place twice in a row: the
                          operator re-creates the gang (record mode Recreate)
 attempt 1                rank 1's node goes NotReady -> Recreate (NodeFailure), as without in-place restarts
 
@@ -93,7 +93,7 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         assert k.kill_workers(NS, f"{name}-a0-1")
         wait_for(lambda: _st(c, name).get("restartCount") == 2, START, "the second failure recorded")
         rec2 = _st(c, name)["restarts"][1]
-        assert rec2["mode"] == "Recreate" and rec2["attempt"] == 0 and "already failed in place" in rec2["message"], rec2
+        assert rec2["mode"] == "Recreate" and rec2["attempt"] == 0 and "failed in place twice in a row" in rec2["message"], rec2
         assert rec2["cause"] == "ContainerFailed"
         _settled(c, name, 1)
         assert sorted(_uids(c, name)) == [f"{name}-a1-0", f"{name}-a1-1"]

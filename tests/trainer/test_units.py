@@ -459,6 +459,23 @@ def test_in_place_launcher_uses_a_c10d_rendezvous_hosted_by_node_rank_0_and_fork
                 "--max-restarts=3", "--start-method=fork"} <= set(argv)
 
 
+def test_the_earliest_posted_worker_failure_begins_the_next_generation():
+    """Each launcher whose worker failed posts it to the rendezvous store; rank 0 reads the earliest (the others
+    are its collateral: a peer's collective failing after the first worker died)."""
+    from torch.distributed import HashStore
+
+    from kubetitan_trainer.launch import earliest_failure, post_failure
+
+    store = HashStore()
+    assert earliest_failure(store, 0, 2) is None
+    post_failure(store, 0, 1, {0: _failure(-9, 100)})
+    first = earliest_failure(store, 0, 2)
+    post_failure(store, 0, 0, {0: _failure(1, 101)})  # rank 0's worker failed on the broken collective, later
+    got = earliest_failure(store, 0, 2)
+    assert got == first and (got["exit_code"], got["node_rank"], got["local_rank"]) == (137, 1, 0)
+    assert earliest_failure(store, 1, 2) is None  # generation 1 has failed nowhere yet
+
+
 def test_compile_cache_lives_under_the_dump_folder_keyed_by_versions_gpu_and_config(tmp_path):
     import tomli_w
 
