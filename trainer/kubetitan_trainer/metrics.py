@@ -158,7 +158,7 @@ class Exporter:
                                 "running workers started; 0 for a fresh attempt (count).", registry=r)
         self._tokens_seen = 0
         # In-place restarts (launch.py --max-restarts): which worker generation this is, and the failure that began it.
-        self.generation = Gauge(contract.M_RESTART_GENERATION, "Worker generation within this attempt: 0 for the "
+        self.restart_generation = Gauge(contract.M_RESTART_GENERATION, "Worker generation within this attempt: 0 for the "
                                 "first workers, +1 per in-place restart of every rank's workers (count).", registry=r)
         self.restart_exit_code = Gauge(contract.M_RESTART_EXIT_CODE, "Exit code of the worker failure that began "
                                        "this generation (128 + signal for a signal); -1 in generation 0 (code).",
@@ -171,7 +171,7 @@ class Exporter:
                                  f"{MEDIAN_WINDOW} optimizer steps; the operator's automatic hang timeout scales "
                                  "with it (seconds).", registry=r)
         gen, failure = restart_generation()
-        self.generation.set(gen)
+        self.restart_generation.set(gen)
         self.restart_exit_code.set(failure.get("exit_code", -1))
         self.restart_node_rank.set(failure.get("node_rank", -1))
         self.restart_ts.set(failure.get("time", 0))
