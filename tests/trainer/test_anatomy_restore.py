@@ -43,6 +43,25 @@ def test_origin_is_the_detected_failure_for_an_in_place_generation_else_the_laun
         {"time": 60, "detected": 60.4, "restarted": True}, {"time": 80, "detected": 80.2, "restarted": True}]}
     assert anatomy.origin_of(restarted, 99.0) == (80.2, "failure_detected", 2)
     assert anatomy.origin_of({}, 99.0) == (99.0, "worker_start", 0)
+    # the launcher's shared generation and the moment this agent began the restart win (a pod restarted
+    # because a peer's worker failed records no failure of its own)
+    peer = {"restarts": 0, "generation": 1, "started": 50.0, "failures": [], "restart_origin": 70.5,
+            "restart_origin_kind": "peer_restart"}
+    assert anatomy.origin_of(peer, 99.0) == (70.5, "peer_restart", 1)
+
+
+def test_launcher_state_records_where_each_restart_began(tmp_path):
+    from types import SimpleNamespace
+
+    from kubetitan_trainer.launch import LauncherState
+
+    st = LauncherState(str(tmp_path / "s.json"), started=5.0)
+    st.failed({0: SimpleNamespace(timestamp=10, exitcode=-9)}, restarting=True, detected=10.25)
+    st.restart_begins(now=11.0)
+    assert (st.data["restart_origin"], st.data["restart_origin_kind"], st.data["restarts"]) == (10.25, "failure_detected", 1)
+    st.restart_begins(now=20.0)  # no failure of its own this time: a peer's restart
+    assert (st.data["restart_origin"], st.data["restart_origin_kind"]) == (20.0, "peer_restart")
+    assert anatomy.read_launcher_state({anatomy.ENV_LAUNCHER_STATE: st.path})["failures"][0]["detected"] == 10.25
 
 
 def test_recorder_gives_generation_0_the_warm_imports_and_closes_once(monkeypatch):

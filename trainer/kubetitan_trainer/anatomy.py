@@ -6,10 +6,11 @@ step, splits the span **origin -> end of the first step** into contiguous phases
 ============================  =================================================================================
 phase                         from -> to
 ============================  =================================================================================
-``process_start``             origin -> the worker's ``main()`` runs. The origin is the launcher's detection of
-                              the failure for an in-place restart (generation > 0: detection, the other ranks'
-                              stop, the rendezvous, the fork), else the launcher process's start (interpreter,
-                              torchrun, worker spawn).
+``process_start``             origin -> the worker's ``main()`` runs. For an in-place restart (generation > 0)
+                              the origin is the moment this pod's agent began the restart (it detected its own
+                              worker's failure, or a peer waiting in the rendezvous): then the stop of the other
+                              local workers, the rendezvous and the fork. Else the launcher process's start
+                              (interpreter, torchrun, worker spawn).
 ``imports``                   ``main()`` -> process-group init begins: torch/torchtitan/trainer imports, config
                               check, plus the launcher's one-time warm imports for generation 0 of a warm
                               launcher (moved here out of ``process_start``). About 0 for a forked warm worker.
@@ -68,10 +69,14 @@ def read_launcher_state(env: dict | None = None) -> dict:
 def origin_of(state: dict, fallback: float) -> tuple[float, str, int]:
     """(origin time, what it is, generation) for a worker starting under the launcher ``state``.
 
-    Generation = in-place restarts before this worker started. A restarted generation counts from the
-    launcher's detection of the failure that restarted it; generation 0 from the launcher's start."""
-    generation = int(state.get("restarts", 0) or 0)
+    Generation = the worker generation every rank shares (``state['generation']``, one rendezvous round each),
+    else the launcher's own in-place restarts. A restarted generation counts from the moment this pod's
+    agent began the restart: its detection of its own worker's failure (``failure_detected``) or of a peer
+    waiting in the rendezvous (``peer_restart``); generation 0 from the launcher's start."""
+    generation = int(state.get("generation", state.get("restarts", 0)) or 0)
     if generation > 0:
+        if state.get("restart_origin"):
+            return float(state["restart_origin"]), str(state.get("restart_origin_kind", "failure_detected")), generation
         restarted = [f for f in state.get("failures", []) if f.get("restarted")]
         if restarted and restarted[-1].get("detected"):
             return float(restarted[-1]["detected"]), "failure_detected", generation

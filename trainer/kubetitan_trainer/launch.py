@@ -220,6 +220,16 @@ class LauncherState:
         self.data["failures"] = self.data["failures"][-20:]
         if restarting:
             self.data["restarts"] += 1
+            self._detected = detected or time.time()
+        self.write()
+
+    def restart_begins(self, now: float | None = None) -> None:
+        """This agent is about to restart its workers (its own failure, or a peer's: a node waiting in the
+        rendezvous): the origin of the next generation's start-up anatomy on this pod."""
+        detected = getattr(self, "_detected", None)
+        self.data["restart_origin"] = detected or now or time.time()
+        self.data["restart_origin_kind"] = "failure_detected" if detected else "peer_restart"
+        self._detected = None
         self.write()
 
     def write(self) -> None:
@@ -288,6 +298,10 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                     log.warning("Worker(s) failed (%s); restarting every rank's workers in place (%d left)",
                                 {r: f.exitcode for r, f in result.failures.items()}, self._remaining_restarts - 1)
             return result
+
+        def _restart_workers(self, worker_group):
+            state.restart_begins()
+            super()._restart_workers(worker_group)
 
         def _rendezvous(self, worker_group):
             old = worker_group.store if self.generation >= 0 else None
