@@ -45,7 +45,7 @@ def spec_env(case: dict) -> list[dict]:
     return ([dict(CDT_ENV)] if case.get("cdt") else []) + ([alloc_env(case)] if case.get("alloc") else [])
 
 
-RECIPE_CASE = "3B:fp8tw:4"
+RECIPE_CASE = "3B:fp8tw:4:fp8out=1:alloc=exp"
 """The bench case that ``examples/llama3-3b-h200.yaml`` is (checked in tests/api/test_examples.py)."""
 
 

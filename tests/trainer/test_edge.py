@@ -61,3 +61,46 @@ def test_full_volume_is_detected_before_a_save(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 0, 10**6))
     T.check_free_space(str(tmp_path), needed)  # enough: no error
     assert os.path.isdir(tmp_path)
+
+
+def _estimator(tmp_path, n_params: int):
+    import torch
+
+    from kubetitan_trainer.trainer import KubetitanTrainer
+
+    t = KubetitanTrainer.__new__(KubetitanTrainer)  # only what _checkpoint_bytes_estimate reads
+    t.checkpointer = namedtuple("C", "folder")(str(tmp_path / "checkpoint"))
+    t.model_parts = [torch.nn.Linear(n_params, 1, bias=False)]
+    t.device = torch.device("cpu")
+    return t
+
+
+def test_checkpoint_estimate_on_one_rank_issues_no_collective(tmp_path, monkeypatch) -> None:
+    """One GPU (world size 1, NCCL): no all-reduce; it used to all-reduce a CPU tensor, which NCCL refuses,
+    and every GPU run with checkpoints died at its first save."""
+    from kubetitan_trainer import trainer as T
+
+    def refuse(t, *a, **k):
+        raise RuntimeError("No backend type associated with device type cpu")
+
+    monkeypatch.setattr(T.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(T.dist, "get_world_size", lambda *a: 1)
+    monkeypatch.setattr(T.dist, "all_reduce", refuse)
+    assert _estimator(tmp_path, 1000)._checkpoint_bytes_estimate() == 1000 * 12
+
+
+def test_checkpoint_estimate_sums_the_shards_of_all_ranks_on_the_training_device(tmp_path, monkeypatch) -> None:
+    from kubetitan_trainer import trainer as T
+
+    est = _estimator(tmp_path, 1000)
+    seen = []
+
+    def all_reduce(t, *a, **k):  # two ranks with equal shards
+        seen.append(t.device)
+        t.mul_(2)
+
+    monkeypatch.setattr(T.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(T.dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(T.dist, "all_reduce", all_reduce)
+    assert est._checkpoint_bytes_estimate() == 2 * 1000 * 12
+    assert seen == [est.device]
