@@ -50,7 +50,8 @@ def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
             "critical",
             "Training has made no step progress.",
             f"{LPT} has not completed a training step for {{{{ $value | humanizeDuration }}}} while its "
-            "pods still serve metrics. Check `kubectl describe lpt` (Hung condition), the trainer logs of "
+            "pods still serve metrics. Check `kubectl describe lpt` (the Ready and Restarting conditions, a `Hang` in "
+            "`status.restarts`), the trainer logs of "
             "every pod for a collective timeout or a stuck data loader, and NCCL/EFA health of the nodes.",
         ),
         Alert(
