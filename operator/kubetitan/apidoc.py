@@ -199,7 +199,8 @@ def render(rules: list[Any] | None = None) -> str:
     for path, _ in spec_sections + status_sections:
         out.append(f"{'  ' * path.count('.')}- [`{path}`](#{_anchor(path)})")
     out += ["- [Cross-field rules](#cross-field-rules)", "- [Printer columns](#printer-columns)",
-            "- [Trainer exit codes](#trainer-exit-codes)", "- [Restart causes](#restart-causes)", ""]
+            "- [Trainer exit codes](#trainer-exit-codes)", "- [Restart causes](#restart-causes)",
+            "- [Admin policy](#admin-policy)", ""]
 
     out += ["## Spec", ""]
     for path, node in spec_sections:
@@ -236,6 +237,20 @@ def render(rules: list[Any] | None = None) -> str:
     out += ["## Restart causes", "", "Values of `status.restarts[].cause` (and of the `cause` label of "
             "`kubetitan_operator_restarts_total`).", "", "| Cause | Meaning |", "|---|---|"]
     out += [f"| `{cause}` | {_cell(RESTART_CAUSES[cause])} |" for cause in typing.get_args(RestartCause)]
+    out.append("")
+
+    from kubetitan import policy
+
+    out += ["## Admin policy", "", _cell(
+        "What the cluster admin allows runs to put into their pods (operator/kubetitan/policy.py). A valid spec "
+        "outside it is refused at reconcile: `Ready=False`/`SpecAccepted=False` with reason "
+        f"`{policy.REASON}`, the field path and the fix in the message, a Warning Event, no child. "
+        "`kubetitan validate --policy FILE` checks the same (FILE: these keys, or a Helm values file with a "
+        "`policy` block). Each knob is a list of what is allowed: `[\"*\"]` allows anything, `[]` nothing; "
+        "docs/install.md shows how an admin sets them."), "",
+        "| Helm value | Operator flag | Default | Meaning |", "|---|---|---|---|"]
+    out += [f"| `{value}` | `{flag}` | `{default}` | {_cell(help_)} |"
+            for value, flag, default, help_ in policy.knob_table()]
     out.append("")
     return "\n".join(out)
 

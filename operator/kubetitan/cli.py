@@ -1,6 +1,7 @@
 """The ``kubetitan`` command.
 
     kubetitan validate FILE...          check LlamaPretrains; exit 1 listing every error
+              [--policy POLICY]         ... and against the cluster admin's policy (kubetitan.policy)
     kubetitan render FILE [--attempt N] print the child objects of one attempt as YAML
     kubetitan crd                       print the CustomResourceDefinition
     kubetitan run FILE                  train locally (CPU with gloo, or local GPUs)
@@ -64,14 +65,36 @@ def _print_errors(path: str, name: str, errors: list[FieldError]) -> None:
         print(f"  - {e}", file=sys.stderr)
 
 
+def load_policy(path: str) -> Any:
+    """The admin policy of ``--policy FILE``: the chart's ``policy`` block, or a values file holding one."""
+    from kubetitan import policy
+
+    docs = load_documents(path)
+    if len(docs) != 1:
+        raise InputError(f"{path}: holds {len(docs)} documents; --policy takes one policy mapping")
+    try:
+        return policy.load(docs[0])
+    except policy.PolicyError as e:
+        raise InputError(f"{path}: {e}") from None
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
+    from kubetitan import policy
+
+    pol = load_policy(args.policy) if args.policy else None
     bad = 0
     for path in args.files:
         for doc in load_documents(path):
             lpt, errors = parse(doc)
             meta = doc.get("metadata") if isinstance(doc, dict) else None
             name = str(meta.get("name", "")) if isinstance(meta, dict) else ""
-            if errors:
+            if not errors and lpt is not None and pol is not None and (refused := policy.check(lpt, pol)):
+                bad += 1
+                print(f"{path}: LlamaPretrain {name} is valid but the policy {args.policy} refuses it "
+                      f"({len(refused)} error(s)):", file=sys.stderr)
+                for e in refused:
+                    print(f"  - {e}", file=sys.stderr)
+            elif errors:
                 bad += 1
                 _print_errors(path, name, errors)
             else:
@@ -138,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check LlamaPretrain files; exit 1 listing every error")
     v.add_argument("files", nargs="+", metavar="FILE", help="YAML files (- for stdin); several documents allowed")
+    v.add_argument("--policy", metavar="POLICY",
+                   help="also check against this admin policy: a YAML file with the chart's policy keys "
+                        "(hostPathPrefixes, serviceAccounts, priorityClasses, imagePrefixes, tolerationKeys), "
+                        "or a Helm values file with a policy block")
     v.set_defaults(func=cmd_validate)
 
     r = sub.add_parser("render", help="print the child objects of one attempt as YAML (like helm template)")

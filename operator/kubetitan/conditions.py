@@ -41,6 +41,8 @@ ALL_TYPES = (READY, SPEC_ACCEPTED, SUSPENDED, RESTARTING, UNSCHEDULABLE, CHILDRE
 
 # ------------------------------------------------------------------ reasons
 INVALID_SPEC = "InvalidSpec"
+POLICY_VIOLATION = "PolicyViolation"
+"""A valid spec the cluster admin's policy refuses (kubetitan.policy): no child is created."""
 SPEC_APPLIED = "Applied"
 DEFERRED_TO_NEXT_ATTEMPT = "DeferredToNextAttempt"
 IMMUTABLE_FIELD_CHANGED = "ImmutableFieldChanged"

@@ -33,7 +33,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kubetitan import GROUP, PLURAL, VERSION, __version__, plan, validation
+from kubetitan import GROUP, PLURAL, VERSION, __version__, plan, policy, validation
 from kubetitan import conditions as C
 from kubetitan.api import LlamaPretrainStatus
 from kubetitan import status as status_mod
@@ -66,6 +66,8 @@ class Options:
     scrape_timeout: float = 3.0
     clock: Callable[[], float] = time.time
     """Source of 'now' for every decision; tests pass a faster clock instead of lowering API minimums."""
+    policy: policy.Policy = field(default_factory=policy.Policy)
+    """The cluster admin's policy (``--policy-*`` flags): a valid spec outside it is refused like an invalid one."""
 
 
 @dataclass
@@ -292,9 +294,9 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             now = ctx.options.clock()
             raw_status = job.api_status if job.api_status is not None else body.get("status")
             old = job.status if job.status is not None else status_mod.load(raw_status)
-            lpt, errors, desired = _parse(job, body)
+            lpt, errors, desired = _parse(job, body, ctx.options.policy)
             if errors or lpt is None:
-                await _write_invalid(ctx, ns, name, old, errors, meta.get("generation"), now, job)
+                await _write_invalid(ctx, ns, name, old, errors, meta.get("generation"), now, job, body)
                 return errors
             spec = lpt.spec
             attempt = old.attempt if old.attempt is not None else 0
@@ -409,8 +411,10 @@ def _event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> No
     kopf.event(dict(body), type=type_, reason=reason, message=message)
 
 
-def _parse(job: JobState, body: Mapping[str, Any]) -> tuple[Any, list[Any], dict[str, Any]]:
-    """``validation.parse`` of the object, cached while its spec is unchanged.
+def _parse(job: JobState, body: Mapping[str, Any], pol: policy.Policy | None = None
+           ) -> tuple[Any, list[Any], dict[str, Any]]:
+    """``validation.parse`` of the object, then the admin policy's check of a valid one (``policy.Violation``s
+    count as errors), cached while its spec is unchanged.
 
     The parse reads the spec and the immutable identity (apiVersion, kind, name, namespace, uid); status
     writes and kopf's annotation patches change none of them, so most cycles reuse the last result.
@@ -418,6 +422,8 @@ def _parse(job: JobState, body: Mapping[str, Any]) -> tuple[Any, list[Any], dict
     spec = body.get("spec")
     if job.parsed is None or spec != job.parsed_from:
         lpt, errors = validation.parse(dict(body))
+        if lpt is not None and not errors and pol is not None:
+            errors = list(policy.check(lpt, pol))
         desired = lpt.spec.model_dump(by_alias=True, exclude_none=True, mode="json") if lpt is not None else {}
         job.parsed_from, job.parsed = copy.deepcopy(spec), (lpt, errors, desired)
     return job.parsed
@@ -435,12 +441,15 @@ def _clock_rate(ctx: Context) -> float:
 
 
 async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainStatus, errors: list[Any],
-                         generation: int | None, now: float, job: JobState) -> None:
-    new = status_mod.invalid_status(old, errors, generation, now)
+                         generation: int | None, now: float, job: JobState, body: Mapping[str, Any]) -> None:
+    refused = bool(errors) and all(isinstance(e, policy.Violation) for e in errors)
+    new = status_mod.invalid_status(old, errors, generation, now, C.POLICY_VIOLATION if refused else C.INVALID_SPEC)
     old_raw = old.dump() if job.status is not None else {}
     if new.dump() != old_raw:
         assert ctx.client is not None
         await ctx.client.patch_status(ns, name, merge_patch(old_raw, new.dump()))
+        if refused and new.message != old.message:
+            _event(body, "Warning", C.POLICY_VIOLATION, new.message or "")
     job.status = new
     ctx.metrics.set_phase(ns, name, new.phase)
 
@@ -558,13 +567,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=["json", "plain", "full"], default="json",
                    help="log format (default json: one structured object per line)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+    policy.add_flags(p)
     return p
 
 
 def options_from_args(a: argparse.Namespace) -> Options:
     return Options(namespaces=list(a.namespace), all_namespaces=a.all_namespaces, peering=a.peering,
                    priority=a.priority, metrics_port=a.metrics_port or None, liveness=a.liveness,
-                   kubeconfig=a.kubeconfig, scan_interval=a.scan_interval, scrape_interval=a.scrape_interval)
+                   kubeconfig=a.kubeconfig, scan_interval=a.scan_interval, scrape_interval=a.scrape_interval,
+                   policy=policy.from_flags(a))
 
 
 def run(options: Options, stop_flag: Any = None, ready_flag: Any = None,
@@ -595,14 +606,20 @@ def run(options: Options, stop_flag: Any = None, ready_flag: Any = None,
 
 def main(argv: list[str]) -> int:
     """``kubetitan operator ...``: the CLI entry point (``kubetitan.cli`` forwards to it)."""
-    a = build_parser().parse_args(argv)
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        policy.from_flags(a)
+    except policy.PolicyError as e:
+        p.error(str(e))
     fmt = {"json": kopf.LogFormat.JSON, "plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL}[a.log_format]
     kopf.configure(verbose=a.verbose, log_format=fmt, log_refkey="object")
     if not a.verbose:
         # kopf logs every handler call per object at info ("Handler '_pod_changed' succeeded", once per pod
         # event); keep its warnings and errors, and the operator's own info lines.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    log.info("Started kubetitan operator", extra={"version": __version__})
+    log.info("Started kubetitan operator", extra={"version": __version__,
+                                                  "policy": policy.from_flags(a).describe()})
     try:
         run(options_from_args(a))
     except KeyboardInterrupt:

@@ -324,16 +324,17 @@ def _metrics_condition(s: LlamaPretrainStatus, cond: Any) -> None:
 
 
 def invalid_status(old: LlamaPretrainStatus, errors: list[Any], generation: int | None,
-                   now: float) -> LlamaPretrainStatus:
+                   now: float, reason: str = C.INVALID_SPEC) -> LlamaPretrainStatus:
     """The status of an object whose spec does not validate: ``Ready=False`` and ``SpecAccepted=False``
-    with reason ``InvalidSpec`` and what was wrong."""
+    with reason ``InvalidSpec`` and what was wrong; reason ``PolicyViolation`` for a valid spec the admin
+    policy refuses (kubetitan.policy)."""
     new = old.model_copy(deep=True)
     msg = "; ".join(map(str, errors)) or "the object cannot be parsed"
-    C.set_condition(new.conditions, C.READY, "False", C.INVALID_SPEC, msg, iso(now), generation)
-    C.set_condition(new.conditions, C.SPEC_ACCEPTED, "False", C.INVALID_SPEC, msg, iso(now), generation)
+    C.set_condition(new.conditions, C.READY, "False", reason, msg, iso(now), generation)
+    C.set_condition(new.conditions, C.SPEC_ACCEPTED, "False", reason, msg, iso(now), generation)
     new.observed_generation = generation
     new.phase = C.derive_phase(new.conditions, attempt_exists=new.attempt is not None)
-    new.message = f"invalid spec: {msg}"
+    new.message = f"{'refused by the admin policy' if reason == C.POLICY_VIOLATION else 'invalid spec'}: {msg}"
     return new
 
 

@@ -1,0 +1,49 @@
+"""The admin policy through the real operator against the strict API double: a spec outside the policy gets
+``Ready=False``/``SpecAccepted=False`` reason ``PolicyViolation`` and one Warning Event, and no child; the same
+spec inside the policy is created, and its pods are admitted by a namespace enforcing Pod Security ``restricted``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kmockx.harness import CMS, NS, Cluster, Operator, cpu_spec, lpt, wait_for
+from kubetitan.policy import Policy
+
+pytestmark = pytest.mark.xdist_group("operator-kmock")
+
+
+def test_policy_refuses_at_reconcile_and_restricted_namespaces_admit_the_pods(cluster: Cluster) -> None:
+    # The run's namespace enforces Pod Security restricted: the operator's pods must pass it to be created.
+    cluster.patch("v1/namespaces", None, NS, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
+    refused = cpu_spec(nodes=1)
+    refused["parallelism"]["dataParallelShardDegree"] = 2
+    refused["resources"]["serviceAccountName"] = "s3-writer"
+    refused["resources"]["image"] = "elsewhere/trainer:0.1.0"
+    allowed = cpu_spec(nodes=2)
+    allowed["resources"]["image"] = "mine/trainer:0.1.0"
+    op = Operator(cluster)
+    op.options.policy = Policy(image_prefixes=("mine/",))
+    with op:
+        cluster.apply(lpt("bad", refused))
+        cluster.apply(lpt("good", allowed))
+        cond = wait_for(lambda: cluster.condition(NS, "bad", "SpecAccepted"), 20, "SpecAccepted of bad")
+        assert cond["status"] == "False" and cond["reason"] == "PolicyViolation", cond
+        assert "spec.resources.serviceAccountName: service account ml/s3-writer" in cond["message"]
+        assert "spec.resources.image: image elsewhere/trainer:0.1.0 does not start with a prefix" in cond["message"]
+        ready = cluster.condition(NS, "bad", "Ready")
+        assert ready["status"] == "False" and ready["reason"] == "PolicyViolation"
+        assert cluster.status(NS, "bad")["message"].startswith("refused by the admin policy: ")
+        events = wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "PolicyViolation"],
+                          10, "PolicyViolation event")
+        assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "bad"
+        # The allowed run's pods pass PSA restricted (a refused pod would be a 403 and ChildrenCreated=False).
+        wait_for(lambda: len(cluster.pod_names(NS, "good")) == 2, 20, "2 pods of good")
+        assert cluster.pod_names(NS, "bad") == []
+        assert {c["metadata"]["name"] for c in cluster.list(CMS, NS)} == {"good-config"}
+        # One event, not one per cycle: let the operator run 20 more cycles, then count again.
+        cycles = "kubetitan_operator_reconcile_duration_seconds_count"
+        base = op.metric(cycles) or 0.0
+        wait_for(lambda: (op.metric(cycles) or 0.0) >= base + 20, 20, "20 more reconcile cycles")
+        assert cluster.condition(NS, "bad", "SpecAccepted") == cond
+        assert len([e for e in cluster.list("v1/events", NS) if e.get("reason") == "PolicyViolation"]) == 1
