@@ -55,7 +55,7 @@ KNOBS: tuple[Knob, ...] = (
          "Prefixes the trainer image (`spec.resources.image`) must start with, e.g. `<your-registry>/ml/` (end a "
          "registry or repository prefix with `/`). Default: any image."),
     Knob("toleration_keys", "tolerationKeys", (ANY,),
-         "Taint keys the pods may tolerate (`spec.resources.tolerations[].key`; a toleration without a key "
+         "Taint keys the pods may tolerate (the `key` of each `spec.resources.tolerations` entry; a toleration without a key "
          "tolerates every taint and is allowed only by `*`). The operator's own `nvidia.com/gpu` toleration is "
          "always added. Default: any."),
 )
