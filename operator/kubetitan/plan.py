@@ -278,6 +278,10 @@ def pod(
         # gang). The launchers restart every rank's workers together; the operator records each one from rank 0's
         # metrics and re-creates the gang when the attempt's budget is used up (decide.restarted_in_place).
         f"--max-restarts={s.run_policy.max_in_place_restarts}",
+        # How often each launcher checks its workers and (in place) whether a peer waits for a new rendezvous
+        # round: 0.05 s per node within [0.1, 1] s, so a small gang notices a failure quickly and a large one does
+        # not flood rank 0's rendezvous store.
+        f"--monitor-interval={min(1.0, max(0.1, 0.05 * r.nodes)):g}",
     ]
     limits: dict[str, Any] = {}
     requests: dict[str, Any] = {}

@@ -459,21 +459,23 @@ def test_in_place_launcher_uses_a_c10d_rendezvous_hosted_by_node_rank_0_and_fork
                 "--max-restarts=3", "--start-method=fork"} <= set(argv)
 
 
-def test_the_earliest_posted_worker_failure_begins_the_next_generation():
-    """Each launcher whose worker failed posts it to the rendezvous store; rank 0 reads the earliest (the others
-    are its collateral: a peer's collective failing after the first worker died)."""
+def test_the_posted_worker_failure_that_is_not_collateral_begins_the_next_generation():
+    """Each launcher whose worker failed posts it to the rendezvous store; rank 0 reads the one that began the
+    generation: not the generic exit 1 of a peer whose collective broke, even when that was posted first."""
     from torch.distributed import HashStore
 
     from kubetitan_trainer.launch import earliest_failure, post_failure
 
     store = HashStore()
     assert earliest_failure(store, 0, 2) is None
-    post_failure(store, 0, 1, {0: _failure(-9, 100)})
-    first = earliest_failure(store, 0, 2)
-    post_failure(store, 0, 0, {0: _failure(1, 101)})  # rank 0's worker failed on the broken collective, later
+    post_failure(store, 0, 0, {0: _failure(1, 100)})  # rank 0's worker failed on the broken collective, seen first
+    post_failure(store, 0, 1, {0: _failure(-9, 100)})  # rank 1's worker was SIGKILLed: the cause
     got = earliest_failure(store, 0, 2)
-    assert got == first and (got["exit_code"], got["node_rank"], got["local_rank"]) == (137, 1, 0)
+    assert (got["exit_code"], got["node_rank"], got["local_rank"]) == (137, 1, 0)
     assert earliest_failure(store, 1, 2) is None  # generation 1 has failed nowhere yet
+    post_failure(store, 1, 1, {0: _failure(1, 200)})  # two generic failures: the earlier one
+    post_failure(store, 1, 0, {0: _failure(1, 200)})
+    assert earliest_failure(store, 1, 2)["node_rank"] == 1
 
 
 def test_compile_cache_lives_under_the_dump_folder_keyed_by_versions_gpu_and_config(tmp_path):

@@ -256,8 +256,10 @@ def post_failure(store, generation: int, node_rank: int, failures: dict) -> None
 
 
 def earliest_failure(store, generation: int, nnodes: int) -> dict | None:
-    """The earliest failure any pod posted for ``generation`` (the others are usually its collateral: a peer's
-    collective failing after the first worker died)."""
+    """The failure that began ``generation``, of those the pods posted: the earliest one with an exit code other
+    than the generic 1, else the earliest. The others are usually its collateral: a peer's collective fails
+    (exit 1) the moment the first worker dies, and its launcher may see that before the dead worker's own
+    launcher sees the death (seen here with 0.1 s monitor intervals: a SIGKILLed worker lost to its peer's 1)."""
     found = []
     for r in range(nnodes):
         key = FAILURE_KEY.format(generation=generation, node_rank=r)
@@ -266,7 +268,25 @@ def earliest_failure(store, generation: int, nnodes: int) -> dict | None:
                 found.append(json.loads(store.get(key)))
         except Exception as e:  # noqa: BLE001 - as above
             log.warning("Could not read %s from the rendezvous store: %s", key, e)
-    return min(found, key=lambda f: f["time"]) if found else None
+    return min(found, key=lambda f: (f["exit_code"] == ExitCode.FAILED, f["time"])) if found else None
+
+
+def poll_seconds(nnodes: int) -> float:
+    """How often an agent polls the rendezvous store: 0.05 s per node, within [0.1 s, 1 s] (torch's fixed 1 s
+    is most of an in-place restart's rendezvous on a small gang; a large one keeps the store's load at torch's)."""
+    return min(1.0, max(0.1, 0.05 * nnodes))
+
+
+def fast_rendezvous_polls(nnodes: int) -> None:
+    """torch 2.11's c10d rendezvous sleeps a fixed 1 s between polls of the shared state while it waits for the
+    other nodes (``dynamic_rendezvous._DistributedRendezvousOpExecutor.run``, ``_delay(seconds=1)``), and serves
+    polls within 1 s of the last read from a cache (``_BackendRendezvousStateHolder(cache_duration=1)``, shortened
+    in :func:`run_in_place`); poll every :func:`poll_seconds` instead. Other delays (the first round's random skew)
+    are kept."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
+
+    poll = poll_seconds(nnodes)
+    dynamic_rendezvous._delay = lambda seconds: utils._delay(poll if seconds == 1 else seconds)
 
 
 def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requested, node_rank: int = 0,
@@ -279,6 +299,8 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.elastic.agent.server.api import WorkerState
+
+    fast_rendezvous_polls(nnodes)
 
     class InPlaceAgent(LocalElasticAgent):
         generation = -1
@@ -305,7 +327,11 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
 
         def _rendezvous(self, worker_group):
             old = worker_group.store if self.generation >= 0 else None
+            begin = time.time()
             super()._rendezvous(worker_group)
+            if old is not None:
+                log.info("Rendezvous round for worker generation %d took %.2f s", self.generation + 1,
+                         time.time() - begin)
             # Every failing launcher posted its failure before it joined this round, so all are readable now.
             failure = earliest_failure(old, self.generation, nnodes) if old is not None else None
             self.generation += 1
@@ -322,8 +348,12 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
     params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
                                   min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                   local_addr=config.local_addr, **config.rdzv_configs)
+    handler = rdzv_registry.get_rendezvous_handler(params)
+    holder = getattr(handler, "_state_holder", None)  # torch's DynamicRendezvousHandler: its shared-state cache
+    if holder is not None and getattr(holder, "_cache_duration", 0) > poll_seconds(nnodes):
+        holder._cache_duration = poll_seconds(nnodes)  # (1 s in torch 2.11: a poll within it re-reads the cache)
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
-                      args=tuple(args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+                      args=tuple(args), rdzv_handler=handler,
                       max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
                       local_addr=config.local_addr)
     agent = InPlaceAgent(spec=spec, logs_specs=config.logs_specs, start_method="fork",
