@@ -289,6 +289,15 @@ def fast_rendezvous_polls(nnodes: int) -> None:
     dynamic_rendezvous._delay = lambda seconds: utils._delay(poll if seconds == 1 else seconds)
 
 
+class StoppedInRendezvous(Exception):
+    """SIGTERM while the agent waits in a rendezvous round: no worker runs, so nothing is left to save."""
+
+
+IN_RENDEZVOUS = {"now": False}
+"""True while an in-place agent waits in a rendezvous round (its workers are stopped): SIGTERM then ends the
+launcher at once instead of waiting out the round (up to its join timeout) while the pod terminates."""
+
+
 def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requested, node_rank: int = 0,
                  nnodes: int = 1) -> None:
     """``torch.distributed.launcher.api.launch_agent`` with an agent that records failures and refuses
@@ -328,7 +337,13 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
         def _rendezvous(self, worker_group):
             old = worker_group.store if self.generation >= 0 else None
             begin = time.time()
-            super()._rendezvous(worker_group)
+            if stop_requested():
+                raise StoppedInRendezvous()
+            IN_RENDEZVOUS["now"] = True
+            try:
+                super()._rendezvous(worker_group)
+            finally:
+                IN_RENDEZVOUS["now"] = False
             if old is not None:
                 log.info("Rendezvous round for worker generation %d took %.2f s", self.generation + 1,
                          time.time() - begin)
@@ -395,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             stopped["at"] = time.time()
             log.warning("Received SIGTERM: asking the workers to save a checkpoint at the next step and stop")
             open(stop_file, "w").close()
+        if IN_RENDEZVOUS["now"]:
+            raise StoppedInRendezvous()
 
     signal.signal(signal.SIGTERM, on_sigterm)
     from kubetitan_trainer.restore_tier import ENV_RESTORE_TIER
@@ -424,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
         code = ExitCode.OK
+    except StoppedInRendezvous:
+        log.warning("Stopped by SIGTERM while waiting for the other pods' launchers (no worker was running)")
+        code = EXIT_SIGTERM
     except ChildFailedError as e:
         code = exit_code_of(e.failures)
         rank, failure = min(e.failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
