@@ -96,7 +96,9 @@ def main() -> int:
         run(c, "describe", "lpt", NAME, "-n", NS)
         wall = time.time() - t0
         ok = shown and c.status(NS, NAME).get("phase") == "Succeeded"
-    head = (f"# bench/kubectl_sample.py --steps {a.steps} --interval {a.interval} --kill-at {a.kill_at} "
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    head = (f"# commit {commit}: bench/kubectl_sample.py --steps {a.steps} --interval {a.interval} --kill-at {a.kill_at} "
             f"--show-at {a.show_at}\n# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}, "
             f"{platform.node()}, kubectl {kubectl}; wall {wall:.0f} s; {'OK' if ok else 'INCOMPLETE'}\n")
     if a.out:
