@@ -294,6 +294,11 @@ class ResourcesSpec(_Base):
     efa_per_node: int | None = Field(default=None, ge=0, le=64)
     """EFA interfaces per pod (`vpc.amazonaws.com/efa`). Unset means all of the instance
     type's interfaces on `eks`/`hyperpod`, none elsewhere."""
+    network_fallback: Literal["Fail", "AllowSockets"] = "Fail"
+    """What the trainer does when EFA was requested on `eks`/`hyperpod` but NCCL is not on it after
+    the first step (no aws-ofi-nccl plugin in the image, or not its `efa` provider): `Fail` ends the
+    run with exit code 5; `AllowSockets` logs a warning and trains over TCP sockets (a fraction of
+    EFA's bandwidth)."""
     shm_size: str = Field(default="64Gi", pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
     """Size of the memory-backed `/dev/shm` (data loader workers and NCCL need it)."""
     cpu: str | None = Field(default=None, pattern=r"^[0-9]+(\.[0-9]+|m)?$")

@@ -68,21 +68,26 @@ class InstanceType:
     gpus: int
     efa: int
     hyperpod: bool = False
+    hugepages_2mi: str = ""
+    """`hugepages-2Mi` each pod requests with EFA: libfabric's EFA provider takes its buffers from the
+    node's 2 MiB huge pages, which the EFA installer reserves. 5120Mi is the amount AWS's EKS EFA guide
+    (docs.aws.amazon.com/eks/latest/userguide/node-efa.html) puts in the pod's limits; empty: none."""
 
 
+_EFA_HUGEPAGES = "5120Mi"
 _EC2 = {
-    "p5.48xlarge": InstanceType("H100", 8, 32),
-    "p5e.48xlarge": InstanceType("H200", 8, 32),
-    "p5en.48xlarge": InstanceType("H200", 8, 16),
-    "p4d.24xlarge": InstanceType("A100", 8, 4),
-    "p4de.24xlarge": InstanceType("A100", 8, 4),
+    "p5.48xlarge": InstanceType("H100", 8, 32, hugepages_2mi=_EFA_HUGEPAGES),
+    "p5e.48xlarge": InstanceType("H200", 8, 32, hugepages_2mi=_EFA_HUGEPAGES),
+    "p5en.48xlarge": InstanceType("H200", 8, 16, hugepages_2mi=_EFA_HUGEPAGES),
+    "p4d.24xlarge": InstanceType("A100", 8, 4, hugepages_2mi=_EFA_HUGEPAGES),
+    "p4de.24xlarge": InstanceType("A100", 8, 4, hugepages_2mi=_EFA_HUGEPAGES),
     "g6e.48xlarge": InstanceType("L40S", 8, 0),
     "g5.48xlarge": InstanceType("A10G", 8, 0),
 }
 # SageMaker HyperPod names the same hardware with an "ml." prefix.
 INSTANCE_TYPES: dict[str, InstanceType] = {
     **_EC2,
-    **{f"ml.{k}": InstanceType(v.gpu, v.gpus, v.efa, hyperpod=True) for k, v in _EC2.items()},
+    **{f"ml.{k}": InstanceType(v.gpu, v.gpus, v.efa, hyperpod=True, hugepages_2mi=v.hugepages_2mi) for k, v in _EC2.items()},
 }
 
 

@@ -25,7 +25,12 @@ class ExitCode(IntEnum):
     NON_FINITE_LOSS = 3
     """The loss became NaN or infinite. Retried from the last checkpoint; repeated ones stop the run."""
     STORAGE_FULL = 4
-    """The checkpoint volume has too little free space for the next save (checked before it). Not retried."""
+    """The checkpoint volume has less free space than a save needs (checked before each save). Not retried:
+    free space or enlarge the volume, then re-create the run."""
+    NETWORK_NOT_EFA = 5
+    """EFA was requested on `eks`/`hyperpod` but NCCL did not use it (no aws-ofi-nccl plugin, or not its
+    `efa` provider), checked after the first step. Not retried: use an image with the plugin (see
+    `images/trainer.Dockerfile`) or set `spec.resources.networkFallback: AllowSockets`."""
     TERMINATED_CHECKPOINTED = 75
     """SIGTERM received (suspend, preemption, node drain); a full checkpoint was saved. Resumable."""
 

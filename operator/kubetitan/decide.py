@@ -297,6 +297,10 @@ def classify_pod(p: PodObs) -> Failure | None:
         return Failure(None, f"{what}: the checkpoint volume has too little free space for a save{tail}; free "
                        "space or enlarge the volume (or lower checkpoint.keepLatestK), then re-create the run",
                        p.name, p.node_name, C.STORAGE_FULL)
+    if code == ExitCode.NETWORK_NOT_EFA:
+        return Failure(None, f"{what}: EFA was requested but NCCL is not using it{tail}; use an image with "
+                       "libfabric and aws-ofi-nccl (images/trainer.Dockerfile) or set "
+                       "spec.resources.networkFallback: AllowSockets", p.name, p.node_name, C.NETWORK_NOT_EFA)
     if p.terminated_reason == "OOMKilled":
         return Failure("OOMKilled", f"{what}: OOMKilled (raise spec.resources.memory or lower the batch)",
                        p.name, p.node_name)

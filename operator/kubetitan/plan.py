@@ -20,6 +20,7 @@ from typing import Any
 from kubetitan import API_VERSION, KIND, contract
 from kubetitan.api import LlamaPretrain, processes_per_node
 from kubetitan.catalog import INSTANCE_TYPES
+from kubetitan import render
 from kubetitan.render import trainer_toml
 
 LABEL_NAME = "kubetitan.io/name"
@@ -38,6 +39,9 @@ The pods run as it whatever the image says, and it is the ``fsGroup`` that makes
 
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+EFA_MEMORY_REQUEST = "8000Mi"
+"""Memory request of an EFA pod that sets no cpu/memory of its own (huge pages need one of them)."""
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
@@ -133,12 +137,13 @@ def service(lpt: LlamaPretrain) -> dict[str, Any]:
 
 
 def efa_per_node(lpt: LlamaPretrain) -> int:
-    r = lpt.spec.resources
-    if r.efa_per_node is not None:
-        return r.efa_per_node
-    if r.platform in ("eks", "hyperpod") and r.instance_type in INSTANCE_TYPES and r.gpus_per_node > 0:
-        return INSTANCE_TYPES[r.instance_type].efa
-    return 0
+    return render.efa_per_node(lpt.spec)
+
+
+def hugepages_2mi(lpt: LlamaPretrain) -> str:
+    """`hugepages-2Mi` per pod: the instance type's amount when the pod gets EFA interfaces, else none."""
+    it = INSTANCE_TYPES.get(lpt.spec.resources.instance_type or "")
+    return it.hugepages_2mi if it is not None and efa_per_node(lpt) > 0 else ""
 
 
 def _env(lpt: LlamaPretrain, attempt: int, job_start_time: float | None) -> list[dict[str, Any]]:
@@ -292,6 +297,12 @@ def pod(
     for key, value in (("cpu", r.cpu), ("memory", r.memory)):
         if value is not None:
             limits[key] = requests[key] = value
+    if hp := hugepages_2mi(lpt):
+        # Huge pages are not overcommitted: request = limit. The API server refuses them without a cpu or
+        # memory request ("HugePages require cpu or memory"); AWS's EFA pod example requests 8000Mi memory.
+        limits[HUGEPAGES_RESOURCE] = requests[HUGEPAGES_RESOURCE] = hp
+        if "cpu" not in requests and "memory" not in requests:
+            requests["memory"] = EFA_MEMORY_REQUEST
     resources: dict[str, Any] = {}
     if limits:
         resources["limits"] = limits

@@ -17,7 +17,7 @@ import tomli_w
 
 from kubetitan import contract
 from kubetitan.api import HuggingFaceDataSpec, LlamaPretrain, LlamaPretrainSpec, resolved_dp_shard
-from kubetitan.catalog import FLAVOURS
+from kubetitan.catalog import FLAVOURS, INSTANCE_TYPES
 
 TRAIN_SPEC_NAME = "kubetitan_llama3"
 """The torchtitan TrainSpec the trainer registers (Llama 3 + kubetitan's data and metrics)."""
@@ -128,6 +128,16 @@ def trainer_config(lpt: LlamaPretrain, dump_folder: str | None = None) -> dict[s
     return cfg
 
 
+def efa_per_node(s: LlamaPretrainSpec) -> int:
+    """EFA interfaces each pod requests: the spec's count, else the instance type's on eks/hyperpod."""
+    r = s.resources
+    if r.efa_per_node is not None:
+        return r.efa_per_node
+    if r.platform in ("eks", "hyperpod") and r.instance_type in INSTANCE_TYPES and r.gpus_per_node > 0:
+        return INSTANCE_TYPES[r.instance_type].efa
+    return 0
+
+
 def _kubetitan_table(lpt: LlamaPretrain) -> dict[str, Any]:
     """The ``[kubetitan]`` table: what torchtitan's own sections cannot say."""
     s = lpt.spec
@@ -138,6 +148,9 @@ def _kubetitan_table(lpt: LlamaPretrain) -> dict[str, Any]:
         "metrics_port": s.monitoring.metrics_port,
         "gpu_product": s.resources.gpu_product or "",
         "instance_type": s.resources.instance_type or "",
+        "platform": s.resources.platform,
+        "efa_per_node": efa_per_node(s),
+        "network_fallback": s.resources.network_fallback,
         "requested_fsdp_float8_all_gather": s.precision.float8.fsdp_float8_all_gather,
         "requested_precompute_float8_scale": s.precision.float8.precompute_dynamic_scale,
         "data": {"source": d.source},

@@ -50,8 +50,9 @@ def test_gang_shape(nodes):
         assert p["spec"]["hostname"] == p["metadata"]["name"] and p["spec"]["subdomain"] == "run"
         assert p["spec"]["restartPolicy"] == "Never"
         assert p["spec"]["automountServiceAccountToken"] is False
-        assert p["spec"]["containers"][0]["resources"]["limits"] == {
-            "nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
+        assert p["spec"]["containers"][0]["resources"] == {  # huge pages: libfabric's EFA buffers
+            "limits": {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32, "hugepages-2Mi": "5120Mi"},
+            "requests": {"hugepages-2Mi": "5120Mi", "memory": "8000Mi"}}
         assert p["spec"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in p["spec"]["tolerations"]
         assert env(p)[contract.ENV_ATTEMPT] == "3" and env(p)["FI_PROVIDER"] == "efa"
@@ -64,6 +65,35 @@ def test_gang_shape(nodes):
     svc = objs[1]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {"kubetitan.io/name": "run"}
+
+
+@pytest.mark.parametrize("resources,limits,requests", [
+    ({"instanceType": "ml.p4d.24xlarge", "platform": "hyperpod"},  # HyperPod names keep the amounts
+     {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4, "hugepages-2Mi": "5120Mi"},
+     {"hugepages-2Mi": "5120Mi", "memory": "8000Mi"}),
+    ({"instanceType": "p5en.48xlarge", "platform": "eks", "memory": "1500Gi"},  # the spec's memory is the request
+     {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 16, "hugepages-2Mi": "5120Mi", "memory": "1500Gi"},
+     {"hugepages-2Mi": "5120Mi", "memory": "1500Gi"}),
+    ({"instanceType": "p5.48xlarge", "platform": "eks", "efaPerNode": 0}, {"nvidia.com/gpu": 8}, None),
+    ({"instanceType": "p5.48xlarge", "platform": "generic"}, {"nvidia.com/gpu": 8}, None),  # no EFA off eks
+    ({"instanceType": "g6e.48xlarge", "platform": "eks"}, {"nvidia.com/gpu": 8}, None),  # no EFA on g6e
+])
+def test_huge_pages_come_with_efa_only(resources, limits, requests):
+    _, objs = plan({"resources": resources, "checkpoint": PVC})
+    res = objs[2]["spec"]["containers"][0]["resources"]
+    assert res["limits"] == limits and res.get("requests") == requests
+
+
+def test_trainer_config_carries_the_network_check_inputs():
+    import tomllib
+
+    _, objs = plan({"resources": {"instanceType": "p5.48xlarge", "platform": "eks",
+                                  "networkFallback": "AllowSockets"}, "checkpoint": PVC})
+    kt = tomllib.loads(objs[0]["data"][contract.CONFIG_KEY])["kubetitan"]
+    assert (kt["platform"], kt["efa_per_node"], kt["network_fallback"]) == ("eks", 32, "AllowSockets")
+    _, objs = plan({})
+    kt = tomllib.loads(objs[0]["data"][contract.CONFIG_KEY])["kubetitan"]
+    assert (kt["platform"], kt["efa_per_node"], kt["network_fallback"]) == ("generic", 0, "Fail")
 
 
 def test_plan_is_deterministic_and_attempts_never_collide():

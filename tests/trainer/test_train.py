@@ -139,7 +139,9 @@ RECIPES = [
      {"compile": False, "float8": {"enabled": True, "recipe": "tensorwise", "fsdpFloat8AllGather": True,
                                    "precomputeDynamicScale": True, "emulate": True}},
      ["FSDP FP8 all-gather is on", "precomputed FP8 scales is on", "Swapped to Float8Linear"]),
-    ("compile", {"compile": True}, ["Compiling each TransformerBlock with torch.compile"]),
+    ("compile", {"compile": True}, ["Compiling each TransformerBlock with torch.compile",
+                                    # the start-up network check (kubetitan_trainer.netcheck) after step 1
+                                    "Network check: NCCL is not in use (no GPU"]),
 ]
 
 

@@ -40,3 +40,9 @@ class StorageFullError(Exception):
             f"{needed / 2**30:.2f} GiB. Free space, enlarge the volume or lower spec.checkpoint.keepLatestK, "
             "then re-create the run"
         )
+
+
+class NetworkNotEfaError(Exception):
+    """EFA was requested on eks/hyperpod but NCCL is not on it. Exit code 5 (not retried)."""
+
+    exit_code = ExitCode.NETWORK_NOT_EFA

@@ -91,6 +91,12 @@ class Kubetitan:
     """GPU model from the spec (H100, H200, ...); the MFU peak when the device name does not say."""
     instance_type: str = ""
     """Node instance type from the spec (informational; also tells the GPU model)."""
+    platform: Literal["generic", "eks", "hyperpod"] = "generic"
+    """Cluster flavour from the spec; on `eks`/`hyperpod` with EFA the NCCL network is enforced."""
+    efa_per_node: int = 0
+    """EFA interfaces the pod requested; above 0 the trainer checks that NCCL runs on EFA."""
+    network_fallback: Literal["Fail", "AllowSockets"] = "Fail"
+    """EFA requested on eks/hyperpod but NCCL not on it: `Fail` exits 5, `AllowSockets` warns and goes on."""
     requested_fsdp_float8_all_gather: bool = False
     """The spec asked for FSDP FP8 all-gather (the renderer turns it off when dp_shard is 1;
     the trainer says so in its log)."""

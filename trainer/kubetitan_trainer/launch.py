@@ -111,8 +111,10 @@ def exit_code_of(failures: dict) -> int:
     return 128 - code if code < 0 else code  # -15 (signal) -> 143, as a shell reports it
 
 
-NOT_RESTARTED_IN_PLACE = frozenset({int(ExitCode.CONFIG_ERROR), int(ExitCode.TERMINATED_CHECKPOINTED)})
-"""Worker exit codes a restart in place cannot cure: a bad config, and a stop after SIGTERM (75)."""
+NOT_RESTARTED_IN_PLACE = frozenset({int(ExitCode.CONFIG_ERROR), int(ExitCode.STORAGE_FULL),
+                                    int(ExitCode.NETWORK_NOT_EFA), int(ExitCode.TERMINATED_CHECKPOINTED)})
+"""Worker exit codes a restart in place cannot cure: a bad config, a full checkpoint volume, NCCL not on
+the EFA the spec asked for, and a stop after SIGTERM (75)."""
 
 ENV_LAUNCHER_STATE = anatomy.ENV_LAUNCHER_STATE
 """Path of the launcher's JSON state file (in-place restarts so far, the failures and when they were detected,

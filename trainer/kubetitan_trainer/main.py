@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 from kubetitan.contract import ExitCode
 
@@ -62,11 +63,18 @@ def main(argv: list[str] | None = None) -> int:
     if bridged:
         logger.info("No GPU: applied kubetitan's CPU bridges (gloo, CPU memory monitor, plain-sum FSDP)")
 
-    from kubetitan_trainer.errors import ConfigError, NonFiniteLossError, StorageFullError
+    from kubetitan_trainer.errors import ConfigError, NetworkNotEfaError, NonFiniteLossError, StorageFullError
 
     code = check_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
     if code is not None:
         return code
+
+    import torch
+
+    from kubetitan_trainer import netcheck
+
+    if torch.cuda.is_available():  # before NCCL exists: local rank 0 logs NCCL's INIT/NET lines to a file
+        netcheck.prepare_env(os.environ, int(os.environ.get("LOCAL_RANK", "0")), tempfile.gettempdir())
 
     from torchtitan.train import main as torchtitan_main
 
@@ -84,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except StorageFullError as e:
         logger.error(str(e))
         return ExitCode.STORAGE_FULL
+    except NetworkNotEfaError as e:
+        logger.error(str(e))
+        return ExitCode.NETWORK_NOT_EFA
     return int(KubetitanTrainer.exit_code)
 
 

@@ -33,8 +33,8 @@ from torchtitan.train import Trainer
 from kubetitan import contract
 from kubetitan.contract import ExitCode
 
-from kubetitan_trainer import ENV_STOP_FILE, anatomy, restore_tier
-from kubetitan_trainer.errors import NonFiniteLossError, StorageFullError
+from kubetitan_trainer import ENV_STOP_FILE, anatomy, netcheck, restore_tier
+from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
 
@@ -135,8 +135,13 @@ class KubetitanTrainer(Trainer):
             rec.first_step_begins()
         self._local_loss = None
         super().train_step(data_iterator)
-        stop, non_finite = self._agree()
+        # After the first step every NCCL communicator exists: its log says which network it is on.
+        not_efa = self._check_network() if first else False
+        stop, non_finite, not_efa = self._agree(not_efa)
         seconds = time.perf_counter() - begin
+        if not_efa:
+            raise NetworkNotEfaError(self._network_message or "NCCL is not on EFA on another node of the run "
+                                     "(see its local rank 0's log); exit code 5")
         if non_finite:
             raise NonFiniteLossError(self.step)
         self.productive_seconds += seconds
@@ -154,20 +159,34 @@ class KubetitanTrainer(Trainer):
             logger.info(anatomy.describe(record))
             anatomy.append_log(self.job_config.job.dump_folder, record)
 
+    _network_message: str = ""
+
+    def _check_network(self) -> bool:
+        """Log the NCCL network (local rank 0) and say whether the run must end (kubetitan_trainer.netcheck)."""
+        kt = self.job_config.kubetitan
+        v = netcheck.startup_verdict(kt, os.environ, nccl_in_use=self.device.type == "cuda")
+        if v is None:
+            return False
+        getattr(logger, v.level)(f"Network check: {v.message}")
+        if v.fail:
+            self._network_message = v.message
+        return v.fail
+
     def _stop_requested(self) -> bool:
         return bool(self._stop_file) and os.path.exists(self._stop_file)
 
-    def _agree(self) -> tuple[bool, bool]:
-        """All ranks agree on (stop, non-finite loss) with one MAX all-reduce."""
+    def _agree(self, not_efa: bool = False) -> tuple[bool, bool, bool]:
+        """All ranks agree on (stop, non-finite loss, NCCL not on EFA) with one MAX all-reduce."""
         loss = self._local_loss if self._local_loss is not None else torch.zeros((), device=self.device)
         flags = torch.stack([
             torch.tensor(float(self._stop_requested()), device=self.device),
             (~torch.isfinite(loss.float().reshape(-1)).all()).float().to(self.device),
+            torch.tensor(float(not_efa), device=self.device),
         ])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, non_finite = (bool(v) for v in flags.tolist())
-        return stop, non_finite
+        stop, non_finite, not_efa = (bool(v) for v in flags.tolist())
+        return stop, non_finite, not_efa
 
     # ------------------------------------------------------------------ checkpoints
     def _wrap_checkpoint_save(self) -> None:
