@@ -82,6 +82,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gang-cpu-"))
     ckpt = tmp / "ckpt"
     spec = e2e_spec(ckpt, a.steps, a.interval, free_port())
+    # This bench plays the gang re-creation path (a new attempt with new pods). With in-place restarts on
+    # (runPolicy.maxInPlaceRestarts > 0) rank 0's launcher would wait in the rendezvous for the killed pod,
+    # which only the operator replaces.
+    spec["runPolicy"]["maxInPlaceRestarts"] = 0
     obj = lpt("gang", spec)
     obj["metadata"]["uid"] = "00000000-0000-0000-0000-000000000007"
     model, errors = parse(obj)
