@@ -198,8 +198,14 @@ def main() -> int:
         # step speeds (the machine's load) do not count as fault cost.
         idle = (f["wall_s"] - f["productive_s"]) - (b["wall_s"] - b["productive_s"])
         out["unproductive_s_per_fault"] = round(idle / f["faults"], 1)
-        print(f"each fault cost {out['unproductive_s_per_fault']} s of unproductive wall time: recover p50 {f['recover_p50_s']} s "
-              f"+ lost steps {statistics.mean(f['lost_steps']) if f['lost_steps'] else 0:.1f} x {f['step_seconds_p50']} s")
+        # A recovery ends at the end of the next attempt's first step, which counts as productive: the split is
+        # (mean recovery - one step) + mean lost steps x step; what is left over is the step each kill cut off.
+        step = f["step_seconds_p50"] or 0.0
+        lost = statistics.mean(f["lost_steps"]) if f["lost_steps"] else 0.0
+        rec = statistics.mean(f["recover_s"]) if f["recover_s"] else 0.0
+        print(f"each fault cost {out['unproductive_s_per_fault']} s of unproductive wall time; of it, about "
+              f"(recover mean {rec:.1f} s - one step {step} s) + lost steps {lost:.1f} x {step} s = "
+              f"{rec - step + lost * step:.1f} s")
     out["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"load average (1, 5, 15 min) at start {out['loadavg_at_start']}, at end {out['loadavg_at_end']}, "
           f"{out['cpus']} CPUs")
