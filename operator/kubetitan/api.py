@@ -302,9 +302,12 @@ class ResourcesSpec(_Base):
     shm_size: str = Field(default="64Gi", pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
     """Size of the memory-backed `/dev/shm` (data loader workers and NCCL need it)."""
     cpu: str | None = Field(default=None, pattern=r"^[0-9]+(\.[0-9]+|m)?$")
-    """CPU request and limit per pod (e.g. `180`); unset means none."""
+    """CPU request and limit per pod (e.g. `180`). Unset: 90% of the instance type's vCPUs (scaled by the
+    pod's share of its GPUs) as a request with no limit, or 1 per process without a catalog instance type."""
     memory: str | None = Field(default=None, pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$")
-    """Memory request and limit per pod (e.g. `1800Gi`); unset means none."""
+    """Memory request and limit per pod (e.g. `1800Gi`). Unset: 85% of the instance type's memory (scaled by
+    the pod's share of its GPUs) as request and limit, or a 2Gi-per-process request without a catalog instance
+    type."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Extra node labels the pods must match."""
     tolerations: list[dict[str, Any]] = Field(default_factory=list)

@@ -80,6 +80,7 @@ def load_policy(path: str) -> Any:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from kubetitan import policy
+    from kubetitan.catalog import instance_type_warning
 
     pol = load_policy(args.policy) if args.policy else None
     bad = 0
@@ -99,6 +100,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 _print_errors(path, name, errors)
             else:
                 print(f"{path}: LlamaPretrain {name} is valid")
+            if not errors and lpt is not None and (warning := instance_type_warning(lpt.spec)):
+                print(f"{path}: warning: {warning}", file=sys.stderr)
     return EXIT_INVALID if bad else 0
 
 

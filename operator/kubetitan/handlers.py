@@ -33,7 +33,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kubetitan import GROUP, PLURAL, VERSION, __version__, plan, policy, validation
+from kubetitan import GROUP, PLURAL, VERSION, __version__, catalog, plan, policy, validation
 from kubetitan import conditions as C
 from kubetitan.api import LlamaPretrainStatus
 from kubetitan import status as status_mod
@@ -104,6 +104,9 @@ class JobState:
     again. Entries expire after ``ENSURED_SECONDS``, so a child that vanished before the index saw it is
     created again (as before)."""
 
+
+    warned: str | None = None
+    """The catalog warning (unknown instance type) this replica last sent as an Event for the run."""
 
     def forget_children(self) -> None:
         """Drop what this replica believes about children (after a fail-over, re-read from the API)."""
@@ -299,6 +302,10 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 await _write_invalid(ctx, ns, name, old, errors, meta.get("generation"), now, job, body)
                 return errors
             spec = lpt.spec
+            if (warning := catalog.instance_type_warning(lpt.spec)) != job.warned:
+                job.warned = warning
+                if warning:
+                    _event(body, "Warning", "UnknownInstanceType", warning)
             attempt = old.attempt if old.attempt is not None else 0
             if pods_override is not None:
                 pods = pods_override

@@ -19,7 +19,7 @@ from typing import Any
 
 from kubetitan import API_VERSION, KIND, contract
 from kubetitan.api import LlamaPretrain, processes_per_node
-from kubetitan.catalog import INSTANCE_TYPES
+from kubetitan.catalog import INSTANCE_TYPES, pod_resources
 from kubetitan import render
 from kubetitan.render import trainer_toml
 
@@ -40,8 +40,6 @@ The pods run as it whatever the image says, and it is the ``fsGroup`` that makes
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 HUGEPAGES_RESOURCE = "hugepages-2Mi"
-EFA_MEMORY_REQUEST = "8000Mi"
-"""Memory request of an EFA pod that sets no cpu/memory of its own (huge pages need one of them)."""
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
@@ -167,11 +165,11 @@ def _env(lpt: LlamaPretrain, attempt: int, job_start_time: float | None) -> list
             {"name": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "value": f"{s.checkpoint.mount_path}/nccl_trace/rank_"},
         ]
     if efa_per_node(lpt) > 0:
-        env += [
-            {"name": "FI_PROVIDER", "value": "efa"},
-            {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},
-            {"name": "FI_EFA_FORK_SAFE", "value": "1"},
-        ]
+        env.append({"name": "FI_PROVIDER", "value": "efa"})
+        it = INSTANCE_TYPES.get(s.resources.instance_type or "")
+        if it is None or it.rdma:  # GPUDirect RDMA over EFA: the p types (a g type's EFA has none)
+            env.append({"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"})
+        env.append({"name": "FI_EFA_FORK_SAFE", "value": "1"})
     tok = s.tokenizer.token_secret_ref
     if tok is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": tok.name, "key": tok.key}}})
@@ -294,15 +292,17 @@ def pod(
         limits[GPU_RESOURCE] = r.gpus_per_node
     if (efa := efa_per_node(lpt)) > 0:
         limits[EFA_RESOURCE] = efa
-    for key, value in (("cpu", r.cpu), ("memory", r.memory)):
-        if value is not None:
-            limits[key] = requests[key] = value
+    # CPU and memory: the spec's (request = limit), else from the instance type (catalog.pod_resources says how).
+    res = pod_resources(r.instance_type, r.gpus_per_node, nproc, r.cpu, r.memory)
+    requests["cpu"], requests["memory"] = res.cpu, res.memory
+    if res.cpu_limit is not None:
+        limits["cpu"] = res.cpu_limit
+    if res.memory_limit is not None:
+        limits["memory"] = res.memory_limit
     if hp := hugepages_2mi(lpt):
         # Huge pages are not overcommitted: request = limit. The API server refuses them without a cpu or
-        # memory request ("HugePages require cpu or memory"); AWS's EFA pod example requests 8000Mi memory.
+        # memory request ("HugePages require cpu or memory"), which every trainer pod now has.
         limits[HUGEPAGES_RESOURCE] = requests[HUGEPAGES_RESOURCE] = hp
-        if "cpu" not in requests and "memory" not in requests:
-            requests["memory"] = EFA_MEMORY_REQUEST
     resources: dict[str, Any] = {}
     if limits:
         resources["limits"] = limits

@@ -50,9 +50,11 @@ def test_gang_shape(nodes):
         assert p["spec"]["hostname"] == p["metadata"]["name"] and p["spec"]["subdomain"] == "run"
         assert p["spec"]["restartPolicy"] == "Never"
         assert p["spec"]["automountServiceAccountToken"] is False
-        assert p["spec"]["containers"][0]["resources"] == {  # huge pages: libfabric's EFA buffers
-            "limits": {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32, "hugepages-2Mi": "5120Mi"},
-            "requests": {"hugepages-2Mi": "5120Mi", "memory": "8000Mi"}}
+        # CPU/memory from the catalog: 90% of p5's 192 vCPUs (no CPU limit), 85% of its 2048 GiB (request = limit);
+        # huge pages: libfabric's EFA buffers
+        assert p["spec"]["containers"][0]["resources"] == {
+            "limits": {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32, "memory": "1740Gi", "hugepages-2Mi": "5120Mi"},
+            "requests": {"cpu": "172", "memory": "1740Gi", "hugepages-2Mi": "5120Mi"}}
         assert p["spec"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in p["spec"]["tolerations"]
         assert env(p)[contract.ENV_ATTEMPT] == "3" and env(p)["FI_PROVIDER"] == "efa"
@@ -131,7 +133,8 @@ def test_config_map_holds_the_rendered_trainer_config_and_pods_record_its_hash()
              "nodeSelectorTerms"][0]["matchExpressions"]),
         ({"resources": {"gpusPerNode": 0, "processesPerNode": 2}, "model": {"flavor": "debug"},
           "precision": {"compile": False}},
-         lambda p: "resources" not in p["spec"]["containers"][0] and "tolerations" not in p["spec"]
+         lambda p: p["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}}
+         and "tolerations" not in p["spec"]
          and arg(p, "nproc-per-node") == "2"),
         ({"checkpoint": {"saveTimeoutSeconds": 900}}, lambda p: p["spec"]["terminationGracePeriodSeconds"] == 930),
         ({"tokenizer": {"source": "huggingface", "repo": "r", "tokenSecretRef": {"name": "hf"}}},
@@ -147,7 +150,9 @@ def test_config_map_holds_the_rendered_trainer_config_and_pods_record_its_hash()
          lambda p: {"name": "checkpoints", "hostPath": {"path": "/ck", "type": "DirectoryOrCreate"}}
          in p["spec"]["volumes"]),
         ({"resources": {"cpu": "180", "memory": "1800Gi"}},
-         lambda p: p["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "180", "memory": "1800Gi"}),
+         lambda p: p["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "180", "memory": "1800Gi"}
+         and p["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 8, "cpu": "180",
+                                                                   "memory": "1800Gi"}),
     ],
     ids=["kueue", "scheduler", "hyperpod-health", "cpu", "grace", "hf-token", "user-env-last", "shm", "data-pvc",
          "host-path", "cpu-memory"],

@@ -1,6 +1,7 @@
 """The admin policy through the real operator against the strict API double: a spec outside the policy gets
 ``Ready=False``/``SpecAccepted=False`` reason ``PolicyViolation`` and one Warning Event, and no child; the same
-spec inside the policy is created, and its pods are admitted by a namespace enforcing Pod Security ``restricted``.
+spec inside the policy is created, and its pods are admitted by a namespace enforcing Pod Security ``restricted``;
+an instance type the catalog does not know is one Warning Event ``UnknownInstanceType`` saying what is assumed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def test_policy_refuses_at_reconcile_and_restricted_namespaces_admit_the_pods(cl
     refused["resources"]["image"] = "elsewhere/trainer:0.1.0"
     allowed = cpu_spec(nodes=2)
     allowed["resources"]["image"] = "mine/trainer:0.1.0"
+    allowed["resources"]["instanceType"] = "x9.fake"  # not in the catalog: a Warning Event says what is assumed
     op = Operator(cluster)
     op.options.policy = Policy(image_prefixes=("mine/",))
     with op:
@@ -41,9 +43,14 @@ def test_policy_refuses_at_reconcile_and_restricted_namespaces_admit_the_pods(cl
         wait_for(lambda: len(cluster.pod_names(NS, "good")) == 2, 20, "2 pods of good")
         assert cluster.pod_names(NS, "bad") == []
         assert {c["metadata"]["name"] for c in cluster.list(CMS, NS)} == {"good-config"}
+        unknown = wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "UnknownInstanceType"],
+                           10, "UnknownInstanceType event")
+        assert unknown[0]["type"] == "Warning" and unknown[0]["involvedObject"]["name"] == "good"
+        assert unknown[0]["message"].startswith("instance type x9.fake is not in kubetitan's catalog")
         # One event, not one per cycle: let the operator run 20 more cycles, then count again.
         cycles = "kubetitan_operator_reconcile_duration_seconds_count"
         base = op.metric(cycles) or 0.0
         wait_for(lambda: (op.metric(cycles) or 0.0) >= base + 20, 20, "20 more reconcile cycles")
         assert cluster.condition(NS, "bad", "SpecAccepted") == cond
         assert len([e for e in cluster.list("v1/events", NS) if e.get("reason") == "PolicyViolation"]) == 1
+        assert len([e for e in cluster.list("v1/events", NS) if e.get("reason") == "UnknownInstanceType"]) == 1
