@@ -71,14 +71,17 @@ def test_gang_shape(nodes):
 
 @pytest.mark.parametrize("resources,limits,requests", [
     ({"instanceType": "ml.p4d.24xlarge", "platform": "hyperpod"},  # HyperPod names keep the amounts
-     {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4, "hugepages-2Mi": "5120Mi"},
-     {"hugepages-2Mi": "5120Mi", "memory": "8000Mi"}),
+     {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4, "hugepages-2Mi": "5120Mi", "memory": "979Gi"},
+     {"hugepages-2Mi": "5120Mi", "cpu": "86", "memory": "979Gi"}),
     ({"instanceType": "p5en.48xlarge", "platform": "eks", "memory": "1500Gi"},  # the spec's memory is the request
      {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 16, "hugepages-2Mi": "5120Mi", "memory": "1500Gi"},
-     {"hugepages-2Mi": "5120Mi", "memory": "1500Gi"}),
-    ({"instanceType": "p5.48xlarge", "platform": "eks", "efaPerNode": 0}, {"nvidia.com/gpu": 8}, None),
-    ({"instanceType": "p5.48xlarge", "platform": "generic"}, {"nvidia.com/gpu": 8}, None),  # no EFA off eks
-    ({"instanceType": "g6e.48xlarge", "platform": "eks"}, {"nvidia.com/gpu": 8}, None),  # no EFA on g6e
+     {"hugepages-2Mi": "5120Mi", "cpu": "172", "memory": "1500Gi"}),
+    ({"instanceType": "p5.48xlarge", "platform": "eks", "efaPerNode": 0}, {"nvidia.com/gpu": 8, "memory": "1740Gi"},
+     {"cpu": "172", "memory": "1740Gi"}),
+    ({"instanceType": "p5.48xlarge", "platform": "generic"}, {"nvidia.com/gpu": 8, "memory": "1740Gi"},
+     {"cpu": "172", "memory": "1740Gi"}),  # no EFA off eks
+    ({"instanceType": "g6e.48xlarge", "platform": "eks"},  # g6e's EFA: no huge pages (no GPUDirect RDMA setup)
+     {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4, "memory": "1305Gi"}, {"cpu": "172", "memory": "1305Gi"}),
 ])
 def test_huge_pages_come_with_efa_only(resources, limits, requests):
     _, objs = plan({"resources": resources, "checkpoint": PVC})
