@@ -1,0 +1,280 @@
+"""Recovery anatomy bench (issue 17): failure -> next first trained step through kubetitan's launch path.
+
+One launcher (``python -m kubetitan_trainer.launch``, the pod entry point) with ``--max-restarts`` and the
+restore tier trains a LlamaPretrain (default: examples/llama3-3b-h200.yaml) with checkpoints. Generation 0
+starts cold (empty compile cache, no checkpoint), saves the step-``interval`` checkpoint (and the restore
+tier), then its worker is SIGKILLed mid-run. Each further generation is one planned restart, killed again
+after its first steps, before the next checkpoint (one full checkpoint on disk at any time):
+
+- ``warm_tier``: compile cache kept, restore tier kept (the fast path);
+- ``warm_dcp``: compile cache kept, the tier moved away first (so the load goes through DCP: "before");
+- ``cold_tier`` / ``cold_dcp``: the compile cache moved away first (a cold compile), tier kept / moved.
+
+Per generation it reports the trainer's start-up anatomy (``<dump>/kubetitan/startup.jsonl``,
+:mod:`kubetitan_trainer.anatomy`) and the bench's own clock: SIGKILL -> the end of the first trained step.
+Every event is printed and appended to ``<out>/events.jsonl`` as it happens (a cut-off run keeps its part).
+
+    python3 bench/recovery_bench.py --out DIR [--lpt examples/llama3-3b-h200.yaml] [--plan warm_tier,warm_dcp]
+    python3 bench/recovery_bench.py --out DIR --cpu      # the same driver on the debug model (dry run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+from kubetitan import contract  # noqa: E402
+from kubetitan.api import LlamaPretrain  # noqa: E402
+from kubetitan_trainer.local import free_port, scrape, spec_env, write_config  # noqa: E402
+
+PLANS = ("warm_tier", "warm_dcp", "cold_tier", "cold_dcp")
+NEED_S = {"warm_tier": 45, "warm_dcp": 100, "cold_tier": 100, "cold_dcp": 150}
+"""Seconds a planned restart may need (start-up + a few steps) on the H200; not started with less left."""
+
+CPU_SPEC = {
+    "model": {"flavor": "debug"},
+    "training": {"seqLen": 128, "localBatchSize": 2, "learningRate": 0.002, "warmupSteps": 2, "seed": 7},
+    "parallelism": {"dataParallelShardDegree": -1},
+    "precision": {"compile": False, "activationCheckpointing": "none", "mixedPrecisionParam": "float32",
+                  "float8": {"enabled": False}},
+    "checkpoint": {"asyncMode": "disabled"},
+    "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1},
+}
+
+
+class Events:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.t0 = time.time()
+
+    def __call__(self, event: str, **kw) -> dict:
+        rec = {"t": round(time.time() - self.t0, 3), "time": time.time(), "event": event, **kw}
+        print(json.dumps(rec), flush=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return rec
+
+
+def build_lpt(path: Path, steps: int, interval: int, cpu: bool) -> LlamaPretrain:
+    doc = yaml.safe_load(path.read_text())
+    spec = doc["spec"]
+    if cpu:
+        for k, v in CPU_SPEC.items():
+            spec[k] = {**spec.get(k, {}), **v} if isinstance(v, dict) else v
+        spec["precision"] = {**CPU_SPEC["precision"]}
+    spec["training"]["steps"] = steps
+    spec["training"]["warmupSteps"] = min(spec["training"].get("warmupSteps", 2), max(1, steps // 4))
+    spec["checkpoint"].update({"enabled": True, "intervalSteps": interval, "keepLatestK": 2})
+    spec.setdefault("monitoring", {})["logFrequencySteps"] = 1
+    doc["metadata"]["name"] = "recovery-bench"
+    return LlamaPretrain.model_validate(doc)
+
+
+def children(pid: int) -> list[int]:
+    p = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in p.read_text().split()] if p.exists() else []
+
+
+def startup_records(dump: Path) -> list[dict]:
+    p = dump / "kubetitan" / "startup.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def cache_dir(env: dict) -> Path | None:
+    d = env.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(d).parent if d else None
+
+
+def tier_step(tier: Path) -> int | None:
+    try:
+        return json.loads((tier / "rank-0.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def run(a: argparse.Namespace) -> int:
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ev = Events(out / "events.jsonl")
+    deadline = time.time() + a.deadline
+    work = Path(a.work).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    dump = work / "out"
+    dump.mkdir(parents=True)
+    tier = Path(a.tier).resolve() if a.tier else work / "tier"
+    shutil.rmtree(tier, ignore_errors=True)
+    lpt = build_lpt(Path(a.lpt), a.steps, a.interval, a.cpu)
+    port = free_port()
+    config = write_config(lpt, dump, None, port)
+    plan = [p for p in a.plan.split(",") if p]
+    assert all(p in PLANS for p in plan), f"--plan: each of {PLANS}"
+    env = {**os.environ, **spec_env(lpt), contract.ENV_ATTEMPT: "0", contract.ENV_JOB_NAME: "recovery-bench",
+           contract.ENV_JOB_NAMESPACE: "bench", contract.ENV_JOB_START_TIME: str(int(time.time()))}
+    from kubetitan_trainer import compile_cache
+
+    compile_cache.configure(str(config), env)  # what the launcher will set (setdefault): the bench can move it
+    cmd = [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
+           "--nproc-per-node=1", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+           "--rdzv-id=recovery-bench", f"--max-restarts={len(plan)}", "--monitor-interval=0.1",
+           f"--restore-tier={tier}", "--dns-timeout=5"]
+    free = shutil.disk_usage(tier.parent if tier.parent.exists() else "/").free
+    ev("start", cmd=cmd, plan=plan, tier=str(tier), tier_free_gib=round(free / 2**30, 1),
+       compile_cache=str(cache_dir(env)), deadline_s=a.deadline)
+    log = open(out / "launcher.log", "ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    results: list[dict] = []
+    ckpt_meta = dump / contract.CHECKPOINT_SUBDIR / f"step-{a.interval}" / contract.DCP_METADATA_FILE
+    try:
+        gen = 0
+        kill_time = None
+        kind = "cold_start"
+        while True:
+            # 1. this generation's start-up record
+            rec = wait(lambda: next((r for r in startup_records(dump) if r["generation"] == gen), None),
+                       proc, deadline, ev, f"generation {gen} first step")
+            if rec is None:
+                break
+            row = {"generation": gen, "kind": kind, "checkpoint_source": rec["checkpoint_source"],
+                   "first_step": rec["first_step"], "origin": rec["origin"],
+                   "phases": {k: round(v, 2) for k, v in rec["phases"].items()},
+                   "startup_total_s": round(rec["total_seconds"], 2)}
+            if kill_time is not None:
+                row["kill_to_first_step_end_s"] = round(rec["time"] - kill_time, 2)
+                row["kill_to_detected_s"] = round(rec["time"] - rec["total_seconds"] - kill_time, 2)
+            results.append(row)
+            ev("generation", **row)
+            for moved in (Path(str(tier) + ".away"), Path(str(cache_dir(env) or "") + ".away")):
+                if str(moved) != ".away" and moved.exists():  # put back what this generation ran without
+                    back = Path(str(moved).removesuffix(".away"))
+                    shutil.rmtree(back, ignore_errors=True)
+                    moved.rename(back)
+                    ev("restored", path=str(back))
+            if gen >= len(plan):
+                break
+            nxt = plan[gen]
+            left = deadline - time.time()
+            if left < NEED_S[nxt] * (0.2 if a.cpu else 1):
+                ev("stop", reason=f"{left:.0f} s left, {nxt} may need {NEED_S[nxt]} s")
+                break
+            # 2. the kill point: a complete checkpoint (and the tier) of step `interval`, a step or two past it
+            target = a.interval + 2
+
+            def ready():
+                try:
+                    m = scrape(port)
+                except OSError:
+                    return None
+                step = int(m.get(contract.M_STEP, 0))
+                if step < target:
+                    return None
+                return step
+
+            step = wait(ready, proc, deadline, ev, f"generation {gen} at step {target}")
+            if step is None:
+                break
+            workers = children(proc.pid)
+            if not workers:
+                ev("error", what="no worker process under the launcher")
+                break
+            for w in workers:
+                os.kill(w, signal.SIGSTOP)  # no further step (and no second 40 GB checkpoint) while we wait
+            ev("paused", step=step, workers=workers)
+            def saved():
+                if not ckpt_meta.exists():
+                    return None
+                if gen > 0 or tier_step(tier) == a.interval:
+                    return True
+                text = (out / "launcher.log").read_text(errors="replace")
+                return True if ("Restore tier skipped" in text or "Restore tier not written" in text) else None
+
+            ok = wait(saved, proc, deadline, ev, f"complete checkpoint step-{a.interval} and its tier")
+            if ok is None:
+                ev("warning", what=f"tier step {tier_step(tier)}, {ckpt_meta} exists: {ckpt_meta.exists()}")
+                if not ckpt_meta.exists():
+                    break
+            # 3. what the next generation runs without
+            if nxt.endswith("_dcp") and tier.exists():
+                tier.rename(Path(str(tier) + ".away"))
+                ev("moved", path=str(tier), why="next generation loads through DCP")
+            cc = cache_dir(env)
+            if nxt.startswith("cold") and cc is not None and cc.exists():
+                cc.rename(Path(str(cc) + ".away"))
+                ev("moved", path=str(cc), why="next generation compiles cold")
+            kill_time = time.time()
+            for w in workers:
+                os.kill(w, signal.SIGKILL)
+            ev("killed", workers=workers, step=step, next=nxt)
+            gen += 1
+            kind = nxt
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        ev("launcher_ended", code=proc.returncode)
+        for f in ("startup.jsonl", "steps.jsonl"):
+            src = dump / "kubetitan" / f
+            if src.exists():
+                shutil.copy(src, out / f)
+        if not a.keep:
+            for p in (tier, Path(str(tier) + ".away"), work):
+                shutil.rmtree(p, ignore_errors=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+    return 0 if len(results) == len(plan) + 1 else 1
+
+
+def wait(cond, proc, deadline, ev, what, poll=0.1):
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            ev("error", what=f"launcher exited ({proc.returncode}) while waiting for {what}")
+            return None
+        v = cond()
+        if v is not None:
+            return v
+        time.sleep(poll)
+    ev("timeout", what=what)
+    return None
+
+
+def table(rows: list[dict]) -> str:
+    from kubetitan_trainer.anatomy import PHASES
+
+    head = ["gen", "start", "loaded from", "kill -> first step end"] + list(PHASES) + ["sum"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        k = r.get("kill_to_first_step_end_s")
+        lines.append("| " + " | ".join([str(r["generation"]), r["kind"], r["checkpoint_source"],
+                                        "-" if k is None else f"{k:.1f} s"]
+                                       + [f"{r['phases'][p]:.1f}" for p in PHASES]
+                                       + [f"{r['startup_total_s']:.1f}"]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--lpt", default=str(REPO / "examples" / "llama3-3b-h200.yaml"))
+    p.add_argument("--plan", default="warm_tier,warm_dcp,cold_tier")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--interval", type=int, default=10)
+    p.add_argument("--tier", default="", help="restore tier folder (default: <work>/tier)")
+    p.add_argument("--work", default="/tmp/recovery-bench")
+    p.add_argument("--deadline", type=float, default=420, help="seconds for the whole bench")
+    p.add_argument("--cpu", action="store_true", help="the debug model on CPU (dry run of the driver)")
+    p.add_argument("--keep", action="store_true", help="keep the work folder and the tier")
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
