@@ -94,6 +94,9 @@ def trainer_config(lpt: LlamaPretrain, dump_folder: str | None = None) -> dict[s
             "log_freq": mon.log_frequency_steps,
             "enable_tensorboard": mon.tensorboard,
             "save_tb_folder": "tb",
+            # Plain step lines: the end of the log becomes the pod's termination message, and from it the
+            # restart's message in status.restarts and its Event (colour codes made them unreadable there).
+            "disable_color_printing": True,
         },
         "comm": {
             # Let a stuck collective crash the process well before the operator's own hang

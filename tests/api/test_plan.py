@@ -101,6 +101,14 @@ def test_trainer_config_carries_the_network_check_inputs():
     assert (kt["platform"], kt["efa_per_node"], kt["network_fallback"]) == ("generic", 0, "Fail")
 
 
+def test_trainer_logs_without_colour_codes():
+    """The log's end is the termination message, which the restart record and its Event quote."""
+    import tomllib
+
+    _, objs = plan({})
+    assert tomllib.loads(objs[0]["data"][contract.CONFIG_KEY])["metrics"]["disable_color_printing"] is True
+
+
 def test_plan_is_deterministic_and_attempts_never_collide():
     _, a = plan({})
     _, b = plan({})
