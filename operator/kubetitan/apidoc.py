@@ -200,7 +200,7 @@ def render(rules: list[Any] | None = None) -> str:
         out.append(f"{'  ' * path.count('.')}- [`{path}`](#{_anchor(path)})")
     out += ["- [Cross-field rules](#cross-field-rules)", "- [Printer columns](#printer-columns)",
             "- [Trainer exit codes](#trainer-exit-codes)", "- [Restart causes](#restart-causes)",
-            "- [Admin policy](#admin-policy)", ""]
+            "- [Names and pod fields](#names-and-pod-fields)", "- [Admin policy](#admin-policy)", ""]
 
     out += ["## Spec", ""]
     for path, node in spec_sections:
@@ -239,6 +239,8 @@ def render(rules: list[Any] | None = None) -> str:
     out += [f"| `{cause}` | {_cell(RESTART_CAUSES[cause])} |" for cause in typing.get_args(RestartCause)]
     out.append("")
 
+    out += names_and_pod_fields()
+
     from kubetitan import policy
 
     out += ["## Admin policy", "", _cell(
@@ -253,6 +255,53 @@ def render(rules: list[Any] | None = None) -> str:
             for value, flag, default, help_ in policy.knob_table()]
     out.append("")
     return "\n".join(out)
+
+
+def names_and_pod_fields() -> list[str]:
+    """The name limit (computed), the reserved environment variables and the checks of pass-through fields."""
+    from kubetitan import k8sfields
+    from kubetitan.api import LlamaPretrainSpec, ResourcesSpec
+    from kubetitan.validation import ATTEMPT_DIGITS, max_name_length
+
+    def limit(nodes: int) -> int:
+        return max_name_length(LlamaPretrainSpec(resources=ResourcesSpec(nodes=nodes)))
+
+    top = ResourcesSpec.model_fields["nodes"].metadata
+    most = max(getattr(m, "le", 0) or 0 for m in top)
+    bands, start = [], 1
+    for nodes in range(1, most + 1):
+        if nodes == most or limit(nodes + 1) != limit(nodes):
+            bands.append((start, nodes, limit(nodes)))
+            start = nodes + 1
+    out = ["## Names and pod fields", "", _cell(
+        "`metadata.name` names the run's headless Service, so it must be a DNS-1035 label (lower-case letters, "
+        "digits and `-`, starting with a letter, ending with a letter or digit). Each pod's hostname is "
+        "`<name>-a<attempt>-<rank>` and must be a DNS label of at most 63 characters, so the longest name is "
+        f"63 - len(\"-a\") - {ATTEMPT_DIGITS} (attempt digits) - len(\"-\") - digits of the last rank "
+        "(`resources.nodes - 1`):"), "", "| `resources.nodes` | Longest `metadata.name` |", "|---|---|"]
+    out += [f"| {a}–{b} | {n} |" if a != b else f"| {a} | {n} |" for a, b, n in bands]
+    out += ["", _cell(
+        "Environment variables the operator or the launcher set and `spec.resources.env` may not set (rule "
+        "`env.reserved`): names starting with " + ", ".join(f"`{p}`" for p in contract.RESERVED_ENV_PREFIXES)
+        + ", and " + ", ".join(f"`{n}`" for n in contract.RESERVED_ENV_NAMES) + ". The operator's other defaults "
+        "(`NCCL_DEBUG`, `FI_*`, `TORCH_NCCL_*`) are replaced by a spec variable of the same name. "
+        f"`{contract.SECRET_ENV_TOKEN}` comes from `spec.tokenizer.tokenSecretRef` when that is set, and a spec "
+        "variable of that name is then refused (`env.secret-backed`)."), "", _cell(
+        "Fields copied into the pods are checked as the API server checks the pod fields they become, against "
+        f"the Kubernetes {k8sfields.K8S_VERSION} OpenAPI schema (unknown fields such as `vaule` or `nodeAfinity` "
+        "are errors): `resources.env` (EnvVar: name syntax, `value` xor one `valueFrom` source, Secret/ConfigMap "
+        "names and keys), `resources.tolerations` (Toleration: operator, effect, key/value syntax), "
+        "`resources.affinity` (Affinity: selector operators and values, weights, topology keys), "
+        "`resources.nodeSelector` (label keys and values), `resources.image` (an image reference), and the "
+        "names `resources.imagePullSecrets`, `resources.serviceAccountName`, `resources.priorityClassName`, "
+        "`scheduling.schedulerName`, `tokenizer.tokenSecretRef.name` and `tokenizer.tokenSecretRef.key`, the claim names (DNS-1123 "
+        "subdomains, Secret keys) and `scheduling.queueName` (a label value). Paths (`checkpoint.mountPath`, "
+        "`data.mountPath`, `checkpoint.storage.hostPath`, `tokenizer.path`, `data.shards.path`) are absolute "
+        f"without `..`; no mount may be at, above or inside another (`{contract.CONFIG_MOUNT}`, "
+        f"`{contract.SHM_MOUNT}`, the checkpoint and data mounts). The builtin tokenizer has "
+        f"{contract.BUILTIN_TOKENIZER_VOCAB} tokens: a custom model using it needs `vocabSize` ≥ "
+        f"{contract.BUILTIN_TOKENIZER_VOCAB}."), ""]
+    return out
 
 
 def default_path() -> Path:

@@ -55,9 +55,34 @@ ENV_RESTART_FAILURE = "KUBETITAN_RESTART_FAILURE"
 """JSON ``{"exit_code", "node_rank", "local_rank", "time"}`` of the worker failure that started this generation
 (the earliest one any rank's launcher reported); unset in generation 0."""
 
+# ---- environment a spec may not set (spec.resources.env): the operator's and the launchers' own variables.
+# A user value would silently break the run (the attempt number, the rendezvous, torchrun's per-process ranks).
+# Other operator defaults (NCCL_DEBUG, FI_*, TORCH_NCCL_*) may be replaced by a same-named spec variable.
+RESERVED_ENV_PREFIXES = ("KUBETITAN_", "TORCHELASTIC_", "PET_")
+"""Prefixes of reserved names: ours; torchrun's agent state; torchrun's env-var form of its flags (PET_NNODES)."""
+RESERVED_ENV_NAMES = (
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK",
+    "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+)
+"""Exact reserved names: the rendezvous address and the per-process ranks and sizes torchrun sets on its
+workers, and the launcher's switch for the in-place rendezvous store."""
+SECRET_ENV_TOKEN = "HF_TOKEN"
+"""Set from ``spec.tokenizer.tokenSecretRef`` (a Secret); a plain spec variable of this name is refused then."""
+
+
+def env_reserved(name: str) -> bool:
+    """Whether ``spec.resources.env`` may not set ``name``."""
+    return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
+
+
+BUILTIN_TOKENIZER_VOCAB = 644
+"""Tokens of the builtin tokenizer (trainer/kubetitan_trainer/assets/tokenizer; a trainer test checks the number)."""
+
 # ---- files
 CONFIG_KEY = "trainer.toml"  # ConfigMap key, and file name under CONFIG_MOUNT
 CONFIG_MOUNT = "/etc/kubetitan"
+SHM_MOUNT = "/dev/shm"  # memory-backed emptyDir of every trainer pod
 CHECKPOINT_SUBDIR = "checkpoint"  # torchtitan's checkpoint.folder under job.dump_folder
 DCP_METADATA_FILE = ".metadata"  # written last by torch.distributed.checkpoint
 

@@ -311,7 +311,7 @@ def pod(
 
     mounts = [
         {"name": "config", "mountPath": contract.CONFIG_MOUNT, "readOnly": True},
-        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "dshm", "mountPath": contract.SHM_MOUNT},
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_map_name(meta.name)}},

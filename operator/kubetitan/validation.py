@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kubetitan import API_VERSION, KIND
+from kubetitan import API_VERSION, KIND, contract, k8sfields
 from kubetitan.api import (
     LlamaPretrain,
     LlamaPretrainSpec,
@@ -27,6 +27,7 @@ from kubetitan.api import (
     world_size,
 )
 from kubetitan.catalog import FLAVOURS, INSTANCE_TYPES, ModelDims, accelerator_for
+from kubetitan.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, SHM_MOUNT
 
 
 @dataclass(frozen=True)
@@ -259,12 +260,12 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
             err("parallelism.pipelineParallelDegree",
                 f"{pp} does not divide the model's {dims.n_layers} layers; use a divisor of {dims.n_layers}",
                 "model.layers-pp")
-        if s.tokenizer.source == "builtin" and dims.vocab_size < 2048:
-            err("tokenizer.source", f"the builtin tokenizer has 2048 tokens but the model's vocabulary is "
-                f"{dims.vocab_size}; raise model.custom.vocabSize", "tokenizer.vocab")
+        if s.tokenizer.source == "builtin" and dims.vocab_size < BUILTIN_TOKENIZER_VOCAB:
+            err("model.custom.vocabSize", f"{dims.vocab_size} is below the {BUILTIN_TOKENIZER_VOCAB} tokens of the "
+                f"builtin tokenizer; raise vocabSize to at least {BUILTIN_TOKENIZER_VOCAB}", "tokenizer.vocab")
     if s.model.flavor == "debug" and s.tokenizer.source != "builtin":
-        err("tokenizer.source", "the debug model has a 2048-token vocabulary and needs the builtin tokenizer; set "
-            "tokenizer.source: builtin or pick a larger model",
+        err("tokenizer.source", f"the debug model has a {FLAVOURS['debug'][1].vocab_size}-token vocabulary and needs "
+            "the builtin tokenizer; set tokenizer.source: builtin or pick a larger model",
             "tokenizer.vocab")
 
     # ---- batch
@@ -362,6 +363,103 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
             f"({rp.backoff_seconds}); raise it", "run-policy.backoff-order")
     if s.monitoring.metrics_port == 29500:
         err("monitoring.metricsPort", "29500 is torchrun's rendezvous port; pick another", "monitoring.port")
+    out += _pod_field_errors(s)
+    return out
+
+
+def mount_points(s: LlamaPretrainSpec) -> list[tuple[str, str]]:
+    """(spec field path, mount path) of every volume mount of a trainer pod, the operator's own first."""
+    ck, data = s.checkpoint, s.data
+    mounts = [("(the operator's config mount)", CONFIG_MOUNT), ("(the operator's /dev/shm mount)", SHM_MOUNT)]
+    if ck.enabled and (ck.storage.persistent_volume_claim is not None or ck.storage.host_path is not None):
+        mounts.append(("checkpoint.mountPath", ck.mount_path))
+    if data.volume is not None:
+        mounts.append(("data.mountPath", data.mount_path))
+    return mounts
+
+
+def _norm(path: str) -> str:
+    return "/" + "/".join(p for p in path.split("/") if p and p != ".")
+
+
+def _inside(a: str, b: str) -> bool:
+    """Whether path ``a`` is ``b`` or below it."""
+    return a == b or a.startswith(b.rstrip("/") + "/")
+
+
+def _pod_field_errors(s: LlamaPretrainSpec) -> list[FieldError]:
+    """The fields that become pod fields: Kubernetes syntax, reserved env, secret-backed env, mount collisions."""
+    out: list[FieldError] = []
+    r = s.resources
+
+    def err(path: str, message: str, rule: str) -> None:
+        out.append(FieldError(f"spec.{path}", message, rule))
+
+    # ---- paths: absolute, no '..', no two mounts on or inside each other
+    paths = [("checkpoint.mountPath", s.checkpoint.mount_path), ("data.mountPath", s.data.mount_path),
+             ("checkpoint.storage.hostPath", s.checkpoint.storage.host_path), ("tokenizer.path", s.tokenizer.path)]
+    if s.data.shards is not None:
+        paths.append(("data.shards.path", s.data.shards.path))
+    for path, value in paths:
+        if value is not None and ".." in value.split("/"):
+            err(path, f"{value!r} contains a '..' component; give the absolute path without it", "path.no-dot-dot")
+    mounts = mount_points(s)
+    for i, (pa, a) in enumerate(mounts):  # the operator's own mounts come first and never collide
+        for pb, b in mounts[:i]:
+            if _inside(_norm(a), _norm(b)) or _inside(_norm(b), _norm(a)):
+                err(pa, f"{a!r} collides with {pb} {b!r} (a mount may not be at, above or inside another); "
+                    "move it to a separate directory, e.g. /data or /checkpoints", "mounts.no-collision")
+
+    # ---- env: Kubernetes EnvVar, not reserved, no plain value where a Secret provides it
+    for path, msg in k8sfields.env_errors(r.env, "resources.env"):
+        err(path, msg, "pod.env")
+    token = s.tokenizer.token_secret_ref is not None
+    seen: dict[str, int] = {}
+    for i, e in enumerate(r.env):
+        name = e.get("name") if isinstance(e, dict) else None
+        if not isinstance(name, str):
+            continue
+        if contract.env_reserved(name):
+            err(f"resources.env[{i}].name", f"{name!r} is set by the operator or the launcher and may not be "
+                "overridden (reserved: " + ", ".join(p + "*" for p in contract.RESERVED_ENV_PREFIXES) + ", "
+                + ", ".join(contract.RESERVED_ENV_NAMES) + "); remove it or rename it", "env.reserved")
+        elif name == contract.SECRET_ENV_TOKEN and token:
+            err(f"resources.env[{i}].name", f"{name} comes from tokenizer.tokenSecretRef; remove this variable "
+                "(or remove tokenSecretRef and reference the Secret here with valueFrom.secretKeyRef)",
+                "env.secret-backed")
+        if name in seen:
+            err(f"resources.env[{i}].name", f"{name!r} is already set by resources.env[{seen[name]}]; keep one",
+                "env.unique")
+        seen.setdefault(name, i)
+
+    # ---- scheduling fields that become pod fields
+    for path, msg in k8sfields.toleration_errors(r.tolerations, "resources.tolerations"):
+        err(path, msg, "pod.tolerations")
+    if r.affinity is not None:
+        for path, msg in k8sfields.affinity_errors(r.affinity, "resources.affinity"):
+            err(path, msg, "pod.affinity")
+    for path, msg in k8sfields.node_selector_errors(r.node_selector, "resources.nodeSelector"):
+        err(path, msg, "pod.node-selector")
+    if (msg := k8sfields.image_error(r.image)) is not None:
+        err("resources.image", msg, "pod.image")
+    names: list[tuple[str, str | None, str]] = [
+        ("resources.serviceAccountName", r.service_account_name, "ServiceAccount"),
+        ("resources.priorityClassName", r.priority_class_name, "PriorityClass"),
+        ("scheduling.schedulerName", s.scheduling.scheduler_name, "scheduler"),
+        ("tokenizer.tokenSecretRef.name", s.tokenizer.token_secret_ref.name if token else None, "Secret"),
+        ("checkpoint.storage.persistentVolumeClaim.claimName",
+         s.checkpoint.storage.persistent_volume_claim.claim_name if s.checkpoint.storage.persistent_volume_claim
+         else None, "PersistentVolumeClaim"),
+        ("data.volume.claimName", s.data.volume.claim_name if s.data.volume else None, "PersistentVolumeClaim"),
+    ]
+    names += [(f"resources.imagePullSecrets[{i}]", n, "Secret") for i, n in enumerate(r.image_pull_secrets)]
+    for path, value, what in names:
+        if value is not None and (msg := k8sfields.subdomain_error(value, what)) is not None:
+            err(path, msg, "pod.names")
+    if token and (msg := k8sfields.key_error(s.tokenizer.token_secret_ref.key)) is not None:
+        err("tokenizer.tokenSecretRef.key", msg, "pod.names")
+    if s.scheduling.queue_name is not None and (msg := k8sfields.label_value_error(s.scheduling.queue_name)):
+        err("scheduling.queueName", f"becomes the pod label kueue.x-k8s.io/queue-name: {msg}", "pod.names")
     return out
 
 

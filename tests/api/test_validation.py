@@ -14,7 +14,7 @@ from kubetitan.validation import CEL_RULES, parse
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())
 # Every message says how to fix the problem, not only what it is.
-FIX = re.compile(r"\b(use|set|remove|lower|raise|pick|change|give|leave|keep|turn|request|fix|enable|add)\b")
+FIX = re.compile(r"\b(use|set|remove|lower|raise|pick|change|give|leave|keep|turn|request|fix|enable|add|move|rename)\b")
 
 
 def test_corpus_is_large_enough():
