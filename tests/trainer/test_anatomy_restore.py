@@ -229,3 +229,26 @@ def test_launcher_turns_the_tier_on_for_in_place_restarts_only():
     assert restore_tier_folder(parse_args([*base, "--max-restarts=2", "--restore-tier=/x"]), {}) == "/x"
     env = {restore_tier.ENV_RESTORE_TIER: ""}
     assert restore_tier_folder(parse_args([*base, "--max-restarts=2"]), env) == ""
+
+
+def test_in_place_launcher_keeps_cuda_uninitialised_before_torchrun_s_config(tmp_path, monkeypatch):
+    """torchrun's LaunchConfig calls torch.cuda.is_available(): without the NVML-based check that initialises the
+    CUDA runtime in the launcher, and every forked worker dies ("Cannot re-initialize CUDA in forked subprocess")."""
+    import torch.distributed.run as tdr
+
+    from kubetitan_trainer import launch
+
+    seen = {}
+
+    def config_from_args(args):
+        seen["nvml"] = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+        raise SystemExit(0)
+
+    monkeypatch.setattr(tdr, "config_from_args", config_from_args)
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    monkeypatch.setenv(restore_tier.ENV_RESTORE_TIER, str(tmp_path / "tier"))
+    cfg = tmp_path / "t.toml"
+    cfg.write_text("[job]\n")
+    with pytest.raises(SystemExit):
+        launch.main([f"--config={cfg}", "--max-restarts=1", "--dns-timeout=1"])
+    assert seen["nvml"] == "1"

@@ -391,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(a.config):
         log.error("Config error: --config %s does not exist. Fix: mount the ConfigMap or render one with `kubetitan render`", a.config)
         return ExitCode.CONFIG_ERROR
+    if a.max_restarts > 0:
+        # Forked workers need a launcher that never initialised CUDA. torch.cuda.is_available() without this
+        # asks the CUDA runtime (which poisons fork), and torchrun's LaunchConfig calls it (numa defaults) before
+        # warm_up runs: seen on the H200 ("Cannot re-initialize CUDA in forked subprocess" in every worker).
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
