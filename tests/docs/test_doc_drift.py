@@ -345,6 +345,7 @@ def _code(text: str) -> list[tuple[int, str]]:
         i += 1
     for n, piece in pieces:
         piece = re.split(r"(?:^|\s)#", piece, maxsplit=1)[0]
+        piece = re.sub(r"\[[^\]]*\]", lambda m: m.group(0).replace("|", " "), piece)  # [a|b]: alternatives
         out += [(n, part.strip()) for part in re.split(r"\||;|&&", piece)]
     return out
 
@@ -433,6 +434,8 @@ def test_the_docs_reference_enough_names_to_check() -> None:
     ("```\nkubetitan frobnicate examples/debug-cpu.yaml\n```", "cli", "frobnicate"),
     ("```\n.venv/bin/kubetitan run my-run.yaml --max-steps 20\n```", "cli", "run --max-steps"),
     ("`python -m kubetitan.cli operator --namespaces ml`", "cli", "operator --namespaces"),
+    ("`kubetitan prepare-data FILES -o DIR [--tokenizer builtin|DIR] [--text-column text]`", "cli",
+     "prepare-data --text-column"),
     ("```\npod: python -m kubetitan_trainer.launch --config=x --node-count=2\n```", "cli", "launch --node-count"),
 ])
 def test_a_made_up_name_fails_the_check(doc: str, kind: str, name: str) -> None:
