@@ -50,6 +50,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -148,8 +149,15 @@ class Kubelet:
     """Runs the pods of LlamaPretrains as local processes (see the module docstring)."""
 
     def __init__(self, cluster: Cluster, workdir: Path, nodes: int = 2, poll: float = 0.1,
-                 claims: dict[str, Path] | None = None) -> None:
+                 claims: dict[str, Path] | None = None, run_as_pod_user: bool = False,
+                 fs_group_policy: str = "File") -> None:
+        """``run_as_pod_user`` (needs root): run each container as its pod's ``securityContext`` user, group and
+        ``fsGroup`` and apply ``fsGroup`` to volumes as a kubelet does: claims get it when ``fs_group_policy`` is
+        ``File`` (a CSI driver's ``fsGroupPolicy``; ``None`` models FSx's default for ReadWriteMany claims),
+        ``fsGroupChangePolicy: OnRootMismatch`` only when the root's group or mode is wrong; hostPath never,
+        and a missing ``DirectoryOrCreate`` hostPath is created ``root:root 0755``."""
         assert cluster.k is not None
+        self.run_as_pod_user, self.fs_group_policy = run_as_pod_user, fs_group_policy
         cluster.k.graceful_pod_deletion = True
         self.c, self.workdir, self.poll = cluster, Path(workdir), poll
         self.nodes = [f"node-{i}" for i in range(nodes)]
@@ -406,6 +414,22 @@ class Kubelet:
             self.c.patch(PODS, pp.ns, pp.name, {"status": {"containerStatuses": [self._cstatus(spec, {
                 "waiting": {"reason": "CreateContainerConfigError", "message": str(e)}})]}}, "status")
             return
+        ids = self._pod_user(pp, spec) if self.run_as_pod_user else None
+        if ids is not None:
+            uid, gid, groups = ids
+            home = pp.dir / "home"  # the image's home directory, writable by its user
+            home.mkdir(exist_ok=True)
+            os.chown(home, uid, gid)
+            # What the trainer image provides for its user: a passwd entry (getpass.getuser() reads LOGNAME/USER
+            # first; this machine has no entry for the uid) and its ENV cache directories, owned by that user.
+            env.update(HOME=str(home), USER="kubetitan", LOGNAME="kubetitan", HF_HOME=str(home / "huggingface"),
+                       TORCHINDUCTOR_CACHE_DIR=str(home / "inductor"), TRITON_CACHE_DIR=str(home / "triton"))
+            # ... and a PATH its user can search (root's home dirs here are not: a lookup there is EACCES, which
+            # torchtitan's lspci probe does not expect).
+            env["PATH"] = ":".join(d for d in env.get("PATH", "").split(":") if d != "/root" and not d.startswith("/root/"))
+            # Drop to the pod's user after the (root-only) mount and hostname, like a runtime entering the container.
+            argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}",
+                    f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--", *argv]
         if NAMESPACES:
             script = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
             argv = ["unshare", "--mount", "--uts", "--", "sh", "-c", script, "kubelet",
@@ -422,6 +446,17 @@ class Kubelet:
                            {"type": "ContainersReady", "status": "True"}, {"type": "Ready", "status": "True"}],
             "containerStatuses": [self._cstatus(spec, {"running": {"startedAt": pp.started_at}}, True)]}},
             "status")
+
+    def _pod_user(self, pp: PodProc, spec: dict[str, Any]) -> tuple[int, int, list[int]] | None:
+        """(uid, gid, supplementary groups) of the pod's securityContext (container level wins), else None."""
+        sc = {**(spec.get("securityContext") or {}), **(spec["containers"][0].get("securityContext") or {})}
+        if "runAsUser" not in sc:
+            return None
+        if os.geteuid() != 0:
+            raise RuntimeError("run_as_pod_user needs the tests to run as root")
+        uid = int(sc["runAsUser"])
+        groups = [int(sc["fsGroup"])] if "fsGroup" in (spec.get("securityContext") or {}) else []
+        return uid, int(sc.get("runAsGroup", uid)), groups
 
     def _env(self, pod: dict[str, Any], pp: PodProc) -> dict[str, str]:
         c = pod["spec"]["containers"][0]
@@ -460,6 +495,11 @@ class Kubelet:
                     raise ValueError(f"volume {m['name']}: {path} must be mounted at the same path, not at "
                                      f"{m['mountPath']} (the e2e kubelet mounts nothing)")
                 Path(path).mkdir(parents=True, exist_ok=True)
+                fs_group = (spec.get("securityContext") or {}).get("fsGroup")
+                if (self.run_as_pod_user and fs_group is not None and "persistentVolumeClaim" in v
+                        and self.fs_group_policy == "File"):
+                    _apply_fs_group(Path(path), int(fs_group),
+                                    (spec.get("securityContext") or {}).get("fsGroupChangePolicy", "Always"))
             elif "emptyDir" not in v:
                 raise ValueError(f"volume {m['name']}: only configMap, hostPath, persistentVolumeClaim and emptyDir are supported")
         argv = [sys.executable if x == "python" else x for x in c.get("command") or []]
@@ -526,6 +566,23 @@ class Kubelet:
                 f.seek(0)
                 f.truncate()
                 f.write("\n".join(lines) + "\n")
+
+
+def _apply_fs_group(root: Path, gid: int, change_policy: str) -> None:
+    """What the kubelet does for ``fsGroup`` on a volume that supports ownership management: every file gets group
+    ``gid`` and group read/write, directories also group execute and the setgid bit (new files inherit the group).
+    ``OnRootMismatch`` skips the walk when the root already has that group and those permission bits."""
+    want = stat.S_IRWXG | stat.S_ISGID
+    st = root.stat()
+    if change_policy == "OnRootMismatch" and st.st_gid == gid and st.st_mode & want == want:
+        return
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        os.chown(path, -1, gid)
+        mode = path.stat().st_mode
+        extra = stat.S_IRGRP | stat.S_IWGRP | ((stat.S_IXGRP | stat.S_ISGID) if path.is_dir() else 0)
+        os.chmod(path, stat.S_IMODE(mode) | extra)
 
 
 def spec_hostname(pod: dict[str, Any]) -> str:
