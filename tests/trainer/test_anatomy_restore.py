@@ -202,6 +202,12 @@ def test_a_stale_or_foreign_tier_is_not_used_and_a_misfit_copies_nothing(tmp_pat
         restore_tier.prepare(states, tier, rank=0)
     assert torch.equal(other.weight, before) and not states["0.weight"].any()
 
+    # a later save overwrites the same file in place (same inode: its pages are reused) and is usable again
+    ino = (tier / "rank-0.bin").stat().st_ino
+    restore_tier.save(src[2], tier, step=12, rank=0, world_size=1, checkpoint_folder=ckpt)
+    assert (tier / "rank-0.bin").stat().st_ino == ino
+    assert restore_tier.usable(tier, step=12, rank=0, world_size=1, checkpoint_folder=ckpt)
+    assert not restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
     # a tier whose JSON is gone (a write that was cut off, or discard) is never used
     restore_tier.discard(tier, 0)
     assert not restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
@@ -217,6 +223,7 @@ def test_the_tier_is_skipped_and_the_old_one_dropped_when_the_folder_lacks_room(
     assert restore_tier.save(src[2], tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt) == 0
     assert "Restore tier skipped at step 8" in caplog.text and "/dev/shm size" in caplog.text
     assert not restore_tier.usable(tier, step=4, rank=0, world_size=1, checkpoint_folder=ckpt)
+    assert not list(tier.iterdir())  # the old one's memory is given back
 
 
 def test_launcher_turns_the_tier_on_for_in_place_restarts_only():
@@ -252,3 +259,23 @@ def test_in_place_launcher_keeps_cuda_uninitialised_before_torchrun_s_config(tmp
     with pytest.raises(SystemExit):
         launch.main([f"--config={cfg}", "--max-restarts=1", "--dns-timeout=1"])
     assert seen["nvml"] == "1"
+
+
+def test_compile_cache_folder_is_the_same_for_every_attempt_of_a_run(tmp_path):
+    """A re-created gang (next attempt: new pods, same checkpoint volume) on the same GPU model finds the cache
+    the previous attempt wrote: the rendered configs of two attempts give one folder."""
+    from kubetitan import contract, plan
+    from kubetitan_trainer import compile_cache
+
+    from tests.trainer.helpers import lpt
+
+    obj = lpt({"precision": {"compile": True, "activationCheckpointing": "none", "mixedPrecisionParam": "float32"}})
+    folders = set()
+    for attempt in (0, 1, 7):
+        cm, _svc, pod = plan.attempt_children(obj, attempt)
+        cfg = tmp_path / f"a{attempt}.toml"
+        cfg.write_text(cm["data"][contract.CONFIG_KEY])  # what the attempt's pods mount
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
+        assert env[contract.ENV_ATTEMPT] == str(attempt)
+        folders.add(compile_cache.configure(str(cfg), env, gpus=["NVIDIA H200"]))
+    assert len(folders) == 1 and "/compile-cache/" in folders.pop()

@@ -171,13 +171,17 @@ def save(states: dict[str, Any], folder: str | Path, *, step: int, rank: int, wo
         layout.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset, "nbytes": n})
         offset += -(-n // ALIGN) * ALIGN
     binf, meta = _paths(folder, rank)
-    discard(folder, rank)  # the old step is stale from now on, and its memory is needed
-    free = shutil.disk_usage(folder).free
+    meta.unlink(missing_ok=True)  # the old step is stale from now on
+    # The old file is overwritten in place: its pages exist already (a first write into fresh tmpfs pages is
+    # several times slower than a copy), and its bytes count as free.
+    old = binf.stat().st_size if binf.exists() else 0
+    free = shutil.disk_usage(folder).free + old
     if free < offset * MARGIN:
+        discard(folder, rank)
         log.warning("Restore tier skipped at step %d: %s has %.1f GiB free, the state needs %.1f GiB (raise the "
                     "pod's /dev/shm size to use it)", step, folder, free / 2**30, offset * MARGIN / 2**30)
         return 0
-    with open(binf, "w+b") as f:
+    with open(binf, "r+b" if old else "w+b") as f:
         f.truncate(max(offset, 1))
         with mmap.mmap(f.fileno(), max(offset, 1)) as mm:
             buf = torch.frombuffer(mm, dtype=torch.uint8)
