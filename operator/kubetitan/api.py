@@ -454,6 +454,32 @@ class Condition(_Base):
 RestartMode = Literal["InPlace", "Recreate"]
 
 
+class StartupPhases(_Base):
+    """Where a start of the workers went, from the trainer's start-up anatomy (the
+    `kubetitan_trainer_startup_phase_seconds` metric): from the launcher's start, or from its detection of the
+    failure an in-place restart answers, to the end of the first trained step, in seconds per phase (they add up
+    to `totalSeconds`). The first thing to read when a recovery is slow."""
+
+    generation: int | None = None
+    """Worker generation these workers are (0: the attempt's first; each in-place restart adds one)."""
+    total_seconds: float | None = None
+    """Sum of the phases: the start-up as the workers saw it."""
+    process_start_seconds: float | None = None
+    """Launcher start (or restart: stop, rendezvous, fork) until the worker's main() runs."""
+    imports_seconds: float | None = None
+    """torch/torchtitan/trainer imports and the config check (about 0 for a warm, forked worker)."""
+    process_group_init_seconds: float | None = None
+    """The NCCL/gloo process group."""
+    model_init_seconds: float | None = None
+    """Model build, parallelisation, optimizer and data loader, until the checkpoint load."""
+    checkpoint_load_seconds: float | None = None
+    """The checkpoint load (DCP, or the node-local restore tier of an in-place restart)."""
+    first_step_compile_seconds: float | None = None
+    """torch.compile time inside the first step (a warm compile cache shrinks it)."""
+    first_step_seconds: float | None = None
+    """The rest of the first step."""
+
+
 class RestartRecord(_Base):
     """One gang restart."""
 
@@ -479,6 +505,8 @@ class RestartRecord(_Base):
     """Checkpoint step the next attempt (or worker generation) resumed from (0 = from scratch)."""
     lost_steps: int | None = None
     """Steps trained in the failed attempt (or generation) after its last checkpoint, i.e. work lost."""
+    startup: StartupPhases | None = None
+    """The start-up of the workers that followed this restart, phase by phase (set once they trained a step)."""
 
 
 class TrainingStatus(_Base):
@@ -506,6 +534,8 @@ class TrainingStatus(_Base):
     """Estimated completion time (RFC 3339) at the current throughput."""
     goodput: float | None = None
     """Productive step time over wall time since the run started, ratio 0-1."""
+    startup: StartupPhases | None = None
+    """The start-up of the running workers, phase by phase (rank 0's pod)."""
     last_update_time: str | None = None
     """When these numbers were last scraped."""
 

@@ -108,7 +108,10 @@ M_ATTEMPT = "kubetitan_trainer_attempt"
 M_LAST_STEP_TIMESTAMP = "kubetitan_trainer_last_step_timestamp_seconds"  # the heartbeat
 M_PRODUCTIVE_SECONDS = "kubetitan_trainer_productive_step_seconds_total"
 M_JOB_START_TIMESTAMP = "kubetitan_trainer_job_start_timestamp_seconds"
-M_STARTUP_PHASE_SECONDS = "kubetitan_trainer_startup_phase_seconds"  # label phase: kubetitan_trainer.anatomy.PHASES
+M_STARTUP_PHASE_SECONDS = "kubetitan_trainer_startup_phase_seconds"  # label phase: one of STARTUP_PHASES
+STARTUP_PHASES = ("process_start", "imports", "process_group_init", "model_init", "checkpoint_load",
+                  "first_step_compile", "first_step")
+"""The trainer's start-up phases, in order (kubetitan_trainer.anatomy; status.restarts[].startup)."""
 M_STARTUP_SECONDS = "kubetitan_trainer_startup_seconds"
 M_WORKER_GENERATION = "kubetitan_trainer_worker_generation"
 M_RESTART_GENERATION = "kubetitan_trainer_restart_generation"  # ENV_RESTART_GENERATION

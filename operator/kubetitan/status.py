@@ -20,7 +20,7 @@ from typing import Any
 
 from kubetitan import conditions as C
 from kubetitan import contract
-from kubetitan.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, TrainingStatus
+from kubetitan.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases, TrainingStatus
 from kubetitan.decide import (
     MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso,
     iso_ms, parse_time, replace, restart_record,
@@ -131,6 +131,16 @@ def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[
                     ranks_seen=frozenset(o.ranks_seen), child_errors=child_errors, observation=o)
 
 
+def startup_phases(m: Mapping[str, float]) -> StartupPhases | None:
+    """The running workers' start-up anatomy from rank 0's metrics; None before their first step."""
+    total = _num(m, contract.M_STARTUP_SECONDS)
+    if total is None:
+        return None
+    phases = {f"{p}_seconds": round(v, 3) for p in contract.STARTUP_PHASES
+              if (v := _num(m, f"{contract.M_STARTUP_PHASE_SECONDS}/{p}")) is not None}
+    return StartupPhases(generation=_int(m, contract.M_WORKER_GENERATION), total_seconds=round(total, 3), **phases)
+
+
 def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
                     old: TrainingStatus | None) -> TrainingStatus:
     """``status.training`` from rank 0's metrics (metric names in ``contract.M_*``)."""
@@ -159,6 +169,7 @@ def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
     if t.step is not None and dur is not None and dur > 0:
         t.eta = iso(now + max(0, spec.training.steps - t.step) * dur)
     t.progress = f"{t.step if t.step is not None else 0}/{spec.training.steps}"
+    t.startup = startup_phases(m)  # absent until the running workers' first step (never an older generation's)
     t.last_update_time = iso(now)
     return t
 
@@ -217,6 +228,14 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
             last.resumed_from_step = obs.progress.start_step
             prev = obs.progress.previous_generation_step
             last.lost_steps = None if prev is None else max(0, prev - obs.progress.start_step)
+
+    # The start-up anatomy of the workers that followed the last restart, once they trained a step.
+    started = obs.training.startup if obs.training is not None else None
+    last = s.restarts[-1] if s.restarts else None
+    if started is not None and last is not None and last.startup is None and (
+            (last.mode == "InPlace" and last.attempt == attempt and last.generation == started.generation)
+            or (last.mode != "InPlace" and last.attempt < attempt and not started.generation)):
+        last.startup = started.model_copy()
 
     if d.action == Action.RESTART:
         rec = restart_record(status, d, obs)

@@ -35,8 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-PHASES = ("process_start", "imports", "process_group_init", "model_init", "checkpoint_load",
-          "first_step_compile", "first_step")
+from kubetitan.contract import STARTUP_PHASES as PHASES  # noqa: E402 - torch-free, shared with the operator
+
 """The phases, in order; they partition origin -> end of the first step."""
 
 ENV_LAUNCHER_STATE = "KUBETITAN_LAUNCHER_STATE"  # same name as launch.ENV_LAUNCHER_STATE (launch imports this)
