@@ -59,15 +59,15 @@ def schema_errors(definition: str, value: Any, path: str) -> list[tuple[str, str
             for extra in sorted(set(value_keys(e.instance)) - set(e.schema.get("properties", {}))):
                 known = ", ".join(sorted(e.schema.get("properties", {})))
                 out.append((f"{where}.{extra}", f"unknown field of a Kubernetes {_kind_at(e, short)}; "
-                            f"fix the spelling (fields: {known})"))
+                            f"check the spelling and use one of its fields: {known}"))
         elif e.validator == "required":
             missing = re.findall(r"'([^']+)'", e.message)
             out.append((where, f"add the required field {missing[0] if missing else e.message!r} of a Kubernetes "
                         f"{_kind_at(e, short)}"))
         elif e.validator == "type":
-            out.append((where, f"must be of type {e.validator_value} (got {_show(e.instance)}); fix the value"))
+            out.append((where, f"must be of type {e.validator_value} (got {_show(e.instance)}); change the value"))
         else:
-            out.append((where, f"{e.message}; fix the value"))
+            out.append((where, f"{e.message}; change the value"))
     return out
 
 
@@ -120,7 +120,7 @@ def subdomain_error(value: str, what: str) -> str | None:
 def label_value_error(value: str) -> str | None:
     if len(value) > 63 or not LABEL_VALUE.match(value):
         return (f"{value!r} is not a valid label value: at most 63 characters of letters, digits, '-', '_' and '.', "
-                "starting and ending with a letter or digit (or empty); fix the value")
+                "starting and ending with a letter or digit (or empty); change the value")
     return None
 
 
@@ -131,7 +131,7 @@ def label_key_error(key: str) -> str | None:
     if not name or len(name) > 63 or not _QUALIFIED_NAME.match(name):
         return (f"{key!r} is not a valid label key: the name part has at most 63 letters, digits, '-', '_' or '.', "
                 "starting and ending with a letter or digit, optionally after a 'prefix/' (e.g. 'node.example.com/pool'); "
-                "fix the key")
+                "change the key")
     return None
 
 

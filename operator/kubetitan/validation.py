@@ -513,6 +513,20 @@ def _python_names(value: Any, model: Any, path: str) -> list[FieldError]:
     return out
 
 
+def _nulls(value: Any, path: str) -> list[FieldError]:
+    """``key: null`` inside spec: the CRD has no nullable field, so the API server refuses it (wrong type)."""
+    out: list[FieldError] = []
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        where = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}"
+        if v is None:
+            out.append(FieldError(where, "is null, which the API server refuses; remove the key to leave it unset "
+                                  "(its default applies) or give a value", "schema"))
+        else:
+            out += _nulls(v, where)
+    return out
+
+
 def parse(obj: Any) -> tuple[LlamaPretrain | None, list[FieldError]]:
     """Parse a raw object (from YAML or the API) into a defaulted LlamaPretrain.
 
@@ -533,8 +547,20 @@ def parse(obj: Any) -> tuple[LlamaPretrain | None, list[FieldError]]:
     body = {k: v for k, v in obj.items() if k != "status"}
     if named := _python_names(body.get("spec"), LlamaPretrainSpec, "spec"):
         return None, named
+    if nulls := _nulls(body.get("spec"), "spec"):
+        body = {**body, "spec": _without_nulls(body["spec"])}  # report the rest as if those keys were unset
     try:
         lpt = LlamaPretrain.model_validate(body)
     except ValidationError as e:
-        return None, _pydantic_errors(e)
+        return None, nulls + _pydantic_errors(e)
+    if nulls:
+        return None, nulls + validate(lpt)
     return lpt, validate(lpt)
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value if v is not None]
+    return value

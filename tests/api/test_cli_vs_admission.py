@@ -1,0 +1,163 @@
+"""CLI >= admission: any spec the API server refuses (the committed CRD's OpenAPI schema + CEL rules, played by
+the strict API double's code), ``kubetitan validate`` refuses too, naming the same field path.
+
+Hypothesis draws specs from the examples and an empty spec, then mutates fields chosen from the CRD schema's own
+field list: in- and out-of-range numbers at the bounds, wrong types, enum neighbours, unknown keys, patterns,
+removed keys. Valid and invalid specs both come out; the property is one-sided (the CLI may refuse more: it
+also checks what no schema can, such as flavour dimensions and pod fields).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import EXAMPLES, REPO, load_example, make_lpt
+from kmockx.validation import StructuralSchema
+from kubetitan import crd as crdmod
+from kubetitan.validation import CEL_RULES, parse
+
+CRD = yaml.safe_load((REPO / "crds" / crdmod.CRD_FILE).read_text())
+SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+BASES = [make_lpt({})] + [load_example(p) for p in EXAMPLES]
+
+
+def _leaves(node: dict[str, Any], path: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    out = [(path, node)]
+    for k, sub in (node.get("properties") or {}).items():
+        out += _leaves(sub, (*path, k))
+    if node.get("type") == "array" and isinstance(node.get("items"), dict):
+        out += _leaves(node["items"], (*path, 0))
+    return out
+
+
+FIELDS = [(p, n) for p, n in _leaves(SCHEMA["properties"]["spec"], ("spec",)) if len(p) > 1]
+
+
+def _values(node: dict[str, Any]) -> st.SearchStrategy[Any]:
+    """Values near and beyond what the field's schema allows, and of other types."""
+    cands: list[Any] = [None, True, "x", "", 0, -1, 1.5, [], {}, {"unknownField": 1}, "1000", 2**63]
+    for key in ("minimum", "maximum"):
+        if key in node:
+            b = node[key]
+            cands += [b, b - 1, b + 1, float(b)]
+    for key in ("minLength", "maxLength"):
+        if key in node:
+            cands += ["a" * max(node[key] - 1, 0), "a" * node[key], "a" * (node[key] + 1)]
+    if "enum" in node:
+        cands += list(node["enum"]) + [str(node["enum"][0]).lower(), str(node["enum"][0]) + "x"]
+    if "default" in node:
+        cands.append(copy.deepcopy(node["default"]))
+    if node.get("type") == "string" and "pattern" in node:
+        cands += ["/abs/path", "rel/path", "64Gi", "64GB", "1.5", "100m", "op", "0", "7"]
+    if node.get("type") == "array":
+        cands += [["a"], [1], [{}], [{"name": "A", "value": "b"}]]
+    return st.sampled_from(cands)
+
+
+def _set(obj: dict[str, Any], path: tuple[Any, ...], value: Any, delete: bool) -> None:
+    cur: Any = obj
+    for i, part in enumerate(path[:-1]):
+        nxt = path[i + 1]
+        if isinstance(part, int):
+            if not isinstance(cur, list):
+                return
+            while len(cur) <= part:
+                cur.append({} if not isinstance(nxt, int) else [])
+            cur = cur[part]
+        else:
+            if not isinstance(cur, dict):
+                return
+            if not isinstance(cur.get(part), (dict, list)):
+                cur[part] = [] if isinstance(nxt, int) else {}
+            cur = cur[part]
+    last = path[-1]
+    if isinstance(last, int):
+        if isinstance(cur, list):
+            while len(cur) <= last:
+                cur.append(None)
+            cur[last] = value
+    elif isinstance(cur, dict):
+        if delete:
+            cur.pop(last, None)
+        else:
+            cur[last] = value
+
+
+@st.composite
+def specs(draw: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(draw(st.sampled_from(BASES)))
+    for _ in range(draw(st.integers(1, 3))):
+        path, node = draw(st.sampled_from(FIELDS))
+        _set(obj, path, draw(_values(node)), delete=draw(st.booleans()) and draw(st.booleans()))
+    return obj
+
+
+def _is_cel(message: str) -> bool:
+    return "cannot evaluate" in message or any(r.message in message or r.rule[:40] in message for r in CEL_RULES)
+
+
+def admission_layers(obj: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """(OpenAPI-layer, CEL-layer) field paths the API server refuses (strict field validation, as kubectl)."""
+    causes, unknown = StructuralSchema(SCHEMA).apply(copy.deepcopy(obj), None)
+    return ({c.field for c in causes if not _is_cel(c.message)} | set(unknown),
+            {c.field for c in causes if _is_cel(c.message)})
+
+
+def admission(obj: dict[str, Any]) -> set[str]:
+    schema, cel = admission_layers(obj)
+    return schema | cel
+
+
+def _covered(api_path: str, cli_paths: set[str]) -> bool:
+    # the same path, a field inside it (the API server reports a CEL rule at its fieldPath, the CLI at the
+    # field to change), or the object holding it when that object itself is malformed (e.g. `model: null`)
+    def under(a: str, b: str) -> bool:
+        return a == b or a.startswith(b + ".") or a.startswith(b + "[")
+
+    return any(under(p, api_path) or under(api_path, p) and p != "spec" for p in cli_paths)
+
+
+@settings(max_examples=int(os.environ.get("KUBETITAN_PROPERTY_EXAMPLES", "300")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs())
+def test_the_cli_refuses_whatever_the_api_server_refuses_at_the_same_path(obj):
+    schema, cel = admission_layers(obj)
+    _, errors = parse(copy.deepcopy(obj))
+    cli = {e.path for e in errors}
+    # CEL paths are compared when neither side found a type error: over a value of the wrong type the rules
+    # either cannot be evaluated or compute with it (`processesPerNode: 1.0`), about a spec already refused
+    refused = schema if schema or any(e.rule == "schema" for e in errors) else cel
+    if schema or cel:
+        assert errors, f"API server refuses {sorted(schema | cel)} but the CLI accepts:\n{json.dumps(obj['spec'])}"
+    if refused:
+        assert errors, f"API server refuses {sorted(refused)} but the CLI accepts:\n{json.dumps(obj['spec'])}"
+        missing = sorted(p for p in refused if not _covered(p, cli))
+        assert not missing, (f"API server refuses {missing}, the CLI reports {sorted(cli)}:\n"
+                             f"{json.dumps(obj['spec'])}\n" + "\n".join(map(str, errors)))
+
+
+def test_the_property_sees_both_verdicts():
+    """The generator is not degenerate: among fixed draws some specs pass admission and some are refused."""
+    from hypothesis import find
+
+    find(specs(), lambda o: not admission(o) and not parse(copy.deepcopy(o))[1])
+    find(specs(), lambda o: bool(admission(o)))
+
+
+def test_cli_command_agrees_on_a_refused_spec(tmp_path: Path):
+    obj = make_lpt({"training": {"steps": 0}, "resources": {"serviceAccountName": None}})
+    assert admission(obj) == {"spec.training.steps", "spec.resources.serviceAccountName"}
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(obj))
+    r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", str(f)], capture_output=True, text=True)
+    assert r.returncode != 0 and "spec.training.steps" in r.stdout + r.stderr
+    assert "spec.resources.serviceAccountName" in r.stdout + r.stderr
