@@ -279,3 +279,37 @@ def test_compile_cache_folder_is_the_same_for_every_attempt_of_a_run(tmp_path):
         assert env[contract.ENV_ATTEMPT] == str(attempt)
         folders.add(compile_cache.configure(str(cfg), env, gpus=["NVIDIA H200"]))
     assert len(folders) == 1 and "/compile-cache/" in folders.pop()
+
+
+def test_the_tier_is_written_in_the_background_from_the_staged_copy_and_the_next_stage_waits(tmp_path):
+    from concurrent.futures import Future
+
+    import torch.distributed.checkpoint as dcp
+
+    from kubetitan_trainer.staging import ReusableStager
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    src = _trained(seed=1)
+    stager = ReusableStager(StagingOptions(False, False, False, False))  # CPU: no pinning, synchronous staging
+    writer = restore_tier.BackgroundWriter()
+    calls = []
+    stager.before_stage = lambda: calls.append("wait")
+    staged = stager.stage(restore_tier.materialise(src[2]))
+    assert calls == ["wait"] and stager.last_staged is staged
+    fut: Future = Future()
+    tier, ckpt = tmp_path / "tier", str(tmp_path / "ckpt")
+    writer.start(fut, str(tier), step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
+    assert not restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)  # staging not done
+    fut.set_result(staged)
+    writer.wait()
+    assert restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
+    dcp.save(restore_tier.materialise(src[2]), checkpoint_id=ckpt + "/step-8")
+    loaded = _trained(seed=3)
+    restore_tier.load(loaded[2], tier, rank=0)
+    assert _same(_flat(*loaded), _flat(*src))
+    # a staging that failed leaves no tier (and raises nothing into training)
+    bad: Future = Future()
+    bad.set_exception(RuntimeError("staging failed"))
+    writer.start(bad, str(tier), step=12, rank=0, world_size=1, checkpoint_folder=ckpt)
+    writer.wait()
+    assert not restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)

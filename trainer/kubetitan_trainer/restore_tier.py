@@ -283,3 +283,40 @@ def prepare(states: dict[str, Any], folder: str | Path, *, rank: int) -> Prepare
 def load(states: dict[str, Any], folder: str | Path, *, rank: int) -> int:
     """Load this rank's tier into ``states`` in place (as ``dcp.load`` does); the bytes read."""
     return prepare(states, folder, rank=rank).apply()
+
+
+class BackgroundWriter:
+    """Writes the tier from DCP's pinned staged copy in a thread, so that training does not wait for it.
+
+    ``start`` takes what the stager returned (a Future of the staged copy, or the copy); ``wait`` blocks until
+    the write has ended (the stager calls it before it reuses its buffers for the next save)."""
+
+    def __init__(self) -> None:
+        self._thread = None
+
+    def start(self, staged: Any, folder: str, **kw) -> None:
+        import threading
+        import time as _time
+
+        self.wait()
+
+        def run() -> None:
+            begin = _time.perf_counter()
+            try:
+                sd = staged.result() if hasattr(staged, "result") else staged
+                n = save(sd, folder, **kw)
+            except Exception as e:  # noqa: BLE001 - the tier is an optimisation; DCP stays the source
+                discard(folder, kw.get("rank", 0))
+                log.warning("Restore tier not written at step %s: %s", kw.get("step"), e)
+                return
+            if n:
+                log.info("Restore tier: step %s, %.2f GiB in %.2f s in the background (%s)", kw.get("step"),
+                            n / 2**30, _time.perf_counter() - begin, folder)
+
+        self._thread = threading.Thread(target=run, name="kubetitan-restore-tier", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

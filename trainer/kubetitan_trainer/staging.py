@@ -44,6 +44,17 @@ class ReusableStager(DefaultStager):
         self._state_dict_stager = _KeepOpenStateDictStager(
             pin_memory=config.use_pinned_memory, share_memory=config.use_shared_memory
         )
+        self.last_staged: Any = None
+        """The last stage's result (a Future of the staged copy, or the copy): the restore tier writes it."""
+        self.before_stage: Any = None
+        """Called before each stage: the restore tier's background write of the previous copy must end first,
+        since the buffers are reused."""
+
+    def stage(self, state_dict, **kwargs):
+        if self.before_stage is not None:
+            self.before_stage()
+        self.last_staged = super().stage(state_dict, **kwargs)
+        return self.last_staged
 
     def close(self) -> None:
         super().close()

@@ -69,6 +69,7 @@ class KubetitanTrainer(Trainer):
         self._stop_file = os.environ.get(ENV_STOP_FILE, "")
         self._stopping = False
         self._local_loss: torch.Tensor | None = None
+        self._tier_writer = restore_tier.BackgroundWriter()
         super().__init__(job_config)
         self._log_float8_notes()
         self._wrap_checkpoint_save()
@@ -207,7 +208,15 @@ class KubetitanTrainer(Trainer):
             begin = time.perf_counter()
             save(curr_step, last_step=last_step)
             if will_save and not last_step and self._tier:
-                self._save_tier(curr_step)
+                staged = getattr(ckpt.stager, "last_staged", None)
+                if staged is not None:  # pinned async saves: write the tier from the staged copy, in the background
+                    ckpt.stager.last_staged = None
+                    ckpt.stager.before_stage = self._tier_writer.wait
+                    rank, world = self._rank_world()
+                    self._tier_writer.start(staged, self._tier, step=curr_step, rank=rank, world_size=world,
+                                            checkpoint_folder=ckpt.folder)
+                else:
+                    self._save_tier(curr_step)
             if will_save:
                 # An async save leaves its background write in save_future (a new one; a synchronous save,
                 # the last step's included, leaves the earlier one or None): it is complete when that ends.
