@@ -9,15 +9,18 @@
 # Also issue 16's NCCL net-check (python -m kubetitan_trainer.netcheck) first. Everything printed goes to
 # files in $OUT as it happens (a call cut by its limit keeps them): recovery.txt, events.jsonl, launcher.log,
 # netcheck.txt; at the end results.json, startup.jsonl, steps.jsonl and logs.tgz (env.txt).
-# Usage (device tool, carry [".whl"]): bash bench/device/recovery.sh [SECONDS_FOR_THE_BENCH=400]
+# Usage (device tool, carry [".whl"]): [SKIP_NETCHECK=1] bash bench/device/recovery.sh [SECONDS=400] [PLAN]
 export R=/tmp/r
 source bench/device/setup.sh
 END=${1:-400}
+PLAN=${2:-warm_tier,warm_dcp,cold_tier}   # a second argument: fewer planned restarts (e.g. warm_tier)
 { echo "--- /dev/shm and memory"; df -h /dev/shm; free -g; } >> "$R/env.txt" 2>&1
-echo "=== netcheck $(date -u +%T)"
-timeout 90 python3 -m kubetitan_trainer.netcheck > "$OUT/netcheck.txt" 2>&1
-echo "exit code $?" >> "$OUT/netcheck.txt"
-cat "$OUT/netcheck.txt" | grep -v "^\s*$" | tail -15
+if [ -z "${SKIP_NETCHECK:-}" ]; then
+  echo "=== netcheck $(date -u +%T)"
+  timeout 90 python3 -m kubetitan_trainer.netcheck > "$OUT/netcheck.txt" 2>&1
+  echo "exit code $?" >> "$OUT/netcheck.txt"
+  cat "$OUT/netcheck.txt" | grep -v "^\s*$" | tail -15
+fi
 # The tier holds the whole training state (~43 GB for the 3B model + AdamW): /dev/shm when it has the room,
 # else a tmpfs of our own (root on the device), else none (the bench then measures DCP loads only).
 TIER=/dev/shm/kt-recovery-tier
@@ -28,7 +31,7 @@ if [ "${AVAIL:-0}" -lt 50 ]; then
 fi
 echo "=== recovery bench $(date -u +%T): tier $TIER (/dev/shm avail ${AVAIL} GiB), $((END - SECONDS)) s"
 python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier "$TIER" \
-  --deadline $((END - SECONDS)) --plan warm_tier,warm_dcp,cold_tier 2>&1 | tee "$OUT/recovery.txt"
+  --deadline $((END - SECONDS)) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
 echo "=== end $(date -u +%T), $SECONDS s"; free -g | head -2
 grep -E "Restore tier|restore tier|Loaded step|Finished loading|Resuming|Start-up of" "$OUT/launcher.log" | tail -20
 tar -C "$R" -czf "$OUT/logs.tgz" . 2>/dev/null
