@@ -66,6 +66,13 @@ def master_address(lpt: LlamaPretrain, attempt: int) -> str:
     return f"{pod_name(lpt.metadata.name, attempt, 0)}.{service_name(lpt.metadata.name)}.{ns}.svc"
 
 
+def gang_wait_seconds(spec: Any) -> int:
+    """How long a rank waits for the rest of its gang (rank 0's DNS record, the rendezvous): the scheduling
+    wait plus the start-up allowance, so ``Unschedulable`` is reported before any rank gives up."""
+    rp = spec.run_policy
+    return int(rp.unschedulable_timeout_seconds + rp.startup_timeout_seconds)
+
+
 def job_labels(lpt: LlamaPretrain) -> dict[str, str]:
     """Labels on every child; select a run's children with ``kubetitan.io/name=<name>``."""
     labels = {
@@ -274,9 +281,11 @@ def pod(
         f"--master-addr={master_address(lpt, attempt)}",
         f"--master-port={RENDEZVOUS_PORT}",
         f"--rdzv-id={meta.namespace or 'default'}-{meta.name}-a{attempt}",
-        # Outlast the scheduling wait: a rank waiting for rank 0's DNS record of a partly scheduled gang must
-        # not exit (a ContainerFailed restart) before the operator reports Unschedulable.
-        f"--dns-timeout={s.run_policy.unschedulable_timeout_seconds + s.run_policy.startup_timeout_seconds}",
+        # Outlast the scheduling wait: a rank waiting for rank 0's DNS record, or rank 0 waiting in the
+        # rendezvous for the ranks of a partly scheduled gang, must not exit (a ContainerFailed restart) before
+        # the operator reports Unschedulable.
+        f"--dns-timeout={gang_wait_seconds(s)}",
+        f"--rdzv-timeout={gang_wait_seconds(s)}",
         # In-place restarts (runPolicy.maxInPlaceRestarts; 0: the static launcher, every failure re-creates the
         # gang). The launchers restart every rank's workers together; the operator records each one from rank 0's
         # metrics and re-creates the gang when the attempt's budget is used up (decide.restarted_in_place).

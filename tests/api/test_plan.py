@@ -47,6 +47,7 @@ def test_gang_shape(nodes):
         assert arg(p, "rdzv-id") == "ml-run-a3"
         rp = lpt.spec.run_policy  # rank 0's DNS wait outlasts the scheduling wait (Unschedulable is reported first)
         assert arg(p, "dns-timeout") == str(rp.unschedulable_timeout_seconds + rp.startup_timeout_seconds)
+        assert arg(p, "rdzv-timeout") == str(rp.unschedulable_timeout_seconds + rp.startup_timeout_seconds)
         assert p["spec"]["hostname"] == p["metadata"]["name"] and p["spec"]["subdomain"] == "run"
         assert p["spec"]["restartPolicy"] == "Never"
         assert p["spec"]["automountServiceAccountToken"] is False

@@ -478,6 +478,17 @@ def test_the_posted_worker_failure_that_is_not_collateral_begins_the_next_genera
     assert earliest_failure(store, 1, 2)["node_rank"] == 1
 
 
+def test_rendezvous_timeout_from_the_operator_reaches_torchrun():
+    """The operator's --rdzv-timeout (its scheduling wait + start-up allowance) becomes torchrun's rendezvous
+    timeout on both launcher paths, so rank 0 outwaits a partly scheduled gang; without it torch's default."""
+    from kubetitan_trainer.launch import parse_args, torchrun_argv
+
+    base = ["--config=c.toml", "--nnodes=2", "--master-addr=m.svc", "--rdzv-timeout=2700"]
+    assert "--rdzv-conf=timeout=2700" in torchrun_argv(parse_args(base))
+    assert "--rdzv-conf=is_host=true,join_timeout=2700" in torchrun_argv(parse_args([*base, "--max-restarts=2"]))
+    assert not any(a.startswith("--rdzv-conf") for a in torchrun_argv(parse_args(base[:-1])))
+
+
 def test_compile_cache_lives_under_the_dump_folder_keyed_by_versions_gpu_and_config(tmp_path):
     import tomli_w
 

@@ -78,6 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "'auto' = /dev/shm/kubetitan-restore-<rdzv-id> with --max-restarts > 0, 'off' = none")
     p.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between the agent's worker checks")
     p.add_argument("--dns-timeout", type=float, default=600.0, help="seconds to wait for --master-addr to resolve")
+    p.add_argument("--rdzv-timeout", type=int, default=None,
+                   help="seconds the rendezvous waits for every node to join (default: torchrun's, 900 static and "
+                        "600 c10d); the operator passes one that outlasts its scheduling wait")
     return p.parse_args(argv)
 
 
@@ -138,7 +141,8 @@ def torchrun_argv(a: argparse.Namespace) -> list[str]:
         return [
             f"--nnodes={a.nnodes}", f"--nproc-per-node={a.nproc_per_node}", f"--node-rank={a.node_rank}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={a.master_addr}:{a.master_port}", f"--rdzv-id={a.rdzv_id}",
-            f"--rdzv-conf=is_host={is_host}", f"--max-restarts={a.max_restarts}",
+            f"--rdzv-conf=is_host={is_host}" + (f",join_timeout={a.rdzv_timeout}" if a.rdzv_timeout else ""),
+            f"--max-restarts={a.max_restarts}",
             f"--monitor-interval={a.monitor_interval}", "--start-method=fork",
             "-m", "kubetitan_trainer.main", "--job.config_file", a.config,
         ]
@@ -146,6 +150,7 @@ def torchrun_argv(a: argparse.Namespace) -> list[str]:
         f"--nnodes={a.nnodes}", f"--nproc-per-node={a.nproc_per_node}", f"--node-rank={a.node_rank}",
         "--rdzv-backend=static", f"--master-addr={a.master_addr}", f"--master-port={a.master_port}",
         f"--rdzv-id={a.rdzv_id}", "--max-restarts=0", f"--monitor-interval={a.monitor_interval}",
+        *([f"--rdzv-conf=timeout={a.rdzv_timeout}"] if a.rdzv_timeout else []),
         "-m", "kubetitan_trainer.main", "--job.config_file", a.config,
     ]
 
