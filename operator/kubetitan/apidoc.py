@@ -218,6 +218,15 @@ def render(rules: list[Any] | None = None) -> str:
         "",
     ]
 
+    from kubetitan.validation import RULES
+
+    out += ["All semantic rules (`kubetitan validate` and the operator; CEL: also enforced by the API server; "
+            "trainer: checked again when the trainer starts):", "",
+            "| Rule | Field | Checks | CEL | Trainer |", "|---|---|---|---|---|"]
+    out += [f"| {r.id} | {_cell(r.field)} | {_cell(r.checks)} | {'yes' if r.cel else ''} | {_cell(r.trainer)} |"
+            for r in RULES]
+    out.append("")
+
     out += ["## Status", "", "Written only by the operator, through the `status` subresource.", ""]
     for path, node in status_sections:
         out += [f"### `{path}`", "", _cell(node.get("description", "")), "", *_field_table(path, node), ""]

@@ -143,6 +143,79 @@ CEL_RULES: list[CelRule] = [
 ]
 
 
+@dataclass(frozen=True)
+class Rule:
+    """One semantic rule of the validator: its id (the ``rule`` of its FieldErrors), where it reports, what it
+    checks, and whether the trainer checks the same again at start-up (kubetitan_trainer.checks / tokenizer)."""
+
+    id: str
+    field: str
+    checks: str
+    trainer: str = ""
+    """Where the trainer re-checks it, or empty."""
+
+    @property
+    def cel(self) -> CelRule | None:
+        return next((c for c in CEL_RULES if c.id == self.id), None)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("metadata.name", "metadata.name", "a DNS-1035 label no longer than the computed limit (see Names and pod fields)"),
+    Rule("parallelism.product", "spec.parallelism", "the degrees multiply to nodes x processes per node",
+         "checks.check (parallelism)"),
+    Rule("parallelism.context-seq-len", "spec.training.seqLen", "seqLen divisible by 2 x contextParallelDegree"),
+    Rule("model.custom", "spec.model.custom", "set exactly when flavor is custom"),
+    Rule("model.dims", "spec.model.custom", "dim divisible by nHeads, nKvHeads divides nHeads"),
+    Rule("model.heads-tp", "spec.parallelism.tensorParallelDegree", "divides the model's heads and key/value heads"),
+    Rule("model.layers-pp", "spec.parallelism.pipelineParallelDegree", "divides the model's layers"),
+    Rule("tokenizer.vocab", "spec.model.custom.vocabSize", "the vocabulary holds every token of the tokenizer",
+         "tokenizer.build_tokenizer (the tokenizer's real size)"),
+    Rule("training.global-batch", "spec.training.globalBatchSize", "a multiple of localBatchSize x data parallel",
+         "checks.check (training.global_batch_size)"),
+    Rule("training.warmup", "spec.training.warmupSteps", "below steps"),
+    Rule("resources.gpus", "spec.resources.gpusPerNode", "at most the instance type's GPUs"),
+    Rule("resources.efa", "spec.resources.efaPerNode", "at most the instance type's EFA interfaces"),
+    Rule("resources.platform", "spec.resources.platform", "matches the instance type (ml. names are HyperPod)"),
+    Rule("resources.cpu-model", "spec.resources.gpusPerNode", "0 (CPU) only for the debug or a custom model"),
+    Rule("resources.procs", "spec.resources.processesPerNode", "equals gpusPerNode on GPU nodes"),
+    Rule("float8.hardware", "spec.precision.float8.enabled", "FP8 needs compute capability >= 8.9 (or emulate)",
+         "checks.check (float8 emulate)"),
+    Rule("float8.emulate-compile", "spec.precision.float8.emulate", "emulation without torch.compile",
+         "checks.check (compile.enable)"),
+    Rule("float8.all-gather-recipe", "spec.precision.float8.fsdpFloat8AllGather", "needs FP8 on, recipe tensorwise",
+         "checks.check (enable_fsdp_float8_all_gather)"),
+    Rule("float8.all-gather-dp", "spec.precision.float8.fsdpFloat8AllGather", "needs a shard degree above 1"),
+    Rule("float8.precompute-needs-all-gather", "spec.precision.float8.precomputeDynamicScale",
+         "needs fsdpFloat8AllGather"),
+    Rule("data.shards-required", "spec.data.shards", "set when data.source is shards", "checks.check (shards_path)"),
+    Rule("tokenizer.path-required", "spec.tokenizer.path", "set when tokenizer.source is path",
+         "checks.check (tokenizer.json present)"),
+    Rule("tokenizer.repo-required", "spec.tokenizer.repo", "set when tokenizer.source is huggingface"),
+    Rule("restarts.need-checkpoint", "spec.runPolicy.maxRestarts", "restarts need checkpoint.enabled"),
+    Rule("checkpoint.keep-latest-k", "spec.checkpoint.keepLatestK", "0 or at least 2"),
+    Rule("checkpoint.one-storage", "spec.checkpoint.storage", "at most one of persistentVolumeClaim and hostPath"),
+    Rule("checkpoint.storage-required", "spec.checkpoint.storage", "multi-node checkpoints need shared storage"),
+    Rule("checkpoint.host-path-single-node", "spec.checkpoint.storage.hostPath", "hostPath only on one node"),
+    Rule("run-policy.backoff-order", "spec.runPolicy.maxBackoffSeconds", "at least backoffSeconds"),
+    Rule("monitoring.port", "spec.monitoring.metricsPort", "not torchrun's rendezvous port 29500"),
+    Rule("path.no-dot-dot", "spec.checkpoint.mountPath, data.mountPath, checkpoint.storage.hostPath, tokenizer.path, "
+         "data.shards.path", "no '..' component"),
+    Rule("mounts.no-collision", "spec.checkpoint.mountPath, spec.data.mountPath",
+         "no mount at, above or inside another (/etc/kubetitan, /dev/shm, checkpoint, data)"),
+    Rule("env.reserved", "spec.resources.env[].name", "not a name the operator or launcher sets"),
+    Rule("env.secret-backed", "spec.resources.env[].name", "no plain HF_TOKEN when tokenizer.tokenSecretRef is set"),
+    Rule("env.unique", "spec.resources.env[].name", "each name once"),
+    Rule("pod.env", "spec.resources.env", "Kubernetes EnvVar (schema, name, value xor one valueFrom, refs)"),
+    Rule("pod.tolerations", "spec.resources.tolerations", "Kubernetes Toleration (schema, operator, effect, key)"),
+    Rule("pod.affinity", "spec.resources.affinity", "Kubernetes Affinity (schema, operators, weights, topology)"),
+    Rule("pod.node-selector", "spec.resources.nodeSelector", "label keys and values"),
+    Rule("pod.image", "spec.resources.image", "a container image reference"),
+    Rule("pod.names", "names that become pod fields", "DNS-1123 subdomains, Secret keys, the queue label value"),
+)
+"""Every semantic rule, once: the validator's FieldErrors carry these ids, the CEL twins share them, docs/api.md
+lists them, and the corpus tests check each one is exercised."""
+
+
 def model_dims(model: ModelSpec) -> ModelDims | None:
     """Dimensions of the spec's model, or None for an incomplete custom model."""
     if model.flavor != "custom":

@@ -70,3 +70,18 @@ def test_every_cel_rule_has_a_python_twin_in_the_corpus():
     exercised = {e["rule"] for c in CORPUS for e in c["errors"]}
     missing = {r.id for r in CEL_RULES} - exercised
     assert not missing, f"CEL rules without a corpus case: {missing}"
+
+
+def test_rule_table_is_complete_and_every_rule_is_in_the_corpus():
+    from kubetitan.validation import RULES
+
+    ids = [r.id for r in RULES]
+    assert len(ids) == len(set(ids))
+    used = {e["rule"] for c in CORPUS for e in c["errors"]} - {"schema"}
+    assert used <= set(ids), f"rules missing from validation.RULES: {used - set(ids)}"
+    assert set(ids) - used <= {"metadata.name"}, f"rules without a corpus case: {set(ids) - used - {'metadata.name'}}"
+    assert {c.id for c in CEL_RULES} <= set(ids)
+    source = (Path(__file__).resolve().parents[2] / "operator/kubetitan/validation.py").read_text()
+    emitted = set(re.findall(r'"((?:[a-z0-9]+-?)+\.[a-z0-9.-]+)"\)', source)) - {"."}
+    emitted = {e for e in emitted if not e.startswith(("resources.env", "resources.tolerations", "resources.affinity"))}
+    assert emitted <= set(ids), emitted - set(ids)
