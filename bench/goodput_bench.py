@@ -59,11 +59,11 @@ def _segments(log: list[dict]) -> list[list[dict]]:
 
 
 def run(steps: int, interval: int, kill_every: int | None, timeout: float, async_mode: str = "disabled",
-        kill_offset: int = 0, fault: str = "worker", in_place: int = 10) -> dict:
+        kill_offset: int = 0, fault: str = "worker", in_place: int = 10, nodes: int = 2) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="goodput-"))
     ckpt = tmp / "ckpt"
     kills: list[dict] = []
-    with Cluster() as c, Kubelet(c, tmp / "kubelet", claims={CLAIM: ckpt}) as k, Operator(c, namespaces=(NS,)):
+    with Cluster() as c, Kubelet(c, tmp / "kubelet", nodes=nodes, claims={CLAIM: ckpt}) as k, Operator(c, namespaces=(NS,)):
         t0 = time.time()
         spec = e2e_spec(ckpt, steps, interval, free_port(), hangTimeoutSeconds=120, maxInPlaceRestarts=in_place)
         spec["checkpoint"]["asyncMode"] = async_mode
@@ -170,6 +170,8 @@ def main() -> int:
     p.add_argument("--async-mode", default="disabled", choices=("disabled", "async"), help="checkpoint.asyncMode")
     p.add_argument("--fault", default="worker", choices=tuple(EXPECTED_CAUSE), help="what each fault is (see above)")
     p.add_argument("--in-place", type=int, default=10, help="runPolicy.maxInPlaceRestarts (0: every fault re-creates)")
+    p.add_argument("--nodes", type=int, default=2, help="nodes of the kubelet double (--fault node: a node that failed "
+                   "twice is kept out of later attempts, so 5 node faults need more than 2)")
     p.add_argument("--timeout", type=float, default=7200)
     p.add_argument("--only", choices=("faults", "baseline"), help="run just one of the two runs")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -178,7 +180,7 @@ def main() -> int:
            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
     if a.only != "baseline":
         out["faults"] = run(a.steps, a.interval, a.kill_every, a.timeout, a.async_mode, a.kill_offset, a.fault,
-                            a.in_place)
+                            a.in_place, a.nodes)
         print("with faults:", json.dumps(out["faults"]), flush=True)
     if a.only != "faults":
         out["baseline"] = run(a.steps, a.interval, None, a.timeout, a.async_mode, in_place=a.in_place)
