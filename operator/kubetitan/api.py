@@ -430,6 +430,7 @@ RestartCause = Literal[
     "Hang",
     "StartupTimeout",
     "NonFiniteLoss",
+    "PodDeleted",
     "Unknown",
 ]
 

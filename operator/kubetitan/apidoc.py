@@ -40,6 +40,8 @@ RESTART_CAUSES: dict[str, str] = {
     "Hang": "The step did not advance for `runPolicy.hangTimeoutSeconds`.",
     "StartupTimeout": "No first step within `runPolicy.startupTimeoutSeconds` after all pods ran.",
     "NonFiniteLoss": "The loss became NaN or infinite (exit code 3).",
+    "PodDeleted": "A pod of the attempt was deleted by someone other than the operator (by hand, a script) "
+    "after the operator had seen it, with no `DisruptionTarget` that names another cause.",
     "Unknown": "The attempt ended and no cause could be attributed.",
 }
 """What each ``status.restarts[].cause`` means; one entry per value of ``api.RestartCause``."""

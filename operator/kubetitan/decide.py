@@ -150,6 +150,9 @@ class Observed:
     """Children the API refused on the last create of this attempt (cleared by a create that worked)."""
     observation: AttemptObservation | None = None
     """The observation these inputs came from (``status.track``); ``status.next_status`` persists it."""
+    missing_children: tuple[str, ...] = ()
+    """Names of the run's ConfigMap/Service that the API no longer shows although the current attempt's pods
+    exist (deleted by hand): created again at once, with no restart (``Decision.recreate``)."""
 
 
 # ------------------------------------------------------------------ decision
@@ -196,6 +199,8 @@ class Decision:
     """Name of the rule that decided (for logs and tests)."""
     stale_status: bool = False
     """The status is older than the cluster (pods of a newer attempt exist): re-read it before acting."""
+    recreate: tuple[str, ...] = ()
+    """ConfigMap/Service names to create again while the attempt goes on (they were deleted by hand)."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -304,6 +309,11 @@ def classify_pod(p: PodObs) -> Failure | None:
     if p.terminated_reason == "OOMKilled":
         return Failure("OOMKilled", f"{what}: OOMKilled (raise spec.resources.memory or lower the batch)",
                        p.name, p.node_name)
+    if p.deleting and p.disruption_reason is None and code in (ExitCode.TERMINATED_CHECKPOINTED, EXIT_SIGTERM,
+                                                               EXIT_SIGKILL):
+        # the operator deletes the current attempt's pods only when it ends the attempt (then they are an earlier
+        # attempt's) or suspends the run (decided before this): someone else deleted this one
+        return Failure("PodDeleted", f"{what} after it was deleted, not by the operator{tail}", p.name, p.node_name)
     if p.disruption_reason in PREEMPTIONS:
         return Failure("Preempted", f"{what} after preemption", p.name, p.node_name)
     if code == ExitCode.TERMINATED_CHECKPOINTED:
@@ -461,8 +471,8 @@ def pod_failed(f: Facts) -> Decision | None:
     if not failures:
         gone = sorted(r for r in f.obs.ranks_seen if r not in {p.rank for p in f.current})
         if gone:
-            failures.append(Failure("Unknown", f"pod(s) of rank {', '.join(map(str, gone))} of attempt {f.attempt} "
-                                    "disappeared", "", None))
+            failures.append(Failure("PodDeleted", f"pod(s) of rank {', '.join(map(str, gone))} of attempt {f.attempt} "
+                                    "disappeared (deleted, not by the operator)", "", None))
     if not failures:
         return None
     fatal = next((x for x in failures if x.cause is None), None)
@@ -745,7 +755,8 @@ def decide(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, obs: Observed,
     """The first rule's answer, with the earlier attempts' pods added to what it deletes.
 
     Earlier attempts' pods always go (a pod stuck terminating on a dead node is forced out); pods of the
-    current or a newer attempt are deleted only when a rule says so.
+    current or a newer attempt are deleted only when a rule says so. A missing ConfigMap/Service of an attempt
+    that goes on is listed in ``recreate``.
     """
     f = facts(spec, status, obs)
     for rule in rules:
@@ -759,7 +770,10 @@ def decide(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, obs: Observed,
     force = tuple(dict.fromkeys(f.stuck() + d.force_delete))
     stale = tuple(p.name for p in f.previous if not p.deleting)
     delete = tuple(n for n in dict.fromkeys(stale + d.delete) if n not in force)
-    return replace(d, delete=delete, force_delete=force, rule=rule.__name__)
+    # a ConfigMap/Service deleted by hand while the attempt goes on is created again at once (no restart); a
+    # decision that creates the attempt's children creates it anyway, one that ends the attempt needs none
+    recreate = obs.missing_children if f.current and d.action in (Action.KEEP, Action.WAIT) else ()
+    return replace(d, delete=delete, force_delete=force, recreate=recreate, rule=rule.__name__)
 
 
 def restart_event(d: Decision, attempt: int) -> tuple[str, str, str] | None:

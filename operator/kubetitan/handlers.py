@@ -108,9 +108,13 @@ class JobState:
     warned: str | None = None
     """The catalog warning (unknown instance type) this replica last sent as an Event for the run."""
 
+    children_seen: set[str] = field(default_factory=set)
+    """The run's ConfigMap/Service names the indexes have shown (for ``ensured_attempt``): one absent after
+    that was deleted (by hand) and is created again at once."""
+
     def forget_children(self) -> None:
         """Drop what this replica believes about children (after a fail-over, re-read from the API)."""
-        self.ensured_attempt, self.ensured = -1, {}
+        self.ensured_attempt, self.ensured, self.children_seen = -1, {}, set()
         self.applied_spec, self.applied_loaded = None, False
 
 
@@ -185,9 +189,24 @@ def lpt_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
     return {name: node_obs(name, body)}
 
 
+@kopf.index("configmaps", labels={plan.LABEL_UID: kopf.PRESENT})
+def lpt_configmaps(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
+    """The runs' ConfigMaps by run uid (a watch: one deleted by hand is seen gone at once)."""
+    return {labels[plan.LABEL_UID]: name}
+
+
+@kopf.index("services", labels={plan.LABEL_UID: kopf.PRESENT})
+def lpt_services(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
+    """The runs' headless Services by run uid (like ``lpt_configmaps``)."""
+    return {labels[plan.LABEL_UID]: name}
+
+
 @kopf.on.event("pods", labels={plan.LABEL_UID: kopf.PRESENT})
+@kopf.on.event("configmaps", labels={plan.LABEL_UID: kopf.PRESENT})
+@kopf.on.event("services", labels={plan.LABEL_UID: kopf.PRESENT})
 def _pod_changed(labels: Mapping[str, str], memo: Any, **_: Any) -> None:
-    """Wake the run's daemon at once: observation stays level-based, this only cuts the latency."""
+    """Wake the run's daemon at once when one of its children changes (a pod's phase, a ConfigMap deleted by
+    hand): observation stays level-based, this only cuts the latency."""
     job = _ctx(memo).jobs.get(labels[plan.LABEL_UID])
     if job is not None:
         job.wake.set()
@@ -196,15 +215,17 @@ def _pod_changed(labels: Mapping[str, str], memo: Any, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-async def reconcile(body: kopf.Body, memo: Any, lpt_pods: kopf.Index, lpt_nodes: kopf.Index, **_: Any) -> None:
-    errors = await cycle(_ctx(memo), body, lpt_pods, nodes_index=lpt_nodes)
+async def reconcile(body: kopf.Body, memo: Any, lpt_pods: kopf.Index, lpt_nodes: kopf.Index,
+                    lpt_configmaps: kopf.Index, lpt_services: kopf.Index, **_: Any) -> None:
+    errors = await cycle(_ctx(memo), body, lpt_pods, nodes_index=lpt_nodes,
+                         children_index=(lpt_configmaps, lpt_services))
     if isinstance(errors, list) and errors:  # (a float is the daemon's requeue delay)
         raise kopf.PermanentError("invalid spec: " + "; ".join(map(str, errors)))
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
 async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, lpt_pods: kopf.Index,
-                      lpt_nodes: kopf.Index, **_: Any) -> None:
+                      lpt_nodes: kopf.Index, lpt_configmaps: kopf.Index, lpt_services: kopf.Index, **_: Any) -> None:
     """Re-run the cycle every scan interval, or as soon as one of the run's pods changes.
 
     kopf starts this daemon for each run when the operator starts, and again when a peering replica resumes
@@ -224,7 +245,8 @@ async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, l
         job.wake.clear()
         wait = ctx.options.scan_interval
         try:
-            requeue = await cycle(ctx, body, lpt_pods, from_daemon=True, pods_override=pods, nodes_index=lpt_nodes)
+            requeue = await cycle(ctx, body, lpt_pods, from_daemon=True, pods_override=pods, nodes_index=lpt_nodes,
+                                  children_index=(lpt_configmaps, lpt_services))
             pods = None
             if job.done:
                 log.debug("LlamaPretrain %s/%s is finished; its daemon ends", body["metadata"].get("namespace"),
@@ -282,8 +304,11 @@ def merge_patch(old: Any, new: Any) -> Any:
 
 
 async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: bool = False,
-                pods_override: tuple[Any, ...] | None = None, nodes_index: Any = None) -> Any:
-    """One observe -> decide -> write -> apply round; returns validation errors or the requeue delay."""
+                pods_override: tuple[Any, ...] | None = None, nodes_index: Any = None,
+                children_index: tuple[Any, Any] | None = None) -> Any:
+    """One observe -> decide -> write -> apply round; returns validation errors or the requeue delay.
+
+    ``children_index``: the (``lpt_configmaps``, ``lpt_services``) indexes; None treats both as present."""
     started = time.perf_counter()
     meta = body["metadata"]
     ns, name, uid = meta.get("namespace", "default"), meta["name"], meta["uid"]
@@ -354,9 +379,10 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                                "(suspend and resume to apply now)"
 
             child_errors = job.child_errors if job.child_errors_attempt == attempt else ()
+            missing = _missing_children(job, uid, name, attempt, children_index) if current else ()
             obs = status_mod.observed(seen, pods=pods, nodes=nodes, now=now, generation=meta.get("generation"),
                                       spec_block=block, spec_deferred=deferred, training=training,
-                                      child_errors=child_errors)
+                                      child_errors=child_errors, missing_children=missing)
             d = decide(spec, old, obs)
             if d.stale_status:
                 # Another replica moved the run on while this one was paused: take the API's status, act later.
@@ -384,6 +410,10 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if d.action == Action.CREATE:
                 retry = await _create_attempt(ctx, lpt, new, d.avoid_nodes, job, desired, {p.name for p in current},
                                               body)
+                if retry is not None:
+                    requeue = retry if requeue is None else min(requeue, retry)
+            elif d.recreate:
+                retry = await _create_attempt(ctx, lpt, new, (), job, desired, set(), body, only=d.recreate)
                 if retry is not None:
                     requeue = retry if requeue is None else min(requeue, retry)
             elif job.child_errors and job.child_errors_attempt != new.attempt:
@@ -436,6 +466,23 @@ def _parse(job: JobState, body: Mapping[str, Any], pol: policy.Policy | None = N
     return job.parsed
 
 
+def _missing_children(job: JobState, uid: str, name: str, attempt: int, indexes: tuple[Any, Any] | None
+                      ) -> tuple[str, ...]:
+    """The run's ConfigMap/Service that its indexes do not show: once shown and now gone (deleted), or never
+    shown and not created by this replica moments ago (the index lags behind our own creates)."""
+    if indexes is None:
+        return ()
+    if job.ensured_attempt != attempt:
+        job.ensured_attempt, job.ensured, job.children_seen = attempt, {}, set()
+    mono, out = time.monotonic(), []
+    for index, child in zip(indexes, (plan.config_map_name(name), plan.service_name(name)), strict=True):
+        if child in index.get(uid, ()):
+            job.children_seen.add(child)
+        elif child in job.children_seen or mono - job.ensured.get(child, float("-inf")) >= ENSURED_SECONDS:
+            out.append(child)
+    return tuple(out)
+
+
 def _node(index: Any, name: str) -> Any:
     """The node's health from the ``lpt_nodes`` index; absent from the index means absent from the API."""
     hit = next(iter(index.get(name, ())), None) if index is not None else None
@@ -466,8 +513,8 @@ CREATE_RETRY_CAP_SECONDS = 60.0
 
 
 async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, avoid: tuple[str, ...],
-                          job: JobState, desired: dict[str, Any], present: set[str], body: Mapping[str, Any]
-                          ) -> float | None:
+                          job: JobState, desired: dict[str, Any], present: set[str], body: Mapping[str, Any],
+                          only: tuple[str, ...] | None = None) -> float | None:
     """Create every child of the current attempt that is not known to exist; existing ones (ours) count as created.
 
     ``present``: the attempt's pods the index shows. Children this operator created moments ago count as
@@ -476,6 +523,9 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
     client's retries) becomes a ``ChildrenCreated=False`` condition on the next cycle and one Warning Event
     ``FailedCreate`` per new error; the create is retried after a capped, jittered backoff (the returned
     delay). Never a restart: a child that was never seen is simply created again.
+
+    ``only``: create just these ConfigMap/Service names (deleted by hand while the attempt goes on), rendered
+    from the spec the attempt was created from, not a newer one that waits for the next attempt.
     """
     client = ctx.client
     assert client is not None
@@ -485,15 +535,22 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
     mono = time.monotonic()
 
     def needed(name: str) -> bool:
+        if only is not None:
+            return name in only
         return name not in present and mono - job.ensured.get(name, float("-inf")) >= ENSURED_SECONDS
 
+    spec_of_attempt = desired
+    if only is not None and job.applied_spec is not None and job.applied_spec != desired:
+        then, errs = validation.parse({**dict(body), "spec": job.applied_spec})
+        if then is not None and not errs:
+            lpt, spec_of_attempt = then, job.applied_spec
     start = parse_time(status.start_time)
     children = plan.attempt_children(lpt, attempt, job_start_time=start, avoid_nodes=avoid)
-    applied = json.dumps(desired, sort_keys=True, separators=(",", ":"))
+    applied = json.dumps(spec_of_attempt, sort_keys=True, separators=(",", ":"))
     cm = next(c for c in children if c["kind"] == "ConfigMap")
     cm["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_SPEC] = applied
     others = [c for c in children if c["kind"] == "Service" and needed(c["metadata"]["name"])]
-    pods = [c for c in children if c["kind"] == "Pod" and needed(c["metadata"]["name"])]
+    pods = [c for c in children if c["kind"] == "Pod" and only is None and needed(c["metadata"]["name"])]
     ns = cm["metadata"]["namespace"]
     errors: list[ChildError] = []
 
@@ -512,7 +569,7 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
                                {"metadata": {"annotations": cm["metadata"]["annotations"]}, "data": cm["data"]})
         if not errors:
             job.ensured[cm["metadata"]["name"]] = mono
-            job.applied_spec, job.applied_loaded = desired, True
+            job.applied_spec, job.applied_loaded = spec_of_attempt, True
     # Service and pods concurrently; the client's semaphore bounds the requests in flight. Pods wait for a
     # ConfigMap/Service the API refused: without them the gang cannot start.
     ok = await asyncio.gather(*(one(o) for o in others))
@@ -537,6 +594,15 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
         cap = min(CREATE_RETRY_CAP_SECONDS, CREATE_RETRY_BASE_SECONDS * 2 ** min(job.create_failures - 1, 10))
         return random.uniform(cap / 2, cap) * _clock_rate(ctx)
     job.create_failures = 0
+    if only is not None:
+        for child in only:  # shown gone; now created again: not "missing" until the index has shown it
+            job.children_seen.discard(child)
+            job.ensured[child] = mono
+        _event(body, "Normal", "RecreatedChildren", f"Created {', '.join(only)} again (deleted while attempt "
+               f"{attempt} runs); the pods go on")
+        log.info("Recreated %s of LlamaPretrain %s/%s (deleted while attempt %s runs)", ", ".join(only), ns,
+                 lpt.metadata.name, attempt)
+        return None
     if status.restarts and status.restarts[-1].attempt == attempt - 1 and job.recovered_attempt != attempt:
         t0 = parse_time(status.restarts[-1].time)
         if t0 is not None:

@@ -122,13 +122,15 @@ def progress(o: AttemptObservation | None) -> Progress:
 # ------------------------------------------------------------------ 2. observed
 def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[str, NodeObs], now: float,
              generation: int | None = None, spec_block: str | None = None, spec_deferred: str | None = None,
-             training: TrainingStatus | None = None, child_errors: tuple[ChildError, ...] = ()) -> Observed:
+             training: TrainingStatus | None = None, child_errors: tuple[ChildError, ...] = (),
+             missing_children: tuple[str, ...] = ()) -> Observed:
     """The decision's inputs; a missing node is timed from when it was first seen missing."""
     timed = {n: (replace(v, not_ready_since=parse_time(o.nodes_missing_since.get(n))) if not v.exists else v)
              for n, v in nodes.items()}
     return Observed(pods=pods, nodes=timed, progress=progress(o), now=now, generation=generation,
                     spec_block=spec_block, spec_deferred=spec_deferred, training=training,
-                    ranks_seen=frozenset(o.ranks_seen), child_errors=child_errors, observation=o)
+                    ranks_seen=frozenset(o.ranks_seen), child_errors=child_errors, observation=o,
+                    missing_children=missing_children)
 
 
 def startup_phases(m: Mapping[str, float]) -> StartupPhases | None:

@@ -359,3 +359,58 @@ def test_metrics_unreachable_for_a_whole_run_succeeds_without_restart(cluster: C
     st = cluster.status(NS, "mu")
     assert st["restartCount"] == 0 and not st.get("restarts") and st["attempt"] == 0
     assert (cluster.condition(NS, "mu", "MetricsAvailable") or {}).get("status") == "False"
+
+
+def _requests(c: Cluster, verb: str, path_part: str) -> list[str]:
+    """Paths of the operator's requests (the double's request log) with this verb whose path has ``path_part``."""
+    assert c.k is not None
+    return [e.path for e in c.k.log if e.verb == verb and path_part in e.path and e.user != "system:admin"]
+
+
+def test_children_deleted_by_hand_are_recreated_within_one_cycle_without_a_restart(cluster: Cluster) -> None:
+    """The ConfigMap and the Service of a running attempt deleted by hand: the deletion's watch event wakes the
+    run (scan interval 1 h: no periodic cycle comes), both are created again from the attempt's spec, and the
+    gang goes on (same pods, attempt 0, no restart, no pod deleted). Its pods run, waiting for the first step."""
+    with Operator(cluster, scan_interval=3600.0):
+        cluster.apply(lpt("rc", cpu_spec()))
+        wait_for(lambda: len(cluster.pod_names(NS, "rc")) == 2, 20, "pods")
+        _running(cluster, "rc", 0)
+        wait_for(lambda: (cluster.condition(NS, "rc", "Ready") or {}).get("reason") == "WaitingForFirstStep", 20,
+                 "both pods seen running")
+        cm, svc = cluster.get(CMS, NS, "rc-config"), cluster.get(SVCS, NS, "rc")
+        cluster.delete(CMS, NS, "rc-config")
+        cluster.delete(SVCS, NS, "rc")
+        assert cluster.get(CMS, NS, "rc-config") is None and cluster.get(SVCS, NS, "rc") is None
+        cm2 = wait_for(lambda: cluster.get(CMS, NS, "rc-config"), 20, "the ConfigMap created again")
+        svc2 = wait_for(lambda: cluster.get(SVCS, NS, "rc"), 20, "the Service created again")
+        assert cm2["metadata"]["uid"] != cm["metadata"]["uid"] and svc2["metadata"]["uid"] != svc["metadata"]["uid"]
+        assert cm2["data"] == cm["data"] and cm2["metadata"]["annotations"] == cm["metadata"]["annotations"]
+        assert svc2["spec"]["ports"] == svc["spec"]["ports"]
+        assert cm2["metadata"]["ownerReferences"] == cm["metadata"]["ownerReferences"]
+        wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "RecreatedChildren"], 20,
+                 "the RecreatedChildren Event")
+    st = cluster.status(NS, "rc")
+    assert st["attempt"] == 0 and st["restartCount"] == 0 and st["phase"] == "Starting" and not st.get("restarts")
+    assert cluster.pod_names(NS, "rc") == ["rc-a0-0", "rc-a0-1"]
+    assert not _requests(cluster, "delete", "/pods/"), "a pod was deleted"
+    assert len(_requests(cluster, "create", "/configmaps")) == 2 and len(_requests(cluster, "create", "/services")) == 2
+
+
+def test_pod_deleted_by_hand_after_being_seen_restarts_the_gang_as_pod_deleted(cluster: Cluster) -> None:
+    """A rank's pod that the operator has seen, deleted by someone else: the attempt has lost a rank, so the gang
+    is re-created (attempt 1, cause PodDeleted, counted in the restart metric); a rank never seen is created."""
+    with Operator(cluster) as op:
+        cluster.apply(lpt("pd", cpu_spec()))
+        wait_for(lambda: len(cluster.pod_names(NS, "pd")) == 2, 20, "pods")
+        _running(cluster, "pd", 0)
+        wait_for(lambda: cluster.status(NS, "pd").get("observation", {}).get("ranksSeen") == [0, 1], 20,
+                 "both ranks seen (status.observation)")
+        cluster.delete(PODS, NS, "pd-a0-1")
+        wait_for(lambda: cluster.pod_names(NS, "pd") == ["pd-a1-0", "pd-a1-1"], 30, "attempt 1's pods")
+        st = cluster.status(NS, "pd")
+        assert st["restartCount"] == 1 and [r["cause"] for r in st["restarts"]] == ["PodDeleted"], st["restarts"]
+        assert "rank 1" in st["restarts"][0]["message"] and "disappeared" in st["restarts"][0]["message"]
+        assert op.metric("kubetitan_operator_restarts_total",
+                         {"namespace": NS, "name": "pd", "cause": "PodDeleted", "mode": "Recreate"}) == 1.0
+        events = [e for e in cluster.list("v1/events", NS) if e.get("reason") == "RestartPodDeleted"]
+        assert len(events) == 1, events
