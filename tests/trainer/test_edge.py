@@ -104,3 +104,40 @@ def test_checkpoint_estimate_sums_the_shards_of_all_ranks_on_the_training_device
     monkeypatch.setattr(T.dist, "all_reduce", all_reduce)
     assert est._checkpoint_bytes_estimate() == 2 * 1000 * 12
     assert seen == [est.device]
+
+
+AGREE = """
+import shutil, sys
+from collections import namedtuple
+import torch.distributed as dist
+from kubetitan_trainer import trainer as T
+from kubetitan_trainer.errors import StorageFullError
+
+dist.init_process_group("gloo")
+free = 1000 if dist.get_rank() == 1 else 10**9  # only rank 1's volume is short of the 5,500 B the save needs
+shutil.disk_usage = lambda p: namedtuple("usage", "total used free")(10**9, 0, free)
+try:
+    T.check_free_space(sys.argv[1], 5000, T.max_across_ranks)
+except StorageFullError as e:
+    print(f"other_rank={e.other_rank}: {e}", flush=True)
+    sys.exit(e.exit_code)
+print("saving", flush=True)
+"""
+
+
+def test_free_space_is_agreed_across_ranks(tmp_path) -> None:
+    """Two real ranks (gloo): rank 1's volume lacks the space, rank 0's has plenty; both exit 4 before the save
+    (one MAX all-reduce), rank 0 saying another rank's volume is short. Alone, rank 0 would enter the save."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [ExitCode.STORAGE_FULL] * 2, outs
+    assert "other_rank=True: Another rank's checkpoint volume lacks" in outs[0], outs[0]
+    assert "other_rank=False: The checkpoint volume at" in outs[1], outs[1]
+    assert "saving" not in outs[0] + outs[1]

@@ -33,13 +33,14 @@ class StorageFullError(Exception):
 
     exit_code = ExitCode.STORAGE_FULL
 
-    def __init__(self, folder: str, free: int, needed: int) -> None:
-        self.folder, self.free, self.needed = folder, free, needed
-        super().__init__(
-            f"The checkpoint volume at {folder} has {free / 2**30:.2f} GiB free; the next save needs about "
-            f"{needed / 2**30:.2f} GiB. Free space, enlarge the volume or lower spec.checkpoint.keepLatestK, "
-            "then re-create the run"
-        )
+    def __init__(self, folder: str, free: int, needed: int, other_rank: bool = False, short_bytes: int = 0) -> None:
+        self.folder, self.free, self.needed, self.other_rank = folder, free, needed, other_rank
+        where = (f"Another rank's checkpoint volume lacks {short_bytes / 2**30:.2f} GiB for the next save (this "
+                 f"rank's, at {folder}, has {free / 2**30:.2f} GiB free)" if other_rank else
+                 f"The checkpoint volume at {folder} has {free / 2**30:.2f} GiB free; the next save needs about "
+                 f"{needed / 2**30:.2f} GiB")
+        super().__init__(f"{where}. Free space, enlarge the volume or lower spec.checkpoint.keepLatestK, then "
+                         "re-create the run")
 
 
 class NetworkNotEfaError(Exception):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -176,6 +177,10 @@ class KubetitanTrainer(Trainer):
     def _stop_requested(self) -> bool:
         return bool(self._stop_file) and os.path.exists(self._stop_file)
 
+    def _max_across_ranks(self, value: float) -> float:
+        """``value``'s maximum over every rank (one all-reduce; the value itself on a single rank)."""
+        return max_across_ranks(value, self.device)
+
     def _agree(self, not_efa: bool = False) -> tuple[bool, bool, bool]:
         """All ranks agree on (stop, non-finite loss, NCCL not on EFA) with one MAX all-reduce."""
         loss = self._local_loss if self._local_loss is not None else torch.zeros((), device=self.device)
@@ -202,7 +207,7 @@ class KubetitanTrainer(Trainer):
             # A disabled CheckpointManager returns from __init__ before it sets save_future.
             earlier_write = ckpt.save_future if will_save else None
             if will_save:
-                check_free_space(ckpt.folder, self._checkpoint_bytes_estimate())
+                check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
             if will_save and not last_step:
                 ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
             begin = time.perf_counter()
@@ -346,6 +351,15 @@ class KubetitanTrainer(Trainer):
 
 
 # ------------------------------------------------------------------ free space before a save
+def max_across_ranks(value: float, device: Any = "cpu") -> float:
+    """MAX all-reduce of one number over the default process group (``value`` itself without one)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 FREE_SPACE_MARGIN = 1.1
 """A save needs its estimate plus 10% (metadata, the tail of the previous async write)."""
 
@@ -367,16 +381,22 @@ def dir_bytes(path: str) -> int:
     return total
 
 
-def check_free_space(folder: str, needed: int) -> None:
-    """Raise StorageFullError (exit code 4) when the volume under ``folder`` cannot take ``needed`` bytes."""
+def check_free_space(folder: str, needed: int, max_across_ranks: Callable[[float], float] | None = None) -> None:
+    """Raise StorageFullError (exit code 4) when the volume under ``folder`` cannot take ``needed`` bytes.
+
+    Every rank writes its own shards of a save, to a shared volume or (per-node storage) to its own, and the
+    save is a collective: with ``max_across_ranks`` (a MAX all-reduce) the ranks agree, so when any rank lacks
+    the space every rank exits 4 before the save. A rank that went alone would leave the others blocked in the
+    save's collectives until the gang is torn down, and their exit codes would not say why."""
     import shutil
 
     probe = folder
     while probe and not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not probe:
-        return
-    free = shutil.disk_usage(probe).free
+    free = shutil.disk_usage(probe).free if probe else None
     want = int(needed * FREE_SPACE_MARGIN)
-    if free < want:
-        raise StorageFullError(folder, free, want)
+    short = float(want - free) if free is not None else float("-inf")
+    worst = max_across_ranks(short) if max_across_ranks is not None else short
+    if worst > 0:
+        raise StorageFullError(folder, free if free is not None else -1, want,
+                               other_rank=short <= 0, short_bytes=int(worst))
