@@ -414,3 +414,17 @@ def test_pod_deleted_by_hand_after_being_seen_restarts_the_gang_as_pod_deleted(c
                          {"namespace": NS, "name": "pd", "cause": "PodDeleted", "mode": "Recreate"}) == 1.0
         events = [e for e in cluster.list("v1/events", NS) if e.get("reason") == "RestartPodDeleted"]
         assert len(events) == 1, events
+
+
+def test_cleanup_policy_none_keeps_every_pod_when_the_run_fails(cluster: Cluster) -> None:
+    """runPolicy.cleanupPolicy None: a run that fails (a configuration error, exit 2) keeps the failed pod and the
+    still-running one for ``kubectl logs``: the operator sends no pod DELETE (request log)."""
+    with Operator(cluster):
+        cluster.apply(lpt("cn", cpu_spec(cleanupPolicy="None")))
+        wait_for(lambda: len(cluster.pod_names(NS, "cn")) == 2, 20, "pods")
+        _running(cluster, "cn", 0)
+        cluster.terminate_pod(NS, "cn-a0-1", 2, "Error", "bad flavour")
+        wait_for(lambda: _phase(cluster, "cn") == "Failed", 20, "Failed")
+        assert cluster.condition(NS, "cn", "Failed")["reason"] == "ConfigError"
+    assert cluster.pod_names(NS, "cn") == ["cn-a0-0", "cn-a0-1"]
+    assert not _requests(cluster, "delete", "/pods/"), "a pod was deleted despite cleanupPolicy None"

@@ -85,6 +85,10 @@ def test_namespace_scope(scope: str, kwargs: dict[str, Any], served: list[str], 
             assert c.pod_names(ns, f"run-{ns}") == [], f"{scope}: a run in {ns} got pods"
             obj = c.lpt(ns, f"run-{ns}")
             assert obj is not None and not obj.get("status") and not obj["metadata"].get("finalizers"), obj
+        # only a glob needs namespace listing: namespaced mode with exact names never asks (its Role forbids it,
+        # and kopf would wait on the 403), cluster-wide mode watches cluster-wide
+        listed = [e for e in c.k.log if e.user != "system:admin" and e.path.split("?")[0] == "/api/v1/namespaces"]
+        assert bool(listed) == (scope == "glob"), [str(e) for e in listed]
 
 
 def test_liveness_and_json_logs(cluster: Cluster) -> None:
