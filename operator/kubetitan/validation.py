@@ -586,8 +586,16 @@ def _python_names(value: Any, model: Any, path: str) -> list[FieldError]:
     return out
 
 
-def _nulls(value: Any, path: str) -> list[FieldError]:
-    """``key: null`` inside spec: the CRD has no nullable field, so the API server refuses it (wrong type)."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _out_of_range(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and not INT64_MIN <= v <= INT64_MAX
+
+
+def _unrepresentable(value: Any, path: str) -> list[FieldError]:
+    """Values the API server cannot take anywhere in spec: ``key: null`` (the CRD has no nullable field) and
+    integers outside int64 (every integer field is int64 there)."""
     out: list[FieldError] = []
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
@@ -595,8 +603,12 @@ def _nulls(value: Any, path: str) -> list[FieldError]:
         if v is None:
             out.append(FieldError(where, "is null, which the API server refuses; remove the key to leave it unset "
                                   "(its default applies) or give a value", "schema"))
+        elif _out_of_range(v):
+            out.append(FieldError(where, f"{str(v)[:24]}{'...' if len(str(v)) > 24 else ''} is outside the 64-bit "
+                                  f"integer range the API server accepts ({INT64_MIN} to {INT64_MAX}); "
+                                  "give a smaller value", "schema"))
         else:
-            out += _nulls(v, where)
+            out += _unrepresentable(v, where)
     return out
 
 
@@ -620,8 +632,8 @@ def parse(obj: Any) -> tuple[LlamaPretrain | None, list[FieldError]]:
     body = {k: v for k, v in obj.items() if k != "status"}
     if named := _python_names(body.get("spec"), LlamaPretrainSpec, "spec"):
         return None, named
-    if nulls := _nulls(body.get("spec"), "spec"):
-        body = {**body, "spec": _without_nulls(body["spec"])}  # report the rest as if those keys were unset
+    if nulls := _unrepresentable(body.get("spec"), "spec"):
+        body = {**body, "spec": _without_unrepresentable(body["spec"])}  # report the rest as if those keys were unset
     try:
         lpt = LlamaPretrain.model_validate(body)
     except ValidationError as e:
@@ -631,9 +643,9 @@ def parse(obj: Any) -> tuple[LlamaPretrain | None, list[FieldError]]:
     return lpt, validate(lpt)
 
 
-def _without_nulls(value: Any) -> Any:
+def _without_unrepresentable(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+        return {k: _without_unrepresentable(v) for k, v in value.items() if v is not None and not _out_of_range(v)}
     if isinstance(value, list):
-        return [_without_nulls(v) for v in value if v is not None]
+        return [_without_unrepresentable(v) for v in value if v is not None and not _out_of_range(v)]
     return value

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from conftest import make_lpt
 from kubetitan import cli
 from kubetitan.plan import attempt_children
+from kubetitan.api import API_VERSION, KIND
 from kubetitan.validation import parse
 
 HEAD = b"apiVersion: kubetitan.io/v1alpha1\nkind: LlamaPretrain\n"
@@ -86,3 +87,17 @@ def test_fuzz_trees_never_traceback(tmp_path_factory, tree):
     f = tmp_path_factory.mktemp("fz") / "x.yaml"
     f.write_text(yaml.safe_dump({"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain", **tree}))
     assert cli.main(["validate", str(f)]) in (0, 1)
+
+
+@pytest.mark.parametrize("spec, paths", [
+    ({"checkpoint": {"intervalSteps": 2**63}}, ["spec.checkpoint.intervalSteps"]),
+    ({"checkpoint": {"intervalSteps": -(2**63) - 1}}, ["spec.checkpoint.intervalSteps"]),
+    ({"model": None, "checkpoint": {"intervalSteps": 2**63}}, ["spec.model", "spec.checkpoint.intervalSteps"]),
+], ids=["int64-over", "int64-under", "with-a-null"])
+def test_integers_beyond_int64_in_an_object_are_refused_at_their_path(spec, paths):
+    """Objects reach parse() without the YAML loader too (the operator, the property test): an integer the API
+    server cannot hold is refused where it is, and the rest of the spec is still reported."""
+    obj = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "run", "namespace": "ml"}, "spec": spec}
+    _, errors = parse(obj)
+    assert [e.path for e in errors] == paths, errors
+    assert "64-bit" in str(errors[-1])
