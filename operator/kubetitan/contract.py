@@ -102,6 +102,7 @@ M_MEMORY_MAX_RESERVED = "kubetitan_trainer_memory_max_reserved_bytes"
 M_CHECKPOINT_SAVE_DURATION = "kubetitan_trainer_checkpoint_save_duration_seconds"
 M_LAST_CHECKPOINT_STEP = "kubetitan_trainer_last_checkpoint_step"
 M_LAST_CHECKPOINT_TIMESTAMP = "kubetitan_trainer_last_checkpoint_timestamp_seconds"
+M_RESUMED_FROM_STEP = "kubetitan_trainer_resumed_from_step"  # -1 until loaded; 0 = a fresh start
 M_CHECKPOINT_INTERVAL = "kubetitan_trainer_checkpoint_interval_steps"
 M_TOKENS = "kubetitan_trainer_tokens_total"
 M_ATTEMPT = "kubetitan_trainer_attempt"

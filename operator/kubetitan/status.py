@@ -86,10 +86,13 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
     ck = _int(metrics, contract.M_LAST_CHECKPOINT_STEP)
     if ck is not None:
         o.last_checkpoint_step = ck
+    resumed = _int(metrics, contract.M_RESUMED_FROM_STEP)
+    if o.start_step is None and resumed is not None and resumed >= 0:
+        o.start_step = resumed  # what the workers loaded, even when the first scrape comes steps later
     if step is None or step <= 0:
         return o
-    # After loading a checkpoint the trainer publishes the step it resumed from, with its heartbeat still 0
-    # until it completes a step of its own: that step is where the attempt starts, not its first step.
+    # A trainer without the resumed-from gauge: after loading a checkpoint it publishes the step it resumed
+    # from, with its heartbeat still 0 until it completes a step of its own; that step is where it starts.
     loaded_only = beat is not None and beat <= 0
     if o.start_step is None:
         o.start_step = step if loaded_only else step - 1

@@ -540,3 +540,23 @@ def test_in_place_restart_is_tracked_recorded_and_settled_per_generation() -> No
     r = st2.restarts[0]
     assert (len(st2.restarts), r.resumed_from_step, r.lost_steps, r.downtime_seconds) == (1, 10, 4, 3.0)
     assert not C.is_true(st2.conditions, C.RESTARTING) and C.is_true(st2.conditions, C.READY)
+
+
+@pytest.mark.parametrize("resumed, steps_seen, start", [
+    (10, 12.0, 10),   # the first scrape of generation 1 came two steps after its load: still resumed from 10
+    (10, 11.0, 10),
+    (-1, 12.0, 11),   # a trainer that has not loaded yet says -1: the old guess (first step seen - 1) stands
+    (None, 12.0, 11),  # a trainer without the gauge: the same guess
+    (0, 3.0, 0),      # a fresh start scraped at step 3
+])
+def test_the_step_a_generation_resumed_from_is_what_the_trainer_loaded(resumed, steps_seen, start) -> None:
+    """The record's resumedFromStep comes from the trainer's resumed-from gauge, not from the first step the
+    operator happened to scrape (the e2e in-place test once saw 5 where the workers had loaded checkpoint 4)."""
+    m = {contract.M_STEP: 14.0, contract.M_ATTEMPT: 0.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 100,
+         contract.M_LAST_CHECKPOINT_STEP: 10.0, contract.M_RESTART_GENERATION: 0.0}
+    o = S.track(None, 0, NOW - 100, metrics=m, pods=gang())
+    m1 = {**m, contract.M_STEP: steps_seen, contract.M_LAST_STEP_TIMESTAMP: NOW - 9, contract.M_RESTART_GENERATION: 1.0}
+    if resumed is not None:
+        m1[contract.M_RESUMED_FROM_STEP] = float(resumed)
+    o1 = S.track(o, 0, NOW - 8, metrics=m1, pods=gang())
+    assert (o1.generation, o1.start_step) == (1, start)

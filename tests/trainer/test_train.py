@@ -185,6 +185,7 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
          "--monitor-interval=0.1", f"--restore-tier={tier}"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     m = wait_for(proc, port, lambda m: m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= 4 and m.get(contract.M_STEP, 0) >= 5)
     assert m is not None, tail(cfg)
+    assert m[contract.M_RESUMED_FROM_STEP] == 0, m  # generation 0 started fresh
     first_workers = _children(proc.pid)
     assert len(first_workers) == 2, first_workers
     os.kill(first_workers[1], signal.SIGKILL)

@@ -135,6 +135,10 @@ class Exporter:
         self.mem_reserved = Gauge(contract.M_MEMORY_MAX_RESERVED, "Peak reserved device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
         self.ckpt_duration = Histogram(contract.M_CHECKPOINT_SAVE_DURATION, "Time training was blocked by a checkpoint save (staging only with async saves) (seconds).", buckets=CKPT_BUCKETS, registry=r)
         self.ckpt_step = Gauge(contract.M_LAST_CHECKPOINT_STEP, "Step of the newest complete checkpoint this attempt saved or resumed from; async saves count once their background write has finished (steps).", registry=r)
+        self.resumed_from = Gauge(contract.M_RESUMED_FROM_STEP, "Step this worker generation resumed from: the "
+                                  "checkpoint it loaded, 0 for a fresh start, -1 until its state is loaded (steps).",
+                                  registry=r)
+        self.resumed_from.set(-1)
         self.ckpt_ts = Gauge(contract.M_LAST_CHECKPOINT_TIMESTAMP, "Unix time the newest checkpoint save completed, background write included (seconds).", registry=r)
         self.tokens = Counter(contract.M_TOKENS.removesuffix("_total"), "Tokens trained on by the whole job, carried across attempts through the checkpoint (tokens).", registry=r)
         self.attempt = Gauge(contract.M_ATTEMPT, "Attempt number of this gang; restarts seen = attempt (count).", registry=r)

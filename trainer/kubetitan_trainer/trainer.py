@@ -105,6 +105,7 @@ class KubetitanTrainer(Trainer):
         ex = self.metrics_processor.exporter
         ex.carried(self.productive_seconds)
         ex.step.set(self.step)
+        ex.resumed_from.set(self.step)
         if self.step > 0:
             # The checkpoint this attempt resumed from is its newest complete one until it saves another:
             # the operator's restart record (resumedFromStep, lostSteps) reads it if the attempt dies first.
