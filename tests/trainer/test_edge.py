@@ -107,13 +107,16 @@ def test_checkpoint_estimate_sums_the_shards_of_all_ranks_on_the_training_device
 
 
 AGREE = """
-import shutil, sys
+import os, shutil, sys
 from collections import namedtuple
+from datetime import timedelta
 import torch.distributed as dist
 from kubetitan_trainer import trainer as T
 from kubetitan_trainer.errors import StorageFullError
 
-dist.init_process_group("gloo")
+# A file rendezvous: no TCP port chosen in advance that another process on the machine could take meanwhile
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/rendezvous", rank=int(os.environ["RANK"]),
+                        world_size=2, timeout=timedelta(seconds=120))
 free = 1000 if dist.get_rank() == 1 else 10**9  # only rank 1's volume is short of the 5,500 B the save needs
 shutil.disk_usage = lambda p: namedtuple("usage", "total used free")(10**9, 0, free)
 try:
@@ -133,10 +136,13 @@ def test_free_space_is_agreed_across_ranks(tmp_path) -> None:
 
     script = tmp_path / "agree.py"
     script.write_text(AGREE)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], env={**env, "RANK": str(r)},
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], env={**os.environ, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     assert [p.returncode for p in procs] == [ExitCode.STORAGE_FULL] * 2, outs
     assert "other_rank=True: Another rank's checkpoint volume lacks" in outs[0], outs[0]
     assert "other_rank=False: The checkpoint volume at" in outs[1], outs[1]
