@@ -153,6 +153,9 @@ class Observed:
     missing_children: tuple[str, ...] = ()
     """Names of the run's ConfigMap/Service that the API no longer shows although the current attempt's pods
     exist (deleted by hand): created again at once, with no restart (``Decision.recreate``)."""
+    attempt_steps: int | None = None
+    """``spec.training.steps`` of the spec the current attempt was created from (its trainer's count; the spec's
+    may have changed since); None when unknown."""
 
 
 # ------------------------------------------------------------------ decision
@@ -172,6 +175,9 @@ class Action(str, enum.Enum):
     """The run is over; only clean-up and TTL remain."""
     RESTARTED_IN_PLACE = "RestartedInPlace"
     """The launchers restarted every rank's workers in the same pods: record it; delete nothing."""
+    CONTINUE = "Continue"
+    """The attempt finished its own step count but the spec asks for more: end it (nothing failed, no restart) and
+    let the next attempt resume from its final checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +200,7 @@ class Decision:
     ready: bool = False
     """The current attempt trains."""
     ends_attempt: bool = False
-    """Suspension stopped the current attempt's pods: resuming starts a new attempt."""
+    """Suspension (or ``Action.CONTINUE``) stopped the current attempt's pods: a new attempt follows."""
     rule: str = ""
     """Name of the rule that decided (for logs and tests)."""
     stale_status: bool = False
@@ -431,13 +437,34 @@ def suspended(f: Facts) -> Decision | None:
                     delete=tuple(p.name for p in live), ends_attempt=bool(live))
 
 
-def rank0_succeeded(f: Facts) -> Decision | None:
-    """Rank 0 exited 0: training reached ``spec.training.steps``."""
-    r0 = f.rank0
-    if r0 is None or not (r0.phase == "Succeeded" or r0.exit_code == ExitCode.OK):
+def _exited_ok(p: PodObs | None) -> bool:
+    return p is not None and (p.phase == "Succeeded" or p.exit_code == ExitCode.OK)
+
+
+def steps_raised(f: Facts) -> Decision | None:
+    """Rank 0 exited 0 at the step count its attempt was created with, but ``spec.training.steps`` was raised
+    since: the run is not done. The attempt ends (no restart: nothing failed) and the next one resumes from its
+    final checkpoint (torchtitan saves the last step) with the new count."""
+    trained = f.obs.attempt_steps
+    if not _exited_ok(f.rank0) or trained is None or trained >= f.spec.training.steps:
         return None
-    return Decision(Action.SUCCEED, C.COMPLETED, f"training reached step {f.spec.training.steps}",
-                    delete=_cleanup(f.spec, [p for p in f.current if p.rank != 0]))
+    return Decision(Action.CONTINUE, C.STEPS_RAISED, f"attempt {f.attempt} trained to its {trained} steps; "
+                    f"spec.training.steps was raised to {f.spec.training.steps} while it ran: attempt "
+                    f"{f.attempt + 1} resumes from the newest checkpoint (step {trained}) and trains on",
+                    delete=tuple(p.name for p in f.current if not p.deleting), ends_attempt=True)
+
+
+def rank0_succeeded(f: Facts) -> Decision | None:
+    """Rank 0 exited 0: training reached the attempt's step count (``spec.training.steps``, or more when the
+    spec lowered it while the attempt ran: a lowered count reaches the trainer with the next attempt)."""
+    if not _exited_ok(f.rank0):
+        return None
+    steps = f.spec.training.steps
+    trained = f.obs.attempt_steps if f.obs.attempt_steps is not None else steps
+    msg = f"training reached step {trained}"
+    if trained > steps:
+        msg += f" (spec.training.steps was lowered to {steps} while the attempt ran with {trained})"
+    return Decision(Action.SUCCEED, C.COMPLETED, msg, delete=_cleanup(f.spec, [p for p in f.current if p.rank != 0]))
 
 
 def attempt_not_created(f: Facts) -> Decision | None:
@@ -579,7 +606,8 @@ def hung(f: Facts) -> Decision | None:
     ck = f.spec.checkpoint
     base, how = hang_timeout(f)
     limit = base
-    if pr.step is not None and (pr.step >= f.spec.training.steps or (ck.enabled and pr.step % ck.interval_steps == 0)):
+    last_step = min(f.spec.training.steps, f.obs.attempt_steps or f.spec.training.steps)  # the trainer's own count
+    if pr.step is not None and (pr.step >= last_step or (ck.enabled and pr.step % ck.interval_steps == 0)):
         limit += ck.save_timeout_seconds  # after a checkpoint step (and the last one: final save) a save may pass
     if idle < limit:
         return None
@@ -712,7 +740,7 @@ def restarted_in_place(f: Facts) -> Decision | None:
 
 
 RULES: tuple[Rule, ...] = (
-    status_behind_cluster, finished, deadline_exceeded, suspended, rank0_succeeded, attempt_not_created,
+    status_behind_cluster, finished, deadline_exceeded, suspended, steps_raised, rank0_succeeded, attempt_not_created,
     pod_failed, ranks_missing, restarted_in_place, unschedulable, node_grace, stuck_before_running, hung,
     startup_timed_out, running,
 )
@@ -782,7 +810,7 @@ def restart_event(d: Decision, attempt: int) -> tuple[str, str, str] | None:
         return "Warning", f"Restart{d.cause}", f"Attempt {attempt} ended: {d.message}; starting attempt {attempt + 1}"
     if d.action == Action.FAIL:
         return "Warning", d.reason, d.message
-    if d.action == Action.SUCCEED:
+    if d.action in (Action.SUCCEED, Action.CONTINUE):
         return "Normal", d.reason, d.message
     if d.action == Action.RESTARTED_IN_PLACE:
         return "Warning", d.reason, f"Attempt {attempt}: {d.message}"

@@ -97,6 +97,8 @@ class JobState:
     """The run is finished and nothing is left to delete or to time: its daemon may end."""
     create_failures: int = 0
     """Creates in a row that the API refused (the retry backoff doubles with each)."""
+    create_retry_at: float = float("-inf")
+    """Monotonic time before which no create is sent again after a refusal (the backoff)."""
     ensured_attempt: int = -1
     ensured: dict[str, float] = field(default_factory=dict)
     """Children of ``ensured_attempt`` this operator created (or found existing), by monotonic time: the pod
@@ -380,9 +382,11 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
 
             child_errors = job.child_errors if job.child_errors_attempt == attempt else ()
             missing = _missing_children(job, uid, name, attempt, children_index) if current else ()
+            steps_then = ((job.applied_spec or {}).get("training") or {}).get("steps") if current else None
             obs = status_mod.observed(seen, pods=pods, nodes=nodes, now=now, generation=meta.get("generation"),
                                       spec_block=block, spec_deferred=deferred, training=training,
-                                      child_errors=child_errors, missing_children=missing)
+                                      child_errors=child_errors, missing_children=missing,
+                                      attempt_steps=steps_then if isinstance(steps_then, int) else None)
             d = decide(spec, old, obs)
             if d.stale_status:
                 # Another replica moved the run on while this one was paused: take the API's status, act later.
@@ -407,13 +411,14 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if deletes:
                 await asyncio.gather(*deletes)
             requeue = d.requeue_after
-            if d.action == Action.CREATE:
-                retry = await _create_attempt(ctx, lpt, new, d.avoid_nodes, job, desired, {p.name for p in current},
-                                              body)
-                if retry is not None:
-                    requeue = retry if requeue is None else min(requeue, retry)
-            elif d.recreate:
-                retry = await _create_attempt(ctx, lpt, new, (), job, desired, set(), body, only=d.recreate)
+            if d.action == Action.CREATE or d.recreate:
+                # a refused create is retried after its backoff, however often the run is woken meanwhile
+                retry = job.create_retry_at - time.monotonic()
+                if retry <= 0:
+                    retry = await _create_attempt(ctx, lpt, new, d.avoid_nodes, job, desired,
+                                                  {p.name for p in current} | _shown_children(uid, name, children_index),
+                                                  body) if d.action == Action.CREATE \
+                        else await _create_attempt(ctx, lpt, new, (), job, desired, set(), body, only=d.recreate)
                 if retry is not None:
                     requeue = retry if requeue is None else min(requeue, retry)
             elif job.child_errors and job.child_errors_attempt != new.attempt:
@@ -432,7 +437,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             ctx.metrics.set_training(ns, name, new.training, new.restart_count)
             job.done = d.action == Action.FINISHED and not d.delete and not d.force_delete \
                 and d.requeue_after is None and not d.delete_self
-            if d.action == Action.RESTART:
+            if d.action in (Action.RESTART, Action.CONTINUE):
                 return 0.0  # the next attempt (or its backoff) is decided at once, not on the next pod event
             return requeue
     except Exception as e:
@@ -483,6 +488,14 @@ def _missing_children(job: JobState, uid: str, name: str, attempt: int, indexes:
     return tuple(out)
 
 
+def _shown_children(uid: str, name: str, indexes: tuple[Any, Any] | None) -> set[str]:
+    """The run's ConfigMap/Service names that the ``lpt_configmaps``/``lpt_services`` indexes show."""
+    if indexes is None:
+        return set()
+    return {child for index, child in zip(indexes, (plan.config_map_name(name), plan.service_name(name)), strict=True)
+            if child in index.get(uid, ())}
+
+
 def _node(index: Any, name: str) -> Any:
     """The node's health from the ``lpt_nodes`` index; absent from the index means absent from the API."""
     hit = next(iter(index.get(name, ())), None) if index is not None else None
@@ -508,7 +521,7 @@ async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainSta
     ctx.metrics.set_phase(ns, name, new.phase)
 
 
-CREATE_RETRY_BASE_SECONDS = 1.0
+CREATE_RETRY_BASE_SECONDS = 0.5
 CREATE_RETRY_CAP_SECONDS = 60.0
 
 
@@ -517,8 +530,10 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
                           only: tuple[str, ...] | None = None) -> float | None:
     """Create every child of the current attempt that is not known to exist; existing ones (ours) count as created.
 
-    ``present``: the attempt's pods the index shows. Children this operator created moments ago count as
-    existing too (``JobState.ensured``), so the cycles woken by their own watch events send nothing.
+    ``present``: the attempt's pods the index shows and the ConfigMap/Service their indexes show (the ConfigMap is
+    still written once per attempt: it carries the attempt's spec). Children this operator created moments ago
+    count as existing too (``JobState.ensured``), so the cycles woken by their own watch events send nothing,
+    and a create the API refused is not sent again before its backoff (``JobState.create_retry_at``).
     A child the API refuses (403, 422, a name held by an object that is not ours, or 429/5xx after the
     client's retries) becomes a ``ChildrenCreated=False`` condition on the next cycle and one Warning Event
     ``FailedCreate`` per new error; the create is retried after a capped, jittered backoff (the returned
@@ -530,6 +545,7 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
     client = ctx.client
     assert client is not None
     attempt = status.attempt or 0
+    status_name = lpt.metadata.name
     if job.ensured_attempt != attempt:
         job.ensured_attempt, job.ensured = attempt, {}
     mono = time.monotonic()
@@ -537,6 +553,8 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
     def needed(name: str) -> bool:
         if only is not None:
             return name in only
+        if name == plan.config_map_name(status_name) and name not in job.ensured:
+            return True  # shared by every attempt: written once per attempt (its applied spec)
         return name not in present and mono - job.ensured.get(name, float("-inf")) >= ENSURED_SECONDS
 
     spec_of_attempt = desired
@@ -592,8 +610,10 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
         log.warning("Creating attempt %s of LlamaPretrain %s/%s: the API refused %d object(s): %s %s: %s",
                     attempt, ns, lpt.metadata.name, len(errors), errors[0].kind, errors[0].name, errors[0].message)
         cap = min(CREATE_RETRY_CAP_SECONDS, CREATE_RETRY_BASE_SECONDS * 2 ** min(job.create_failures - 1, 10))
-        return random.uniform(cap / 2, cap) * _clock_rate(ctx)
-    job.create_failures = 0
+        delay = random.uniform(cap / 2, cap)  # real seconds: the API server's pace, not the training clock's
+        job.create_retry_at = time.monotonic() + delay
+        return delay
+    job.create_failures, job.create_retry_at = 0, float("-inf")
     if only is not None:
         for child in only:  # shown gone; now created again: not "missing" until the index has shown it
             job.children_seen.discard(child)

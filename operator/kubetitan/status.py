@@ -126,14 +126,14 @@ def progress(o: AttemptObservation | None) -> Progress:
 def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[str, NodeObs], now: float,
              generation: int | None = None, spec_block: str | None = None, spec_deferred: str | None = None,
              training: TrainingStatus | None = None, child_errors: tuple[ChildError, ...] = (),
-             missing_children: tuple[str, ...] = ()) -> Observed:
+             missing_children: tuple[str, ...] = (), attempt_steps: int | None = None) -> Observed:
     """The decision's inputs; a missing node is timed from when it was first seen missing."""
     timed = {n: (replace(v, not_ready_since=parse_time(o.nodes_missing_since.get(n))) if not v.exists else v)
              for n, v in nodes.items()}
     return Observed(pods=pods, nodes=timed, progress=progress(o), now=now, generation=generation,
                     spec_block=spec_block, spec_deferred=spec_deferred, training=training,
                     ranks_seen=frozenset(o.ranks_seen), child_errors=child_errors, observation=o,
-                    missing_children=missing_children)
+                    missing_children=missing_children, attempt_steps=attempt_steps)
 
 
 def startup_phases(m: Mapping[str, float]) -> StartupPhases | None:
@@ -250,12 +250,15 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
         s.training.step = None
     if d.action == Action.SUSPEND and d.ends_attempt:
         s.attempt = attempt + 1  # the stopped gang's names are used up; resume makes a new attempt
+    if d.action == Action.CONTINUE:
+        s.attempt = attempt + 1  # the finished gang's names are used up; no restart record (nothing failed)
     if s.attempt != attempt:
         s.observation = AttemptObservation(attempt=s.attempt)  # the new attempt's timers start from nothing
     if d.action in (Action.FAIL, Action.SUCCEED) and s.completion_time is None:
         s.completion_time = now
     if d.action == Action.SUCCEED:
-        s.training.step = spec.training.steps if s.training.step is None else s.training.step
+        trained = obs.attempt_steps if obs.attempt_steps is not None else spec.training.steps
+        s.training.step = trained if s.training.step is None else s.training.step
 
     # ---- conditions
     if obs.spec_block:

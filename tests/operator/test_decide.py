@@ -14,7 +14,7 @@ import pytest
 
 from kubetitan import conditions as C
 from kubetitan import contract
-from kubetitan.api import Condition, LlamaPretrainSpec, LlamaPretrainStatus, RestartRecord
+from kubetitan.api import Condition, LlamaPretrainSpec, LlamaPretrainStatus, RestartRecord, TrainingStatus
 from kubetitan.decide import (
     RULES, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, backoff_seconds, classify_pod, decide,
     iso, iso_ms, nodes_to_avoid,
@@ -26,6 +26,10 @@ NOW = 1_000_000.0
 
 def spec(**run_policy: Any) -> LlamaPretrainSpec:
     return LlamaPretrainSpec.model_validate({"resources": {"nodes": 2}, "runPolicy": run_policy})
+
+
+def steps_spec(steps: int) -> LlamaPretrainSpec:
+    return LlamaPretrainSpec.model_validate({"resources": {"nodes": 2}, "training": {"steps": steps}})
 
 
 def status(attempt: int | None = 0, restarts: list[RestartRecord] = (), conds: list[Condition] = (),
@@ -227,6 +231,27 @@ CASES = [
     ("rank0-exit-0-succeeds", spec(), status(),
      Observed(pods=gang(over={0: {"phase": "Succeeded", "exit_code": 0}}), nodes=ok_nodes, now=NOW),
      Action.SUCCEED, C.COMPLETED, None, {"delete": ("j-a0-1",), "rule": "rank0_succeeded"}),
+    # ---- spec.training.steps changed while the attempt ran (its trainer has the count it was created with)
+    ("steps-raised-while-running-continues-in-a-new-attempt", steps_spec(150), status(),
+     Observed(pods=gang(over={0: {"phase": "Succeeded", "exit_code": 0}}), nodes=ok_nodes, progress=TRAINING,
+              ranks_seen=SEEN, now=NOW, attempt_steps=100), Action.CONTINUE, C.STEPS_RAISED, None,
+     {**RESTART_ALL, "ends_attempt": True, "rule": "steps_raised", "message_has": "raised to 150"}),
+    ("steps-raised-after-the-attempt-finished-on-rank-1-too", steps_spec(150), status(),
+     Observed(pods=gang(over={0: {"phase": "Succeeded", "exit_code": 0}, 1: {"phase": "Succeeded", "exit_code": 0,
+                                                                          "deleting": True}}),
+              nodes=ok_nodes, ranks_seen=SEEN, now=NOW, attempt_steps=100), Action.CONTINUE, C.STEPS_RAISED, None,
+     {"delete": ("j-a0-0",), "ends_attempt": True}),
+    ("steps-unchanged-succeeds", steps_spec(100), status(),
+     Observed(pods=gang(over={0: {"phase": "Succeeded", "exit_code": 0}}), nodes=ok_nodes, ranks_seen=SEEN, now=NOW,
+              attempt_steps=100), Action.SUCCEED, C.COMPLETED, None,
+     {"delete": ("j-a0-1",), "rule": "rank0_succeeded", "message_has": "reached step 100"}),
+    ("steps-lowered-while-running-succeeds-at-the-attempts-count", steps_spec(50), status(),
+     Observed(pods=gang(over={0: {"phase": "Succeeded", "exit_code": 0}}), nodes=ok_nodes, ranks_seen=SEEN, now=NOW,
+              attempt_steps=100), Action.SUCCEED, C.COMPLETED, None,
+     {"delete": ("j-a0-1",), "rule": "rank0_succeeded", "message_has": "lowered to 50 while the attempt ran with 100"}),
+    ("steps-raised-but-rank0-still-training-keeps-going", steps_spec(150), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=TRAINING, ranks_seen=SEEN, now=NOW, attempt_steps=100),
+     Action.KEEP, C.TRAINING, None, {"ready": True, "rule": "running"}),
     ("worker-exit-0-is-not-failure", spec(), status(),
      Observed(pods=gang(over={1: {"phase": "Succeeded", "exit_code": 0}}), nodes=ok_nodes, progress=TRAINING,
               ranks_seen=SEEN, now=NOW), Action.KEEP, C.WAITING_FOR_PODS, None, {}),
@@ -560,3 +585,30 @@ def test_the_step_a_generation_resumed_from_is_what_the_trainer_loaded(resumed, 
         m1[contract.M_RESUMED_FROM_STEP] = float(resumed)
     o1 = S.track(o, 0, NOW - 8, metrics=m1, pods=gang())
     assert (o1.generation, o1.start_step) == (1, start)
+
+
+def test_raised_steps_start_the_next_attempt_without_a_restart() -> None:
+    """Rank 0 exited 0 at the attempt's 100 steps, the spec now says 150: the status moves to attempt 1 with no
+    restart record (nothing failed), Ready=False/StepsRaised, the run not Succeeded; the next cycle creates attempt
+    1 at once (no restart backoff); its own success at 150 then ends the run."""
+    s, st = steps_spec(150), status(training=TrainingStatus(step=100))
+    done = gang(over={0: {"phase": "Succeeded", "exit_code": 0}, 1: {"phase": "Succeeded", "exit_code": 0}})
+    o = S.track(None, 0, NOW, pods=done)
+    obs = S.observed(o, pods=done, nodes=ok_nodes, now=NOW, attempt_steps=100)
+    d = decide(s, st, obs)
+    new = S.next_status(s, st, d, obs)
+    assert d.action == Action.CONTINUE and new.attempt == 1 and new.restart_count == 0 and not new.restarts
+    assert _cond(new, C.READY) == ("False", C.STEPS_RAISED) and _cond(new, C.SUCCEEDED) == ("False", C.NOT_FINISHED)
+    assert new.phase == "Starting" and new.completion_time is None and new.observation.attempt == 1
+    assert new.training.progress == "100/150"
+    # the next cycle: attempt 0's pods still go, attempt 1 is created now (no backoff: no restart record)
+    obs2 = S.observed(S.track(new.observation, 1, NOW + 1, pods=done), pods=done, nodes=ok_nodes, now=NOW + 1)
+    d2 = decide(s, new, obs2)
+    assert d2.action == Action.CREATE and d2.delete == ("j-a0-0", "j-a0-1") and d2.rule == "attempt_not_created", d2
+    # attempt 1 (created from the raised spec) reaches 150: Succeeded
+    fin = gang(1, over={0: {"phase": "Succeeded", "exit_code": 0}})
+    obs3 = S.observed(S.track(new.observation, 1, NOW + 60, pods=fin), pods=fin, nodes=ok_nodes, now=NOW + 60,
+                      attempt_steps=150)
+    d3 = decide(s, new, obs3)
+    assert d3.action == Action.SUCCEED and "reached step 150" in d3.message
+    assert S.next_status(s, new, d3, obs3).phase == "Succeeded"

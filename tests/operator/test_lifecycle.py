@@ -428,3 +428,53 @@ def test_cleanup_policy_none_keeps_every_pod_when_the_run_fails(cluster: Cluster
         assert cluster.condition(NS, "cn", "Failed")["reason"] == "ConfigError"
     assert cluster.pod_names(NS, "cn") == ["cn-a0-0", "cn-a0-1"]
     assert not _requests(cluster, "delete", "/pods/"), "a pod was deleted despite cleanupPolicy None"
+
+
+def _status_writes(c: Cluster, name: str) -> list[dict]:
+    """The status the operator held after each of its status writes (its merge patches applied in order)."""
+    assert c.k is not None
+    out, cur = [], {}
+    for r in list(c.k):
+        if r.method == "PATCH" and r.subresource == "status" and r.name == name and isinstance(r.data, dict):
+            cur = {**cur, **{k: v for k, v in (r.data.get("status") or {}).items() if v is not None}}
+            out.append(cur)
+    return out
+
+
+def test_raising_steps_mid_run_trains_on_in_a_new_attempt(cluster: Cluster, rank0) -> None:
+    """spec.training.steps raised from 100 to 150 while attempt 0 trains: its trainer (created with 100) exits 0
+    at step 100, and the run is NOT Succeeded there: attempt 1 is created from the raised spec (its ConfigMap's
+    trainer config and applied-spec annotation say 150) with no restart counted, a Normal Event StepsRaised says
+    why, and only attempt 1's exit 0 at step 150 ends the run."""
+    with Operator(cluster):
+        cluster.apply(lpt("sr", cpu_spec(), metrics_port=rank0.port))
+        wait_for(lambda: len(cluster.pod_names(NS, "sr")) == 2, 20, "pods")
+        _running(cluster, "sr", 0)
+        rank0.step(60, checkpoint=60)
+        wait_for(lambda: (cluster.status(NS, "sr").get("training") or {}).get("step") == 60, 20, "step 60")
+        cluster.patch(LPT, NS, "sr", {"spec": {"training": {"steps": 150}}})
+        wait_for(lambda: cluster.status(NS, "sr")["training"].get("totalSteps") == 150, 20, "the new total shown")
+        rank0.step(100, checkpoint=100)
+        wait_for(lambda: cluster.status(NS, "sr")["training"].get("step") == 100, 20, "step 100")
+        cluster.terminate_pod(NS, "sr-a0-1", 0, "Completed")
+        cluster.terminate_pod(NS, "sr-a0-0", 0, "Completed")  # attempt 0's trainer is done: its 100 steps
+        wait_for(lambda: cluster.pod_names(NS, "sr") == ["sr-a1-0", "sr-a1-1"], 30, "attempt 1's pods")
+        st = cluster.status(NS, "sr")
+        assert st["phase"] != "Succeeded" and st["attempt"] == 1 and st["restartCount"] == 0 and not st.get("restarts")
+        cm = cluster.get(CMS, NS, "sr-config")
+        applied = json.loads(cm["metadata"]["annotations"]["kubetitan.io/applied-spec"])
+        assert applied["training"]["steps"] == 150 and "steps = 150" in next(iter(cm["data"].values()))
+        events = [e for e in cluster.list("v1/events", NS) if e.get("reason") == "StepsRaised"]
+        assert len(events) == 1 and events[0]["type"] == "Normal" and "raised to 150" in events[0]["message"], events
+        _running(cluster, "sr", 1)
+        rank0.step(150, attempt=1, checkpoint=150)
+        wait_for(lambda: cluster.status(NS, "sr")["training"].get("step") == 150, 20, "attempt 1 at step 150")
+        cluster.terminate_pod(NS, "sr-a1-1", 0, "Completed")
+        cluster.terminate_pod(NS, "sr-a1-0", 0, "Completed")
+        wait_for(lambda: _phase(cluster, "sr") == "Succeeded", 20, "Succeeded")
+    st = cluster.status(NS, "sr")
+    assert st["restartCount"] == 0 and st["attempt"] == 1 and st["training"]["step"] == 150
+    assert "reached step 150" in cluster.condition(NS, "sr", "Succeeded")["message"]
+    written = _status_writes(cluster, "sr")
+    assert not [w for w in written if w.get("phase") == "Succeeded" and w.get("attempt") == 0], \
+        "attempt 0 (trained to the old 100 steps) was written as Succeeded"
