@@ -321,6 +321,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
         async with job.lock:
             if meta.get("deletionTimestamp"):
                 return None
+            ctx.metrics.cycles.labels(ns, name).inc()
             now = ctx.options.clock()
             raw_status = job.api_status if job.api_status is not None else body.get("status")
             old = job.status if job.status is not None else status_mod.load(raw_status)

@@ -25,6 +25,9 @@ class OperatorMetrics:
         self.reconcile = Histogram("kubetitan_operator_reconcile_duration_seconds",
                                    "Duration of one reconcile cycle of one LlamaPretrain (seconds).", registry=r,
                                    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.cycles = Counter("kubetitan_operator_run_cycles_total",
+                              "Reconcile cycles of a LlamaPretrain (count); a finished run's stops growing once its "
+                              "clean-up is done.", ["namespace", "name"], registry=r)
         self.errors = Counter("kubetitan_operator_reconcile_errors_total",
                               "Reconcile cycles that raised an error (count).", ["kind"], registry=r)
         self.recovery = Histogram("kubetitan_operator_recovery_duration_seconds",
@@ -81,5 +84,9 @@ class OperatorMetrics:
                 gauge.remove(ns, name)
             except KeyError:
                 pass
+        try:
+            self.cycles.remove(ns, name)
+        except KeyError:
+            pass
         for cause, mode in self._causes.pop((ns, name), ()):
             self.restarts.remove(ns, name, cause, mode)

@@ -478,3 +478,35 @@ def test_raising_steps_mid_run_trains_on_in_a_new_attempt(cluster: Cluster, rank
     written = _status_writes(cluster, "sr")
     assert not [w for w in written if w.get("phase") == "Succeeded" and w.get("attempt") == 0], \
         "attempt 0 (trained to the old 100 steps) was written as Succeeded"
+
+
+def _cycles(op: Operator, name: str) -> float:
+    return op.metric("kubetitan_operator_run_cycles_total", {"namespace": NS, "name": name}) or 0.0
+
+
+def _still_while_busy(op: Operator, name: str) -> float:
+    """``name``'s cycle count, checked not to move while the run "busy" (pods never scheduled: its daemon loops every
+    scan interval, 0.1 s) cycles 30 more times: the operator's own cycles are the clock, not a sleep."""
+    base = _cycles(op, "busy")
+    wait_for(lambda: _cycles(op, "busy") >= base + 10, 30, "10 cycles of the busy run")
+    before = _cycles(op, name)
+    wait_for(lambda: _cycles(op, "busy") >= base + 40, 30, "30 more cycles of the busy run")
+    assert _cycles(op, name) == before, f"{name} cycled {_cycles(op, name) - before} times after it finished"
+    return before
+
+
+def test_a_finished_runs_daemon_ends(cluster: Cluster) -> None:
+    """After Succeeded (and its clean-up) the run's daemon ends: its cycle count stands still while another run's
+    daemon cycles on; after an operator restart the finished run gets the resume's cycles, then none."""
+    with Operator(cluster) as op:
+        cluster.apply(lpt("busy", cpu_spec()))
+        cluster.apply(lpt("fin", cpu_spec()))
+        wait_for(lambda: len(cluster.pod_names(NS, "fin")) == 2, 20, "pods")
+        _running(cluster, "fin", 0)
+        cluster.terminate_pod(NS, "fin-a0-1", 0, "Completed")
+        cluster.terminate_pod(NS, "fin-a0-0", 0, "Completed")
+        wait_for(lambda: _phase(cluster, "fin") == "Succeeded", 20, "Succeeded")
+        assert _still_while_busy(op, "fin") >= 3  # create, pods, success (at least)
+    with Operator(cluster) as op:
+        assert _still_while_busy(op, "fin") <= 2  # kopf's resume handler and the daemon's first cycle
+    assert cluster.status(NS, "fin")["phase"] == "Succeeded"

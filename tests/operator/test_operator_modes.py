@@ -171,3 +171,55 @@ def _fail_back(cluster: Cluster, logs: list[OperatorProcess]) -> None:
     assert sorted(_pod_creates(cluster)) == ["fb-a0-0", "fb-a0-1", "fb-a1-0", "fb-a1-1"]
     st = cluster.status(NS, "fb")
     assert (st["restartCount"], st["attempt"]) == (1, 1)
+
+
+def _events(c: Cluster, name: str) -> list[tuple[str, str]]:
+    return sorted((e.get("type", ""), e.get("reason", "")) for e in c.list("v1/events", NS)
+                  if (e.get("involvedObject") or {}).get("name") == name)
+
+
+def test_events_are_posted_once_with_two_peering_replicas(cluster: Cluster) -> None:
+    """Two replicas peering (as the chart runs them: its own priority each): only the active one acts, so each
+    Event of the run (the restart, the success) exists once, not once per replica."""
+    cluster.add_peering("kubetitan")
+    args = ("--namespace", NS, "--peering", "kubetitan", "--scan-interval", "0.2")
+    with OperatorProcess(cluster.kubeconfig, *args, "--priority", "100") as a, \
+            OperatorProcess(cluster.kubeconfig, *args, "--priority", "50") as b:
+        wait_for(lambda: len(cluster.peers("kubetitan")) == 2, 15, "both keep-alives")
+        wait_for(lambda: "Resuming operations" in a.log_text(), 15, "replica A active")
+        cluster.apply(lpt("ev", cpu_spec(nodes=2)))
+        wait_for(lambda: cluster.pod_names(NS, "ev") == ["ev-a0-0", "ev-a0-1"], 15, "attempt 0")
+        for r in range(2):
+            cluster.run_pod(NS, f"ev-a0-{r}", f"node-{r}")
+        cluster.terminate_pod(NS, "ev-a0-1", 1)
+        wait_for(lambda: cluster.pod_names(NS, "ev") == ["ev-a1-0", "ev-a1-1"], 15, "attempt 1")
+        for r in range(2):
+            cluster.run_pod(NS, f"ev-a1-{r}", f"node-{r}")
+        cluster.terminate_pod(NS, "ev-a1-1", 0, "Completed")
+        cluster.terminate_pod(NS, "ev-a1-0", 0, "Completed")
+        wait_for(lambda: ("Normal", "Completed") in _events(cluster, "ev"), 20, "the Completed Event")
+        # one more run served end to end: both replicas had every chance to act on "ev" meanwhile
+        cluster.apply(lpt("ev2", cpu_spec(nodes=1)))
+        wait_for(lambda: cluster.status(NS, "ev2").get("phase") == "Starting", 15, "the next run served")
+        assert "Resuming operations" not in b.log_text()
+    assert _events(cluster, "ev") == [("Normal", "Completed"), ("Warning", "RestartContainerFailed")], \
+        _events(cluster, "ev")
+
+
+def test_info_logs_do_not_follow_pod_events(cluster: Cluster) -> None:
+    """At the default level (info) the operator logs what it does, not what it watches: 40 changes of a run's pods
+    (each a watch event that wakes the run) add no record at info; creating the attempt does."""
+    with OperatorProcess(cluster.kubeconfig, "--namespace", NS, "--scan-interval", "0.5") as op:
+        cluster.apply(lpt("ql", cpu_spec(nodes=2)))
+        wait_for(lambda: _created(op, "ql"), 15, "the create log line")
+        cluster.run_pod(NS, "ql-a0-0", "node-0")
+        mark = len(op.log_records())
+        for i in range(40):
+            cluster.patch("v1/pods", NS, "ql-a0-0", {"metadata": {"annotations": {"example.com/tick": str(i)}}})
+        cluster.run_pod(NS, "ql-a0-1", "node-1")  # the last pod event changes the status: all seen by then
+        wait_for(lambda: (cluster.condition(NS, "ql", "Ready") or {}).get("reason") == "WaitingForFirstStep", 15,
+                 "both pods seen running")
+        records = op.log_records()
+    assert any(r["severity"] == "info" and r["message"].startswith("Created attempt") for r in records[:mark])
+    chatty = [r for r in records[mark:] if r["severity"] in ("debug", "info")]
+    assert not chatty, chatty
