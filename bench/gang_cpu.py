@@ -35,8 +35,9 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
 from common import CLAIM, attempts_in_log, complete_checkpoints, e2e_spec, free_port, lpt, step_log  # noqa: E402
 from kubelet import _alive, _children_map  # noqa: E402
 
-from kubetitan import contract, plan  # noqa: E402
-from kubetitan.validation import parse  # noqa: E402
+from kubetitan_core import contract  # noqa: E402
+from kubetitan import plan
+from kubetitan_core.validation import parse  # noqa: E402
 
 
 def start_pod(pod: dict, cm: dict, workdir: Path, ip: str, node: str) -> subprocess.Popen:

@@ -5,7 +5,7 @@ Loaded by plain ``python -m torchtitan.train`` through ``--experimental.custom_i
 torchtitan" in ``bench/gpu_bench.py`` means torchtitan's own model, parallelize, loss, optimizer and
 train loop; only what 0.2.2 lacks is added here:
 
-- ``1B`` / ``3B`` flavours: Llama 3.2 dims (``operator/kubetitan/catalog.py`` FLAVOURS; a CPU test checks
+- ``1B`` / ``3B`` flavours: Llama 3.2 dims (``operator/core/kubetitan_core/catalog.py`` FLAVOURS; a CPU test checks
   they agree) with rope scaling factor 32 as in kubetitan's TrainSpec. torchtitan's Transformer
   unties embedding and output: 1.50 B / 3.61 B parameters.
 - ``gpubench_synthetic``: synthetic tokens that cost ~nothing to make and that a model can learn

@@ -34,8 +34,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
-from kubetitan import contract  # noqa: E402
-from kubetitan.api import LlamaPretrain  # noqa: E402
+from kubetitan_core import contract  # noqa: E402
+from kubetitan_core.api import LlamaPretrain  # noqa: E402
 from kubetitan_trainer.local import free_port, scrape, spec_env, write_config  # noqa: E402
 
 PLANS = ("warm_tier", "warm_dcp", "cold_tier", "cold_dcp")

@@ -1,7 +1,7 @@
 """Write the chart's generated files; ``--check`` fails on drift (tests/chart runs it).
 
 Sources of truth -> generated files:
-- crds/kubetitan.io_llamapretrains.yaml (from ``python -m kubetitan.crd --write``)
+- crds/kubetitan.io_llamapretrains.yaml (from ``python -m kubetitan_core.crd --write``)
                                         -> charts/kubetitan/crds/ (byte-identical copy)
 - kubetitan.rbac (the operator's declared API calls) -> charts/kubetitan/files/rbac.yaml
 - kubetitan.monitoring.alerts                        -> charts/kubetitan/files/kubetitan-rules.yaml

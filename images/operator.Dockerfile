@@ -1,6 +1,6 @@
 # kubetitan operator image: the kopf operator and the `kubetitan` CLI. No torch (the operator
-# package must install and run without it), only operator/pyproject.toml's dependencies,
-# pinned by the repository's constraints.txt.
+# package must install and run without it), only the dependencies of operator/pyproject.toml and of
+# the shared kubetitan-core (operator/core/pyproject.toml), pinned by the repository's constraints.txt.
 #   docker build -f images/operator.Dockerfile -t kubetitan/operator:0.1.0 .
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -10,7 +10,7 @@ WORKDIR /src
 COPY constraints.txt ./
 COPY operator/ ./operator/
 RUN python -m venv /opt/kubetitan \
- && /opt/kubetitan/bin/pip install -c constraints.txt ./operator
+ && /opt/kubetitan/bin/pip install -c constraints.txt ./operator/core ./operator
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/kubetitan/bin:$PATH \

@@ -56,13 +56,15 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
 
 WORKDIR /opt/kubetitan/src
 COPY constraints.txt ./
-COPY operator/ ./operator/
+# The trainer shares only kubetitan-core with the operator (operator/core): the operator package (kopf, the
+# Kubernetes client) is not in this image.
+COPY operator/core/ ./operator/core/
 COPY trainer/ ./trainer/
 # The pins are the project's own (trainer/pyproject.toml, constraints.txt); tests/chart checks
 # that these lines agree with them.
 RUN python -m pip install -c constraints.txt \
       torch==2.11.0 torchtitan==0.2.2 torchao==0.17.0 \
-      ./operator ./trainer \
+      ./operator/core ./trainer \
  && python -c "import torch, torchtitan, torchao; assert torch.__version__.startswith('2.11.0'), torch.__version__"
 
 # Non-root by default (uid 10001); build with TRAINER_UID=0 where the node setup needs root.

@@ -1,24 +1,18 @@
-"""kubetitan: Llama-3-style pre-training on Kubernetes with torchtitan.
+"""kubetitan: the operator and the ``kubetitan`` CLI (Llama-3-style pre-training on Kubernetes with torchtitan).
 
-The package is torch-free on purpose: the operator and the CLI install and run without it.
-Layout (pure core, thin edge):
+Torch-free on purpose: the operator and the CLI install and run without it. What the operator shares with the
+trainer (API types, rule table, CRD, catalog, trainer.toml rendering, contract) lives in the separate
+``kubetitan_core`` package (operator/core); this package never imports ``kubetitan_trainer``, and the trainer
+never imports this one. Layout (pure core, thin edge):
 
-- ``api``         the typed ``LlamaPretrain`` spec and status, defaults (one source of truth)
-- ``catalog``     model flavours and accelerator facts the validator and planner need
-- ``validation``  semantic checks that the OpenAPI schema cannot express
-- ``crd``         the CustomResourceDefinition generated from ``api``
-- ``render``      spec -> the trainer's TOML config (torchtitan 0.2.2 keys + ``[kubetitan]``)
 - ``plan``        spec + attempt -> the child objects of one attempt
-- ``contract``    exit codes and the checkpoint rule shared by trainer and operator
-- ``cli``         the ``kubetitan`` command
+- ``decide``      observed state -> the next action (ordered rule table ``decide.RULES``)
+- ``status``      the one place the status is built
+- ``conditions``  condition types and reasons
+- ``policy``      the cluster admin's policy (allowed hostPaths, images, service accounts, ...)
+- ``apidoc``      docs/api.md generated from ``kubetitan_core``
+- ``handlers``    thin kopf handlers; ``kube`` the client edge; ``observe`` scraping
+- ``cli``         the ``kubetitan`` command (``run``/``prepare-data`` hand over to the trainer's own process)
 """
-
-GROUP = "kubetitan.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "LlamaPretrain"
-PLURAL = "llamapretrains"
-SINGULAR = "llamapretrain"
-SHORT_NAMES = ["lpt"]
 
 __version__ = "0.1.0"

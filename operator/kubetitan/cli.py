@@ -21,9 +21,9 @@ from typing import Any
 import yaml
 
 from kubetitan import __version__
-from kubetitan.strictyaml import YamlError, load_all
-from kubetitan.api import LlamaPretrain
-from kubetitan.validation import FieldError, parse
+from kubetitan_core.strictyaml import YamlError, load_all
+from kubetitan_core.api import LlamaPretrain
+from kubetitan_core.validation import FieldError, parse
 
 EXIT_INVALID = 1
 EXIT_USAGE = 2
@@ -80,7 +80,7 @@ def load_policy(path: str) -> Any:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from kubetitan import policy
-    from kubetitan.catalog import instance_type_warning
+    from kubetitan_core.catalog import instance_type_warning
 
     pol = load_policy(args.policy) if args.policy else None
     bad = 0
@@ -122,7 +122,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
-    from kubetitan.crd import crd
+    from kubetitan_core.crd import crd
 
     try:
         obj = crd(kubernetes_version=args.kubernetes_version)
@@ -137,14 +137,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     if errors or lpt is None:
         _print_errors(args.file, lpt.metadata.name if lpt else "", errors)
         return EXIT_INVALID
-    try:
-        from kubetitan_trainer.local import run_local
-    except ImportError as e:
-        raise InputError(
-            f"`kubetitan run` needs the trainer package (torch, torchtitan): {e}. "
-            "Install it with `make setup` or `pip install -e ./trainer`."
-        ) from None
-    return run_local(lpt, output_dir=args.output_dir, steps=args.steps)
+    argv = [args.file] + (["--output-dir", args.output_dir] if args.output_dir else []) + (
+        ["--steps", str(args.steps)] if args.steps is not None else [])
+    return _exec_trainer("kubetitan_trainer.local", argv, "run")
+
+
+def _exec_trainer(module: str, argv: list[str], what: str) -> int:
+    """Hand this process over to a trainer command (``python -m MODULE ARGV``).
+
+    The operator package never imports the trainer's (the two share only ``kubetitan_core``): ``run`` and
+    ``prepare-data`` replace this process with the trainer's own, so signals (Ctrl-C) and the exit code are the
+    trainer's, exactly as if it had been started directly.
+    """
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec(module.split(".")[0]) is None:  # finds the package without importing it
+        raise InputError(f"`kubetitan {what}` needs the trainer package kubetitan-trainer (torch, torchtitan), "
+                         "which is not installed here. Install it with `make setup` or `pip install -e ./trainer`.")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+    return 0  # not reached
 
 
 def _forward(module: str, func: str, argv: list[str], what: str) -> int:
@@ -187,21 +201,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, help="override spec.training.steps")
     run.set_defaults(func=cmd_run)
 
-    # These two forward their arguments untouched to their own parsers.
+    # These two forward their arguments untouched to their own parsers (prepare-data: in the trainer's process).
     sub.add_parser("prepare-data", help="tokenize a text/JSONL/Parquet corpus into shards", add_help=False)
     sub.add_parser("operator", help="run the operator (see `kubetitan operator --help`)", add_help=False)
     return p
 
 
-FORWARDED = {
-    "prepare-data": ("kubetitan_trainer.prepare", "main"),
-    "operator": ("kubetitan.handlers", "main"),
-}
+FORWARDED = {"operator": ("kubetitan.handlers", "main")}
+TRAINER_COMMANDS = {"prepare-data": "kubetitan_trainer.prepare"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv and argv[0] in TRAINER_COMMANDS:
+            return _exec_trainer(TRAINER_COMMANDS[argv[0]], argv[1:], argv[0])
         if argv and argv[0] in FORWARDED:
             module, func = FORWARDED[argv[0]]
             return _forward(module, func, argv[1:], argv[0])

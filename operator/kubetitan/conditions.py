@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kubetitan.api import Condition, Phase
+from kubetitan_core.api import Condition, Phase
 
 # ------------------------------------------------------------------ condition types
 READY = "Ready"

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from kubetitan import conditions as C
-from kubetitan.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, RestartCause, RestartRecord, TrainingStatus
-from kubetitan.contract import EXIT_SIGKILL, EXIT_SIGTERM, ExitCode
+from kubetitan_core.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, RestartCause, RestartRecord, TrainingStatus
+from kubetitan_core.contract import EXIT_SIGKILL, EXIT_SIGTERM, ExitCode
 
 MAX_RESTART_RECORDS = 50
 NODE_FAILURES_TO_AVOID = 2

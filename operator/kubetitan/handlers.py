@@ -33,9 +33,10 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kubetitan import GROUP, PLURAL, VERSION, __version__, catalog, plan, policy, validation
+from kubetitan_core import GROUP, PLURAL, VERSION, catalog, validation
+from kubetitan import __version__, plan, policy
 from kubetitan import conditions as C
-from kubetitan.api import LlamaPretrainStatus
+from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan import status as status_mod
 from kubetitan.decide import Action, ChildError, decide, parse_time, restart_event
 from kubetitan.kube import Client, classify, load_config, message_of

@@ -21,7 +21,8 @@ from typing import Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from kubetitan import GROUP, PLURAL, VERSION, rbac
+from kubetitan_core import GROUP, PLURAL, VERSION
+from kubetitan import rbac
 
 log = logging.getLogger("kubetitan.kube")
 

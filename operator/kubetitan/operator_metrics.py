@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kubetitan import __version__
-from kubetitan.api import Phase, TrainingStatus
+from kubetitan_core.api import Phase, TrainingStatus
 
 PHASES: tuple[Phase, ...] = ("Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 

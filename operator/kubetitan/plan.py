@@ -17,11 +17,11 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from kubetitan import API_VERSION, KIND, contract
-from kubetitan.api import LlamaPretrain, processes_per_node
-from kubetitan.catalog import INSTANCE_TYPES, pod_resources
-from kubetitan import render
-from kubetitan.render import trainer_toml
+from kubetitan_core import API_VERSION, KIND, contract
+from kubetitan_core.api import LlamaPretrain, processes_per_node
+from kubetitan_core.catalog import INSTANCE_TYPES, pod_resources
+from kubetitan_core import render
+from kubetitan_core.render import trainer_toml
 
 LABEL_NAME = "kubetitan.io/name"
 LABEL_UID = "kubetitan.io/uid"

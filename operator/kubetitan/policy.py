@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubetitan.api import LlamaPretrain
+from kubetitan_core.api import LlamaPretrain
 
 ANY = "*"
 REASON = "PolicyViolation"

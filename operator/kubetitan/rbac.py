@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kubetitan import GROUP, PLURAL
+from kubetitan_core import GROUP, PLURAL
 
 
 class Rule(NamedTuple):

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kubetitan import conditions as C
-from kubetitan import contract
-from kubetitan.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases, TrainingStatus
+from kubetitan_core import contract
+from kubetitan_core.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases, TrainingStatus
 from kubetitan.decide import (
     MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso,
     iso_ms, parse_time, replace, restart_record,

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from kubetitan import apidoc, contract
-from kubetitan.api import LlamaPretrainSpec, LlamaPretrainStatus, RestartCause
-from kubetitan.crd import _description, _model_in
-from kubetitan.validation import CEL_RULES
+from kubetitan_core import contract
+from kubetitan import apidoc
+from kubetitan_core.api import LlamaPretrainSpec, LlamaPretrainStatus, RestartCause
+from kubetitan_core.crd import _description, _model_in
+from kubetitan_core.validation import CEL_RULES
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "docs" / apidoc.DOC_FILE
@@ -46,7 +47,7 @@ def cells(row: str) -> list[str]:
 def test_committed_doc_matches_generator():
     got = COMMITTED.read_text() if COMMITTED.exists() else ""
     assert got == DOC, (
-        f"{COMMITTED.relative_to(ROOT)} is out of date with kubetitan/api.py; regenerate it with "
+        f"{COMMITTED.relative_to(ROOT)} is out of date with kubetitan_core/api.py; regenerate it with "
         f"`{apidoc.GENERATE_COMMAND}` and commit the result"
     )
 

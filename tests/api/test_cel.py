@@ -28,8 +28,8 @@ import yaml
 from celpy import celtypes
 
 from conftest import EXAMPLES, load_example, make_lpt
-from kubetitan import crd as crdmod
-from kubetitan.validation import CEL_RULES, parse
+from kubetitan_core import crd as crdmod
+from kubetitan_core.validation import CEL_RULES, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())

@@ -84,3 +84,55 @@ def test_render_several_documents_is_an_error(tmp_path):
     f.write_text(text + "\n---\n" + text)
     r = kt("render", str(f))
     assert r.returncode == 2 and "exactly one" in r.stderr
+
+
+class _Exec(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("argv", "handed"), [
+    (["run", "{f}", "--steps", "3"], ["-m", "kubetitan_trainer.local", "{f}", "--steps", "3"]),
+    (["run", "{f}", "--output-dir", "/tmp/o"], ["-m", "kubetitan_trainer.local", "{f}", "--output-dir", "/tmp/o"]),
+    (["prepare-data", "a.txt", "-o", "out"], ["-m", "kubetitan_trainer.prepare", "a.txt", "-o", "out"]),
+], ids=["run-steps", "run-output-dir", "prepare-data"])
+def test_trainer_commands_hand_the_process_over_to_the_trainer_without_importing_it(monkeypatch, argv, handed):
+    """`kubetitan run` / `prepare-data` exec `python -m kubetitan_trainer...`: the operator package never imports
+    the trainer's (tests/api/test_pure_core.py); the trainer's own process then owns Ctrl-C and the exit code."""
+    import os
+
+    from kubetitan import cli
+
+    f = str(REPO / "examples" / "debug-cpu.yaml")
+    calls = []
+
+    def execv(path, args):
+        calls.append((path, args))
+        raise _Exec
+
+    monkeypatch.setattr(os, "execv", execv)
+    with pytest.raises(_Exec):
+        cli.main([a.format(f=f) for a in argv])
+    assert calls == [(sys.executable, [sys.executable] + [a.format(f=f) for a in handed])]
+
+
+def test_run_refuses_an_invalid_file_before_handing_over(tmp_path, monkeypatch):
+    import os
+
+    from kubetitan import cli
+
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("handed an invalid file to the trainer"))
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump({"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+                                 "metadata": {"name": "bad"}, "spec": {"checkpoint": {"keepLatestK": 1}}}))
+    assert cli.main(["run", str(f)]) == 1
+
+
+def test_the_trainers_local_entry_point_refuses_an_invalid_file(tmp_path):
+    """`python -m kubetitan_trainer.local FILE` (what `kubetitan run` execs) checks the file itself too."""
+    f = tmp_path / "bad.yaml"
+    f.write_text("apiVersion: kubetitan.io/v1alpha1\nkind: LlamaPretrain\nmetadata: {name: bad}\n"
+                 "spec: {training: {steps: 0}}\n")
+    r = subprocess.run([sys.executable, "-m", "kubetitan_trainer.local", str(f)], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+    assert r.returncode == 1
+    assert "spec.training.steps" in r.stderr and "kubetitan validate" in r.stderr

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from conftest import EXAMPLES, REPO, load_example, make_lpt
 from kmockx.validation import StructuralSchema
-from kubetitan import crd as crdmod
-from kubetitan.validation import CEL_RULES, parse
+from kubetitan_core import crd as crdmod
+from kubetitan_core.validation import CEL_RULES, parse
 
 CRD = yaml.safe_load((REPO / "crds" / crdmod.CRD_FILE).read_text())
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

@@ -1,6 +1,6 @@
 """The generated CustomResourceDefinition: drift, structure, descriptions, defaults, columns.
 
-The CRD is generated from kubetitan.api by kubetitan.crd; these tests check that what is
+The CRD is generated from kubetitan_core.api by kubetitan_core.crd; these tests check that what is
 committed under crds/ is what the generator makes, that the API server would accept it
 (structural schema, valid defaults, CEL field paths, printer columns that exist), and that
 its defaulting gives the same spec as pydantic's.
@@ -18,9 +18,9 @@ import pytest
 import yaml
 from pydantic import Field
 
-from kubetitan import crd as crdmod
-from kubetitan.api import LlamaPretrain, _Base
-from kubetitan.validation import CEL_RULES
+from kubetitan_core import crd as crdmod
+from kubetitan_core.api import LlamaPretrain, _Base
+from kubetitan_core.validation import CEL_RULES
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / crdmod.CRD_FILE
@@ -67,7 +67,7 @@ def test_committed_crd_matches_generator():
     want = crdmod.crd_yaml()
     got = COMMITTED.read_text() if COMMITTED.exists() else ""
     assert got == want, (
-        f"{COMMITTED.relative_to(ROOT)} is out of date with kubetitan/api.py or the CEL rules; "
+        f"{COMMITTED.relative_to(ROOT)} is out of date with kubetitan_core/api.py or the CEL rules; "
         f"regenerate it with `{crdmod.GENERATE_COMMAND}` and commit the result"
     )
 

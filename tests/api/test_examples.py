@@ -7,7 +7,7 @@ import pytest
 
 from conftest import EXAMPLES, load_example
 from kubetitan.plan import attempt_children
-from kubetitan.validation import parse
+from kubetitan_core.validation import parse
 
 # Oldest and newest Kubernetes minor versions kubetitan supports.
 K8S_VERSIONS = ["1.27", "1.35", "1.37"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_lpt
-from kubetitan import contract
+from kubetitan_core import contract
 from kubetitan.plan import attempt_children, master_address, pod_name
-from kubetitan.validation import parse
+from kubetitan_core.validation import parse
 
 PVC = {"storage": {"persistentVolumeClaim": {"claimName": "fsx"}}}
 

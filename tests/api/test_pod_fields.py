@@ -11,8 +11,9 @@ import yaml
 
 from conftest import REPO, make_lpt
 from kmockx.validation import builtin_errors
-from kubetitan import contract, plan
-from kubetitan.validation import parse
+from kubetitan_core import contract
+from kubetitan import plan
+from kubetitan_core.validation import parse
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())
 

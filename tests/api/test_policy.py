@@ -13,7 +13,7 @@ import yaml
 from conftest import EXAMPLES, load_example, make_lpt
 from kubetitan import policy
 from kubetitan.policy import ANY, KNOBS, Policy, PolicyError
-from kubetitan.validation import parse
+from kubetitan_core.validation import parse
 
 PVC = {"storage": {"persistentVolumeClaim": {"claimName": "ck"}}}
 

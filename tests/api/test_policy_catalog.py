@@ -1,4 +1,4 @@
-"""The instance catalog (kubetitan.catalog): every NVIDIA GPU type of EKS / HyperPod, what a pod requests on
+"""The instance catalog (kubetitan_core.catalog): every NVIDIA GPU type of EKS / HyperPod, what a pod requests on
 it, and the warning for a type the catalog does not know."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from conftest import make_lpt
-from kubetitan.catalog import ACCELERATORS, INSTANCE_TYPES, instance_type_warning, pod_resources
+from kubetitan_core.catalog import ACCELERATORS, INSTANCE_TYPES, instance_type_warning, pod_resources
 from kubetitan.plan import attempt_children
-from kubetitan.validation import parse
+from kubetitan_core.validation import parse
 
 SIZES = ["xlarge", "2xlarge", "4xlarge", "8xlarge", "12xlarge", "16xlarge", "24xlarge", "48xlarge"]
 REQUIRED = ["p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge", "p6-b200.48xlarge",
@@ -98,7 +98,7 @@ def test_unknown_type_warning_says_what_is_assumed():
                                   "checkpoint": {"storage": {"persistentVolumeClaim": {"claimName": "c"}}}}))
     assert not errors
     w = instance_type_warning(lpt.spec)
-    assert w == ("instance type p7.96xlarge is not in kubetitan's catalog (operator/kubetitan/catalog.py); assuming 8 "
+    assert w == ("instance type p7.96xlarge is not in kubetitan's catalog (operator/core/kubetitan_core/catalog.py); assuming 8 "
                  "GPUs per node (spec.resources.gpusPerNode, not checked), no EFA interfaces (set "
                  "spec.resources.efaPerNode), an unknown GPU model (no FP8 hardware check, no MFU; set "
                  "spec.resources.gpuProduct), and requests of cpu 8 and memory 16Gi per pod (1 CPU and 2Gi per "

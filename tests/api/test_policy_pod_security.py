@@ -16,7 +16,7 @@ from conftest import EXAMPLES, REPO, load_example, make_lpt
 from kmockx import psa
 from kubetitan import plan
 from kubetitan.plan import attempt_children
-from kubetitan.validation import parse
+from kubetitan_core.validation import parse
 
 HOSTPATH_ALLOWANCE = {
     'hostPath volumes (volume "checkpoints")',

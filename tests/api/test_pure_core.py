@@ -1,34 +1,116 @@
-"""The API types, the validator and the planner import with kopf and torch unavailable (the pure core: what a
-shared API package would hold; the trainer imports these modules, so they must not pull either in)."""
+"""The package boundaries: kubetitan_core (API types, rule table, CRD, catalog, render, contract) imports neither
+kopf, the Kubernetes client nor torch; the trainer (kubetitan_trainer) and the operator (kubetitan) share only
+kubetitan_core and never import each other. Each import check runs in a fresh interpreter, so nothing an earlier
+test imported can hide an import."""
 
 from __future__ import annotations
 
+import ast
+import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
-BLOCKED = ("kopf", "torch", "torchtitan", "kubernetes_asyncio")
-MODULES = ("kubetitan.api", "kubetitan.contract", "kubetitan.catalog", "kubetitan.validation", "kubetitan.k8sfields",
-           "kubetitan.render", "kubetitan.plan", "kubetitan.crd", "kubetitan.apidoc", "kubetitan.strictyaml")
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CORE = REPO / "operator" / "core" / "kubetitan_core"
+OPERATOR = REPO / "operator" / "kubetitan"
+TRAINER = REPO / "trainer" / "kubetitan_trainer"
+BLOCKED = ("kopf", "kubernetes", "kubernetes_asyncio", "torch", "torchtitan", "torchao")
+OPERATOR_PURE = ("kubetitan.plan", "kubetitan.decide", "kubetitan.conditions", "kubetitan.status",
+                 "kubetitan.policy", "kubetitan.apidoc")
 
 
-def test_core_modules_import_with_kopf_and_torch_blocked():
+def _modules(root: Path, package: str) -> list[str]:
+    return [package] + [f"{package}.{m.name}" for m in pkgutil.walk_packages([str(root)]) if not m.ispkg]
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def _block(names: tuple[str, ...]) -> str:
+    return f"import sys\nfor m in {names!r}: sys.modules[m] = None  # any import of them raises ImportError\n"
+
+
+def _imported(names: tuple[str, ...]) -> str:
+    return f"print(sorted(m for m in sys.modules if m.split('.')[0] in {names!r} and sys.modules[m] is not None))\n"
+
+
+def test_every_core_module_imports_and_validates_with_kopf_kubernetes_and_torch_blocked():
+    modules = _modules(CORE, "kubetitan_core")
+    assert {"kubetitan_core.api", "kubetitan_core.validation", "kubetitan_core.crd", "kubetitan_core.contract",
+            "kubetitan_core.catalog", "kubetitan_core.render"} <= set(modules)
     code = (
-        "import sys\n"
-        f"for m in {BLOCKED!r}: sys.modules[m] = None  # any import of them raises ImportError\n"
-        f"for m in {MODULES!r}: __import__(m)\n"
-        "from kubetitan.validation import parse\n"
-        "_, errs = parse({'apiVersion': 'kubetitan.io/v1alpha1', 'kind': 'LlamaPretrain', 'metadata': {'name': 'a'},"
+        _block(BLOCKED + ("kubetitan", "kubetitan_trainer"))
+        + f"for m in {modules!r}: __import__(m)\n"
+        "from kubetitan_core.validation import parse\n"
+        "from kubetitan_core.crd import crd\n"
+        "from kubetitan_core.render import trainer_toml\n"
+        "lpt, errs = parse({'apiVersion': 'kubetitan.io/v1alpha1', 'kind': 'LlamaPretrain', 'metadata': {'name': 'a'},"
         " 'spec': {'resources': {'env': [{'name': 'KUBETITAN_ATTEMPT', 'value': '1'}]}}})\n"
         "assert [e.rule for e in errs] == ['env.reserved'], errs\n"
-        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {BLOCKED!r} and sys.modules[m] is not None))\n"
+        "assert crd()['spec']['versions'][0]['schema']['openAPIV3Schema']\n"
+        "assert trainer_toml(lpt)\n"
+        + _imported(BLOCKED)
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = _run(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 
 
+def test_the_operators_pure_modules_import_without_kopf_kubernetes_torch_or_the_trainer():
+    r = _run(_block(BLOCKED + ("kubetitan_trainer",)) + f"for m in {OPERATOR_PURE!r}: __import__(m)\n" + _imported(BLOCKED))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_importing_every_trainer_module_never_imports_the_operator_package():
+    """With ``kubetitan`` (the operator package) made unimportable, every trainer module still imports, and no
+    ``kubetitan`` module is loaded afterwards."""
+    modules = _modules(TRAINER, "kubetitan_trainer")
+    assert "kubetitan_trainer.local" in modules and "kubetitan_trainer.checks" in modules
+    r = _run(_block(("kubetitan", "kopf")) + f"for m in {modules!r}: __import__(m)\n" + _imported(("kubetitan", "kopf")))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def _imports(root: Path, base: Path = REPO) -> dict[str, set[str]]:
+    """Top-level package of every import statement (also the lazy ones inside functions), per file."""
+    out: dict[str, set[str]] = {}
+    for f in sorted(root.rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                    "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+                names.add(str(node.args[0].value).split(".")[0])
+        out[str(f.relative_to(base))] = names
+    return out
+
+
+@pytest.mark.parametrize(("root", "forbidden"), [
+    (CORE, {"kubetitan", "kubetitan_trainer", "kopf", "kubernetes", "torch", "torchtitan", "torchao"}),
+    (TRAINER, {"kubetitan", "kopf", "kubernetes"}),
+    (OPERATOR, {"kubetitan_trainer", "torch", "torchtitan", "torchao"}),
+], ids=["core", "trainer", "operator"])
+def test_no_source_file_imports_across_the_boundary(root, forbidden):
+    """Static: no import statement anywhere (including lazy ones in functions and import_module strings)."""
+    bad = {f: sorted(names & forbidden) for f, names in _imports(root).items() if names & forbidden}
+    assert bad == {}
+
+
+def test_the_static_scan_sees_lazy_imports(tmp_path):
+    """The scan above can fail: it finds an import inside a function and an import_module string."""
+    (tmp_path / "m.py").write_text("def f():\n    from kubetitan.plan import x\n    importlib.import_module('torch.nn')\n")
+    assert _imports(tmp_path, tmp_path) == {"m.py": {"kubetitan", "torch"}}
+
+
 def test_the_block_works():
-    """The sys.modules trick does refuse the import (so the test above can fail)."""
-    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['kopf'] = None; import kopf"],
-                       capture_output=True, text=True)
+    """The sys.modules trick does refuse the import (so the tests above can fail)."""
+    r = _run("import sys; sys.modules['kopf'] = None; import kopf")
     assert r.returncode != 0 and "import of kopf halted" in r.stderr

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from conftest import make_lpt
 from kubetitan import cli
 from kubetitan.plan import attempt_children
-from kubetitan.api import API_VERSION, KIND
-from kubetitan.validation import parse
+from kubetitan_core.api import API_VERSION, KIND
+from kubetitan_core.validation import parse
 
 HEAD = b"apiVersion: kubetitan.io/v1alpha1\nkind: LlamaPretrain\n"
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import EXAMPLES, load_example, make_lpt
-from kubetitan.validation import CEL_RULES, parse
+from kubetitan_core.validation import CEL_RULES, parse
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())
 # Every message says how to fix the problem, not only what it is.
@@ -73,7 +73,7 @@ def test_every_cel_rule_has_a_python_twin_in_the_corpus():
 
 
 def test_rule_table_is_complete_and_every_rule_is_in_the_corpus():
-    from kubetitan.validation import RULES
+    from kubetitan_core.validation import RULES
 
     ids = [r.id for r in RULES]
     assert len(ids) == len(set(ids))
@@ -81,7 +81,7 @@ def test_rule_table_is_complete_and_every_rule_is_in_the_corpus():
     assert used <= set(ids), f"rules missing from validation.RULES: {used - set(ids)}"
     assert set(ids) - used <= {"metadata.name"}, f"rules without a corpus case: {set(ids) - used - {'metadata.name'}}"
     assert {c.id for c in CEL_RULES} <= set(ids)
-    source = (Path(__file__).resolve().parents[2] / "operator/kubetitan/validation.py").read_text()
+    source = (Path(__file__).resolve().parents[2] / "operator/core/kubetitan_core/validation.py").read_text()
     emitted = set(re.findall(r'"((?:[a-z0-9]+-?)+\.[a-z0-9.-]+)"\)', source)) - {"."}
     emitted = {e for e in emitted if not e.startswith(("resources.env", "resources.tolerations", "resources.affinity"))}
     assert emitted <= set(ids), emitted - set(ids)

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from cloudcoil.models.prometheus_operator import v1 as promop
 
-from kubetitan import crd as crdmod
+from kubetitan_core import crd as crdmod
 from kubetitan import rbac
 from kubetitan.monitoring import alerts, config as mcfg
 

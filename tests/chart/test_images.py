@@ -96,9 +96,12 @@ def test_dockerignore_admits_exactly_the_copy_sources():
     lines = [l for l in (REPO / ".dockerignore").read_text().splitlines() if l and not l.startswith("#")]
     assert lines[0] == "*"
     allowed = {l[1:].rstrip("/") for l in lines if l.startswith("!")}
-    copied = {src.rstrip("/") for df in (OPERATOR, TRAINER) for i in instructions(df)
-              if i.startswith("COPY") and "--from" not in i for src in i.split()[1:-1]}
-    assert copied == allowed == {"constraints.txt", "operator", "trainer"}
+    copied = {name: {src.rstrip("/") for i in instructions(df) if i.startswith("COPY") and "--from" not in i
+                     for src in i.split()[1:-1]} for name, df in (("operator", OPERATOR), ("trainer", TRAINER))}
+    assert {c.split("/")[0] for srcs in copied.values() for c in srcs} == allowed == {"constraints.txt", "operator", "trainer"}
+    # the trainer image holds the shared kubetitan-core but not the operator package (kopf, kubernetes client)
+    assert copied["trainer"] == {"constraints.txt", "operator/core", "trainer"}, copied["trainer"]
+    assert copied["operator"] == {"constraints.txt", "operator"}, copied["operator"]
     assert "**/__pycache__" in lines and "**/*.egg-info" in lines
 
 
@@ -161,7 +164,7 @@ def test_trainer_image_installs_libfabric_and_aws_ofi_nccl_from_the_named_efa_in
 def test_network_errors_point_at_this_dockerfile():
     """The exit-5 messages (operator and trainer) name the Dockerfile that has the plugin."""
     from kubetitan import apidoc
-    from kubetitan.contract import ExitCode
+    from kubetitan_core.contract import ExitCode
     from kubetitan_trainer import netcheck
 
     v = netcheck.judge(netcheck.parse("NCCL INFO Using network Socket"), platform="eks", efa_per_node=32,

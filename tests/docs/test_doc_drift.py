@@ -2,12 +2,12 @@
 CLI subcommand/flag referenced in README.md, docs/*.md, the generated alert rules and the dashboards is checked
 against the code that defines it:
 
-- conditions, reasons: ``kubetitan.conditions``; restart causes and phases: ``kubetitan.api`` (``RestartCause``,
+- conditions, reasons: ``kubetitan.conditions``; restart causes and phases: ``kubetitan_core.api`` (``RestartCause``,
   ``Phase``);
 - field paths: the CRD in ``crds/`` (``spec.*``, ``status.*``, also written without ``spec.``), torchtitan 0.2.2's
   ``JobConfig`` and kubetitan's ``[kubetitan]`` table (the trainer.toml keys), the chart's ``values.yaml``;
 - metrics: the trainer's and the operator's Prometheus registries (with the suffixes Prometheus adds);
-- exit codes: ``kubetitan.contract.ExitCode`` and the two signal codes there;
+- exit codes: ``kubetitan_core.contract.ExitCode`` and the two signal codes there;
 - CLI: the argparse parsers of ``kubetitan`` (and its forwarded ``operator`` / ``prepare-data``) and of
   ``kubetitan_trainer.launch``.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubetitan import api, contract
+from kubetitan_core import api, contract
 from kubetitan import conditions as C
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,7 +152,7 @@ def _python_attr(dotted: str) -> bool:
 @cache
 def rule_ids() -> frozenset[str]:
     """Ids of the cross-field rules (docs/api.md's rule table names them, e.g. `parallelism.product`)."""
-    from kubetitan import validation
+    from kubetitan_core import validation
 
     return frozenset(getattr(r, "id", None) or getattr(r, "name", None) or r[0] for r in validation.CEL_RULES)
 

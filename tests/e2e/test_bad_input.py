@@ -1,6 +1,6 @@
 """Bad input end to end: >= 50 hand-written and >= 1,000 generated invalid LlamaPretrains.
 
-- every one is rejected by ``kubetitan.validation.parse`` (the 1,000 generated ones) and by the
+- every one is rejected by ``kubetitan_core.validation.parse`` (the 1,000 generated ones) and by the
   ``kubetitan validate`` CLI (a sample), each error naming a field path and saying how to fix it;
 - applied straight to the mock API (no schema validation in between), every one gets
   ``Ready=False/InvalidSpec`` from the REAL operator, no child object is created, the operator never
@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kmockx.harness import CMS, LPT, PODS, SVCS, Cluster, Operator, wait_for
-from kubetitan.validation import parse
+from kubetitan_core.validation import parse
 
 pytestmark = pytest.mark.xdist_group("e2e")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kubetitan import contract
+from kubetitan_core import contract
 from kubetitan.status import progress, track
 
 S, A, C, B = contract.M_STEP, contract.M_ATTEMPT, contract.M_LAST_CHECKPOINT_STEP, contract.M_LAST_STEP_TIMESTAMP
@@ -38,7 +38,7 @@ LOADED = {S: 4, A: 1, C: 4, B: 0}  # the resumed step published after loading; n
 
 
 def _decide(scrapes: list[tuple[float, dict]], now: float):
-    from kubetitan.api import LlamaPretrainSpec, LlamaPretrainStatus
+    from kubetitan_core.api import LlamaPretrainSpec, LlamaPretrainStatus
     from kubetitan.decide import NodeObs, Observed, PodObs, decide
 
     o = None
@@ -79,7 +79,7 @@ def test_hang_timer_starts_with_the_first_trained_step(scrapes, now, cause) -> N
     (20, 21, "Hang"),
 ], ids=["plain-step", "checkpoint-step-saving", "checkpoint-step-stuck", "last-step-exiting", "last-step-stuck"])
 def test_hang_window_covers_a_checkpoint_save(step, idle, cause) -> None:
-    from kubetitan.api import LlamaPretrainSpec, LlamaPretrainStatus
+    from kubetitan_core.api import LlamaPretrainSpec, LlamaPretrainStatus
     from kubetitan.decide import NodeObs, Observed, PodObs, Progress, decide
 
     spec = LlamaPretrainSpec.model_validate({

@@ -1,7 +1,7 @@
 """Run kmockx and the real kubetitan operator in-process, and play the kubelet.
 
 - ``Cluster``: a KubeEmulator on 127.0.0.1 in its own thread and event loop, with the resources the
-  operator uses declared (the LlamaPretrain CRD's printer columns come from ``kubetitan.crd``).
+  operator uses declared (the LlamaPretrain CRD's printer columns come from ``kubetitan_core.crd``).
 - ``Operator``: ``kubetitan.handlers.run`` in a thread (the same code ``kubetitan operator`` runs),
   stopped through kopf's stop flag; ``ScaledClock`` lets API-minimum timeouts (e.g. 30 s) pass fast.
 - ``OperatorProcess``: ``kubetitan operator`` as a separate process (HA replicas, logs, liveness, benchmark).
@@ -33,7 +33,7 @@ import yaml
 
 from kmockx import ApiError, KubeEmulator, kubeconfig, rbac  # noqa: F401 - ApiError re-exported for tests
 from kmockx.validation import StructuralSchema
-from kubetitan import contract
+from kubetitan_core import contract
 from kubetitan.handlers import Options, run
 
 LPT = "kubetitan.io/v1alpha1/llamapretrains"

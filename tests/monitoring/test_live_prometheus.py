@@ -30,8 +30,8 @@ import pytest
 import tomli_w
 import yaml
 
-from kubetitan import contract
-from kubetitan.api import LlamaPretrain, TrainingStatus
+from kubetitan_core import contract
+from kubetitan_core.api import LlamaPretrain, TrainingStatus
 from kubetitan.monitoring import dashboards, queries
 from kubetitan.monitoring.config import DEFAULT
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from kubetitan import conditions as C
-from kubetitan import contract
-from kubetitan.api import Condition, LlamaPretrainSpec, LlamaPretrainStatus, RestartRecord, TrainingStatus
+from kubetitan_core import contract
+from kubetitan_core.api import Condition, LlamaPretrainSpec, LlamaPretrainStatus, RestartRecord, TrainingStatus
 from kubetitan.decide import (
     RULES, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, backoff_seconds, classify_pod, decide,
     iso, iso_ms, nodes_to_avoid,

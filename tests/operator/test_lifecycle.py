@@ -12,7 +12,8 @@ import json
 import pytest
 
 from kmockx.harness import CMS, LPT, NS, PODS, SVCS, Cluster, Operator, ScaledClock, cpu_spec, lpt, wait_for
-from kubetitan import plan, validation
+from kubetitan_core import validation
+from kubetitan import plan
 from kubetitan.decide import parse_time
 
 pytestmark = pytest.mark.xdist_group("operator-kmock")

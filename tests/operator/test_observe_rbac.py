@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kmockx.harness import LPT, NS, Cluster, Operator, Rank0Metrics, cpu_spec, lpt, wait_for
-from kubetitan import contract, rbac
-from kubetitan.api import LlamaPretrainSpec
+from kubetitan_core import contract
+from kubetitan import rbac
+from kubetitan_core.api import LlamaPretrainSpec
 from kubetitan.decide import NodeObs
 from kubetitan.observe import metrics_url, node_obs, parse_metrics, pod_obs, spec_changes, training_status
 from kubetitan.status import progress, track

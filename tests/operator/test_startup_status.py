@@ -3,9 +3,9 @@ kubetitan_trainer_startup_phase_seconds) reaches the status, and the restart rec
 
 from __future__ import annotations
 
-from kubetitan import contract
+from kubetitan_core import contract
 from kubetitan import status as S
-from kubetitan.api import StartupPhases
+from kubetitan_core.api import StartupPhases
 from kubetitan.decide import Action, Decision
 from kubetitan.observe import parse_metrics
 

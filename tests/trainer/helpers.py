@@ -8,8 +8,8 @@ from typing import Any
 
 import tomli_w
 
-from kubetitan import render
-from kubetitan.api import LlamaPretrain
+from kubetitan_core import render
+from kubetitan_core.api import LlamaPretrain
 
 TINY: dict[str, Any] = {
     "model": {"flavor": "debug"},

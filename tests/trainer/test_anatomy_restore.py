@@ -98,7 +98,7 @@ def test_process_start_time_of_this_process_is_in_the_past():
 def test_exporter_serves_each_phase_with_a_label(tmp_path):
     from prometheus_client import generate_latest
 
-    from kubetitan import contract
+    from kubetitan_core import contract
     from kubetitan_trainer.metrics import Exporter
 
     ex = Exporter(peak_flops=None, total_steps=10, attempt=1, job_start=0.0)
@@ -264,7 +264,8 @@ def test_in_place_launcher_keeps_cuda_uninitialised_before_torchrun_s_config(tmp
 def test_compile_cache_folder_is_the_same_for_every_attempt_of_a_run(tmp_path):
     """A re-created gang (next attempt: new pods, same checkpoint volume) on the same GPU model finds the cache
     the previous attempt wrote: the rendered configs of two attempts give one folder."""
-    from kubetitan import contract, plan
+    from kubetitan_core import contract
+    from kubetitan import plan
     from kubetitan_trainer import compile_cache
 
     from tests.trainer.helpers import lpt

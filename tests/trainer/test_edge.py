@@ -10,7 +10,7 @@ from collections import namedtuple
 
 import pytest
 
-from kubetitan.contract import ExitCode
+from kubetitan_core.contract import ExitCode
 
 
 def _free_port() -> int:

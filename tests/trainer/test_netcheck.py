@@ -9,7 +9,7 @@ import types
 import pytest
 
 from kubetitan import conditions as C
-from kubetitan.contract import ExitCode
+from kubetitan_core.contract import ExitCode
 from kubetitan_trainer import netcheck
 
 # NCCL 2.2x INFO lines as NCCL and aws-ofi-nccl print them (wording from their sources).

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kubetitan import contract
-from kubetitan.contract import ExitCode
+from kubetitan_core import contract
+from kubetitan_core.contract import ExitCode
 from kubetitan_trainer import anatomy
 from kubetitan_trainer.local import free_port, scrape
 

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kubetitan import contract, render
-from kubetitan.api import LlamaPretrain
-from kubetitan.catalog import ACCELERATORS, FLAVOURS
+from kubetitan_core import contract, render
+from kubetitan_core.api import LlamaPretrain
+from kubetitan_core.catalog import ACCELERATORS, FLAVOURS
 
 from tests.conftest import EXAMPLES, load_example
 from tests.trainer.helpers import lpt, write_config
@@ -30,7 +30,7 @@ def parse(path: Path):
 
 
 def test_job_config_module_is_torch_free():
-    code = "import sys, kubetitan_trainer.job_config, kubetitan.render; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kubetitan_trainer.job_config, kubetitan_core.render; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([PY, "-c", code], check=True, cwd=REPO)
 
 

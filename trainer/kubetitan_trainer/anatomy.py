@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from kubetitan.contract import STARTUP_PHASES as PHASES  # noqa: E402 - torch-free, shared with the operator
+from kubetitan_core.contract import STARTUP_PHASES as PHASES  # noqa: E402 - torch-free, shared with the operator
 
 """The phases, in order; they partition origin -> end of the first step."""
 

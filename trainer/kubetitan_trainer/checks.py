@@ -15,7 +15,7 @@ from kubetitan_trainer.errors import ConfigError
 def check(job_config: JobConfig, world_size: int, cuda: bool) -> None:
     """Raise the first :class:`ConfigError` found."""
     from kubetitan_trainer.train_spec import model_args_for
-    from kubetitan.render import TRAIN_SPEC_NAME
+    from kubetitan_core.render import TRAIN_SPEC_NAME
 
     if job_config.model.name != TRAIN_SPEC_NAME:
         raise ConfigError("model.name", f"is {job_config.model.name!r}", f"set it to {TRAIN_SPEC_NAME!r} (kubetitan's TrainSpec)")

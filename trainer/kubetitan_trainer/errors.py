@@ -1,8 +1,8 @@
-"""Exceptions that map to the documented exit codes (``kubetitan.contract.ExitCode``)."""
+"""Exceptions that map to the documented exit codes (``kubetitan_core.contract.ExitCode``)."""
 
 from __future__ import annotations
 
-from kubetitan.contract import ExitCode
+from kubetitan_core.contract import ExitCode
 
 
 class ConfigError(Exception):

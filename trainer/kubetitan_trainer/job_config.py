@@ -3,7 +3,7 @@
 torchtitan 0.2.2 extends its config through ``job.custom_config_module``: the module named there
 must define a ``JobConfig`` dataclass, whose fields ConfigManager merges with its own
 (``torchtitan/config/manager.py``, ``_maybe_add_custom_config``). The operator's renderer
-(``kubetitan.render._kubetitan_table``) writes exactly these keys.
+(``kubetitan_core.render._kubetitan_table``) writes exactly these keys.
 
 Torch-free on purpose: the operator and the contract test import it without torch.
 No ``from __future__ import annotations`` here: ConfigManager checks ``is_dataclass(field.type)``

@@ -53,8 +53,8 @@ import sys
 import tempfile
 import time
 
-from kubetitan import contract
-from kubetitan.contract import EXIT_SIGTERM, ExitCode
+from kubetitan_core import contract
+from kubetitan_core.contract import EXIT_SIGTERM, ExitCode
 
 from kubetitan_trainer import ENV_STOP_FILE, anatomy
 

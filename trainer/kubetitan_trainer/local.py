@@ -1,5 +1,8 @@
 """``kubetitan run FILE``: the same launcher and trainer the pods run, on this machine.
 
+``kubetitan run`` validates the file and then hands its process over to ``python -m kubetitan_trainer.local
+FILE [--output-dir DIR] [--steps N]`` (this module's :func:`main`), so the operator's CLI never imports the trainer.
+
 Renders ``trainer.toml`` into the output folder (default ``./runs/<name>``), starts
 ``python -m kubetitan_trainer.launch`` with one node, ``processesPerNode`` workers, master
 127.0.0.1 and free ports, shows a progress bar fed by the trainer's own ``/metrics`` endpoint
@@ -20,8 +23,8 @@ from pathlib import Path
 
 import tomli_w
 
-from kubetitan import contract, render
-from kubetitan.api import LlamaPretrain
+from kubetitan_core import contract, render
+from kubetitan_core.api import LlamaPretrain
 
 
 def free_port() -> int:
@@ -61,7 +64,7 @@ def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port:
 
 
 def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | None = None) -> int:
-    """Train ``lpt`` locally; returns the trainer's exit code (``kubetitan.contract.ExitCode``)."""
+    """Train ``lpt`` locally; returns the trainer's exit code (``kubetitan_core.contract.ExitCode``)."""
     from tqdm import tqdm
 
     name = lpt.metadata.name
@@ -123,3 +126,33 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
         tail = log_path.read_text(errors="replace").splitlines()[-15:]
         print("\n".join(tail))
     return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kubetitan_trainer.local FILE [--output-dir DIR] [--steps N]`` (what ``kubetitan run`` runs)."""
+    import argparse
+
+    from kubetitan_core.strictyaml import YamlError, load_all
+    from kubetitan_core.validation import parse
+
+    p = argparse.ArgumentParser(prog="kubetitan run", description="train a LlamaPretrain locally")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--output-dir", help="where checkpoints, logs and metrics go (default ./runs/<name>)")
+    p.add_argument("--steps", type=int, help="override spec.training.steps")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        docs = [d for d in load_all(Path(a.file).read_bytes()) if d is not None]
+    except (OSError, YamlError) as e:
+        print(f"error: {a.file}: {e}", file=sys.stderr)
+        return 1
+    lpt, errors = parse(docs[0]) if len(docs) == 1 else (None, [f"holds {len(docs)} documents; give exactly one"])
+    if errors or lpt is None:
+        print(f"{a.file}: is not a valid LlamaPretrain (`kubetitan validate {a.file}` lists why):", file=sys.stderr)
+        for e in errors:
+            print(f"  - {e}", file=sys.stderr)
+        return 1
+    return run_local(lpt, output_dir=a.output_dir, steps=a.steps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,7 @@ torchrun (``kubetitan_trainer.launch``) starts one per rank. It applies the CPU 
 there is no GPU, registers the TrainSpec, checks the config (before any process group exists, so a
 bad config ends every rank at once with exit 2), then runs torchtitan's own
 ``main(trainer_class)`` with :class:`~kubetitan_trainer.trainer.KubetitanTrainer`, and turns
-the outcome into the documented exit code (``kubetitan.contract.ExitCode``).
+the outcome into the documented exit code (``kubetitan_core.contract.ExitCode``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import sys
 import tempfile
 
-from kubetitan.contract import ExitCode
+from kubetitan_core.contract import ExitCode
 
 
 def load_config(argv: list[str]):

@@ -15,7 +15,7 @@ MFU (computed by kubetitan, also with FP8 on)::
 (embedding excluded) + 12 x layers x heads x head_dim x seq_len, i.e. forward + backward, PaLM
 appendix B). ``tokens_per_second_per_gpu`` is torchtitan's ``tps`` (this rank's tokens over the
 log interval, divided by the non-data-parallel degree). The peak is the dense bf16 tensor-core
-peak of ``kubetitan.catalog.ACCELERATORS``, matched on the CUDA device name (else the spec's
+peak of ``kubetitan_core.catalog.ACCELERATORS``, matched on the CUDA device name (else the spec's
 ``gpuProduct``). FP8 runs are still divided by the bf16 peak, so FP8 speed-ups show as a higher
 MFU (the seeds' convention). On CPU, or on an unknown GPU, there is no peak: the
 ``mfu_ratio`` and ``peak_flops_per_second_per_gpu`` series are not exported at all (absent rather
@@ -45,8 +45,8 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from kubetitan import contract
-from kubetitan.catalog import ACCELERATORS, accelerator_for
+from kubetitan_core import contract
+from kubetitan_core.catalog import ACCELERATORS, accelerator_for
 
 from kubetitan_trainer import cpu_bridge
 

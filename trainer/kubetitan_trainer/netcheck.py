@@ -28,7 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from kubetitan.contract import ExitCode
+from kubetitan_core.contract import ExitCode
 
 LOG_ENV = "KUBETITAN_NCCL_LOG"
 """Where local rank 0's NCCL INFO log goes (``%h``/``%p`` expanded by NCCL); set by :func:`prepare_env`."""

@@ -26,8 +26,8 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerMode
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import logger
 
-from kubetitan.catalog import FLAVOURS
-from kubetitan.render import TRAIN_SPEC_NAME
+from kubetitan_core.catalog import FLAVOURS
+from kubetitan_core.render import TRAIN_SPEC_NAME
 
 from kubetitan_trainer import cpu_bridge
 from kubetitan_trainer.data import build_dataloader

@@ -8,7 +8,7 @@ Everything else comes through the TrainSpec. The subclass adds, and only adds:
 - **Stop** (SIGTERM): the checkpoint of that step is saved in full and synchronously (torchtitan's
   last-step save, forced on), the loop ends, and the worker exits 75.
 - **Non-finite loss**: raises :class:`NonFiniteLossError` (exit 3) before anything is saved.
-- **Resume** from the newest *complete* checkpoint (``kubetitan.contract.newest_complete_step``);
+- **Resume** from the newest *complete* checkpoint (``kubetitan_core.contract.newest_complete_step``);
   partial newer step directories are skipped with a warning.
 - **Goodput state**: productive step seconds travel in the checkpoint's ``train_state``.
 - **Start-up anatomy** (:mod:`kubetitan_trainer.anatomy`): process-group init, checkpoint load and the first
@@ -31,8 +31,8 @@ from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from kubetitan import contract
-from kubetitan.contract import ExitCode
+from kubetitan_core import contract
+from kubetitan_core.contract import ExitCode
 
 from kubetitan_trainer import ENV_STOP_FILE, anatomy, netcheck, restore_tier
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError

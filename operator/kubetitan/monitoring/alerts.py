@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kubetitan import contract as c
+from kubetitan_core import contract as c
 from kubetitan.monitoring import queries as q
 from kubetitan.monitoring.config import DEFAULT, MonitoringConfig
 

@@ -7,7 +7,7 @@ the live test can run each query against a real Prometheus. Dashboard variables 
 
 from __future__ import annotations
 
-from kubetitan import contract as c
+from kubetitan_core import contract as c
 from kubetitan.monitoring.config import MonitoringConfig
 
 # ---- the operator's own metrics (operator/kubetitan/operator_metrics.py exports them)

@@ -189,7 +189,7 @@ def unknown_instance_type_warning(instance_type: str | None, gpus_per_node: int,
     mem = (f"cpu {res.cpu} and memory {res.memory} per pod from the spec" if res.source == "spec" else
            f"requests of cpu {res.cpu} and memory {res.memory} per pod (1 CPU and 2Gi per process, no limit; set "
            "spec.resources.cpu and memory)")
-    return (f"instance type {instance_type} is not in kubetitan's catalog (operator/kubetitan/catalog.py); "
+    return (f"instance type {instance_type} is not in kubetitan's catalog (operator/core/kubetitan_core/catalog.py); "
             f"assuming {gpus_per_node} GPUs per node (spec.resources.gpusPerNode, not checked), {efa}, {gpu}, "
             f"and {mem}")
 
@@ -197,7 +197,7 @@ def unknown_instance_type_warning(instance_type: str | None, gpus_per_node: int,
 def instance_type_warning(spec: Any) -> str | None:
     """:func:`unknown_instance_type_warning` of a ``LlamaPretrainSpec`` (the CLI prints it, the operator sends
     it as a Warning Event ``UnknownInstanceType``)."""
-    from kubetitan.api import processes_per_node  # lazy: importing the catalog needs no pydantic
+    from kubetitan_core.api import processes_per_node  # lazy: importing the catalog needs no pydantic
 
     r = spec.resources
     return unknown_instance_type_warning(r.instance_type, r.gpus_per_node, r.efa_per_node, r.gpu_product,

@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kubetitan import API_VERSION, KIND, contract, k8sfields
-from kubetitan.api import (
+from kubetitan_core import API_VERSION, KIND, contract, k8sfields
+from kubetitan_core.api import (
     LlamaPretrain,
     LlamaPretrainSpec,
     ModelSpec,
@@ -26,8 +26,8 @@ from kubetitan.api import (
     resolved_dp_shard,
     world_size,
 )
-from kubetitan.catalog import FLAVOURS, INSTANCE_TYPES, ModelDims, accelerator_for
-from kubetitan.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, SHM_MOUNT
+from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES, ModelDims, accelerator_for
+from kubetitan_core.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, SHM_MOUNT
 
 
 @dataclass(frozen=True)
@@ -568,7 +568,7 @@ def _pydantic_errors(e: ValidationError) -> list[FieldError]:
 
 def _python_names(value: Any, model: Any, path: str) -> list[FieldError]:
     """Keys spelled the Python way (``seq_len``) where the API has camelCase (``seqLen``): the API server refuses them."""
-    from kubetitan.crd import _model_in
+    from kubetitan_core.crd import _model_in
 
     if not isinstance(value, dict):
         return []

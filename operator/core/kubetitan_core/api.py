@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from kubetitan import API_VERSION, KIND
+from kubetitan_core import API_VERSION, KIND
 
 
 class _Base(BaseModel):

@@ -1,4 +1,4 @@
-"""The ``LlamaPretrain`` CustomResourceDefinition, generated from :mod:`kubetitan.api`.
+"""The ``LlamaPretrain`` CustomResourceDefinition, generated from :mod:`kubetitan_core.api`.
 
 ``api.py`` is the one source of truth. This module turns the pydantic models into a
 *structural* OpenAPI v3 schema the way controller-gen turns Go types into one:
@@ -11,10 +11,10 @@
   nested sections get ``default: {}`` so the API server's defaulting cascades into them
   (the result equals what pydantic fills in; ``tests/api/test_crd.py`` checks that);
 - free-form Kubernetes types (tolerations, affinity, env items) keep unknown fields;
-- cross-field rules come from :data:`kubetitan.validation.CEL_RULES` as
+- cross-field rules come from :data:`kubetitan_core.validation.CEL_RULES` as
   ``x-kubernetes-validations`` on ``spec``.
 
-Run ``python -m kubetitan.crd --write`` after changing ``api.py`` or the CEL rules; a test
+Run ``python -m kubetitan_core.crd --write`` after changing ``api.py`` or the CEL rules; a test
 fails when ``crds/`` drifts from this generator.
 """
 
@@ -33,13 +33,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from kubetitan import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
-from kubetitan.api import LlamaPretrain
+from kubetitan_core import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from kubetitan_core.api import LlamaPretrain
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILE = f"{GROUP}_{PLURAL}.yaml"
 CATEGORIES = ["kubetitan"]
-GENERATE_COMMAND = "python -m kubetitan.crd --write"
+GENERATE_COMMAND = "python -m kubetitan_core.crd --write"
 
 # ValidationRule.reason and .fieldPath exist from Kubernetes 1.28 on; a 1.27 API server
 # (and kubectl's strict field validation) rejects them as unknown fields.
@@ -99,7 +99,7 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], where: str) -> dict[
         options = [o for o in node.pop(key) if o != {"type": "null"}]
         if len(options) != 1:
             raise ValueError(f"{where}: {key} with {len(options)} non-null options is not "
-                             "structural; use a single type in kubetitan/api.py")
+                             "structural; use a single type in kubetitan_core/api.py")
         node = {**options[0], **node}
     if description is None:
         description = node.get("description")
@@ -228,7 +228,7 @@ def cel_validations(rules: Iterable[Any], kubernetes_version: str | None = None)
 
 
 def _default_rules() -> Sequence[Any]:
-    from kubetitan.validation import CEL_RULES  # imported late: validation imports the catalog
+    from kubetitan_core.validation import CEL_RULES  # imported late: validation imports the catalog
 
     return CEL_RULES
 
@@ -257,7 +257,7 @@ def openapi_schema(rules: Iterable[Any] | None = None, kubernetes_version: str |
 def crd(rules: Iterable[Any] | None = None, kubernetes_version: str | None = None) -> dict[str, Any]:
     """The apiextensions.k8s.io/v1 CustomResourceDefinition of LlamaPretrain.
 
-    ``rules`` defaults to :data:`kubetitan.validation.CEL_RULES`. ``kubernetes_version``
+    ``rules`` defaults to :data:`kubetitan_core.validation.CEL_RULES`. ``kubernetes_version``
     (e.g. ``"1.27"``) leaves out fields that version does not know; unset targets 1.28+.
     """
     return {
@@ -328,8 +328,8 @@ def crd_yaml(rules: Iterable[Any] | None = None, kubernetes_version: str | None 
 
 
 def default_path() -> Path:
-    """``crds/kubetitan.io_llamapretrains.yaml`` of the source checkout."""
-    return Path(__file__).resolve().parents[2] / "crds" / CRD_FILE
+    """``crds/kubetitan.io_llamapretrains.yaml`` of the source checkout (this file is operator/core/kubetitan_core/crd.py)."""
+    return Path(__file__).resolve().parents[3] / "crds" / CRD_FILE
 
 
 def emit(text: str, target: Path | None) -> None:
@@ -343,7 +343,7 @@ def emit(text: str, target: Path | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kubetitan.crd", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kubetitan_core.crd", description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help=f"write crds/{CRD_FILE} of this checkout")
     parser.add_argument("--output", type=Path, help="write to this file instead")
     parser.add_argument("--kubernetes-version", help="target an older API server, e.g. 1.27 (drops "

@@ -15,9 +15,9 @@ from typing import Any
 
 import tomli_w
 
-from kubetitan import contract
-from kubetitan.api import HuggingFaceDataSpec, LlamaPretrain, LlamaPretrainSpec, resolved_dp_shard
-from kubetitan.catalog import FLAVOURS, INSTANCE_TYPES
+from kubetitan_core import contract
+from kubetitan_core.api import HuggingFaceDataSpec, LlamaPretrain, LlamaPretrainSpec, resolved_dp_shard
+from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES
 
 TRAIN_SPEC_NAME = "kubetitan_llama3"
 """The torchtitan TrainSpec the trainer registers (Llama 3 + kubetitan's data and metrics)."""
