@@ -29,8 +29,8 @@ GENERATE_COMMAND = "python -m kubetitan.apidoc --write"
 DOC_FILE = "api.md"
 
 RESTART_CAUSES: dict[str, str] = {
-    "ContainerFailed": "A trainer container exited with a retryable error: exit code 1, a signal "
-    "(137, 143) or any other non-zero code not listed below.",
+    "ContainerFailed": "A trainer container exited with a retryable error: exit code 1, 6 (`RETRYABLE`), a "
+    "signal (137, 143) or any other non-zero code not listed below.",
     "OOMKilled": "The kernel's OOM killer stopped a trainer container (terminated reason `OOMKilled`).",
     "Evicted": "The kubelet evicted a pod (node pressure).",
     "Preempted": "A pod was preempted by the scheduler, or the trainer exited with code 75 after "

@@ -81,6 +81,9 @@ CASES = [
     ("exit-1-restarts", spec(), status(),
      Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 1}}), nodes=ok_nodes, progress=TRAINING, now=NOW),
      Action.RESTART, C.RESTARTED, "ContainerFailed", {**RESTART_ALL, "node_name": "n1", "rule": "pod_failed"}),
+    ("exit-6-retryable-restarts", spec(), status(),  # contract.ExitCode.RETRYABLE: a transient failure
+     Observed(pods=gang(over={0: {"phase": "Failed", "exit_code": 6}}), nodes=ok_nodes, progress=TRAINING, now=NOW),
+     Action.RESTART, C.RESTARTED, "ContainerFailed", {**RESTART_ALL, "node_name": "n0", "rule": "pod_failed"}),
     ("oom", spec(), status(),
      Observed(pods=gang(over={0: {"phase": "Failed", "exit_code": 137, "terminated_reason": "OOMKilled"}}),
               nodes=ok_nodes, now=NOW), Action.RESTART, C.RESTARTED, "OOMKilled", {**RESTART_ALL, "node_name": "n0"}),

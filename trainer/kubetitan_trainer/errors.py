@@ -47,3 +47,10 @@ class NetworkNotEfaError(Exception):
     """EFA was requested on eks/hyperpod but NCCL is not on it. Exit code 5 (not retried)."""
 
     exit_code = ExitCode.NETWORK_NOT_EFA
+
+
+class TransientError(Exception):
+    """A transient failure (network errors, HTTP 429/5xx) that outlasted the trainer's own retries. Exit code 6
+    (``RETRYABLE``): the operator restarts the run like any other failure."""
+
+    exit_code = ExitCode.RETRYABLE

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if bridged:
         logger.info("No GPU: applied kubetitan's CPU bridges (gloo, CPU memory monitor, plain-sum FSDP)")
 
-    from kubetitan_trainer.errors import ConfigError, NetworkNotEfaError, NonFiniteLossError, StorageFullError
+    from kubetitan_trainer.errors import (ConfigError, NetworkNotEfaError, NonFiniteLossError, StorageFullError,
+                                         TransientError)
 
     code = check_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
     if code is not None:
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     except NetworkNotEfaError as e:
         logger.error(str(e))
         return ExitCode.NETWORK_NOT_EFA
+    except TransientError as e:
+        logger.error(str(e))
+        return ExitCode.RETRYABLE
     return int(KubetitanTrainer.exit_code)
 
 

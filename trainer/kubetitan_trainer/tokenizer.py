@@ -1,4 +1,6 @@
-"""The TrainSpec's ``build_tokenizer_fn``: builtin, a local path, or a hub repository."""
+"""The TrainSpec's ``build_tokenizer_fn``: builtin, a local path, or a hub repository.
+
+A hub repository is downloaded once per pod, with retries (:mod:`kubetitan_trainer.downloads`)."""
 
 from __future__ import annotations
 
@@ -32,15 +34,18 @@ def tokenizer_dir(job_config: JobConfig) -> str:
         if not t.repo:
             raise ConfigError("kubetitan.tokenizer.repo (spec.tokenizer.repo)", "is empty",
                               "set it to a hub repository such as meta-llama/Meta-Llama-3.1-8B")
-        from huggingface_hub import snapshot_download
+        from kubetitan_trainer import downloads
 
         dest = os.path.join(job_config.job.dump_folder, "tokenizer", t.repo.replace("/", "--"))
-        logger.info(f"Downloading the tokenizer of {t.repo} to {dest}")
-        try:
-            snapshot_download(t.repo, local_dir=dest, allow_patterns=_FILES, token=os.environ.get("HF_TOKEN"))
-        except Exception as e:  # noqa: BLE001 - any hub failure is a config problem for the user
-            raise ConfigError("kubetitan.tokenizer.repo (spec.tokenizer.repo)", f"cannot download {t.repo}: {e}",
-                              "check the name, and for gated models set spec.tokenizer.tokenSecretRef") from None
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        what = f"Downloading the tokenizer of {t.repo} to {dest}"
+        if local_rank == 0:
+            logger.info(what)
+        fetch = downloads.hub_snapshot(t.repo, _FILES, os.environ.get("HF_TOKEN"), log=logger.warning)
+        downloads.fetch_once(dest, fetch, local_rank=local_rank, what=what, log=logger.info)
+        if not (Path(dest) / "tokenizer.json").is_file():
+            raise ConfigError("kubetitan.tokenizer.repo (spec.tokenizer.repo)", f"{t.repo} has no tokenizer.json",
+                              "use a repository that ships a tokenizer.json (a Hugging Face fast tokenizer)")
         return dest
     raise ConfigError("kubetitan.tokenizer.source (spec.tokenizer.source)", f"unknown source {t.source!r}",
                       "use builtin, path or huggingface")

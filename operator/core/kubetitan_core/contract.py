@@ -31,6 +31,10 @@ class ExitCode(IntEnum):
     """EFA was requested on `eks`/`hyperpod` but NCCL did not use it (no aws-ofi-nccl plugin, or not its
     `efa` provider), checked after the first step. Not retried: use an image with the plugin (see
     `images/trainer.Dockerfile`) or set `spec.resources.networkFallback: AllowSockets`."""
+    RETRYABLE = 6
+    """A transient failure that outlasted the trainer's own retries: the tokenizer download from the hub kept
+    failing with connection errors, timeouts, HTTP 429 or 5xx (capped exponential backoff with jitter first).
+    Restarted like any failure (cause `ContainerFailed`, counted against `spec.runPolicy.maxRestarts`)."""
     TERMINATED_CHECKPOINTED = 75
     """SIGTERM received (suspend, preemption, node drain); a full checkpoint was saved. Resumable."""
 
