@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from kubetitan.contract import ExitCode
+from kubetitan_core.contract import ExitCode
 from kubetitan_trainer import downloads
 from kubetitan_trainer.errors import ConfigError, TransientError
 from kubetitan_trainer.tokenizer import BUILTIN_TOKENIZER
