@@ -291,8 +291,8 @@ def test_api_faults_on_every_request_leave_the_run_untouched(e2e) -> None:
         assert re.search(r"Warning\s+FailedCreate\s+.*exceeded quota", described), described
         assert not _pods(c, name) and _st(c, name)["phase"] == "Starting"
         # ---- then refused by Pod Security (422) for a while
-        quota.count = quota.hits  # the quota is raised: that burst ends
         psa = c.k.inject(verbs={"create"}, resource="pods", code=422, message=PSA, user=user)
+        quota.count = quota.hits  # the quota is raised: that burst ends (the 422s, listed after it, take over)
         wait_for(lambda: (c.condition(NS, name, "ChildrenCreated") or {}).get("reason") == "Invalid", 60,
                  "ChildrenCreated=False/Invalid")
         assert not _pods(c, name)

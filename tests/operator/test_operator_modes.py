@@ -7,7 +7,6 @@ tests run ``kubetitan.handlers.run`` in-process (the same function the CLI calls
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any
 
 import pytest
@@ -48,7 +47,7 @@ def test_peering_one_active_replica_then_takeover(cluster: Cluster) -> None:
             assert "Resuming operations" in a.log_text() and "Resuming operations" not in b.log_text()
             cluster.apply(lpt("ha1", cpu_spec(nodes=2)))
             wait_for(lambda: len(cluster.pod_names(NS, "ha1")) == 2, 15, "ha1 pods")
-            time.sleep(1.0)  # room for a second actor to show up
+            wait_for(lambda: cluster.status(NS, "ha1").get("phase") == "Starting", 15, "ha1's status by A")
             assert sorted(_pod_creates(cluster)) == ["ha1-a0-0", "ha1-a0-1"], "each pod created once, by one replica"
             assert _created(a, "ha1") and not _created(b, "ha1")
             a.stop()
@@ -80,8 +79,10 @@ def test_namespace_scope(scope: str, kwargs: dict[str, Any], served: list[str], 
         for ns in served:
             wait_for(lambda ns=ns: c.pod_names(ns, f"run-{ns}") == [f"run-{ns}-a0-0"], 15, f"pods in {ns}")
             wait_for(lambda ns=ns: c.status(ns, f"run-{ns}").get("phase") == "Starting", 10, f"status in {ns}")
-        time.sleep(0.5)  # the served runs are done; an ignored one would have been handled alongside
         for ns in ignored:
+            # never watched or touched there at all (the request log), so nothing can come later either
+            touched = [str(e) for e in c.k.log if e.user != "system:admin" and f"/namespaces/{ns}/" in e.path]
+            assert not touched, touched
             assert c.pod_names(ns, f"run-{ns}") == [], f"{scope}: a run in {ns} got pods"
             obj = c.lpt(ns, f"run-{ns}")
             assert obj is not None and not obj.get("status") and not obj["metadata"].get("finalizers"), obj
