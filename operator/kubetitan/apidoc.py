@@ -222,8 +222,10 @@ def render(rules: list[Any] | None = None) -> str:
 
     from kubetitan_core.validation import RULES
 
-    out += ["All semantic rules (`kubetitan validate` and the operator; CEL: also enforced by the API server; "
-            "trainer: checked again when the trainer starts):", "",
+    out += ["All semantic rules, one table (`kubetitan_core.validation.RULES`): `kubetitan validate` and the operator "
+            "check each; CEL: its twin is generated into the CRD and also enforced by the API server; Trainer: the "
+            "trainer.toml key on which the trainer checks it again when it starts (`kubetitan_trainer.checks`, "
+            "exit code 2):", "",
             "| Rule | Field | Checks | CEL | Trainer |", "|---|---|---|---|---|"]
     out += [f"| {r.id} | {_cell(r.field)} | {_cell(r.checks)} | {'yes' if r.cel else ''} | {_cell(r.trainer)} |"
             for r in RULES]

@@ -10,8 +10,10 @@ class ConfigError(Exception):
 
     exit_code = ExitCode.CONFIG_ERROR
 
-    def __init__(self, field: str, problem: str, fix: str) -> None:
+    def __init__(self, field: str, problem: str, fix: str, rule: str = "") -> None:
         self.field, self.problem, self.fix = field, problem, fix
+        self.rule = rule
+        """The ``kubetitan_core.validation.RULES`` id this re-checks, or empty for a trainer-only check."""
         super().__init__(f"{field}: {problem}. Fix: {fix}")
 
 

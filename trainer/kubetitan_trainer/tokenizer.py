@@ -52,16 +52,11 @@ def tokenizer_dir(job_config: JobConfig) -> str:
 
 
 def build_tokenizer(job_config: JobConfig) -> HuggingFaceTokenizer:
-    """TrainSpec ``build_tokenizer_fn``; checks the model's vocabulary can hold every token id."""
-    from kubetitan_trainer.train_spec import model_args_for
+    """TrainSpec ``build_tokenizer_fn``; checks the model's vocabulary can hold every token id (rule
+    tokenizer.vocab, the same check ``checks`` runs before training for a tokenizer already in the pod)."""
+    from kubetitan_trainer.checks import vocab_error
 
     tok = HuggingFaceTokenizer(tokenizer_dir(job_config))
-    vocab = tok.get_vocab_size()
-    model_vocab = model_args_for(job_config).vocab_size
-    if vocab > model_vocab:
-        raise ConfigError(
-            "model.flavor (spec.model.flavor / spec.tokenizer)",
-            f"the tokenizer has {vocab} tokens but flavour {job_config.model.flavor} has vocab_size {model_vocab}",
-            "use a tokenizer that fits (the builtin one fits every flavour) or a custom flavour with a larger vocabSize",
-        )
+    if (e := vocab_error(job_config, tok.get_vocab_size())) is not None:
+        raise e
     return tok

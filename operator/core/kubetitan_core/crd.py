@@ -11,7 +11,7 @@
   nested sections get ``default: {}`` so the API server's defaulting cascades into them
   (the result equals what pydantic fills in; ``tests/api/test_crd.py`` checks that);
 - free-form Kubernetes types (tolerations, affinity, env items) keep unknown fields;
-- cross-field rules come from :data:`kubetitan_core.validation.CEL_RULES` as
+- cross-field rules are the CEL twins of :data:`kubetitan_core.validation.RULES` (the rule table), as
   ``x-kubernetes-validations`` on ``spec``.
 
 Run ``python -m kubetitan_core.crd --write`` after changing ``api.py`` or the CEL rules; a test
@@ -228,9 +228,10 @@ def cel_validations(rules: Iterable[Any], kubernetes_version: str | None = None)
 
 
 def _default_rules() -> Sequence[Any]:
-    from kubetitan_core.validation import CEL_RULES  # imported late: validation imports the catalog
+    """The CEL twins of the rule table's entries, in table order (read at each call: the table is the source)."""
+    from kubetitan_core import validation  # imported late: validation imports the catalog
 
-    return CEL_RULES
+    return [r.cel_rule for r in validation.RULES if r.cel_rule is not None]
 
 
 def openapi_schema(rules: Iterable[Any] | None = None, kubernetes_version: str | None = None) -> dict[str, Any]:
@@ -257,7 +258,7 @@ def openapi_schema(rules: Iterable[Any] | None = None, kubernetes_version: str |
 def crd(rules: Iterable[Any] | None = None, kubernetes_version: str | None = None) -> dict[str, Any]:
     """The apiextensions.k8s.io/v1 CustomResourceDefinition of LlamaPretrain.
 
-    ``rules`` defaults to :data:`kubetitan_core.validation.CEL_RULES`. ``kubernetes_version``
+    ``rules`` defaults to the CEL twins in :data:`kubetitan_core.validation.RULES`. ``kubernetes_version``
     (e.g. ``"1.27"``) leaves out fields that version does not know; unset targets 1.28+.
     """
     return {

@@ -46,8 +46,17 @@ class FieldError:
 
 
 @dataclass(frozen=True)
+class Cel:
+    """The CEL twin of a rule: the expression the API server evaluates on ``spec`` (``x-kubernetes-validations``)."""
+
+    rule: str
+    message: str
+    field_path: str
+
+
+@dataclass(frozen=True)
 class CelRule:
-    """A rule the API server enforces through ``x-kubernetes-validations`` on ``spec``."""
+    """A rule the API server enforces through ``x-kubernetes-validations`` on ``spec`` (derived from ``RULES``)."""
 
     id: str
     rule: str
@@ -64,114 +73,54 @@ _OTHERS = (
     " * self.parallelism.pipelineParallelDegree * self.parallelism.contextParallelDegree"
 )
 
-CEL_RULES: list[CelRule] = [
-    CelRule(
-        "parallelism.product",
-        f"self.parallelism.dataParallelShardDegree == -1 ? "
-        f"(self.resources.nodes * {_PROCS}) % ({_OTHERS}) == 0 : "
-        f"self.parallelism.dataParallelShardDegree * {_OTHERS} == self.resources.nodes * {_PROCS}",
-        "the product of the parallel degrees must equal resources.nodes x processes per node",
-        ".parallelism",
-    ),
-    CelRule(
-        "parallelism.context-seq-len",
-        "self.training.seqLen % (2 * self.parallelism.contextParallelDegree) == 0",
-        "training.seqLen must be divisible by 2 x parallelism.contextParallelDegree",
-        ".training.seqLen",
-    ),
-    CelRule(
-        "float8.all-gather-recipe",
-        "!self.precision.float8.fsdpFloat8AllGather || "
-        "(self.precision.float8.enabled && self.precision.float8.recipe == 'tensorwise')",
-        "precision.float8.fsdpFloat8AllGather needs precision.float8.enabled and recipe tensorwise",
-        ".precision.float8.fsdpFloat8AllGather",
-    ),
-    CelRule(
-        "float8.precompute-needs-all-gather",
-        "!self.precision.float8.precomputeDynamicScale || self.precision.float8.fsdpFloat8AllGather",
-        "precision.float8.precomputeDynamicScale needs precision.float8.fsdpFloat8AllGather",
-        ".precision.float8.precomputeDynamicScale",
-    ),
-    CelRule(
-        "model.custom",
-        "(self.model.flavor == 'custom') == has(self.model.custom)",
-        "model.custom must be set exactly when model.flavor is custom",
-        ".model.custom",
-    ),
-    CelRule(
-        "data.shards-required",
-        "self.data.source != 'shards' || has(self.data.shards)",
-        "data.shards is required when data.source is shards",
-        ".data.shards",
-    ),
-    CelRule(
-        "restarts.need-checkpoint",
-        "self.runPolicy.maxRestarts == 0 || self.checkpoint.enabled",
-        "runPolicy.maxRestarts > 0 needs checkpoint.enabled (a restart resumes from a checkpoint)",
-        ".runPolicy.maxRestarts",
-    ),
-    CelRule(
-        "checkpoint.keep-latest-k",
-        "self.checkpoint.keepLatestK != 1",
-        "checkpoint.keepLatestK must be 0 (keep all) or at least 2",
-        ".checkpoint.keepLatestK",
-    ),
-    CelRule(
-        "checkpoint.one-storage",
-        "!(has(self.checkpoint.storage.persistentVolumeClaim) && has(self.checkpoint.storage.hostPath))",
-        "set at most one of checkpoint.storage.persistentVolumeClaim and hostPath",
-        ".checkpoint.storage",
-    ),
-    CelRule(
-        "tokenizer.path-required",
-        "self.tokenizer.source != 'path' || has(self.tokenizer.path)",
-        "tokenizer.path is required when tokenizer.source is path",
-        ".tokenizer.path",
-    ),
-    CelRule(
-        "tokenizer.repo-required",
-        "self.tokenizer.source != 'huggingface' || has(self.tokenizer.repo)",
-        "tokenizer.repo is required when tokenizer.source is huggingface",
-        ".tokenizer.repo",
-    ),
-    CelRule(
-        "run-policy.backoff-order",
-        "self.runPolicy.maxBackoffSeconds >= self.runPolicy.backoffSeconds",
-        "runPolicy.maxBackoffSeconds must be at least runPolicy.backoffSeconds",
-        ".runPolicy.maxBackoffSeconds",
-    ),
-]
-
 
 @dataclass(frozen=True)
 class Rule:
-    """One semantic rule of the validator: its id (the ``rule`` of its FieldErrors), where it reports, what it
-    checks, and whether the trainer checks the same again at start-up (kubetitan_trainer.checks / tokenizer)."""
+    """One semantic rule, written once: its id (the ``rule`` of its FieldErrors), the field it reports at, what it
+    checks, its CEL twin where CEL can express it (the CRD's ``x-kubernetes-validations`` are generated from
+    these, :mod:`kubetitan_core.crd`), and what the trainer re-checks at start-up (``trainer``: the torchtitan /
+    ``[kubetitan]`` key; ``kubetitan_trainer.checks.RECHECKS`` holds one check per such rule, run in table
+    order)."""
 
     id: str
     field: str
     checks: str
     trainer: str = ""
-    """Where the trainer re-checks it, or empty."""
+    """The trainer.toml key the trainer re-checks this rule on (``kubetitan_trainer.checks``), or empty."""
+    cel: Cel | None = None
 
     @property
-    def cel(self) -> CelRule | None:
-        return next((c for c in CEL_RULES if c.id == self.id), None)
+    def cel_rule(self) -> CelRule | None:
+        return CelRule(self.id, self.cel.rule, self.cel.message, self.cel.field_path) if self.cel else None
 
 
 RULES: tuple[Rule, ...] = (
     Rule("metadata.name", "metadata.name", "a DNS-1035 label no longer than the computed limit (see Names and pod fields)"),
     Rule("parallelism.product", "spec.parallelism", "the degrees multiply to nodes x processes per node",
-         "checks.check (parallelism)"),
-    Rule("parallelism.context-seq-len", "spec.training.seqLen", "seqLen divisible by 2 x contextParallelDegree"),
-    Rule("model.custom", "spec.model.custom", "set exactly when flavor is custom"),
+         "parallelism.* degrees x the world size",
+         cel=Cel(
+             f"self.parallelism.dataParallelShardDegree == -1 ? "
+             f"(self.resources.nodes * {_PROCS}) % ({_OTHERS}) == 0 : "
+             f"self.parallelism.dataParallelShardDegree * {_OTHERS} == self.resources.nodes * {_PROCS}",
+             "the product of the parallel degrees must equal resources.nodes x processes per node",
+             ".parallelism")),
+    Rule("parallelism.context-seq-len", "spec.training.seqLen", "seqLen divisible by 2 x contextParallelDegree",
+         cel=Cel(
+             "self.training.seqLen % (2 * self.parallelism.contextParallelDegree) == 0",
+             "training.seqLen must be divisible by 2 x parallelism.contextParallelDegree",
+             ".training.seqLen")),
+    Rule("model.custom", "spec.model.custom", "set exactly when flavor is custom",
+         cel=Cel(
+             "(self.model.flavor == 'custom') == has(self.model.custom)",
+             "model.custom must be set exactly when model.flavor is custom",
+             ".model.custom")),
     Rule("model.dims", "spec.model.custom", "dim divisible by nHeads, nKvHeads divides nHeads"),
     Rule("model.heads-tp", "spec.parallelism.tensorParallelDegree", "divides the model's heads and key/value heads"),
     Rule("model.layers-pp", "spec.parallelism.pipelineParallelDegree", "divides the model's layers"),
     Rule("tokenizer.vocab", "spec.model.custom.vocabSize", "the vocabulary holds every token of the tokenizer",
-         "tokenizer.build_tokenizer (the tokenizer's real size)"),
+         "model vocab_size vs the tokenizer's real size"),
     Rule("training.global-batch", "spec.training.globalBatchSize", "a multiple of localBatchSize x data parallel",
-         "checks.check (training.global_batch_size)"),
+         "training.global_batch_size"),
     Rule("training.warmup", "spec.training.warmupSteps", "below steps"),
     Rule("resources.gpus", "spec.resources.gpusPerNode", "at most the instance type's GPUs"),
     Rule("resources.efa", "spec.resources.efaPerNode", "at most the instance type's EFA interfaces"),
@@ -179,24 +128,61 @@ RULES: tuple[Rule, ...] = (
     Rule("resources.cpu-model", "spec.resources.gpusPerNode", "0 (CPU) only for the debug or a custom model"),
     Rule("resources.procs", "spec.resources.processesPerNode", "equals gpusPerNode on GPU nodes"),
     Rule("float8.hardware", "spec.precision.float8.enabled", "FP8 needs compute capability >= 8.9 (or emulate)",
-         "checks.check (float8 emulate)"),
+         "quantize.linear.float8.emulate (no GPU)"),
     Rule("float8.emulate-compile", "spec.precision.float8.emulate", "emulation without torch.compile",
-         "checks.check (compile.enable)"),
+         "compile.enable with float8.emulate"),
     Rule("float8.all-gather-recipe", "spec.precision.float8.fsdpFloat8AllGather", "needs FP8 on, recipe tensorwise",
-         "checks.check (enable_fsdp_float8_all_gather)"),
+         "quantize.linear.float8.enable_fsdp_float8_all_gather",
+         cel=Cel(
+             "!self.precision.float8.fsdpFloat8AllGather || "
+             "(self.precision.float8.enabled && self.precision.float8.recipe == 'tensorwise')",
+             "precision.float8.fsdpFloat8AllGather needs precision.float8.enabled and recipe tensorwise",
+             ".precision.float8.fsdpFloat8AllGather")),
     Rule("float8.all-gather-dp", "spec.precision.float8.fsdpFloat8AllGather", "needs a shard degree above 1"),
     Rule("float8.precompute-needs-all-gather", "spec.precision.float8.precomputeDynamicScale",
-         "needs fsdpFloat8AllGather"),
-    Rule("data.shards-required", "spec.data.shards", "set when data.source is shards", "checks.check (shards_path)"),
+         "needs fsdpFloat8AllGather",
+         cel=Cel(
+             "!self.precision.float8.precomputeDynamicScale || self.precision.float8.fsdpFloat8AllGather",
+             "precision.float8.precomputeDynamicScale needs precision.float8.fsdpFloat8AllGather",
+             ".precision.float8.precomputeDynamicScale")),
+    Rule("data.shards-required", "spec.data.shards", "set when data.source is shards", "kubetitan.data.shards_path",
+         cel=Cel(
+             "self.data.source != 'shards' || has(self.data.shards)",
+             "data.shards is required when data.source is shards",
+             ".data.shards")),
     Rule("tokenizer.path-required", "spec.tokenizer.path", "set when tokenizer.source is path",
-         "checks.check (tokenizer.json present)"),
-    Rule("tokenizer.repo-required", "spec.tokenizer.repo", "set when tokenizer.source is huggingface"),
-    Rule("restarts.need-checkpoint", "spec.runPolicy.maxRestarts", "restarts need checkpoint.enabled"),
-    Rule("checkpoint.keep-latest-k", "spec.checkpoint.keepLatestK", "0 or at least 2"),
-    Rule("checkpoint.one-storage", "spec.checkpoint.storage", "at most one of persistentVolumeClaim and hostPath"),
+         "kubetitan.tokenizer.path (holds tokenizer.json)",
+         cel=Cel(
+             "self.tokenizer.source != 'path' || has(self.tokenizer.path)",
+             "tokenizer.path is required when tokenizer.source is path",
+             ".tokenizer.path")),
+    Rule("tokenizer.repo-required", "spec.tokenizer.repo", "set when tokenizer.source is huggingface",
+         cel=Cel(
+             "self.tokenizer.source != 'huggingface' || has(self.tokenizer.repo)",
+             "tokenizer.repo is required when tokenizer.source is huggingface",
+             ".tokenizer.repo")),
+    Rule("restarts.need-checkpoint", "spec.runPolicy.maxRestarts", "restarts need checkpoint.enabled",
+         cel=Cel(
+             "self.runPolicy.maxRestarts == 0 || self.checkpoint.enabled",
+             "runPolicy.maxRestarts > 0 needs checkpoint.enabled (a restart resumes from a checkpoint)",
+             ".runPolicy.maxRestarts")),
+    Rule("checkpoint.keep-latest-k", "spec.checkpoint.keepLatestK", "0 or at least 2",
+         cel=Cel(
+             "self.checkpoint.keepLatestK != 1",
+             "checkpoint.keepLatestK must be 0 (keep all) or at least 2",
+             ".checkpoint.keepLatestK")),
+    Rule("checkpoint.one-storage", "spec.checkpoint.storage", "at most one of persistentVolumeClaim and hostPath",
+         cel=Cel(
+             "!(has(self.checkpoint.storage.persistentVolumeClaim) && has(self.checkpoint.storage.hostPath))",
+             "set at most one of checkpoint.storage.persistentVolumeClaim and hostPath",
+             ".checkpoint.storage")),
     Rule("checkpoint.storage-required", "spec.checkpoint.storage", "multi-node checkpoints need shared storage"),
     Rule("checkpoint.host-path-single-node", "spec.checkpoint.storage.hostPath", "hostPath only on one node"),
-    Rule("run-policy.backoff-order", "spec.runPolicy.maxBackoffSeconds", "at least backoffSeconds"),
+    Rule("run-policy.backoff-order", "spec.runPolicy.maxBackoffSeconds", "at least backoffSeconds",
+         cel=Cel(
+             "self.runPolicy.maxBackoffSeconds >= self.runPolicy.backoffSeconds",
+             "runPolicy.maxBackoffSeconds must be at least runPolicy.backoffSeconds",
+             ".runPolicy.maxBackoffSeconds")),
     Rule("monitoring.port", "spec.monitoring.metricsPort", "not torchrun's rendezvous port 29500"),
     Rule("path.no-dot-dot", "spec.checkpoint.mountPath, data.mountPath, checkpoint.storage.hostPath, tokenizer.path, "
          "data.shards.path", "no '..' component"),
@@ -214,6 +200,9 @@ RULES: tuple[Rule, ...] = (
 )
 """Every semantic rule, once: the validator's FieldErrors carry these ids, the CEL twins share them, docs/api.md
 lists them, and the corpus tests check each one is exercised."""
+
+CEL_RULES: tuple[CelRule, ...] = tuple(r.cel_rule for r in RULES if r.cel_rule is not None)
+"""The CRD's cross-field rules, in table order: every one is a ``RULES`` entry's CEL twin (tests/api/test_rule_table.py)."""
 
 
 def model_dims(model: ModelSpec) -> ModelDims | None:
