@@ -178,6 +178,7 @@ def metric_names() -> frozenset[str]:
     from kubetitan_trainer.metrics import Exporter
 
     trainer = Exporter(peak_flops=989e12, total_steps=100, attempt=1, job_start=1.7e9, checkpoint_interval=10)
+    trainer.set_loss(2.5)  # the loss metric is registered at the first logged step
     return frozenset(_registry_names(trainer.registry) | _registry_names(OperatorMetrics().registry))
 
 

@@ -31,6 +31,7 @@ def trainer_registry():
     from kubetitan_trainer.metrics import Exporter
 
     e = Exporter(peak_flops=989e12, total_steps=100, attempt=1, job_start=1.7e9)
+    e.set_loss(2.5)  # the loss metric is registered at the first logged step
     return e.registry
 
 

@@ -214,6 +214,7 @@ def test_exported_metrics_pass_promtool():
 
     ex = Exporter(peak_flops=989.4e12, total_steps=10, attempt=2, job_start=1.7e9)
     ex.step_done(3, 0.5)
+    ex.set_loss(2.5)  # the loss appears with the first logged step
     ex.tokens_seen(1000)
     ex.checkpoint_saved(3, 1.2)
     ex.data_loading.observe(0.001)

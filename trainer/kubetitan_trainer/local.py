@@ -7,7 +7,8 @@ Renders ``trainer.toml`` into the output folder (default ``./runs/<name>``), sta
 ``python -m kubetitan_trainer.launch`` with one node, ``processesPerNode`` workers, master
 127.0.0.1 and free ports, shows a progress bar fed by the trainer's own ``/metrics`` endpoint
 (step, loss, tokens/s) and returns the launcher's exit code. Ctrl-C asks for a checkpoint and a
-clean stop (SIGTERM to the launcher, exit 75); a second Ctrl-C kills the run.
+clean stop (SIGTERM to the launcher, exit 75); a second Ctrl-C kills the launcher and every worker
+(:func:`kill_tree`: torchrun's workers run in sessions of their own).
 """
 
 from __future__ import annotations
@@ -33,13 +34,84 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(port: int, timeout: float = 1.0) -> dict[str, float]:
-    """Sample name -> value of the trainer's /metrics (unlabelled samples only)."""
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sample name -> value of a /metrics page (unlabelled samples only)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
-        text = r.read().decode()
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+def scrape(port: int, timeout: float = 1.0) -> dict[str, float]:
+    """Sample name -> value of the trainer's /metrics (unlabelled samples only)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        return parse_metrics(r.read().decode())
+
+
+def bar_postfix(m: dict[str, float]) -> dict[str, str]:
+    """The progress bar's loss and tokens/s, once the trainer has logged a step (before that the trainer
+    exports no loss, and its throughput gauge still reads 0)."""
+    if contract.M_LOSS not in m:
+        return {}
+    post = {"loss": f"{m[contract.M_LOSS]:.4f}"}
+    if contract.M_TOKENS_PER_SECOND in m:
+        post["tok/s"] = f"{m[contract.M_TOKENS_PER_SECOND]:,.0f}"
+    return post
+
+
+def kill_tree(root_pid: int, timeout: float = 30.0) -> list[int]:
+    """SIGKILL ``root_pid`` and every process it started, in whatever session or process group they run.
+
+    torchrun starts each worker in a session of its own (``start_new_session``), so killing the launcher's
+    process group leaves them running. Each process is frozen (SIGSTOP) before its children are listed, so
+    none starts another one meanwhile; then every process group they lead or share (not this process's own)
+    and every process is killed, and their ends are awaited. Returns the PIDs killed."""
+    import psutil
+
+    try:
+        frontier = [psutil.Process(root_pid)]
+    except psutil.NoSuchProcess:
+        return []
+    procs: list[psutil.Process] = []
+    while frontier:
+        p = frontier.pop()
+        if any(p.pid == q.pid for q in procs):
+            continue
+        procs.append(p)
+        try:
+            p.suspend()
+            frontier += p.children()
+        except psutil.Error:
+            pass
+    groups = set()
+    for p in procs:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except OSError:
+            pass
+    for g in groups - {os.getpgrp()}:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + timeout
+    while any(not gone(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p.pid for p in procs]
+
+
+def gone(p) -> bool:
+    """The ``psutil.Process`` has ended (a zombie counts: it runs no more, whoever reaps it)."""
+    import psutil
+
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def processes_per_node(lpt: LlamaPretrain) -> int:
@@ -85,37 +157,35 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
     with open(log_path, "ab") as logf:
         # Own session: Ctrl-C reaches this process only, which turns it into a graceful stop.
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        interrupts = 0
         bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
+        interrupts = 0
+
+        def on_sigint(signum, frame) -> None:
+            nonlocal interrupts
+            interrupts += 1
+            if interrupts == 1:
+                bar.write("Stopping: the trainer saves a checkpoint at the next step (Ctrl-C again to kill)")
+                proc.send_signal(signal.SIGTERM)
+            else:
+                killed = kill_tree(proc.pid)
+                bar.write(f"Killed the launcher and its workers (PIDs {', '.join(map(str, killed))})")
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
         try:
-            while True:
+            while proc.poll() is None:
                 try:
-                    if proc.poll() is not None:
-                        break
-                    try:
-                        m = scrape(metrics_port)
-                    except OSError:
-                        m = {}
-                    if contract.M_STEP in m:
-                        step = int(m[contract.M_STEP])
-                        bar.update(max(0, step - bar.n))
-                        post = {}
-                        if contract.M_LOSS in m:
-                            post["loss"] = f"{m[contract.M_LOSS]:.4f}"
-                        if contract.M_TOKENS_PER_SECOND in m:
-                            post["tok/s"] = f"{m[contract.M_TOKENS_PER_SECOND]:,.0f}"
-                        bar.set_postfix(post, refresh=True)
-                    time.sleep(0.5)
-                except KeyboardInterrupt:
-                    interrupts += 1
-                    if interrupts == 1:
-                        bar.write("Stopping: the trainer saves a checkpoint at the next step (Ctrl-C again to kill)")
-                        proc.send_signal(signal.SIGTERM)
-                    else:
-                        os.killpg(proc.pid, signal.SIGKILL)
+                    m = scrape(metrics_port)
+                except OSError:
+                    m = {}
+                if contract.M_STEP in m:
+                    bar.update(max(0, int(m[contract.M_STEP]) - bar.n))
+                    bar.set_postfix(bar_postfix(m), refresh=True)
+                time.sleep(0.5)
         finally:
+            signal.signal(signal.SIGINT, previous)
             bar.close()
         code = proc.wait()
+        code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
     ck = out / contract.CHECKPOINT_SUBDIR
     print(f"Exit code {code}" + ("" if code == 0 else f"; see {log_path}"))
     print(f"Metrics:     served on http://127.0.0.1:{metrics_port}/metrics while running; per-step log {out / 'kubetitan' / 'steps.jsonl'}")

@@ -118,7 +118,9 @@ class Exporter:
         self.port = 0
         self.step = Gauge(contract.M_STEP, "Last completed optimizer step (steps).", registry=r)
         self.total_steps = Gauge(contract.M_TOTAL_STEPS, "Optimizer steps the run trains for (steps).", registry=r)
-        self.loss = Gauge(contract.M_LOSS, "Training loss averaged over all ranks' tokens at the last logged step (nats per token).", registry=r)
+        # Registered at the first logged step (set_loss): before it there is no loss, and a 0 would be read as one.
+        self.loss = Gauge(contract.M_LOSS, "Training loss averaged over all ranks' tokens at the last logged step (nats per token).", registry=None)
+        self._loss_registered = False
         self.grad_norm = Gauge(contract.M_GRAD_NORM, "Global L2 norm of the gradients before clipping at the last logged step (ratio).", registry=r)
         self.lr = Gauge("kubetitan_trainer_learning_rate", "Learning rate of the last logged step (ratio).", registry=r)
         self.tps_total = Gauge(contract.M_TOKENS_PER_SECOND, "Training throughput of the whole job over the last log interval (tokens per second).", registry=r)
@@ -203,6 +205,13 @@ class Exporter:
             start_http_server(port, addr=host, registry=self.registry)
         self.port = port
         logger.info(f"Serving Prometheus metrics on http://{host}:{port}/metrics")
+
+    def set_loss(self, loss: float) -> None:
+        """The loss of a logged step; the loss metric appears on /metrics with the first one."""
+        self.loss.set(loss)
+        if not self._loss_registered:
+            self.registry.register(self.loss)
+            self._loss_registered = True
 
     def step_done(self, step: int, seconds: float) -> None:
         self.step.set(step)
@@ -309,7 +318,7 @@ class KubetitanMetricsProcessor(MetricsProcessor):
         extra = dict(extra_metrics or {})
         global_tokens = int(extra.get("n_tokens_seen", 0))
         ex = self.exporter
-        ex.loss.set(global_avg_loss)
+        ex.set_loss(global_avg_loss)
         ex.grad_norm.set(grad_norm)
         if "lr" in extra:
             ex.lr.set(float(extra["lr"]))

@@ -1,0 +1,116 @@
+"""`kubetitan run` (kubetitan_trainer.local): Ctrl-C handling with a real launcher and real workers, and the bar."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+from prometheus_client import generate_latest
+
+from kubetitan_core import contract
+
+from .helpers import TINY
+
+PY = sys.executable
+
+
+def _lines(stream) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [q.put(line) for line in stream], daemon=True).start()
+    return q
+
+
+def _wait_line(q: queue.Queue, text: str, timeout: float = 120) -> list[str]:
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=1)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if text in line:
+            return seen
+    raise AssertionError(f"no line with {text!r} within {timeout} s; got {seen}")
+
+
+def _workers(local: psutil.Process, n: int, timeout: float = 180) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [p for p in local.children(recursive=True) if "kubetitan_trainer.main" in " ".join(p.cmdline())]
+        if len(found) == n:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"{n} workers did not start within {timeout} s")
+
+
+def test_the_second_ctrl_c_ends_every_worker_even_ones_in_their_own_sessions(tmp_path):
+    """A real `kubetitan run` (launcher + 2 torchrun workers). The workers are frozen (SIGSTOP, as a rank stuck in
+    a collective would be: they cannot stop by themselves), then Ctrl-C twice: no launcher or worker PID may
+    survive. torchrun starts each worker in a session of its own, so killing the launcher's process group (what
+    the second Ctrl-C did before) leaves them running: the test checks the sessions differ."""
+    spec = {**TINY, "training": {**TINY["training"], "steps": 100000}}
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump({"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+                                 "metadata": {"name": "ctrlc", "namespace": "t"}, "spec": spec}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.Popen([PY, "-m", "kubetitan_trainer.local", str(f), "--output-dir", str(tmp_path / "out")],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                           start_new_session=True)
+    out = _lines(run.stdout)
+    tree: list[psutil.Process] = []
+    try:
+        local = psutil.Process(run.pid)
+        workers = _workers(local, 2)
+        tree = [p for p in local.children(recursive=True)]
+        launcher = next(p for p in local.children() if "kubetitan_trainer.launch" in " ".join(p.cmdline()))
+        assert {os.getsid(w.pid) for w in workers}.isdisjoint({os.getsid(launcher.pid)})  # own sessions
+        for w in workers:
+            w.suspend()
+        os.kill(run.pid, signal.SIGINT)
+        _wait_line(out, "Stopping:")
+        os.kill(run.pid, signal.SIGINT)
+        _wait_line(out, "Killed the launcher and its workers")
+        assert run.wait(timeout=60) == contract.EXIT_SIGKILL  # the launcher's SIGKILL, as 128 + 9
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(_gone(p) for p in tree):
+            time.sleep(0.1)
+        assert [p.pid for p in tree if not _gone(p)] == [], "processes of the run survived the second Ctrl-C"
+    finally:
+        for p in [*tree, psutil.Process(run.pid) if run.poll() is None else None]:
+            if p is not None and not _gone(p):
+                p.kill()
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_the_bar_shows_no_loss_before_the_first_logged_step():
+    """The trainer exports no loss until a step is logged (a 0 would read as a loss), so the bar shows none."""
+    import time as _t
+
+    from kubetitan_trainer.local import bar_postfix, parse_metrics
+    from kubetitan_trainer.metrics import Exporter
+
+    ex = Exporter(peak_flops=None, total_steps=10, attempt=0, job_start=_t.time())
+    ex.step_done(1, 0.5)  # a step ran, none was logged yet
+    before = parse_metrics(generate_latest(ex.registry).decode())
+    assert contract.M_STEP in before and contract.M_LOSS not in before
+    assert bar_postfix(before) == {}
+    ex.set_loss(2.25)
+    ex.tps_total.set(1234.0)
+    after = parse_metrics(generate_latest(ex.registry).decode())
+    assert bar_postfix(after) == {"loss": "2.2500", "tok/s": "1,234"}
+    ex.set_loss(2.0)  # later logs update the one registered gauge
+    assert bar_postfix(parse_metrics(generate_latest(ex.registry).decode()))["loss"] == "2.0000"
