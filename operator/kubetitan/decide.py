@@ -467,6 +467,18 @@ def rank0_succeeded(f: Facts) -> Decision | None:
     return Decision(Action.SUCCEED, C.COMPLETED, msg, delete=_cleanup(f.spec, [p for p in f.current if p.rank != 0]))
 
 
+def lowered_steps_reached(f: Facts) -> Decision | None:
+    """``spec.training.steps`` was lowered below the count the running attempt was created with, and that attempt
+    has checkpointed at or past the new count: the run is done. It succeeds now and its pods are stopped
+    (gracefully; the trainer would otherwise train on to its own count)."""
+    trained, ck, steps = f.obs.attempt_steps, f.obs.progress.last_checkpoint_step, f.spec.training.steps
+    if not f.current or trained is None or trained <= steps or ck is None or ck < steps:
+        return None
+    return Decision(Action.SUCCEED, C.COMPLETED, f"training reached step {ck} (checkpoint saved), at or past "
+                    f"spec.training.steps={steps}, which was lowered while the attempt ran with {trained}; its pods "
+                    "are stopped", delete=tuple(p.name for p in f.current if not p.deleting))
+
+
 def attempt_not_created(f: Facts) -> Decision | None:
     """No pod of the current attempt: create them, unless a blocked spec change or the restart backoff waits."""
     if f.current:
@@ -740,7 +752,8 @@ def restarted_in_place(f: Facts) -> Decision | None:
 
 
 RULES: tuple[Rule, ...] = (
-    status_behind_cluster, finished, deadline_exceeded, suspended, steps_raised, rank0_succeeded, attempt_not_created,
+    status_behind_cluster, finished, deadline_exceeded, suspended, steps_raised, rank0_succeeded,
+    lowered_steps_reached, attempt_not_created,
     pod_failed, ranks_missing, restarted_in_place, unschedulable, node_grace, stuck_before_running, hung,
     startup_timed_out, running,
 )

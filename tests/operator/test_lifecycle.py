@@ -511,3 +511,26 @@ def test_a_finished_runs_daemon_ends(cluster: Cluster) -> None:
     with Operator(cluster) as op:
         assert _still_while_busy(op, "fin") <= 2  # kopf's resume handler and the daemon's first cycle
     assert cluster.status(NS, "fin")["phase"] == "Succeeded"
+
+
+def test_lowering_steps_mid_run_succeeds_at_the_first_checkpoint_past_it(cluster: Cluster, rank0) -> None:
+    """spec.training.steps lowered from 100 to 80 while attempt 0 (created with 100) trains: the run goes on while
+    its newest checkpoint is below 80, and succeeds once rank 0 reports a checkpoint at or past 80: the pods
+    (whose trainer would train on to 100) are deleted, no restart, the message says why."""
+    with Operator(cluster):
+        cluster.apply(lpt("sl", cpu_spec(), metrics_port=rank0.port))
+        wait_for(lambda: len(cluster.pod_names(NS, "sl")) == 2, 20, "pods")
+        _running(cluster, "sl", 0)
+        rank0.step(60, checkpoint=60)
+        wait_for(lambda: (cluster.status(NS, "sl").get("training") or {}).get("step") == 60, 20, "step 60")
+        cluster.patch(LPT, NS, "sl", {"spec": {"training": {"steps": 80}}})
+        wait_for(lambda: cluster.status(NS, "sl")["training"].get("totalSteps") == 80, 20, "the new total shown")
+        rank0.step(79, checkpoint=70)  # the newest checkpoint is below 80: train on
+        wait_for(lambda: cluster.status(NS, "sl")["training"].get("step") == 79, 20, "step 79")
+        assert _phase(cluster, "sl") == "Running" and not _requests(cluster, "delete", "/pods/")
+        rank0.step(81, checkpoint=80)
+        wait_for(lambda: _phase(cluster, "sl") == "Succeeded", 20, "Succeeded at the checkpoint past 80")
+    st = cluster.status(NS, "sl")
+    assert st["restartCount"] == 0 and st["attempt"] == 0
+    assert "lowered while the attempt ran with 100" in cluster.condition(NS, "sl", "Succeeded")["message"]
+    assert sorted(p.rpartition("/")[2] for p in _requests(cluster, "delete", "/pods/")) == ["sl-a0-0", "sl-a0-1"]

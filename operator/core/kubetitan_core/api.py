@@ -73,8 +73,10 @@ class TrainingSpec(_Base):
     """Optimisation: steps, batch, learning-rate schedule."""
 
     steps: int = Field(default=1000, ge=1, le=1_000_000_000)
-    """Total number of optimizer steps. Mutable while running: the new total applies from the
-    next attempt, and a run that has already passed it succeeds at its next checkpoint."""
+    """Total number of optimizer steps. Mutable while running: the trainer gets the new total with the
+    next attempt. Raised: an attempt that finishes its old total is followed by one that resumes from
+    its final checkpoint. Lowered: the run succeeds at the first checkpoint at or past the new total
+    (its pods are stopped)."""
     seq_len: int = Field(default=8192, ge=16, le=1_048_576)
     """Tokens per sequence."""
     local_batch_size: int = Field(default=1, ge=1, le=65536)
