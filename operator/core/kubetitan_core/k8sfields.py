@@ -170,6 +170,7 @@ def env_errors(env: list[Any], path: str) -> list[tuple[str, str]]:
             if len(sources) != 1:
                 out.append((f"{where}.valueFrom", "must name exactly one of fieldRef, resourceFieldRef, "
                             f"configMapKeyRef, secretKeyRef (got {len(sources)})"))
+            out += _env_source_errors(vf, f"{where}.valueFrom")
             for k in ("configMapKeyRef", "secretKeyRef"):
                 ref = vf.get(k)
                 if isinstance(ref, dict):
@@ -178,6 +179,40 @@ def env_errors(env: list[Any], path: str) -> list[tuple[str, str]]:
                         out.append((f"{where}.valueFrom.{k}.name", msg))
                     if (msg := key_error(ref["key"], kind)) is not None:
                         out.append((f"{where}.valueFrom.{k}.key", msg))
+    return out
+
+
+ENV_FIELD_PATHS = ("metadata.name", "metadata.namespace", "metadata.uid", "spec.nodeName", "spec.serviceAccountName",
+                   "status.hostIP", "status.hostIPs", "status.podIP", "status.podIPs")
+"""Pod fields an env var's fieldRef may read (the API server's validEnvDownwardAPIFieldPathExpressions), besides
+``metadata.labels['KEY']`` and ``metadata.annotations['KEY']``."""
+ENV_RESOURCES = ("limits.cpu", "limits.memory", "limits.ephemeral-storage", "requests.cpu", "requests.memory",
+                 "requests.ephemeral-storage")
+"""Container resources an env var's resourceFieldRef may read (besides ``limits|requests.hugepages-<size>``)."""
+_SUBSCRIPTED = re.compile(r"^(metadata\.labels|metadata\.annotations)\['(.+)'\]$")
+
+
+def _env_source_errors(vf: dict[str, Any], where: str) -> list[tuple[str, str]]:
+    """fieldRef and resourceFieldRef: only the paths and resources the API server serves to env vars."""
+    out: list[tuple[str, str]] = []
+    fr = vf.get("fieldRef")
+    if isinstance(fr, dict):
+        fp = fr.get("fieldPath", "")
+        sub = _SUBSCRIPTED.match(fp)
+        if sub is not None:
+            if (msg := label_key_error(sub.group(2))) is not None:
+                out.append((f"{where}.fieldRef.fieldPath", msg))
+        elif fp not in ENV_FIELD_PATHS:
+            out.append((f"{where}.fieldRef.fieldPath", f"{fp!r} cannot be read into an environment variable; use one "
+                        f"of {', '.join(ENV_FIELD_PATHS)}, metadata.labels['KEY'] or metadata.annotations['KEY']"))
+        if fr.get("apiVersion") not in (None, "", "v1"):
+            out.append((f"{where}.fieldRef.apiVersion", f"{fr['apiVersion']!r} is not supported; use v1 or leave it unset"))
+    rf = vf.get("resourceFieldRef")
+    if isinstance(rf, dict):
+        res = rf.get("resource", "")
+        if res not in ENV_RESOURCES and not res.startswith(("limits.hugepages-", "requests.hugepages-")):
+            out.append((f"{where}.resourceFieldRef.resource", f"{res!r} cannot be read into an environment variable; "
+                        f"use one of {', '.join(ENV_RESOURCES)} or limits.hugepages-<size>"))
     return out
 
 
@@ -243,6 +278,9 @@ def affinity_errors(affinity: Any, path: str) -> list[tuple[str, str]]:
     node = affinity.get("nodeAffinity") or {}
     req = node.get("requiredDuringSchedulingIgnoredDuringExecution")
     terms: list[tuple[str, dict[str, Any]]] = []
+    if req is not None and not req.get("nodeSelectorTerms"):
+        out.append((f"{path}.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms",
+                    "must have at least one node selector term; add one or remove requiredDuringScheduling..."))
     if req is not None:
         terms += [(f"{path}.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[{i}]", t)
                   for i, t in enumerate(req.get("nodeSelectorTerms", []))]
@@ -256,6 +294,15 @@ def affinity_errors(affinity: Any, path: str) -> list[tuple[str, str]]:
     for where, term in terms:
         for j, r in enumerate(term.get("matchExpressions") or []):
             out += _selector_requirement_errors(r, f"{where}.matchExpressions[{j}]", _SELECTOR_OPERATORS)
+        for j, r in enumerate(term.get("matchFields") or []):  # a node field selector: metadata.name only
+            at = f"{where}.matchFields[{j}]"
+            if r.get("key") != "metadata.name":
+                out.append((f"{at}.key", f"{r.get('key')!r} is not supported: matchFields can only select "
+                            "metadata.name; use matchExpressions for node labels"))
+            if r.get("operator") not in ("In", "NotIn"):
+                out.append((f"{at}.operator", f"{r.get('operator')!r} is not supported here: use In or NotIn"))
+            elif len(r.get("values") or []) != 1:
+                out.append((f"{at}.values", f"must hold exactly one node name with operator {r['operator']}"))
     for kind in ("podAffinity", "podAntiAffinity"):
         pa = affinity.get(kind) or {}
         items = [(f"{path}.{kind}.requiredDuringSchedulingIgnoredDuringExecution[{i}]", t)

@@ -27,6 +27,7 @@ class _Loader(yaml.SafeLoader):
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self.aliases = 0
+        self.depth = 0
 
     def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
         if self.check_event(yaml.AliasEvent):
@@ -35,7 +36,27 @@ class _Loader(yaml.SafeLoader):
                 mark = self.peek_event().start_mark
                 raise YamlError(f"line {mark.line + 1}: more than {MAX_ALIASES} aliases; "
                                 "write the values out instead of using anchors")
-        return super().compose_node(parent, index)
+        # PyYAML composes recursively: stop at the depth limit with the line, before Python's recursion limit.
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH + 1:
+                mark = self.peek_event().start_mark
+                raise YamlError(f"line {mark.line + 1}, column {mark.column + 1}: nested deeper than {MAX_DEPTH} "
+                                "levels; flatten it (no LlamaPretrain field is nested that deep)")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _syntax_error(e: yaml.YAMLError) -> str:
+    """One line: where, what, and how to fix it (PyYAML's own text spans several lines)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    hint = ("indent with spaces, not tabs" if "\\t" in problem or "\t" in problem else
+            "check the indentation and quote values that contain ': ', ' #' or start with a special character")
+    return f"{where}not valid YAML: {problem}{f' ({context})' if context else ''}; fix the syntax there ({hint})"
 
 
 def _line(node: yaml.Node) -> int:
@@ -99,7 +120,8 @@ def load_all(data: bytes | str) -> list[Any]:
     else:
         text = data
     if "\x00" in text:
-        raise YamlError(f"line {text[: text.index(chr(0))].count(chr(10)) + 1}: a NUL character; this is not a text file")
+        raise YamlError(f"line {text[: text.index(chr(0))].count(chr(10)) + 1}: a NUL character, so this is not a text "
+                        "file; remove it (save the file as UTF-8 text)")
     docs: list[Any] = []
     try:
         loader = _Loader(text)
@@ -108,7 +130,7 @@ def load_all(data: bytes | str) -> list[Any]:
             if node is not None:
                 docs.append(_build(loader, node, [], 0, set(), [0]))
     except yaml.YAMLError as e:
-        raise YamlError(f"not valid YAML: {e}") from None
+        raise YamlError(_syntax_error(e)) from None
     except RecursionError:
         raise YamlError(f"nested deeper than {MAX_DEPTH} levels; flatten it") from None
     return docs

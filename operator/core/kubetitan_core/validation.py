@@ -96,6 +96,8 @@ class Rule:
 
 RULES: tuple[Rule, ...] = (
     Rule("metadata.name", "metadata.name", "a DNS-1035 label no longer than the computed limit (see Names and pod fields)"),
+    Rule("metadata.fields", "metadata", "known ObjectMeta fields; namespace a DNS-1123 label; label keys and values, "
+         "annotation keys as the API server checks them"),
     Rule("parallelism.product", "spec.parallelism", "the degrees multiply to nodes x processes per node",
          "parallelism.* degrees x the world size",
          cel=Cel(
@@ -104,10 +106,13 @@ RULES: tuple[Rule, ...] = (
              f"self.parallelism.dataParallelShardDegree * {_OTHERS} == self.resources.nodes * {_PROCS}",
              "the product of the parallel degrees must equal resources.nodes x processes per node",
              ".parallelism")),
-    Rule("parallelism.context-seq-len", "spec.training.seqLen", "seqLen divisible by 2 x contextParallelDegree",
+    Rule("parallelism.context-seq-len", "spec.training.seqLen",
+         "seqLen divisible by tensorParallelDegree x 2 x contextParallelDegree (torchtitan's llama3 parallelize)",
          cel=Cel(
-             "self.training.seqLen % (2 * self.parallelism.contextParallelDegree) == 0",
-             "training.seqLen must be divisible by 2 x parallelism.contextParallelDegree",
+             "self.training.seqLen % (self.parallelism.tensorParallelDegree * 2 * "
+             "self.parallelism.contextParallelDegree) == 0",
+             "training.seqLen must be divisible by parallelism.tensorParallelDegree x 2 x "
+             "parallelism.contextParallelDegree",
              ".training.seqLen")),
     Rule("model.custom", "spec.model.custom", "set exactly when flavor is custom",
          cel=Cel(
@@ -287,11 +292,15 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
             "use every remaining process",
             "parallelism.product",
         )
-    if t.seq_len % (2 * p.context_parallel_degree) != 0:
+    divisor = p.tensor_parallel_degree * 2 * p.context_parallel_degree
+    if t.seq_len % divisor != 0:
+        # torchtitan's llama3 parallelize asserts seq_len % (tp x 2 x cp) == 0 (sequence parallel splits the
+        # sequence over TP ranks, context parallel's load balancing into 2 x cp chunks), also for tp = cp = 1.
         err(
             "training.seqLen",
-            f"{t.seq_len} is not divisible by 2 x contextParallelDegree ({2 * p.context_parallel_degree}); "
-            "pick a seqLen that is",
+            f"{t.seq_len} is not divisible by tensorParallelDegree x 2 x contextParallelDegree "
+            f"({p.tensor_parallel_degree} x 2 x {p.context_parallel_degree} = {divisor}), which torchtitan "
+            f"requires; use a multiple of {divisor}, e.g. {max(divisor, t.seq_len // divisor * divisor)}",
             "parallelism.context-seq-len",
         )
 
@@ -608,16 +617,19 @@ def parse(obj: Any) -> tuple[LlamaPretrain | None, list[FieldError]]:
     Semantic errors are included only when the object parsed.
     """
     if not isinstance(obj, dict):
-        return None, [FieldError("", f"expected a YAML mapping (a LlamaPretrain object), got {type(obj).__name__}")]
+        return None, [FieldError("<document>", f"expected a YAML mapping (a LlamaPretrain object), got "
+                                 f"{_type_name(obj)}; use a mapping with apiVersion: {API_VERSION}, "
+                                 f"kind: {KIND}, metadata and spec")]
     errs: list[FieldError] = []
     if obj.get("apiVersion") != API_VERSION:
         errs.append(FieldError("apiVersion", f"{obj.get('apiVersion')!r} is not served here; use {API_VERSION}",
                                "schema"))
     if obj.get("kind") != KIND:
-        errs.append(FieldError("kind", f"{obj.get('kind')!r} is not {KIND}; this file is not a LlamaPretrain",
-                               "schema"))
+        errs.append(FieldError("kind", f"{obj.get('kind')!r} is not {KIND}; set kind: {KIND} (this file is not a "
+                               "LlamaPretrain otherwise)", "schema"))
     if errs:
-        return None, errs
+        return None, errs + _unknown_keys(obj, _TOP_LEVEL, "")
+    meta_errs = _metadata_errors(obj.get("metadata"))
     body = {k: v for k, v in obj.items() if k != "status"}
     if named := _python_names(body.get("spec"), LlamaPretrainSpec, "spec"):
         return None, named
@@ -626,10 +638,67 @@ def parse(obj: Any) -> tuple[LlamaPretrain | None, list[FieldError]]:
     try:
         lpt = LlamaPretrain.model_validate(body)
     except ValidationError as e:
-        return None, nulls + _pydantic_errors(e)
-    if nulls:
-        return None, nulls + validate(lpt)
+        return None, meta_errs + nulls + _pydantic_errors(e)
+    if nulls or meta_errs:
+        return None, meta_errs + nulls + validate(lpt)
     return lpt, validate(lpt)
+
+
+_TOP_LEVEL = ("apiVersion", "kind", "metadata", "spec", "status")
+_OBJECT_META = ("name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation",
+                "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels", "annotations",
+                "ownerReferences", "finalizers", "managedFields")
+"""The fields of Kubernetes' ObjectMeta (apimachinery meta/v1): the API server refuses any other key in metadata."""
+MAX_ANNOTATIONS_BYTES = 256 * 1024
+"""The API server's limit on the total size of an object's annotations (keys + values)."""
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "nothing (null)"}.get(type(v), type(v).__name__)
+
+
+def _unknown_keys(obj: dict[Any, Any], known: tuple[str, ...], prefix: str, rule: str = "schema") -> list[FieldError]:
+    out = []
+    for k in obj:
+        if k in known:
+            continue
+        near = next((n for n in known if str(k).lower().replace("_", "") == n.lower()), None)
+        hint = f"did you mean {near!r}? rename it" if near else f"remove it (the fields here: {', '.join(known)})"
+        out.append(FieldError(f"{prefix}{k}", f"unknown field; {hint}", rule))
+    return out
+
+
+def _metadata_errors(meta: Any) -> list[FieldError]:
+    """What the API server checks in ``metadata`` beyond the name (which :func:`validate` checks)."""
+    from kubetitan_core.k8sfields import DNS1123_LABEL, label_key_error, label_value_error
+
+    if not isinstance(meta, dict):
+        return []  # the model refuses it with its path
+    out = _unknown_keys(meta, _OBJECT_META, "metadata.", "metadata.fields")
+    ns = meta.get("namespace")
+    if isinstance(ns, str) and (len(ns) > 63 or not DNS1123_LABEL.match(ns)):
+        out.append(FieldError("metadata.namespace", f"{ns!r} is not a namespace name: use at most 63 lower-case "
+                              "letters, digits and '-', starting and ending with a letter or digit (a DNS-1123 label)",
+                              "metadata.fields"))
+    labels, annotations = meta.get("labels"), meta.get("annotations")
+    if isinstance(labels, dict):
+        for k, v in labels.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                continue  # the model refuses non-strings
+            if (msg := label_key_error(k) or label_value_error(v)) is not None:
+                out.append(FieldError(f"metadata.labels[{k}]", msg, "metadata.fields"))
+    if isinstance(annotations, dict):
+        for k in annotations:
+            if isinstance(k, str) and (msg := label_key_error(k)) is not None:
+                out.append(FieldError(f"metadata.annotations[{k}]", msg.replace("label key", "annotation key"),
+                                      "metadata.fields"))
+        size = sum(len(str(k).encode()) + len(str(v).encode()) for k, v in annotations.items())
+        if size > MAX_ANNOTATIONS_BYTES:
+            out.append(FieldError("metadata.annotations", f"hold {size} bytes; the API server takes at most "
+                                  f"{MAX_ANNOTATIONS_BYTES} in all: move the large values elsewhere (a ConfigMap)",
+                                  "metadata.fields"))
+    return out
 
 
 def _without_unrepresentable(value: Any) -> Any:
