@@ -259,7 +259,11 @@ def render(rules: list[Any] | None = None) -> str:
     out += ["## Admin policy", "", _cell(
         "What the cluster admin allows runs to put into their pods (operator/kubetitan/policy.py). A valid spec "
         "outside it is refused at reconcile: `Ready=False`/`SpecAccepted=False` with reason "
-        f"`{policy.REASON}`, the field path and the fix in the message, a Warning Event, no child. "
+        f"`{policy.REASON}`, the field path and the fix in the message, a Warning Event, no child. A run that "
+        "had started before (the operator restarted with a stricter policy) is not abandoned: its running pods "
+        "are still observed (failures, hangs, success, clean-up), the same condition and one Warning Event say "
+        "what is refused, and no new attempt (restart, resume) starts until the spec complies or the policy "
+        "allows it; the same holds for a started run whose edited spec becomes invalid (reason `InvalidSpec`). "
         "`kubetitan validate --policy FILE` checks the same (FILE: these keys, or a Helm values file with a "
         "`policy` block). Each knob is a list of what is allowed: `[\"*\"]` allows anything, `[]` nothing; "
         "docs/install.md shows how an admin sets them."), "",

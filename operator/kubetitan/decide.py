@@ -139,6 +139,9 @@ class Observed:
     generation: int | None = None
     spec_block: str | None = None
     """A spec change that the next attempt must not pick up (a message), or None."""
+    spec_block_reason: str = C.IMMUTABLE_FIELD_CHANGED
+    """The reason of ``spec_block`` (``PolicyViolation``/``InvalidSpec``: a started run's spec that the admin
+    policy now refuses or that became invalid; its live pods are still observed, no new attempt starts)."""
     spec_deferred: str | None = None
     """Spec changes that wait for the next attempt (a message), or None."""
     training: TrainingStatus | None = None
@@ -484,7 +487,7 @@ def attempt_not_created(f: Facts) -> Decision | None:
     if f.current:
         return None
     if f.obs.spec_block:
-        return Decision(Action.WAIT, C.IMMUTABLE_FIELD_CHANGED, f.obs.spec_block)
+        return Decision(Action.WAIT, f.obs.spec_block_reason, f.obs.spec_block)
     last = f.status.restarts[-1] if f.status.restarts else None
     if last is not None and last.attempt == f.attempt - 1:
         ready_at = (parse_time(last.time) or f.now) + backoff_seconds(f.spec, f.status.restarts)

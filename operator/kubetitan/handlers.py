@@ -94,6 +94,8 @@ class JobState:
     child_errors: tuple[ChildError, ...] = ()
     """Children the API refused on the last create of ``child_errors_attempt`` (fed to the next decision)."""
     child_errors_attempt: int = -1
+    refusal_event: str | None = None
+    """The refusal of a started run's spec last sent as a Warning Event (sent again only when it changes)."""
     done: bool = False
     """The run is finished and nothing is left to delete or to time: its daemon may end."""
     create_failures: int = 0
@@ -327,7 +329,11 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             raw_status = job.api_status if job.api_status is not None else body.get("status")
             old = job.status if job.status is not None else status_mod.load(raw_status)
             lpt, errors, desired = _parse(job, body, ctx.options.policy)
-            if errors or lpt is None:
+            # A run that has started keeps being observed when its spec is refused later (a policy tightened by an
+            # operator restart, an edit a Python-only rule refuses): its pods are never left untracked. The refusal
+            # blocks the next attempt instead (spec_block below); only a run that never started is refused outright.
+            refused_live = bool(errors) and lpt is not None and old.attempt is not None
+            if (errors and not refused_live) or lpt is None:
                 await _write_invalid(ctx, ns, name, old, errors, meta.get("generation"), now, job, body)
                 return errors
             spec = lpt.spec
@@ -382,11 +388,24 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                     deferred = f"{', '.join(later)} changed; applied when the next attempt starts " \
                                "(suspend and resume to apply now)"
 
+            block_reason = None
+            if refused_live:
+                block_reason = C.POLICY_VIOLATION if all(isinstance(e, policy.Violation) for e in errors) \
+                    else C.INVALID_SPEC
+                block = (f"{'refused by the admin policy' if block_reason == C.POLICY_VIOLATION else 'invalid spec'}: "
+                         f"{'; '.join(map(str, errors))}; a running attempt goes on as it was created (and is still "
+                         "observed), but no new attempt starts until the spec complies")
+                if block != job.refusal_event:
+                    _event(body, "Warning", block_reason, block)
+                job.refusal_event = block
+            else:
+                job.refusal_event = None
             child_errors = job.child_errors if job.child_errors_attempt == attempt else ()
             missing = _missing_children(job, uid, name, attempt, children_index) if current else ()
             steps_then = ((job.applied_spec or {}).get("training") or {}).get("steps") if current else None
             obs = status_mod.observed(seen, pods=pods, nodes=nodes, now=now, generation=meta.get("generation"),
-                                      spec_block=block, spec_deferred=deferred, training=training,
+                                      spec_block=block, spec_block_reason=block_reason,
+                                      spec_deferred=deferred, training=training,
                                       child_errors=child_errors, missing_children=missing,
                                       attempt_steps=steps_then if isinstance(steps_then, int) else None)
             d = decide(spec, old, obs)

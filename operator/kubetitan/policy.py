@@ -4,7 +4,9 @@ The operator creates pods with its own (cluster-wide) permission, so without a p
 LlamaPretrain could get a pod with any hostPath, image, service account (and through IRSA / Pod Identity its
 AWS credentials), priority class or toleration. The admin sets the policy in the chart's ``policy`` values; the
 chart passes it to the operator as ``--policy-*`` flags (:func:`from_flags`), and ``kubetitan validate --policy
-FILE`` reads the same keys from a YAML file (:func:`load`). A spec outside the policy is refused at reconcile:
+FILE`` reads the same keys from a YAML file (:func:`load`). A started run whose spec the policy refuses later
+(an operator restarted with a stricter policy) keeps its running attempt observed and gets no new attempt
+(handlers.cycle's ``refused_live``). A spec outside the policy is refused at reconcile:
 ``Ready=False``/``SpecAccepted=False`` with reason ``PolicyViolation`` and a Warning Event, and no child is made.
 
 Pure: no kopf, no client, no I/O except :func:`load` reading the file it is given.

@@ -124,14 +124,16 @@ def progress(o: AttemptObservation | None) -> Progress:
 
 # ------------------------------------------------------------------ 2. observed
 def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[str, NodeObs], now: float,
-             generation: int | None = None, spec_block: str | None = None, spec_deferred: str | None = None,
+             generation: int | None = None, spec_block: str | None = None, spec_block_reason: str | None = None,
+             spec_deferred: str | None = None,
              training: TrainingStatus | None = None, child_errors: tuple[ChildError, ...] = (),
              missing_children: tuple[str, ...] = (), attempt_steps: int | None = None) -> Observed:
     """The decision's inputs; a missing node is timed from when it was first seen missing."""
     timed = {n: (replace(v, not_ready_since=parse_time(o.nodes_missing_since.get(n))) if not v.exists else v)
              for n, v in nodes.items()}
     return Observed(pods=pods, nodes=timed, progress=progress(o), now=now, generation=generation,
-                    spec_block=spec_block, spec_deferred=spec_deferred, training=training,
+                    spec_block=spec_block, spec_block_reason=spec_block_reason or C.IMMUTABLE_FIELD_CHANGED,
+                    spec_deferred=spec_deferred, training=training,
                     ranks_seen=frozenset(o.ranks_seen), child_errors=child_errors, observation=o,
                     missing_children=missing_children, attempt_steps=attempt_steps)
 
@@ -262,7 +264,7 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
 
     # ---- conditions
     if obs.spec_block:
-        cond(C.SPEC_ACCEPTED, "False", C.IMMUTABLE_FIELD_CHANGED, obs.spec_block)
+        cond(C.SPEC_ACCEPTED, "False", obs.spec_block_reason, obs.spec_block)
     elif obs.spec_deferred:
         cond(C.SPEC_ACCEPTED, "True", C.DEFERRED_TO_NEXT_ATTEMPT, obs.spec_deferred)
     else:

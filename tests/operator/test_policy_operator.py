@@ -54,3 +54,65 @@ def test_policy_refuses_at_reconcile_and_restricted_namespaces_admit_the_pods(cl
         assert cluster.condition(NS, "bad", "SpecAccepted") == cond
         assert len([e for e in cluster.list("v1/events", NS) if e.get("reason") == "PolicyViolation"]) == 1
         assert len([e for e in cluster.list("v1/events", NS) if e.get("reason") == "UnknownInstanceType"]) == 1
+
+
+def test_policy_tightened_mid_run_keeps_observing_the_running_pods_and_blocks_the_next_attempt(cluster: Cluster) -> None:
+    """The operator restarts with a stricter policy while a run's pods train: they are not left untracked. The
+    running attempt goes on and is still observed (a pod failure is still a restart), the refusal is
+    SpecAccepted=False reason PolicyViolation with one Warning Event, and no new attempt starts until the spec
+    complies; once it does, the next attempt is created."""
+    spec = cpu_spec(nodes=2)
+    spec["resources"]["image"] = "elsewhere/trainer:0.1.0"
+    with Operator(cluster):  # the default policy allows any image
+        cluster.apply(lpt("run", spec))
+        pods = wait_for(lambda: (n := cluster.pod_names(NS, "run")) and len(n) == 2 and n, 20, "2 pods of attempt 0")
+    for i, pod in enumerate(pods):
+        cluster.run_pod(NS, pod, f"node-{i}")
+    op = Operator(cluster)
+    op.options.policy = Policy(image_prefixes=("mine/",))
+    with op:
+        cond = wait_for(lambda: (c := cluster.condition(NS, "run", "SpecAccepted")) and c["reason"] == "PolicyViolation"
+                        and c, 20, "SpecAccepted PolicyViolation")
+        assert cond["status"] == "False"
+        assert "spec.resources.image: image elsewhere/trainer:0.1.0 does not start with a prefix" in cond["message"]
+        assert "a running attempt goes on as it was created" in cond["message"]
+        assert cluster.pod_names(NS, "run") == pods  # nothing deleted, nothing new
+        # Still observed: a worker failure ends the attempt with a restart record and its pods are cleaned up ...
+        cluster.terminate_pod(NS, pods[1], 1)
+        wait_for(lambda: cluster.status(NS, "run").get("restartCount") == 1, 20, "restart recorded")
+        assert cluster.status(NS, "run")["restarts"][0]["cause"] == "ContainerFailed"
+        wait_for(lambda: not [p for p in cluster.pods(NS, "run") if not p["metadata"].get("deletionTimestamp")],
+                 20, "attempt 0's pods deleted")
+        # ... but attempt 1 is not created from a spec the policy refuses (20 more cycles, no pod).
+        cycles = "kubetitan_operator_reconcile_duration_seconds_count"
+        base = op.metric(cycles) or 0.0
+        wait_for(lambda: (op.metric(cycles) or 0.0) >= base + 20, 20, "20 more reconcile cycles")
+        assert not [n for n in cluster.pod_names(NS, "run") if "-a1-" in n]
+        ready = cluster.condition(NS, "run", "Ready")
+        assert ready["status"] == "False" and ready["reason"] == "PolicyViolation", ready
+        events = [e for e in cluster.list("v1/events", NS) if e.get("reason") == "PolicyViolation"]
+        assert len(events) == 1 and events[0]["type"] == "Warning", events
+        # The spec made compliant: the next attempt starts.
+        cluster.patch("kubetitan.io/v1alpha1/llamapretrains", NS, "run",
+                      {"spec": {"resources": {"image": "mine/trainer:0.1.0"}}})
+        wait_for(lambda: len([n for n in cluster.pod_names(NS, "run") if "-a1-" in n]) == 2, 20, "2 pods of attempt 1")
+        assert cluster.condition(NS, "run", "SpecAccepted")["status"] == "True"
+
+
+def test_spec_edited_invalid_mid_run_keeps_observing_the_running_pods(cluster: Cluster) -> None:
+    """The same for an edit that only the Python validator refuses (warmupSteps >= steps): reason InvalidSpec,
+    the running pods are still observed (a failure is a restart), no new attempt."""
+    with Operator(cluster) as op:
+        cluster.apply(lpt("run", cpu_spec(nodes=1)))
+        pods = wait_for(lambda: (n := cluster.pod_names(NS, "run")) and n, 20, "the pod of attempt 0")
+        cluster.run_pod(NS, pods[0], "node-0")
+        cluster.patch("kubetitan.io/v1alpha1/llamapretrains", NS, "run", {"spec": {"training": {"warmupSteps": 500}}})
+        cond = wait_for(lambda: (c := cluster.condition(NS, "run", "SpecAccepted")) and c["reason"] == "InvalidSpec"
+                        and c, 20, "SpecAccepted InvalidSpec")
+        assert "spec.training.warmupSteps" in cond["message"] and "a running attempt goes on" in cond["message"]
+        cluster.terminate_pod(NS, pods[0], 1)
+        wait_for(lambda: cluster.status(NS, "run").get("restartCount") == 1, 20, "restart recorded")
+        cycles = "kubetitan_operator_reconcile_duration_seconds_count"
+        base = op.metric(cycles) or 0.0
+        wait_for(lambda: (op.metric(cycles) or 0.0) >= base + 20, 20, "20 more reconcile cycles")
+        assert not [n for n in cluster.pod_names(NS, "run") if "-a1-" in n]
