@@ -26,10 +26,11 @@ def test_validate_lists_every_error(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump({"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
                                  "metadata": {"name": "bad"},
-                                 "spec": {"checkpoint": {"enabled": False, "keepLatestK": 1}}}))
+                                 "spec": {"checkpoint": {"keepLatestK": 1},
+                                          "runPolicy": {"backoffSeconds": 60, "maxBackoffSeconds": 30}}}))
     r = kt("validate", str(f))
     assert r.returncode == 1
-    assert "spec.runPolicy.maxRestarts" in r.stderr and "spec.checkpoint.keepLatestK" in r.stderr
+    assert "spec.runPolicy.maxBackoffSeconds" in r.stderr and "spec.checkpoint.keepLatestK" in r.stderr
     assert "(2 error(s))" in r.stderr
 
 

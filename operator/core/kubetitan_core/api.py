@@ -285,7 +285,7 @@ class ResourcesSpec(_Base):
     instance_type: str | None = None
     """Node instance type, e.g. `p5.48xlarge` (EKS) or `ml.p5.48xlarge` (HyperPod).
     Becomes a node selector and tells the validator the GPU model."""
-    gpu_product: Literal["H100", "H200", "A100", "L40S", "A10G"] | None = None
+    gpu_product: Literal["H100", "H200", "B200", "A100", "L40S", "L4", "A10G"] | None = None
     """GPU model, when `instanceType` does not say it. Used for FP8 checks and MFU."""
     image: str = Field(default="kubetitan/trainer:0.1.0", min_length=1)
     """Trainer container image (see `images/trainer.Dockerfile`)."""

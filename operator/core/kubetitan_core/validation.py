@@ -129,6 +129,8 @@ RULES: tuple[Rule, ...] = (
     Rule("training.warmup", "spec.training.warmupSteps", "below steps"),
     Rule("resources.gpus", "spec.resources.gpusPerNode", "at most the instance type's GPUs"),
     Rule("resources.efa", "spec.resources.efaPerNode", "at most the instance type's EFA interfaces"),
+    Rule("resources.fit", "spec.resources.cpu, spec.resources.memory", "at most the instance type's vCPUs and memory "
+         "(a pod asking for more is never scheduled)"),
     Rule("resources.platform", "spec.resources.platform", "matches the instance type (ml. names are HyperPod)"),
     Rule("resources.cpu-model", "spec.resources.gpusPerNode", "0 (CPU) only for the debug or a custom model"),
     Rule("resources.procs", "spec.resources.processesPerNode", "equals gpusPerNode on GPU nodes"),
@@ -171,9 +173,10 @@ RULES: tuple[Rule, ...] = (
              "self.runPolicy.maxRestarts == 0 || self.checkpoint.enabled",
              "runPolicy.maxRestarts > 0 needs checkpoint.enabled (a restart resumes from a checkpoint)",
              ".runPolicy.maxRestarts")),
-    Rule("checkpoint.keep-latest-k", "spec.checkpoint.keepLatestK", "0 or at least 2",
+    Rule("checkpoint.keep-latest-k", "spec.checkpoint.keepLatestK",
+         "0 or at least 2 when checkpoints are on (torchtitan's CheckpointManager refuses 1)",
          cel=Cel(
-             "self.checkpoint.keepLatestK != 1",
+             "!self.checkpoint.enabled || self.checkpoint.keepLatestK != 1",
              "checkpoint.keepLatestK must be 0 (keep all) or at least 2",
              ".checkpoint.keepLatestK")),
     Rule("checkpoint.one-storage", "spec.checkpoint.storage", "at most one of persistentVolumeClaim and hostPath",
@@ -361,6 +364,14 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
         if r.efa_per_node is not None and r.efa_per_node > it.efa:
             err("resources.efaPerNode", f"{r.efa_per_node} exceeds the {it.efa} EFA interfaces of "
                 f"{r.instance_type}; request at most {it.efa} or leave it unset",  "resources.efa")
+        if it.vcpus and r.cpu is not None and _cpu_cores(r.cpu) > it.vcpus:
+            err("resources.cpu", f"{r.cpu} CPUs exceed the {it.vcpus} vCPUs of {r.instance_type}, so the pod would never "
+                f"be scheduled; request at most {int(it.vcpus * 0.9)} (leave room for the node's daemons) or leave it "
+                "unset", "resources.fit")
+        if it.memory_gib and r.memory is not None and _gib(r.memory) > it.memory_gib:
+            err("resources.memory", f"{r.memory} exceeds the {it.memory_gib} GiB of {r.instance_type}, so the pod "
+                f"would never be scheduled; request at most {int(it.memory_gib * 0.85)}Gi (the node's allocatable "
+                "memory is lower than the instance's) or leave it unset", "resources.fit")
         if it.hyperpod != (r.platform == "hyperpod"):
             want = "hyperpod" if it.hyperpod else "eks or generic"
             err("resources.platform", f"instance type {r.instance_type} belongs to platform {want}; "
@@ -414,7 +425,7 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
         err("runPolicy.maxRestarts", f"{rp.max_restarts} restarts need checkpoint.enabled: true (each restart "
             "resumes from the newest checkpoint); enable checkpoints or set maxRestarts: 0",
             "restarts.need-checkpoint")
-    if ck.keep_latest_k == 1:
+    if ck.keep_latest_k == 1 and ck.enabled:  # torchtitan checks it only with checkpointing on
         err("checkpoint.keepLatestK", "must be 0 (keep all) or at least 2, so that a cut-off newest save never "
             "leaves nothing to resume from", "checkpoint.keep-latest-k")
     st = ck.storage
@@ -436,6 +447,19 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
         err("monitoring.metricsPort", "29500 is torchrun's rendezvous port; pick another", "monitoring.port")
     out += _pod_field_errors(s)
     return out
+
+
+def _cpu_cores(q: str) -> float:
+    """``resources.cpu`` (pattern ``^[0-9]+(\\.[0-9]+|m)?$``) in cores."""
+    return int(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def _gib(q: str) -> float:
+    """``resources.memory`` (pattern ``^[0-9]+(Ki|Mi|Gi|Ti)?$``) in GiB."""
+    for suffix, scale in (("Ki", 2**-20), ("Mi", 2**-10), ("Gi", 1), ("Ti", 2**10)):
+        if q.endswith(suffix):
+            return int(q[:-2]) * scale
+    return int(q) / 2**30
 
 
 def mount_points(s: LlamaPretrainSpec) -> list[tuple[str, str]]:
