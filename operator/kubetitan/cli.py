@@ -112,6 +112,9 @@ def cmd_render(args: argparse.Namespace) -> int:
     if errors or lpt is None:
         _print_errors(args.file, lpt.metadata.name if lpt else "", errors)
         return EXIT_INVALID
+    if not lpt.metadata.name:
+        raise InputError(f"{args.file}: has only metadata.generateName, and the API server picks the name; give "
+                         "metadata.name to render the children")
     if args.namespace:
         lpt.metadata.namespace = args.namespace
     objs = attempt_children(lpt, args.attempt)

@@ -129,6 +129,9 @@ RULES: tuple[Rule, ...] = (
     Rule("training.warmup", "spec.training.warmupSteps", "below steps"),
     Rule("resources.gpus", "spec.resources.gpusPerNode", "at most the instance type's GPUs"),
     Rule("resources.efa", "spec.resources.efaPerNode", "at most the instance type's EFA interfaces"),
+    Rule("resources.instance-type-selector", "spec.resources.nodeSelector",
+         "no instance-type label that contradicts resources.instanceType (the validator and the pods would see "
+         "different hardware)"),
     Rule("resources.fit", "spec.resources.cpu, spec.resources.memory", "at most the instance type's vCPUs and memory "
          "(a pod asking for more is never scheduled)"),
     Rule("resources.platform", "spec.resources.platform", "matches the instance type (ml. names are HyperPod)"),
@@ -145,6 +148,7 @@ RULES: tuple[Rule, ...] = (
              "(self.precision.float8.enabled && self.precision.float8.recipe == 'tensorwise')",
              "precision.float8.fsdpFloat8AllGather needs precision.float8.enabled and recipe tensorwise",
              ".precision.float8.fsdpFloat8AllGather")),
+    Rule("float8.filter-fqns", "spec.precision.float8.filterFqns", "no empty fragment (it matches every module)"),
     Rule("float8.all-gather-dp", "spec.precision.float8.fsdpFloat8AllGather", "needs a shard degree above 1"),
     Rule("float8.precompute-needs-all-gather", "spec.precision.float8.precomputeDynamicScale",
          "needs fsdpFloat8AllGather",
@@ -193,7 +197,7 @@ RULES: tuple[Rule, ...] = (
              ".runPolicy.maxBackoffSeconds")),
     Rule("monitoring.port", "spec.monitoring.metricsPort", "not torchrun's rendezvous port 29500"),
     Rule("path.no-dot-dot", "spec.checkpoint.mountPath, data.mountPath, checkpoint.storage.hostPath, tokenizer.path, "
-         "data.shards.path", "no '..' component"),
+         "data.shards.path", "absolute, no '..' component"),
     Rule("mounts.no-collision", "spec.checkpoint.mountPath, spec.data.mountPath",
          "no mount at, above or inside another (/etc/kubetitan, /dev/shm, checkpoint, data)"),
     Rule("env.reserved", "spec.resources.env[].name", "not a name the operator or launcher sets"),
@@ -231,6 +235,17 @@ ATTEMPT_DIGITS = 5
 """Digits reserved for the attempt number in pod names (attempts 0..99999, restarts and resumes)."""
 
 
+KNOWN_TOKENIZERS: tuple[tuple[re.Pattern[str], int], ...] = (
+    (re.compile(r"^meta-llama/(Meta-)?Llama-3(\.[0-9])?-", re.I), 128256),
+)
+"""Hub tokenizers whose size the validator knows before the download (the trainer measures every tokenizer
+again once it has it: checks.vocab_error): Meta's Llama 3, 3.1, 3.2 and 3.3 repositories, 128256 tokens."""
+
+
+def known_tokenizer_vocab(repo: str | None) -> int | None:
+    return next((n for pattern, n in KNOWN_TOKENIZERS if repo and pattern.match(repo)), None)
+
+
 def max_name_length(spec: LlamaPretrainSpec) -> int:
     """The longest run name whose pod hostnames ``<name>-a<attempt>-<rank>`` are DNS labels (<= 63)."""
     return 63 - len("-a") - ATTEMPT_DIGITS - len("-") - len(str(max(spec.resources.nodes - 1, 0)))
@@ -239,15 +254,19 @@ def max_name_length(spec: LlamaPretrainSpec) -> int:
 def validate(lpt: LlamaPretrain) -> list[FieldError]:
     """All semantic errors of a parsed (defaulted) LlamaPretrain; empty when it is good."""
     errs: list[FieldError] = []
-    name = lpt.metadata.name
+    name, field = lpt.metadata.name, "metadata.name"
+    gen = (lpt.metadata.model_extra or {}).get("generateName")
+    if not name and isinstance(gen, str) and gen:
+        # kubectl create with generateName: the API server appends 5 random lower-case letters and digits
+        name, field = gen + "xxxxx", "metadata.generateName"
     if not name:
         errs.append(FieldError("metadata.name", "is required: give the run a name", "metadata.name"))
     elif not _DNS1035.match(name):
-        errs.append(FieldError("metadata.name", f"{name!r} cannot name the run's headless Service (a DNS-1035 "
+        errs.append(FieldError(field, f"{name!r} cannot name the run's headless Service (a DNS-1035 "
                                "label): use lower-case letters, digits and '-', starting with a letter and "
                                "ending with a letter or digit, e.g. 'llama3-8b-run'", "metadata.name"))
     elif len(name) > (limit := max_name_length(lpt.spec)):
-        errs.append(FieldError("metadata.name", f"{name!r} is {len(name)} characters; pod hostnames "
+        errs.append(FieldError(field, f"{name!r} is {len(name)} characters; pod hostnames "
                                f"<name>-a<attempt>-<rank> must stay DNS labels of at most 63, so with "
                                f"{lpt.spec.resources.nodes} node(s) use at most {limit} characters", "metadata.name"))
     errs += validate_spec(lpt.spec)
@@ -334,6 +353,12 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
             err("parallelism.pipelineParallelDegree",
                 f"{pp} does not divide the model's {dims.n_layers} layers; use a divisor of {dims.n_layers}",
                 "model.layers-pp")
+        hub = known_tokenizer_vocab(s.tokenizer.repo) \
+            if s.tokenizer.source == "huggingface" and s.model.flavor == "custom" else None
+        if hub is not None and dims.vocab_size < hub:
+            err("model.custom.vocabSize", f"{dims.vocab_size} is below the {hub} tokens of the {s.tokenizer.repo} "
+                f"tokenizer (token ids past the vocabulary crash the embedding); raise vocabSize to at least {hub}",
+                "tokenizer.vocab")
         if s.tokenizer.source == "builtin" and dims.vocab_size < BUILTIN_TOKENIZER_VOCAB:
             err("model.custom.vocabSize", f"{dims.vocab_size} is below the {BUILTIN_TOKENIZER_VOCAB} tokens of the "
                 f"builtin tokenizer; raise vocabSize to at least {BUILTIN_TOKENIZER_VOCAB}", "tokenizer.vocab")
@@ -376,6 +401,12 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
             want = "hyperpod" if it.hyperpod else "eks or generic"
             err("resources.platform", f"instance type {r.instance_type} belongs to platform {want}; "
                 "set resources.platform accordingly (HyperPod names start with ml.)", "resources.platform")
+    for label in ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type"):
+        chosen = r.node_selector.get(label)
+        if r.instance_type and chosen is not None and chosen != r.instance_type:
+            err(f"resources.nodeSelector[{label}]", f"{chosen!r} contradicts resources.instanceType "
+                f"{r.instance_type!r} (the validator checks GPUs, EFA and FP8 against that, the pods would land on "
+                f"{chosen}); remove this label or set instanceType: {chosen}", "resources.instance-type-selector")
     if r.gpus_per_node == 0:
         if s.model.flavor not in ("debug", "custom"):
             err("resources.gpusPerNode", f"0 (CPU) cannot train the {s.model.flavor} model; request GPUs or use "
@@ -403,6 +434,10 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
     elif f8.fsdp_float8_all_gather and dp_shard is not None and dp_shard <= 1:
         err("precision.float8.fsdpFloat8AllGather", f"needs a data-parallel shard degree above 1 (it is {dp_shard}):"
             " with one shard there is nothing to all-gather; turn it off or add processes", "float8.all-gather-dp")
+    for i, fqn in enumerate(f8.filter_fqns):
+        if not fqn.strip():
+            err(f"precision.float8.filterFqns[{i}]", "is empty, and an empty fragment matches every module name, so "
+                "no layer would train in FP8; remove it (or turn FP8 off)", "float8.filter-fqns")
     if f8.precompute_dynamic_scale and not f8.fsdp_float8_all_gather:
         err("precision.float8.precomputeDynamicScale", "needs precision.float8.fsdpFloat8AllGather: true; "
             "set it or turn this off",
@@ -498,6 +533,9 @@ def _pod_field_errors(s: LlamaPretrainSpec) -> list[FieldError]:
     for path, value in paths:
         if value is not None and ".." in value.split("/"):
             err(path, f"{value!r} contains a '..' component; give the absolute path without it", "path.no-dot-dot")
+        elif value is not None and not value.startswith("/"):  # the CRD's pattern covers the others
+            err(path, f"{value!r} is relative (to the trainer's working directory); give the absolute path in the "
+                "pod, e.g. /data/shards", "path.no-dot-dot")
     mounts = mount_points(s)
     for i, (pa, a) in enumerate(mounts):  # the operator's own mounts come first and never collide
         for pb, b in mounts[:i]:
@@ -553,7 +591,10 @@ def _pod_field_errors(s: LlamaPretrainSpec) -> list[FieldError]:
             err(path, msg, "pod.names")
     if token and (msg := k8sfields.key_error(s.tokenizer.token_secret_ref.key)) is not None:
         err("tokenizer.tokenSecretRef.key", msg, "pod.names")
-    if s.scheduling.queue_name is not None and (msg := k8sfields.label_value_error(s.scheduling.queue_name)):
+    if s.scheduling.queue_name == "":
+        err("scheduling.queueName", "is empty, which Kueue reads as no queue (the pods would not be queued); set the "
+            "LocalQueue's name or remove the key", "pod.names")
+    elif s.scheduling.queue_name is not None and (msg := k8sfields.label_value_error(s.scheduling.queue_name)):
         err("scheduling.queueName", f"becomes the pod label kueue.x-k8s.io/queue-name: {msg}", "pod.names")
     return out
 
@@ -701,10 +742,19 @@ def _metadata_errors(meta: Any) -> list[FieldError]:
         return []  # the model refuses it with its path
     out = _unknown_keys(meta, _OBJECT_META, "metadata.", "metadata.fields")
     ns = meta.get("namespace")
-    if isinstance(ns, str) and (len(ns) > 63 or not DNS1123_LABEL.match(ns)):
+    if isinstance(ns, str) and ns and (len(ns) > 63 or not DNS1123_LABEL.match(ns)):  # "": the context's namespace
         out.append(FieldError("metadata.namespace", f"{ns!r} is not a namespace name: use at most 63 lower-case "
                               "letters, digits and '-', starting and ending with a letter or digit (a DNS-1123 label)",
                               "metadata.fields"))
+    for key, item in (("finalizers", str), ("ownerReferences", dict)):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, item) for v in value)):
+            out.append(FieldError(f"metadata.{key}", f"must be a list of {'names' if item is str else 'mappings'}; fix "
+                                  "it or remove it (the operator sets what it needs)", "metadata.fields"))
+    for i, fin in enumerate(meta.get("finalizers") or []):
+        if isinstance(fin, str) and (msg := label_key_error(fin)) is not None:
+            out.append(FieldError(f"metadata.finalizers[{i}]", msg.replace("label key", "finalizer name"),
+                                  "metadata.fields"))
     labels, annotations = meta.get("labels"), meta.get("annotations")
     if isinstance(labels, dict):
         for k, v in labels.items():
