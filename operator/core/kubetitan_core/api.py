@@ -178,11 +178,11 @@ class HuggingFaceDataSpec(_Base):
     `builtin` for the small text corpus shipped with the trainer (debug runs, offline tests)."""
     config: str | None = "en"
     """Dataset configuration (subset) name."""
-    split: str = "train"
+    split: str = Field(default="train", min_length=1)
     """Split to read."""
     streaming: bool = True
     """Stream the dataset instead of downloading it whole first."""
-    text_field: str = "text"
+    text_field: str = Field(default="text", min_length=1)
     """Column that holds the text."""
 
 

@@ -136,6 +136,10 @@ def label_key_error(key: str) -> str | None:
 
 
 def image_error(image: str) -> str | None:
+    digest = image.partition("@")[2]
+    if digest.startswith("sha256:") and not re.fullmatch(r"sha256:[a-f0-9]{64}", digest):
+        return (f"{image!r}: a sha256 digest is 64 lower-case hex characters (the kubelet refuses others); copy the "
+                "digest exactly, e.g. from `docker buildx imagetools inspect`")
     if image != image.strip() or not IMAGE_REFERENCE.match(image):
         return (f"{image!r} is not a container image reference; use [registry[:port]/]name[:tag][@sha256:digest] "
                 "with a lower-case name and no spaces, e.g. 'ghcr.io/org/kubetitan-trainer:0.1.0'")

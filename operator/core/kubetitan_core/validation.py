@@ -119,7 +119,8 @@ RULES: tuple[Rule, ...] = (
              "(self.model.flavor == 'custom') == has(self.model.custom)",
              "model.custom must be set exactly when model.flavor is custom",
              ".model.custom")),
-    Rule("model.dims", "spec.model.custom", "dim divisible by nHeads, nKvHeads divides nHeads"),
+    Rule("model.dims", "spec.model.custom", "dim divisible by nHeads into an even head size (RoPE), nKvHeads divides "
+         "nHeads"),
     Rule("model.heads-tp", "spec.parallelism.tensorParallelDegree", "divides the model's heads and key/value heads"),
     Rule("model.layers-pp", "spec.parallelism.pipelineParallelDegree", "divides the model's layers"),
     Rule("tokenizer.vocab", "spec.model.custom.vocabSize", "the vocabulary holds every token of the tokenizer",
@@ -167,6 +168,8 @@ RULES: tuple[Rule, ...] = (
              "self.tokenizer.source != 'path' || has(self.tokenizer.path)",
              "tokenizer.path is required when tokenizer.source is path",
              ".tokenizer.path")),
+    Rule("hub.repo-id", "spec.tokenizer.repo, spec.data.huggingface.dataset",
+         "a Hugging Face hub id (namespace/name), not a URL"),
     Rule("tokenizer.repo-required", "spec.tokenizer.repo", "set when tokenizer.source is huggingface",
          cel=Cel(
              "self.tokenizer.source != 'huggingface' || has(self.tokenizer.repo)",
@@ -240,6 +243,20 @@ KNOWN_TOKENIZERS: tuple[tuple[re.Pattern[str], int], ...] = (
 )
 """Hub tokenizers whose size the validator knows before the download (the trainer measures every tokenizer
 again once it has it: checks.vocab_error): Meta's Llama 3, 3.1, 3.2 and 3.3 repositories, 128256 tokens."""
+
+
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]{0,95}$")
+
+
+def hub_repo_error(repo: str) -> str | None:
+    """Why ``repo`` is not a Hugging Face hub repository id (huggingface_hub's validate_repo_id), or None."""
+    if repo.startswith(("http://", "https://")) or "huggingface.co/" in repo:
+        return (f"{repo!r} is a URL; give the repository id, the part after huggingface.co/, e.g. "
+                "meta-llama/Meta-Llama-3.1-8B")
+    if not _HUB_ID.match(repo) or "--" in repo or ".." in repo or repo.endswith((".git", "-", ".")):
+        return (f"{repo!r} is not a hub repository id: use namespace/name of letters, digits, '-', '_' and '.' "
+                "(no spaces, '--' or '..'), e.g. meta-llama/Meta-Llama-3.1-8B")
+    return None
 
 
 def known_tokenizer_vocab(repo: str | None) -> int | None:
@@ -337,6 +354,10 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
         tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
         if dims.dim % dims.n_heads != 0:
             err("model.custom.dim", f"{dims.dim} is not divisible by nHeads ({dims.n_heads}); use a multiple of {dims.n_heads}",
+                "model.dims")
+        elif (dims.dim // dims.n_heads) % 2 != 0:  # rotary embeddings rotate pairs of each head's dimensions
+            err("model.custom.dim", f"{dims.dim} / nHeads ({dims.n_heads}) = {dims.dim // dims.n_heads} per head is odd, "
+                f"and the rotary position embedding needs an even head size; use a multiple of {2 * dims.n_heads}",
                 "model.dims")
         if dims.n_heads % tp != 0:
             err("parallelism.tensorParallelDegree",
@@ -449,6 +470,12 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
     if s.tokenizer.source == "path" and not s.tokenizer.path:
         err("tokenizer.path", "is required when tokenizer.source is path: set it to the directory holding "
             "tokenizer.json", "tokenizer.path-required")
+    if s.tokenizer.repo and (msg := hub_repo_error(s.tokenizer.repo)) is not None:
+        err("tokenizer.repo", msg, "hub.repo-id")
+    if s.data.source == "huggingface" and s.data.huggingface is not None \
+            and s.data.huggingface.dataset.startswith(("http://", "https://")):
+        err("data.huggingface.dataset", f"{s.data.huggingface.dataset!r} is a URL; give the hub dataset id (e.g. "
+            "allenai/c4, the part after huggingface.co/datasets/), a path in the pod, or builtin", "hub.repo-id")
     if s.tokenizer.source == "huggingface" and not s.tokenizer.repo:
         err("tokenizer.repo", "is required when tokenizer.source is huggingface: set the hub repository, e.g. "
             "meta-llama/Meta-Llama-3.1-8B",
