@@ -56,6 +56,15 @@ MAKERS = {
 }
 
 
+class _Dumper(yaml.SafeDumper):
+    """Quotes strings that go-yaml (and kubetitan's reader) would read as numbers, e.g. "3e-4"."""
+
+
+_Dumper.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeDumper.yaml_implicit_resolvers.items()}
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+                              list("-+0123456789."))
+
+
 def merge(base: Any, patch: Any) -> Any:
     if not isinstance(base, dict) or not isinstance(patch, dict):
         return copy.deepcopy(patch)
@@ -76,7 +85,7 @@ def content(case: dict[str, Any]) -> bytes:
     if "text" in case:
         return case["text"].encode("utf-8")
     doc = merge(BASE, case["patch"])
-    return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True).encode("utf-8")
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, allow_unicode=True).encode("utf-8")
 
 
 def validate(tmp_path: Path, case: dict[str, Any], capsys) -> tuple[int | None, str, str, str | None]:

@@ -7,6 +7,7 @@ aliases, nesting deeper than :data:`MAX_DEPTH`, and integers outside int64. Erro
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -59,6 +60,16 @@ def _syntax_error(e: yaml.YAMLError) -> str:
     return f"{where}not valid YAML: {problem}{f' ({context})' if context else ''}; fix the syntax there ({hint})"
 
 
+# kubectl and the API server read YAML with go-yaml v2 (sigs.k8s.io/yaml), which takes 3e-4, 1E5 and 1e+3 as numbers;
+# PyYAML's YAML 1.1 float needs a dot and a signed exponent, so it would read `learningRate: 3e-4` as a string.
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+                              list("-+0123456789."))
+JSON_INT_LIMIT = 1e21
+"""Go's JSON writes an integral float below this as an integer (1000.0 -> 1000): what kubectl sends for ``steps:
+1e3``, and what the API server then reads as an integer."""
+
+
 def _line(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
@@ -85,6 +96,8 @@ def _build(loader: _Loader, node: yaml.Node, path: list[str], depth: int, stack:
         if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
             raise YamlError(f"line {_line(node)}: {_path(path)}: integer out of the 64-bit range; use a "
                             "smaller value")
+        if isinstance(value, float) and value.is_integer() and abs(value) < JSON_INT_LIMIT:
+            value = int(value)  # as the YAML -> JSON conversion kubectl does: 1e3 and 1000.0 arrive as 1000
         if not isinstance(value, (str, int, float, bool, type(None))):
             value = node.value  # timestamps, binary: kept as the written text
         return value
