@@ -78,6 +78,18 @@ def load_policy(path: str) -> Any:
         raise InputError(f"{path}: {e}") from None
 
 
+def _expand_lists(docs: list[Any]) -> list[Any]:
+    """A ``kind: List`` (what ``kubectl get -o yaml`` writes, and ``kubectl apply`` takes) stands for its items."""
+    out: list[Any] = []
+    for d in docs:
+        if isinstance(d, dict) and d.get("kind") == "List" and d.get("apiVersion") == "v1" \
+                and isinstance(d.get("items"), list):
+            out += d["items"]
+        else:
+            out.append(d)
+    return out
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from kubetitan import policy
     from kubetitan_core.catalog import instance_type_warning
@@ -85,7 +97,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     pol = load_policy(args.policy) if args.policy else None
     bad = 0
     for path in args.files:
-        for doc in load_documents(path):
+        for doc in _expand_lists(load_documents(path)):
             lpt, errors = parse(doc)
             meta = doc.get("metadata") if isinstance(doc, dict) else None
             name = str(meta.get("name", "")) if isinstance(meta, dict) else ""

@@ -65,6 +65,10 @@ def _syntax_error(e: yaml.YAMLError) -> str:
 _Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
                               list("-+0123456789."))
+# go-yaml v2 also reads y/Y/n/N as booleans (PyYAML does not), and has no base-60 numbers (PyYAML reads 1:30 as 90).
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:y|Y|n|N)$"), list("yYnN"))
+_Loader.bool_values = {**yaml.SafeLoader.bool_values, "y": True, "n": False}
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 JSON_INT_LIMIT = 1e21
 """Go's JSON writes an integral float below this as an integer (1000.0 -> 1000): what kubectl sends for ``steps:
 1e3``, and what the API server then reads as an integer."""
@@ -88,6 +92,8 @@ def _build(loader: _Loader, node: yaml.Node, path: list[str], depth: int, stack:
     if id(node) in stack:
         raise YamlError(f"line {_line(node)}: {_path(path)}: an alias refers to itself; remove the recursion")
     if isinstance(node, yaml.ScalarNode):
+        if node.tag in _NUMBER_TAGS and ":" in node.value and node.style is None:
+            return node.value  # a YAML 1.1 base-60 number to PyYAML, a string to go-yaml (and the API server)
         try:
             value = loader.construct_object(node, deep=True)
         except (ValueError, yaml.YAMLError) as e:  # e.g. an integer with thousands of digits

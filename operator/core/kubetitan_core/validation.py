@@ -649,6 +649,11 @@ def _pydantic_errors(e: ValidationError) -> list[FieldError]:
             msg = f"{d.get('input')!r} is not allowed: {d['msg'].replace('Input should be', 'use')}"
         elif kind == "missing":
             msg = "is required"
+        elif kind == "string_type" and isinstance(d.get("input"), (bool, int, float)):
+            what = "boolean" if isinstance(d["input"], bool) else "number"
+            msg = (f"must be a string, got the {what} {str(d['input']).lower() if what == 'boolean' else d['input']} "
+                   "(YAML reads unquoted true/false/yes/no/y/n/on/off as booleans and digits as numbers); quote the "
+                   "value")
         else:
             msg = d["msg"].replace("Input should be", "must be").replace("String should", "must")
             msg = f"{msg} (got {d.get('input')!r}); fix the value (bounds and allowed values: docs/api.md)"
