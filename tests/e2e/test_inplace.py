@@ -16,6 +16,8 @@ Everything waits on status writes and rank 0's step log (each record carries its
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from common import NS, complete_checkpoints, e2e_spec, free_port, lpt, step_log
 
@@ -80,7 +82,13 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         log = step_log(e2e.ckpt)
         gen1 = [r for r in log if r["attempt"] == 0 and r.get("generation") == 1]
         assert gen1[0]["step"] == rec["resumedFromStep"] + 1, (rec, gen1[:2])
-        assert rec["resumedFromStep"] in complete_checkpoints(e2e.ckpt) and rec["resumedFromStep"] % INTERVAL == 0
+        # the newest complete checkpoint, or the restore tier's newer step when the kill cut that step's DCP save
+        # off (the tier is written before it): the start-up record says which
+        source = next(json.loads(x)["checkpoint_source"] for x in (e2e.ckpt / "kubetitan" / "startup.jsonl")
+                      .read_text().splitlines() if json.loads(x)["attempt"] == 0 and json.loads(x)["generation"] == 1)
+        assert rec["resumedFromStep"] % INTERVAL == 0 and rec["resumedFromStep"] >= max(
+            [s for s in complete_checkpoints(e2e.ckpt) if s <= killed_at_step], default=0), rec
+        assert rec["resumedFromStep"] in complete_checkpoints(e2e.ckpt) or source == "restore_tier", (rec, source)
         # lost = trained by generation 0 after that checkpoint: at most one interval (+ the step in flight)
         last_gen0 = max(r["step"] for r in log if r["attempt"] == 0 and r.get("generation") == 0)
         assert last_gen0 >= killed_at_step and 0 <= last_gen0 - rec["resumedFromStep"] <= INTERVAL + 1, (rec, last_gen0)

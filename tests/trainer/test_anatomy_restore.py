@@ -314,3 +314,95 @@ def test_the_tier_is_written_in_the_background_from_the_staged_copy_and_the_next
     writer.start(bad, str(tier), step=12, rank=0, world_size=1, checkpoint_folder=ckpt)
     writer.wait()
     assert not restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
+
+
+# ------------------------------------------------------------------ faster in-place restarts (issue 17)
+def test_a_tier_newer_than_every_complete_checkpoint_is_agreed_only_when_every_rank_holds_that_step(tmp_path):
+    """The tier is written before DCP's save, so a failure that cuts the step-N save off (no .metadata) still has
+    N in every rank's tier: that step is loaded (no lost steps) only when every rank holds the same one."""
+    src = _trained(seed=1)
+    tier, ckpt = tmp_path / "tier", str(tmp_path / "ckpt")
+    assert restore_tier.tier_step(tier, rank=0, world_size=2, checkpoint_folder=ckpt) == -1  # none yet
+    restore_tier.save(src[2], tier, step=8, rank=0, world_size=2, checkpoint_folder=ckpt)
+    assert restore_tier.tier_step(tier, rank=0, world_size=2, checkpoint_folder=ckpt) == 8
+    assert restore_tier.tier_step(tier, rank=0, world_size=1, checkpoint_folder=ckpt) == -1  # another world
+    assert restore_tier.tier_step(tier, rank=0, world_size=2, checkpoint_folder=ckpt + "x") == -1  # another run
+    assert restore_tier.tier_step("", rank=0, world_size=2, checkpoint_folder=ckpt) == -1
+
+    every = lambda *steps: (lambda v: (min(v, *steps), max(v, *steps)))  # noqa: E731 - the other ranks' steps
+    assert restore_tier.agreed_newer_step(8, 4, every(8)) == 8  # step-8's DCP save was cut off
+    assert restore_tier.agreed_newer_step(8, -1, every(8)) == 8  # ... and it was the first save
+    assert restore_tier.agreed_newer_step(8, 8, every(8)) == -1  # DCP's newest is that step: the usual path
+    assert restore_tier.agreed_newer_step(8, 4, every(4)) == -1  # a peer died before its step-8 tier write
+    assert restore_tier.agreed_newer_step(8, 4, every(-1)) == -1  # a peer has none
+    restore_tier.discard(tier, 0)
+    assert restore_tier.tier_step(tier, rank=0, world_size=2, checkpoint_folder=ckpt) == -1
+
+
+def test_agents_rejoin_the_same_gang_through_one_counter_and_time_out_without_a_peer():
+    import threading
+
+    from torch.distributed import HashStore
+
+    from kubetitan_trainer.launch import REJOIN_KEY, rejoin
+
+    store = HashStore()
+    assert not store.check([REJOIN_KEY.format(generation=1)])
+    peer = threading.Thread(target=rejoin, args=(store, 1, 2, 60.0))
+    peer.start()  # whichever agent adds first waits for the other; its add is the announcement peers poll for
+    rejoin(store, 1, 2, 60.0)
+    peer.join(timeout=60)
+    assert not peer.is_alive() and store.add(REJOIN_KEY.format(generation=1), 0) == 2
+
+    now = [0.0]
+    with pytest.raises(TimeoutError, match="only 1 of 2 nodes rejoined for worker generation 2 within 5 s"):
+        rejoin(store, 2, 2, 5.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + 1.0))
+
+
+def test_each_worker_generation_gets_its_own_prefix_in_the_agents_store(monkeypatch):
+    """Workers share the agents' TCPStore (up before any worker starts: no reconnect back-off), each generation
+    under its own prefix, so a restarted generation never reads the previous one's process-group keys."""
+    from datetime import timedelta
+    import importlib
+
+    from torch.distributed import TCPStore
+
+    from kubetitan_trainer.launch import generation_scoped_agent_store
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    monkeypatch.setattr(rdzv, "_create_c10d_store", rdzv._create_c10d_store)  # restored after the test
+    server = TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    generation_scoped_agent_store(3)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    client = rdzv._create_c10d_store("127.0.0.1", server.port, 1, 2, timedelta(seconds=10))
+    client.set("rank_1", "addr")
+    assert server.get("kubetitan/generation-3/rank_1") == b"addr" and not server.check(["rank_1"])
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # a worker's own store (static path): unprefixed
+    assert not isinstance(rdzv._create_c10d_store("127.0.0.1", server.port, 1, 2, timedelta(seconds=10)),
+                          type(client))
+
+
+def test_a_warm_launcher_parses_the_config_once_for_every_forked_worker(tmp_path, monkeypatch):
+    from torchtitan.config import ConfigManager
+
+    from kubetitan_trainer.launch import memoize_config_parse
+
+    monkeypatch.setattr(ConfigManager, "parse_args", ConfigManager.parse_args)  # restored after the test
+    calls = []
+    original = ConfigManager.parse_args
+
+    def counted(self, args):
+        calls.append(list(args))
+        return original(self, args)
+
+    monkeypatch.setattr(ConfigManager, "parse_args", counted)
+    cfg = tmp_path / "t.toml"
+    cfg.write_text('[training]\nsteps = 7\n')
+    argv = ["--job.config_file", str(cfg)]
+    memoize_config_parse(argv)  # the launcher's one parse
+    a, b = ConfigManager().parse_args(argv), ConfigManager().parse_args(list(argv))  # two workers'
+    assert len(calls) == 1 and a.training.steps == b.training.steps == 7
+    a.training.steps = 99  # each worker gets its own copy
+    assert ConfigManager().parse_args(argv).training.steps == 7
+    cfg.write_text('[training]\nsteps = 8\n')  # another file (size, mtime): parsed again
+    assert ConfigManager().parse_args(argv).training.steps == 8 and len(calls) == 2

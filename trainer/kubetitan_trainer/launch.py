@@ -169,10 +169,46 @@ def restore_tier_folder(a: argparse.Namespace, env: dict) -> str:
     return a.restore_tier
 
 
+GENERATION_STORE_PREFIX = "kubetitan/generation-{generation}"
+"""Prefix of a worker generation's keys in the agents' shared TCPStore (see :func:`generation_scoped_agent_store`)."""
+
+
+def generation_scoped_agent_store(generation: int) -> None:
+    """Give this worker's process group a store prefix of its own generation in the agents' shared TCPStore.
+
+    torchrun's agents share their rendezvous TCPStore (hosted by node rank 0's launcher, up before any worker
+    starts) with the workers, without a per-restart prefix (torch 2.11 ``_create_c10d_store``: "we create a new
+    TCPStore for every retry"): a restarted generation would find the previous one's keys (seen: gloo's
+    ``connectFullMesh`` dialled the dead workers' ports). The store is one per generation, so the keys are: every
+    rank has the same generation (one rendezvous round each). The alternative, a fresh store hosted by each
+    generation's rank 0 worker, costs the other ranks ~0.5 s whenever they dial before it listens (the TCPStore
+    client's reconnect back-off; measured here: a client started 0.05 s before its server connected after 0.54 s)."""
+    import importlib
+
+    from torch import distributed as dist
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module (the package's name is a function)
+
+    original = rdzv._create_c10d_store
+    if getattr(original, "kubetitan_generation", None) is not None:
+        return
+
+    def create(hostname, port, rank, world_size, timeout, use_libuv=True):
+        store = original(hostname, port, rank, world_size, timeout, use_libuv)
+        if rdzv._torchelastic_use_agent_store():
+            return dist.PrefixStore(GENERATION_STORE_PREFIX.format(generation=generation), store)
+        return store
+
+    create.kubetitan_generation = generation
+    rdzv._create_c10d_store = create
+
+
 def run_worker(*argv: str) -> int:
-    """A forked worker's entry point: the launcher's signal handlers off, then the trainer's main."""
+    """A forked worker's entry point: the launcher's signal handlers off, its generation's store prefix, then the
+    trainer's main."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
+    generation_scoped_agent_store(int(os.environ.get(contract.ENV_RESTART_GENERATION, "0") or 0))
     from kubetitan_trainer import main as worker_main
 
     sys.argv = [worker_main.__file__, *argv]  # a fork keeps the launcher's argv; torchtitan parses sys.argv
@@ -199,9 +235,58 @@ def warm_up(worker_argv: list[str]) -> float:
         cpu_bridge.apply()  # patches module globals once; forked workers inherit them
         for name in WARM_MODULES:
             importlib.import_module(name)
+        memoize_config_parse(worker_argv)
     finally:
         sys.argv = saved
     return time.perf_counter() - begin
+
+
+def _config_key(args: list[str]) -> tuple | None:
+    """What a parse of ``args`` depends on: the arguments and the config file's identity and contents' stamp."""
+    path = next((args[i + 1] for i, x in enumerate(args[:-1]) if x in ("--job.config_file", "--job.config-file")),
+                None)
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return (tuple(args), (st.st_ino, st.st_size, st.st_mtime_ns) if st else None)
+
+
+def memoize_config_parse(worker_argv: list[str]) -> None:
+    """Parse the workers' config once in the warm launcher; forked workers get a copy instead of parsing again.
+
+    Every worker parses its config twice (``main.check_config`` and ``torchtitan.train.main``): ~0.12 s each on
+    this repository's CPU machine with the imports done, paid again by every worker of every in-place generation.
+    torchtitan's ``ConfigManager.parse_args`` is wrapped to return a deep copy of the launcher's result for the
+    same arguments and the same file (inode, size, mtime); anything else parses as before. A parse that fails here
+    is left to the workers, which report it (exit 2)."""
+    import copy
+    import inspect
+
+    from torchtitan.config import ConfigManager
+
+    original = ConfigManager.parse_args
+    if getattr(original, "kubetitan_memo", None) is not None:
+        return
+    default = inspect.signature(original).parameters["args"].default
+    memo: dict = {}
+
+    def parse_args(self, args: list[str] = default):
+        key = _config_key(list(args))
+        if key is not None and key in memo:
+            self.config = copy.deepcopy(memo[key])
+            return self.config
+        config = original(self, args)
+        if key is not None:
+            memo[key] = copy.deepcopy(config)
+        return config
+
+    parse_args.kubetitan_memo = memo
+    ConfigManager.parse_args = parse_args
+    try:
+        ConfigManager().parse_args(list(worker_argv))
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - tyro exits on bad values; the workers say why
+        log.info("Config not pre-parsed in the launcher (%s); each worker parses it", e)
 
 
 class LauncherState:
@@ -279,9 +364,11 @@ def earliest_failure(store, generation: int, nnodes: int) -> dict | None:
 
 
 def poll_seconds(nnodes: int) -> float:
-    """How often an agent polls the rendezvous store: 0.05 s per node, within [0.1 s, 1 s] (torch's fixed 1 s
-    is most of an in-place restart's rendezvous on a small gang; a large one keeps the store's load at torch's)."""
-    return min(1.0, max(0.1, 0.05 * nnodes))
+    """How often an agent polls the rendezvous store: 0.01 s per node, within [0.02 s, 1 s] (torch's fixed 1 s
+    is most of an in-place restart's rendezvous on a small gang, and a round takes several polls: the exit from
+    the old round, the join, the completion; a large gang keeps the store's load at torch's: 1,000 nodes poll
+    once a second each). Only agents waiting in a round poll."""
+    return min(1.0, max(0.02, 0.01 * nnodes))
 
 
 def fast_rendezvous_polls(nnodes: int) -> None:
@@ -294,6 +381,33 @@ def fast_rendezvous_polls(nnodes: int) -> None:
 
     poll = poll_seconds(nnodes)
     dynamic_rendezvous._delay = lambda seconds: utils._delay(poll if seconds == 1 else seconds)
+
+
+REJOIN_KEY = "kubetitan/rejoin/{generation}"
+"""Rendezvous-store counter of the agents that have stopped their workers for ``generation`` (see :func:`rejoin`)."""
+
+
+def rejoin(store, generation: int, nnodes: int, timeout: float, poll: float = 0.01, clock=time.monotonic,
+           sleep=time.sleep) -> None:
+    """Wait until every node's agent has stopped its workers for ``generation``, then return (no new round).
+
+    An in-place restart keeps the gang: the same pods, node ranks and world size (min = max nodes), so torch's
+    c10d rendezvous round (exit the old round, join the next, complete it: several polls of its shared state,
+    measured 0.5-2.8 s on this repository's 2-core machine) only re-establishes what is already known. Instead
+    each agent adds 1 to one counter in the agents' store (the first add is also the announcement that the peers'
+    :func:`run_in_place` ``num_nodes_waiting`` reports, so their healthy workers restart) and waits for the count
+    to reach ``nnodes``, polling every ``poll`` s. The previous rank assignment, store and master address stay.
+    Raises TimeoutError after ``timeout`` s (a peer's launcher is gone: its pod fails and the operator re-creates
+    the gang)."""
+    key = REJOIN_KEY.format(generation=generation)
+    count = store.add(key, 1)
+    deadline = clock() + timeout
+    while count < nnodes:
+        if clock() > deadline:
+            raise TimeoutError(f"only {count} of {nnodes} nodes rejoined for worker generation {generation} within "
+                               f"{timeout:.0f} s (a peer's launcher is gone?)")
+        sleep(poll)
+        count = store.add(key, 0)
 
 
 class StoppedInRendezvous(Exception):
@@ -317,6 +431,7 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     fast_rendezvous_polls(nnodes)
+    join_timeout = float(config.rdzv_configs.get("join_timeout", 600) or 600)
 
     class InPlaceAgent(LocalElasticAgent):
         generation = -1
@@ -348,7 +463,10 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                 raise StoppedInRendezvous()
             IN_RENDEZVOUS["now"] = True
             try:
-                super()._rendezvous(worker_group)
+                if old is None:  # the gang forms: torch's c10d rendezvous assigns the node ranks
+                    super()._rendezvous(worker_group)
+                else:  # the same gang again: same ranks, same store (see rejoin)
+                    rejoin(old, self.generation + 1, nnodes, join_timeout)
             finally:
                 IN_RENDEZVOUS["now"] = False
             if old is not None:
@@ -371,6 +489,23 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                                   min_nodes=config.min_nodes, max_nodes=config.max_nodes,
                                   local_addr=config.local_addr, **config.rdzv_configs)
     handler = rdzv_registry.get_rendezvous_handler(params)
+    agents: list = []
+    torch_waiting = handler.num_nodes_waiting
+
+    def num_nodes_waiting() -> int:
+        """torch's count, or 1 when a peer announced the next generation (:func:`rejoin`): this agent's healthy
+        workers must restart too (``SimpleElasticAgent._invoke_run`` polls this every monitor interval)."""
+        agent = agents[0] if agents else None
+        store = getattr(agent, "_store", None)
+        if store is not None and agent.generation >= 0:
+            try:
+                if store.check([REJOIN_KEY.format(generation=agent.generation + 1)]):
+                    return 1
+            except Exception as e:  # noqa: BLE001 - torch's own count still applies
+                log.debug("Could not read the rejoin key: %s", e)
+        return torch_waiting()
+
+    handler.num_nodes_waiting = num_nodes_waiting
     holder = getattr(handler, "_state_holder", None)  # torch's DynamicRendezvousHandler: its shared-state cache
     if holder is not None and getattr(holder, "_cache_duration", 0) > poll_seconds(nnodes):
         holder._cache_duration = poll_seconds(nnodes)  # (1 s in torch 2.11: a poll within it re-reads the cache)
@@ -380,6 +515,7 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                       local_addr=config.local_addr)
     agent = InPlaceAgent(spec=spec, logs_specs=config.logs_specs, start_method="fork",
                          log_line_prefix_template=config.log_line_prefix_template)
+    agents.append(agent)
     try:
         result = agent.run()
         if result.is_failed():
@@ -440,10 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("Starting %d worker(s) on node %d of %d, master %s:%d", a.nproc_per_node, a.node_rank, a.nnodes, a.master_addr, a.master_port)
     try:
         if a.max_restarts > 0:
-            # Workers sharing the agents' rendezvous TCPStore would find the previous generation's keys there
-            # (seen: gloo connectFullMesh dialled dead workers' ports after a restart): each generation's rank 0
-            # worker hosts a fresh store instead, at a port its agent picks per rendezvous round.
-            os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            # Workers share the agents' rendezvous TCPStore, each generation under its own key prefix
+            # (generation_scoped_agent_store, in run_worker).
             seconds = warm_up(["--job.config_file", a.config])
             state.warmed(seconds)
             log.info("In-place restarts on (up to %d); warm workers: imported torch/torchtitan once in %.1f s",

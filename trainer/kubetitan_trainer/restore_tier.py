@@ -1,16 +1,20 @@
 """A node-local restore tier: the last saved training state in memory files that outlive the worker processes.
 
 An in-place restart (``--max-restarts``) keeps the pod, so its ``/dev/shm`` (an emptyDir of medium Memory) and
-everything in it survive the workers. After each checkpoint save (not the last step's), every rank writes
+everything in it survive the workers. At each checkpoint save (not the last step's), every rank writes
 its local share of the very state that DCP saved (model, optimizer, LR schedulers, data loader, train state)
 into ``<tier>/rank-<r>.bin`` (raw tensor bytes, copied straight from the device into a memory-mapped file)
 and ``rank-<r>.json`` (step, world size, checkpoint folder, tensor layout, the pickled non-tensor values),
 the JSON last: a tier without its JSON is incomplete and never used.
 
-At the next load, every rank checks its tier: usable only when it holds **exactly the step torchtitan is
-about to load** (the newest complete DCP checkpoint, :func:`kubetitan_trainer.trainer.resolve_load_step`), for
-the same checkpoint folder, rank and world size, with tensors of the shapes and dtypes that rank's state has
-now. The ranks agree with one all-reduce (MIN): all load from the tier, or all load through DCP (DCP's
+The synchronous path writes the tier **before** DCP's save of the same step (a copy into memory: ~0.03 s for the
+CPU debug model against ~0.3 s for DCP), so a failure that cuts the DCP save off still finds the step in every
+rank's tier. At the next load, every rank checks its tier: usable when every rank's holds **the same step, newer
+than the newest complete DCP checkpoint** (:func:`agreed_newer_step`: the save that was cut off, so the restart
+loses no step instead of an interval), or **exactly the step torchtitan is about to load** (the newest complete
+DCP checkpoint, :func:`kubetitan_trainer.trainer.resolve_load_step`), for the same checkpoint folder, rank and
+world size, with tensors of the shapes and dtypes that rank's state has now. A re-created gang (new pods, an
+empty tier) loads the newest complete DCP checkpoint as before. The ranks agree with one all-reduce (MIN): all load from the tier, or all load through DCP (DCP's
 load is collective, so a mix would hang). Loading mirrors ``dcp.load``: the state dicts of the ``Stateful``
 objects are filled in place, then each one's ``load_state_dict`` runs. A stale or missing tier is ignored
 (DCP then), and a tier that fails while loading is deleted before the error ends the worker.
@@ -210,6 +214,30 @@ def usable(folder: str | Path, *, step: int, rank: int, world_size: int, checkpo
         return False
     return (m.get("step") == step and m.get("rank") == rank and m.get("world_size") == world_size
             and m.get("checkpoint_folder") == os.path.abspath(checkpoint_folder) and binf.is_file())
+
+
+def tier_step(folder: str | Path, *, rank: int, world_size: int, checkpoint_folder: str) -> int:
+    """The step this rank's tier holds for this run (same checkpoint folder, rank and world size); -1 for none."""
+    if not folder:
+        return -1
+    binf, meta = _paths(folder, rank)
+    try:
+        m = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return -1
+    ok = (m.get("rank") == rank and m.get("world_size") == world_size and isinstance(m.get("step"), int)
+          and m.get("checkpoint_folder") == os.path.abspath(checkpoint_folder) and binf.is_file())
+    return m["step"] if ok else -1
+
+
+def agreed_newer_step(local_step: int, newest_complete: int, min_max) -> int:
+    """The step every rank's tier holds when it is newer than the newest complete DCP checkpoint, else -1.
+
+    A save that a failure cut off leaves DCP's ``step-N`` without its ``.metadata`` (never loaded), but the tier,
+    written *before* DCP's save and in a fraction of its time, already holds step N on every rank that got that
+    far. ``min_max(step) -> (min, max)`` over every rank (one collective); only the same step everywhere counts."""
+    lo, hi = min_max(local_step)
+    return lo if lo == hi and lo > newest_complete else -1
 
 
 def _fill_plan(target: Any, skel: Any, layout: list[dict], path: str, plan: list) -> Any:

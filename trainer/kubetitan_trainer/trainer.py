@@ -211,9 +211,14 @@ class KubetitanTrainer(Trainer):
                 check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
             if will_save and not last_step:
                 ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
+            tier = will_save and not last_step and bool(self._tier)
+            if tier and not getattr(ckpt, "enable_staging", False):
+                # Before DCP's save: a failure during that save (a cut-off step-N, never loaded) still finds step N
+                # in every rank's tier (restore_tier.agreed_newer_step), so an in-place restart loses no step.
+                self._save_tier(curr_step)
             begin = time.perf_counter()
             save(curr_step, last_step=last_step)
-            if will_save and not last_step and self._tier:
+            if tier and getattr(ckpt, "enable_staging", False):
                 staged = getattr(ckpt.stager, "last_staged", None)
                 if staged is not None:  # pinned async saves: write the tier from the staged copy, in the background
                     ckpt.stager.last_staged = None
@@ -242,7 +247,7 @@ class KubetitanTrainer(Trainer):
         def load_then_publish(step: int = -1) -> bool:
             rec = anatomy.current()
             rec.mark("load_begin")
-            loaded = load(step)
+            loaded = self._load_newer_tier(step) or load(step)
             rec.mark("load_end")
             if loaded and rec.load_source == "none":
                 rec.load_source = "dcp"
@@ -281,14 +286,42 @@ class KubetitanTrainer(Trainer):
             logger.info(f"Restore tier: step {step}, {n / 2**30:.2f} GiB in {time.perf_counter() - begin:.2f} s "
                         f"({self._tier})")
 
-    def _load_tier(self, state_dict: dict, checkpoint_id: str) -> bool:
+    def _load_newer_tier(self, step: int) -> bool:
+        """Load the restore tier's step when every rank's holds the same one and it is newer than ``step`` (the
+        newest complete DCP checkpoint, -1 for none): a save that the failure cut off. Collective on every rank."""
+        ckpt = self.checkpointer
+        if not self._tier or not ckpt.enable or getattr(ckpt, "enable_ft_dataloader_checkpoints", False):
+            return False
+        rank, world = self._rank_world()
+        newest = step if step >= 0 else resolve_load_step(ckpt.folder)
+        local = restore_tier.tier_step(self._tier, rank=rank, world_size=world, checkpoint_folder=ckpt.folder)
+
+        def min_max(v: int) -> tuple[int, int]:
+            t = torch.tensor([float(v), -float(v)], device=self.device)
+            if world > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            return int(t[0].item()), int(-t[1].item())
+
+        newer = restore_tier.agreed_newer_step(local, newest, min_max)
+        if newer < 0:
+            return False
+        logger.info(f"Every rank's restore tier holds step {newer}, newer than the newest complete checkpoint "
+                    f"({newest if newest >= 0 else 'none'}; the step-{newer} save was cut off): loading it from the tier")
+        begin = time.monotonic()
+        if not self._load_tier(ckpt._states_to_load(model_only=False), f"step-{newer}", step=newer):
+            return False  # every rank agreed inside: all load through DCP instead
+        logger.info(f"Finished loading step {newer} from the restore tier in {time.monotonic() - begin:.2f} seconds.")
+        return True
+
+    def _load_tier(self, state_dict: dict, checkpoint_id: str, step: int | None = None) -> bool:
         """Load from the restore tier when every rank's holds the step being loaded; False: load through DCP."""
         folder = self._tier
         if not folder:
             return False
         rank, world = self._rank_world()
-        name = os.path.basename(os.path.normpath(checkpoint_id))
-        step = int(name.removeprefix("step-")) if name.startswith("step-") and name[5:].isdigit() else -1
+        if step is None:
+            name = os.path.basename(os.path.normpath(checkpoint_id))
+            step = int(name.removeprefix("step-")) if name.startswith("step-") and name[5:].isdigit() else -1
         ok, prepared = restore_tier.usable(folder, step=step, rank=rank, world_size=world,
                                            checkpoint_folder=self.checkpointer.folder), None
         if ok:
