@@ -133,6 +133,7 @@ RULES: tuple[Rule, ...] = (
     Rule("resources.instance-type-selector", "spec.resources.nodeSelector",
          "no instance-type label that contradicts resources.instanceType (the validator and the pods would see "
          "different hardware)"),
+    Rule("resources.gpu-product", "spec.resources.gpuProduct", "agrees with a catalog instance type's GPU"),
     Rule("resources.fit", "spec.resources.cpu, spec.resources.memory", "at most the instance type's vCPUs and memory "
          "(a pod asking for more is never scheduled)"),
     Rule("resources.platform", "spec.resources.platform", "matches the instance type (ml. names are HyperPod)"),
@@ -418,6 +419,10 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
             err("resources.memory", f"{r.memory} exceeds the {it.memory_gib} GiB of {r.instance_type}, so the pod "
                 f"would never be scheduled; request at most {int(it.memory_gib * 0.85)}Gi (the node's allocatable "
                 "memory is lower than the instance's) or leave it unset", "resources.fit")
+        if r.gpu_product and r.gpu_product != it.gpu:
+            err("resources.gpuProduct", f"{r.gpu_product} contradicts instance type {r.instance_type}, which has "
+                f"{it.gpu} GPUs (the FP8 check and MFU would use {r.gpu_product}); remove gpuProduct or set it to "
+                f"{it.gpu}", "resources.gpu-product")
         if it.hyperpod != (r.platform == "hyperpod"):
             want = "hyperpod" if it.hyperpod else "eks or generic"
             err("resources.platform", f"instance type {r.instance_type} belongs to platform {want}; "
@@ -618,6 +623,9 @@ def _pod_field_errors(s: LlamaPretrainSpec) -> list[FieldError]:
             err(path, msg, "pod.names")
     if token and (msg := k8sfields.key_error(s.tokenizer.token_secret_ref.key)) is not None:
         err("tokenizer.tokenSecretRef.key", msg, "pod.names")
+    if r.instance_type is not None and (msg := k8sfields.label_value_error(r.instance_type)):
+        err("resources.instanceType", f"becomes the pods' node selector node.kubernetes.io/instance-type: {msg}",
+            "pod.names")
     if s.scheduling.queue_name == "":
         err("scheduling.queueName", "is empty, which Kueue reads as no queue (the pods would not be queued); set the "
             "LocalQueue's name or remove the key", "pod.names")
