@@ -145,7 +145,7 @@ def startup_phases(m: Mapping[str, float]) -> StartupPhases | None:
         return None
     phases = {f"{p}_seconds": round(v, 3) for p in contract.STARTUP_PHASES
               if (v := _num(m, f"{contract.M_STARTUP_PHASE_SECONDS}/{p}")) is not None}
-    return StartupPhases(generation=_int(m, contract.M_WORKER_GENERATION), total_seconds=round(total, 3), **phases)
+    return StartupPhases(generation=_int(m, contract.M_RESTART_GENERATION), total_seconds=round(total, 3), **phases)
 
 
 def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,

@@ -19,7 +19,7 @@ def exposition(generation: int, attempt: int = 0, step: int = 11) -> str:
     lines = [f"# HELP {contract.M_STARTUP_PHASE_SECONDS} phases (seconds).", f"# TYPE {contract.M_STARTUP_PHASE_SECONDS} gauge"]
     lines += [f'{contract.M_STARTUP_PHASE_SECONDS}{{phase="{p}"}} {v}' for p, v in PHASES.items()]
     lines += [f"# TYPE {contract.M_STARTUP_SECONDS} gauge", f"{contract.M_STARTUP_SECONDS} {sum(PHASES.values())}",
-              f"# TYPE {contract.M_WORKER_GENERATION} gauge", f"{contract.M_WORKER_GENERATION} {generation}",
+              f"# TYPE {contract.M_RESTART_GENERATION} gauge", f"{contract.M_RESTART_GENERATION} {generation}",
               f"# TYPE {contract.M_STEP} gauge", f"{contract.M_STEP} {step}",
               f"# TYPE {contract.M_ATTEMPT} gauge", f"{contract.M_ATTEMPT} {attempt}"]
     return "\n".join(lines) + "\n"

@@ -108,7 +108,7 @@ def test_exporter_serves_each_phase_with_a_label(tmp_path):
     text = generate_latest(ex.registry).decode()
     for phase in anatomy.PHASES:
         assert f'{contract.M_STARTUP_PHASE_SECONDS}{{phase="{phase}"}}' in text
-    assert f"{contract.M_STARTUP_SECONDS} 3.0" in text and f"{contract.M_WORKER_GENERATION} 1.0" in text
+    assert f"{contract.M_STARTUP_SECONDS} 3.0" in text and f"{contract.M_RESTART_GENERATION} 1.0" in text
     assert anatomy.append_log(tmp_path, r).read_text().count("\n") == 1
 
 

@@ -160,8 +160,6 @@ class Exporter:
             "phases sum to kubetitan_trainer_startup_seconds (seconds).", ["phase"], registry=r)
         self.startup_total = Gauge(contract.M_STARTUP_SECONDS, "Start-up of this worker generation: from the launcher's "
                                    "start or its detection of the failure to the end of the first step (seconds).", registry=r)
-        self.generation = Gauge(contract.M_WORKER_GENERATION, "In-place restarts of this gang's workers before the "
-                                "running workers started; 0 for a fresh attempt (count).", registry=r)
         self._tokens_seen = 0
         # In-place restarts (launch.py --max-restarts): which worker generation this is, and the failure that began it.
         self.restart_generation = Gauge(contract.M_RESTART_GENERATION, "Worker generation within this attempt: 0 for the "
@@ -188,7 +186,7 @@ class Exporter:
         for phase, seconds in record["phases"].items():
             self.startup_phase.labels(phase=phase).set(seconds)
         self.startup_total.set(record["total_seconds"])
-        self.generation.set(record["generation"])
+        self.restart_generation.set(record["generation"])  # the same shared generation the launcher set
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serve /metrics. ``0.0.0.0`` (the default) binds dual-stack ``::`` where the kernel has IPv6, so the

@@ -118,7 +118,6 @@ STARTUP_PHASES = ("process_start", "imports", "process_group_init", "model_init"
                   "first_step_compile", "first_step")
 """The trainer's start-up phases, in order (kubetitan_trainer.anatomy; status.restarts[].startup)."""
 M_STARTUP_SECONDS = "kubetitan_trainer_startup_seconds"
-M_WORKER_GENERATION = "kubetitan_trainer_worker_generation"
 M_RESTART_GENERATION = "kubetitan_trainer_restart_generation"  # ENV_RESTART_GENERATION
 M_RESTART_EXIT_CODE = "kubetitan_trainer_restart_exit_code"  # of the failure that began this generation
 M_RESTART_NODE_RANK = "kubetitan_trainer_restart_node_rank"  # node rank (pod rank) of that failure

@@ -219,7 +219,7 @@ def startup_total(cfg: MonitoringConfig) -> str:
 
 
 def worker_generation(cfg: MonitoringConfig) -> str:
-    return f"max({c.M_WORKER_GENERATION}{{{run_selector(cfg)}}})"
+    return f"max({c.M_RESTART_GENERATION}{{{run_selector(cfg)}}})"
 
 
 def restarts_by_cause(cfg: MonitoringConfig) -> str:
