@@ -791,7 +791,8 @@ def _metadata_errors(meta: Any) -> list[FieldError]:
         if value is not None and (not isinstance(value, list) or not all(isinstance(v, item) for v in value)):
             out.append(FieldError(f"metadata.{key}", f"must be a list of {'names' if item is str else 'mappings'}; fix "
                                   "it or remove it (the operator sets what it needs)", "metadata.fields"))
-    for i, fin in enumerate(meta.get("finalizers") or []):
+    fins = meta.get("finalizers")
+    for i, fin in enumerate(fins if isinstance(fins, list) else []):
         if isinstance(fin, str) and (msg := label_key_error(fin)) is not None:
             out.append(FieldError(f"metadata.finalizers[{i}]", msg.replace("label key", "finalizer name"),
                                   "metadata.fields"))
