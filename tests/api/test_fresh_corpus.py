@@ -177,3 +177,63 @@ def test_refused_fraction(tmp_path, capsys):
             print(f"  MISSED {k}: {v[:300]}")
     assert not tracebacks
     assert refused / len(INVALID) >= 0.99
+
+
+ODD_VALUES = [[], {}, None, 1, -1, 0, "x", "", True, 1.5, [[]], [{}], [None], {"a": None}, {"a": []}, 2**70, "ü"]
+FULL = merge(BASE, {
+    "metadata": {"labels": {"a": "b"}, "annotations": {"c": "d"}, "finalizers": ["example.com/f"]},
+    "spec": {
+        "model": {"flavor": "custom", "custom": {"dim": 1024, "nLayers": 4, "nHeads": 16, "nKvHeads": 4,
+                                                  "vocabSize": 128256}},
+        "data": {"source": "shards", "shards": {"path": "/d"}, "volume": {"claimName": "c"}, "mountPath": "/data"},
+        "scheduling": {"queueName": "q", "schedulerName": "s"},
+        "precision": {"float8": {"enabled": True, "filterFqns": ["output"]}},
+        "resources": {
+            "env": [{"name": "A", "value": "b"}, {"name": "S", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+                    {"name": "F", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                    {"name": "R", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}}],
+            "tolerations": [{"key": "a", "operator": "Equal", "value": "b", "effect": "NoExecute", "tolerationSeconds": 5}],
+            "nodeSelector": {"a": "b"}, "imagePullSecrets": ["x"],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+                        "matchExpressions": [{"key": "k", "operator": "In", "values": ["v"]}],
+                        "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n"]}]}]},
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 1, "preference": {"matchExpressions": [{"key": "k", "operator": "Exists"}]}}]},
+                "podAntiAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "t", "labelSelector": {
+                        "matchLabels": {"a": "b"}, "matchExpressions": [{"key": "k", "operator": "In", "values": ["v"]}]}}],
+                    "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 5, "podAffinityTerm": {
+                        "topologyKey": "t", "labelSelector": {"matchLabels": {"a": "b"}}}}]}}}}})
+
+
+def _paths(o: Any, p: list[Any]) -> list[list[Any]]:
+    out = [p]
+    for k, v in (o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, list) else ()):
+        out += _paths(v, p + [k])
+    return out
+
+
+def test_an_odd_value_anywhere_is_an_error_never_an_exception():
+    """Every field of a spec that uses every section (pod fields included), replaced by each odd value: the
+    validator (and the planner, for what it accepts) returns errors, never raises."""
+    from kubetitan.plan import attempt_children
+    from kubetitan_core.validation import parse
+
+    assert parse(FULL)[1] == []
+    paths = _paths(FULL, [])
+    for path in paths:
+        for value in ODD_VALUES:
+            doc = copy.deepcopy(FULL)
+            if path:
+                at = doc
+                for k in path[:-1]:
+                    at = at[k]
+                at[path[-1]] = value
+            else:
+                doc = value
+            lpt, errors = parse(doc)
+            if lpt is not None and not errors:
+                attempt_children(lpt, 0)
+    assert len(paths) * len(ODD_VALUES) > 2000
