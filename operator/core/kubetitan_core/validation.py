@@ -114,6 +114,8 @@ RULES: tuple[Rule, ...] = (
              "training.seqLen must be divisible by parallelism.tensorParallelDegree x 2 x "
              "parallelism.contextParallelDegree",
              ".training.seqLen")),
+    Rule("parallelism.ddp-1d", "spec.parallelism.dataParallelReplicateDegree",
+         "replicas without sharding (DDP) only as the one parallelism (torchtitan's llama3 parallelize)"),
     Rule("model.custom", "spec.model.custom", "set exactly when flavor is custom",
          cel=Cel(
              "(self.model.flavor == 'custom') == has(self.model.custom)",
@@ -332,6 +334,13 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
             "use every remaining process",
             "parallelism.product",
         )
+    if dp_shard == 1 and p.context_parallel_degree == 1 and p.data_parallel_replicate_degree > 1 \
+            and p.tensor_parallel_degree * p.pipeline_parallel_degree > 1:
+        # no sharding: torchtitan falls back to DDP, which it supports only as the one parallelism
+        err("parallelism.dataParallelReplicateDegree",
+            f"{p.data_parallel_replicate_degree} replicas with no sharding is DDP, which torchtitan cannot combine "
+            f"with tensor ({p.tensor_parallel_degree}) or pipeline ({p.pipeline_parallel_degree}) parallelism; "
+            "shard too (dataParallelShardDegree above 1: HSDP) or set the replicate degree to 1", "parallelism.ddp-1d")
     divisor = p.tensor_parallel_degree * 2 * p.context_parallel_degree
     if t.seq_len % divisor != 0:
         # torchtitan's llama3 parallelize asserts seq_len % (tp x 2 x cp) == 0 (sequence parallel splits the
