@@ -67,10 +67,13 @@ RESERVED_ENV_PREFIXES = ("KUBETITAN_", "TORCHELASTIC_", "PET_")
 RESERVED_ENV_NAMES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK",
     "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME",
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
 )
 """Exact reserved names: the rendezvous address and the per-process ranks and sizes torchrun sets on its
-workers, and the launcher's switch for the in-place rendezvous store."""
+workers, the launcher's switch for the in-place rendezvous store, and the GPU selection: the device plugin
+gives the pod its GPUs (with its default envvar strategy through NVIDIA_VISIBLE_DEVICES, so a pod setting
+NVIDIA_VISIBLE_DEVICES=all could reach every GPU of the node) and torchrun maps LOCAL_RANK onto them
+(CUDA_VISIBLE_DEVICES would hide some from the workers)."""
 SECRET_ENV_TOKEN = "HF_TOKEN"
 """Set from ``spec.tokenizer.tokenSecretRef`` (a Secret); a plain spec variable of this name is refused then."""
 

@@ -189,6 +189,8 @@ RULES: tuple[Rule, ...] = (
              "!self.checkpoint.enabled || self.checkpoint.keepLatestK != 1",
              "checkpoint.keepLatestK must be 0 (keep all) or at least 2",
              ".checkpoint.keepLatestK")),
+    Rule("checkpoint.writable", "spec.checkpoint.storage.persistentVolumeClaim.readOnly",
+         "not read-only while checkpoints are saved"),
     Rule("checkpoint.one-storage", "spec.checkpoint.storage", "at most one of persistentVolumeClaim and hostPath",
          cel=Cel(
              "!(has(self.checkpoint.storage.persistentVolumeClaim) && has(self.checkpoint.storage.hostPath))",
@@ -497,6 +499,10 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
 
     # ---- checkpoints and restarts
     ck, rp = s.checkpoint, s.run_policy
+    pvc = ck.storage.persistent_volume_claim
+    if ck.enabled and pvc is not None and pvc.read_only:
+        err("checkpoint.storage.persistentVolumeClaim.readOnly", "is true, but checkpoints are written there: the "
+            "first save would fail; set it to false (or checkpoint.enabled: false to only read)", "checkpoint.writable")
     if rp.max_restarts > 0 and not ck.enabled:
         err("runPolicy.maxRestarts", f"{rp.max_restarts} restarts need checkpoint.enabled: true (each restart "
             "resumes from the newest checkpoint); enable checkpoints or set maxRestarts: 0",
