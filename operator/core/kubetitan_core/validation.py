@@ -667,7 +667,9 @@ def _pydantic_errors(e: ValidationError) -> list[FieldError]:
         path = _loc_to_path(d["loc"])
         kind = d["type"]
         if kind == "extra_forbidden":
-            msg = "unknown field; remove it (see `kubectl explain llamapretrain.spec` or docs/api.md for the fields)"
+            near = _closest(str(d["loc"][-1]), _fields_at(d["loc"][:-1]))
+            msg = (f"unknown field; did you mean {near!r}? rename it (or remove it)" if near else
+                   "unknown field; remove it (see `kubectl explain llamapretrain.spec` or docs/api.md for the fields)")
         elif kind == "literal_error":
             msg = f"{d.get('input')!r} is not allowed: {d['msg'].replace('Input should be', 'use')}"
         elif kind == "missing":
@@ -773,6 +775,33 @@ MAX_ANNOTATIONS_BYTES = 256 * 1024
 """The API server's limit on the total size of an object's annotations (keys + values)."""
 
 
+def _closest(name: str, known: Any) -> str | None:
+    """The known field a misspelt ``name`` most likely meant (``trainig`` -> ``training``), or None."""
+    import difflib
+
+    known = list(known)
+    folded = {k.lower().replace("_", ""): k for k in known}
+    if name.lower().replace("_", "") in folded:
+        return folded[name.lower().replace("_", "")]
+    hit = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    return hit[0] if hit else None
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The wire names of the fields of the model at ``loc`` inside a LlamaPretrain (empty if not a model)."""
+    from kubetitan_core.crd import _model_in
+
+    model: Any = LlamaPretrain
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
+        model = _model_in(field.annotation) if field is not None else None
+        if model is None:
+            return []
+    return [f.alias or n for n, f in model.model_fields.items()]
+
+
 def _type_name(v: Any) -> str:
     return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
             float: "a number", type(None): "nothing (null)"}.get(type(v), type(v).__name__)
@@ -783,8 +812,9 @@ def _unknown_keys(obj: dict[Any, Any], known: tuple[str, ...], prefix: str, rule
     for k in obj:
         if k in known:
             continue
-        near = next((n for n in known if str(k).lower().replace("_", "") == n.lower()), None)
-        hint = f"did you mean {near!r}? rename it" if near else f"remove it (the fields here: {', '.join(known)})"
+        near = _closest(str(k), known)
+        hint = f"did you mean {near!r}? rename it (or remove it)" if near else \
+            f"remove it (the fields here: {', '.join(known)})"
         out.append(FieldError(f"{prefix}{k}", f"unknown field; {hint}", rule))
     return out
 
