@@ -168,11 +168,32 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
+def _cut_off_newest_save(workers: list[int], tier: Path) -> int:
+    """Freeze every worker where both ranks' tiers hold the same step T, make T's DCP save look cut off (no
+    .metadata, as when a failure lands in it), and return T; the workers stay stopped."""
+    for _ in range(200):
+        for w in workers:
+            os.kill(w, signal.SIGSTOP)
+        metas = [tier / f"rank-{r}.json" for r in range(2)]
+        steps = {json.loads(m.read_text())["step"] if m.exists() else -1 for m in metas}
+        if len(steps) == 1 and min(steps) > 4:
+            t = steps.pop()
+            folder = Path(json.loads(metas[0].read_text())["checkpoint_folder"])
+            (folder / f"step-{t}" / ".metadata").unlink(missing_ok=True)
+            return t
+        for w in workers:  # a tier write in flight on one rank: let the step finish, look again
+            os.kill(w, signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError("the two ranks' tiers never held the same step")
+
+
 def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tmp_path):
-    """--max-restarts=1: one worker SIGKILLed after the step-4 checkpoint; the same launcher forks new workers for
-    both ranks, they resume from step 4 out of the restore tier (the replayed step 5 has the same loss) and
-    finish; each generation's start-up anatomy is logged, the tier folder is gone when the launcher exits."""
-    steps, port = 12, free_port()
+    """--max-restarts=2: one worker SIGKILLed after the step-4 checkpoint; the same launcher forks new workers for
+    both ranks, they resume from step 4 out of the restore tier (the replayed step 5 has the same loss). Then a
+    kill whose step-T DCP save was cut off (its .metadata gone): the tier, written before DCP's save, holds T on
+    both ranks, so generation 2 resumes at T + 1 from it, not from T - 4 (no lost steps). Each generation's
+    start-up anatomy is logged, the tier folder is gone when the launcher exits."""
+    steps, port = 20, free_port()
     tier = tmp_path / "tier"
     dump = tmp_path / "ip"
     cfg = write_config(tmp_path / "ip.toml", lpt({"training": {"steps": steps}, "data": {"source": "synthetic"}}),
@@ -181,7 +202,7 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     log = open(cfg.with_suffix(".log"), "ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={cfg}", "--nnodes=1", "--nproc-per-node=2",
-         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=inplace", "--max-restarts=1",
+         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=inplace", "--max-restarts=2",
          "--monitor-interval=0.1", f"--restore-tier={tier}"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     m = wait_for(proc, port, lambda m: m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= 4 and m.get(contract.M_STEP, 0) >= 5)
     assert m is not None, tail(cfg)
@@ -189,6 +210,14 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     first_workers = _children(proc.pid)
     assert len(first_workers) == 2, first_workers
     os.kill(first_workers[1], signal.SIGKILL)
+    m = wait_for(proc, port, lambda m: m.get(contract.M_RESTART_GENERATION, 0) == 1
+                 and m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= 8)
+    assert m is not None, tail(cfg)
+    second_workers = _children(proc.pid)
+    assert len(second_workers) == 2 and not set(second_workers) & set(first_workers), second_workers
+    cut = _cut_off_newest_save(second_workers, tier)
+    for w in second_workers:  # both: a surviving rank 0 must not finish the cut-off save's .metadata
+        os.kill(w, signal.SIGKILL)
     assert proc.wait(timeout=600) == 0, tail(cfg)
     text = cfg.with_suffix(".log").read_text(errors="replace")
     assert "restarting every rank's workers in place" in text
@@ -196,14 +225,19 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     restart_at = next(i for i in range(1, len(runs)) if runs[i] <= runs[i - 1])
     assert runs[restart_at] == 5  # resumed after the step-4 checkpoint (the step-8 one did not exist yet)
     assert runs[-1] == steps
+    by_gen = [json.loads(x) for x in (dump / "kubetitan" / "steps.jsonl").read_text().splitlines()]
+    gen2 = [r["step"] for r in by_gen if r.get("generation") == 2]
+    assert gen2[0] == cut + 1, (cut, runs)  # the cut-off step's tier, not the newest complete DCP (cut - 4)
     assert "Resuming from the newest complete checkpoint, step 4" in text
     recs = [json.loads(x) for x in (dump / "kubetitan" / "steps.jsonl").read_text().splitlines()]
     before, after = recs[:restart_at], recs[restart_at:]
     assert next(r["loss"] for r in after if r["step"] == 5) == next(r["loss"] for r in before if r["step"] == 5)
     assert "Loaded step 4 from the restore tier" in text and not tier.exists()
+    assert f"Every rank's restore tier holds step {cut}, newer than the newest complete checkpoint" in text
     starts = [json.loads(x) for x in (dump / "kubetitan" / "startup.jsonl").read_text().splitlines()]
     assert [(s["generation"], s["origin"], s["first_step"], s["checkpoint_source"]) for s in starts] == [
-        (0, "launcher_start", 1, "none"), (1, "failure_detected", 5, "restore_tier")]
+        (0, "launcher_start", 1, "none"), (1, "failure_detected", 5, "restore_tier"),
+        (2, "failure_detected", cut + 1, "restore_tier")]
     for s in starts:
         assert list(s["phases"]) == list(anatomy.PHASES) and min(s["phases"].values()) >= 0
         assert sum(s["phases"].values()) == pytest.approx(s["total_seconds"])
