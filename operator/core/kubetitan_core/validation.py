@@ -401,7 +401,7 @@ def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
             "tokenizer.vocab")
 
     # ---- batch
-    if dp_shard is not None and t.global_batch_size is not None:
+    if dp_shard is not None and dp_shard >= 1 and t.global_batch_size is not None:  # 0: parallelism.product
         dp = dp_shard * p.data_parallel_replicate_degree
         micro = t.local_batch_size * dp
         if t.global_batch_size % micro != 0:
