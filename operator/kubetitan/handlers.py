@@ -39,7 +39,7 @@ from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan import status as status_mod
 from kubetitan.decide import Action, ChildError, decide, parse_time, restart_event
-from kubetitan.kube import Client, classify, load_config, message_of
+from kubetitan.kube import Client, ClientClosed, classify, load_config, message_of
 from kubetitan.observe import node_obs, parse_metrics, pod_obs, scrape, spec_changes
 from kubetitan.operator_metrics import OperatorMetrics
 
@@ -259,6 +259,10 @@ async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, l
                 return
             if isinstance(requeue, float):
                 wait = max(0.05, min(wait, requeue))
+        except ClientClosed:  # the operator is stopping: its clean-up closed the client under this cycle
+            log.debug("LlamaPretrain %s/%s: the operator is stopping; its daemon ends",
+                      body["metadata"].get("namespace"), body["metadata"]["name"])
+            return
         except Exception as e:  # noqa: BLE001 - the daemon must survive one bad cycle; it is counted and logged
             ctx.metrics.errors.labels(type(e).__name__).inc()
             log.exception("Reconcile of LlamaPretrain %s/%s failed", body["metadata"].get("namespace"),

@@ -34,6 +34,10 @@ class NotAllowed(RuntimeError):
     """A call that ``rbac.RULES`` does not list (a bug: add the rule or drop the call)."""
 
 
+class ClientClosed(RuntimeError):
+    """A call made after :meth:`Client.aclose` (the operator is stopping): nothing was sent."""
+
+
 # ------------------------------------------------------------------ the one error policy
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 """Answers that say "not now": retried with capped exponential backoff (429 honours Retry-After)."""
@@ -162,6 +166,7 @@ class Client:
         self.host = cfg.host.rstrip("/")
         self.limit = asyncio.Semaphore(concurrency)
         self.session: Any = None
+        self.closed = False
         self.calls: dict[tuple[str, str, str], int] = {}
         self._auth_headers: dict[str, str] | None = None
         self._auth_at = 0.0
@@ -196,6 +201,7 @@ class Client:
         return headers
 
     async def aclose(self) -> None:
+        self.closed = True
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -213,6 +219,8 @@ class Client:
         if not rbac.allowed(group, resource, verb):
             raise NotAllowed(f"{verb} {group or 'core'}/{resource} is not in kubetitan.rbac.RULES")
         self.calls[(group, resource, verb)] = self.calls.get((group, resource, verb), 0) + 1
+        if self.closed:
+            raise ClientClosed(f"{method} {path}: the client is closed (the operator is stopping)")
         if self.session is None:
             self.session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=0),
@@ -223,9 +231,12 @@ class Client:
         while True:
             headers = {"Content-Type": content_type, "Accept": "application/json", **self._auth()}
             try:
-                async with self.limit, self.session.request(method, self.host + path, params=query or None,
-                                                            data=data, headers=headers) as r:
-                    status, raw, retry_after = r.status, await r.read(), _retry_after(r.headers)
+                async with self.limit:
+                    if self.closed:  # closed while this call waited for a slot or a retry's backoff
+                        raise ClientClosed(f"{method} {path}: the client is closed (the operator is stopping)")
+                    async with self.session.request(method, self.host + path, params=query or None, data=data,
+                                                    headers=headers) as r:
+                        status, raw, retry_after = r.status, await r.read(), _retry_after(r.headers)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
                 if n + 1 >= self.retry.attempts:
                     raise

@@ -204,3 +204,56 @@ def test_backoff_is_capped_exponential_with_jitter(n, retry_after, low, high) ->
     p = RetryPolicy()
     for _ in range(20):
         assert low <= p.delay(n, retry_after) <= high
+
+
+def test_calls_in_flight_when_the_client_closes_end_with_client_closed_and_send_nothing_more() -> None:
+    """The operator's clean-up closes the client while daemons' calls still wait (for a slot or a retry's
+    backoff): those calls end with ClientClosed (the daemon ends quietly), never an AttributeError on the session
+    nor another request."""
+    from kubetitan.kube import ClientClosed
+
+    seen: list[str] = []
+    first_answered = asyncio.Event()
+    release = asyncio.Event()
+
+    async def pods(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        seen.append(request.match_info["name"])
+        if request.match_info["name"] == "busy":
+            await release.wait()  # holds the client's only slot
+            return aiohttp.web.json_response({"kind": "Pod"})
+        first_answered.set()
+        return aiohttp.web.json_response({"kind": "Status", "code": 503}, status=503)
+
+    async def main() -> None:
+        app = aiohttp.web.Application()
+        app.router.add_get("/api/v1/namespaces/ml/pods/{name}", pods)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        cfg = kubernetes.client.Configuration(host=f"http://127.0.0.1:{port}")
+        backoff = Client(cfg, retry=RetryPolicy(attempts=5, base_seconds=0.05, cap_seconds=0.05))
+        in_backoff = asyncio.create_task(backoff.get("pods", "ml", "flaky"))
+        await first_answered.wait()  # answered 503: it backs off before its retry
+        slot = Client(cfg, concurrency=1)
+        holder = asyncio.create_task(slot.get("pods", "ml", "busy"))
+        while "busy" not in seen:
+            await asyncio.sleep(0.01)
+        waiter = asyncio.create_task(slot.get("pods", "ml", "waiting"))
+        await asyncio.sleep(0)  # the waiter is parked on the semaphore
+        await backoff.aclose()
+        closing = asyncio.create_task(slot.aclose())
+        release.set()
+        with pytest.raises(ClientClosed):
+            await asyncio.wait_for(waiter, 10)
+        await closing
+        await asyncio.gather(holder, return_exceptions=True)
+        with pytest.raises(ClientClosed):
+            await asyncio.wait_for(in_backoff, 10)
+        with pytest.raises(ClientClosed):
+            await backoff.get("pods", "ml", "after-close")
+        await runner.cleanup()
+        assert seen.count("flaky") == 1 and "waiting" not in seen and "after-close" not in seen
+
+    asyncio.run(main())
