@@ -130,6 +130,13 @@ class ChildError:
     message: str
 
 
+AUTO_HANG_STEP_FACTOR = 10
+"""``hangTimeoutPolicy: Auto``: the timeout is this many median step times ..."""
+AUTO_HANG_FLOOR_SECONDS = 30
+"""... but never less than this (a slow data batch, a GC pause, a log flush; the operator's
+``--hang-floor-seconds`` overrides it) ..."""
+
+
 @dataclass(frozen=True)
 class Observed:
     pods: tuple[PodObs, ...] = ()
@@ -156,6 +163,9 @@ class Observed:
     missing_children: tuple[str, ...] = ()
     """Names of the run's ConfigMap/Service that the API no longer shows although the current attempt's pods
     exist (deleted by hand): created again at once, with no restart (``Decision.recreate``)."""
+    hang_floor_seconds: float = float(AUTO_HANG_FLOOR_SECONDS)
+    """The ``Auto`` hang timeout's floor (the operator's ``--hang-floor-seconds``, :data:`AUTO_HANG_FLOOR_SECONDS`
+    by default): Auto never waits less than this, whatever the step time."""
     attempt_steps: int | None = None
     """``spec.training.steps`` of the spec the current attempt was created from (its trainer's count; the spec's
     may have changed since); None when unknown."""
@@ -632,10 +642,6 @@ def hung(f: Facts) -> Decision | None:
             if limit > base else "") + ")", "", None))
 
 
-AUTO_HANG_STEP_FACTOR = 10
-"""``hangTimeoutPolicy: Auto``: the timeout is this many median step times ..."""
-AUTO_HANG_FLOOR_SECONDS = 30
-"""... but never less than this (a slow data batch, a GC pause, a log flush) ..."""
 AUTO_HANG_MIN_STEPS = 5
 """... once the current workers trained this many steps (before that: ``hangTimeoutSeconds``)."""
 
@@ -644,18 +650,20 @@ def hang_timeout(f: Facts) -> tuple[float, str]:
     """The hang timeout of this cycle, before a checkpoint step's save window, and how it was derived.
 
     ``Auto`` = min(hangTimeoutSeconds, max(10 x the median step time the trainer reports for its current worker
-    generation, 30 s)), once that generation trained 5 steps; ``Fixed`` (or too few steps) = hangTimeoutSeconds.
+    generation, the floor)), once that generation trained 5 steps; ``Fixed`` (or too few steps) =
+    hangTimeoutSeconds. The floor is the operator's ``--hang-floor-seconds`` (default 30 s).
     """
     rp, pr = f.rp, f.obs.progress
     fixed = float(rp.hang_timeout_seconds), f"runPolicy.hangTimeoutSeconds={rp.hang_timeout_seconds}"
     if rp.hang_timeout_policy != "Auto" or not pr.step_seconds_median or pr.step is None or pr.start_step is None \
             or pr.step - pr.start_step < AUTO_HANG_MIN_STEPS:
         return fixed
-    auto = max(AUTO_HANG_STEP_FACTOR * pr.step_seconds_median, float(AUTO_HANG_FLOOR_SECONDS))
+    floor = f.obs.hang_floor_seconds
+    auto = max(AUTO_HANG_STEP_FACTOR * pr.step_seconds_median, floor)
     if auto >= fixed[0]:
         return fixed
     return auto, (f"runPolicy.hangTimeoutPolicy=Auto: max({AUTO_HANG_STEP_FACTOR} x median step "
-                  f"{pr.step_seconds_median:.3g}s, {AUTO_HANG_FLOOR_SECONDS}s) = {auto:.0f}s")
+                  f"{pr.step_seconds_median:.3g}s, {floor:g}s) = {auto:.0f}s")
 
 
 def startup_timed_out(f: Facts) -> Decision | None:

@@ -38,7 +38,7 @@ from kubetitan import __version__, plan, policy
 from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan import status as status_mod
-from kubetitan.decide import Action, ChildError, decide, parse_time, restart_event
+from kubetitan.decide import AUTO_HANG_FLOOR_SECONDS, Action, ChildError, decide, parse_time, restart_event
 from kubetitan.kube import Client, ClientClosed, classify, load_config, message_of
 from kubetitan.observe import node_obs, parse_metrics, pod_obs, scrape, spec_changes
 from kubetitan.operator_metrics import OperatorMetrics
@@ -65,6 +65,8 @@ class Options:
     """Seconds between two cycles of one run when nothing wakes it."""
     scrape_interval: float = 15.0
     scrape_timeout: float = 3.0
+    hang_floor_seconds: float = float(AUTO_HANG_FLOOR_SECONDS)
+    """The floor of ``runPolicy.hangTimeoutPolicy: Auto`` (``--hang-floor-seconds``)."""
     clock: Callable[[], float] = time.time
     """Source of 'now' for every decision; tests pass a faster clock instead of lowering API minimums."""
     policy: policy.Policy = field(default_factory=policy.Policy)
@@ -411,7 +413,8 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                                       spec_block=block, spec_block_reason=block_reason,
                                       spec_deferred=deferred, training=training,
                                       child_errors=child_errors, missing_children=missing,
-                                      attempt_steps=steps_then if isinstance(steps_then, int) else None)
+                                      attempt_steps=steps_then if isinstance(steps_then, int) else None,
+                                      hang_floor_seconds=ctx.options.hang_floor_seconds)
             d = decide(spec, old, obs)
             if d.stale_status:
                 # Another replica moved the run on while this one was paused: take the API's status, act later.
@@ -682,6 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scan-interval", type=float, default=10.0, help="seconds between cycles of a run (default 10)")
     p.add_argument("--scrape-interval", type=float, default=15.0,
                    help="seconds between scrapes of rank 0's /metrics (default 15)")
+    p.add_argument("--hang-floor-seconds", type=_positive_seconds, default=float(AUTO_HANG_FLOOR_SECONDS),
+                   metavar="S", help=f"the least the Auto hang timeout waits for a step, whatever the step time "
+                   f"(default {AUTO_HANG_FLOOR_SECONDS}; runPolicy.hangTimeoutPolicy)")
     p.add_argument("--log-format", choices=["json", "plain", "full"], default="json",
                    help="log format (default json: one structured object per line)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
@@ -693,7 +699,17 @@ def options_from_args(a: argparse.Namespace) -> Options:
     return Options(namespaces=list(a.namespace), all_namespaces=a.all_namespaces, peering=a.peering,
                    priority=a.priority, metrics_port=a.metrics_port or None, liveness=a.liveness,
                    kubeconfig=a.kubeconfig, scan_interval=a.scan_interval, scrape_interval=a.scrape_interval,
-                   policy=policy.from_flags(a))
+                   hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a))
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0 (e.g. 30)")
+    return v
 
 
 def run(options: Options, stop_flag: Any = None, ready_flag: Any = None,

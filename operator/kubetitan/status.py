@@ -22,7 +22,7 @@ from kubetitan import conditions as C
 from kubetitan_core import contract
 from kubetitan_core.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases, TrainingStatus
 from kubetitan.decide import (
-    MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso,
+    AUTO_HANG_FLOOR_SECONDS, MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso,
     iso_ms, parse_time, replace, restart_record,
 )
 
@@ -127,7 +127,8 @@ def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[
              generation: int | None = None, spec_block: str | None = None, spec_block_reason: str | None = None,
              spec_deferred: str | None = None,
              training: TrainingStatus | None = None, child_errors: tuple[ChildError, ...] = (),
-             missing_children: tuple[str, ...] = (), attempt_steps: int | None = None) -> Observed:
+             missing_children: tuple[str, ...] = (), attempt_steps: int | None = None,
+             hang_floor_seconds: float = AUTO_HANG_FLOOR_SECONDS) -> Observed:
     """The decision's inputs; a missing node is timed from when it was first seen missing."""
     timed = {n: (replace(v, not_ready_since=parse_time(o.nodes_missing_since.get(n))) if not v.exists else v)
              for n, v in nodes.items()}
@@ -135,7 +136,8 @@ def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[
                     spec_block=spec_block, spec_block_reason=spec_block_reason or C.IMMUTABLE_FIELD_CHANGED,
                     spec_deferred=spec_deferred, training=training,
                     ranks_seen=frozenset(o.ranks_seen), child_errors=child_errors, observation=o,
-                    missing_children=missing_children, attempt_steps=attempt_steps)
+                    missing_children=missing_children, attempt_steps=attempt_steps,
+                    hang_floor_seconds=hang_floor_seconds)
 
 
 def startup_phases(m: Mapping[str, float]) -> StartupPhases | None:

@@ -10,6 +10,10 @@ attempt 0, generation 0  rank 1's WORKER is SIGKILLed (its launcher lives on) ->
 attempt 0, generation 1  the same pod's worker is killed again -> the node failed in place twice in a row: the
                          operator re-creates the gang (record mode Recreate)
 attempt 1                rank 1's node goes NotReady -> Recreate (NodeFailure), as without in-place restarts
+attempt 2                rank 1's worker is frozen (SIGSTOP) -> the Auto hang rule decides Hang long before
+                         hangTimeoutSeconds (120): the operator runs with --hang-floor-seconds 5, so Auto is
+                         max(10 x median step, 5 s). Auto is the rule in force for this whole run (the steps are far
+                         below 12 s), so the run also shows it raising no false Hang through the restarts above.
 
 Everything waits on status writes and rank 0's step log (each record carries its attempt and generation).
 """
@@ -27,7 +31,8 @@ from kubetitan.decide import parse_time
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
 
 STEPS, INTERVAL = 400, 4
-OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5}
+OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5, "hang_floor_seconds": 5.0}
+HANG_TIMEOUT = 120
 START = 300.0  # seconds allowed for a gang to reach its first step (torch imports on two busy cores)
 
 
@@ -61,7 +66,8 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
     c, k = e2e.cluster, e2e.kubelet
     name = "inplace"
     with Operator(c, **OPERATOR):
-        c.apply(lpt(name, e2e_spec(e2e.ckpt, STEPS, INTERVAL, free_port(), maxInPlaceRestarts=3)))
+        c.apply(lpt(name, e2e_spec(e2e.ckpt, STEPS, INTERVAL, free_port(), maxInPlaceRestarts=3,
+                                    hangTimeoutSeconds=HANG_TIMEOUT)))
         _log_reaches(e2e.ckpt, 0, 0, INTERVAL + 1)
         wait_for(lambda: _step(c, name) >= INTERVAL + 1, 60, "the operator saw the first checkpoint interval")
         pods = _uids(c, name)
@@ -120,3 +126,16 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         k.restore_node(node)
         assert sorted(_uids(c, name)) == [f"{name}-a2-0", f"{name}-a2-1"]
         assert [r["mode"] for r in _st(c, name)["restarts"]] == ["InPlace", "Recreate", "Recreate"]
+
+        # ---- a frozen worker: the Auto hang rule decides, from the step time, not hangTimeoutSeconds
+        _log_reaches(e2e.ckpt, 2, 0, _st(c, name)["restarts"][2]["resumedFromStep"] + 6)  # Auto needs 5 steps
+        assert k.freeze(NS, f"{name}-a2-1"), "no worker process to freeze"
+        wait_for(lambda: _st(c, name).get("restartCount") == 4, HANG_TIMEOUT, "the hang decided")
+        rec4 = _st(c, name)["restarts"][3]
+        assert rec4["cause"] == "Hang" and rec4["attempt"] == 2, rec4
+        assert "runPolicy.hangTimeoutPolicy=Auto: max(10 x median step" in rec4["message"], rec4
+        assert [r["cause"] for r in _st(c, name)["restarts"]] == ["ContainerFailed", "ContainerFailed", "NodeFailure",
+                                                                 "Hang"], "a false Hang before the freeze"
+        _settled(c, name, 3)
+        # the frozen pod ignores SIGTERM: it goes when its grace period ends (the kubelet's SIGKILL)
+        wait_for(lambda: sorted(_uids(c, name)) == [f"{name}-a3-0", f"{name}-a3-1"], 60, "only attempt 3's pods")

@@ -260,12 +260,15 @@ class Operator:
     """The real operator in a thread; ``stop()`` is kopf's graceful stop (like SIGTERM)."""
 
     def __init__(self, cluster: Cluster, namespaces: tuple[str, ...] = ("ml",), clock: Callable[[], float] | None = None,
-                 scan_interval: float = 0.1, scrape_interval: float = 0.05, all_namespaces: bool = False) -> None:
+                 scan_interval: float = 0.1, scrape_interval: float = 0.05, all_namespaces: bool = False,
+                 hang_floor_seconds: float | None = None) -> None:
         kc = cluster.operator_kubeconfig(None if all_namespaces else tuple(namespaces))
         self.options = Options(namespaces=[] if all_namespaces else list(namespaces), all_namespaces=all_namespaces,
                                kubeconfig=kc, metrics_port=None,
                                scan_interval=scan_interval, scrape_interval=scrape_interval, scrape_timeout=1.0,
                                clock=clock or time.time)
+        if hang_floor_seconds is not None:
+            self.options.hang_floor_seconds = hang_floor_seconds
         self.registry = CollectorRegistry()
         self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
         self.error: BaseException | None = None

@@ -345,7 +345,7 @@ class RunPolicySpec(_Base):
     (with `hangTimeoutPolicy: Auto`, the upper bound of the automatic timeout)."""
     hang_timeout_policy: Literal["Auto", "Fixed"] = "Auto"
     """`Fixed`: the hang timeout is `hangTimeoutSeconds`. `Auto`: it is 10 x the median step time the trainer
-    reports (at least 30 s, at most `hangTimeoutSeconds`) once 5 steps of the current workers are seen, and
+    reports (at least 30 s, or the operator's `--hang-floor-seconds`; at most `hangTimeoutSeconds`) once 5 steps of the current workers are seen, and
     `hangTimeoutSeconds` before that; a checkpoint step adds `checkpoint.saveTimeoutSeconds` in both."""
     max_in_place_restarts: int = Field(default=3, ge=0, le=100)
     """In-place restarts per attempt: a worker process that dies on a healthy node restarts the workers of

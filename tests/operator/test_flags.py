@@ -1,0 +1,27 @@
+"""`kubetitan operator` flags that tune decisions: parsed into Options, bad values refused with the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubetitan import handlers
+from kubetitan.decide import AUTO_HANG_FLOOR_SECONDS
+
+
+def _opts(*argv: str) -> handlers.Options:
+    return handlers.options_from_args(handlers.build_parser().parse_args(["-A", *argv]))
+
+
+def test_the_auto_hang_floor_defaults_to_30_s_and_can_be_lowered() -> None:
+    assert _opts().hang_floor_seconds == AUTO_HANG_FLOOR_SECONDS == 30
+    assert _opts("--hang-floor-seconds=5").hang_floor_seconds == 5.0
+    assert _opts("--hang-floor-seconds", "0.5").hang_floor_seconds == 0.5
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "abc", "inf", "nan", ""])
+def test_a_hang_floor_that_is_not_positive_seconds_is_refused_with_the_fix(bad: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        _opts(f"--hang-floor-seconds={bad}")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--hang-floor-seconds" in err and "is not a number of seconds above 0 (e.g. 30)" in err, err
