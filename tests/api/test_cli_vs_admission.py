@@ -149,8 +149,9 @@ def test_the_property_sees_both_verdicts():
     """The generator is not degenerate: among fixed draws some specs pass admission and some are refused."""
     from hypothesis import find
 
-    find(specs(), lambda o: not admission(o) and not parse(copy.deepcopy(o))[1])
-    find(specs(), lambda o: bool(admission(o)))
+    untimed = settings(deadline=None)  # hypothesis' default 200 ms per draw fails on a loaded machine, not on a bug
+    find(specs(), lambda o: not admission(o) and not parse(copy.deepcopy(o))[1], settings=untimed)
+    find(specs(), lambda o: bool(admission(o)), settings=untimed)
 
 
 def test_cli_command_agrees_on_a_refused_spec(tmp_path: Path):

@@ -1,17 +1,25 @@
 """Semantic validation of a LlamaPretrain: the rules a JSON schema cannot express.
 
-Two layers check a spec. The CRD's OpenAPI schema (types, enums, bounds) plus the CEL rules in
-``CEL_RULES`` run inside the API server; ``validate`` runs in ``kubetitan validate`` and in the
-operator, and covers everything, including the checks CEL cannot express (flavour lookups, hardware).
-Every Python rule that has a CEL twin shares its ``rule`` id with it, and a test evaluates both on
-the same corpus so that the two layers cannot disagree.
+Every semantic rule is written once, as an entry of the table :data:`RULES` (id, field, what it checks, its CEL
+twin where CEL can express it, the trainer.toml key the trainer re-checks it on) plus its Python predicate, one
+function registered under the rule's id with :func:`check` (:data:`CHECKS`). :func:`validate` runs the predicates
+in table order and each error carries its rule's id; the CRD's CEL rules (:mod:`kubetitan_core.crd`), docs/api.md
+and the trainer's re-checks (``kubetitan_trainer.checks``) are generated or driven from the same table. Adding a
+rule is a table entry, its predicate and a corpus case (tests/api/invalid_specs.yaml); nothing else.
+
+Two layers check a spec. The CRD's OpenAPI schema (types, enums, bounds) plus the CEL twins run inside the API
+server; :func:`parse` runs in ``kubetitan validate`` and in the operator, and covers everything, including the
+checks CEL cannot express (flavour lookups, hardware). A test evaluates both on the same corpus so that the two
+layers cannot disagree.
 
 Each error names the field path, what is wrong, and how to fix it.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +34,7 @@ from kubetitan_core.api import (
     resolved_dp_shard,
     world_size,
 )
-from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES, ModelDims, accelerator_for
+from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES, InstanceType, ModelDims, accelerator_for
 from kubetitan_core.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, SHM_MOUNT
 
 
@@ -80,7 +88,7 @@ class Rule:
     checks, its CEL twin where CEL can express it (the CRD's ``x-kubernetes-validations`` are generated from
     these, :mod:`kubetitan_core.crd`), and what the trainer re-checks at start-up (``trainer``: the torchtitan /
     ``[kubetitan]`` key; ``kubetitan_trainer.checks.RECHECKS`` holds one check per such rule, run in table
-    order)."""
+    order). Its Python predicate is ``CHECKS[id]`` (registered with :func:`check`)."""
 
     id: str
     field: str
@@ -88,6 +96,10 @@ class Rule:
     trainer: str = ""
     """The trainer.toml key the trainer re-checks this rule on (``kubetitan_trainer.checks``), or empty."""
     cel: Cel | None = None
+    before_parse: bool = False
+    """Its predicate reads the raw ``metadata`` mapping and :func:`parse` runs it before the model parses the object,
+    so its errors are reported even when the spec does not parse; every other predicate reads the :class:`Facts` of
+    a parsed object (:func:`validate`)."""
 
     @property
     def cel_rule(self) -> CelRule | None:
@@ -95,9 +107,9 @@ class Rule:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("metadata.name", "metadata.name", "a DNS-1035 label no longer than the computed limit (see Names and pod fields)"),
     Rule("metadata.fields", "metadata", "known ObjectMeta fields; namespace a DNS-1123 label; label keys and values, "
-         "annotation keys as the API server checks them"),
+         "annotation keys as the API server checks them", before_parse=True),
+    Rule("metadata.name", "metadata.name", "a DNS-1035 label no longer than the computed limit (see Names and pod fields)"),
     Rule("parallelism.product", "spec.parallelism", "the degrees multiply to nodes x processes per node",
          "parallelism.* degrees x the world size",
          cel=Cel(
@@ -106,6 +118,8 @@ RULES: tuple[Rule, ...] = (
              f"self.parallelism.dataParallelShardDegree * {_OTHERS} == self.resources.nodes * {_PROCS}",
              "the product of the parallel degrees must equal resources.nodes x processes per node",
              ".parallelism")),
+    Rule("parallelism.ddp-1d", "spec.parallelism.dataParallelReplicateDegree",
+         "replicas without sharding (DDP) only as the one parallelism (torchtitan's llama3 parallelize)"),
     Rule("parallelism.context-seq-len", "spec.training.seqLen",
          "seqLen divisible by tensorParallelDegree x 2 x contextParallelDegree (torchtitan's llama3 parallelize)",
          cel=Cel(
@@ -114,8 +128,6 @@ RULES: tuple[Rule, ...] = (
              "training.seqLen must be divisible by parallelism.tensorParallelDegree x 2 x "
              "parallelism.contextParallelDegree",
              ".training.seqLen")),
-    Rule("parallelism.ddp-1d", "spec.parallelism.dataParallelReplicateDegree",
-         "replicas without sharding (DDP) only as the one parallelism (torchtitan's llama3 parallelize)"),
     Rule("model.custom", "spec.model.custom", "set exactly when flavor is custom",
          cel=Cel(
              "(self.model.flavor == 'custom') == has(self.model.custom)",
@@ -132,13 +144,13 @@ RULES: tuple[Rule, ...] = (
     Rule("training.warmup", "spec.training.warmupSteps", "below steps"),
     Rule("resources.gpus", "spec.resources.gpusPerNode", "at most the instance type's GPUs"),
     Rule("resources.efa", "spec.resources.efaPerNode", "at most the instance type's EFA interfaces"),
+    Rule("resources.fit", "spec.resources.cpu, spec.resources.memory", "at most the instance type's vCPUs and memory "
+         "(a pod asking for more is never scheduled)"),
+    Rule("resources.gpu-product", "spec.resources.gpuProduct", "agrees with a catalog instance type's GPU"),
+    Rule("resources.platform", "spec.resources.platform", "matches the instance type (ml. names are HyperPod)"),
     Rule("resources.instance-type-selector", "spec.resources.nodeSelector",
          "no instance-type label that contradicts resources.instanceType (the validator and the pods would see "
          "different hardware)"),
-    Rule("resources.gpu-product", "spec.resources.gpuProduct", "agrees with a catalog instance type's GPU"),
-    Rule("resources.fit", "spec.resources.cpu, spec.resources.memory", "at most the instance type's vCPUs and memory "
-         "(a pod asking for more is never scheduled)"),
-    Rule("resources.platform", "spec.resources.platform", "matches the instance type (ml. names are HyperPod)"),
     Rule("resources.cpu-model", "spec.resources.gpusPerNode", "0 (CPU) only for the debug or a custom model"),
     Rule("resources.procs", "spec.resources.processesPerNode", "equals gpusPerNode on GPU nodes"),
     Rule("float8.hardware", "spec.precision.float8.enabled", "FP8 needs compute capability >= 8.9 (or emulate)",
@@ -152,8 +164,8 @@ RULES: tuple[Rule, ...] = (
              "(self.precision.float8.enabled && self.precision.float8.recipe == 'tensorwise')",
              "precision.float8.fsdpFloat8AllGather needs precision.float8.enabled and recipe tensorwise",
              ".precision.float8.fsdpFloat8AllGather")),
-    Rule("float8.filter-fqns", "spec.precision.float8.filterFqns", "no empty fragment (it matches every module)"),
     Rule("float8.all-gather-dp", "spec.precision.float8.fsdpFloat8AllGather", "needs a shard degree above 1"),
+    Rule("float8.filter-fqns", "spec.precision.float8.filterFqns", "no empty fragment (it matches every module)"),
     Rule("float8.precompute-needs-all-gather", "spec.precision.float8.precomputeDynamicScale",
          "needs fsdpFloat8AllGather",
          cel=Cel(
@@ -178,6 +190,8 @@ RULES: tuple[Rule, ...] = (
              "self.tokenizer.source != 'huggingface' || has(self.tokenizer.repo)",
              "tokenizer.repo is required when tokenizer.source is huggingface",
              ".tokenizer.repo")),
+    Rule("checkpoint.writable", "spec.checkpoint.storage.persistentVolumeClaim.readOnly",
+         "not read-only while checkpoints are saved"),
     Rule("restarts.need-checkpoint", "spec.runPolicy.maxRestarts", "restarts need checkpoint.enabled",
          cel=Cel(
              "self.runPolicy.maxRestarts == 0 || self.checkpoint.enabled",
@@ -189,8 +203,6 @@ RULES: tuple[Rule, ...] = (
              "!self.checkpoint.enabled || self.checkpoint.keepLatestK != 1",
              "checkpoint.keepLatestK must be 0 (keep all) or at least 2",
              ".checkpoint.keepLatestK")),
-    Rule("checkpoint.writable", "spec.checkpoint.storage.persistentVolumeClaim.readOnly",
-         "not read-only while checkpoints are saved"),
     Rule("checkpoint.one-storage", "spec.checkpoint.storage", "at most one of persistentVolumeClaim and hostPath",
          cel=Cel(
              "!(has(self.checkpoint.storage.persistentVolumeClaim) && has(self.checkpoint.storage.hostPath))",
@@ -208,18 +220,19 @@ RULES: tuple[Rule, ...] = (
          "data.shards.path", "absolute, no '..' component"),
     Rule("mounts.no-collision", "spec.checkpoint.mountPath, spec.data.mountPath",
          "no mount at, above or inside another (/etc/kubetitan, /dev/shm, checkpoint, data)"),
+    Rule("pod.env", "spec.resources.env", "Kubernetes EnvVar (schema, name, value xor one valueFrom, refs)"),
     Rule("env.reserved", "spec.resources.env[].name", "not a name the operator or launcher sets"),
     Rule("env.secret-backed", "spec.resources.env[].name", "no plain HF_TOKEN when tokenizer.tokenSecretRef is set"),
     Rule("env.unique", "spec.resources.env[].name", "each name once"),
-    Rule("pod.env", "spec.resources.env", "Kubernetes EnvVar (schema, name, value xor one valueFrom, refs)"),
     Rule("pod.tolerations", "spec.resources.tolerations", "Kubernetes Toleration (schema, operator, effect, key)"),
     Rule("pod.affinity", "spec.resources.affinity", "Kubernetes Affinity (schema, operators, weights, topology)"),
     Rule("pod.node-selector", "spec.resources.nodeSelector", "label keys and values"),
     Rule("pod.image", "spec.resources.image", "a container image reference"),
     Rule("pod.names", "names that become pod fields", "DNS-1123 subdomains, Secret keys, the queue label value"),
 )
-"""Every semantic rule, once: the validator's FieldErrors carry these ids, the CEL twins share them, docs/api.md
-lists them, and the corpus tests check each one is exercised."""
+"""Every semantic rule, once, in the order the validator reports them: each has one predicate in ``CHECKS`` whose
+FieldErrors carry its id, the CEL twins share them, docs/api.md lists them, and the corpus tests check each one is
+exercised."""
 
 CEL_RULES: tuple[CelRule, ...] = tuple(r.cel_rule for r in RULES if r.cel_rule is not None)
 """The CRD's cross-field rules, in table order: every one is a ``RULES`` entry's CEL twin (tests/api/test_rule_table.py)."""
@@ -273,262 +286,636 @@ def max_name_length(spec: LlamaPretrainSpec) -> int:
     return 63 - len("-a") - ATTEMPT_DIGITS - len("-") - len(str(max(spec.resources.nodes - 1, 0)))
 
 
+# ------------------------------------------------------------------ the predicates, one per rule
+@dataclass(frozen=True)
+class Facts:
+    """A parsed (defaulted) LlamaPretrain and what several rules derive from its spec, computed once."""
+
+    obj: LlamaPretrain
+    spec: LlamaPretrainSpec
+    world_size: int
+    """nodes x processes per node."""
+    procs: int
+    """Processes per node (torchrun's ``--nproc-per-node``)."""
+    others: int
+    """dataParallelReplicateDegree x tensorParallelDegree x pipelineParallelDegree x contextParallelDegree."""
+    dp_shard: int | None
+    """dataParallelShardDegree with -1 resolved; None when the other degrees do not divide the world."""
+    dims: ModelDims | None
+    """The model's dimensions; None for a custom model without ``custom``."""
+    instance: InstanceType | None
+    """The catalog's entry for ``resources.instanceType``; None when unset or unknown to the catalog."""
+    token: bool
+    """Whether ``tokenizer.tokenSecretRef`` is set."""
+
+    @classmethod
+    def of(cls, lpt: LlamaPretrain) -> Facts:
+        s = lpt.spec
+        p = s.parallelism
+        others = (p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
+                  * p.context_parallel_degree)
+        return cls(lpt, s, world_size(s), processes_per_node(s), others, resolved_dp_shard(s), model_dims(s.model),
+                   INSTANCE_TYPES.get(s.resources.instance_type or ""), s.tokenizer.token_secret_ref is not None)
+
+
+Problems = Iterator[tuple[str, str]]
+"""What a predicate yields: (wire path, message with the fix) of each violation of its rule."""
+Check = Callable[[Any], list[FieldError]]
+
+CHECKS: dict[str, Check] = {}
+"""Rule id -> its predicate (registered with :func:`check`): it takes the :class:`Facts` of a parsed object (the raw
+``metadata`` mapping for a ``before_parse`` rule) and returns that rule's FieldErrors."""
+
+_IDS = frozenset(r.id for r in RULES)
+
+
+def check(rule_id: str) -> Callable[[Callable[[Any], Problems]], Check]:
+    """Register the predicate of the table's rule ``rule_id``: every error it yields carries that id."""
+
+    def register(fn: Callable[[Any], Problems]) -> Check:
+        if rule_id not in _IDS:
+            raise LookupError(f"{rule_id!r} is not a RULES entry; add the rule to the table first")
+        if rule_id in CHECKS:
+            raise ValueError(f"{rule_id!r} has a predicate already ({CHECKS[rule_id].__name__}); one per rule")
+
+        @functools.wraps(fn)
+        def errors(subject: Any) -> list[FieldError]:
+            return [FieldError(path, message, rule_id) for path, message in fn(subject)]
+
+        CHECKS[rule_id] = errors
+        return errors
+
+    return register
+
+
 def validate(lpt: LlamaPretrain) -> list[FieldError]:
-    """All semantic errors of a parsed (defaulted) LlamaPretrain; empty when it is good."""
-    errs: list[FieldError] = []
-    name, field = lpt.metadata.name, "metadata.name"
-    gen = (lpt.metadata.model_extra or {}).get("generateName")
+    """All semantic errors of a parsed (defaulted) LlamaPretrain, rule by rule in table order; empty when it is
+    good (the ``before_parse`` rules are :func:`parse`'s)."""
+    facts = Facts.of(lpt)
+    return [e for rule in RULES if not rule.before_parse for e in CHECKS[rule.id](facts)]
+
+
+def _before_parse_errors(meta: Any) -> list[FieldError]:
+    return [e for rule in RULES if rule.before_parse for e in CHECKS[rule.id](meta)]
+
+
+# ---- metadata
+@check("metadata.fields")
+def _metadata_fields(meta: Any) -> Problems:
+    """What the API server checks in ``metadata`` beyond the name (``metadata.name``'s)."""
+    from kubetitan_core.k8sfields import DNS1123_LABEL, label_key_error, label_value_error
+
+    if not isinstance(meta, dict):
+        return  # the model refuses it with its path
+    for e in _unknown_keys(meta, _OBJECT_META, "metadata."):
+        yield e.path, e.message
+    ns = meta.get("namespace")
+    if isinstance(ns, str) and ns and (len(ns) > 63 or not DNS1123_LABEL.match(ns)):  # "": the context's namespace
+        yield "metadata.namespace", (f"{ns!r} is not a namespace name: use at most 63 lower-case letters, digits and "
+                                     "'-', starting and ending with a letter or digit (a DNS-1123 label)")
+    for key, item in (("finalizers", str), ("ownerReferences", dict)):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, item) for v in value)):
+            yield f"metadata.{key}", (f"must be a list of {'names' if item is str else 'mappings'}; fix it or remove "
+                                      "it (the operator sets what it needs)")
+    fins = meta.get("finalizers")
+    for i, fin in enumerate(fins if isinstance(fins, list) else []):
+        if isinstance(fin, str) and (msg := label_key_error(fin)) is not None:
+            yield f"metadata.finalizers[{i}]", msg.replace("label key", "finalizer name")
+    labels, annotations = meta.get("labels"), meta.get("annotations")
+    if isinstance(labels, dict):
+        for k, v in labels.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                continue  # the model refuses non-strings
+            if (msg := label_key_error(k) or label_value_error(v)) is not None:
+                yield f"metadata.labels[{k}]", msg
+    if isinstance(annotations, dict):
+        for k in annotations:
+            if isinstance(k, str) and (msg := label_key_error(k)) is not None:
+                yield f"metadata.annotations[{k}]", msg.replace("label key", "annotation key")
+        size = sum(len(str(k).encode()) + len(str(v).encode()) for k, v in annotations.items())
+        if size > MAX_ANNOTATIONS_BYTES:
+            yield "metadata.annotations", (f"hold {size} bytes; the API server takes at most {MAX_ANNOTATIONS_BYTES} "
+                                           "in all: move the large values elsewhere (a ConfigMap)")
+
+
+@check("metadata.name")
+def _metadata_name(f: Facts) -> Problems:
+    name, field = f.obj.metadata.name, "metadata.name"
+    gen = (f.obj.metadata.model_extra or {}).get("generateName")
     if not name and isinstance(gen, str) and gen:
         # kubectl create with generateName: the API server appends 5 random lower-case letters and digits
         name, field = gen + "xxxxx", "metadata.generateName"
     if not name:
-        errs.append(FieldError("metadata.name", "is required: give the run a name", "metadata.name"))
+        yield "metadata.name", "is required: give the run a name"
     elif not _DNS1035.match(name):
-        errs.append(FieldError(field, f"{name!r} cannot name the run's headless Service (a DNS-1035 "
-                               "label): use lower-case letters, digits and '-', starting with a letter and "
-                               "ending with a letter or digit, e.g. 'llama3-8b-run'", "metadata.name"))
-    elif len(name) > (limit := max_name_length(lpt.spec)):
-        errs.append(FieldError(field, f"{name!r} is {len(name)} characters; pod hostnames "
-                               f"<name>-a<attempt>-<rank> must stay DNS labels of at most 63, so with "
-                               f"{lpt.spec.resources.nodes} node(s) use at most {limit} characters", "metadata.name"))
-    errs += validate_spec(lpt.spec)
-    return errs
+        yield field, (f"{name!r} cannot name the run's headless Service (a DNS-1035 label): use lower-case letters, "
+                      "digits and '-', starting with a letter and ending with a letter or digit, e.g. 'llama3-8b-run'")
+    elif len(name) > (limit := max_name_length(f.spec)):
+        yield field, (f"{name!r} is {len(name)} characters; pod hostnames <name>-a<attempt>-<rank> must stay DNS "
+                      f"labels of at most 63, so with {f.spec.resources.nodes} node(s) use at most {limit} characters")
 
 
-def validate_spec(s: LlamaPretrainSpec) -> list[FieldError]:
-    """Semantic errors of a spec (paths start at ``spec.``)."""
-    out: list[FieldError] = []
-
-    def err(path: str, message: str, rule: str) -> None:
-        out.append(FieldError(f"spec.{path}", message, rule))
-
-    p, r, t, f8 = s.parallelism, s.resources, s.training, s.precision.float8
-    ws = world_size(s)
-    procs = processes_per_node(s)
-    others = (
-        p.data_parallel_replicate_degree
-        * p.tensor_parallel_degree
-        * p.pipeline_parallel_degree
-        * p.context_parallel_degree
-    )
-    dp_shard = resolved_dp_shard(s)
-
-    # ---- parallel degrees vs processes
+# ---- parallel degrees vs processes
+@check("parallelism.product")
+def _parallelism_product(f: Facts) -> Problems:
+    p, r = f.spec.parallelism, f.spec.resources
     if p.data_parallel_shard_degree == 0:
-        err("parallelism.dataParallelShardDegree", "0 is not a degree: set -1 (all remaining processes) or a value >= 1",
-            "parallelism.product")
-    elif p.data_parallel_shard_degree == -1 and dp_shard is None:
-        err(
-            "parallelism",
+        yield ("spec.parallelism.dataParallelShardDegree",
+               "0 is not a degree: set -1 (all remaining processes) or a value >= 1")
+    elif p.data_parallel_shard_degree == -1 and f.dp_shard is None:
+        yield "spec.parallelism", (
             f"with dataParallelShardDegree -1 the other degrees (replicate x tensor x pipeline x context = "
-            f"{others}) must divide the {ws} processes (resources.nodes {r.nodes} x {procs} per node); "
-            "change a degree or the number of nodes",
-            "parallelism.product",
-        )
-    elif dp_shard is not None and dp_shard * others != ws:
-        err(
-            "parallelism",
-            f"dataParallelShardDegree ({dp_shard}) x dataParallelReplicateDegree "
+            f"{f.others}) must divide the {f.world_size} processes (resources.nodes {r.nodes} x {f.procs} per node); "
+            "change a degree or the number of nodes")
+    elif f.dp_shard is not None and f.dp_shard * f.others != f.world_size:
+        yield "spec.parallelism", (
+            f"dataParallelShardDegree ({f.dp_shard}) x dataParallelReplicateDegree "
             f"({p.data_parallel_replicate_degree}) x tensorParallelDegree ({p.tensor_parallel_degree}) x "
             f"pipelineParallelDegree ({p.pipeline_parallel_degree}) x contextParallelDegree "
-            f"({p.context_parallel_degree}) = {dp_shard * others} must equal resources.nodes ({r.nodes}) x "
-            f"processes per node ({procs}) = {ws}; change a degree, or set dataParallelShardDegree: -1 to "
-            "use every remaining process",
-            "parallelism.product",
-        )
-    if dp_shard == 1 and p.context_parallel_degree == 1 and p.data_parallel_replicate_degree > 1 \
+            f"({p.context_parallel_degree}) = {f.dp_shard * f.others} must equal resources.nodes ({r.nodes}) x "
+            f"processes per node ({f.procs}) = {f.world_size}; change a degree, or set dataParallelShardDegree: -1 to "
+            "use every remaining process")
+
+
+@check("parallelism.ddp-1d")
+def _parallelism_ddp_1d(f: Facts) -> Problems:
+    p = f.spec.parallelism
+    if f.dp_shard == 1 and p.context_parallel_degree == 1 and p.data_parallel_replicate_degree > 1 \
             and p.tensor_parallel_degree * p.pipeline_parallel_degree > 1:
         # no sharding: torchtitan falls back to DDP, which it supports only as the one parallelism
-        err("parallelism.dataParallelReplicateDegree",
+        yield "spec.parallelism.dataParallelReplicateDegree", (
             f"{p.data_parallel_replicate_degree} replicas with no sharding is DDP, which torchtitan cannot combine "
             f"with tensor ({p.tensor_parallel_degree}) or pipeline ({p.pipeline_parallel_degree}) parallelism; "
-            "shard too (dataParallelShardDegree above 1: HSDP) or set the replicate degree to 1", "parallelism.ddp-1d")
+            "shard too (dataParallelShardDegree above 1: HSDP) or set the replicate degree to 1")
+
+
+@check("parallelism.context-seq-len")
+def _parallelism_context_seq_len(f: Facts) -> Problems:
+    p, t = f.spec.parallelism, f.spec.training
     divisor = p.tensor_parallel_degree * 2 * p.context_parallel_degree
     if t.seq_len % divisor != 0:
         # torchtitan's llama3 parallelize asserts seq_len % (tp x 2 x cp) == 0 (sequence parallel splits the
         # sequence over TP ranks, context parallel's load balancing into 2 x cp chunks), also for tp = cp = 1.
-        err(
-            "training.seqLen",
+        yield "spec.training.seqLen", (
             f"{t.seq_len} is not divisible by tensorParallelDegree x 2 x contextParallelDegree "
             f"({p.tensor_parallel_degree} x 2 x {p.context_parallel_degree} = {divisor}), which torchtitan "
-            f"requires; use a multiple of {divisor}, e.g. {max(divisor, t.seq_len // divisor * divisor)}",
-            "parallelism.context-seq-len",
-        )
+            f"requires; use a multiple of {divisor}, e.g. {max(divisor, t.seq_len // divisor * divisor)}")
 
-    # ---- model
-    if s.model.flavor == "custom" and s.model.custom is None:
-        err("model.custom", "is required when model.flavor is custom: give dim, nLayers and nHeads", "model.custom")
-    if s.model.flavor != "custom" and s.model.custom is not None:
-        err("model.custom", f"must be unset when model.flavor is {s.model.flavor}; remove it or use flavor custom",
-            "model.custom")
-    dims = model_dims(s.model)
-    if dims is not None:
-        tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
-        if dims.dim % dims.n_heads != 0:
-            err("model.custom.dim", f"{dims.dim} is not divisible by nHeads ({dims.n_heads}); use a multiple of {dims.n_heads}",
-                "model.dims")
-        elif (dims.dim // dims.n_heads) % 2 != 0:  # rotary embeddings rotate pairs of each head's dimensions
-            err("model.custom.dim", f"{dims.dim} / nHeads ({dims.n_heads}) = {dims.dim // dims.n_heads} per head is odd, "
-                f"and the rotary position embedding needs an even head size; use a multiple of {2 * dims.n_heads}",
-                "model.dims")
-        if dims.n_heads % tp != 0:
-            err("parallelism.tensorParallelDegree",
-                f"{tp} does not divide the model's {dims.n_heads} attention heads; use a divisor of {dims.n_heads}",
-                "model.heads-tp")
-        elif dims.n_kv_heads % tp != 0:
-            err("parallelism.tensorParallelDegree",
-                f"{tp} does not divide the model's {dims.n_kv_heads} key/value heads; use a divisor of "
-                f"{dims.n_kv_heads}", "model.heads-tp")
-        if dims.n_heads % dims.n_kv_heads != 0:
-            err("model.custom.nKvHeads", f"{dims.n_kv_heads} does not divide nHeads ({dims.n_heads}); use a divisor of "
-                f"{dims.n_heads}", "model.dims")
-        if dims.n_layers % pp != 0:
-            err("parallelism.pipelineParallelDegree",
-                f"{pp} does not divide the model's {dims.n_layers} layers; use a divisor of {dims.n_layers}",
-                "model.layers-pp")
+
+# ---- model
+@check("model.custom")
+def _model_custom(f: Facts) -> Problems:
+    m = f.spec.model
+    if m.flavor == "custom" and m.custom is None:
+        yield "spec.model.custom", "is required when model.flavor is custom: give dim, nLayers and nHeads"
+    if m.flavor != "custom" and m.custom is not None:
+        yield "spec.model.custom", f"must be unset when model.flavor is {m.flavor}; remove it or use flavor custom"
+
+
+@check("model.dims")
+def _model_dims(f: Facts) -> Problems:
+    if (d := f.dims) is None:
+        return
+    if d.dim % d.n_heads != 0:
+        yield "spec.model.custom.dim", f"{d.dim} is not divisible by nHeads ({d.n_heads}); use a multiple of {d.n_heads}"
+    elif (d.dim // d.n_heads) % 2 != 0:  # rotary embeddings rotate pairs of each head's dimensions
+        yield "spec.model.custom.dim", (
+            f"{d.dim} / nHeads ({d.n_heads}) = {d.dim // d.n_heads} per head is odd, and the rotary position "
+            f"embedding needs an even head size; use a multiple of {2 * d.n_heads}")
+    if d.n_heads % d.n_kv_heads != 0:
+        yield "spec.model.custom.nKvHeads", (f"{d.n_kv_heads} does not divide nHeads ({d.n_heads}); use a divisor of "
+                                             f"{d.n_heads}")
+
+
+@check("model.heads-tp")
+def _model_heads_tp(f: Facts) -> Problems:
+    if (d := f.dims) is None:
+        return
+    tp = f.spec.parallelism.tensor_parallel_degree
+    if d.n_heads % tp != 0:
+        yield "spec.parallelism.tensorParallelDegree", (
+            f"{tp} does not divide the model's {d.n_heads} attention heads; use a divisor of {d.n_heads}")
+    elif d.n_kv_heads % tp != 0:
+        yield "spec.parallelism.tensorParallelDegree", (
+            f"{tp} does not divide the model's {d.n_kv_heads} key/value heads; use a divisor of {d.n_kv_heads}")
+
+
+@check("model.layers-pp")
+def _model_layers_pp(f: Facts) -> Problems:
+    pp = f.spec.parallelism.pipeline_parallel_degree
+    if f.dims is not None and f.dims.n_layers % pp != 0:
+        yield "spec.parallelism.pipelineParallelDegree", (
+            f"{pp} does not divide the model's {f.dims.n_layers} layers; use a divisor of {f.dims.n_layers}")
+
+
+@check("tokenizer.vocab")
+def _tokenizer_vocab(f: Facts) -> Problems:
+    s, d = f.spec, f.dims
+    if d is not None:
         hub = known_tokenizer_vocab(s.tokenizer.repo) \
             if s.tokenizer.source == "huggingface" and s.model.flavor == "custom" else None
-        if hub is not None and dims.vocab_size < hub:
-            err("model.custom.vocabSize", f"{dims.vocab_size} is below the {hub} tokens of the {s.tokenizer.repo} "
-                f"tokenizer (token ids past the vocabulary crash the embedding); raise vocabSize to at least {hub}",
-                "tokenizer.vocab")
-        if s.tokenizer.source == "builtin" and dims.vocab_size < BUILTIN_TOKENIZER_VOCAB:
-            err("model.custom.vocabSize", f"{dims.vocab_size} is below the {BUILTIN_TOKENIZER_VOCAB} tokens of the "
-                f"builtin tokenizer; raise vocabSize to at least {BUILTIN_TOKENIZER_VOCAB}", "tokenizer.vocab")
+        if hub is not None and d.vocab_size < hub:
+            yield "spec.model.custom.vocabSize", (
+                f"{d.vocab_size} is below the {hub} tokens of the {s.tokenizer.repo} tokenizer (token ids past the "
+                f"vocabulary crash the embedding); raise vocabSize to at least {hub}")
+        if s.tokenizer.source == "builtin" and d.vocab_size < BUILTIN_TOKENIZER_VOCAB:
+            yield "spec.model.custom.vocabSize", (
+                f"{d.vocab_size} is below the {BUILTIN_TOKENIZER_VOCAB} tokens of the builtin tokenizer; raise "
+                f"vocabSize to at least {BUILTIN_TOKENIZER_VOCAB}")
     if s.model.flavor == "debug" and s.tokenizer.source != "builtin":
-        err("tokenizer.source", f"the debug model has a {FLAVOURS['debug'][1].vocab_size}-token vocabulary and needs "
-            "the builtin tokenizer; set tokenizer.source: builtin or pick a larger model",
-            "tokenizer.vocab")
+        yield "spec.tokenizer.source", (
+            f"the debug model has a {FLAVOURS['debug'][1].vocab_size}-token vocabulary and needs the builtin "
+            "tokenizer; set tokenizer.source: builtin or pick a larger model")
 
-    # ---- batch
-    if dp_shard is not None and dp_shard >= 1 and t.global_batch_size is not None:  # 0: parallelism.product
-        dp = dp_shard * p.data_parallel_replicate_degree
+
+# ---- batch
+@check("training.global-batch")
+def _training_global_batch(f: Facts) -> Problems:
+    t = f.spec.training
+    if f.dp_shard is not None and f.dp_shard >= 1 and t.global_batch_size is not None:  # 0: parallelism.product
+        dp = f.dp_shard * f.spec.parallelism.data_parallel_replicate_degree
         micro = t.local_batch_size * dp
         if t.global_batch_size % micro != 0:
-            err("training.globalBatchSize",
-                f"{t.global_batch_size} is not a multiple of localBatchSize ({t.local_batch_size}) x "
-                f"data-parallel degree ({dp}) = {micro}; use a multiple of {micro} or leave it unset",
-                "training.global-batch")
-    if t.warmup_steps >= t.steps and t.steps > 1:
-        err("training.warmupSteps", f"{t.warmup_steps} warm-up steps leave nothing of the {t.steps} steps; "
-            "lower warmupSteps below steps", "training.warmup")
+            yield "spec.training.globalBatchSize", (
+                f"{t.global_batch_size} is not a multiple of localBatchSize ({t.local_batch_size}) x data-parallel "
+                f"degree ({dp}) = {micro}; use a multiple of {micro} or leave it unset")
 
-    # ---- hardware
-    if r.instance_type and r.instance_type in INSTANCE_TYPES:
-        it = INSTANCE_TYPES[r.instance_type]
-        if r.gpus_per_node > it.gpus:
-            err("resources.gpusPerNode", f"{r.gpus_per_node} exceeds the {it.gpus} GPUs of {r.instance_type}; request at most {it.gpus}",
-                "resources.gpus")
-        if r.efa_per_node is not None and r.efa_per_node > it.efa:
-            err("resources.efaPerNode", f"{r.efa_per_node} exceeds the {it.efa} EFA interfaces of "
-                f"{r.instance_type}; request at most {it.efa} or leave it unset",  "resources.efa")
-        if it.vcpus and r.cpu is not None and _cpu_cores(r.cpu) > it.vcpus:
-            err("resources.cpu", f"{r.cpu} CPUs exceed the {it.vcpus} vCPUs of {r.instance_type}, so the pod would never "
-                f"be scheduled; request at most {int(it.vcpus * 0.9)} (leave room for the node's daemons) or leave it "
-                "unset", "resources.fit")
-        if it.memory_gib and r.memory is not None and _gib(r.memory) > it.memory_gib:
-            err("resources.memory", f"{r.memory} exceeds the {it.memory_gib} GiB of {r.instance_type}, so the pod "
-                f"would never be scheduled; request at most {int(it.memory_gib * 0.85)}Gi (the node's allocatable "
-                "memory is lower than the instance's) or leave it unset", "resources.fit")
-        if r.gpu_product and r.gpu_product != it.gpu:
-            err("resources.gpuProduct", f"{r.gpu_product} contradicts instance type {r.instance_type}, which has "
-                f"{it.gpu} GPUs (the FP8 check and MFU would use {r.gpu_product}); remove gpuProduct or set it to "
-                f"{it.gpu}", "resources.gpu-product")
-        if it.hyperpod != (r.platform == "hyperpod"):
-            want = "hyperpod" if it.hyperpod else "eks or generic"
-            err("resources.platform", f"instance type {r.instance_type} belongs to platform {want}; "
-                "set resources.platform accordingly (HyperPod names start with ml.)", "resources.platform")
+
+@check("training.warmup")
+def _training_warmup(f: Facts) -> Problems:
+    t = f.spec.training
+    if t.warmup_steps >= t.steps and t.steps > 1:
+        yield "spec.training.warmupSteps", (f"{t.warmup_steps} warm-up steps leave nothing of the {t.steps} steps; "
+                                            "lower warmupSteps below steps")
+
+
+# ---- hardware (the instance-type rules apply to the types the catalog knows)
+@check("resources.gpus")
+def _resources_gpus(f: Facts) -> Problems:
+    r, it = f.spec.resources, f.instance
+    if it is not None and r.gpus_per_node > it.gpus:
+        yield "spec.resources.gpusPerNode", (f"{r.gpus_per_node} exceeds the {it.gpus} GPUs of {r.instance_type}; "
+                                             f"request at most {it.gpus}")
+
+
+@check("resources.efa")
+def _resources_efa(f: Facts) -> Problems:
+    r, it = f.spec.resources, f.instance
+    if it is not None and r.efa_per_node is not None and r.efa_per_node > it.efa:
+        yield "spec.resources.efaPerNode", (f"{r.efa_per_node} exceeds the {it.efa} EFA interfaces of "
+                                            f"{r.instance_type}; request at most {it.efa} or leave it unset")
+
+
+@check("resources.fit")
+def _resources_fit(f: Facts) -> Problems:
+    r, it = f.spec.resources, f.instance
+    if it is None:
+        return
+    if it.vcpus and r.cpu is not None and _cpu_cores(r.cpu) > it.vcpus:
+        yield "spec.resources.cpu", (
+            f"{r.cpu} CPUs exceed the {it.vcpus} vCPUs of {r.instance_type}, so the pod would never be scheduled; "
+            f"request at most {int(it.vcpus * 0.9)} (leave room for the node's daemons) or leave it unset")
+    if it.memory_gib and r.memory is not None and _gib(r.memory) > it.memory_gib:
+        yield "spec.resources.memory", (
+            f"{r.memory} exceeds the {it.memory_gib} GiB of {r.instance_type}, so the pod would never be scheduled; "
+            f"request at most {int(it.memory_gib * 0.85)}Gi (the node's allocatable memory is lower than the "
+            "instance's) or leave it unset")
+
+
+@check("resources.gpu-product")
+def _resources_gpu_product(f: Facts) -> Problems:
+    r, it = f.spec.resources, f.instance
+    if it is not None and r.gpu_product and r.gpu_product != it.gpu:
+        yield "spec.resources.gpuProduct", (
+            f"{r.gpu_product} contradicts instance type {r.instance_type}, which has {it.gpu} GPUs (the FP8 check and "
+            f"MFU would use {r.gpu_product}); remove gpuProduct or set it to {it.gpu}")
+
+
+@check("resources.platform")
+def _resources_platform(f: Facts) -> Problems:
+    r, it = f.spec.resources, f.instance
+    if it is not None and it.hyperpod != (r.platform == "hyperpod"):
+        want = "hyperpod" if it.hyperpod else "eks or generic"
+        yield "spec.resources.platform", (f"instance type {r.instance_type} belongs to platform {want}; set "
+                                          "resources.platform accordingly (HyperPod names start with ml.)")
+
+
+@check("resources.instance-type-selector")
+def _resources_instance_type_selector(f: Facts) -> Problems:
+    r = f.spec.resources
     for label in ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type"):
         chosen = r.node_selector.get(label)
         if r.instance_type and chosen is not None and chosen != r.instance_type:
-            err(f"resources.nodeSelector[{label}]", f"{chosen!r} contradicts resources.instanceType "
-                f"{r.instance_type!r} (the validator checks GPUs, EFA and FP8 against that, the pods would land on "
-                f"{chosen}); remove this label or set instanceType: {chosen}", "resources.instance-type-selector")
-    if r.gpus_per_node == 0:
-        if s.model.flavor not in ("debug", "custom"):
-            err("resources.gpusPerNode", f"0 (CPU) cannot train the {s.model.flavor} model; request GPUs or use "
-                "model.flavor debug", "resources.cpu-model")
+            yield f"spec.resources.nodeSelector[{label}]", (
+                f"{chosen!r} contradicts resources.instanceType {r.instance_type!r} (the validator checks GPUs, EFA "
+                f"and FP8 against that, the pods would land on {chosen}); remove this label or set instanceType: "
+                f"{chosen}")
+
+
+@check("resources.cpu-model")
+def _resources_cpu_model(f: Facts) -> Problems:
+    s = f.spec
+    if s.resources.gpus_per_node == 0 and s.model.flavor not in ("debug", "custom"):
+        yield "spec.resources.gpusPerNode", (f"0 (CPU) cannot train the {s.model.flavor} model; request GPUs or use "
+                                             "model.flavor debug")
+
+
+@check("resources.procs")
+def _resources_procs(f: Facts) -> Problems:
+    r = f.spec.resources
     if r.processes_per_node is not None and r.gpus_per_node > 0 and r.processes_per_node != r.gpus_per_node:
-        err("resources.processesPerNode", f"{r.processes_per_node} differs from gpusPerNode ({r.gpus_per_node}); "
-            "one process drives one GPU, so leave it unset on GPU nodes", "resources.procs")
+        yield "spec.resources.processesPerNode", (f"{r.processes_per_node} differs from gpusPerNode "
+                                                  f"({r.gpus_per_node}); one process drives one GPU, so leave it "
+                                                  "unset on GPU nodes")
 
-    # ---- FP8
-    if f8.enabled and not f8.emulate:
-        acc = accelerator_for(r.instance_type, r.gpu_product)
-        if r.gpus_per_node == 0:
-            err("precision.float8.enabled", "FP8 needs GPUs with compute capability >= 8.9; on CPU set "
-                "precision.float8.emulate: true (tests only)", "float8.hardware")
-        elif acc is not None and not acc.supports_float8:
-            err("precision.float8.enabled", f"{acc.product} has compute capability "
-                f"{acc.compute_capability[0]}.{acc.compute_capability[1]} < 8.9 and no FP8 tensor cores; "
-                "disable FP8 or use H100/H200 nodes", "float8.hardware")
-    if f8.emulate and s.precision.compile:
-        err("precision.float8.emulate", "FP8 emulation does not work with torch.compile; set "
-            "precision.compile: false", "float8.emulate-compile")
-    if f8.fsdp_float8_all_gather and not (f8.enabled and f8.recipe == "tensorwise"):
-        err("precision.float8.fsdpFloat8AllGather", "needs precision.float8.enabled: true and recipe tensorwise; set those or turn it off",
-            "float8.all-gather-recipe")
-    elif f8.fsdp_float8_all_gather and dp_shard is not None and dp_shard <= 1:
-        err("precision.float8.fsdpFloat8AllGather", f"needs a data-parallel shard degree above 1 (it is {dp_shard}):"
-            " with one shard there is nothing to all-gather; turn it off or add processes", "float8.all-gather-dp")
-    for i, fqn in enumerate(f8.filter_fqns):
+
+# ---- FP8
+@check("float8.hardware")
+def _float8_hardware(f: Facts) -> Problems:
+    r, f8 = f.spec.resources, f.spec.precision.float8
+    if not f8.enabled or f8.emulate:
+        return
+    acc = accelerator_for(r.instance_type, r.gpu_product)
+    if r.gpus_per_node == 0:
+        yield "spec.precision.float8.enabled", ("FP8 needs GPUs with compute capability >= 8.9; on CPU set "
+                                                "precision.float8.emulate: true (tests only)")
+    elif acc is not None and not acc.supports_float8:
+        yield "spec.precision.float8.enabled", (
+            f"{acc.product} has compute capability {acc.compute_capability[0]}.{acc.compute_capability[1]} < 8.9 and "
+            "no FP8 tensor cores; disable FP8 or use H100/H200 nodes")
+
+
+@check("float8.emulate-compile")
+def _float8_emulate_compile(f: Facts) -> Problems:
+    if f.spec.precision.float8.emulate and f.spec.precision.compile:
+        yield "spec.precision.float8.emulate", ("FP8 emulation does not work with torch.compile; set "
+                                                "precision.compile: false")
+
+
+def _all_gather_recipe_ok(f8: Any) -> bool:
+    return f8.enabled and f8.recipe == "tensorwise"
+
+
+@check("float8.all-gather-recipe")
+def _float8_all_gather_recipe(f: Facts) -> Problems:
+    f8 = f.spec.precision.float8
+    if f8.fsdp_float8_all_gather and not _all_gather_recipe_ok(f8):
+        yield "spec.precision.float8.fsdpFloat8AllGather", ("needs precision.float8.enabled: true and recipe "
+                                                            "tensorwise; set those or turn it off")
+
+
+@check("float8.all-gather-dp")
+def _float8_all_gather_dp(f: Facts) -> Problems:
+    f8 = f.spec.precision.float8
+    # only once float8.all-gather-recipe holds: one error about the same field at a time
+    if f8.fsdp_float8_all_gather and _all_gather_recipe_ok(f8) and f.dp_shard is not None and f.dp_shard <= 1:
+        yield "spec.precision.float8.fsdpFloat8AllGather", (
+            f"needs a data-parallel shard degree above 1 (it is {f.dp_shard}): with one shard there is nothing to "
+            "all-gather; turn it off or add processes")
+
+
+@check("float8.filter-fqns")
+def _float8_filter_fqns(f: Facts) -> Problems:
+    for i, fqn in enumerate(f.spec.precision.float8.filter_fqns):
         if not fqn.strip():
-            err(f"precision.float8.filterFqns[{i}]", "is empty, and an empty fragment matches every module name, so "
-                "no layer would train in FP8; remove it (or turn FP8 off)", "float8.filter-fqns")
+            yield f"spec.precision.float8.filterFqns[{i}]", ("is empty, and an empty fragment matches every module "
+                                                             "name, so no layer would train in FP8; remove it (or "
+                                                             "turn FP8 off)")
+
+
+@check("float8.precompute-needs-all-gather")
+def _float8_precompute_needs_all_gather(f: Facts) -> Problems:
+    f8 = f.spec.precision.float8
     if f8.precompute_dynamic_scale and not f8.fsdp_float8_all_gather:
-        err("precision.float8.precomputeDynamicScale", "needs precision.float8.fsdpFloat8AllGather: true; "
-            "set it or turn this off",
-            "float8.precompute-needs-all-gather")
+        yield "spec.precision.float8.precomputeDynamicScale", ("needs precision.float8.fsdpFloat8AllGather: true; "
+                                                               "set it or turn this off")
 
-    # ---- data and tokenizer
-    if s.data.source == "shards" and s.data.shards is None:
-        err("data.shards", "is required when data.source is shards: set data.shards.path", "data.shards-required")
-    if s.tokenizer.source == "path" and not s.tokenizer.path:
-        err("tokenizer.path", "is required when tokenizer.source is path: set it to the directory holding "
-            "tokenizer.json", "tokenizer.path-required")
-    if s.tokenizer.repo and (msg := hub_repo_error(s.tokenizer.repo)) is not None:
-        err("tokenizer.repo", msg, "hub.repo-id")
-    if s.data.source == "huggingface" and s.data.huggingface is not None \
-            and s.data.huggingface.dataset.startswith(("http://", "https://")):
-        err("data.huggingface.dataset", f"{s.data.huggingface.dataset!r} is a URL; give the hub dataset id (e.g. "
-            "allenai/c4, the part after huggingface.co/datasets/), a path in the pod, or builtin", "hub.repo-id")
-    if s.tokenizer.source == "huggingface" and not s.tokenizer.repo:
-        err("tokenizer.repo", "is required when tokenizer.source is huggingface: set the hub repository, e.g. "
-            "meta-llama/Meta-Llama-3.1-8B",
-            "tokenizer.repo-required")
 
-    # ---- checkpoints and restarts
-    ck, rp = s.checkpoint, s.run_policy
+# ---- data and tokenizer
+@check("data.shards-required")
+def _data_shards_required(f: Facts) -> Problems:
+    if f.spec.data.source == "shards" and f.spec.data.shards is None:
+        yield "spec.data.shards", "is required when data.source is shards: set data.shards.path"
+
+
+@check("tokenizer.path-required")
+def _tokenizer_path_required(f: Facts) -> Problems:
+    if f.spec.tokenizer.source == "path" and not f.spec.tokenizer.path:
+        yield "spec.tokenizer.path", ("is required when tokenizer.source is path: set it to the directory holding "
+                                      "tokenizer.json")
+
+
+@check("hub.repo-id")
+def _hub_repo_id(f: Facts) -> Problems:
+    tok, data = f.spec.tokenizer, f.spec.data
+    if tok.repo and (msg := hub_repo_error(tok.repo)) is not None:
+        yield "spec.tokenizer.repo", msg
+    if data.source == "huggingface" and data.huggingface is not None \
+            and data.huggingface.dataset.startswith(("http://", "https://")):
+        yield "spec.data.huggingface.dataset", (
+            f"{data.huggingface.dataset!r} is a URL; give the hub dataset id (e.g. allenai/c4, the part after "
+            "huggingface.co/datasets/), a path in the pod, or builtin")
+
+
+@check("tokenizer.repo-required")
+def _tokenizer_repo_required(f: Facts) -> Problems:
+    if f.spec.tokenizer.source == "huggingface" and not f.spec.tokenizer.repo:
+        yield "spec.tokenizer.repo", ("is required when tokenizer.source is huggingface: set the hub repository, "
+                                      "e.g. meta-llama/Meta-Llama-3.1-8B")
+
+
+# ---- checkpoints and restarts
+@check("checkpoint.writable")
+def _checkpoint_writable(f: Facts) -> Problems:
+    ck = f.spec.checkpoint
     pvc = ck.storage.persistent_volume_claim
     if ck.enabled and pvc is not None and pvc.read_only:
-        err("checkpoint.storage.persistentVolumeClaim.readOnly", "is true, but checkpoints are written there: the "
-            "first save would fail; set it to false (or checkpoint.enabled: false to only read)", "checkpoint.writable")
-    if rp.max_restarts > 0 and not ck.enabled:
-        err("runPolicy.maxRestarts", f"{rp.max_restarts} restarts need checkpoint.enabled: true (each restart "
-            "resumes from the newest checkpoint); enable checkpoints or set maxRestarts: 0",
-            "restarts.need-checkpoint")
+        yield "spec.checkpoint.storage.persistentVolumeClaim.readOnly", (
+            "is true, but checkpoints are written there: the first save would fail; set it to false (or "
+            "checkpoint.enabled: false to only read)")
+
+
+@check("restarts.need-checkpoint")
+def _restarts_need_checkpoint(f: Facts) -> Problems:
+    rp = f.spec.run_policy
+    if rp.max_restarts > 0 and not f.spec.checkpoint.enabled:
+        yield "spec.runPolicy.maxRestarts", (
+            f"{rp.max_restarts} restarts need checkpoint.enabled: true (each restart resumes from the newest "
+            "checkpoint); enable checkpoints or set maxRestarts: 0")
+
+
+@check("checkpoint.keep-latest-k")
+def _checkpoint_keep_latest_k(f: Facts) -> Problems:
+    ck = f.spec.checkpoint
     if ck.keep_latest_k == 1 and ck.enabled:  # torchtitan checks it only with checkpointing on
-        err("checkpoint.keepLatestK", "must be 0 (keep all) or at least 2, so that a cut-off newest save never "
-            "leaves nothing to resume from", "checkpoint.keep-latest-k")
-    st = ck.storage
-    n_storage = sum(x is not None for x in (st.persistent_volume_claim, st.host_path))
-    if n_storage > 1:
-        err("checkpoint.storage", "has more than one location; keep only one of persistentVolumeClaim "
-            "and hostPath",
-            "checkpoint.one-storage")
-    elif ck.enabled and n_storage == 0 and r.nodes > 1:
-        err("checkpoint.storage", f"a {r.nodes}-node run needs shared checkpoint storage: set "
-            "persistentVolumeClaim (ReadWriteMany, e.g. FSx for Lustre)", "checkpoint.storage-required")
-    if st.host_path is not None and r.nodes > 1:
-        err("checkpoint.storage.hostPath", "is per node and cannot hold a multi-node checkpoint; use a "
-            "ReadWriteMany persistentVolumeClaim (e.g. FSx for Lustre)", "checkpoint.host-path-single-node")
+        yield "spec.checkpoint.keepLatestK", ("must be 0 (keep all) or at least 2, so that a cut-off newest save "
+                                              "never leaves nothing to resume from")
+
+
+def _storage_count(f: Facts) -> int:
+    st = f.spec.checkpoint.storage
+    return sum(x is not None for x in (st.persistent_volume_claim, st.host_path))
+
+
+@check("checkpoint.one-storage")
+def _checkpoint_one_storage(f: Facts) -> Problems:
+    if _storage_count(f) > 1:
+        yield "spec.checkpoint.storage", "has more than one location; keep only one of persistentVolumeClaim and hostPath"
+
+
+@check("checkpoint.storage-required")
+def _checkpoint_storage_required(f: Facts) -> Problems:
+    nodes = f.spec.resources.nodes
+    if f.spec.checkpoint.enabled and _storage_count(f) == 0 and nodes > 1:
+        yield "spec.checkpoint.storage", (f"a {nodes}-node run needs shared checkpoint storage: set "
+                                          "persistentVolumeClaim (ReadWriteMany, e.g. FSx for Lustre)")
+
+
+@check("checkpoint.host-path-single-node")
+def _checkpoint_host_path_single_node(f: Facts) -> Problems:
+    if f.spec.checkpoint.storage.host_path is not None and f.spec.resources.nodes > 1:
+        yield "spec.checkpoint.storage.hostPath", ("is per node and cannot hold a multi-node checkpoint; use a "
+                                                   "ReadWriteMany persistentVolumeClaim (e.g. FSx for Lustre)")
+
+
+@check("run-policy.backoff-order")
+def _run_policy_backoff_order(f: Facts) -> Problems:
+    rp = f.spec.run_policy
     if rp.max_backoff_seconds < rp.backoff_seconds:
-        err("runPolicy.maxBackoffSeconds", f"{rp.max_backoff_seconds} is below backoffSeconds "
-            f"({rp.backoff_seconds}); raise it", "run-policy.backoff-order")
-    if s.monitoring.metrics_port == 29500:
-        err("monitoring.metricsPort", "29500 is torchrun's rendezvous port; pick another", "monitoring.port")
-    out += _pod_field_errors(s)
-    return out
+        yield "spec.runPolicy.maxBackoffSeconds", (f"{rp.max_backoff_seconds} is below backoffSeconds "
+                                                   f"({rp.backoff_seconds}); raise it")
+
+
+@check("monitoring.port")
+def _monitoring_port(f: Facts) -> Problems:
+    if f.spec.monitoring.metrics_port == 29500:
+        yield "spec.monitoring.metricsPort", "29500 is torchrun's rendezvous port; pick another"
+
+
+# ---- the fields that become pod fields: paths, mounts, env, Kubernetes syntax
+@check("path.no-dot-dot")
+def _path_no_dot_dot(f: Facts) -> Problems:
+    s = f.spec
+    paths = [("checkpoint.mountPath", s.checkpoint.mount_path), ("data.mountPath", s.data.mount_path),
+             ("checkpoint.storage.hostPath", s.checkpoint.storage.host_path), ("tokenizer.path", s.tokenizer.path)]
+    if s.data.shards is not None:
+        paths.append(("data.shards.path", s.data.shards.path))
+    for path, value in paths:
+        if value is not None and ".." in value.split("/"):
+            yield f"spec.{path}", f"{value!r} contains a '..' component; give the absolute path without it"
+        elif value is not None and not value.startswith("/"):  # the CRD's pattern covers the others
+            yield f"spec.{path}", (f"{value!r} is relative (to the trainer's working directory); give the absolute "
+                                   "path in the pod, e.g. /data/shards")
+
+
+@check("mounts.no-collision")
+def _mounts_no_collision(f: Facts) -> Problems:
+    mounts = mount_points(f.spec)
+    for i, (pa, a) in enumerate(mounts):  # the operator's own mounts come first and never collide
+        for pb, b in mounts[:i]:
+            if _inside(_norm(a), _norm(b)) or _inside(_norm(b), _norm(a)):
+                yield f"spec.{pa}", (f"{a!r} collides with {pb} {b!r} (a mount may not be at, above or inside "
+                                     "another); move it to a separate directory, e.g. /data or /checkpoints")
+
+
+@check("pod.env")
+def _pod_env(f: Facts) -> Problems:
+    for path, msg in k8sfields.env_errors(f.spec.resources.env, "resources.env"):
+        yield f"spec.{path}", msg
+
+
+def _env_names(f: Facts) -> Iterator[tuple[int, str]]:
+    """(index, name) of each ``resources.env`` entry with a string name (``pod.env`` reports the others)."""
+    for i, e in enumerate(f.spec.resources.env):
+        name = e.get("name") if isinstance(e, dict) else None
+        if isinstance(name, str):
+            yield i, name
+
+
+@check("env.reserved")
+def _env_reserved(f: Facts) -> Problems:
+    for i, name in _env_names(f):
+        if contract.env_reserved(name):
+            yield f"spec.resources.env[{i}].name", (
+                f"{name!r} is set by the operator or the launcher and may not be overridden (reserved: "
+                + ", ".join(p + "*" for p in contract.RESERVED_ENV_PREFIXES) + ", "
+                + ", ".join(contract.RESERVED_ENV_NAMES) + "); remove it or rename it")
+
+
+@check("env.secret-backed")
+def _env_secret_backed(f: Facts) -> Problems:
+    for i, name in _env_names(f):
+        # a reserved name is env.reserved's error only
+        if f.token and name == contract.SECRET_ENV_TOKEN and not contract.env_reserved(name):
+            yield f"spec.resources.env[{i}].name", (
+                f"{name} comes from tokenizer.tokenSecretRef; remove this variable (or remove tokenSecretRef and "
+                "reference the Secret here with valueFrom.secretKeyRef)")
+
+
+@check("env.unique")
+def _env_unique(f: Facts) -> Problems:
+    seen: dict[str, int] = {}
+    for i, name in _env_names(f):
+        if name in seen:
+            yield f"spec.resources.env[{i}].name", f"{name!r} is already set by resources.env[{seen[name]}]; keep one"
+        seen.setdefault(name, i)
+
+
+@check("pod.tolerations")
+def _pod_tolerations(f: Facts) -> Problems:
+    for path, msg in k8sfields.toleration_errors(f.spec.resources.tolerations, "resources.tolerations"):
+        yield f"spec.{path}", msg
+
+
+@check("pod.affinity")
+def _pod_affinity(f: Facts) -> Problems:
+    if f.spec.resources.affinity is not None:
+        for path, msg in k8sfields.affinity_errors(f.spec.resources.affinity, "resources.affinity"):
+            yield f"spec.{path}", msg
+
+
+@check("pod.node-selector")
+def _pod_node_selector(f: Facts) -> Problems:
+    for path, msg in k8sfields.node_selector_errors(f.spec.resources.node_selector, "resources.nodeSelector"):
+        yield f"spec.{path}", msg
+
+
+@check("pod.image")
+def _pod_image(f: Facts) -> Problems:
+    if (msg := k8sfields.image_error(f.spec.resources.image)) is not None:
+        yield "spec.resources.image", msg
+
+
+@check("pod.names")
+def _pod_names(f: Facts) -> Problems:
+    s = f.spec
+    r, tok, pvc = s.resources, s.tokenizer, s.checkpoint.storage.persistent_volume_claim
+    names: list[tuple[str, str | None, str]] = [
+        ("resources.serviceAccountName", r.service_account_name, "ServiceAccount"),
+        ("resources.priorityClassName", r.priority_class_name, "PriorityClass"),
+        ("scheduling.schedulerName", s.scheduling.scheduler_name, "scheduler"),
+        ("tokenizer.tokenSecretRef.name", tok.token_secret_ref.name if tok.token_secret_ref else None, "Secret"),
+        ("checkpoint.storage.persistentVolumeClaim.claimName", pvc.claim_name if pvc else None,
+         "PersistentVolumeClaim"),
+        ("data.volume.claimName", s.data.volume.claim_name if s.data.volume else None, "PersistentVolumeClaim"),
+    ]
+    names += [(f"resources.imagePullSecrets[{i}]", n, "Secret") for i, n in enumerate(r.image_pull_secrets)]
+    for path, value, what in names:
+        if value is not None and (msg := k8sfields.subdomain_error(value, what)) is not None:
+            yield f"spec.{path}", msg
+    if tok.token_secret_ref is not None and (msg := k8sfields.key_error(tok.token_secret_ref.key)) is not None:
+        yield "spec.tokenizer.tokenSecretRef.key", msg
+    if r.instance_type is not None and (msg := k8sfields.label_value_error(r.instance_type)):
+        yield "spec.resources.instanceType", f"becomes the pods' node selector node.kubernetes.io/instance-type: {msg}"
+    if s.scheduling.queue_name == "":
+        yield "spec.scheduling.queueName", ("is empty, which Kueue reads as no queue (the pods would not be queued); "
+                                            "set the LocalQueue's name or remove the key")
+    elif s.scheduling.queue_name is not None and (msg := k8sfields.label_value_error(s.scheduling.queue_name)):
+        yield "spec.scheduling.queueName", f"becomes the pod label kueue.x-k8s.io/queue-name: {msg}"
+
+
+# ------------------------------------------------------------------ helpers of the predicates
 
 
 def _cpu_cores(q: str) -> float:
@@ -562,91 +949,6 @@ def _norm(path: str) -> str:
 def _inside(a: str, b: str) -> bool:
     """Whether path ``a`` is ``b`` or below it."""
     return a == b or a.startswith(b.rstrip("/") + "/")
-
-
-def _pod_field_errors(s: LlamaPretrainSpec) -> list[FieldError]:
-    """The fields that become pod fields: Kubernetes syntax, reserved env, secret-backed env, mount collisions."""
-    out: list[FieldError] = []
-    r = s.resources
-
-    def err(path: str, message: str, rule: str) -> None:
-        out.append(FieldError(f"spec.{path}", message, rule))
-
-    # ---- paths: absolute, no '..', no two mounts on or inside each other
-    paths = [("checkpoint.mountPath", s.checkpoint.mount_path), ("data.mountPath", s.data.mount_path),
-             ("checkpoint.storage.hostPath", s.checkpoint.storage.host_path), ("tokenizer.path", s.tokenizer.path)]
-    if s.data.shards is not None:
-        paths.append(("data.shards.path", s.data.shards.path))
-    for path, value in paths:
-        if value is not None and ".." in value.split("/"):
-            err(path, f"{value!r} contains a '..' component; give the absolute path without it", "path.no-dot-dot")
-        elif value is not None and not value.startswith("/"):  # the CRD's pattern covers the others
-            err(path, f"{value!r} is relative (to the trainer's working directory); give the absolute path in the "
-                "pod, e.g. /data/shards", "path.no-dot-dot")
-    mounts = mount_points(s)
-    for i, (pa, a) in enumerate(mounts):  # the operator's own mounts come first and never collide
-        for pb, b in mounts[:i]:
-            if _inside(_norm(a), _norm(b)) or _inside(_norm(b), _norm(a)):
-                err(pa, f"{a!r} collides with {pb} {b!r} (a mount may not be at, above or inside another); "
-                    "move it to a separate directory, e.g. /data or /checkpoints", "mounts.no-collision")
-
-    # ---- env: Kubernetes EnvVar, not reserved, no plain value where a Secret provides it
-    for path, msg in k8sfields.env_errors(r.env, "resources.env"):
-        err(path, msg, "pod.env")
-    token = s.tokenizer.token_secret_ref is not None
-    seen: dict[str, int] = {}
-    for i, e in enumerate(r.env):
-        name = e.get("name") if isinstance(e, dict) else None
-        if not isinstance(name, str):
-            continue
-        if contract.env_reserved(name):
-            err(f"resources.env[{i}].name", f"{name!r} is set by the operator or the launcher and may not be "
-                "overridden (reserved: " + ", ".join(p + "*" for p in contract.RESERVED_ENV_PREFIXES) + ", "
-                + ", ".join(contract.RESERVED_ENV_NAMES) + "); remove it or rename it", "env.reserved")
-        elif name == contract.SECRET_ENV_TOKEN and token:
-            err(f"resources.env[{i}].name", f"{name} comes from tokenizer.tokenSecretRef; remove this variable "
-                "(or remove tokenSecretRef and reference the Secret here with valueFrom.secretKeyRef)",
-                "env.secret-backed")
-        if name in seen:
-            err(f"resources.env[{i}].name", f"{name!r} is already set by resources.env[{seen[name]}]; keep one",
-                "env.unique")
-        seen.setdefault(name, i)
-
-    # ---- scheduling fields that become pod fields
-    for path, msg in k8sfields.toleration_errors(r.tolerations, "resources.tolerations"):
-        err(path, msg, "pod.tolerations")
-    if r.affinity is not None:
-        for path, msg in k8sfields.affinity_errors(r.affinity, "resources.affinity"):
-            err(path, msg, "pod.affinity")
-    for path, msg in k8sfields.node_selector_errors(r.node_selector, "resources.nodeSelector"):
-        err(path, msg, "pod.node-selector")
-    if (msg := k8sfields.image_error(r.image)) is not None:
-        err("resources.image", msg, "pod.image")
-    names: list[tuple[str, str | None, str]] = [
-        ("resources.serviceAccountName", r.service_account_name, "ServiceAccount"),
-        ("resources.priorityClassName", r.priority_class_name, "PriorityClass"),
-        ("scheduling.schedulerName", s.scheduling.scheduler_name, "scheduler"),
-        ("tokenizer.tokenSecretRef.name", s.tokenizer.token_secret_ref.name if token else None, "Secret"),
-        ("checkpoint.storage.persistentVolumeClaim.claimName",
-         s.checkpoint.storage.persistent_volume_claim.claim_name if s.checkpoint.storage.persistent_volume_claim
-         else None, "PersistentVolumeClaim"),
-        ("data.volume.claimName", s.data.volume.claim_name if s.data.volume else None, "PersistentVolumeClaim"),
-    ]
-    names += [(f"resources.imagePullSecrets[{i}]", n, "Secret") for i, n in enumerate(r.image_pull_secrets)]
-    for path, value, what in names:
-        if value is not None and (msg := k8sfields.subdomain_error(value, what)) is not None:
-            err(path, msg, "pod.names")
-    if token and (msg := k8sfields.key_error(s.tokenizer.token_secret_ref.key)) is not None:
-        err("tokenizer.tokenSecretRef.key", msg, "pod.names")
-    if r.instance_type is not None and (msg := k8sfields.label_value_error(r.instance_type)):
-        err("resources.instanceType", f"becomes the pods' node selector node.kubernetes.io/instance-type: {msg}",
-            "pod.names")
-    if s.scheduling.queue_name == "":
-        err("scheduling.queueName", "is empty, which Kueue reads as no queue (the pods would not be queued); set the "
-            "LocalQueue's name or remove the key", "pod.names")
-    elif s.scheduling.queue_name is not None and (msg := k8sfields.label_value_error(s.scheduling.queue_name)):
-        err("scheduling.queueName", f"becomes the pod label kueue.x-k8s.io/queue-name: {msg}", "pod.names")
-    return out
 
 
 def _loc_to_path(loc: tuple[Any, ...]) -> str:
@@ -751,7 +1053,7 @@ def parse(obj: Any) -> tuple[LlamaPretrain | None, list[FieldError]]:
                                "LlamaPretrain otherwise)", "schema"))
     if errs:
         return None, errs + _unknown_keys(obj, _TOP_LEVEL, "")
-    meta_errs = _metadata_errors(obj.get("metadata"))
+    meta_errs = _before_parse_errors(obj.get("metadata"))
     body = {k: v for k, v in obj.items() if k != "status"}
     if named := _python_names(body.get("spec"), LlamaPretrainSpec, "spec"):
         return None, named
@@ -807,7 +1109,7 @@ def _type_name(v: Any) -> str:
             float: "a number", type(None): "nothing (null)"}.get(type(v), type(v).__name__)
 
 
-def _unknown_keys(obj: dict[Any, Any], known: tuple[str, ...], prefix: str, rule: str = "schema") -> list[FieldError]:
+def _unknown_keys(obj: dict[Any, Any], known: tuple[str, ...], prefix: str) -> list[FieldError]:
     out = []
     for k in obj:
         if k in known:
@@ -815,49 +1117,7 @@ def _unknown_keys(obj: dict[Any, Any], known: tuple[str, ...], prefix: str, rule
         near = _closest(str(k), known)
         hint = f"did you mean {near!r}? rename it (or remove it)" if near else \
             f"remove it (the fields here: {', '.join(known)})"
-        out.append(FieldError(f"{prefix}{k}", f"unknown field; {hint}", rule))
-    return out
-
-
-def _metadata_errors(meta: Any) -> list[FieldError]:
-    """What the API server checks in ``metadata`` beyond the name (which :func:`validate` checks)."""
-    from kubetitan_core.k8sfields import DNS1123_LABEL, label_key_error, label_value_error
-
-    if not isinstance(meta, dict):
-        return []  # the model refuses it with its path
-    out = _unknown_keys(meta, _OBJECT_META, "metadata.", "metadata.fields")
-    ns = meta.get("namespace")
-    if isinstance(ns, str) and ns and (len(ns) > 63 or not DNS1123_LABEL.match(ns)):  # "": the context's namespace
-        out.append(FieldError("metadata.namespace", f"{ns!r} is not a namespace name: use at most 63 lower-case "
-                              "letters, digits and '-', starting and ending with a letter or digit (a DNS-1123 label)",
-                              "metadata.fields"))
-    for key, item in (("finalizers", str), ("ownerReferences", dict)):
-        value = meta.get(key)
-        if value is not None and (not isinstance(value, list) or not all(isinstance(v, item) for v in value)):
-            out.append(FieldError(f"metadata.{key}", f"must be a list of {'names' if item is str else 'mappings'}; fix "
-                                  "it or remove it (the operator sets what it needs)", "metadata.fields"))
-    fins = meta.get("finalizers")
-    for i, fin in enumerate(fins if isinstance(fins, list) else []):
-        if isinstance(fin, str) and (msg := label_key_error(fin)) is not None:
-            out.append(FieldError(f"metadata.finalizers[{i}]", msg.replace("label key", "finalizer name"),
-                                  "metadata.fields"))
-    labels, annotations = meta.get("labels"), meta.get("annotations")
-    if isinstance(labels, dict):
-        for k, v in labels.items():
-            if not isinstance(k, str) or not isinstance(v, str):
-                continue  # the model refuses non-strings
-            if (msg := label_key_error(k) or label_value_error(v)) is not None:
-                out.append(FieldError(f"metadata.labels[{k}]", msg, "metadata.fields"))
-    if isinstance(annotations, dict):
-        for k in annotations:
-            if isinstance(k, str) and (msg := label_key_error(k)) is not None:
-                out.append(FieldError(f"metadata.annotations[{k}]", msg.replace("label key", "annotation key"),
-                                      "metadata.fields"))
-        size = sum(len(str(k).encode()) + len(str(v).encode()) for k, v in annotations.items())
-        if size > MAX_ANNOTATIONS_BYTES:
-            out.append(FieldError("metadata.annotations", f"hold {size} bytes; the API server takes at most "
-                                  f"{MAX_ANNOTATIONS_BYTES} in all: move the large values elsewhere (a ConfigMap)",
-                                  "metadata.fields"))
+        out.append(FieldError(f"{prefix}{k}", f"unknown field; {hint}", "schema"))
     return out
 
 
