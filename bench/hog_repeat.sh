@@ -15,7 +15,8 @@ stop_hogs() {
   for pid in "${HOGS[@]}"; do kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done
   HOGS=()
 }
-trap stop_hogs EXIT INT TERM
+trap stop_hogs EXIT
+trap 'exit 143' INT TERM  # then the EXIT trap stops the hogs
 for _ in 1 2; do
   yes > /dev/null &
   HOGS+=("$!")
