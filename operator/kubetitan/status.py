@@ -96,7 +96,12 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
     loaded_only = beat is not None and beat <= 0
     if o.start_step is None:
         o.start_step = step if loaded_only else step - 1
-    if o.first_step_time is None and not loaded_only:
+    first = _num(metrics, contract.M_FIRST_STEP_TIMESTAMP)
+    if first is not None and first > 0:
+        # the trainer's own record of its first step: exact however many steps the first scrape came late
+        if o.first_step_time is None or first < (parse_time(o.first_step_time) or now):
+            o.first_step_time = iso_ms(first)
+    elif o.first_step_time is None and not loaded_only:
         o.first_step_time = iso_ms(beat if beat is not None else now)
     last = parse_time(o.last_progress_time)
     if o.step is None or step > o.step:

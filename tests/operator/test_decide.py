@@ -605,6 +605,25 @@ def test_the_step_a_generation_resumed_from_is_what_the_trainer_loaded(resumed, 
     assert (o1.generation, o1.start_step) == (1, start)
 
 
+@pytest.mark.parametrize("first, want", [
+    (NOW - 10.5, NOW - 10.5),  # scraped two steps after the first: the downtime still ends at the first step
+    (0.0, NOW - 9),            # a trainer that has not stepped yet says 0: the heartbeat stands
+    (None, NOW - 9),           # a trainer without the gauge: the heartbeat of the first step seen
+])
+def test_a_generations_first_step_time_is_what_the_trainer_recorded(first, want) -> None:
+    """The end of a restart's downtime comes from the trainer's first-step timestamp, not from the heartbeat of
+    whichever step the first scrape saw (the e2e fault test once measured 1.75 s too long on a loaded machine)."""
+    m = {contract.M_STEP: 14.0, contract.M_ATTEMPT: 0.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 100,
+         contract.M_LAST_CHECKPOINT_STEP: 10.0, contract.M_RESTART_GENERATION: 0.0}
+    o = S.track(None, 0, NOW - 100, metrics=m, pods=gang())
+    m1 = {**m, contract.M_STEP: 12.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 9, contract.M_RESTART_GENERATION: 1.0,
+          contract.M_RESUMED_FROM_STEP: 10.0}
+    if first is not None:
+        m1[contract.M_FIRST_STEP_TIMESTAMP] = first
+    o1 = S.track(o, 0, NOW - 8, metrics=m1, pods=gang())
+    assert S.progress(o1).first_step_time == pytest.approx(want, abs=1e-3)
+
+
 def test_raised_steps_start_the_next_attempt_without_a_restart() -> None:
     """Rank 0 exited 0 at the attempt's 100 steps, the spec now says 150: the status moves to attempt 1 with no
     restart record (nothing failed), Ready=False/StepsRaised, the run not Succeeded; the next cycle creates attempt

@@ -229,6 +229,19 @@ def test_exported_metrics_pass_promtool():
 
 
 
+def test_the_first_step_timestamp_is_set_once_by_the_first_step():
+    from kubetitan_trainer.metrics import Exporter
+
+    ex = Exporter(peak_flops=None, total_steps=10, attempt=0, job_start=1.7e9)
+    first = ex.registry.get_sample_value
+    assert first(contract.M_FIRST_STEP_TIMESTAMP) == 0.0  # before any step
+    ex.step_done(5, 0.5)
+    t1 = first(contract.M_FIRST_STEP_TIMESTAMP)
+    assert t1 > 0 and t1 == first(contract.M_LAST_STEP_TIMESTAMP)
+    ex.step_done(6, 0.5)
+    assert first(contract.M_FIRST_STEP_TIMESTAMP) == t1 <= first(contract.M_LAST_STEP_TIMESTAMP)
+
+
 def test_async_checkpoint_is_published_when_its_background_write_ends():
     """The newest-checkpoint gauges name only complete checkpoints: an async save's step shows once
     its write future ends, and a failed write never shows (resume would skip that step too)."""

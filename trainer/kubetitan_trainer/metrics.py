@@ -145,6 +145,9 @@ class Exporter:
         self.tokens = Counter(contract.M_TOKENS.removesuffix("_total"), "Tokens trained on by the whole job, carried across attempts through the checkpoint (tokens).", registry=r)
         self.attempt = Gauge(contract.M_ATTEMPT, "Attempt number of this gang; restarts seen = attempt (count).", registry=r)
         self.heartbeat = Gauge(contract.M_LAST_STEP_TIMESTAMP, "Unix time the last optimizer step completed; the heartbeat for hang detection (seconds).", registry=r)
+        self.first_step_ts = Gauge(contract.M_FIRST_STEP_TIMESTAMP, "Unix time this worker generation completed "
+                                   "its first optimizer step, 0 before it: where a restart's downtime ends, exact "
+                                   "however late the first scrape comes (seconds).", registry=r)
         self.productive = Counter(contract.M_PRODUCTIVE_SECONDS.removesuffix("_total"), "Wall time of optimizer steps kept in checkpoints, carried across attempts (seconds).", registry=r)
         self.job_start = Gauge(contract.M_JOB_START_TIMESTAMP, "Unix time the run's first attempt started; goodput = productive seconds / (now - this) (seconds).", registry=r)
         self.total_steps.set(total_steps)
@@ -180,6 +183,7 @@ class Exporter:
         self.restart_node_rank.set(failure.get("node_rank", -1))
         self.restart_ts.set(failure.get("time", 0))
         self._recent: list[float] = []
+        self._first_step_done = False
 
     def startup(self, record: dict) -> None:
         """The start-up anatomy of this worker generation (:mod:`kubetitan_trainer.anatomy`)."""
@@ -217,7 +221,11 @@ class Exporter:
         self._recent = [*self._recent[-(MEDIAN_WINDOW - 1):], seconds]
         self.step_median.set(statistics.median(self._recent))
         self.productive.inc(seconds)
-        self.heartbeat.set(time.time())
+        now = time.time()
+        self.heartbeat.set(now)
+        if not self._first_step_done:
+            self.first_step_ts.set(now)
+            self._first_step_done = True
 
     def carried(self, productive_seconds: float) -> None:
         """Productive seconds restored from the checkpoint (earlier attempts' kept work)."""

@@ -114,6 +114,7 @@ M_CHECKPOINT_INTERVAL = "kubetitan_trainer_checkpoint_interval_steps"
 M_TOKENS = "kubetitan_trainer_tokens_total"
 M_ATTEMPT = "kubetitan_trainer_attempt"
 M_LAST_STEP_TIMESTAMP = "kubetitan_trainer_last_step_timestamp_seconds"  # the heartbeat
+M_FIRST_STEP_TIMESTAMP = "kubetitan_trainer_first_step_timestamp_seconds"  # this worker generation's; 0 before it
 M_PRODUCTIVE_SECONDS = "kubetitan_trainer_productive_step_seconds_total"
 M_JOB_START_TIMESTAMP = "kubetitan_trainer_job_start_timestamp_seconds"
 M_STARTUP_PHASE_SECONDS = "kubetitan_trainer_startup_phase_seconds"  # label phase: one of STARTUP_PHASES
