@@ -49,7 +49,9 @@ def test_peering_one_active_replica_then_takeover(cluster: Cluster) -> None:
             wait_for(lambda: len(cluster.pod_names(NS, "ha1")) == 2, 15, "ha1 pods")
             wait_for(lambda: cluster.status(NS, "ha1").get("phase") == "Starting", 15, "ha1's status by A")
             assert sorted(_pod_creates(cluster)) == ["ha1-a0-0", "ha1-a0-1"], "each pod created once, by one replica"
-            assert _created(a, "ha1") and not _created(b, "ha1")
+            # A logs "Created attempt" after its last POST, and its log reaches us through a pipe: wait for it
+            wait_for(lambda: _created(a, "ha1"), 15, "replica A's 'Created attempt' log line")
+            assert not _created(b, "ha1")
             a.stop()
             wait_for(lambda: "Resuming operations" in b.log_text(), 15, "replica B takes over")
             assert list(cluster.peers("kubetitan")) and len(cluster.peers("kubetitan")) == 1
@@ -58,7 +60,8 @@ def test_peering_one_active_replica_then_takeover(cluster: Cluster) -> None:
             wait_for(lambda: len(cluster.pod_names(NS, "ha2")) == 2, 15, "ha2 pods by replica B")
             cluster.terminate_pod(NS, "ha1-a0-0", 1)
             wait_for(lambda: cluster.pod_names(NS, "ha1") == ["ha1-a1-0", "ha1-a1-1"], 15, "ha1 restarted by B")
-            assert _created(b, "ha2") and not _created(a, "ha2")
+            wait_for(lambda: _created(b, "ha2"), 15, "replica B's 'Created attempt' log line")
+            assert not _created(a, "ha2")
             assert sorted(_pod_creates(cluster)) == sorted(
                 ["ha1-a0-0", "ha1-a0-1", "ha1-a1-0", "ha1-a1-1", "ha2-a0-0", "ha2-a0-1"])
 
