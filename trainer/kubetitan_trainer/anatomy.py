@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
+from kubetitan_trainer import compat  # torch-free at import
 from kubetitan_core.contract import STARTUP_PHASES as PHASES  # noqa: E402 - torch-free, shared with the operator
 
 """The phases, in order; they partition origin -> end of the first step."""
@@ -87,13 +87,7 @@ def origin_of(state: dict, fallback: float) -> tuple[float, str, int]:
 
 def compile_seconds() -> float:
     """Seconds this process has spent in torch.compile so far (0 when torch._dynamo is not loaded)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None:
-        return 0.0
-    try:
-        return float(utils.calculate_time_spent().get("total_wall_time", 0.0))
-    except Exception:  # noqa: BLE001 - a private API: never let it break training
-        return 0.0
+    return compat.compile_seconds()
 
 
 def split(marks: dict[str, float], compile_in_first_step: float, warm_import_seconds: float = 0.0) -> dict[str, float]:

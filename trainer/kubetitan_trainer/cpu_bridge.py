@@ -8,7 +8,8 @@ extension point the bridge uses it; the two monkeypatches left are marked and ex
    ``torch._utils._get_available_device_type() or "cuda"`` at import time, and four modules copy
    the result with ``from torchtitan.tools.utils import device_type, device_module``. Without a GPU
    that is ``"cuda"``, so ``Trainer.__init__`` would call ``torch.cuda.set_device``. There is no
-   hook for this: ``apply()`` rebinds the copies to ``"cpu"`` / ``torch.cpu`` (monkeypatch 1).
+   hook for this: ``apply()`` rebinds the copies to ``"cpu"`` / ``torch.cpu`` (monkeypatch 1,
+   ``compat.rebind_device_to_cpu``).
 2. **Device memory monitor.** ``DeviceMemoryMonitor`` calls ``get_device_name``,
    ``get_device_properties`` and ``memory_stats`` that ``torch.cpu`` lacks. Extension point: the
    TrainSpec's ``build_metrics_processor_fn`` builds kubetitan's processor, which uses
@@ -16,7 +17,8 @@ extension point the bridge uses it; the two monkeypatches left are marked and ex
 3. **``set_pg_timeouts``** (called by ``Trainer.train`` after step 1) runs
    ``barrier(device_ids=[...])``, which gloo rejects, then ``device_module.synchronize()``. No hook
    reaches inside ``Trainer.train``: ``apply()`` swaps ``torchtitan.distributed.utils.set_pg_timeouts``
-   for a version with a plain barrier (monkeypatch 2; ``train.py`` looks it up at call time).
+   for a version with a plain barrier (monkeypatch 2, ``compat.replace_set_pg_timeouts``; ``train.py`` looks
+   it up at call time).
 4. **FSDP reduce-scatter.** torchtitan sets FSDP's ``gradient_divide_factor=1.0``, so FSDP
    reduce-scatters with NCCL's pre-multiplied sum, which gloo does not implement. Extension point:
    the TrainSpec's ``parallelize_fn`` is wrapped (:func:`wrap_parallelize`) to call
@@ -34,6 +36,8 @@ from datetime import timedelta
 
 import torch
 
+from kubetitan_trainer import compat
+
 _applied = False
 
 
@@ -49,21 +53,10 @@ def apply() -> bool:
         return False
     if _applied:
         return True
-    import torchtitan.components.metrics as metrics_mod
-    import torchtitan.distributed.parallel_dims as parallel_dims_mod
-    import torchtitan.distributed.utils as dist_utils_mod
-    import torchtitan.tools.profiling as profiling_mod
-    import torchtitan.tools.utils as tools_utils_mod
-
     # Monkeypatch 1: torchtitan resolved its device at import time to "cuda" (no hook exists).
-    for mod in (tools_utils_mod, metrics_mod, parallel_dims_mod, dist_utils_mod, profiling_mod):
-        if hasattr(mod, "device_type"):
-            mod.device_type = "cpu"
-        if hasattr(mod, "device_module"):
-            mod.device_module = torch.cpu
-
+    compat.rebind_device_to_cpu()
     # Monkeypatch 2: Trainer.train calls this by module attribute after step 1; gloo has no device_ids.
-    dist_utils_mod.set_pg_timeouts = _set_pg_timeouts_cpu
+    compat.replace_set_pg_timeouts(_set_pg_timeouts_cpu)
     _applied = True
     return True
 
@@ -73,7 +66,7 @@ def _set_pg_timeouts_cpu(timeout: timedelta, parallel_dims) -> None:
     torch.distributed.barrier()
     groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()] + [None]
     for group in groups:
-        torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+        compat.set_pg_timeout(timeout, group)
 
 
 def wrap_parallelize(parallelize_fn: Callable) -> Callable:

@@ -35,6 +35,7 @@ from torchtitan.config import JobConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 from torchtitan.tools.logging import logger
 
+from kubetitan_trainer import compat
 from kubetitan_trainer.errors import ConfigError
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -202,7 +203,8 @@ class KubetitanHFTextDataset(HuggingFaceTextDataset):
     """torchtitan's HuggingFaceTextDataset (iteration, packing, state) with a configurable source.
 
     The base ``__init__`` only accepts datasets from torchtitan's fixed registry, so this one sets
-    the same attributes from ``[kubetitan.data]`` instead; everything else is inherited.
+    the same attributes from ``[kubetitan.data]`` instead (``compat.init_hf_text_dataset``); everything else
+    is inherited.
     """
 
     def __init__(self, cfg, tokenizer: BaseTokenizer, seq_len: int, dp_rank: int, dp_world_size: int, infinite: bool = True) -> None:
@@ -210,14 +212,9 @@ class KubetitanHFTextDataset(HuggingFaceTextDataset):
 
         ds = load_hf_dataset(cfg.hf_dataset, cfg.hf_config, cfg.hf_split, cfg.hf_streaming)
         field = cfg.hf_text_field
-        self.dataset_name = cfg.hf_dataset
-        self._data = split_dataset_by_node(ds, dp_rank, dp_world_size)
-        self._tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.infinite = infinite
-        self._text_processor = lambda sample: sample[field]
-        self._sample_idx = 0
-        self._token_buffer: list[int] = []
+        compat.init_hf_text_dataset(self, dataset_name=cfg.hf_dataset, data=split_dataset_by_node(ds, dp_rank, dp_world_size),
+                                    tokenizer=tokenizer, seq_len=seq_len, infinite=infinite,
+                                    text_processor=lambda sample: sample[field])
 
 
 def model_vocab_size(job_config: JobConfig) -> int:

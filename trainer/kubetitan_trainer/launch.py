@@ -56,7 +56,7 @@ import time
 from kubetitan_core import contract
 from kubetitan_core.contract import EXIT_SIGTERM, ExitCode
 
-from kubetitan_trainer import ENV_STOP_FILE, anatomy
+from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat
 
 log = logging.getLogger("kubetitan.launch")
 
@@ -183,24 +183,20 @@ def generation_scoped_agent_store(generation: int) -> None:
     rank has the same generation (one rendezvous round each). The alternative, a fresh store hosted by each
     generation's rank 0 worker, costs the other ranks ~0.5 s whenever they dial before it listens (the TCPStore
     client's reconnect back-off; measured here: a client started 0.05 s before its server connected after 0.54 s)."""
-    import importlib
-
     from torch import distributed as dist
 
-    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module (the package's name is a function)
-
-    original = rdzv._create_c10d_store
+    original = compat.c10d_store_factory()
     if getattr(original, "kubetitan_generation", None) is not None:
         return
 
     def create(hostname, port, rank, world_size, timeout, use_libuv=True):
         store = original(hostname, port, rank, world_size, timeout, use_libuv)
-        if rdzv._torchelastic_use_agent_store():
+        if compat.uses_agent_store():
             return dist.PrefixStore(GENERATION_STORE_PREFIX.format(generation=generation), store)
         return store
 
     create.kubetitan_generation = generation
-    rdzv._create_c10d_store = create
+    compat.replace_c10d_store_factory(create)
 
 
 def run_worker(*argv: str) -> int:
@@ -261,14 +257,12 @@ def memoize_config_parse(worker_argv: list[str]) -> None:
     same arguments and the same file (inode, size, mtime); anything else parses as before. A parse that fails here
     is left to the workers, which report it (exit 2)."""
     import copy
-    import inspect
 
     from torchtitan.config import ConfigManager
 
-    original = ConfigManager.parse_args
+    original, default = compat.config_parse()
     if getattr(original, "kubetitan_memo", None) is not None:
         return
-    default = inspect.signature(original).parameters["args"].default
     memo: dict = {}
 
     def parse_args(self, args: list[str] = default):
@@ -282,7 +276,7 @@ def memoize_config_parse(worker_argv: list[str]) -> None:
         return config
 
     parse_args.kubetitan_memo = memo
-    ConfigManager.parse_args = parse_args
+    compat.replace_config_parse(parse_args)
     try:
         ConfigManager().parse_args(list(worker_argv))
     except (Exception, SystemExit) as e:  # noqa: BLE001 - tyro exits on bad values; the workers say why
@@ -377,10 +371,7 @@ def fast_rendezvous_polls(nnodes: int) -> None:
     polls within 1 s of the last read from a cache (``_BackendRendezvousStateHolder(cache_duration=1)``, shortened
     in :func:`run_in_place`); poll every :func:`poll_seconds` instead. Other delays (the first round's random skew)
     are kept."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
-
-    poll = poll_seconds(nnodes)
-    dynamic_rendezvous._delay = lambda seconds: utils._delay(poll if seconds == 1 else seconds)
+    compat.poll_rendezvous_every(poll_seconds(nnodes))
 
 
 REJOIN_KEY = "kubetitan/rejoin/{generation}"
@@ -433,6 +424,7 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
     fast_rendezvous_polls(nnodes)
     join_timeout = float(config.rdzv_configs.get("join_timeout", 600) or 600)
 
+    @compat.overrides(*compat.ELASTIC_AGENT_OVERRIDES)
     class InPlaceAgent(LocalElasticAgent):
         generation = -1
         """Worker generation (contract.ENV_RESTART_GENERATION): one rendezvous round per generation on every
@@ -442,14 +434,14 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
                 detected = time.time()
-                ok = restartable(result.failures, stop_requested()) and self._remaining_restarts > 0
+                ok = restartable(result.failures, stop_requested()) and compat.remaining_restarts(self) > 0
                 if not ok:
-                    self._remaining_restarts = 0
+                    compat.forbid_restarts(self)
                 state.failed(result.failures, restarting=ok, detected=detected)
                 if ok:
                     post_failure(worker_group.store, self.generation, node_rank, result.failures)
                     log.warning("Worker(s) failed (%s); restarting every rank's workers in place (%d left)",
-                                {r: f.exitcode for r, f in result.failures.items()}, self._remaining_restarts - 1)
+                                {r: f.exitcode for r, f in result.failures.items()}, compat.remaining_restarts(self) - 1)
             return result
 
         def _restart_workers(self, worker_group):
@@ -490,25 +482,25 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                                   local_addr=config.local_addr, **config.rdzv_configs)
     handler = rdzv_registry.get_rendezvous_handler(params)
     agents: list = []
-    torch_waiting = handler.num_nodes_waiting
 
-    def num_nodes_waiting() -> int:
-        """torch's count, or 1 when a peer announced the next generation (:func:`rejoin`): this agent's healthy
-        workers must restart too (``SimpleElasticAgent._invoke_run`` polls this every monitor interval)."""
-        agent = agents[0] if agents else None
-        store = getattr(agent, "_store", None)
-        if store is not None and agent.generation >= 0:
-            try:
-                if store.check([REJOIN_KEY.format(generation=agent.generation + 1)]):
-                    return 1
-            except Exception as e:  # noqa: BLE001 - torch's own count still applies
-                log.debug("Could not read the rejoin key: %s", e)
-        return torch_waiting()
+    def counting_rejoins(torch_waiting):
+        def num_nodes_waiting() -> int:
+            """torch's count, or 1 when a peer announced the next generation (:func:`rejoin`): this agent's healthy
+            workers must restart too (``SimpleElasticAgent._invoke_run`` polls this every monitor interval)."""
+            agent = agents[0] if agents else None
+            store = compat.agent_store(agent) if agent is not None else None
+            if store is not None and agent.generation >= 0:
+                try:
+                    if store.check([REJOIN_KEY.format(generation=agent.generation + 1)]):
+                        return 1
+                except Exception as e:  # noqa: BLE001 - torch's own count still applies
+                    log.debug("Could not read the rejoin key: %s", e)
+            return torch_waiting()
 
-    handler.num_nodes_waiting = num_nodes_waiting
-    holder = getattr(handler, "_state_holder", None)  # torch's DynamicRendezvousHandler: its shared-state cache
-    if holder is not None and getattr(holder, "_cache_duration", 0) > poll_seconds(nnodes):
-        holder._cache_duration = poll_seconds(nnodes)  # (1 s in torch 2.11: a poll within it re-reads the cache)
+        return num_nodes_waiting
+
+    compat.wrap_num_nodes_waiting(handler, counting_rejoins)
+    compat.shorten_rendezvous_cache(handler, poll_seconds(nnodes))  # (1 s in torch 2.11: a poll within it re-reads)
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=handler,
                       max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,

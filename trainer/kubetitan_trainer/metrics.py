@@ -35,11 +35,7 @@ from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from torchtitan.components.metrics import (
-    MetricsProcessor,
-    _build_metric_logger,
-    build_device_memory_monitor,
-)
+from torchtitan.components.metrics import MetricsProcessor, build_device_memory_monitor
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools import utils
@@ -48,7 +44,7 @@ from torchtitan.tools.logging import logger
 from kubetitan_core import contract
 from kubetitan_core.catalog import ACCELERATORS, accelerator_for
 
-from kubetitan_trainer import cpu_bridge
+from kubetitan_trainer import compat, cpu_bridge
 
 try:  # prometheus-client >= 0.18: no `_created` series for counters/histograms.
     from prometheus_client import disable_created_metrics
@@ -263,12 +259,13 @@ def _job_start() -> float:
 class KubetitanMetricsProcessor(MetricsProcessor):
     """torchtitan's processor (console, TensorBoard) plus the Prometheus exporter and a step log.
 
-    ``__init__`` mirrors the base class's, but picks the memory monitor itself: the CPU bridge's
-    :class:`~kubetitan_trainer.cpu_bridge.CpuMemoryMonitor` when there is no GPU (bridge 2).
+    ``__init__`` mirrors the base class's (it sets every attribute of ``compat.METRICS_PROCESSOR_ATTRIBUTES``), but
+    picks the memory monitor itself: the CPU bridge's :class:`~kubetitan_trainer.cpu_bridge.CpuMemoryMonitor`
+    when there is no GPU (bridge 2).
     """
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag: str | None = None):
-        self.logger = _build_metric_logger(job_config, parallel_dims, tag)
+        self.logger = compat.build_metric_logger(job_config, parallel_dims, tag)
         self.parallel_dims = parallel_dims
         self.job_config = job_config
         self.device_memory_monitor = (

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from kubetitan_trainer import compat
+
 ENV_RESTORE_TIER = "KUBETITAN_RESTORE_TIER"
 """Folder of the restore tier (set by the launcher; unset or empty: off)."""
 
@@ -65,7 +67,7 @@ class TierMismatch(Exception):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
+    return compat.local_tensor(t)  # a DTensor's shard on this rank
 
 
 def _is_stateful(v: Any) -> bool:

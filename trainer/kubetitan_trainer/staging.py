@@ -13,22 +13,23 @@ calls 7 and 8, and gone with this module in call 9 (docs/benchmarks.md, "Checkpo
 closes), which is what the upstream fix does. It also keeps the pinned host buffers across saves, as
 the DCP staging design intends: they are allocated and registered once, at the first save.
 Remove this module when the pinned torch has the fix (the canary test in
-``tests/trainer/test_units.py`` fails then).
+``tests/trainer/test_units.py`` fails then). The torch internals it touches are in :mod:`kubetitan_trainer.compat`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torchtitan.components.checkpoint import AsyncMode
+
+from kubetitan_trainer import compat
 
 # torchtitan 0.2.2's options for async_with_pinned_mem: pinned, shared, async staging, non-blocking copy.
 PINNED_STAGING = StagingOptions(True, True, True, True)
 
 
-class _KeepOpenStateDictStager(StateDictStager):
+class _KeepOpenStateDictStager(compat.state_dict_stager_class()):
     def close(self) -> None:
         """Called by torch 2.11's ``DefaultStager._stage`` after every stage: keep the dispatch and cache."""
 
@@ -41,9 +42,9 @@ class ReusableStager(DefaultStager):
 
     def __init__(self, config: StagingOptions = PINNED_STAGING) -> None:
         super().__init__(config)
-        self._state_dict_stager = _KeepOpenStateDictStager(
+        compat.replace_state_dict_stager(self, _KeepOpenStateDictStager(
             pin_memory=config.use_pinned_memory, share_memory=config.use_shared_memory
-        )
+        ))
         self.last_staged: Any = None
         """The last stage's result (a Future of the staged copy, or the copy): the restore tier writes it."""
         self.before_stage: Any = None
@@ -58,7 +59,7 @@ class ReusableStager(DefaultStager):
 
     def close(self) -> None:
         super().close()
-        self._state_dict_stager.release()
+        compat.inner_state_dict_stager(self).release()
 
 
 def ensure_reusable_stager(checkpointer: Any, config: StagingOptions = PINNED_STAGING) -> None:
@@ -67,5 +68,6 @@ def ensure_reusable_stager(checkpointer: Any, config: StagingOptions = PINNED_ST
     torchtitan creates its stager lazily (``if self.stager is None``) in ``save``; setting it first
     makes torchtitan use this one. Call it on the main thread, right before a save (the stager creates
     its staging stream there, after the default stream is in use, as torch asks)."""
-    if checkpointer.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and checkpointer.stager is None:
-        checkpointer.stager = ReusableStager(config)
+    if (compat.checkpoint_async_mode(checkpointer) == AsyncMode.ASYNC_WITH_PINNED_MEM
+            and compat.checkpoint_stager(checkpointer) is None):
+        compat.set_checkpoint_stager(checkpointer, ReusableStager(config))

@@ -29,7 +29,7 @@ from torchtitan.tools.logging import logger
 from kubetitan_core.catalog import FLAVOURS
 from kubetitan_core.render import TRAIN_SPEC_NAME
 
-from kubetitan_trainer import cpu_bridge
+from kubetitan_trainer import compat, cpu_bridge
 from kubetitan_trainer.data import build_dataloader
 from kubetitan_trainer.errors import ConfigError
 from kubetitan_trainer.metrics import build_metrics_processor
@@ -140,9 +140,7 @@ def model_args_for(job_config: JobConfig) -> TransformerModelArgs:
 
 def register() -> None:
     """Register the TrainSpec once (torchtitan rejects duplicates)."""
-    from torchtitan.protocols import train_spec as ts
-
-    if TRAIN_SPEC_NAME not in ts._extra_train_specs:
+    if not compat.train_spec_registered(TRAIN_SPEC_NAME):
         register_train_spec(TRAIN_SPEC_NAME, build_train_spec())
 
 

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.checkpoint import MODEL as MODEL_KEY
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
@@ -34,7 +33,7 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import ENV_STOP_FILE, anatomy, netcheck, restore_tier
+from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, netcheck, restore_tier
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
@@ -198,71 +197,76 @@ class KubetitanTrainer(Trainer):
     # ------------------------------------------------------------------ checkpoints
     def _wrap_checkpoint_save(self) -> None:
         ckpt = self.checkpointer
-        save = ckpt.save
 
-        def timed_save(curr_step: int, last_step: bool = False) -> None:
-            if self._stopping:
-                # A stop save must be complete and resumable: full state, synchronous.
-                last_step, ckpt.last_save_model_only = True, False
-            will_save = ckpt._should_save(curr_step, last_step)
-            # A disabled CheckpointManager returns from __init__ before it sets save_future.
-            earlier_write = ckpt.save_future if will_save else None
-            if will_save:
-                check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
-            if will_save and not last_step:
-                ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
-            tier = will_save and not last_step and bool(self._tier)
-            if tier and not getattr(ckpt, "enable_staging", False):
-                # Before DCP's save: a failure during that save (a cut-off step-N, never loaded) still finds step N
-                # in every rank's tier (restore_tier.agreed_newer_step), so an in-place restart loses no step.
-                self._save_tier(curr_step)
-            begin = time.perf_counter()
-            save(curr_step, last_step=last_step)
-            if tier and getattr(ckpt, "enable_staging", False):
-                staged = getattr(ckpt.stager, "last_staged", None)
-                if staged is not None:  # pinned async saves: write the tier from the staged copy, in the background
-                    ckpt.stager.last_staged = None
-                    ckpt.stager.before_stage = self._tier_writer.wait
-                    rank, world = self._rank_world()
-                    self._tier_writer.start(staged, self._tier, step=curr_step, rank=rank, world_size=world,
-                                            checkpoint_folder=ckpt.folder)
-                else:
-                    self._save_tier(curr_step)
-            if will_save:
-                # An async save leaves its background write in save_future (a new one; a synchronous save,
-                # the last step's included, leaves the earlier one or None): it is complete when that ends.
-                write = ckpt.save_future if ckpt.save_future is not earlier_write else None
-                self.metrics_processor.exporter.checkpoint_saved(curr_step, time.perf_counter() - begin, write)
-            if self._stopping:
+        def wrap_save(save: Callable) -> Callable:
+            def timed_save(curr_step: int, last_step: bool = False) -> None:
+                if self._stopping:
+                    # A stop save must be complete and resumable: full state, synchronous.
+                    last_step = True
+                    compat.force_full_last_save(ckpt)
+                will_save = compat.will_save(ckpt, curr_step, last_step)
+                earlier_write = compat.pending_write(ckpt) if will_save else None
                 if will_save:
-                    KubetitanTrainer.exit_code = ExitCode.TERMINATED_CHECKPOINTED
-                    logger.info(f"Saved the stop checkpoint at step {curr_step}")
-                else:
-                    KubetitanTrainer.exit_code = contract.EXIT_SIGTERM
-                    logger.warning("Stopping without a checkpoint: checkpoint.enable is false")
+                    check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
+                if will_save and not last_step:
+                    ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
+                tier = will_save and not last_step and bool(self._tier)
+                staged_saves = compat.stages_in_background(ckpt)
+                if tier and not staged_saves:
+                    # Before DCP's save: a failure during that save (a cut-off step-N, never loaded) still finds step N
+                    # in every rank's tier (restore_tier.agreed_newer_step), so an in-place restart loses no step.
+                    self._save_tier(curr_step)
+                begin = time.perf_counter()
+                save(curr_step, last_step=last_step)
+                if tier and staged_saves:
+                    stager = compat.checkpoint_stager(ckpt)
+                    staged = getattr(stager, "last_staged", None)  # a staging.ReusableStager's
+                    if staged is not None:  # pinned async saves: write the tier from the staged copy, in the background
+                        stager.last_staged = None
+                        stager.before_stage = self._tier_writer.wait
+                        rank, world = self._rank_world()
+                        self._tier_writer.start(staged, self._tier, step=curr_step, rank=rank, world_size=world,
+                                                checkpoint_folder=ckpt.folder)
+                    else:
+                        self._save_tier(curr_step)
+                if will_save:
+                    # An async save leaves its background write in save_future (a new one; a synchronous save,
+                    # the last step's included, leaves the earlier one or None): it is complete when that ends.
+                    write = compat.pending_write(ckpt)
+                    write = write if write is not earlier_write else None
+                    self.metrics_processor.exporter.checkpoint_saved(curr_step, time.perf_counter() - begin, write)
+                if self._stopping:
+                    if will_save:
+                        KubetitanTrainer.exit_code = ExitCode.TERMINATED_CHECKPOINTED
+                        logger.info(f"Saved the stop checkpoint at step {curr_step}")
+                    else:
+                        KubetitanTrainer.exit_code = contract.EXIT_SIGTERM
+                        logger.warning("Stopping without a checkpoint: checkpoint.enable is false")
 
-        ckpt.save = timed_save
-        load = ckpt.load
+            return timed_save
 
-        def load_then_publish(step: int = -1) -> bool:
-            rec = anatomy.current()
-            rec.mark("load_begin")
-            loaded = self._load_newer_tier(step) or load(step)
-            rec.mark("load_end")
-            if loaded and rec.load_source == "none":
-                rec.load_source = "dcp"
-            self._after_load()
-            return loaded
+        def wrap_load(load: Callable) -> Callable:
+            def load_then_publish(step: int = -1) -> bool:
+                rec = anatomy.current()
+                rec.mark("load_begin")
+                loaded = self._load_newer_tier(step) or load(step)
+                rec.mark("load_end")
+                if loaded and rec.load_source == "none":
+                    rec.load_source = "dcp"
+                self._after_load()
+                return loaded
 
-        ckpt.load = load_then_publish
-        dcp_load = ckpt.dcp_load
+            return load_then_publish
 
-        def tier_or_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
-            if not from_hf and self._load_tier(state_dict, checkpoint_id):
-                return None
-            return dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
+        def wrap_dcp_load(dcp_load: Callable) -> Callable:
+            def tier_or_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
+                if not from_hf and self._load_tier(state_dict, checkpoint_id):
+                    return None
+                return dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
 
-        ckpt.dcp_load = tier_or_dcp_load
+            return tier_or_dcp_load
+
+        compat.wrap_checkpoint_methods(ckpt, save=wrap_save, load=wrap_load, dcp_load=wrap_dcp_load)
 
     # ------------------------------------------------------------------ restore tier (kubetitan_trainer.restore_tier)
     @property
@@ -276,7 +280,7 @@ class KubetitanTrainer(Trainer):
         rank, world = self._rank_world()
         begin = time.perf_counter()
         try:
-            n = restore_tier.save(self.checkpointer._flattened_model_states_sd(), self._tier, step=step, rank=rank,
+            n = restore_tier.save(compat.states_to_save(self.checkpointer), self._tier, step=step, rank=rank,
                                   world_size=world, checkpoint_folder=self.checkpointer.folder)
         except OSError as e:  # the tier is an optimisation: a failed write leaves DCP as the only source
             restore_tier.discard(self._tier, rank)
@@ -290,7 +294,7 @@ class KubetitanTrainer(Trainer):
         """Load the restore tier's step when every rank's holds the same one and it is newer than ``step`` (the
         newest complete DCP checkpoint, -1 for none): a save that the failure cut off. Collective on every rank."""
         ckpt = self.checkpointer
-        if not self._tier or not ckpt.enable or getattr(ckpt, "enable_ft_dataloader_checkpoints", False):
+        if not self._tier or not ckpt.enable or compat.ft_dataloader_checkpoints(ckpt):
             return False
         rank, world = self._rank_world()
         newest = step if step >= 0 else resolve_load_step(ckpt.folder)
@@ -308,7 +312,7 @@ class KubetitanTrainer(Trainer):
         logger.info(f"Every rank's restore tier holds step {newer}, newer than the newest complete checkpoint "
                     f"({newest if newest >= 0 else 'none'}; the step-{newer} save was cut off): loading it from the tier")
         begin = time.monotonic()
-        if not self._load_tier(ckpt._states_to_load(model_only=False), f"step-{newer}", step=newer):
+        if not self._load_tier(compat.states_to_load(ckpt, model_only=False), f"step-{newer}", step=newer):
             return False  # every rank agreed inside: all load through DCP instead
         logger.info(f"Finished loading step {newer} from the restore tier in {time.monotonic() - begin:.2f} seconds.")
         return True
@@ -345,8 +349,7 @@ class KubetitanTrainer(Trainer):
         except Exception:
             restore_tier.discard(folder, rank)  # never try this tier again
             raise
-        if MODEL_KEY in self.checkpointer.states:  # what torchtitan's dcp_load does after dcp.load
-            self.checkpointer.states[MODEL_KEY].load_state_dict(state_dict)
+        compat.finish_model_load(self.checkpointer, state_dict)  # what torchtitan's dcp_load does after dcp.load
         anatomy.current().load_source = "restore_tier"
         logger.info(f"Loaded step {step} from the restore tier: {n / 2**30:.2f} GiB in "
                     f"{time.perf_counter() - begin:.2f} s ({folder})")

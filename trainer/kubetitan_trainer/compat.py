@@ -1,0 +1,628 @@
+"""The one module where kubetitan touches torchtitan's and torch's private or version-fragile internals.
+
+Pinned: torch 2.11, torchtitan 0.2.2. Every other module of ``kubetitan_trainer`` calls a function or reads
+a constant here instead of reaching into an ``_private`` attribute, importing an underscore name or
+rebinding an attribute of someone else's module, class or object (``tests/trainer/test_compat.py`` scans
+them and fails if one does). Each shim is tiny and says in its docstring what upstream thing it depends on
+and why there is no public extension point. Each declares its upstream dependencies as data
+(:class:`Upstream`: the symbol, the parameter names the shim relies on, the attributes it expects the
+upstream code to set, the source text it expects upstream to contain); the canary tests check every one of
+them against the installed torch and torchtitan, so an upgrade that changes one fails with the symbol's name
+and the shim to re-check. docs/trainer.md "torchtitan internals we depend on" is generated from
+:data:`SHIMS` (``python -m kubetitan_trainer.compat --write docs/trainer.md``; a test diffs it).
+
+Nothing here imports torch or torchtitan at module import: the launcher imports this module before it
+decides whether to import them (the warm-worker path must not initialise CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+TORCH_VERSION = "2.11"
+TORCHTITAN_VERSION = "0.2.2"
+"""The versions every shim below was written and checked against."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Upstream:
+    """One upstream thing a shim depends on: ``symbol`` is ``module:qualified.name``."""
+
+    symbol: str
+    params: tuple[str, ...] | None = None
+    """The parameter names (``inspect.signature``, in order) the shim calls, overrides or mirrors; None: unchecked."""
+    sets: tuple[str, ...] = ()
+    """Attributes the symbol (a function: its body; a class: its ``__init__``) assigns on ``self``."""
+    sets_exactly: bool = False
+    """True: ``sets`` is the complete list (the shim mirrors an ``__init__`` and must set the same attributes)."""
+    contains: tuple[str, ...] = ()
+    """Source text the symbol must contain: a call made through a name kubetitan rebinds, a key it reads."""
+
+
+SHIMS: dict[str, tuple[Upstream, ...]] = {}
+"""Shim name -> the upstream things it depends on (the canary tests and the doc table iterate this)."""
+
+
+def _shim(*upstream: Upstream) -> Callable:
+    def register(fn: Callable) -> Callable:
+        SHIMS[fn.__name__] = upstream
+        return fn
+
+    return register
+
+
+CONSTANT_SUMMARIES: dict[str, str] = {}
+"""Constant name -> its one-line description (the doc table's; a constant has no introspectable docstring)."""
+
+
+def _declare(name: str, summary: str, *upstream: Upstream) -> None:
+    SHIMS[name] = upstream
+    CONSTANT_SUMMARIES[name] = summary
+
+
+def _rebind(obj: Any, name: str, value: Any) -> None:
+    """The one place attributes of upstream modules, classes and objects are rebound."""
+    setattr(obj, name, value)
+
+
+# ====================================================================== CPU bridges (kubetitan_trainer.cpu_bridge)
+DEVICE_GLOBALS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torchtitan.tools.utils", ("device_type", "device_module")),
+    ("torchtitan.components.metrics", ("device_type", "device_module")),
+    ("torchtitan.distributed.parallel_dims", ("device_type",)),
+    ("torchtitan.distributed.utils", ("device_type", "device_module")),
+    ("torchtitan.tools.profiling", ("device_module",)),
+)
+"""torchtitan's modules holding a copy of the device chosen at import, and which of the two names each has."""
+
+
+@_shim(
+    *(Upstream(f"{mod}:{name}") for mod, names in DEVICE_GLOBALS for name in names),
+    Upstream("torchtitan.train:Trainer.__init__", contains=("utils.device_module, utils.device_type",)),
+)
+def rebind_device_to_cpu() -> None:
+    """Set torchtitan's import-time device (``"cuda"`` without a GPU) to ``"cpu"`` / ``torch.cpu``.
+
+    ``torchtitan.tools.utils`` evaluates ``torch._utils._get_available_device_type() or "cuda"`` when it is
+    imported and the modules of :data:`DEVICE_GLOBALS` copy it (``from torchtitan.tools.utils import
+    device_type``); ``Trainer.__init__`` reads ``utils.device_type`` and calls ``device_module.set_device``.
+    torchtitan has no setting for the device: the module globals are rebound."""
+    import importlib
+
+    import torch
+
+    values = {"device_type": "cpu", "device_module": torch.cpu}
+    for mod, names in DEVICE_GLOBALS:
+        module = importlib.import_module(mod)
+        for name in names:
+            _rebind(module, name, values[name])
+
+
+@_shim(
+    Upstream("torchtitan.distributed.utils:set_pg_timeouts", params=("timeout", "parallel_dims")),
+    Upstream("torchtitan.train:Trainer.train", contains=("dist_utils.set_pg_timeouts(",)),
+)
+def replace_set_pg_timeouts(fn: Callable) -> None:
+    """Replace ``torchtitan.distributed.utils.set_pg_timeouts``, which ``Trainer.train`` calls after step 1.
+
+    torchtitan 0.2.2's version runs ``barrier(device_ids=[...])`` (gloo refuses it) and
+    ``device_module.synchronize()``. The call sits inside ``Trainer.train``, no hook reaches it, and
+    ``Trainer.train`` looks it up as a module attribute at call time, so the module attribute is rebound."""
+    from torchtitan.distributed import utils as dist_utils
+
+    _rebind(dist_utils, "set_pg_timeouts", fn)
+
+
+@_shim(Upstream("torch.distributed.distributed_c10d:_set_pg_timeout", params=("timeout", "group")))
+def set_pg_timeout(timeout, group=None) -> None:
+    """Set a process group's timeout after creation (what torchtitan's ``set_pg_timeouts`` calls).
+
+    torch has no public setter: ``init_process_group``/``new_group`` take the timeout only at creation."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(timeout, group)
+
+
+# ====================================================================== TrainSpec registry (kubetitan_trainer.train_spec)
+@_shim(
+    Upstream("torchtitan.protocols.train_spec:_extra_train_specs"),
+    Upstream("torchtitan.protocols.train_spec:register_train_spec", params=("name", "train_spec"),
+             contains=("_extra_train_specs[name] = train_spec",)),
+)
+def train_spec_registered(name: str) -> bool:
+    """Whether a TrainSpec of that name was registered (``register_train_spec`` refuses a second one).
+
+    torchtitan's only lookup, ``get_train_spec``, falls back to importing ``torchtitan.models.<name>`` and
+    raises for an unknown name; the registry dict itself is the only way to ask without side effects."""
+    from torchtitan.protocols import train_spec
+
+    return name in train_spec._extra_train_specs
+
+
+# ====================================================================== CheckpointManager (kubetitan_trainer.trainer, .staging)
+_CKPT = "torchtitan.components.checkpoint:CheckpointManager"
+
+
+@_shim(Upstream(f"{_CKPT}._should_save", params=("self", "curr_step", "last_step")))
+def will_save(checkpointer, curr_step: int, last_step: bool = False) -> bool:
+    """Whether ``CheckpointManager.save(curr_step, last_step)`` will save (interval, last step, enabled).
+
+    kubetitan checks free space and writes the restore tier only before a save that happens; torchtitan
+    decides that in the private predicate ``_should_save`` and exposes no public one."""
+    return checkpointer._should_save(curr_step, last_step)
+
+
+@_shim(Upstream(f"{_CKPT}._flattened_model_states_sd", params=("self", "state_dict")))
+def states_to_save(checkpointer) -> dict[str, Any]:
+    """The state dict a full save writes (model flattened, optimizer, dataloader, train state).
+
+    The restore tier writes exactly what DCP writes; torchtitan builds it in the private
+    ``_flattened_model_states_sd`` inside ``save`` and returns it from nowhere public."""
+    return checkpointer._flattened_model_states_sd()
+
+
+@_shim(Upstream(f"{_CKPT}._states_to_load", params=("self", "model_only")))
+def states_to_load(checkpointer, model_only: bool = False) -> dict[str, Any]:
+    """The state dict a load fills (what ``CheckpointManager.load`` passes to ``dcp_load``).
+
+    Loading a newer restore-tier step fills the same structure as DCP would; torchtitan builds it in the
+    private ``_states_to_load``."""
+    return checkpointer._states_to_load(model_only)
+
+
+@_shim(
+    Upstream(f"{_CKPT}.save", params=("self", "curr_step", "last_step")),
+    Upstream(f"{_CKPT}.load", params=("self", "step"), contains=("self.dcp_load(",)),
+    Upstream(f"{_CKPT}.dcp_load", params=("self", "state_dict", "checkpoint_id", "from_hf", "from_quantized")),
+    Upstream("torchtitan.train:Trainer.train", contains=("self.checkpointer.save(", "self.checkpointer.load(step=")),
+)
+def wrap_checkpoint_methods(checkpointer, *, save: Callable, load: Callable, dcp_load: Callable) -> None:
+    """Wrap one ``CheckpointManager``'s ``save``, ``load`` and ``dcp_load``: each argument takes the
+    original bound method and returns its replacement (called with the same parameters).
+
+    The Trainer builds its ``CheckpointManager`` inside ``Trainer.__init__`` (the TrainSpec has no builder
+    for it) and calls ``self.checkpointer.save/load`` from ``Trainer.train``; ``load`` calls ``self.dcp_load``.
+    Timing a save, loading from the restore tier and publishing the resumed step need those calls, so the
+    instance's methods are wrapped."""
+    _rebind(checkpointer, "save", save(checkpointer.save))
+    _rebind(checkpointer, "load", load(checkpointer.load))
+    _rebind(checkpointer, "dcp_load", dcp_load(checkpointer.dcp_load))
+
+
+@_shim(Upstream(f"{_CKPT}.__init__", sets=("save_future",)),
+       Upstream(f"{_CKPT}.save", contains=("self.save_future = ",)))
+def pending_write(checkpointer):
+    """The Future of the newest async save's background write (None: none yet, or a disabled manager).
+
+    torchtitan keeps it in the attribute ``save_future`` and documents no accessor; a disabled manager
+    returns from ``__init__`` before it sets it."""
+    return getattr(checkpointer, "save_future", None)
+
+
+@_shim(Upstream(f"{_CKPT}.__init__", sets=("last_save_model_only",)),
+       Upstream(f"{_CKPT}._save_last_step", contains=("self.last_save_model_only",)))
+def force_full_last_save(checkpointer) -> None:
+    """Make the last-step save write the full state, not the model only (``checkpoint.last_save_model_only``).
+
+    A stop save (SIGTERM) must be resumable; the flag is read from the manager's attribute at save time and
+    no save parameter overrides it."""
+    checkpointer.last_save_model_only = False
+
+
+@_shim(Upstream(f"{_CKPT}.__init__", sets=("enable_staging",)))
+def stages_in_background(checkpointer) -> bool:
+    """Whether saves stage into host memory and write in the background (``async_with_pinned_mem``)."""
+    return bool(getattr(checkpointer, "enable_staging", False))
+
+
+@_shim(Upstream(f"{_CKPT}.__init__", sets=("enable_ft_dataloader_checkpoints",)))
+def ft_dataloader_checkpoints(checkpointer) -> bool:
+    """Whether torchft per-replica dataloader checkpoints are on (the restore tier stays off then)."""
+    return bool(getattr(checkpointer, "enable_ft_dataloader_checkpoints", False))
+
+
+@_shim(Upstream(f"{_CKPT}.__init__", sets=("stager", "async_mode")),
+       Upstream(f"{_CKPT}.save", contains=("if self.stager is None:",)))
+def checkpoint_stager(checkpointer):
+    """The manager's DCP stager (None until its first pinned save creates one).
+
+    torchtitan creates a ``DefaultStager`` lazily in ``save`` (``if self.stager is None``) and offers no
+    parameter for another one; :func:`set_checkpoint_stager` sets it first."""
+    return getattr(checkpointer, "stager", None)
+
+
+@_shim(Upstream(f"{_CKPT}.__init__", sets=("stager",)))
+def set_checkpoint_stager(checkpointer, stager) -> None:
+    """Give the manager a stager before its first pinned save (see :func:`checkpoint_stager`)."""
+    checkpointer.stager = stager
+
+
+@_shim(Upstream(f"{_CKPT}.__init__", sets=("async_mode",)))
+def checkpoint_async_mode(checkpointer):
+    """The manager's ``AsyncMode`` (from ``checkpoint.async_mode``)."""
+    return checkpointer.async_mode
+
+
+@_shim(Upstream(f"{_CKPT}.dcp_load", contains=("self.states[MODEL].load_state_dict(state_dict)",)))
+def finish_model_load(checkpointer, state_dict: dict) -> None:
+    """What ``dcp_load`` does after ``dcp.load``: hand the flattened model state to the model wrapper.
+
+    A load from the restore tier replaces ``dcp.load`` and must end the same way."""
+    from torchtitan.components.checkpoint import MODEL
+
+    if MODEL in checkpointer.states:
+        checkpointer.states[MODEL].load_state_dict(state_dict)
+
+
+# ====================================================================== DCP staging (kubetitan_trainer.staging)
+@_shim(
+    Upstream("torch.distributed.checkpoint._state_dict_stager:StateDictStager",
+             params=("pin_memory", "share_memory", "pin_memory_min_bytes")),
+    Upstream("torch.distributed.checkpoint._state_dict_stager:StateDictStager.close", params=("self",)),
+)
+def state_dict_stager_class() -> type:
+    """torch's ``StateDictStager`` (the deep-copying stager inside ``DefaultStager``), from a private module.
+
+    The per-stage ``close`` of torch 2.11's ``DefaultStager._stage`` (pytorch issue 183413) can only be
+    neutralised by a subclass of it; torch exports it only from ``torch.distributed.checkpoint._state_dict_stager``."""
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    return StateDictStager
+
+
+@_shim(
+    Upstream("torch.distributed.checkpoint.staging:DefaultStager.__init__", params=("self", "config"),
+             sets=("_state_dict_stager",)),
+    Upstream("torch.distributed.checkpoint.staging:DefaultStager._stage", contains=("self._state_dict_stager.close()",)),
+    Upstream("torch.distributed.checkpoint.staging:DefaultStager.close", contains=("self._state_dict_stager.close()",)),
+)
+def replace_state_dict_stager(stager, inner) -> None:
+    """Replace a ``DefaultStager``'s inner ``StateDictStager`` (its private ``_state_dict_stager``).
+
+    ``DefaultStager`` builds it in ``__init__`` and takes no argument for another one."""
+    _rebind(stager, "_state_dict_stager", inner)
+
+
+@_shim(Upstream("torch.distributed.checkpoint.staging:DefaultStager.__init__", sets=("_state_dict_stager",)))
+def inner_state_dict_stager(stager):
+    """A ``DefaultStager``'s inner ``StateDictStager`` (see :func:`replace_state_dict_stager`)."""
+    return stager._state_dict_stager
+
+
+# ====================================================================== datasets (kubetitan_trainer.data)
+HF_TEXT_DATASET_ATTRIBUTES = ("dataset_name", "_data", "_tokenizer", "seq_len", "infinite", "_text_processor",
+                              "_sample_idx", "_token_buffer")
+"""What torchtitan 0.2.2's ``HuggingFaceTextDataset.__init__`` sets (its iteration and state read them)."""
+
+
+@_shim(Upstream("torchtitan.hf_datasets.text_datasets:HuggingFaceTextDataset",
+                params=("dataset_name", "dataset_path", "tokenizer", "seq_len", "dp_rank", "dp_world_size", "infinite"),
+                sets=HF_TEXT_DATASET_ATTRIBUTES, sets_exactly=True))
+def init_hf_text_dataset(dataset, *, dataset_name: str, data, tokenizer, seq_len: int, infinite: bool,
+                         text_processor: Callable) -> None:
+    """Set up a ``HuggingFaceTextDataset`` subclass instance as the base ``__init__`` would, for any dataset.
+
+    The base ``__init__`` accepts only datasets of torchtitan's fixed registry (``_validate_dataset``); its
+    iteration, packing and checkpoint state are what kubetitan wants, so the same attributes are set here."""
+    values = {"dataset_name": dataset_name, "_data": data, "_tokenizer": tokenizer, "seq_len": seq_len,
+              "infinite": infinite, "_text_processor": text_processor, "_sample_idx": 0, "_token_buffer": []}
+    for name in HF_TEXT_DATASET_ATTRIBUTES:
+        _rebind(dataset, name, values[name])
+
+
+# ====================================================================== metrics (kubetitan_trainer.metrics)
+METRICS_PROCESSOR_ATTRIBUTES = ("logger", "parallel_dims", "job_config", "device_memory_monitor", "color",
+                                "gpu_peak_flops", "ntokens_since_last_log", "data_loading_times", "time_last_log",
+                                "num_flops_per_token", "optimizers", "lr_schedulers", "model_parts")
+"""What torchtitan 0.2.2's ``MetricsProcessor.__init__`` sets; ``KubetitanMetricsProcessor.__init__`` mirrors it
+(it picks the memory monitor itself: the base's ``build_device_memory_monitor`` needs CUDA)."""
+
+_declare("METRICS_PROCESSOR_ATTRIBUTES", "What MetricsProcessor.__init__ sets; KubetitanMetricsProcessor.__init__ sets "
+         "the same (it builds its own memory monitor: the base's needs CUDA).",
+         Upstream("torchtitan.components.metrics:MetricsProcessor", params=("job_config", "parallel_dims", "tag"),
+                  sets=METRICS_PROCESSOR_ATTRIBUTES, sets_exactly=True))
+
+
+@_shim(Upstream("torchtitan.components.metrics:_build_metric_logger", params=("job_config", "parallel_dims", "tag")))
+def build_metric_logger(job_config, parallel_dims, tag: str | None = None):
+    """torchtitan's console/TensorBoard/W&B logger container, as ``MetricsProcessor.__init__`` builds it.
+
+    A processor that does not call the base ``__init__`` (see :data:`METRICS_PROCESSOR_ATTRIBUTES`) needs the
+    same logger; torchtitan builds it only in this private function."""
+    from torchtitan.components.metrics import _build_metric_logger
+
+    return _build_metric_logger(job_config, parallel_dims, tag)
+
+
+# ====================================================================== public methods kubetitan overrides
+TRAINER_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "init_distributed": ("self",),
+    "train": ("self",),
+    "should_continue_training": ("self",),
+    "batch_generator": ("self", "data_iterable"),
+    "forward_backward_step": ("self", "input_dict", "labels", "global_valid_tokens"),
+    "train_step": ("self", "data_iterator"),
+    "state_dict": ("self",),
+    "load_state_dict": ("self", "state_dict"),
+}
+"""``torchtitan.train.Trainer`` methods ``KubetitanTrainer`` overrides, with the parameters it expects: the
+step-boundary checks have no hook (a test also checks the subclass's own signatures against these)."""
+
+_declare("TRAINER_OVERRIDES", "Trainer methods KubetitanTrainer overrides, with the parameters it expects.",
+         *(Upstream(f"torchtitan.train:Trainer.{name}", params=params) for name, params in TRAINER_OVERRIDES.items()))
+
+METRICS_PROCESSOR_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "log": ("self", "step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"),
+}
+"""``MetricsProcessor`` methods ``KubetitanMetricsProcessor`` overrides (``log`` reads the interval's counters
+before the base resets them: ``ntokens_since_last_log``, ``time_last_log``)."""
+
+_declare("METRICS_PROCESSOR_OVERRIDES", "MetricsProcessor.log, overridden to read the interval's counters before "
+         "the base resets them.",
+         *(Upstream(f"torchtitan.components.metrics:MetricsProcessor.{name}", params=params,
+                    contains=("self.ntokens_since_last_log = 0", "self.time_last_log = "))
+           for name, params in METRICS_PROCESSOR_OVERRIDES.items()))
+
+
+# ====================================================================== torchrun internals (kubetitan_trainer.launch)
+@_shim(
+    Upstream("torchtitan.config:ConfigManager.parse_args", params=("self", "args")),
+    Upstream("torchtitan.train:main", contains=("config_manager.parse_args()",)),
+)
+def config_parse() -> tuple[Callable, Any]:
+    """``ConfigManager.parse_args`` as it is now, and its ``args`` default.
+
+    torchtitan 0.2.2 binds that default (``sys.argv[1:]``) when the module is imported, and
+    ``torchtitan.train.main`` parses without arguments: a warm launcher that imports torchtitan for forked
+    workers must know it, and memoising the workers' parse means wrapping the method
+    (:func:`replace_config_parse`): ``main`` builds its own ``ConfigManager``, with no parameter for a parsed
+    config."""
+    import inspect
+
+    from torchtitan.config import ConfigManager
+
+    fn = ConfigManager.parse_args
+    return fn, inspect.signature(fn).parameters["args"].default
+
+
+@_shim(Upstream("torchtitan.config:ConfigManager.parse_args", params=("self", "args")))
+def replace_config_parse(fn: Callable) -> None:
+    """Rebind ``ConfigManager.parse_args`` (see :func:`config_parse`)."""
+    from torchtitan.config import ConfigManager
+
+    _rebind(ConfigManager, "parse_args", fn)
+
+
+_RDZV = "torch.distributed.rendezvous"
+
+
+@_shim(
+    Upstream(f"{_RDZV}:_create_c10d_store", params=("hostname", "port", "rank", "world_size", "timeout", "use_libuv")),
+    Upstream(f"{_RDZV}:_env_rendezvous_handler", contains=("_create_c10d_store(",)),
+)
+def c10d_store_factory() -> Callable:
+    """torch's ``_create_c10d_store`` (the TCPStore a worker's ``env://`` process group dials) as it is now.
+
+    torchrun's agents share their rendezvous store with the workers under no per-restart prefix and torch has
+    no knob for one: :func:`replace_c10d_store_factory` wraps the factory that ``_env_rendezvous_handler``
+    looks up by module global at call time."""
+    import importlib
+
+    return importlib.import_module(_RDZV)._create_c10d_store  # the package attribute of that name is a function
+
+
+@_shim(Upstream(f"{_RDZV}:_create_c10d_store"))
+def replace_c10d_store_factory(fn: Callable) -> None:
+    """Rebind ``torch.distributed.rendezvous._create_c10d_store`` (see :func:`c10d_store_factory`)."""
+    import importlib
+
+    _rebind(importlib.import_module(_RDZV), "_create_c10d_store", fn)
+
+
+@_shim(Upstream(f"{_RDZV}:_torchelastic_use_agent_store", params=()))
+def uses_agent_store() -> bool:
+    """Whether this worker's process group uses torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``), as
+    torch decides it (a private predicate; no public one)."""
+    import importlib
+
+    return importlib.import_module(_RDZV)._torchelastic_use_agent_store()
+
+
+_DYN = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+
+
+@_shim(
+    Upstream(f"{_DYN}:_delay"),
+    Upstream("torch.distributed.elastic.rendezvous.utils:_delay", params=("seconds",)),
+    Upstream(f"{_DYN}:_DistributedRendezvousOpExecutor.run", contains=("_delay(seconds=1)",)),
+)
+def poll_rendezvous_every(seconds: float) -> None:
+    """Make torch's c10d rendezvous poll its shared state every ``seconds`` where it sleeps a fixed 1 s.
+
+    ``_DistributedRendezvousOpExecutor.run`` calls the module global ``_delay(seconds=1)`` between polls;
+    the interval has no parameter. Other delays (the first round's random skew) pass through unchanged."""
+    import importlib
+
+    from torch.distributed.elastic.rendezvous import utils
+
+    delay, poll = utils._delay, seconds
+    # keyword-compatible: torch calls _delay(seconds=1)
+    _rebind(importlib.import_module(_DYN), "_delay", lambda seconds: delay(poll if seconds == 1 else seconds))
+
+
+@_shim(
+    Upstream(f"{_DYN}:DynamicRendezvousHandler.__init__", sets=("_state_holder",)),
+    Upstream(f"{_DYN}:_BackendRendezvousStateHolder", params=("backend", "settings", "cache_duration"),
+             sets=("_cache_duration",)),
+)
+def shorten_rendezvous_cache(handler, seconds: float) -> None:
+    """Serve the c10d rendezvous's shared state from its cache for at most ``seconds`` (torch: 1 s).
+
+    ``DynamicRendezvousHandler`` builds its ``_BackendRendezvousStateHolder`` with ``cache_duration=1`` and
+    ``RendezvousParameters`` has no key for it. A handler without one (static rendezvous) is left alone."""
+    holder = getattr(handler, "_state_holder", None)
+    if holder is not None and getattr(holder, "_cache_duration", 0) > seconds:
+        holder._cache_duration = seconds
+
+
+@_shim(
+    Upstream("torch.distributed.elastic.rendezvous.api:RendezvousHandler.num_nodes_waiting", params=("self",)),
+    Upstream("torch.distributed.elastic.agent.server.api:SimpleElasticAgent._invoke_run",
+             contains=("rdzv_handler.num_nodes_waiting()",)),
+)
+def wrap_num_nodes_waiting(handler, wrap: Callable) -> None:
+    """Wrap a rendezvous handler's ``num_nodes_waiting`` (``wrap`` takes the original and returns the new one).
+
+    ``SimpleElasticAgent._invoke_run`` restarts healthy workers when it returns > 0; a peer's in-place restart
+    announced outside torch's rendezvous (``launch.rejoin``) must count, and the agent takes no other signal."""
+    _rebind(handler, "num_nodes_waiting", wrap(handler.num_nodes_waiting))
+
+
+_AGENT = "torch.distributed.elastic.agent.server.api:SimpleElasticAgent"
+
+
+@_shim(Upstream(f"{_AGENT}.__init__", sets=("_store",)), Upstream(f"{_AGENT}._rendezvous", contains=("self._store = store",)))
+def agent_store(agent):
+    """The agent's rendezvous store (None before its first round); torch keeps it in the private ``_store``."""
+    return getattr(agent, "_store", None)
+
+
+@_shim(Upstream(f"{_AGENT}.__init__", sets=("_remaining_restarts",)),
+       Upstream(f"{_AGENT}._invoke_run", contains=("if self._remaining_restarts > 0:", "self._remaining_restarts -= 1")))
+def remaining_restarts(agent) -> int:
+    """In-place restarts the agent has left (``--max-restarts`` minus those used: private ``_remaining_restarts``)."""
+    return agent._remaining_restarts
+
+
+@_shim(Upstream(f"{_AGENT}.__init__", sets=("_remaining_restarts",)))
+def forbid_restarts(agent) -> None:
+    """Make the agent's next failure final (no restart left): the failure is one a restart cannot cure.
+
+    ``_invoke_run`` restarts while ``_remaining_restarts > 0``; torch has no per-failure restart policy."""
+    agent._remaining_restarts = 0
+
+
+ELASTIC_AGENT_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "_monitor_workers": ("self", "worker_group"),
+    "_restart_workers": ("self", "worker_group"),
+    "_rendezvous": ("self", "worker_group"),
+}
+"""Private ``LocalElasticAgent``/``SimpleElasticAgent`` methods ``launch.InPlaceAgent`` overrides (declared with
+:func:`overrides`): recording failures, refusing restarts that cannot help, and skipping torch's rendezvous
+round for the same gang need them; torchrun's agent has no hooks."""
+
+_declare(
+    "ELASTIC_AGENT_OVERRIDES", "Private elastic-agent methods launch's InPlaceAgent overrides (declared with "
+    "compat.overrides; torchrun's agent has no hooks).",
+    *(Upstream(f"{_AGENT}.{name}", params=params) for name, params in ELASTIC_AGENT_OVERRIDES.items()),
+    Upstream("torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent._monitor_workers",
+             params=ELASTIC_AGENT_OVERRIDES["_monitor_workers"]),
+    Upstream(f"{_AGENT}._invoke_run", contains=("self._monitor_workers(self._worker_group)",
+                                                "self._restart_workers(self._worker_group)")),
+    Upstream(f"{_AGENT}._initialize_workers", contains=("self._rendezvous(worker_group)",)),
+)
+
+PRIVATE_OVERRIDES: dict[str, dict[str, tuple[str, ...]]] = {
+    "torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent": ELASTIC_AGENT_OVERRIDES,
+}
+"""Upstream class -> the private methods a kubetitan subclass may override (and call through ``super()``)."""
+
+
+def overrides(*names: str) -> Callable[[type], type]:
+    """Class decorator of a subclass that overrides upstream *private* methods: each name must be declared in
+    :data:`PRIVATE_OVERRIDES` for one of its bases, and the base's method must still take the declared
+    parameters (else the class is refused at definition, naming the method: re-check the override)."""
+
+    def check(cls: type) -> type:
+        import inspect
+
+        for name in names:
+            declared = None
+            for base in cls.__mro__[1:]:
+                declared = PRIVATE_OVERRIDES.get(f"{base.__module__}:{base.__qualname__}", {}).get(name, declared)
+            if declared is None:
+                raise TypeError(f"{cls.__qualname__}.{name} overrides an upstream private method not declared in "
+                                "kubetitan_trainer.compat.PRIVATE_OVERRIDES")
+            upstream = getattr(super(cls, cls), name, None)
+            got = tuple(inspect.signature(upstream).parameters) if upstream is not None else None
+            if got != declared:
+                raise TypeError(f"{cls.__qualname__}.{name}: the upstream method takes {got}, kubetitan expects "
+                                f"{declared} (torch changed: re-check the override against kubetitan_trainer.compat)")
+        cls.kubetitan_private_overrides = names
+        return cls
+
+    return check
+
+
+# ====================================================================== DTensor shards (kubetitan_trainer.restore_tier)
+@_shim(Upstream("torch.distributed.tensor:DTensor._local_tensor"))
+def local_tensor(t):
+    """A DTensor's shard on this rank (the tensor itself when it is not a DTensor), sharing its storage.
+
+    ``DTensor.to_local()`` is the public way, but it goes through autograd (a view with a ``grad_fn`` for a
+    parameter); the restore tier copies into and out of the shard's storage, so it reads ``_local_tensor``."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+# ====================================================================== compile time (kubetitan_trainer.anatomy)
+@_shim(Upstream("torch._dynamo.utils:calculate_time_spent", params=(), contains=('"total_wall_time"',)))
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile (0 when torch._dynamo is not loaded, or on any error).
+
+    torch records it in ``torch._dynamo.utils`` (``calculate_time_spent()["total_wall_time"]``) and has no
+    public accessor; the start-up anatomy separates the first step's compile time with it."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0.0
+    try:
+        return float(utils.calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - a private API: never let it break training
+        return 0.0
+
+
+# ====================================================================== the doc table
+DOC_BEGIN = "<!-- compat:begin (generated by python -m kubetitan_trainer.compat --write docs/trainer.md) -->"
+DOC_END = "<!-- compat:end -->"
+
+
+def _summary(name: str) -> str:
+    if name in CONSTANT_SUMMARIES:
+        return CONSTANT_SUMMARIES[name]
+    return " ".join(globals()[name].__doc__.strip().split("\n\n")[0].split()).replace("``", "`").replace(":func:", "")
+
+
+def doc_table() -> str:
+    """The Markdown table of docs/trainer.md "torchtitan internals we depend on" (between the markers)."""
+    rows = [f"| compat name | upstream (torch {TORCH_VERSION} / torchtitan {TORCHTITAN_VERSION}) | what (why: its docstring) |",
+            "|---|---|---|"]
+    for name, ups in SHIMS.items():
+        symbols = sorted({u.symbol for u in ups})
+        rows.append(f"| `{name}` | {'<br>'.join(f'`{s}`' for s in symbols)} | {_summary(name).replace('|', '/')} |")
+    return "\n".join([DOC_BEGIN, *rows, DOC_END])
+
+
+def write_doc(path: str) -> bool:
+    """Replace the generated table in ``path``; True when the file changed."""
+    with open(path) as f:
+        text = f.read()
+    begin, end = text.index(DOC_BEGIN), text.index(DOC_END) + len(DOC_END)
+    new = text[:begin] + doc_table() + text[end:]
+    if new != text:
+        with open(path, "w") as f:
+            f.write(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kubetitan_trainer.compat", description="print or write the doc table")
+    p.add_argument("--write", metavar="FILE", help="replace the table between the compat markers in FILE")
+    a = p.parse_args()
+    if a.write:
+        print(f"{a.write}: {'updated' if write_doc(a.write) else 'unchanged'}")
+    else:
+        print(doc_table())
