@@ -12,6 +12,18 @@ from kubernetes.client.exceptions import ApiException
 from kubetitan.kube import Client
 
 
+async def _listen(path: str, handler) -> tuple[aiohttp.web.AppRunner, str]:
+    """A tiny API server answering every method on ``path`` with ``handler``: its runner and base URL."""
+    app = aiohttp.web.Application()
+    app.router.add_route("*", path, handler)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
 @pytest.mark.parametrize(
     ("accepted", "want_status", "want_hook_calls", "want_requests"),
     [
@@ -32,14 +44,8 @@ def test_credentials_cached_and_refreshed_on_401(accepted: str, want_status: int
         return aiohttp.web.json_response({"kind": "Pod", "metadata": {"name": request.match_info["name"]}})
 
     async def main() -> None:
-        app = aiohttp.web.Application()
-        app.router.add_get("/api/v1/namespaces/ml/pods/{name}", pods)
-        runner = aiohttp.web.AppRunner(app)
-        await runner.setup()
-        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        cfg = kubernetes.client.Configuration(host=f"http://127.0.0.1:{port}")
+        runner, host = await _listen("/api/v1/namespaces/ml/pods/{name}", pods)
+        cfg = kubernetes.client.Configuration(host=host)
         cfg.api_key_prefix["BearerToken"] = "Bearer"
         cfg.api_key["BearerToken"] = "t0"  # as loaded from the kubeconfig; the hook refreshes it before each use
         calls = []
@@ -94,14 +100,8 @@ def _serve(script: list[tuple], seen: list[tuple[str, str]], existing: dict | No
 
 
 async def _with_server(handler, body):
-    app = aiohttp.web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = Client(kubernetes.client.Configuration(host=f"http://127.0.0.1:{port}"), retry=FAST)
+    runner, host = await _listen("/{tail:.*}", handler)
+    client = Client(kubernetes.client.Configuration(host=host), retry=FAST)
     try:
         return await body(client)
     finally:
@@ -225,14 +225,8 @@ def test_calls_in_flight_when_the_client_closes_end_with_client_closed_and_send_
         return aiohttp.web.json_response({"kind": "Status", "code": 503}, status=503)
 
     async def main() -> None:
-        app = aiohttp.web.Application()
-        app.router.add_get("/api/v1/namespaces/ml/pods/{name}", pods)
-        runner = aiohttp.web.AppRunner(app)
-        await runner.setup()
-        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        cfg = kubernetes.client.Configuration(host=f"http://127.0.0.1:{port}")
+        runner, host = await _listen("/api/v1/namespaces/ml/pods/{name}", pods)
+        cfg = kubernetes.client.Configuration(host=host)
         backoff = Client(cfg, retry=RetryPolicy(attempts=5, base_seconds=1.0, cap_seconds=1.0))
         in_backoff = asyncio.create_task(backoff.get("pods", "ml", "flaky"))
         await first_answered.wait()  # answered 503: it backs off before its retry

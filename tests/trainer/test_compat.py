@@ -139,7 +139,7 @@ def test_metrics_processor_mirror_sets_every_base_attribute():
 
 def test_init_hf_text_dataset_sets_what_the_base_init_sets():
     class Bare:
-        pass
+        """An object the base class's __init__ never ran on."""
 
     ds = Bare()
     compat.init_hf_text_dataset(ds, dataset_name="d", data=[1], tokenizer="t", seq_len=8, infinite=True,
