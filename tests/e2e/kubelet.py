@@ -106,12 +106,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _alive(pid: int) -> bool:
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from field 3 (state) on; None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return False
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot; stat field 22): with the pid, it names one process.
+    pid_max is 32768 here and the suites start thousands of processes, so pids are reused within a run."""
+    st = _stat(pid)
+    return int(st[19]) if st else None
+
+
+def _alive(pid: int, start_time: int | None = None) -> bool:
+    """A live (not zombie) process ``pid``; with ``start_time``, only the incarnation that started then."""
+    st = _stat(pid)
+    return st is not None and st[0] != "Z" and (start_time is None or int(st[19]) == start_time)
 
 
 @dataclass
@@ -125,7 +139,8 @@ class PodProc:
     dir: Path
     state: str = "Bound"  # Bound -> Running -> Exited
     proc: subprocess.Popen | None = None
-    pids: set[int] = field(default_factory=set)
+    pids: dict[int, int] = field(default_factory=dict)
+    """Every process of the container seen so far: pid -> its start time (a reused pid is someone else's)."""
     started_at: str | None = None
     exit_code: int | None = None
     reason: str | None = None
@@ -134,7 +149,7 @@ class PodProc:
     reported: bool = False
 
     def live_pids(self) -> list[int]:
-        return [p for p in self.pids if _alive(p)]
+        return [p for p, start in self.pids.items() if _alive(p, start)]
 
     def signal(self, sig: int, main_only: bool = False) -> None:
         targets = [self.proc.pid] if main_only and self.proc else self.live_pids()
@@ -382,12 +397,15 @@ class Kubelet:
         if pp.proc is None:
             return
         kids = _children_map()
-        todo = [pp.proc.pid, *pp.pids]
+        todo = pp.live_pids()
+        seen = set(todo)
         while todo:
             pid = todo.pop()
-            if pid not in pp.pids and _alive(pid):
-                pp.pids.add(pid)
-            todo += [k for k in kids.get(pid, []) if k not in pp.pids]
+            for k in kids.get(pid, []):  # a child of a live process of ours is ours, whatever its pid was before
+                if k not in seen and (start := _start_time(k)) is not None:
+                    pp.pids[k] = start
+                    seen.add(k)
+                    todo.append(k)
 
     def _report_exit(self, pp: PodProc, pod: dict[str, Any]) -> None:
         code = pp.exit_code
@@ -438,7 +456,7 @@ class Kubelet:
         pp.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True, cwd=str(pp.dir))
         log.close()
-        pp.pids = {pp.proc.pid}
+        pp.pids = {pp.proc.pid: _start_time(pp.proc.pid) or 0}
         pp.state, pp.started_at = "Running", _now_iso()
         self.c.patch(PODS, pp.ns, pp.name, {"status": {
             "phase": "Running", "startTime": pp.started_at,
