@@ -37,7 +37,9 @@ RESTART_CAUSES: dict[str, str] = {
     "saving a checkpoint on SIGTERM.",
     "NodeFailure": "A node became NotReady or disappeared, or its taint manager or kubelet "
     "terminated the pod.",
-    "Hang": "The step did not advance for `runPolicy.hangTimeoutSeconds`.",
+    "Hang": "The step did not advance for the hang limit (`runPolicy.hangTimeoutSeconds` / `hangTimeoutPolicy`): "
+            "a launcher stopped its workers (exit code 7; in place while `maxInPlaceRestarts` last), or, when no "
+            "launcher did, the operator re-created the gang.",
     "StartupTimeout": "No first step within `runPolicy.startupTimeoutSeconds` after all pods ran.",
     "NonFiniteLoss": "The loss became NaN or infinite (exit code 3).",
     "PodDeleted": "A pod of the attempt was deleted by someone other than the operator (by hand, a script) "

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field, replace
 
 from kubetitan import conditions as C
 from kubetitan_core.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, RestartCause, RestartRecord, TrainingStatus
+from kubetitan_core import hang
 from kubetitan_core.contract import EXIT_SIGKILL, EXIT_SIGTERM, ExitCode
+from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS, AUTO_HANG_MIN_STEPS, AUTO_HANG_STEP_FACTOR  # noqa: F401 - re-exported
 
 MAX_RESTART_RECORDS = 50
 NODE_FAILURES_TO_AVOID = 2
@@ -128,13 +130,6 @@ class ChildError:
     reason: str
     """conditions.FORBIDDEN / INVALID / NAME_CONFLICT / API_UNAVAILABLE."""
     message: str
-
-
-AUTO_HANG_STEP_FACTOR = 10
-"""``hangTimeoutPolicy: Auto``: the timeout is this many median step times ..."""
-AUTO_HANG_FLOOR_SECONDS = 30
-"""... but never less than this (a slow data batch, a GC pause, a log flush; the operator's
-``--hang-floor-seconds`` overrides it) ..."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +334,9 @@ def classify_pod(p: PodObs) -> Failure | None:
         return Failure("Preempted", f"{what} (SIGTERM, checkpoint saved)", p.name, p.node_name)
     if code == ExitCode.NON_FINITE_LOSS:
         return Failure("NonFiniteLoss", f"{what}: the loss became NaN/inf{tail}", p.name, p.node_name)
+    if code == ExitCode.HANG:
+        return Failure("Hang", f"{what}: its launcher stopped a worker whose step stood still for the hang limit and "
+                       f"had no in-place restart left{tail}", p.name, p.node_name)
     if code in (EXIT_SIGKILL, EXIT_SIGTERM):
         return Failure("ContainerFailed", f"{what} (killed by signal {code - 128}){tail}", p.name, p.node_name)
     return Failure("ContainerFailed", f"{what}{tail}", p.name, p.node_name)
@@ -619,9 +617,11 @@ def _all_running(f: Facts) -> bool:
 
 
 def hung(f: Facts) -> Decision | None:
-    """No step progress for ``hangTimeoutSeconds`` (+ a save after a checkpoint step), seen while rank 0's
-    metrics answer. The timer starts with the attempt's first trained step: loading a checkpoint and the first
-    step's warm-up/compile count as start-up."""
+    """No step progress for the hang limit (``kubetitan_core.hang``), seen while rank 0's metrics answer. The timer
+    starts with the generation's first trained step: loading a checkpoint and the first step's warm-up/compile
+    count as start-up. While the attempt may still restart in place, the launchers' watchdogs stop a worker
+    that stands still first (an in-place restart, cause Hang); this rule waits ``IN_PLACE_GRACE_SECONDS`` longer
+    and re-creates the gang only when they did not."""
     pr = f.obs.progress
     if not _all_running(f) or pr.first_step_time is None or pr.last_progress_time is None:
         return None
@@ -630,40 +630,33 @@ def hung(f: Facts) -> Decision | None:
     idle = pr.metrics_ok_time - pr.last_progress_time  # the step stood still while /metrics answered
     ck = f.spec.checkpoint
     base, how = hang_timeout(f)
-    limit = base
     last_step = min(f.spec.training.steps, f.obs.attempt_steps or f.spec.training.steps)  # the trainer's own count
-    if pr.step is not None and (pr.step >= last_step or (ck.enabled and pr.step % ck.interval_steps == 0)):
-        limit += ck.save_timeout_seconds  # after a checkpoint step (and the last one: final save) a save may pass
-    if idle < limit:
+    saving = pr.step is not None and hang.save_window(pr.step, last_step, ck.enabled, ck.interval_steps)
+    limit = hang.limit(base, saving, ck.save_timeout_seconds)
+    in_place = _may_restart_in_place(f)
+    if idle < limit + (hang.IN_PLACE_GRACE_SECONDS if in_place else 0.0):
         return None
     return restart_or_fail(f, Failure(
         "Hang", f"no step progress for {idle:.0f}s (step {pr.step}; {how}" + (
             f" + checkpoint.saveTimeoutSeconds={ck.save_timeout_seconds} after a checkpoint step"
-            if limit > base else "") + ")", "", None))
+            if saving else "") + (
+            f"; the launchers did not restart in place within {hang.IN_PLACE_GRACE_SECONDS:g}s more"
+            if in_place else "") + ")", "", None))
 
 
-AUTO_HANG_MIN_STEPS = 5
-"""... once the current workers trained this many steps (before that: ``hangTimeoutSeconds``)."""
+def _may_restart_in_place(f: Facts) -> bool:
+    """The attempt's launchers still restart in place (``maxInPlaceRestarts`` not used up)."""
+    return len(in_place_records(f)) < f.rp.max_in_place_restarts
 
 
 def hang_timeout(f: Facts) -> tuple[float, str]:
-    """The hang timeout of this cycle, before a checkpoint step's save window, and how it was derived.
-
-    ``Auto`` = min(hangTimeoutSeconds, max(10 x the median step time the trainer reports for its current worker
-    generation, the floor)), once that generation trained 5 steps; ``Fixed`` (or too few steps) =
-    hangTimeoutSeconds. The floor is the operator's ``--hang-floor-seconds`` (default 30 s).
-    """
+    """The hang timeout of this cycle, before a checkpoint step's save window, and how it was derived
+    (``kubetitan_core.hang.timeout`` on the trainer's median step time of its current worker generation; the floor
+    is the operator's ``--hang-floor-seconds``, default 30 s)."""
     rp, pr = f.rp, f.obs.progress
-    fixed = float(rp.hang_timeout_seconds), f"runPolicy.hangTimeoutSeconds={rp.hang_timeout_seconds}"
-    if rp.hang_timeout_policy != "Auto" or not pr.step_seconds_median or pr.step is None or pr.start_step is None \
-            or pr.step - pr.start_step < AUTO_HANG_MIN_STEPS:
-        return fixed
-    floor = f.obs.hang_floor_seconds
-    auto = max(AUTO_HANG_STEP_FACTOR * pr.step_seconds_median, floor)
-    if auto >= fixed[0]:
-        return fixed
-    return auto, (f"runPolicy.hangTimeoutPolicy=Auto: max({AUTO_HANG_STEP_FACTOR} x median step "
-                  f"{pr.step_seconds_median:.3g}s, {floor:g}s) = {auto:.0f}s")
+    steps = None if pr.step is None or pr.start_step is None else pr.step - pr.start_step
+    return hang.timeout(rp.hang_timeout_policy, rp.hang_timeout_seconds, f.obs.hang_floor_seconds,
+                        pr.step_seconds_median, steps)
 
 
 def startup_timed_out(f: Facts) -> Decision | None:
@@ -711,6 +704,9 @@ def in_place_failure(f: Facts) -> Failure:
         what = "a worker failed (no launcher reported which)"
     elif code == ExitCode.NON_FINITE_LOSS:
         cause, what = "NonFiniteLoss", f"a worker of {where} exited with code {code}: the loss became NaN/inf"
+    elif code == ExitCode.HANG:
+        cause, what = "Hang", (f"the step stood still for the hang limit and the launcher of {where} stopped its "
+                               f"workers (exit code {code})")
     elif code in (EXIT_SIGKILL, EXIT_SIGTERM):
         cause, what = "ContainerFailed", f"a worker of {where} was killed by signal {code - 128} (exit code {code})"
     else:

@@ -591,7 +591,8 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
         if then is not None and not errs:
             lpt, spec_of_attempt = then, job.applied_spec
     start = parse_time(status.start_time)
-    children = plan.attempt_children(lpt, attempt, job_start_time=start, avoid_nodes=avoid)
+    children = plan.attempt_children(lpt, attempt, job_start_time=start, avoid_nodes=avoid,
+                                     hang_floor_seconds=ctx.options.hang_floor_seconds)
     applied = json.dumps(spec_of_attempt, sort_keys=True, separators=(",", ":"))
     cm = next(c for c in children if c["kind"] == "ConfigMap")
     cm["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_SPEC] = applied

@@ -20,7 +20,7 @@ from typing import Any
 from kubetitan_core import API_VERSION, KIND, contract
 from kubetitan_core.api import LlamaPretrain, processes_per_node
 from kubetitan_core.catalog import INSTANCE_TYPES, pod_resources
-from kubetitan_core import render
+from kubetitan_core import hang, render
 from kubetitan_core.render import trainer_toml
 
 LABEL_NAME = "kubetitan.io/name"
@@ -260,8 +260,10 @@ def pod(
     job_start_time: float | None = None,
     avoid_nodes: Sequence[str] = (),
     config_hash: str | None = None,
+    hang_floor_seconds: float = hang.AUTO_HANG_FLOOR_SECONDS,
 ) -> dict[str, Any]:
-    """The pod of node ``rank`` in ``attempt``."""
+    """The pod of node ``rank`` in ``attempt`` (``hang_floor_seconds``: the operator's ``--hang-floor-seconds``,
+    passed on to the launcher's hang watchdog)."""
     s, meta = lpt.spec, lpt.metadata
     r, ck, data = s.resources, s.checkpoint, s.data
     name = pod_name(meta.name, attempt, rank)
@@ -294,6 +296,12 @@ def pod(
         # round: 0.05 s per node within [0.1, 1] s, so a small gang notices a failure quickly and a large one does
         # not flood rank 0's rendezvous store.
         f"--monitor-interval={min(1.0, max(0.1, 0.05 * r.nodes)):g}",
+        # The hang rule (kubetitan_core.hang) for the launcher's watchdog: with in-place restarts on, the
+        # launcher whose worker's step stands still stops it and every rank's workers restart in place.
+        f"--hang-timeout-seconds={s.run_policy.hang_timeout_seconds}",
+        f"--hang-timeout-policy={s.run_policy.hang_timeout_policy}",
+        f"--hang-floor-seconds={hang_floor_seconds:g}",
+        f"--save-timeout-seconds={ck.save_timeout_seconds}",
     ]
     limits: dict[str, Any] = {}
     requests: dict[str, Any] = {}
@@ -407,6 +415,7 @@ def attempt_children(
     attempt: int,
     job_start_time: float | None = None,
     avoid_nodes: Sequence[str] = (),
+    hang_floor_seconds: float = hang.AUTO_HANG_FLOOR_SECONDS,
 ) -> list[dict[str, Any]]:
     """Every child object of ``attempt``: ConfigMap, Service, then the pods by rank."""
     if attempt < 0:
@@ -414,6 +423,7 @@ def attempt_children(
     cm = config_map(lpt)
     digest = _hash(cm["data"][contract.CONFIG_KEY])
     pods = [
-        pod(lpt, attempt, rank, job_start_time, avoid_nodes, digest) for rank in range(lpt.spec.resources.nodes)
+        pod(lpt, attempt, rank, job_start_time, avoid_nodes, digest, hang_floor_seconds)
+        for rank in range(lpt.spec.resources.nodes)
     ]
     return [cm, service(lpt), *pods]

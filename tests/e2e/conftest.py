@@ -20,8 +20,11 @@ class Env:
 
 
 @pytest.fixture
-def e2e(tmp_path: Path):
+def e2e(tmp_path: Path, request: pytest.FixtureRequest):
+    """The double, its kubelet (2 nodes; ``@pytest.mark.e2e_nodes(n)`` for n) and the checkpoint claim's folder."""
     ckpt = tmp_path / "ckpt"
-    with Cluster() as c, Kubelet(c, tmp_path / "kubelet", claims={CLAIM: ckpt}) as k:
+    marker = request.node.get_closest_marker("e2e_nodes")
+    nodes = marker.args[0] if marker else 2
+    with Cluster() as c, Kubelet(c, tmp_path / "kubelet", nodes=nodes, claims={CLAIM: ckpt}) as k:
         yield Env(c, k, ckpt)
         assert not k.errors, f"the e2e kubelet failed: {k.errors!r}"

@@ -165,7 +165,7 @@ CASES = [
     ("unschedulable-timeout-fail", spec(unschedulableTimeoutSeconds=10, unschedulableAction="Fail"), status(),
      Observed(pods=gang(over={0: {"phase": "Pending", "unschedulable_message": "0/4 nodes"}}), now=NOW),
      Action.FAIL, C.UNSCHEDULABLE_TIMEOUT, None, {"unschedulable": True, **RESTART_ALL}),
-    ("hang", spec(hangTimeoutSeconds=60), status(),
+    ("hang", spec(hangTimeoutSeconds=60, maxInPlaceRestarts=0), status(),
      Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, last_progress_time=NOW - 61), now=NOW),
      Action.RESTART, C.RESTARTED, "Hang", {**RESTART_ALL, "rule": "hung"}),
     ("hang-timer-stops-while-metrics-unreachable", spec(hangTimeoutSeconds=60), status(),
@@ -327,7 +327,7 @@ CASES = [
                                                             generation_start_time=NOW - 5),
               ranks_seen=SEEN, now=NOW), Action.KEEP, C.WAITING_FOR_FIRST_STEP, None, {"rule": "running"}),
     # ---- the automatic hang timeout: min(hangTimeoutSeconds, max(10 x median step, 30 s)) after 5 steps
-    ("auto-hang-fires-at-10x-median-step", spec(hangTimeoutSeconds=900), status(),
+    ("auto-hang-fires-at-10x-median-step", spec(hangTimeoutSeconds=900, maxInPlaceRestarts=0), status(),
      Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, step_seconds_median=4.0,
                                                             last_progress_time=NOW - 41), now=NOW),
      Action.RESTART, C.RESTARTED, "Hang", {**RESTART_ALL, "rule": "hung", "message_has": "hangTimeoutPolicy=Auto"}),
@@ -339,7 +339,7 @@ CASES = [
      Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, step_seconds_median=0.2,
                                                             last_progress_time=NOW - 29), ranks_seen=SEEN, now=NOW),
      Action.KEEP, C.TRAINING, None, {"ready": True}),
-    ("auto-hang-floor-lowered-by-the-operator", spec(hangTimeoutSeconds=900), status(),
+    ("auto-hang-floor-lowered-by-the-operator", spec(hangTimeoutSeconds=900, maxInPlaceRestarts=0), status(),
      Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, step_seconds_median=0.2,
                                                             last_progress_time=NOW - 6), now=NOW, hang_floor_seconds=5),
      Action.RESTART, C.RESTARTED, "Hang", {**RESTART_ALL, "rule": "hung", "message_has": "max(10 x median step 0.2s, 5s)"}),
@@ -355,10 +355,34 @@ CASES = [
      Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, start_step=17, step_seconds_median=0.2,
                                                             last_progress_time=NOW - 100), ranks_seen=SEEN, now=NOW),
      Action.KEEP, C.TRAINING, None, {"ready": True}),
-    ("auto-hang-never-longer-than-hang-timeout", spec(hangTimeoutSeconds=60), status(),
+    ("auto-hang-never-longer-than-hang-timeout", spec(hangTimeoutSeconds=60, maxInPlaceRestarts=0), status(),
      Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, step_seconds_median=100.0,
                                                             last_progress_time=NOW - 61), now=NOW),
      Action.RESTART, C.RESTARTED, "Hang", {**RESTART_ALL, "message_has": "hangTimeoutSeconds=60"}),
+    # ---- with in-place restarts left, the launchers' watchdogs stop a hung worker first (an in-place restart);
+    # the operator re-creates the gang only IN_PLACE_GRACE_SECONDS (30) after the same limit
+    ("hang-waits-for-the-launchers-while-in-place-restarts-are-left", spec(hangTimeoutSeconds=60), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, last_progress_time=NOW - 89), ranks_seen=SEEN,
+              now=NOW), Action.KEEP, C.TRAINING, None, {"ready": True, "rule": "running"}),
+    ("hang-recreates-when-no-launcher-restarted-in-place", spec(hangTimeoutSeconds=60), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, last_progress_time=NOW - 91), now=NOW),
+     Action.RESTART, C.RESTARTED, "Hang", {**RESTART_ALL, "rule": "hung",
+                                          "message_has": "the launchers did not restart in place within 30s more"}),
+    ("hang-no-grace-once-in-place-restarts-are-used-up", spec(hangTimeoutSeconds=60, maxInPlaceRestarts=1),
+     status(restarts=[ip_rec(1, "n0")]),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, generation=1, last_progress_time=NOW - 61),
+              now=NOW), Action.RESTART, C.RESTARTED, "Hang", {**RESTART_ALL, "rule": "hung"}),
+    ("launcher-hang-stop-restarts-in-place-with-cause-hang", spec(), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, generation=1, restart_exit_code=7,
+                                                            restart_node_rank=1, generation_start_time=NOW - 3),
+              ranks_seen=SEEN, now=NOW),
+     Action.RESTARTED_IN_PLACE, C.RESTARTED_IN_PLACE, "Hang",
+     {"node_name": "n1", "message_has": "the step stood still for the hang limit", "rule": "restarted_in_place",
+      "ready": True}),
+    ("launcher-out-of-in-place-restarts-exits-7-recreates-with-cause-hang", spec(), status(),
+     Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 7}}), nodes=ok_nodes, ranks_seen=SEEN, now=NOW),
+     Action.RESTART, C.RESTARTED, "Hang", {**RESTART_ALL, "node_name": "n1", "message_has": "hang limit",
+                                          "rule": "pod_failed"}),
     ("fixed-hang-ignores-the-step-time", spec(hangTimeoutSeconds=900, hangTimeoutPolicy="Fixed"), status(),
      Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, step=21, step_seconds_median=0.2,
                                                             last_progress_time=NOW - 100), ranks_seen=SEEN, now=NOW),
@@ -508,7 +532,7 @@ def test_metrics_available_condition(scrape, want) -> None:
 def test_timers_survive_an_operator_restart() -> None:
     """The observation is written into the status; a new operator reading that status goes on from it: a failed
     scrape right after the restart neither fires nor resets the hang timer."""
-    s = spec(hangTimeoutSeconds=60)
+    s = spec(hangTimeoutSeconds=60, maxInPlaceRestarts=0)  # the operator's own hang rule, no launcher's first
     m = {contract.M_STEP: 20.0, contract.M_ATTEMPT: 0.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 50}
     o = S.track(None, 0, NOW - 50, metrics=m, pods=gang())
     obs = S.observed(o, pods=gang(), nodes=ok_nodes, now=NOW - 50)

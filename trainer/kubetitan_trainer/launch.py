@@ -53,10 +53,10 @@ import sys
 import tempfile
 import time
 
-from kubetitan_core import contract
+from kubetitan_core import contract, hang
 from kubetitan_core.contract import EXIT_SIGTERM, ExitCode
 
-from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat
+from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, heartbeat
 
 log = logging.getLogger("kubetitan.launch")
 
@@ -81,6 +81,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rdzv-timeout", type=int, default=None,
                    help="seconds the rendezvous waits for every node to join (default: torchrun's, 900 static and "
                         "600 c10d); the operator passes one that outlasts its scheduling wait")
+    p.add_argument("--hang-timeout-seconds", type=float, default=900.0,
+                   help="runPolicy.hangTimeoutSeconds, for the in-place hang watchdog (kubetitan_core.hang)")
+    p.add_argument("--hang-timeout-policy", choices=("Auto", "Fixed"), default="Auto",
+                   help="runPolicy.hangTimeoutPolicy, for the in-place hang watchdog")
+    p.add_argument("--hang-floor-seconds", type=float, default=float(hang.AUTO_HANG_FLOOR_SECONDS),
+                   help="the operator's --hang-floor-seconds (Auto's floor), for the in-place hang watchdog")
+    p.add_argument("--save-timeout-seconds", type=float, default=600.0,
+                   help="checkpoint.saveTimeoutSeconds: added to the hang limit after a checkpoint step")
     return p.parse_args(argv)
 
 
@@ -329,23 +337,33 @@ FAILURE_KEY = "kubetitan/failure/{generation}/{node_rank}"
 """Rendezvous-store key under which a launcher posts the worker failure that ended ``generation``."""
 
 
-def post_failure(store, generation: int, node_rank: int, failures: dict) -> None:
-    """Post this pod's first worker failure (exit code, node rank, time) for rank 0's next generation."""
-    rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
-    code = first.exitcode
-    rec = {"exit_code": 128 - code if code < 0 else code, "node_rank": node_rank, "local_rank": rank,
-           "time": time.time()}
+def post_failure(store, generation: int, node_rank: int, failures: dict, hang_report: dict | None = None) -> None:
+    """Post this pod's first worker failure (exit code, node rank, time) for rank 0's next generation; a hang the
+    watchdog stopped (``hang_report``, :meth:`InPlaceAgent` ``_stop_hung``) is posted as that instead."""
+    if hang_report is not None:
+        rec = {**hang_report, "node_rank": node_rank}
+    else:
+        rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
+        code = first.exitcode
+        rec = {"exit_code": 128 - code if code < 0 else code, "node_rank": node_rank, "local_rank": rank,
+               "time": time.time()}
     try:
         store.set(FAILURE_KEY.format(generation=generation, node_rank=node_rank), json.dumps(rec))
     except Exception as e:  # noqa: BLE001 - the restart goes on without the report; the operator says Unknown
         log.warning("Could not post the worker failure to the rendezvous store: %s", e)
 
 
+def failure_order(f: dict) -> tuple:
+    """Sort key of posted failures, the one that began the generation first: any code but the generic 1 (a
+    peer's collective fails with 1 the moment the first worker dies), and among hangs the one whose launcher
+    found its worker stopped (state T: the others' workers only waited for it in a collective), then the
+    earliest."""
+    return (f["exit_code"] == ExitCode.FAILED, f["exit_code"] == ExitCode.HANG and not f.get("stopped"), f["time"])
+
+
 def earliest_failure(store, generation: int, nnodes: int) -> dict | None:
-    """The failure that began ``generation``, of those the pods posted: the earliest one with an exit code other
-    than the generic 1, else the earliest. The others are usually its collateral: a peer's collective fails
-    (exit 1) the moment the first worker dies, and its launcher may see that before the dead worker's own
-    launcher sees the death (seen here with 0.1 s monitor intervals: a SIGKILLed worker lost to its peer's 1)."""
+    """The failure that began ``generation``, of those the pods posted (:func:`failure_order`). The others are
+    usually its collateral (seen here with 0.1 s monitor intervals: a SIGKILLed worker lost to its peer's 1)."""
     found = []
     for r in range(nnodes):
         key = FAILURE_KEY.format(generation=generation, node_rank=r)
@@ -354,7 +372,25 @@ def earliest_failure(store, generation: int, nnodes: int) -> dict | None:
                 found.append(json.loads(store.get(key)))
         except Exception as e:  # noqa: BLE001 - as above
             log.warning("Could not read %s from the rendezvous store: %s", key, e)
-    return min(found, key=lambda f: (f["exit_code"] == ExitCode.FAILED, f["time"])) if found else None
+    return min(found, key=failure_order) if found else None
+
+
+def process_state(pid: int) -> str:
+    """The kernel's state letter of ``pid`` (R, S, D, T, Z, ...; '' when gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def kill_workers(pids: list[int]) -> None:
+    """SIGKILL: a hung or stopped worker may never act on SIGTERM (torch's stop would wait its 30 s for it)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def poll_seconds(nnodes: int) -> float:
@@ -411,9 +447,11 @@ launcher at once instead of waiting out the round (up to its join timeout) while
 
 
 def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requested, node_rank: int = 0,
-                 nnodes: int = 1) -> None:
-    """``torch.distributed.launcher.api.launch_agent`` with an agent that records failures and refuses
-    restarts that cannot help (see :func:`restartable`). Raises ChildFailedError when the workers fail."""
+                 nnodes: int = 1, hang_rule: heartbeat.Rule | None = None, beat_dir: str = "") -> None:
+    """``torch.distributed.launcher.api.launch_agent`` with an agent that records failures, refuses restarts that
+    cannot help (see :func:`restartable`) and, with ``beat_dir``, stops workers whose step stands still past
+    ``hang_rule`` (:mod:`kubetitan_trainer.heartbeat`): every rank's workers then restart in place, cause Hang.
+    Raises ChildFailedError when the workers fail."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -430,21 +468,59 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
         """Worker generation (contract.ENV_RESTART_GENERATION): one rendezvous round per generation on every
         rank, so every pod counts the same, where torchrun's restart count moves only on the failing pod."""
 
+        hang_report: dict | None = None
+        """This generation's hang, once the watchdog stopped the workers for one (posted as its failure)."""
+
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.HEALTHY and beat_dir and hang_rule and self.hang_report is None \
+                    and not stop_requested():
+                stall = heartbeat.stalled(heartbeat.read(beat_dir, range(len(worker_group.workers))),
+                                          self.generation, time.time(), hang_rule)
+                if stall is not None:
+                    self._stop_hung(worker_group, stall)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
                 detected = time.time()
+                if self.hang_report is not None:  # the watchdog's SIGKILL: report the hang, not signal 9
+                    for f in result.failures.values():
+                        f.exitcode = int(ExitCode.HANG)
                 ok = restartable(result.failures, stop_requested()) and compat.remaining_restarts(self) > 0
                 if not ok:
                     compat.forbid_restarts(self)
                 state.failed(result.failures, restarting=ok, detected=detected)
                 if ok:
-                    post_failure(worker_group.store, self.generation, node_rank, result.failures)
+                    post_failure(worker_group.store, self.generation, node_rank, result.failures, self.hang_report)
                     log.warning("Worker(s) failed (%s); restarting every rank's workers in place (%d left)",
                                 {r: f.exitcode for r, f in result.failures.items()}, compat.remaining_restarts(self) - 1)
             return result
 
+        def _stop_hung(self, worker_group, stall: heartbeat.Stall) -> None:
+            """Post the hang as this generation's failure (before the rejoin that the rank 0 launcher reads it
+            after), then SIGKILL every local worker: the agent sees them fail (or, when a peer's announcement
+            comes first, restarts them) and the whole gang restarts in place."""
+            pids = [w.id for w in worker_group.workers if w.id]
+            stopped = any(process_state(pid) in ("T", "t") for pid in pids)
+            self.hang_report = {"exit_code": int(ExitCode.HANG), "local_rank": stall.local_rank, "time": time.time(),
+                                "stopped": stopped, "message": stall.describe()}
+            post_failure(worker_group.store, self.generation, node_rank, {}, self.hang_report)
+            log.warning("Hang: %s%s; stopping this pod's workers (every rank's workers restart in place)",
+                        stall.describe(), " (the worker is stopped, state T)" if stopped else "")
+            kill_workers(pids)
+
         def _restart_workers(self, worker_group):
+            # A peer announced the next generation. A worker of ours that is stopped (SIGSTOP, state T) would never
+            # see torch's SIGTERM (its stop waits 30 s, then SIGKILLs): it is the hung one; say so and kill it now.
+            pids = [w.id for w in worker_group.workers if w.id]
+            frozen = [pid for pid in pids if process_state(pid) in ("T", "t")]
+            if frozen and self.hang_report is None:
+                beats = heartbeat.read(beat_dir, range(len(pids))) if beat_dir else {}
+                last = max((b for b in beats.values() if b.get("generation") == self.generation),
+                           key=lambda b: b["time"], default=None)
+                idle = time.time() - last["time"] if last else 0.0
+                self._stop_hung(worker_group, heartbeat.Stall(
+                    local_rank=next(w.local_rank for w in worker_group.workers if w.id in frozen),
+                    step=int(last["step"]) if last else 0, idle_seconds=idle, limit_seconds=0.0,
+                    how="stopped (state T) when a peer's launcher restarted the gang"))
             state.restart_begins()
             super()._restart_workers(worker_group)
 
@@ -467,6 +543,9 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
             # Every failing launcher posted its failure before it joined this round, so all are readable now.
             failure = earliest_failure(old, self.generation, nnodes) if old is not None else None
             self.generation += 1
+            self.hang_report = None
+            if beat_dir:
+                heartbeat.clear(beat_dir, range(config.nproc_per_node))
             os.environ[contract.ENV_RESTART_GENERATION] = str(self.generation)  # forked workers inherit it
             if failure is not None:
                 os.environ[contract.ENV_RESTART_FAILURE] = json.dumps(failure)
@@ -561,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("Restore tier for in-place restarts: %s (removed when the launcher exits)", tier)
     state = LauncherState(os.path.join(stop_dir, "launcher.json"), started=anatomy.process_start_time())
     os.environ[ENV_LAUNCHER_STATE] = state.path
+    if a.max_restarts > 0:
+        os.environ[heartbeat.ENV_HEARTBEAT_DIR] = stop_dir  # the workers' step heartbeats, for the hang watchdog
     config, cmd, cmd_args = config_from_args(torchrun_parse(torchrun_argv(a)))
     # SIGTERM stays ours (see the module docstring); torchrun still handles the others.
     config.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"
@@ -574,8 +655,10 @@ def main(argv: list[str] | None = None) -> int:
             state.warmed(seconds)
             log.info("In-place restarts on (up to %d); warm workers: imported torch/torchtitan once in %.1f s",
                      a.max_restarts, seconds)
+            rule = heartbeat.Rule(a.hang_timeout_policy, a.hang_timeout_seconds, a.hang_floor_seconds,
+                                  a.save_timeout_seconds)
             run_in_place(config, run_worker, ["--job.config_file", a.config], state, lambda: bool(stopped["at"]),
-                         node_rank=a.node_rank, nnodes=a.nnodes)
+                         node_rank=a.node_rank, nnodes=a.nnodes, hang_rule=rule, beat_dir=stop_dir)
         else:
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
         code = ExitCode.OK

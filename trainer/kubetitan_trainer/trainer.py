@@ -33,7 +33,7 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, netcheck, restore_tier
+from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, heartbeat, netcheck, restore_tier
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
@@ -70,6 +70,8 @@ class KubetitanTrainer(Trainer):
         self._stopping = False
         self._local_loss: torch.Tensor | None = None
         self._tier_writer = restore_tier.BackgroundWriter()
+        ck = job_config.checkpoint
+        self._heartbeat = heartbeat.Writer.from_env(job_config.training.steps, ck.enable, ck.interval)
         super().__init__(job_config)
         self._log_float8_notes()
         self._wrap_checkpoint_save()
@@ -148,6 +150,7 @@ class KubetitanTrainer(Trainer):
             raise NonFiniteLossError(self.step)
         self.productive_seconds += seconds
         self.metrics_processor.exporter.step_done(self.step, seconds)
+        self._heartbeat.step_done(self.step, seconds)
         if first:
             self._publish_startup(rec)
         if stop:

@@ -341,8 +341,10 @@ class RunPolicySpec(_Base):
     max_backoff_seconds: int = Field(default=600, ge=0, le=86400)
     """Upper bound of the restart delay."""
     hang_timeout_seconds: int = Field(default=900, ge=10, le=86400)
-    """A running attempt whose step has not advanced for this long is declared hung and restarted
-    (with `hangTimeoutPolicy: Auto`, the upper bound of the automatic timeout)."""
+    """A running attempt whose step has not advanced for this long is declared hung (with `hangTimeoutPolicy: Auto`,
+    the upper bound of the automatic timeout). While in-place restarts are left, each pod's launcher watches its
+    workers' steps and stops a hung one: every rank's workers restart in place (cause `Hang`); the operator
+    re-creates the gang only if none did within 30 s more (a frozen launcher or pod)."""
     hang_timeout_policy: Literal["Auto", "Fixed"] = "Auto"
     """`Fixed`: the hang timeout is `hangTimeoutSeconds`. `Auto`: it is 10 x the median step time the trainer
     reports (at least 30 s, or the operator's `--hang-floor-seconds`; at most `hangTimeoutSeconds`) once 5 steps of the current workers are seen, and

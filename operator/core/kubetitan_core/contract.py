@@ -35,6 +35,10 @@ class ExitCode(IntEnum):
     """A transient failure that outlasted the trainer's own retries: the tokenizer download from the hub kept
     failing with connection errors, timeouts, HTTP 429 or 5xx (capped exponential backoff with jitter first).
     Restarted like any failure (cause `ContainerFailed`, counted against `spec.runPolicy.maxRestarts`)."""
+    HANG = 7
+    """A launcher's watchdog stopped its workers: a step stood still for the hang limit (`runPolicy.hangTimeoutSeconds`,
+    `hangTimeoutPolicy`). With in-place restarts on, every rank's workers restart in place (cause `Hang`); once those
+    are used up the launcher exits with this code and the gang is re-created (cause `Hang`)."""
     TERMINATED_CHECKPOINTED = 75
     """SIGTERM received (suspend, preemption, node drain); a full checkpoint was saved. Resumable."""
 

@@ -1,0 +1,124 @@
+"""Step heartbeats from each worker to its launcher, and the launcher's hang rule on them.
+
+With in-place restarts on, the launcher sets ``KUBETITAN_HEARTBEAT_DIR`` (a folder of its own); every worker
+writes ``heartbeat-<local rank>.json`` there after each trained step: its generation, the step, the time, the
+median of its recent step times, how many steps this worker trained and whether a save may follow the step.
+The launcher's watchdog (``launch.InPlaceAgent``) reads them every monitor interval and applies the hang rule
+(:mod:`kubetitan_core.hang`, the operator's too): a worker whose step stood still past the limit is stopped
+and every rank's workers restart in place (cause ``Hang``). The watchdog needs no /metrics and no API: a frozen
+rank 0 (whose /metrics freezes with it) is caught the same way.
+
+Before a worker's first step there is no heartbeat of its generation: start-up (checkpoint load, compile) is
+the operator's ``startupTimeoutSeconds``, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+from kubetitan_core import contract, hang
+
+ENV_HEARTBEAT_DIR = "KUBETITAN_HEARTBEAT_DIR"
+"""Folder of the workers' heartbeat files, set by an in-place launcher (unset: no heartbeats are written)."""
+MEDIAN_WINDOW = 50
+"""Steps in the heartbeat's rolling median (as the exporter's ``step_duration_median_seconds``)."""
+
+
+def path(folder: str, local_rank: int) -> str:
+    return os.path.join(folder, f"heartbeat-{local_rank}.json")
+
+
+class Writer:
+    """One worker's heartbeat (a no-op without ``KUBETITAN_HEARTBEAT_DIR``)."""
+
+    def __init__(self, folder: str, local_rank: int, generation: int, last_step: int, checkpoint_enabled: bool,
+                 interval_steps: int) -> None:
+        self.file = path(folder, local_rank) if folder else ""
+        self.generation, self.last_step = generation, last_step
+        self.checkpoint_enabled, self.interval_steps = checkpoint_enabled, interval_steps
+        self._recent: list[float] = []
+        self._count = 0
+
+    @classmethod
+    def from_env(cls, last_step: int, checkpoint_enabled: bool, interval_steps: int) -> Writer:
+        return cls(os.environ.get(ENV_HEARTBEAT_DIR, ""), int(os.environ.get("LOCAL_RANK", "0") or 0),
+                   int(os.environ.get(contract.ENV_RESTART_GENERATION, "0") or 0), last_step, checkpoint_enabled,
+                   interval_steps)
+
+    def step_done(self, step: int, seconds: float, now: float | None = None) -> None:
+        if not self.file:
+            return
+        self._recent = [*self._recent[-(MEDIAN_WINDOW - 1):], seconds]
+        self._count += 1
+        beat = {"generation": self.generation, "step": step, "time": time.time() if now is None else now,
+                "median_step_seconds": statistics.median(self._recent), "steps_trained": self._count,
+                "save_window": hang.save_window(step, self.last_step, self.checkpoint_enabled, self.interval_steps)}
+        tmp = self.file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(beat, f)
+        os.replace(tmp, self.file)
+
+
+def read(folder: str, local_ranks: range | list[int]) -> dict[int, dict]:
+    """The heartbeats there are, by local rank (a missing or half-written file: none for that rank)."""
+    out = {}
+    for r in local_ranks:
+        try:
+            with open(path(folder, r)) as f:
+                out[r] = json.load(f)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def clear(folder: str, local_ranks: range | list[int]) -> None:
+    """Remove the heartbeats of workers that are gone (before their generation's successors start)."""
+    for r in local_ranks:
+        try:
+            os.remove(path(folder, r))
+        except OSError:
+            pass
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The run's hang settings, as the operator passed them to the launcher."""
+
+    policy: str = "Auto"
+    timeout_seconds: float = 900.0
+    floor_seconds: float = float(hang.AUTO_HANG_FLOOR_SECONDS)
+    save_timeout_seconds: float = 600.0
+
+
+@dataclass(frozen=True)
+class Stall:
+    local_rank: int
+    step: int
+    idle_seconds: float
+    limit_seconds: float
+    how: str
+
+    def describe(self) -> str:
+        return (f"local rank {self.local_rank} made no step progress for {self.idle_seconds:.0f}s after step "
+                f"{self.step} (limit {self.limit_seconds:.0f}s: {self.how})")
+
+
+def stalled(beats: dict[int, dict], generation: int, now: float, rule: Rule) -> Stall | None:
+    """The local worker whose step stood still longest past its hang limit, or None (pure; table-tested).
+
+    Only heartbeats of ``generation`` count: a worker that has not trained a step of its own yet is starting up."""
+    worst: Stall | None = None
+    for r, b in sorted(beats.items()):
+        if b.get("generation") != generation:
+            continue
+        base, how = hang.timeout(rule.policy, rule.timeout_seconds, rule.floor_seconds,
+                                 b.get("median_step_seconds"), b.get("steps_trained"))
+        limit = hang.limit(base, bool(b.get("save_window")), rule.save_timeout_seconds)
+        idle = now - float(b["time"])
+        if idle >= limit and (worst is None or idle - limit > worst.idle_seconds - worst.limit_seconds):
+            worst = Stall(r, int(b["step"]), idle, limit, how)
+    return worst
