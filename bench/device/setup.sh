@@ -2,7 +2,7 @@
 # Wheels: .whl/ (ignored via .git/info/exclude), made as /work/.library/device/README.md says; see docs/benchmarks.md.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/bench:$PWD/trainer:$PWD/operator
+export PYTHONPATH=/tmp/site:$PWD/bench:$PWD/trainer:$PWD/operator:$PWD/operator/core  # kubetitan_core lives in operator/core
 export PYTHONUNBUFFERED=1 LOG_RANK=0
 export USE_JAX=0 USE_TF=0  # datasets would import JAX (present on the device) in every process: seconds of start-up
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -704,6 +704,9 @@ def in_place_failure(f: Facts) -> Failure:
         what = "a worker failed (no launcher reported which)"
     elif code == ExitCode.NON_FINITE_LOSS:
         cause, what = "NonFiniteLoss", f"a worker of {where} exited with code {code}: the loss became NaN/inf"
+    elif code == ExitCode.HANG and pod is None:  # no stopped worker: every rank's step stood still together
+        cause, what = "Hang", (f"the step stood still for the hang limit on every rank and the launchers stopped "
+                               f"their workers (exit code {code}; no worker was stopped, so no one node is named)")
     elif code == ExitCode.HANG:
         cause, what = "Hang", (f"the step stood still for the hang limit and the launcher of {where} stopped its "
                                f"workers (exit code {code})")

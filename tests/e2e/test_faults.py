@@ -3,7 +3,9 @@ against kmockx, with tests/e2e/kubelet.py running every pod as local processes. 
 torchtitan's debug model on CPU (gloo), checkpoints every few steps on a temp dir.
 
 One run goes through every fault in order, so the whole file starts as few gangs as possible (each start
-imports torch four times on a two-core machine):
+imports torch four times on a two-core machine). It has in-place restarts off (``maxInPlaceRestarts: 0``):
+every fault re-creates the gang, and the hang is decided by the operator (tests/e2e/test_inplace.py has the
+in-place level):
 
 attempt 0  apply -> Running, status.training from the trainer's metrics; SIGKILL rank 1's processes
 attempt 1  resumes from the newest checkpoint; the operator itself restarts (no duplicates, run carries on);
@@ -89,7 +91,9 @@ def test_one_run_through_every_fault(e2e) -> None:
     name = "faults"
     op = Operator(c, **OPERATOR).__enter__()
     try:
-        c.apply(lpt(name, e2e_spec(e2e.ckpt, STEPS, INTERVAL, free_port())))
+        # the gang level of recovery: in-place restarts off, so every fault re-creates the gang and the hang below
+        # is the operator's own rule (tests/e2e/test_inplace.py has the in-place level, hangs included)
+        c.apply(lpt(name, e2e_spec(e2e.ckpt, STEPS, INTERVAL, free_port(), maxInPlaceRestarts=0)))
 
         # ---- attempt 0: Running, status.training filled from rank 0's real metrics
         _wait_attempt_step(c, name, 0, INTERVAL + 1)

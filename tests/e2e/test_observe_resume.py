@@ -44,8 +44,8 @@ def _decide(scrapes: list[tuple[float, dict]], now: float):
     o = None
     for t, m in scrapes:
         o = track(o, 1, t, metrics={k: float(v) for k, v in m.items()})
-    spec = LlamaPretrainSpec.model_validate({"resources": {"nodes": 2}, "runPolicy": {
-        "hangTimeoutSeconds": 10, "startupTimeoutSeconds": 300}})
+    spec = LlamaPretrainSpec.model_validate({"resources": {"nodes": 2}, "runPolicy": {  # the operator's own hang rule
+        "hangTimeoutSeconds": 10, "startupTimeoutSeconds": 300, "maxInPlaceRestarts": 0}})
     pods = tuple(PodObs(name=f"j-a1-{r}", attempt=1, rank=r, phase="Running", node_name=f"n{r}",
                         created=NOW - 20, running_since=NOW - 15) for r in range(2))
     obs = Observed(pods=pods, nodes={f"n{r}": NodeObs(f"n{r}") for r in range(2)}, progress=progress(o), now=now,
@@ -84,7 +84,8 @@ def test_hang_window_covers_a_checkpoint_save(step, idle, cause) -> None:
 
     spec = LlamaPretrainSpec.model_validate({
         "training": {"steps": 20}, "resources": {"nodes": 2},
-        "checkpoint": {"intervalSteps": 4, "saveTimeoutSeconds": 10}, "runPolicy": {"hangTimeoutSeconds": 10}})
+        "checkpoint": {"intervalSteps": 4, "saveTimeoutSeconds": 10},
+        "runPolicy": {"hangTimeoutSeconds": 10, "maxInPlaceRestarts": 0}})  # the operator's rule, no launcher's first
     pods = tuple(PodObs(name=f"j-a0-{r}", attempt=0, rank=r, phase="Running", node_name=f"n{r}",
                         created=NOW - 99, running_since=NOW - 98) for r in range(2))
     pr = Progress(step=step, start_step=0, last_progress_time=NOW - idle, first_step_time=NOW - 90,

@@ -379,6 +379,14 @@ CASES = [
      Action.RESTARTED_IN_PLACE, C.RESTARTED_IN_PLACE, "Hang",
      {"node_name": "n1", "message_has": "the step stood still for the hang limit", "rule": "restarted_in_place",
       "ready": True}),
+    # a hang with no stopped worker: every rank's step stood still together, no node is named, and two such hangs
+    # in a row are not "the same node failing twice" (only maxInPlaceRestarts bounds them)
+    ("launcher-hang-without-a-stopped-worker-names-no-node", spec(), status(restarts=[ip_rec(1, None)]),
+     Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, generation=2, restart_exit_code=7,
+                                                            restart_node_rank=None, generation_start_time=NOW - 3),
+              ranks_seen=SEEN, now=NOW),
+     Action.RESTARTED_IN_PLACE, C.RESTARTED_IN_PLACE, "Hang",
+     {"node_name": None, "message_has": "no one node is named", "rule": "restarted_in_place", "ready": True}),
     ("launcher-out-of-in-place-restarts-exits-7-recreates-with-cause-hang", spec(), status(),
      Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 7}}), nodes=ok_nodes, ranks_seen=SEEN, now=NOW),
      Action.RESTART, C.RESTARTED, "Hang", {**RESTART_ALL, "node_name": "n1", "message_has": "hang limit",

@@ -23,7 +23,7 @@ AUTO = Rule(policy="Auto", timeout_seconds=900, floor_seconds=30, save_timeout_s
 
 def beat(ago: float, step: int = 20, median: float | None = 0.5, steps: int = 10, generation: int = 0,
          save: bool = False) -> dict:
-    return {"generation": generation, "step": step, "time": NOW - ago, "median_step_seconds": median,
+    return {"generation": generation, "step": step, "time": 0.0, "monotonic": NOW - ago, "median_step_seconds": median,
             "steps_trained": steps, "save_window": save}
 
 
@@ -65,12 +65,26 @@ def test_writer_writes_what_the_watchdog_reads(tmp_path) -> None:
         w.step_done(step, seconds, now=NOW)
     got = heartbeat.read(str(tmp_path), range(2))
     assert list(got) == [1]
-    assert got[1] == {"generation": 2, "step": 13, "time": NOW, "median_step_seconds": 2.0, "steps_trained": 3,
+    assert abs(got[1].pop("time") - time.time()) < 60  # wall clock, for people
+    assert got[1] == {"generation": 2, "step": 13, "monotonic": NOW, "median_step_seconds": 2.0, "steps_trained": 3,
                       "save_window": False}
     w.step_done(20, 1.0, now=NOW)
     assert heartbeat.read(str(tmp_path), [1])[1]["save_window"] is True  # a checkpoint step: a save may follow
+    w.step_done(21, 1.0, now=NOW)
+    assert heartbeat.read(str(tmp_path), [1])[1]["save_window"] is False
+    w.step_done(22, 1.0, saving=True, now=NOW)  # a SIGTERM stop's full save, at any step
+    assert heartbeat.read(str(tmp_path), [1])[1]["save_window"] is True
     heartbeat.clear(str(tmp_path), range(2))
     assert heartbeat.read(str(tmp_path), range(2)) == {}
+
+
+def test_a_heartbeat_that_cannot_be_written_never_stops_training(tmp_path, caplog) -> None:
+    w = heartbeat.Writer(str(tmp_path / "gone"), local_rank=0, generation=0, last_step=10, checkpoint_enabled=False,
+                         interval_steps=0)
+    w.step_done(1, 1.0)  # the folder does not exist: OSError, logged once
+    w.step_done(2, 1.0)
+    assert [r.getMessage() for r in caplog.records].count(next(r.getMessage() for r in caplog.records)) == 1
+    assert "Could not write the step heartbeat" in caplog.records[0].getMessage()
 
 
 def test_writer_is_off_without_the_launchers_folder(tmp_path, monkeypatch) -> None:
@@ -88,13 +102,46 @@ def fail(code: int, t: float, stopped: bool = False) -> dict:
     ([fail(1, 1), fail(137, 2)], 2),                                 # a peer's collateral 1 loses to the kill
     ([fail(ExitCode.HANG, 1), fail(ExitCode.HANG, 2, stopped=True)], 2),  # the stopped worker is the hung one
     ([fail(ExitCode.HANG, 1), fail(ExitCode.HANG, 2)], 1),           # neither stopped: the first to stop its own
-    ([fail(137, 3), fail(ExitCode.HANG, 2, stopped=True)], 2),       # crash vs stopped hang: the earliest
-    ([fail(ExitCode.HANG, 1), fail(137, 2)], 2),                     # a crash beats a watchdog that only waited
+    ([fail(137, 1), fail(ExitCode.HANG, 2, stopped=True)], 2),       # a stopped worker beats an earlier crash:
+    ([fail(134, 1), fail(ExitCode.HANG, 2, stopped=True)], 2),       # the watchdog's kill made the peers crash
+    ([fail(ExitCode.HANG, 1), fail(134, 2)], 1),                     # a hang, then the peers' NCCL abort
+    ([fail(137, 1), fail(ExitCode.HANG, 2)], 1),                     # a crash, then a watchdog that only waited
     ([fail(1, 1), fail(ExitCode.HANG, 5)], 5),
-], ids=["generic-1-last", "stopped-hang-first", "earliest-hang", "earliest-of-real-causes", "crash-over-waiting-hang",
-        "hang-over-generic-1"])
+], ids=["generic-1-last", "stopped-hang-first", "earliest-hang", "stopped-hang-over-earlier-kill",
+        "stopped-hang-over-nccl-abort", "hang-then-nccl-abort", "crash-then-waiting-hang", "hang-over-generic-1"])
 def test_the_failure_that_began_a_generation(posted, first) -> None:
     assert min(posted, key=launch.failure_order)["node_rank"] == first
+
+
+class Store:
+    """The rendezvous store's set/get/check, in memory."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, k: str, v: str) -> None:
+        self.kv[k] = v.encode()
+
+    def get(self, k: str) -> bytes:
+        return self.kv[k]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.kv for k in keys)
+
+
+def test_a_hang_names_its_node_only_when_a_worker_was_stopped() -> None:
+    """Every rank's step stands still together in a gang: a hang no stopped worker explains names no node (rank -1;
+    the launcher that saw it is kept), so the operator's "same node twice in a row" escalation never counts it."""
+    store = Store()
+    launch.post_failure(store, 3, 0, {}, {"exit_code": 7, "local_rank": 0, "time": 1.0, "stopped": False})
+    launch.post_failure(store, 3, 1, {}, {"exit_code": 7, "local_rank": 0, "time": 2.0, "stopped": True})
+    got = launch.earliest_failure(store, 3, 2)
+    assert (got["node_rank"], got["seen_by"]) == (1, 1)
+    store = Store()
+    launch.post_failure(store, 4, 0, {}, {"exit_code": 7, "local_rank": 0, "time": 1.0, "stopped": False})
+    launch.post_failure(store, 4, 1, {}, {"exit_code": 7, "local_rank": 0, "time": 1.1, "stopped": False})
+    got = launch.earliest_failure(store, 4, 2)
+    assert (got["exit_code"], got["node_rank"], got["seen_by"]) == (7, -1, 0)
 
 
 def test_process_state_sees_a_stopped_process_and_kill_workers_ends_it() -> None:

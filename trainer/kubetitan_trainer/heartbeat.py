@@ -1,8 +1,11 @@
 """Step heartbeats from each worker to its launcher, and the launcher's hang rule on them.
 
 With in-place restarts on, the launcher sets ``KUBETITAN_HEARTBEAT_DIR`` (a folder of its own); every worker
-writes ``heartbeat-<local rank>.json`` there after each trained step: its generation, the step, the time, the
-median of its recent step times, how many steps this worker trained and whether a save may follow the step.
+writes ``heartbeat-<local rank>.json`` there after each trained step: its generation, the step, the time (wall
+clock for people, and ``CLOCK_MONOTONIC``, which the launcher compares: the same clock for every process of the
+machine, and a wall-clock step never looks like a hang), the median of its recent step times, how many steps
+this worker trained and whether a save may follow the step (a checkpoint step, the last step, or a SIGTERM stop,
+whose full save every rank takes at whatever step it is).
 The launcher's watchdog (``launch.InPlaceAgent``) reads them every monitor interval and applies the hang rule
 (:mod:`kubetitan_core.hang`, the operator's too): a worker whose step stood still past the limit is stopped
 and every rank's workers restart in place (cause ``Hang``). The watchdog needs no /metrics and no API: a frozen
@@ -15,12 +18,15 @@ the operator's ``startupTimeoutSeconds``, not a hang.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
 from dataclasses import dataclass
 
 from kubetitan_core import contract, hang
+
+log = logging.getLogger("kubetitan.heartbeat")
 
 ENV_HEARTBEAT_DIR = "KUBETITAN_HEARTBEAT_DIR"
 """Folder of the workers' heartbeat files, set by an in-place launcher (unset: no heartbeats are written)."""
@@ -42,6 +48,7 @@ class Writer:
         self.checkpoint_enabled, self.interval_steps = checkpoint_enabled, interval_steps
         self._recent: list[float] = []
         self._count = 0
+        self._failed = False
 
     @classmethod
     def from_env(cls, last_step: int, checkpoint_enabled: bool, interval_steps: int) -> Writer:
@@ -49,18 +56,29 @@ class Writer:
                    int(os.environ.get(contract.ENV_RESTART_GENERATION, "0") or 0), last_step, checkpoint_enabled,
                    interval_steps)
 
-    def step_done(self, step: int, seconds: float, now: float | None = None) -> None:
+    def step_done(self, step: int, seconds: float, saving: bool = False, now: float | None = None) -> None:
+        """Record ``step`` (trained in ``seconds``); ``saving``: a save follows that is not a checkpoint step's (a
+        SIGTERM stop). ``now``: the monotonic clock (tests). Never raises: a heartbeat that cannot be written
+        (a full /tmp) is logged once and training goes on (the watchdog then times the last one written)."""
         if not self.file:
             return
         self._recent = [*self._recent[-(MEDIAN_WINDOW - 1):], seconds]
         self._count += 1
-        beat = {"generation": self.generation, "step": step, "time": time.time() if now is None else now,
+        beat = {"generation": self.generation, "step": step, "time": time.time(),
+                "monotonic": time.monotonic() if now is None else now,
                 "median_step_seconds": statistics.median(self._recent), "steps_trained": self._count,
-                "save_window": hang.save_window(step, self.last_step, self.checkpoint_enabled, self.interval_steps)}
+                "save_window": saving or hang.save_window(step, self.last_step, self.checkpoint_enabled,
+                                                          self.interval_steps)}
         tmp = self.file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(beat, f)
-        os.replace(tmp, self.file)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(beat, f)
+            os.replace(tmp, self.file)
+        except OSError as e:
+            if not self._failed:
+                self._failed = True
+                log.warning("Could not write the step heartbeat %s (the hang watchdog sees no newer step): %s",
+                            self.file, e)
 
 
 def read(folder: str, local_ranks: range | list[int]) -> dict[int, dict]:
@@ -110,7 +128,8 @@ class Stall:
 def stalled(beats: dict[int, dict], generation: int, now: float, rule: Rule) -> Stall | None:
     """The local worker whose step stood still longest past its hang limit, or None (pure; table-tested).
 
-    Only heartbeats of ``generation`` count: a worker that has not trained a step of its own yet is starting up."""
+    ``now``: ``time.monotonic()``. Only heartbeats of ``generation`` count: a worker that has not trained a step of
+    its own yet is starting up."""
     worst: Stall | None = None
     for r, b in sorted(beats.items()):
         if b.get("generation") != generation:
@@ -118,7 +137,7 @@ def stalled(beats: dict[int, dict], generation: int, now: float, rule: Rule) -> 
         base, how = hang.timeout(rule.policy, rule.timeout_seconds, rule.floor_seconds,
                                  b.get("median_step_seconds"), b.get("steps_trained"))
         limit = hang.limit(base, bool(b.get("save_window")), rule.save_timeout_seconds)
-        idle = now - float(b["time"])
+        idle = now - float(b["monotonic"])
         if idle >= limit and (worst is None or idle - limit > worst.idle_seconds - worst.limit_seconds):
             worst = Stall(r, int(b["step"]), idle, limit, how)
     return worst

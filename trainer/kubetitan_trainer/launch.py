@@ -339,9 +339,12 @@ FAILURE_KEY = "kubetitan/failure/{generation}/{node_rank}"
 
 def post_failure(store, generation: int, node_rank: int, failures: dict, hang_report: dict | None = None) -> None:
     """Post this pod's first worker failure (exit code, node rank, time) for rank 0's next generation; a hang the
-    watchdog stopped (``hang_report``, :meth:`InPlaceAgent` ``_stop_hung``) is posted as that instead."""
+    watchdog stopped (``hang_report``, :meth:`InPlaceAgent` ``_stop_hung``) is posted as that instead. A hang with
+    no stopped worker names no node (node rank -1, seen by ``seen_by``): in a gang every rank's step stands still
+    together, every watchdog fires within a tick of the others, and which one was first says nothing of where the
+    hang is (the operator's "same node twice in a row" escalation must not count it)."""
     if hang_report is not None:
-        rec = {**hang_report, "node_rank": node_rank}
+        rec = {**hang_report, "node_rank": node_rank if hang_report.get("stopped") else -1, "seen_by": node_rank}
     else:
         rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
         code = first.exitcode
@@ -354,11 +357,12 @@ def post_failure(store, generation: int, node_rank: int, failures: dict, hang_re
 
 
 def failure_order(f: dict) -> tuple:
-    """Sort key of posted failures, the one that began the generation first: any code but the generic 1 (a
-    peer's collective fails with 1 the moment the first worker dies), and among hangs the one whose launcher
-    found its worker stopped (state T: the others' workers only waited for it in a collective), then the
-    earliest."""
-    return (f["exit_code"] == ExitCode.FAILED, f["exit_code"] == ExitCode.HANG and not f.get("stopped"), f["time"])
+    """Sort key of posted failures, the one that began the generation first: a hang whose launcher found its
+    worker stopped (state T: it is the hung one; the others' workers only waited for it in a collective, and
+    crash when the watchdog kills it: SIGABRT from NCCL, signal 9 or 15), then any code but the generic 1 (a
+    peer's collective fails with 1 the moment the first worker dies), then the earliest."""
+    stopped_hang = f["exit_code"] == ExitCode.HANG and bool(f.get("stopped"))
+    return (not stopped_hang, f["exit_code"] == ExitCode.FAILED, f["time"])
 
 
 def earliest_failure(store, generation: int, nnodes: int) -> dict | None:
@@ -472,18 +476,25 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
         """This generation's hang, once the watchdog stopped the workers for one (posted as its failure)."""
 
         def _monitor_workers(self, worker_group):
+            if len(worker_group.workers) > 1 and self.hang_report is None:
+                # A local worker exited while another is stopped: torch's join would SIGTERM the stopped one and
+                # wait its 30 s for it. It is the hung one: say so and kill it now.
+                states = [process_state(w.id) for w in worker_group.workers if w.id]
+                if "Z" in states and any(x in ("T", "t") for x in states):
+                    self._stop_frozen(worker_group, "stopped (state T) when a local peer worker exited")
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.HEALTHY and beat_dir and hang_rule and self.hang_report is None \
                     and not stop_requested():
                 stall = heartbeat.stalled(heartbeat.read(beat_dir, range(len(worker_group.workers))),
-                                          self.generation, time.time(), hang_rule)
+                                          self.generation, time.monotonic(), hang_rule)
                 if stall is not None:
                     self._stop_hung(worker_group, stall)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
                 detected = time.time()
                 if self.hang_report is not None:  # the watchdog's SIGKILL: report the hang, not signal 9
                     for f in result.failures.values():
-                        f.exitcode = int(ExitCode.HANG)
+                        if f.exitcode == -signal.SIGKILL:  # a worker that exited by itself keeps its own code
+                            f.exitcode = int(ExitCode.HANG)
                 ok = restartable(result.failures, stop_requested()) and compat.remaining_restarts(self) > 0
                 if not ok:
                     compat.forbid_restarts(self)
@@ -507,20 +518,24 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                         stall.describe(), " (the worker is stopped, state T)" if stopped else "")
             kill_workers(pids)
 
+        def _stop_frozen(self, worker_group, how: str) -> None:
+            """A local worker is stopped (SIGSTOP, state T) while the gang restarts: it would never act on torch's
+            SIGTERM; report it as the hang (the record then names this node) and kill it."""
+            frozen = [w for w in worker_group.workers if w.id and process_state(w.id) in ("T", "t")]
+            if not frozen:
+                return
+            beats = heartbeat.read(beat_dir, range(len(worker_group.workers))) if beat_dir else {}
+            last = max((b for b in beats.values() if b.get("generation") == self.generation),
+                       key=lambda b: b["monotonic"], default=None)
+            idle = time.monotonic() - last["monotonic"] if last else 0.0
+            self._stop_hung(worker_group, heartbeat.Stall(local_rank=frozen[0].local_rank,
+                                                          step=int(last["step"]) if last else 0,
+                                                          idle_seconds=idle, limit_seconds=0.0, how=how))
+
         def _restart_workers(self, worker_group):
-            # A peer announced the next generation. A worker of ours that is stopped (SIGSTOP, state T) would never
-            # see torch's SIGTERM (its stop waits 30 s, then SIGKILLs): it is the hung one; say so and kill it now.
-            pids = [w.id for w in worker_group.workers if w.id]
-            frozen = [pid for pid in pids if process_state(pid) in ("T", "t")]
-            if frozen and self.hang_report is None:
-                beats = heartbeat.read(beat_dir, range(len(pids))) if beat_dir else {}
-                last = max((b for b in beats.values() if b.get("generation") == self.generation),
-                           key=lambda b: b["time"], default=None)
-                idle = time.time() - last["time"] if last else 0.0
-                self._stop_hung(worker_group, heartbeat.Stall(
-                    local_rank=next(w.local_rank for w in worker_group.workers if w.id in frozen),
-                    step=int(last["step"]) if last else 0, idle_seconds=idle, limit_seconds=0.0,
-                    how="stopped (state T) when a peer's launcher restarted the gang"))
+            # A peer announced the next generation. A worker of ours that is stopped is the hung one.
+            if self.hang_report is None:
+                self._stop_frozen(worker_group, "stopped (state T) when a peer's launcher restarted the gang")
             state.restart_begins()
             super()._restart_workers(worker_group)
 

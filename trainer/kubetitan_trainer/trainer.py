@@ -150,7 +150,9 @@ class KubetitanTrainer(Trainer):
             raise NonFiniteLossError(self.step)
         self.productive_seconds += seconds
         self.metrics_processor.exporter.step_done(self.step, seconds)
-        self._heartbeat.step_done(self.step, seconds)
+        # a SIGTERM stop saves a full checkpoint on every rank, at any step: a save window for every watchdog (only
+        # the launcher of the pod that got SIGTERM knows of the stop)
+        self._heartbeat.step_done(self.step, seconds, saving=stop)
         if first:
             self._publish_startup(rec)
         if stop:

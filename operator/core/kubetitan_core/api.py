@@ -344,7 +344,9 @@ class RunPolicySpec(_Base):
     """A running attempt whose step has not advanced for this long is declared hung (with `hangTimeoutPolicy: Auto`,
     the upper bound of the automatic timeout). While in-place restarts are left, each pod's launcher watches its
     workers' steps and stops a hung one: every rank's workers restart in place (cause `Hang`); the operator
-    re-creates the gang only if none did within 30 s more (a frozen launcher or pod)."""
+    re-creates the gang only if none did within 30 s more (a frozen launcher or pod). The launchers take this and
+    `hangTimeoutPolicy` when their pods are created: a change reaches them with the next re-created attempt (the
+    operator's own rule applies it at once)."""
     hang_timeout_policy: Literal["Auto", "Fixed"] = "Auto"
     """`Fixed`: the hang timeout is `hangTimeoutSeconds`. `Auto`: it is 10 x the median step time the trainer
     reports (at least 30 s, or the operator's `--hang-floor-seconds`; at most `hangTimeoutSeconds`) once 5 steps of the current workers are seen, and
