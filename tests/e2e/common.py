@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
+
+from kmockx.harness import free_port  # noqa: F401 - the tests' one port allocator, re-exported for the scenarios
 
 NS = "ml"
 CLAIM = "checkpoints"
 """The ReadWriteMany claim every scenario checkpoints to (the e2e kubelet maps it to a temp dir)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def e2e_spec(ckpt_dir: Path, steps: int, interval: int, metrics_port: int, **run_policy: Any) -> dict[str, Any]:

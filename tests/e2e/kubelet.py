@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -63,7 +62,7 @@ from typing import Any
 import kmock
 import tomli_w
 
-from kmockx.harness import PODS, Cluster
+from kmockx.harness import PODS, Cluster, free_port
 
 LABEL_NAME = "kubetitan.io/name"
 CONFIG_MOUNT = "/etc/kubetitan"
@@ -98,12 +97,6 @@ def _children_map() -> dict[int, list[int]]:
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         out.setdefault(ppid, []).append(int(d))
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -524,7 +517,7 @@ class Kubelet:
         rdzv = next((a.split("=", 1)[1] for a in c.get("args") or [] if a.startswith("--rdzv-id=")), pp.name)
         for a in c.get("args") or []:
             if a.startswith("--master-port="):  # see the module docstring
-                a = f"--master-port={self.rdzv_ports.setdefault(rdzv, _free_port())}"
+                a = f"--master-port={self.rdzv_ports.setdefault(rdzv, free_port())}"
             if a.startswith(f"--config={CONFIG_MOUNT}/") and config_dir is not None:
                 a = f"--config={config_dir}/{a.split('/')[-1]}"
             if a.startswith("--master-addr=") and not NAMESPACES:

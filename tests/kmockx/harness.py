@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import errno
 import os
 import signal
 import socket
@@ -298,10 +299,62 @@ class Operator:
         return self.registry.get_sample_value(name, labels or {})
 
 
+PORT_BLOCK = 1000
+"""Ports :func:`free_port` hands out per test process (an xdist worker, or a bench), below the ephemeral range."""
+_next_port: list[int] = []
+
+
+def _port_block(worker: str, ephemeral_low: int) -> range:
+    """This process's block: 10000 + 1000 x (xdist worker number + 1) (0 for a process without xdist), below the
+    kernel's ephemeral ports, skipping the one holding torchrun's 29500 (refused as a metrics port by the API)."""
+    index = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    start = 10000 + PORT_BLOCK * index
+    if start <= 29500 < start + PORT_BLOCK:
+        start += PORT_BLOCK
+    if start + PORT_BLOCK > ephemeral_low:
+        raise RuntimeError(f"no port block for xdist worker {worker!r} below the ephemeral range ({ephemeral_low})")
+    return range(start, start + PORT_BLOCK)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for a listener a test names (a trainer's metrics port, the kubelet double's rendezvous port, an
+    operator's endpoint): from a block of this process's own below the kernel's ephemeral range, never the same
+    one twice in a row, and free on every interface when handed out.
+
+    Not ``bind(("127.0.0.1", 0))``: the kernel may hand the same ephemeral port to the next caller once the probe
+    closes, and the kubelet double's rendezvous port then equalled a test's metrics port (seen under two CPU hogs:
+    rank 0's TCPStore, which binds every interface, held it, and every worker failed with EADDRINUSE at start).
+    Ports the kernel picks for its own (gloo, TCPStore clients, the API double) come from the ephemeral range."""
+    block = _port_block(os.environ.get("PYTEST_XDIST_WORKER", ""), _ephemeral_low())
+    if not _next_port:
+        _next_port.append(block.start + os.getpid() % PORT_BLOCK)  # two plain processes at once: other offsets
+    for _ in range(PORT_BLOCK):
+        port = block.start + (_next_port[0] - block.start) % PORT_BLOCK
+        _next_port[0] = port + 1
+        if _bindable(port):
+            return port
+    raise RuntimeError(f"no free port in {block}")
+
+
+def _bindable(port: int) -> bool:
+    """Nothing listens on ``port`` on any interface (dual-stack ``::``, or ``0.0.0.0`` without IPv6)."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family) as s:
+                s.bind((host, port))
+            return True
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False  # taken (another program on this machine): the caller tries the next one
+    return False
 
 
 def proc_memory_mb(pid: int) -> dict[str, float]:
