@@ -69,7 +69,8 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
     if gen is not None and gen > (o.generation or 0):
         # The launchers restarted every rank's workers in place: steps may go back (to the checkpoint) and the
         # hang and start-up timers are this generation's, so the progress starts over.
-        o.previous_generation_step = o.step
+        prev = _int(metrics, contract.M_RESTART_PREVIOUS_STEP)  # the launcher's count, exact: beats the last scrape
+        o.previous_generation_step = max(prev, o.step or 0) if prev is not None and prev >= 0 else o.step
         o.step = o.start_step = o.first_step_time = o.last_progress_time = o.step_seconds_median = None
         ts = _num(metrics, contract.M_RESTART_TIMESTAMP)
         o.generation_start_time = iso_ms(ts if ts is not None and 0 < ts <= now else now)

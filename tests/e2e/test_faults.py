@@ -64,6 +64,16 @@ def _wait_attempt_step(c, name: str, attempt: int, step: int, timeout: float = S
         raise AssertionError(f"{e}; status: {_st(c, name)}; pods: {pods}") from None
 
 
+def _wait_restarts(c, name: str, count: int, timeout: float, what: str) -> None:
+    """Wait for restartCount == ``count``; on a time-out say what the status and the pods were."""
+    try:
+        wait_for(lambda: _st(c, name).get("restartCount") == count, timeout, what)
+    except AssertionError as e:
+        pods = [(p["metadata"]["name"], (p.get("status") or {}).get("phase"), p["metadata"].get("deletionTimestamp"))
+                for p in c.pods(NS, name)]
+        raise AssertionError(f"{e}; status: {_st(c, name)}; pods: {pods}") from None
+
+
 def _pods(c, name: str) -> list[str]:
     return c.pod_names(NS, name)
 
@@ -107,7 +117,7 @@ def test_one_run_through_every_fault(e2e) -> None:
 
         # ---- kill one rank's processes mid-run -> next attempt resumes from the last checkpoint
         k.kill(NS, f"{name}-a0-1")
-        wait_for(lambda: _st(c, name).get("restartCount") == 1, 60, "restart after the kill")
+        _wait_restarts(c, name, 1, 60, "restart after the kill")
         # what attempt 0 left, read once the restart is decided (attempt 1's pods do not exist yet): by the time
         # the restart record settles, attempt 1 may have saved its own next checkpoint (seen under two CPU hogs)
         left = complete_checkpoints(e2e.ckpt)
@@ -131,7 +141,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         # ---- freeze one process -> hang detected, restart
         frozen = k.freeze(NS, f"{name}-a1-1")
         assert frozen
-        wait_for(lambda: _st(c, name).get("restartCount") == 2, 90, "hang restart")
+        _wait_restarts(c, name, 2, 90, "hang restart")
         rec = _settled(c, name, 1)
         assert rec["cause"] == "Hang", rec
         resumed = rec["resumedFromStep"]
@@ -143,7 +153,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         victim = f"{name}-a2-1"
         node = c.get(PODS, NS, victim)["spec"]["nodeName"]
         k.fail_node(node)
-        wait_for(lambda: _st(c, name).get("restartCount") == 3, 60, "node failure restart")
+        _wait_restarts(c, name, 3, 60, "node failure restart")
         rec = _st(c, name)["restarts"][2]
         assert rec["cause"] == "NodeFailure" and rec["nodeName"] == node, rec
         # The dead node's kubelet never finishes a graceful deletion: only a grace-0 delete removes the pod.

@@ -617,6 +617,25 @@ def test_in_place_restart_is_tracked_recorded_and_settled_per_generation() -> No
     assert not C.is_true(st2.conditions, C.RESTARTING) and C.is_true(st2.conditions, C.READY)
 
 
+@pytest.mark.parametrize("previous, want", [
+    (16.0, 16),   # the launcher's heartbeat count: generation 0 trained 2 steps past the operator's last scrape (14)
+    (-1.0, 14),   # unknown (a launcher without heartbeats): what the operator saw
+    (None, 14),   # a trainer without the gauge: the same
+    (13.0, 14),   # never below what the operator saw
+])
+def test_the_work_an_in_place_restart_lost_counts_the_steps_past_the_last_scrape(previous, want) -> None:
+    """lostSteps = the previous generation's last step - the step resumed from; the last step comes from the
+    launcher's heartbeats (kubetitan_trainer_restart_previous_step): under two CPU hogs the e2e in-place test saw
+    lostSteps 2 where generation 0 had trained 4 steps past the checkpoint (the last scrape was 2 steps old)."""
+    m = {contract.M_STEP: 14.0, contract.M_ATTEMPT: 0.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 100,
+         contract.M_LAST_CHECKPOINT_STEP: 10.0, contract.M_RESTART_GENERATION: 0.0}
+    o = S.track(None, 0, NOW - 100, metrics=m, pods=gang())
+    m1 = {**m, contract.M_STEP: 10.0, contract.M_LAST_STEP_TIMESTAMP: 0.0, contract.M_RESTART_GENERATION: 1.0}
+    if previous is not None:
+        m1[contract.M_RESTART_PREVIOUS_STEP] = previous
+    assert S.track(o, 0, NOW - 8, metrics=m1, pods=gang()).previous_generation_step == want
+
+
 @pytest.mark.parametrize("resumed, steps_seen, start", [
     (10, 12.0, 10),   # the first scrape of generation 1 came two steps after its load: still resumed from 10
     (10, 11.0, 10),

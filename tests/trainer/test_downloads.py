@@ -135,7 +135,7 @@ sys.exit(main.main())
 def test_the_trainer_exits_2_for_a_missing_repo_and_6_when_the_hub_stays_down(tmp_path, status, code):
     """A real worker (torchtitan's Trainer builds the tokenizer) against the stand-in hub: 404 is a config error
     (exit 2, asked once), a hub that keeps answering 503 is exit 6 after its retries (3 tries)."""
-    from kubetitan_trainer.local import free_port
+    from kmockx.harness import free_port
 
     from .helpers import lpt, write_config
 

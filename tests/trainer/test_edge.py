@@ -10,13 +10,8 @@ from collections import namedtuple
 
 import pytest
 
+from kmockx.harness import free_port
 from kubetitan_core.contract import ExitCode
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.skipif(not socket.has_ipv6, reason="this Python has no IPv6")
@@ -33,7 +28,7 @@ def test_metrics_bind_is_dual_stack() -> None:
     ex = M.Exporter.__new__(M.Exporter)  # only serve() is under test: no torchtitan state needed
     ex.registry = CollectorRegistry()
     Gauge("kubetitan_test_up", "test gauge (ratio)", registry=ex.registry).set(1)
-    port = _free_port()
+    port = free_port()
     ex.serve(port)  # the default host 0.0.0.0
     for url in (f"http://127.0.0.1:{port}/metrics", f"http://[::1]:{port}/metrics"):
         assert "kubetitan_test_up 1.0" in urllib.request.urlopen(url, timeout=5).read().decode()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kubetitan_trainer.local import free_port
+from kmockx.harness import free_port
 
 from .helpers import lpt, write_config
 

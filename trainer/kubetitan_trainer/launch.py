@@ -557,6 +557,13 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                          time.time() - begin)
             # Every failing launcher posted its failure before it joined this round, so all are readable now.
             failure = earliest_failure(old, self.generation, nnodes) if old is not None else None
+            if failure is not None and beat_dir:
+                # the last step the ending generation trained (this pod's workers' heartbeats; every rank steps
+                # together): the work lost is exact, not what the operator's last scrape happened to see
+                steps = [b["step"] for b in heartbeat.read(beat_dir, range(config.nproc_per_node)).values()
+                         if b.get("generation") == self.generation]
+                if steps:
+                    failure["previous_step"] = max(steps)
             self.generation += 1
             self.hang_report = None
             if beat_dir:

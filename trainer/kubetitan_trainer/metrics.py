@@ -170,6 +170,10 @@ class Exporter:
                                        "began this generation; -1 in generation 0 (rank).", registry=r)
         self.restart_ts = Gauge(contract.M_RESTART_TIMESTAMP, "Unix time a launcher saw the worker failure that "
                                 "began this generation; 0 in generation 0 (seconds).", registry=r)
+        self.restart_previous_step = Gauge(contract.M_RESTART_PREVIOUS_STEP, "Last step the previous worker "
+                                           "generation trained, from rank 0's step heartbeat (the work an in-place "
+                                           "restart loses is the steps past the checkpoint it resumes from); -1 in "
+                                           "generation 0 or when unknown (step).", registry=r)
         self.step_median = Gauge(contract.M_STEP_DURATION_MEDIAN, "Median wall time of this generation's last "
                                  f"{MEDIAN_WINDOW} optimizer steps; the operator's automatic hang timeout scales "
                                  "with it (seconds).", registry=r)
@@ -178,6 +182,7 @@ class Exporter:
         self.restart_exit_code.set(failure.get("exit_code", -1))
         self.restart_node_rank.set(failure.get("node_rank", -1))
         self.restart_ts.set(failure.get("time", 0))
+        self.restart_previous_step.set(failure.get("previous_step", -1))
         self._recent: list[float] = []
         self._first_step_done = False
 
