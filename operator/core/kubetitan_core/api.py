@@ -511,7 +511,9 @@ class RestartRecord(_Base):
     resumed_from_step: int | None = None
     """Checkpoint step the next attempt (or worker generation) resumed from (0 = from scratch)."""
     lost_steps: int | None = None
-    """Steps trained in the failed attempt (or generation) after its last checkpoint, i.e. work lost."""
+    """Steps trained in the failed attempt (or generation) after its last checkpoint, i.e. work lost. In place: the
+    launchers' own count (exact). Re-created: from the operator's last scrape of the failed attempt, so the steps
+    rank 0 trained after that scrape are not counted (never more than the truth)."""
     startup: StartupPhases | None = None
     """The start-up of the workers that followed this restart, phase by phase (set once they trained a step)."""
 
