@@ -81,7 +81,9 @@ def _observe(tmp_path: Path, all_gather: bool) -> dict:
                         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--no-python",
                         PY, "-c", RANK, str(cfg), str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    out = r.stdout + r.stderr
+    fatal = out.find("Fatal Python error")  # a C++ abort: its first lines name the thread and the frame
+    assert r.returncode == 0, (out[fatal:fatal + 3000] + "\n...\n" if fatal >= 0 else "") + out[-4000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert ranks[0] == ranks[1]  # both ranks gather the same things
     return ranks[0]
