@@ -28,7 +28,7 @@ from kubetitan import conditions as C
 from kubetitan_core.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, RestartCause, RestartRecord, TrainingStatus
 from kubetitan_core import hang
 from kubetitan_core.contract import EXIT_SIGKILL, EXIT_SIGTERM, ExitCode
-from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS, AUTO_HANG_MIN_STEPS, AUTO_HANG_STEP_FACTOR  # noqa: F401 - re-exported
+from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 
 MAX_RESTART_RECORDS = 50
 NODE_FAILURES_TO_AVOID = 2
@@ -159,7 +159,7 @@ class Observed:
     """Names of the run's ConfigMap/Service that the API no longer shows although the current attempt's pods
     exist (deleted by hand): created again at once, with no restart (``Decision.recreate``)."""
     hang_floor_seconds: float = float(AUTO_HANG_FLOOR_SECONDS)
-    """The ``Auto`` hang timeout's floor (the operator's ``--hang-floor-seconds``, :data:`AUTO_HANG_FLOOR_SECONDS`
+    """The ``Auto`` hang timeout's floor (the operator's ``--hang-floor-seconds``, :data:`kubetitan_core.hang.AUTO_HANG_FLOOR_SECONDS`
     by default): Auto never waits less than this, whatever the step time."""
     attempt_steps: int | None = None
     """``spec.training.steps`` of the spec the current attempt was created from (its trainer's count; the spec's

@@ -37,8 +37,9 @@ from kubetitan_core import GROUP, PLURAL, VERSION, catalog, validation
 from kubetitan import __version__, plan, policy
 from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
+from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 from kubetitan import status as status_mod
-from kubetitan.decide import AUTO_HANG_FLOOR_SECONDS, Action, ChildError, decide, parse_time, restart_event
+from kubetitan.decide import Action, ChildError, decide, parse_time, restart_event
 from kubetitan.kube import Client, ClientClosed, classify, load_config, message_of
 from kubetitan.observe import node_obs, parse_metrics, pod_obs, scrape, spec_changes
 from kubetitan.operator_metrics import OperatorMetrics

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kubetitan import handlers
-from kubetitan.decide import AUTO_HANG_FLOOR_SECONDS
+from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 
 
 def _opts(*argv: str) -> handlers.Options:

@@ -17,6 +17,7 @@ the operator's ``startupTimeoutSeconds``, not a hang.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -96,10 +97,8 @@ def read(folder: str, local_ranks: range | list[int]) -> dict[int, dict]:
 def clear(folder: str, local_ranks: range | list[int]) -> None:
     """Remove the heartbeats of workers that are gone (before their generation's successors start)."""
     for r in local_ranks:
-        try:
+        with contextlib.suppress(OSError):  # none written, or already gone
             os.remove(path(folder, r))
-        except OSError:
-            pass
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ inherited from the launcher.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -391,10 +392,8 @@ def process_state(pid: int) -> str:
 def kill_workers(pids: list[int]) -> None:
     """SIGKILL: a hung or stopped worker may never act on SIGTERM (torch's stop would wait its 30 s for it)."""
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone (or reaped and reused)
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def poll_seconds(nnodes: int) -> float:
