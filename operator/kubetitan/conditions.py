@@ -149,6 +149,14 @@ def checkpoints_durable(spec: LlamaPretrainSpec) -> tuple[str, str, str]:
                                        "(kept while the run stays on that node)")
 
 
+def phase_reason(conditions: Sequence[Condition], phase: str | None) -> str:
+    """The reason that goes with the displayed phase (the operator's ``kubetitan_operator_job_phase_info``): the
+    terminal condition's reason for Succeeded/Failed (``StorageFull``, ``NetworkNotEFA``, ...), otherwise Ready's
+    (``Training``, ``PodsUnschedulable``, ``BackOff``, ``InvalidSpec``, ...); empty when there is none yet."""
+    c = find(conditions, phase) if phase in (SUCCEEDED, FAILED) else find(conditions, READY)
+    return c.reason if c is not None else ""
+
+
 def derive_phase(conditions: Sequence[Condition], attempt_exists: bool) -> Phase:
     """The single rule from conditions to the displayed phase (the first matching line wins)."""
     if is_true(conditions, SUCCEEDED):

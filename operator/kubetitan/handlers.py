@@ -463,7 +463,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if d.action in (Action.RESTART, Action.RESTARTED_IN_PLACE) and d.cause:
                 ctx.metrics.restarted(ns, name, d.cause, "InPlace" if d.action == Action.RESTARTED_IN_PLACE
                                       else "Recreate")
-            ctx.metrics.set_phase(ns, name, new.phase)
+            ctx.metrics.set_phase(ns, name, new.phase, C.phase_reason(new.conditions, new.phase))
             ctx.metrics.set_training(ns, name, new.training, new.restart_count)
             job.done = d.action == Action.FINISHED and not d.delete and not d.force_delete \
                 and d.requeue_after is None and not d.delete_self
@@ -548,7 +548,7 @@ async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainSta
         if refused and new.message != old.message:
             _event(body, "Warning", C.POLICY_VIOLATION, new.message or "")
     job.status = new
-    ctx.metrics.set_phase(ns, name, new.phase)
+    ctx.metrics.set_phase(ns, name, new.phase, C.phase_reason(new.conditions, new.phase))
 
 
 CREATE_RETRY_BASE_SECONDS = 0.5

@@ -39,6 +39,9 @@ def test_policy_refuses_at_reconcile_and_restricted_namespaces_admit_the_pods(cl
         events = wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "PolicyViolation"],
                           10, "PolicyViolation event")
         assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "bad"
+        # the phase/reason series the alerts read (kubetitan_operator_job_phase_info)
+        assert op.metric("kubetitan_operator_job_phase_info", {"namespace": NS, "name": "bad", "phase": "Pending",
+                                                               "reason": "PolicyViolation"}) == 1
         # The allowed run's pods pass PSA restricted (a refused pod would be a 403 and ChildrenCreated=False).
         wait_for(lambda: len(cluster.pod_names(NS, "good")) == 2, 20, "2 pods of good")
         assert cluster.pod_names(NS, "bad") == []

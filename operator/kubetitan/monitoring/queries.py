@@ -21,6 +21,7 @@ OP_JOB_TOKENS_PER_SECOND = "kubetitan_operator_job_tokens_per_second"
 OP_JOB_MFU = "kubetitan_operator_job_mfu_ratio"
 OP_JOB_GOODPUT = "kubetitan_operator_job_goodput_ratio"
 OP_JOB_RESTARTS = "kubetitan_operator_job_restarts"
+OP_JOB_PHASE_INFO = "kubetitan_operator_job_phase_info"
 BUILD_INFO = "kubetitan_build_info"
 # Trainer metric the alerts need beyond contract.M_* (the trainer exports it; see docs/monitoring.md).
 # The alert falls back to config.checkpoint_interval_steps_default while the trainer does not export it.
