@@ -160,6 +160,28 @@ def heartbeat_age(cfg: MonitoringConfig) -> str:
     return f"time() - max({c.M_LAST_STEP_TIMESTAMP}{{{run_selector(cfg)}}})"
 
 
+def eta_seconds(cfg: MonitoringConfig) -> str:
+    """Seconds left to ``spec.training.steps`` at the current pace: steps left x the slowest pod's mean step time
+    over the rate window (the gang moves at its slowest pod's pace; checkpoint stalls and restarts not counted)."""
+    return f"({total_steps(cfg)} - {step(cfg)}) * max({step_time_by_pod(cfg)})"
+
+
+def finish_time_ms(cfg: MonitoringConfig) -> str:
+    """When the run reaches ``spec.training.steps`` at the current pace (Unix time in ms, for Grafana's date units)."""
+    return f"(time() + {eta_seconds(cfg)}) * 1000"
+
+
+def restart_annotations(cfg: MonitoringConfig) -> str:
+    """A restart of the run (its restart count, ``status.restartCount``, changed): the dashboard's annotation.
+    The count exists from the run's first cycle, so even the first restart of a cause is caught."""
+    return f"changes({OP_JOB_RESTARTS}{{{op_job_selector(cfg)}}}[{RATE}]) > 0"
+
+
+def restart_cause_annotations(cfg: MonitoringConfig) -> str:
+    """Restarts of the run by cause and mode (InPlace / Recreate) within the window: the annotation's tags."""
+    return f"sum by (cause, mode) (increase({OP_RESTARTS}{{{op_job_selector(cfg)}}}[{RATE}])) > 0"
+
+
 def job_restarts(cfg: MonitoringConfig) -> str:
     return f"max({OP_JOB_RESTARTS}{{{op_job_selector(cfg)}}})"
 
