@@ -8,12 +8,48 @@ import yaml
 from chartlib import CHART, by_kind, helm, render, values_args
 from kubetitan import handlers
 from kubetitan import policy
-from kubetitan.policy import ANY, Policy, node_labels
+from kubetitan.policy import ANY, KNOBS, Policy, node_labels
 
 
 def _operator_policy(files=(), sets=()) -> Policy:
     (c,) = by_kind(render(list(files), list(sets)), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
     return handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).policy
+
+
+def _args() -> list[str]:
+    (c,) = by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    return c["args"]
+
+
+def test_the_chart_passes_every_knob_as_its_flag():
+    assert sorted(a.split("=", 1)[0] for a in _args() if a.startswith("--policy-")) == sorted(k.flag for k in KNOBS)
+
+
+OPEN_DEFAULTS_OF_ISSUE_30 = [
+    ({"resources": {"priorityClassName": "system-node-critical"}}, "policy.priorityClasses"),
+    ({"resources": {"tolerations": [{"operator": "Exists"}]}}, "policy.keylessTolerations"),
+    ({"resources": {"nodeSelector": {"dedicated": "team-b"}}}, "policy.nodeLabels"),
+    ({"scheduling": {"schedulerName": "my-scheduler"}}, "policy.schedulerNames"),
+]
+
+
+@pytest.mark.parametrize("spec, rule", OPEN_DEFAULTS_OF_ISSUE_30, ids=[r for _, r in OPEN_DEFAULTS_OF_ISSUE_30])
+def test_the_chart_defaults_refuse_what_was_open(spec, rule):
+    """With `helm install`'s defaults, the operator's policy (from the rendered flags) refuses each of these."""
+    from kubetitan_core.validation import parse
+
+    pol = handlers.options_from_args(handlers.build_parser().parse_args(_args())).policy
+    obj = {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain", "metadata": {"name": "r", "namespace": "ml"},
+           "spec": {"model": {"flavor": "debug"}, "training": {"steps": 100, "warmupSteps": 10},
+                    "data": {"source": "synthetic"}, "tokenizer": {"source": "builtin"},
+                    "checkpoint": {"storage": {"persistentVolumeClaim": {"claimName": "ck"}}},
+                    "resources": {"gpusPerNode": 0}, **spec}}
+    obj["spec"]["resources"] = {"gpusPerNode": 0, **spec.get("resources", {})}
+    lpt, errors = parse(obj)
+    assert lpt is not None and not errors, errors
+    assert [v.rule for v in policy.check(lpt, pol)] == [rule]
+    assert not policy.check(lpt, Policy(priority_classes=(ANY,), keyless_tolerations=True,
+                                        node_labels=node_labels({ANY: {ANY: [ANY]}}), scheduler_names=(ANY,)))
 
 
 def test_chart_defaults_are_the_policy_defaults():
