@@ -267,8 +267,9 @@ def render(rules: list[Any] | None = None) -> str:
         "what is refused, and no new attempt (restart, resume) starts until the spec complies or the policy "
         "allows it; the same holds for a started run whose edited spec becomes invalid (reason `InvalidSpec`). "
         "`kubetitan validate --policy FILE` checks the same (FILE: these keys, or a Helm values file with a "
-        "`policy` block). Each knob is a list of what is allowed: `[\"*\"]` allows anything, `[]` nothing; "
-        "docs/install.md shows how an admin sets them."), "",
+        "`policy` block). The list knobs hold what is allowed: `[\"*\"]` allows anything, `[]` nothing; "
+        "docs/install.md states the trust model (what creating a LlamaPretrain lets a user do, and what each knob "
+        "bounds) and shows how an admin sets them."), "",
         "| Helm value | Operator flag | Default | Meaning |", "|---|---|---|---|"]
     out += [f"| `{value}` | `{flag}` | `{default}` | {_cell(help_)} |"
             for value, flag, default, help_ in policy.knob_table()]

@@ -92,7 +92,7 @@ def _expand_lists(docs: list[Any]) -> list[Any]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from kubetitan import policy
-    from kubetitan_core.catalog import instance_type_warning
+    from kubetitan_core.validation import warnings
 
     pol = load_policy(args.policy) if args.policy else None
     bad = 0
@@ -112,8 +112,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 _print_errors(path, name, errors)
             else:
                 print(f"{path}: LlamaPretrain {name} is valid")
-            if not errors and lpt is not None and (warning := instance_type_warning(lpt.spec)):
-                print(f"{path}: warning: {warning}", file=sys.stderr)
+            for w in warnings(lpt.spec) if not errors and lpt is not None else ():  # the warning-rule table
+                print(f"{path}: warning: {w.message}", file=sys.stderr)
     return EXIT_INVALID if bad else 0
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kubetitan_core.api import Condition, Phase
+from kubetitan_core import validation
+from kubetitan_core.api import Condition, LlamaPretrainSpec, Phase
 
 # ------------------------------------------------------------------ condition types
 READY = "Ready"
@@ -36,8 +37,13 @@ run: it only means progress is not known."""
 CHILDREN_CREATED = "ChildrenCreated"
 """False while the API refuses a child of the current attempt (403, 422, a name held by another object)."""
 
+CHECKPOINTS_DURABLE = "CheckpointsDurable"
+"""Whether the checkpoints outlive the pods (a volume holds them): False warns of a single-node run that saves into
+the pod's own filesystem (warning rule ``checkpoint.no-volume``, also a Warning Event), or of checkpoints turned off.
+Computed from the spec alone (:func:`checkpoints_durable`)."""
+
 ALL_TYPES = (READY, SPEC_ACCEPTED, SUSPENDED, RESTARTING, UNSCHEDULABLE, CHILDREN_CREATED, METRICS_AVAILABLE,
-             SUCCEEDED, FAILED)
+             CHECKPOINTS_DURABLE, SUCCEEDED, FAILED)
 
 # ------------------------------------------------------------------ reasons
 INVALID_SPEC = "InvalidSpec"
@@ -82,6 +88,10 @@ FORBIDDEN = "Forbidden"
 INVALID = "Invalid"
 NAME_CONFLICT = "NameConflict"
 API_UNAVAILABLE = "APIUnavailable"
+CHECKPOINT_VOLUME = "CheckpointVolume"
+CHECKPOINTS_DISABLED = "CheckpointsDisabled"
+NO_CHECKPOINT_VOLUME = next(r.reason for r in validation.WARNING_RULES if r.id == "checkpoint.no-volume")
+"""``NoCheckpointVolume``: the warning rule's own reason (its Event has the same)."""
 
 
 def find(conditions: Sequence[Condition], type_: str) -> Condition | None:
@@ -122,6 +132,29 @@ def set_condition(
         return True
     conditions.append(new)
     return True
+
+
+def checkpoints_durable(spec: LlamaPretrainSpec) -> tuple[str, str, str]:
+    """(status, reason, message) of the ``CheckpointsDurable`` condition: a pure function of the spec."""
+    ck = spec.checkpoint
+    if not ck.enabled:
+        return "False", CHECKPOINTS_DISABLED, "checkpoint.enabled is false: nothing is saved, a failure ends the run"
+    warned = [w for w in validation.warnings(spec) if w.rule == "checkpoint.no-volume"]
+    if warned:
+        return "False", NO_CHECKPOINT_VOLUME, warned[0].message
+    if ck.storage.persistent_volume_claim is not None:
+        return "True", CHECKPOINT_VOLUME, (f"checkpoints are saved to PersistentVolumeClaim "
+                                           f"{ck.storage.persistent_volume_claim.claim_name}")
+    return "True", CHECKPOINT_VOLUME, (f"checkpoints are saved to hostPath {ck.storage.host_path} of the node "
+                                       "(kept while the run stays on that node)")
+
+
+def phase_reason(conditions: Sequence[Condition], phase: str | None) -> str:
+    """The reason that goes with the displayed phase (the operator's ``kubetitan_operator_job_phase_info``): the
+    terminal condition's reason for Succeeded/Failed (``StorageFull``, ``NetworkNotEFA``, ...), otherwise Ready's
+    (``Training``, ``PodsUnschedulable``, ``BackOff``, ``InvalidSpec``, ...); empty when there is none yet."""
+    c = find(conditions, phase) if phase in (SUCCEEDED, FAILED) else find(conditions, READY)
+    return c.reason if c is not None else ""
 
 
 def derive_phase(conditions: Sequence[Condition], attempt_exists: bool) -> Phase:

@@ -33,7 +33,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kubetitan_core import GROUP, PLURAL, VERSION, catalog, validation
+from kubetitan_core import GROUP, PLURAL, VERSION, validation
 from kubetitan import __version__, plan, policy
 from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
@@ -113,8 +113,8 @@ class JobState:
     created again (as before)."""
 
 
-    warned: str | None = None
-    """The catalog warning (unknown instance type) this replica last sent as an Event for the run."""
+    warned: tuple[Any, ...] = ()
+    """The spec warnings (``validation.warnings``) this replica last sent as Events for the run."""
 
     children_seen: set[str] = field(default_factory=set)
     """The run's ConfigMap/Service names the indexes have shown (for ``ensured_attempt``): one absent after
@@ -344,10 +344,11 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 await _write_invalid(ctx, ns, name, old, errors, meta.get("generation"), now, job, body)
                 return errors
             spec = lpt.spec
-            if (warning := catalog.instance_type_warning(lpt.spec)) != job.warned:
-                job.warned = warning
-                if warning:
-                    _event(body, "Warning", "UnknownInstanceType", warning)
+            if (warned := tuple(validation.warnings(spec))) != job.warned:  # the warning-rule table's
+                for w in warned:
+                    if w not in job.warned:
+                        _event(body, "Warning", w.reason, w.message)
+                job.warned = warned
             attempt = old.attempt if old.attempt is not None else 0
             if pods_override is not None:
                 pods = pods_override
@@ -462,7 +463,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if d.action in (Action.RESTART, Action.RESTARTED_IN_PLACE) and d.cause:
                 ctx.metrics.restarted(ns, name, d.cause, "InPlace" if d.action == Action.RESTARTED_IN_PLACE
                                       else "Recreate")
-            ctx.metrics.set_phase(ns, name, new.phase)
+            ctx.metrics.set_phase(ns, name, new.phase, C.phase_reason(new.conditions, new.phase))
             ctx.metrics.set_training(ns, name, new.training, new.restart_count)
             job.done = d.action == Action.FINISHED and not d.delete and not d.force_delete \
                 and d.requeue_after is None and not d.delete_self
@@ -547,7 +548,7 @@ async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainSta
         if refused and new.message != old.message:
             _event(body, "Warning", C.POLICY_VIOLATION, new.message or "")
     job.status = new
-    ctx.metrics.set_phase(ns, name, new.phase)
+    ctx.metrics.set_phase(ns, name, new.phase, C.phase_reason(new.conditions, new.phase))
 
 
 CREATE_RETRY_BASE_SECONDS = 0.5

@@ -45,13 +45,27 @@ class OperatorMetrics:
                              registry=r)
         self.job_restarts = Gauge("kubetitan_operator_job_restarts", "Gang restarts of a LlamaPretrain (count).",
                                   labels, registry=r)
+        # One series per run: its labels move with the status (the old series is removed), so the cardinality
+        # is the number of runs; the alerts on failed and unschedulable runs read it.
+        self.phase_info = Gauge("kubetitan_operator_job_phase_info",
+                                "Phase of a LlamaPretrain and the reason that goes with it (the terminal "
+                                "condition's for Succeeded/Failed, Ready's otherwise); always 1 (info).",
+                                ["namespace", "name", "phase", "reason"], registry=r)
         self._phases: dict[tuple[str, str], str] = {}
+        self._infos: dict[tuple[str, str], tuple[str, str]] = {}
         self._causes: dict[tuple[str, str], set[tuple[str, str]]] = {}
         for p in PHASES:
             self.phase.labels(p).set(0)
 
-    def set_phase(self, ns: str, name: str, phase: str | None) -> None:
+    def set_phase(self, ns: str, name: str, phase: str | None, reason: str = "") -> None:
         key = (ns, name)
+        info = (phase, reason) if phase is not None else None
+        if self._infos.get(key) != info:
+            if key in self._infos:
+                self.phase_info.remove(ns, name, *self._infos.pop(key))
+            if info is not None:
+                self._infos[key] = info
+                self.phase_info.labels(ns, name, *info).set(1)
         old = self._phases.get(key)
         if old == phase:
             return

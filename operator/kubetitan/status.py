@@ -277,6 +277,7 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
         cond(C.SPEC_ACCEPTED, "True", C.DEFERRED_TO_NEXT_ATTEMPT, obs.spec_deferred)
     else:
         cond(C.SPEC_ACCEPTED, "True", C.SPEC_APPLIED, "the spec is valid and applied")
+    cond(C.CHECKPOINTS_DURABLE, *C.checkpoints_durable(spec))
 
     terminal = d.action in (Action.FAIL, Action.SUCCEED, Action.FINISHED)
     if d.action == Action.SUCCEED:

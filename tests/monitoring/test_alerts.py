@@ -22,6 +22,12 @@ ALERTS = {a.name: a for a in al.alerts()}
 T = 'job="kubetitan-trainer",namespace="ml",name="run",pod="run-a0-0"'
 O = 'job="kubetitan-operator",namespace="kubetitan-system",pod="kt-kubetitan-0"'
 J = 'job="kubetitan-operator",namespace="ml",name="run",pod="kt-kubetitan-0"'  # per-run operator series
+P = "kubetitan_operator_job_phase_info"
+
+
+def _run(phase: str, reason: str) -> dict[str, str]:
+    """The labels of an alert on a run's phase: the run, and the phase and reason it is in."""
+    return {"namespace": "ml", "name": "run", "phase": phase, "reason": reason}
 
 
 def promtool() -> str:
@@ -93,6 +99,39 @@ CASES = [
     Case("checkpoint-fresh", "KubeTitanCheckpointStale",
          {f"kubetitan_trainer_step{{{T}}}": "0+10x30", f"kubetitan_trainer_last_checkpoint_step{{{T}}}": "0+10x30",
           f"kubetitan_trainer_checkpoint_interval_steps{{{T}}}": "20x30"}, "20m", False),
+    # -- a run's phase and reason (kubetitan_operator_job_phase_info): the series moves with the status
+    Case("run-failed-fires", "KubeTitanRunFailed",
+         {f'{P}{{{J},phase="Running",reason="Training"}}': "1x5 _x10",
+          f'{P}{{{J},phase="Failed",reason="MaxRestartsExceeded"}}': "_x5 1x10"}, "8m", True,
+         labels=_run("Failed", "MaxRestartsExceeded")),
+    Case("run-failed-pending", "KubeTitanRunFailed",
+         {f'{P}{{{J},phase="Running",reason="Training"}}': "1x5 _x10",
+          f'{P}{{{J},phase="Failed",reason="MaxRestartsExceeded"}}': "_x5 1x10"}, "5m", False),
+    Case("run-running", "KubeTitanRunFailed", {f'{P}{{{J},phase="Running",reason="Training"}}': "1x15"}, "10m", False),
+    Case("run-succeeded", "KubeTitanRunFailed", {f'{P}{{{J},phase="Succeeded",reason="Completed"}}': "1x15"}, "10m",
+         False),
+    Case("run-failed-storage-full-has-its-own", "KubeTitanRunFailed",
+         {f'{P}{{{J},phase="Failed",reason="StorageFull"}}': "1x15"}, "10m", False),
+    Case("unschedulable-waiting-fires", "KubeTitanRunUnschedulable",
+         {f'{P}{{{J},phase="Starting",reason="PodsUnschedulable"}}': "1x15"}, "5m", True,
+         labels=_run("Starting", "PodsUnschedulable")),
+    Case("unschedulable-failed-fires", "KubeTitanRunUnschedulable",
+         {f'{P}{{{J},phase="Failed",reason="UnschedulableTimeout"}}': "1x15"}, "5m", True,
+         labels=_run("Failed", "UnschedulableTimeout")),
+    Case("unschedulable-pending", "KubeTitanRunUnschedulable",
+         {f'{P}{{{J},phase="Starting",reason="WaitingForPods"}}': "1x2 _x2",
+          f'{P}{{{J},phase="Starting",reason="PodsUnschedulable"}}': "_x2 1x2"}, "2m", False),
+    Case("unschedulable-waiting-for-pods", "KubeTitanRunUnschedulable",
+         {f'{P}{{{J},phase="Starting",reason="WaitingForPods"}}': "1x15"}, "10m", False),
+    Case("storage-full-fires", "KubeTitanStorageFull", {f'{P}{{{J},phase="Failed",reason="StorageFull"}}': "1x5"},
+         "1m", True, labels=_run("Failed", "StorageFull")),
+    Case("storage-other-failure", "KubeTitanStorageFull", {f'{P}{{{J},phase="Failed",reason="ConfigError"}}': "1x5"},
+         "1m", False),
+    Case("network-not-efa-fires", "KubeTitanNetworkNotEFA",
+         {f'{P}{{{J},phase="Failed",reason="NetworkNotEFA"}}': "1x5"}, "1m", True,
+         labels=_run("Failed", "NetworkNotEFA")),
+    Case("network-efa-ok", "KubeTitanNetworkNotEFA", {f'{P}{{{J},phase="Running",reason="Training"}}': "1x5"}, "1m",
+         False),
     # -- operator down
     Case("operator-down-fires", "KubeTitanOperatorDown", {f"up{{{O}}}": "0x20"}, "15m", True, labels={}),
     Case("operator-down-no-target-fires", "KubeTitanOperatorDown", {f"up{{{T}}}": "1x20"}, "15m", True, labels={}),

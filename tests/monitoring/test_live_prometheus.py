@@ -198,6 +198,12 @@ def panel_targets():
                 yield f"{dash['uid']}/{panel['title']}/{t['refId']}", t["expr"]
 
 
+def annotation_queries():
+    for dash in (dashboards.run_dashboard(), dashboards.operator_dashboard()):
+        for a in dash["annotations"]["list"]:
+            yield f"{dash['uid']}/annotation {a['name']}", a["expr"]
+
+
 def promtool_check_metrics(text: str) -> subprocess.CompletedProcess:
     return subprocess.run([binary("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
                           timeout=30)
@@ -277,6 +283,27 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(tmp_path):
         assert 0 < scalar(substitute(queries.mfu(DEFAULT))) < 1
         assert scalar(substitute(queries.job_restarts(DEFAULT))) == 1
         assert scalar(substitute(queries.goodput(DEFAULT))) == pytest.approx(0.93)
+        # ETA: the steps left at the slowest pod's pace, so positive and finite while the run trains
+        eta = scalar(substitute(queries.eta_seconds(DEFAULT)))
+        assert eta is not None and 0 < eta < 1e6, eta
+        assert scalar(substitute(queries.finish_time_ms(DEFAULT))) > time.time() * 1000
+
+        # Restart annotations: nothing while the restart count stands still; a restart (the operator records it
+        # as it does in a cycle: the cause counter and the run's count) marks the dashboard within a rate window.
+        annotations = list(annotation_queries())
+        assert [name for name, _ in annotations] == ["kubetitan-run/annotation Restarts",
+                                                     "kubetitan-run/annotation Restart causes"]
+        for ident, expr in annotations:
+            r = instant(substitute(expr))
+            assert r.get("status") == "success", f"{ident}: {r.get('error')}"
+            assert r["data"]["result"] == [], f"{ident} marks a restart before there was one: {r['data']['result']}"
+        m.restarted(NS, NAME, "NodeFailure")
+        m.set_training(NS, NAME, TrainingStatus(step=41, total_steps=400), restart_count=2)
+        for ident, expr in annotations:
+            result = wait_for(f"{ident} to mark the restart", lambda e=expr: instant(substitute(e))["data"]["result"],
+                              30, prom, prom_log)
+            if "cause" in expr:
+                assert [x["metric"] for x in result] == [{"cause": "NodeFailure", "mode": "Recreate"}], result
 
         # Prometheus loaded the generated rules and evaluates them without errors.
         groups = http_json(f"{api}/rules")["data"]["groups"]

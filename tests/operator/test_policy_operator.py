@@ -39,6 +39,9 @@ def test_policy_refuses_at_reconcile_and_restricted_namespaces_admit_the_pods(cl
         events = wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "PolicyViolation"],
                           10, "PolicyViolation event")
         assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "bad"
+        # the phase/reason series the alerts read (kubetitan_operator_job_phase_info)
+        assert op.metric("kubetitan_operator_job_phase_info", {"namespace": NS, "name": "bad", "phase": "Pending",
+                                                               "reason": "PolicyViolation"}) == 1
         # The allowed run's pods pass PSA restricted (a refused pod would be a 403 and ChildrenCreated=False).
         wait_for(lambda: len(cluster.pod_names(NS, "good")) == 2, 20, "2 pods of good")
         assert cluster.pod_names(NS, "bad") == []
@@ -116,3 +119,33 @@ def test_spec_edited_invalid_mid_run_keeps_observing_the_running_pods(cluster: C
         base = op.metric(cycles) or 0.0
         wait_for(lambda: (op.metric(cycles) or 0.0) >= base + 20, 20, "20 more reconcile cycles")
         assert not [n for n in cluster.pod_names(NS, "run") if "-a1-" in n]
+
+
+def test_single_node_run_without_a_checkpoint_volume_gets_a_warning_condition_and_one_event(cluster: Cluster) -> None:
+    """``spec.checkpoint`` on (the default) with no storage on one node: the checkpoints would die with the pod.
+    The run still starts (it is valid), with ``CheckpointsDurable=False`` reason ``NoCheckpointVolume`` and one
+    Warning Event of that reason; a run with a claim gets ``CheckpointsDurable=True`` and no such Event."""
+    bare = cpu_spec(nodes=1)
+    del bare["checkpoint"]["storage"]
+    op = Operator(cluster)
+    with op:
+        cluster.apply(lpt("bare", bare))
+        cluster.apply(lpt("kept", cpu_spec(nodes=1)))
+        cond = wait_for(lambda: cluster.condition(NS, "bare", "CheckpointsDurable"), 20, "CheckpointsDurable of bare")
+        assert cond["status"] == "False" and cond["reason"] == "NoCheckpointVolume", cond
+        assert "a re-created pod (node failure, eviction, a restart that re-creates the gang) starts again from " \
+               "step 0" in cond["message"]
+        events = wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "NoCheckpointVolume"],
+                          10, "NoCheckpointVolume event")
+        assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "bare"
+        assert events[0]["message"] == cond["message"]
+        wait_for(lambda: len(cluster.pod_names(NS, "bare")) == 1, 20, "the pod of bare (a warning never blocks)")
+        kept = wait_for(lambda: cluster.condition(NS, "kept", "CheckpointsDurable"), 20, "CheckpointsDurable of kept")
+        assert kept["status"] == "True" and kept["reason"] == "CheckpointVolume", kept
+        # One event, not one per cycle: let the operator run 20 more cycles, then count again.
+        cycles = "kubetitan_operator_reconcile_duration_seconds_count"
+        base = op.metric(cycles) or 0.0
+        wait_for(lambda: (op.metric(cycles) or 0.0) >= base + 20, 20, "20 more reconcile cycles")
+        warned = [e for e in cluster.list("v1/events", NS) if e.get("reason") == "NoCheckpointVolume"]
+        assert [e["involvedObject"]["name"] for e in warned] == ["bare"]
+        assert cluster.condition(NS, "bare", "CheckpointsDurable") == cond

@@ -1127,3 +1127,73 @@ def _without_unrepresentable(value: Any) -> Any:
     if isinstance(value, list):
         return [_without_unrepresentable(v) for v in value if v is not None and not _out_of_range(v)]
     return value
+
+
+# ------------------------------------------------------------------ warnings
+@dataclass(frozen=True)
+class WarningRule:
+    """One warning, written once: a spec that is valid but probably not what its author wants. Its id, the field
+    it reports at, what it checks, and the CamelCase ``reason`` of the Warning Event the operator sends (and the
+    condition reason where a condition reports it). ``kubetitan validate`` prints the same warnings."""
+
+    id: str
+    field: str
+    checks: str
+    reason: str
+
+
+WARNING_RULES: tuple[WarningRule, ...] = (
+    WarningRule("resources.unknown-instance-type", "spec.resources.instanceType",
+                "an instance type outside the catalog with nothing that says its GPU, EFA, CPU and memory",
+                "UnknownInstanceType"),
+    WarningRule("checkpoint.no-volume", "spec.checkpoint.storage",
+                "a single-node run saving checkpoints with no checkpoint volume (they are lost with the pod)",
+                "NoCheckpointVolume"),
+)
+"""Every warning rule, in the order they are reported; one predicate each in ``WARNING_CHECKS``."""
+
+
+@dataclass(frozen=True)
+class FieldWarning:
+    """One warning about a valid spec: where, what and what to do, and the rule (id and Event reason)."""
+
+    path: str
+    message: str
+    rule: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+def _warn_unknown_instance_type(spec: LlamaPretrainSpec) -> Iterator[tuple[str, str]]:
+    from kubetitan_core.catalog import instance_type_warning
+
+    if warning := instance_type_warning(spec):
+        yield "spec.resources.instanceType", warning
+
+
+def _warn_no_checkpoint_volume(spec: LlamaPretrainSpec) -> Iterator[tuple[str, str]]:
+    ck, r = spec.checkpoint, spec.resources
+    if ck.enabled and ck.storage.persistent_volume_claim is None and ck.storage.host_path is None and r.nodes == 1:
+        restarts = f" (runPolicy.maxRestarts is {spec.run_policy.max_restarts})" if spec.run_policy.max_restarts else ""
+        yield "spec.checkpoint.storage", (
+            f"checkpoints are saved into the pod's own filesystem at {ck.mount_path}: they survive an in-place "
+            "restart, but a re-created pod (node failure, eviction, a restart that re-creates the gang) starts "
+            f"again from step 0{restarts}, and large saves fill the node's ephemeral storage (the kubelet evicts the "
+            "pod); set checkpoint.storage.persistentVolumeClaim (or hostPath where the admin policy allows it), or "
+            "checkpoint.enabled: false and runPolicy.maxRestarts: 0 for a throw-away run")
+
+
+WARNING_CHECKS: dict[str, Callable[[LlamaPretrainSpec], Iterator[tuple[str, str]]]] = {
+    "resources.unknown-instance-type": _warn_unknown_instance_type,
+    "checkpoint.no-volume": _warn_no_checkpoint_volume,
+}
+"""Warning rule id -> its predicate (a parsed spec in, (path, message) out)."""
+
+
+def warnings(spec: LlamaPretrainSpec) -> list[FieldWarning]:
+    """Every warning about a valid spec, in :data:`WARNING_RULES` order (pure: the CLI prints them, the operator
+    sends each as a Warning Event and reports ``checkpoint.no-volume`` in its ``CheckpointsDurable`` condition)."""
+    return [FieldWarning(path, message, rule.id, rule.reason)
+            for rule in WARNING_RULES for path, message in WARNING_CHECKS[rule.id](spec)]

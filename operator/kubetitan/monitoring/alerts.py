@@ -18,6 +18,10 @@ from kubetitan.monitoring.config import DEFAULT, MonitoringConfig
 
 GROUP_NAME = "kubetitan"
 LPT = "LlamaPretrain {{ $labels.namespace }}/{{ $labels.name }}"
+OWN_ALERT_REASONS = ("StorageFull", "NetworkNotEFA", "UnschedulableTimeout")
+"""Failed reasons with an alert of their own: KubeTitanRunFailed leaves them to it."""
+UNSCHEDULABLE_REASONS = ("PodsUnschedulable", "UnschedulableTimeout")
+"""Ready's reason while the Unschedulable condition is True (waiting), and Failed's when it failed the run."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,11 @@ class Alert:
 
 def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
     t, by = cfg.trainer, cfg.by_job
+    info = q.OP_JOB_PHASE_INFO
+
+    def phase(selector: str) -> str:
+        return f"max by ({by}, phase, reason) ({info}{{{cfg.operator}, {selector}}}) > 0"
+
     return [
         Alert(
             "KubeTitanTrainingStalled",
@@ -118,6 +127,50 @@ def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
             f"{cfg.checkpoint_stale_intervals} checkpoint intervals: a restart now loses that work. Check the "
             "trainer logs for failed saves, the checkpoint storage (capacity, credentials, throughput) and "
             "the checkpoint save time panel.",
+        ),
+        Alert(
+            "KubeTitanRunFailed",
+            phase(f'phase="Failed", reason!~"{"|".join(OWN_ALERT_REASONS)}"'),
+            cfg.run_failed_for,
+            "warning",
+            "A training run failed.",
+            f"{LPT} failed with reason {{{{ $labels.reason }}}} and will not restart by itself. Check "
+            "`kubectl describe lpt` (the Failed condition's message names the pod, its exit code and the fix), "
+            "`status.restarts` for what came before, and the logs of the failed pod; fix the spec or the cause, "
+            "then re-create the run (it resumes from its newest checkpoint).",
+        ),
+        Alert(
+            "KubeTitanRunUnschedulable",
+            phase(f'reason=~"{"|".join(UNSCHEDULABLE_REASONS)}"'),
+            cfg.run_unschedulable_for,
+            "warning",
+            "A training run's pods cannot all be scheduled.",
+            f"{LPT} is {{{{ $labels.phase }}}} ({{{{ $labels.reason }}}}): its pods have waited longer than "
+            "runPolicy.unschedulableTimeoutSeconds for nodes. Check the Unschedulable condition's message (the "
+            "scheduler's reason), free GPUs in the node pool (`kubectl describe nodes`), the namespace's "
+            "ResourceQuota, Kueue admission, taints and the run's nodeSelector/affinity.",
+        ),
+        Alert(
+            "KubeTitanStorageFull",
+            phase('phase="Failed", reason="StorageFull"'),
+            cfg.storage_full_for,
+            "warning",
+            "A training run failed: its checkpoint volume is full.",
+            f"{LPT} failed because its checkpoint volume had too little free space for a save (the trainer "
+            "exits 4 rather than write a partial checkpoint). Check the volume's usage, free space or enlarge "
+            "the claim (FSx for Lustre: raise its storage capacity), lower checkpoint.keepLatestK, then re-create "
+            "the run: it resumes from the newest complete checkpoint.",
+        ),
+        Alert(
+            "KubeTitanNetworkNotEFA",
+            phase('phase="Failed", reason="NetworkNotEFA"'),
+            cfg.network_not_efa_for,
+            "warning",
+            "A training run failed: NCCL is not using EFA.",
+            f"{LPT} asked for EFA but NCCL was not on it after the first step (exit 5 with "
+            "networkFallback: Fail), so training would have run over TCP sockets at a fraction of the bandwidth. "
+            "Check the trainer image for libfabric and aws-ofi-nccl, the pods' vpc.amazonaws.com/efa requests, "
+            "the EFA device plugin on the nodes and the NCCL lines of the rank 0 log.",
         ),
         Alert(
             "KubeTitanOperatorDown",

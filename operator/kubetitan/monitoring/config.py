@@ -58,6 +58,13 @@ class MonitoringConfig:
     reconcile_errors_threshold: int = 5
     """More failed reconciliations than this within ``reconcile_errors_window``."""
     reconcile_errors_for: str = "15m"
+    run_failed_for: str = "1m"
+    """A run Failed (for any reason but those with their own alert below) -> KubeTitanRunFailed."""
+    run_unschedulable_for: str = "1m"
+    """The operator reports the run Unschedulable (its pods waited longer than the run's own
+    ``runPolicy.unschedulableTimeoutSeconds``, so the wait is already long) -> KubeTitanRunUnschedulable."""
+    storage_full_for: str = "0m"
+    network_not_efa_for: str = "0m"
 
     # ---- annotations
     runbook_url_base: str = "https://github.com/kubetitan/kubetitan/blob/main/docs/runbook.md"

@@ -92,8 +92,37 @@ def _variable(name: str, label: str, query: str) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Annotation:
+    """A Prometheus annotation query of a dashboard: every series the query returns marks a point in time."""
+
+    name: str
+    expr: str
+    title: str
+    text: str
+    tag_keys: str = ""
+    color: str = "red"
+
+
+def annotation(a: Annotation) -> dict[str, Any]:
+    """The one annotation constructor (Grafana's Prometheus annotation: ``expr``, ``step``, title/text/tag formats)."""
+    return {
+        "name": a.name,
+        "datasource": DS,
+        "enable": True,
+        "hide": False,
+        "iconColor": a.color,
+        "expr": a.expr,
+        "step": "15s",
+        "titleFormat": a.title,
+        "textFormat": a.text,
+        "tagKeys": a.tag_keys,
+        "useValueForTime": False,
+    }
+
+
 def _dashboard(uid: str, title: str, panels: list[Panel], variables: list[dict[str, Any]],
-               cfg: MonitoringConfig) -> dict[str, Any]:
+               cfg: MonitoringConfig, annotations: list[Annotation] = ()) -> dict[str, Any]:
     datasource = {
         "name": "datasource",
         "label": "Data source",
@@ -114,7 +143,7 @@ def _dashboard(uid: str, title: str, panels: list[Panel], variables: list[dict[s
         "refresh": cfg.dashboard_refresh,
         "time": {"from": cfg.dashboard_time_from, "to": "now"},
         "templating": {"list": [datasource, *variables]},
-        "annotations": {"list": []},
+        "annotations": {"list": [annotation(a) for a in annotations]},
         "links": [],
         "panels": _layout(panels),
     }
@@ -131,6 +160,12 @@ def run_panels(cfg: MonitoringConfig = DEFAULT) -> list[Panel]:
         Panel("Time since last step", "Heartbeat age: seconds since the last completed step. "
               "A growing value means a hang (the operator restarts after `runPolicy.hangTimeoutSeconds`).",
               [Target(q.heartbeat_age(cfg), "seconds")], unit="s", width=6, kind="stat"),
+        Panel("ETA", "Time left to `spec.training.steps` at the current pace: steps left x the slowest pod's mean "
+              "step time over the last few minutes. Checkpoint stalls and restarts are not counted, so the run "
+              "finishes later than this when it restarts.",
+              [Target(q.eta_seconds(cfg), "time left")], unit="s", width=6, kind="stat"),
+        Panel("Finishes at", "When the run reaches `spec.training.steps` at the current pace (the ETA added to "
+              "now).", [Target(q.finish_time_ms(cfg), "finish")], unit="dateTimeAsIso", width=6, kind="stat"),
         Panel("Loss", "Training loss (torchtitan's global average over data-parallel ranks).",
               [Target(q.loss(cfg), "loss")]),
         Panel("Gradient norm", "Total gradient norm before clipping (`training.maxNorm`).",
@@ -223,7 +258,18 @@ def run_dashboard(cfg: MonitoringConfig = DEFAULT) -> dict[str, Any]:
         _variable("namespace", "Namespace", f'label_values({q.c.M_STEP}{{{cfg.trainer}}}, namespace)'),
         _variable("job", "LlamaPretrain", f'label_values({q.c.M_STEP}{{{cfg.trainer}, namespace="$namespace"}}, name)'),
     ]
-    return _dashboard("kubetitan-run", "kubetitan / Training run", run_panels(cfg), variables, cfg)
+    return _dashboard("kubetitan-run", "kubetitan / Training run", run_panels(cfg), variables, cfg, run_annotations(cfg))
+
+
+def run_annotations(cfg: MonitoringConfig = DEFAULT) -> list[Annotation]:
+    """Restarts marked on every time series panel of the run dashboard."""
+    return [
+        Annotation("Restarts", q.restart_annotations(cfg), "Restart",
+                   "The run's restart count changed (status.restarts has the cause, node and lost steps)."),
+        Annotation("Restart causes", q.restart_cause_annotations(cfg), "Restart: {{cause}} ({{mode}})",
+                   "Gang restart by cause {{cause}}, mode {{mode}} (InPlace: the same pods; Recreate: a new gang).",
+                   tag_keys="cause,mode", color="orange"),
+    ]
 
 
 def operator_dashboard(cfg: MonitoringConfig = DEFAULT) -> dict[str, Any]:

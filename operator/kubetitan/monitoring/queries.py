@@ -21,6 +21,7 @@ OP_JOB_TOKENS_PER_SECOND = "kubetitan_operator_job_tokens_per_second"
 OP_JOB_MFU = "kubetitan_operator_job_mfu_ratio"
 OP_JOB_GOODPUT = "kubetitan_operator_job_goodput_ratio"
 OP_JOB_RESTARTS = "kubetitan_operator_job_restarts"
+OP_JOB_PHASE_INFO = "kubetitan_operator_job_phase_info"
 BUILD_INFO = "kubetitan_build_info"
 # Trainer metric the alerts need beyond contract.M_* (the trainer exports it; see docs/monitoring.md).
 # The alert falls back to config.checkpoint_interval_steps_default while the trainer does not export it.
@@ -157,6 +158,28 @@ def checkpoint_saves(cfg: MonitoringConfig) -> str:
 
 def heartbeat_age(cfg: MonitoringConfig) -> str:
     return f"time() - max({c.M_LAST_STEP_TIMESTAMP}{{{run_selector(cfg)}}})"
+
+
+def eta_seconds(cfg: MonitoringConfig) -> str:
+    """Seconds left to ``spec.training.steps`` at the current pace: steps left x the slowest pod's mean step time
+    over the rate window (the gang moves at its slowest pod's pace; checkpoint stalls and restarts not counted)."""
+    return f"({total_steps(cfg)} - {step(cfg)}) * max({step_time_by_pod(cfg)})"
+
+
+def finish_time_ms(cfg: MonitoringConfig) -> str:
+    """When the run reaches ``spec.training.steps`` at the current pace (Unix time in ms, for Grafana's date units)."""
+    return f"(time() + {eta_seconds(cfg)}) * 1000"
+
+
+def restart_annotations(cfg: MonitoringConfig) -> str:
+    """A restart of the run (its restart count, ``status.restartCount``, changed): the dashboard's annotation.
+    The count exists from the run's first cycle, so even the first restart of a cause is caught."""
+    return f"changes({OP_JOB_RESTARTS}{{{op_job_selector(cfg)}}}[{RATE}]) > 0"
+
+
+def restart_cause_annotations(cfg: MonitoringConfig) -> str:
+    """Restarts of the run by cause and mode (InPlace / Recreate) within the window: the annotation's tags."""
+    return f"sum by (cause, mode) (increase({OP_RESTARTS}{{{op_job_selector(cfg)}}}[{RATE}])) > 0"
 
 
 def job_restarts(cfg: MonitoringConfig) -> str:
