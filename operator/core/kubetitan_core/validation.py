@@ -277,6 +277,34 @@ def hub_repo_error(repo: str) -> str | None:
     return None
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def hub_dataset_error(dataset: str) -> str | None:
+    """Why ``dataset`` (``spec.data.huggingface.dataset``) is neither a hub dataset id, an absolute path in the pod
+    nor ``builtin``, or None. The trainer hands anything else to ``datasets.load_dataset`` as a hub id."""
+    if dataset == "builtin" or dataset.startswith("/"):
+        return None
+    if dataset != dataset.strip():
+        return (f"{dataset!r} has leading or trailing white space; remove it (e.g. {dataset.strip()!r})")
+    scheme = _SCHEME.match(dataset)
+    if scheme and scheme.group(1).lower() == "hf":
+        rest = dataset[len(scheme.group(0)):].removeprefix("datasets/")
+        return (f"{dataset!r} is an hf:// URL; give the hub dataset id, the part after hf://datasets/ "
+                f"(e.g. {rest or 'allenai/c4'})")
+    if scheme and scheme.group(1).lower() in ("s3", "gs", "gcs", "az", "abfs", "file"):
+        return (f"{dataset!r} is an object-store or file URL, which the huggingface source does not read; tokenize "
+                "the files with `kubetitan prepare-data` and use data.source: shards (docs/data.md), or give a "
+                "hub dataset id such as allenai/c4 or an absolute path in the pod")
+    if scheme or dataset.startswith(("http://", "https://")) or "huggingface.co/" in dataset:
+        return (f"{dataset!r} is a URL; give the hub dataset id (e.g. allenai/c4, the part after "
+                "huggingface.co/datasets/), an absolute path in the pod, or builtin")
+    if hub_repo_error(dataset) is not None:
+        return (f"{dataset!r} is not a hub dataset id: use namespace/name of letters, digits, '-', '_' and '.' "
+                "(no spaces, '--' or '..'), e.g. allenai/c4; or give an absolute path in the pod, or builtin")
+    return None
+
+
 def known_tokenizer_vocab(repo: str | None) -> int | None:
     return next((n for pattern, n in KNOWN_TOKENIZERS if repo and pattern.match(repo)), None)
 
@@ -712,10 +740,8 @@ def _hub_repo_id(f: Facts) -> Problems:
     if tok.repo and (msg := hub_repo_error(tok.repo)) is not None:
         yield "spec.tokenizer.repo", msg
     if data.source == "huggingface" and data.huggingface is not None \
-            and data.huggingface.dataset.startswith(("http://", "https://")):
-        yield "spec.data.huggingface.dataset", (
-            f"{data.huggingface.dataset!r} is a URL; give the hub dataset id (e.g. allenai/c4, the part after "
-            "huggingface.co/datasets/), a path in the pod, or builtin")
+            and (msg := hub_dataset_error(data.huggingface.dataset)) is not None:
+        yield "spec.data.huggingface.dataset", msg
 
 
 @check("tokenizer.repo-required")
