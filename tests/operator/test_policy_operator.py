@@ -46,7 +46,7 @@ def test_policy_refuses_at_reconcile_and_restricted_namespaces_admit_the_pods(cl
         unknown = wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "UnknownInstanceType"],
                            10, "UnknownInstanceType event")
         assert unknown[0]["type"] == "Warning" and unknown[0]["involvedObject"]["name"] == "good"
-        assert unknown[0]["message"].startswith("instance type x9.fake is not in kubetitan's catalog")
+        assert unknown[0]["message"].startswith("spec.resources.instanceType: instance type x9.fake is not in kubetitan's catalog")
         # One event, not one per cycle: let the operator run 20 more cycles, then count again.
         cycles = "kubetitan_operator_reconcile_duration_seconds_count"
         base = op.metric(cycles) or 0.0
