@@ -202,7 +202,7 @@ def render(rules: list[Any] | None = None) -> str:
     ]
     for path, _ in spec_sections + status_sections:
         out.append(f"{'  ' * path.count('.')}- [`{path}`](#{_anchor(path)})")
-    out += ["- [Cross-field rules](#cross-field-rules)", "- [Printer columns](#printer-columns)",
+    out += ["- [Cross-field rules](#cross-field-rules)", "- [Warnings](#warnings)", "- [Printer columns](#printer-columns)",
             "- [Trainer exit codes](#trainer-exit-codes)", "- [Restart causes](#restart-causes)",
             "- [Names and pod fields](#names-and-pod-fields)", "- [Admin policy](#admin-policy)", ""]
 
@@ -231,6 +231,17 @@ def render(rules: list[Any] | None = None) -> str:
             "| Rule | Field | Checks | CEL | Trainer |", "|---|---|---|---|---|"]
     out += [f"| {r.id} | {_cell(r.field)} | {_cell(r.checks)} | {'yes' if r.cel else ''} | {_cell(r.trainer)} |"
             for r in RULES]
+    out.append("")
+
+    from kubetitan_core.warning_rules import WARNINGS
+
+    out += ["## Warnings", "", _cell(
+        "Valid specs that are probably not what was meant, one table (`kubetitan_core.warning_rules.WARNINGS`). A "
+        "warning never refuses anything: `kubetitan validate` prints each as `warning [id] path: message` and "
+        "exits 0, and the operator sends each as a Warning Event. File warnings compare the documents of one "
+        "file (`kubetitan validate` only)."), "",
+            "| Warning | Field | Flags | Scope |", "|---|---|---|---|"]
+    out += [f"| {w.id} | {_cell(w.field)} | {_cell(w.flags)} | {w.scope} |" for w in WARNINGS]
     out.append("")
 
     out += ["## Status", "", "Written only by the operator, through the `status` subresource.", ""]

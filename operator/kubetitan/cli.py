@@ -92,11 +92,12 @@ def _expand_lists(docs: list[Any]) -> list[Any]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from kubetitan import policy
-    from kubetitan_core.validation import warnings
+    from kubetitan_core.warning_rules import file_warnings, warnings_for
 
     pol = load_policy(args.policy) if args.policy else None
     bad = 0
     for path in args.files:
+        valid: list[Any] = []
         for doc in _expand_lists(load_documents(path)):
             lpt, errors = parse(doc)
             meta = doc.get("metadata") if isinstance(doc, dict) else None
@@ -112,8 +113,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 _print_errors(path, name, errors)
             else:
                 print(f"{path}: LlamaPretrain {name} is valid")
-            for w in warnings(lpt.spec) if not errors and lpt is not None else ():  # the warning-rule table
-                print(f"{path}: warning: {w.message}", file=sys.stderr)
+            if not errors and lpt is not None:
+                valid.append(lpt)
+                for w in warnings_for(lpt):  # warnings never change the exit code
+                    print(f"{path}: warning [{w.rule}] {w}", file=sys.stderr)
+        for _, w in file_warnings(valid):
+            print(f"{path}: warning [{w.rule}] {w}", file=sys.stderr)
     return EXIT_INVALID if bad else 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kubetitan_core import validation
+from kubetitan_core import warning_rules
 from kubetitan_core.api import Condition, LlamaPretrainSpec, Phase
 
 # ------------------------------------------------------------------ condition types
@@ -90,7 +90,7 @@ NAME_CONFLICT = "NameConflict"
 API_UNAVAILABLE = "APIUnavailable"
 CHECKPOINT_VOLUME = "CheckpointVolume"
 CHECKPOINTS_DISABLED = "CheckpointsDisabled"
-NO_CHECKPOINT_VOLUME = next(r.reason for r in validation.WARNING_RULES if r.id == "checkpoint.no-volume")
+NO_CHECKPOINT_VOLUME = warning_rules.RULE_BY_ID["checkpoint.no-volume"].reason
 """``NoCheckpointVolume``: the warning rule's own reason (its Event has the same)."""
 
 
@@ -139,9 +139,8 @@ def checkpoints_durable(spec: LlamaPretrainSpec) -> tuple[str, str, str]:
     ck = spec.checkpoint
     if not ck.enabled:
         return "False", CHECKPOINTS_DISABLED, "checkpoint.enabled is false: nothing is saved, a failure ends the run"
-    warned = [w for w in validation.warnings(spec) if w.rule == "checkpoint.no-volume"]
-    if warned:
-        return "False", NO_CHECKPOINT_VOLUME, warned[0].message
+    if (warned := warning_rules.no_checkpoint_volume(spec)) is not None:
+        return "False", NO_CHECKPOINT_VOLUME, warned
     if ck.storage.persistent_volume_claim is not None:
         return "True", CHECKPOINT_VOLUME, (f"checkpoints are saved to PersistentVolumeClaim "
                                            f"{ck.storage.persistent_volume_claim.claim_name}")

@@ -33,7 +33,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kubetitan_core import GROUP, PLURAL, VERSION, validation
+from kubetitan_core import GROUP, PLURAL, VERSION, validation, warning_rules
 from kubetitan import __version__, plan, policy
 from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
@@ -113,8 +113,9 @@ class JobState:
     created again (as before)."""
 
 
-    warned: tuple[Any, ...] = ()
-    """The spec warnings (``validation.warnings``) this replica last sent as Events for the run."""
+    warned: frozenset[tuple[str, str]] = frozenset()
+    """The spec warnings (rule id, message: ``kubetitan_core.warning_rules``) this replica last sent as Warning
+    Events for the run: each is sent once, and again only after it went away and came back."""
 
     children_seen: set[str] = field(default_factory=set)
     """The run's ConfigMap/Service names the indexes have shown (for ``ensured_attempt``): one absent after
@@ -344,11 +345,10 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 await _write_invalid(ctx, ns, name, old, errors, meta.get("generation"), now, job, body)
                 return errors
             spec = lpt.spec
-            if (warned := tuple(validation.warnings(spec))) != job.warned:  # the warning-rule table's
-                for w in warned:
-                    if w not in job.warned:
-                        _event(body, "Warning", w.reason, w.message)
-                job.warned = warned
+            warnings = {(w.rule, str(w)) for w in warning_rules.warnings_for(lpt)}
+            for rule, message in sorted(warnings - job.warned):
+                _event(body, "Warning", warning_rules.RULE_BY_ID[rule].reason, message)
+            job.warned = frozenset(warnings)
             attempt = old.attempt if old.attempt is not None else 0
             if pods_override is not None:
                 pods = pods_override

@@ -121,7 +121,7 @@ def test_validate_prints_the_warning_and_still_exits_0(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", str(f)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "is valid" in r.stdout
-    assert f"{f}: warning: instance type p7.96xlarge is not in kubetitan's catalog" in r.stderr
+    assert f"{f}: warning [resources.unknown-instance-type] spec.resources.instanceType: instance type p7.96xlarge is not in kubetitan's catalog" in r.stderr
 
 
 @pytest.mark.parametrize("instance_type, efa, rdma, hugepages", [

@@ -49,7 +49,7 @@ def test_policy_refuses_at_reconcile_and_restricted_namespaces_admit_the_pods(cl
         unknown = wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "UnknownInstanceType"],
                            10, "UnknownInstanceType event")
         assert unknown[0]["type"] == "Warning" and unknown[0]["involvedObject"]["name"] == "good"
-        assert unknown[0]["message"].startswith("instance type x9.fake is not in kubetitan's catalog")
+        assert unknown[0]["message"].startswith("spec.resources.instanceType: instance type x9.fake is not in kubetitan's catalog")
         # One event, not one per cycle: let the operator run 20 more cycles, then count again.
         cycles = "kubetitan_operator_reconcile_duration_seconds_count"
         base = op.metric(cycles) or 0.0
@@ -138,7 +138,7 @@ def test_single_node_run_without_a_checkpoint_volume_gets_a_warning_condition_an
         events = wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "NoCheckpointVolume"],
                           10, "NoCheckpointVolume event")
         assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "bare"
-        assert events[0]["message"] == cond["message"]
+        assert events[0]["message"] == f"spec.checkpoint.storage: {cond['message']}"
         wait_for(lambda: len(cluster.pod_names(NS, "bare")) == 1, 20, "the pod of bare (a warning never blocks)")
         kept = wait_for(lambda: cluster.condition(NS, "kept", "CheckpointsDurable"), 20, "CheckpointsDurable of kept")
         assert kept["status"] == "True" and kept["reason"] == "CheckpointVolume", kept

@@ -196,7 +196,7 @@ def unknown_instance_type_warning(instance_type: str | None, gpus_per_node: int,
 
 def instance_type_warning(spec: Any) -> str | None:
     """:func:`unknown_instance_type_warning` of a ``LlamaPretrainSpec`` (the CLI prints it, the operator sends
-    it as a Warning Event ``UnknownInstanceType``)."""
+    it as a Warning Event ``UnknownInstanceType``: it is a row of ``kubetitan_core.warning_rules``)."""
     from kubetitan_core.api import processes_per_node  # lazy: importing the catalog needs no pydantic
 
     r = spec.resources

@@ -48,6 +48,24 @@ class _Loader(yaml.SafeLoader):
         finally:
             self.depth -= 1
 
+    def scan_to_next_token(self) -> None:
+        """PyYAML's scanner with libyaml's tab rule (``yaml_parser_scan_to_next_token``): a tab is white space where
+        no simple key can start (after a value, ``steps: 1000<TAB># c``) and inside flow collections. PyYAML skips
+        only spaces there and calls such a file invalid; libyaml, go-yaml and so kubectl read it. A tab that
+        indents a line is still refused (no simple key is allowed to start there only after a line break)."""
+        if self.index == 0 and self.peek() == "\uFEFF":
+            self.forward()
+        while True:
+            while self.peek() == " " or (self.peek() == "\t" and (self.flow_level or not self.allow_simple_key)):
+                self.forward()
+            if self.peek() == "#":
+                while self.peek() not in "\0\r\n\x85\u2028\u2029":
+                    self.forward()
+            if not self.scan_line_break():
+                return
+            if not self.flow_level:
+                self.allow_simple_key = True
+
 
 def _syntax_error(e: yaml.YAMLError) -> str:
     """One line: where, what, and how to fix it (PyYAML's own text spans several lines)."""
@@ -112,20 +130,45 @@ def _build(loader: _Loader, node: yaml.Node, path: list[str], depth: int, stack:
         return [_build(loader, c, path[:-1] + [f"{path[-1] if path else ''}[{i}]"], depth + 1, stack, count)
                 for i, c in enumerate(node.value)]
     if isinstance(node, yaml.MappingNode):
-        loader.flatten_mapping(node)  # merge keys (<<)
-        out: dict[Any, Any] = {}
-        lines: dict[Any, int] = {}
-        for k, v in node.value:
-            key = _build(loader, k, path, depth + 1, stack, count)
-            if isinstance(key, (list, dict)):
-                raise YamlError(f"line {_line(k)}: {_path(path)}: a mapping key must be a plain value")
-            if key in out:
-                raise YamlError(f"line {_line(k)}: {_path(path + [str(key)])}: duplicate key (first on line "
-                                f"{lines[key]}); keep only one")
-            lines[key] = _line(k)
-            out[key] = _build(loader, v, path + [str(key)], depth + 1, stack, count)
-        return out
+        return _mapping(loader, node, path, depth, stack, count)
     raise YamlError(f"line {_line(node)}: unsupported YAML node")
+
+
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+def _mapping(loader: _Loader, node: yaml.MappingNode, path: list[str], depth: int, stack: set[int],
+             count: list[int]) -> dict[Any, Any]:
+    """A mapping with the YAML merge-key semantics kubectl's reader has: the written keys override merged ones, and
+    in ``<<: [*a, *b]`` a key of an earlier map overrides the same key of a later one. Only a key written twice
+    in the mapping itself is a duplicate. (PyYAML's ``flatten_mapping`` is not used: it tells merged keys from
+    written ones by the identity of their string objects.)"""
+    merged: dict[Any, Any] = {}
+    out: dict[Any, Any] = {}
+    lines: dict[Any, int] = {}
+    merge_line = 0
+    for k, v in node.value:
+        if k.tag == _MERGE:
+            if merge_line:
+                raise YamlError(f"line {_line(k)}: {_path(path + ['<<'])}: duplicate merge key (first on line "
+                                f"{merge_line}); list the maps in one: <<: [*a, *b]")
+            merge_line = _line(k)
+            sources = v.value if isinstance(v, yaml.SequenceNode) else [v]
+            for src in reversed(sources):  # the first map listed wins: apply it last
+                if not isinstance(src, yaml.MappingNode):
+                    raise YamlError(f"line {_line(src)}: {_path(path + ['<<'])}: a merge key takes a mapping or a "
+                                    "list of mappings (e.g. <<: *defaults); merge only maps")
+                merged.update(_build(loader, src, path, depth + 1, stack, count))
+            continue
+        key = _build(loader, k, path, depth + 1, stack, count)
+        if isinstance(key, (list, dict)):
+            raise YamlError(f"line {_line(k)}: {_path(path)}: a mapping key must be a plain value")
+        if key in out:
+            raise YamlError(f"line {_line(k)}: {_path(path + [str(key)])}: duplicate key (first on line "
+                            f"{lines[key]}); keep only one")
+        lines[key] = _line(k)
+        out[key] = _build(loader, v, path + [str(key)], depth + 1, stack, count)
+    return {**{k: v for k, v in merged.items() if k not in out}, **out} if merged else out
 
 
 def load_all(data: bytes | str) -> list[Any]:

@@ -277,6 +277,34 @@ def hub_repo_error(repo: str) -> str | None:
     return None
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def hub_dataset_error(dataset: str) -> str | None:
+    """Why ``dataset`` (``spec.data.huggingface.dataset``) is neither a hub dataset id, an absolute path in the pod
+    nor ``builtin``, or None. The trainer hands anything else to ``datasets.load_dataset`` as a hub id."""
+    if dataset == "builtin" or dataset.startswith("/"):
+        return None
+    if dataset != dataset.strip():
+        return (f"{dataset!r} has leading or trailing white space; remove it (e.g. {dataset.strip()!r})")
+    scheme = _SCHEME.match(dataset)
+    if scheme and scheme.group(1).lower() == "hf":
+        rest = dataset[len(scheme.group(0)):].removeprefix("datasets/")
+        return (f"{dataset!r} is an hf:// URL; give the hub dataset id, the part after hf://datasets/ "
+                f"(e.g. {rest or 'allenai/c4'})")
+    if scheme and scheme.group(1).lower() in ("s3", "gs", "gcs", "az", "abfs", "file"):
+        return (f"{dataset!r} is an object-store or file URL, which the huggingface source does not read; tokenize "
+                "the files with `kubetitan prepare-data` and use data.source: shards (docs/data.md), or give a "
+                "hub dataset id such as allenai/c4 or an absolute path in the pod")
+    if scheme or dataset.startswith(("http://", "https://")) or "huggingface.co/" in dataset:
+        return (f"{dataset!r} is a URL; give the hub dataset id (e.g. allenai/c4, the part after "
+                "huggingface.co/datasets/), an absolute path in the pod, or builtin")
+    if hub_repo_error(dataset) is not None:
+        return (f"{dataset!r} is not a hub dataset id: use namespace/name of letters, digits, '-', '_' and '.' "
+                "(no spaces, '--' or '..'), e.g. allenai/c4; or give an absolute path in the pod, or builtin")
+    return None
+
+
 def known_tokenizer_vocab(repo: str | None) -> int | None:
     return next((n for pattern, n in KNOWN_TOKENIZERS if repo and pattern.match(repo)), None)
 
@@ -712,10 +740,8 @@ def _hub_repo_id(f: Facts) -> Problems:
     if tok.repo and (msg := hub_repo_error(tok.repo)) is not None:
         yield "spec.tokenizer.repo", msg
     if data.source == "huggingface" and data.huggingface is not None \
-            and data.huggingface.dataset.startswith(("http://", "https://")):
-        yield "spec.data.huggingface.dataset", (
-            f"{data.huggingface.dataset!r} is a URL; give the hub dataset id (e.g. allenai/c4, the part after "
-            "huggingface.co/datasets/), a path in the pod, or builtin")
+            and (msg := hub_dataset_error(data.huggingface.dataset)) is not None:
+        yield "spec.data.huggingface.dataset", msg
 
 
 @check("tokenizer.repo-required")
@@ -1128,72 +1154,3 @@ def _without_unrepresentable(value: Any) -> Any:
         return [_without_unrepresentable(v) for v in value if v is not None and not _out_of_range(v)]
     return value
 
-
-# ------------------------------------------------------------------ warnings
-@dataclass(frozen=True)
-class WarningRule:
-    """One warning, written once: a spec that is valid but probably not what its author wants. Its id, the field
-    it reports at, what it checks, and the CamelCase ``reason`` of the Warning Event the operator sends (and the
-    condition reason where a condition reports it). ``kubetitan validate`` prints the same warnings."""
-
-    id: str
-    field: str
-    checks: str
-    reason: str
-
-
-WARNING_RULES: tuple[WarningRule, ...] = (
-    WarningRule("resources.unknown-instance-type", "spec.resources.instanceType",
-                "an instance type outside the catalog with nothing that says its GPU, EFA, CPU and memory",
-                "UnknownInstanceType"),
-    WarningRule("checkpoint.no-volume", "spec.checkpoint.storage",
-                "a single-node run saving checkpoints with no checkpoint volume (they are lost with the pod)",
-                "NoCheckpointVolume"),
-)
-"""Every warning rule, in the order they are reported; one predicate each in ``WARNING_CHECKS``."""
-
-
-@dataclass(frozen=True)
-class FieldWarning:
-    """One warning about a valid spec: where, what and what to do, and the rule (id and Event reason)."""
-
-    path: str
-    message: str
-    rule: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
-
-
-def _warn_unknown_instance_type(spec: LlamaPretrainSpec) -> Iterator[tuple[str, str]]:
-    from kubetitan_core.catalog import instance_type_warning
-
-    if warning := instance_type_warning(spec):
-        yield "spec.resources.instanceType", warning
-
-
-def _warn_no_checkpoint_volume(spec: LlamaPretrainSpec) -> Iterator[tuple[str, str]]:
-    ck, r = spec.checkpoint, spec.resources
-    if ck.enabled and ck.storage.persistent_volume_claim is None and ck.storage.host_path is None and r.nodes == 1:
-        restarts = f" (runPolicy.maxRestarts is {spec.run_policy.max_restarts})" if spec.run_policy.max_restarts else ""
-        yield "spec.checkpoint.storage", (
-            f"checkpoints are saved into the pod's own filesystem at {ck.mount_path}: they survive an in-place "
-            "restart, but a re-created pod (node failure, eviction, a restart that re-creates the gang) starts "
-            f"again from step 0{restarts}, and large saves fill the node's ephemeral storage (the kubelet evicts the "
-            "pod); set checkpoint.storage.persistentVolumeClaim (or hostPath where the admin policy allows it), or "
-            "checkpoint.enabled: false and runPolicy.maxRestarts: 0 for a throw-away run")
-
-
-WARNING_CHECKS: dict[str, Callable[[LlamaPretrainSpec], Iterator[tuple[str, str]]]] = {
-    "resources.unknown-instance-type": _warn_unknown_instance_type,
-    "checkpoint.no-volume": _warn_no_checkpoint_volume,
-}
-"""Warning rule id -> its predicate (a parsed spec in, (path, message) out)."""
-
-
-def warnings(spec: LlamaPretrainSpec) -> list[FieldWarning]:
-    """Every warning about a valid spec, in :data:`WARNING_RULES` order (pure: the CLI prints them, the operator
-    sends each as a Warning Event and reports ``checkpoint.no-volume`` in its ``CheckpointsDurable`` condition)."""
-    return [FieldWarning(path, message, rule.id, rule.reason)
-            for rule in WARNING_RULES for path, message in WARNING_CHECKS[rule.id](spec)]
