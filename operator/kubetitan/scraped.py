@@ -24,6 +24,10 @@ from kubetitan_core.api import AttemptObservation
 
 MAX_STEP = 2**53 - 1
 """The largest step (or count) stored: the largest integer every JSON reader keeps exact."""
+MAX_STEP_SECONDS = 86400.0
+"""The longest optimizer step believed (a day): the ETA (now + steps left x step time) and the automatic hang
+timeout scale with it, so a larger value would put a date past year 9999 into the status or switch hang
+detection off."""
 CLOCK_SKEW_SECONDS = 600.0
 """How far ahead of the operator's clock a pod's Unix time may be (a clock further ahead would hold the hang
 timer off for as long)."""
@@ -74,8 +78,8 @@ RULES: tuple[Rule, ...] = (
     Rule(contract.M_TOKENS_PER_SECOND_PER_GPU),
     Rule(contract.M_FLOPS_PER_GPU),
     Rule(contract.M_MFU, high=1.0),
-    Rule(contract.M_STEP_DURATION),
-    Rule(contract.M_STEP_DURATION_MEDIAN),
+    Rule(contract.M_STEP_DURATION, high=MAX_STEP_SECONDS),
+    Rule(contract.M_STEP_DURATION_MEDIAN, high=MAX_STEP_SECONDS),
     Rule(contract.M_PRODUCTIVE_SECONDS),
     Rule(contract.M_STARTUP_SECONDS),
     *(Rule(_phase(p)) for p in contract.STARTUP_PHASES),
@@ -174,5 +178,5 @@ def signature(refused: list[Refusal]) -> frozenset[tuple[str, str]]:
     return frozenset((r.metric, r.check) for r in refused)
 
 
-__all__ = ["BY_METRIC", "CLOCK_SKEW_SECONDS", "MAX_STEP", "RULES", "Refusal", "Rule", "check", "signature",
-           "summary"]
+__all__ = ["BY_METRIC", "CLOCK_SKEW_SECONDS", "MAX_STEP", "MAX_STEP_SECONDS", "RULES", "Refusal", "Rule", "check",
+           "signature", "summary"]

@@ -402,7 +402,8 @@ class StructuralSchema:
             return
         if "enum" in schema and value not in schema["enum"]:
             supported = ", ".join(json.dumps(x) for x in schema["enum"])
-            own(Cause(path, "FieldValueNotSupported", f"Unsupported value: {_fmt(value)}: supported values: {supported}"))
+            own(Cause(path, "FieldValueNotSupported",
+                      f"Unsupported value: {_fmt(value)}: supported values: {supported}"))
         if type_ == "integer" and isinstance(value, int) and not -2**63 <= value < 2**63:
             own(invalid(path, value, f"{path} in body must be of type int64"))
             return

@@ -52,6 +52,8 @@ CASES = [
     ("negative-checkpoint-refused", {M.M_LAST_CHECKPOINT_STEP: -7}, None, {}, [(M.M_LAST_CHECKPOINT_STEP, "range")]),
     ("fractional-step-refused", {M.M_STEP: 4.5}, None, {}, [(M.M_STEP, "integer")]),
     ("negative-throughput-refused", {M.M_TOKENS_PER_SECOND: -1.0}, None, {}, [(M.M_TOKENS_PER_SECOND, "range")]),
+    ("step-time-beyond-a-day-refused", {M.M_STEP_DURATION: 1e300, M.M_STEP_DURATION_MEDIAN: 86401}, None, {},
+     [(M.M_STEP_DURATION, "range"), (M.M_STEP_DURATION_MEDIAN, "range")]),
     ("mfu-above-1-refused", {M.M_MFU: 1.5}, None, {}, [(M.M_MFU, "range")]),
     ("resumed-from--1-kept", {M.M_RESUMED_FROM_STEP: -1}, None, {M.M_RESUMED_FROM_STEP: -1}, []),
     ("resumed-from--2-refused", {M.M_RESUMED_FROM_STEP: -2}, None, {}, [(M.M_RESUMED_FROM_STEP, "range")]),
