@@ -106,9 +106,9 @@ class JobState:
     """Children the API refused on the last create of ``child_errors_attempt`` (fed to the next decision)."""
     child_errors_attempt: int = -1
     refusal_event: str | None = None
+    """The refusal of a started run's spec last sent as a Warning Event (sent again only when it changes)."""
     refused_values: frozenset[tuple[str, str]] = frozenset()
     """The scraped values last refused (``scraped.signature``): a Warning Event only when this changes."""
-    """The refusal of a started run's spec last sent as a Warning Event (sent again only when it changes)."""
     done: bool = False
     """The run is finished and nothing is left to delete or to time: its daemon may end."""
     create_failures: int = 0

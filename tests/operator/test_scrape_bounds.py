@@ -349,3 +349,27 @@ def test_huge_and_never_ending_bodies_neither_bloat_nor_stall_the_operator(rank0
               + ", ".join(f"{m} {s.sent / 2**20:.0f} MiB/{s.requests} scrapes" for m, s in servers.items()))
         assert mem["VmHWM"] < 300, mem
         assert c.condition(OTHER_NS, "healthy", "MetricsAvailable")["status"] == "True"
+
+
+def test_the_scrape_flags_parse_and_nonsense_is_refused_with_the_fix(capsys) -> None:
+    from kubetitan import handlers
+
+    def opts(*argv: str) -> handlers.Options:
+        return handlers.options_from_args(handlers.build_parser().parse_args(["-A", *argv]))
+
+    d = opts()
+    assert (d.scrape_max_bytes, d.scrape_timeout, d.scrape_concurrency) == (4 * 2**20, 3.0, 8)
+    o = opts("--scrape-max-bytes=65536", "--scrape-timeout=0.5", "--scrape-concurrency=2")
+    assert (o.scrape_max_bytes, o.scrape_timeout, o.scrape_concurrency) == (65536, 0.5, 2)
+    with pytest.raises(SystemExit):
+        opts("--scrape-max-bytes=0")
+    assert "'0' is not a whole number above 0 (e.g. 4194304)" in capsys.readouterr().err
+
+
+def test_the_failure_reason_is_kept_in_the_observation_and_cleared_by_the_next_answer() -> None:
+    from kubetitan import status
+
+    o = status.track(None, 0, NOW, scrape_error="GET x: too large", scrape_reason=C.METRICS_TOO_LARGE)
+    assert (o.metrics_error, o.metrics_error_reason) == ("GET x: too large", C.METRICS_TOO_LARGE)
+    o = status.track(o, 0, NOW + 1, metrics={M.M_STEP: 3.0})
+    assert o.metrics_error is None and o.metrics_error_reason is None and o.step == 3
