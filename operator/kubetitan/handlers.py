@@ -34,14 +34,17 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from kubetitan_core import GROUP, PLURAL, VERSION, validation, warning_rules
-from kubetitan import __version__, plan, policy
+from kubetitan import __version__, plan, policy, scraped
 from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 from kubetitan import status as status_mod
 from kubetitan.decide import Action, ChildError, decide, parse_time, restart_event
 from kubetitan.kube import Client, ClientClosed, classify, load_config, message_of
-from kubetitan.observe import node_obs, parse_metrics, pod_obs, scrape, spec_changes
+from kubetitan.observe import (
+    DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_TIMEOUT_SECONDS, Scraper, ScrapeLimits,
+    node_obs, pod_obs, spec_changes,
+)
 from kubetitan.operator_metrics import OperatorMetrics
 
 log = logging.getLogger("kubetitan.operator")
@@ -65,7 +68,12 @@ class Options:
     scan_interval: float = 10.0
     """Seconds between two cycles of one run when nothing wakes it."""
     scrape_interval: float = 15.0
-    scrape_timeout: float = 3.0
+    scrape_timeout: float = DEFAULT_SCRAPE_TIMEOUT_SECONDS
+    """The most one scrape of rank 0's /metrics may take (``--scrape-timeout``)."""
+    scrape_max_bytes: int = DEFAULT_SCRAPE_MAX_BYTES
+    """The most bytes of one /metrics body the operator reads (``--scrape-max-bytes``)."""
+    scrape_concurrency: int = DEFAULT_SCRAPE_CONCURRENCY
+    """Scrapes in flight at once across all runs (``--scrape-concurrency``)."""
     hang_floor_seconds: float = float(AUTO_HANG_FLOOR_SECONDS)
     """The floor of ``runPolicy.hangTimeoutPolicy: Auto`` (``--hang-floor-seconds``)."""
     clock: Callable[[], float] = time.time
@@ -99,6 +107,8 @@ class JobState:
     child_errors_attempt: int = -1
     refusal_event: str | None = None
     """The refusal of a started run's spec last sent as a Warning Event (sent again only when it changes)."""
+    refused_values: frozenset[tuple[str, str]] = frozenset()
+    """The scraped values last refused (``scraped.signature``): a Warning Event only when this changes."""
     done: bool = False
     """The run is finished and nothing is left to delete or to time: its daemon may end."""
     create_failures: int = 0
@@ -134,6 +144,7 @@ class Context:
     metrics: OperatorMetrics
     client: Client | None = None
     session: Any = None
+    scraper: Scraper | None = None
     jobs: dict[str, JobState] = field(default_factory=dict)
 
     def job(self, uid: str) -> JobState:
@@ -166,6 +177,8 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
     settings.peering.priority = ctx.options.priority
     ctx.client = Client(ctx.cfg)
     ctx.session = aiohttp.ClientSession()
+    ctx.scraper = Scraper(ScrapeLimits(max_bytes=ctx.options.scrape_max_bytes, timeout=ctx.options.scrape_timeout,
+                                       concurrency=ctx.options.scrape_concurrency))
 
 
 @kopf.on.cleanup()
@@ -173,6 +186,8 @@ async def _cleanup(memo: Any, **_: Any) -> None:
     ctx = _ctx(memo)
     if ctx.session is not None:
         await ctx.session.close()
+    if ctx.scraper is not None:
+        ctx.scraper.close()
     if ctx.client is not None:
         await ctx.client.aclose()
 
@@ -360,19 +375,19 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
 
             # rank 0's metrics: a failed scrape is reported (MetricsAvailable), never a training failure
             rank0 = next((p for p in pods if p.attempt == attempt and p.rank == 0), None)
-            metrics = scrape_error = None
-            if rank0 is not None and rank0.phase == "Running" and rank0.pod_ip and \
+            metrics = scrape_error = scrape_reason = None
+            if rank0 is not None and rank0.phase == "Running" and rank0.pod_ip and ctx.scraper is not None and \
                     now - job.last_scrape >= ctx.options.scrape_interval * _clock_rate(ctx):
-                text, scrape_error = await scrape(ctx.session, rank0.pod_ip, spec.monitoring.metrics_port,
-                                                  ctx.options.scrape_timeout)
+                got = await ctx.scraper.scrape(ctx.session, rank0.pod_ip, spec.monitoring.metrics_port)
                 job.last_scrape = now
-                if text is not None:
-                    try:
-                        metrics = parse_metrics(text)
-                    except ValueError as e:
-                        scrape_error = f"rank 0's /metrics is not Prometheus text: {e}"
+                metrics, scrape_error, scrape_reason = got.metrics, got.error, got.reason
+                if got.reason is not None:
+                    ctx.metrics.scrape_failures.labels(got.reason).inc()
+                if metrics is not None:  # every value checked before it can enter the status
+                    metrics, refused = scraped.check(metrics, attempt=attempt, prev=old.observation, now=now)
+                    _report_refused(ctx, body, job, refused)
             seen = status_mod.track(old.observation, attempt, now, metrics=metrics, scrape_error=scrape_error,
-                                    pods=pods, nodes=nodes)
+                                    scrape_reason=scrape_reason, pods=pods, nodes=nodes)
             training = status_mod.training_status(spec, metrics, now, old.training) \
                 if metrics and not seen.metrics_error else None
 
@@ -476,6 +491,19 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
         raise
     finally:
         ctx.metrics.reconcile.observe(time.perf_counter() - started)
+
+
+def _report_refused(ctx: Context, body: Mapping[str, Any], job: JobState, refused: list[scraped.Refusal]) -> None:
+    """Count refused scraped values; a Warning Event and a log line when what is refused changes."""
+    for r in refused:
+        ctx.metrics.values_refused.labels(r.metric, r.check).inc()
+    sig = scraped.signature(refused)
+    if sig != job.refused_values and refused:
+        meta = body["metadata"]
+        log.warning("Refused scraped values of LlamaPretrain %s/%s: %s", meta.get("namespace"), meta["name"],
+                    "; ".join(map(str, refused)))
+        _event(body, "Warning", C.METRICS_VALUE_REFUSED, scraped.summary(refused))
+    job.refused_values = sig
 
 
 def _event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
@@ -688,6 +716,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scan-interval", type=float, default=10.0, help="seconds between cycles of a run (default 10)")
     p.add_argument("--scrape-interval", type=float, default=15.0,
                    help="seconds between scrapes of rank 0's /metrics (default 15)")
+    p.add_argument("--scrape-timeout", type=_positive_seconds, default=DEFAULT_SCRAPE_TIMEOUT_SECONDS, metavar="S",
+                   help=f"the most one scrape of rank 0's /metrics may take, connect to last byte; slower: "
+                   f"MetricsAvailable=False/MetricsTimeout (default {DEFAULT_SCRAPE_TIMEOUT_SECONDS:g})")
+    p.add_argument("--scrape-max-bytes", type=_positive_int, default=DEFAULT_SCRAPE_MAX_BYTES, metavar="N",
+                   help=f"the most bytes of one /metrics body the operator reads; larger: "
+                   f"MetricsAvailable=False/MetricsTooLarge (default {DEFAULT_SCRAPE_MAX_BYTES}, 4 MiB)")
+    p.add_argument("--scrape-concurrency", type=_positive_int, default=DEFAULT_SCRAPE_CONCURRENCY, metavar="N",
+                   help=f"scrapes in flight at once across all runs (default {DEFAULT_SCRAPE_CONCURRENCY})")
     p.add_argument("--hang-floor-seconds", type=_positive_seconds, default=float(AUTO_HANG_FLOOR_SECONDS),
                    metavar="S", help=f"the least the Auto hang timeout waits for a step, whatever the step time "
                    f"(default {AUTO_HANG_FLOOR_SECONDS}; runPolicy.hangTimeoutPolicy)")
@@ -702,6 +738,8 @@ def options_from_args(a: argparse.Namespace) -> Options:
     return Options(namespaces=list(a.namespace), all_namespaces=a.all_namespaces, peering=a.peering,
                    priority=a.priority, metrics_port=a.metrics_port or None, liveness=a.liveness,
                    kubeconfig=a.kubeconfig, scan_interval=a.scan_interval, scrape_interval=a.scrape_interval,
+                   scrape_timeout=a.scrape_timeout, scrape_max_bytes=a.scrape_max_bytes,
+                   scrape_concurrency=a.scrape_concurrency,
                    hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a))
 
 
@@ -712,6 +750,16 @@ def _positive_seconds(text: str) -> float:
         v = float("nan")
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0 (e.g. 30)")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number above 0 (e.g. 4194304)")
     return v
 
 

@@ -1,19 +1,23 @@
 """Observation: raw API objects and rank 0's /metrics -> the typed inputs of ``decide``.
 
-Everything here is pure except :func:`scrape` (one HTTP GET with aiohttp). Pods and nodes arrive as
-plain dicts (from kopf's index / the API); metrics arrive as Prometheus text and are parsed with
-prometheus-client's parser.
+Everything here is pure except :class:`Scraper` (HTTP GETs with aiohttp, parses in a thread). Pods and nodes
+arrive as plain dicts (from kopf's index / the API); metrics arrive as Prometheus text and are parsed with
+prometheus-client's parser, then checked row by row against ``kubetitan.scraped.RULES``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import datetime as dt
 from collections.abc import Mapping
+from dataclasses import dataclass
 import ipaddress
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kubetitan import conditions as C
 from kubetitan import plan
 from kubetitan.decide import NodeObs, PodObs
 from kubetitan.status import training_status  # noqa: F401 - re-exported: observation's numbers for the status
@@ -137,21 +141,115 @@ def metrics_url(ip: str, port: int) -> str:
     return f"http://{host}:{port}/metrics"
 
 
-async def scrape(session: Any, ip: str, port: int, timeout: float) -> tuple[str | None, str | None]:
-    """GET rank 0's /metrics: (the text, None) or (None, what went wrong, with the URL).
+# ------------------------------------------------------------------ the bounded scrape
+DEFAULT_SCRAPE_MAX_BYTES = 4 * 1024 * 1024
+"""The most bytes of rank 0's /metrics body the operator reads (``--scrape-max-bytes``); the trainer's own
+exposition is about 10 KiB, and prometheus-client parses 4 MiB in about 2 s of one core."""
+DEFAULT_SCRAPE_TIMEOUT_SECONDS = 3.0
+"""The most one scrape may take, connect to last byte (``--scrape-timeout``)."""
+DEFAULT_SCRAPE_CONCURRENCY = 8
+"""Scrapes in flight at once across all runs (``--scrape-concurrency``); more wait up to one timeout for a slot."""
+PARSE_THREADS = 2
+"""Threads that parse bodies, off the event loop: at most this many parses run at once."""
+_CHUNK = 64 * 1024
 
-    A failed scrape is an observation failure, never a training failure: the caller reports it in the
-    ``MetricsAvailable`` condition and keeps the last known progress.
+
+@dataclass(frozen=True)
+class ScrapeLimits:
+    """What one scrape of rank 0's /metrics may cost the operator (the operator flags set them)."""
+
+    max_bytes: int = DEFAULT_SCRAPE_MAX_BYTES
+    timeout: float = DEFAULT_SCRAPE_TIMEOUT_SECONDS
+    concurrency: int = DEFAULT_SCRAPE_CONCURRENCY
+
+
+@dataclass(frozen=True)
+class Scraped:
+    """One scrape's outcome: ``metrics`` (parsed samples) or ``reason`` (a ``MetricsAvailable`` reason) and
+    ``error`` (what went wrong, with the URL); all None when no slot was free (nothing is known this cycle)."""
+
+    metrics: dict[str, float] | None = None
+    reason: str | None = None
+    error: str | None = None
+
+
+class Scraper:
+    """Bounded scrapes of rank 0's /metrics, shared by every run of one operator.
+
+    A body is read in chunks and abandoned past ``max_bytes`` (``MetricsTooLarge``, a declared Content-Length
+    too: nothing read); connect, headers and body together get ``timeout`` (``MetricsTimeout``: a slow or
+    never-ending body); the text is parsed in a small thread pool (``MetricsMalformed`` when it is not UTF-8
+    Prometheus text), so one tenant's pod can neither fill the operator's memory nor hold the event loop that
+    every other run's cycle needs. At most ``concurrency`` scrapes run at once.
     """
+
+    def __init__(self, limits: ScrapeLimits | None = None) -> None:
+        self.limits = limits or ScrapeLimits()
+        self._slots = asyncio.Semaphore(self.limits.concurrency)
+        self._pool = concurrent.futures.ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="kubetitan-parse")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def scrape(self, session: Any, ip: str, port: int) -> Scraped:
+        """GET and parse rank 0's /metrics within the limits.
+
+        A failed scrape is an observation failure, never a training failure: the caller reports it in the
+        ``MetricsAvailable`` condition and keeps the last known progress.
+        """
+        timeout = self.limits.timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            return Scraped()  # every slot busy for a whole timeout: try again next cycle, nothing learnt
+        try:
+            body, reason, error = await fetch(session, metrics_url(ip, port), self.limits)
+            if body is None:
+                return Scraped(reason=reason, error=error)
+            loop = asyncio.get_running_loop()
+            try:
+                return Scraped(metrics=await loop.run_in_executor(self._pool, _decode_and_parse, body))
+            except (ValueError, TypeError, IndexError, KeyError) as e:  # what the text parser raises on bad input
+                return Scraped(reason=C.METRICS_MALFORMED, error=f"rank 0's /metrics ({metrics_url(ip, port)}) "
+                               f"is not Prometheus text: {_short(e)}")
+        finally:
+            self._slots.release()
+
+
+def _short(e: BaseException, limit: int = 200) -> str:
+    text = f"{e.__class__.__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _decode_and_parse(body: bytes) -> dict[str, float]:
+    return parse_metrics(body.decode("utf-8"))  # UnicodeDecodeError is a ValueError
+
+
+async def fetch(session: Any, url: str, limits: ScrapeLimits) -> tuple[bytes | None, str | None, str | None]:
+    """(body, None, None), or (None, reason, what went wrong) within ``limits.max_bytes`` and ``limits.timeout``."""
     import aiohttp
 
-    url = metrics_url(ip, port)
+    cap, timeout = limits.max_bytes, limits.timeout
+    too_large = (C.METRICS_TOO_LARGE, f"GET {url}: the body is larger than the operator reads ({cap} bytes, "
+                 "--scrape-max-bytes); the trainer's own /metrics is about 10 KiB")
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            if r.status != 200:
-                return None, f"GET {url} answered HTTP {r.status}"
-            return await r.text(), None
+        async with asyncio.timeout(timeout):
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if r.status != 200:
+                    return None, C.SCRAPE_FAILED, f"GET {url} answered HTTP {r.status}"
+                if r.content_length is not None and r.content_length > cap:
+                    r.close()
+                    return None, *too_large
+                body = bytearray()
+                async for chunk in r.content.iter_chunked(_CHUNK):
+                    body += chunk
+                    if len(body) > cap:
+                        r.close()  # drop the connection: the rest of the body is never read
+                        return None, *too_large
+                return bytes(body), None, None
     except TimeoutError:
-        return None, f"GET {url} timed out after {timeout:g}s"
+        return None, C.METRICS_TIMEOUT, f"GET {url} did not finish within {timeout:g}s (--scrape-timeout)"
     except (aiohttp.ClientError, OSError) as e:
-        return None, f"GET {url} failed: {e.__class__.__name__}: {e}".rstrip(": ")
+        return None, C.SCRAPE_FAILED, f"GET {url} failed: {e.__class__.__name__}: {e}".rstrip(": ")
+

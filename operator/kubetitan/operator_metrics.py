@@ -34,6 +34,14 @@ class OperatorMetrics:
                                   "Time from a gang failure being detected to the next attempt's pods being "
                                   "created (seconds).", registry=r,
                                   buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
+        self.scrape_failures = Counter("kubetitan_operator_scrape_failures_total",
+                                       "Scrapes of rank 0's /metrics that failed, by MetricsAvailable reason: "
+                                       "ScrapeFailed, MetricsTooLarge, MetricsTimeout, MetricsMalformed (count).",
+                                       ["reason"], registry=r)
+        self.values_refused = Counter("kubetitan_operator_scraped_values_refused_total",
+                                      "Values scraped from rank 0 that broke a rule of kubetitan.scraped.RULES and "
+                                      "were not stored, by metric and check: finite, integer, range, future, "
+                                      "regression (count).", ["metric", "check"], registry=r)
         labels = ["namespace", "name"]
         self.step = Gauge("kubetitan_operator_job_step", "Last step of a LlamaPretrain (steps).", labels, registry=r)
         self.tokens = Gauge("kubetitan_operator_job_tokens_per_second",

@@ -40,13 +40,14 @@ def _int(m: Mapping[str, float], key: str) -> int | None:
 
 # ------------------------------------------------------------------ 1. track
 def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics: Mapping[str, float] | None = None,
-          scrape_error: str | None = None, pods: Iterable[PodObs] = (),
+          scrape_error: str | None = None, scrape_reason: str | None = None, pods: Iterable[PodObs] = (),
           nodes: Mapping[str, NodeObs] | None = None) -> AttemptObservation:
     """The observation of ``attempt`` after this cycle (a new one when the attempt changed).
 
-    ``metrics``: rank 0's parsed exposition when a scrape answered this cycle; ``scrape_error``: why it did
-    not (neither: no scrape this cycle). Only positive evidence moves the progress times: a step that
-    advanced, or the trainer's own heartbeat.
+    ``metrics``: rank 0's parsed exposition when a scrape answered this cycle (its values already checked by
+    ``kubetitan.scraped``); ``scrape_error``: why it did not, ``scrape_reason`` its condition reason (neither: no
+    scrape this cycle). Only positive evidence moves the progress times: a step that advanced, or the trainer's
+    own heartbeat.
     """
     o = prev.model_copy(deep=True) if prev is not None and prev.attempt == attempt else \
         AttemptObservation(attempt=attempt)
@@ -55,7 +56,7 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
         missing = {n for n, v in nodes.items() if not v.exists}
         o.nodes_missing_since = {n: o.nodes_missing_since.get(n) or iso_ms(now) for n in sorted(missing)}
     if scrape_error is not None:
-        o.metrics_error = scrape_error
+        o.metrics_error, o.metrics_error_reason = scrape_error, scrape_reason
         return o
     if not metrics:
         return o
@@ -63,8 +64,9 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
     if scraped_attempt is not None and scraped_attempt != attempt:
         o.metrics_error = f"rank 0's /metrics answers for attempt {scraped_attempt}, not {attempt} (an older " \
                           "process still runs there)"
+        o.metrics_error_reason = None
         return o
-    o.metrics_ok_time, o.metrics_error = iso_ms(now), None
+    o.metrics_ok_time, o.metrics_error, o.metrics_error_reason = iso_ms(now), None, None
     gen = _int(metrics, contract.M_RESTART_GENERATION)
     if gen is not None and gen > (o.generation or 0):
         # The launchers restarted every rank's workers in place: steps may go back (to the checkpoint) and the
@@ -350,7 +352,7 @@ def _children_condition(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Deci
 def _metrics_condition(s: LlamaPretrainStatus, cond: Any) -> None:
     o = s.observation
     if o is not None and o.metrics_error:
-        cond(C.METRICS_AVAILABLE, "False", C.SCRAPE_FAILED,
+        cond(C.METRICS_AVAILABLE, "False", o.metrics_error_reason or C.SCRAPE_FAILED,
              f"{o.metrics_error}; training progress is unknown ("
              + (f"last known step {o.step}" if o.step is not None else "no step seen yet") + "); this alone never "
              "restarts the run (see docs/operator.md, 'Metrics')")

@@ -364,7 +364,20 @@ def test_the_operator_accepts_the_rendered_command_line(sets, want):
     p = parsed[0]
     assert {"all_namespaces": p.all_namespaces, "namespaces": p.namespace, "peering": p.peering} == want
     assert p.metrics_port == 8080 and p.liveness == "http://0.0.0.0:8081/healthz" and p.log_format == "json"
+    assert (p.scrape_max_bytes, p.scrape_timeout, p.scrape_concurrency) == (4194304, 3.0, 8)  # values.yaml's
     if want["peering"]:
         assert parsed[0].priority != parsed[1].priority and parsed[0].priority > 0
     else:
         assert p.verbose is True
+
+
+def test_the_scrape_bounds_reach_the_operator_and_nonsense_is_refused():
+    """operator.scrape.* become --scrape-* flags the operator parses; a bound of 0 fails `helm template` (schema)."""
+    from kubetitan import handlers
+
+    sets = ["operator.scrape.maxBytes=1048576", "operator.scrape.timeoutSeconds=2", "operator.scrape.concurrency=2"]
+    (c,) = by_kind(render([], sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    opts = handlers.options_from_args(handlers.build_parser().parse_args(c["args"]))
+    assert (opts.scrape_max_bytes, opts.scrape_timeout, opts.scrape_concurrency) == (1048576, 2.0, 2)
+    with pytest.raises(AssertionError, match=r"(?s)failed:.*operator.scrape.maxBytes"):
+        render([], ["operator.scrape.maxBytes=0"])

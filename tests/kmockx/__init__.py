@@ -14,6 +14,8 @@ subclass fills exactly the gaps kubetitan's tests hit; each one is marked ``GAP:
 - GAP paths: a named DELETE honours ``gracePeriodSeconds``-less deletes the same way; requests on a
   ``/status`` subresource address the parent object; a 409 on create and a 404 on a missing object use
   the Kubernetes ``Status`` reasons ``AlreadyExists``/``NotFound`` that clients branch on.
+- GAP JSON: a body with ``NaN``/``Infinity`` (or a number beyond float64), which Python's ``json`` reads but Go's
+  decoder refuses, answers 400 ``BadRequest`` as the API server does, instead of being stored.
 - GAP tables: ``Accept: ...;as=Table`` (kubectl get) renders ``additionalPrinterColumns`` like the API
   server does, so printer columns can be asserted with the real kubectl.
 
@@ -506,6 +508,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
             return await self._watch(request, t, user)
         if verb in ("get", "list"):
             return self._answer(request, user, verb, await self._read(request, t))
+        refused = self._undecodable(request, verb, t)
+        if refused is not None:
+            return self._answer(request, user, verb, refused)
         for hook in list(self.hooks):
             try:
                 await hook(request)
@@ -531,6 +536,31 @@ class KubeEmulator(kmock.KubernetesEmulator):
         else:
             resp = aiohttp.web.json_response(out, status=code)
         return self._answer(request, user, verb, resp)
+
+    @staticmethod
+    def _undecodable(request: rendering.Request, verb: str, t: TypeInfo) -> aiohttp.web.StreamResponse | None:
+        """400 for a JSON body Go's decoder refuses (NaN, +-Infinity, a number beyond float64), worded as the API
+        server words it; Python's ``json`` (kmock's parser) would have stored it. Create/update: the decode error
+        of ``handlers.transformDecodeError``; merge patch: json-patch's "Invalid JSON Patch" ("error decoding
+        patch: ..." with fieldValidation=Strict); JSON and strategic-merge patches: the decoder's own message."""
+        if verb not in ("create", "update", "patch") or not request.text:
+            return None
+        ctype = {k.lower(): v for k, v in (request.headers or {}).items()}.get("content-type", "").split(";")[0]
+        if ctype not in ("", "application/json", "application/merge-patch+json", "application/json-patch+json",
+                         "application/strategic-merge-patch+json"):
+            return None
+        err = validation.go_json_error(request.text)
+        if err is None:
+            return None
+        if verb != "patch":
+            msg = (f"the object provided is unrecognized (must be of type {t.kind}): couldn't get version/kind; "
+                   f"json parse error: {err} ({validation.summarize_body(request.text)})")
+        elif ctype == "application/merge-patch+json":
+            strict = (request.params or {}).get("fieldValidation") in ("Strict", "Warn")
+            msg = f"error decoding patch: {err}" if strict else "Invalid JSON Patch"
+        else:
+            msg = err
+        return _status(400, "BadRequest", msg)
 
     def _answer(self, request: rendering.Request, user: str, verb: str, resp: aiohttp.web.StreamResponse,
                 fault: bool = False) -> aiohttp.web.StreamResponse:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,47 @@ def invalid_status(kind_group: str, name: str, causes: list[Cause], group: str, 
             "reason": "Invalid", "message": f'{kind_group} "{name}" is invalid: {what}',
             "details": {"name": name, "group": group, "kind": kind,
                         "causes": [{"reason": c.reason, "message": c.message, "field": c.field} for c in causes]}}
+
+
+# ---------------------------------------------------------------------------------------------- JSON bodies
+class _GoRefuses(ValueError):
+    pass
+
+
+_GO_CONSTANT_ERRORS = {"NaN": "invalid character 'N' looking for beginning of value",
+                       "Infinity": "invalid character 'I' looking for beginning of value",
+                       "-Infinity": "invalid character 'I' in numeric literal"}
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _GoRefuses(_GO_CONSTANT_ERRORS[name])
+
+
+def _go_number(text: str) -> Any:
+    v = float(text)
+    if math.isinf(v):  # Python reads 1e400 as inf; Go's decoder refuses a number beyond float64
+        raise _GoRefuses(f"json: cannot unmarshal number {text} into Go value of type float64")
+    return int(text) if text.lstrip("-").isdigit() else v
+
+
+def go_json_error(text: str) -> str | None:
+    """What Go's JSON decoder (the API server's) says about a body Python's ``json`` accepts but Go refuses:
+    ``NaN``, ``Infinity``, ``-Infinity`` (not JSON, RFC 8259 section 6) and numbers beyond float64. None when Go
+    accepts it, or when Python refuses it too (kmock answers that already)."""
+    try:
+        json.loads(text, parse_constant=_refuse_constant, parse_float=_go_number, parse_int=_go_number)
+    except _GoRefuses as e:
+        return str(e)
+    except ValueError:
+        return None
+    return None
+
+
+def summarize_body(body: str, limit: int = 30) -> str:
+    """The API server's ``summarizeData``: the body's first 30 bytes in a decode error."""
+    if not body:
+        return "<empty>"
+    return body[:limit] + " ..." if len(body) > limit else body
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -199,16 +241,33 @@ def _is_type(value: Any, type_: str) -> bool:
 _MISSING = object()
 
 
-def _lookup(obj: Any, field: str) -> Any:
-    for part in re.findall(r"[^.\[\]]+|\[\d+\]", field):
-        if part.startswith("["):
-            i = int(part[1:-1])
-            obj = obj[i] if isinstance(obj, list) and i < len(obj) else _MISSING
-        else:
-            obj = obj.get(part, _MISSING) if isinstance(obj, dict) else _MISSING
-        if obj is _MISSING:
-            return _MISSING
-    return obj
+def _same(a: Any, b: Any) -> bool:
+    """Go's reflect.DeepEqual on decoded JSON: 1 and 1.0 differ, and so do true and 1."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _correlate_items(value: list[Any], old: Any, schema: dict[str, Any], ratchet: bool) -> list[Any]:
+    """The old item each new item correlates to (``_MISSING`` where none): by key in a map list; by index in a list
+    without a list type (for ratcheting only: CEL's ``oldSelf`` correlates map-list items only); never in a set or
+    atomic list."""
+    if not isinstance(old, list):
+        return [_MISSING] * len(value)
+    kind = schema.get("x-kubernetes-list-type")
+    if kind == "map":
+        keys = schema.get("x-kubernetes-list-map-keys") or []
+
+        def key(item: Any) -> Any:
+            return tuple(json.dumps(item.get(k), sort_keys=True) for k in keys) if isinstance(item, dict) else None
+
+        by_key = {key(o): o for o in old}
+        return [by_key.get(key(v), _MISSING) for v in value]
+    if kind is None and ratchet:
+        return [old[i] if i < len(old) else _MISSING for i in range(len(value))]
+    return [_MISSING] * len(value)
 
 
 class StructuralSchema:
@@ -245,88 +304,137 @@ class StructuralSchema:
             value = [self.default_and_prune(v, schema["items"], f"{path}[{i}]", pruned) for i, v in enumerate(value)]
         return value
 
-    # -- validation (the OpenAPI value checks, then CEL)
-    def validate(self, value: Any, schema: dict[str, Any], path: str, old: Any, out: list[Cause]) -> None:
+    # -- validation (the OpenAPI value checks, then CEL), with CRD validation ratcheting
+    def validate(self, value: Any, schema: dict[str, Any], path: str, old: Any, out: list[Cause],
+                 parent_unchanged: bool = False, old_self: Any = _MISSING) -> None:
+        """Append the causes ``value`` breaks to ``out``.
+
+        Ratcheting (KEP-4008, on by default since 1.30, as apiextensions-apiserver does it): ``old`` is the value
+        correlated to this node on an update (``_MISSING`` on create or when it cannot be correlated: a key absent
+        from the old object, an item of a set or atomic list, an item past the old list's end; map lists correlate
+        by their keys, other lists by index). An error raised at this node, by an OpenAPI check or by a CEL rule
+        *defined* here (whatever its ``fieldPath`` names), is dropped when this node, or failing a correlation the
+        nearest correlated ancestor (``parent_unchanged``), deep-equals its old value: "unchanged" is the whole
+        object at the rule's ``self``, so a rule on ``spec`` is evaluated and reported as soon as any field under
+        ``spec`` changed. Transition rules (they read ``oldSelf``) run only where an old value is passed to CEL
+        (``old_self``: properties and map-list items, never items of other lists, never under atomic maps) and are
+        never ratcheted. ``optionalOldSelf`` is not modelled (kubetitan's CRD does not use it)."""
+        unchanged = _same(value, old) if old is not _MISSING else parent_unchanged
+        mark = len(out)
+        local: list[Cause] = []  # this node's own causes: ratcheted when ``unchanged``
+
+        def own(c: Cause) -> None:
+            local.append(c)
+            out.append(c)
+
+        self._value_checks(value, schema, path, own)
+        if value is None or not self._type_ok(value, schema):
+            pass
+        else:
+            if isinstance(value, list):
+                if isinstance(schema.get("items"), dict):
+                    olds = _correlate_items(value, old, schema, ratchet=True)
+                    old_selves = _correlate_items(value, old_self, schema, ratchet=False)
+                    for i, v in enumerate(value):
+                        self.validate(v, schema["items"], f"{path}[{i}]", olds[i], out, unchanged, old_selves[i])
+            if isinstance(value, dict):
+                for r in schema.get("required", []):
+                    if r not in value:
+                        own(required(f"{path}.{r}" if path else r))
+                props = schema.get("properties") or {}
+                addl = schema.get("additionalProperties")
+                atomic = schema.get("x-kubernetes-map-type") == "atomic"
+                for k, v in value.items():
+                    sub = props.get(k) if k in props else addl if isinstance(addl, dict) else None
+                    if sub is not None:
+                        sub_old = old.get(k, _MISSING) if isinstance(old, dict) else _MISSING
+                        sub_self = old_self.get(k, _MISSING) if isinstance(old_self, dict) and not atomic \
+                            else _MISSING
+                        self.validate(v, sub, f"{path}.{k}" if path else k, sub_old, out, unchanged, sub_self)
+                if "maxProperties" in schema and len(value) > schema["maxProperties"]:
+                    own(Cause(path, "FieldValueTooMany",
+                              f"Too many: {len(value)}: must have at most {schema['maxProperties']} items"))
+            for key in ("oneOf", "anyOf"):
+                if key in schema:
+                    fits = sum(not self._errors_of(value, sub, path) for sub in schema[key])
+                    if fits == 0 or key == "oneOf" and fits > 1:
+                        own(invalid(path, value, f"{path} in body must validate "
+                                    f"{'one and only one' if key == 'oneOf' else 'at least one'} schema ({key})"))
+            for sub in schema.get("allOf", []):  # not ratcheted at this node, only by its ancestors (as the server)
+                self.validate(value, sub, path, _MISSING, out, parent_unchanged, old_self)
+            if "not" in schema and not self._errors_of(value, schema["not"], path):
+                own(invalid(path, value, f"{path} in body must not validate the schema (not)"))
+            for rule in schema.get("x-kubernetes-validations", []):
+                if "oldSelf" in rule["rule"]:
+                    self._cel_rule(rule, value, old_self, path, out)  # a transition rule: never ratcheted
+                else:
+                    found: list[Cause] = []
+                    self._cel_rule(rule, value, _MISSING, path, found)
+                    for c in found:
+                        own(c)
+        if unchanged and local:
+            out[mark:] = [c for c in out[mark:] if not any(c is x for x in local)]
+
+    @staticmethod
+    def _type_ok(value: Any, schema: dict[str, Any]) -> bool:
+        if schema.get("x-kubernetes-int-or-string"):
+            return isinstance(value, str) or _is_type(value, "integer")
+        type_ = schema.get("type")
+        if type_ and not _is_type(value, type_):
+            return False
+        return not (type_ == "integer" and isinstance(value, int) and not -2**63 <= value < 2**63)
+
+    def _value_checks(self, value: Any, schema: dict[str, Any], path: str, own: Any) -> None:
+        """The OpenAPI checks of one value on its own (null, type, enum, bounds, lengths, pattern, items count)."""
         if value is None:
-            if not schema.get("nullable"):
-                if schema.get("type"):
-                    out.append(invalid(path, value, f'{path} in body must be of type {schema["type"]}: "null"'))
+            if not schema.get("nullable") and schema.get("type"):
+                own(invalid(path, value, f'{path} in body must be of type {schema["type"]}: "null"'))
             return
         type_ = schema.get("type")
         if schema.get("x-kubernetes-int-or-string"):
             if not (isinstance(value, str) or _is_type(value, "integer")):
-                out.append(invalid(path, value, f"{path} in body must be of type integer-or-string"))
+                own(invalid(path, value, f"{path} in body must be of type integer-or-string"))
                 return
         elif type_ and not _is_type(value, type_):
             got = "object" if isinstance(value, dict) else "array" if isinstance(value, list) else \
                 "string" if isinstance(value, str) else "boolean" if isinstance(value, bool) else "number"
-            out.append(invalid(path, got, f'{path} in body must be of type {type_}: "{got}"'))
+            own(invalid(path, got, f'{path} in body must be of type {type_}: "{got}"'))
             return
         if "enum" in schema and value not in schema["enum"]:
             supported = ", ".join(json.dumps(x) for x in schema["enum"])
-            out.append(Cause(path, "FieldValueNotSupported",
-                             f"Unsupported value: {_fmt(value)}: supported values: {supported}"))
+            own(Cause(path, "FieldValueNotSupported",
+                      f"Unsupported value: {_fmt(value)}: supported values: {supported}"))
         if type_ == "integer" and isinstance(value, int) and not -2**63 <= value < 2**63:
-            out.append(invalid(path, value, f"{path} in body must be of type int64"))
+            own(invalid(path, value, f"{path} in body must be of type int64"))
             return
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if "minimum" in schema:
                 lo = schema["minimum"]
                 if value < lo or schema.get("exclusiveMinimum") and value == lo:
                     op = "greater than" if schema.get("exclusiveMinimum") else "greater than or equal to"
-                    out.append(invalid(path, value, f"{path} in body should be {op} {lo}"))
+                    own(invalid(path, value, f"{path} in body should be {op} {lo}"))
             if "maximum" in schema:
                 hi = schema["maximum"]
                 if value > hi or schema.get("exclusiveMaximum") and value == hi:
                     op = "less than" if schema.get("exclusiveMaximum") else "less than or equal to"
-                    out.append(invalid(path, value, f"{path} in body should be {op} {hi}"))
+                    own(invalid(path, value, f"{path} in body should be {op} {hi}"))
         if isinstance(value, str):
             if "maxLength" in schema and len(value) > schema["maxLength"]:
-                out.append(Cause(path, "FieldValueTooLong", f"Too long: may not be more than {schema['maxLength']} bytes"))
+                own(Cause(path, "FieldValueTooLong", f"Too long: may not be more than {schema['maxLength']} bytes"))
             if "minLength" in schema and len(value) < schema["minLength"]:
-                out.append(invalid(path, value, f"{path} in body should be at least {schema['minLength']} chars long"))
+                own(invalid(path, value, f"{path} in body should be at least {schema['minLength']} chars long"))
             if "pattern" in schema and not re.search(schema["pattern"], value):
-                out.append(invalid(path, value, f"{path} in body should match '{schema['pattern']}'"))
+                own(invalid(path, value, f"{path} in body should match '{schema['pattern']}'"))
         if isinstance(value, list):
             if "maxItems" in schema and len(value) > schema["maxItems"]:
-                out.append(Cause(path, "FieldValueTooMany",
-                                 f"Too many: {len(value)}: must have at most {schema['maxItems']} items"))
+                own(Cause(path, "FieldValueTooMany",
+                          f"Too many: {len(value)}: must have at most {schema['maxItems']} items"))
             if "minItems" in schema and len(value) < schema["minItems"]:
-                out.append(invalid(path, len(value), f"{path} in body should have at least {schema['minItems']} items"))
-            if isinstance(schema.get("items"), dict):
-                for i, v in enumerate(value):
-                    self.validate(v, schema["items"], f"{path}[{i}]", None, out)
-        if isinstance(value, dict):
-            for r in schema.get("required", []):
-                if r not in value:
-                    out.append(required(f"{path}.{r}" if path else r))
-            props = schema.get("properties") or {}
-            addl = schema.get("additionalProperties")
-            for k, v in value.items():
-                sub = props.get(k) if k in props else addl if isinstance(addl, dict) else None
-                if sub is not None:
-                    sub_old = old.get(k) if isinstance(old, dict) else None
-                    self.validate(v, sub, f"{path}.{k}" if path else k, sub_old, out)
-            if "maxProperties" in schema and len(value) > schema["maxProperties"]:
-                out.append(Cause(path, "FieldValueTooMany",
-                                 f"Too many: {len(value)}: must have at most {schema['maxProperties']} items"))
-        for key in ("oneOf", "anyOf"):
-            if key in schema:
-                fits = sum(not self._errors_of(value, s, path) for s in schema[key])
-                if fits == 0 or key == "oneOf" and fits > 1:
-                    out.append(invalid(path, value, f"{path} in body must validate {'one and only one' if key == 'oneOf' else 'at least one'} schema ({key})"))
-        for s in schema.get("allOf", []):
-            self.validate(value, s, path, old, out)
-        if "not" in schema and not self._errors_of(value, schema["not"], path):
-            out.append(invalid(path, value, f"{path} in body must not validate the schema (not)"))
-        if out and any(c.field == path or c.field.startswith(path + ".") for c in out) and schema.get("type") == "object":
-            pass  # CEL still runs on objects with errors below, as the API server does for schema-valid parts
-        for rule in schema.get("x-kubernetes-validations", []):
-            self._cel_rule(rule, value, old, path, out)
+                own(invalid(path, len(value), f"{path} in body should have at least {schema['minItems']} items"))
 
     def _errors_of(self, value: Any, schema: dict[str, Any], path: str) -> list[Cause]:
         out: list[Cause] = []
-        self.validate(value, schema, path, None, out)
+        self.validate(value, schema, path, _MISSING, out)
         return out
 
     def _program(self, expr: str) -> Any:
@@ -339,8 +447,8 @@ class StructuralSchema:
     def _cel_rule(self, rule: dict[str, Any], value: Any, old: Any, path: str, out: list[Cause]) -> None:
         import celpy
         expr = rule["rule"]
-        if "oldSelf" in expr and old is None:
-            return  # a transition rule runs on updates only
+        if "oldSelf" in expr and (old is _MISSING or old is None):
+            return  # a transition rule runs on updates only, where an old value correlates
         field = path + (rule.get("fieldPath") or "")
         field = field.lstrip(".")
         try:
@@ -377,16 +485,14 @@ class StructuralSchema:
             out.append(invalid(field, value, message))
 
     def apply(self, obj: dict[str, Any], old: dict[str, Any] | None) -> tuple[list[Cause], list[str]]:
-        """Default and prune ``obj`` in place; return (causes, pruned field paths). On updates, errors on values
-        that did not change are dropped (CRD validation ratcheting, on by default since 1.30), so a status write
-        to an object stored before its schema tightened still goes through."""
+        """Default and prune ``obj`` in place; return (causes, pruned field paths). On updates, errors raised at a
+        node that did not change are dropped (CRD validation ratcheting: see ``validate``), so a status write to an
+        object stored before its schema tightened still goes through, while an edit anywhere under a CEL rule's
+        ``self`` has the rule checked again."""
         if old is not None:  # the stored object as read back: defaulted and pruned by the current schema too
             old = copy.deepcopy(old)
             self._apply(old, None)
-        causes, pruned = self._apply(obj, old)
-        if old is not None:
-            causes = [c for c in causes if _lookup(obj, c.field) != _lookup(old, c.field)]
-        return causes, pruned
+        return self._apply(obj, old)
 
     def _apply(self, obj: dict[str, Any], old: dict[str, Any] | None) -> tuple[list[Cause], list[str]]:
         pruned: list[str] = []
@@ -406,8 +512,10 @@ class StructuralSchema:
         for k, sub in (self.schema.get("properties") or {}).items():
             if k in ("metadata", "apiVersion", "kind") or k not in obj:
                 continue
-            self.validate(obj[k], sub, k, (old or {}).get(k), out)
-        for r in self.schema.get("required", []):
-            if r not in obj:
-                out.append(required(r))
+            prev = old.get(k, _MISSING) if old is not None else _MISSING
+            self.validate(obj[k], sub, k, prev, out, old_self=prev)
+        if old is None or not _same(obj, old):
+            for r in self.schema.get("required", []):
+                if r not in obj:
+                    out.append(required(r))
         return out, pruned

@@ -569,6 +569,9 @@ class AttemptObservation(_Base):
     """When rank 0's /metrics last answered."""
     metrics_error: str | None = None
     """Why the newest scrape of rank 0's /metrics failed, if it did."""
+    metrics_error_reason: str | None = None
+    """The `MetricsAvailable` reason of that failure: `ScrapeFailed`, `MetricsTooLarge`, `MetricsTimeout` or
+    `MetricsMalformed`."""
     ranks_seen: list[int] = Field(default_factory=list)
     """Ranks whose pod has been observed: a seen rank that is gone disappeared; one never seen is created."""
     nodes_missing_since: dict[str, str] = Field(default_factory=dict)
