@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -94,8 +95,6 @@ class Recorder:
     """Sends Events through ``client`` (a :class:`kubetitan.kube.Client`): aggregated or exactly once."""
 
     def __init__(self, client: Any, instance: str | None = None, clock: Callable[[], float] | None = None) -> None:
-        import time
-
         self.client = client
         self.instance = instance or default_instance()
         self.clock = clock or time.time

@@ -101,6 +101,8 @@ class JobState:
     changes_for: tuple[Any, Any] | None = None
     changes: tuple[list[str], list[str], list[str]] = ([], [], [])
     """``spec_changes(applied, desired)`` for the (applied, desired) pair in ``changes_for``."""
+    gate: tuple[str | None, str | None, str | None] = (None, None, None)
+    """``status.spec_gate`` (block, its reason, deferred) for the same pair."""
     child_errors: tuple[ChildError, ...] = ()
     """Children the API refused on the last create of ``child_errors_attempt`` (fed to the next decision)."""
     child_errors_attempt: int = -1
@@ -149,7 +151,7 @@ class Context:
     def recorder(self) -> Recorder:
         """The Event recorder (aggregating, exactly-once for status changes) on this operator's client."""
         if self._recorder is None or self._recorder.client is not self.client:
-            self._recorder = Recorder(self.client, clock=time.time)
+            self._recorder = Recorder(self.client)
         return self._recorder
 
     def job(self, uid: str) -> JobState:
@@ -405,7 +407,8 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 if job.changes_for is None or job.changes_for[0] is not job.applied_spec \
                         or job.changes_for[1] is not desired:
                     job.changes_for, job.changes = (job.applied_spec, desired), spec_changes(job.applied_spec, desired)
-                block, block_reason, deferred = status_mod.spec_gate(job.applied_spec, spec, job.changes)
+                    job.gate = status_mod.spec_gate(job.applied_spec, spec, job.changes)
+                block, block_reason, deferred = job.gate
             if refused_live:  # (its Warning Event comes with the SpecAccepted=False transition, in the status)
                 block_reason = C.POLICY_VIOLATION if all(isinstance(e, policy.Violation) for e in errors) \
                     else C.INVALID_SPEC

@@ -202,3 +202,57 @@ def test_a_delete_already_sent_is_not_sent_again_while_the_index_lags(monkeypatc
     assert handlers._to_delete(job, ("b",), (), 0) == []
     now[0] += handlers.ENSURED_SECONDS
     assert handlers._to_delete(job, ("a", "b"), ("b",), None) == ["a"]  # b is in the force list this cycle
+
+
+class _EventsApi:
+    """The three calls the recorder makes, on a dict (a stand-in for the API server's Event store)."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, dict] = {}
+        self.writes = 0
+
+    async def create(self, obj: dict) -> bool:
+        self.writes += 1
+        if obj["metadata"]["name"] in self.events:
+            return False  # 409: it exists (kube.Client.create reads it and answers False)
+        self.events[obj["metadata"]["name"]] = copy.deepcopy(obj)
+        return True
+
+    async def get(self, resource: str, ns: str, name: str) -> dict | None:
+        return copy.deepcopy(self.events.get(name))
+
+    async def patch(self, resource: str, ns: str, name: str, patch: dict) -> dict:
+        self.writes += 1
+        self.events[name] = merge_patch(self.events[name], patch)
+        return self.events[name]
+
+
+def test_the_recorder_counts_a_repeat_on_the_same_event_also_after_a_restart() -> None:
+    """client-go's aggregation: the same (object, type, reason, message) is one Event whose count grows, also for a
+    new recorder (an operator restart: its create meets 409, it reads the count and counts on); another message
+    is another Event; a status change's Event is created once however often it is resent."""
+    from kubetitan.events import Recorder
+
+    run = {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+           "metadata": {"name": "r", "namespace": NS, "uid": "u-1"}}
+    api, t = _EventsApi(), [1000.0]
+
+    async def scenario() -> None:
+        rec = Recorder(api, instance="op-1", clock=lambda: t[0])
+        for _ in range(3):
+            await rec.record(run, "Warning", "FailedCreate", "2 pod(s) of attempt 0 are not created: quota")
+            t[0] += 10
+        again = Recorder(api, instance="op-2", clock=lambda: t[0])  # a restarted operator
+        await again.record(run, "Warning", "FailedCreate", "2 pod(s) of attempt 0 are not created: quota")
+        await again.record(run, "Warning", "FailedCreate", "1 pod(s) of attempt 0 are not created: quota")
+        for _ in range(2):
+            assert await again.send_once(run, "Warning", "RestartContainerFailed", "Attempt 0 ended", "T1")
+
+    asyncio.run(scenario())
+    by_msg = {e["message"]: e for e in api.events.values()}
+    assert len(api.events) == 3, list(by_msg)
+    counted = by_msg["2 pod(s) of attempt 0 are not created: quota"]
+    assert counted["count"] == 4 and counted["series"]["count"] == 4 and counted["involvedObject"]["uid"] == "u-1"
+    assert counted["firstTimestamp"] < counted["lastTimestamp"] and counted["reportingComponent"] == "kubetitan-operator"
+    assert by_msg["1 pod(s) of attempt 0 are not created: quota"]["count"] == 1
+    assert by_msg["Attempt 0 ended"]["count"] == 1
