@@ -10,18 +10,22 @@ Conditions follow the Kubernetes API conventions: a list keyed by ``type``; each
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 
 from kubetitan_core import warning_rules
 from kubetitan_core.api import Condition, LlamaPretrainSpec, Phase
 
 # ------------------------------------------------------------------ condition types
 READY = "Ready"
-"""Summary: True while the current attempt trains (its step advances)."""
+"""Summary: True while every pod of the current attempt runs and rank 0's newest scrape answered with a step of
+it (training seen now); Unknown (reason ``ProgressUnknown``) while the pods run but rank 0's /metrics does not
+answer; False otherwise (the reason says what the run waits for)."""
 SUSPENDED = "Suspended"
 """True while ``runPolicy.suspend`` holds the run stopped."""
 RESTARTING = "Restarting"
-"""True from a gang failure until the next attempt's pods exist and train."""
+"""True from a gang failure until the next attempt's pods exist and train; reason ``RestartBlocked`` while the
+next attempt cannot start (a spec change it must not pick up)."""
 UNSCHEDULABLE = "Unschedulable"
 """True once an attempt has waited longer than ``unschedulableTimeoutSeconds`` for its pods."""
 SPEC_ACCEPTED = "SpecAccepted"
@@ -35,7 +39,8 @@ METRICS_AVAILABLE = "MetricsAvailable"
 """Whether rank 0's /metrics answers the operator (Unknown before the first scrape). False never restarts a
 run: it only means progress is not known."""
 CHILDREN_CREATED = "ChildrenCreated"
-"""False while the API refuses a child of the current attempt (403, 422, a name held by another object)."""
+"""True when every pod of the current attempt exists; False while some do not (the reason says why: being
+created, the API refused one, backoff, a blocked restart)."""
 
 CHECKPOINTS_DURABLE = "CheckpointsDurable"
 """Whether the checkpoints outlive the pods (a volume holds them): False warns of a single-node run that saves into
@@ -52,6 +57,13 @@ POLICY_VIOLATION = "PolicyViolation"
 SPEC_APPLIED = "Applied"
 DEFERRED_TO_NEXT_ATTEMPT = "DeferredToNextAttempt"
 IMMUTABLE_FIELD_CHANGED = "ImmutableFieldChanged"
+WORLD_SIZE_CHANGE_REFUSED = "WorldSizeChangeRefused"
+"""A running run's spec edit that changes the world size or the data-parallel degree, refused until the trainer
+resumes at another world size (``kubetitan_core.contract.RESUMES_AT_ANOTHER_WORLD_SIZE``)."""
+RESTART_BLOCKED = "RestartBlocked"
+"""The next attempt cannot start: the spec holds a change it must not pick up (``SpecAccepted`` says which)."""
+PROGRESS_UNKNOWN = "ProgressUnknown"
+"""Every pod of the attempt runs, but rank 0's /metrics does not answer: whether it trains is not known."""
 CREATING = "Creating"
 WAITING_FOR_PODS = "WaitingForPods"
 WAITING_FOR_FIRST_STEP = "WaitingForFirstStep"
@@ -165,18 +177,61 @@ def phase_reason(conditions: Sequence[Condition], phase: str | None) -> str:
     return c.reason if c is not None else ""
 
 
-def derive_phase(conditions: Sequence[Condition], attempt_exists: bool) -> Phase:
-    """The single rule from conditions to the displayed phase (the first matching line wins)."""
-    if is_true(conditions, SUCCEEDED):
-        return "Succeeded"
-    if is_true(conditions, FAILED):
-        return "Failed"
-    if is_true(conditions, SUSPENDED):
-        return "Suspended"
-    if is_true(conditions, RESTARTING):
-        return "Restarting"
+def _has(conditions: Sequence[Condition], type_: str, status: str, reason: str | None = None) -> bool:
+    c = find(conditions, type_)
+    return c is not None and c.status == status and (reason is None or c.reason == reason)
+
+
+PHASE_RULES: tuple[tuple[Phase, Callable[[Sequence[Condition]], bool]], ...] = (
+    ("Succeeded", lambda cs: is_true(cs, SUCCEEDED)),
+    ("Failed", lambda cs: is_true(cs, FAILED)),
+    ("Suspended", lambda cs: is_true(cs, SUSPENDED)),
+    ("Blocked", lambda cs: _has(cs, RESTARTING, "True", RESTART_BLOCKED)),
+    ("Restarting", lambda cs: is_true(cs, RESTARTING)),
+    ("Running", lambda cs: is_true(cs, READY) or _has(cs, READY, "Unknown", PROGRESS_UNKNOWN)),
+    ("Starting", lambda cs: is_true(cs, CHILDREN_CREATED)),
+    ("Pending", lambda cs: True),
+)
+"""The one rule from conditions to the displayed phase: the first row that holds wins. ``Running`` also while the
+pods run and only the progress is unknown (``Ready=Unknown``); ``Starting`` only once every pod of the attempt
+exists."""
+
+
+def derive_phase(conditions: Sequence[Condition]) -> Phase:
+    """The displayed phase (:data:`PHASE_RULES`)."""
+    return next(phase for phase, holds in PHASE_RULES if holds(conditions))
+
+
+_COUNTER = re.compile(r"\b(?:for|in|after) \d+(?:\.\d+)?s\b|\b\d+(?:\.\d+)?s more\b")
+"""A running counter in a message ("for 136s", "in 7s", "40s more"): times belong in lastTransitionTime."""
+
+
+def contradictions(phase: str | None, conditions: Sequence[Condition], attempt: int | None = None) -> list[str]:
+    """Every rule of "status tells one story" that ``phase`` + ``conditions`` break (empty: consistent).
+
+    The rules: the phase is the one :func:`derive_phase` gives; a finished run neither trains nor restarts;
+    Ready=True only with the pods all there, metrics answering, no restart, no suspension and nothing
+    unschedulable; ChildrenCreated speaks of the current attempt; no condition message carries a running counter.
+    """
+    out = []
+    want = derive_phase(conditions)
+    if phase != want:
+        out.append(f"phase {phase} but the conditions give {want}")
+    if is_true(conditions, SUCCEEDED) and is_true(conditions, FAILED):
+        out.append("Succeeded and Failed are both True")
+    if is_true(conditions, SUCCEEDED) or is_true(conditions, FAILED):
+        for t in (READY, RESTARTING):
+            if is_true(conditions, t):
+                out.append(f"a finished run has {t}=True")
     if is_true(conditions, READY):
-        return "Running"
-    if attempt_exists:
-        return "Starting"
-    return "Pending"
+        for t, st in ((RESTARTING, "True"), (SUSPENDED, "True"), (UNSCHEDULABLE, "True"), (CHILDREN_CREATED, "False"),
+                      (CHILDREN_CREATED, "Unknown"), (METRICS_AVAILABLE, "False"), (METRICS_AVAILABLE, "Unknown")):
+            if _has(conditions, t, st):
+                out.append(f"Ready=True next to {t}={st}")
+    cc = find(conditions, CHILDREN_CREATED)
+    if cc is not None and attempt is not None and f"attempt {attempt}" not in cc.message:
+        out.append(f"ChildrenCreated speaks of another attempt than {attempt}: {cc.message!r}")
+    for c in conditions:  # (Restarting/Failed quote the failure as recorded once, e.g. "no step progress for 40s")
+        if c.type not in (RESTARTING, FAILED, SUCCEEDED) and _COUNTER.search(c.message):
+            out.append(f"{c.type}'s message has a running counter: {c.message!r}")
+    return out

@@ -164,6 +164,9 @@ class Observed:
     attempt_steps: int | None = None
     """``spec.training.steps`` of the spec the current attempt was created from (its trainer's count; the spec's
     may have changed since); None when unknown."""
+    attempt_nodes: int | None = None
+    """``spec.resources.nodes`` of the spec the current attempt was created from: its gang size, whatever the spec
+    says now (a live attempt is never added to); None when unknown (the spec's count then)."""
 
 
 # ------------------------------------------------------------------ decision
@@ -381,6 +384,11 @@ class Facts:
         return self.spec.run_policy
 
     @property
+    def nodes(self) -> int:
+        """The current attempt's gang size: the spec it was created from, else the spec's."""
+        return self.obs.attempt_nodes if self.obs.attempt_nodes is not None else self.spec.resources.nodes
+
+    @property
     def rank0(self) -> PodObs | None:
         return next((p for p in self.current if p.rank == 0), None)
 
@@ -495,13 +503,14 @@ def attempt_not_created(f: Facts) -> Decision | None:
     if f.current:
         return None
     if f.obs.spec_block:
-        return Decision(Action.WAIT, f.obs.spec_block_reason, f.obs.spec_block)
+        return Decision(Action.WAIT, C.RESTART_BLOCKED, f"attempt {f.attempt} cannot start: {f.obs.spec_block}")
     last = f.status.restarts[-1] if f.status.restarts else None
     if last is not None and last.attempt == f.attempt - 1:
-        ready_at = (parse_time(last.time) or f.now) + backoff_seconds(f.spec, f.status.restarts)
+        backoff = backoff_seconds(f.spec, f.status.restarts)
+        ready_at = (parse_time(last.time) or f.now) + backoff
         if f.now < ready_at:
-            return Decision(Action.WAIT, C.BACKOFF, f"attempt {f.attempt} starts in {ready_at - f.now:.0f}s "
-                            "(restart backoff)", requeue_after=ready_at - f.now)
+            return Decision(Action.WAIT, C.BACKOFF, f"attempt {f.attempt} starts at {iso(ready_at)} (restart "
+                            f"backoff of {backoff:g}s)", requeue_after=ready_at - f.now)
     return _create(f, f"creating the {f.spec.resources.nodes} pods of attempt {f.attempt}")
 
 
@@ -558,7 +567,7 @@ def _lost_nodes(f: Facts) -> list[tuple[Failure | None, float]]:
 def ranks_missing(f: Facts) -> Decision | None:
     """Ranks never seen (a create that failed, or not done yet): create them, no restart."""
     ranks = {p.rank for p in f.current}
-    missing = [r for r in range(f.spec.resources.nodes) if r not in ranks]
+    missing = [r for r in range(f.nodes) if r not in ranks]  # the attempt's own gang: never a rank more
     if not missing:
         return None
     return _create(f, f"creating the missing pod(s) of rank {', '.join(map(str, missing))} of attempt {f.attempt}")
@@ -571,8 +580,8 @@ def unschedulable(f: Facts) -> Decision | None:
         return None
     oldest = min((p.created for p in f.current if p.created is not None), default=f.now)
     waited = f.now - oldest
-    msg = f"{len(unscheduled)}/{len(f.current)} pods of attempt {f.attempt} cannot be scheduled for " \
-          f"{waited:.0f}s: {unscheduled[0].unschedulable_message}"
+    msg = f"{len(unscheduled)}/{len(f.current)} pods of attempt {f.attempt} cannot be scheduled (since " \
+          f"{iso(oldest)}): {unscheduled[0].unschedulable_message}"
     if waited >= f.rp.unschedulable_timeout_seconds:
         if f.rp.unschedulable_action == "Fail":
             return Decision(Action.FAIL, C.UNSCHEDULABLE_TIMEOUT, msg + " (runPolicy.unschedulableAction=Fail)",
@@ -587,9 +596,10 @@ def node_grace(f: Facts) -> Decision | None:
     if not left:
         return None
     wait = min(left)
-    return Decision(Action.WAIT, C.WAITING_FOR_PODS, "a node of the attempt is NotReady or missing; waiting "
-                    f"{wait:.0f}s more (runPolicy.nodeFailureGraceSeconds)", requeue_after=wait,
-                    ready=f.obs.progress.step is not None)
+    return Decision(Action.WAIT, C.WAITING_FOR_PODS, "a node of the attempt is NotReady or missing; the attempt "
+                    f"ends at {iso(f.now + wait)} unless it comes back (runPolicy.nodeFailureGraceSeconds)",
+                    requeue_after=wait, ready=f.obs.progress.step is not None and f.obs.progress.metrics_available
+                    is not False)
 
 
 def stuck_before_running(f: Facts) -> Decision | None:
@@ -603,7 +613,7 @@ def stuck_before_running(f: Facts) -> Decision | None:
     waited = f.now - since
     why = p.waiting_reason or "ContainerCreating"
     detail = f": {p.waiting_message}" if p.waiting_message else ""
-    msg = f"pod {p.name} (rank {p.rank}) is {why} on node {p.node_name} for {waited:.0f}s{detail}"
+    msg = f"pod {p.name} (rank {p.rank}) is {why} on node {p.node_name} since {iso(since)}{detail}"
     limit = f.rp.startup_timeout_seconds
     if waited >= limit:
         return restart_or_fail(f, Failure("StartupTimeout", f"{msg} (runPolicy.startupTimeoutSeconds={limit})",
@@ -680,8 +690,12 @@ def running(f: Facts) -> Decision | None:
     """Nothing wrong: training, waiting for the first step, or for the other pods to run."""
     pr = f.obs.progress
     if _all_running(f):
+        if pr.step is not None and pr.metrics_available is False:
+            return Decision(Action.KEEP, C.PROGRESS_UNKNOWN, f"every pod of attempt {f.attempt} runs, but whether it "
+                            f"trains is unknown: rank 0's /metrics does not answer (last known step {pr.step}); this "
+                            "alone never restarts the run")
         if pr.step is not None:
-            return Decision(Action.KEEP, C.TRAINING, f"attempt {f.attempt} is training (step {pr.step})", ready=True)
+            return Decision(Action.KEEP, C.TRAINING, f"attempt {f.attempt} is training", ready=True)
         return Decision(Action.KEEP, C.WAITING_FOR_FIRST_STEP, f"all pods of attempt {f.attempt} run; waiting for "
                         "the first step")
     n = sum(p.phase == "Running" for p in f.current)
@@ -827,10 +841,12 @@ def decide(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, obs: Observed,
     return replace(d, delete=delete, force_delete=force, recreate=recreate, rule=rule.__name__)
 
 
-def restart_event(d: Decision, attempt: int) -> tuple[str, str, str] | None:
-    """The Kubernetes Event (type, reason, message) a decision sends after the status write."""
+def restart_event(d: Decision, attempt: int, blocked: str | None = None) -> tuple[str, str, str] | None:
+    """The Kubernetes Event (type, reason, message) a decision sends after the status write (``blocked``: why the
+    next attempt cannot start, when it cannot)."""
     if d.action == Action.RESTART:
-        return "Warning", f"Restart{d.cause}", f"Attempt {attempt} ended: {d.message}; starting attempt {attempt + 1}"
+        nxt = f"attempt {attempt + 1} cannot start: {blocked}" if blocked else f"starting attempt {attempt + 1}"
+        return "Warning", f"Restart{d.cause}", f"Attempt {attempt} ended: {d.message}; {nxt}"
     if d.action == Action.FAIL:
         return "Warning", d.reason, d.message
     if d.action in (Action.SUCCEED, Action.CONTINUE):

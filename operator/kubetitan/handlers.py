@@ -8,7 +8,12 @@ One reconcile *cycle* of one LlamaPretrain (``cycle``):
 3. ``decide.decide`` -> a Decision, ``status.next_status`` -> the new status (the one status builder);
 4. write the status through the status subresource (only when it changed);
 5. delete / force-delete / create what the decision lists (``AlreadyExists`` is success);
-6. send the decision's Kubernetes Event and update the operator metrics.
+6. send the Events the status change carries (``status.pendingEvents``: written with the change, sent after it,
+   cleared once sent, so an operator killed in between sends them when it resumes) and update the metrics.
+
+Events are aggregated like client-go's recorder (``kubetitan.events``): one Event per (run, type, reason,
+message), counted. A live attempt's pods are rendered only from the spec the attempt was created from (the
+ConfigMap's applied-spec annotation): an edit never changes or adds to a running gang.
 
 Cycles run from ``on.create``/``on.resume``/``on.update`` and from one daemon per LlamaPretrain, which
 loops every ``--scan-interval`` seconds or as soon as a pod of the run changes (level-triggered,
@@ -39,7 +44,8 @@ from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 from kubetitan import status as status_mod
-from kubetitan.decide import Action, ChildError, decide, parse_time, restart_event
+from kubetitan.decide import Action, ChildError, decide, parse_time
+from kubetitan.events import Recorder
 from kubetitan.kube import Client, ClientClosed, classify, load_config, message_of
 from kubetitan.observe import (
     DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_TIMEOUT_SECONDS, Scraper, ScrapeLimits,
@@ -52,7 +58,8 @@ ANNOTATION_APPLIED_SPEC = "kubetitan.io/applied-spec"
 """On the run's ConfigMap: the spec (JSON) the current attempt was created from."""
 FINALIZER = "kubetitan.io/finalizer"
 ENSURED_SECONDS = 10.0
-"""How long a child we created counts as existing while the pod index has not shown it yet."""
+"""How long a child we created counts as existing while the pod index has not shown it yet (and a pod we deleted
+as deleted: the same DELETE is not sent again while the index still shows the pod)."""
 
 
 @dataclass
@@ -102,11 +109,11 @@ class JobState:
     changes_for: tuple[Any, Any] | None = None
     changes: tuple[list[str], list[str], list[str]] = ([], [], [])
     """``spec_changes(applied, desired)`` for the (applied, desired) pair in ``changes_for``."""
+    gate: tuple[str | None, str | None, str | None] = (None, None, None)
+    """``status.spec_gate`` (block, its reason, deferred) for the same pair."""
     child_errors: tuple[ChildError, ...] = ()
     """Children the API refused on the last create of ``child_errors_attempt`` (fed to the next decision)."""
     child_errors_attempt: int = -1
-    refusal_event: str | None = None
-    """The refusal of a started run's spec last sent as a Warning Event (sent again only when it changes)."""
     refused_values: frozenset[tuple[str, str]] = frozenset()
     """The scraped values last refused (``scraped.signature``): a Warning Event only when this changes."""
     done: bool = False
@@ -115,6 +122,10 @@ class JobState:
     """Creates in a row that the API refused (the retry backoff doubles with each)."""
     create_retry_at: float = float("-inf")
     """Monotonic time before which no create is sent again after a refusal (the backoff)."""
+    deleted: dict[str, tuple[float, int | None]] = field(default_factory=dict)
+    """Pods this replica sent a DELETE for: name -> (monotonic time, grace seconds or None). Within
+    ``ENSURED_SECONDS`` the same delete is not sent again (the pod index lags behind our own deletes); a force
+    delete (grace 0) of a pod deleted gracefully still goes."""
     ensured_attempt: int = -1
     ensured: dict[str, float] = field(default_factory=dict)
     """Children of ``ensured_attempt`` this operator created (or found existing), by monotonic time: the pod
@@ -133,7 +144,7 @@ class JobState:
 
     def forget_children(self) -> None:
         """Drop what this replica believes about children (after a fail-over, re-read from the API)."""
-        self.ensured_attempt, self.ensured, self.children_seen = -1, {}, set()
+        self.ensured_attempt, self.ensured, self.children_seen, self.deleted = -1, {}, set(), {}
         self.applied_spec, self.applied_loaded = None, False
 
 
@@ -146,6 +157,14 @@ class Context:
     session: Any = None
     scraper: Scraper | None = None
     jobs: dict[str, JobState] = field(default_factory=dict)
+    _recorder: Recorder | None = None
+
+    @property
+    def recorder(self) -> Recorder:
+        """The Event recorder (aggregating, exactly-once for status changes) on this operator's client."""
+        if self._recorder is None or self._recorder.client is not self.client:
+            self._recorder = Recorder(self.client)
+        return self._recorder
 
     def job(self, uid: str) -> JobState:
         if uid not in self.jobs:
@@ -362,7 +381,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             spec = lpt.spec
             warnings = {(w.rule, str(w)) for w in warning_rules.warnings_for(lpt)}
             for rule, message in sorted(warnings - job.warned):
-                _event(body, "Warning", warning_rules.RULE_BY_ID[rule].reason, message)
+                await _event(ctx, body, "Warning", warning_rules.RULE_BY_ID[rule].reason, message)
             job.warned = frozenset(warnings)
             attempt = old.attempt if old.attempt is not None else 0
             if pods_override is not None:
@@ -385,7 +404,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                     ctx.metrics.scrape_failures.labels(got.reason).inc()
                 if metrics is not None:  # every value checked before it can enter the status
                     metrics, refused = scraped.check(metrics, attempt=attempt, prev=old.observation, now=now)
-                    _report_refused(ctx, body, job, refused)
+                    await _report_refused(ctx, body, job, refused)
             seen = status_mod.track(old.observation, attempt, now, metrics=metrics, scrape_error=scrape_error,
                                     scrape_reason=scrape_reason, pods=pods, nodes=nodes)
             training = status_mod.training_status(spec, metrics, now, old.training) \
@@ -399,38 +418,29 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 raw = ((cm or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_APPLIED_SPEC)
                 job.applied_spec = json.loads(raw) if raw else None
                 job.applied_loaded = True
+            block_reason = None
             if job.applied_spec is not None and old.attempt is not None:
                 if job.changes_for is None or job.changes_for[0] is not job.applied_spec \
                         or job.changes_for[1] is not desired:
                     job.changes_for, job.changes = (job.applied_spec, desired), spec_changes(job.applied_spec, desired)
-                _live, later, rejected = job.changes
-                if rejected:
-                    block = (f"changing {', '.join(rejected)} would make the run's checkpoints unusable; "
-                             "revert it, or create a new LlamaPretrain")
-                elif later:
-                    deferred = f"{', '.join(later)} changed; applied when the next attempt starts " \
-                               "(suspend and resume to apply now)"
-
-            block_reason = None
-            if refused_live:
+                    job.gate = status_mod.spec_gate(job.applied_spec, spec, job.changes)
+                block, block_reason, deferred = job.gate
+            if refused_live:  # (its Warning Event comes with the SpecAccepted=False transition, in the status)
                 block_reason = C.POLICY_VIOLATION if all(isinstance(e, policy.Violation) for e in errors) \
                     else C.INVALID_SPEC
                 block = (f"{'refused by the admin policy' if block_reason == C.POLICY_VIOLATION else 'invalid spec'}: "
                          f"{'; '.join(map(str, errors))}; a running attempt goes on as it was created (and is still "
                          "observed), but no new attempt starts until the spec complies")
-                if block != job.refusal_event:
-                    _event(body, "Warning", block_reason, block)
-                job.refusal_event = block
-            else:
-                job.refusal_event = None
             child_errors = job.child_errors if job.child_errors_attempt == attempt else ()
             missing = _missing_children(job, uid, name, attempt, children_index) if current else ()
             steps_then = ((job.applied_spec or {}).get("training") or {}).get("steps") if current else None
+            nodes_then = ((job.applied_spec or {}).get("resources") or {}).get("nodes") if current else None
             obs = status_mod.observed(seen, pods=pods, nodes=nodes, now=now, generation=meta.get("generation"),
                                       spec_block=block, spec_block_reason=block_reason,
                                       spec_deferred=deferred, training=training,
                                       child_errors=child_errors, missing_children=missing,
                                       attempt_steps=steps_then if isinstance(steps_then, int) else None,
+                                      attempt_nodes=nodes_then if isinstance(nodes_then, int) else None,
                                       hang_floor_seconds=ctx.options.hang_floor_seconds)
             d = decide(spec, old, obs)
             if d.stale_status:
@@ -450,9 +460,9 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 await client.patch_status(ns, name, merge_patch(old_raw, new_raw))
             job.status, job.api_status = new, None
 
-            # 5. apply
-            deletes = [client.delete_pod(ns, n) for n in d.delete if n not in d.force_delete]
-            deletes += [client.delete_pod(ns, n, grace_seconds=0) for n in d.force_delete]
+            # 5. apply (a DELETE already sent is not sent again while the index still shows the pod)
+            deletes = [client.delete_pod(ns, n) for n in _to_delete(job, d.delete, d.force_delete, None)]
+            deletes += [client.delete_pod(ns, n, grace_seconds=0) for n in _to_delete(job, d.force_delete, (), 0)]
             if deletes:
                 await asyncio.gather(*deletes)
             requeue = d.requeue_after
@@ -462,7 +472,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                 if retry <= 0:
                     retry = await _create_attempt(ctx, lpt, new, d.avoid_nodes, job, desired,
                                                   {p.name for p in current} | _shown_children(uid, name, children_index),
-                                                  body) if d.action == Action.CREATE \
+                                                  body, started=bool(current)) if d.action == Action.CREATE \
                         else await _create_attempt(ctx, lpt, new, (), job, desired, set(), body, only=d.recreate)
                 if retry is not None:
                     requeue = retry if requeue is None else min(requeue, retry)
@@ -471,10 +481,9 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if d.delete_self:
                 await client.delete_run(ns, name)
 
-            # 6. events and metrics
-            ev = restart_event(d, attempt)
-            if ev is not None:
-                _event(body, *ev)
+            # 6. events (those of the status change: exactly once, even across a crash) and metrics
+            if new.pending_events:
+                await _send_pending(ctx, job, ns, name, body)
             if d.action in (Action.RESTART, Action.RESTARTED_IN_PLACE) and d.cause:
                 ctx.metrics.restarted(ns, name, d.cause, "InPlace" if d.action == Action.RESTARTED_IN_PLACE
                                       else "Recreate")
@@ -493,7 +502,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
         ctx.metrics.reconcile.observe(time.perf_counter() - started)
 
 
-def _report_refused(ctx: Context, body: Mapping[str, Any], job: JobState, refused: list[scraped.Refusal]) -> None:
+async def _report_refused(ctx: Context, body: Mapping[str, Any], job: JobState, refused: list[scraped.Refusal]) -> None:
     """Count refused scraped values; a Warning Event and a log line when what is refused changes."""
     for r in refused:
         ctx.metrics.values_refused.labels(r.metric, r.check).inc()
@@ -502,13 +511,43 @@ def _report_refused(ctx: Context, body: Mapping[str, Any], job: JobState, refuse
         meta = body["metadata"]
         log.warning("Refused scraped values of LlamaPretrain %s/%s: %s", meta.get("namespace"), meta["name"],
                     "; ".join(map(str, refused)))
-        _event(body, "Warning", C.METRICS_VALUE_REFUSED, scraped.summary(refused))
+        await _event(ctx, body, "Warning", C.METRICS_VALUE_REFUSED, scraped.summary(refused))
     job.refused_values = sig
 
 
-def _event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-    """A Kubernetes Event on the run (kopf posts it; only the active peering replica gets here)."""
-    kopf.event(dict(body), type=type_, reason=reason, message=message)
+async def _event(ctx: Context, body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    """A Kubernetes Event on the run, aggregated: a repeat counts on the same Event (``kubetitan.events``)."""
+    await ctx.recorder.record(body, type_, reason, message)
+
+
+async def _send_pending(ctx: Context, job: JobState, ns: str, name: str, body: Mapping[str, Any]) -> None:
+    """Send the Events of the status change just written (``status.pendingEvents``), then clear them from the
+    status. Each one's name derives from the change, so one sent before a crash is found (409), never doubled; one
+    the API refused stays pending for the next cycle."""
+    assert job.status is not None and ctx.client is not None
+    left = [e for e in job.status.pending_events
+            if not await ctx.recorder.send_once(body, e.type, e.reason, e.message, e.time)]
+    if len(left) != len(job.status.pending_events):
+        await ctx.client.patch_status(ns, name, {"pendingEvents": [e.dump() for e in left]})
+        job.status.pending_events = left
+
+
+def _to_delete(job: JobState, names: tuple[str, ...], skip: tuple[str, ...], grace: int | None) -> list[str]:
+    """``names`` less ``skip`` and those this replica deleted moments ago with the same (or a shorter) grace;
+    records the rest as deleted now (expectations: the index lags behind our own deletes)."""
+    mono, out = time.monotonic(), []
+    for n in names:
+        if n in skip:
+            continue
+        at, g = job.deleted.get(n, (float("-inf"), None))
+        if mono - at < ENSURED_SECONDS and (g == grace or g == 0):
+            continue
+        job.deleted[n] = (mono, grace)
+        out.append(n)
+    for n, (at, _g) in list(job.deleted.items()):
+        if mono - at >= ENSURED_SECONDS:
+            del job.deleted[n]
+    return out
 
 
 def _parse(job: JobState, body: Mapping[str, Any], pol: policy.Policy | None = None
@@ -574,7 +613,7 @@ async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainSta
         assert ctx.client is not None
         await ctx.client.patch_status(ns, name, merge_patch(old_raw, new.dump()))
         if refused and new.message != old.message:
-            _event(body, "Warning", C.POLICY_VIOLATION, new.message or "")
+            await _event(ctx, body, "Warning", C.POLICY_VIOLATION, new.message or "")
     job.status = new
     ctx.metrics.set_phase(ns, name, new.phase, C.phase_reason(new.conditions, new.phase))
 
@@ -585,20 +624,24 @@ CREATE_RETRY_CAP_SECONDS = 60.0
 
 async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, avoid: tuple[str, ...],
                           job: JobState, desired: dict[str, Any], present: set[str], body: Mapping[str, Any],
-                          only: tuple[str, ...] | None = None) -> float | None:
+                          only: tuple[str, ...] | None = None, started: bool = False) -> float | None:
     """Create every child of the current attempt that is not known to exist; existing ones (ours) count as created.
 
     ``present``: the attempt's pods the index shows and the ConfigMap/Service their indexes show (the ConfigMap is
     still written once per attempt: it carries the attempt's spec). Children this operator created moments ago
     count as existing too (``JobState.ensured``), so the cycles woken by their own watch events send nothing,
     and a create the API refused is not sent again before its backoff (``JobState.create_retry_at``).
-    A child the API refuses (403, 422, a name held by an object that is not ours, or 429/5xx after the
-    client's retries) becomes a ``ChildrenCreated=False`` condition on the next cycle and one Warning Event
-    ``FailedCreate`` per new error; the create is retried after a capped, jittered backoff (the returned
-    delay). Never a restart: a child that was never seen is simply created again.
 
-    ``only``: create just these ConfigMap/Service names (deleted by hand while the attempt goes on), rendered
-    from the spec the attempt was created from, not a newer one that waits for the next attempt.
+    ``started``: some pod of the attempt exists already. Then every child is rendered from the spec the attempt
+    was created from (the ConfigMap's applied-spec annotation), never from a newer spec: a missing rank of a live
+    gang gets the gang's own ``--nnodes`` and config hash, and an edit waits for the next attempt. ``only``:
+    create just these ConfigMap/Service names (deleted by hand while the attempt goes on), the same way.
+
+    Pods go in slow-start batches of 1, 2, 4, ... (as Kubernetes' ReplicaSet controller does): a batch the API
+    refuses stops the round, so a quota that refuses the whole gang costs one refused create per round, not one
+    per pod. A refused round becomes ``ChildrenCreated=False`` on the next cycle and one aggregated Warning Event
+    ``FailedCreate`` naming how many pods are not created and the API's message; it is retried after a capped,
+    jittered backoff (the returned delay). Never a restart: a child that was never seen is simply created again.
     """
     client = ctx.client
     assert client is not None
@@ -616,7 +659,7 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
         return name not in present and mono - job.ensured.get(name, float("-inf")) >= ENSURED_SECONDS
 
     spec_of_attempt = desired
-    if only is not None and job.applied_spec is not None and job.applied_spec != desired:
+    if (only is not None or started) and job.applied_spec is not None and job.applied_spec != desired:
         then, errs = validation.parse({**dict(body), "spec": job.applied_spec})
         if then is not None and not errs:
             lpt, spec_of_attempt = then, job.applied_spec
@@ -647,25 +690,32 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
         if not errors:
             job.ensured[cm["metadata"]["name"]] = mono
             job.applied_spec, job.applied_loaded = spec_of_attempt, True
-    # Service and pods concurrently; the client's semaphore bounds the requests in flight. Pods wait for a
+    # The Service, then the pods; the client's semaphore bounds the requests in flight. Pods wait for a
     # ConfigMap/Service the API refused: without them the gang cannot start.
     ok = await asyncio.gather(*(one(o) for o in others))
     for o, _ in zip(others, ok, strict=True):
         if not any(e.name == o["metadata"]["name"] for e in errors):
             job.ensured[o["metadata"]["name"]] = mono
     made: list[dict[str, Any]] = []
+    unsent = 0
     if not errors:
-        await asyncio.gather(*(one(o) for o in pods))
-        made = [o for o in pods if not any(e.name == o["metadata"]["name"] for e in errors)]
+        batch, i = 1, 0
+        while i < len(pods):
+            chunk = pods[i:i + batch]
+            await asyncio.gather(*(one(o) for o in chunk))
+            made += [o for o in chunk if not any(e.name == o["metadata"]["name"] for e in errors)]
+            i += len(chunk)
+            if errors:
+                unsent = len(pods) - i
+                break
+            batch *= 2
         for o in made:
             job.ensured[o["metadata"]["name"]] = mono
-    old_keys = {(e.kind, e.name, e.reason) for e in job.child_errors} if job.child_errors_attempt == attempt else set()
     job.child_errors, job.child_errors_attempt = tuple(errors), attempt
     if errors:
         job.create_failures += 1
-        for e in errors:
-            if (e.kind, e.name, e.reason) not in old_keys:
-                _event(body, "Warning", "FailedCreate", f"Error creating {e.kind} {e.name}: {e.reason}: {e.message}")
+        await _event(ctx, body, "Warning", "FailedCreate", _refusal_summary(errors, len(pods) - len(made), unsent,
+                                                                           attempt))
         log.warning("Creating attempt %s of LlamaPretrain %s/%s: the API refused %d object(s): %s %s: %s",
                     attempt, ns, lpt.metadata.name, len(errors), errors[0].kind, errors[0].name, errors[0].message)
         cap = min(CREATE_RETRY_CAP_SECONDS, CREATE_RETRY_BASE_SECONDS * 2 ** min(job.create_failures - 1, 10))
@@ -677,8 +727,8 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
         for child in only:  # shown gone; now created again: not "missing" until the index has shown it
             job.children_seen.discard(child)
             job.ensured[child] = mono
-        _event(body, "Normal", "RecreatedChildren", f"Created {', '.join(only)} again (deleted while attempt "
-               f"{attempt} runs); the pods go on")
+        await _event(ctx, body, "Normal", "RecreatedChildren", f"Created {', '.join(only)} again (deleted while "
+                     f"attempt {attempt} runs); the pods go on")
         log.info("Recreated %s of LlamaPretrain %s/%s (deleted while attempt %s runs)", ", ".join(only), ns,
                  lpt.metadata.name, attempt)
         return None
@@ -690,6 +740,21 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
     if made:
         log.info("Created attempt %s of LlamaPretrain %s/%s (%d pods)", attempt, ns, lpt.metadata.name, len(made))
     return None
+
+
+def _refusal_summary(errors: list[ChildError], not_created: int, unsent: int, attempt: int) -> str:
+    """One message for a refused create round: how many pods are not created, and the API's answer (the first
+    refusal's; refusals of other kinds/reasons are counted). Stable across rounds that fail alike, so the
+    aggregated ``FailedCreate`` Event counts them instead of piling up."""
+    e = errors[0]
+    kinds = sorted({f"{x.kind} {x.reason}" for x in errors[1:]} - {f"{e.kind} {e.reason}"})
+    also = f" (also refused: {', '.join(kinds)})" if kinds else ""
+    if e.kind == "Pod":
+        held = f"; {unsent} more not sent this round (slow start stops at a refused batch)" if unsent else ""
+        return (f"{not_created} pod(s) of attempt {attempt} are not created: the API refused {e.name}: {e.reason}: "
+                f"{e.message}{also}{held}; retrying with backoff")
+    return (f"the pods of attempt {attempt} wait: the API refused {e.kind} {e.name}: {e.reason}: {e.message}"
+            f"{also}; retrying with backoff")
 
 
 def aiohttp_errors() -> tuple[type[BaseException], ...]:

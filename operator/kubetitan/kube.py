@@ -271,7 +271,7 @@ class Client:
         On 409 the existing object is read: if its owner references do not name the owner ``obj`` names,
         :class:`NameConflict` is raised and the object is left alone.
         """
-        resource = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services"}[obj["kind"]]
+        resource = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "Event": "events"}[obj["kind"]]
         meta = obj["metadata"]
         ns = meta["namespace"]
         try:

@@ -7,7 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from kubetitan import __version__
 from kubetitan_core.api import Phase, TrainingStatus
 
-PHASES: tuple[Phase, ...] = ("Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+PHASES: tuple[Phase, ...] = ("Pending", "Starting", "Running", "Restarting", "Blocked", "Suspended", "Succeeded",
+                             "Failed")
 
 
 class OperatorMetrics:

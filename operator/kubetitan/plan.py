@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kubetitan_core import API_VERSION, KIND, contract
-from kubetitan_core.api import LlamaPretrain, processes_per_node
+from kubetitan_core.api import LlamaPretrain, LlamaPretrainSpec, processes_per_node, resolved_dp_shard, world_size
 from kubetitan_core.catalog import INSTANCE_TYPES, pod_resources
 from kubetitan_core import hang, render
 from kubetitan_core.render import trainer_toml
@@ -427,3 +427,48 @@ def attempt_children(
         for rank in range(lpt.spec.resources.nodes)
     ]
     return [cm, service(lpt), *pods]
+
+
+# ------------------------------------------------------------------ world-size changes
+WORLD_SIZE_FIELDS = ("resources.nodes", "resources.gpusPerNode", "resources.processesPerNode", "parallelism")
+"""Spec paths that set an attempt's world size (pods x processes) or how it splits into data-parallel ranks."""
+
+
+def dp_degree(spec: LlamaPretrainSpec) -> int | None:
+    """The data-parallel degree (replicate x shard, -1 resolved); None when the degrees do not divide the world."""
+    shard = resolved_dp_shard(spec)
+    return None if shard is None else shard * spec.parallelism.data_parallel_replicate_degree
+
+
+def world_size_change(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> str | None:
+    """What an edit from ``applied`` (the running attempt's spec) to ``desired`` does to the world size or the
+    data-parallel degree, as one phrase naming the fields and the numbers; None when neither changes (an edit of
+    ``parallelism`` that keeps both, e.g. none, is no world-size change)."""
+    before = (world_size(applied), dp_degree(applied))
+    after = (world_size(desired), dp_degree(desired))
+    if before == after:
+        return None
+    a, d = applied.model_dump(by_alias=True, mode="json"), desired.model_dump(by_alias=True, mode="json")
+    fields = []
+    for path in WORLD_SIZE_FIELDS:
+        x, y = _at(a, path), _at(d, path)
+        if x == y:
+            continue
+        if isinstance(x, dict) and isinstance(y, dict):
+            fields += [f"{path}.{k} {x.get(k)} -> {y.get(k)}" for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
+        else:
+            fields.append(f"{path} {x} -> {y}")
+    return (f"{', '.join(fields) or 'the spec'} changes the world size {before[0]} -> {after[0]} and the "
+            f"data-parallel degree {before[1]} -> {after[1]}")
+
+
+def world_size_change_allowed() -> bool:
+    """The one switch: a world-size change applies at the next attempt once the trainer resumes at another world
+    size (``kubetitan_core.contract.RESUMES_AT_ANOTHER_WORLD_SIZE``); until then it is refused."""
+    return contract.RESUMES_AT_ANOTHER_WORLD_SIZE
+
+
+def _at(d: Any, path: str) -> Any:
+    for part in path.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d

@@ -18,13 +18,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from kubetitan import conditions as C
+from kubetitan import plan
 from kubetitan_core import contract
-from kubetitan_core.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases, TrainingStatus
+from kubetitan_core.api import (
+    AttemptObservation, Condition, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases, StatusEvent, TrainingStatus,
+)
 from kubetitan.decide import (
     AUTO_HANG_FLOOR_SECONDS, MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso,
-    iso_ms, parse_time, replace, restart_record,
+    iso_ms, parse_time, replace, restart_event, restart_record,
 )
+
+MAX_PENDING_EVENTS = 20
+"""Status events kept while unsent (the newest): an API that refuses Events for long loses the oldest only."""
 
 
 # ------------------------------------------------------------------ metrics helpers
@@ -136,7 +144,7 @@ def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[
              spec_deferred: str | None = None,
              training: TrainingStatus | None = None, child_errors: tuple[ChildError, ...] = (),
              missing_children: tuple[str, ...] = (), attempt_steps: int | None = None,
-             hang_floor_seconds: float = AUTO_HANG_FLOOR_SECONDS) -> Observed:
+             attempt_nodes: int | None = None, hang_floor_seconds: float = AUTO_HANG_FLOOR_SECONDS) -> Observed:
     """The decision's inputs; a missing node is timed from when it was first seen missing."""
     timed = {n: (replace(v, not_ready_since=parse_time(o.nodes_missing_since.get(n))) if not v.exists else v)
              for n, v in nodes.items()}
@@ -144,8 +152,40 @@ def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[
                     spec_block=spec_block, spec_block_reason=spec_block_reason or C.IMMUTABLE_FIELD_CHANGED,
                     spec_deferred=spec_deferred, training=training,
                     ranks_seen=frozenset(o.ranks_seen), child_errors=child_errors, observation=o,
-                    missing_children=missing_children, attempt_steps=attempt_steps,
+                    missing_children=missing_children, attempt_steps=attempt_steps, attempt_nodes=attempt_nodes,
                     hang_floor_seconds=hang_floor_seconds)
+
+
+def spec_gate(applied: Mapping[str, Any] | None, spec: LlamaPretrainSpec,
+              changes: tuple[list[str], list[str], list[str]]) -> tuple[str | None, str | None, str | None]:
+    """(block, its reason, deferred): what an edit of a started run's spec does, against the spec its current
+    attempt was created from (``applied``; ``changes`` is ``observe.spec_changes(applied, spec)``).
+
+    A change that would make the checkpoints unusable blocks the next attempt (``ImmutableFieldChanged``); so does
+    a change of the world size or data-parallel degree while the trainer cannot resume at another one
+    (``WorldSizeChangeRefused``, :func:`kubetitan.plan.world_size_change_allowed`); any other change waits for the
+    next attempt (deferred). Never does an edit touch the live attempt's pods.
+    """
+    if applied is None:
+        return None, None, None
+    _live, later, rejected = changes
+    if rejected:
+        return (f"changing {', '.join(rejected)} would make the run's checkpoints unusable; revert it, or create a "
+                "new LlamaPretrain", C.IMMUTABLE_FIELD_CHANGED, None)
+    try:
+        change = plan.world_size_change(LlamaPretrainSpec.model_validate(dict(applied)), spec)
+    except ValidationError:  # an attempt created by an older operator: compare the fields themselves
+        change = next((f"{f} changed" for f in plan.WORLD_SIZE_FIELDS if any(
+            k == f or k.startswith(f + ".") for k in later)), None)
+    if change is not None and not plan.world_size_change_allowed():
+        return (f"{change}: the edit is refused, and not applied, because the trainer cannot resume a checkpoint at "
+                "another world size yet; the running attempt goes on as it was created. Revert the edit, or stop "
+                "this run and start a new LlamaPretrain at the new size with its own checkpoint storage (or wait "
+                "for elastic resume)", C.WORLD_SIZE_CHANGE_REFUSED, None)
+    if later:
+        return None, None, (f"{', '.join(later)} changed; applied when the next attempt starts (suspend and resume to "
+                            "apply now)")
+    return None, None, None
 
 
 def startup_phases(m: Mapping[str, float]) -> StartupPhases | None:
@@ -210,8 +250,6 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
     if s.training is None:
         s.training = TrainingStatus()
     s.training.total_steps = spec.training.steps
-    step = s.training.step
-    s.training.progress = f"{step if step is not None else 0}/{spec.training.steps}"
     if obs.observation is not None:
         s.observation = obs.observation.model_copy(deep=True)
 
@@ -271,6 +309,9 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
     if d.action == Action.SUCCEED:
         trained = obs.attempt_steps if obs.attempt_steps is not None else spec.training.steps
         s.training.step = trained if s.training.step is None else s.training.step
+    step = s.training.step  # after the lines above: a run that succeeded unscraped shows the step it reached
+    s.training.progress = f"{step if step is not None else 0}/{spec.training.steps}"
+    before = {c.type: c.model_copy() for c in conds}
 
     # ---- conditions
     if obs.spec_block:
@@ -297,8 +338,9 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
             cond(C.SUSPENDED, "True", d.reason, d.message)
         else:
             cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "runPolicy.suspend is false")
-        restarting = d.action == Action.RESTART or (
-            (d.action == Action.RESTARTED_IN_PLACE or C.is_true(conds, C.RESTARTING)) and not d.ready
+        trains = d.ready or d.reason == C.PROGRESS_UNKNOWN  # a step of this attempt was seen: the restart is over
+        restarting = d.action == Action.RESTART or d.reason == C.RESTART_BLOCKED or (
+            (d.action == Action.RESTARTED_IN_PLACE or C.is_true(conds, C.RESTARTING)) and not trains
             and d.action != Action.SUSPEND)
         if restarting:
             last = s.restarts[-1] if s.restarts else None
@@ -314,7 +356,7 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
         else:
             cond(C.UNSCHEDULABLE, "False", C.PODS_SCHEDULED, "no pod waits longer than unschedulableTimeoutSeconds")
         _children_condition(spec, s, d, obs, cond)
-        _metrics_condition(s, cond)
+        _metrics_condition(s, obs.progress, s.attempt != attempt, cond)
     elif d.action == Action.FAIL or d.action == Action.SUCCEED:
         cond(C.RESTARTING, "False", C.NOT_RESTARTING, "the run is finished")
         cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "the run is finished")
@@ -323,40 +365,71 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
         pass  # terminal conditions stay as they are
     elif d.ready:
         cond(C.READY, "True", C.TRAINING, d.message)
+    elif d.reason == C.PROGRESS_UNKNOWN:
+        cond(C.READY, "Unknown", C.PROGRESS_UNKNOWN, d.message)
+    elif d.action == Action.RESTART:  # the failure itself is in Restarting and in the restart record
+        cond(C.READY, "False", d.reason, f"attempt {attempt} ended ({d.cause}); attempt {attempt + 1} follows")
     else:
         cond(C.READY, "False", d.reason or C.WAITING_FOR_PODS, d.message)
 
-    s.phase = C.derive_phase(conds, attempt_exists=bool(obs.pods) or d.action in (Action.CREATE,))
+    s.phase = C.derive_phase(conds)
     if d.action != Action.FINISHED:
         s.message = d.message
     conds.sort(key=lambda c: C.ALL_TYPES.index(c.type) if c.type in C.ALL_TYPES else len(C.ALL_TYPES))
+    s.pending_events = [*s.pending_events, *status_events(before, conds, d, attempt, obs, now)][-MAX_PENDING_EVENTS:]
     return s
+
+
+def status_events(before: Mapping[str, Condition], conds: list[Condition], d: Decision, attempt: int,
+                  obs: Observed, now: str) -> list[StatusEvent]:
+    """The Events this status change carries: the decision's own (a restart, the end of the run) and the
+    transitions into a refused edit (``SpecAccepted=False``) or a blocked restart, each once."""
+    out = []
+    ev = restart_event(d, attempt, obs.spec_block)
+    if ev is not None:
+        out.append(StatusEvent(type=ev[0], reason=ev[1], message=ev[2], time=now))
+
+    def entered(type_: str, status: str) -> Condition | None:
+        c, old = C.find(conds, type_), before.get(type_)
+        if c is None or c.status != status:
+            return None
+        return c if old is None or (old.status, old.reason, old.message) != (c.status, c.reason, c.message) else None
+
+    if (c := entered(C.SPEC_ACCEPTED, "False")) is not None:
+        out.append(StatusEvent(type="Warning", reason=c.reason, message=c.message, time=now))
+    if (c := entered(C.RESTARTING, "True")) is not None and c.reason == C.RESTART_BLOCKED:
+        out.append(StatusEvent(type="Warning", reason=C.RESTART_BLOCKED, message=c.message, time=now))
+    return out
 
 
 def _children_condition(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Decision, obs: Observed,
                         cond: Any) -> None:
+    """True once every pod of the (new) current attempt exists; else False with why (never an older attempt's)."""
     attempt = s.attempt if s.attempt is not None else 0
+    same = attempt == (obs.observation.attempt if obs.observation is not None else attempt)
+    nodes = obs.attempt_nodes if obs.attempt_nodes is not None and same else spec.resources.nodes
+    present = {p.rank for p in obs.pods if p.attempt == attempt and not p.deleting}
     if obs.child_errors and d.action == Action.CREATE:
         e = obs.child_errors[0]
         more = f" (+{len(obs.child_errors) - 1} more)" if len(obs.child_errors) > 1 else ""
-        cond(C.CHILDREN_CREATED, "False", e.reason, f"the API refused {e.kind} {e.name}: {e.message}{more}; "
-             "retrying with backoff")
-        return
-    present = {p.rank for p in obs.pods if p.attempt == attempt}
-    if len(present) >= spec.resources.nodes:
-        cond(C.CHILDREN_CREATED, "True", C.CHILDREN_OK, f"all {spec.resources.nodes} pods of attempt {attempt} exist")
-    elif C.find(s.conditions, C.CHILDREN_CREATED) is None:
-        cond(C.CHILDREN_CREATED, "Unknown", C.CREATING, f"the pods of attempt {attempt} are being created")
+        cond(C.CHILDREN_CREATED, "False", e.reason, f"{len(present)}/{nodes} pods of attempt {attempt} exist: the "
+             f"API refused {e.kind} {e.name}: {e.message}{more}; retrying with backoff")
+    elif len(present) >= nodes:
+        cond(C.CHILDREN_CREATED, "True", C.CHILDREN_OK, f"all {nodes} pods of attempt {attempt} exist")
+    else:
+        reason = C.CREATING if d.action in (Action.CREATE, Action.KEEP) else (d.reason or C.CREATING)
+        cond(C.CHILDREN_CREATED, "False", reason, f"{len(present)}/{nodes} pods of attempt {attempt} exist")
 
 
-def _metrics_condition(s: LlamaPretrainStatus, cond: Any) -> None:
-    o = s.observation
-    if o is not None and o.metrics_error:
-        cond(C.METRICS_AVAILABLE, "False", o.metrics_error_reason or C.SCRAPE_FAILED,
-             f"{o.metrics_error}; training progress is unknown ("
-             + (f"last known step {o.step}" if o.step is not None else "no step seen yet") + "); this alone never "
+def _metrics_condition(s: LlamaPretrainStatus, pr: Progress, new_attempt: bool, cond: Any) -> None:
+    """From the decision's progress (what the observation says), or Unknown for an attempt that just began."""
+    if not new_attempt and pr.metrics_available is False:
+        reason = s.observation.metrics_error_reason if s.observation is not None else None
+        cond(C.METRICS_AVAILABLE, "False", reason or C.SCRAPE_FAILED,
+             f"{pr.metrics_error}; training progress is unknown ("
+             + (f"last known step {pr.step}" if pr.step is not None else "no step seen yet") + "); this alone never "
              "restarts the run (see docs/operator.md, 'Metrics')")
-    elif o is not None and o.metrics_ok_time:
+    elif not new_attempt and pr.metrics_available is True:
         cond(C.METRICS_AVAILABLE, "True", C.SCRAPED, "rank 0's /metrics answers")
     else:
         cond(C.METRICS_AVAILABLE, "Unknown", C.NOT_SCRAPED,
@@ -373,7 +446,7 @@ def invalid_status(old: LlamaPretrainStatus, errors: list[Any], generation: int 
     C.set_condition(new.conditions, C.READY, "False", reason, msg, iso(now), generation)
     C.set_condition(new.conditions, C.SPEC_ACCEPTED, "False", reason, msg, iso(now), generation)
     new.observed_generation = generation
-    new.phase = C.derive_phase(new.conditions, attempt_exists=new.attempt is not None)
+    new.phase = C.derive_phase(new.conditions)
     new.message = f"{'refused by the admin policy' if reason == C.POLICY_VIOLATION else 'invalid spec'}: {msg}"
     return new
 
@@ -386,4 +459,5 @@ def load(raw: Mapping[str, Any] | None) -> LlamaPretrainStatus:
         return LlamaPretrainStatus()
 
 
-__all__ = ["invalid_status", "load", "next_status", "observed", "progress", "track", "training_status"]
+__all__ = ["invalid_status", "load", "next_status", "observed", "progress", "spec_gate", "status_events", "track",
+           "training_status"]

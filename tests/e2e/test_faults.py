@@ -313,7 +313,7 @@ def test_api_faults_on_every_request_leave_the_run_untouched(e2e) -> None:
             _kubectl(c, "describe", "lpt", name, "-n", NS)), 60, "the FailedCreate Event in kubectl describe", every=0.5)
         cond = _described_condition(described, "ChildrenCreated")
         assert cond["Status"] == "False" and cond["Reason"] == "Forbidden" and "exceeded quota" in cond["Message"], cond
-        assert not _pods(c, name) and _st(c, name)["phase"] == "Starting"
+        assert not _pods(c, name) and _st(c, name)["phase"] == "Pending"  # Starting: once every pod exists
         # ---- then refused by Pod Security (422) for a while
         wait_for(lambda: quota.hits >= 2, 60, "the refused pod create retried")  # a burst, not one refusal
         psa = c.k.inject(verbs={"create"}, resource="pods", code=422, message=PSA, user=user)

@@ -171,7 +171,8 @@ CASES = [
     ("hang-timer-stops-while-metrics-unreachable", spec(hangTimeoutSeconds=60), status(),
      Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, last_progress_time=NOW - 600,
                                                             metrics_available=False, metrics_ok_time=NOW - 599),
-              ranks_seen=SEEN, now=NOW), Action.KEEP, C.TRAINING, None, {"ready": True, "rule": "running"}),
+              ranks_seen=SEEN, now=NOW), Action.KEEP, C.PROGRESS_UNKNOWN, None,
+     {"ready": False, "rule": "running", "message_has": "last known step 20"}),
     ("hang-measured-to-the-last-answering-scrape", spec(hangTimeoutSeconds=60), status(),
      Observed(pods=gang(), nodes=ok_nodes, progress=replace(TRAINING, last_progress_time=NOW - 600,
                                                             metrics_ok_time=NOW - 590),
@@ -192,7 +193,7 @@ CASES = [
     ("pending-on-a-node-past-deadline-restarts", spec(startupTimeoutSeconds=30), status(),
      Observed(pods=gang(over={1: {"phase": "Pending", "waiting_reason": "ContainerCreating", "scheduled_since": NOW - 40}}),
               nodes=ok_nodes, ranks_seen=SEEN, now=NOW), Action.RESTART, C.RESTARTED, "StartupTimeout",
-     {**RESTART_ALL, "node_name": "n1", "message_has": "ContainerCreating on node n1 for 40s"}),
+     {**RESTART_ALL, "node_name": "n1", "message_has": "ContainerCreating on node n1 since"}),
     ("node-not-ready-in-grace-waits", spec(nodeFailureGraceSeconds=60), status(),
      Observed(pods=gang(), nodes={"n0": NodeObs("n0"), "n1": NodeObs("n1", ready=None, not_ready_since=NOW - 10)},
               ranks_seen=SEEN, now=NOW), Action.WAIT, C.WAITING_FOR_PODS, None,
@@ -287,7 +288,8 @@ CASES = [
      status(conds=[Condition(type="Failed", status="True", reason="MaxRestartsExceeded")], completion_time=iso(NOW)),
      Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 1}}), now=NOW), Action.FINISHED, "", None, {}),
     ("spec-change-blocks-next-attempt", spec(), status(restarts=[rec(0, ago=99)], attempt=1),
-     Observed(now=NOW, spec_block="changing model.flavor ..."), Action.WAIT, C.IMMUTABLE_FIELD_CHANGED, None, {}),
+     Observed(now=NOW, spec_block="changing model.flavor ..."), Action.WAIT, C.RESTART_BLOCKED, None,
+     {"message_has": "attempt 1 cannot start: changing model.flavor"}),
     # ---- in-place restarts (the launchers restart every rank's workers; the operator records, never deletes)
     ("worker-killed-on-healthy-node-restarts-in-place", spec(), status(),
      Observed(pods=gang(), nodes=ok_nodes, progress=IN_PLACE, ranks_seen=SEEN, now=NOW),
@@ -417,6 +419,15 @@ def test_decide(spec_, status_, obs, action, reason, cause, extra) -> None:
         assert extra["message_has"] in d.message, d.message
 
 
+@pytest.mark.parametrize(("spec_", "status_", "obs"), [c[1:4] for c in CASES], ids=[c[0] for c in CASES])
+def test_every_decision_leads_to_a_status_that_tells_one_story(spec_, status_, obs) -> None:
+    """Each case's decision, turned into the status: the phase is the conditions' phase, no condition contradicts
+    another, ChildrenCreated speaks of the current attempt, no waiting message carries a running counter
+    (``conditions.contradictions``)."""
+    new = next_status(spec_, status_, decide(spec_, status_, obs), obs)
+    assert C.contradictions(new.phase, new.conditions, new.attempt) == [], [c.dump() for c in new.conditions]
+
+
 def test_every_rule_has_a_case() -> None:
     """Each rule of decide.RULES decides at least one table case."""
     fired = {decide(c[1], c[2], c[3]).rule for c in CASES}
@@ -503,14 +514,21 @@ def test_set_condition_keeps_transition_time_unless_status_flips(old_status, new
     assert conds[0].last_transition_time == ("T0" if keeps_time else "T1")
 
 
-@pytest.mark.parametrize(("true_types", "exists", "phase"), [
-    ((), False, "Pending"), ((), True, "Starting"), ((C.READY,), True, "Running"),
-    ((C.RESTARTING,), True, "Restarting"), ((C.SUSPENDED, C.RESTARTING), True, "Suspended"),
-    ((C.SUCCEEDED, C.READY), True, "Succeeded"), ((C.FAILED,), False, "Failed"),
-], ids=["pending", "starting", "running", "restarting", "suspended-wins", "succeeded", "failed"])
-def test_derive_phase(true_types, exists, phase) -> None:
-    conds = [Condition(type=t, status="True", reason="R") for t in true_types]
-    assert C.derive_phase(conds, exists) == phase
+@pytest.mark.parametrize(("conds", "phase"), [
+    ((), "Pending"),
+    (((C.CHILDREN_CREATED, "False", C.CREATING),), "Pending"),
+    (((C.CHILDREN_CREATED, "True", C.CHILDREN_OK),), "Starting"),
+    (((C.READY, "True", C.TRAINING), (C.CHILDREN_CREATED, "True", C.CHILDREN_OK)), "Running"),
+    (((C.READY, "Unknown", C.PROGRESS_UNKNOWN), (C.CHILDREN_CREATED, "True", C.CHILDREN_OK)), "Running"),
+    (((C.RESTARTING, "True", C.RESTARTED),), "Restarting"),
+    (((C.RESTARTING, "True", C.RESTART_BLOCKED),), "Blocked"),
+    (((C.SUSPENDED, "True", C.SUSPENDED_BY_USER), (C.RESTARTING, "True", C.RESTART_BLOCKED)), "Suspended"),
+    (((C.SUCCEEDED, "True", C.COMPLETED), (C.READY, "True", C.TRAINING)), "Succeeded"),
+    (((C.FAILED, "True", C.CONFIG_ERROR),), "Failed"),
+], ids=["nothing", "pods-missing", "starting", "running", "running-progress-unknown", "restarting", "blocked",
+        "suspended-wins", "succeeded", "failed"])
+def test_derive_phase(conds, phase) -> None:
+    assert C.derive_phase([Condition(type=t, status=st, reason=r) for t, st, r in conds]) == phase
 
 
 # ------------------------------------------------------------------ the status builder (kubetitan.status)
@@ -550,7 +568,7 @@ def test_timers_survive_an_operator_restart() -> None:
     o2 = S.track(st.observation, 0, NOW, scrape_error="GET http://10.0.0.1:9090/metrics: connection refused",
                  pods=gang())
     d = decide(s, st, S.observed(o2, pods=gang(), nodes=ok_nodes, now=NOW))
-    assert (d.action, d.reason) == (Action.KEEP, C.TRAINING)
+    assert (d.action, d.reason) == (Action.KEEP, C.PROGRESS_UNKNOWN)
     assert S.progress(o2).last_progress_time == NOW - 50  # not reset
     # the step still stands when /metrics answers again: 70 s idle > 60 s, measured from the persisted time
     o3 = S.track(o2, 0, NOW + 20, metrics=m, pods=gang())
@@ -577,7 +595,7 @@ def test_child_refused_sets_children_created_false_without_flapping() -> None:
     assert _cond(new, C.CHILDREN_CREATED) == ("False", C.FORBIDDEN)
     assert "exceeded quota" in C.find(new.conditions, C.CHILDREN_CREATED).message
     again = S.next_status(s, new, decide(s, new, obs), replace(obs, now=NOW + 30))
-    assert again.phase == new.phase == "Starting" and again.restart_count == 0
+    assert again.phase == new.phase == "Pending" and again.restart_count == 0  # Starting: every pod exists
     assert C.find(again.conditions, C.CHILDREN_CREATED).last_transition_time == \
         C.find(new.conditions, C.CHILDREN_CREATED).last_transition_time
 
@@ -687,7 +705,7 @@ def test_raised_steps_start_the_next_attempt_without_a_restart() -> None:
     new = S.next_status(s, st, d, obs)
     assert d.action == Action.CONTINUE and new.attempt == 1 and new.restart_count == 0 and not new.restarts
     assert _cond(new, C.READY) == ("False", C.STEPS_RAISED) and _cond(new, C.SUCCEEDED) == ("False", C.NOT_FINISHED)
-    assert new.phase == "Starting" and new.completion_time is None and new.observation.attempt == 1
+    assert new.phase == "Pending" and new.completion_time is None and new.observation.attempt == 1
     assert new.training.progress == "100/150"
     # the next cycle: attempt 0's pods still go, attempt 1 is created now (no backoff: no restart record)
     obs2 = S.observed(S.track(new.observation, 1, NOW + 1, pods=done), pods=done, nodes=ok_nodes, now=NOW + 1)

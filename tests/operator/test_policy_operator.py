@@ -91,10 +91,14 @@ def test_policy_tightened_mid_run_keeps_observing_the_running_pods_and_blocks_th
         base = op.metric(cycles) or 0.0
         wait_for(lambda: (op.metric(cycles) or 0.0) >= base + 20, 20, "20 more reconcile cycles")
         assert not [n for n in cluster.pod_names(NS, "run") if "-a1-" in n]
-        ready = cluster.condition(NS, "run", "Ready")
-        assert ready["status"] == "False" and ready["reason"] == "PolicyViolation", ready
+        ready = cluster.condition(NS, "run", "Ready")  # the blocked restart has its own phase and reason
+        assert ready["status"] == "False" and ready["reason"] == "RestartBlocked", ready
+        assert cluster.status(NS, "run")["phase"] == "Blocked"
+        assert cluster.condition(NS, "run", "SpecAccepted")["reason"] == "PolicyViolation"
         events = [e for e in cluster.list("v1/events", NS) if e.get("reason") == "PolicyViolation"]
         assert len(events) == 1 and events[0]["type"] == "Warning", events
+        blocked = [e for e in cluster.list("v1/events", NS) if e.get("reason") == "RestartBlocked"]
+        assert len(blocked) == 1 and "refused by the admin policy" in blocked[0]["message"], blocked
         # The spec made compliant: the next attempt starts.
         cluster.patch("kubetitan.io/v1alpha1/llamapretrains", NS, "run",
                       {"spec": {"resources": {"image": "mine/trainer:0.1.0"}}})

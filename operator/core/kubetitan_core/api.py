@@ -425,7 +425,7 @@ class LlamaPretrainSpec(_Base):
 
 
 # -------------------------------------------------------------------------- status
-Phase = Literal["Pending", "Starting", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+Phase = Literal["Pending", "Starting", "Running", "Restarting", "Blocked", "Suspended", "Succeeded", "Failed"]
 
 RestartCause = Literal[
     "ContainerFailed",
@@ -590,6 +590,21 @@ class AttemptObservation(_Base):
     """Median step time of the current generation's recent steps (the automatic hang timeout scales with it)."""
 
 
+class StatusEvent(_Base):
+    """A Kubernetes Event that belongs to a status change (a restart record, the end of the run, a refused edit):
+    written into the status together with the change and sent after it, so that an operator stopped in between
+    sends it when it resumes. The Event's name derives from these fields, so a resend is never a second Event."""
+
+    type: Literal["Normal", "Warning"]
+    """The Event's type."""
+    reason: str
+    """The Event's CamelCase reason."""
+    message: str
+    """The Event's message."""
+    time: str
+    """When the status change happened (RFC 3339)."""
+
+
 class LlamaPretrainStatus(_Base):
     """Observed state of a Llama 3 pre-training run; rebuilt by the operator."""
 
@@ -615,6 +630,8 @@ class LlamaPretrainStatus(_Base):
     """Human-readable summary of the current state."""
     observation: AttemptObservation | None = None
     """The operator's timers and last known progress of the current attempt (kept across operator restarts)."""
+    pending_events: list[StatusEvent] = Field(default_factory=list)
+    """Events of the last status change that the operator has not confirmed sent yet (normally empty)."""
 
 
 class ObjectMeta(BaseModel):

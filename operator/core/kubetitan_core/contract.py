@@ -87,6 +87,15 @@ def env_reserved(name: str) -> bool:
     return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
 
 
+RESUMES_AT_ANOTHER_WORLD_SIZE = False
+"""Capability of the trainer: it resumes a checkpoint at another world size / data-parallel degree (DCP reshards
+the model and optimizer; the data loader continues the same global sample stream). False until the data plane
+ships a world-size-invariant resume (torchtitan 0.2.2's loader asserts the DP degree it saved with): a mid-run
+edit of ``resources.nodes``/``gpusPerNode``/``processesPerNode``/``parallelism`` that changes the world size or
+the DP degree is then refused (``SpecAccepted=False``, reason ``WorldSizeChangeRefused``). Once True, the
+operator applies such an edit at the next attempt (``kubetitan.plan.world_size_change_allowed``)."""
+
+
 BUILTIN_TOKENIZER_VOCAB = 644
 """Tokens of the builtin tokenizer (trainer/kubetitan_trainer/assets/tokenizer; a trainer test checks the number)."""
 
