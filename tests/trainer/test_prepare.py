@@ -243,3 +243,35 @@ def test_bad_shards_exit_2_naming_the_file_and_the_fix(good_shards: Path, tmp_pa
     r = run("--verify", "-o", str(d), *extra)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert want in r.stderr and "Fix:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("case", ["truncated", "vocab"])
+def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards: Path, tmp_path: Path,
+                                                                       case: str) -> None:
+    """The trainer's own start (kubetitan_trainer.main, as torchrun starts a worker): the shards re-check opens the
+    ShardSet, so a cut shard or a model vocabulary smaller than the shards' is exit code 2 (not retried) naming the
+    file, not a crash-loop or a silent run on 10% of the data."""
+    import shutil
+
+    from tests.trainer.helpers import lpt, write_config
+
+    d = tmp_path / "s"
+    shutil.copytree(good_shards, d)
+    vocab = 2048
+    if case == "truncated":
+        _break(d, "truncated")
+        want = "is truncated"
+    else:  # shards written with a 4096-token tokenizer, a model of 2048 (the builtin tokenizer's 644 fit it)
+        index = json.loads((d / INDEX_FILE).read_text())
+        (d / INDEX_FILE).write_text(json.dumps({**index, "vocab_size": 4096}))
+        want = "tokenizer of 4096 tokens (builtin), more than the model's vocabulary of 2048"
+    obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": vocab}},
+               "data": {"source": "shards", "shards": {"path": str(d)}},
+               "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1},
+               "parallelism": {"dataParallelShardDegree": 1}})
+    cfg = write_config(tmp_path / "trainer.toml", obj, tmp_path / "dump")
+    r = subprocess.run([sys.executable, "-m", "kubetitan_trainer.main", "--job.config_file", str(cfg)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert want in out and "spec.data.shards.path" in out and "Fix:" in out and "Traceback" not in out, out[-3000:]
