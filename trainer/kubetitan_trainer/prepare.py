@@ -47,13 +47,8 @@ BATCH_BYTES = 1 << 20
 PLAN_VERSION = 1
 
 
-class DataError(Exception):
-    """Bad input or options: printed as ``error: <message>`` with exit code 2. A plain one-string exception, so it
-    crosses the process boundary from a worker intact."""
-
-
-def _fix(problem: str, fix: str) -> DataError:
-    return DataError(f"{problem}. Fix: {fix}")
+DataError = S.DataError
+_fix = S.data_error
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
@@ -627,7 +622,7 @@ def prepare(a: argparse.Namespace) -> int:
     todo_bytes = sum(p[3] for j in jobs for p in j.pieces)
     where = f"part {part} of {a.parts}: " if a.parts > 1 else ""
     print(f"{where}{len(mine)} work unit(s) of {len(plan['units'])}, {len(mine) - len(todo)} already done; "
-          f"tokenizing {todo_bytes / 2**20:,.1f} MiB with {min(a.workers, max(1, len(jobs)))} worker(s)",
+          f"tokenizing {todo_bytes / 1e6:,.2f} MB with {min(a.workers, max(1, len(jobs)))} worker(s)",
           file=sys.stderr)
     t0 = time.monotonic()
     if jobs:

@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from kubetitan_trainer.prepare import DataError, _fix
+from kubetitan_trainer.shards import DataError
+from kubetitan_trainer.shards import data_error as _fix
 
 UID = 10001
 CONTAINER = "prepare"
@@ -68,8 +69,10 @@ def render_job(a: argparse.Namespace) -> dict[str, Any]:
             "parallelism": a.job_parallelism or a.parts,
             "backoffLimit": 2 * a.parts,
             "podFailurePolicy": {"rules": [
-                {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [2]}},
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                # an empty onPodConditions: the batch/v1 schema of Kubernetes 1.27 requires the key on every rule
+                {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [2]},
+                 "onPodConditions": []},
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             ]},
             "template": {
                 "metadata": {"labels": labels},

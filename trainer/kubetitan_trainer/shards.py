@@ -94,6 +94,16 @@ class Shard:
     verified: bool = False
 
 
+class DataError(Exception):
+    """Bad input or options of ``kubetitan prepare-data``: printed as ``error: <message>`` with exit code 2. A plain
+    one-string exception, so that it crosses the process boundary from a worker intact. (It lives here, not in
+    ``prepare``, so that it is one class when ``prepare`` runs as ``__main__``.)"""
+
+
+def data_error(problem: str, fix: str) -> DataError:
+    return DataError(f"{problem}. Fix: {fix}")
+
+
 def _fail(problem: str, fix: str, field_name: str = SHARDS_FIELD) -> ConfigError:
     return ConfigError(field_name, problem, fix)
 
