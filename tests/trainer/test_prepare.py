@@ -163,6 +163,10 @@ def _bad_input(tmp: Path, case: str) -> tuple[list[str], str]:
     if case == "bad-tokenizer":
         f.write_text("\n".join(good) + "\n")
         return [str(f), "--tokenizer", str(tmp)], "--tokenizer: no tokenizer.json in"
+    if case == "output-is-a-file":
+        f.write_text("\n".join(good) + "\n")
+        (tmp / "out").write_text("a file where the output directory should go")
+        return [str(f)], f"--output {tmp / 'out'}: File exists"
     if case == "other-options-same-output":
         f.write_text("\n".join(good) + "\n")
         assert run(str(f), "-o", str(tmp / "out")).returncode == 0
@@ -171,7 +175,8 @@ def _bad_input(tmp: Path, case: str) -> tuple[list[str], str]:
 
 
 BAD_INPUT = ["malformed-json", "missing-field", "not-text", "not-utf8", "late-line-in-a-later-unit", "missing-file",
-             "unknown-type", "parquet-column", "damaged-gzip", "bad-tokenizer", "other-options-same-output"]
+             "unknown-type", "parquet-column", "damaged-gzip", "bad-tokenizer", "output-is-a-file",
+             "other-options-same-output"]
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)

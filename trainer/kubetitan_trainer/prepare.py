@@ -742,6 +742,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, S.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
+    except OSError as e:  # writing the index or plan: a full or read-only volume
+        print(f"error: {e.filename or a.output}: {e.strerror or e}. Fix: check that --output is writable and has free "
+              "space, then run the same command again (finished work units are kept)", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
     except KeyboardInterrupt:
         print("Interrupted; finished work units are kept: run the same command again to continue", file=sys.stderr)
         return 130
