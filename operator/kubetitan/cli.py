@@ -16,14 +16,18 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from kubetitan import __version__
 from kubetitan_core.strictyaml import YamlError, load_all
-from kubetitan_core.api import LlamaPretrain
-from kubetitan_core.validation import FieldError, parse
+
+if TYPE_CHECKING:
+    # The spec model (pydantic, about 0.2-0.9 s to import) loads only in the commands that read a LlamaPretrain, so
+    # `kubetitan prepare-data` hands over to the trainer's process without paying for it.
+    from kubetitan_core.api import LlamaPretrain
+    from kubetitan_core.validation import FieldError
 
 EXIT_INVALID = 1
 EXIT_USAGE = 2
@@ -56,6 +60,8 @@ def load_one(path: str) -> tuple[LlamaPretrain | None, list[FieldError]]:
     docs = load_documents(path)
     if len(docs) != 1:
         raise InputError(f"{path}: holds {len(docs)} documents; this command takes exactly one LlamaPretrain")
+    from kubetitan_core.validation import parse
+
     return parse(docs[0])
 
 
@@ -92,6 +98,7 @@ def _expand_lists(docs: list[Any]) -> list[Any]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from kubetitan import policy
+    from kubetitan_core.validation import parse
     from kubetitan_core.warning_rules import file_warnings, warnings_for
 
     pol = load_policy(args.policy) if args.policy else None
