@@ -318,6 +318,7 @@ async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, l
     ns, name = meta.get("namespace"), meta["name"]
     job = ctx.job(meta["uid"])
     job.generation = meta.get("generation")
+    job.term = -1  # a (re)started daemon reads its run from the API first (after a peering pause, too)
     pods: tuple[Any, ...] | None = None
     while not stopped:
         job.wake.clear()
