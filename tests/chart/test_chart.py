@@ -264,15 +264,27 @@ def test_watch_mode_and_peering(sets, want_args, want_peerings):
         (["replicas=3"], "Additional property replicas is not allowed"),
         (["operator.logFormat=xml"], "operator.logFormat: operator.logFormat must be one of the following"),
         (["operator.verbose=maybe"], "operator.verbose: Invalid type. Expected: boolean, given: string"),
+        (["leaderElection.retryPeriodSeconds=0"], "leaderElection.retryPeriodSeconds: Must be greater than or equal to 1"),
+        (["leaderElection.leaseName=Bad_Name"], "leaderElection.leaseName: Does not match pattern"),
     ],
     ids=["replicas-zero", "bad-mode", "bad-namespace", "privileged-port", "pull-policy", "bad-interval",
-         "relative-runbook", "typo-nested", "typo-top", "log-format", "verbose"],
+         "relative-runbook", "typo-nested", "typo-top", "log-format", "verbose", "lease-retry-zero", "lease-name"],
 )
 def test_invalid_values_are_rejected_with_a_clear_message(sets, message):
     proc = helm("template", "kt", str(CHART), *values_args([], sets), check=False)
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr
     assert message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["leaderElection.leaseDurationSeconds=10"], "leaseDurationSeconds must be longer than leaderElection.renewDeadline"),
+    (["leaderElection.retryPeriodSeconds=9"], "renewDeadlineSeconds must be longer than 1.2 x"),
+], ids=["lease-not-longer-than-deadline", "deadline-vs-retry"])
+def test_lease_durations_are_checked_at_render_time(sets, message):
+    """The operator's own rules (kubetitan.leader.LeaseConfig.problems) fail the install, not the pods."""
+    proc = helm("template", "kt", str(CHART), *values_args([], sets), check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
 
 def test_replicas_without_leader_election_fail_with_a_fix():
