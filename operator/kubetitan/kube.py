@@ -274,6 +274,8 @@ class Client:
                 if n + 1 >= attempts:
                     raise
                 self.retries[type(e).__name__] = self.retries.get(type(e).__name__, 0) + 1
+                log.debug("Retrying %s %s (attempt %d of %d) after %s", method, path, n + 2, attempts,
+                          type(e).__name__)
                 await asyncio.sleep(self.retry.delay(n))
                 n += 1
                 continue
@@ -282,6 +284,7 @@ class Client:
                 continue
             if status in RETRYABLE_STATUSES and n + 1 < attempts:
                 self.retries[str(status)] = self.retries.get(str(status), 0) + 1
+                log.debug("Retrying %s %s (attempt %d of %d) after %d", method, path, n + 2, attempts, status)
                 await asyncio.sleep(self.retry.delay(n, retry_after))
                 n += 1
                 continue

@@ -147,3 +147,30 @@ def test_release_empties_the_holder_so_a_standby_takes_over_at_once() -> None:
     asyncio.run(a.release())
     assert not a.leading and api.obj["spec"]["holderIdentity"] == "" and api.obj["spec"]["leaseDurationSeconds"] == 1
     assert _try(b) and api.obj["spec"]["leaseTransitions"] == 1
+
+
+def test_the_api_double_serves_leases_with_resource_version_conflicts() -> None:
+    """kmockx stores a coordination.k8s.io/v1 Lease like kube-apiserver: created once (409 AlreadyExists after),
+    updated only on the current resourceVersion (409 Conflict on a stale one), through the operator's own client."""
+    from kmockx.harness import RELEASE_NS, Cluster
+    from kubetitan.kube import Client, load_config
+
+    async def scenario(client: Client) -> None:
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": "lock", "namespace": RELEASE_NS},
+                "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15, "leaseTransitions": 0}}
+        first = await client.create_lease(RELEASE_NS, body)
+        with pytest.raises(ApiError) as e:
+            await client.create_lease(RELEASE_NS, body)
+        assert e.value.status == 409 and e.value.api_reason == "AlreadyExists"
+        second = await client.update_lease(RELEASE_NS, "lock", {**first, "spec": {**first["spec"], "holderIdentity": "b"}})
+        assert int(second["metadata"]["resourceVersion"]) > int(first["metadata"]["resourceVersion"])
+        with pytest.raises(ApiError) as e:  # c read ``first`` too: its update is refused
+            await client.update_lease(RELEASE_NS, "lock", {**first, "spec": {**first["spec"], "holderIdentity": "c"}})
+        assert e.value.status == 409 and e.value.api_reason == "Conflict"
+        got = await client.get_lease(RELEASE_NS, "lock")
+        assert got is not None and got["spec"]["holderIdentity"] == "b"
+        await client.aclose()
+
+    with Cluster() as c:
+        asyncio.run(scenario(Client(load_config(c.kubeconfig))))  # the chart's RBAC: the operator's own identity
