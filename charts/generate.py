@@ -43,15 +43,19 @@ def rbac_file() -> dict[str, list[dict[str, Any]]]:
 
     One PolicyRule per row, in table order: ``namespaced`` rows go into a Role per watched
     namespace (or the ClusterRole in cluster mode), ``cluster`` rows (cluster-scoped resources)
-    always into the ClusterRole, and the ``*ModeOnly`` lists only into that mode's objects.
+    always into the ClusterRole, the ``*ModeOnly`` lists only into that mode's objects, and
+    ``leaderElection`` (the Lease) into a Role in the release namespace when leader election is on.
     """
     from kubetitan import rbac
 
-    out: dict[str, list[dict[str, Any]]] = {"namespaced": [], "cluster": [], "clusterModeOnly": [], "namespacedModeOnly": []}
+    out: dict[str, list[dict[str, Any]]] = {"namespaced": [], "cluster": [], "clusterModeOnly": [], "namespacedModeOnly": [],
+                                            "leaderElection": []}
     for row in rbac.RULES:
         rule = {"apiGroups": [row.api_group], "resources": [row.resource], "verbs": list(row.verbs)}
         mode = MODE_ONLY.get(row.resource)
-        if mode == "cluster":
+        if row.resource in rbac.LEADER_ELECTION:
+            out["leaderElection"].append(rule)
+        elif mode == "cluster":
             out["clusterModeOnly"].append(rule)
         elif mode == "namespaced":
             out["namespacedModeOnly"].append(rule)

@@ -180,6 +180,8 @@ def render(rules: list[Any] | None = None) -> str:
         rules = list(CEL_RULES)
     root = openapi_schema(rules)
     spec, status = root["properties"]["spec"], root["properties"]["status"]
+    # status.kopf is the framework's bookkeeping (crd.py keeps it in the schema), not part of the API
+    status = {**status, "properties": {k: v for k, v in status["properties"].items() if k != "kopf"}}
     spec_sections = _sections(spec, "spec")
     status_sections = _sections(status, "status")
 

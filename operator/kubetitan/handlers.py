@@ -15,20 +15,30 @@ Events are aggregated like client-go's recorder (``kubetitan.events``): one Even
 message), counted. A live attempt's pods are rendered only from the spec the attempt was created from (the
 ConfigMap's applied-spec annotation): an edit never changes or adds to a running gang.
 
-Cycles run from ``on.create``/``on.resume``/``on.update`` and from one daemon per LlamaPretrain, which
-loops every ``--scan-interval`` seconds or as soon as a pod of the run changes (level-triggered,
-edge-woken). A per-run lock keeps one cycle at a time. The operator deletes no child when a
+Cycles run from one daemon per LlamaPretrain, which kopf starts when it first sees the run (created, or
+found at operator start) and which loops every ``--scan-interval`` seconds or as soon as the run's spec
+or one of its children changes (level-triggered, edge-woken). A per-run lock keeps one cycle at a time.
+There are no kopf change handlers (``on.create``/``on.update``/``on.resume``/``on.delete``): kopf keeps no
+progress or diff-base record on the object, only the daemons' finalizer (its bookkeeping storage is
+``status.kopf``, used at most for a deletion's "touch"). The operator deletes no child when a
 LlamaPretrain is deleted: every child has an owner reference, and Kubernetes' garbage collector
 removes them (the kmock test server emulates that collector).
+
+One writer (``--leader-elect``, ``kubetitan.leader``): every replica watches; only the holder of the leader
+Lease writes. Each daemon waits for the Lease, re-reads its run from the API whenever a new term starts,
+and abandons a cycle as soon as a write is refused by the fence (``leader.NotLeader``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import contextvars
 import copy
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -46,7 +56,9 @@ from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 from kubetitan import status as status_mod
 from kubetitan.decide import Action, ChildError, decide, parse_time
 from kubetitan.events import Recorder
-from kubetitan.kube import Client, ClientClosed, classify, load_config, message_of
+from kubetitan.kube import Client, ClientClosed, FencedWrite, classify, load_config, message_of, transient
+from kubetitan.leader import AlwaysLeader, LeaderElector, LeaseConfig, NotLeader
+from kubetitan import logs
 from kubetitan.observe import (
     DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_TIMEOUT_SECONDS, Scraper, ScrapeLimits,
     node_obs, pod_obs, spec_changes,
@@ -87,6 +99,9 @@ class Options:
     """Source of 'now' for every decision; tests pass a faster clock instead of lowering API minimums."""
     policy: policy.Policy = field(default_factory=policy.Policy)
     """The cluster admin's policy (``--policy-*`` flags): a valid spec outside it is refused like an invalid one."""
+    leader: LeaseConfig | None = None
+    """Leader election (``--leader-elect``): only the holder of this Lease writes. None: this replica always writes
+    (alone, or under kopf peering)."""
 
 
 @dataclass
@@ -142,6 +157,13 @@ class JobState:
     """The run's ConfigMap/Service names the indexes have shown (for ``ensured_attempt``): one absent after
     that was deleted (by hand) and is created again at once."""
 
+    term: int = 0
+    """The leader term this replica last read the run in (``leader.term``): a new term re-reads it from the API."""
+    generation: Any = None
+    """The run's ``metadata.generation`` last seen by ``_run_changed`` (a new one wakes the daemon)."""
+    spec_errors: str | None = None
+    """The spec errors last logged for the run (logged again only when they change)."""
+
     def forget_children(self) -> None:
         """Drop what this replica believes about children (after a fail-over, re-read from the API)."""
         self.ensured_attempt, self.ensured, self.children_seen, self.deleted = -1, {}, set(), {}
@@ -157,6 +179,11 @@ class Context:
     session: Any = None
     scraper: Scraper | None = None
     jobs: dict[str, JobState] = field(default_factory=dict)
+    leader: Any = field(default_factory=AlwaysLeader)
+    """The write fence: ``LeaderElector`` with ``--leader-elect``, else ``AlwaysLeader``."""
+    leader_task: asyncio.Task[None] | None = None
+    kopf_sessions: list[Any] = field(default_factory=list)
+    """aiohttp sessions handed to kopf (``_login``): closed when the operator has stopped."""
     _recorder: Recorder | None = None
 
     @property
@@ -176,6 +203,31 @@ def _ctx(memo: Any) -> Context:
     return memo["ctx"] if isinstance(memo, Mapping) else memo.ctx
 
 
+_RUNNING: contextvars.ContextVar[Context] = contextvars.ContextVar("kubetitan_operator")
+"""The running operator's Context (set by ``run`` before kopf starts; every kopf task inherits it): ``_event``
+reads its fence."""
+
+
+def _client(ctx: Context) -> Client:
+    """The operator's API client, created once (``_login`` may run before ``_startup``)."""
+    if ctx.client is None:
+        ident = ctx.options.leader.identity if ctx.options.leader is not None else os.environ.get("POD_NAME", "")
+        ctx.client = Client(ctx.cfg, user_agent=f"kubetitan-operator/{__version__}" + (f" ({ident})" if ident else ""),
+                            fence=ctx.leader)
+    return ctx.client
+
+
+def _leadership_changed(ctx: Context, leading: bool) -> None:
+    """Wake every run's daemon on a new term (they re-read their run); drop the per-run metric series on losing it
+    (only the leader exports them, so Prometheus never sums two replicas' views)."""
+    ctx.metrics.leader.set(1 if leading else 0)
+    if leading:
+        for job in ctx.jobs.values():
+            job.wake.set()
+    else:
+        ctx.metrics.forget_all()
+
+
 # ------------------------------------------------------------------ kopf wiring
 @kopf.on.startup()
 async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
@@ -183,10 +235,15 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
 
     ctx = _ctx(memo)
     settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kubetitan.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="kubetitan.io", key="last-handled-configuration")
-    settings.posting.level = logging.WARNING  # only problems become Events; ours are sent explicitly
+    # kopf's bookkeeping in status.kopf (preserved by the CRD's schema), never in annotations: a run whose own
+    # annotations fill the API's 256 KiB limit is still reconciled and deleted. The diff-base (only used if a
+    # change handler is ever added) leaves annotations out.
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(name="kopf")
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
+        name="kopf", ignored_fields=["metadata.annotations"])
+    # Only the operator's explicit Events (``_event``, fenced) are posted; kopf does not turn log lines into Events.
+    settings.posting.loggers = False
+    settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     # Namespaced mode with exact names: no cluster-wide namespace listing (it is 403 under a namespaced Role
     # and kopf then waits for it); only glob patterns ("team-*") need it.
@@ -194,15 +251,22 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
         ch in ns for ns in ctx.options.namespaces for ch in "*?[!")
     settings.peering.name = ctx.options.peering or settings.peering.name
     settings.peering.priority = ctx.options.priority
-    ctx.client = Client(ctx.cfg)
+    _client(ctx)
     ctx.session = aiohttp.ClientSession()
     ctx.scraper = Scraper(ScrapeLimits(max_bytes=ctx.options.scrape_max_bytes, timeout=ctx.options.scrape_timeout,
                                        concurrency=ctx.options.scrape_concurrency))
+    if isinstance(ctx.leader, LeaderElector):
+        ctx.leader_task = asyncio.create_task(ctx.leader.run(), name="leader election")
 
 
 @kopf.on.cleanup()
 async def _cleanup(memo: Any, **_: Any) -> None:
     ctx = _ctx(memo)
+    if ctx.leader_task is not None:
+        ctx.leader_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ctx.leader_task
+    await ctx.leader.release()  # stops writing first, then hands the Lease over: a standby takes over at once
     if ctx.session is not None:
         await ctx.session.close()
     if ctx.scraper is not None:
@@ -212,10 +276,12 @@ async def _cleanup(memo: Any, **_: Any) -> None:
 
 
 @kopf.on.login()
-def _login(memo: Any, **_: Any) -> Any:
-    from kubetitan.kube import connection_info
-
-    return connection_info(_ctx(memo).cfg, kopf)
+async def _login(memo: Any, **_: Any) -> Any:
+    """kopf's own requests go through a session of the operator's client: its credentials, User-Agent and fence."""
+    ctx = _ctx(memo)
+    session = _client(ctx).kopf_session()
+    ctx.kopf_sessions.append(session)
+    return kopf.AiohttpSession(aiohttp_session=session, server=ctx.cfg.host.rstrip("/"))
 
 
 @kopf.index("pods", labels={plan.LABEL_UID: kopf.PRESENT})
@@ -255,60 +321,115 @@ def _pod_changed(labels: Mapping[str, str], memo: Any, **_: Any) -> None:
         job.wake.set()
 
 
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL)
-async def reconcile(body: kopf.Body, memo: Any, lpt_pods: kopf.Index, lpt_nodes: kopf.Index,
-                    lpt_configmaps: kopf.Index, lpt_services: kopf.Index, **_: Any) -> None:
-    errors = await cycle(_ctx(memo), body, lpt_pods, nodes_index=lpt_nodes,
-                         children_index=(lpt_configmaps, lpt_services))
-    if isinstance(errors, list) and errors:  # (a float is the daemon's requeue delay)
-        raise kopf.PermanentError("invalid spec: " + "; ".join(map(str, errors)))
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def _run_changed(type: str | None, body: kopf.Body, memo: Any, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
+    """Wake the run's daemon when its spec changes (a new ``metadata.generation``); forget a deleted run's metric
+    series and memory. Writes nothing (kopf keeps no record of event handlers)."""
+    ctx = _ctx(memo)
+    meta = body.get("metadata") or {}
+    if type == "DELETED":
+        ctx.metrics.forget(meta.get("namespace", ""), meta.get("name", ""))
+        ctx.jobs.pop(meta.get("uid", ""), None)
+        return
+    job = ctx.jobs.get(meta.get("uid", ""))
+    if job is not None and job.generation != meta.get("generation"):
+        job.generation = meta.get("generation")
+        job.wake.set()
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=2.0)
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=1.0, cancellation_timeout=2.0)
 async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, lpt_pods: kopf.Index,
                       lpt_nodes: kopf.Index, lpt_configmaps: kopf.Index, lpt_services: kopf.Index, **_: Any) -> None:
-    """Re-run the cycle every scan interval, or as soon as one of the run's pods changes.
+    """Reconcile the run: a cycle at once, then every scan interval, or as soon as its spec or a child changes.
 
-    kopf starts this daemon for each run when the operator starts, and again when a peering replica resumes
-    after a higher-priority one went away (it stops daemons while paused). Either way the first cycle works
-    from the API, not from memory: the run's status and its pods are read afresh (``_rebuild``). The daemon
+    kopf starts this daemon for each run when it first sees it (created, or found at operator start), and again
+    when a peering replica resumes (kopf stops daemons while paused). With ``--leader-elect`` the daemon of a
+    standby waits for the Lease. Whenever this replica starts a new term (and at the first cycle), the run is read
+    from the API, not from memory (``_rebuild``). A cycle whose write the fence refuses is abandoned. The daemon
     ends once the run is finished and nothing is left to clean up or to time (TTL).
     """
     ctx = _ctx(memo)
-    job = ctx.job(body["metadata"]["uid"])
+    meta = body["metadata"]
+    ns, name = meta.get("namespace"), meta["name"]
+    job = ctx.job(meta["uid"])
+    job.generation = meta.get("generation")
+    job.term = -1  # a (re)started daemon reads its run from the API first (after a peering pause, too)
     pods: tuple[Any, ...] | None = None
-    try:
-        pods = await _rebuild(ctx, job, body)
-    except Exception as e:  # noqa: BLE001 - then the first cycle uses the watched status and the index
-        log.warning("Rebuilding the view of LlamaPretrain %s/%s from the API failed: %s",
-                    body["metadata"].get("namespace"), body["metadata"]["name"], e)
     while not stopped:
         job.wake.clear()
         wait = ctx.options.scan_interval
+        if not ctx.leader.leading and not await _until_leading(ctx, stopped):
+            return  # stopped while standing by
         try:
-            requeue = await cycle(ctx, body, lpt_pods, from_daemon=True, pods_override=pods, nodes_index=lpt_nodes,
-                                  children_index=(lpt_configmaps, lpt_services))
+            if job.term != ctx.leader.term:
+                job.term = ctx.leader.term
+                try:
+                    pods = await _rebuild(ctx, job, body)
+                except (NotLeader, ClientClosed):
+                    raise
+                except Exception as e:  # noqa: BLE001 - then the cycle uses the watched status and the index
+                    log.warning("Reading LlamaPretrain %s/%s from the API failed (the cycle uses the watched "
+                                "state): %s", ns, name, message_of(e))
+            result = await cycle(ctx, body, lpt_pods, from_daemon=True, pods_override=pods, nodes_index=lpt_nodes,
+                                 children_index=(lpt_configmaps, lpt_services))
             pods = None
+            if isinstance(result, list):
+                _log_spec_errors(job, ns, name, result)
             if job.done:
-                log.debug("LlamaPretrain %s/%s is finished; its daemon ends", body["metadata"].get("namespace"),
-                          body["metadata"]["name"])
+                log.debug("LlamaPretrain %s/%s is finished; its daemon ends", ns, name)
                 return
-            if isinstance(requeue, float):
-                wait = max(0.05, min(wait, requeue))
+            if isinstance(result, float):
+                wait = max(0.05, min(wait, result))
+        except (NotLeader, FencedWrite) as e:
+            log.info("Abandoned a cycle of LlamaPretrain %s/%s: %s", ns, name, e)
+            continue
         except ClientClosed:  # the operator is stopping: its clean-up closed the client under this cycle
-            log.debug("LlamaPretrain %s/%s: the operator is stopping; its daemon ends",
-                      body["metadata"].get("namespace"), body["metadata"]["name"])
+            log.debug("LlamaPretrain %s/%s: the operator is stopping; its daemon ends", ns, name)
             return
         except Exception as e:  # noqa: BLE001 - the daemon must survive one bad cycle; it is counted and logged
-            ctx.metrics.errors.labels(type(e).__name__).inc()
-            log.exception("Reconcile of LlamaPretrain %s/%s failed", body["metadata"].get("namespace"),
-                          body["metadata"]["name"])
-        try:
-            await asyncio.wait_for(job.wake.wait(), timeout=wait)
-        except TimeoutError:
-            pass
+            if transient(e):
+                ctx.metrics.api_unavailable.inc()
+                log.warning("The Kubernetes API was unavailable during a cycle of LlamaPretrain %s/%s (the next "
+                            "cycle retries in %g s): %s", ns, name, wait, message_of(e))
+            else:
+                ctx.metrics.errors.labels(type(e).__name__).inc()
+                log.exception("Reconcile of LlamaPretrain %s/%s failed", ns, name)
+        await _first(wait, job.wake.wait(), _stopping(stopped))
+
+
+async def _stopping(stopped: Any) -> None:
+    await stopped.wait()
+
+
+async def _first(timeout: float | None, *aws: Any) -> bool:
+    """Wait until the first of ``aws`` is done (True) or ``timeout`` passes (False); cancel the others.
+
+    A daemon that waits this way for its wake-up *or* its stop flag exits within kopf's graceful window
+    (``cancellation_backoff``) when the operator stops: kopf never has to cancel it (which it logs as a warning per
+    run)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return bool(done)
+
+
+async def _until_leading(ctx: Context, stopped: Any) -> bool:
+    """Wait until this replica leads (True) or the daemon is asked to stop (False)."""
+    await _first(None, ctx.leader.wait(), _stopping(stopped))
+    return bool(ctx.leader.leading) and not stopped
+
+
+def _log_spec_errors(job: JobState, ns: str | None, name: str, errors: list[Any]) -> None:
+    """A tenant's spec mistake: one warning naming the run when the errors change (the status and an Event say it
+    too); not an operator error."""
+    text = "; ".join(map(str, errors)) or None
+    if text != job.spec_errors and text is not None:
+        log.warning("LlamaPretrain %s/%s has a spec the operator refuses: %s", ns, name, text,
+                    extra={"object": {"namespace": ns, "name": name, "kind": "LlamaPretrain"}})
+    job.spec_errors = text
 
 
 async def _rebuild(ctx: Context, job: JobState, body: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -324,14 +445,6 @@ async def _rebuild(ctx: Context, job: JobState, body: Mapping[str, Any]) -> tupl
             job.api_status = dict(fresh.get("status") or {})
         items = await ctx.client.list_pods(ns, f"{plan.LABEL_UID}={uid}")
     return tuple(p for p in (pod_obs(i) for i in items) if p is not None)
-
-
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def _forget(body: kopf.Body, memo: Any, **_: Any) -> None:
-    """Children go with the owner references; only the run's metric series and memory go here."""
-    ctx = _ctx(memo)
-    ctx.metrics.forget(body["metadata"].get("namespace", ""), body["metadata"]["name"])
-    ctx.jobs.pop(body["metadata"]["uid"], None)
 
 
 # ------------------------------------------------------------------ one cycle
@@ -454,7 +567,8 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
 
             # 4. status, once
             # Against what the server holds: our last write, or (first cycle here) the watched status.
-            old_raw = old.dump() if job.status is not None else dict(raw_status or {})
+            old_raw = old.dump() if job.status is not None else \
+                {k: v for k, v in (raw_status or {}).items() if k != "kopf"}  # kopf's bookkeeping is not ours
             new_raw = new.dump()
             if old_raw != new_raw:
                 await client.patch_status(ns, name, merge_patch(old_raw, new_raw))
@@ -494,10 +608,6 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if d.action in (Action.RESTART, Action.CONTINUE):
                 return 0.0  # the next attempt (or its backoff) is decided at once, not on the next pod event
             return requeue
-    except Exception as e:
-        if not from_daemon:
-            ctx.metrics.errors.labels(type(e).__name__).inc()
-        raise
     finally:
         ctx.metrics.reconcile.observe(time.perf_counter() - started)
 
@@ -612,8 +722,8 @@ async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainSta
     if new.dump() != old_raw:
         assert ctx.client is not None
         await ctx.client.patch_status(ns, name, merge_patch(old_raw, new.dump()))
-        if refused and new.message != old.message:
-            await _event(ctx, body, "Warning", C.POLICY_VIOLATION, new.message or "")
+        if new.message != old.message:  # one Warning Event per new refusal (the status says it too)
+            await _event(ctx, body, "Warning", C.POLICY_VIOLATION if refused else C.INVALID_SPEC, new.message or "")
     job.status = new
     ctx.metrics.set_phase(ns, name, new.phase, C.phase_reason(new.conditions, new.phase))
 
@@ -792,6 +902,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-floor-seconds", type=_positive_seconds, default=float(AUTO_HANG_FLOOR_SECONDS),
                    metavar="S", help=f"the least the Auto hang timeout waits for a step, whatever the step time "
                    f"(default {AUTO_HANG_FLOOR_SECONDS}; runPolicy.hangTimeoutPolicy)")
+    le = p.add_argument_group("leader election", "one writing replica: a coordination.k8s.io/v1 Lease with fencing "
+                              "(docs/operator.md, HA)")
+    le.add_argument("--leader-elect", action="store_true",
+                    help="elect one replica through a Lease; the others watch and take over when it stops or cannot "
+                    "renew (exclusive with --peering)")
+    le.add_argument("--leader-elect-resource-name", default="kubetitan", metavar="NAME",
+                    help="name of the Lease (default kubetitan)")
+    le.add_argument("--leader-elect-resource-namespace", default=None, metavar="NS",
+                    help="namespace of the Lease (default: $POD_NAMESPACE, else the service account's namespace)")
+    le.add_argument("--leader-elect-identity", default=None, metavar="ID",
+                    help="this candidate's identity in the Lease (default: $POD_NAME or the host name, plus a "
+                    "random suffix)")
+    le.add_argument("--leader-elect-lease-duration", type=_positive_seconds, default=15.0, metavar="S",
+                    help="seconds a standby waits after the Lease last changed before taking it over (default 15)")
+    le.add_argument("--leader-elect-renew-deadline", type=_positive_seconds, default=10.0, metavar="S",
+                    help="seconds the leader goes on without a successful renewal before it stops writing "
+                    "(default 10; shorter than the lease duration)")
+    le.add_argument("--leader-elect-retry-period", type=_positive_seconds, default=2.0, metavar="S",
+                    help="seconds between renewals and between a standby's tries (default 2)")
     p.add_argument("--log-format", choices=["json", "plain", "full"], default="json",
                    help="log format (default json: one structured object per line)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
@@ -805,7 +934,25 @@ def options_from_args(a: argparse.Namespace) -> Options:
                    kubeconfig=a.kubeconfig, scan_interval=a.scan_interval, scrape_interval=a.scrape_interval,
                    scrape_timeout=a.scrape_timeout, scrape_max_bytes=a.scrape_max_bytes,
                    scrape_concurrency=a.scrape_concurrency,
-                   hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a))
+                   hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a), leader=lease_from_args(a))
+
+
+
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def lease_from_args(a: argparse.Namespace) -> LeaseConfig | None:
+    """The Lease of ``--leader-elect`` (None without it); ``problems()`` says what is wrong with it."""
+    if not getattr(a, "leader_elect", False):
+        return None
+    ns = a.leader_elect_resource_namespace or os.environ.get("POD_NAMESPACE")
+    if not ns and os.path.exists(SERVICE_ACCOUNT_NAMESPACE):
+        with open(SERVICE_ACCOUNT_NAMESPACE) as f:
+            ns = f.read().strip()
+    kw: dict[str, Any] = {"identity": a.leader_elect_identity} if a.leader_elect_identity else {}
+    return LeaseConfig(namespace=ns or "", name=a.leader_elect_resource_name,
+                       lease_duration=a.leader_elect_lease_duration, renew_deadline=a.leader_elect_renew_deadline,
+                       retry_period=a.leader_elect_retry_period, **kw)
 
 
 def _positive_seconds(text: str) -> float:
@@ -833,21 +980,40 @@ def run(options: Options, stop_flag: Any = None, ready_flag: Any = None,
     """Run the operator until ``stop_flag`` is set (blocking); returns its metrics (for tests)."""
     if not options.namespaces and not options.all_namespaces:
         raise SystemExit("error: say which namespaces to watch: --namespace NS (repeatable) or --all-namespaces")
+    if options.leader is not None and options.peering is not None:
+        raise SystemExit("error: --leader-elect and --peering are exclusive: the leader Lease (with fencing) replaces "
+                         "kopf peering; drop --peering")
+    if options.leader is not None and (problems := options.leader.problems()):
+        raise SystemExit("error: leader election: " + "; ".join(problems))
     cfg = load_config(options.kubeconfig)
     metrics = OperatorMetrics(registry)
     ctx = Context(options=options, cfg=cfg, metrics=metrics)
+    if options.leader is not None:
+        ctx.leader = LeaderElector(options.leader, None, on_change=lambda leading: _leadership_changed(ctx, leading))
+        ctx.leader.client = _client(ctx)
+    else:
+        metrics.leader.set(1)
     server = None
     if options.metrics_port is not None:
         from prometheus_client import start_http_server
 
         server, _thread = start_http_server(options.metrics_port, options.metrics_addr, registry=metrics.registry)
+
+    async def operate() -> None:
+        _RUNNING.set(ctx)
+        try:
+            await kopf.operator(
+                clusterwide=options.all_namespaces, namespaces=options.namespaces,
+                standalone=options.peering is None, peering_name=options.peering, priority=options.priority,
+                liveness_endpoint=options.liveness, stop_flag=stop_flag, ready_flag=ready_flag,
+                memo=kopf.Memo(ctx=ctx),
+            )
+        finally:
+            for session in ctx.kopf_sessions:
+                await session.close()
+
     try:
-        asyncio.run(kopf.operator(
-            clusterwide=options.all_namespaces, namespaces=options.namespaces,
-            standalone=options.peering is None, peering_name=options.peering, priority=options.priority,
-            liveness_endpoint=options.liveness, stop_flag=stop_flag, ready_flag=ready_flag,
-            memo=kopf.Memo(ctx=ctx),
-        ))
+        asyncio.run(operate())
     finally:
         if server is not None:
             server.shutdown()
@@ -862,12 +1028,14 @@ def main(argv: list[str]) -> int:
         policy.from_flags(a)
     except policy.PolicyError as e:
         p.error(str(e))
+    if a.leader_elect and a.peering:
+        p.error("--leader-elect and --peering are exclusive: the leader Lease (with fencing) replaces kopf peering")
+    lease = lease_from_args(a)
+    if lease is not None and (problems := lease.problems()):
+        p.error("leader election: " + "; ".join(problems))
     fmt = {"json": kopf.LogFormat.JSON, "plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL}[a.log_format]
     kopf.configure(verbose=a.verbose, log_format=fmt, log_refkey="object")
-    if not a.verbose:
-        # kopf logs every handler call per object at info ("Handler '_pod_changed' succeeded", once per pod
-        # event); keep its warnings and errors, and the operator's own info lines.
-        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    logs.configure(verbose=a.verbose)
     log.info("Started kubetitan operator", extra={"version": __version__,
                                                   "policy": policy.from_flags(a).describe()})
     try:

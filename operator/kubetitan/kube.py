@@ -18,11 +18,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from kubetitan_core import GROUP, PLURAL, VERSION
-from kubetitan import rbac
+from kubetitan import __version__, rbac
 
 log = logging.getLogger("kubetitan.kube")
 
@@ -41,6 +42,8 @@ class ClientClosed(RuntimeError):
 # ------------------------------------------------------------------ the one error policy
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 """Answers that say "not now": retried with capped exponential backoff (429 honours Retry-After)."""
+WRITE_VERBS = frozenset({"create", "update", "patch", "delete"})
+"""Verbs that change the cluster: sent only while this replica holds the leader Lease (``Client.fence``)."""
 
 
 class ApiError(ApiException):
@@ -86,6 +89,16 @@ def classify(e: BaseException) -> str:
         if e.status in (400, 422):
             return "Invalid"
     return "APIUnavailable"
+
+
+def transient(e: BaseException) -> bool:
+    """The API was unavailable (429/5xx, a timeout, a dropped connection) after the client's retries: the next cycle
+    tries again; not a reconcile error (no traceback, no ``reconcile_errors_total``)."""
+    import aiohttp
+
+    if isinstance(e, ApiError):
+        return e.retryable
+    return isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError))
 
 
 def message_of(e: BaseException) -> str:
@@ -157,8 +170,14 @@ class Client:
     """
 
     def __init__(self, cfg: kubernetes.client.Configuration, concurrency: int = 16,
-                 retry: RetryPolicy | None = None, timeout_seconds: float = 30.0) -> None:
+                 retry: RetryPolicy | None = None, timeout_seconds: float = 30.0, user_agent: str | None = None,
+                 fence: Any = None) -> None:
         self.cfg = cfg
+        self.user_agent = user_agent or f"kubetitan-operator/{__version__}"
+        """Sent with every request (the API server's audit log and the test double's request log show it)."""
+        self.fence = fence
+        """The leader fence (``leader.LeaderElector``): every write calls ``fence.check()`` before it is sent (and
+        before each retry), and its timeout is cut to ``fence.write_timeout()``. None: no election."""
         self.retry = retry or RetryPolicy()
         self.timeout_seconds = timeout_seconds
         self.retries: dict[str, int] = {}
@@ -208,13 +227,18 @@ class Client:
 
     async def _call(self, group: str, resource: str, verb: str, method: str, path: str,
                     body: Any = None, query: list[tuple[str, Any]] | None = None,
-                    content_type: str = "application/json") -> dict[str, Any] | None:
+                    content_type: str = "application/json", fenced: bool = True, retries: bool = True,
+                    timeout: float | None = None) -> dict[str, Any] | None:
         """One API call under the error policy; the JSON body, or None for 404 (get/delete).
 
-        429, 5xx, timeouts and connection errors are retried (``self.retry``); 401 refreshes the credentials
-        once; anything else raises :class:`ApiError` with the server's reason and message.
+        429, 5xx, timeouts and connection errors are retried (``self.retry``; ``retries=False``: sent once);
+        401 refreshes the credentials once; anything else raises :class:`ApiError` with the server's reason and
+        message. A write (``fenced``, the default; only the leader Lease's own calls are not) is refused with
+        ``leader.NotLeader`` before each attempt while this replica may not write.
         """
         import aiohttp
+
+        write = verb in WRITE_VERBS and fenced
 
         if not rbac.allowed(group, resource, verb):
             raise NotAllowed(f"{verb} {group or 'core'}/{resource} is not in kubetitan.rbac.RULES")
@@ -228,27 +252,39 @@ class Client:
         data = None if body is None else json.dumps(body, separators=(",", ":"))
         refreshed = False
         n = 0
+        attempts = self.retry.attempts if retries else 1
         while True:
-            headers = {"Content-Type": content_type, "Accept": "application/json", **self._auth()}
+            headers = {"Content-Type": content_type, "Accept": "application/json", "User-Agent": self.user_agent,
+                       **self._auth()}
             try:
                 async with self.limit:
                     if self.closed:  # closed while this call waited for a slot or a retry's backoff
                         raise ClientClosed(f"{method} {path}: the client is closed (the operator is stopping)")
+                    limit = timeout
+                    if write and self.fence is not None:
+                        self.fence.check()  # raises NotLeader: nothing is sent
+                        left = self.fence.write_timeout()
+                        limit = left if limit is None or left is not None and left < limit else limit
+                    req_timeout = aiohttp.ClientTimeout(total=limit) if limit is not None else None
                     async with self.session.request(method, self.host + path, params=query or None, data=data,
-                                                    headers=headers) as r:
+                                                    headers=headers, **({"timeout": req_timeout} if req_timeout
+                                                                        else {})) as r:
                         status, raw, retry_after = r.status, await r.read(), _retry_after(r.headers)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
-                if n + 1 >= self.retry.attempts:
+                if n + 1 >= attempts:
                     raise
                 self.retries[type(e).__name__] = self.retries.get(type(e).__name__, 0) + 1
+                log.debug("Retrying %s %s (attempt %d of %d) after %s", method, path, n + 2, attempts,
+                          type(e).__name__)
                 await asyncio.sleep(self.retry.delay(n))
                 n += 1
                 continue
             if status == 401 and not refreshed and self._auth_headers is not None:
                 self._auth_headers, refreshed = None, True  # a rotated token: refresh the credentials, once
                 continue
-            if status in RETRYABLE_STATUSES and n + 1 < self.retry.attempts:
+            if status in RETRYABLE_STATUSES and n + 1 < attempts:
                 self.retries[str(status)] = self.retries.get(str(status), 0) + 1
+                log.debug("Retrying %s %s (attempt %d of %d) after %d", method, path, n + 2, attempts, status)
                 await asyncio.sleep(self.retry.delay(n, retry_after))
                 n += 1
                 continue
@@ -321,3 +357,52 @@ class Client:
         return await self._call(GROUP, PLURAL, "delete", "DELETE", path,
                                 {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
                                 ) is not None
+
+    # ---- the leader Lease (coordination.k8s.io/v1): never fenced (it is how a replica gets the right to write)
+    @staticmethod
+    def _lease_path(ns: str, name: str | None = None) -> str:
+        p = f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
+        return f"{p}/{name}" if name else p
+
+    async def get_lease(self, ns: str, name: str, timeout: float | None = None) -> dict[str, Any] | None:
+        return await self._call("coordination.k8s.io", "leases", "get", "GET", self._lease_path(ns, name),
+                                retries=False, timeout=timeout)
+
+    async def create_lease(self, ns: str, lease: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        out = await self._call("coordination.k8s.io", "leases", "create", "POST", self._lease_path(ns), lease,
+                               fenced=False, retries=False, timeout=timeout)
+        return out or {}
+
+    async def update_lease(self, ns: str, name: str, lease: dict[str, Any], timeout: float | None = None
+                           ) -> dict[str, Any]:
+        """PUT with the read ``metadata.resourceVersion``: 409 Conflict when another replica wrote it meanwhile."""
+        out = await self._call("coordination.k8s.io", "leases", "update", "PUT", self._lease_path(ns, name), lease,
+                               fenced=False, retries=False, timeout=timeout)
+        return out or {}
+
+    # ---- kopf's own requests
+    def kopf_session(self) -> Any:
+        """An aiohttp session for kopf's own API calls (``kopf.AiohttpSession`` from ``@kopf.on.login``): the same
+        credentials (refreshed like this client's), this client's User-Agent, and the same fence: kopf's writes
+        (finalizers, its bookkeeping in ``status.kopf``, Events) are refused while this replica may not write,
+        as a ``FencedWrite`` error that kopf neither retries nor turns into a pause."""
+        import aiohttp
+
+        async def middleware(req: Any, handler: Any) -> Any:
+            for k, v in self._auth().items():
+                req.headers[k] = v
+            req.headers["User-Agent"] = self.user_agent
+            if req.method in ("POST", "PUT", "PATCH", "DELETE") and self.fence is not None:
+                try:
+                    self.fence.check()
+                except Exception as e:
+                    raise FencedWrite(req.request_info, (), status=503, message=str(e)) from e
+            return await handler(req)
+
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=0),
+                                     middlewares=(middleware,), proxy=self.cfg.proxy or None)
+
+
+class FencedWrite(aiohttp.ClientResponseError):
+    """A write kopf tried while this replica does not hold the leader Lease: not sent (kopf does not retry a
+    ``ClientResponseError``; it logs it, and the leader does the same work)."""

@@ -31,6 +31,13 @@ class OperatorMetrics:
                               "clean-up is done.", ["namespace", "name"], registry=r)
         self.errors = Counter("kubetitan_operator_reconcile_errors_total",
                               "Reconcile cycles that raised an error (count).", ["kind"], registry=r)
+        self.api_unavailable = Counter(
+            "kubetitan_operator_api_unavailable_cycles_total",
+            "Reconcile cycles cut short because the Kubernetes API was unavailable (429/5xx, timeouts or dropped "
+            "connections after the client's retries); the next cycle retries (count).", registry=r)
+        self.leader = Gauge("kubetitan_operator_leader",
+                            "1 while this replica may write (it holds the leader Lease, or runs without leader "
+                            "election), else 0 (boolean).", registry=r)
         self.recovery = Histogram("kubetitan_operator_recovery_duration_seconds",
                                   "Time from a gang failure being detected to the next attempt's pods being "
                                   "created (seconds).", registry=r,
@@ -98,6 +105,14 @@ class OperatorMetrics:
                              (self.goodput, t.goodput)):
             if value is not None:
                 gauge.labels(ns, name).set(value)
+
+    def forget_all(self) -> None:
+        """Drop every run's series (this replica stopped leading: the new leader exports them)."""
+        for ns, name in {*self._phases, *self._causes}:
+            self.forget(ns, name)
+        for gauge in (self.step, self.tokens, self.mfu, self.goodput, self.job_restarts):
+            gauge.clear()
+        self.cycles.clear()
 
     def forget(self, ns: str, name: str) -> None:
         """Drop a deleted run's series."""

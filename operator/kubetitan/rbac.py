@@ -21,8 +21,9 @@ class Rule(NamedTuple):
 
 RULES: tuple[Rule, ...] = (
     Rule(GROUP, PLURAL, ("get", "list", "watch", "patch", "delete"),
-         "watch runs, finalizer/annotations (kopf), TTL after finished deletes the run"),
-    Rule(GROUP, f"{PLURAL}/status", ("get", "patch"), "write status once per cycle"),
+         "watch runs, the daemons' finalizer (kopf), TTL after finished deletes the run"),
+    Rule(GROUP, f"{PLURAL}/status", ("get", "patch"),
+         "write status once per cycle; kopf's own bookkeeping in status.kopf"),
     Rule(GROUP, f"{PLURAL}/finalizers", ("update",),
          "children's blockOwnerDeletion owner references (OwnerReferencesPermissionEnforcement)"),
     Rule("", "pods", ("get", "list", "watch", "create", "delete"), "the gang: index, create, delete, force delete"),
@@ -39,7 +40,12 @@ RULES: tuple[Rule, ...] = (
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch"),
          "kopf resource discovery"),
     Rule("", "namespaces", ("get", "list", "watch"), "kopf namespace discovery with --all-namespaces"),
+    Rule("coordination.k8s.io", "leases", ("get", "create", "update"),
+         "leader election (--leader-elect): one Lease in the operator's own namespace"),
 )
+
+LEADER_ELECTION = frozenset({"leases"})
+"""Rows granted only in the Lease's namespace (the release namespace), by a Role of their own."""
 
 CLUSTER_SCOPED = frozenset({"nodes", "clusterkopfpeerings", "customresourcedefinitions", "namespaces"})
 

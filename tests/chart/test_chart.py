@@ -99,7 +99,7 @@ def test_every_rendered_object_validates(files, sets, kube):
 
 def test_monitoring_matrix_renders_every_optional_kind():
     kinds = {d["kind"] for d in render(*MATRIX[MATRIX_IDS.index("monitoring")][1:])}
-    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap", "ClusterKopfPeering"} <= kinds
+    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"} <= kinds
     assert not {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"} & {d["kind"] for d in render()}
 
 
@@ -154,16 +154,20 @@ def _table(exclude: set[str]) -> set[tuple[str, str, str]]:
     return {(row.api_group, row.resource, v) for row in rbac.RULES if row.resource not in exclude for v in row.verbs}
 
 
+LEASE_ROWS = set(rbac.LEADER_ELECTION)
+"""Granted by a Role of their own in the release namespace (``*-leader-election``)."""
+
+
 @pytest.mark.parametrize(
     "sets, role_namespaces, want_cluster, want_role",
     [
-        ([], [], _table({"kopfpeerings"}), set()),
+        ([], [], _table({"kopfpeerings"} | LEASE_ROWS), set()),
         (["watch.mode=namespaced", "watch.namespaces={ml,research}"], ["ml", "research"],
          _table({"kopfpeerings", "clusterkopfpeerings", "namespaces"} | (set() ^ {r.resource for r in rbac.RULES if r.resource not in rbac.CLUSTER_SCOPED})),
-         _table(set(rbac.CLUSTER_SCOPED))),
+         _table(set(rbac.CLUSTER_SCOPED) | LEASE_ROWS)),
         (["watch.mode=namespaced"], [NAMESPACE],
          _table({"kopfpeerings", "clusterkopfpeerings", "namespaces"} | {r.resource for r in rbac.RULES if r.resource not in rbac.CLUSTER_SCOPED}),
-         _table(set(rbac.CLUSTER_SCOPED))),
+         _table(set(rbac.CLUSTER_SCOPED) | LEASE_ROWS)),
     ],
     ids=["cluster", "namespaced", "namespaced-release-namespace"],
 )
@@ -172,16 +176,20 @@ def test_rbac_grants_exactly_the_declared_table(sets, role_namespaces, want_clus
     (cluster_role,) = by_kind(docs, "ClusterRole")
     assert _triples(cluster_role["rules"]) == want_cluster
     roles = by_kind(docs, "Role")
+    (lease_role,) = [r for r in roles if r["metadata"]["name"].endswith("-leader-election")]
+    assert lease_role["metadata"]["namespace"] == NAMESPACE
+    assert _triples(lease_role["rules"]) == {t for t in _table(set()) if t[1] in LEASE_ROWS}
+    roles = [r for r in roles if r is not lease_role]
     assert sorted(r["metadata"]["namespace"] for r in roles) == sorted(role_namespaces)
     for role in roles:
         assert _triples(role["rules"]) == want_role
         assert not {r for _, r, _ in _triples(role["rules"])} & rbac.CLUSTER_SCOPED
     bindings = by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding")
-    assert len(bindings) == len(roles) + 1
+    assert len(bindings) == len(roles) + 2  # + the ClusterRoleBinding and the Lease's RoleBinding
     for b in bindings:
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": "kt-kubetitan", "namespace": NAMESPACE}]
     # Together the objects grant the whole table, less the other mode's peering kind.
-    assert _triples(cluster_role["rules"]) | want_role <= _table(set())
+    assert _triples(cluster_role["rules"]) | want_role | _triples(lease_role["rules"]) <= _table(set())
 
 
 @pytest.mark.parametrize("files, sets", [m[1:] for m in MATRIX], ids=MATRIX_IDS)
@@ -209,23 +217,34 @@ def test_operator_pod_is_hardened_and_probed(files, sets):
     assert f"--metrics-port={ports['metrics']}" in c["args"]
     assert c["resources"]["requests"] and c["resources"]["limits"]
     replicas = dep["spec"]["replicas"]
-    assert replicas == 1 or any(a.startswith("--peering=") for a in c["args"]), "HA needs kopf peering"
+    assert replicas == 1 or any(a.startswith(("--peering=", "--leader-elect")) for a in c["args"]), \
+        "HA needs the leader Lease (or kopf peering)"
 
 
 @pytest.mark.parametrize(
     "sets, want_args, want_peerings",
     [
-        ([], ["--all-namespaces", "--peering=kubetitan"], [("ClusterKopfPeering", None)]),
-        (["watch.mode=namespaced", "watch.namespaces={a,b}"], ["--namespace=a", "--namespace=b", "--peering=kubetitan"],
-         [("KopfPeering", "a"), ("KopfPeering", "b")]),
-        (["replicaCount=1", "peering.enabled=false"], ["--all-namespaces"], []),
+        ([], ["--all-namespaces", "--leader-elect", "--leader-elect-resource-name=kt-kubetitan",
+              f"--leader-elect-resource-namespace={NAMESPACE}", "--leader-elect-lease-duration=15",
+              "--leader-elect-renew-deadline=10", "--leader-elect-retry-period=2"], []),
+        (["watch.mode=namespaced", "watch.namespaces={a,b}", "leaderElection.leaseName=kt-lock",
+          "leaderElection.leaseDurationSeconds=30", "leaderElection.renewDeadlineSeconds=20"],
+         ["--namespace=a", "--namespace=b", "--leader-elect", "--leader-elect-resource-name=kt-lock",
+          f"--leader-elect-resource-namespace={NAMESPACE}", "--leader-elect-lease-duration=30",
+          "--leader-elect-renew-deadline=20", "--leader-elect-retry-period=2"], []),
+        (["leaderElection.enabled=false", "peering.enabled=true"], ["--all-namespaces", "--peering=kubetitan"],
+         [("ClusterKopfPeering", None)]),
+        (["leaderElection.enabled=false", "peering.enabled=true", "watch.mode=namespaced", "watch.namespaces={a,b}"],
+         ["--namespace=a", "--namespace=b", "--peering=kubetitan"], [("KopfPeering", "a"), ("KopfPeering", "b")]),
+        (["replicaCount=1", "leaderElection.enabled=false"], ["--all-namespaces"], []),
     ],
-    ids=["cluster", "namespaced", "standalone"],
+    ids=["cluster", "namespaced", "peering-cluster", "peering-namespaced", "standalone"],
 )
 def test_watch_mode_and_peering(sets, want_args, want_peerings):
     docs = render([], sets)
     args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert [a for a in args if a.startswith(("--all-namespaces", "--namespace", "--peering"))] == want_args
+    assert [a for a in args if a.startswith(("--all-namespaces", "--namespace", "--peering", "--leader-elect"))] \
+        == want_args
     got = [(d["kind"], d["metadata"].get("namespace")) for d in docs if d["kind"].endswith("KopfPeering")]
     assert got == want_peerings
 
@@ -245,9 +264,11 @@ def test_watch_mode_and_peering(sets, want_args, want_peerings):
         (["replicas=3"], "Additional property replicas is not allowed"),
         (["operator.logFormat=xml"], "operator.logFormat: operator.logFormat must be one of the following"),
         (["operator.verbose=maybe"], "operator.verbose: Invalid type. Expected: boolean, given: string"),
+        (["leaderElection.retryPeriodSeconds=0"], "leaderElection.retryPeriodSeconds: Must be greater than or equal to 1"),
+        (["leaderElection.leaseName=Bad_Name"], "leaderElection.leaseName: Does not match pattern"),
     ],
     ids=["replicas-zero", "bad-mode", "bad-namespace", "privileged-port", "pull-policy", "bad-interval",
-         "relative-runbook", "typo-nested", "typo-top", "log-format", "verbose"],
+         "relative-runbook", "typo-nested", "typo-top", "log-format", "verbose", "lease-retry-zero", "lease-name"],
 )
 def test_invalid_values_are_rejected_with_a_clear_message(sets, message):
     proc = helm("template", "kt", str(CHART), *values_args([], sets), check=False)
@@ -256,9 +277,21 @@ def test_invalid_values_are_rejected_with_a_clear_message(sets, message):
     assert message in proc.stderr, proc.stderr
 
 
-def test_replicas_without_peering_fail_with_a_fix():
-    proc = helm("template", "kt", str(CHART), "--set", "peering.enabled=false", check=False)
-    assert proc.returncode != 0 and "replicaCount > 1 needs peering.enabled=true" in proc.stderr
+@pytest.mark.parametrize(("sets", "message"), [
+    (["leaderElection.leaseDurationSeconds=10"], "leaseDurationSeconds must be longer than leaderElection.renewDeadline"),
+    (["leaderElection.retryPeriodSeconds=9"], "renewDeadlineSeconds must be longer than 1.2 x"),
+], ids=["lease-not-longer-than-deadline", "deadline-vs-retry"])
+def test_lease_durations_are_checked_at_render_time(sets, message):
+    """The operator's own rules (kubetitan.leader.LeaseConfig.problems) fail the install, not the pods."""
+    proc = helm("template", "kt", str(CHART), *values_args([], sets), check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_replicas_without_leader_election_fail_with_a_fix():
+    proc = helm("template", "kt", str(CHART), "--set", "leaderElection.enabled=false", check=False)
+    assert proc.returncode != 0 and "replicaCount > 1 needs leaderElection.enabled=true" in proc.stderr
+    proc = helm("template", "kt", str(CHART), "--set", "peering.enabled=true", check=False)
+    assert proc.returncode != 0 and "leaderElection.enabled and peering.enabled are exclusive" in proc.stderr
 
 
 def _schema_paths(schema: dict[str, Any], defs: dict[str, Any], value: Any, path: str) -> list[str]:
@@ -335,13 +368,14 @@ def test_notes_tell_what_to_run_next(tmp_path, sets, expect):
 @pytest.mark.parametrize(
     "sets, want",
     [
-        ([], {"all_namespaces": True, "namespaces": [], "peering": "kubetitan"}),
-        (["watch.mode=namespaced", "watch.namespaces={a,b}", "peering.name=kt"],
-         {"all_namespaces": False, "namespaces": ["a", "b"], "peering": "kt"}),
-        (["replicaCount=1", "peering.enabled=false", "operator.verbose=true"],
-         {"all_namespaces": True, "namespaces": [], "peering": None}),
+        ([], {"all_namespaces": True, "namespaces": [], "peering": None, "leader_elect": True}),
+        (["watch.mode=namespaced", "watch.namespaces={a,b}", "peering.name=kt", "peering.enabled=true",
+          "leaderElection.enabled=false"],
+         {"all_namespaces": False, "namespaces": ["a", "b"], "peering": "kt", "leader_elect": False}),
+        (["replicaCount=1", "leaderElection.enabled=false", "operator.verbose=true"],
+         {"all_namespaces": True, "namespaces": [], "peering": None, "leader_elect": False}),
     ],
-    ids=["cluster", "namespaced", "standalone"],
+    ids=["cluster", "namespaced-peering", "standalone"],
 )
 def test_the_operator_accepts_the_rendered_command_line(sets, want):
     """The container's command runs through /bin/sh as rendered, and the operator's own argument
@@ -362,12 +396,15 @@ def test_the_operator_accepts_the_rendered_command_line(sets, want):
             argvs.append(c["args"])
     parsed = [handlers.build_parser().parse_args(a) for a in argvs]
     p = parsed[0]
-    assert {"all_namespaces": p.all_namespaces, "namespaces": p.namespace, "peering": p.peering} == want
+    assert {"all_namespaces": p.all_namespaces, "namespaces": p.namespace, "peering": p.peering,
+            "leader_elect": p.leader_elect} == want
+    if p.leader_elect:  # the rendered Lease settings pass the operator's own check (client-go's rules)
+        assert handlers.lease_from_args(p).problems() == []
     assert p.metrics_port == 8080 and p.liveness == "http://0.0.0.0:8081/healthz" and p.log_format == "json"
     assert (p.scrape_max_bytes, p.scrape_timeout, p.scrape_concurrency) == (4194304, 3.0, 8)  # values.yaml's
     if want["peering"]:
         assert parsed[0].priority != parsed[1].priority and parsed[0].priority > 0
-    else:
+    elif not want["leader_elect"]:
         assert p.verbose is True
 
 

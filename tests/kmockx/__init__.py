@@ -40,6 +40,7 @@ import itertools
 import json
 import random
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -166,7 +167,8 @@ class ApiError(Exception):
 class Fault:
     """An injected answer: matching requests get ``code`` (after ``delay`` seconds), by ``count`` or ``rate``.
 
-    ``verbs``/``resource``/``namespace``/``name``/``user`` select requests (None: any); ``resource`` is a plural,
+    ``verbs``/``resource``/``namespace``/``name``/``user`` select requests (None: any), ``agent`` those whose
+    User-Agent contains it (one replica of several sharing a service account); ``resource`` is a plural,
     optionally with its subresource (``llamapretrains/status``). ``code`` 0 adds only the latency (a slow server);
     ``hang=True`` never answers (the client's timeout fires). ``count`` None means unlimited; ``rate`` is the
     fraction answered (seeded RNG: reproducible). ``hits`` counts the requests it answered.
@@ -177,6 +179,7 @@ class Fault:
     namespace: str | None = None
     name: str | None = None
     user: str | None = None
+    agent: str | None = None
     count: int | None = None
     rate: float = 1.0
     retry_after: int | None = None
@@ -185,10 +188,11 @@ class Fault:
     message: str | None = None
     hits: int = 0
 
-    def matches(self, verb: str, resource: str, ns: str | None, name: str | None, user: str) -> bool:
+    def matches(self, verb: str, resource: str, ns: str | None, name: str | None, user: str, agent: str = "") -> bool:
         return ((self.verbs is None or verb in self.verbs) and (self.resource is None or self.resource == resource)
                 and (self.namespace is None or self.namespace == ns) and (self.name is None or self.name == name)
-                and (self.user is None or self.user == user) and (self.count is None or self.hits < self.count))
+                and (self.user is None or self.user == user) and (self.agent is None or self.agent in agent)
+                and (self.count is None or self.hits < self.count))
 
 
 _FAULT_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict",
@@ -205,6 +209,10 @@ class LogEntry:
     path: str
     code: int
     fault: bool = False
+    agent: str = ""
+    """The request's User-Agent (tells apart replicas that share one identity)."""
+    time: float = 0.0
+    """``time.monotonic()`` when the answer was sent."""
 
     def __str__(self) -> str:
         return f"#{self.id} {self.user} {self.verb} {self.path} -> {self.code}{' (injected)' if self.fault else ''}"
@@ -338,6 +346,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.declare("v1/services", "Service", status=True, shortnames=("svc",), builtin=True, categories=("all",))
         self.declare("v1/events", "Event", shortnames=("ev",), builtin=True)
         self.declare("events.k8s.io/v1/events", "Event", shortnames=("ev",), builtin=True)
+        self.declare("coordination.k8s.io/v1/leases", "Lease", builtin=True)
         self.declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition",
                      namespaced=False, status=True, shortnames=("crd", "crds"), builtin=True)
 
@@ -401,11 +410,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
     def log_text(self) -> str:
         return "\n".join(str(e) for e in self.log)
 
-    def _pick_fault(self, verb: str, resource: str, ns: str | None, name: str | None, user: str) -> Fault | None:
+    def _pick_fault(self, verb: str, resource: str, ns: str | None, name: str | None, user: str,
+                    agent: str = "") -> Fault | None:
         if self._rng is None:
             self._rng = random.Random(self.seed)
         for f in self.faults:
-            if f.matches(verb, resource, ns, name, user) and (f.rate >= 1.0 or self._rng.random() < f.rate):
+            if f.matches(verb, resource, ns, name, user, agent) and (f.rate >= 1.0 or self._rng.random() < f.rate):
                 f.hits += 1
                 return f
         return None
@@ -481,7 +491,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             return self._answer(request, user, verb, await self._discovery(request))
         ns, name, sub = request.namespace, request.name, request.subresource
         resource = res.plural + (f"/{sub}" if sub else "")
-        fault = self._pick_fault(verb, resource, ns, name, user)
+        fault = self._pick_fault(verb, resource, ns, name, user, _agent(request))
         if fault is not None:
             if fault.delay:
                 await asyncio.sleep(fault.delay)
@@ -564,7 +574,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     def _answer(self, request: rendering.Request, user: str, verb: str, resp: aiohttp.web.StreamResponse,
                 fault: bool = False) -> aiohttp.web.StreamResponse:
-        self.log.append(LogEntry(request.id, user, verb, str(request.url.path_qs), resp.status, fault))
+        self.log.append(LogEntry(request.id, user, verb, str(request.url.path_qs), resp.status, fault, _agent(request),
+                                 time.monotonic()))
         return resp
 
     # ------------------------------------------------------------------ discovery and OpenAPI
@@ -1126,6 +1137,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
         with contextlib.suppress(ConnectionResetError, RuntimeError):
             await resp.write_eof()
         return resp
+
+
+def _agent(request: rendering.Request) -> str:
+    return next((v for k, v in (request.headers or {}).items() if k.lower() == "user-agent"), "")
 
 
 def _gone(rv: str) -> dict[str, Any]:

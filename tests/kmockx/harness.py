@@ -40,6 +40,7 @@ from kubetitan.handlers import Options, run
 LPT = "kubetitan.io/v1alpha1/llamapretrains"
 PODS, NODES, CMS, SVCS, EVENTS = "v1/pods", "v1/nodes", "v1/configmaps", "v1/services", "v1/events"
 NS = "ml"
+RELEASE_NS = rbac.RELEASE_NS
 CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
 CRD_FILE = rbac.REPO / "crds" / "kubetitan.io_llamapretrains.yaml"
 PEERINGS, CLUSTER_PEERINGS = "kopf.dev/v1/kopfpeerings", "kopf.dev/v1/clusterkopfpeerings"
@@ -77,7 +78,7 @@ class Cluster:
     admin (a user running kubectl). In-process helpers (``apply``, ``patch``, ...) act as an admin."""
 
     def __init__(self, namespaces: tuple[str, ...] = (), rbac: bool = True) -> None:
-        self.namespaces = ("default", NS, *namespaces)
+        self.namespaces = ("default", NS, RELEASE_NS, *namespaces)  # RELEASE_NS: the operator's own (its Lease)
         self.rbac = rbac
         self._kubeconfigs: list[str] = []
         self._stack: contextlib.AsyncExitStack | None = None
@@ -124,7 +125,7 @@ class Cluster:
         with open(self.admin_kubeconfig, "w") as f:
             f.write(kubeconfig(self.url))
         if self.rbac:
-            watched = tuple(n for n in self.namespaces if n != "default")
+            watched = tuple(n for n in self.namespaces if n not in ("default", RELEASE_NS))
             self._bind("kt", rbac.chart_rbac("kt", None) + rbac.chart_rbac("kt", watched), self.kubeconfig)
         else:
             with open(self.kubeconfig, "w") as f:
@@ -262,12 +263,12 @@ class Operator:
 
     def __init__(self, cluster: Cluster, namespaces: tuple[str, ...] = ("ml",), clock: Callable[[], float] | None = None,
                  scan_interval: float = 0.1, scrape_interval: float = 0.05, all_namespaces: bool = False,
-                 hang_floor_seconds: float | None = None) -> None:
+                 hang_floor_seconds: float | None = None, leader: Any = None) -> None:
         kc = cluster.operator_kubeconfig(None if all_namespaces else tuple(namespaces))
         self.options = Options(namespaces=[] if all_namespaces else list(namespaces), all_namespaces=all_namespaces,
                                kubeconfig=kc, metrics_port=None,
                                scan_interval=scan_interval, scrape_interval=scrape_interval, scrape_timeout=1.0,
-                               clock=clock or time.time)
+                               clock=clock or time.time, leader=leader)
         if hang_floor_seconds is not None:
             self.options.hang_floor_seconds = hang_floor_seconds
         self.registry = CollectorRegistry()

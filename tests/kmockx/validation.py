@@ -169,7 +169,8 @@ def meta_errors(plural: str, meta: dict[str, Any]) -> list[Cause]:
     annotations = meta.get("annotations") or {}
     for k in annotations:
         out += _label_key_errors("metadata.annotations", k)
-    size = sum(len(k) + len(str(v)) for k, v in annotations.items())
+    # bytes, as the API server's ValidateAnnotationsSize counts them (Go's len of a string): not characters
+    size = sum(len(k.encode()) + len(str(v).encode()) for k, v in annotations.items())
     if size > TOTAL_ANNOTATION_BYTES:
         out.append(Cause("metadata.annotations", "FieldValueTooLong",
                          f"Too long: may not be more than {TOTAL_ANNOTATION_BYTES} bytes"))

@@ -252,6 +252,13 @@ def openapi_schema(rules: Iterable[Any] | None = None, kubernetes_version: str |
     conditions = props["status"]["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"
     conditions["x-kubernetes-list-map-keys"] = ["type"]
+    # kopf's own bookkeeping (handler progress, the last handled spec): kept in status, never in annotations, so a
+    # run whose annotations fill the API's 256 KiB limit is still reconciled and deleted. Not part of the API.
+    props["status"]["properties"]["kopf"] = {
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+        "description": "Bookkeeping of the operator's framework (kopf); written by the operator, not for users.",
+    }
     return _ordered(root)
 
 

@@ -1,0 +1,176 @@
+"""kubetitan.leader: the Lease protocol and the fence, table-tested against an in-memory Lease API with
+resourceVersion preconditions and a manual clock (no sleeps: each test drives ``_try_acquire_or_renew``)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+
+from kubetitan.kube import ApiError
+from kubetitan.leader import LeaderElector, LeaseConfig, NotLeader
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class LeaseApi:
+    """One Lease, stored as the API server stores it: resourceVersion bumped per write, PUT on a stale one is 409."""
+
+    def __init__(self) -> None:
+        self.obj: dict[str, Any] | None = None
+        self.rv = 0
+        self.fail: set[str] = set()  # identities whose writes get 503
+
+    async def get_lease(self, ns: str, name: str, timeout: float | None = None) -> dict[str, Any] | None:
+        return copy.deepcopy(self.obj)
+
+    def _store(self, lease: dict[str, Any]) -> dict[str, Any]:
+        if (lease["spec"].get("holderIdentity") or "") in self.fail:
+            raise ApiError(503, "PUT", "/leases")
+        self.rv += 1
+        self.obj = copy.deepcopy(lease)
+        self.obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
+        return copy.deepcopy(self.obj)
+
+    async def create_lease(self, ns: str, lease: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        if self.obj is not None:
+            raise ApiError(409, "POST", "/leases")
+        return self._store(lease)
+
+    async def update_lease(self, ns: str, name: str, lease: dict[str, Any], timeout: float | None = None
+                           ) -> dict[str, Any]:
+        if self.obj is None:
+            raise ApiError(404, "PUT", "/leases")
+        if (lease.get("metadata") or {}).get("resourceVersion") != self.obj["metadata"]["resourceVersion"]:
+            raise ApiError(409, "PUT", "/leases")
+        return self._store(lease)
+
+
+CFG = dict(namespace="kt", name="lock", lease_duration=15.0, renew_deadline=10.0, retry_period=2.0)
+
+
+def _elector(api: LeaseApi, clock: Clock, identity: str) -> LeaderElector:
+    return LeaderElector(LeaseConfig(identity=identity, **CFG), api, clock=clock, wall=lambda: 1.7e9)
+
+
+def _try(e: LeaderElector) -> bool:
+    ok = asyncio.run(e._try_acquire_or_renew())
+    if ok:
+        e._leading.set()  # what run() does after a successful acquisition
+    return ok
+
+
+@pytest.mark.parametrize(("kw", "want"), [
+    ({}, []),
+    ({"lease_duration": 10.0, "renew_deadline": 10.0}, ["must be longer than the renew deadline"]),
+    ({"renew_deadline": 2.0, "retry_period": 2.0}, ["must be longer than 1.2 x the retry period"]),
+    ({"retry_period": 0.0}, ["--leader-elect-retry-period is 0.0"]),
+    ({"namespace": ""}, ["no namespace for the Lease"]),
+], ids=["defaults", "deadline-not-shorter", "deadline-vs-retry", "zero-retry", "no-namespace"])
+def test_lease_config_problems(kw: dict[str, Any], want: list[str]) -> None:
+    problems = LeaseConfig(**{**CFG, **kw}).problems()
+    assert len(problems) == len(want) and all(w in p for w, p in zip(want, problems, strict=True)), problems
+
+
+def test_first_candidate_creates_the_lease_and_the_second_stands_by() -> None:
+    api, clock = LeaseApi(), Clock()
+    a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
+    assert _try(a) and a.leading and api.obj["spec"]["holderIdentity"] == "a"
+    assert api.obj["spec"]["leaseTransitions"] == 0 and api.obj["spec"]["leaseDurationSeconds"] == 15
+    assert not _try(b) and not b.leading
+    clock.t += 14.9  # not yet expired by b's own clock (it first saw the record at 1000)
+    assert not _try(b)
+
+
+def test_takeover_after_expiry_counts_a_transition_and_fences_the_old_leader() -> None:
+    api, clock = LeaseApi(), Clock()
+    a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
+    assert _try(a)
+    assert not _try(b)  # b observes a's record now
+    api.fail.add("a")  # a's renewals fail from here on
+    clock.t += 9.9
+    assert a.leading and not _try(a)  # the renewal fails, but a may still write until its deadline
+    a.check()
+    clock.t += 0.2  # 10.1 s after a's last good renewal was sent: its fence is closed
+    assert not a.leading
+    with pytest.raises(NotLeader):
+        a.check()
+    assert not _try(b)  # 10.1 s < 15 s since b saw the record change
+    clock.t += 5.0
+    assert _try(b) and b.leading
+    assert api.obj["spec"]["holderIdentity"] == "b" and api.obj["spec"]["leaseTransitions"] == 1
+    assert b.write_timeout() == pytest.approx(15.0)
+
+
+def test_a_renewal_keeps_acquire_time_and_transitions_and_moves_the_fence() -> None:
+    api, clock = LeaseApi(), Clock()
+    a = _elector(api, clock, "a")
+    assert _try(a)
+    acquired = api.obj["spec"]["acquireTime"]
+    clock.t += 8.0
+    assert _try(a)  # the fast path: one PUT on the resourceVersion it wrote
+    assert api.obj["spec"]["acquireTime"] == acquired and api.obj["spec"]["leaseTransitions"] == 0
+    clock.t += 9.0  # 17 s after the first renewal, 9 s after the second
+    assert a.leading
+
+
+def test_two_candidates_racing_for_an_expired_lease_one_wins_by_resource_version() -> None:
+    api, clock = LeaseApi(), Clock()
+    old, b, c = _elector(api, clock, "old"), _elector(api, clock, "b"), _elector(api, clock, "c")
+    assert _try(old)
+    assert not _try(b) and not _try(c)
+    clock.t += 16.0
+    lease_b, lease_c = asyncio.run(api.get_lease("kt", "lock")), asyncio.run(api.get_lease("kt", "lock"))
+    assert lease_b == lease_c
+    assert _try(b)
+    # c read the same record before b's write: its update carries a stale resourceVersion and gets 409
+    stale = {**lease_c, "spec": {**lease_c["spec"], "holderIdentity": "c"}}
+    with pytest.raises(ApiError) as e:
+        asyncio.run(api.update_lease("kt", "lock", stale))
+    assert e.value.status == 409
+    assert not _try(c)  # and its next try sees b's fresh record: held, not expired
+    assert api.obj["spec"]["holderIdentity"] == "b"
+
+
+def test_release_empties_the_holder_so_a_standby_takes_over_at_once() -> None:
+    api, clock = LeaseApi(), Clock()
+    a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
+    assert _try(a) and not _try(b)
+    asyncio.run(a.release())
+    assert not a.leading and api.obj["spec"]["holderIdentity"] == "" and api.obj["spec"]["leaseDurationSeconds"] == 1
+    assert _try(b) and api.obj["spec"]["leaseTransitions"] == 1
+
+
+def test_the_api_double_serves_leases_with_resource_version_conflicts() -> None:
+    """kmockx stores a coordination.k8s.io/v1 Lease like kube-apiserver: created once (409 AlreadyExists after),
+    updated only on the current resourceVersion (409 Conflict on a stale one), through the operator's own client."""
+    from kmockx.harness import RELEASE_NS, Cluster
+    from kubetitan.kube import Client, load_config
+
+    async def scenario(client: Client) -> None:
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": "lock", "namespace": RELEASE_NS},
+                "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15, "leaseTransitions": 0}}
+        first = await client.create_lease(RELEASE_NS, body)
+        with pytest.raises(ApiError) as e:
+            await client.create_lease(RELEASE_NS, body)
+        assert e.value.status == 409 and e.value.api_reason == "AlreadyExists"
+        second = await client.update_lease(RELEASE_NS, "lock", {**first, "spec": {**first["spec"], "holderIdentity": "b"}})
+        assert int(second["metadata"]["resourceVersion"]) > int(first["metadata"]["resourceVersion"])
+        with pytest.raises(ApiError) as e:  # c read ``first`` too: its update is refused
+            await client.update_lease(RELEASE_NS, "lock", {**first, "spec": {**first["spec"], "holderIdentity": "c"}})
+        assert e.value.status == 409 and e.value.api_reason == "Conflict"
+        got = await client.get_lease(RELEASE_NS, "lock")
+        assert got is not None and got["spec"]["holderIdentity"] == "b"
+        await client.aclose()
+
+    with Cluster() as c:
+        asyncio.run(scenario(Client(load_config(c.kubeconfig))))  # the chart's RBAC: the operator's own identity

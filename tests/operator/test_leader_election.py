@@ -1,0 +1,132 @@
+"""One writer: two ``kubetitan operator --leader-elect`` processes against kmockx (the strict API double).
+
+The double serves ``coordination.k8s.io/v1`` Leases like any object (PUT with a stale resourceVersion is 409
+Conflict), logs every request with its User-Agent (each replica names its identity there) and injects faults
+per User-Agent, so one replica's renewals can fail while the other's succeed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from kmockx.harness import NS, RELEASE_NS, Cluster, OperatorProcess, cpu_spec, lpt, wait_for
+
+pytestmark = pytest.mark.xdist_group("operator-kmock")
+
+LEASES = "coordination.k8s.io/v1/leases"
+LEASE = "kubetitan-test"
+DURATION, DEADLINE, RETRY = 3.0, 2.0, 0.5
+"""Short terms (the defaults are 15/10/2 s); the same ratios matter: deadline < duration, deadline > 1.2 x retry."""
+WRITES = ("create", "update", "patch", "delete")
+
+
+def _args(identity: str) -> tuple[str, ...]:
+    return ("--namespace", NS, "--scan-interval", "0.2", "--leader-elect", "--leader-elect-identity", identity,
+            "--leader-elect-resource-name", LEASE, "--leader-elect-resource-namespace", RELEASE_NS,
+            "--leader-elect-lease-duration", str(DURATION), "--leader-elect-renew-deadline", str(DEADLINE),
+            "--leader-elect-retry-period", str(RETRY))
+
+
+def _lease(c: Cluster) -> dict[str, Any]:
+    return (c.get(LEASES, RELEASE_NS, LEASE) or {}).get("spec") or {}
+
+
+def _holder(c: Cluster) -> str:
+    return _lease(c).get("holderIdentity") or ""
+
+
+def _writes(c: Cluster, identity: str, after: float = float("-inf")) -> list[str]:
+    """Every write request (not the Lease's own) the replica sent, answered after ``after`` (monotonic)."""
+    return [str(e) for e in list(c.k.log) if e.verb in WRITES and f"({identity})" in e.agent
+            and "/leases" not in e.path and e.time > after]
+
+
+def _requests(c: Cluster, verb: str, plural: str, identity: str | None = None) -> list[str]:
+    """Object names of every ``verb`` request on ``plural`` that succeeded (by one replica, or any)."""
+    out = []
+    for e in list(c.k.log):
+        path = e.path.split("?")[0]
+        if e.verb != verb or e.code >= 300 or f"/{plural}" not in path or (identity and f"({identity})" not in e.agent):
+            continue
+        out.append(path.rsplit("/", 1)[1] if verb != "create" else path)
+    return out
+
+
+def _pod_creates(c: Cluster) -> list[str]:
+    return [(r.data or {}).get("metadata", {}).get("name", "") for r in list(c.k)
+            if r.method is not None and r.method.value == "POST" and r.resource is not None
+            and r.resource.plural == "pods"]
+
+
+def _events(c: Cluster, name: str) -> list[tuple[str, str]]:
+    return sorted((e.get("type", ""), e.get("reason", "")) for e in c.list("v1/events", NS)
+                  if (e.get("involvedObject") or {}).get("name") == name)
+
+
+def test_a_replica_that_cannot_renew_stops_writing_and_the_other_acts_once(cluster: Cluster) -> None:
+    logs: list[OperatorProcess] = []
+    try:
+        _split_brain_then_hand_back(cluster, logs)
+    except AssertionError as e:  # say what each replica did
+        raise AssertionError(f"{e}\n" + "\n".join(f"--- replica {i}:\n{op.log_text()[-3000:]}"
+                                                   for i, op in enumerate(logs))) from None
+
+
+def _split_brain_then_hand_back(cluster: Cluster, logs: list[OperatorProcess]) -> None:
+    with OperatorProcess(cluster.kubeconfig, *_args("replica-a")) as a:
+        logs.append(a)
+        wait_for(lambda: _holder(cluster) == "replica-a", 15, "replica A holds the Lease")
+        with OperatorProcess(cluster.kubeconfig, *_args("replica-b")) as b:
+            logs.append(b)
+            cluster.apply(lpt("ha", cpu_spec(nodes=2)))
+            wait_for(lambda: cluster.pod_names(NS, "ha") == ["ha-a0-0", "ha-a0-1"], 15, "attempt 0 by A")
+            for r in range(2):
+                cluster.run_pod(NS, f"ha-a0-{r}", f"node-{r}")
+            wait_for(lambda: (cluster.status(NS, "ha").get("observation") or {}).get("ranksSeen") == [0, 1], 15,
+                     "A's status of attempt 0")
+            assert _holder(cluster) == "replica-a" and not _writes(cluster, "replica-b"), \
+                "the standby watches but never writes"
+
+            # A's renewals fail (503 for A's Lease updates only); A goes on running, and its watches still work
+            fault = cluster.k.inject(code=503, resource="leases", verbs={"update"}, agent="(replica-a)")
+            fenced_at = time.monotonic() + DEADLINE  # A's last good renewal was sent before now: its fence closes by then
+            wait_for(lambda: _holder(cluster) == "replica-b", 4 * DURATION, "replica B takes the Lease over")
+            took_over = time.monotonic()
+            assert took_over >= fenced_at, "B took over before A's renew deadline had passed"
+            assert _lease(cluster).get("leaseTransitions") == 1
+
+            # one pod failure: B restarts the gang once (A, still running and watching, does nothing)
+            cluster.terminate_pod(NS, "ha-a0-1", 1)
+            wait_for(lambda: cluster.pod_names(NS, "ha") == ["ha-a1-0", "ha-a1-1"], 20, "B restarted to attempt 1")
+            wait_for(lambda: ("Warning", "RestartContainerFailed") in _events(cluster, "ha"), 10, "the restart Event")
+            for r in range(2):
+                cluster.run_pod(NS, f"ha-a1-{r}", f"node-{r}")
+            wait_for(lambda: (cluster.status(NS, "ha").get("observation") or {}).get("ranksSeen") == [0, 1]
+                     and cluster.status(NS, "ha").get("attempt") == 1, 15, "B's status of attempt 1")
+            late = _writes(cluster, "replica-a", after=fenced_at)
+            assert not late, f"replica A wrote after its renew deadline: {late}"
+            assert fault.hits > 0
+            assert "Lost the leader Lease" in a.log_text(), "A says it stepped down"
+
+            # A -> B -> A: B stops (it releases the Lease on SIGTERM); A takes over at once and re-reads the run
+            cluster.k.clear_faults()
+            b.stop()
+        wait_for(lambda: _holder(cluster) == "replica-a", 4 * DURATION, "replica A takes the Lease back")
+        assert _lease(cluster).get("leaseTransitions") == 2
+        cluster.terminate_pod(NS, "ha-a1-1", 0, "Completed")
+        cluster.terminate_pod(NS, "ha-a1-0", 0, "Completed")
+        wait_for(lambda: cluster.status(NS, "ha").get("phase") == "Succeeded", 20, "Succeeded under A")
+        wait_for(lambda: ("Normal", "Completed") in _events(cluster, "ha"), 10, "the Completed Event")
+
+    # every pod created once and deleted at most once, the restart by B, the attempt-1 pods never deleted
+    assert sorted(_pod_creates(cluster)) == ["ha-a0-0", "ha-a0-1", "ha-a1-0", "ha-a1-1"]
+    deleted = _requests(cluster, "delete", "pods")
+    assert sorted(deleted) == sorted(set(deleted)) and not [n for n in deleted if n.startswith("ha-a1-")], deleted
+    assert {n for n in deleted} <= set(_requests(cluster, "delete", "pods", "replica-b")), deleted
+    assert _events(cluster, "ha") == [("Normal", "Completed"), ("Warning", "RestartContainerFailed")], \
+        _events(cluster, "ha")
+    st = cluster.status(NS, "ha")
+    assert (st["restartCount"], st["attempt"]) == (1, 1)
