@@ -313,6 +313,28 @@ def init_hf_text_dataset(dataset, *, dataset_name: str, data, tokenizer, seq_len
         _rebind(dataset, name, values[name])
 
 
+VALIDATOR_ATTRIBUTES = ("job_config", "tokenizer", "parallel_dims", "loss_fn", "validation_dataloader",
+                        "validation_context", "maybe_enable_amp", "metrics_processor", "pp_schedule",
+                        "pp_has_first_stage", "pp_has_last_stage")
+"""What torchtitan 0.2.2's ``Validator.__init__`` sets (its ``validate`` reads them)."""
+
+
+@_shim(Upstream("torchtitan.components.validate:Validator",
+                params=("job_config", "dp_world_size", "dp_rank", "tokenizer", "parallel_dims", "loss_fn",
+                        "validation_context", "maybe_enable_amp", "metrics_processor", "pp_schedule",
+                        "pp_has_first_stage", "pp_has_last_stage"),
+                sets=VALIDATOR_ATTRIBUTES, sets_exactly=True),
+       Upstream("torchtitan.components.validate:Validator.validate", params=("self", "model_parts", "step"),
+                contains=("self.validation_dataloader", "ntokens_since_last_log", "log_validation")))
+def init_validator(validator, **values: Any) -> None:
+    """Set up a ``Validator`` subclass instance as the base ``__init__`` would, with kubetitan's held-out loader.
+
+    The base ``__init__`` builds its loader with ``build_text_validation_dataloader`` (torchtitan's fixed dataset
+    registry); its ``validate`` loop is what kubetitan wants, so the same attributes are set here."""
+    for name in VALIDATOR_ATTRIBUTES:
+        _rebind(validator, name, values[name])
+
+
 # ====================================================================== metrics (kubetitan_trainer.metrics)
 METRICS_PROCESSOR_ATTRIBUTES = ("logger", "parallel_dims", "job_config", "device_memory_monitor", "color",
                                 "gpu_peak_flops", "ntokens_since_last_log", "data_loading_times", "time_last_log",

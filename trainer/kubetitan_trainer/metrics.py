@@ -25,6 +25,7 @@ than a made-up number or NaN).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -74,6 +75,14 @@ def mfu_ratio(flops_per_token: float, tokens_per_second_per_gpu: float, peak_flo
     if not peak_flops or peak_flops <= 0:
         return None
     return flops_per_token * tokens_per_second_per_gpu / peak_flops
+
+
+def eval_perplexity(loss: float) -> float:
+    """Perplexity of a mean per-token loss in nats: exp(loss); inf when that overflows a float."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 MEDIAN_WINDOW = 50
@@ -128,7 +137,19 @@ class Exporter:
             self.peak = Gauge("kubetitan_trainer_peak_flops_per_second_per_gpu", "Dense bf16 peak of one device used as the MFU denominator (FLOP per second).", registry=r)
             self.peak.set(peak_flops)
         self.step_duration = Histogram(contract.M_STEP_DURATION, "Wall time of one optimizer step including its collectives (seconds).", buckets=STEP_BUCKETS, registry=r)
-        self.data_loading = Histogram(contract.M_DATA_LOADING_DURATION, "Time to fetch one micro-batch from the data loader (seconds).", buckets=DATA_BUCKETS, registry=r)
+        self.data_loading = Histogram(contract.M_DATA_LOADING_DURATION, "Time the train loop waited for one micro-batch from the data loader; rate of the sum over wall time is the share of time spent waiting for data (seconds).", buckets=DATA_BUCKETS, registry=r)
+        self.data_tokens_total = Counter(contract.M_DATA_TOKENS.removesuffix("_total"), "Tokens each data source (label "
+                                         "source) gave the job's global stream, carried across attempts through the "
+                                         "checkpoint's data position (tokens).", ["source"], registry=r)
+        self._data_tokens: dict[str, int] = {}
+        # Registered at the first evaluation (eval_done): before it there is no eval loss, and a 0 would be read as one.
+        self.eval_loss = Gauge(contract.M_EVAL_LOSS, "Loss on the held-out samples at the last evaluation, averaged "
+                               "over their tokens (nats per token).", registry=None)
+        self.eval_perplexity = Gauge(contract.M_EVAL_PERPLEXITY, "Perplexity on the held-out samples at the last "
+                                     "evaluation, exp of the eval loss (ratio).", registry=None)
+        self.eval_step = Gauge(contract.M_EVAL_STEP, "Step of the last evaluation on the held-out samples (steps).",
+                               registry=None)
+        self._eval_registered = False
         self.mem_active = Gauge(contract.M_MEMORY_MAX_ACTIVE, "Peak active device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
         self.mem_reserved = Gauge(contract.M_MEMORY_MAX_RESERVED, "Peak reserved device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
         self.ckpt_duration = Histogram(contract.M_CHECKPOINT_SAVE_DURATION, "Time training was blocked by a checkpoint save (staging only with async saves) (seconds).", buckets=CKPT_BUCKETS, registry=r)
@@ -215,6 +236,24 @@ class Exporter:
         if not self._loss_registered:
             self.registry.register(self.loss)
             self._loss_registered = True
+
+    def data_tokens(self, totals: dict[str, int]) -> None:
+        """Tokens each source has given the job so far (absolute; the counters advance by the difference)."""
+        for source, total in totals.items():
+            seen = self._data_tokens.get(source, 0)
+            if total > seen:
+                self.data_tokens_total.labels(source=source).inc(total - seen)
+                self._data_tokens[source] = total
+
+    def eval_done(self, step: int, loss: float) -> None:
+        """A held-out evaluation at ``step``; the eval series appear on /metrics with the first one."""
+        self.eval_loss.set(loss)
+        self.eval_perplexity.set(eval_perplexity(loss))
+        self.eval_step.set(step)
+        if not self._eval_registered:
+            for g in (self.eval_loss, self.eval_perplexity, self.eval_step):
+                self.registry.register(g)
+            self._eval_registered = True
 
     def step_done(self, step: int, seconds: float) -> None:
         self.step.set(step)
@@ -346,6 +385,19 @@ class KubetitanMetricsProcessor(MetricsProcessor):
                    "flops_per_second_per_gpu": flops, "mfu_ratio": mfu, "tokens": global_tokens, "time": time.time(),
                    "attempt": self.attempt, "generation": self.generation}
             with open(self.step_log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+    def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
+        """torchtitan's validation log line, plus the eval metrics and a line in ``kubetitan/evals.jsonl``."""
+        loss = float(loss)
+        self.exporter.eval_done(step, loss)
+        extra = {**(extra_metrics or {}), "validation_metrics/perplexity": eval_perplexity(loss)}
+        super().log_validation(loss, step, extra_metrics=extra)
+        if self.step_log is not None:
+            rec = {"step": step, "eval_loss": loss, "eval_perplexity": eval_perplexity(loss), "time": time.time(),
+                   "attempt": self.attempt, "generation": self.generation}
+            with open(self.step_log.with_name("evals.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
 
