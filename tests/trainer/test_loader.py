@@ -229,3 +229,14 @@ def test_eval_metrics_appear_with_the_first_evaluation():
     ex.data_tokens({"a": 160, "b": 16})
     text = generate_latest(ex.registry).decode()
     assert f'{contract.M_DATA_TOKENS}{{source="a"}} 160.0' in text and f'{contract.M_DATA_TOKENS}{{source="b"}} 16.0' in text
+
+
+def test_init_validator_sets_what_the_base_init_sets():
+    from kubetitan_trainer import compat
+
+    class Bare:
+        """An object the base class's __init__ never ran on."""
+
+    v = Bare()
+    compat.init_validator(v, **{name: name for name in compat.VALIDATOR_ATTRIBUTES})
+    assert vars(v) == {name: name for name in compat.VALIDATOR_ATTRIBUTES}

@@ -25,8 +25,10 @@ than a made-up number or NaN).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
 import socket
 import statistics
 import time
@@ -293,6 +295,42 @@ class Exporter:
         self.ckpt_ts.set(time.time())
 
 
+class NoPeakLogFilter(logging.Filter):
+    """Without a known peak (CPU, an unlisted GPU) torchtitan divides by an A100's and logs an MFU anyway: this filter
+    on its (root) logger drops the fallback warning, says once that MFU is not computed, and shows the step line's
+    MFU as n/a (the texts are ``compat``'s, each with a canary)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = device
+        self._mfu = re.compile(compat.STEP_LOG_MFU)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if compat.PEAK_FALLBACK_LOG in msg:
+            return False
+        if compat.PEAK_USED_LOG in msg:
+            record.msg, record.args = (f"MFU is not computed: no bf16 peak is known for this device ({self.device}); "
+                                       f"{contract.M_MFU} is not exported"), ()
+            return True
+        if "mfu: " in msg and self._mfu.search(msg):
+            record.msg, record.args = self._mfu.sub("  mfu: n/a", msg), ()
+        return True
+
+
+class _WithoutKeys:
+    """A metric logger (torchtitan's container) that leaves ``keys`` out of what it logs."""
+
+    def __init__(self, inner: Any, keys: set[str]) -> None:
+        self.inner, self.keys = inner, keys
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.inner.log({k: v for k, v in metrics.items() if k not in self.keys}, step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def _job_start() -> float:
     try:
         return float(os.environ.get(contract.ENV_JOB_START_TIME, ""))
@@ -324,6 +362,11 @@ class KubetitanMetricsProcessor(MetricsProcessor):
         )
         # torchtitan divides by this for its own console MFU; it must not be zero.
         self.gpu_peak_flops = self.peak_flops or 1e12
+        if self.peak_flops is None:
+            device = "cpu" if cpu_bridge.needed() else (self.device_memory_monitor.device_name or "unknown")
+            self._no_peak_filter = NoPeakLogFilter(device)
+            logging.getLogger().addFilter(self._no_peak_filter)  # torchtitan logs through the root logger
+            self.logger = _WithoutKeys(self.logger, {compat.STEP_METRIC_MFU})
         self.ntokens_since_last_log = 0
         self.data_loading_times = []
         self.time_last_log = time.perf_counter()
