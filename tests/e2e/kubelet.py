@@ -4,12 +4,14 @@ It plays the node agents of a small fake cluster against kmockx (tests/kmockx):
 
 - **Nodes**: creates ``Node`` objects (``node-0``, ``node-1``, ...) whose ``Ready`` condition tests flip
   with :meth:`Kubelet.fail_node` / :meth:`Kubelet.restore_node`.
-- **Scheduling**: binds each new Pod of a LlamaPretrain (label ``kubetitan.io/name``) to the ready node with
+- **Scheduling**: binds each new Pod of a LlamaPretrain (label ``kubetitan.io/name``) or of a Job (label
+  ``batch.kubernetes.io/job-name``: the test plays the Job controller) to the ready node with
   the fewest live pods, honouring ``kubernetes.io/hostname NotIn`` node affinity (the planner's
   avoid-nodes rule); gives it its own loopback address (127.0.0.2, 127.0.0.3, ...) as ``status.podIP``.
 - **Containers**: runs the pod's own ``command + args`` with its ``env`` as a local process, with
   ``python`` replaced by ``sys.executable``. Env ``valueFrom.fieldRef`` is resolved like the downward API
-  (``status.podIP``, ``status.hostIP``, ``spec.nodeName``, ``metadata.name``, ``metadata.namespace``).
+  (``status.podIP``, ``status.hostIP``, ``spec.nodeName``, ``metadata.name``, ``metadata.namespace``,
+  ``metadata.labels['k']``, ``metadata.annotations['k']``).
   Nothing is mounted: the ConfigMap mounted at ``/etc/kubetitan`` is written into a temp dir and
   ``--config=/etc/kubetitan/...`` is rewritten to it; a ``persistentVolumeClaim`` must be one the test
   registered (``claims={name: dir}``, a ReadWriteMany volume shared by every "node") and a ``hostPath`` its own
@@ -48,6 +50,7 @@ container's main process (from ``/proc``) and kills them all, like a container r
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -65,6 +68,8 @@ import tomli_w
 from kmockx.harness import PODS, Cluster, free_port
 
 LABEL_NAME = "kubetitan.io/name"
+LABEL_JOB_NAME = "batch.kubernetes.io/job-name"
+"""Pods of a Kubernetes Job (``kubetitan prepare-data --render-job``) carry it; the double runs those too."""
 CONFIG_MOUNT = "/etc/kubetitan"
 LOG_TAIL_BYTES = 2048  # the kubelet's FallbackToLogsOnError limit (2048 bytes or 80 lines)
 
@@ -297,7 +302,7 @@ class Kubelet:
 
     def sync(self) -> None:
         pods = {(p["metadata"].get("namespace"), p["metadata"]["name"]): p for p in self.c.list(PODS)
-                if LABEL_NAME in (p["metadata"].get("labels") or {})}
+                if {LABEL_NAME, LABEL_JOB_NAME} & set(p["metadata"].get("labels") or {})}
         with self.lock:
             for key, pp in list(self.pods.items()):
                 if key not in pods and pp.node not in self.dead:
@@ -482,6 +487,9 @@ class Kubelet:
             if "value" in e:
                 env[e["name"]] = str(e["value"])
             elif (ref := (e.get("valueFrom") or {}).get("fieldRef")) is not None:
+                if (m := re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", ref.get("fieldPath", ""))):
+                    env[e["name"]] = str((pod["metadata"].get(m.group(1)) or {}).get(m.group(2), ""))
+                    continue  # the downward API: a missing key is the empty string
                 if ref.get("fieldPath") not in fields:
                     raise ValueError(f"env {e['name']}: fieldRef {ref.get('fieldPath')} is not supported")
                 env[e["name"]] = fields[ref["fieldPath"]]

@@ -116,15 +116,6 @@ def test_prepare_data_writes_shards_and_index(shards):
     assert (tokens == index["eos_id"]).sum() == 200  # one EOS per document
 
 
-def test_prepare_data_rejects_a_missing_field(tmp_path):
-    src = tmp_path / "d.jsonl"
-    src.write_text('{"text": "x"}\n')
-    from kubetitan_trainer.prepare import main
-
-    with pytest.raises(SystemExit, match="no key 'body'"):
-        main([str(src), "-o", str(tmp_path / "o"), "--text-field", "body"])
-
-
 def test_shards_are_split_by_rank_and_resume_at_the_saved_position(shards):
     from kubetitan_trainer.data import TokenShards
 

@@ -188,9 +188,12 @@ def _shards_required(job_config: JobConfig, world_size: int, cuda: bool) -> None
     if not d.shards_path:
         raise ConfigError("kubetitan.data.shards_path (spec.data.shards.path)", "is empty",
                           "set it to a directory written by `kubetitan prepare-data`", "data.shards-required")
-    from kubetitan_trainer.data import read_index
+    from kubetitan_trainer.shards import ShardSet
+    from kubetitan_trainer.train_spec import model_args_for
 
-    read_index(d.shards_path)
+    # Sizes (a stat per file), the index, the dtype and the tokenizer's vocabulary against the model's: a bad
+    # directory stops the run here with exit code 2, not as a crash in the data loader that would be retried.
+    ShardSet.open(d.shards_path, vocab_size=model_args_for(job_config).vocab_size, verify="size", dtype=d.shards_dtype)
 
 
 @recheck("tokenizer.path-required")

@@ -1,0 +1,277 @@
+"""``kubetitan prepare-data`` (kubetitan_trainer.prepare): shards that do not depend on the worker count, one BOS/EOS
+convention for every input type, resume by work unit, and bad input or bad shards ending with exit code 2 and a
+message naming the file (and line) and the fix, never a traceback (each case run as a subprocess)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kubetitan_trainer import prepare
+from kubetitan_trainer.shards import INDEX_FILE, ShardSet
+
+TOKENIZER = prepare.BUILTIN_TOKENIZER / "tokenizer.json"
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kubetitan_trainer.prepare", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def docs(n: int, tag: str) -> list[str]:
+    return [f"{tag} document {i}: Ada found a red fox by the river, and the fox ran {i % 7} miles." * (1 + i % 3)
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A mixed corpus: JSONL, gzip JSONL, text (one document per line), Parquet, in a directory tree."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "a.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs(300, "A"))))
+    with gzip.open(d / "b.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": t}) + "\n" for t in docs(50, "B")))
+    (d / "sub").mkdir()
+    (d / "sub" / "c.txt").write_text("\n".join(docs(120, "C")) + "\n\n")
+    pq.write_table(pa.table({"text": docs(90, "D")}), d / "sub" / "d.parquet", row_group_size=20)
+    (d / "sub" / "notes.md").write_text("not an input type: skipped inside a directory")
+    return d
+
+
+def test_output_is_the_same_for_any_worker_count_and_follows_the_convention(corpus: Path, tmp_path: Path) -> None:
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        r = run(str(corpus), "-o", str(out), "--workers", str(workers), "--unit-mb", "0.01", "--shard-tokens", "3000")
+        assert r.returncode == 0, r.stderr
+        outs.append(out)
+    i1, i2 = (json.loads((o / INDEX_FILE).read_text()) for o in outs)
+    assert i1 == i2 and i1["units"] > 5 and len(i1["files"]) > i1["units"]  # several units, some split in shards
+    for f in i1["files"]:
+        assert (outs[0] / f["name"]).read_bytes() == (outs[1] / f["name"]).read_bytes()
+    assert i1["documents"] == 300 + 50 + 120 + 90 and i1["version"] == 2 and i1["dtype"] == "uint16"
+    assert i1["tokenizer"]["name"] == "builtin" and len(i1["tokenizer"]["sha256"]) == 64
+
+    # every document is BOS + the tokenizer's ids + EOS, in input order (files sorted by path)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    ss = ShardSet.open(outs[0], vocab_size=tok.get_vocab_size(), verify="checksum")
+    want = docs(300, "A") + docs(50, "B") + docs(120, "C") + docs(90, "D")
+    starts = np.concatenate([ss.document_offsets(i)[:-1] for i in range(len(ss.shards))] + [[ss.total_tokens]])
+    assert len(starts) == len(want) + 1
+    for k in (0, 1, 299, 300, 349, 350, 469, 470, len(want) - 1):
+        got = ss.read(int(starts[k]), int(starts[k + 1] - starts[k])).tolist()
+        assert got == [ss.bos_id, *tok.encode(want[k], add_special_tokens=False).ids, ss.eos_id], k
+
+
+def test_the_convention_is_what_torchtitans_hf_path_feeds_the_model(tmp_path: Path) -> None:
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    src = tmp_path / "x.jsonl"
+    text = "Ada found a red fox by the river."
+    src.write_text(json.dumps({"text": text}) + "\n")
+    assert prepare.main([str(src), "-o", str(tmp_path / "o"), "--workers", "1", "--no-progress"]) == 0
+    ss = ShardSet.open(tmp_path / "o")
+    hf = HuggingFaceTokenizer(str(prepare.BUILTIN_TOKENIZER)).encode(text, add_bos=True, add_eos=True)
+    assert ss.read(0, ss.total_tokens).tolist() == hf
+
+
+def test_a_rerun_skips_finished_units_and_redoes_only_what_is_missing(corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    args = [str(corpus), "-o", str(out), "--unit-mb", "0.01", "--workers", "2", "--no-progress"]
+    r = run(*args, "--parts", "3", "--part", "1")  # one third only: no index yet
+    assert r.returncode == 0, r.stderr
+    assert not (out / INDEX_FILE).exists() and "index.json is written by the part that finishes last" in r.stderr
+    parts = sorted((out / "parts").iterdir())
+    first = {p.name: p.stat().st_mtime_ns for p in parts}
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    n = json.loads((out / INDEX_FILE).read_text())["units"]
+    assert f"{n} work unit(s) of {n}, {len(parts)} already done" in r.stderr
+    assert all((out / "parts" / k).stat().st_mtime_ns == v for k, v in first.items())  # not redone
+    fresh = tmp_path / "fresh"
+    assert run(*args[:-5], "-o", str(fresh), "--unit-mb", "0.01", "--workers", "1").returncode == 0
+    assert json.loads((out / INDEX_FILE).read_text()) == json.loads((fresh / INDEX_FILE).read_text())
+    # a unit whose record is lost (killed before it was written) is done again, alone
+    (out / "parts" / "unit-000002.json").unlink()
+    r = run(*args)
+    assert r.returncode == 0 and f"{n} work unit(s) of {n}, {n - 1} already done" in r.stderr, r.stderr
+    assert json.loads((out / INDEX_FILE).read_text()) == json.loads((fresh / INDEX_FILE).read_text())
+    # --merge alone rebuilds the same index from the parts
+    (out / INDEX_FILE).unlink()
+    assert run("--merge", "-o", str(out)).returncode == 0
+    assert json.loads((out / INDEX_FILE).read_text()) == json.loads((fresh / INDEX_FILE).read_text())
+
+
+def test_help_does_not_import_torch() -> None:
+    code = ("import sys\nfrom kubetitan_trainer import prepare\ntry:\n    prepare.main(['--help'])\n"
+            "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+            "assert 'numpy' in sys.modules or True\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "usage: kubetitan prepare-data" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "prepare-data", "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "--render-job" in r.stdout, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _bad_input(tmp: Path, case: str) -> tuple[list[str], str]:
+    """(arguments, a fragment the error must hold) for one kind of bad input."""
+    good = [json.dumps({"text": t}) for t in docs(5, "G")]
+    f = tmp / "in.jsonl"
+    if case == "malformed-json":
+        f.write_text("\n".join(good[:3] + ['{"text": "cut off'] + good[3:]) + "\n")
+        return [str(f)], f"{f}:4: malformed JSON"
+    if case == "missing-field":
+        f.write_text("\n".join(good + [json.dumps({"body": "x"})]) + "\n")
+        return [str(f)], f"{f}:6: no key 'text' (has: body)"
+    if case == "not-text":
+        f.write_text("\n".join(good[:1] + [json.dumps({"text": 5})]) + "\n")
+        return [str(f)], f"{f}:2: 'text' is int, not text"
+    if case == "not-utf8":
+        t = tmp / "in.txt"
+        t.write_bytes(b"fine line\nsecond fine line\ncaf\xe9 au lait\n")
+        return [str(t)], f"{t}:3: is not UTF-8 text (byte 0xe9 at column 4)"
+    if case == "late-line-in-a-later-unit":  # the line number is right although the unit starts mid-file
+        f.write_text("\n".join(good * 400 + ["{oops"]) + "\n")
+        return [str(f), "--unit-mb", "0.05"], f"{f}:2001: malformed JSON"
+    if case == "missing-file":
+        return [str(tmp / "nope.jsonl")], "nope.jsonl: no such file or directory"
+    if case == "unknown-type":
+        (tmp / "x.csv").write_text("a,b\n")
+        return [str(tmp / "x.csv")], "x.csv: unknown input type"
+    if case == "parquet-column":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"body": ["x"]}), tmp / "p.parquet")
+        return [str(tmp / "p.parquet")], "p.parquet: no column 'text' (columns: body)"
+    if case == "damaged-gzip":
+        g = tmp / "in.jsonl.gz"
+        g.write_bytes(gzip.compress("\n".join(good).encode())[:-12])
+        return [str(g)], "in.jsonl.gz: the gzip stream is damaged"
+    if case == "bad-tokenizer":
+        f.write_text("\n".join(good) + "\n")
+        return [str(f), "--tokenizer", str(tmp)], "--tokenizer: no tokenizer.json in"
+    if case == "other-options-same-output":
+        f.write_text("\n".join(good) + "\n")
+        assert run(str(f), "-o", str(tmp / "out")).returncode == 0
+        return [str(f), "--text-field", "body"], "holds the output of prepare-data with other inputs or options"
+    raise AssertionError(case)
+
+
+BAD_INPUT = ["malformed-json", "missing-field", "not-text", "not-utf8", "late-line-in-a-later-unit", "missing-file",
+             "unknown-type", "parquet-column", "damaged-gzip", "bad-tokenizer", "other-options-same-output"]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_exits_2_with_file_line_and_fix(tmp_path: Path, case: str) -> None:
+    args, want = _bad_input(tmp_path, case)
+    r = run(*args, "-o", str(tmp_path / "out"), "--workers", "2")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert want in r.stderr and "Fix:" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------- bad shards
+@pytest.fixture(scope="module")
+def good_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("good")
+    src = d / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs(200, "S")))
+    assert prepare.main([str(src), "-o", str(d / "s"), "--shard-tokens", "3000", "--workers", "1", "--no-progress"]) == 0
+    return d / "s"
+
+
+def _break(d: Path, case: str) -> tuple[list[str], str]:
+    index = json.loads((d / INDEX_FILE).read_text())
+    shard = d / index["files"][1]["name"]
+    if case == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 10 & ~1])  # cut to 10%, whole tokens
+        return [], "is truncated"
+    if case == "empty":
+        shard.write_bytes(b"")
+        return [], "is empty"
+    if case == "odd-length":
+        shard.write_bytes(shard.read_bytes()[:-1])
+        return [], "not a whole number of uint16 tokens"
+    if case == "corrupt":
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 0x01
+        shard.write_bytes(bytes(data))
+        return [], "is corrupt: its CRC-32"
+    if case == "missing-shard":
+        shard.unlink()
+        return [], "which is missing from"
+    if case == "missing-index":
+        (d / INDEX_FILE).unlink()
+        return [], "no index.json in"
+    if case == "vocab-larger-than-model":
+        return ["--vocab-size", "100"], "more than the model's vocabulary of 100"
+    if case == "id-outside-vocabulary":
+        data = bytearray(shard.read_bytes())
+        data[10:12] = (60000).to_bytes(2, "little")
+        shard.write_bytes(bytes(data))
+        index["files"][1]["checksum"] = prepare.S.crc32_file(shard)  # a consistent file with a foreign id
+        (d / INDEX_FILE).write_text(json.dumps(index))
+        return [], f"{shard} holds token id 60000 at token offset 5, outside the tokenizer's (index.json) vocabulary"
+    raise AssertionError(case)
+
+
+BAD_SHARDS = ["truncated", "empty", "odd-length", "corrupt", "missing-shard", "missing-index",
+              "vocab-larger-than-model", "id-outside-vocabulary"]
+
+
+@pytest.mark.parametrize("case", BAD_SHARDS)
+def test_bad_shards_exit_2_naming_the_file_and_the_fix(good_shards: Path, tmp_path: Path, case: str) -> None:
+    import shutil
+
+    d = tmp_path / "s"
+    shutil.copytree(good_shards, d)
+    assert run("--verify", "-o", str(d)).returncode == 0
+    extra, want = _break(d, case)
+    r = run("--verify", "-o", str(d), *extra)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert want in r.stderr and "Fix:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("case", ["truncated", "vocab"])
+def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards: Path, tmp_path: Path,
+                                                                       case: str) -> None:
+    """The trainer's own start (kubetitan_trainer.main, as torchrun starts a worker): the shards re-check opens the
+    ShardSet, so a cut shard or a model vocabulary smaller than the shards' is exit code 2 (not retried) naming the
+    file, not a crash-loop or a silent run on 10% of the data."""
+    import shutil
+
+    from tests.trainer.helpers import lpt, write_config
+
+    d = tmp_path / "s"
+    shutil.copytree(good_shards, d)
+    vocab = 2048
+    if case == "truncated":
+        _break(d, "truncated")
+        want = "is truncated"
+    else:  # shards written with a 4096-token tokenizer, a model of 2048 (the builtin tokenizer's 644 fit it)
+        index = json.loads((d / INDEX_FILE).read_text())
+        (d / INDEX_FILE).write_text(json.dumps({**index, "vocab_size": 4096}))
+        want = "tokenizer of 4096 tokens (builtin), more than the model's vocabulary of 2048"
+    obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": vocab}},
+               "data": {"source": "shards", "shards": {"path": str(d)}},
+               "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1},
+               "parallelism": {"dataParallelShardDegree": 1}})
+    cfg = write_config(tmp_path / "trainer.toml", obj, tmp_path / "dump")
+    r = subprocess.run([sys.executable, "-m", "kubetitan_trainer.main", "--job.config_file", str(cfg)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert want in out and "spec.data.shards.path" in out and "Fix:" in out and "Traceback" not in out, out[-3000:]
