@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from fractions import Fraction
@@ -56,10 +55,10 @@ from torchtitan.tools.logging import logger
 
 from kubetitan_trainer import compat
 from kubetitan_trainer.errors import ConfigError
+from kubetitan_trainer.shards import ShardSet
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUILTIN_CORPUS = ASSETS / "corpus.jsonl"
-INDEX_FILE = "index.json"
 PHRASES = 1024
 PHRASE_LEN = 16
 SYNTHETIC_WINDOWS = 1 << 40
@@ -101,76 +100,21 @@ class SyntheticSource:
         return self._phrases[picks].reshape(-1)[offset : offset + self.seq_len + 1].copy()
 
 
-def read_index(path: str | os.PathLike) -> dict[str, Any]:
-    """``index.json`` of a shards directory, checked; raises ConfigError naming what is wrong."""
-    d = Path(path)
-    idx = d / INDEX_FILE
-    if not idx.is_file():
-        raise ConfigError(
-            "kubetitan.data.shards_path (spec.data.shards.path)",
-            f"no {INDEX_FILE} in {d}",
-            "point it at a directory written by `kubetitan prepare-data` (it holds index.json and *.bin)",
-        )
-    index = json.loads(idx.read_text())
-    for f in index.get("files", []):
-        if not (d / f["name"]).is_file():
-            raise ConfigError(
-                "kubetitan.data.shards_path (spec.data.shards.path)",
-                f"{INDEX_FILE} lists {f['name']}, which is missing from {d}",
-                "copy the whole directory written by `kubetitan prepare-data`",
-            )
-    return index
-
-
-class _IndexShards:
-    """The token stream of a shards directory (``index.json`` + flat ``*.bin``), memory-mapped.
-
-    The subset of ``kubetitan_trainer.shards.ShardSet``'s API the loader uses (``total_tokens``, ``dtype``,
-    ``read(offset, n)``); :func:`open_shards` prefers ``ShardSet`` where it exists."""
-
-    def __init__(self, path: str) -> None:
-        index = read_index(path)
-        self.dtype = index.get("dtype", "uint16")
-        self.vocab_size = index.get("vocab_size")
-        self._arrays = [np.memmap(Path(path) / f["name"], dtype=np.dtype(self.dtype), mode="r")
-                        for f in index["files"] if f["tokens"]]
-        self._starts = np.cumsum([0] + [len(a) for a in self._arrays])
-        self.total_tokens = int(self._starts[-1])
-
-    def read(self, offset: int, n: int) -> np.ndarray:
-        out, pos = [], offset
-        while n > 0:
-            f = int(np.searchsorted(self._starts, pos, side="right") - 1)
-            off = pos - int(self._starts[f])
-            take = min(n, len(self._arrays[f]) - off)
-            out.append(np.asarray(self._arrays[f][off : off + take], dtype=np.int64))
-            pos, n = pos + take, n - take
-        return np.concatenate(out)
-
-
-def open_shards(path: str, field: str, dtype: str = "auto", vocab_size: int | None = None):
-    """The shards at ``path`` (``kubetitan_trainer.shards.ShardSet`` when present), their dtype checked."""
-    try:
-        from kubetitan_trainer.shards import ShardSet  # the shard format's own reader (issue 25, item 1)
-    except ImportError:
-        shards: Any = _IndexShards(path)
-    else:
-        shards = ShardSet.open(path, vocab_size=vocab_size)
-    file_dtype = str(np.dtype(shards.dtype))
-    if dtype not in ("auto", file_dtype):
-        raise ConfigError(f"{field.replace('path', 'dtype')}", f"is {dtype} but {path}/{INDEX_FILE} says the shards "
-                          f"hold {file_dtype}", f"set it to auto or {file_dtype}")
-    return shards
+def open_shards(path: str, field: str, dtype: str = "auto", vocab_size: int | None = None) -> ShardSet:
+    """The checked shards at ``path`` (:class:`~kubetitan_trainer.shards.ShardSet`: sizes at open, every read's ids
+    against the model's vocabulary); a bad directory is a ConfigError naming ``field``, the file and the fix."""
+    return ShardSet.open(path, vocab_size=vocab_size, verify="size", dtype=dtype, field_name=field)
 
 
 class WindowSource:
-    """Windows of ``seq_len + 1`` tokens over a shards directory's concatenated stream: window ``k`` is tokens
+    """Windows of ``seq_len + 1`` tokens over a :class:`ShardSet`'s concatenated stream (documents in corpus order,
+    each BOS + text + EOS): window ``k`` is tokens
     ``[k*(seq_len+1), (k+1)*(seq_len+1))``; the tail shorter than a window is never read.
 
     ``held_out_percent`` keeps the last that many percent of the windows (at least one) out of training:
     :meth:`window` reads windows ``[0, windows)``, :meth:`held_out` the rest."""
 
-    def __init__(self, name: str, shards: Any, seq_len: int, held_out_percent: float = 0.0, *, path: str = "",
+    def __init__(self, name: str, shards: ShardSet, seq_len: int, held_out_percent: float = 0.0, *, path: str = "",
                  field: str = "kubetitan.data.shards_path (spec.data.shards.path)") -> None:
         self.name, self.shards, self.seq_len, self.size = name, shards, seq_len, seq_len + 1
         total = shards.total_tokens // self.size
