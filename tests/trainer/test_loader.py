@@ -240,3 +240,21 @@ def test_init_validator_sets_what_the_base_init_sets():
     v = Bare()
     compat.init_validator(v, **{name: name for name in compat.VALIDATOR_ATTRIBUTES})
     assert vars(v) == {name: name for name in compat.VALIDATOR_ATTRIBUTES}
+
+
+def test_a_streamed_dataset_resumed_at_another_dp_degree_is_a_config_error_not_an_assertion():
+    import pickle
+
+    from torch.utils.data import IterableDataset
+
+    from kubetitan_trainer.data import LocalDataLoader
+
+    class Empty(IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    saved = LocalDataLoader(Empty(), dp_rank=0, dp_world_size=2, batch_size=1).state_dict()
+    assert saved["world_size"] == 2 and pickle.loads(saved["dp_rank_0"])
+    with pytest.raises(ConfigError, match="saved at data-parallel degree 2, this run has 1.*data.source shards"):
+        LocalDataLoader(Empty(), dp_rank=0, dp_world_size=1, batch_size=1).load_state_dict(saved)
+    LocalDataLoader(Empty(), dp_rank=0, dp_world_size=2, batch_size=1).load_state_dict(saved)  # same degree: fine
