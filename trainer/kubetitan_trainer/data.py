@@ -505,6 +505,10 @@ def build_eval_loader(job_config: JobConfig, dp_world_size: int, dp_rank: int) -
             reads, sizes = [evals.window], [SYNTHETIC_WINDOWS]
         else:
             reads, sizes = [s.held_out for s in sources], [s.held_out_windows for s in sources]
+    if not all(sizes):
+        raise ConfigError("kubetitan.data.held_out_percent (spec.data.eval.heldOutPercent)",
+                          "is 0, so there is no held-out data to evaluate",
+                          "hold out a share of the training data (above 0) or set spec.data.eval.shards")
     schedule = MixSchedule(weights)
     plan: list[tuple[int, int]] = []
     for _ in range(cfg.eval_samples):
