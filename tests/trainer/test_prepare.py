@@ -275,3 +275,47 @@ def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards
     out = r.stdout + r.stderr
     assert r.returncode == 2, out[-3000:]
     assert want in out and "spec.data.shards.path" in out and "Fix:" in out and "Traceback" not in out, out[-3000:]
+
+
+def _long_text() -> str:
+    """~340 KiB of lines that stress the pre-tokenizers: indentation, tabs, blank lines, punctuation before newlines,
+    digit runs, contractions, CRLF, non-ASCII."""
+    parts = []
+    for i in range(12000):
+        parts.append([f"def f{i}(x):\n    return x * {i * 7919}\n", f"\tTab line {i}; it's done.\n\n",
+                      f"Ünïcode {i}… «quoted» — dash\r\n", f"{i}{i}{i} digits,\n.\n", f"  \n   spaces then text {i}\n",
+                      f"'{i}' starts with a quote\n"][i % 6])
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("pre", ["gpt2-bytelevel", "llama3-split"])
+def test_long_documents_in_pieces_give_the_same_ids(pre: str, tmp_path: Path) -> None:
+    """Memory: a document over LONG_CHARS is tokenized in pieces cut after a newline before a non-space character;
+    for the two pre-tokenizers piece_safe accepts, that is exactly the whole document's ids."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(TOKENIZER.read_text())
+    if pre == "llama3-split":
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": prepare.LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    assert prepare.piece_safe(spec)
+    f = tmp_path / "tokenizer.json"
+    f.write_text(json.dumps(spec))
+    prepare._init_worker(str(f), None)
+    text = _long_text()
+    pieces = prepare.text_pieces(text)
+    assert len(text) > prepare.LONG_CHARS and len(pieces) > 4 and "".join(pieces) == text
+    whole = Tokenizer.from_file(str(f)).encode(text, add_special_tokens=False).ids
+    assert prepare.encode_texts(["short one", text])[1] == whole
+
+
+def test_tokenizers_that_may_not_be_cut_are_tokenized_whole() -> None:
+    spec = json.loads(TOKENIZER.read_text())
+    assert not prepare.piece_safe({**spec, "normalizer": {"type": "NFC"}})
+    assert not prepare.piece_safe({**spec, "pre_tokenizer": {**spec["pre_tokenizer"], "add_prefix_space": True}})
+    assert not prepare.piece_safe({**spec, "pre_tokenizer": {"type": "Metaspace", "replacement": "▁"}})
+    other = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\S+|\s+"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}
+    assert not prepare.piece_safe({**spec, "pre_tokenizer": other})

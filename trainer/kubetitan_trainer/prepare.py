@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -42,8 +43,16 @@ BUILTIN_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer"
 PLAN_FILE = "plan.json"
 PARTS_DIR = "parts"
 SUFFIXES = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
-BATCH_BYTES = 1 << 20
-"""A batch handed to ``encode_batch`` holds at most this much text (or ``--batch-size`` documents)."""
+BATCH_BYTES = 256 << 10
+"""A batch handed to ``encode_batch_fast`` holds at most this much text (or ``--batch-size`` documents): the
+tokenizer's encodings take about 200-300 bytes a token while they exist, so this bounds a worker's memory."""
+LONG_CHARS = 256 << 10
+"""Documents longer than this are tokenized in pieces of about :data:`PIECE_CHARS` (when that is exact, see
+:func:`piece_safe`), so that one huge document does not need gigabytes."""
+PIECE_CHARS = 64 << 10
+_PIECE_CUT = re.compile(r"\n(?=\S)")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 PLAN_VERSION = 1
 
 
@@ -73,8 +82,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="token dtype; auto: uint16 when the vocabulary fits, else uint32")
     p.add_argument("--workers", type=int, default=_default_workers(),
                    help="tokenizer processes (default: every core this process may use, here %(default)s)")
-    p.add_argument("--unit-mb", type=float, default=64.0,
-                   help="input MiB per work unit (the unit of parallelism and of resume; default %(default)s)")
+    p.add_argument("--unit-mb", type=float, default=0.0,
+                   help="input MiB per work unit, the unit of parallelism and of resume (default 0: auto, the input "
+                        "size / 64 within 1..64 MiB: a function of the inputs only, never of --workers)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000,
                    help="a unit's shard is closed after the document that brings it to this many tokens")
     p.add_argument("--batch-size", type=int, default=1024, help="documents per encode_batch call (at most 1 MiB)")
@@ -246,6 +256,17 @@ def make_plan(files: list[Path], unit_bytes: int, options: dict[str, Any]) -> di
     return {"version": PLAN_VERSION, "inputs": inputs, "options": options, "unit_bytes": unit_bytes, "units": units}
 
 
+UNITS_AUTO = 64
+
+
+def unit_bytes(unit_mb: float, total: int) -> int:
+    """The work unit size: ``unit_mb`` MiB, or for 0 (auto) the input size / 64 within 1..64 MiB, so that a small
+    corpus still spreads over the workers and a large one is not cut finer than it needs."""
+    if unit_mb > 0:
+        return max(1, int(unit_mb * (1 << 20)))
+    return int(min(64 << 20, max(1 << 20, total // UNITS_AUTO)))
+
+
 def plan_id(plan: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -273,15 +294,68 @@ _TOK: Any = None
 _PROGRESS: Any = None
 
 
+_PIECES = False
+
+
+def piece_safe(tokenizer: dict[str, Any]) -> bool:
+    """Whether tokenizing a text in pieces cut right after a newline that precedes a non-space character gives the
+    same ids as tokenizing it whole: true for byte-level BPE without a normalizer and without a prefix space whose
+    pre-tokenizer is GPT-2's regex (``ByteLevel`` with ``use_regex``) or Llama 3's ``Split`` pattern. In both
+    patterns no pre-token holds a newline followed by a non-space character (a newline is never the optional
+    prefix of a word or number, and punctuation only takes newlines after it), so such a cut is a pre-token
+    boundary and BPE, which works inside pre-tokens, cannot see it. Any other tokenizer is tokenized whole."""
+    if tokenizer.get("normalizer") is not None:
+        return False
+    pt = tokenizer.get("pre_tokenizer") or {}
+
+    def byte_level(p: dict[str, Any], regex: bool) -> bool:
+        return p.get("type") == "ByteLevel" and not p.get("add_prefix_space") and bool(p.get("use_regex", True)) == regex
+
+    if byte_level(pt, True):
+        return True
+    seq = pt.get("pretokenizers") or [] if pt.get("type") == "Sequence" else []
+    return (len(seq) == 2 and seq[0].get("type") == "Split" and (seq[0].get("pattern") or {}).get("Regex") == LLAMA3_SPLIT
+            and seq[0].get("behavior") == "Isolated" and not seq[0].get("invert") and byte_level(seq[1], False))
+
+
+def text_pieces(text: str) -> list[str]:
+    """``text`` cut after newlines that precede a non-space character, into pieces of about PIECE_CHARS."""
+    out, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        m = _PIECE_CUT.search(text, start + PIECE_CHARS)
+        if m is None:
+            break
+        out.append(text[start:m.end()])
+        start = m.end()
+    out.append(text[start:])
+    return out
+
+
 def _init_worker(tokenizer_json: str, progress: Any) -> None:
     """Each worker loads the tokenizer once and tokenizes on one thread (the parallelism is the processes)."""
-    global _TOK, _PROGRESS
+    global _TOK, _PROGRESS, _PIECES
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
     _TOK = Tokenizer.from_file(tokenizer_json)
+    _PIECES = piece_safe(json.loads(Path(tokenizer_json).read_text()))
     _PROGRESS = progress
+
+
+def encode_texts(texts: list[str]) -> list[list[int]]:
+    """The ids of each text without special tokens (``_TOK``, loaded by :func:`_init_worker`); long texts in pieces
+    when :func:`piece_safe` says the result is the same."""
+    enc = _TOK.encode_batch_fast if hasattr(_TOK, "encode_batch_fast") else _TOK.encode_batch
+    long = {i for i, t in enumerate(texts) if _PIECES and len(t) > LONG_CHARS}
+    short = [i for i in range(len(texts)) if i not in long]
+    out: list[list[int]] = [[] for _ in texts]
+    for i, e in zip(short, enc([texts[i] for i in short], add_special_tokens=False)):
+        out[i] = e.ids
+    for i in sorted(long):
+        for piece in text_pieces(texts[i]):
+            out[i].extend(enc([piece], add_special_tokens=False)[0].ids)
+    return out
 
 
 def _line_number(path: Path, gz: bool, pos: int) -> int:
@@ -412,8 +486,7 @@ class _Unit:
     def encode(self, texts: list[str], nbytes: int) -> None:
         j = self.job
         if texts:
-            enc = _TOK.encode_batch_fast if hasattr(_TOK, "encode_batch_fast") else _TOK.encode_batch
-            ids = [e.ids for e in enc(texts, add_special_tokens=False)]
+            ids = encode_texts(texts)
             pre = (j.bos_id,) if j.bos_id is not None else ()
             lengths = np.fromiter((len(i) + len(pre) + 1 for i in ids), dtype=np.int64, count=len(ids))
             flat = np.fromiter(chain.from_iterable(chain(pre, i, (j.eos_id,)) for i in ids), dtype=np.int64,
@@ -493,10 +566,11 @@ def _run_units(jobs: list[UnitJob], workers: int, tok: TokenizerInfo, total_byte
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     prog = ctx.Queue()
     results: queue.SimpleQueue = queue.SimpleQueue()
+    # the workers first: fork before tqdm starts its monitor thread
+    pool = ctx.Pool(max(1, min(workers, len(jobs))), initializer=_init_worker, initargs=(tok.json_path, prog))
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Tokenizing", smoothing=0.05,
                disable=not progress, mininterval=0.5 if sys.stderr.isatty() else 30)
     tokens, t0 = 0, time.monotonic()
-    pool = ctx.Pool(max(1, min(workers, len(jobs))), initializer=_init_worker, initargs=(tok.json_path, prog))
     try:
         for j in jobs:
             pool.apply_async(run_unit, (j,), callback=results.put, error_callback=results.put)
@@ -589,8 +663,8 @@ def prepare(a: argparse.Namespace) -> int:
     for name in ("workers", "parts", "batch_size", "shard_tokens"):
         if getattr(a, name) < 1:
             raise _fix(f"--{name.replace('_', '-')} is {getattr(a, name)}", "use 1 or more")
-    if a.unit_mb <= 0:
-        raise _fix(f"--unit-mb is {a.unit_mb}", "use a positive size in MiB")
+    if a.unit_mb < 0:
+        raise _fix(f"--unit-mb is {a.unit_mb}", "use a positive size in MiB, or 0 for auto")
     part = a.part
     if part is None and a.parts > 1:
         env = os.environ.get("JOB_COMPLETION_INDEX")
@@ -608,7 +682,7 @@ def prepare(a: argparse.Namespace) -> int:
     files = expand_inputs(a.inputs)
     options = {"tokenizer": tok.identity(), "text_field": a.text_field, "dtype": dtype, "bos_id": tok.bos_id,
                "eos_id": tok.eos_id, "shard_tokens": a.shard_tokens, "convention": S.CONVENTION}
-    plan = make_plan(files, int(a.unit_mb * (1 << 20)), options)
+    plan = make_plan(files, unit_bytes(a.unit_mb, sum(f.stat().st_size for f in files)), options)
     try:
         out.mkdir(parents=True, exist_ok=True)
         pid = _claim_plan(out, plan)
