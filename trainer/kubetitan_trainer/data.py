@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -45,8 +44,6 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import BaseDataLoader, ParallelAwareDataloader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import JobConfig
