@@ -55,6 +55,16 @@ def test_a_shuffled_source_visits_every_window_once_per_epoch_and_reshuffles():
     assert [x.window for x in seq] == list(range(50)) + list(range(10))  # sequential: corpus order, then loops
 
 
+def test_the_synthetic_source_is_never_permuted():
+    from kubetitan_trainer.data import SyntheticSource
+
+    syn = SyntheticSource(2048, SEQ, seed=3)
+    got = GlobalStream([syn], [1.0], seed=3, shuffled=True).take(5)  # a permutation of 2**40 windows would not fit
+    assert [x.window for x in got] == [0, 1, 2, 3, 4]
+    mixed = GlobalStream([syn, source("a", 10)], [1.0, 1.0], seed=3, shuffled=True).take(40)
+    assert sorted(x.window for x in mixed if x.source == 1) == sorted(list(range(10)) * 2)
+
+
 # ------------------------------------------------------------------ mixture
 @pytest.mark.parametrize("weights", [[1.0, 1.0], [3.0, 1.0], [0.7, 0.2, 0.1], [1 / 3, 2 / 3], [5.0], [0.01, 0.99],
                                      [2.5, 2.5, 5.0, 0.001]])

@@ -87,6 +87,7 @@ class SyntheticSource:
         rng = np.random.default_rng(_mix(seed, 0xC0FFEE))
         self._phrases = rng.integers(0, vocab_size, size=(PHRASES, PHRASE_LEN), dtype=np.int64)
         self.windows = SYNTHETIC_WINDOWS
+        self.shuffle = False  # its windows are random already; a permutation of 2**40 of them would not fit
 
     def window(self, k: int) -> np.ndarray:
         """The ``seq_len + 1`` tokens of window ``k``."""
@@ -206,7 +207,8 @@ class GlobalStream:
     def __init__(self, sources: list[Any], weights: list[float], seed: int, shuffled: bool) -> None:
         self.sources = sources
         self.schedule = MixSchedule(weights)
-        self._orders = [_Order(s.windows, seed, i, shuffled) for i, s in enumerate(sources)]
+        self._orders = [_Order(s.windows, seed, i, shuffled and getattr(s, "shuffle", True))
+                        for i, s in enumerate(sources)]
 
     @property
     def position(self) -> int:
