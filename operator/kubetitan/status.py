@@ -217,6 +217,12 @@ def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
     ck = _int(m, contract.M_LAST_CHECKPOINT_STEP)
     if ck is not None:
         t.last_checkpoint_step = ck
+    # held-out evaluation (spec.data.eval): the step of the newest one and its loss; an overflowing perplexity is unknown
+    if (ev := _int(m, contract.M_EVAL_STEP)) is not None:
+        t.eval_step = ev
+    for attr, key in (("eval_loss", contract.M_EVAL_LOSS), ("eval_perplexity", contract.M_EVAL_PERPLEXITY)):
+        if (v := _num(m, key)) is not None and abs(v) != float("inf"):
+            setattr(t, attr, round(v, 6))
     t.total_steps = spec.training.steps
     # goodput = productive step seconds / wall seconds since the run started
     prod, start = _num(m, contract.M_PRODUCTIVE_SECONDS), _num(m, contract.M_JOB_START_TIMESTAMP)

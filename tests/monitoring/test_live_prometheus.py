@@ -140,6 +140,9 @@ def start_trainer(tmp: Path, metrics_port: int) -> tuple[subprocess.Popen, Path]
     cfg["training"]["local_batch_size"] = 2
     cfg["checkpoint"]["interval"] = 2
     cfg["metrics"]["log_freq"] = 1
+    # Synthetic data with a held-out evaluation every 2 steps: the eval and per-source token panels get series.
+    cfg["kubetitan"]["data"] = {"source": "synthetic", "eval_samples": 4}
+    cfg["validation"] = {"enable": True, "freq": 2, "steps": -1}
     config.write_text(tomli_w.dumps(cfg))
     log = out / "train.log"
     cmd = [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",

@@ -15,7 +15,11 @@ import psutil
 import yaml
 from prometheus_client import generate_latest
 
+import pytest
+
 from kubetitan_core import contract
+from kubetitan_core.api import LlamaPretrain
+from kubetitan_core.contract import ExitCode
 
 from .helpers import TINY
 
@@ -114,3 +118,68 @@ def test_the_bar_shows_no_loss_before_the_first_logged_step():
     assert bar_postfix(after) == {"loss": "2.2500", "tok/s": "1,234"}
     ex.set_loss(2.0)  # later logs update the one registered gauge
     assert bar_postfix(parse_metrics(generate_latest(ex.registry).decode()))["loss"] == "2.0000"
+
+
+# ------------------------------------------------------------------ polish of `kubetitan run` (issue 25, item 5)
+def test_a_resumed_bar_counts_rate_and_eta_from_the_resumed_step():
+    from tqdm import tqdm
+
+    from kubetitan_trainer.local import resume_bar
+
+    clock = [100.0]
+    bar = tqdm(total=1000, disable=False, file=open(os.devnull, "w"), mininterval=0)
+    bar._time = lambda: clock[0]  # the bar's clock, moved by hand
+    bar.start_t = bar.last_print_t = clock[0]
+    clock[0] += 1
+    resume_bar(bar, 500)
+    assert (bar.n, bar.initial) == (500, 500)
+    clock[0] += 10
+    bar.update(10)  # 10 steps in 10 s after the resume
+    d = bar.format_dict
+    assert d["n"] == 510 and d["elapsed"] == pytest.approx(10)
+    line = tqdm.format_meter(**d)
+    assert "510/1000" in line and "<08:10" in line, line  # ETA: 490 steps at 1 step/s, not a jump from 0 to 500
+
+
+def test_gpu_shortfall_says_so_before_any_process_starts():
+    from kubetitan_trainer.local import gpu_shortfall
+
+    spec = {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain", "metadata": {"name": "x"},
+            "spec": {"resources": {"gpusPerNode": 8}}}
+    lpt = LlamaPretrain.model_validate(spec)
+    msg = gpu_shortfall(lpt, 0)
+    assert msg.startswith("spec.resources.gpusPerNode is 8 but this machine has 0 GPU(s). Fix:") and "gpusPerNode: 0" in msg
+    assert "gpusPerNode: 0" not in gpu_shortfall(lpt, 4)
+    assert gpu_shortfall(lpt, 8) is None
+
+
+def test_an_unwritable_output_dir_is_one_line_and_a_config_error(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from kubetitan_trainer import local
+
+    lpt = LlamaPretrain.model_validate({"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+                                        "metadata": {"name": "x"}, "spec": {"resources": {"gpusPerNode": 0}}})
+
+    def read_only(self, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(local.Path, "mkdir", read_only)
+    assert local.run_local(lpt, output_dir=str(tmp_path / "out")) == ExitCode.CONFIG_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Read-only file system" in err[0] and "--output-dir" in err[0], err
+
+
+def test_a_clean_stop_is_not_logged_as_a_worker_failure():
+    import logging
+
+    from kubetitan_trainer.launch import CleanStopLogFilter
+
+    def record(code: int) -> logging.LogRecord:
+        return logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
+                                 "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", (code, 0, 1, "x"), None)
+
+    stop, crash = record(75), record(1)
+    assert CleanStopLogFilter().filter(stop) and CleanStopLogFilter().filter(crash)
+    assert stop.levelno == logging.INFO and "stop checkpoint" in stop.getMessage()
+    assert crash.levelno == logging.ERROR and "exitcode: 1" in crash.getMessage()

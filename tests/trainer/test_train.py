@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -96,6 +97,9 @@ def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
     assert m[contract.M_MEMORY_MAX_RESERVED] > 1e7
     assert m[contract.M_STEP_DURATION + "_count"] >= 2 and m[contract.M_DATA_LOADING_DURATION + "_count"] >= 2
     assert contract.M_MFU not in m  # CPU: no peak, no MFU series (documented)
+    a_log = a_cfg.with_suffix(".log").read_text(errors="replace")  # ... and no MFU from torchtitan's A100 fallback
+    assert "fallback to A100" not in a_log and "mfu: n/a" in a_log and "MFU is not computed" in a_log
+    assert not re.search(r"mfu: [0-9]", a_log), "a step line shows an MFU on CPU"
     r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     a = losses(a_dump)
@@ -118,6 +122,9 @@ def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
     stop = saved[0]
     assert (b_dump / contract.CHECKPOINT_SUBDIR / f"step-{stop}" / contract.DCP_METADATA_FILE).is_file()
     assert "Saving a full checkpoint" in tail(b_cfg)
+    # a clean stop is no worker failure in the launcher's log
+    assert "Workers stopped cleanly after saving the stop checkpoint" in tail(b_cfg)
+    assert "failed first" not in tail(b_cfg) and "ERROR failed (exitcode: 75)" not in tail(b_cfg), tail(b_cfg)
 
     # --- B': a newer partial save (no .metadata) must be skipped with a warning; resume at stop+1
     partial = b_dump / contract.CHECKPOINT_SUBDIR / f"step-{stop + 1}"

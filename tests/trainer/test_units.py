@@ -77,21 +77,14 @@ def test_custom_flavour_takes_dims_from_the_kubetitan_table(tmp_path):
 
 
 # ----------------------------------------------------------------------------- data sources
-def test_synthetic_is_deterministic_per_seed_rank_and_index_and_resumes():
-    from kubetitan_trainer.data import SyntheticTokens
+def test_synthetic_windows_are_a_function_of_seed_and_index():
+    from kubetitan_trainer.data import SyntheticSource
 
-    a, b = SyntheticTokens(2048, 32, seed=1, dp_rank=0), SyntheticTokens(2048, 32, seed=1, dp_rank=0)
-    assert np.array_equal(a.sample(5), b.sample(5))
-    assert not np.array_equal(a.sample(5), SyntheticTokens(2048, 32, seed=1, dp_rank=1).sample(5))
-    assert not np.array_equal(a.sample(5), SyntheticTokens(2048, 32, seed=2, dp_rank=0).sample(5))
-    it = iter(a)
-    first = [next(it)[1] for _ in range(3)]
-    state = a.state_dict()
-    fourth = next(it)[1]
-    c = SyntheticTokens(2048, 32, seed=1, dp_rank=0)
-    c.load_state_dict(state)
-    assert np.array_equal(next(iter(c))[1].numpy(), fourth.numpy())
-    assert state == {"sample_idx": 3} and len(first) == 3
+    a, b = SyntheticSource(2048, 32, seed=1), SyntheticSource(2048, 32, seed=1)
+    assert np.array_equal(a.window(5), b.window(5)) and a.window(5).shape == (33,)
+    assert not np.array_equal(a.window(5), a.window(6))
+    assert not np.array_equal(a.window(5), SyntheticSource(2048, 32, seed=2).window(5))
+    assert int(a.window(5).max()) < 2048
 
 
 @pytest.fixture(scope="module")
@@ -116,37 +109,23 @@ def test_prepare_data_writes_shards_and_index(shards):
     assert (tokens == index["eos_id"]).sum() == 200  # one EOS per document
 
 
-def test_shards_are_split_by_rank_and_resume_at_the_saved_position(shards):
-    from kubetitan_trainer.data import TokenShards
+def test_shard_windows_read_the_concatenated_stream_across_files(shards):
+    from kubetitan_trainer.data import WindowSource, open_shards
 
-    world = 3
-    ranks = [TokenShards(str(shards), 16, r, world) for r in range(world)]
-    windows = [{ds.window_of(i) for i in range(ds.windows_per_rank)} for ds in ranks]
-    assert all(not (windows[i] & windows[j]) for i in range(world) for j in range(i + 1, world))
-    assert set().union(*windows) == set(range(ranks[0].windows_per_rank * world))
-    # a window spanning two shard files reads the concatenated stream
     index = json.loads((shards / "index.json").read_text())
     stream = np.concatenate([np.fromfile(shards / f["name"], dtype=np.uint16) for f in index["files"]]).astype(np.int64)
-    ds = ranks[1]
-    for i in range(ds.windows_per_rank):
-        w = ds.window_of(i)
-        assert np.array_equal(ds.sample(i), stream[w * 17 : (w + 1) * 17])
-    it = iter(ds)
-    [next(it) for _ in range(4)]
-    state = ds.state_dict()
-    want = next(it)
-    again = TokenShards(str(shards), 16, 1, world)
-    again.load_state_dict(state)
-    got = next(iter(again))
-    assert np.array_equal(got[1].numpy(), want[1].numpy())
+    src = WindowSource("s", open_shards(str(shards), "kubetitan.data.shards_path"), 16)
+    assert src.windows == len(stream) // 17 and src.held_out_windows == 0
+    for k in range(src.windows):  # windows 58.., 117.. span two 1000-token files
+        assert np.array_equal(src.window(k), stream[k * 17:(k + 1) * 17])
 
 
 def test_shards_dtype_mismatch_is_a_config_error(shards):
-    from kubetitan_trainer.data import TokenShards
+    from kubetitan_trainer.data import open_shards
     from kubetitan_trainer.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="shards_dtype.*uint16"):
-        TokenShards(str(shards), 16, 0, 1, dtype="uint32")
+    with pytest.raises(ConfigError, match="uint16"):
+        open_shards(str(shards), "kubetitan.data.shards_path (spec.data.shards.path)", dtype="uint32")
 
 
 def test_huggingface_source_reads_a_local_jsonl_and_resumes(tmp_path):
@@ -209,6 +188,8 @@ def test_exported_metrics_pass_promtool():
     ex.tokens_seen(1000)
     ex.checkpoint_saved(3, 1.2)
     ex.data_loading.observe(0.001)
+    ex.data_tokens({"code": 4096, "web": 1024})  # per-source series appear with the first micro-batch
+    ex.eval_done(3, 2.7)  # the eval series with the first evaluation
     from kubetitan_trainer.anatomy import Recorder
 
     ex.startup(Recorder({"restarts": 0, "failures": [], "started": 1.0}, now=2.0).first_step_ends(4, 2, t=3.0))

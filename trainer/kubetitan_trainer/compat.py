@@ -313,6 +313,53 @@ def init_hf_text_dataset(dataset, *, dataset_name: str, data, tokenizer, seq_len
         _rebind(dataset, name, values[name])
 
 
+VALIDATOR_ATTRIBUTES = ("job_config", "tokenizer", "parallel_dims", "loss_fn", "validation_dataloader",
+                        "validation_context", "maybe_enable_amp", "metrics_processor", "pp_schedule",
+                        "pp_has_first_stage", "pp_has_last_stage")
+"""What torchtitan 0.2.2's ``Validator.__init__`` sets (its ``validate`` reads them)."""
+
+_declare("VALIDATOR_ATTRIBUTES", "What Validator.__init__ sets; evaluation.KubetitanValidator sets the same through "
+         "init_validator (with kubetitan's held-out loader).",
+         Upstream("torchtitan.components.validate:Validator", sets=VALIDATOR_ATTRIBUTES, sets_exactly=True))
+
+
+@_shim(Upstream("torchtitan.components.validate:Validator",
+                params=("job_config", "dp_world_size", "dp_rank", "tokenizer", "parallel_dims", "loss_fn",
+                        "validation_context", "maybe_enable_amp", "metrics_processor", "pp_schedule",
+                        "pp_has_first_stage", "pp_has_last_stage"),
+                sets=VALIDATOR_ATTRIBUTES, sets_exactly=True),
+       Upstream("torchtitan.components.validate:Validator.validate", params=("self", "model_parts", "step"),
+                contains=("self.validation_dataloader", "ntokens_since_last_log", "log_validation")))
+def init_validator(validator, **values: Any) -> None:
+    """Set up a ``Validator`` subclass instance as the base ``__init__`` would, with kubetitan's held-out loader.
+
+    The base ``__init__`` builds its loader with ``build_text_validation_dataloader`` (torchtitan's fixed dataset
+    registry); its ``validate`` loop is what kubetitan wants, so the same attributes are set here."""
+    for name in VALIDATOR_ATTRIBUTES:
+        _rebind(validator, name, values[name])
+
+
+# ====================================================================== MFU without a peak (kubetitan_trainer.metrics)
+PEAK_FALLBACK_LOG = "fallback to A100"
+"""torchtitan's warning when it knows no peak for the device (CPU included): it then divides by an A100's."""
+PEAK_USED_LOG = "Peak FLOPS used for computing MFU"
+"""torchtitan's log line of the peak it divides by."""
+STEP_LOG_MFU = r"\s+mfu: -?[0-9.]+%"
+"""The MFU field of torchtitan's step log line (a regular expression)."""
+STEP_METRIC_MFU = "mfu(%)"
+"""The MFU key torchtitan hands its metric loggers (TensorBoard, W&B)."""
+
+_declare("PEAK_FALLBACK_LOG", "torchtitan's warning when no peak is known (then it divides by an A100's); "
+         "metrics.NoPeakLogFilter drops it.",
+         Upstream("torchtitan.tools.utils:get_peak_flops", contains=(PEAK_FALLBACK_LOG,)))
+_declare("PEAK_USED_LOG", "torchtitan's log line of its MFU peak; metrics.NoPeakLogFilter rewrites it when kubetitan "
+         "knows no peak.", Upstream("torchtitan.train:Trainer.__init__", contains=(PEAK_USED_LOG,)))
+_declare("STEP_LOG_MFU", "The MFU field of torchtitan's step line; metrics.NoPeakLogFilter shows it as n/a without a "
+         "peak.", Upstream("torchtitan.components.metrics:MetricsProcessor.log", contains=("mfu: {mfu:.2f}%",)))
+_declare("STEP_METRIC_MFU", "torchtitan's MFU key for TensorBoard/W&B; dropped without a peak.",
+         Upstream("torchtitan.components.metrics:MetricsProcessor.log", contains=(f'"{STEP_METRIC_MFU}"',)))
+
+
 # ====================================================================== metrics (kubetitan_trainer.metrics)
 METRICS_PROCESSOR_ATTRIBUTES = ("logger", "parallel_dims", "job_config", "device_memory_monitor", "color",
                                 "gpu_peak_flops", "ntokens_since_last_log", "data_loading_times", "time_last_log",

@@ -1,35 +1,50 @@
-"""The three data sources of ``[kubetitan.data]`` and the TrainSpec's ``build_dataloader_fn``.
+"""The data sources of ``[kubetitan.data]``, the global sample stream, and the TrainSpec's dataloader.
 
-Every source is an ``IterableDataset`` that is also ``Stateful``; torchtitan's
-``ParallelAwareDataloader`` (a torchdata ``StatefulDataLoader``) stores its state per DP rank in
-the checkpoint, so a resumed attempt continues with exactly the batches an uninterrupted run
-would have seen.
+**The global stream.** ``synthetic``, ``shards`` and ``mixture`` runs read one *global* stream of samples,
+each a fixed window of ``seq_len + 1`` tokens. Global sample ``g`` is a pure function of the data config,
+the seed and ``g``:
 
-- ``synthetic``: random "phrases" (a fixed table of short token sequences chosen by the seed)
-  strung together, generated from (seed, DP rank, sample index) alone. Deterministic, costs no I/O
-  and about 0.1 ms a sample (vectorised: it must never show in a GPU step's time), and learnable
-  (inside a phrase every token is predictable), so it doubles as a smoke test.
-- ``shards``: flat token files written by ``kubetitan prepare-data`` (``index.json`` + ``*.bin``,
-  uint16 or uint32), memory-mapped and read as one stream cut into windows of ``seq_len + 1``
-  tokens; window ``k`` of DP rank ``r`` is global window ``k * dp_world_size + r``. Loops forever.
-- ``huggingface``: torchtitan's ``HuggingFaceTextDataset`` machinery (as for c4), with the dataset,
-  subset, split, streaming and text column taken from the config; local files and ``builtin``
-  (the shipped corpus) work offline.
+1. a mixture schedule picks the source of ``g`` (:class:`MixSchedule`: smooth weighted round robin, so after
+   any ``n`` samples source ``i`` has had ``weight_i * n`` of them, give or take less than one);
+2. that source's ``j``-th draw, ``j`` being how many samples the source gave before ``g``, is window
+   ``perm_e[j mod n]`` of epoch ``e = j // n``, where ``perm_e`` is a seeded permutation of the source's ``n``
+   training windows (:func:`epoch_permutation`: numpy's PCG64, seeded with (seed, source, epoch)); with
+   ``order = "sequential"`` it is window ``j mod n`` (corpus order, the old behaviour).
+
+**Who reads what.** Rank ``r`` of ``W`` data-parallel ranks with local batch ``b`` reads, for its ``k``-th
+micro-batch since the position ``p`` it resumed from, the global samples ``[p + k*W*b + r*b, p + k*W*b + (r+1)*b)``.
+A step of global batch ``B = A*W*b`` (``A`` micro-batches of gradient accumulation) therefore trains exactly
+the samples ``[s*B, (s+1)*B)`` whatever ``W``, ``b`` and ``A`` are (:func:`rank_slice`).
+
+**Resume at any world size.** The dataloader's checkpoint state is the global position (samples consumed and
+each source's draws), the same on every rank (:class:`GlobalDataLoader`), so a run saved at DP 2 and resumed
+at DP 1 or 3 continues the same global stream: no sample skipped, none repeated. torchtitan 0.2.2's
+``ParallelAwareDataloader`` keeps a state per DP rank and refuses another DP degree.
+
+**Held-out data.** With ``eval_samples > 0`` a held-out set is evaluated every ``[validation] freq`` steps
+(:class:`KubetitanValidator`, torchtitan's own validation loop): ``eval_shards_path`` (a separate dataset), or
+the last ``held_out_percent`` % of every training source's windows, which training then never reads.
+
+``huggingface`` keeps torchtitan's ``HuggingFaceTextDataset`` machinery (tokenized on the fly, per-rank state in
+``ParallelAwareDataloader``): it streams, so it has no random access to shuffle or to re-split; a resume at another
+DP degree is a configuration error that says so (prepare the corpus into shards instead).
+
+Memory: a shuffled source holds its current epoch's permutation, 4 bytes per window (8 above 2**31 windows):
+1 T tokens at ``seq_len`` 8192 are 122 M windows, 0.5 GB per rank.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict
+import math
+from dataclasses import asdict, dataclass
+from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset
-from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.dataloader import BaseDataLoader, ParallelAwareDataloader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import JobConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
@@ -37,13 +52,19 @@ from torchtitan.tools.logging import logger
 
 from kubetitan_trainer import compat
 from kubetitan_trainer.errors import ConfigError
+from kubetitan_trainer.shards import ShardSet
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUILTIN_CORPUS = ASSETS / "corpus.jsonl"
-INDEX_FILE = "index.json"
 PHRASES = 1024
 PHRASE_LEN = 16
+SYNTHETIC_WINDOWS = 1 << 40
+"""Windows of the synthetic source (it generates any of them; it never starts a second epoch in practice)."""
+LEDGER_DIR = "ledger"
+"""Under ``<dump_folder>/kubetitan/``: with ``[kubetitan.data] ledger = true`` each rank appends the global samples
+it trains to ``rank-<r>.txt``, one line ``step position source window epoch`` per sample."""
 _MASK64 = (1 << 64) - 1
+_STATE_KEY = "kubetitan_global_position"
 
 
 def _mix(*xs: int) -> int:
@@ -56,121 +77,253 @@ def _mix(*xs: int) -> int:
     return h
 
 
-class _IndexedSamples(IterableDataset, Stateful):
-    """A source whose sample ``i`` of a DP rank is a pure function of ``i``: the position is its whole
-    state, so a resumed attempt yields exactly the batches an uninterrupted run would have.
-    Subclasses define ``sample(idx) -> ndarray`` of ``seq_len + 1`` tokens."""
+# ---------------------------------------------------------------------------------------------------- sources
+class SyntheticSource:
+    """Deterministic learnable tokens: random "phrases" (a fixed table of short token sequences chosen by the seed)
+    strung together. Window ``k`` is a function of (seed, k) alone; about 0.1 ms a window, no I/O."""
 
-    _sample_idx = 0
-
-    def _before_sample(self, idx: int) -> None:
-        """Hook run before sample ``idx`` is yielded (shards warn when they loop)."""
-
-    def __iter__(self):
-        while True:
-            self._before_sample(self._sample_idx)
-            x = torch.from_numpy(self.sample(self._sample_idx))
-            self._sample_idx += 1
-            yield {"input": x[:-1]}, x[1:]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sample_idx": self._sample_idx}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._sample_idx = int(state_dict["sample_idx"])
-
-
-class SyntheticTokens(_IndexedSamples):
-    """Deterministic learnable tokens (random phrases); sample i of DP rank r never changes."""
-
-    def __init__(self, vocab_size: int, seq_len: int, seed: int, dp_rank: int = 0, dp_world_size: int = 1) -> None:
-        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
-        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, name: str = "synthetic") -> None:
+        self.name, self.vocab_size, self.seq_len, self.seed = name, vocab_size, seq_len, seed
         rng = np.random.default_rng(_mix(seed, 0xC0FFEE))
         self._phrases = rng.integers(0, vocab_size, size=(PHRASES, PHRASE_LEN), dtype=np.int64)
-        self._sample_idx = 0
+        self.windows = SYNTHETIC_WINDOWS
+        self.shuffle = False  # its windows are random already; a permutation of 2**40 of them would not fit
 
-    def sample(self, idx: int) -> np.ndarray:
-        """The ``seq_len + 1`` tokens of this rank's sample ``idx``."""
-        rng = np.random.default_rng(_mix(self.seed, self.dp_rank, idx))
+    def window(self, k: int) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of window ``k``."""
+        rng = np.random.default_rng(_mix(self.seed, k))
         n = (self.seq_len + 1) // PHRASE_LEN + 2
         picks = rng.integers(0, PHRASES, size=n)
-        offset = int(rng.integers(0, PHRASE_LEN))  # samples do not all start at a phrase boundary
+        offset = int(rng.integers(0, PHRASE_LEN))  # windows do not all start at a phrase boundary
         return self._phrases[picks].reshape(-1)[offset : offset + self.seq_len + 1].copy()
 
 
-def read_index(path: str | os.PathLike) -> dict[str, Any]:
-    """``index.json`` of a shards directory, checked; raises ConfigError naming what is wrong."""
-    d = Path(path)
-    idx = d / INDEX_FILE
-    if not idx.is_file():
-        raise ConfigError(
-            "kubetitan.data.shards_path (spec.data.shards.path)",
-            f"no {INDEX_FILE} in {d}",
-            "point it at a directory written by `kubetitan prepare-data` (it holds index.json and *.bin)",
-        )
-    index = json.loads(idx.read_text())
-    for f in index.get("files", []):
-        if not (d / f["name"]).is_file():
-            raise ConfigError(
-                "kubetitan.data.shards_path (spec.data.shards.path)",
-                f"{INDEX_FILE} lists {f['name']}, which is missing from {d}",
-                "copy the whole directory written by `kubetitan prepare-data`",
-            )
-    return index
+def open_shards(path: str, field: str, dtype: str = "auto", vocab_size: int | None = None) -> ShardSet:
+    """The checked shards at ``path`` (:class:`~kubetitan_trainer.shards.ShardSet`: sizes at open, every read's ids
+    against the model's vocabulary); a bad directory is a ConfigError naming ``field``, the file and the fix."""
+    return ShardSet.open(path, vocab_size=vocab_size, verify="size", dtype=dtype, field_name=field)
 
 
-class TokenShards(_IndexedSamples):
-    """Memory-mapped token shards split by DP rank; the position is saved in the checkpoint."""
+class WindowSource:
+    """Windows of ``seq_len + 1`` tokens over a :class:`ShardSet`'s concatenated stream (documents in corpus order,
+    each BOS + text + EOS): window ``k`` is tokens
+    ``[k*(seq_len+1), (k+1)*(seq_len+1))``; the tail shorter than a window is never read.
 
-    def __init__(self, path: str, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1, dtype: str = "auto") -> None:
-        index = read_index(path)
-        file_dtype = index.get("dtype", "uint16")
-        if dtype not in ("auto", file_dtype):
-            raise ConfigError(
-                "kubetitan.data.shards_dtype (spec.data.shards.dtype)",
-                f"is {dtype} but {path}/{INDEX_FILE} says the shards hold {file_dtype}",
-                f"set it to auto or {file_dtype}",
-            )
-        self.path, self.seq_len = path, seq_len
-        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self._arrays = [np.memmap(Path(path) / f["name"], dtype=np.dtype(file_dtype), mode="r") for f in index["files"]]
-        self._starts = np.cumsum([0] + [len(a) for a in self._arrays])
-        self.total_tokens = int(self._starts[-1])
-        self.window = seq_len + 1
-        self.n_windows = self.total_tokens // self.window
-        self.windows_per_rank = self.n_windows // dp_world_size
-        if self.windows_per_rank < 1:
-            raise ConfigError(
-                "kubetitan.data.shards_path (spec.data.shards.path)",
-                f"{path} holds {self.total_tokens} tokens, fewer than one sequence of {self.window} per DP rank "
-                f"({dp_world_size} ranks)",
-                "prepare more data or lower spec.training.seqLen",
-            )
-        self._sample_idx = 0
+    ``held_out_percent`` keeps the last that many percent of the windows (at least one) out of training:
+    :meth:`window` reads windows ``[0, windows)``, :meth:`held_out` the rest."""
 
-    def _tokens(self, start: int, n: int) -> np.ndarray:
-        out, pos = [], start
-        while n > 0:
-            f = int(np.searchsorted(self._starts, pos, side="right") - 1)
-            off = pos - int(self._starts[f])
-            take = min(n, len(self._arrays[f]) - off)
-            out.append(np.asarray(self._arrays[f][off : off + take], dtype=np.int64))
-            pos, n = pos + take, n - take
-        return np.concatenate(out)
+    def __init__(self, name: str, shards: ShardSet, seq_len: int, held_out_percent: float = 0.0, *, path: str = "",
+                 field: str = "kubetitan.data.shards_path (spec.data.shards.path)") -> None:
+        self.name, self.shards, self.seq_len, self.size = name, shards, seq_len, seq_len + 1
+        total = shards.total_tokens // self.size
+        held = math.ceil(total * held_out_percent / 100) if held_out_percent > 0 else 0
+        self.windows, self.held_out_windows = total - held, held
+        if self.windows < 1:
+            raise ConfigError(field, f"{path or name} holds {shards.total_tokens} tokens: {total} window(s) of "
+                              f"{self.size} tokens, {held} of them held out, none left to train on",
+                              "prepare more data, lower spec.training.seqLen or spec.data.eval.heldOutPercent")
 
-    def window_of(self, idx: int) -> int:
-        """Global window index of this rank's sample ``idx`` (loops over the data)."""
-        return (idx % self.windows_per_rank) * self.dp_world_size + self.dp_rank
+    def window(self, k: int) -> np.ndarray:
+        return self.shards.read(k * self.size, self.size)
 
-    def sample(self, idx: int) -> np.ndarray:
-        return self._tokens(self.window_of(idx) * self.window, self.window)
-
-    def _before_sample(self, idx: int) -> None:
-        if idx and idx % self.windows_per_rank == 0:
-            logger.warning(f"Shards in {self.path} are being re-looped")
+    def held_out(self, k: int) -> np.ndarray:
+        return self.window(self.windows + k)
 
 
+def epoch_permutation(n: int, seed: int, source: int, epoch: int) -> np.ndarray:
+    """A seeded permutation of ``range(n)`` for one source's epoch: numpy's ``Generator(PCG64)`` seeded with
+    (seed, source, epoch) through ``SeedSequence`` (stable across numpy versions and machines). int32 when ``n``
+    fits (4 bytes a window), else int64."""
+    perm = np.random.Generator(np.random.PCG64([seed, source, epoch])).permutation(n)
+    return perm.astype(np.int32) if n < 2**31 else perm
+
+
+class _Order:
+    """Window of a source's ``j``-th draw: shuffled (a permutation per epoch, the current one cached) or sequential."""
+
+    def __init__(self, n: int, seed: int, source: int, shuffled: bool) -> None:
+        self.n, self.seed, self.source, self.shuffled = n, seed, source, shuffled
+        self._epoch, self._perm = -1, None
+
+    def __call__(self, j: int) -> tuple[int, int]:
+        epoch, i = divmod(j, self.n)
+        if not self.shuffled:
+            return i, epoch
+        if epoch != self._epoch:
+            self._perm, self._epoch = epoch_permutation(self.n, self.seed, self.source, epoch), epoch
+        return int(self._perm[i]), epoch
+
+
+# ---------------------------------------------------------------------------------------------------- mixture
+def integer_weights(weights: list[float]) -> list[int]:
+    """The weights as integers with the same ratios (each to 1e-9 relative), so the schedule is exact arithmetic."""
+    if not weights or any(not (w > 0) for w in weights):
+        raise ConfigError("kubetitan.data.mixture_weights (spec.data.mixture[].weight)", f"{weights} are not all above 0",
+                          "give every source a positive weight")
+    fr = [Fraction(w).limit_denominator(10**9) for w in weights]
+    den = math.lcm(*(f.denominator for f in fr))
+    ints = [int(f * den) for f in fr]
+    g = math.gcd(*ints)
+    return [i // g for i in ints]
+
+
+class MixSchedule:
+    """Smooth weighted round robin over sources: global sample ``g`` goes to the source with the largest deficit
+    ``w_i*(g+1) - c_i*S`` (``c_i``: its samples so far, ``S``: the sum of the integer weights; ties to the lower
+    index). After any ``n`` samples ``|c_i - n*w_i/S| < 1``: the weights hold exactly over every window of the
+    stream, not just on average. The state is (g, counts): it travels in the checkpoint."""
+
+    def __init__(self, weights: list[float]) -> None:
+        self.w = integer_weights(weights)
+        self.total = sum(self.w)
+        self.g = 0
+        self.counts = [0] * len(self.w)
+
+    def next(self) -> int:
+        g1 = self.g + 1
+        best, best_deficit = 0, None
+        for i, w in enumerate(self.w):
+            d = w * g1 - self.counts[i] * self.total
+            if best_deficit is None or d > best_deficit:
+                best, best_deficit = i, d
+        self.counts[best] += 1
+        self.g = g1
+        return best
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One global sample: its position in the global stream and where its tokens come from."""
+
+    position: int
+    source: int
+    window: int
+    epoch: int
+
+
+class GlobalStream:
+    """The global sample stream of a list of sources (see the module docstring); its state is the position."""
+
+    def __init__(self, sources: list[Any], weights: list[float], seed: int, shuffled: bool) -> None:
+        self.sources = sources
+        self.schedule = MixSchedule(weights)
+        self._orders = [_Order(s.windows, seed, i, shuffled and getattr(s, "shuffle", True))
+                        for i, s in enumerate(sources)]
+
+    @property
+    def position(self) -> int:
+        return self.schedule.g
+
+    def take(self, n: int) -> list[Sample]:
+        out = []
+        for _ in range(n):
+            g = self.schedule.g
+            i = self.schedule.next()
+            window, epoch = self._orders[i](self.schedule.counts[i] - 1)
+            out.append(Sample(g, i, window, epoch))
+        return out
+
+    def tokens(self, s: Sample) -> np.ndarray:
+        return self.sources[s.source].window(s.window)
+
+    def state(self) -> dict[str, Any]:
+        return {"consumed_samples": self.schedule.g, "source_draws": list(self.schedule.counts),
+                "sources": [s.name for s in self.sources]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        g = int(state["consumed_samples"])
+        draws = [int(c) for c in state.get("source_draws", [])]
+        if state.get("sources") == [s.name for s in self.sources] and len(draws) == len(self.sources) and sum(draws) == g:
+            self.schedule.g, self.schedule.counts = g, draws
+            return
+        # The sources changed between the save and this run: replay the new schedule to the saved position.
+        logger.warning(f"The data sources changed since the checkpoint ({state.get('sources')} -> "
+                       f"{[s.name for s in self.sources]}): continuing at global sample {g} of the new mixture")
+        self.schedule = MixSchedule(self.schedule.w)
+        for _ in range(g):
+            self.schedule.next()
+
+
+def rank_slice(consumed: int, micro_batch: int, dp_rank: int, dp_world_size: int, local_batch: int) -> range:
+    """Global positions rank ``dp_rank`` trains in its ``micro_batch``-th micro-batch after position ``consumed``."""
+    start = consumed + micro_batch * dp_world_size * local_batch + dp_rank * local_batch
+    return range(start, start + local_batch)
+
+
+# ---------------------------------------------------------------------------------------------------- dataloader
+class GlobalDataLoader(BaseDataLoader):
+    """A dataloader over a :class:`GlobalStream` whose checkpoint state is global (the same on every rank).
+
+    Each micro-batch takes the next ``W*b`` samples of the stream on every rank (cheap: the schedule and the
+    permutation lookups, no I/O) and reads the tokens of this rank's ``b`` of them. The state is the stream's
+    position after the last micro-batch yielded; torchtitan saves it at step boundaries, where every rank has
+    yielded the same micro-batches."""
+
+    def __init__(self, stream: GlobalStream, *, dp_rank: int, dp_world_size: int, local_batch: int,
+                 on_batch: Callable[[list[Sample]], None] | None = None) -> None:
+        self.stream, self.dp_rank, self.dp_world_size, self.local_batch = stream, dp_rank, dp_world_size, local_batch
+        self.on_batch = on_batch
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        b, r = self.local_batch, self.dp_rank
+        while True:
+            mine = self.stream.take(self.dp_world_size * b)[r * b : (r + 1) * b]
+            x = torch.from_numpy(np.stack([self.stream.tokens(s) for s in mine]))
+            if self.on_batch is not None:
+                self.on_batch(mine)
+            yield {"input": x[:, :-1]}, x[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        # A string: DCP saves it once (every rank's is the same) and hands it back to every rank, any world size.
+        return {_STATE_KEY: json.dumps(self.stream.state())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if _STATE_KEY not in state_dict:
+            raise ConfigError("checkpoint (dataloader state)", "the checkpoint's data position is not a global one (it "
+                              "was saved by a trainer that kept one position per data-parallel rank)",
+                              "start the run afresh, or resume it with that trainer version")
+        self.stream.restore(json.loads(state_dict[_STATE_KEY]))
+
+
+class EvalLoader(BaseDataLoader):
+    """The held-out samples, the same ones at every evaluation: ``samples`` of them (rounded down to a multiple of
+    ``W*b``), rank ``r`` reading its ``b`` of every ``W*b``. Finite, equal on every rank; no checkpoint state."""
+
+    def __init__(self, read: Callable[[int], np.ndarray], samples: int, *, dp_rank: int, dp_world_size: int,
+                 local_batch: int) -> None:
+        self.read, self.dp_rank, self.dp_world_size, self.local_batch = read, dp_rank, dp_world_size, local_batch
+        self.batches = samples // (dp_world_size * local_batch)
+
+    def __iter__(self):
+        b, w, r = self.local_batch, self.dp_world_size, self.dp_rank
+        for k in range(self.batches):
+            x = torch.from_numpy(np.stack([self.read(p) for p in rank_slice(0, k, r, w, b)]))
+            yield {"input": x[:, :-1]}, x[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+class LocalDataLoader(ParallelAwareDataloader):
+    """torchtitan's per-rank loader (``huggingface``), with a resume at another DP degree as a configuration error."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict and state_dict.get("world_size", self.dp_world_size) != self.dp_world_size:
+            raise ConfigError("data.source huggingface (spec.data.source)",
+                              f"the checkpoint's data position was saved at data-parallel degree "
+                              f"{state_dict['world_size']}, this run has {self.dp_world_size}; a streamed dataset "
+                              "keeps one position per rank and cannot be re-split",
+                              "resume at the same degree, or prepare the corpus with `kubetitan prepare-data` and use "
+                              "data.source shards (its position is global: any degree resumes)")
+        super().load_state_dict(state_dict)
+
+
+# ---------------------------------------------------------------------------------------------------- huggingface
 _LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
 
 
@@ -217,27 +370,157 @@ class KubetitanHFTextDataset(HuggingFaceTextDataset):
                                     text_processor=lambda sample: sample[field])
 
 
+# ---------------------------------------------------------------------------------------------------- building
 def model_vocab_size(job_config: JobConfig) -> int:
     from kubetitan_trainer.train_spec import model_args_for
 
     return model_args_for(job_config).vocab_size
 
 
-def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer | None, job_config: JobConfig,
-                     infinite: bool = True) -> ParallelAwareDataloader:
-    """TrainSpec ``build_dataloader_fn``: the configured source in torchtitan's DP-aware loader."""
+def data_seed(job_config: JobConfig) -> int:
+    """The data-order seed: ``debug.seed`` (spec.training.seed), 0 when unset."""
+    return job_config.debug.seed if job_config.debug.seed is not None else 0
+
+
+def mixture_names(cfg) -> list[str]:
+    """Metric label of each mixture source: its name, else its directory's name (made unique with ``-<i>``)."""
+    names = list(cfg.mixture_names) + [""] * (len(cfg.mixture_paths) - len(cfg.mixture_names))
+    out: list[str] = []
+    for i, (n, p) in enumerate(zip(names, cfg.mixture_paths)):
+        n = n or Path(p.rstrip("/")).name or f"source-{i}"
+        out.append(n if n not in out else f"{n}-{i}")
+    return out
+
+
+def build_sources(job_config: JobConfig, *, held_out_percent: float | None = None) -> tuple[list[Any], list[float]]:
+    """The training sources and their weights from ``[kubetitan.data]``."""
     cfg = job_config.kubetitan.data
     seq_len = job_config.training.seq_len
+    held = cfg.held_out_percent if held_out_percent is None else held_out_percent
+    if cfg.eval_samples <= 0 or cfg.eval_shards_path:
+        held = 0.0
     if cfg.source == "synthetic":
-        seed = job_config.debug.seed if job_config.debug.seed is not None else 0
-        ds: IterableDataset = SyntheticTokens(model_vocab_size(job_config), seq_len, seed, dp_rank, dp_world_size)
-    elif cfg.source == "shards":
-        ds = TokenShards(cfg.shards_path, seq_len, dp_rank, dp_world_size, cfg.shards_dtype)
-    elif cfg.source == "huggingface":
+        return [SyntheticSource(model_vocab_size(job_config), seq_len, data_seed(job_config))], [1.0]
+    vocab = model_vocab_size(job_config)
+    if cfg.source == "shards":
+        field = "kubetitan.data.shards_path (spec.data.shards.path)"
+        shards = open_shards(cfg.shards_path, field, cfg.shards_dtype, vocab)
+        return [WindowSource(Path(cfg.shards_path.rstrip("/")).name or "shards", shards, seq_len, held,
+                             path=cfg.shards_path)], [1.0]
+    if cfg.source == "mixture":
+        if len(cfg.mixture_paths) < 1 or len(cfg.mixture_weights) != len(cfg.mixture_paths):
+            raise ConfigError("kubetitan.data.mixture_paths (spec.data.mixture)",
+                              f"{len(cfg.mixture_paths)} path(s) and {len(cfg.mixture_weights)} weight(s)",
+                              "give every mixture source a shards path and a weight")
+        sources = []
+        dtypes = list(cfg.mixture_dtypes) + ["auto"] * (len(cfg.mixture_paths) - len(cfg.mixture_dtypes))
+        for i, (name, path) in enumerate(zip(mixture_names(cfg), cfg.mixture_paths)):
+            field = f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].shards.path)"
+            sources.append(WindowSource(name, open_shards(path, field, dtypes[i], vocab), seq_len, held, path=path,
+                                        field=field))
+        return sources, list(cfg.mixture_weights)
+    raise ConfigError("kubetitan.data.source (spec.data.source)", f"unknown source {cfg.source!r}",
+                      "use synthetic, shards, mixture or huggingface")
+
+
+def _ledger_writer(job_config: JobConfig, dp_rank: int, dp_world_size: int,
+                   current_step: Callable[[], int]) -> Callable[[list[Sample]], None]:
+    """Append each micro-batch's samples to this rank's ledger, with the step that trains them."""
+    folder = Path(job_config.job.dump_folder) / "kubetitan" / LEDGER_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank-{dp_rank}-of-{dp_world_size}.txt"
+
+    def write(samples: list[Sample]) -> None:
+        step = current_step()  # torchtitan counts the step before it fetches the step's micro-batches
+        with open(path, "a") as f:
+            f.writelines(f"{step} {s.position} {s.source} {s.window} {s.epoch}\n" for s in samples)
+
+    return write
+
+
+class _Counters:
+    """After each micro-batch: the tokens every source gave the job so far (to the exporter) and the ledger."""
+
+    def __init__(self, stream: GlobalStream) -> None:
+        self.stream = stream
+        self.exporter: Any = None
+        self.ledger: Callable[[list[Sample]], None] | None = None
+
+    def __call__(self, mine: list[Sample]) -> None:
+        if self.exporter is not None:
+            size = self.stream.sources[0].seq_len + 1
+            # The global stream's draws per source, carried across resumes by the checkpoint: the job's tokens.
+            self.exporter.data_tokens({s.name: c * size for s, c in zip(self.stream.sources, self.stream.schedule.counts)})
+        if self.ledger is not None:
+            self.ledger(mine)
+
+
+def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer | None, job_config: JobConfig,
+                     infinite: bool = True) -> BaseDataLoader:
+    """TrainSpec ``build_dataloader_fn``: the global-position loader (synthetic, shards, mixture), or torchtitan's
+    per-rank loader for a streamed Hugging Face dataset."""
+    cfg = job_config.kubetitan.data
+    t = job_config.training
+    if cfg.source == "huggingface":
         assert tokenizer is not None
-        ds = KubetitanHFTextDataset(cfg, tokenizer, seq_len, dp_rank, dp_world_size, infinite)
+        ds = KubetitanHFTextDataset(cfg, tokenizer, t.seq_len, dp_rank, dp_world_size, infinite)
+        kwargs = {**asdict(t.dataloader), "batch_size": t.local_batch_size}
+        return LocalDataLoader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)
+    sources, weights = build_sources(job_config)
+    stream = GlobalStream(sources, weights, data_seed(job_config), shuffled=cfg.order == "shuffled")
+    counters = _Counters(stream)
+    loader = GlobalDataLoader(stream, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch=t.local_batch_size,
+                              on_batch=counters)
+    loader.counters = counters  # type: ignore[attr-defined]  # the trainer attaches the exporter and the ledger
+    return loader
+
+
+def attach(loader: BaseDataLoader, job_config: JobConfig, exporter: Any, current_step: Callable[[], int]) -> None:
+    """Wire a :class:`GlobalDataLoader`'s per-source token counts to ``exporter`` and, with ``ledger = true``, its
+    ledger (a no-op for other loaders)."""
+    counters = getattr(loader, "counters", None)
+    if counters is None:
+        return
+    counters.exporter = exporter
+    if job_config.kubetitan.data.ledger:
+        counters.ledger = _ledger_writer(job_config, loader.dp_rank, loader.dp_world_size, current_step)
+
+
+def build_eval_loader(job_config: JobConfig, dp_world_size: int, dp_rank: int) -> EvalLoader:
+    """The held-out loader: ``eval_shards_path``, else the held-out windows of the training sources mixed by the same
+    weights (in corpus order: the set is what matters, and it is the same at every evaluation)."""
+    cfg = job_config.kubetitan.data
+    seq_len = job_config.training.seq_len
+    if cfg.eval_shards_path:
+        field = "kubetitan.data.eval_shards_path (spec.data.eval.shards.path)"
+        src = WindowSource("eval", open_shards(cfg.eval_shards_path, field, "auto", model_vocab_size(job_config)),
+                           seq_len, path=cfg.eval_shards_path, field=field)
+        sources, weights, reads = [src], [1.0], [src.window]
+        sizes = [src.windows]
     else:
-        raise ConfigError("kubetitan.data.source (spec.data.source)", f"unknown source {cfg.source!r}",
-                          "use synthetic, shards or huggingface")
-    kwargs = {**asdict(job_config.training.dataloader), "batch_size": job_config.training.local_batch_size}
-    return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)
+        sources, weights = build_sources(job_config)
+        if cfg.source == "synthetic":
+            evals = SyntheticSource(sources[0].vocab_size, seq_len, _mix(data_seed(job_config), 0xE7A1))
+            reads, sizes = [evals.window], [SYNTHETIC_WINDOWS]
+        else:
+            reads, sizes = [s.held_out for s in sources], [s.held_out_windows for s in sources]
+    if not all(sizes):
+        raise ConfigError("kubetitan.data.held_out_percent (spec.data.eval.heldOutPercent)",
+                          "is 0, so there is no held-out data to evaluate",
+                          "hold out a share of the training data (above 0) or set spec.data.eval.shards")
+    schedule = MixSchedule(weights)
+    plan: list[tuple[int, int]] = []
+    for _ in range(cfg.eval_samples):
+        i = schedule.next()
+        plan.append((i, (schedule.counts[i] - 1) % max(sizes[i], 1)))
+    if any(schedule.counts[i] > sizes[i] for i in range(len(sizes))):
+        logger.warning(f"The held-out set has fewer windows than eval_samples ({cfg.eval_samples}) asks of it "
+                       f"({sizes}); some are evaluated twice")
+    loader = EvalLoader(lambda p: reads[plan[p][0]](plan[p][1]), cfg.eval_samples, dp_rank=dp_rank,
+                        dp_world_size=dp_world_size, local_batch=job_config.training.local_batch_size)
+    if loader.batches < 1:
+        raise ConfigError("kubetitan.data.eval_samples (spec.data.eval.samples)",
+                          f"{cfg.eval_samples} is fewer than one batch of local batch x data-parallel degree "
+                          f"({job_config.training.local_batch_size * dp_world_size})",
+                          "raise spec.data.eval.samples")
+    return loader

@@ -18,9 +18,13 @@ from typing import Literal
 class KubetitanData:
     """``[kubetitan.data]``: where the training tokens come from."""
 
-    source: Literal["synthetic", "huggingface", "shards"] = "synthetic"
+    source: Literal["synthetic", "huggingface", "shards", "mixture"] = "synthetic"
     """`synthetic`: deterministic random tokens (benchmarks); `huggingface`: a text dataset
-    tokenized on the fly, read the way torchtitan reads c4; `shards`: pre-tokenized `.bin` files."""
+    tokenized on the fly, read the way torchtitan reads c4; `shards`: pre-tokenized `.bin` files;
+    `mixture`: several shards directories mixed by weight (`mixture_paths`, `mixture_weights`)."""
+    order: Literal["shuffled", "sequential"] = "shuffled"
+    """Order of the windows of `shards` and `mixture` sources: `shuffled` (a seeded permutation per epoch, the
+    seed being `debug.seed`) or `sequential` (corpus order)."""
     hf_dataset: str = "allenai/c4"
     """Dataset repository on the hub, a local directory or file (`.jsonl`, `.json`, `.txt`,
     `.parquet`), or `builtin` for the small corpus shipped with the trainer."""
@@ -36,6 +40,25 @@ class KubetitanData:
     """Directory with `*.bin` token shards and `index.json` (written by `kubetitan prepare-data`)."""
     shards_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Token dtype of the shards; `auto` reads it from `index.json`."""
+    mixture_paths: list[str] = field(default_factory=list)
+    """Shards directories of a `mixture`, one per source."""
+    mixture_weights: list[float] = field(default_factory=list)
+    """Weight of each `mixture_paths` entry (any positive numbers; normalised): its share of the samples (and tokens)."""
+    mixture_dtypes: list[str] = field(default_factory=list)
+    """Token dtype of each mixture source (`auto`, `uint16`, `uint32`); empty: `auto` for all."""
+    mixture_names: list[str] = field(default_factory=list)
+    """Name of each mixture source (the `source` label of its metrics); empty: the directory's name."""
+    eval_samples: int = 0
+    """Held-out sequences evaluated every `[validation] freq` steps, over all data-parallel ranks (rounded down to
+    a multiple of local batch x data-parallel degree); 0: no evaluation."""
+    held_out_percent: float = 0.0
+    """Without `eval_shards_path`: the last this many percent of every training source's windows are held out
+    (never trained on) and evaluated."""
+    eval_shards_path: str = ""
+    """A separate held-out shards directory to evaluate; empty: hold out part of the training data."""
+    ledger: bool = False
+    """Debugging: each rank appends the global samples it trains (step, position, source, window, epoch) to
+    `<dump_folder>/kubetitan/ledger/rank-<r>-of-<W>.txt`."""
 
 
 @dataclass

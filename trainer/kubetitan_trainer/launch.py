@@ -114,6 +114,17 @@ def wait_for_dns(host: str, port: int, timeout: float, sleep=time.sleep, resolve
             delay = min(delay * 2, 5.0)
 
 
+class CleanStopLogFilter(logging.Filter):
+    """torch's elastic agent logs every worker exit but 0 as an ERROR ``failed (exitcode: N)``; a worker that exits 75
+    saved its stop checkpoint and ended as asked (SIGTERM, Ctrl-C): that record becomes an INFO that says so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and f"failed (exitcode: {int(ExitCode.TERMINATED_CHECKPOINTED)})" in record.getMessage():
+            record.msg, record.args = "Workers stopped after saving their stop checkpoint (exit code 75)", ()
+            record.levelno, record.levelname, record.exc_info, record.exc_text = logging.INFO, "INFO", None, None
+        return True
+
+
 def exit_code_of(failures: dict) -> int:
     """The failing worker's own exit code: earliest failure; self-exits beat killed workers on ties."""
     if not failures:
@@ -618,6 +629,7 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[kubetitan] %(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(CleanStopLogFilter())
     a = parse_args(sys.argv[1:] if argv is None else argv)
     if not wait_for_dns(a.master_addr, a.master_port, a.dns_timeout):
         return ExitCode.FAILED
@@ -689,7 +701,11 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         code = exit_code_of(e.failures)
         rank, failure = min(e.failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
-        log.error("Worker rank %d failed first with exit code %d: %s", rank, failure.exitcode, failure.message)
+        if code == ExitCode.TERMINATED_CHECKPOINTED:  # every rank saved the stop checkpoint: a clean, resumable stop
+            log.info("Workers stopped cleanly after saving the stop checkpoint (exit code %d; the run resumes from it)",
+                     code)
+        else:
+            log.error("Worker rank %d failed first with exit code %d: %s", rank, failure.exitcode, failure.message)
     if stopped["at"] and code not in (ExitCode.TERMINATED_CHECKPOINTED, ExitCode.OK):
         log.error("Stopped by SIGTERM without a complete checkpoint (worker exit %d)", code)
         code = EXIT_SIGTERM

@@ -114,6 +114,32 @@ def gone(p) -> bool:
         return True
 
 
+def resume_bar(bar, step: int) -> None:
+    """Start the progress bar over at ``step`` (the step a resumed run loaded): its rate and ETA then count only the
+    steps this run trains, from now, instead of a jump from 0 to ``step`` in the first second."""
+    bar.reset(total=bar.total)
+    bar.initial = bar.n = bar.last_print_n = step
+    bar.refresh()
+
+
+def visible_gpus() -> int:
+    """CUDA devices this machine shows the trainer (NVML; does not initialise CUDA in this process)."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_shortfall(lpt: LlamaPretrain, visible: int) -> str | None:
+    """Why this machine cannot run ``lpt`` (its GPUs per node), or None."""
+    want = lpt.spec.resources.gpus_per_node
+    if want <= visible:
+        return None
+    return (f"spec.resources.gpusPerNode is {want} but this machine has {visible} GPU(s). Fix: run it on a machine with "
+            f"{want} GPUs, lower gpusPerNode (and the parallel degrees) to {visible}"
+            + (", or train on CPU with gpusPerNode: 0 and processesPerNode (debug or custom model)" if not visible else ""))
+
+
 def processes_per_node(lpt: LlamaPretrain) -> int:
     r = lpt.spec.resources
     return r.processes_per_node or max(1, r.gpus_per_node)
@@ -140,10 +166,21 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
     from tqdm import tqdm
 
     name = lpt.metadata.name
+    short = gpu_shortfall(lpt, visible_gpus()) if lpt.spec.resources.gpus_per_node > 0 else None
+    if short:
+        print(f"error: {short}", file=sys.stderr)
+        return contract.ExitCode.CONFIG_ERROR
     out = Path(output_dir or Path("runs") / name).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     metrics_port, master_port = free_port(), free_port()
-    config = write_config(lpt, out, steps, metrics_port)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        config = write_config(lpt, out, steps, metrics_port)
+        with open(out / "train.log", "ab"):
+            pass
+    except OSError as e:
+        print(f"error: cannot write the output directory {out}: {e.strerror or e}. Fix: pass --output-dir with a "
+              "writable directory (checkpoints, logs and metrics go there)", file=sys.stderr)
+        return contract.ExitCode.CONFIG_ERROR
     total = steps or lpt.spec.training.steps
     nproc = processes_per_node(lpt)
     log_path = out / "train.log"
@@ -159,6 +196,7 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
         interrupts = 0
+        resumed = False
 
         def on_sigint(signum, frame) -> None:
             nonlocal interrupts
@@ -177,6 +215,10 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
                     m = scrape(metrics_port)
                 except OSError:
                     m = {}
+                if not resumed and m.get(contract.M_RESUMED_FROM_STEP, -1) >= 0:
+                    resumed = True  # the trainer loaded its state: it continues from this step
+                    if m[contract.M_RESUMED_FROM_STEP] > 0:
+                        resume_bar(bar, int(m[contract.M_RESUMED_FROM_STEP]))
                 if contract.M_STEP in m:
                     bar.update(max(0, int(m[contract.M_STEP]) - bar.n))
                     bar.set_postfix(bar_postfix(m), refresh=True)
@@ -187,12 +229,15 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
         code = proc.wait()
         code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
     ck = out / contract.CHECKPOINT_SUBDIR
-    print(f"Exit code {code}" + ("" if code == 0 else f"; see {log_path}"))
+    if code == contract.ExitCode.TERMINATED_CHECKPOINTED:
+        print(f"Stopped with a checkpoint (exit code {code}); the same command resumes from it")
+    else:
+        print(f"Exit code {code}" + ("" if code == 0 else f"; see {log_path}"))
     print(f"Metrics:     served on http://127.0.0.1:{metrics_port}/metrics while running; per-step log {out / 'kubetitan' / 'steps.jsonl'}")
     if lpt.spec.monitoring.tensorboard:
         print(f"TensorBoard: {out / 'tb'}  (tensorboard --logdir {out / 'tb'})")
     print(f"Checkpoints: {ck}")
-    if code != 0:
+    if code not in (0, contract.ExitCode.TERMINATED_CHECKPOINTED):
         tail = log_path.read_text(errors="replace").splitlines()[-15:]
         print("\n".join(tail))
     return code

@@ -25,7 +25,10 @@ than a made-up number or NaN).
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import re
 import socket
 import statistics
 import time
@@ -74,6 +77,14 @@ def mfu_ratio(flops_per_token: float, tokens_per_second_per_gpu: float, peak_flo
     if not peak_flops or peak_flops <= 0:
         return None
     return flops_per_token * tokens_per_second_per_gpu / peak_flops
+
+
+def eval_perplexity(loss: float) -> float:
+    """Perplexity of a mean per-token loss in nats: exp(loss); inf when that overflows a float."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 MEDIAN_WINDOW = 50
@@ -128,7 +139,19 @@ class Exporter:
             self.peak = Gauge("kubetitan_trainer_peak_flops_per_second_per_gpu", "Dense bf16 peak of one device used as the MFU denominator (FLOP per second).", registry=r)
             self.peak.set(peak_flops)
         self.step_duration = Histogram(contract.M_STEP_DURATION, "Wall time of one optimizer step including its collectives (seconds).", buckets=STEP_BUCKETS, registry=r)
-        self.data_loading = Histogram(contract.M_DATA_LOADING_DURATION, "Time to fetch one micro-batch from the data loader (seconds).", buckets=DATA_BUCKETS, registry=r)
+        self.data_loading = Histogram(contract.M_DATA_LOADING_DURATION, "Time the train loop waited for one micro-batch from the data loader; rate of the sum over wall time is the share of time spent waiting for data (seconds).", buckets=DATA_BUCKETS, registry=r)
+        self.data_tokens_total = Counter(contract.M_DATA_TOKENS.removesuffix("_total"), "Tokens each data source (label "
+                                         "source) gave the job's global stream, carried across attempts through the "
+                                         "checkpoint's data position (tokens).", ["source"], registry=r)
+        self._data_tokens: dict[str, int] = {}
+        # Registered at the first evaluation (eval_done): before it there is no eval loss, and a 0 would be read as one.
+        self.eval_loss = Gauge(contract.M_EVAL_LOSS, "Loss on the held-out samples at the last evaluation, averaged "
+                               "over their tokens (nats per token).", registry=None)
+        self.eval_perplexity = Gauge(contract.M_EVAL_PERPLEXITY, "Perplexity on the held-out samples at the last "
+                                     "evaluation, exp of the eval loss (ratio).", registry=None)
+        self.eval_step = Gauge(contract.M_EVAL_STEP, "Step of the last evaluation on the held-out samples (steps).",
+                               registry=None)
+        self._eval_registered = False
         self.mem_active = Gauge(contract.M_MEMORY_MAX_ACTIVE, "Peak active device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
         self.mem_reserved = Gauge(contract.M_MEMORY_MAX_RESERVED, "Peak reserved device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
         self.ckpt_duration = Histogram(contract.M_CHECKPOINT_SAVE_DURATION, "Time training was blocked by a checkpoint save (staging only with async saves) (seconds).", buckets=CKPT_BUCKETS, registry=r)
@@ -216,6 +239,24 @@ class Exporter:
             self.registry.register(self.loss)
             self._loss_registered = True
 
+    def data_tokens(self, totals: dict[str, int]) -> None:
+        """Tokens each source has given the job so far (absolute; the counters advance by the difference)."""
+        for source, total in totals.items():
+            seen = self._data_tokens.get(source, 0)
+            if total > seen:
+                self.data_tokens_total.labels(source=source).inc(total - seen)
+                self._data_tokens[source] = total
+
+    def eval_done(self, step: int, loss: float) -> None:
+        """A held-out evaluation at ``step``; the eval series appear on /metrics with the first one."""
+        self.eval_loss.set(loss)
+        self.eval_perplexity.set(eval_perplexity(loss))
+        self.eval_step.set(step)
+        if not self._eval_registered:
+            for g in (self.eval_loss, self.eval_perplexity, self.eval_step):
+                self.registry.register(g)
+            self._eval_registered = True
+
     def step_done(self, step: int, seconds: float) -> None:
         self.step.set(step)
         self.step_duration.observe(seconds)
@@ -254,6 +295,42 @@ class Exporter:
         self.ckpt_ts.set(time.time())
 
 
+class NoPeakLogFilter(logging.Filter):
+    """Without a known peak (CPU, an unlisted GPU) torchtitan divides by an A100's and logs an MFU anyway: this filter
+    on its (root) logger drops the fallback warning, says once that MFU is not computed, and shows the step line's
+    MFU as n/a (the texts are ``compat``'s, each with a canary)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = device
+        self._mfu = re.compile(compat.STEP_LOG_MFU)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if compat.PEAK_FALLBACK_LOG in msg:
+            return False
+        if compat.PEAK_USED_LOG in msg:
+            record.msg, record.args = (f"MFU is not computed: no bf16 peak is known for this device ({self.device}); "
+                                       f"{contract.M_MFU} is not exported"), ()
+            return True
+        if "mfu: " in msg and self._mfu.search(msg):
+            record.msg, record.args = self._mfu.sub("  mfu: n/a", msg), ()
+        return True
+
+
+class _WithoutKeys:
+    """A metric logger (torchtitan's container) that leaves ``keys`` out of what it logs."""
+
+    def __init__(self, inner: Any, keys: set[str]) -> None:
+        self.inner, self.keys = inner, keys
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.inner.log({k: v for k, v in metrics.items() if k not in self.keys}, step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def _job_start() -> float:
     try:
         return float(os.environ.get(contract.ENV_JOB_START_TIME, ""))
@@ -285,6 +362,11 @@ class KubetitanMetricsProcessor(MetricsProcessor):
         )
         # torchtitan divides by this for its own console MFU; it must not be zero.
         self.gpu_peak_flops = self.peak_flops or 1e12
+        if self.peak_flops is None:
+            device = "cpu" if cpu_bridge.needed() else (self.device_memory_monitor.device_name or "unknown")
+            self._no_peak_filter = NoPeakLogFilter(device)
+            logging.getLogger().addFilter(self._no_peak_filter)  # torchtitan logs through the root logger
+            self.logger = _WithoutKeys(self.logger, {compat.STEP_METRIC_MFU})
         self.ntokens_since_last_log = 0
         self.data_loading_times = []
         self.time_last_log = time.perf_counter()
@@ -346,6 +428,19 @@ class KubetitanMetricsProcessor(MetricsProcessor):
                    "flops_per_second_per_gpu": flops, "mfu_ratio": mfu, "tokens": global_tokens, "time": time.time(),
                    "attempt": self.attempt, "generation": self.generation}
             with open(self.step_log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+    def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
+        """torchtitan's validation log line, plus the eval metrics and a line in ``kubetitan/evals.jsonl``."""
+        loss = float(loss)
+        self.exporter.eval_done(step, loss)
+        extra = {**(extra_metrics or {}), "validation_metrics/perplexity": eval_perplexity(loss)}
+        super().log_validation(loss, step, extra_metrics=extra)
+        if self.step_log is not None:
+            rec = {"step": step, "eval_loss": loss, "eval_perplexity": eval_perplexity(loss), "time": time.time(),
+                   "attempt": self.attempt, "generation": self.generation}
+            with open(self.step_log.with_name("evals.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
 

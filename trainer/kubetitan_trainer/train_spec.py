@@ -32,6 +32,7 @@ from kubetitan_core.render import TRAIN_SPEC_NAME
 from kubetitan_trainer import compat, cpu_bridge
 from kubetitan_trainer.data import build_dataloader
 from kubetitan_trainer.errors import ConfigError
+from kubetitan_trainer.evaluation import build_validator
 from kubetitan_trainer.metrics import build_metrics_processor
 from kubetitan_trainer.tokenizer import build_tokenizer
 
@@ -121,7 +122,7 @@ def build_train_spec() -> TrainSpec:
         build_dataloader_fn=build_dataloader,
         build_tokenizer_fn=build_tokenizer,
         build_metrics_processor_fn=build_metrics_processor,
-        build_validator_fn=None,
+        build_validator_fn=build_validator,
     )
 
 

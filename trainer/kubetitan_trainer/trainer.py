@@ -33,7 +33,7 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, heartbeat, netcheck, restore_tier
+from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, data, heartbeat, netcheck, restore_tier
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
@@ -104,6 +104,7 @@ class KubetitanTrainer(Trainer):
 
     def _after_load(self) -> None:
         ex = self.metrics_processor.exporter
+        data.attach(self.dataloader, self.job_config, ex, lambda: self.step)
         ex.carried(self.productive_seconds)
         ex.step.set(self.step)
         ex.resumed_from.set(self.step)

@@ -195,16 +195,55 @@ class ShardsDataSpec(_Base):
     """Token dtype of the shards; `auto` reads it from `index.json`."""
 
 
-class DataSpec(_Base):
-    """Where the training tokens come from."""
+class MixtureSourceSpec(_Base):
+    """One dataset of a weighted mixture: pre-tokenized shards and their share of the samples."""
 
-    source: Literal["synthetic", "huggingface", "shards"] = "synthetic"
+    shards: ShardsDataSpec
+    """The source's shards (written by `kubetitan prepare-data`)."""
+    weight: float = Field(gt=0, le=1_000_000)
+    """Share of the training samples (and so of the tokens) drawn from this source, relative to the other
+    sources' weights: 3 and 1 mean 75% and 25%. Realised exactly: after any n samples each source has had
+    its share of n, give or take less than one sample."""
+    name: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+    """Name of the source in metrics (the `source` label of `kubetitan_trainer_data_tokens_total`); unset means
+    the shards directory's name."""
+
+
+class EvalSpec(_Base):
+    """Held-out evaluation: the loss on samples never trained on, every `intervalSteps` steps."""
+
+    interval_steps: int = Field(default=100, ge=1, le=1_000_000_000)
+    """Steps between two evaluations (also at step 1)."""
+    samples: int = Field(default=256, ge=1, le=10_000_000)
+    """Held-out sequences evaluated each time, over all data-parallel ranks (rounded down to a multiple of
+    `localBatchSize` x data-parallel degree); the same ones every time."""
+    held_out_percent: float = Field(default=1.0, gt=0, le=50)
+    """Without `shards`: the last this many percent of every training source's sequences are held out (never
+    trained on) and evaluated."""
+    shards: ShardsDataSpec | None = None
+    """A separate held-out dataset (shards written by `kubetitan prepare-data`); unset means a split of the
+    training data (`heldOutPercent`). Required with `data.source: huggingface`."""
+
+
+class DataSpec(_Base):
+    """Where the training tokens come from, in which order, and what is held out."""
+
+    source: Literal["synthetic", "huggingface", "shards", "mixture"] = "synthetic"
     """`synthetic`: random tokens (benchmarks); `huggingface`: a streamed text dataset
-    tokenized on the fly; `shards`: pre-tokenized files on a volume."""
+    tokenized on the fly; `shards`: pre-tokenized files on a volume; `mixture`: several shards
+    directories mixed by weight (`mixture`)."""
     huggingface: HuggingFaceDataSpec | None = None
     """Settings for `source: huggingface`; unset means c4 `en` `train`, streamed."""
     shards: ShardsDataSpec | None = None
     """Settings for `source: shards` (required there)."""
+    mixture: list[MixtureSourceSpec] = Field(default_factory=list, max_length=64)
+    """The sources of `source: mixture` (required there, and only there), each with its weight."""
+    order: Literal["shuffled", "sequential"] = "shuffled"
+    """Order of the sequences of `shards` and `mixture` sources: `shuffled` (a permutation of all sequences
+    per epoch, seeded by `training.seed`, the same for any number of GPUs) or `sequential` (corpus order).
+    A streamed `huggingface` dataset is read in its own order."""
+    eval: EvalSpec | None = None
+    """Held-out evaluation (loss and perplexity in metrics, status and the dashboard); unset means none."""
     volume: VolumeClaim | None = None
     """A claim mounted at `mountPath` that holds data (shards or a dataset copy)."""
     mount_path: str = Field(default="/data", pattern=r"^/")
@@ -537,6 +576,12 @@ class TrainingStatus(_Base):
     """Achieved model TFLOP/s per GPU."""
     mfu: float | None = None
     """Model FLOPs utilisation, ratio 0-1 of the GPU's dense bf16 peak."""
+    eval_loss: float | None = None
+    """Loss on the held-out samples (`spec.data.eval`) at `evalStep`, nats per token."""
+    eval_perplexity: float | None = None
+    """Perplexity on the held-out samples at `evalStep` (exp of `evalLoss`)."""
+    eval_step: int | None = None
+    """Step of the newest held-out evaluation."""
     last_checkpoint_step: int | None = None
     """Step of the newest complete checkpoint."""
     eta: str | None = None

@@ -105,6 +105,10 @@ def trainer_config(lpt: LlamaPretrain, dump_folder: str | None = None) -> dict[s
             "train_timeout_seconds": max(60, s.run_policy.hang_timeout_seconds // 2),
         },
     }
+    if s.data.eval is not None:
+        # torchtitan's own validation loop (kubetitan's held-out loader, kubetitan_trainer.evaluation); steps -1:
+        # the whole held-out set, finite and equal on every rank.
+        cfg["validation"] = {"enable": True, "freq": s.data.eval.interval_steps, "steps": -1}
     if t.decay_ratio is not None:
         cfg["lr_scheduler"]["decay_ratio"] = t.decay_ratio
     if t.seed is not None:
@@ -172,6 +176,18 @@ def _kubetitan_table(lpt: LlamaPretrain) -> dict[str, Any]:
         )
     if d.source == "shards" and d.shards is not None:
         table["data"].update({"shards_path": d.shards.path, "shards_dtype": d.shards.dtype})
+    if d.source == "mixture" and d.mixture:
+        table["data"].update({"mixture_paths": [m.shards.path for m in d.mixture],
+                              "mixture_weights": [m.weight for m in d.mixture],
+                              "mixture_names": [m.name or "" for m in d.mixture],
+                              "mixture_dtypes": [m.shards.dtype for m in d.mixture]})
+    table["data"]["order"] = d.order
+    if d.eval is not None:
+        table["data"]["eval_samples"] = d.eval.samples
+        if d.eval.shards is not None:
+            table["data"]["eval_shards_path"] = d.eval.shards.path
+        else:
+            table["data"]["held_out_percent"] = d.eval.held_out_percent
     if tok.path:
         table["tokenizer"]["path"] = tok.path
     if tok.repo:

@@ -177,6 +177,17 @@ RULES: tuple[Rule, ...] = (
              "self.data.source != 'shards' || has(self.data.shards)",
              "data.shards is required when data.source is shards",
              ".data.shards")),
+    Rule("data.mixture-required", "spec.data.mixture", "set exactly when data.source is mixture",
+         cel=Cel(
+             "(self.data.source == 'mixture') == (has(self.data.mixture) && size(self.data.mixture) > 0)",
+             "data.mixture is required when data.source is mixture, and only then",
+             ".data.mixture")),
+    Rule("data.eval-held-out", "spec.data.eval", "eval.shards set when data.source is huggingface (a stream has no "
+         "held-out split)",
+         cel=Cel(
+             "!has(self.data.eval) || self.data.source != 'huggingface' || has(self.data.eval.shards)",
+             "data.eval.shards is required with data.source huggingface (a streamed dataset cannot be split)",
+             ".data.eval")),
     Rule("tokenizer.path-required", "spec.tokenizer.path", "set when tokenizer.source is path",
          "kubetitan.tokenizer.path (holds tokenizer.json)",
          cel=Cel(
@@ -217,7 +228,7 @@ RULES: tuple[Rule, ...] = (
              ".runPolicy.maxBackoffSeconds")),
     Rule("monitoring.port", "spec.monitoring.metricsPort", "not torchrun's rendezvous port 29500"),
     Rule("path.no-dot-dot", "spec.checkpoint.mountPath, data.mountPath, checkpoint.storage.hostPath, tokenizer.path, "
-         "data.shards.path", "absolute, no '..' component"),
+         "data.shards.path, data.mixture[].shards.path, data.eval.shards.path", "absolute, no '..' component"),
     Rule("mounts.no-collision", "spec.checkpoint.mountPath, spec.data.mountPath",
          "no mount at, above or inside another (/etc/kubetitan, /dev/shm, checkpoint, data)"),
     Rule("pod.env", "spec.resources.env", "Kubernetes EnvVar (schema, name, value xor one valueFrom, refs)"),
@@ -727,6 +738,25 @@ def _data_shards_required(f: Facts) -> Problems:
         yield "spec.data.shards", "is required when data.source is shards: set data.shards.path"
 
 
+@check("data.mixture-required")
+def _data_mixture_required(f: Facts) -> Problems:
+    d = f.spec.data
+    if d.source == "mixture" and not d.mixture:
+        yield "spec.data.mixture", ("is required when data.source is mixture: add the sources, each with "
+                                    "shards.path and a weight")
+    elif d.source != "mixture" and d.mixture:
+        yield "spec.data.mixture", f"is only read when data.source is mixture (it is {d.source}); set the source or remove it"
+
+
+@check("data.eval-held-out")
+def _data_eval_held_out(f: Facts) -> Problems:
+    d = f.spec.data
+    if d.eval is not None and d.source == "huggingface" and d.eval.shards is None:
+        yield "spec.data.eval", ("shards is required with data.source huggingface: a streamed dataset has no held-out "
+                                        "split; prepare a held-out set with `kubetitan prepare-data` and point "
+                                        "data.eval.shards.path at it, or train on shards")
+
+
 @check("tokenizer.path-required")
 def _tokenizer_path_required(f: Facts) -> Problems:
     if f.spec.tokenizer.source == "path" and not f.spec.tokenizer.path:
@@ -827,6 +857,10 @@ def _path_no_dot_dot(f: Facts) -> Problems:
              ("checkpoint.storage.hostPath", s.checkpoint.storage.host_path), ("tokenizer.path", s.tokenizer.path)]
     if s.data.shards is not None:
         paths.append(("data.shards.path", s.data.shards.path))
+    for i, m in enumerate(s.data.mixture or []):
+        paths.append((f"data.mixture[{i}].shards.path", m.shards.path))
+    if s.data.eval is not None and s.data.eval.shards is not None:
+        paths.append(("data.eval.shards.path", s.data.eval.shards.path))
     for path, value in paths:
         if value is not None and ".." in value.split("/"):
             yield f"spec.{path}", f"{value!r} contains a '..' component; give the absolute path without it"

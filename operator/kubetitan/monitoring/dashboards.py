@@ -168,6 +168,14 @@ def run_panels(cfg: MonitoringConfig = DEFAULT) -> list[Panel]:
               "now).", [Target(q.finish_time_ms(cfg), "finish")], unit="dateTimeAsIso", width=6, kind="stat"),
         Panel("Loss", "Training loss (torchtitan's global average over data-parallel ranks).",
               [Target(q.loss(cfg), "loss")]),
+        Panel("Eval loss", "Loss on the held-out samples (`spec.data.eval`: the same samples at step 1 and every "
+              "`intervalSteps`), next to the training loss. A gap that widens is overfitting.",
+              [Target(q.eval_loss(cfg), "eval loss"), Target(q.loss(cfg), "training loss")]),
+        Panel("Tokens by data source", "Tokens/s each data source feeds the run (`spec.data.mixture` weights; "
+              "one series for a single source).", [Target(q.data_tokens_rate_by_source(cfg), "{{source}}")],
+              width=6),
+        Panel("Eval perplexity", "Perplexity on the held-out samples at the newest evaluation (exp of the eval "
+              "loss).", [Target(q.eval_perplexity(cfg), "perplexity")], width=6, kind="stat"),
         Panel("Gradient norm", "Total gradient norm before clipping (`training.maxNorm`).",
               [Target(q.grad_norm(cfg), "grad norm")]),
         Panel("Tokens/s per GPU", "Training throughput per GPU, averaged over pods and per pod "

@@ -61,6 +61,20 @@ def loss(cfg: MonitoringConfig) -> str:
     return f"max({c.M_LOSS}{{{run_selector(cfg)}}})"
 
 
+def eval_loss(cfg: MonitoringConfig) -> str:
+    """Held-out loss of the newest evaluation (spec.data.eval); absent before the first one."""
+    return f"max({c.M_EVAL_LOSS}{{{run_selector(cfg)}}})"
+
+
+def eval_perplexity(cfg: MonitoringConfig) -> str:
+    return f"max({c.M_EVAL_PERPLEXITY}{{{run_selector(cfg)}}})"
+
+
+def data_tokens_rate_by_source(cfg: MonitoringConfig) -> str:
+    """Tokens/s each data source feeds the job (every pod counts the whole global stream: max, not sum)."""
+    return f"max by (source) (rate({c.M_DATA_TOKENS}{{{run_selector(cfg)}}}[{RATE}]))"
+
+
 def grad_norm(cfg: MonitoringConfig) -> str:
     return f"max({c.M_GRAD_NORM}{{{run_selector(cfg)}}})"
 

@@ -1,0 +1,270 @@
+"""The data loader's pure parts: the seeded permutation, the mixture schedule, the global position each rank reads
+(a table over world size, local batch and gradient accumulation, with resumes at another world size), the held-out
+loader and the eval metrics. No torch distributed, no training: the ledger test (test_ledger.py) runs the trainer."""
+
+from __future__ import annotations
+
+import math
+import numpy as np
+import pytest
+
+from kubetitan_trainer import data
+from kubetitan_trainer.data import (EvalLoader, GlobalDataLoader, GlobalStream, MixSchedule, WindowSource,
+                                    epoch_permutation, integer_weights, rank_slice)
+from kubetitan_trainer.errors import ConfigError
+
+
+class ArangeShards:
+    """A token stream whose token at offset o is o: a window's tokens say which window it is."""
+
+    dtype = "uint32"
+
+    def __init__(self, total_tokens: int) -> None:
+        self.total_tokens = total_tokens
+
+    def read(self, offset: int, n: int) -> np.ndarray:
+        assert 0 <= offset and offset + n <= self.total_tokens
+        return np.arange(offset, offset + n, dtype=np.int64)
+
+
+SEQ = 7  # windows of 8 tokens
+
+
+def source(name: str, windows: int, held_out_percent: float = 0.0) -> WindowSource:
+    return WindowSource(name, ArangeShards(windows * (SEQ + 1) + 3), SEQ, held_out_percent)
+
+
+# ------------------------------------------------------------------ permutation
+def test_epoch_permutation_is_seeded_deterministic_and_a_permutation():
+    a = epoch_permutation(1000, seed=7, source=0, epoch=0)
+    assert a.dtype == np.int32 and sorted(a.tolist()) == list(range(1000))
+    assert np.array_equal(a, epoch_permutation(1000, seed=7, source=0, epoch=0))
+    others = [epoch_permutation(1000, 8, 0, 0), epoch_permutation(1000, 7, 1, 0), epoch_permutation(1000, 7, 0, 1)]
+    assert all(not np.array_equal(a, o) for o in others)  # seed, source and epoch each change the order
+    # pinned: numpy's PCG64 stream for this seed (a numpy that changed it would reorder every resumed run)
+    assert a[:6].tolist() == [816, 923, 151, 900, 213, 100]  # numpy 2.4.6
+
+
+def test_a_shuffled_source_visits_every_window_once_per_epoch_and_reshuffles():
+    s = GlobalStream([source("a", 50)], [1.0], seed=3, shuffled=True)
+    first, second = s.take(50), s.take(50)
+    assert sorted(x.window for x in first) == list(range(50)) == sorted(x.window for x in second)
+    assert [x.window for x in first] != [x.window for x in second] != list(range(50))
+    assert {x.epoch for x in first} == {0} and {x.epoch for x in second} == {1}
+    seq = GlobalStream([source("a", 50)], [1.0], seed=3, shuffled=False).take(60)
+    assert [x.window for x in seq] == list(range(50)) + list(range(10))  # sequential: corpus order, then loops
+
+
+def test_the_synthetic_source_is_never_permuted():
+    from kubetitan_trainer.data import SyntheticSource
+
+    syn = SyntheticSource(2048, SEQ, seed=3)
+    got = GlobalStream([syn], [1.0], seed=3, shuffled=True).take(5)  # a permutation of 2**40 windows would not fit
+    assert [x.window for x in got] == [0, 1, 2, 3, 4]
+    mixed = GlobalStream([syn, source("a", 10)], [1.0, 1.0], seed=3, shuffled=True).take(40)
+    assert sorted(x.window for x in mixed if x.source == 1) == sorted(list(range(10)) * 2)
+
+
+# ------------------------------------------------------------------ mixture
+@pytest.mark.parametrize("weights", [[1.0, 1.0], [3.0, 1.0], [0.7, 0.2, 0.1], [1 / 3, 2 / 3], [5.0], [0.01, 0.99],
+                                     [2.5, 2.5, 5.0, 0.001]])
+def test_mixture_schedule_holds_the_weights_within_one_sample_at_every_prefix(weights):
+    sched = MixSchedule(weights)
+    shares = [w / sum(weights) for w in weights]
+    picks = [sched.next() for _ in range(20_000)]
+    counts = [0] * len(weights)
+    for n, i in enumerate(picks, 1):
+        counts[i] += 1
+        assert all(abs(c - n * w) < 1 + 1e-9 for c, w in zip(counts, shares)), (n, counts)
+
+
+def test_integer_weights_keep_the_ratios_and_refuse_non_positive_ones():
+    assert integer_weights([3.0, 1.0]) == [3, 1]
+    assert integer_weights([0.75, 0.25]) == [3, 1]
+    assert integer_weights([0.5, 0.5, 1]) == [1, 1, 2]
+    with pytest.raises(ConfigError, match="positive weight"):
+        integer_weights([1.0, 0.0])
+
+
+def test_each_mixture_source_has_its_own_shuffled_epochs():
+    s = GlobalStream([source("a", 30), source("b", 11)], [1.0, 3.0], seed=1, shuffled=True)
+    got = s.take(400)
+    for i, n in ((0, 30), (1, 11)):
+        mine = [x for x in got if x.source == i]
+        for e in range(len(mine) // n):
+            assert sorted(x.window for x in mine[e * n:(e + 1) * n]) == list(range(n))
+    assert s.state()["source_draws"] == [100, 300] and s.state()["consumed_samples"] == 400
+
+
+# ------------------------------------------------------------------ global position
+def run_steps(stream_factory, state, W, b, A, steps):
+    """Train ``steps`` steps at world size W, local batch b, accumulation A from ``state``: the global positions each
+    step trained (rank by rank) and the loaders' states afterwards (one per rank)."""
+    loaders = []
+    for r in range(W):
+        ld = GlobalDataLoader(stream_factory(), dp_rank=r, dp_world_size=W, local_batch=b)
+        if state is not None:
+            ld.load_state_dict(state)
+        loaders.append(ld)
+    seen = []
+    for r, ld in enumerate(loaders):
+        it = iter(ld)
+        for s in range(steps):
+            for m in range(A):
+                inputs, labels = next(it)
+                assert inputs["input"].shape == (b, SEQ) and labels.shape == (b, SEQ)
+                seen.append((s, r, m, inputs["input"][:, 0].tolist()))
+    states = [ld.state_dict() for ld in loaders]
+    return seen, states
+
+
+CASES = [  # (W, b, A): global batch B = W*b*A
+    (1, 1, 1), (2, 1, 1), (3, 1, 1), (1, 4, 1), (2, 2, 1), (4, 1, 3), (3, 2, 2), (2, 3, 1), (6, 1, 1), (1, 1, 6),
+    (2, 1, 3), (3, 1, 2), (5, 2, 1), (1, 2, 5), (8, 1, 2), (2, 4, 2),
+]
+
+
+@pytest.mark.parametrize("W,b,A", CASES, ids=[f"W{w}-b{b}-A{a}" for w, b, a in CASES])
+def test_rank_slice_tiles_each_step_with_the_global_batch(W, b, A):
+    B = W * b * A
+    for s in range(3):
+        got = sorted(p for m in range(A) for r in range(W) for p in rank_slice(s * B, m, r, W, b))
+        assert got == list(range(s * B, (s + 1) * B))
+
+
+def _factory(shuffled=True):
+    return lambda: GlobalStream([source("a", 37), source("b", 23)], [2.0, 1.0], seed=11, shuffled=shuffled)
+
+
+def _global_sequence(seen, W, b, A):
+    """The global stream positions trained, in stream order: micro-batch m of step s holds W*b samples, rank r the
+    r-th b of them."""
+    slots = {}
+    for s, r, m, firsts in seen:
+        for i, t in enumerate(firsts):
+            slots[(s, m, r, i)] = t
+    return [slots[k] for k in sorted(slots)]
+
+
+@pytest.mark.parametrize("W,b,A", CASES, ids=[f"W{w}-b{b}-A{a}" for w, b, a in CASES])
+def test_every_world_size_trains_the_same_global_stream(W, b, A):
+    """Rank r's micro-batch m of step s holds global samples [s*B + m*W*b + r*b, +b): the stream in order."""
+    B = W * b * A
+    f = _factory()
+    want = [f().tokens(x)[0] for x in f().take(4 * B)]
+    seen, states = run_steps(f, None, W, b, A, 4)
+    assert _global_sequence(seen, W, b, A) == want
+    assert all(st == states[0] for st in states)  # the state is global: the same on every rank
+    assert data.json.loads(states[0][data._STATE_KEY])["consumed_samples"] == 4 * B
+
+
+RESUMES = [  # a chain of (W, b, A) legs with the same global batch B = 12, each leg 3 steps, resumed from the last
+    [(2, 1, 6), (1, 1, 12), (3, 1, 4)],
+    [(2, 2, 3), (4, 3, 1), (6, 1, 2), (1, 12, 1)],
+    [(3, 4, 1), (2, 3, 2), (12, 1, 1)],
+]
+
+
+@pytest.mark.parametrize("legs", RESUMES, ids=["->".join(f"W{w}b{b}A{a}" for w, b, a in legs) for legs in RESUMES])
+def test_a_resume_at_another_world_size_continues_the_same_stream(legs):
+    f = _factory()
+    B = 12
+    total = 3 * len(legs)
+    want = [f().tokens(x)[0] for x in f().take(total * B)]
+    got, state = [], None
+    for W, b, A in legs:
+        assert W * b * A == B
+        seen, states = run_steps(f, state, W, b, A, 3)
+        got += _global_sequence(seen, W, b, A)
+        state = states[0]
+    assert got == want  # no sample skipped, none repeated, same order
+
+
+def test_a_resume_with_changed_sources_replays_the_new_mixture_to_the_saved_position():
+    f = _factory()
+    ld = GlobalDataLoader(f(), dp_rank=0, dp_world_size=1, local_batch=5)
+    it = iter(ld)
+    next(it), next(it)
+    state = ld.state_dict()
+    other = GlobalStream([source("a", 37), source("c", 23)], [1.0, 1.0], seed=11, shuffled=True)
+    GlobalDataLoader(other, dp_rank=0, dp_world_size=1, local_batch=5).load_state_dict(state)
+    assert other.position == 10 and other.schedule.counts == [5, 5]
+
+
+def test_a_per_rank_checkpoint_state_is_a_config_error():
+    ld = GlobalDataLoader(_factory()(), dp_rank=0, dp_world_size=2, local_batch=1)
+    with pytest.raises(ConfigError, match="not a global one"):
+        ld.load_state_dict({"dp_rank_0": b"x", "world_size": 2})
+
+
+# ------------------------------------------------------------------ held out
+def test_held_out_windows_are_the_tail_and_never_trained():
+    s = source("a", 200, held_out_percent=5)
+    assert (s.windows, s.held_out_windows) == (190, 10)
+    trained = {x.window for x in GlobalStream([s], [1.0], seed=0, shuffled=True).take(190 * 3)}
+    assert trained == set(range(190))
+    assert s.held_out(0)[0] == 190 * (SEQ + 1)
+    with pytest.raises(ConfigError, match="none left to train on"):
+        source("tiny", 1, held_out_percent=50)
+
+
+@pytest.mark.parametrize("W,b", [(1, 1), (2, 1), (3, 2), (4, 4)])
+def test_eval_loader_gives_every_rank_the_same_number_of_batches_and_covers_the_set(W, b):
+    samples = 30
+    read = lambda p: np.full(SEQ + 1, p, dtype=np.int64)  # noqa: E731
+    loaders = [EvalLoader(read, samples, dp_rank=r, dp_world_size=W, local_batch=b) for r in range(W)]
+    batches = [list(ld) for ld in loaders]
+    n = samples // (W * b)
+    assert all(len(bs) == n for bs in batches)
+    got = sorted(int(x) for bs in batches for inp, _ in bs for x in inp["input"][:, 0])
+    assert got == list(range(n * W * b))
+    assert [int(x) for inp, _ in list(loaders[0]) for x in inp["input"][:, 0]] == \
+        [int(x) for inp, _ in batches[0] for x in inp["input"][:, 0]]  # the same samples at every evaluation
+
+
+def test_eval_metrics_appear_with_the_first_evaluation():
+    from prometheus_client import generate_latest
+
+    from kubetitan_core import contract
+    from kubetitan_trainer.metrics import Exporter, eval_perplexity
+
+    ex = Exporter(peak_flops=None, total_steps=10, attempt=0, job_start=0.0)
+    assert contract.M_EVAL_LOSS.encode() not in generate_latest(ex.registry)
+    ex.eval_done(5, 2.0)
+    text = generate_latest(ex.registry).decode()
+    assert f"{contract.M_EVAL_LOSS} 2.0" in text and f"{contract.M_EVAL_STEP} 5.0" in text
+    assert f"{contract.M_EVAL_PERPLEXITY} {math.exp(2.0)}" in text
+    assert eval_perplexity(1000.0) == math.inf
+    ex.data_tokens({"a": 80, "b": 16})
+    ex.data_tokens({"a": 160, "b": 16})
+    text = generate_latest(ex.registry).decode()
+    assert f'{contract.M_DATA_TOKENS}{{source="a"}} 160.0' in text and f'{contract.M_DATA_TOKENS}{{source="b"}} 16.0' in text
+
+
+def test_init_validator_sets_what_the_base_init_sets():
+    from kubetitan_trainer import compat
+
+    class Bare:
+        """An object the base class's __init__ never ran on."""
+
+    v = Bare()
+    compat.init_validator(v, **{name: name for name in compat.VALIDATOR_ATTRIBUTES})
+    assert vars(v) == {name: name for name in compat.VALIDATOR_ATTRIBUTES}
+
+
+def test_a_streamed_dataset_resumed_at_another_dp_degree_is_a_config_error_not_an_assertion():
+    import pickle
+
+    from torch.utils.data import IterableDataset
+
+    from kubetitan_trainer.data import LocalDataLoader
+
+    class Empty(IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    saved = LocalDataLoader(Empty(), dp_rank=0, dp_world_size=2, batch_size=1).state_dict()
+    assert saved["world_size"] == 2 and pickle.loads(saved["dp_rank_0"])
+    with pytest.raises(ConfigError, match="saved at data-parallel degree 2, this run has 1.*data.source shards"):
+        LocalDataLoader(Empty(), dp_rank=0, dp_world_size=1, batch_size=1).load_state_dict(saved)
+    LocalDataLoader(Empty(), dp_rank=0, dp_world_size=2, batch_size=1).load_state_dict(saved)  # same degree: fine
