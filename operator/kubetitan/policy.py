@@ -60,6 +60,11 @@ KNOBS: tuple[Knob, ...] = (
          "Taint keys the pods may tolerate (the `key` of each `spec.resources.tolerations` entry; a toleration without a key "
          "tolerates every taint and is allowed only by `*`). The operator's own `nvidia.com/gpu` toleration is "
          "always added. Default: any."),
+    Knob("s3_endpoint_prefixes", "s3EndpointPrefixes", ("https://",),
+         "Prefixes `spec.checkpoint.storage.s3.endpoint` (an S3-compatible store) must start with, e.g. "
+         "`https://minio.storage.svc:9000`; AWS's own endpoints (the field unset) are always allowed. Default: any "
+         "https endpoint; add an `http://` one only for a store inside the cluster network (checkpoints and signed "
+         "requests travel in clear)."),
 )
 _BY_KEY = {k.key: k for k in KNOBS}
 
@@ -73,6 +78,7 @@ class Policy:
     priority_classes: tuple[str, ...] = (ANY,)
     image_prefixes: tuple[str, ...] = (ANY,)
     toleration_keys: tuple[str, ...] = (ANY,)
+    s3_endpoint_prefixes: tuple[str, ...] = ("https://",)
 
     def describe(self) -> str:
         """One line for the operator's start-up log."""
@@ -165,12 +171,24 @@ def _tolerations(lpt: LlamaPretrain, p: Policy) -> list[Violation]:
     return out
 
 
+def _s3_endpoint(lpt: LlamaPretrain, p: Policy) -> list[Violation]:
+    s3 = lpt.spec.checkpoint.storage.s3
+    endpoint = s3.endpoint if s3 is not None else None
+    if endpoint is None or ANY in p.s3_endpoint_prefixes or any(endpoint.startswith(x) for x in p.s3_endpoint_prefixes):
+        return []
+    return [Violation("spec.checkpoint.storage.s3.endpoint",
+                      f"S3 endpoint {endpoint} does not start with a prefix this cluster's kubetitan policy allows "
+                      f"({_allowed(p.s3_endpoint_prefixes)}); use an https:// endpoint, or "
+                      f"{_fix(_BY_KEY['s3EndpointPrefixes'])}", "policy.s3EndpointPrefixes")]
+
+
 CHECKS: tuple[tuple[str, Callable[[LlamaPretrain, Policy], list[Violation]]], ...] = (
     ("hostPathPrefixes", _host_path),
     ("serviceAccounts", _service_account),
     ("priorityClasses", _priority_class),
     ("imagePrefixes", _image),
     ("tolerationKeys", _tolerations),
+    ("s3EndpointPrefixes", _s3_endpoint),
 )
 
 

@@ -80,6 +80,15 @@ CASES = [
      {"resources": {"tolerations": [{"key": "node.kubernetes.io/unreachable", "operator": "Exists"}]}},
      ["spec.resources.tolerations[0]"]),
     ("toleration-operator-own-gpu-not-checked", Policy(toleration_keys=()), {}, []),
+    # s3EndpointPrefixes: any https endpoint by default; AWS's own (no endpoint) always
+    ("s3-endpoint-https-default", Policy(), {"checkpoint": {"storage": {"s3": {
+        "uri": "s3://ck-bucket/run", "endpoint": "https://minio.storage:9000"}}}}, []),
+    ("s3-endpoint-http-refused", Policy(), {"checkpoint": {"storage": {"s3": {
+        "uri": "s3://ck-bucket/run", "endpoint": "http://minio.storage:9000"}}}}, ["spec.checkpoint.storage.s3.endpoint"]),
+    ("s3-endpoint-http-allowed", Policy(s3_endpoint_prefixes=("https://", "http://minio.storage:9000")),
+     {"checkpoint": {"storage": {"s3": {"uri": "s3://ck-bucket/run", "endpoint": "http://minio.storage:9000"}}}}, []),
+    ("s3-endpoint-aws-always", Policy(s3_endpoint_prefixes=()), {"checkpoint": {"storage": {"s3": {
+        "uri": "s3://ck-bucket/run"}}}}, []),
 ]
 
 
@@ -97,7 +106,7 @@ def test_policy_table(pol, spec, want):
 def test_every_knob_has_a_refusing_and_an_accepting_row():
     refused = {c[0] for c in CASES if c[3]}
     accepted = {c[0] for c in CASES if not c[3]}
-    for prefix in ("host-path", "sa-", "priority", "image", "toleration"):
+    for prefix in ("host-path", "sa-", "priority", "image", "toleration", "s3-endpoint"):
         assert any(r.startswith(prefix) for r in refused) and any(a.startswith(prefix) for a in accepted), prefix
     assert [k.attr for k in KNOBS] == [f for f in Policy.__dataclass_fields__]
     assert all(getattr(Policy(), k.attr) == k.default for k in KNOBS)
@@ -110,10 +119,11 @@ def test_messages_name_the_value_and_the_allowed_ones():
                       "add it to the kubetitan chart's policy.imagePrefixes")
 
 
-def test_default_policy_refuses_only_the_hostpath_examples():
+def test_default_policy_refuses_only_the_hostpath_and_service_account_examples():
     refused = {p.stem for p in EXAMPLES if policy.check(parse(load_example(p))[0], Policy())}
-    assert refused == {"debug-cpu", "llama3-1b-h200", "llama3-3b-h200"}
-    allow = Policy(host_path_prefixes=("/var/lib/kubetitan",))
+    # the hostPath examples, and the S3 one, whose pods run as the service account of its IAM role (Pod Identity)
+    assert refused == {"debug-cpu", "llama3-1b-h200", "llama3-3b-h200", "llama3-8b-p5-4node-s3"}
+    allow = Policy(host_path_prefixes=("/var/lib/kubetitan",), service_accounts=("default", "training/llama-training"))
     assert not [p for p in EXAMPLES if policy.check(parse(load_example(p))[0], allow)]
 
 

@@ -19,7 +19,7 @@ def test_chart_defaults_are_the_policy_defaults():
     assert _operator_policy() == Policy()
     values = yaml.safe_load((CHART / "values.yaml").read_text())["policy"]
     assert values == {"hostPathPrefixes": [], "serviceAccounts": ["default"], "priorityClasses": [ANY],
-                      "imagePrefixes": [ANY], "tolerationKeys": [ANY]}
+                      "imagePrefixes": [ANY], "tolerationKeys": [ANY], "s3EndpointPrefixes": ["https://"]}
 
 
 @pytest.mark.parametrize("sets, want", [
@@ -30,7 +30,9 @@ def test_chart_defaults_are_the_policy_defaults():
     (["policy.priorityClasses=null"], Policy()),
     (["policy.imagePrefixes={my-registry.invalid/ml/}"], Policy(image_prefixes=("my-registry.invalid/ml/",))),
     (["policy.tolerationKeys={dedicated,nvidia.com/gpu}"], Policy(toleration_keys=("dedicated", "nvidia.com/gpu"))),
-], ids=["host-path", "service-accounts", "priority-classes", "priority-null-is-default", "images", "tolerations"])
+    (["policy.s3EndpointPrefixes={https://,http://minio.storage:9000}"],
+     Policy(s3_endpoint_prefixes=("https://", "http://minio.storage:9000"))),
+], ids=["host-path", "service-accounts", "priority-classes", "priority-null-is-default", "images", "tolerations", "s3-endpoints"])
 def test_each_policy_value_reaches_the_operator(sets, want):
     assert _operator_policy(sets=sets) == want
 

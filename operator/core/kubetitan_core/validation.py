@@ -215,8 +215,8 @@ RULES: tuple[Rule, ...] = (
          "s3://bucket[/prefix]: an S3 bucket name (3-63 of a-z 0-9 . -, not an IP address), a prefix without empty, "
          "'.' or '..' segments", trainer="kubetitan.checkpoint_storage.s3_uri"),
     Rule("checkpoint.s3-endpoint", "spec.checkpoint.storage.s3.endpoint",
-         "an https:// URL with a host and no path, query or credentials (checkpoints and signed requests never travel "
-         "in clear)"),
+         "an http(s)://host[:port] URL without path, query or credentials (http only where the admin policy's "
+         "s3EndpointPrefixes allows it)"),
     Rule("run-policy.backoff-order", "spec.runPolicy.maxBackoffSeconds", "at least backoffSeconds",
          cel=Cel(
              "self.runPolicy.maxBackoffSeconds >= self.runPolicy.backoffSeconds",
@@ -973,9 +973,8 @@ def s3_endpoint_error(endpoint: str) -> str | None:
         _ = u.port
     except ValueError as e:
         return f"{endpoint!r} is not a URL ({e}); use the form https://host[:port]"
-    if u.scheme != "https":
-        return (f"{endpoint!r} is not https: checkpoints and signed requests must not travel in clear; use the "
-                "server's https:// URL")
+    if u.scheme not in ("https", "http"):
+        return f"{endpoint!r} is not an http(s) URL; use the server's https:// URL"
     if not u.hostname or u.username or u.password or u.path not in ("", "/") or u.query or u.fragment:
         return f"{endpoint!r} has credentials, a path or a query; use the form https://host[:port]"
     return None
