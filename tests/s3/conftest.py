@@ -2,7 +2,9 @@
 
 The server runs from its own venv (``.tools/moto-venv``, built by ``make moto``, part of ``make setup``), so its
 botocore and python-dateutil pins stay out of the project's venv. Nothing here mocks the S3 client: the trainer's
-``s3torchconnector`` client talks HTTP to the server (or to the proxy in front of it).
+``s3torchconnector`` client talks HTTP to the server (or to the proxy in front of it). Faults come from the proxy:
+moto 5.2.5's ``/moto-api`` offers no fault injection for S3 (its state transitions, recorder and batch/lambda
+settings only).
 """
 
 from __future__ import annotations
