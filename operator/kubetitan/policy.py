@@ -125,6 +125,11 @@ KNOBS: tuple[Knob, ...] = (
          "Schedulers the pods may name (`spec.scheduling.schedulerName`; unset means `default-scheduler` and "
          "always passes). Default: only `default-scheduler` (Kueue needs no other); add `volcano` or "
          "`scheduler-plugins-scheduler` when that gang scheduler is installed."),
+    Knob("s3_endpoint_prefixes", "s3EndpointPrefixes", ("https://",),
+         "Prefixes `spec.checkpoint.storage.s3.endpoint` (an S3-compatible store) must start with, e.g. "
+         "`https://minio.storage.svc:9000`; AWS's own endpoints (the field unset) are always allowed. Default: any "
+         "https endpoint; add an `http://` one only for a store inside the cluster network (checkpoints and signed "
+         "requests travel in clear)."),
 )
 _BY_KEY = {k.key: k for k in KNOBS}
 
@@ -141,6 +146,7 @@ class Policy:
     keyless_tolerations: bool = False
     node_labels: NodeLabels = DEFAULT_NODE_LABELS
     scheduler_names: tuple[str, ...] = ("default-scheduler",)
+    s3_endpoint_prefixes: tuple[str, ...] = ("https://",)
 
     def describe(self) -> str:
         """One line for the operator's start-up log."""
@@ -312,6 +318,17 @@ def _scheduler(lpt: LlamaPretrain, p: Policy) -> list[Violation]:
                       f"{_fix(_BY_KEY['schedulerNames'])}", "policy.schedulerNames")]
 
 
+def _s3_endpoint(lpt: LlamaPretrain, p: Policy) -> list[Violation]:
+    s3 = lpt.spec.checkpoint.storage.s3
+    endpoint = s3.endpoint if s3 is not None else None
+    if endpoint is None or ANY in p.s3_endpoint_prefixes or any(endpoint.startswith(x) for x in p.s3_endpoint_prefixes):
+        return []
+    return [Violation("spec.checkpoint.storage.s3.endpoint",
+                      f"S3 endpoint {endpoint} does not start with a prefix this cluster's kubetitan policy allows "
+                      f"({_allowed(p.s3_endpoint_prefixes)}); use an https:// endpoint, or "
+                      f"{_fix(_BY_KEY['s3EndpointPrefixes'])}", "policy.s3EndpointPrefixes")]
+
+
 CHECKS: tuple[tuple[str, Callable[[LlamaPretrain, Policy], list[Violation]]], ...] = (
     ("hostPathPrefixes", _host_path),
     ("serviceAccounts", _service_account),
@@ -320,6 +337,7 @@ CHECKS: tuple[tuple[str, Callable[[LlamaPretrain, Policy], list[Violation]]], ..
     ("tolerationKeys", _tolerations),  # also keylessTolerations
     ("nodeLabels", _node_labels),
     ("schedulerNames", _scheduler),
+    ("s3EndpointPrefixes", _s3_endpoint),
 )
 
 

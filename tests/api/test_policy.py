@@ -157,6 +157,15 @@ CASES = [
     ("scheduler-volcano-listed", Policy(scheduler_names=("default-scheduler", "volcano")),
      {"scheduling": {"schedulerName": "volcano"}}, []),
     ("scheduler-any", Policy(scheduler_names=(ANY,)), {"scheduling": {"schedulerName": "my-scheduler"}}, []),
+    # s3EndpointPrefixes: any https endpoint by default; AWS's own (no endpoint) always
+    ("s3-endpoint-https-default", Policy(), {"checkpoint": {"storage": {"s3": {
+        "uri": "s3://ck-bucket/run", "endpoint": "https://minio.storage:9000"}}}}, []),
+    ("s3-endpoint-http-refused", Policy(), {"checkpoint": {"storage": {"s3": {
+        "uri": "s3://ck-bucket/run", "endpoint": "http://minio.storage:9000"}}}}, ["spec.checkpoint.storage.s3.endpoint"]),
+    ("s3-endpoint-http-allowed", Policy(s3_endpoint_prefixes=("https://", "http://minio.storage:9000")),
+     {"checkpoint": {"storage": {"s3": {"uri": "s3://ck-bucket/run", "endpoint": "http://minio.storage:9000"}}}}, []),
+    ("s3-endpoint-aws-always", Policy(s3_endpoint_prefixes=()), {"checkpoint": {"storage": {"s3": {
+        "uri": "s3://ck-bucket/run"}}}}, []),
 ]
 
 
@@ -175,7 +184,8 @@ def test_policy_table(pol, spec, want):
 def test_every_knob_has_a_refusing_and_an_accepting_row():
     refused = {c[0] for c in CASES if c[3]}
     accepted = {c[0] for c in CASES if not c[3]}
-    for prefix in ("host-path", "sa-", "priority", "image", "toleration", "keyless", "labels", "scheduler"):
+    for prefix in ("host-path", "sa-", "priority", "image", "toleration", "keyless", "labels", "scheduler",
+                   "s3-endpoint"):
         assert any(r.startswith(prefix) for r in refused) and any(a.startswith(prefix) for a in accepted), prefix
     assert [k.attr for k in KNOBS] == [f for f in Policy.__dataclass_fields__]
     assert all(getattr(Policy(), k.attr) == k.default for k in KNOBS)
@@ -222,12 +232,16 @@ def test_messages_name_the_value_and_the_allowed_ones():
                       "add it to the kubetitan chart's policy.imagePrefixes")
 
 
-def test_default_policy_refuses_only_the_hostpath_and_priority_examples():
+def test_default_policy_refuses_only_the_hostpath_priority_and_service_account_examples():
     refused = {p.stem: [v.rule for v in policy.check(parse(load_example(p))[0], Policy())] for p in EXAMPLES}
+    # the hostPath examples, the 70B one's priority class, and the S3 one, whose pods run as the service account of
+    # its IAM role (Pod Identity)
     assert {k: v for k, v in refused.items() if v} == {
         "debug-cpu": ["policy.hostPathPrefixes"], "llama3-1b-h200": ["policy.hostPathPrefixes"],
-        "llama3-3b-h200": ["policy.hostPathPrefixes"], "llama3-70b-p5": ["policy.priorityClasses"]}
-    allow = Policy(host_path_prefixes=("/var/lib/kubetitan",), priority_classes=("training-high",))
+        "llama3-3b-h200": ["policy.hostPathPrefixes"], "llama3-70b-p5": ["policy.priorityClasses"],
+        "llama3-8b-p5-4node-s3": ["policy.serviceAccounts"]}
+    allow = Policy(host_path_prefixes=("/var/lib/kubetitan",), priority_classes=("training-high",),
+                   service_accounts=("default", "training/llama-training"))
     assert not [p for p in EXAMPLES if policy.check(parse(load_example(p))[0], allow)]
 
 
@@ -333,3 +347,9 @@ def test_validate_with_a_malformed_policy_is_a_usage_error(tmp_path: Path):
     pol.write_text("imagePrefix: [x/]\n")
     r = _cli("validate", "--policy", str(pol), str(run))
     assert r.returncode == 2 and f"error: {pol}: policy: unknown key 'imagePrefix'" in r.stderr, r
+
+
+def test_each_knob_is_checked_by_one_row():
+    """One CHECKS row per knob (a row listed twice reports every violation twice)."""
+    names = [name for name, _ in policy.CHECKS]
+    assert len(names) == len(set(names)), names

@@ -24,7 +24,7 @@ from kubetitan_trainer import compat
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trainer" / "kubetitan_trainer"
-UPSTREAM = ("torch", "torchtitan", "torchao", "torchdata")
+UPSTREAM = ("torch", "torchtitan", "torchao", "torchdata", "s3torchconnector", "s3torchconnectorclient")
 """Root packages whose private names only compat may touch."""
 
 

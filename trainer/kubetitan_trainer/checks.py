@@ -196,6 +196,16 @@ def _shards_required(job_config: JobConfig, world_size: int, cuda: bool) -> None
     ShardSet.open(d.shards_path, vocab_size=model_args_for(job_config).vocab_size, verify="size", dtype=d.shards_dtype)
 
 
+@recheck("checkpoint.s3-uri")
+def _s3_uri(job_config: JobConfig, world_size: int, cuda: bool) -> None:
+    from kubetitan_core.validation import s3_uri_error
+
+    uri = job_config.kubetitan.checkpoint_storage.s3_uri
+    if uri and (msg := s3_uri_error(uri)) is not None:
+        raise ConfigError("kubetitan.checkpoint_storage.s3_uri (spec.checkpoint.storage.s3.uri)", msg,
+                          "write s3://bucket/prefix", "checkpoint.s3-uri")
+
+
 @recheck("tokenizer.path-required")
 def _tokenizer_path(job_config: JobConfig, world_size: int, cuda: bool) -> None:
     tk = job_config.kubetitan.tokenizer

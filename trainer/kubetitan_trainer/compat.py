@@ -604,6 +604,148 @@ def overrides(*names: str) -> Callable[[type], type]:
     return check
 
 
+# ====================================================================== S3 checkpoints (kubetitan_trainer.storage)
+_S3FS = "s3torchconnector.dcp.s3_file_system"
+
+
+@_shim(Upstream("s3torchconnector:S3ClientConfig",
+                params=("throughput_target_gbps", "part_size", "unsigned", "force_path_style", "max_attempts",
+                        "profile")))
+def s3_client_config(settings) -> Any:
+    """s3torchconnector's ``S3ClientConfig`` from :class:`kubetitan_trainer.storage.S3Settings`: path-style
+    addressing, the client's retry attempts (its CRT standard retry strategy: exponential backoff with jitter
+    on 503 SlowDown, 5xx, throttling, resets and timeouts), part size and throughput target."""
+    from s3torchconnector import S3ClientConfig
+
+    return S3ClientConfig(throughput_target_gbps=settings.throughput_target_gbps, part_size=settings.part_size_bytes,
+                          force_path_style=settings.force_path_style, max_attempts=settings.max_attempts)
+
+
+@_shim(Upstream("s3torchconnector._s3client._s3client:S3Client.__init__",
+                params=("self", "region", "endpoint", "user_agent", "s3client_config")))
+def s3_client(settings, config) -> Any:
+    """An s3torchconnector ``S3Client`` for the settings' region and endpoint (an S3-compatible server's URL,
+    or AWS's own when empty). The client class lives in the private ``s3torchconnector._s3client``; the public
+    DCP writer and reader take a region but no endpoint, so a non-AWS endpoint needs this client."""
+    from s3torchconnector._s3client import S3Client
+
+    return S3Client(settings.region, endpoint=settings.endpoint or None, s3client_config=config)
+
+
+def _s3_file_system(settings, config, reader_constructor=None) -> Any:
+    from s3torchconnector.dcp import S3FileSystem
+
+    return S3FileSystem(settings.region, s3_client=s3_client(settings, config), reader_constructor=reader_constructor)
+
+
+@_shim(Upstream(f"{_S3FS}:S3StorageWriter.__init__",
+                params=("self", "region", "path", "s3client_config", "prefix_strategy", "thread_count", "kwargs"),
+                sets=("fs", "path", "prefix_strategy")),
+       Upstream(f"{_S3FS}:S3FileSystem.__init__",
+                params=("self", "region", "s3_client", "s3client_config", "reader_constructor")))
+def s3_storage_writer(checkpoint_id: str, settings, config) -> Any:
+    """A DCP ``S3StorageWriter`` for ``checkpoint_id`` whose file system uses :func:`s3_client` (the endpoint).
+
+    ``S3StorageWriter`` builds its ``S3FileSystem`` (attribute ``fs``) in ``__init__`` from a region and
+    config only; the file system is replaced before any request is made (the client connects lazily)."""
+    from s3torchconnector.dcp import S3StorageWriter
+
+    w = S3StorageWriter(settings.region, checkpoint_id, s3client_config=config, thread_count=settings.thread_count)
+    fs = _s3_file_system(settings, config)
+    _rebind(w, "fs", fs)
+    _rebind(w, "path", fs.init_path(checkpoint_id))
+    return w
+
+
+@_shim(Upstream(f"{_S3FS}:S3StorageReader.__init__",
+                params=("self", "region", "path", "s3client_config", "reader_constructor"),
+                sets=("fs", "path", "_reader_constructor")))
+def s3_storage_reader(checkpoint_id: str, settings, config) -> Any:
+    """A DCP ``S3StorageReader`` for ``checkpoint_id`` whose file system uses :func:`s3_client` (see
+    :func:`s3_storage_writer`); the reader's own DCP-optimised ranged reader constructor is kept."""
+    from s3torchconnector.dcp import S3StorageReader
+
+    r = S3StorageReader(settings.region, checkpoint_id, s3client_config=config)
+    fs = _s3_file_system(settings, config, reader_constructor=r._reader_constructor)
+    _rebind(r, "fs", fs)
+    _rebind(r, "path", fs.init_path(checkpoint_id))
+    return r
+
+
+@_shim(Upstream(f"{_CKPT}.__init__", contains=("self.folder = os.path.join(base_folder, checkpoint_config.folder)",)),
+       Upstream(f"{_CKPT}._create_checkpoint_id", params=("self", "step", "folder"),
+                contains=('os.path.join(folder, f"step-{step}")',)))
+def set_checkpoint_folder(checkpointer, root: str) -> None:
+    """Point the manager at ``root`` (an ``s3://`` URI): torchtitan joins ``job.dump_folder`` and
+    ``checkpoint.folder`` into its attribute ``folder`` in ``__init__`` and names each save
+    ``os.path.join(folder, "step-N")`` (an URI joins the same way)."""
+    checkpointer.folder = root
+
+
+@_shim(
+    Upstream(f"{_CKPT}.dcp_save", params=("self", "state_dict", "checkpoint_id", "async_mode",
+                                          "enable_garbage_collection", "to_hf"),
+             contains=("process_group=self.pg,", "async_checkpointer_type=AsyncCheckpointerType.PROCESS,",
+                       "async_stager=self.stager,", "checkpoint_id=checkpoint_save_id,",
+                       'GarbageCollection.collect("GC collection invoked by checkpointer.")')),
+    Upstream(f"{_CKPT}.dcp_load", params=("self", "state_dict", "checkpoint_id", "from_hf", "from_quantized"),
+             contains=("dcp.load(state_dict, checkpoint_id=checkpoint_id)",
+                       "self.states[MODEL].load_state_dict(state_dict)")),
+    Upstream(f"{_CKPT}._purge_stale_checkpoints", params=("self",)),
+    Upstream(f"{_CKPT}.__init__", sets=("pg", "stager", "keep_latest_k")),
+    Upstream("torch.distributed.checkpoint:async_save",
+             params=("state_dict", "checkpoint_id", "storage_writer", "planner", "process_group",
+                     "async_checkpointer_type", "async_stager", "no_dist", "use_collectives")),
+)
+def route_checkpoints_to(checkpointer, store) -> None:
+    """Make one ``CheckpointManager`` save to and load from ``store`` (a remote
+    :class:`kubetitan_trainer.storage.CheckpointStore`) with its DCP writer and reader, and leave keep-latest-K
+    to kubetitan (``store.purge``; torchtitan's purge lists and ``rmtree`` s a local folder).
+
+    ``dcp_save``/``dcp_load`` call ``dcp.save``/``async_save``/``load`` with ``storage_writer=None`` and a
+    ``checkpoint_id`` path, and DCP picks a writer only for filesystem paths; there is no parameter for a
+    writer. The replacements mirror their DCP (non-HF) branches with the store's writer and reader: async
+    saves on the manager's gloo group, pinned saves through its stager in a background process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torchtitan.components.checkpoint import MODEL, AsyncMode
+    from torchtitan.tools.utils import GarbageCollection
+
+    def dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
+        if to_hf:
+            raise ValueError("checkpoint.last_save_in_hf is not supported with checkpoints in object storage")
+        writer = store.writer(checkpoint_id)
+        if async_mode == AsyncMode.ASYNC:
+            ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id,
+                                 process_group=checkpointer.pg)
+        elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id,
+                                 process_group=checkpointer.pg, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                 async_stager=checkpointer.stager)
+        else:
+            ret = dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
+        if enable_garbage_collection:
+            GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return ret
+
+    def dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
+        if from_hf:
+            raise ValueError("loading a Hugging Face checkpoint from object storage is not supported")
+        dcp.load(state_dict, storage_reader=store.reader(checkpoint_id), checkpoint_id=checkpoint_id)
+        if MODEL in checkpointer.states:
+            checkpointer.states[MODEL].load_state_dict(state_dict)
+
+    _rebind(checkpointer, "dcp_save", dcp_save)
+    _rebind(checkpointer, "dcp_load", dcp_load)
+    _rebind(checkpointer, "_purge_stale_checkpoints", lambda: None)
+
+
+@_shim(Upstream(f"{_CKPT}.__init__", sets=("keep_latest_k",)))
+def checkpoint_keep_latest_k(checkpointer) -> int:
+    """``checkpoint.keep_latest_k`` as the manager read it (0 for a disabled manager)."""
+    return int(getattr(checkpointer, "keep_latest_k", 0))
+
+
 # ====================================================================== DTensor shards (kubetitan_trainer.restore_tier)
 @_shim(Upstream("torch.distributed.tensor:DTensor._local_tensor"))
 def local_tensor(t):

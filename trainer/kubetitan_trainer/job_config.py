@@ -98,6 +98,26 @@ class KubetitanModel:
 
 
 @dataclass
+class KubetitanCheckpointStorage:
+    """``[kubetitan.checkpoint_storage]``: checkpoints in S3 instead of ``job.dump_folder`` (kubetitan_trainer.storage)."""
+
+    s3_uri: str = ""
+    """`s3://bucket/prefix`: each save goes to `<prefix>/step-N/`. Empty: checkpoints stay in the local or
+    mounted folder `job.dump_folder`/`checkpoint.folder`."""
+    region: str = ""
+    """The bucket's AWS region (empty: `us-east-1`)."""
+    endpoint: str = ""
+    """An S3-compatible endpoint URL; empty: AWS's regional endpoint."""
+    force_path_style: bool = False
+    """Path-style addressing (`endpoint/bucket/key`), which most S3-compatible servers need."""
+    max_attempts: int = 10
+    """Attempts per S3 request in the client's retry strategy (backoff with jitter on 503 SlowDown, 5xx,
+    connection resets and timeouts)."""
+    thread_count: int = 4
+    """DCP writer threads per rank; each writes its own object, so a save writes ranks x this objects."""
+
+
+@dataclass
 class Kubetitan:
     """``[kubetitan]``: what torchtitan's own sections cannot say."""
 
@@ -131,6 +151,8 @@ class Kubetitan:
     """Tokenizer."""
     model: KubetitanModel = field(default_factory=KubetitanModel)
     """Custom model dimensions."""
+    checkpoint_storage: KubetitanCheckpointStorage = field(default_factory=KubetitanCheckpointStorage)
+    """Where checkpoints go when not in `job.dump_folder` (S3)."""
 
 
 @dataclass

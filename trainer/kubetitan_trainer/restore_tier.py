@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kubetitan_trainer import compat
+from kubetitan_trainer import compat, storage
 
 ENV_RESTORE_TIER = "KUBETITAN_RESTORE_TIER"
 """Folder of the restore tier (set by the launcher; unset or empty: off)."""
@@ -199,7 +199,7 @@ def save(states: dict[str, Any], folder: str | Path, *, step: int, rank: int, wo
             del buf
     tmp = meta.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"step": step, "rank": rank, "world_size": world_size,
-                               "checkpoint_folder": os.path.abspath(checkpoint_folder), "layout": layout,
+                               "checkpoint_folder": storage.folder_key(checkpoint_folder), "layout": layout,
                                "skeleton": pickle.dumps(skeleton).hex()}))
     os.replace(tmp, meta)
     return offset
@@ -215,7 +215,7 @@ def usable(folder: str | Path, *, step: int, rank: int, world_size: int, checkpo
     except (OSError, ValueError):
         return False
     return (m.get("step") == step and m.get("rank") == rank and m.get("world_size") == world_size
-            and m.get("checkpoint_folder") == os.path.abspath(checkpoint_folder) and binf.is_file())
+            and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and binf.is_file())
 
 
 def tier_step(folder: str | Path, *, rank: int, world_size: int, checkpoint_folder: str) -> int:
@@ -228,7 +228,7 @@ def tier_step(folder: str | Path, *, rank: int, world_size: int, checkpoint_fold
     except (OSError, ValueError):
         return -1
     ok = (m.get("rank") == rank and m.get("world_size") == world_size and isinstance(m.get("step"), int)
-          and m.get("checkpoint_folder") == os.path.abspath(checkpoint_folder) and binf.is_file())
+          and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and binf.is_file())
     return m["step"] if ok else -1
 
 

@@ -10,6 +10,9 @@ Everything else comes through the TrainSpec. The subclass adds, and only adds:
 - **Non-finite loss**: raises :class:`NonFiniteLossError` (exit 3) before anything is saved.
 - **Resume** from the newest *complete* checkpoint (``kubetitan_core.contract.newest_complete_step``);
   partial newer step directories are skipped with a warning.
+- **Checkpoint store** (:mod:`kubetitan_trainer.storage`): the local/PVC folder as torchtitan uses it, or an S3
+  prefix (DCP's S3 writer and reader, discovery by listing, keep-latest-K by kubetitan on rank 0, a bucket that
+  cannot be listed is a configuration error before the model is built).
 - **Goodput state**: productive step seconds travel in the checkpoint's ``train_state``.
 - **Start-up anatomy** (:mod:`kubetitan_trainer.anatomy`): process-group init, checkpoint load and the first
   step (its compile time apart) are marked; after the first step the phases are exported and logged.
@@ -33,21 +36,21 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, data, heartbeat, netcheck, restore_tier
+from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, data, heartbeat, netcheck, restore_tier, storage
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
 
-def checkpoint_entries(folder: str) -> list[tuple[str, bool]]:
-    """(directory name, has DCP metadata) pairs of a checkpoint folder."""
-    if not os.path.isdir(folder):
-        return []
-    return [(n, os.path.isfile(os.path.join(folder, n, contract.DCP_METADATA_FILE))) for n in os.listdir(folder)]
+def checkpoint_entries(folder: str | storage.CheckpointStore) -> list[tuple[str, bool]]:
+    """(directory name, has DCP metadata) pairs of a checkpoint folder (or of any checkpoint store)."""
+    return storage.open_store(folder).entries()
 
 
-def resolve_load_step(folder: str) -> int:
+def resolve_load_step(folder: str | storage.CheckpointStore) -> int:
     """The step to resume from under the one resume rule, -1 for none; warns about partial saves."""
-    entries = checkpoint_entries(folder)
+    store = storage.open_store(folder)
+    folder = store.root
+    entries = store.entries()
     newest = contract.newest_complete_step(entries)
     for step in contract.incomplete_steps(entries):
         if newest is None or step > newest:
@@ -72,9 +75,29 @@ class KubetitanTrainer(Trainer):
         self._tier_writer = restore_tier.BackgroundWriter()
         ck = job_config.checkpoint
         self._heartbeat = heartbeat.Writer.from_env(job_config.training.steps, ck.enable, ck.interval)
+        self._store = storage.from_config(job_config)
+        self._purger: storage.Purger | None = None
+        if ck.enable:
+            self._store.preflight()  # a bucket that cannot be listed: exit 2 now, not after building the model
         super().__init__(job_config)
         self._log_float8_notes()
+        if ck.enable and self._store.remote:
+            self._route_checkpoints_to_store()
         self._wrap_checkpoint_save()
+
+    def _route_checkpoints_to_store(self) -> None:
+        ckpt = self.checkpointer
+        compat.set_checkpoint_folder(ckpt, self._store.root)
+        compat.route_checkpoints_to(ckpt, self._store)
+        k = compat.checkpoint_keep_latest_k(ckpt)
+        if k > 0 and self._rank_world()[0] == 0:
+            self._purger = storage.Purger(self._store, k)
+        logger.info(f"Checkpoints are saved to and loaded from {self._store.root}")
+
+    def close(self) -> None:
+        super().close()
+        if self._purger is not None:
+            self._purger.close()  # the queued keep-latest-K deletions end before the process does
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -96,7 +119,7 @@ class KubetitanTrainer(Trainer):
     def train(self):
         ck = self.job_config.checkpoint
         if ck.enable and ck.load_step == -1:
-            step = resolve_load_step(os.path.join(self.job_config.job.dump_folder, ck.folder))
+            step = resolve_load_step(self._store)
             if step >= 0:
                 ck.load_step = step
                 logger.info(f"Resuming from the newest complete checkpoint, step {step}")
@@ -212,7 +235,7 @@ class KubetitanTrainer(Trainer):
                     compat.force_full_last_save(ckpt)
                 will_save = compat.will_save(ckpt, curr_step, last_step)
                 earlier_write = compat.pending_write(ckpt) if will_save else None
-                if will_save:
+                if will_save and not self._store.remote:  # object storage has no volume to fill
                     check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
                 if will_save and not last_step:
                     ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
@@ -241,6 +264,8 @@ class KubetitanTrainer(Trainer):
                     write = compat.pending_write(ckpt)
                     write = write if write is not earlier_write else None
                     self.metrics_processor.exporter.checkpoint_saved(curr_step, time.perf_counter() - begin, write)
+                    if self._purger is not None:
+                        self._purger.request()  # keep-latest-K over the complete steps (an in-flight one is kept)
                 if self._stopping:
                     if will_save:
                         KubetitanTrainer.exit_code = ExitCode.TERMINATED_CHECKPOINTED
@@ -255,7 +280,8 @@ class KubetitanTrainer(Trainer):
             def load_then_publish(step: int = -1) -> bool:
                 rec = anatomy.current()
                 rec.mark("load_begin")
-                loaded = self._load_newer_tier(step) or load(step)
+                loaded = self._load_newer_tier(step) or (self._load_from_store(step, load) if self._store.remote
+                                                         else load(step))
                 rec.mark("load_end")
                 if loaded and rec.load_source == "none":
                     rec.load_source = "dcp"
@@ -273,6 +299,22 @@ class KubetitanTrainer(Trainer):
             return tier_or_dcp_load
 
         compat.wrap_checkpoint_methods(ckpt, save=wrap_save, load=wrap_load, dcp_load=wrap_dcp_load)
+
+    def _load_from_store(self, step: int, torchtitan_load: Callable[[int], bool]) -> bool:
+        """torchtitan's ``load`` for a remote store (its own one tests a local folder with ``os.path``): the given
+        step, else the newest complete one, through the (wrapped) ``dcp_load``; with none, torchtitan's own path
+        (``checkpoint.initial_load_path`` or nothing)."""
+        ckpt = self.checkpointer
+        step = step if step >= 0 else resolve_load_step(self._store)
+        if step < 0:
+            return torchtitan_load(-1)  # the folder is no local path: its initial-load branch (or False)
+        checkpoint_id = self._store.step_id(step)
+        logger.info(f"Loading the checkpoint from {checkpoint_id}.")
+        begin = time.monotonic()
+        ckpt.dcp_load(compat.states_to_load(ckpt, model_only=step == 0), checkpoint_id=checkpoint_id,
+                      from_hf=False, from_quantized=False)
+        logger.info(f"Finished loading the checkpoint in {time.monotonic() - begin:.2f} seconds.")
+        return True
 
     # ------------------------------------------------------------------ restore tier (kubetitan_trainer.restore_tier)
     @property

@@ -276,13 +276,46 @@ class TokenizerSpec(_Base):
 
 
 # ---------------------------------------------------------------------- checkpoint
+class S3CredentialsSecretRef(_Base):
+    """A Secret in the LlamaPretrain's namespace holding static AWS credentials (instead of the pod's identity)."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the Secret."""
+    access_key_id_key: str = Field(default="AWS_ACCESS_KEY_ID", min_length=1)
+    """Key of the access key id within the Secret."""
+    secret_access_key_key: str = Field(default="AWS_SECRET_ACCESS_KEY", min_length=1)
+    """Key of the secret access key within the Secret."""
+
+
+class S3CheckpointStorage(_Base):
+    """Checkpoints in S3 (or an S3-compatible store) through the Amazon S3 Connector for PyTorch
+    (docs/storage.md). Credentials come from the pod's identity (EKS Pod Identity or IRSA on
+    `resources.serviceAccountName`) unless `credentialsSecretRef` is set."""
+
+    uri: str = Field(min_length=6, max_length=1024)
+    """`s3://bucket/prefix`: each save is written under `<prefix>/step-N/`; use one prefix per run."""
+    region: str = Field(default="us-east-1", pattern=r"^[a-z]{2}(-[a-z]+)+-\d+$")
+    """The bucket's AWS region, e.g. `us-west-2`."""
+    endpoint: str | None = None
+    """An S3-compatible endpoint (`https://...`); unset: AWS's regional endpoint (S3 Express One Zone
+    directory buckets included)."""
+    force_path_style: bool = False
+    """Path-style addressing (`endpoint/bucket/key`), which most S3-compatible servers need."""
+    credentials_secret_ref: S3CredentialsSecretRef | None = None
+    """A Secret with static credentials, exposed to the trainer as `AWS_ACCESS_KEY_ID` and
+    `AWS_SECRET_ACCESS_KEY`. Prefer the pod's identity (no long-lived keys)."""
+
+
 class CheckpointStorage(_Base):
-    """Where checkpoints live. Set exactly one of the fields (object storage is not offered: see docs/trainer.md)."""
+    """Where checkpoints live. Set exactly one of the fields (docs/storage.md compares them)."""
 
     persistent_volume_claim: VolumeClaim | None = None
     """A shared ReadWriteMany claim (e.g. FSx for Lustre, EFS) mounted at `checkpoint.mountPath`."""
     host_path: str | None = Field(default=None, pattern=r"^/")
     """A directory on the node (single-node clusters and local runs only: lost with the node)."""
+    s3: S3CheckpointStorage | None = None
+    """An S3 bucket and prefix; `checkpoint.mountPath` then holds the pod's local scratch (compile cache,
+    step log, tokenizer), an emptyDir."""
 
 
 class CheckpointSpec(_Base):
@@ -293,7 +326,8 @@ class CheckpointSpec(_Base):
     storage: CheckpointStorage = Field(default_factory=CheckpointStorage)
     """Where checkpoints are written; required for runs on a cluster when enabled."""
     mount_path: str = Field(default="/checkpoints", pattern=r"^/")
-    """Directory inside the pod where checkpoint storage is mounted (the torchtitan dump folder)."""
+    """Directory inside the pod where checkpoint storage is mounted (the torchtitan dump folder; with `storage.s3`,
+    the pod's local scratch)."""
     interval_steps: int = Field(default=500, ge=1)
     """Save a checkpoint every this many steps (and at the last step)."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "async"

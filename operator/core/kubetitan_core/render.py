@@ -188,6 +188,11 @@ def _kubetitan_table(lpt: LlamaPretrain) -> dict[str, Any]:
             table["data"]["eval_shards_path"] = d.eval.shards.path
         else:
             table["data"]["held_out_percent"] = d.eval.held_out_percent
+    s3 = s.checkpoint.storage.s3
+    if s.checkpoint.enabled and s3 is not None:
+        # checkpoints in S3 (kubetitan_trainer.storage); job.dump_folder stays the pod's local scratch
+        table["checkpoint_storage"] = {"s3_uri": s3.uri, "region": s3.region, "endpoint": s3.endpoint or "",
+                                       "force_path_style": s3.force_path_style}
     if tok.path:
         table["tokenizer"]["path"] = tok.path
     if tok.repo:

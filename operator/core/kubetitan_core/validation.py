@@ -214,13 +214,20 @@ RULES: tuple[Rule, ...] = (
              "!self.checkpoint.enabled || self.checkpoint.keepLatestK != 1",
              "checkpoint.keepLatestK must be 0 (keep all) or at least 2",
              ".checkpoint.keepLatestK")),
-    Rule("checkpoint.one-storage", "spec.checkpoint.storage", "at most one of persistentVolumeClaim and hostPath",
+    Rule("checkpoint.one-storage", "spec.checkpoint.storage", "at most one of persistentVolumeClaim, hostPath and s3",
          cel=Cel(
-             "!(has(self.checkpoint.storage.persistentVolumeClaim) && has(self.checkpoint.storage.hostPath))",
-             "set at most one of checkpoint.storage.persistentVolumeClaim and hostPath",
+             "(has(self.checkpoint.storage.persistentVolumeClaim) ? 1 : 0) + (has(self.checkpoint.storage.hostPath) ? 1 : 0)"
+             " + (has(self.checkpoint.storage.s3) ? 1 : 0) <= 1",
+             "set at most one of checkpoint.storage.persistentVolumeClaim, hostPath and s3",
              ".checkpoint.storage")),
     Rule("checkpoint.storage-required", "spec.checkpoint.storage", "multi-node checkpoints need shared storage"),
     Rule("checkpoint.host-path-single-node", "spec.checkpoint.storage.hostPath", "hostPath only on one node"),
+    Rule("checkpoint.s3-uri", "spec.checkpoint.storage.s3.uri",
+         "s3://bucket[/prefix]: an S3 bucket name (3-63 of a-z 0-9 . -, not an IP address), a prefix without empty, "
+         "'.' or '..' segments", trainer="kubetitan.checkpoint_storage.s3_uri"),
+    Rule("checkpoint.s3-endpoint", "spec.checkpoint.storage.s3.endpoint",
+         "an http(s)://host[:port] URL without path, query or credentials (http only where the admin policy's "
+         "s3EndpointPrefixes allows it)"),
     Rule("run-policy.backoff-order", "spec.runPolicy.maxBackoffSeconds", "at least backoffSeconds",
          cel=Cel(
              "self.runPolicy.maxBackoffSeconds >= self.runPolicy.backoffSeconds",
@@ -811,13 +818,14 @@ def _checkpoint_keep_latest_k(f: Facts) -> Problems:
 
 def _storage_count(f: Facts) -> int:
     st = f.spec.checkpoint.storage
-    return sum(x is not None for x in (st.persistent_volume_claim, st.host_path))
+    return sum(x is not None for x in (st.persistent_volume_claim, st.host_path, st.s3))
 
 
 @check("checkpoint.one-storage")
 def _checkpoint_one_storage(f: Facts) -> Problems:
     if _storage_count(f) > 1:
-        yield "spec.checkpoint.storage", "has more than one location; keep only one of persistentVolumeClaim and hostPath"
+        yield "spec.checkpoint.storage", ("has more than one location; keep only one of persistentVolumeClaim, "
+                                          "hostPath and s3")
 
 
 @check("checkpoint.storage-required")
@@ -825,7 +833,7 @@ def _checkpoint_storage_required(f: Facts) -> Problems:
     nodes = f.spec.resources.nodes
     if f.spec.checkpoint.enabled and _storage_count(f) == 0 and nodes > 1:
         yield "spec.checkpoint.storage", (f"a {nodes}-node run needs shared checkpoint storage: set "
-                                          "persistentVolumeClaim (ReadWriteMany, e.g. FSx for Lustre)")
+                                          "persistentVolumeClaim (ReadWriteMany, e.g. FSx for Lustre) or s3")
 
 
 @check("checkpoint.host-path-single-node")
@@ -833,6 +841,20 @@ def _checkpoint_host_path_single_node(f: Facts) -> Problems:
     if f.spec.checkpoint.storage.host_path is not None and f.spec.resources.nodes > 1:
         yield "spec.checkpoint.storage.hostPath", ("is per node and cannot hold a multi-node checkpoint; use a "
                                                    "ReadWriteMany persistentVolumeClaim (e.g. FSx for Lustre)")
+
+
+@check("checkpoint.s3-uri")
+def _checkpoint_s3_uri(f: Facts) -> Problems:
+    s3 = f.spec.checkpoint.storage.s3
+    if s3 is not None and (msg := s3_uri_error(s3.uri)) is not None:
+        yield "spec.checkpoint.storage.s3.uri", msg
+
+
+@check("checkpoint.s3-endpoint")
+def _checkpoint_s3_endpoint(f: Facts) -> Problems:
+    s3 = f.spec.checkpoint.storage.s3
+    if s3 is not None and s3.endpoint is not None and (msg := s3_endpoint_error(s3.endpoint)) is not None:
+        yield "spec.checkpoint.storage.s3.endpoint", msg
 
 
 @check("run-policy.backoff-order")
@@ -951,6 +973,7 @@ def _pod_image(f: Facts) -> Problems:
 def _pod_names(f: Facts) -> Problems:
     s = f.spec
     r, tok, pvc = s.resources, s.tokenizer, s.checkpoint.storage.persistent_volume_claim
+    s3_secret = s.checkpoint.storage.s3.credentials_secret_ref if s.checkpoint.storage.s3 else None
     names: list[tuple[str, str | None, str]] = [
         ("resources.serviceAccountName", r.service_account_name, "ServiceAccount"),
         ("resources.priorityClassName", r.priority_class_name, "PriorityClass"),
@@ -959,6 +982,7 @@ def _pod_names(f: Facts) -> Problems:
         ("checkpoint.storage.persistentVolumeClaim.claimName", pvc.claim_name if pvc else None,
          "PersistentVolumeClaim"),
         ("data.volume.claimName", s.data.volume.claim_name if s.data.volume else None, "PersistentVolumeClaim"),
+        ("checkpoint.storage.s3.credentialsSecretRef.name", s3_secret.name if s3_secret else None, "Secret"),
     ]
     names += [(f"resources.imagePullSecrets[{i}]", n, "Secret") for i, n in enumerate(r.image_pull_secrets)]
     for path, value, what in names:
@@ -966,6 +990,11 @@ def _pod_names(f: Facts) -> Problems:
             yield f"spec.{path}", msg
     if tok.token_secret_ref is not None and (msg := k8sfields.key_error(tok.token_secret_ref.key)) is not None:
         yield "spec.tokenizer.tokenSecretRef.key", msg
+    if s3_secret is not None:
+        for field, key in (("accessKeyIdKey", s3_secret.access_key_id_key),
+                           ("secretAccessKeyKey", s3_secret.secret_access_key_key)):
+            if (msg := k8sfields.key_error(key)) is not None:
+                yield f"spec.checkpoint.storage.s3.credentialsSecretRef.{field}", msg
     if r.instance_type is not None and (msg := k8sfields.label_value_error(r.instance_type)):
         yield "spec.resources.instanceType", f"becomes the pods' node selector node.kubernetes.io/instance-type: {msg}"
     if s.scheduling.queue_name == "":
@@ -976,6 +1005,41 @@ def _pod_names(f: Facts) -> Problems:
 
 
 # ------------------------------------------------------------------ helpers of the predicates
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+
+
+def s3_uri_error(uri: str) -> str | None:
+    """Why ``uri`` is not a usable ``s3://bucket[/prefix]`` checkpoint location (None when it is)."""
+    if not uri.startswith("s3://"):
+        return f"{uri!r} is not an s3:// URI; use the form s3://bucket/prefix"
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    if not _BUCKET.match(bucket) or ".." in bucket or _IPV4.match(bucket) or bucket.startswith("xn--"):
+        return (f"{bucket!r} is not an S3 bucket name: 3-63 characters of lowercase letters, digits, '.' and '-', "
+                "starting and ending with a letter or digit, no '..', not an IP address; use the bucket's real name")
+    parts = prefix.rstrip("/").split("/") if prefix.rstrip("/") else []
+    if any(p in ("", ".", "..") for p in parts):
+        return (f"the prefix {prefix!r} has an empty, '.' or '..' segment; use s3://{bucket}/a/b (one prefix per "
+                "run: each save goes to <prefix>/step-N/)")
+    return None
+
+
+def s3_endpoint_error(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not an acceptable S3-compatible endpoint URL (None when it is)."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(endpoint)
+        _ = u.port
+    except ValueError as e:
+        return f"{endpoint!r} is not a URL ({e}); use the form https://host[:port]"
+    if u.scheme not in ("https", "http"):
+        return f"{endpoint!r} is not an http(s) URL; use the server's https:// URL"
+    if not u.hostname or u.username or u.password or u.path not in ("", "/") or u.query or u.fragment:
+        return f"{endpoint!r} has credentials, a path or a query; use the form https://host[:port]"
+    return None
+
+
 
 
 def _cpu_cores(q: str) -> float:
