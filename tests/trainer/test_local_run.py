@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 
 from kubetitan_core import contract
 
-from .helpers import TINY
+from support.specs import TINY
 
 PY = sys.executable
 
