@@ -24,8 +24,6 @@ from hypothesis import strategies as st
 from kmockx.harness import CMS, LPT, PODS, SVCS, Cluster, Operator, wait_for
 from kubetitan_core.validation import parse
 
-pytestmark = pytest.mark.xdist_group("e2e")
-
 HERE = Path(__file__).parent
 API_CORPUS = yaml.safe_load((HERE.parent / "api" / "invalid_specs.yaml").read_text())
 E2E_CORPUS = yaml.safe_load((HERE / "invalid_specs_e2e.yaml").read_text())
@@ -164,6 +162,7 @@ def test_cli_rejects_a_sample(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- through the running operator
+@pytest.mark.xdist_group("e2e")  # the one case that runs the operator; the pure cases above spread over the workers
 @settings(max_examples=1, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(invalid_lpt(), min_size=30, max_size=30))
 def test_operator_rejects_every_one_and_keeps_serving(generated) -> None:
