@@ -1,0 +1,32 @@
+"""Suite-wide hooks (a conftest holds fixtures and hooks only; helpers are in tests/support)."""
+
+from __future__ import annotations
+
+import pytest
+
+_SLOWEST_FIRST = (
+    "tests/e2e/",
+    "tests/operator/",
+    "tests/trainer/test_train.py",
+    "tests/monitoring/test_live_prometheus.py",
+    "tests/trainer/test_fp8_all_gather.py",
+    "tests/trainer/test_downloads.py",
+    "tests/trainer/test_edge.py",
+    "tests/trainer/test_units.py",
+    "tests/trainer/",
+    "tests/fast/",
+)
+"""Where the time goes (``--durations``, bench/results/suite/), longest first. xdist (``make test``: ``-n 2
+--dist loadgroup --no-loadscope-reorder``) hands work out in collection order, so the long xdist groups and the
+slow tests start first and the many short tests fill the gaps at the end (longest-processing-time-first)."""
+
+
+def _rank(item: pytest.Item) -> tuple[int, bool]:
+    """(how early its path comes in _SLOWEST_FIRST, not in an xdist group): grouped tests lead their rank."""
+    prefix = next((i for i, p in enumerate(_SLOWEST_FIRST) if item.nodeid.startswith(p)), len(_SLOWEST_FIRST))
+    return prefix, item.get_closest_marker("xdist_group") is None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=_rank)  # stable: within a rank, collection order stays
