@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.specs import NS, e2e_spec, lpt
+from support.specs import NS, e2e_spec
+from support.specs import lpt as _obj
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,9 +36,9 @@ BASE = e2e_spec(Path("/ckpt"), 20, 5, 9400)
 
 def hand_written() -> list[tuple[str, dict, str | None]]:
     """(name, object, expected path or None) for both corpora."""
-    out = [(c["name"], lpt(c["name"], c["spec"]), c["errors"][0]["path"]) for c in API_CORPUS]
+    out = [(c["name"], _obj(c["name"], c["spec"]), c["errors"][0]["path"]) for c in API_CORPUS]
     for c in E2E_CORPUS:
-        obj = copy.deepcopy(c["object"]) if "object" in c else lpt(c["name"], c["spec"])
+        obj = copy.deepcopy(c["object"]) if "object" in c else _obj(c["name"], c["spec"])
         obj["metadata"].update(name=c["name"], namespace=NS)
         out.append((c["name"], obj, c["path"]))
     return out
@@ -85,7 +86,7 @@ def invalid_lpt(draw) -> tuple[dict, set[str]]:
     if draw(st.integers(0, 4)) == 0:
         path, strat = draw(st.sampled_from(SEMANTIC))
         spec[path[0]][path[1]] = draw(strat)
-        return lpt("gen", spec), {"spec." + ".".join(path)}
+        return _obj("gen", spec), {"spec." + ".".join(path)}
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(["field", "field", "field", "unknown", "section"]))
         if kind == "field":
@@ -108,7 +109,7 @@ def invalid_lpt(draw) -> tuple[dict, set[str]]:
     if not paths:  # every draw skipped: break one field for sure
         spec["training"]["steps"] = 0
         paths.add("spec.training.steps")
-    return lpt("gen", spec), paths
+    return _obj("gen", spec), paths
 
 
 def _check(errors, want_paths: set[str] | None) -> None:
@@ -124,7 +125,7 @@ def _check(errors, want_paths: set[str] | None) -> None:
 
 
 def test_base_spec_is_valid() -> None:
-    lpt, errors = parse(lpt("base", BASE))
+    lpt, errors = parse(_obj("base", BASE))
     assert lpt is not None and not errors
 
 
@@ -174,7 +175,7 @@ def test_operator_rejects_every_one_and_keeps_serving(generated) -> None:
     with Cluster() as c, Operator(c, namespaces=(NS,), scan_interval=5.0) as op:
         for obj in objs:
             c.apply(obj, admit=False)  # straight into storage: no schema validation on the way
-        c.apply(lpt("valid", BASE))
+        c.apply(_obj("valid", BASE))
         # a bound, not a sync: 53 runs reach the operator at once; on two cores under load that took > 60 s
         wait_for(lambda: len(c.pod_names(NS, "valid")) == 2, 180, "the valid run's pods")
         # The API server prunes fields the CRD does not declare on every write (kopf's first patch here), so an
