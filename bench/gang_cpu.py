@@ -32,7 +32,8 @@ import tomli_w
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
 
-from common import CLAIM, attempts_in_log, complete_checkpoints, e2e_spec, free_port, lpt, step_log  # noqa: E402
+from common import attempts_in_log, complete_checkpoints, free_port, step_log  # noqa: E402
+from support.specs import CLAIM, e2e_spec, lpt  # noqa: E402
 from kubelet import _alive, _children_map  # noqa: E402
 
 from kubetitan_core import contract  # noqa: E402

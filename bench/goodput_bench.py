@@ -37,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
 
-from common import CLAIM, NS, e2e_spec, free_port, lpt, step_log  # noqa: E402
+from common import free_port, step_log  # noqa: E402
+from support.specs import CLAIM, NS, e2e_spec, lpt  # noqa: E402
 from kubelet import Kubelet  # noqa: E402
 
 from kmockx.harness import Cluster, Operator  # noqa: E402

@@ -40,7 +40,8 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from kmockx.harness import NS, OperatorProcess, cpu_spec, lpt, proc_memory_mb, wait_for  # noqa: E402
+from kmockx.harness import OperatorProcess, proc_memory_mb, wait_for  # noqa: E402
+from support.specs import NS, cpu_spec, lpt  # noqa: E402
 
 LPT_PATH = f"/apis/kubetitan.io/v1alpha1/namespaces/{NS}/llamapretrains"
 POD_PATH = f"/api/v1/namespaces/{NS}/pods"

@@ -1,36 +1,32 @@
-"""Shared fixtures and builders for the kubetitan test suite."""
+"""Suite-wide hooks (a conftest holds fixtures and hooks only; helpers are in tests/support)."""
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
-from typing import Any
-
 import pytest
-import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-
-
-def make_lpt(spec: dict[str, Any] | None = None, name: str = "run", namespace: str = "ml",
-             uid: str | None = None) -> dict[str, Any]:
-    """A raw LlamaPretrain object (as a user would write it) with the given spec."""
-    meta: dict[str, Any] = {"name": name, "namespace": namespace}
-    if uid:
-        meta["uid"] = uid
-    return {
-        "apiVersion": "kubetitan.io/v1alpha1",
-        "kind": "LlamaPretrain",
-        "metadata": meta,
-        "spec": copy.deepcopy(spec or {}),
-    }
+_SLOWEST_FIRST = (
+    "tests/e2e/",
+    "tests/operator/",
+    "tests/trainer/test_train.py",
+    "tests/monitoring/test_live_prometheus.py",
+    "tests/trainer/test_fp8_all_gather.py",
+    "tests/trainer/test_downloads.py",
+    "tests/trainer/test_edge.py",
+    "tests/trainer/test_units.py",
+    "tests/trainer/",
+    "tests/fast/",
+)
+"""Where the time goes (``--durations``, bench/results/suite/), longest first. xdist (``make test``: ``-n 2
+--dist loadgroup --no-loadscope-reorder``) hands work out in collection order, so the long xdist groups and the
+slow tests start first and the many short tests fill the gaps at the end (longest-processing-time-first)."""
 
 
-def load_example(path: Path) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text())
+def _rank(item: pytest.Item) -> tuple[int, bool]:
+    """(how early its path comes in _SLOWEST_FIRST, not in an xdist group): grouped tests lead their rank."""
+    prefix = next((i for i, p in enumerate(_SLOWEST_FIRST) if item.nodeid.startswith(p)), len(_SLOWEST_FIRST))
+    return prefix, item.get_closest_marker("xdist_group") is None
 
 
-@pytest.fixture
-def repo() -> Path:
-    return REPO
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=_rank)  # stable: within a rank, collection order stays

@@ -225,6 +225,7 @@ class Client:
             await self.session.close()
             self.session = None
 
+    # long: one request's whole error policy in one place (fence, deadline, retry with Retry-After, classification)
     async def _call(self, group: str, resource: str, verb: str, method: str, path: str,
                     body: Any = None, query: list[tuple[str, Any]] | None = None,
                     content_type: str = "application/json", fenced: bool = True, retries: bool = True,

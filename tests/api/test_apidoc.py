@@ -16,8 +16,8 @@ from pydantic import BaseModel
 
 from kubetitan_core import contract
 from kubetitan import apidoc
-from kubetitan_core.api import LlamaPretrainSpec, LlamaPretrainStatus, RestartCause
-from kubetitan_core.crd import _description, _model_in
+from kubetitan_core.api import LlamaPretrainSpec, LlamaPretrainStatus, RestartCause, model_in
+from kubetitan_core.crd import _description
 from kubetitan_core.validation import CEL_RULES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def model_fields(model: type[BaseModel], path: str):
     for name, f in model.model_fields.items():
         full = f"{path}.{f.alias or name}"
         yield full, f
-        sub = _model_in(f.annotation)
+        sub = model_in(f.annotation)
         if sub is not None:
             is_list = typing.get_origin(f.annotation) is list
             yield from model_fields(sub, f"{full}[]" if is_list else full)

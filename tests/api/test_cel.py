@@ -27,7 +27,8 @@ import pytest
 import yaml
 from celpy import celtypes
 
-from conftest import EXAMPLES, load_example, make_lpt
+from support.paths import EXAMPLES, load_example
+from support.specs import make_lpt
 from kubetitan_core import crd as crdmod
 from kubetitan_core.validation import CEL_RULES, parse
 

@@ -9,6 +9,7 @@ import pytest
 from kubetitan import conditions as C
 from kubetitan_core import warning_rules
 from kubetitan_core.validation import parse
+from support.specs import make_lpt
 
 SHOWN = {"checkpoint.no-volume", "resources.unknown-instance-type"}
 """The rows this file is about (a spec here may trip others, e.g. a pinned-image rule, which test_warnings covers)."""
@@ -27,8 +28,7 @@ def _spec(checkpoint=None, resources=None, run_policy=None):
             "checkpoint": checkpoint if checkpoint is not None else {"storage": PVC}}
     if run_policy is not None:
         spec["runPolicy"] = run_policy
-    lpt, errors = parse({"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
-                         "metadata": {"name": "run", "namespace": "ml"}, "spec": spec})
+    lpt, errors = parse(make_lpt(spec))
     assert lpt is not None and not errors, errors
     return lpt
 

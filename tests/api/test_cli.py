@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO
+from support.paths import REPO
 
 
 def kt(*args, stdin=None):

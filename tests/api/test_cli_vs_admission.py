@@ -21,7 +21,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EXAMPLES, REPO, load_example, make_lpt
+from support.paths import EXAMPLES, REPO, load_example
+from support.specs import make_lpt
 from kmockx.validation import StructuralSchema
 from kubetitan_core import crd as crdmod
 from kubetitan_core.validation import CEL_RULES, parse

@@ -5,7 +5,7 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
-from conftest import EXAMPLES, load_example
+from support.paths import EXAMPLES, load_example
 from kubetitan.plan import attempt_children
 from kubetitan_core.validation import parse
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_lpt
+from support.specs import make_lpt
 from kubetitan_core import contract
 from kubetitan.plan import attempt_children, master_address, pod_name
 from kubetitan_core.validation import parse

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, make_lpt
+from support.paths import REPO
+from support.specs import make_lpt
 from kmockx.validation import builtin_errors
 from kubetitan_core import contract
 from kubetitan import plan

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EXAMPLES, load_example, make_lpt
+from support.paths import EXAMPLES, load_example
+from support.specs import make_lpt
 from kubetitan import policy
 from kubetitan.policy import ANY, KNOBS, Policy, PolicyError, node_labels
 from kubetitan_core.validation import parse

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import make_lpt
+from support.specs import make_lpt
 from kubetitan_core.catalog import ACCELERATORS, INSTANCE_TYPES, instance_type_warning, pod_resources
 from kubetitan.plan import attempt_children
 from kubetitan_core.validation import parse

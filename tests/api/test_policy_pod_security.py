@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from conftest import EXAMPLES, REPO, load_example, make_lpt
+from support.paths import EXAMPLES, REPO, load_example
+from support.specs import make_lpt
 from kmockx import psa
 from kubetitan import plan
 from kubetitan.plan import attempt_children

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from conftest import make_lpt
+from support.specs import make_lpt
 from kubetitan_core import crd as crdmod
 from kubetitan_core import validation
 from kubetitan_core.api import LlamaPretrain

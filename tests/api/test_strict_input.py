@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_lpt
+from support.specs import make_lpt
 from kubetitan import cli
 from kubetitan.plan import attempt_children
 from kubetitan_core.api import API_VERSION, KIND

@@ -9,7 +9,8 @@ import re
 import pytest
 import yaml
 
-from conftest import EXAMPLES, load_example, make_lpt
+from support.paths import EXAMPLES, load_example
+from support.specs import make_lpt
 from kubetitan_core.validation import CEL_RULES, parse
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())

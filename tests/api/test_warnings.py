@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from kubetitan import cli
+from support.specs import make_lpt
 from kubetitan_core import warning_rules as wr
 from kubetitan_core.validation import parse
 
@@ -29,8 +30,10 @@ CLEAN: dict[str, Any] = {
 
 
 def obj(spec: dict[str, Any], labels: dict[str, str] | None = None, name: str = "run") -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": "ml", **({"labels": labels} if labels else {})}
-    return {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain", "metadata": meta, "spec": spec}
+    o = make_lpt(spec, name=name)
+    if labels:
+        o["metadata"]["labels"] = labels
+    return o
 
 
 def merged(patch: dict[str, Any], base: dict[str, Any] | None = None) -> dict[str, Any]:

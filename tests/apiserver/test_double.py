@@ -16,7 +16,8 @@ import requests
 import yaml
 
 from kmockx import validation
-from kmockx.harness import CRD_FILE, NS, Cluster, cpu_spec, lpt, wait_for
+from kmockx.harness import CRD_FILE, Cluster, wait_for
+from support.specs import NS, cpu_spec, lpt
 from kmockx.rbac import render_chart
 
 REPO = Path(__file__).resolve().parents[2]

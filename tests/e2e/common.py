@@ -1,4 +1,4 @@
-"""Shared builders and readers for the end-to-end scenarios and bench/goodput_bench.py."""
+"""Readers for the end-to-end scenarios and bench/goodput_bench.py (the spec builders are in tests/support/specs.py)."""
 
 from __future__ import annotations
 
@@ -7,34 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kmockx.harness import free_port  # noqa: F401 - the tests' one port allocator, re-exported for the scenarios
-
-NS = "ml"
-CLAIM = "checkpoints"
-"""The ReadWriteMany claim every scenario checkpoints to (the e2e kubelet maps it to a temp dir)."""
-
-
-def e2e_spec(ckpt_dir: Path, steps: int, interval: int, metrics_port: int, **run_policy: Any) -> dict[str, Any]:
-    """2 "nodes" x 1 process, torchtitan's debug model on CPU (gloo), checkpoints every ``interval`` steps."""
-    return {
-        "model": {"flavor": "debug"},
-        "training": {"steps": steps, "seqLen": 32, "localBatchSize": 2, "learningRate": 0.002,
-                     "warmupSteps": 2, "seed": 42},
-        "parallelism": {"dataParallelShardDegree": 2},
-        "precision": {"compile": False, "activationCheckpointing": "none"},
-        "data": {"source": "synthetic"},
-        "tokenizer": {"source": "builtin"},
-        "checkpoint": {"intervalSteps": interval, "asyncMode": "disabled", "saveTimeoutSeconds": 10,
-                       "mountPath": str(ckpt_dir), "storage": {"persistentVolumeClaim": {"claimName": CLAIM}}},
-        "resources": {"nodes": 2, "gpusPerNode": 0, "processesPerNode": 1, "shmSize": "1Gi"},
-        "runPolicy": {"maxRestarts": 20, "backoffSeconds": 0, "nodeFailureGraceSeconds": 0,
-                      "hangTimeoutSeconds": 10, "startupTimeoutSeconds": 300, **run_policy},
-        "monitoring": {"metricsPort": metrics_port, "logFrequencySteps": 1},
-    }
-
-
-def lpt(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
-            "metadata": {"name": name, "namespace": NS}, "spec": spec}
+from support.specs import CLAIM, NS, e2e_spec, lpt  # noqa: F401 - re-exported for scenarios written before tests/support
 
 
 def step_log(ckpt_dir: Path) -> list[dict[str, Any]]:

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from common import CLAIM
+from support.specs import CLAIM
 from kubelet import Kubelet
 
 from kmockx.harness import Cluster
 
 
 @dataclass
-class Env:
+class _Env:
     cluster: Cluster
     kubelet: Kubelet
     ckpt: Path
@@ -26,5 +26,5 @@ def e2e(tmp_path: Path, request: pytest.FixtureRequest):
     marker = request.node.get_closest_marker("e2e_nodes")
     nodes = marker.args[0] if marker else 2
     with Cluster() as c, Kubelet(c, tmp_path / "kubelet", nodes=nodes, claims={CLAIM: ckpt}) as k:
-        yield Env(c, k, ckpt)
+        yield _Env(c, k, ckpt)
         assert not k.errors, f"the e2e kubelet failed: {k.errors!r}"

@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from common import NS, e2e_spec
+from support.specs import NS, e2e_spec
+from support.specs import lpt as _obj
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kmockx.harness import CMS, LPT, PODS, SVCS, Cluster, Operator, wait_for
 from kubetitan_core.validation import parse
-
-pytestmark = pytest.mark.xdist_group("e2e")
 
 HERE = Path(__file__).parent
 API_CORPUS = yaml.safe_load((HERE.parent / "api" / "invalid_specs.yaml").read_text())
@@ -33,11 +32,6 @@ FIX = re.compile(r"\b(use|set|remove|lower|raise|change|should|must|needs?|leave
                  r"revert|pick|choose|add|drop|only|required|give|divisible|e\.g\.)\b", re.I)
 """A rejection says how to fix it: it names the accepted values or the action."""
 BASE = e2e_spec(Path("/ckpt"), 20, 5, 9400)
-
-
-def _obj(name: str, spec: dict) -> dict:
-    return {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
-            "metadata": {"name": name, "namespace": NS}, "spec": copy.deepcopy(spec)}
 
 
 def hand_written() -> list[tuple[str, dict, str | None]]:
@@ -169,6 +163,7 @@ def test_cli_rejects_a_sample(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- through the running operator
+@pytest.mark.xdist_group("e2e")  # the one case that runs the operator; the pure cases above spread over the workers
 @settings(max_examples=1, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(invalid_lpt(), min_size=30, max_size=30))
 def test_operator_rejects_every_one_and_keeps_serving(generated) -> None:

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 import pytest
-from common import NS, attempts_in_log, complete_checkpoints, e2e_spec, free_port, loss_by_step, lpt, step_log
+from common import attempts_in_log, complete_checkpoints, free_port, loss_by_step, step_log
+from support.specs import NS, e2e_spec, lpt
 
 from kmockx.harness import LPT, PODS, Operator, wait_for
 from kubetitan.decide import parse_time

@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from common import NS, complete_checkpoints, e2e_spec, free_port, lpt, step_log
+from common import complete_checkpoints, free_port, step_log
+from support.specs import NS, e2e_spec, lpt
 
 from kmockx.harness import PODS, Operator, wait_for
 from kubetitan.decide import parse_time

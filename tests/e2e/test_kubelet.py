@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from common import NS
+from support.specs import NS
 from kubelet import NAMESPACES
 
 from kmockx.harness import PODS, wait_for

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from common import NS
+from support.specs import NS
 from kubelet import Kubelet
 
 from kmockx.harness import PODS, Cluster, wait_for

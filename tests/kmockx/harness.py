@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import errno
 import os
@@ -36,10 +35,10 @@ from kmockx import ApiError, KubeEmulator, kubeconfig, rbac  # noqa: F401 - ApiE
 from kmockx.validation import StructuralSchema
 from kubetitan_core import contract
 from kubetitan.handlers import Options, run
+from support.specs import NS, cpu_spec, lpt  # noqa: F401 - cpu_spec, lpt re-exported for tests written before tests/support
 
 LPT = "kubetitan.io/v1alpha1/llamapretrains"
 PODS, NODES, CMS, SVCS, EVENTS = "v1/pods", "v1/nodes", "v1/configmaps", "v1/services", "v1/events"
-NS = "ml"
 RELEASE_NS = rbac.RELEASE_NS
 CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
 CRD_FILE = rbac.REPO / "crds" / "kubetitan.io_llamapretrains.yaml"
@@ -477,27 +476,3 @@ class Rank0Metrics:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-
-def cpu_spec(nodes: int = 2, **run_policy: Any) -> dict[str, Any]:
-    """A small valid CPU spec (the debug model), `nodes` pods per attempt."""
-    return {
-        "model": {"flavor": "debug"},
-        "training": {"steps": 100, "seqLen": 256, "localBatchSize": 8, "warmupSteps": 10},
-        "parallelism": {"dataParallelShardDegree": 2 * nodes},
-        "precision": {"compile": False, "activationCheckpointing": "none"},
-        "data": {"source": "synthetic"},
-        "tokenizer": {"source": "builtin"},
-        "checkpoint": {"intervalSteps": 10, "asyncMode": "disabled", "storage": {"persistentVolumeClaim": {"claimName": "ckpt"}}},
-        "resources": {"nodes": nodes, "gpusPerNode": 0, "processesPerNode": 2, "shmSize": "1Gi"},
-        "runPolicy": {"backoffSeconds": 0, "nodeFailureGraceSeconds": 0, **run_policy},
-    }
-
-
-def lpt(name: str, spec: dict[str, Any], metrics_port: int | None = None) -> dict[str, Any]:
-    spec = copy.deepcopy(spec)
-    if metrics_port is not None:
-        spec.setdefault("monitoring", {})["metricsPort"] = metrics_port
-    return {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
-            "metadata": {"name": name, "namespace": NS}, "spec": spec}

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kmockx.harness import NS, Cluster, Operator, cpu_spec, lpt, wait_for
+from kmockx.harness import Cluster, Operator, wait_for
+from support.specs import NS, cpu_spec, lpt
 
 pytestmark = pytest.mark.xdist_group("operator-kmock")
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"

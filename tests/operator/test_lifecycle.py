@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from kmockx.harness import CMS, LPT, NS, PODS, SVCS, Cluster, Operator, ScaledClock, cpu_spec, lpt, wait_for
+from kmockx.harness import CMS, LPT, PODS, SVCS, Cluster, Operator, ScaledClock, wait_for
+from support.specs import NS, cpu_spec, lpt
 from kubetitan_core import validation
 from kubetitan import plan
 from kubetitan.decide import parse_time

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kmockx.harness import LPT, NS, Cluster, Operator, Rank0Metrics, cpu_spec, lpt, wait_for
+from kmockx.harness import LPT, Cluster, Operator, Rank0Metrics, wait_for
+from support.specs import NS, cpu_spec, lpt
 from kubetitan_core import contract
 from kubetitan import rbac
 from kubetitan_core.api import LlamaPretrainSpec

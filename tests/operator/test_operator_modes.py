@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import requests
 
-from kmockx.harness import NS, Cluster, Operator, OperatorProcess, cpu_spec, lpt, wait_for
+from kmockx.harness import Cluster, Operator, OperatorProcess, wait_for
+from support.specs import NS, cpu_spec, lpt
 
 pytestmark = pytest.mark.xdist_group("operator-kmock")
 OTHER = "team-b"

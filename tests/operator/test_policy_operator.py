@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kmockx.harness import CMS, NS, Cluster, Operator, cpu_spec, lpt, wait_for
+from kmockx.harness import CMS, Cluster, Operator, wait_for
+from support.specs import NS, cpu_spec, lpt
 from kubetitan.policy import Policy
 
 pytestmark = pytest.mark.xdist_group("operator-kmock")

@@ -268,7 +268,7 @@ def test_compile_cache_folder_is_the_same_for_every_attempt_of_a_run(tmp_path):
     from kubetitan import plan
     from kubetitan_trainer import compile_cache
 
-    from tests.trainer.helpers import lpt
+    from support.specs import tiny_lpt as lpt
 
     obj = lpt({"precision": {"compile": True, "activationCheckpointing": "none", "mixedPrecisionParam": "float32"}})
     folders = set()

@@ -27,7 +27,7 @@ import pytest
 
 from kmockx.harness import free_port
 
-from .helpers import lpt, write_config
+from support.specs import tiny_lpt as lpt, write_config
 
 PY = sys.executable
 

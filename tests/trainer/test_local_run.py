@@ -21,7 +21,7 @@ from kubetitan_core import contract
 from kubetitan_core.api import LlamaPretrain
 from kubetitan_core.contract import ExitCode
 
-from .helpers import TINY
+from support.specs import TINY
 
 PY = sys.executable
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kubetitan_core.validation import RULES, Rule
-from tests.trainer.helpers import lpt, write_config
+from support.specs import tiny_lpt as lpt, write_config
 
 FLAGGED = [r.id for r in RULES if r.trainer]
 

@@ -24,7 +24,7 @@ from kubetitan_trainer import anatomy
 from kmockx.harness import free_port  # the tests' one port allocator (no bind-0 races between tests)
 from kubetitan_trainer.local import scrape
 
-from tests.trainer.helpers import lpt, write_config
+from support.specs import tiny_lpt as lpt, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(900)]

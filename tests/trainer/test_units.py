@@ -16,8 +16,8 @@ from kubetitan_core import contract, render
 from kubetitan_core.api import LlamaPretrain
 from kubetitan_core.catalog import ACCELERATORS, FLAVOURS
 
-from tests.conftest import EXAMPLES, load_example
-from tests.trainer.helpers import lpt, write_config
+from support.paths import EXAMPLES, load_example
+from support.specs import tiny_lpt as lpt, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable

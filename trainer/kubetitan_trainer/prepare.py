@@ -643,6 +643,7 @@ def _claim_plan(out: Path, plan: dict[str, Any]) -> str:
     return pid
 
 
+# long: the command's top level (merge-only, verify, units, workers, index) read in order; each step is a call
 def prepare(a: argparse.Namespace) -> int:
     out = Path(a.output)
     if a.merge and not a.inputs:

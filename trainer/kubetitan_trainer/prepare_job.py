@@ -34,6 +34,7 @@ def _under(path: str, mount: str) -> bool:
     return posixpath.isabs(p) and (p == mount or p.startswith(mount.rstrip("/") + "/"))
 
 
+# long: one Kubernetes manifest written out as a literal, as the planner's pod is
 def render_job(a: argparse.Namespace) -> dict[str, Any]:
     """The Indexed Job (a plain dict) for the parsed prepare-data arguments; DataError for unusable options."""
     if not a.job_image:

@@ -11,6 +11,8 @@ parsed from a user's YAML *is* the defaulted object.
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -767,3 +769,15 @@ def resolved_dp_shard(spec: LlamaPretrainSpec) -> int | None:
     )
     ws = world_size(spec)
     return ws // others if ws % others == 0 and ws >= others else None
+
+
+def model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside ``M``, ``M | None`` or ``list[M]``, if any (how the CRD generator and the
+    validator walk these models)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list):
+        for arg in typing.get_args(annotation):
+            if (m := model_in(arg)) is not None:
+                return m
+    return None

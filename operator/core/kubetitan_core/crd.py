@@ -24,8 +24,6 @@ import argparse
 import copy
 import re
 import sys
-import types
-import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ import yaml
 from pydantic import BaseModel
 
 from kubetitan_core import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
-from kubetitan_core.api import LlamaPretrain
+from kubetitan_core.api import LlamaPretrain, model_in
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILE = f"{GROUP}_{PLURAL}.yaml"
@@ -159,17 +157,6 @@ def _ordered(node: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside ``M``, ``M | None`` or ``list[M]``, if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list):
-        for arg in typing.get_args(annotation):
-            if (m := _model_in(arg)) is not None:
-                return m
-    return None
-
-
 def _apply_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
     """Put each field's default on its schema node, the way the API server should apply it.
 
@@ -180,7 +167,7 @@ def _apply_defaults(schema: dict[str, Any], model: type[BaseModel]) -> None:
     for name, field in model.model_fields.items():
         alias = field.alias or name
         prop = schema["properties"][alias]
-        sub = _model_in(field.annotation)
+        sub = model_in(field.annotation)
         if not field.is_required():
             value = field.get_default(call_default_factory=True)
             if isinstance(value, BaseModel):

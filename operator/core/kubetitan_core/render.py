@@ -145,6 +145,7 @@ def efa_per_node(s: LlamaPretrainSpec) -> int:
     return 0
 
 
+# long: a flat mapping of spec fields to [kubetitan] keys, one key per line; splitting it would scatter the table
 def _kubetitan_table(lpt: LlamaPretrain) -> dict[str, Any]:
     """The ``[kubetitan]`` table: what torchtitan's own sections cannot say."""
     s = lpt.spec

@@ -30,6 +30,7 @@ from kubetitan_core.api import (
     LlamaPretrain,
     LlamaPretrainSpec,
     ModelSpec,
+    model_in,
     processes_per_node,
     resolved_dp_shard,
     world_size,
@@ -1114,8 +1115,6 @@ def _pydantic_errors(e: ValidationError) -> list[FieldError]:
 
 def _python_names(value: Any, model: Any, path: str) -> list[FieldError]:
     """Keys spelled the Python way (``seq_len``) where the API has camelCase (``seqLen``): the API server refuses them."""
-    from kubetitan_core.crd import _model_in
-
     if not isinstance(value, dict):
         return []
     out: list[FieldError] = []
@@ -1123,7 +1122,7 @@ def _python_names(value: Any, model: Any, path: str) -> list[FieldError]:
         alias = field.alias or name
         if name != alias and name in value:
             out.append(FieldError(f"{path}.{name}", f"unknown field; the API spells it {alias!r}: rename it", "schema"))
-        sub = _model_in(field.annotation)
+        sub = model_in(field.annotation)
         if sub is not None and alias in value:
             items = value[alias] if isinstance(value[alias], list) else [value[alias]]
             for i, item in enumerate(items):
@@ -1215,14 +1214,12 @@ def _closest(name: str, known: Any) -> str | None:
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     """The wire names of the fields of the model at ``loc`` inside a LlamaPretrain (empty if not a model)."""
-    from kubetitan_core.crd import _model_in
-
     model: Any = LlamaPretrain
     for part in loc:
         if isinstance(part, int):
             continue
         field = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
-        model = _model_in(field.annotation) if field is not None else None
+        model = model_in(field.annotation) if field is not None else None
         if model is None:
             return []
     return [f.alias or n for n, f in model.model_fields.items()]

@@ -1,0 +1,111 @@
+"""The one set of LlamaPretrain builders for the tests and the bench scripts.
+
+- ``lpt`` / ``make_lpt``: the raw object a user would write (a dict), around any spec;
+- ``cpu_spec``: a small valid CPU spec for the operator-against-the-double tests (pods never run it);
+- ``e2e_spec``: the spec the end-to-end scenarios really train (torchtitan's debug model on CPU, gloo);
+- ``TINY`` / ``tiny_lpt`` / ``write_config``: the trainer tests' debug-model run, typed, and its rendered TOML.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from kubetitan_core import render
+from kubetitan_core.api import LlamaPretrain
+
+NS = "ml"
+"""The namespace every test object lives in unless a test says otherwise."""
+CLAIM = "checkpoints"
+"""The ReadWriteMany claim every e2e scenario checkpoints to (the e2e kubelet maps it to a temp dir)."""
+
+
+def lpt(name: str = "run", spec: dict[str, Any] | None = None, metrics_port: int | None = None, *,
+        namespace: str = NS, uid: str | None = None) -> dict[str, Any]:
+    """A raw LlamaPretrain object named ``name`` around a copy of ``spec`` (``metrics_port`` sets
+    ``spec.monitoring.metricsPort``)."""
+    spec = copy.deepcopy(spec or {})
+    if metrics_port is not None:
+        spec.setdefault("monitoring", {})["metricsPort"] = metrics_port
+    meta: dict[str, Any] = {"name": name, "namespace": namespace}
+    if uid:
+        meta["uid"] = uid
+    return {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain", "metadata": meta, "spec": spec}
+
+
+def make_lpt(spec: dict[str, Any] | None = None, name: str = "run", namespace: str = NS,
+             uid: str | None = None) -> dict[str, Any]:
+    """``lpt`` with the spec first (the API tests' calling order)."""
+    return lpt(name, spec, namespace=namespace, uid=uid)
+
+
+def cpu_spec(nodes: int = 2, **run_policy: Any) -> dict[str, Any]:
+    """A small valid CPU spec (the debug model), ``nodes`` pods per attempt."""
+    return {
+        "model": {"flavor": "debug"},
+        "training": {"steps": 100, "seqLen": 256, "localBatchSize": 8, "warmupSteps": 10},
+        "parallelism": {"dataParallelShardDegree": 2 * nodes},
+        "precision": {"compile": False, "activationCheckpointing": "none"},
+        "data": {"source": "synthetic"},
+        "tokenizer": {"source": "builtin"},
+        "checkpoint": {"intervalSteps": 10, "asyncMode": "disabled", "storage": {"persistentVolumeClaim": {"claimName": "ckpt"}}},
+        "resources": {"nodes": nodes, "gpusPerNode": 0, "processesPerNode": 2, "shmSize": "1Gi"},
+        "runPolicy": {"backoffSeconds": 0, "nodeFailureGraceSeconds": 0, **run_policy},
+    }
+
+
+def e2e_spec(ckpt_dir: Path, steps: int, interval: int, metrics_port: int, **run_policy: Any) -> dict[str, Any]:
+    """2 "nodes" x 1 process, torchtitan's debug model on CPU (gloo), checkpoints every ``interval`` steps."""
+    return {
+        "model": {"flavor": "debug"},
+        "training": {"steps": steps, "seqLen": 32, "localBatchSize": 2, "learningRate": 0.002,
+                     "warmupSteps": 2, "seed": 42},
+        "parallelism": {"dataParallelShardDegree": 2},
+        "precision": {"compile": False, "activationCheckpointing": "none"},
+        "data": {"source": "synthetic"},
+        "tokenizer": {"source": "builtin"},
+        "checkpoint": {"intervalSteps": interval, "asyncMode": "disabled", "saveTimeoutSeconds": 10,
+                       "mountPath": str(ckpt_dir), "storage": {"persistentVolumeClaim": {"claimName": CLAIM}}},
+        "resources": {"nodes": 2, "gpusPerNode": 0, "processesPerNode": 1, "shmSize": "1Gi"},
+        "runPolicy": {"maxRestarts": 20, "backoffSeconds": 0, "nodeFailureGraceSeconds": 0,
+                      "hangTimeoutSeconds": 10, "startupTimeoutSeconds": 300, **run_policy},
+        "monitoring": {"metricsPort": metrics_port, "logFrequencySteps": 1},
+    }
+
+
+TINY: dict[str, Any] = {
+    "model": {"flavor": "debug"},
+    "training": {"steps": 8, "seqLen": 64, "localBatchSize": 4, "learningRate": 0.002, "warmupSteps": 2, "seed": 7},
+    "parallelism": {"dataParallelShardDegree": 2},
+    # bf16 matmuls are ~5x slower than fp32 on CPU; the debug runs use fp32 parameters.
+    "precision": {"compile": False, "activationCheckpointing": "none", "mixedPrecisionParam": "float32"},
+    "data": {"source": "huggingface", "huggingface": {"dataset": "builtin", "streaming": False}},
+    "tokenizer": {"source": "builtin"},
+    "checkpoint": {"intervalSteps": 4, "asyncMode": "disabled", "keepLatestK": 0},
+    "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2},
+    "monitoring": {"logFrequencySteps": 1},
+}
+"""The trainer tests' run: the debug model, 2 local processes, 8 steps, a checkpoint every 4."""
+
+
+def tiny_lpt(overrides: dict[str, Any] | None = None, name: str = "tiny") -> LlamaPretrain:
+    """``TINY`` as a typed LlamaPretrain, each section of ``overrides`` merged over TINY's (or replacing it)."""
+    spec = copy.deepcopy(TINY)
+    for section, values in (overrides or {}).items():
+        if isinstance(values, dict) and isinstance(spec.get(section), dict):
+            spec[section] = {**spec[section], **values}
+        else:
+            spec[section] = values
+    return LlamaPretrain.model_validate(lpt(name, spec, namespace="t"))
+
+
+def write_config(path: Path, obj: LlamaPretrain, dump: Path, patch: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Write the trainer TOML the operator renders for ``obj`` (dump folder ``dump``), each ``patch`` section merged in."""
+    cfg = render.trainer_config(obj, dump_folder=str(dump))
+    for section, values in (patch or {}).items():
+        cfg.setdefault(section, {}).update(values)
+    path.write_text(tomli_w.dumps(cfg))
+    return path

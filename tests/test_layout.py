@@ -1,0 +1,137 @@
+"""The test suite's layout rules, so that any subset of it runs (``pytest tests/<dir> tests/<dir>``).
+
+Why: pytest imports every conftest.py under the one module name ``conftest`` and drops the previous one from
+``sys.modules`` first, so ``from conftest import ...`` gets whichever conftest was imported last (``pytest tests/api
+tests/operator`` once failed at collection with 12 ImportErrors). Test directories without ``__init__.py`` go on
+``sys.path`` as they are collected, so their modules share one flat namespace. Importable helpers therefore live in
+``tests/support`` (and ``tests/kmockx``), conftest.py files hold fixtures and hooks only, and names stay unique.
+
+These checks read the source (ast) and take well under a second; one subprocess collects the pair of directories that
+used to fail. ``bench/collect_pairs.py`` collects every pair of test directories (slow: minutes)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+from support.paths import REPO
+
+TESTS = REPO / "tests"
+HOOKS_AND_SETTINGS = ("pytest_",)
+"""Top-level names a conftest may define besides fixtures: pytest hooks and settings (pytest_plugins)."""
+
+
+def _py_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _imported_modules(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import anywhere in the module, with relative imports' names as written."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            out.append((node.lineno, base))
+            out += [(node.lineno, f"{base}.{a.name}" if node.module else f"{base}{a.name}") for a in node.names]
+    return out
+
+
+def test_no_module_imports_a_conftest():
+    offenders = [f"{p.relative_to(REPO)}:{line}: imports {name}"
+                 for root in (TESTS, REPO / "bench") for p in _py_files(root)
+                 for line, name in _imported_modules(_tree(p)) if name.split(".")[-1] == "conftest"]
+    assert not offenders, ("conftest modules shadow each other (all are imported as `conftest`); move the helper to "
+                           "tests/support and import it from there:\n" + "\n".join(offenders))
+
+
+def _is_fixture(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    for d in node.decorator_list:
+        target = d.func if isinstance(d, ast.Call) else d
+        if (isinstance(target, ast.Attribute) and target.attr == "fixture") or \
+                (isinstance(target, ast.Name) and target.id == "fixture"):
+            return True
+    return False
+
+
+def test_conftests_hold_fixtures_and_hooks_only():
+    offenders = []
+    for path in sorted(TESTS.rglob("conftest.py")):
+        for node in _tree(path).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names, ok = [node.name], _is_fixture(node)
+            elif isinstance(node, ast.ClassDef):
+                names, ok = [node.name], False
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names, ok = [t.id for t in targets if isinstance(t, ast.Name)], False
+            else:
+                continue
+            bad = [n for n in names if not ok and not n.startswith(("_", *HOOKS_AND_SETTINGS))]
+            offenders += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in bad]
+    assert not offenders, ("a conftest.py holds fixtures, hooks and private names only; put importable helpers in "
+                           "tests/support:\n" + "\n".join(offenders))
+
+
+def _top_level_modules() -> dict[str, list[Path]]:
+    """Every module name that is importable at top level while the suite runs: the modules and packages directly
+    in tests/ (on sys.path through pytest.ini) and the modules of each test directory without ``__init__.py``
+    (pytest prepends such a directory when it collects a module in it)."""
+    names: dict[str, list[Path]] = {}
+    dirs = [TESTS] + [d for d in sorted(TESTS.rglob("*")) if d.is_dir() and "__pycache__" not in d.parts
+                      and not (d / "__init__.py").exists() and any(d.glob("test_*.py"))
+                      and not any((p / "__init__.py").exists() for p in d.parents if TESTS in p.parents)]
+    for d in dirs:
+        for p in sorted(d.iterdir()):
+            if p.suffix == ".py" and p.name != "conftest.py":
+                names.setdefault(p.stem, []).append(p)
+            elif d == TESTS and p.is_dir() and (p / "__init__.py").exists():
+                names.setdefault(p.name, []).append(p)
+    return names
+
+
+def test_top_level_test_module_names_are_unique():
+    clashes = {n: [str(p.relative_to(REPO)) for p in ps] for n, ps in _top_level_modules().items() if len(ps) > 1}
+    assert not clashes, f"these modules shadow each other on sys.path (rename one, or move a helper to tests/support): {clashes}"
+
+
+def _builds_llamapretrain(fn: ast.FunctionDef) -> bool:
+    return any(isinstance(n, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "kind" and
+                                              isinstance(v, ast.Constant) and v.value == "LlamaPretrain"
+                                              for k, v in zip(n.keys, n.values))
+               for n in ast.walk(fn))
+
+
+def test_one_set_of_spec_builders():
+    """Helpers that build a LlamaPretrain object live in tests/support/specs.py (a test may still write one
+    inline)."""
+    offenders = [f"{p.relative_to(REPO)}:{fn.lineno}: {fn.name}"
+                 for p in _py_files(TESTS) if TESTS / "support" not in p.parents
+                 for fn in ast.walk(_tree(p)) if isinstance(fn, ast.FunctionDef)
+                 and not fn.name.startswith("test_") and _builds_llamapretrain(fn)]
+    assert not offenders, "build LlamaPretrain objects with support.specs (lpt, make_lpt, ...):\n" + "\n".join(offenders)
+
+
+def test_the_layout_check_sees_the_suite():
+    """The scans above are not vacuous: they find the conftests, the e2e helper modules and the builders."""
+    assert len(list(TESTS.rglob("conftest.py"))) >= 2
+    assert {"kmockx", "support", "common", "kubelet", "chartlib", "test_layout"} <= set(_top_level_modules())
+    assert _builds_llamapretrain(next(n for n in ast.walk(_tree(TESTS / "support" / "specs.py"))
+                                      if isinstance(n, ast.FunctionDef) and n.name == "lpt"))
+
+
+def test_api_and_operator_collect_together():
+    """The pair that failed at collection before tests/support (torch-free, a few seconds)."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "tests/api", "tests/operator"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " tests collected" in r.stdout and "error" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
