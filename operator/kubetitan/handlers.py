@@ -35,6 +35,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kubetitan_core import GROUP, PLURAL, VERSION, validation, warning_rules
 from kubetitan import __version__, plan, policy
+from kubetitan import webhook as webhook_mod  # registers the admission handler (kopf.on.validate)
 from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
@@ -72,6 +73,8 @@ class Options:
     """Source of 'now' for every decision; tests pass a faster clock instead of lowering API minimums."""
     policy: policy.Policy = field(default_factory=policy.Policy)
     """The cluster admin's policy (``--policy-*`` flags): a valid spec outside it is refused like an invalid one."""
+    webhook: webhook_mod.WebhookOptions | None = None
+    """The validating admission webhook (``--webhook-*``, ``--requester-checks``; kubetitan.webhook); None: none."""
 
 
 @dataclass
@@ -166,6 +169,7 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
     settings.peering.priority = ctx.options.priority
     ctx.client = Client(ctx.cfg)
     ctx.session = aiohttp.ClientSession()
+    webhook_mod.configure(settings, ctx.options.webhook)
 
 
 @kopf.on.cleanup()
@@ -695,6 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log format (default json: one structured object per line)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     policy.add_flags(p)
+    webhook_mod.add_flags(p)
     return p
 
 
@@ -702,7 +707,8 @@ def options_from_args(a: argparse.Namespace) -> Options:
     return Options(namespaces=list(a.namespace), all_namespaces=a.all_namespaces, peering=a.peering,
                    priority=a.priority, metrics_port=a.metrics_port or None, liveness=a.liveness,
                    kubeconfig=a.kubeconfig, scan_interval=a.scan_interval, scrape_interval=a.scrape_interval,
-                   hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a))
+                   hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a),
+                   webhook=webhook_mod.from_args(a))
 
 
 def _positive_seconds(text: str) -> float:

@@ -38,9 +38,12 @@ RULES: tuple[Rule, ...] = (
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch"),
          "kopf resource discovery"),
     Rule("", "namespaces", ("get", "list", "watch"), "kopf namespace discovery with --all-namespaces"),
+    Rule("authorization.k8s.io", "subjectaccessreviews", ("create",),
+         "the admission webhook's requester checks: may the requesting user use what her spec references"),
 )
 
-CLUSTER_SCOPED = frozenset({"nodes", "clusterkopfpeerings", "customresourcedefinitions", "namespaces"})
+CLUSTER_SCOPED = frozenset({"nodes", "clusterkopfpeerings", "customresourcedefinitions", "namespaces",
+                            "subjectaccessreviews"})
 
 
 def allowed(api_group: str, resource: str, verb: str) -> bool:

@@ -58,7 +58,8 @@ def test_chart_defaults_are_the_policy_defaults():
     assert values == policy.default_values()
     assert {k: v for k, v in values.items() if k != "nodeLabels"} == {
         "hostPathPrefixes": [], "serviceAccounts": ["default"], "priorityClasses": [], "imagePrefixes": [ANY],
-        "tolerationKeys": [ANY], "keylessTolerations": False, "schedulerNames": ["default-scheduler"]}
+        "tolerationKeys": [ANY], "keylessTolerations": False, "schedulerNames": ["default-scheduler"],
+        "codeLoadingEnv": []}
     assert set(values["nodeLabels"]) == {ANY} and all(v == [ANY] for v in values["nodeLabels"][ANY].values())
 
 
