@@ -237,7 +237,9 @@ def review(obj: Mapping[str, Any] | None, old: Mapping[str, Any] | None, operati
         return Verdict(False, f"LlamaPretrain {name} is valid but the cluster's kubetitan policy refuses it "
                        f"({len(refused)} error(s)):\n  - " + "\n  - ".join(refused), warnings, 403, tuple(refused))
     if operation == "UPDATE" and old is not None and (immutable := _immutable_errors(obj, old)):
-        return Verdict(False, immutable[0], warnings, 422, tuple(immutable))
+        return Verdict(False, f"LlamaPretrain {name} has started, and this change would make its checkpoints "
+                       f"unusable ({len(immutable)} error(s)):\n  - " + "\n  - ".join(immutable), warnings, 422,
+                       tuple(immutable))
     denied = _requester_denials(obj, old, operation, mode, answers or {})
     if denied:
         return Verdict(False, f"LlamaPretrain {name} references what the requesting user may not use herself "

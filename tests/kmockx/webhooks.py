@@ -184,6 +184,13 @@ async def _session(k: Any) -> aiohttp.ClientSession:
     return st["session"]
 
 
+async def close(k: Any) -> None:
+    """Close the emulator's client session to the webhooks (at the end of a test)."""
+    st = state(k)
+    if st.get("session") is not None:
+        await st["session"].close()
+
+
 async def _call(k: Any, w: dict[str, Any], review: dict[str, Any]) -> dict[str, Any]:
     """POST the review; the webhook's ``response`` or raises ``RuntimeError`` with the API server's reason."""
     shown, url, server_name = _target(k, w)
