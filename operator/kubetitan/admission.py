@@ -14,6 +14,8 @@ Pure: no kopf, no client, no I/O.
 from __future__ import annotations
 
 import copy
+import functools
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -141,14 +143,30 @@ def references(spec: Mapping[str, Any], base: str = "spec") -> Iterator[Referenc
         yield Reference("PriorityClass", res["priorityClassName"], f"{base}.resources.priorityClassName")
 
 
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> tuple[Any, list[Any], dict[str, Any] | None]:
+    """``parse`` of an object given as JSON, and its spec in wire form with defaults (what the operator
+    compares; None unless it parses without errors). One request parses its object once, however many of
+    ``review``'s steps read it."""
+    lpt, errors = parse(json.loads(text))
+    wire = lpt.spec.model_dump(by_alias=True, exclude_none=True, mode="json") if lpt is not None and not errors \
+        else None
+    return lpt, errors, wire
+
+
+def _parse(obj: Mapping[str, Any]) -> tuple[Any, list[Any], dict[str, Any] | None]:
+    try:
+        text = json.dumps(obj, allow_nan=False)  # key order kept: errors come in document order
+    except (TypeError, ValueError):  # not what an API server sends; parse it as it is
+        lpt, errors = parse(copy.deepcopy(dict(obj)))
+        return lpt, errors, None
+    lpt, errors, wire = _parsed(text)
+    return lpt, list(errors), copy.deepcopy(wire)
+
+
 def _wire_spec(obj: Any) -> dict[str, Any] | None:
-    """The spec of an object that parses, in wire form with defaults (what the operator compares), else None."""
-    if not isinstance(obj, Mapping):
-        return None
-    lpt, errors = parse(copy.deepcopy(dict(obj)))
-    if lpt is None or errors:
-        return None
-    return lpt.spec.model_dump(by_alias=True, exclude_none=True, mode="json")
+    """The spec of an object that parses, in wire form with defaults, else None."""
+    return _parse(obj)[2] if isinstance(obj, Mapping) else None
 
 
 def _new_references(obj: Mapping[str, Any], old: Mapping[str, Any] | None) -> list[Reference]:
@@ -223,7 +241,7 @@ def review(obj: Mapping[str, Any] | None, old: Mapping[str, Any] | None, operati
         return Verdict(True)
     meta = obj.get("metadata") if isinstance(obj.get("metadata"), Mapping) else {}
     name = str(meta.get("name") or meta.get("generateName") or "")
-    lpt, errors = parse(copy.deepcopy(dict(obj)))
+    lpt, errors, _ = _parse(obj)
     lines = [str(e) for e in errors]
     warnings: tuple[str, ...] = ()
     if lpt is not None and not errors:
