@@ -71,9 +71,22 @@ async def _no_server(_fn: Any) -> AsyncIterator[Any]:
     yield  # pragma: no cover - never reached
 
 
+class _RefusalsAreNotErrors(logging.Filter):
+    """kopf logs a refused admission as an ERROR of the object ("Webhook ... failed permanently"); a refusal is the
+    answer to a user's mistake, which the user gets from the API server. The operator logs it at INFO instead
+    (``validate_llamapretrain``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(f"Webhook {WEBHOOK_ID!r} failed permanently")
+
+
+_REFUSAL_FILTER = _RefusalsAreNotErrors()
+
+
 def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None) -> None:
     """Give kopf its webhook server (at start-up). The chart ships the ValidatingWebhookConfiguration itself, so
     kopf manages none (``settings.admission.managed`` unset: no RBAC on webhook configurations)."""
+    logging.getLogger("kopf.objects").addFilter(_REFUSAL_FILTER)  # a set: adding it again is a no-op
     if options is None or options.port is None:
         settings.admission.server = _no_server
         return
@@ -110,4 +123,8 @@ async def validate_llamapretrain(new: Any, old: Any, operation: str, userinfo: M
     verdict = admission.review(obj, was, operation, ctx.options.policy, opts.requester, answers)
     warnings.extend(verdict.warnings)
     if not verdict.allowed:
+        meta = (obj or was or {}).get("metadata") or {}
+        log.info("Refused %s of LlamaPretrain %s/%s by %s: %s", operation, meta.get("namespace"),
+                 meta.get("name") or meta.get("generateName"), userinfo.get("username"),
+                 "; ".join(verdict.errors))
         raise kopf.AdmissionError(verdict.message, code=verdict.code)
