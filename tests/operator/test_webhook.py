@@ -381,6 +381,30 @@ def test_a_webhook_that_is_down_fails_closed_or_open_as_configured(env: Env) -> 
         _replace_vwc(env, env.vwc["webhooks"])
 
 
+def test_a_webhook_that_hangs_is_cut_off_at_its_timeout(env: Env) -> None:
+    """A replica that accepts the connection and never answers: the API server gives up after timeoutSeconds."""
+    c = env.cluster
+    hung = copy.deepcopy(env.vwc["webhooks"])
+    hung[0]["timeoutSeconds"] = 1
+    with socket.socket() as silent:  # listens (the kernel completes the TCP handshake), never speaks TLS
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        try:
+            webhooks.state(c.k)["endpoints"][SVC] = silent.getsockname()
+            _replace_vwc(env, hung)
+            r = _post(env, _tenant_spec("hung"))
+            assert r.status_code == 500, r.text
+            assert r.json()["message"].endswith("validate-llamapretrain?timeout=1s\": context deadline exceeded")
+            hung[0]["failurePolicy"] = "Ignore"
+            _replace_vwc(env, hung)
+            r = _post(env, _tenant_spec("hung"))
+            assert r.status_code == 201, r.text
+            c.delete(LPT, NS, "hung")
+        finally:
+            webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", env.port)
+            _replace_vwc(env, env.vwc["webhooks"])
+
+
 def test_a_certificate_the_ca_bundle_does_not_vouch_for_is_a_failed_call(env: Env) -> None:
     other = next(d for d in rbac.render_chart("webhook.timeoutSeconds=6")
                  if d["kind"] == "ValidatingWebhookConfiguration")  # another render: another CA
