@@ -366,16 +366,14 @@ def test_a_webhook_that_is_down_fails_closed_or_open_as_configured(env: Env) -> 
         r = _post(env, doc)
         assert r.status_code == 201, r.text  # admitted unchecked; the operator's reconcile still validates
         c.delete(LPT, NS, "down")
-        # an invalid spec admitted this way is refused by the reconcile (Ready=False, InvalidSpec)
-        bad = _tenant_spec("down-bad")
-        bad["spec"]["parallelism"] = {"dataParallelShardDegree": 2, "pipelineParallelDegree": 1}
-        bad["spec"]["training"]["seqLen"] = 255
+        # a spec the policy refuses, admitted this way, is refused by the reconcile (no pods, PolicyViolation)
+        bad = _tenant_spec("down-bad", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}])
         r = _post(env, bad)
-        assert r.status_code in (201, 422), r.text
-        if r.status_code == 201:
-            wait_for(lambda: (c.condition(NS, "down-bad", "Ready") or {}).get("reason") == "InvalidSpec", 20,
-                     "the reconcile's refusal")
-            c.delete(LPT, NS, "down-bad")
+        assert r.status_code == 201, r.text
+        wait_for(lambda: (c.condition(NS, "down-bad", "Ready") or {}).get("reason") == "PolicyViolation", 20,
+                 "the reconcile's refusal")
+        assert c.pod_names(NS, "down-bad") == []
+        c.delete(LPT, NS, "down-bad")
     finally:
         webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", env.port)
         _replace_vwc(env, env.vwc["webhooks"])
@@ -414,3 +412,38 @@ def test_a_certificate_the_ca_bundle_does_not_vouch_for_is_a_failed_call(env: En
         assert r.status_code == 500 and "x509" in r.json()["message"], r.text
     finally:
         _replace_vwc(env, env.vwc["webhooks"])
+
+
+def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
+    """Two replicas peering, as the chart runs them: the paused one answers admission requests as well (the
+    Service sends them to any ready replica)."""
+    from kmockx.harness import OperatorProcess
+
+    docs = rbac.render_chart()
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
+    for key in ("tls.crt", "tls.key"):
+        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+    vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
+    with Cluster() as c:
+        c.add_peering("kubetitan")
+        c.call(c.k.put(webhooks.VWC, vwc))
+        ports = [free_port(), free_port()]
+
+        def replica(port: int, priority: str) -> OperatorProcess:
+            return OperatorProcess(c.kubeconfig, "--namespace", NS, "--peering", "kubetitan", "--priority", priority,
+                                   "--webhook-port", str(port), "--webhook-addr", "127.0.0.1",
+                                   "--webhook-cert-file", str(tmp_path / "tls.crt"),
+                                   "--webhook-key-file", str(tmp_path / "tls.key"))
+
+        with replica(ports[0], "100") as a, replica(ports[1], "50") as b:
+            wait_for(lambda: len(c.peers("kubetitan")) == 2, 20, "both keep-alives")
+            wait_for(lambda: "Resuming operations" in a.log_text(), 20, "replica A active")
+            assert "Resuming operations" not in b.log_text()
+            wait_for(lambda: _listening(ports[1]), 20, "replica B's webhook port")
+            webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", ports[1])
+            bad = _tenant_spec("ha-bad", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}])
+            with pytest.raises(ApiError) as e:
+                c.apply(bad)
+            assert 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request' in str(e.value.status)
+            assert "Resuming operations" not in b.log_text()  # it answered while paused
+        c.call(webhooks.close(c.k))
