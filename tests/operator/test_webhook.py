@@ -447,3 +447,17 @@ def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
             assert 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request' in str(e.value.status)
             assert "Resuming operations" not in b.log_text()  # it answered while paused
         c.call(webhooks.close(c.k))
+
+
+def test_the_webhook_flags() -> None:
+    from kubetitan import handlers
+
+    def opts(*args: str) -> WebhookOptions:
+        return handlers.options_from_args(handlers.build_parser().parse_args(["-n", NS, *args])).webhook
+
+    assert opts().port is None and opts().requester == admission.Requester.REFERENCES
+    assert opts("--requester-checks", "podCreate").requester == admission.Requester.POD_CREATE
+    with pytest.raises(SystemExit, match="--webhook-port needs --webhook-cert-file and --webhook-key-file"):
+        opts("--webhook-port", "9443")
+    with pytest.raises(SystemExit):
+        opts("--requester-checks", "everything")
