@@ -128,3 +128,14 @@ def test_webhook_off_ships_none_of_it():
 def test_the_schema_refuses_bad_webhook_values(bad):
     out = helm("template", "kt", str(render.__globals__["CHART"]), *values_args([], [bad]), check=False)
     assert out.returncode != 0 and bad.split("=")[0].split(".")[-1] in out.stderr
+
+
+def test_metadata_only_updates_never_reach_the_webhook_on_1_28_and_later():
+    (w,) = _one(render(), "ValidatingWebhookConfiguration")["webhooks"]
+    assert w["matchConditions"] == [{"name": "creates-or-changes-spec",
+                                     "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"}]
+    import yaml
+
+    out = helm("template", "kt", str(render.__globals__["CHART"]), "--kube-version", "1.27.0").stdout
+    (vwc,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "ValidatingWebhookConfiguration"]
+    assert "matchConditions" not in vwc["webhooks"][0]  # 1.27 has no matchConditions (the webhook passes those)

@@ -5,7 +5,7 @@
   emulator's RBAC (``kmockx.rbac.Authorizer``; every user may do everything without one) and never stored.
 - ``admit(k, t, obj, old, sub)``: after the schema and CEL (``KubeEmulator._admit``) and before storing, each
   configuration's webhooks whose rules match (operations, apiGroups, apiVersions, resources with subresources,
-  scope, namespaceSelector, objectSelector) get an ``AdmissionReview`` v1 over HTTPS: the server certificate is
+  scope, namespaceSelector, objectSelector) and whose ``matchConditions`` (CEL, cel-python) all hold get an ``AdmissionReview`` v1 over HTTPS: the server certificate is
   verified against the webhook's ``caBundle`` for the host the API server would dial (``url``'s host, or
   ``<service>.<namespace>.svc`` for a ``service`` reference: the emulator maps services to local addresses in
   ``endpoints``), ``?timeout=Ns`` on the URL and ``timeoutSeconds`` (default 10) bounding the call, the requesting
@@ -25,6 +25,7 @@ import asyncio
 import base64
 import contextvars
 import json
+import os
 import ssl
 import time
 import uuid
@@ -211,8 +212,9 @@ async def _call(k: Any, w: dict[str, Any], review: dict[str, Any]) -> dict[str, 
         raise RuntimeError(f"failed to call webhook: {post}: tls: failed to verify certificate: x509: "
                            f"{e.certificate_error}") from None
     except aiohttp.ClientConnectorError as e:
-        raise RuntimeError(f"failed to call webhook: {post}: dial tcp {e.host}:{e.port}: connect: "
-                           f"{e.strerror or e}") from None
+        errno = getattr(e.os_error, "errno", None)
+        why = os.strerror(errno).lower() if errno else str(e)
+        raise RuntimeError(f"failed to call webhook: {post}: dial tcp {e.host}:{e.port}: connect: {why}") from None
     except aiohttp.ClientError as e:
         raise RuntimeError(f"failed to call webhook: {post}: {e}") from None
     if status != 200:
@@ -262,6 +264,14 @@ async def admit(k: Any, t: Any, obj: dict[str, Any], old: dict[str, Any] | None,
             request["subResource"] = sub
         started = time.perf_counter()
         name = w.get("name", "")
+        matched = _match_conditions(w, request)
+        if isinstance(matched, str):  # an expression that cannot be evaluated: the failure policy decides
+            if w.get("failurePolicy", "Fail") == "Ignore":
+                continue
+            msg = f'failed calling webhook "{name}": {matched}'
+            return 500, _status(500, "InternalError", f"Internal error occurred: {msg}", [{"message": msg}])
+        if not matched:
+            continue
         try:
             resp = await _call(k, w, {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
                                       "request": request})
@@ -290,6 +300,29 @@ async def admit(k: Any, t: Any, obj: dict[str, Any], old: dict[str, Any] | None,
                 out["details"] = st["details"]
             return code, out
     return None
+
+
+def _match_conditions(w: dict[str, Any], request: dict[str, Any]) -> bool | str:
+    """The webhook's ``matchConditions`` (CEL over ``object``, ``oldObject``, ``request``): True when all hold (or
+    there are none), False when one is false, else why one could not be evaluated."""
+    conds = w.get("matchConditions") or []
+    if not conds:
+        return True
+    import celpy
+
+    env = celpy.Environment()
+    act = {"object": celpy.json_to_cel(request.get("object")), "oldObject": celpy.json_to_cel(request.get("oldObject")),
+           "request": celpy.json_to_cel({k: v for k, v in request.items() if k not in ("object", "oldObject")})}
+    for c in conds:
+        try:
+            ok = env.program(env.compile(c["expression"])).evaluate(act)
+        except Exception as e:  # noqa: BLE001 - celpy raises its own types for compile and evaluation errors
+            return f'matchCondition "{c.get("name")}" could not be evaluated: {e}'
+        if isinstance(ok, celpy.CELEvalError):
+            return f'matchCondition "{c.get("name")}" could not be evaluated: {ok}'
+        if not bool(ok):
+            return False
+    return True
 
 
 def warning_header(text: str) -> str:
