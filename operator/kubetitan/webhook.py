@@ -40,6 +40,9 @@ class WebhookOptions:
     cert_file: str | None = None
     key_file: str | None = None
     requester: admission.Requester = admission.Requester.REFERENCES
+    cert_check_seconds: float = 60.0
+    """How often the certificate files are re-read: a renewed pair (cert-manager, or a new helm Secret, which the
+    kubelet swaps into the mount) is served from then on without a restart (kopf restarts its server)."""
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -49,6 +52,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--webhook-addr", default="0.0.0.0", metavar="ADDR", help="address the webhook listens on")
     p.add_argument("--webhook-cert-file", metavar="FILE", help="the webhook's serving certificate (PEM)")
     p.add_argument("--webhook-key-file", metavar="FILE", help="its private key (PEM)")
+    p.add_argument("--webhook-cert-check-seconds", type=float, default=60.0, metavar="S",
+                   help="re-read the certificate files this often and serve a renewed pair without a restart "
+                        "(default 60)")
     p.add_argument("--requester-checks", choices=[m.value for m in admission.Requester],
                    default=admission.Requester.REFERENCES.value,
                    help="what the requesting user must be allowed herself for the Secrets, ConfigMaps, claims, "
@@ -61,7 +67,8 @@ def from_args(a: argparse.Namespace) -> WebhookOptions:
         raise SystemExit("error: --webhook-port needs --webhook-cert-file and --webhook-key-file (the chart mounts "
                          "them from its webhook Secret); the API server calls webhooks over HTTPS only")
     return WebhookOptions(port=a.webhook_port, addr=a.webhook_addr, cert_file=a.webhook_cert_file,
-                          key_file=a.webhook_key_file, requester=admission.Requester(a.requester_checks))
+                          key_file=a.webhook_key_file, requester=admission.Requester(a.requester_checks),
+                          cert_check_seconds=a.webhook_cert_check_seconds)
 
 
 async def _no_server(_fn: Any) -> AsyncIterator[Any]:
@@ -91,7 +98,8 @@ def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None) -
         settings.admission.server = _no_server
         return
     settings.admission.server = kopf.WebhookServer(addr=options.addr, port=options.port, certfile=options.cert_file,
-                                                   pkeyfile=options.key_file)
+                                                   pkeyfile=options.key_file,
+                                                   file_check_interval=options.cert_check_seconds)
 
 
 async def _ask(client: Any, check: admission.Access, user: Mapping[str, Any]) -> bool | str:

@@ -153,6 +153,18 @@ class Env:
         return path
 
 
+def mount_secret(tmp: Path, docs: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> None:
+    """The chart's webhook Secret as the kubelet mounts it: ``tmp/mount/tls.*`` through a symbolic link that an
+    update swaps at once (the kubelet's ``..data``), so a reader never sees a new certificate with an old key."""
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
+    version = tmp / f"data-{os.urandom(4).hex()}"
+    version.mkdir()
+    for key in ("tls.crt", "tls.key"):
+        (version / key).write_bytes(base64.b64decode(secret["data"][key]))
+    (tmp / "mount.new").symlink_to(version.name)
+    os.replace(tmp / "mount.new", tmp / "mount")
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -162,19 +174,17 @@ def _listening(port: int) -> bool:
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     tmp = tmp_path_factory.mktemp("webhook")
     docs = rbac.render_chart()  # helm template with the defaults: the webhook Secret and configuration
-    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
-    for key in ("tls.crt", "tls.key"):
-        (tmp / key).write_bytes(base64.b64decode(secret["data"][key]))
+    mount_secret(tmp, docs)
     port = free_port()
     with Cluster(namespaces=(CORPUS_NS,)) as c:
         webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", port)
         c.call(c.k.put(webhooks.VWC, vwc))
         op = Operator(c)
         op.options.policy = POLICY
-        op.options.webhook = WebhookOptions(port=port, addr="127.0.0.1", cert_file=str(tmp / "tls.crt"),
-                                            key_file=str(tmp / "tls.key"),
-                                            requester=admission.Requester.REFERENCES)
+        op.options.webhook = WebhookOptions(port=port, addr="127.0.0.1", cert_file=str(tmp / "mount" / "tls.crt"),
+                                            key_file=str(tmp / "mount" / "tls.key"),
+                                            requester=admission.Requester.REFERENCES, cert_check_seconds=0.2)
         with op:
             wait_for(lambda: _listening(port), 20, "the operator's webhook port")
             yield Env(c, op, port, vwc)
@@ -409,6 +419,24 @@ def test_a_webhook_that_hangs_is_cut_off_at_its_timeout(env: Env) -> None:
         finally:
             webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", env.port)
             _replace_vwc(env, env.vwc["webhooks"])
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(env: Env) -> None:
+    """The Secret is renewed (cert-manager, or a new helm pair) and the configuration's caBundle with it: once the
+    kubelet swaps the mounted files, the operator serves the new pair (kopf re-reads the files)."""
+    renewed = rbac.render_chart("webhook.timeoutSeconds=7")  # another render: another CA and certificate
+    mount = Path(env.op.options.webhook.cert_file).parent
+    try:
+        _replace_vwc(env, next(d for d in renewed if d["kind"] == "ValidatingWebhookConfiguration")["webhooks"])
+        assert _post(env, _tenant_spec("renew")).status_code == 500  # the old pair is still served
+        mount_secret(mount.parent, renewed)
+        wait_for(lambda: _post(env, _tenant_spec("renew")).status_code == 201, 20, "the renewed certificate served")
+        env.cluster.delete(LPT, NS, "renew")
+    finally:
+        mount_secret(mount.parent, rbac.render_chart())
+        _replace_vwc(env, env.vwc["webhooks"])
+        wait_for(lambda: _post(env, _tenant_spec("renew-back")).status_code == 201, 20, "the first pair again")
+        env.cluster.delete(LPT, NS, "renew-back")
 
 
 def test_a_certificate_the_ca_bundle_does_not_vouch_for_is_a_failed_call(env: Env) -> None:
