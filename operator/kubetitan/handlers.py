@@ -50,6 +50,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kubetitan_core import GROUP, PLURAL, VERSION, validation, warning_rules
 from kubetitan import __version__, plan, policy, scraped
+from kubetitan import webhook as webhook_mod  # registers the admission handler (kopf.on.validate)
 from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
@@ -102,6 +103,8 @@ class Options:
     leader: LeaseConfig | None = None
     """Leader election (``--leader-elect``): only the holder of this Lease writes. None: this replica always writes
     (alone, or under kopf peering)."""
+    webhook: webhook_mod.WebhookOptions | None = None
+    """The validating admission webhook (``--webhook-*``, ``--requester-checks``; kubetitan.webhook); None: none."""
 
 
 @dataclass
@@ -257,6 +260,7 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
                                        concurrency=ctx.options.scrape_concurrency))
     if isinstance(ctx.leader, LeaderElector):
         ctx.leader_task = asyncio.create_task(ctx.leader.run(), name="leader election")
+    webhook_mod.configure(settings, ctx.options.webhook)
 
 
 @kopf.on.cleanup()
@@ -925,6 +929,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log format (default json: one structured object per line)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     policy.add_flags(p)
+    webhook_mod.add_flags(p)
     return p
 
 
@@ -934,7 +939,8 @@ def options_from_args(a: argparse.Namespace) -> Options:
                    kubeconfig=a.kubeconfig, scan_interval=a.scan_interval, scrape_interval=a.scrape_interval,
                    scrape_timeout=a.scrape_timeout, scrape_max_bytes=a.scrape_max_bytes,
                    scrape_concurrency=a.scrape_concurrency,
-                   hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a), leader=lease_from_args(a))
+                   hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a), leader=lease_from_args(a),
+                   webhook=webhook_mod.from_args(a))
 
 
 

@@ -130,6 +130,15 @@ KNOBS: tuple[Knob, ...] = (
          "`https://minio.storage.svc:9000`; AWS's own endpoints (the field unset) are always allowed. Default: any "
          "https endpoint; add an `http://` one only for a store inside the cluster network (checkpoints and signed "
          "requests travel in clear)."),
+    Knob("code_loading_env", "codeLoadingEnv", (),
+         "Environment variables in `spec.resources.env` that make the trainer load code from outside the image "
+         "(the dynamic loader's `LD_PRELOAD`, `LD_AUDIT`, `LD_LIBRARY_PATH`, `GCONV_PATH`; Python's "
+         "`PYTHONPATH`, `PYTHONHOME`, `PYTHONSTARTUP`, `PYTHONUSERBASE`, `PYTHONPYCACHEPREFIX`, "
+         "`PYTHONBREAKPOINT`; a shell's `BASH_ENV`, `ENV`; NCCL's `NCCL_NET_PLUGIN`, `NCCL_TUNER_PLUGIN`, "
+         "`NCCL_PROFILER_PLUGIN`, `NCCL_ENV_PLUGIN`; compiled-kernel caches `TORCHINDUCTOR_CACHE_DIR`, "
+         "`TRITON_CACHE_DIR`, `TORCH_EXTENSIONS_DIR`) that a run may set: names, or `*` for all. Pointed at a "
+         "writable claim they run whatever a spec author put there, so `imagePrefixes` would no longer bound the "
+         "code that runs. Default: none."),
 )
 _BY_KEY = {k.key: k for k in KNOBS}
 
@@ -147,6 +156,7 @@ class Policy:
     node_labels: NodeLabels = DEFAULT_NODE_LABELS
     scheduler_names: tuple[str, ...] = ("default-scheduler",)
     s3_endpoint_prefixes: tuple[str, ...] = ("https://",)
+    code_loading_env: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One line for the operator's start-up log."""
@@ -329,6 +339,36 @@ def _s3_endpoint(lpt: LlamaPretrain, p: Policy) -> list[Violation]:
                       f"{_fix(_BY_KEY['s3EndpointPrefixes'])}", "policy.s3EndpointPrefixes")]
 
 
+CODE_LOADING_ENV: tuple[str, ...] = (
+    "LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "GCONV_PATH",
+    "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONPYCACHEPREFIX", "PYTHONBREAKPOINT",
+    "BASH_ENV", "ENV",
+    "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "NCCL_PROFILER_PLUGIN", "NCCL_ENV_PLUGIN",
+    "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR",
+)
+"""Variables that make a process of the trainer image load code named by the spec rather than the image: the
+dynamic loader's preload/audit/search path and glibc's iconv modules (every process), Python's module path, home,
+start-up file, user site (its ``.pth`` files run code), bytecode cache and breakpoint hook, a non-interactive
+shell's start-up file (the launcher's shell), NCCL's plugin libraries (``dlopen``ed by name or path), and the
+caches from which torch.compile, Triton and torch's JIT extensions load compiled shared objects. Each is refused
+unless ``policy.codeLoadingEnv`` lists it (docs/install.md, "Trust model")."""
+
+
+def _code_loading_env(lpt: LlamaPretrain, p: Policy) -> list[Violation]:
+    if ANY in p.code_loading_env:
+        return []
+    out = []
+    for i, e in enumerate(lpt.spec.resources.env):
+        name = e.get("name") if isinstance(e, dict) else None
+        if name in CODE_LOADING_ENV and name not in p.code_loading_env:
+            out.append(Violation(f"spec.resources.env[{i}].name",
+                                 f"{name} makes the trainer load code from outside its image, which this cluster's "
+                                 f"kubetitan policy does not allow (allowed: {_allowed(p.code_loading_env)}); put "
+                                 f"the code into the image, or {_fix(_BY_KEY['codeLoadingEnv'])}",
+                                 "policy.codeLoadingEnv"))
+    return out
+
+
 CHECKS: tuple[tuple[str, Callable[[LlamaPretrain, Policy], list[Violation]]], ...] = (
     ("hostPathPrefixes", _host_path),
     ("serviceAccounts", _service_account),
@@ -338,6 +378,7 @@ CHECKS: tuple[tuple[str, Callable[[LlamaPretrain, Policy], list[Violation]]], ..
     ("nodeLabels", _node_labels),
     ("schedulerNames", _scheduler),
     ("s3EndpointPrefixes", _s3_endpoint),
+    ("codeLoadingEnv", _code_loading_env),
 )
 
 

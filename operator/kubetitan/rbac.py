@@ -42,12 +42,15 @@ RULES: tuple[Rule, ...] = (
     Rule("", "namespaces", ("get", "list", "watch"), "kopf namespace discovery with --all-namespaces"),
     Rule("coordination.k8s.io", "leases", ("get", "create", "update"),
          "leader election (--leader-elect): one Lease in the operator's own namespace"),
+    Rule("authorization.k8s.io", "subjectaccessreviews", ("create",),
+         "the admission webhook's requester checks: may the requesting user use what her spec references"),
 )
 
 LEADER_ELECTION = frozenset({"leases"})
 """Rows granted only in the Lease's namespace (the release namespace), by a Role of their own."""
 
-CLUSTER_SCOPED = frozenset({"nodes", "clusterkopfpeerings", "customresourcedefinitions", "namespaces"})
+CLUSTER_SCOPED = frozenset({"nodes", "clusterkopfpeerings", "customresourcedefinitions", "namespaces",
+                            "subjectaccessreviews"})
 
 
 def allowed(api_group: str, resource: str, verb: str) -> bool:

@@ -59,7 +59,8 @@ def test_chart_defaults_are_the_policy_defaults():
     assert {k: v for k, v in values.items() if k != "nodeLabels"} == {
         "hostPathPrefixes": [], "serviceAccounts": ["default"], "priorityClasses": [], "imagePrefixes": [ANY],
         "tolerationKeys": [ANY], "keylessTolerations": False, "schedulerNames": ["default-scheduler"],
-        "s3EndpointPrefixes": ["https://"]}
+        "s3EndpointPrefixes": ["https://"],
+        "codeLoadingEnv": []}
     assert set(values["nodeLabels"]) == {ANY} and all(v == [ANY] for v in values["nodeLabels"][ANY].values())
 
 

@@ -51,7 +51,7 @@ import kmock
 from kmock._internal import dicts as kdicts
 from kmock._internal import parsing, rendering
 
-from kmockx import psa, validation
+from kmockx import psa, validation, webhooks
 from kmockx.validation import StructuralSchema
 
 Hook = Callable[[Any], Awaitable[None]]
@@ -315,6 +315,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     identities: dict[str, tuple[str, tuple[str, ...]]] = attrs.field(
         factory=lambda: {ADMIN_TOKEN: (ADMIN, ("system:masters", "system:authenticated"))})
     authorizer: Any = None  # kmockx.rbac.Authorizer; None: every authenticated user may do everything
+    webhook_state: dict[str, Any] = attrs.field(factory=dict)  # kmockx.webhooks.state
     types: dict[Any, TypeInfo] = attrs.field(factory=dict)
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_rv: int = attrs.field(default=0, init=False)
@@ -349,6 +350,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.declare("coordination.k8s.io/v1/leases", "Lease", builtin=True)
         self.declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition",
                      namespaced=False, status=True, shortnames=("crd", "crds"), builtin=True)
+        webhooks.declare(self)  # ValidatingWebhookConfiguration, SubjectAccessReview (kmockx.webhooks)
 
     def _register_crd(self, crd: dict[str, Any]) -> None:
         spec = crd["spec"]
@@ -487,6 +489,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         verb = self._verb(request) if res is not None and res.plural is not None else "get"
         if ident is None:
             return self._answer(request, user, verb, _status(401, "Unauthorized", "Unauthorized"))
+        asking = webhooks.Request(user, ident[1])
+        webhooks.requesting.set(asking)  # who asks, for admission webhooks' userInfo (kmockx.webhooks)
         if res is None or res.plural is None or path.startswith("/openapi") or path in ("/version", "/api", "/apis"):
             return self._answer(request, user, verb, await self._discovery(request))
         ns, name, sub = request.namespace, request.name, request.subresource
@@ -514,6 +518,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 return self._answer(request, user, verb, _status(403, "Forbidden", denied,
                                                                 {"name": name or "", "group": t.group,
                                                                  "kind": res.plural}))
+        if res.plural == "subjectaccessreviews" and verb == "create":
+            return self._answer(request, user, verb, aiohttp.web.json_response(
+                webhooks.subject_access_review(self, request.data or {}), status=201))
         if verb == "watch":
             return await self._watch(request, t, user)
         if verb in ("get", "list"):
@@ -545,6 +552,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     else _status(code, out["reason"], out["message"], out.get("details")))
         else:
             resp = aiohttp.web.json_response(out, status=code)
+        for w in asking.warnings:  # admission webhooks' warnings, as the API server passes them on
+            resp.headers.add("Warning", webhooks.warning_header(w))
         return self._answer(request, user, verb, resp)
 
     @staticmethod
@@ -758,7 +767,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if self._has_status(res) and res.plural not in ("pods", "nodes", "namespaces", "services"):
             obj.pop("status", None)  # custom resources: status is written through /status only
         if admit:
-            refused = self._admit(t, obj, None, None, strict)
+            refused = self._admit(t, obj, None, None, strict) or await webhooks.admit(self, t, obj, None, None)
             if refused:
                 return refused
         key = (res, meta.get("namespace"), meta.get("name"))
@@ -817,7 +826,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 meta.pop(k, None)
         t = self.types[res]
         candidate = copy.deepcopy(new)
-        refused = self._admit(t, candidate, old, sub, strict)
+        refused = self._admit(t, candidate, old, sub, strict) or await webhooks.admit(self, t, candidate, old, sub)
         if refused:
             return refused
         if sub == "status" and self._has_status(res):  # a status write changes .status only (even when the

@@ -1,0 +1,160 @@
+"""kubetitan.admission, table-tested without kopf or a cluster: the webhook's decision for one request.
+
+Each row: (id, object, oldObject, operation, policy, requester mode, SubjectAccessReview answers) -> (allowed, code,
+the error lines, the warning rule ids). The error lines are compared with ``validation.parse``/``policy.check``
+(what ``kubetitan validate --policy`` prints); tests/operator/test_webhook.py checks the same end to end.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from kubetitan.admission import Access, Requester, access_checks, references, review
+from kubetitan.policy import CODE_LOADING_ENV, Policy, check
+from kubetitan_core.validation import parse
+
+
+def obj(name: str = "run", status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    base = {"model": {"flavor": "debug"}, "parallelism": {"dataParallelShardDegree": 2},
+            "training": {"steps": 100, "seqLen": 256, "localBatchSize": 8, "warmupSteps": 10},
+            "precision": {"compile": False}, "data": {"source": "synthetic"}, "tokenizer": {"source": "builtin"},
+            "checkpoint": {"intervalSteps": 10, "storage": {"persistentVolumeClaim": {"claimName": "ckpt"}}},
+            "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2}}
+    for key, value in spec.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    out = {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+           "metadata": {"name": name, "namespace": "ml"}, "spec": base}
+    if status is not None:
+        out["status"] = status
+    return out
+
+
+STARTED = {"attempt": 0, "phase": "Running"}
+SECRET_ENV = [{"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "k"}}}]
+PVC = Access("get", "", "persistentvolumeclaims", "ml", "ckpt")
+SECRET = Access("get", "", "secrets", "ml", "wandb")
+PODS = Access("create", "", "pods", "ml")
+
+ROWS: list[tuple[str, dict[str, Any], dict[str, Any] | None, str, Policy | None, Requester, dict[Access, Any],
+                 bool, int, list[str] | None, list[str]]] = [
+    # id, obj, old, operation, policy, mode, answers -> allowed, code, error lines (None: as parse says), warnings
+    ("valid-create", obj(), None, "CREATE", Policy(), Requester.OFF, {}, True, 200, [], []),
+    ("invalid-create", obj(parallelism={"dataParallelShardDegree": 3}), None, "CREATE", Policy(), Requester.OFF, {},
+     False, 422, None, []),
+    ("invalid-update-of-spec", obj(training={"seqLen": 255}), obj(), "UPDATE", Policy(), Requester.OFF, {},
+     False, 422, None, []),
+    ("policy-refuses", obj(resources={"priorityClassName": "system-node-critical"}), None, "CREATE", Policy(),
+     Requester.OFF, {}, False, 403, None, []),
+    ("warned", obj(checkpoint={"intervalSteps": 500}), None, "CREATE", Policy(), Requester.OFF, {}, True, 200, [],
+     ["checkpoint.interval-beyond-run"]),
+    ("warned-and-refused-by-policy", obj(checkpoint={"intervalSteps": 500},
+                                         resources={"priorityClassName": "x"}), None, "CREATE", Policy(),
+     Requester.OFF, {}, False, 403, None, ["checkpoint.interval-beyond-run"]),
+    ("no-policy", obj(resources={"priorityClassName": "x"}), None, "CREATE", None, Requester.OFF, {},
+     True, 200, [], []),
+    # UPDATE: an unchanged spec always passes (kopf's finalizer/annotation patches, label edits)
+    ("metadata-only-update-of-an-invalid-stored-spec", obj(training={"seqLen": 255}),
+     obj(training={"seqLen": 255}), "UPDATE", Policy(), Requester.REFERENCES, {}, True, 200, [], []),
+    ("checkpoint-breaking-change-of-a-started-run", obj(checkpoint={"mountPath": "/elsewhere"}),
+     obj(status=STARTED), "UPDATE", Policy(), Requester.OFF, {}, False, 422,
+     ["spec.checkpoint.mountPath: changing checkpoint.mountPath would make the run's checkpoints unusable; revert "
+      "it, or create a new LlamaPretrain"], []),
+    ("the-same-change-before-the-run-started", obj(checkpoint={"mountPath": "/elsewhere"}), obj(), "UPDATE",
+     Policy(), Requester.OFF, {}, True, 200, [], []),
+    ("a-live-field-of-a-started-run", obj(training={"steps": 200}), obj(status=STARTED), "UPDATE", Policy(),
+     Requester.OFF, {}, True, 200, [], []),
+    ("delete-passes", obj(training={"seqLen": 255}), None, "DELETE", Policy(), Requester.REFERENCES, {},
+     True, 200, [], []),
+    # requester checks
+    ("references-granted", obj(), None, "CREATE", Policy(), Requester.REFERENCES, {PVC: True}, True, 200, [], []),
+    ("references-denied", obj(), None, "CREATE", Policy(), Requester.REFERENCES, {PVC: False}, False, 403,
+     ["spec.checkpoint.storage.persistentVolumeClaim.claimName: PersistentVolumeClaim ckpt is used by the pods the "
+      "operator creates, and the requesting user may not get persistentvolumeclaims 'ckpt' in namespace ml "
+      "(denied); ask for that access, reference something you may use, or ask the cluster admin to set the "
+      "kubetitan chart's webhook.requesterChecks"], []),
+    ("references-unanswered", obj(), None, "CREATE", Policy(), Requester.REFERENCES, {}, False, 403,
+     ["spec.checkpoint.storage.persistentVolumeClaim.claimName: PersistentVolumeClaim ckpt is used by the pods the "
+      "operator creates, and the requesting user may not get persistentvolumeclaims 'ckpt' in namespace ml "
+      "(not checked); ask for that access, reference something you may use, or ask the cluster admin to set the "
+      "kubetitan chart's webhook.requesterChecks"], []),
+    ("references-off", obj(), None, "CREATE", Policy(), Requester.OFF, {PVC: False}, True, 200, [], []),
+    ("update-adding-a-secret-checks-only-the-secret", obj(resources={"env": SECRET_ENV}), obj(), "UPDATE", Policy(),
+     Requester.REFERENCES, {SECRET: "no RBAC rule"}, False, 403,
+     ["spec.resources.env[0].valueFrom.secretKeyRef.name: Secret wandb is used by the pods the operator creates, "
+      "and the requesting user may not get secrets 'wandb' in namespace ml (no RBAC rule); ask for that access, "
+      "reference something you may use, or ask the cluster admin to set the kubetitan chart's "
+      "webhook.requesterChecks"], []),
+    ("pod-create-granted", obj(), None, "CREATE", Policy(), Requester.POD_CREATE, {PODS: True}, True, 200, [], []),
+    ("pod-create-denied", obj(), None, "CREATE", Policy(), Requester.POD_CREATE, {PODS: False}, False, 403,
+     ["spec.checkpoint.storage.persistentVolumeClaim.claimName: this spec makes the operator create pods that use "
+      "PersistentVolumeClaim ckpt, and the requesting user may not create pods in namespace ml (denied); ask for "
+      "that access, reference something you may use, or ask the cluster admin to set the kubetitan chart's "
+      "webhook.requesterChecks"], []),
+    ("invalid-spec-is-refused-before-any-access-check", obj(training={"seqLen": 255}), None, "CREATE", Policy(),
+     Requester.REFERENCES, {}, False, 422, None, []),
+    # policy.codeLoadingEnv
+    ("ld-preload-refused", obj(resources={"env": [{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}]}), None,
+     "CREATE", Policy(), Requester.OFF, {}, False, 403,
+     ["spec.resources.env[0].name: LD_PRELOAD makes the trainer load code from outside its image, which this "
+      "cluster's kubetitan policy does not allow (allowed: none); put the code into the image, or ask the cluster "
+      "admin to add it to the kubetitan chart's policy.codeLoadingEnv"], []),
+    ("pythonpath-listed", obj(resources={"env": [{"name": "PYTHONPATH", "value": "/data/lib"}]}), None, "CREATE",
+     Policy(code_loading_env=("PYTHONPATH",)), Requester.OFF, {}, True, 200, [], []),
+    ("any-code-loading-env", obj(resources={"env": [{"name": "NCCL_NET_PLUGIN", "value": "ofi"}]}), None, "CREATE",
+     Policy(code_loading_env=("*",)), Requester.OFF, {}, True, 200, [], []),
+]
+
+
+@pytest.mark.parametrize("case", ROWS, ids=[r[0] for r in ROWS])
+def test_review(case: tuple[Any, ...]) -> None:
+    _, new, old, op, pol, mode, answers, allowed, code, lines, warned = case
+    v = review(copy.deepcopy(new), copy.deepcopy(old), op, pol, mode, answers)
+    assert v.allowed is allowed, v.message
+    assert v.code == code
+    if lines is None:  # exactly what kubetitan validate --policy prints for it
+        lpt, errors = parse(copy.deepcopy(new))
+        lines = [str(e) for e in errors] or [str(x) for x in check(lpt, pol)]
+    assert list(v.errors) == lines
+    if lines:
+        assert v.message.splitlines()[1:] == [f"  - {ln}" for ln in lines]
+    assert [w.split("]", 1)[0][1:] for w in v.warnings] == warned
+
+
+def test_access_checks_per_mode() -> None:
+    o = obj(resources={"env": SECRET_ENV, "imagePullSecrets": ["regcred"], "serviceAccountName": "s3",
+                       "priorityClassName": "training"},
+            tokenizer={"source": "builtin", "tokenSecretRef": {"name": "hf"}},
+            data={"volume": {"claimName": "shards"}})
+    assert parse(copy.deepcopy(o))[1] == []
+    assert access_checks(o, None, "CREATE", Requester.OFF) == []
+    assert access_checks(o, None, "CREATE", Requester.POD_CREATE) == [PODS]
+    assert access_checks(o, None, "CREATE", Requester.REFERENCES) == [
+        SECRET, Access("get", "", "secrets", "ml", "regcred"), Access("get", "", "secrets", "ml", "hf"),
+        PVC, Access("get", "", "persistentvolumeclaims", "ml", "shards"),
+        Access("create", "", "serviceaccounts/token", "ml", "s3"),
+        Access("use", "scheduling.k8s.io", "priorityclasses", None, "training")]
+    assert access_checks(o, o, "UPDATE", Requester.REFERENCES) == []  # nothing added
+    assert [r.path for r in references(o["spec"])][:3] == [
+        "spec.resources.env[0].valueFrom.secretKeyRef.name", "spec.resources.imagePullSecrets[0]",
+        "spec.tokenizer.tokenSecretRef.name"]
+
+
+def test_the_subject_access_review_carries_the_requests_user() -> None:
+    user = {"username": "alice", "uid": "u1", "groups": ["team-a", "system:authenticated"],
+            "extra": {"scopes": ["x"]}}
+    sar = Access("create", "", "serviceaccounts/token", "ml", "s3").sar(user)
+    assert sar == {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": {
+        "resourceAttributes": {"verb": "create", "group": "", "resource": "serviceaccounts",
+                               "subresource": "token", "namespace": "ml", "name": "s3"},
+        "user": "alice", "groups": ["team-a", "system:authenticated"], "uid": "u1", "extra": {"scopes": ["x"]}}}
+
+
+def test_every_code_loading_variable_is_refused_by_default_and_others_are_not() -> None:
+    names = [*CODE_LOADING_ENV, "WANDB_PROJECT", "NCCL_DEBUG", "PYTHONUNBUFFERED"]
+    o = obj(resources={"env": [{"name": n, "value": "x"} for n in names]})
+    v = review(o, None, "CREATE", Policy())
+    refused = [ln.split(" ", 2)[1] for ln in v.errors]
+    assert refused == list(CODE_LOADING_ENV)

@@ -1,0 +1,141 @@
+"""The chart's admission webhook: ValidatingWebhookConfiguration, Service, certificates (helm's or cert-manager's),
+NetworkPolicy, the operator's flags and RBAC, rendered by the real helm. tests/operator/test_webhook.py runs the
+operator with this very Secret and configuration against kmockx (certificate verified for the Service's name)."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+
+import pytest
+
+from chartlib import by_kind, helm, render, values_args
+from kubetitan import admission, handlers
+from kubetitan.webhook import WEBHOOK_ID
+
+
+def _one(docs, kind, suffix=""):
+    found = [d for d in by_kind(docs, kind) if d["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, f"{kind} *{suffix}: {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def _container(docs):
+    (c,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_defaults_ship_a_fail_closed_webhook_served_by_every_replica(tmp_path):
+    docs = render()
+    vwc = _one(docs, "ValidatingWebhookConfiguration")
+    (w,) = vwc["webhooks"]
+    assert w["failurePolicy"] == "Fail" and w["timeoutSeconds"] == 5 and w["sideEffects"] == "None"
+    assert w["admissionReviewVersions"] == ["v1"]
+    assert w["rules"] == [{"apiGroups": ["kubetitan.io"], "apiVersions": ["v1alpha1"], "resources": ["llamapretrains"],
+                           "operations": ["CREATE", "UPDATE"], "scope": "Namespaced"}]
+    svc = _one(docs, "Service", "-webhook")
+    ref = w["clientConfig"]["service"]
+    assert (ref["name"], ref["namespace"], ref["port"], ref["path"]) == (
+        svc["metadata"]["name"], svc["metadata"]["namespace"], 443, f"/{WEBHOOK_ID}")
+    # the Service reaches every replica's webhook port
+    deploy = by_kind(docs, "Deployment")[0]
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    c = _container(docs)
+    assert {"name": "webhook", "containerPort": 9443, "protocol": "TCP"} in c["ports"]
+    assert svc["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
+    # the operator parses its flags into a webhook on 9443 with the mounted certificate, references checks
+    opts = handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook
+    assert opts.port == 9443 and opts.requester == admission.Requester.REFERENCES
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "webhook-tls")
+    assert opts.cert_file == f"{mount['mountPath']}/tls.crt" and opts.key_file == f"{mount['mountPath']}/tls.key"
+    secret = _one(docs, "Secret", "-webhook-tls")
+    vol = next(v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook-tls")
+    assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+    # caBundle is the Secret's CA, and that CA signed a certificate for the Service's DNS name
+    assert w["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    for key in ("ca.crt", "tls.crt"):
+        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+    dns = f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
+    out = subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), "-verify_hostname", dns,
+                          str(tmp_path / "tls.crt")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_network_policy_lets_the_api_server_reach_the_webhook_and_keeps_metrics_open():
+    np = _one(render(), "NetworkPolicy", "-operator")
+    ports = [[p["port"] for p in rule["ports"]] for rule in np["spec"]["ingress"]]
+    assert ports == [[9443], [8080, 8081]]
+    assert "from" not in np["spec"]["ingress"][0]  # any source: the API server cannot be selected by labels
+    narrowed = _one(render(sets=["webhook.networkPolicy.from[0].ipBlock.cidr=10.0.0.0/16"]), "NetworkPolicy",
+                    "-operator")
+    assert narrowed["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/16"}}]
+    assert not [d for d in render(sets=["webhook.networkPolicy.enabled=false"])
+                if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-operator")]
+
+
+def test_cert_manager_issues_the_certificate_and_injects_the_ca():
+    docs = render(sets=["webhook.certManager.enabled=true"])
+    vwc = _one(docs, "ValidatingWebhookConfiguration")
+    cert = _one(docs, "Certificate")
+    assert vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+        f"{cert['metadata']['namespace']}/{cert['metadata']['name']}"
+    assert "caBundle" not in vwc["webhooks"][0]["clientConfig"]
+    assert not [d for d in by_kind(docs, "Secret") if d["metadata"]["name"].endswith("-webhook-tls")]
+    assert cert["spec"]["secretName"].endswith("-webhook-tls")
+    svc = _one(docs, "Service", "-webhook")
+    assert f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc" in cert["spec"]["dnsNames"]
+    assert cert["spec"]["issuerRef"]["name"] == _one(docs, "Issuer")["metadata"]["name"]
+    own = render(sets=["webhook.certManager.enabled=true", "webhook.certManager.issuerRef.name=corp-ca",
+                       "webhook.certManager.issuerRef.kind=ClusterIssuer"])
+    assert _one(own, "Certificate")["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"}
+    assert not by_kind(own, "Issuer")
+
+
+def test_namespaced_mode_calls_the_webhook_only_for_the_watched_namespaces():
+    docs = render(sets=["watch.mode=namespaced", "watch.namespaces={ml,research}"])
+    (w,) = _one(docs, "ValidatingWebhookConfiguration")["webhooks"]
+    assert w["namespaceSelector"] == {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["ml", "research"]}]}
+
+
+@pytest.mark.parametrize("sets", [[], ["watch.mode=namespaced", "watch.namespaces={ml}"]], ids=["cluster", "namespaced"])
+def test_the_operator_may_create_subject_access_reviews(sets):
+    rules = [r for d in by_kind(render(sets=sets), "ClusterRole") for r in d["rules"]]
+    assert {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]} in rules
+
+
+def test_values_choose_failure_policy_timeout_and_requester_checks():
+    docs = render(sets=["webhook.failurePolicy=Ignore", "webhook.timeoutSeconds=2", "webhook.requesterChecks=off"])
+    (w,) = _one(docs, "ValidatingWebhookConfiguration")["webhooks"]
+    assert (w["failurePolicy"], w["timeoutSeconds"]) == ("Ignore", 2)
+    c = _container(docs)
+    assert handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook.requester == \
+        admission.Requester.OFF
+
+
+def test_webhook_off_ships_none_of_it():
+    docs = render(sets=["webhook.enabled=false"])
+    assert not by_kind(docs, "ValidatingWebhookConfiguration")
+    assert not [d for d in docs if d["metadata"]["name"].endswith(("-webhook", "-webhook-tls"))]
+    c = _container(docs)
+    assert not [a for a in c["args"] if a.startswith("--webhook-")]
+    assert handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook.port is None
+
+
+@pytest.mark.parametrize("bad", ["webhook.failurePolicy=Maybe", "webhook.timeoutSeconds=31",
+                                 "webhook.requesterChecks=all"])
+def test_the_schema_refuses_bad_webhook_values(bad):
+    out = helm("template", "kt", str(render.__globals__["CHART"]), *values_args([], [bad]), check=False)
+    assert out.returncode != 0 and bad.split("=")[0].split(".")[-1] in out.stderr
+
+
+def test_metadata_only_updates_never_reach_the_webhook_on_1_28_and_later():
+    (w,) = _one(render(), "ValidatingWebhookConfiguration")["webhooks"]
+    assert w["matchConditions"] == [{"name": "creates-or-changes-spec",
+                                     "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"}]
+    import yaml
+
+    out = helm("template", "kt", str(render.__globals__["CHART"]), "--kube-version", "1.27.0").stdout
+    (vwc,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "ValidatingWebhookConfiguration"]
+    assert "matchConditions" not in vwc["webhooks"][0]  # 1.27 has no matchConditions (the webhook passes those)

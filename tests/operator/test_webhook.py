@@ -1,0 +1,499 @@
+"""The validating webhook end to end: the real operator serves it (kopf's WebhookServer with the chart's own
+Secret), kmockx calls it as an API server does (the chart's ValidatingWebhookConfiguration verbatim: service
+reference, caBundle verified for ``<service>.<namespace>.svc``, timeoutSeconds, failurePolicy), and the real
+kubectl prints what a user sees.
+
+- every spec of the corpora (tests/api/invalid_specs.yaml, tests/api/fresh_corpus.yaml, examples/) gets the same
+  answer from the API (HTTP, as kubectl sends it) as from ``kubetitan validate --policy``: accepted or refused, the
+  same error lines (path: message) when the webhook refuses, the same warnings; a sample goes through kubectl;
+- a tenant bound only to "create LlamaPretrain" cannot reference a Secret, claim or service account she could not
+  use herself; the admin's ``off`` lets it pass;
+- a webhook that is down: ``Fail`` refuses with the API server's "failed calling webhook", ``Ignore`` admits.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import dataclasses
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from kmockx import kubeconfig, rbac, webhooks
+from kmockx.harness import LPT, NS, ApiError, Cluster, Operator, free_port, wait_for
+from kubetitan import admission, cli
+from kubetitan.policy import Policy
+from kubetitan.webhook import WebhookOptions
+
+pytestmark = pytest.mark.xdist_group("operator-kmock")
+KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
+REPO = Path(__file__).resolve().parents[2]
+SVC = ("kubetitan-system", "kt-kubetitan-webhook")
+CORPUS_NS = "corpus"
+"""The corpus goes into a namespace the operator does not watch: the webhook (configured for every namespace, as
+the chart's cluster mode does) answers, and no reconcile of the created objects adds noise."""
+POLICY = Policy(priority_classes=("training",), service_accounts=("default", "s3-writer"))
+"""The admin policy both sides use (a spec naming another priority class is refused by policy)."""
+POLICY_FILE = {"priorityClasses": list(POLICY.priority_classes), "serviceAccounts": list(POLICY.service_accounts)}
+
+
+# ------------------------------------------------------------------ the corpus
+def _merge(base: Any, patch: Any) -> Any:
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(base)
+    for k, v in patch.items():
+        if v == "~delete":
+            out.pop(k, None)
+        else:
+            out[k] = _merge(out.get(k), v) if k in out else copy.deepcopy(v)
+    return out
+
+
+def _json_safe(doc: Any) -> bool:
+    """A document JSON can carry as it is (a YAML-only value such as ``!!binary`` or a bare date is the YAML
+    reader's case: tests/api/test_fresh_corpus.py)."""
+    try:
+        json.dumps(doc, allow_nan=False)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def corpus() -> list[tuple[str, dict[str, Any]]]:
+    """(id, object) of every spec in the corpora that is one YAML mapping (byte-level cases stay with the CLI's
+    own tests: kubectl's reader refuses them before any request)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for case in yaml.safe_load((REPO / "tests/api/invalid_specs.yaml").read_text()):
+        out.append((f"invalid_specs/{case['name']}", {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+                                                      "metadata": {"name": "run"}, "spec": case["spec"]}))
+    fresh = yaml.safe_load((REPO / "tests/api/fresh_corpus.yaml").read_text(encoding="utf-8"))
+    for kind in ("invalid", "valid"):
+        for case in fresh[kind]:
+            if "patch" in case:
+                doc = _merge(fresh["base"], case["patch"])
+            elif "text" in case:
+                try:
+                    doc = yaml.safe_load(case["text"])
+                except yaml.YAMLError:
+                    continue
+            else:
+                continue
+            if isinstance(doc, dict) and isinstance(doc.get("metadata"), dict) and doc.get("kind") == "LlamaPretrain" \
+                    and _json_safe(doc):
+                out.append((f"fresh/{kind}/{case['id']}", doc))
+    for p in sorted((REPO / "examples").glob("*.yaml")):
+        out.append((f"examples/{p.name}", yaml.safe_load(p.read_text())))
+    for _, doc in out:
+        doc["metadata"]["namespace"] = CORPUS_NS
+    return out
+
+
+CORPUS = corpus()
+
+
+def cli_verdict(doc: dict[str, Any], tmp: Path, policy_file: Path) -> tuple[bool, list[str], list[str]]:
+    """``kubetitan validate --policy`` of one document: (accepted, error lines, warnings as ``[rule] path: msg``)."""
+    f = tmp / "spec.yaml"
+    f.write_text(json.dumps(doc))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli.main(["validate", str(f), "--policy", str(policy_file)])
+    lines = err.getvalue().splitlines()
+    errors = [ln[4:] for ln in lines if ln.startswith("  - ")]
+    warnings = [ln.split(": warning ", 1)[1] for ln in lines if ": warning " in ln]
+    return code == 0, errors, warnings
+
+
+def _warning_texts(header_values: list[str]) -> list[str]:
+    out = []
+    for v in header_values:
+        m = re.fullmatch(r'299 - "(.*)"', v)
+        assert m, v
+        out.append(m.group(1).replace('\\"', '"').replace("\\\\", "\\"))
+    return out
+
+
+# ------------------------------------------------------------------ the cluster, the operator, the webhook
+@dataclasses.dataclass
+class Env:
+    cluster: Cluster
+    op: Operator
+    port: int
+    vwc: dict[str, Any]
+
+    def set(self, **kw: Any) -> None:
+        self.op.options.webhook = dataclasses.replace(self.op.options.webhook, **kw)
+
+    def user(self, name: str, rules: list[dict[str, Any]]) -> str:
+        """A kubeconfig for user ``name`` bound (RoleBinding in ml) to ``rules``."""
+        c = self.cluster
+        assert c.k is not None and c.k.authorizer is not None
+        c.k.authorizer.add([
+            {"kind": "Role", "metadata": {"name": name, "namespace": NS}, "rules": rules},
+            {"kind": "RoleBinding", "metadata": {"name": name, "namespace": NS},
+             "roleRef": {"kind": "Role", "name": name}, "subjects": [{"kind": "User", "name": name}]}])
+        url = c.call(c._listen())
+        c.k.identities[f"port:{url.rpartition(':')[2]}"] = (name, ("system:authenticated",))
+        path = c._tempfile()
+        Path(path).write_text(kubeconfig(url, token=f"t-{name}", user=name))
+        return path
+
+
+def mount_secret(tmp: Path, docs: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> None:
+    """The chart's webhook Secret as the kubelet mounts it: ``tmp/mount/tls.*`` through a symbolic link that an
+    update swaps at once (the kubelet's ``..data``), so a reader never sees a new certificate with an old key."""
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
+    version = tmp / f"data-{os.urandom(4).hex()}"
+    version.mkdir()
+    for key in ("tls.crt", "tls.key"):
+        (version / key).write_bytes(base64.b64decode(secret["data"][key]))
+    (tmp / "mount.new").symlink_to(version.name)
+    os.replace(tmp / "mount.new", tmp / "mount")
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("webhook")
+    docs = rbac.render_chart()  # helm template with the defaults: the webhook Secret and configuration
+    vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
+    mount_secret(tmp, docs)
+    port = free_port()
+    with Cluster(namespaces=(CORPUS_NS,)) as c:
+        webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", port)
+        c.call(c.k.put(webhooks.VWC, vwc))
+        op = Operator(c)
+        op.options.policy = POLICY
+        op.options.webhook = WebhookOptions(port=port, addr="127.0.0.1", cert_file=str(tmp / "mount" / "tls.crt"),
+                                            key_file=str(tmp / "mount" / "tls.key"),
+                                            requester=admission.Requester.REFERENCES, cert_check_seconds=0.2)
+        with op:
+            wait_for(lambda: _listening(port), 20, "the operator's webhook port")
+            yield Env(c, op, port, vwc)
+        c.call(webhooks.close(c.k))
+
+
+def _post(env: Env, doc: dict[str, Any]) -> requests.Response:
+    """Create as kubectl does (fieldValidation=Strict), as the cluster admin."""
+    url = f"{env.cluster.url}/apis/kubetitan.io/v1alpha1/namespaces/{doc['metadata']['namespace']}/llamapretrains"
+    return requests.post(url, params={"fieldValidation": "Strict"}, json=doc, timeout=30,
+                         headers={"Authorization": "Bearer kmock"})
+
+
+def _cleanup(env: Env, doc: dict[str, Any], resp: requests.Response) -> None:
+    if resp.status_code == 201:
+        env.cluster.delete(LPT, doc["metadata"]["namespace"], resp.json()["metadata"]["name"])
+
+
+# ------------------------------------------------------------------ the property
+CORPUS_EVERY = int(os.environ.get("KUBETITAN_WEBHOOK_CORPUS_EVERY", "5"))
+"""The suite sends every 5th corpus spec (about 100, in table order, so every file and kind is represented);
+``KUBETITAN_WEBHOOK_CORPUS_EVERY=1`` sends all of them (499 specs, about 2 minutes on a loaded 2-core machine)."""
+
+
+def test_the_api_answers_every_corpus_spec_as_kubetitan_validate_does(env: Env, tmp_path: Path) -> None:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(yaml.safe_dump(POLICY_FILE))
+    seen = {"accepted": 0, "webhook-refused": 0, "schema-refused": 0, "warned": 0}
+    for case_id, doc in CORPUS[::CORPUS_EVERY]:
+        ok, errors, warnings = cli_verdict(doc, tmp_path, policy_file)
+        calls = len(webhooks.state(env.cluster.k)["calls"])
+        r = _post(env, doc)
+        _cleanup(env, doc, r)
+        reached = len(webhooks.state(env.cluster.k)["calls"]) > calls
+        got_warnings = _warning_texts(r.raw.headers.getlist("Warning"))
+        assert (r.status_code == 201) == ok, f"{case_id}: API {r.status_code} {r.text[:500]}\nCLI {errors}"
+        if ok:
+            seen["accepted"] += 1
+        elif reached:
+            seen["webhook-refused"] += 1
+            message = r.json()["message"]
+            assert message.startswith('admission webhook "validate.llamapretrains.kubetitan.io" denied the request: ')
+            assert [ln[4:] for ln in message.splitlines() if ln.startswith("  - ")] == errors, case_id
+        else:  # the CRD's schema or CEL refused it before any webhook: the CLI refuses it too (test_cli_vs_admission)
+            seen["schema-refused"] += 1
+        if reached:
+            assert got_warnings == warnings, case_id
+            seen["warned"] += bool(warnings)
+    print(f"\n{len(CORPUS[::CORPUS_EVERY])} of {len(CORPUS)} corpus specs: {seen}")
+    assert min(seen.values()) > 0, seen  # every kind of answer was exercised
+
+
+def kubectl(kc: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KUBECTL, "--kubeconfig", kc, *args], capture_output=True, text=True, timeout=60,
+                          input=stdin)
+
+
+SAMPLE = ["examples/debug-cpu.yaml", "examples/llama3-70b-p5.yaml", "fresh/valid/", "invalid_specs/"]
+
+
+def test_kubectl_apply_prints_the_webhooks_errors_and_warnings(env: Env, tmp_path: Path) -> None:
+    """A sample through the real kubectl: what it prints is what ``kubetitan validate`` prints."""
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(yaml.safe_dump(POLICY_FILE))
+    picked: list[tuple[str, dict[str, Any]]] = []
+    for prefix in SAMPLE:
+        picked += [c for c in CORPUS if c[0].startswith(prefix)][:3]
+    warned = refused = 0
+    for case_id, doc in picked[:10]:
+        ok, errors, warnings = cli_verdict(doc, tmp_path, policy_file)
+        out = kubectl(env.cluster.admin_kubeconfig, "apply", "-f", "-", stdin=json.dumps(doc))
+        assert (out.returncode == 0) == ok, f"{case_id}: {out.stderr}"
+        printed = [ln[len("Warning: "):] for ln in out.stderr.splitlines() if ln.startswith("Warning: ")]
+        assert printed == warnings, case_id
+        warned += bool(warnings)
+        if ok:
+            kubectl(env.cluster.admin_kubeconfig, "delete", "lpt", "-n", CORPUS_NS, doc["metadata"]["name"])
+        elif errors and "denied the request" in out.stderr:
+            refused += 1
+            assert [ln[4:] for ln in out.stderr.splitlines() if ln.startswith("  - ")] == errors, case_id
+    assert warned and refused
+
+
+# ------------------------------------------------------------------ requester checks
+TENANT_RULES = [{"apiGroups": ["kubetitan.io"], "resources": ["llamapretrains"], "verbs": ["create"]}]
+
+
+def _tenant_spec(name: str, **resources: Any) -> dict[str, Any]:
+    spec = {"model": {"flavor": "debug"}, "parallelism": {"dataParallelShardDegree": 2},
+            "training": {"steps": 100, "seqLen": 256, "localBatchSize": 8, "warmupSteps": 10},
+            "precision": {"compile": False}, "data": {"source": "synthetic"}, "tokenizer": {"source": "builtin"},
+            "checkpoint": {"intervalSteps": 10, "storage": {"persistentVolumeClaim": {"claimName": "team-ckpt"}}},
+            "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2, **resources}}
+    return {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+            "metadata": {"name": name, "namespace": NS}, "spec": spec}
+
+
+def test_a_tenant_cannot_reference_what_she_could_not_use_herself(env: Env) -> None:
+    alice = env.user("alice", TENANT_RULES)
+    env.set(requester=admission.Requester.REFERENCES)
+    secret_env = [{"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "admin-creds", "key": "k"}}}]
+    cases = [
+        (_tenant_spec("t-pvc"), "spec.checkpoint.storage.persistentVolumeClaim.claimName: PersistentVolumeClaim "
+         "team-ckpt is used by the pods the operator creates, and the requesting user may not get "
+         "persistentvolumeclaims 'team-ckpt' in namespace ml"),
+        (_tenant_spec("t-secret", env=secret_env), "spec.resources.env[0].valueFrom.secretKeyRef.name: Secret "
+         "admin-creds is used by the pods the operator creates, and the requesting user may not get secrets "
+         "'admin-creds' in namespace ml"),
+        (_tenant_spec("t-sa", serviceAccountName="s3-writer"), "spec.resources.serviceAccountName: ServiceAccount "
+         "s3-writer is used by the pods the operator creates, and the requesting user may not create "
+         "serviceaccounts/token 's3-writer' in namespace ml"),
+    ]
+    for doc, reason in cases:
+        out = kubectl(alice, "create", "-f", "-", stdin=json.dumps(doc))
+        assert out.returncode != 0, out.stdout
+        assert 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request' in out.stderr
+        assert reason in out.stderr, out.stderr
+    # granted the claim she names (get), the same spec passes
+    env.cluster.k.authorizer.add([
+        {"kind": "Role", "metadata": {"name": "alice-ckpt", "namespace": NS}, "rules": [
+            {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"],
+             "resourceNames": ["team-ckpt"]}]},
+        {"kind": "RoleBinding", "metadata": {"name": "alice-ckpt", "namespace": NS},
+         "roleRef": {"kind": "Role", "name": "alice-ckpt"}, "subjects": [{"kind": "User", "name": "alice"}]}])
+    out = kubectl(alice, "create", "-f", "-", stdin=json.dumps(_tenant_spec("t-pvc")))
+    assert out.returncode == 0, out.stderr
+    # podCreate: she may not create pods, so any reference is refused
+    env.set(requester=admission.Requester.POD_CREATE)
+    out = kubectl(alice, "create", "-f", "-", stdin=json.dumps(_tenant_spec("t-pc")))
+    assert "the requesting user may not create pods in namespace ml" in out.stderr, out.stderr
+    # the admin turns the check off: everything above passes
+    env.set(requester=admission.Requester.OFF)
+    for doc, _ in cases[1:]:
+        out = kubectl(alice, "create", "-f", "-", stdin=json.dumps(doc))
+        assert out.returncode == 0, out.stderr
+    for name in ("t-pvc", "t-secret", "t-sa"):
+        env.cluster.delete(LPT, NS, name)
+    env.set(requester=admission.Requester.REFERENCES)
+
+
+def test_the_code_loading_env_is_refused_by_the_policy_at_admission(env: Env) -> None:
+    doc = _tenant_spec("ld", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/evil.so"}])
+    r = _post(env, doc)
+    assert r.status_code == 403, r.text
+    assert "spec.resources.env[0].name: LD_PRELOAD makes the trainer load code from outside its image" \
+        in r.json()["message"]
+
+
+def test_an_update_of_a_started_run_that_breaks_its_checkpoints_is_refused(env: Env) -> None:
+    doc = _tenant_spec("upd")
+    env.cluster.apply(doc)
+    wait_for(lambda: env.cluster.status(NS, "upd").get("attempt") is not None, 20, "the first attempt")
+    r = _post(env, doc)  # exists: 409, nothing else
+    assert r.status_code == 409
+    with pytest.raises(ApiError) as e:
+        env.cluster.patch(LPT, NS, "upd", {"spec": {"checkpoint": {"mountPath": "/elsewhere"}}})
+    assert e.value.code == 422
+    assert "changing checkpoint.mountPath would make the run's checkpoints unusable" in str(e.value)
+    env.cluster.patch(LPT, NS, "upd", {"spec": {"training": {"steps": 200}}})  # a live field: admitted
+    env.cluster.patch(LPT, NS, "upd", {"metadata": {"labels": {"team": "a"}}})  # no spec change: admitted
+    env.cluster.delete(LPT, NS, "upd")
+
+
+# ------------------------------------------------------------------ a webhook that is down
+def _replace_vwc(env: Env, webhooks_: list[dict[str, Any]]) -> None:
+    """PUT the configuration with other webhooks (as an admin's kubectl replace)."""
+    c = env.cluster
+    name = env.vwc["metadata"]["name"]
+    now = c.get(webhooks.VWC, None, name)
+    res = next(r for r in c.k.types if r.plural == "validatingwebhookconfigurations")
+    code, out = c.call(c.k._replace(res, None, name, {**now, "webhooks": webhooks_}, None))
+    assert code == 200, out
+
+def test_a_webhook_that_is_down_fails_closed_or_open_as_configured(env: Env) -> None:
+    c = env.cluster
+    dead = free_port()  # nothing listens there
+    doc = _tenant_spec("down")
+    c.apply(_tenant_spec("meta"))  # while the webhook is up
+    try:
+        webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", dead)
+        r = _post(env, doc)
+        assert r.status_code == 500, r.text
+        assert r.json()["message"].startswith(
+            'Internal error occurred: failed calling webhook "validate.llamapretrains.kubetitan.io": failed to call '
+            'webhook: Post "https://kt-kubetitan-webhook.kubetitan-system.svc:443/validate-llamapretrain?timeout=5s"')
+        assert r.json()["message"].endswith(f"dial tcp 127.0.0.1:{dead}: connect: connection refused")
+        # matchConditions: a metadata-only change (a label, kopf's finalizer, a finalizer removed by hand while no
+        # replica runs) never calls the webhook, so it passes even now; a spec change does not
+        c.patch(LPT, NS, "meta", {"metadata": {"labels": {"team": "a"}}})
+        with pytest.raises(ApiError) as e:
+            c.patch(LPT, NS, "meta", {"spec": {"training": {"steps": 200}}})
+        assert e.value.code == 500 and "failed calling webhook" in str(e.value)
+        ignore = copy.deepcopy(env.vwc["webhooks"])
+        ignore[0]["failurePolicy"] = "Ignore"
+        _replace_vwc(env, ignore)
+        r = _post(env, doc)
+        assert r.status_code == 201, r.text  # admitted unchecked; the operator's reconcile still validates
+        c.delete(LPT, NS, "down")
+        c.delete(LPT, NS, "meta")
+        # a spec the policy refuses, admitted this way, is refused by the reconcile (no pods, PolicyViolation)
+        bad = _tenant_spec("down-bad", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}])
+        r = _post(env, bad)
+        assert r.status_code == 201, r.text
+        wait_for(lambda: (c.condition(NS, "down-bad", "Ready") or {}).get("reason") == "PolicyViolation", 20,
+                 "the reconcile's refusal")
+        assert c.pod_names(NS, "down-bad") == []
+        c.delete(LPT, NS, "down-bad")
+    finally:
+        webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", env.port)
+        _replace_vwc(env, env.vwc["webhooks"])
+
+
+def test_a_webhook_that_hangs_is_cut_off_at_its_timeout(env: Env) -> None:
+    """A replica that accepts the connection and never answers: the API server gives up after timeoutSeconds."""
+    c = env.cluster
+    hung = copy.deepcopy(env.vwc["webhooks"])
+    hung[0]["timeoutSeconds"] = 1
+    with socket.socket() as silent:  # listens (the kernel completes the TCP handshake), never speaks TLS
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        try:
+            webhooks.state(c.k)["endpoints"][SVC] = silent.getsockname()
+            _replace_vwc(env, hung)
+            r = _post(env, _tenant_spec("hung"))
+            assert r.status_code == 500, r.text
+            assert r.json()["message"].endswith("validate-llamapretrain?timeout=1s\": context deadline exceeded")
+            hung[0]["failurePolicy"] = "Ignore"
+            _replace_vwc(env, hung)
+            r = _post(env, _tenant_spec("hung"))
+            assert r.status_code == 201, r.text
+            c.delete(LPT, NS, "hung")
+        finally:
+            webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", env.port)
+            _replace_vwc(env, env.vwc["webhooks"])
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(env: Env) -> None:
+    """The Secret is renewed (cert-manager, or a new helm pair) and the configuration's caBundle with it: once the
+    kubelet swaps the mounted files, the operator serves the new pair (kopf re-reads the files)."""
+    renewed = rbac.render_chart("webhook.timeoutSeconds=7")  # another render: another CA and certificate
+    mount = Path(env.op.options.webhook.cert_file).parent
+    try:
+        _replace_vwc(env, next(d for d in renewed if d["kind"] == "ValidatingWebhookConfiguration")["webhooks"])
+        assert _post(env, _tenant_spec("renew")).status_code == 500  # the old pair is still served
+        mount_secret(mount.parent, renewed)
+        wait_for(lambda: _post(env, _tenant_spec("renew")).status_code == 201, 20, "the renewed certificate served")
+        env.cluster.delete(LPT, NS, "renew")
+    finally:
+        mount_secret(mount.parent, rbac.render_chart())
+        _replace_vwc(env, env.vwc["webhooks"])
+        wait_for(lambda: _post(env, _tenant_spec("renew-back")).status_code == 201, 20, "the first pair again")
+        env.cluster.delete(LPT, NS, "renew-back")
+
+
+def test_a_certificate_the_ca_bundle_does_not_vouch_for_is_a_failed_call(env: Env) -> None:
+    other = next(d for d in rbac.render_chart("webhook.timeoutSeconds=6")
+                 if d["kind"] == "ValidatingWebhookConfiguration")  # another render: another CA
+    try:
+        _replace_vwc(env, other["webhooks"])
+        r = _post(env, _tenant_spec("badca"))
+        assert r.status_code == 500 and "x509" in r.json()["message"], r.text
+    finally:
+        _replace_vwc(env, env.vwc["webhooks"])
+
+
+def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
+    """Two replicas peering, as the chart runs them: the paused one answers admission requests as well (the
+    Service sends them to any ready replica)."""
+    from kmockx.harness import OperatorProcess
+
+    docs = rbac.render_chart()
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
+    for key in ("tls.crt", "tls.key"):
+        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+    vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
+    with Cluster() as c:
+        c.add_peering("kubetitan")
+        c.call(c.k.put(webhooks.VWC, vwc))
+        ports = [free_port(), free_port()]
+
+        def replica(port: int, priority: str) -> OperatorProcess:
+            return OperatorProcess(c.kubeconfig, "--namespace", NS, "--peering", "kubetitan", "--priority", priority,
+                                   "--webhook-port", str(port), "--webhook-addr", "127.0.0.1",
+                                   "--webhook-cert-file", str(tmp_path / "tls.crt"),
+                                   "--webhook-key-file", str(tmp_path / "tls.key"))
+
+        with replica(ports[0], "100") as a, replica(ports[1], "50") as b:
+            wait_for(lambda: len(c.peers("kubetitan")) == 2, 20, "both keep-alives")
+            wait_for(lambda: "Resuming operations" in a.log_text(), 20, "replica A active")
+            assert "Resuming operations" not in b.log_text()
+            wait_for(lambda: _listening(ports[1]), 20, "replica B's webhook port")
+            webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", ports[1])
+            bad = _tenant_spec("ha-bad", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}])
+            with pytest.raises(ApiError) as e:
+                c.apply(bad)
+            assert 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request' in str(e.value.status)
+            assert "Resuming operations" not in b.log_text()  # it answered while paused
+        c.call(webhooks.close(c.k))
+
+
+def test_the_webhook_flags() -> None:
+    from kubetitan import handlers
+
+    def opts(*args: str) -> WebhookOptions:
+        return handlers.options_from_args(handlers.build_parser().parse_args(["-n", NS, *args])).webhook
+
+    assert opts().port is None and opts().requester == admission.Requester.REFERENCES
+    assert opts("--requester-checks", "podCreate").requester == admission.Requester.POD_CREATE
+    with pytest.raises(SystemExit, match="--webhook-port needs --webhook-cert-file and --webhook-key-file"):
+        opts("--webhook-port", "9443")
+    with pytest.raises(SystemExit):
+        opts("--requester-checks", "everything")
