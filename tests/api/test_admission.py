@@ -15,6 +15,7 @@ import pytest
 from kubetitan.admission import Access, Requester, access_checks, references, review
 from kubetitan.policy import CODE_LOADING_ENV, Policy, check
 from kubetitan_core.validation import parse
+from support.specs import lpt
 
 
 def obj(name: str = "run", status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
@@ -25,8 +26,7 @@ def obj(name: str = "run", status: dict[str, Any] | None = None, **spec: Any) ->
             "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2}}
     for key, value in spec.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
-    out = {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
-           "metadata": {"name": name, "namespace": "ml"}, "spec": base}
+    out = lpt(name, base, namespace="ml")
     if status is not None:
         out["status"] = status
     return out

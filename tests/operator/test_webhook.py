@@ -34,6 +34,7 @@ import yaml
 
 from kmockx import kubeconfig, rbac, webhooks
 from kmockx.harness import LPT, NS, ApiError, Cluster, Operator, free_port, wait_for
+from support.specs import lpt
 from kubetitan import admission, cli
 from kubetitan.policy import Policy
 from kubetitan.webhook import WebhookOptions
@@ -78,8 +79,9 @@ def corpus() -> list[tuple[str, dict[str, Any]]]:
     own tests: kubectl's reader refuses them before any request)."""
     out: list[tuple[str, dict[str, Any]]] = []
     for case in yaml.safe_load((REPO / "tests/api/invalid_specs.yaml").read_text()):
-        out.append((f"invalid_specs/{case['name']}", {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
-                                                      "metadata": {"name": "run"}, "spec": case["spec"]}))
+        o = lpt("run", case["spec"])
+        del o["metadata"]["namespace"]  # as the corpus file has it: kubectl puts it in the request's namespace
+        out.append((f"invalid_specs/{case['name']}", o))
     fresh = yaml.safe_load((REPO / "tests/api/fresh_corpus.yaml").read_text(encoding="utf-8"))
     for kind in ("invalid", "valid"):
         for case in fresh[kind]:
@@ -278,8 +280,7 @@ def _tenant_spec(name: str, **resources: Any) -> dict[str, Any]:
             "precision": {"compile": False}, "data": {"source": "synthetic"}, "tokenizer": {"source": "builtin"},
             "checkpoint": {"intervalSteps": 10, "storage": {"persistentVolumeClaim": {"claimName": "team-ckpt"}}},
             "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2, **resources}}
-    return {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
-            "metadata": {"name": name, "namespace": NS}, "spec": spec}
+    return lpt(name, spec, namespace=NS)
 
 
 def test_a_tenant_cannot_reference_what_she_could_not_use_herself(env: Env) -> None:
