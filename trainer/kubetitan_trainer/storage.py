@@ -78,6 +78,18 @@ class S3Settings:
     """DCP writer threads per rank (each writes its own ``.distcp`` file: files per save = ranks x this)."""
 
 
+def dir_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (a checkpoint step's folder); files that vanish meanwhile count 0."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
 class CheckpointStore:
     """A place for step-N checkpoints: ``root`` is the folder or the URI that ``step-N`` names go under."""
 
@@ -146,14 +158,7 @@ class LocalStore(CheckpointStore):
         shutil.rmtree(path, ignore_errors=True)
 
     def step_bytes(self, step: int) -> int:
-        total = 0
-        for root, _dirs, files in os.walk(self.step_id(step)):
-            for f in files:
-                try:
-                    total += os.path.getsize(os.path.join(root, f))
-                except OSError:
-                    pass
-        return total
+        return dir_bytes(self.step_id(step))
 
 
 class S3Store(CheckpointStore):

@@ -455,15 +455,8 @@ def newest_checkpoint_dir(folder: str) -> str | None:
     return None if step is None else os.path.join(folder, f"step-{step}")
 
 
-def dir_bytes(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(root, f))
-            except OSError:
-                pass
-    return total
+dir_bytes = storage.dir_bytes
+"""Bytes under a checkpoint folder (one helper, in ``kubetitan_trainer.storage``)."""
 
 
 def check_free_space(folder: str, needed: int, max_across_ranks: Callable[[float], float] | None = None) -> None:
