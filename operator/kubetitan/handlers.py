@@ -577,6 +577,13 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if old_raw != new_raw:
                 await client.patch_status(ns, name, merge_patch(old_raw, new_raw))
             job.status, job.api_status = new, None
+            # the metrics follow the status written, before anything else is awaited: whoever sees the
+            # status (or any effect after it: pods, Events) sees the same phase, restarts and training gauges
+            if d.action in (Action.RESTART, Action.RESTARTED_IN_PLACE) and d.cause:
+                ctx.metrics.restarted(ns, name, d.cause, "InPlace" if d.action == Action.RESTARTED_IN_PLACE
+                                      else "Recreate")
+            ctx.metrics.set_phase(ns, name, new.phase, C.phase_reason(new.conditions, new.phase))
+            ctx.metrics.set_training(ns, name, new.training, new.restart_count)
 
             # 5. apply (a DELETE already sent is not sent again while the index still shows the pod)
             deletes = [client.delete_pod(ns, n) for n in _to_delete(job, d.delete, d.force_delete, None)]
@@ -599,14 +606,9 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
             if d.delete_self:
                 await client.delete_run(ns, name)
 
-            # 6. events (those of the status change: exactly once, even across a crash) and metrics
+            # 6. events (those of the status change: exactly once, even across a crash)
             if new.pending_events:
                 await _send_pending(ctx, job, ns, name, body)
-            if d.action in (Action.RESTART, Action.RESTARTED_IN_PLACE) and d.cause:
-                ctx.metrics.restarted(ns, name, d.cause, "InPlace" if d.action == Action.RESTARTED_IN_PLACE
-                                      else "Recreate")
-            ctx.metrics.set_phase(ns, name, new.phase, C.phase_reason(new.conditions, new.phase))
-            ctx.metrics.set_training(ns, name, new.training, new.restart_count)
             job.done = d.action == Action.FINISHED and not d.delete and not d.force_delete \
                 and d.requeue_after is None and not d.delete_self
             if d.action in (Action.RESTART, Action.CONTINUE):
@@ -726,10 +728,10 @@ async def _write_invalid(ctx: Context, ns: str, name: str, old: LlamaPretrainSta
     if new.dump() != old_raw:
         assert ctx.client is not None
         await ctx.client.patch_status(ns, name, merge_patch(old_raw, new.dump()))
-        if new.message != old.message:  # one Warning Event per new refusal (the status says it too)
-            await _event(ctx, body, "Warning", C.POLICY_VIOLATION if refused else C.INVALID_SPEC, new.message or "")
     job.status = new
-    ctx.metrics.set_phase(ns, name, new.phase, C.phase_reason(new.conditions, new.phase))
+    ctx.metrics.set_phase(ns, name, new.phase, C.phase_reason(new.conditions, new.phase))  # before the Event
+    if new.dump() != old_raw and new.message != old.message:  # one Warning Event per new refusal
+        await _event(ctx, body, "Warning", C.POLICY_VIOLATION if refused else C.INVALID_SPEC, new.message or "")
 
 
 CREATE_RETRY_BASE_SECONDS = 0.5
