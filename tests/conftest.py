@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 _SLOWEST_FIRST = (
@@ -30,3 +32,19 @@ def _rank(item: pytest.Item) -> tuple[int, bool]:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_rank)  # stable: within a rank, collection order stays
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    gc.disable()  # collection imports torch and torchtitan: as the trainer does (kubetitan_trainer.main.imports_without_gc)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.enable()
+    gc.freeze()  # what collection imported is never collected again: later collections and the shutdown skip it
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    gc.freeze()  # the interpreter's shutdown collections would walk every object the tests left behind

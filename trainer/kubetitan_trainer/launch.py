@@ -58,6 +58,7 @@ from kubetitan_core import contract, hang
 from kubetitan_core.contract import EXIT_SIGTERM, ExitCode
 
 from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, heartbeat
+from kubetitan_trainer import main as worker_main
 
 log = logging.getLogger("kubetitan.launch")
 
@@ -225,12 +226,10 @@ def run_worker(*argv: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     generation_scoped_agent_store(int(os.environ.get(contract.ENV_RESTART_GENERATION, "0") or 0))
-    from kubetitan_trainer import main as worker_main
-
     sys.argv = [worker_main.__file__, *argv]  # a fork keeps the launcher's argv; torchtitan parses sys.argv
     code = worker_main.main(list(argv))
     if code:
-        sys.exit(int(code))  # the agent reads the process's exit code
+        sys.exit(int(code))  # the agent reads the process's exit code (a forked process ends with os._exit)
     return 0
 
 
@@ -248,9 +247,10 @@ def warm_up(worker_argv: list[str]) -> float:
     try:
         from kubetitan_trainer import cpu_bridge
 
-        cpu_bridge.apply()  # patches module globals once; forked workers inherit them
-        for name in WARM_MODULES:
-            importlib.import_module(name)
+        with worker_main.imports_without_gc():  # frozen before the forks: the workers share these pages
+            cpu_bridge.apply()  # patches module globals once; forked workers inherit them
+            for name in WARM_MODULES:
+                importlib.import_module(name)
         memoize_config_parse(worker_argv)
     finally:
         sys.argv = saved
@@ -642,10 +642,11 @@ def main(argv: list[str] | None = None) -> int:
         # warm_up runs: seen on the H200 ("Cannot re-initialize CUDA in forked subprocess" in every worker).
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args
-    from torch.distributed.run import parse_args as torchrun_parse
+    with worker_main.imports_without_gc():
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import elastic_launch
+        from torch.distributed.run import config_from_args
+        from torch.distributed.run import parse_args as torchrun_parse
 
     from kubetitan_trainer import compile_cache
 
@@ -720,4 +721,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    worker_main.exit_now(main())

@@ -9,11 +9,38 @@ the outcome into the documented exit code (``kubetitan_core.contract.ExitCode``)
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
+from typing import Iterator, NoReturn
 
 from kubetitan_core.contract import ExitCode
+
+
+@contextmanager
+def imports_without_gc() -> Iterator[None]:
+    """Import torch and torchtitan with the cyclic garbage collector off, then freeze what they created.
+
+    Their imports create millions of long-lived objects and next to no garbage, yet each collection of the oldest
+    generation walks all of them, during the imports and again at every collection while training; frozen objects
+    (``gc.freeze``: the permanent generation) are skipped. A forked worker inherits the frozen state, which also
+    keeps the launcher's pages shared. ``bench/process_overhead.py`` measures it."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.freeze()
+
+
+def exit_now(code: int) -> NoReturn:
+    """``sys.exit(code)`` with every object frozen first: the interpreter's shutdown collections then skip torch's
+    objects, which took seconds of CPU per process (``bench/process_overhead.py``). Everything else of a normal exit
+    (atexit handlers, flushed logs and streams) still runs."""
+    gc.freeze()
+    sys.exit(code)
 
 
 def load_config(argv: list[str]):
@@ -52,9 +79,15 @@ def check_config(argv: list[str], world_size: int) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from kubetitan_trainer import anatomy, cpu_bridge
+    from kubetitan_trainer import anatomy
 
     anatomy.begin()  # the start-up anatomy's "main" mark (kubetitan_trainer.anatomy)
+    with imports_without_gc():
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
+    from kubetitan_trainer import cpu_bridge
 
     bridged = cpu_bridge.apply()
     from torchtitan.tools.logging import init_logger, logger
@@ -82,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     from kubetitan_trainer.trainer import KubetitanTrainer
 
     sys.argv = [sys.argv[0], *argv]  # torchtitan's main parses sys.argv
+    gc.enable()  # the imports are done (imports_without_gc): what they made is frozen, training collects as usual
+    gc.freeze()
     try:
         torchtitan_main(KubetitanTrainer)
     except ConfigError as e:
@@ -103,4 +138,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
