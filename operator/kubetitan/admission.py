@@ -4,7 +4,10 @@
 ``kubetitan validate --policy`` (``validation.parse``, ``policy.check``, ``warning_rules.warnings_for``): the same
 errors at the same field paths with the same messages, and the same warnings. On UPDATE it also refuses what the
 operator would block on a started run (``observe.REJECTED_FIELDS``: model, tokenizer, checkpoint storage), with
-the operator's own message. ``access_checks`` lists the SubjectAccessReviews the requester checks need
+the operator's own message, and a change of the world size or data-parallel degree the trainer cannot resume at
+(``plan.world_size_edit``: hub-streamed data; the same message as the operator's ``WorldSizeChangeRefused``),
+while such a change of a run that can is allowed with a warning that it applies at the next attempt.
+``access_checks`` lists the SubjectAccessReviews the requester checks need
 (:class:`Requester` modes); ``review`` takes their answers, so the whole decision is table-tested without kopf or
 a cluster. kubetitan.webhook is the thin kopf wrapper that asks the API server and calls these.
 
@@ -24,6 +27,8 @@ from typing import Any
 from kubetitan_core.validation import parse
 from kubetitan_core.warning_rules import warnings_for
 
+from kubetitan import conditions as C
+from kubetitan import plan
 from kubetitan import policy as policy_mod
 from kubetitan.observe import spec_changes
 
@@ -210,7 +215,15 @@ def _spec_unchanged(obj: Mapping[str, Any], old: Mapping[str, Any] | None, opera
 
 
 def _started(old: Mapping[str, Any]) -> bool:
-    return ((old.get("status") or {}).get("attempt")) is not None
+    """Whether the run has an attempt, whose spec the old object's spec is: not when the operator refused the old
+    spec's own edit (it slipped past admission: webhook down with failurePolicy Ignore, or an edit from before the
+    webhook). The running attempt then has another spec, which admission cannot see, and an edit must stay
+    possible, above all the revert the refusal asks for; the operator judges it against the attempt's spec."""
+    status = old.get("status") or {}
+    refused = any(c.get("type") == C.SPEC_ACCEPTED and c.get("reason") in (C.IMMUTABLE_FIELD_CHANGED,
+                                                                           C.WORLD_SIZE_CHANGE_REFUSED)
+                  for c in status.get("conditions") or [] if isinstance(c, Mapping))
+    return status.get("attempt") is not None and not refused
 
 
 def _immutable_errors(obj: Mapping[str, Any], old: Mapping[str, Any]) -> list[str]:
@@ -223,6 +236,17 @@ def _immutable_errors(obj: Mapping[str, Any], old: Mapping[str, Any]) -> list[st
         return []
     return [f"spec.{rejected[0]}: changing {', '.join(rejected)} would make the run's checkpoints unusable; "
             "revert it, or create a new LlamaPretrain"]
+
+
+def _world_size_edit(obj: Mapping[str, Any], old: Mapping[str, Any]) -> plan.WorldSizeEdit | None:
+    """A started run's world-size or data-parallel change (the operator's spec gate, ``status.spec_gate``), at
+    admission: refused for hub-streamed data, a warning that it applies at the next attempt otherwise."""
+    if not _started(old):
+        return None
+    (then, then_errors, _), (now, now_errors, _) = _parse(old), _parse(obj)
+    if then is None or now is None or then_errors or now_errors:
+        return None
+    return plan.world_size_edit(then.spec, now.spec)
 
 
 def review(obj: Mapping[str, Any] | None, old: Mapping[str, Any] | None, operation: str,
@@ -258,6 +282,12 @@ def review(obj: Mapping[str, Any] | None, old: Mapping[str, Any] | None, operati
         return Verdict(False, f"LlamaPretrain {name} has started, and this change would make its checkpoints "
                        f"unusable ({len(immutable)} error(s)):\n  - " + "\n  - ".join(immutable), warnings, 422,
                        tuple(immutable))
+    if operation == "UPDATE" and old is not None and (edit := _world_size_edit(obj, old)) is not None:
+        if not edit.allowed:
+            line = f"{edit.path}: {edit.refusal}"
+            return Verdict(False, f"LlamaPretrain {name} has started, and this change of its world size is refused "
+                           f"(1 error(s)):\n  - {line}", warnings, 422, (line,))
+        warnings = (*warnings, f"[{C.DEFERRED_TO_NEXT_ATTEMPT}] {edit.path}: {edit.deferral}")
     denied = _requester_denials(obj, old, operation, mode, answers or {})
     if denied:
         return Verdict(False, f"LlamaPretrain {name} references what the requesting user may not use herself "

@@ -58,8 +58,9 @@ SPEC_APPLIED = "Applied"
 DEFERRED_TO_NEXT_ATTEMPT = "DeferredToNextAttempt"
 IMMUTABLE_FIELD_CHANGED = "ImmutableFieldChanged"
 WORLD_SIZE_CHANGE_REFUSED = "WorldSizeChangeRefused"
-"""A running run's spec edit that changes the world size or the data-parallel degree, refused until the trainer
-resumes at another world size (``kubetitan_core.contract.RESUMES_AT_ANOTHER_WORLD_SIZE``)."""
+"""A running run's spec edit that changes the data-parallel degree while its data cannot resume at another one
+(hub-streamed data: ``kubetitan_core.contract.resumes_at_another_dp_degree``, ``kubetitan.plan.world_size_edit``);
+on shards or synthetic data such an edit is deferred to the next attempt instead."""
 RESTART_BLOCKED = "RestartBlocked"
 """The next attempt cannot start: the spec holds a change it must not pick up (``SpecAccepted`` says which)."""
 PROGRESS_UNKNOWN = "ProgressUnknown"

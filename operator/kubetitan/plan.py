@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kubetitan_core import API_VERSION, KIND, contract
@@ -450,32 +451,82 @@ def dp_degree(spec: LlamaPretrainSpec) -> int | None:
     return None if shard is None else shard * spec.parallelism.data_parallel_replicate_degree
 
 
-def world_size_change(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> str | None:
-    """What an edit from ``applied`` (the running attempt's spec) to ``desired`` does to the world size or the
-    data-parallel degree, as one phrase naming the fields and the numbers; None when neither changes (an edit of
-    ``parallelism`` that keeps both, e.g. none, is no world-size change)."""
-    before = (world_size(applied), dp_degree(applied))
-    after = (world_size(desired), dp_degree(desired))
-    if before == after:
-        return None
-    a, d = applied.model_dump(by_alias=True, mode="json"), desired.model_dump(by_alias=True, mode="json")
-    fields = []
+def _world_size_fields(a: dict[str, Any], d: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(path, before, after) of each world-size field an edit changes, a ``parallelism`` degree by its own path."""
+    out: list[tuple[str, Any, Any]] = []
     for path in WORLD_SIZE_FIELDS:
         x, y = _at(a, path), _at(d, path)
         if x == y:
             continue
         if isinstance(x, dict) and isinstance(y, dict):
-            fields += [f"{path}.{k} {x.get(k)} -> {y.get(k)}" for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
+            out += [(f"{path}.{k}", x.get(k), y.get(k)) for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)]
         else:
-            fields.append(f"{path} {x} -> {y}")
-    return (f"{', '.join(fields) or 'the spec'} changes the world size {before[0]} -> {after[0]} and the "
-            f"data-parallel degree {before[1]} -> {after[1]}")
+            out.append((path, x, y))
+    return out
 
 
-def world_size_change_allowed() -> bool:
-    """The one switch: a world-size change applies at the next attempt once the trainer resumes at another world
-    size (``kubetitan_core.contract.RESUMES_AT_ANOTHER_WORLD_SIZE``); until then it is refused."""
-    return contract.RESUMES_AT_ANOTHER_WORLD_SIZE
+def world_size_change(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> str | None:
+    """What an edit from ``applied`` (the running attempt's spec) to ``desired`` does to the world size or the
+    data-parallel degree, as one phrase naming the fields and the numbers; None when neither changes (an edit of
+    ``parallelism`` that keeps both, e.g. none, is no world-size change)."""
+    edit = world_size_edit(applied, desired)
+    return edit.change if edit is not None else None
+
+
+@dataclass(frozen=True)
+class WorldSizeEdit:
+    """A spec edit of a started run that changes its world size or data-parallel degree, and what becomes of it:
+    applied at the next attempt (``allowed``), or refused (``refusal`` says why and the fix). The operator's spec
+    gate (``status.spec_gate``) and the admission webhook (``admission.review``) both answer from this."""
+
+    change: str
+    """The fields and the numbers: "resources.nodes 2 -> 3 changes the world size 2 -> 3 and the data-parallel
+    degree 2 -> 3"."""
+    path: str
+    """The first changed field as a spec path (``spec.resources.nodes``): where admission points its answer."""
+    allowed: bool
+    """Whether the trainer resumes the run's checkpoint at the new size (``world_size_change_allowed``)."""
+
+    @property
+    def refusal(self) -> str:
+        """Why a refused edit is refused, and the fix (the condition's, the Event's and the webhook's message)."""
+        return (f"{self.change}: the edit is refused, and not applied, because the run reads hub-streamed data "
+                "(data.source huggingface), which cannot resume at another data-parallel degree: torchtitan's "
+                "streaming loader keeps one read position per data-parallel rank. The running attempt goes on as "
+                "it was created. Revert the edit; or prepare the dataset into shards with `kubetitan prepare-data` "
+                "(data.source shards resumes at any size) and start a new LlamaPretrain on them; or start a new "
+                "LlamaPretrain at the new size with its own checkpoint storage")
+
+    @property
+    def deferral(self) -> str:
+        """What an allowed edit does (the admission warning; the operator's ``DeferredToNextAttempt`` message adds
+        the other deferred fields)."""
+        return (f"{self.change}: applied when the next attempt starts (a restart, or suspend and resume to apply now), "
+                "which resumes the newest checkpoint at the new size; the running attempt goes on as it was created")
+
+
+def world_size_edit(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> WorldSizeEdit | None:
+    """The world-size or data-parallel change of an edit from ``applied`` to ``desired``; None when it has none."""
+    before = (world_size(applied), dp_degree(applied))
+    after = (world_size(desired), dp_degree(desired))
+    if before == after:
+        return None
+    fields = _world_size_fields(applied.model_dump(by_alias=True, mode="json"),
+                                desired.model_dump(by_alias=True, mode="json"))
+    change = (f"{', '.join(f'{p} {x} -> {y}' for p, x, y in fields) or 'the spec'} changes the world size "
+              f"{before[0]} -> {after[0]} and the data-parallel degree {before[1]} -> {after[1]}")
+    return WorldSizeEdit(change=change, path=f"spec.{fields[0][0]}" if fields else "spec",
+                         allowed=world_size_change_allowed(applied, desired))
+
+
+def world_size_change_allowed(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> bool:
+    """Whether an edit from ``applied`` to ``desired`` may change the world size at the next attempt: when it keeps
+    the data-parallel degree, or when the trainer resumes both specs' data at another one
+    (``kubetitan_core.contract.resumes_at_another_dp_degree``: not for hub-streamed data). The checkpoint was written
+    with ``applied``'s data and is read with ``desired``'s, so both must allow it."""
+    if dp_degree(applied) == dp_degree(desired):
+        return True
+    return contract.resumes_at_another_dp_degree(applied.data) and contract.resumes_at_another_dp_degree(desired.data)
 
 
 def _at(d: Any, path: str) -> Any:

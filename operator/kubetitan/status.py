@@ -24,7 +24,8 @@ from kubetitan import conditions as C
 from kubetitan import plan
 from kubetitan_core import contract
 from kubetitan_core.api import (
-    AttemptObservation, Condition, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases, StatusEvent, TrainingStatus,
+    AttemptObservation, Condition, DataSpec, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases, StatusEvent,
+    TrainingStatus,
 )
 from kubetitan.decide import (
     AUTO_HANG_FLOOR_SECONDS, MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso,
@@ -162,9 +163,10 @@ def spec_gate(applied: Mapping[str, Any] | None, spec: LlamaPretrainSpec,
     attempt was created from (``applied``; ``changes`` is ``observe.spec_changes(applied, spec)``).
 
     A change that would make the checkpoints unusable blocks the next attempt (``ImmutableFieldChanged``); so does
-    a change of the world size or data-parallel degree while the trainer cannot resume at another one
-    (``WorldSizeChangeRefused``, :func:`kubetitan.plan.world_size_change_allowed`); any other change waits for the
-    next attempt (deferred). Never does an edit touch the live attempt's pods.
+    a change of the data-parallel degree of a run whose data cannot resume at another one (hub-streamed data:
+    ``WorldSizeChangeRefused``, :func:`kubetitan.plan.world_size_edit`); any other change, a world-size change of a
+    run on shards or synthetic data included, waits for the next attempt (deferred). Never does an edit touch the
+    live attempt's pods.
     """
     if applied is None:
         return None, None, None
@@ -173,18 +175,22 @@ def spec_gate(applied: Mapping[str, Any] | None, spec: LlamaPretrainSpec,
         return (f"changing {', '.join(rejected)} would make the run's checkpoints unusable; revert it, or create a "
                 "new LlamaPretrain", C.IMMUTABLE_FIELD_CHANGED, None)
     try:
-        change = plan.world_size_change(LlamaPretrainSpec.model_validate(dict(applied)), spec)
-    except ValidationError:  # an attempt created by an older operator: compare the fields themselves
-        change = next((f"{f} changed" for f in plan.WORLD_SIZE_FIELDS if any(
-            k == f or k.startswith(f + ".") for k in later)), None)
-    if change is not None and not plan.world_size_change_allowed():
-        return (f"{change}: the edit is refused, and not applied, because the trainer cannot resume a checkpoint at "
-                "another world size yet; the running attempt goes on as it was created. Revert the edit, or stop "
-                "this run and start a new LlamaPretrain at the new size with its own checkpoint storage (or wait "
-                "for elastic resume)", C.WORLD_SIZE_CHANGE_REFUSED, None)
+        edit = plan.world_size_edit(LlamaPretrainSpec.model_validate(dict(applied)), spec)
+    except ValidationError:  # an attempt created by an older operator: compare the fields themselves (the degree
+        # may have changed) and read its data alone (unreadable: it may be hub-streamed, so refuse)
+        field = next((f for f in plan.WORLD_SIZE_FIELDS if any(k == f or k.startswith(f + ".") for k in later)), None)
+        try:
+            then = DataSpec.model_validate(applied.get("data") or {})
+            resumes = contract.resumes_at_another_dp_degree(then) and contract.resumes_at_another_dp_degree(spec.data)
+        except ValidationError:
+            resumes = False
+        edit = plan.WorldSizeEdit(f"{field} changed", f"spec.{field}", resumes) if field is not None else None
+    if edit is not None and not edit.allowed:
+        return edit.refusal, C.WORLD_SIZE_CHANGE_REFUSED, None
     if later:
         return None, None, (f"{', '.join(later)} changed; applied when the next attempt starts (suspend and resume to "
-                            "apply now)")
+                            "apply now)" + (f"; {edit.change}: the next attempt resumes the newest checkpoint at the new "
+                                            "size" if edit is not None else ""))
     return None, None, None
 
 

@@ -12,8 +12,12 @@ from typing import Any
 
 import pytest
 
+from kubetitan import plan
 from kubetitan.admission import Access, Requester, access_checks, references, review
+from kubetitan.conditions import WORLD_SIZE_CHANGE_REFUSED
+from kubetitan.observe import spec_changes
 from kubetitan.policy import CODE_LOADING_ENV, Policy, check
+from kubetitan.status import spec_gate
 from kubetitan_core.validation import parse
 from support.specs import lpt
 
@@ -33,6 +37,13 @@ def obj(name: str = "run", status: dict[str, Any] | None = None, **spec: Any) ->
 
 
 STARTED = {"attempt": 0, "phase": "Running"}
+HUB = {"source": "huggingface", "huggingface": {"dataset": "builtin", "streaming": False}}
+SHARDS = {"source": "shards", "shards": {"path": "/data/c4"}}
+TWO_NODES = {"resources": {"nodes": 2}, "parallelism": {"dataParallelShardDegree": 4}}
+"""1 node x 2 processes -> 2 nodes: the world size and the data-parallel degree 2 -> 4."""
+REFUSED_EDIT = {**STARTED, "conditions": [{"type": "SpecAccepted", "status": "False", "reason": "WorldSizeChangeRefused",
+                                           "message": "resources.nodes 1 -> 2 ...", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}
+"""A started run whose stored spec holds an edit the operator refused (it slipped past admission)."""
 SECRET_ENV = [{"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "k"}}}]
 PVC = Access("get", "", "persistentvolumeclaims", "ml", "ckpt")
 SECRET = Access("get", "", "secrets", "ml", "wandb")
@@ -66,6 +77,25 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any] | None, str, Policy | None,
      Policy(), Requester.OFF, {}, True, 200, [], []),
     ("a-live-field-of-a-started-run", obj(training={"steps": 200}), obj(status=STARTED), "UPDATE", Policy(),
      Requester.OFF, {}, True, 200, [], []),
+    # a world-size edit of a started run: deferred (a warning) on shards/synthetic data, refused on hub data
+    ("world-size-edit-of-a-started-synthetic-run", obj(**TWO_NODES), obj(status=STARTED), "UPDATE", Policy(),
+     Requester.OFF, {}, True, 200, [], ["DeferredToNextAttempt"]),
+    ("world-size-edit-of-a-started-shards-run", obj(data=SHARDS, **TWO_NODES), obj(data=SHARDS, status=STARTED),
+     "UPDATE", Policy(), Requester.OFF, {}, True, 200, [], ["DeferredToNextAttempt"]),
+    ("world-size-edit-of-a-started-hub-run", obj(data=HUB, **TWO_NODES), obj(data=HUB, status=STARTED), "UPDATE",
+     Policy(), Requester.OFF, {}, False, 422, ["spec.resources.nodes: resources.nodes 1 -> 2, "
+     "parallelism.dataParallelShardDegree 2 -> 4 changes the world size 2 -> 4 and the data-parallel degree 2 -> 4: "
+     "the edit is refused, and not applied, because the run reads hub-streamed data (data.source huggingface), which "
+     "cannot resume at another data-parallel degree: torchtitan's streaming loader keeps one read position per "
+     "data-parallel rank. The running attempt goes on as it was created. Revert the edit; or prepare the dataset "
+     "into shards with `kubetitan prepare-data` (data.source shards resumes at any size) and start a new "
+     "LlamaPretrain on them; or start a new LlamaPretrain at the new size with its own checkpoint storage"], []),
+    ("world-size-edit-of-a-hub-run-before-it-started", obj(data=HUB, **TWO_NODES), obj(data=HUB), "UPDATE",
+     Policy(), Requester.OFF, {}, True, 200, [], []),
+    ("hub-run-switched-to-shards-and-two-nodes", obj(data=SHARDS, **TWO_NODES), obj(data=HUB, status=STARTED),
+     "UPDATE", Policy(), Requester.OFF, {}, False, 422, None, []),
+    ("reverting-a-refused-world-size-edit", obj(data=HUB), obj(data=HUB, status=REFUSED_EDIT, **TWO_NODES),
+     "UPDATE", Policy(), Requester.OFF, {}, True, 200, [], []),
     ("delete-passes", obj(training={"seqLen": 255}), None, "DELETE", Policy(), Requester.REFERENCES, {},
      True, 200, [], []),
     # requester checks
@@ -114,13 +144,33 @@ def test_review(case: tuple[Any, ...]) -> None:
     v = review(copy.deepcopy(new), copy.deepcopy(old), op, pol, mode, answers)
     assert v.allowed is allowed, v.message
     assert v.code == code
-    if lines is None:  # exactly what kubetitan validate --policy prints for it
+    if lines is None and code == 422 and old is not None and old.get("status"):  # the operator's own refusal
+        lines = [_operator_refusal(new, old)]
+    elif lines is None:  # exactly what kubetitan validate --policy prints for it
         lpt, errors = parse(copy.deepcopy(new))
         lines = [str(e) for e in errors] or [str(x) for x in check(lpt, pol)]
     assert list(v.errors) == lines
     if lines:
         assert v.message.splitlines()[1:] == [f"  - {ln}" for ln in lines]
     assert [w.split("]", 1)[0][1:] for w in v.warnings] == warned
+
+
+def _operator_refusal(new: dict[str, Any], old: dict[str, Any]) -> str:
+    """What the operator's spec gate says of the same edit (``SpecAccepted=False``), at the edit's first field."""
+    then, now = parse(copy.deepcopy(old))[0], parse(copy.deepcopy(new))[0]
+    wire = [x.spec.model_dump(by_alias=True, exclude_none=True, mode="json") for x in (then, now)]
+    block, reason, _ = spec_gate(wire[0], now.spec, spec_changes(*wire))
+    assert reason == WORLD_SIZE_CHANGE_REFUSED, block
+    return f"{plan.world_size_edit(then.spec, now.spec).path}: {block}"
+
+
+def test_a_deferred_world_size_edit_is_warned_with_the_size_and_the_next_attempt() -> None:
+    v = review(obj(data=SHARDS, **TWO_NODES), obj(data=SHARDS, status=STARTED), "UPDATE", Policy())
+    assert v.allowed and v.warnings == (
+        "[DeferredToNextAttempt] spec.resources.nodes: resources.nodes 1 -> 2, parallelism.dataParallelShardDegree "
+        "2 -> 4 changes the world size 2 -> 4 and the data-parallel degree 2 -> 4: applied when the next attempt "
+        "starts (a restart, or suspend and resume to apply now), which resumes the newest checkpoint at the new size; "
+        "the running attempt goes on as it was created",)
 
 
 def test_access_checks_per_mode() -> None:

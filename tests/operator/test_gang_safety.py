@@ -1,10 +1,11 @@
 """The real operator against kmockx (issue 30, items 2, 4, 5): a spec edit never touches a live gang, Events are
 aggregated like a Kubernetes controller's, and an Event that belongs to a status change survives a SIGKILL.
 
-- nodes 2 -> 3 mid-run: every pod of attempt 0 keeps its uid and config hash, no pod is added, the edit is refused
-  with its reason (SpecAccepted=False/WorldSizeChangeRefused + one Warning Event); an attempt that then fails
-  restarts into Blocked (its own phase, reason and Event), and reverting the edit starts attempt 1 with 2
-  consistent pods;
+- nodes 2 -> 3 mid-run: every pod of attempt 0 keeps its uid and config hash and no pod is added. On synthetic
+  data the edit is deferred (SpecAccepted=True/DeferredToNextAttempt) and the attempt after a failure has 3
+  consistent pods; on hub-streamed data it is refused with its reason (SpecAccepted=False/WorldSizeChangeRefused +
+  one Warning Event), an attempt that then fails restarts into Blocked (its own phase, reason and Event), and
+  reverting the edit starts attempt 1 with 2 consistent pods;
 - a quota refusing a 256-pod gang: one FailedCreate Event counted per round, naming 256 pods and the API's
   message; one refused pod create per round (slow start), not 256;
 - the operator SIGKILLed after writing a restart into the status and before its Event: the next operator sends
@@ -62,9 +63,17 @@ def _cycles(op: Operator, name: str) -> float:
     return op.metric("kubetitan_operator_run_cycles_total", {"namespace": NS, "name": name}) or 0.0
 
 
-def test_nodes_2_to_3_mid_run_is_refused_and_never_touches_the_live_gang(cluster: Cluster, rank0) -> None:
+HUB = {"source": "huggingface", "huggingface": {"dataset": "builtin", "streaming": False}}
+
+
+@pytest.mark.parametrize("data", [{"source": "synthetic"}, HUB], ids=["synthetic-deferred", "hub-refused"])
+def test_nodes_2_to_3_mid_run_never_touches_the_live_gang(cluster: Cluster, rank0, data: dict) -> None:
+    """The same edit of a running 2-node gang, on data that resumes at another data-parallel degree (deferred: the
+    next attempt has 3 pods) and on hub-streamed data (refused: the restart is Blocked until the edit is reverted).
+    Either way attempt 0 is never changed or added to."""
+    refused = data is HUB
     with Operator(cluster) as op:
-        cluster.apply(lpt("ws", cpu_spec(nodes=2), metrics_port=rank0.port))
+        cluster.apply(lpt("ws", {**cpu_spec(nodes=2), "data": data}, metrics_port=rank0.port))
         wait_for(lambda: len(cluster.pod_names(NS, "ws")) == 2, 20, "2 pods")
         for r in range(2):
             cluster.run_pod(NS, f"ws-a0-{r}", f"node-{r}")
@@ -76,14 +85,19 @@ def test_nodes_2_to_3_mid_run_is_refused_and_never_touches_the_live_gang(cluster
         # it (a change anywhere under spec re-checks the rules on spec: ratcheting, as kube-apiserver does)
         with pytest.raises(ApiError, match="422"):
             cluster.patch(LPT, NS, "ws", {"spec": {"resources": {"nodes": 3}}})
-        # 2) a valid 3-node spec: refused with the reason, never applied
+        # 2) a valid 3-node spec: deferred to the next attempt, or refused with the reason; never applied to attempt 0
         cluster.patch(LPT, NS, "ws", {"spec": {"resources": {"nodes": 3}, "parallelism": {"dataParallelShardDegree": 6}}})
-        cond = wait_for(lambda: (c := cluster.condition(NS, "ws", "SpecAccepted"))
-                        and c["reason"] == C.WORLD_SIZE_CHANGE_REFUSED and c, 20, "SpecAccepted=False/WorldSizeChangeRefused")
-        assert cond["status"] == "False" and "resources.nodes 2 -> 3" in cond["message"], cond
-        assert "Revert the edit" in cond["message"] and "new LlamaPretrain" in cond["message"], cond
-        ev = wait_for(lambda: _events(cluster, "ws", C.WORLD_SIZE_CHANGE_REFUSED), 20, "the refusal's Event")
-        assert len(ev) == 1 and ev[0]["type"] == "Warning" and "resources.nodes 2 -> 3" in ev[0]["message"], ev
+        want = C.WORLD_SIZE_CHANGE_REFUSED if refused else C.DEFERRED_TO_NEXT_ATTEMPT
+        cond = wait_for(lambda: (c := cluster.condition(NS, "ws", "SpecAccepted")) and c["reason"] == want and c,
+                        20, f"SpecAccepted {want}")
+        assert cond["status"] == ("False" if refused else "True") and "resources.nodes 2 -> 3" in cond["message"], cond
+        if refused:
+            assert "hub-streamed data" in cond["message"] and "Revert the edit" in cond["message"], cond
+            assert "kubetitan prepare-data" in cond["message"] and "new LlamaPretrain" in cond["message"], cond
+            ev = wait_for(lambda: _events(cluster, "ws", C.WORLD_SIZE_CHANGE_REFUSED), 20, "the refusal's Event")
+            assert len(ev) == 1 and ev[0]["type"] == "Warning" and "resources.nodes 2 -> 3" in ev[0]["message"], ev
+        else:
+            assert "applied when the next attempt starts" in cond["message"], cond
         base = _cycles(op, "ws")
         wait_for(lambda: _cycles(op, "ws") >= base + 20, 30, "20 more cycles of the run")
         assert _gang(cluster, "ws") == before, "a pod of the live attempt was changed or added"
@@ -91,28 +105,43 @@ def test_nodes_2_to_3_mid_run_is_refused_and_never_touches_the_live_gang(cluster
                     and (r.data or {}).get("metadata", {}).get("name") == "ws-a0-2"], "a create of ws-a0-2 was sent"
         st = cluster.status(NS, "ws")
         assert st["phase"] == "Running" and cluster.condition(NS, "ws", "Ready")["status"] == "True", st
-        assert len(_events(cluster, "ws", C.WORLD_SIZE_CHANGE_REFUSED)) == 1  # once, not per cycle
-        # 3) attempt 0 fails while the edit stands: the restart is Blocked (its own phase, reason and Event)
+        assert len(_events(cluster, "ws", C.WORLD_SIZE_CHANGE_REFUSED)) == (1 if refused else 0)  # once, not per cycle
+        # 3) attempt 0 fails while the edit stands
         cluster.terminate_pod(NS, "ws-a0-1", 1)
-        wait_for(lambda: cluster.status(NS, "ws").get("phase") == "Blocked", 20, "phase Blocked")
-        assert cluster.condition(NS, "ws", "Restarting")["reason"] == C.RESTART_BLOCKED
-        children = cluster.condition(NS, "ws", "ChildrenCreated")
-        assert children["status"] == "False" and "attempt 1" in children["message"], children
-        restart = _events(cluster, "ws", "RestartContainerFailed")
-        assert len(restart) == 1 and "attempt 1 cannot start" in restart[0]["message"], restart
-        assert "starting attempt 1" not in restart[0]["message"]
-        blocked = wait_for(lambda: _events(cluster, "ws", C.RESTART_BLOCKED), 20, "the RestartBlocked Event")
-        assert len(blocked) == 1 and "resources.nodes 2 -> 3" in blocked[0]["message"], blocked
-        assert not [n for n in cluster.pod_names(NS, "ws") if "-a1-" in n]
-        # 4) reverted: attempt 1 starts with 2 consistent pods
-        cluster.patch(LPT, NS, "ws", {"spec": {"resources": {"nodes": 2}, "parallelism": {"dataParallelShardDegree": 4}}})
-        wait_for(lambda: cluster.pod_names(NS, "ws") == ["ws-a1-0", "ws-a1-1"], 30, "attempt 1's 2 pods")
-        after = _gang(cluster, "ws")
-        assert len({h for _u, h, _a in after.values()}) == 1 and all("--nnodes=2" in a for _u, _h, a in after.values())
-        wait_for(lambda: (cluster.condition(NS, "ws", "ChildrenCreated") or {}).get("message")
-                 == "all 2 pods of attempt 1 exist", 20, "ChildrenCreated of attempt 1")
-        assert cluster.status(NS, "ws")["phase"] == "Restarting"  # until attempt 1 trains
+        if refused:  # the restart is Blocked (its own phase, reason and Event) until the edit is reverted
+            _blocked_then_reverted(cluster)
+        else:  # attempt 1 at the new size: 3 pods, one config
+            wait_for(lambda: cluster.pod_names(NS, "ws") == ["ws-a1-0", "ws-a1-1", "ws-a1-2"], 30, "attempt 1's 3 pods")
+            after = _gang(cluster, "ws")
+            assert len({h for _u, h, _a in after.values()}) == 1 and all("--nnodes=3" in a for _u, _h, a in after.values())
+            assert {h for _u, h, _a in after.values()} != {h for _u, h, _a in before.values()}
+            wait_for(lambda: (cluster.condition(NS, "ws", "ChildrenCreated") or {}).get("message")
+                     == "all 3 pods of attempt 1 exist", 20, "ChildrenCreated of attempt 1")
+            wait_for(lambda: cluster.condition(NS, "ws", "SpecAccepted")["reason"] == C.SPEC_APPLIED, 20,
+                     "the edit applied by attempt 1")
+            assert cluster.status(NS, "ws")["phase"] == "Restarting"  # until attempt 1 trains
     _assert_one_story(cluster, "ws")
+
+
+def _blocked_then_reverted(cluster: Cluster) -> None:
+    wait_for(lambda: cluster.status(NS, "ws").get("phase") == "Blocked", 20, "phase Blocked")
+    assert cluster.condition(NS, "ws", "Restarting")["reason"] == C.RESTART_BLOCKED
+    children = cluster.condition(NS, "ws", "ChildrenCreated")
+    assert children["status"] == "False" and "attempt 1" in children["message"], children
+    restart = _events(cluster, "ws", "RestartContainerFailed")
+    assert len(restart) == 1 and "attempt 1 cannot start" in restart[0]["message"], restart
+    assert "starting attempt 1" not in restart[0]["message"]
+    blocked = wait_for(lambda: _events(cluster, "ws", C.RESTART_BLOCKED), 20, "the RestartBlocked Event")
+    assert len(blocked) == 1 and "resources.nodes 2 -> 3" in blocked[0]["message"], blocked
+    assert not [n for n in cluster.pod_names(NS, "ws") if "-a1-" in n]
+    # reverted: attempt 1 starts with 2 consistent pods
+    cluster.patch(LPT, NS, "ws", {"spec": {"resources": {"nodes": 2}, "parallelism": {"dataParallelShardDegree": 4}}})
+    wait_for(lambda: cluster.pod_names(NS, "ws") == ["ws-a1-0", "ws-a1-1"], 30, "attempt 1's 2 pods")
+    after = _gang(cluster, "ws")
+    assert len({h for _u, h, _a in after.values()}) == 1 and all("--nnodes=2" in a for _u, _h, a in after.values())
+    wait_for(lambda: (cluster.condition(NS, "ws", "ChildrenCreated") or {}).get("message")
+             == "all 2 pods of attempt 1 exist", 20, "ChildrenCreated of attempt 1")
+    assert cluster.status(NS, "ws")["phase"] == "Restarting"  # until attempt 1 trains
 
 
 QUOTA = 'pods "q-a0-0" is forbidden: exceeded quota: team-quota, requested: cpu=2, used: cpu=64, limited: cpu=64'

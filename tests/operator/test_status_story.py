@@ -6,7 +6,8 @@
   succeeded with its metrics never answering (``PROGRESS 0/100``), ``Ready=True`` next to
   ``MetricsAvailable=False``, ``Starting`` while pods are missing, waiting messages with running counters
   (a status rewritten every scan);
-- the world-size predicate and the spec gate (``plan.world_size_change``, ``status.spec_gate``);
+- the world-size predicate, the data's capability and the spec gate (``plan.world_size_change``,
+  ``contract.resumes_at_another_dp_degree``, ``status.spec_gate``): deferred on shards/synthetic, refused on hub data;
 - the Events a status change carries (``status.pendingEvents``), each once.
 """
 
@@ -205,28 +206,76 @@ def test_world_size_change(before, after, want) -> None:
         assert got is not None and want in got, got
 
 
-def test_a_world_size_edit_of_a_started_run_is_refused_until_resume_at_another_size_exists() -> None:
-    applied = _spec().model_dump(by_alias=True, exclude_none=True, mode="json")
+SHARDS = {"source": "shards", "shards": {"path": "/data/c4"}}
+MIXTURE = {"source": "mixture", "mixture": [{"shards": {"path": "/data/a"}, "weight": 3},
+                                            {"shards": {"path": "/data/b"}, "weight": 1}]}
+HUB = {"source": "huggingface", "huggingface": {"dataset": "allenai/c4"}}
+SYNTHETIC = {"source": "synthetic"}
+NODES_3 = {"resources": {"nodes": 3}}
+TP_2 = {"parallelism": {"tensorParallelDegree": 2}}  # the same world, half the data-parallel degree
+
+
+@pytest.mark.parametrize(("source", "resumes"), [("synthetic", True), ("shards", True), ("mixture", True),
+                                                 ("huggingface", False)])
+def test_which_data_resumes_at_another_data_parallel_degree(source, resumes) -> None:
+    """The capability, one row per ``data.source`` (a new source must get its row: the list is the Literal's)."""
+    data = {"synthetic": SYNTHETIC, "shards": SHARDS, "mixture": MIXTURE, "huggingface": HUB}[source]
+    assert contract.resumes_at_another_dp_degree(_spec(data=data).data) is resumes
+    assert set(LlamaPretrainSpec.model_fields["data"].annotation.model_fields["source"].annotation.__args__) == {
+        "synthetic", "shards", "mixture", "huggingface"}
+
+
+# applied (data, other edits), desired (data, other edits) -> the gate's reason (None: deferred) and a phrase
+GATE_ROWS = [
+    ("synthetic-nodes", SYNTHETIC, {}, SYNTHETIC, NODES_3, None, "changes the world size 16 -> 24"),
+    ("shards-nodes", SHARDS, {}, SHARDS, NODES_3, None, "resources.nodes 2 -> 3"),
+    ("mixture-nodes", MIXTURE, {}, MIXTURE, NODES_3, None, "data-parallel degree 16 -> 24"),
+    ("shards-tensor-parallel", SHARDS, {}, SHARDS, TP_2, None, "data-parallel degree 16 -> 8"),
+    ("hub-nodes", HUB, {}, HUB, NODES_3, C.WORLD_SIZE_CHANGE_REFUSED, "resources.nodes 2 -> 3"),
+    ("hub-tensor-parallel", HUB, {}, HUB, TP_2, C.WORLD_SIZE_CHANGE_REFUSED, "data-parallel degree 16 -> 8"),
+    # 4 nodes at tensor-parallel 2 keep the data-parallel degree 16: the per-rank positions still fit
+    ("hub-more-nodes-same-degree", HUB, {}, HUB, {"resources": {"nodes": 4}, **TP_2}, None,
+     "the data-parallel degree 16 -> 16"),
+    # the checkpoint was written with the old data and is read with the new: both must resume at another degree
+    ("hub-to-shards-and-nodes", HUB, {}, SHARDS, NODES_3, C.WORLD_SIZE_CHANGE_REFUSED, "resources.nodes 2 -> 3"),
+    ("shards-to-hub-and-nodes", SHARDS, {}, HUB, NODES_3, C.WORLD_SIZE_CHANGE_REFUSED, "resources.nodes 2 -> 3"),
+    ("hub-image-only", HUB, {}, HUB, {"resources": {"image": "example.com/trainer:2"}}, None,
+     "resources.image changed"),
+]
+
+
+@pytest.mark.parametrize("row", GATE_ROWS, ids=[r[0] for r in GATE_ROWS])
+def test_a_world_size_edit_is_deferred_unless_the_data_cannot_resume_at_another_degree(row) -> None:
+    _id, data_then, then, data_now, now, reason, phrase = row
+    applied = _spec(data=data_then, **then).model_dump(by_alias=True, exclude_none=True, mode="json")
+    desired = _spec(data=data_now, **now)
+    wire = desired.model_dump(by_alias=True, exclude_none=True, mode="json")
+    block, got_reason, deferred = S.spec_gate(applied, desired, spec_changes(applied, wire))
+    edit = plan.world_size_edit(LlamaPretrainSpec.model_validate(applied), desired)
+    assert got_reason == reason
+    if reason is None:
+        assert block is None and phrase in deferred and "applied when the next attempt starts" in deferred, deferred
+        assert edit is None or edit.allowed
+    else:
+        assert deferred is None and edit is not None and not edit.allowed and block == edit.refusal
+        assert phrase in block and "hub-streamed data" in block, block
+        assert "cannot resume at another data-parallel degree" in block, block
+        assert "Revert the edit" in block and "kubetitan prepare-data" in block and "new LlamaPretrain" in block
+        assert edit.path == "spec.resources.nodes" or "tensorParallelDegree" in edit.path, edit
+
+
+def test_an_attempt_of_an_older_operator_is_gated_by_its_data_as_written() -> None:
+    """An applied spec the current model refuses (an older operator's): the changed field names the change, its data
+    alone decides; data that cannot be read at all may be hub-streamed, so the edit is refused."""
     desired = _spec(3)
     wire = desired.model_dump(by_alias=True, exclude_none=True, mode="json")
-    block, reason, deferred = S.spec_gate(applied, desired, spec_changes(applied, wire))
-    assert contract.RESUMES_AT_ANOTHER_WORLD_SIZE is False and plan.world_size_change_allowed() is False
-    assert reason == C.WORLD_SIZE_CHANGE_REFUSED and deferred is None
-    assert "resources.nodes 2 -> 3" in block and "Revert the edit" in block and "new LlamaPretrain" in block
-    # an edit of another field waits for the next attempt, as before
-    image = _spec(resources={"image": "example.com/trainer:2"})
-    block, reason, deferred = S.spec_gate(applied, image, spec_changes(
-        applied, image.model_dump(by_alias=True, exclude_none=True, mode="json")))
-    assert block is None and "resources.image changed" in deferred
-
-
-def test_the_world_size_switch_defers_instead_once_resume_at_another_size_exists(monkeypatch) -> None:
-    monkeypatch.setattr(contract, "RESUMES_AT_ANOTHER_WORLD_SIZE", True)
-    applied = _spec().model_dump(by_alias=True, exclude_none=True, mode="json")
-    desired = _spec(3)
-    block, _reason, deferred = S.spec_gate(applied, desired, spec_changes(
-        applied, desired.model_dump(by_alias=True, exclude_none=True, mode="json")))
-    assert block is None and "resources.nodes" in deferred
+    for data, reason in ((SYNTHETIC, None), (HUB, C.WORLD_SIZE_CHANGE_REFUSED),
+                         ({"source": "parquet"}, C.WORLD_SIZE_CHANGE_REFUSED)):
+        applied = {**_spec().model_dump(by_alias=True, exclude_none=True, mode="json"), "data": data,
+                   "removedField": 1}
+        block, got, deferred = S.spec_gate(applied, desired, spec_changes(applied, wire))
+        assert got == reason, (data, block, deferred)
+        assert "resources.nodes changed" in (block or deferred)
 
 
 def test_a_live_gang_is_never_grown_by_the_spec() -> None:

@@ -8,6 +8,7 @@ kubectl prints what a user sees.
   same error lines (path: message) when the webhook refuses, the same warnings; a sample goes through kubectl;
 - a tenant bound only to "create LlamaPretrain" cannot reference a Secret, claim or service account she could not
   use herself; the admin's ``off`` lets it pass;
+- a world-size edit of a started run: a warning on synthetic data, the operator's refusal on hub-streamed data;
 - a webhook that is down: ``Fail`` refuses with the API server's "failed calling webhook", ``Ignore`` admits.
 """
 
@@ -347,6 +348,34 @@ def test_an_update_of_a_started_run_that_breaks_its_checkpoints_is_refused(env: 
     env.cluster.patch(LPT, NS, "upd", {"spec": {"training": {"steps": 200}}})  # a live field: admitted
     env.cluster.patch(LPT, NS, "upd", {"metadata": {"labels": {"team": "a"}}})  # no spec change: admitted
     env.cluster.delete(LPT, NS, "upd")
+
+
+def test_a_world_size_edit_of_a_started_run_is_answered_as_the_operator_gates_it(env: Env) -> None:
+    """kubectl patch of a started run to 2 nodes: on synthetic data admitted with a warning that it applies at the
+    next attempt; on hub-streamed data refused with the operator's WorldSizeChangeRefused message at the field."""
+    hub = {"source": "huggingface", "huggingface": {"dataset": "builtin", "streaming": False}}
+    docs = [_tenant_spec("ws-syn"), _tenant_spec("ws-hub")]
+    docs[1]["spec"]["data"] = hub
+    for doc in docs:
+        env.cluster.apply(doc)
+    for doc in docs:
+        wait_for(lambda d=doc: env.cluster.status(NS, d["metadata"]["name"]).get("attempt") is not None, 20,
+                 "the first attempt")
+    edit = json.dumps({"spec": {"resources": {"nodes": 2}, "parallelism": {"dataParallelShardDegree": 4}}})
+    kc = env.cluster.admin_kubeconfig
+    out = kubectl(kc, "patch", "lpt", "-n", NS, "ws-syn", "--type", "merge", "-p", edit)
+    assert out.returncode == 0, out.stderr
+    assert "Warning: [DeferredToNextAttempt] spec.resources.nodes: resources.nodes 1 -> 2" in out.stderr, out.stderr
+    assert "applied when the next attempt starts" in out.stderr, out.stderr
+    out = kubectl(kc, "patch", "lpt", "-n", NS, "ws-hub", "--type", "merge", "-p", edit)
+    assert out.returncode != 0 and 'admission webhook "validate.llamapretrains.kubetitan.io" denied' in out.stderr
+    assert "spec.resources.nodes: resources.nodes 1 -> 2, parallelism.dataParallelShardDegree 2 -> 4 changes the " \
+           "world size 2 -> 4" in out.stderr, out.stderr
+    assert "hub-streamed data (data.source huggingface), which cannot resume at another data-parallel degree" \
+        in out.stderr and "kubetitan prepare-data" in out.stderr, out.stderr
+    assert env.cluster.get(LPT, NS, "ws-hub")["spec"]["resources"]["nodes"] == 1
+    for doc in docs:
+        env.cluster.delete(LPT, NS, doc["metadata"]["name"])
 
 
 # ------------------------------------------------------------------ a webhook that is down

@@ -50,6 +50,7 @@ from torchtitan.config import JobConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 from torchtitan.tools.logging import logger
 
+from kubetitan_core import contract
 from kubetitan_trainer import compat
 from kubetitan_trainer.errors import ConfigError
 from kubetitan_trainer.shards import ShardSet
@@ -458,10 +459,11 @@ class _Counters:
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer | None, job_config: JobConfig,
                      infinite: bool = True) -> BaseDataLoader:
     """TrainSpec ``build_dataloader_fn``: the global-position loader (synthetic, shards, mixture), or torchtitan's
-    per-rank loader for a streamed Hugging Face dataset."""
+    per-rank loader for a streamed Hugging Face dataset (``contract.PER_RANK_DATA_SOURCES``: what the operator reads
+    to refuse a mid-run edit of the data-parallel degree, ``contract.resumes_at_another_dp_degree``)."""
     cfg = job_config.kubetitan.data
     t = job_config.training
-    if cfg.source == "huggingface":
+    if cfg.source in contract.PER_RANK_DATA_SOURCES:
         assert tokenizer is not None
         ds = KubetitanHFTextDataset(cfg, tokenizer, t.seq_len, dp_rank, dp_world_size, infinite)
         kwargs = {**asdict(t.dataloader), "batch_size": t.local_batch_size}

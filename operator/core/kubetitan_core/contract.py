@@ -8,6 +8,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from enum import IntEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the contract stays import-free at run time
+    from kubetitan_core.api import DataSpec
 
 
 class ExitCode(IntEnum):
@@ -87,13 +91,23 @@ def env_reserved(name: str) -> bool:
     return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
 
 
-RESUMES_AT_ANOTHER_WORLD_SIZE = False
-"""Capability of the trainer: it resumes a checkpoint at another world size / data-parallel degree (DCP reshards
-the model and optimizer; the data loader continues the same global sample stream). False until the data plane
-ships a world-size-invariant resume (torchtitan 0.2.2's loader asserts the DP degree it saved with): a mid-run
-edit of ``resources.nodes``/``gpusPerNode``/``processesPerNode``/``parallelism`` that changes the world size or
-the DP degree is then refused (``SpecAccepted=False``, reason ``WorldSizeChangeRefused``). Once True, the
-operator applies such an edit at the next attempt (``kubetitan.plan.world_size_change_allowed``)."""
+PER_RANK_DATA_SOURCES = frozenset({"huggingface"})
+"""``spec.data.source`` values whose read position the trainer keeps per data-parallel rank: ``huggingface`` streams
+the dataset (hub or local) through torchtitan's ``ParallelAwareDataloader``, which splits it by DP rank and saves one
+position per rank, so its checkpoint resumes only at the DP degree it was saved at (the trainer refuses another one
+with a configuration error). Every other source (``synthetic``, ``shards``, ``mixture``, whose entries are shards)
+reads one global sample stream whose position is the same on every rank (``kubetitan_trainer.data``): it resumes at
+any world size and DP degree, and DCP reshards the model and optimizer. The trainer picks its loader by this set."""
+
+
+def resumes_at_another_dp_degree(data: DataSpec) -> bool:
+    """Capability of the trainer for one run's data (``spec.data``): whether a checkpoint of it resumes at another
+    data-parallel degree (and so at another world size). False iff a source is hub-streamed (in
+    :data:`PER_RANK_DATA_SOURCES`); a mixture holds only shards. The operator defers a mid-run edit of
+    ``resources.nodes``/``gpusPerNode``/``processesPerNode``/``parallelism`` that changes the DP degree to the next
+    attempt when this holds, and refuses it otherwise (``SpecAccepted=False``, reason ``WorldSizeChangeRefused``;
+    the admission webhook refuses it the same way): ``kubetitan.plan.world_size_change_allowed``."""
+    return data.source not in PER_RANK_DATA_SOURCES
 
 
 BUILTIN_TOKENIZER_VOCAB = 644
