@@ -186,6 +186,9 @@ class Context:
     """The write fence: ``LeaderElector`` with ``--leader-elect``, else ``AlwaysLeader``."""
     leader_task: asyncio.Task[None] | None = None
     kopf_sessions: list[Any] = field(default_factory=list)
+    access_cache: Any = None
+    """The admission webhook's SubjectAccessReview answers (``kubetitan.access_cache.AccessCache``, made on first
+    use)."""
     """aiohttp sessions handed to kopf (``_login``): closed when the operator has stopped."""
     _recorder: Recorder | None = None
 

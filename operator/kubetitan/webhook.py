@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
 from kubetitan import admission
+from kubetitan.access_cache import AccessCache, Answer, CacheConfig
 from kubetitan_core import GROUP, PLURAL, VERSION
 
 log = logging.getLogger("kubetitan.webhook")
@@ -43,6 +45,10 @@ class WebhookOptions:
     cert_check_seconds: float = 60.0
     """How often the certificate files are re-read: a renewed pair (cert-manager, or a new helm Secret, which the
     kubelet swaps into the mount) is served from then on without a restart (kopf restarts its server)."""
+    access_cache: CacheConfig = CacheConfig()
+    """How long the requester checks' SubjectAccessReview answers are reused (kubetitan.access_cache)."""
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
+    """The access cache's clock (tests advance a fake one instead of sleeping)."""
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -60,6 +66,14 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="what the requesting user must be allowed herself for the Secrets, ConfigMaps, claims, "
                         "service account and priority class a spec references (docs/install.md, 'Trust model'): "
                         "off, podCreate (create pods in the namespace) or references (each one; the default)")
+    p.add_argument("--requester-cache-allowed-seconds", type=float, default=CacheConfig.allowed_seconds,
+                   metavar="S", help="reuse an allowed SubjectAccessReview answer of the same user and access this "
+                   "long: the longest a revoked permission is still honoured (default %(default)s; 0: never)")
+    p.add_argument("--requester-cache-denied-seconds", type=float, default=CacheConfig.denied_seconds,
+                   metavar="S", help="reuse a denied answer this long: the longest a new grant is still refused "
+                   "(default %(default)s; 0: never)")
+    p.add_argument("--requester-cache-max-entries", type=int, default=CacheConfig.max_entries, metavar="N",
+                   help="the most answers kept, least recently used dropped first (default %(default)s; 0: no cache)")
 
 
 def from_args(a: argparse.Namespace) -> WebhookOptions:
@@ -68,7 +82,10 @@ def from_args(a: argparse.Namespace) -> WebhookOptions:
                          "them from its webhook Secret); the API server calls webhooks over HTTPS only")
     return WebhookOptions(port=a.webhook_port, addr=a.webhook_addr, cert_file=a.webhook_cert_file,
                           key_file=a.webhook_key_file, requester=admission.Requester(a.requester_checks),
-                          cert_check_seconds=a.webhook_cert_check_seconds)
+                          cert_check_seconds=a.webhook_cert_check_seconds,
+                          access_cache=CacheConfig(allowed_seconds=a.requester_cache_allowed_seconds,
+                                                   denied_seconds=a.requester_cache_denied_seconds,
+                                                   max_entries=a.requester_cache_max_entries))
 
 
 async def _no_server(_fn: Any) -> AsyncIterator[Any]:
@@ -102,17 +119,37 @@ def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None) -
                                                    file_check_interval=options.cert_check_seconds)
 
 
-async def _ask(client: Any, check: admission.Access, user: Mapping[str, Any]) -> bool | str:
-    """One SubjectAccessReview: True, or why not (its reason, or the API's error)."""
+async def _ask(client: Any, check: admission.Access, user: Mapping[str, Any]) -> tuple[Answer, bool]:
+    """One SubjectAccessReview: (True, or why not; whether the answer may be cached). A review that failed
+    refuses with the API's error and is never cached. Not fenced: a SubjectAccessReview stores nothing, and every
+    replica (a standby too) answers admission requests."""
     try:
         out = await client._call("authorization.k8s.io", "subjectaccessreviews", "create", "POST", SAR_PATH,
-                                 check.sar(user))
+                                 check.sar(user), fenced=False)
     except Exception as e:  # noqa: BLE001 - an unanswerable check refuses, with the reason
-        return f"the SubjectAccessReview failed: {e}"
+        return f"the SubjectAccessReview failed: {e}", False
     status = (out or {}).get("status") or {}
     if status.get("allowed"):
-        return True
-    return status.get("reason") or status.get("evaluationError") or "denied"
+        return True, True
+    if status.get("evaluationError") and not status.get("denied"):
+        return f"the SubjectAccessReview could not be evaluated: {status['evaluationError']}", False
+    return status.get("reason") or "denied", True
+
+
+def access_cache(ctx: Any, opts: WebhookOptions) -> AccessCache:
+    """The operator's SubjectAccessReview cache (one per replica; a new one when its configuration changed)."""
+    cache = getattr(ctx, "access_cache", None)
+    if cache is None or cache.config != opts.access_cache or cache.clock is not opts.clock:
+        cache = ctx.access_cache = AccessCache(opts.access_cache, opts.clock)
+    return cache
+
+
+async def answers_for(ctx: Any, opts: WebhookOptions, checks: list[admission.Access], user: Mapping[str, Any]
+                      ) -> dict[admission.Access, Answer]:
+    """Every check's answer: cached ones at once, the others asked concurrently (one request each)."""
+    cache = access_cache(ctx, opts)
+    results = await asyncio.gather(*(cache.get(c, user, lambda c=c: _ask(ctx.client, c, user)) for c in checks))
+    return dict(zip(checks, results))
 
 
 @kopf.on.validate(GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])
@@ -126,8 +163,7 @@ async def validate_llamapretrain(new: Any, old: Any, operation: str, userinfo: M
     if obj is not None:
         checks = admission.access_checks(obj, was, operation, opts.requester)
         if checks:
-            results = await asyncio.gather(*(_ask(ctx.client, c, userinfo) for c in checks))
-            answers = dict(zip(checks, results))
+            answers = await answers_for(ctx, opts, checks, userinfo)
     verdict = admission.review(obj, was, operation, ctx.options.policy, opts.requester, answers)
     warnings.extend(verdict.warnings)
     if not verdict.allowed:

@@ -7,7 +7,8 @@ kubectl prints what a user sees.
   answer from the API (HTTP, as kubectl sends it) as from ``kubetitan validate --policy``: accepted or refused, the
   same error lines (path: message) when the webhook refuses, the same warnings; a sample goes through kubectl;
 - a tenant bound only to "create LlamaPretrain" cannot reference a Secret, claim or service account she could not
-  use herself; the admin's ``off`` lets it pass;
+  use herself; the admin's ``off`` lets it pass; the SubjectAccessReviews carry the request's uid and extra, and
+  their cached answers expire (a revoked grant is honoured until the allowed TTL ends, on a fake clock);
 - a webhook that is down: ``Fail`` refuses with the API server's "failed calling webhook", ``Ignore`` admits.
 """
 
@@ -36,6 +37,7 @@ from kmockx import kubeconfig, rbac, webhooks
 from kmockx.harness import LPT, NS, ApiError, Cluster, Operator, free_port, wait_for
 from support.specs import lpt
 from kubetitan import admission, cli
+from kubetitan.access_cache import CacheConfig
 from kubetitan.policy import Policy
 from kubetitan.webhook import WebhookOptions
 
@@ -130,18 +132,34 @@ def _warning_texts(header_values: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------ the cluster, the operator, the webhook
+class FakeClock:
+    """The webhook's SubjectAccessReview cache clock: still unless a test moves it (no sleeping for TTLs)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+CACHE = CacheConfig(allowed_seconds=30, denied_seconds=5)
+
+
 @dataclasses.dataclass
 class Env:
     cluster: Cluster
     op: Operator
     port: int
     vwc: dict[str, Any]
+    clock: FakeClock
 
     def set(self, **kw: Any) -> None:
         self.op.options.webhook = dataclasses.replace(self.op.options.webhook, **kw)
 
-    def user(self, name: str, rules: list[dict[str, Any]]) -> str:
-        """A kubeconfig for user ``name`` bound (RoleBinding in ml) to ``rules``."""
+    def user(self, name: str, rules: list[dict[str, Any]], uid: str = "",
+             extra: dict[str, list[str]] | None = None) -> str:
+        """A kubeconfig for user ``name`` (with ``uid`` and ``extra`` in her ``user.Info``) bound (RoleBinding in
+        ml) to ``rules``; called again, it replaces her rules."""
         c = self.cluster
         assert c.k is not None and c.k.authorizer is not None
         c.k.authorizer.add([
@@ -149,7 +167,8 @@ class Env:
             {"kind": "RoleBinding", "metadata": {"name": name, "namespace": NS},
              "roleRef": {"kind": "Role", "name": name}, "subjects": [{"kind": "User", "name": name}]}])
         url = c.call(c._listen())
-        c.k.identities[f"port:{url.rpartition(':')[2]}"] = (name, ("system:authenticated",))
+        c.k.identities[f"port:{url.rpartition(':')[2]}"] = webhooks.Identity(
+            name, ("system:authenticated",), uid, tuple(sorted((k, tuple(v)) for k, v in (extra or {}).items())))
         path = c._tempfile()
         Path(path).write_text(kubeconfig(url, token=f"t-{name}", user=name))
         return path
@@ -184,12 +203,14 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         c.call(c.k.put(webhooks.VWC, vwc))
         op = Operator(c)
         op.options.policy = POLICY
+        clock = FakeClock()
         op.options.webhook = WebhookOptions(port=port, addr="127.0.0.1", cert_file=str(tmp / "mount" / "tls.crt"),
                                             key_file=str(tmp / "mount" / "tls.key"),
-                                            requester=admission.Requester.REFERENCES, cert_check_seconds=0.2)
+                                            requester=admission.Requester.REFERENCES, cert_check_seconds=0.2,
+                                            access_cache=CACHE, clock=clock)
         with op:
             wait_for(lambda: _listening(port), 20, "the operator's webhook port")
-            yield Env(c, op, port, vwc)
+            yield Env(c, op, port, vwc, clock)
         c.call(webhooks.close(c.k))
 
 
@@ -310,6 +331,7 @@ def test_a_tenant_cannot_reference_what_she_could_not_use_herself(env: Env) -> N
              "resourceNames": ["team-ckpt"]}]},
         {"kind": "RoleBinding", "metadata": {"name": "alice-ckpt", "namespace": NS},
          "roleRef": {"kind": "Role", "name": "alice-ckpt"}, "subjects": [{"kind": "User", "name": "alice"}]}])
+    env.clock.now += CACHE.denied_seconds  # the refusal above is cached that long (kubetitan.access_cache)
     out = kubectl(alice, "create", "-f", "-", stdin=json.dumps(_tenant_spec("t-pvc")))
     assert out.returncode == 0, out.stderr
     # podCreate: she may not create pods, so any reference is refused
@@ -324,6 +346,27 @@ def test_a_tenant_cannot_reference_what_she_could_not_use_herself(env: Env) -> N
     for name in ("t-pvc", "t-secret", "t-sa"):
         env.cluster.delete(LPT, NS, name)
     env.set(requester=admission.Requester.REFERENCES)
+
+
+def test_a_revoked_grant_is_honoured_until_the_allowed_ttl_ends_and_reviews_carry_uid_and_extra(env: Env) -> None:
+    pvc = {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"], "resourceNames": ["team-ckpt"]}
+    extra = {"authentication.kubernetes.io/credential-id": ["JTI=7f3c"], "scopes": ["training", "read"]}
+    bob = env.user("bob", TENANT_RULES + [pvc], uid="3d1e-bob", extra=extra)
+    sars = webhooks.state(env.cluster.k)["sars"]
+    asked = len(sars)
+    out = kubectl(bob, "create", "-f", "-", stdin=json.dumps(_tenant_spec("rev-1")))
+    assert out.returncode == 0, out.stderr
+    (spec,) = sars[asked:]  # the claim's review, for bob as the API server authenticated him
+    assert (spec["user"], spec["uid"], spec["extra"], spec["groups"]) == ("bob", "3d1e-bob", extra,
+                                                                         ["system:authenticated"])
+    env.user("bob", TENANT_RULES, uid="3d1e-bob", extra=extra)  # the admin revokes the claim
+    out = kubectl(bob, "create", "-f", "-", stdin=json.dumps(_tenant_spec("rev-2")))
+    assert out.returncode == 0, out.stderr  # the documented staleness: the allowed answer is still cached
+    env.clock.now += CACHE.allowed_seconds
+    out = kubectl(bob, "create", "-f", "-", stdin=json.dumps(_tenant_spec("rev-3")))
+    assert out.returncode != 0 and "the requesting user may not get persistentvolumeclaims 'team-ckpt'" in out.stderr
+    for name in ("rev-1", "rev-2"):
+        env.cluster.delete(LPT, NS, name)
 
 
 def test_the_code_loading_env_is_refused_by_the_policy_at_admission(env: Env) -> None:
