@@ -23,7 +23,7 @@ from typing import Any
 
 import kopf
 
-from kubetitan import admission
+from kubetitan import admission, certs, certsync
 from kubetitan.access_cache import AccessCache, Answer, CacheConfig
 from kubetitan_core import GROUP, PLURAL, VERSION
 
@@ -49,6 +49,10 @@ class WebhookOptions:
     """How long the requester checks' SubjectAccessReview answers are reused (kubetitan.access_cache)."""
     clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
     """The access cache's clock (tests advance a fake one instead of sleeping)."""
+    certificates: certsync.CertSync | None = None
+    """``--webhook-certificates operator``: the operator issues, rotates and serves its own pair (kubetitan.certsync;
+    ``cert_file``/``key_file`` are then the files it writes). None: serve the files given (helm's or cert-manager's
+    Secret, mounted)."""
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -58,6 +62,23 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--webhook-addr", default="0.0.0.0", metavar="ADDR", help="address the webhook listens on")
     p.add_argument("--webhook-cert-file", metavar="FILE", help="the webhook's serving certificate (PEM)")
     p.add_argument("--webhook-key-file", metavar="FILE", help="its private key (PEM)")
+    p.add_argument("--webhook-certificates", choices=["files", "operator"], default="files",
+                   help="files (default): serve --webhook-cert-file/--webhook-key-file (helm's or cert-manager's "
+                        "Secret, mounted); operator: issue a self-signed CA and serving certificate into "
+                        "--webhook-secret, keep --webhook-configuration's caBundle, rotate both before they expire")
+    p.add_argument("--webhook-secret", metavar="NS/NAME",
+                   help="operator certificates: the Secret holding the CA and pair (the chart ships it empty)")
+    p.add_argument("--webhook-configuration", metavar="NAME",
+                   help="operator certificates: the ValidatingWebhookConfiguration whose caBundle the operator keeps")
+    p.add_argument("--webhook-service", metavar="NS/NAME",
+                   help="operator certificates: the webhook's Service (the certificate's DNS names)")
+    p.add_argument("--webhook-cert-dir", metavar="DIR", default="/tmp/kubetitan-webhook",
+                   help="operator certificates: where the served pair is written (default %(default)s)")
+    p.add_argument("--webhook-cert-days", type=int, default=certs.CertPolicy.cert_days, metavar="D",
+                   help="operator certificates: serving certificate lifetime, re-issued in its last third "
+                        "(default %(default)s)")
+    p.add_argument("--webhook-ca-days", type=int, default=certs.CertPolicy.ca_days, metavar="D",
+                   help="operator certificates: CA lifetime, a new CA in its last third (default %(default)s)")
     p.add_argument("--webhook-cert-check-seconds", type=float, default=60.0, metavar="S",
                    help="re-read the certificate files this often and serve a renewed pair without a restart "
                         "(default 60)")
@@ -76,12 +97,34 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="the most answers kept, least recently used dropped first (default %(default)s; 0: no cache)")
 
 
+def _ns_name(flag: str, value: str | None) -> tuple[str, str]:
+    ns, _, name = (value or "").rpartition("/")
+    if not ns or not name:
+        raise SystemExit(f"error: --webhook-certificates operator needs {flag} NAMESPACE/NAME (the chart sets it)")
+    return ns, name
+
+
+def _cert_sync(a: argparse.Namespace) -> certsync.CertSync:
+    secret_ns, secret = _ns_name("--webhook-secret", a.webhook_secret)
+    svc_ns, svc = _ns_name("--webhook-service", a.webhook_service)
+    if not a.webhook_configuration:
+        raise SystemExit("error: --webhook-certificates operator needs --webhook-configuration NAME (the chart sets it)")
+    policy = certs.CertPolicy(cert_days=a.webhook_cert_days, ca_days=a.webhook_ca_days)
+    if problems := policy.problems():
+        raise SystemExit("error: " + "; ".join(problems))
+    return certsync.CertSync(secret_ns, secret, a.webhook_configuration, certsync.service_dns_names(svc_ns, svc),
+                             a.webhook_cert_dir, policy, interval=a.webhook_cert_check_seconds)
+
+
 def from_args(a: argparse.Namespace) -> WebhookOptions:
-    if a.webhook_port is not None and not (a.webhook_cert_file and a.webhook_key_file):
+    sync = _cert_sync(a) if a.webhook_port is not None and a.webhook_certificates == "operator" else None
+    if a.webhook_port is not None and sync is None and not (a.webhook_cert_file and a.webhook_key_file):
         raise SystemExit("error: --webhook-port needs --webhook-cert-file and --webhook-key-file (the chart mounts "
-                         "them from its webhook Secret); the API server calls webhooks over HTTPS only")
-    return WebhookOptions(port=a.webhook_port, addr=a.webhook_addr, cert_file=a.webhook_cert_file,
-                          key_file=a.webhook_key_file, requester=admission.Requester(a.requester_checks),
+                         "them from its webhook Secret), or --webhook-certificates operator; the API server calls "
+                         "webhooks over HTTPS only")
+    return WebhookOptions(port=a.webhook_port, addr=a.webhook_addr,
+                          cert_file=sync.cert_file if sync else a.webhook_cert_file,
+                          key_file=sync.key_file if sync else a.webhook_key_file, certificates=sync, requester=admission.Requester(a.requester_checks),
                           cert_check_seconds=a.webhook_cert_check_seconds,
                           access_cache=CacheConfig(allowed_seconds=a.requester_cache_allowed_seconds,
                                                    denied_seconds=a.requester_cache_denied_seconds,
@@ -107,16 +150,33 @@ class _RefusalsAreNotErrors(logging.Filter):
 _REFUSAL_FILTER = _RefusalsAreNotErrors()
 
 
-def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None) -> None:
-    """Give kopf its webhook server (at start-up). The chart ships the ValidatingWebhookConfiguration itself, so
-    kopf manages none (``settings.admission.managed`` unset: no RBAC on webhook configurations)."""
+def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None,
+              client: Any = None) -> asyncio.Task[None] | None:
+    """Give kopf its webhook server (at start-up); with operator certificates, start keeping them
+    (kubetitan.certsync; the task is returned for the cleanup to cancel) and serve once the first pair is written.
+
+    The chart ships the ValidatingWebhookConfiguration itself, so kopf manages none (``settings.admission.managed``
+    unset): kopf's managed mode rewrites the whole configuration from the handlers (no matchConditions, its own
+    names) and each replica would write its own self-signed certificate into it, while every replica here serves
+    one pair from the Secret; the operator only keeps the caBundle."""
     logging.getLogger("kopf.objects").addFilter(_REFUSAL_FILTER)  # a set: adding it again is a no-op
     if options is None or options.port is None:
         settings.admission.server = _no_server
-        return
-    settings.admission.server = kopf.WebhookServer(addr=options.addr, port=options.port, certfile=options.cert_file,
-                                                   pkeyfile=options.key_file,
-                                                   file_check_interval=options.cert_check_seconds)
+        return None
+    server = kopf.WebhookServer(addr=options.addr, port=options.port, certfile=options.cert_file,
+                                pkeyfile=options.key_file, file_check_interval=options.cert_check_seconds)
+    if options.certificates is None:
+        settings.admission.server = server
+        return None
+    ready = asyncio.Event()
+
+    async def serve_when_ready(fn: Any) -> AsyncIterator[Any]:
+        await ready.wait()
+        async for client_config in server(fn):
+            yield client_config
+
+    settings.admission.server = serve_when_ready
+    return asyncio.create_task(certsync.run(client, options.certificates, ready), name="webhook certificates")
 
 
 async def _ask(client: Any, check: admission.Access, user: Mapping[str, Any]) -> tuple[Answer, bool]:

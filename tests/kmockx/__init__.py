@@ -344,6 +344,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.declare("v1/pods", "Pod", status=True, shortnames=("po",), builtin=True, categories=("all",))
         self.declare("v1/nodes", "Node", namespaced=False, status=True, shortnames=("no",), builtin=True)
         self.declare("v1/configmaps", "ConfigMap", shortnames=("cm",), builtin=True)
+        self.declare("v1/secrets", "Secret", builtin=True)  # the webhook's certificates (kubetitan.certsync)
         self.declare("v1/services", "Service", status=True, shortnames=("svc",), builtin=True, categories=("all",))
         self.declare("v1/events", "Event", shortnames=("ev",), builtin=True)
         self.declare("events.k8s.io/v1/events", "Event", shortnames=("ev",), builtin=True)

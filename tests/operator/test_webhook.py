@@ -50,6 +50,9 @@ CORPUS_NS = "corpus"
 the chart's cluster mode does) answers, and no reconcile of the created objects adds noise."""
 POLICY = Policy(priority_classes=("training",), service_accounts=("default", "s3-writer"))
 """The admin policy both sides use (a spec naming another priority class is refused by policy)."""
+HELM = "webhook.certificates=helm"
+"""These tests mount the pair helm generates into the chart's Secret (the operator's own certificates:
+test_operator_certificates_...)."""
 POLICY_FILE = {"priorityClasses": list(POLICY.priority_classes), "serviceAccounts": list(POLICY.service_accounts)}
 
 
@@ -194,7 +197,7 @@ def _listening(port: int) -> bool:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     tmp = tmp_path_factory.mktemp("webhook")
-    docs = rbac.render_chart()  # helm template with the defaults: the webhook Secret and configuration
+    docs = rbac.render_chart(HELM)  # helm template with the defaults: the webhook Secret and configuration
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
     mount_secret(tmp, docs)
     port = free_port()
@@ -468,7 +471,7 @@ def test_a_webhook_that_hangs_is_cut_off_at_its_timeout(env: Env) -> None:
 def test_a_renewed_certificate_is_served_without_a_restart(env: Env) -> None:
     """The Secret is renewed (cert-manager, or a new helm pair) and the configuration's caBundle with it: once the
     kubelet swaps the mounted files, the operator serves the new pair (kopf re-reads the files)."""
-    renewed = rbac.render_chart("webhook.timeoutSeconds=7")  # another render: another CA and certificate
+    renewed = rbac.render_chart(HELM, "webhook.timeoutSeconds=7")  # another render: another CA and certificate
     mount = Path(env.op.options.webhook.cert_file).parent
     try:
         _replace_vwc(env, next(d for d in renewed if d["kind"] == "ValidatingWebhookConfiguration")["webhooks"])
@@ -477,14 +480,14 @@ def test_a_renewed_certificate_is_served_without_a_restart(env: Env) -> None:
         wait_for(lambda: _post(env, _tenant_spec("renew")).status_code == 201, 20, "the renewed certificate served")
         env.cluster.delete(LPT, NS, "renew")
     finally:
-        mount_secret(mount.parent, rbac.render_chart())
+        mount_secret(mount.parent, rbac.render_chart(HELM))
         _replace_vwc(env, env.vwc["webhooks"])
         wait_for(lambda: _post(env, _tenant_spec("renew-back")).status_code == 201, 20, "the first pair again")
         env.cluster.delete(LPT, NS, "renew-back")
 
 
 def test_a_certificate_the_ca_bundle_does_not_vouch_for_is_a_failed_call(env: Env) -> None:
-    other = next(d for d in rbac.render_chart("webhook.timeoutSeconds=6")
+    other = next(d for d in rbac.render_chart(HELM, "webhook.timeoutSeconds=6")
                  if d["kind"] == "ValidatingWebhookConfiguration")  # another render: another CA
     try:
         _replace_vwc(env, other["webhooks"])
@@ -499,7 +502,7 @@ def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
     Service sends them to any ready replica)."""
     from kmockx.harness import OperatorProcess
 
-    docs = rbac.render_chart()
+    docs = rbac.render_chart(HELM)
     secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
     for key in ("tls.crt", "tls.key"):
         (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
@@ -541,3 +544,63 @@ def test_the_webhook_flags() -> None:
         opts("--webhook-port", "9443")
     with pytest.raises(SystemExit):
         opts("--requester-checks", "everything")
+
+
+# ------------------------------------------------------------------ the operator's own certificates
+def test_operator_certificates_fill_the_ca_bundle_verify_and_renew_before_expiry(tmp_path: Path) -> None:
+    """The chart's default (``webhook.certificates: operator``): its Secret shipped empty and its configuration
+    without caBundle. The operator, with only the chart's RBAC (get/update on those two objects by name), issues a
+    CA and a certificate into the Secret and the CA into caBundle; the double's HTTPS call verifies against it.
+    Its wall clock (injected) then reaches the certificate's last third: it re-issues it from the same CA, and the
+    double goes on verifying the new pair."""
+    import datetime as dt
+
+    from kubetitan import certs, certsync
+
+    # the defaults (operator certificates), rendered as the release whose RBAC the test operator runs with
+    docs = rbac.render_chart("watch.mode=namespaced", f"watch.namespaces={{{NS}}}", release=f"ktn-{NS}")
+    vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
+    ref = vwc["webhooks"][0]["clientConfig"]["service"]
+    svc = (ref["namespace"], ref["name"])
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
+    assert "caBundle" not in vwc["webhooks"][0]["clientConfig"] and not secret.get("data")
+    offset = {"days": -61.0}  # the first pair is issued "61 days ago": valid now, due for renewal at "now"
+
+    def wall() -> dt.datetime:
+        return dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=offset["days"])
+
+    port = free_port()
+    with Cluster() as c:
+        webhooks.state(c.k)["endpoints"][svc] = ("127.0.0.1", port)
+        c.call(c.k.put(webhooks.VWC, vwc))
+        c.call(c.k.put("v1/secrets", secret))
+        sync = certsync.CertSync(secret["metadata"]["namespace"], secret["metadata"]["name"], vwc["metadata"]["name"],
+                                 certsync.service_dns_names(*svc), str(tmp_path / "certs"), interval=0.2, now=wall)
+        op = Operator(c)
+        op.options.webhook = WebhookOptions(port=port, addr="127.0.0.1", cert_file=sync.cert_file,
+                                            key_file=sync.key_file, certificates=sync, cert_check_seconds=0.2)
+
+        def stored() -> tuple[bytes, dict[str, str]]:
+            now = c.get(webhooks.VWC, None, vwc["metadata"]["name"])["webhooks"][0]["clientConfig"]
+            return base64.b64decode(now.get("caBundle", "")), \
+                (c.get("v1/secrets", svc[0], secret["metadata"]["name"]) or {}).get("data") or {}
+
+        with op:
+            # the CA goes into caBundle first, then the Secret is written
+            wait_for(lambda: stored()[0] and stored()[1], 20, "the caBundle and the Secret the operator writes")
+            bundle, data = stored()
+            first = certs.Material.from_secret(data)
+            assert first is not None and bundle == first.ca_bundle
+            wait_for(lambda: _post(Env(c, op, port, vwc, FakeClock()), _tenant_spec("own-1")).status_code == 201,
+                     20, "a create through the webhook served with the operator's certificate")
+            assert webhooks.state(c.k)["calls"][-1].outcome == "allowed"
+            offset["days"] = 0.0  # 29 of 90 days left: re-issued from the same CA
+            wait_for(lambda: stored()[1].get("tls.crt") != data["tls.crt"], 20, "the renewed certificate")
+            renewed = certs.Material.from_secret(stored()[1])
+            assert renewed is not None and renewed.ca_bundle == first.ca_bundle and stored()[0] == first.ca_bundle
+            assert certs.decide(renewed, wall(), sync.dns_names, sync.policy)[0] == certs.Action.KEEP
+            wait_for(lambda: (tmp_path / "certs" / "current" / "tls.crt").read_bytes() == renewed.cert, 20,
+                     "the renewed pair on disk")
+            wait_for(lambda: _post(Env(c, op, port, vwc, FakeClock()), _tenant_spec("own-2")).status_code == 201,
+                     20, "a create verified against the same caBundle, served with the renewed pair")
+        c.call(webhooks.close(c.k))
