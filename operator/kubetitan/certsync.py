@@ -97,27 +97,40 @@ def write_pair(cert_dir: str, m: certs.Material) -> bool:
 
 
 async def _sync_bundle(client: Any, s: CertSync, bundle: bytes) -> bool:
-    """The configuration's caBundle made :func:`certs.vwc_bundle`; True when it was changed."""
+    """The configuration's caBundle made :func:`certs.vwc_bundle`; True when it was changed. A concurrent write
+    (another replica adding its CA) is a 409: read again and merge with it."""
     import base64
 
+    from kubetitan.kube import ApiError
+
     path = f"{VWC_PATH}/{s.configuration}"
-    vwc = await client._call("admissionregistration.k8s.io", "validatingwebhookconfigurations", "get", "GET", path)
-    if vwc is None:
-        raise LookupError(f"ValidatingWebhookConfiguration {s.configuration} not found: the chart ships it "
-                          "(webhook.enabled); re-install or upgrade the release")
-    changed = False
-    for w in vwc.get("webhooks") or []:
-        cc = w.setdefault("clientConfig", {})
-        now = base64.b64decode(cc.get("caBundle") or "")
-        want = certs.vwc_bundle(now, bundle, s.now())
-        if want != now:
-            cc["caBundle"] = base64.b64encode(want).decode()
-            changed = True
-    if changed:
-        await client._call("admissionregistration.k8s.io", "validatingwebhookconfigurations", "update", "PUT", path,
-                           vwc, fenced=False)
+    for _ in range(5):
+        vwc = await client._call("admissionregistration.k8s.io", "validatingwebhookconfigurations", "get", "GET",
+                                 path)
+        if vwc is None:
+            raise LookupError(f"ValidatingWebhookConfiguration {s.configuration} not found: the chart ships it "
+                              "(webhook.enabled); re-install or upgrade the release")
+        changed = False
+        for w in vwc.get("webhooks") or []:
+            cc = w.setdefault("clientConfig", {})
+            now = base64.b64decode(cc.get("caBundle") or "")
+            want = certs.vwc_bundle(now, bundle, s.now())
+            if want != now:
+                cc["caBundle"] = base64.b64encode(want).decode()
+                changed = True
+        if not changed:
+            return False
+        try:
+            await client._call("admissionregistration.k8s.io", "validatingwebhookconfigurations", "update", "PUT",
+                               path, vwc, fenced=False)
+        except ApiError as e:
+            if e.status == 409:
+                continue
+            raise
         log.info("Updated the caBundle of ValidatingWebhookConfiguration %s", s.configuration)
-    return changed
+        return True
+    raise RuntimeError(f"ValidatingWebhookConfiguration {s.configuration} kept changing under this replica "
+                       "(5 conflicts in a row)")
 
 
 async def sync_once(client: Any, s: CertSync) -> certs.Material:

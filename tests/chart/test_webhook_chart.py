@@ -151,7 +151,8 @@ def test_operator_certificates_are_the_default_with_rbac_on_exactly_the_secret_a
     assert "caBundle" not in w["clientConfig"] and "annotations" not in \
         _one(docs, "ValidatingWebhookConfiguration")["metadata"]  # the operator fills it; helm never writes it
     secret = _one(docs, "Secret", "-webhook-tls")
-    assert "data" not in secret and secret["type"] == "Opaque"  # shipped empty: an upgrade keeps what was written
+    # shipped empty, with helm's type (immutable: an upgrade from helm's certificates must not fail on it)
+    assert secret["data"] == {"tls.crt": "", "tls.key": ""} and secret["type"] == "kubernetes.io/tls"
     # exactly get/update, on exactly these two objects
     role = next(d for d in by_kind(docs, "Role") if d["metadata"]["name"].endswith("-webhook-certificates"))
     crole = next(d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"].endswith("-webhook-certificates"))

@@ -150,3 +150,85 @@ def test_the_served_pair_is_swapped_in_one_step(tmp_path):
     assert (tmp_path / "w" / "current" / "tls.key").read_bytes() == OTHER.key
     assert not first_version.exists()  # the old version is gone
     assert oct((tmp_path / "w" / "current" / "tls.key").stat().st_mode & 0o777) == "0o600"
+
+
+class FakeApi:
+    """The Secret and the configuration, with resourceVersions as the API server keeps them (a PUT with a stale
+    one is 409 Conflict); ``before_put`` runs once before this client's first PUT (another replica's turn)."""
+
+    def __init__(self, store: dict[str, dict], before_put=None) -> None:
+        self.store, self.before_put, self.puts = store, before_put, []
+
+    async def _call(self, group, resource, verb, method, path, body=None, fenced=True, **_):
+        import copy
+
+        from kubetitan.kube import ApiError
+
+        assert fenced is False or method == "GET"
+        if method == "GET":
+            return copy.deepcopy(self.store.get(path))
+        if self.before_put is not None:
+            hook, self.before_put = self.before_put, None
+            await hook()
+        now = self.store[path]
+        if body["metadata"]["resourceVersion"] != now["metadata"]["resourceVersion"]:
+            raise ApiError(409, method, path, b'{"kind":"Status","reason":"Conflict","message":"modified"}')
+        body = copy.deepcopy(body)
+        body["metadata"]["resourceVersion"] = str(int(now["metadata"]["resourceVersion"]) + 1)
+        self.store[path] = body
+        self.puts.append(resource)
+        return body
+
+
+def _store(sync: certsync.CertSync) -> dict[str, dict]:
+    return {sync.secret_path(): {"metadata": {"name": sync.secret_name, "resourceVersion": "1"},
+                                 "type": "kubernetes.io/tls", "data": {"tls.crt": "", "tls.key": ""}},
+            f"{certsync.VWC_PATH}/{sync.configuration}": {"metadata": {"name": sync.configuration,
+                                                                        "resourceVersion": "1"},
+                                                           "webhooks": [{"clientConfig": {"service": {}}}]}}
+
+
+def test_replicas_agree_through_the_secrets_resource_version(tmp_path):
+    """Two replicas find the Secret empty at once: A writes first, B's write is refused (409) and B serves A's
+    pair; the configuration trusts A's CA (written before the Secret). B's own CA, added to the configuration before
+    its refused write, signs nothing anyone serves (its key is gone) and drops out when it expires; B's configuration
+    write that raced A's is merged (409, read again), not lost."""
+    import asyncio
+    import base64
+
+    def sync(name: str) -> certsync.CertSync:
+        return certsync.CertSync("kubetitan-system", "kt-webhook-tls", "kt", NAMES, str(tmp_path / name),
+                                 now=lambda: NOW)
+
+    a, b = sync("a"), sync("b")
+    store = _store(a)
+    api_a = FakeApi(store)
+    api_b = FakeApi(store, before_put=lambda: certsync.sync_once(api_a, a))
+    served_b = asyncio.run(certsync.sync_once(api_b, b))
+    secret = certs.Material.from_secret(store[a.secret_path()]["data"])
+    assert served_b == secret and (tmp_path / "b" / "current" / "tls.crt").read_bytes() == secret.cert
+    assert (tmp_path / "a" / "current" / "tls.crt").read_bytes() == secret.cert
+    assert api_a.puts.count("secrets") == 1 and "secrets" not in api_b.puts
+    bundle = base64.b64decode(store[f"{certsync.VWC_PATH}/kt"]["webhooks"][0]["clientConfig"]["caBundle"])
+    # A's CA is trusted; B added its own issued CA before its refused write (harmless: it signs nothing served)
+    assert certs.certificates(secret.ca_bundle)[0] in certs.certificates(bundle)
+    # a later round changes nothing
+    puts = len(api_a.puts) + len(api_b.puts)
+    asyncio.run(certsync.sync_once(api_b, b))
+    assert len(api_a.puts) + len(api_b.puts) == puts
+
+
+def test_a_removed_ca_bundle_is_restored_and_a_missing_secret_says_how_to_fix_it(tmp_path):
+    import asyncio
+
+    s = certsync.CertSync("kubetitan-system", "kt-webhook-tls", "kt", NAMES, str(tmp_path / "w"), now=lambda: NOW)
+    store = _store(s)
+    api = FakeApi(store)
+    m = asyncio.run(certsync.sync_once(api, s))
+    vwc_path = f"{certsync.VWC_PATH}/kt"
+    del store[vwc_path]["webhooks"][0]["clientConfig"]["caBundle"]  # a GitOps apply of the chart dropped it
+    assert asyncio.run(certsync.sync_once(api, s)) == m
+    assert store[vwc_path]["webhooks"][0]["clientConfig"]["caBundle"]
+    del store[s.secret_path()]
+    with pytest.raises(LookupError, match="the chart ships it empty .* re-install or upgrade the release"):
+        asyncio.run(certsync.sync_once(api, s))
