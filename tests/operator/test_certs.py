@@ -4,6 +4,7 @@ runs the same against the API double (the configuration's caBundle set, the doub
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import ssl
 from pathlib import Path
@@ -171,6 +172,10 @@ class FakeApi:
             hook, self.before_put = self.before_put, None
             await hook()
         now = self.store[path]
+        if resource == "secrets":  # the CA it writes is trusted by the configuration already
+            vwc = next(v for k, v in self.store.items() if k.startswith(certsync.VWC_PATH))
+            trusted = certs.certificates(base64.b64decode(vwc["webhooks"][0]["clientConfig"]["caBundle"]))
+            assert certs.certificates(base64.b64decode(body["data"]["ca.crt"]))[0] in trusted
         if body["metadata"]["resourceVersion"] != now["metadata"]["resourceVersion"]:
             raise ApiError(409, method, path, b'{"kind":"Status","reason":"Conflict","message":"modified"}')
         body = copy.deepcopy(body)
@@ -194,7 +199,6 @@ def test_replicas_agree_through_the_secrets_resource_version(tmp_path):
     its refused write, signs nothing anyone serves (its key is gone) and drops out when it expires; B's configuration
     write that raced A's is merged (409, read again), not lost."""
     import asyncio
-    import base64
 
     def sync(name: str) -> certsync.CertSync:
         return certsync.CertSync("kubetitan-system", "kt-webhook-tls", "kt", NAMES, str(tmp_path / name),

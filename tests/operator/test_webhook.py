@@ -544,6 +544,16 @@ def test_the_webhook_flags() -> None:
         opts("--webhook-port", "9443")
     with pytest.raises(SystemExit):
         opts("--requester-checks", "everything")
+    own = ("--webhook-port", "9443", "--webhook-certificates", "operator")
+    with pytest.raises(SystemExit, match="needs --webhook-secret NAMESPACE/NAME"):
+        opts(*own)
+    full = (*own, "--webhook-secret", "kt/kt-webhook-tls", "--webhook-service", "kt/kt-webhook",
+            "--webhook-configuration", "kt")
+    with pytest.raises(SystemExit, match="must be at least the serving certificate's"):
+        opts(*full, "--webhook-ca-days", "30")
+    got = opts(*full, "--webhook-cert-dir", "/run/w")
+    assert got.cert_file == "/run/w/current/tls.crt" and got.certificates.dns_names[0] == "kt-webhook.kt.svc"
+    assert opts("--requester-cache-allowed-seconds", "0").access_cache.allowed_seconds == 0
 
 
 # ------------------------------------------------------------------ the operator's own certificates
@@ -552,7 +562,8 @@ def test_operator_certificates_fill_the_ca_bundle_verify_and_renew_before_expiry
     without caBundle. The operator, with only the chart's RBAC (get/update on those two objects by name), issues a
     CA and a certificate into the Secret and the CA into caBundle; the double's HTTPS call verifies against it.
     Its wall clock (injected) then reaches the certificate's last third: it re-issues it from the same CA, and the
-    double goes on verifying the new pair."""
+    double goes on verifying the new pair. Given a CA in its last third, it issues a new CA, keeps the old one in
+    caBundle beside it, and the double verifies the new pair."""
     import datetime as dt
 
     from kubetitan import certs, certsync
@@ -604,4 +615,30 @@ def test_operator_certificates_fill_the_ca_bundle_verify_and_renew_before_expiry
                      "the renewed pair on disk")
             wait_for(lambda: _post(Env(c, op, port, vwc, FakeClock()), _tenant_spec("own-2")).status_code == 201,
                      20, "a create verified against the same caBundle, served with the renewed pair")
+            # CA rotation: the Secret and caBundle as an operator left them 250 days ago (its CA now in the last
+            # third of its life, a pair it renewed 20 days ago): a new CA, the old one kept trusted
+            now = wall()
+            old = certs.issue(certs.issue(None, certs.Action.ISSUE_CA, now - dt.timedelta(days=250), sync.dns_names,
+                                          sync.policy), certs.Action.ISSUE_CERT, now - dt.timedelta(days=20),
+                              sync.dns_names, sync.policy)
+            _replace(c, "v1/secrets", svc[0], secret["metadata"]["name"], {"data": old.secret_data()})
+            _replace_vwc(Env(c, op, port, vwc, FakeClock()), [
+                {**vwc["webhooks"][0], "clientConfig": {**vwc["webhooks"][0]["clientConfig"],
+                                                        "caBundle": base64.b64encode(old.ca_bundle).decode()}}])
+            wait_for(lambda: (certs.Material.from_secret(stored()[1]) or old).ca_key != old.ca_key, 20, "a new CA")
+            rotated = certs.Material.from_secret(stored()[1])
+            assert rotated is not None
+            new_ca, old_ca = certs.certificates(rotated.ca_bundle)
+            assert old_ca == certs.certificates(old.ca_bundle)[0]
+            wait_for(lambda: certs.certificates(stored()[0]) == [new_ca, old_ca], 20, "caBundle: the new CA, the old")
+            wait_for(lambda: _post(Env(c, op, port, vwc, FakeClock()), _tenant_spec("own-3")).status_code == 201,
+                     20, "a create verified against the rotated caBundle")
         c.call(webhooks.close(c.k))
+
+
+def _replace(c: Cluster, resource: str, ns: str | None, name: str, change: dict[str, Any]) -> None:
+    """PUT the object with ``change`` merged at its top level (as an admin's kubectl replace)."""
+    now = c.get(resource, ns, name)
+    res = next(r for r in c.k.types if r.plural == resource.rpartition("/")[2])
+    code, out = c.call(c.k._replace(res, ns, name, {**now, **change}, None))
+    assert code == 200, out
