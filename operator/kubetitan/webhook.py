@@ -4,8 +4,12 @@
 ``POST /validate-llamapretrain`` over HTTPS with kopf's own server (``kopf.WebhookServer``); the chart's
 ``ValidatingWebhookConfiguration`` points the API server at it through a Service (docs/operator.md, "Admission
 webhook"). The handler asks the API server the requester checks' SubjectAccessReviews for the request's
-``userInfo`` (``--requester-checks``), then returns :func:`kubetitan.admission.review`'s verdict: a refusal is a
+``userInfo`` (``--requester-checks``; concurrently, with the user's uid and extra, answers reused briefly:
+:mod:`kubetitan.access_cache`), then returns :func:`kubetitan.admission.review`'s verdict: a refusal is a
 ``kopf.AdmissionError`` with the review's message and code, warnings go into kopf's ``warnings`` list.
+
+Certificates: the files given (helm's or cert-manager's Secret, mounted), or with ``--webhook-certificates
+operator`` the operator's own, issued, rotated and served by :mod:`kubetitan.certsync`.
 
 Without ``--webhook-port`` no server runs (kopf is given one that never listens), and the operator's reconcile
 alone refuses invalid specs, as before.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -72,8 +77,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="operator certificates: the ValidatingWebhookConfiguration whose caBundle the operator keeps")
     p.add_argument("--webhook-service", metavar="NS/NAME",
                    help="operator certificates: the webhook's Service (the certificate's DNS names)")
-    p.add_argument("--webhook-cert-dir", metavar="DIR", default="/tmp/kubetitan-webhook",
-                   help="operator certificates: where the served pair is written (default %(default)s)")
+    p.add_argument("--webhook-cert-dir", metavar="DIR", default=None,
+                   help="operator certificates: where the served pair is written (default: a new private temporary "
+                        "directory; the chart sets an in-memory emptyDir)")
     p.add_argument("--webhook-cert-days", type=int, default=certs.CertPolicy.cert_days, metavar="D",
                    help="operator certificates: serving certificate lifetime, re-issued in its last third "
                         "(default %(default)s)")
@@ -112,8 +118,9 @@ def _cert_sync(a: argparse.Namespace) -> certsync.CertSync:
     policy = certs.CertPolicy(cert_days=a.webhook_cert_days, ca_days=a.webhook_ca_days)
     if problems := policy.problems():
         raise SystemExit("error: " + "; ".join(problems))
+    cert_dir = a.webhook_cert_dir or tempfile.mkdtemp(prefix="kubetitan-webhook-")
     return certsync.CertSync(secret_ns, secret, a.webhook_configuration, certsync.service_dns_names(svc_ns, svc),
-                             a.webhook_cert_dir, policy, interval=a.webhook_cert_check_seconds)
+                             cert_dir, policy, interval=a.webhook_cert_check_seconds)
 
 
 def from_args(a: argparse.Namespace) -> WebhookOptions:
