@@ -1,20 +1,22 @@
 """Admission webhook latency for a 64-node LlamaPretrain against kmockx (prints numbers; asserts no timing).
 
-    .venv/bin/python bench/webhook_bench.py [--requests 300] [--out bench/results/webhook]
+    .venv/bin/python bench/webhook_bench.py [--requests 300] [--out bench/results/webhook] [--tag s13]
 
 Two processes: kmockx (this one, the API server double calling webhooks as kmockx.webhooks does: AdmissionReview v1
 over HTTPS, the chart's Secret and ValidatingWebhookConfiguration) and ``kubetitan operator`` (its own process, the
 CLI code path, serving the webhook with kopf's WebhookServer). For each requester mode (``off``: parse, validate,
 policy, warnings; ``references``: plus one SubjectAccessReview per referenced object, answered by the same API
-double) it creates the spec ``--requests`` times (each create deleted again; a namespace the operator does not
+double, through the operator's answer cache (kubetitan.access_cache, the chart's defaults): the first create asks,
+the repeats within the TTL do not; ``references-uncached``: the same with the cache off, every create asks all
+five reviews, concurrently) it creates the spec ``--requests`` times (each create deleted again; a namespace the operator does not
 watch, so no reconcile runs) and prints:
 
 - ``webhook``: the API server's round trip to the webhook (POST sent -> AdmissionReview answer read), the latency
   the issue's target (p99 < 50 ms) is about;
 - ``create``: the client's whole ``POST .../llamapretrains`` (schema, CEL, the webhook, storing).
 
-The raw numbers (every sample, in ms) go to ``<out>/<UTC time>.json`` and the printed table to ``<out>/<UTC
-time>.txt``.
+The raw numbers (every sample, in ms) go to ``<out>/<UTC time>[-<tag>].json`` and the printed table to
+``<out>/<UTC time>[-<tag>].txt``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ def summary(xs: list[float]) -> str:
             f"max={max(xs):.1f} ms mean={statistics.fmean(xs):.1f} ms")
 
 
+MODES = {
+    "off": ("--requester-checks", "off"),
+    "references": ("--requester-checks", "references"),
+    "references-uncached": ("--requester-checks", "references", "--requester-cache-allowed-seconds", "0",
+                            "--requester-cache-denied-seconds", "0"),
+}
+"""Bench mode -> the operator's flags."""
+
+
 def run_mode(mode: str, n: int, warmup: int, secret: dict[str, Any], vwc: dict[str, Any], tmp: Path
              ) -> dict[str, list[float]]:
     for key in ("tls.crt", "tls.key"):
@@ -79,7 +90,7 @@ def run_mode(mode: str, n: int, warmup: int, secret: dict[str, Any], vwc: dict[s
         kc = c.operator_kubeconfig(("ml",))
         op = OperatorProcess(kc, "--namespace", "ml", "--webhook-port", str(port), "--webhook-addr", "127.0.0.1",
                              "--webhook-cert-file", str(tmp / "tls.crt"), "--webhook-key-file", str(tmp / "tls.key"),
-                             "--requester-checks", mode, "--policy-priority-classes", "training-high")
+                             *MODES[mode], "--policy-priority-classes", "training-high")
         with op:
             def listening() -> bool:
                 with socket.socket() as s:
@@ -114,29 +125,44 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "webhook"))
+    p.add_argument("--rounds", type=int, default=3,
+                   help="split each mode's creates into this many rounds, the modes taking turns, so that a change "
+                        "in the shared machine's load falls on every mode alike (default %(default)s)")
+    p.add_argument("--tag", default="", help="appended to the result files' names (e.g. the session, s13)")
     a = p.parse_args()
-    docs = rbac.render_chart()
+    docs = rbac.render_chart("webhook.certificates=helm")  # the bench mounts the pair helm generates
     secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    lines = [f"# webhook_bench {stamp}: {a.requests} creates of a 64-node LlamaPretrain per mode (after "
-             f"{a.warmup} warm-up), {platform.node()}, python {platform.python_version()}, "
-             f"{socket.gethostname()} load average {open('/proc/loadavg').read().split()[:3]}"]
-    raw: dict[str, Any] = {"stamp": stamp, "requests": a.requests, "warmup": a.warmup}
+    lines = [f"# webhook_bench {stamp}: {a.requests} creates of a 64-node LlamaPretrain per mode in {a.rounds} "
+             f"rounds, modes taking turns (each round after {a.warmup} warm-up), {platform.node()}, python "
+             f"{platform.python_version()}, {socket.gethostname()} load average "
+             f"{open('/proc/loadavg').read().split()[:3]} at the start"]
+    raw: dict[str, Any] = {"stamp": stamp, "requests": a.requests, "warmup": a.warmup, "rounds": a.rounds,
+                           "load_average": {}}
+    per_round = [a.requests // a.rounds + (i < a.requests % a.rounds) for i in range(a.rounds)]
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("off", "references"):
-            res = run_mode(mode, a.requests, a.warmup, secret, vwc, Path(tmp))
-            raw[mode] = res
-            lines.append(f"requesterChecks={mode:10s} webhook: {summary(res['webhook'])}")
-            lines.append(f"requesterChecks={mode:10s} create:  {summary(res['create'])}")
+        for r, n in enumerate(per_round):
+            for mode in MODES:
+                res = run_mode(mode, n, a.warmup, secret, vwc, Path(tmp))
+                got = raw.setdefault(mode, {"webhook": [], "create": [], "warnings": res["warnings"]})
+                got["webhook"] += res["webhook"]
+                got["create"] += res["create"]
+            raw["load_average"][f"after round {r + 1}"] = open("/proc/loadavg").read().split()[:3]
+        for mode in MODES:
+            res = raw[mode]
+            lines.append(f"requesterChecks={mode:19s} webhook: {summary(res['webhook'])}")
+            lines.append(f"requesterChecks={mode:19s} create:  {summary(res['create'])}")
+        lines.append(f"load average after each round: {raw['load_average']}")
     lines.append(f"warnings on each create: {raw['off']['warnings'][0] or '(none)'}")
     text = "\n".join(lines)
     print(text)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stamp}.txt").write_text(text + "\n")
-    (out / f"{stamp}.json").write_text(json.dumps(raw, indent=1) + "\n")
-    print(f"raw samples: {out / (stamp + '.json')}")
+    name = stamp + (f"-{a.tag}" if a.tag else "")
+    (out / f"{name}.txt").write_text(text + "\n")
+    (out / f"{name}.json").write_text(json.dumps(raw, indent=1) + "\n")
+    print(f"raw samples: {out / (name + '.json')}")
     return 0
 
 

@@ -44,17 +44,21 @@ def rbac_file() -> dict[str, list[dict[str, Any]]]:
     One PolicyRule per row, in table order: ``namespaced`` rows go into a Role per watched
     namespace (or the ClusterRole in cluster mode), ``cluster`` rows (cluster-scoped resources)
     always into the ClusterRole, the ``*ModeOnly`` lists only into that mode's objects, and
-    ``leaderElection`` (the Lease) into a Role in the release namespace when leader election is on.
+    ``leaderElection`` (the Lease) into a Role in the release namespace when leader election is on, and
+    ``webhookCertificates`` (limited by the template to the objects the chart names) only when the operator keeps
+    the webhook's certificates.
     """
     from kubetitan import rbac
 
     out: dict[str, list[dict[str, Any]]] = {"namespaced": [], "cluster": [], "clusterModeOnly": [], "namespacedModeOnly": [],
-                                            "leaderElection": []}
+                                            "leaderElection": [], "webhookCertificates": []}
     for row in rbac.RULES:
         rule = {"apiGroups": [row.api_group], "resources": [row.resource], "verbs": list(row.verbs)}
         mode = MODE_ONLY.get(row.resource)
         if row.resource in rbac.LEADER_ELECTION:
             out["leaderElection"].append(rule)
+        elif row.resource in rbac.WEBHOOK_CERTIFICATES:
+            out["webhookCertificates"].append(rule)
         elif mode == "cluster":
             out["clusterModeOnly"].append(rule)
         elif mode == "namespaced":

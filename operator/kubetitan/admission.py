@@ -166,7 +166,7 @@ def _parse(obj: Mapping[str, Any]) -> tuple[Any, list[Any], dict[str, Any] | Non
         lpt, errors = parse(copy.deepcopy(dict(obj)))
         return lpt, errors, None
     lpt, errors, wire = _parsed(text)
-    return lpt, list(errors), copy.deepcopy(wire)
+    return lpt, list(errors), wire  # shared with the cache: every reader here only reads it (no deep copy)
 
 
 def _wire_spec(obj: Any) -> dict[str, Any] | None:

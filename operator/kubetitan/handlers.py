@@ -186,6 +186,11 @@ class Context:
     """The write fence: ``LeaderElector`` with ``--leader-elect``, else ``AlwaysLeader``."""
     leader_task: asyncio.Task[None] | None = None
     kopf_sessions: list[Any] = field(default_factory=list)
+    cert_task: asyncio.Task[None] | None = None
+    """Keeps the webhook's own certificates (``--webhook-certificates operator``; kubetitan.certsync)."""
+    access_cache: Any = None
+    """The admission webhook's SubjectAccessReview answers (``kubetitan.access_cache.AccessCache``, made on first
+    use)."""
     """aiohttp sessions handed to kopf (``_login``): closed when the operator has stopped."""
     _recorder: Recorder | None = None
 
@@ -260,16 +265,17 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
                                        concurrency=ctx.options.scrape_concurrency))
     if isinstance(ctx.leader, LeaderElector):
         ctx.leader_task = asyncio.create_task(ctx.leader.run(), name="leader election")
-    webhook_mod.configure(settings, ctx.options.webhook)
+    ctx.cert_task = webhook_mod.configure(settings, ctx.options.webhook, ctx.client)
 
 
 @kopf.on.cleanup()
 async def _cleanup(memo: Any, **_: Any) -> None:
     ctx = _ctx(memo)
-    if ctx.leader_task is not None:
-        ctx.leader_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await ctx.leader_task
+    for task in (ctx.leader_task, ctx.cert_task):
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     await ctx.leader.release()  # stops writing first, then hands the Lease over: a standby takes over at once
     if ctx.session is not None:
         await ctx.session.close()

@@ -44,10 +44,18 @@ RULES: tuple[Rule, ...] = (
          "leader election (--leader-elect): one Lease in the operator's own namespace"),
     Rule("authorization.k8s.io", "subjectaccessreviews", ("create",),
          "the admission webhook's requester checks: may the requesting user use what her spec references"),
+    Rule("", "secrets", ("get", "update"),
+         "webhook.certificates=operator: the webhook's CA and pair, in the one Secret the chart ships (by name)"),
+    Rule("admissionregistration.k8s.io", "validatingwebhookconfigurations", ("get", "update"),
+         "webhook.certificates=operator: the caBundle of the chart's own configuration (by name)"),
 )
 
 LEADER_ELECTION = frozenset({"leases"})
 """Rows granted only in the Lease's namespace (the release namespace), by a Role of their own."""
+
+WEBHOOK_CERTIFICATES = frozenset({"secrets", "validatingwebhookconfigurations"})
+"""Rows granted only with the operator's own webhook certificates, each on the one object the chart names
+(``resourceNames``): the Secret in the release namespace (a Role), the configuration (a ClusterRole)."""
 
 CLUSTER_SCOPED = frozenset({"nodes", "clusterkopfpeerings", "customresourcedefinitions", "namespaces",
                             "subjectaccessreviews"})

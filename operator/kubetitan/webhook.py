@@ -4,8 +4,12 @@
 ``POST /validate-llamapretrain`` over HTTPS with kopf's own server (``kopf.WebhookServer``); the chart's
 ``ValidatingWebhookConfiguration`` points the API server at it through a Service (docs/operator.md, "Admission
 webhook"). The handler asks the API server the requester checks' SubjectAccessReviews for the request's
-``userInfo`` (``--requester-checks``), then returns :func:`kubetitan.admission.review`'s verdict: a refusal is a
+``userInfo`` (``--requester-checks``; concurrently, with the user's uid and extra, answers reused briefly:
+:mod:`kubetitan.access_cache`), then returns :func:`kubetitan.admission.review`'s verdict: a refusal is a
 ``kopf.AdmissionError`` with the review's message and code, warnings go into kopf's ``warnings`` list.
+
+Certificates: the files given (helm's or cert-manager's Secret, mounted), or with ``--webhook-certificates
+operator`` the operator's own, issued, rotated and served by :mod:`kubetitan.certsync`.
 
 Without ``--webhook-port`` no server runs (kopf is given one that never listens), and the operator's reconcile
 alone refuses invalid specs, as before.
@@ -16,13 +20,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
-from kubetitan import admission
+from kubetitan import admission, certs, certsync
+from kubetitan.access_cache import AccessCache, Answer, CacheConfig
 from kubetitan_core import GROUP, PLURAL, VERSION
 
 log = logging.getLogger("kubetitan.webhook")
@@ -43,6 +50,14 @@ class WebhookOptions:
     cert_check_seconds: float = 60.0
     """How often the certificate files are re-read: a renewed pair (cert-manager, or a new helm Secret, which the
     kubelet swaps into the mount) is served from then on without a restart (kopf restarts its server)."""
+    access_cache: CacheConfig = CacheConfig()
+    """How long the requester checks' SubjectAccessReview answers are reused (kubetitan.access_cache)."""
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
+    """The access cache's clock (tests advance a fake one instead of sleeping)."""
+    certificates: certsync.CertSync | None = None
+    """``--webhook-certificates operator``: the operator issues, rotates and serves its own pair (kubetitan.certsync;
+    ``cert_file``/``key_file`` are then the files it writes). None: serve the files given (helm's or cert-manager's
+    Secret, mounted)."""
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -52,6 +67,24 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--webhook-addr", default="0.0.0.0", metavar="ADDR", help="address the webhook listens on")
     p.add_argument("--webhook-cert-file", metavar="FILE", help="the webhook's serving certificate (PEM)")
     p.add_argument("--webhook-key-file", metavar="FILE", help="its private key (PEM)")
+    p.add_argument("--webhook-certificates", choices=["files", "operator"], default="files",
+                   help="files (default): serve --webhook-cert-file/--webhook-key-file (helm's or cert-manager's "
+                        "Secret, mounted); operator: issue a self-signed CA and serving certificate into "
+                        "--webhook-secret, keep --webhook-configuration's caBundle, rotate both before they expire")
+    p.add_argument("--webhook-secret", metavar="NS/NAME",
+                   help="operator certificates: the Secret holding the CA and pair (the chart ships it empty)")
+    p.add_argument("--webhook-configuration", metavar="NAME",
+                   help="operator certificates: the ValidatingWebhookConfiguration whose caBundle the operator keeps")
+    p.add_argument("--webhook-service", metavar="NS/NAME",
+                   help="operator certificates: the webhook's Service (the certificate's DNS names)")
+    p.add_argument("--webhook-cert-dir", metavar="DIR", default=None,
+                   help="operator certificates: where the served pair is written (default: a new private temporary "
+                        "directory; the chart sets an in-memory emptyDir)")
+    p.add_argument("--webhook-cert-days", type=int, default=certs.CertPolicy.cert_days, metavar="D",
+                   help="operator certificates: serving certificate lifetime, re-issued in its last third "
+                        "(default %(default)s)")
+    p.add_argument("--webhook-ca-days", type=int, default=certs.CertPolicy.ca_days, metavar="D",
+                   help="operator certificates: CA lifetime, a new CA in its last third (default %(default)s)")
     p.add_argument("--webhook-cert-check-seconds", type=float, default=60.0, metavar="S",
                    help="re-read the certificate files this often and serve a renewed pair without a restart "
                         "(default 60)")
@@ -60,15 +93,49 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="what the requesting user must be allowed herself for the Secrets, ConfigMaps, claims, "
                         "service account and priority class a spec references (docs/install.md, 'Trust model'): "
                         "off, podCreate (create pods in the namespace) or references (each one; the default)")
+    p.add_argument("--requester-cache-allowed-seconds", type=float, default=CacheConfig.allowed_seconds,
+                   metavar="S", help="reuse an allowed SubjectAccessReview answer of the same user and access this "
+                   "long: the longest a revoked permission is still honoured (default %(default)s; 0: never)")
+    p.add_argument("--requester-cache-denied-seconds", type=float, default=CacheConfig.denied_seconds,
+                   metavar="S", help="reuse a denied answer this long: the longest a new grant is still refused "
+                   "(default %(default)s; 0: never)")
+    p.add_argument("--requester-cache-max-entries", type=int, default=CacheConfig.max_entries, metavar="N",
+                   help="the most answers kept, least recently used dropped first (default %(default)s; 0: no cache)")
+
+
+def _ns_name(flag: str, value: str | None) -> tuple[str, str]:
+    ns, _, name = (value or "").rpartition("/")
+    if not ns or not name:
+        raise SystemExit(f"error: --webhook-certificates operator needs {flag} NAMESPACE/NAME (the chart sets it)")
+    return ns, name
+
+
+def _cert_sync(a: argparse.Namespace) -> certsync.CertSync:
+    secret_ns, secret = _ns_name("--webhook-secret", a.webhook_secret)
+    svc_ns, svc = _ns_name("--webhook-service", a.webhook_service)
+    if not a.webhook_configuration:
+        raise SystemExit("error: --webhook-certificates operator needs --webhook-configuration NAME (the chart sets it)")
+    policy = certs.CertPolicy(cert_days=a.webhook_cert_days, ca_days=a.webhook_ca_days)
+    if problems := policy.problems():
+        raise SystemExit("error: " + "; ".join(problems))
+    cert_dir = a.webhook_cert_dir or tempfile.mkdtemp(prefix="kubetitan-webhook-")
+    return certsync.CertSync(secret_ns, secret, a.webhook_configuration, certsync.service_dns_names(svc_ns, svc),
+                             cert_dir, policy, interval=a.webhook_cert_check_seconds)
 
 
 def from_args(a: argparse.Namespace) -> WebhookOptions:
-    if a.webhook_port is not None and not (a.webhook_cert_file and a.webhook_key_file):
+    sync = _cert_sync(a) if a.webhook_port is not None and a.webhook_certificates == "operator" else None
+    if a.webhook_port is not None and sync is None and not (a.webhook_cert_file and a.webhook_key_file):
         raise SystemExit("error: --webhook-port needs --webhook-cert-file and --webhook-key-file (the chart mounts "
-                         "them from its webhook Secret); the API server calls webhooks over HTTPS only")
-    return WebhookOptions(port=a.webhook_port, addr=a.webhook_addr, cert_file=a.webhook_cert_file,
-                          key_file=a.webhook_key_file, requester=admission.Requester(a.requester_checks),
-                          cert_check_seconds=a.webhook_cert_check_seconds)
+                         "them from its webhook Secret), or --webhook-certificates operator; the API server calls "
+                         "webhooks over HTTPS only")
+    return WebhookOptions(port=a.webhook_port, addr=a.webhook_addr,
+                          cert_file=sync.cert_file if sync else a.webhook_cert_file,
+                          key_file=sync.key_file if sync else a.webhook_key_file, certificates=sync, requester=admission.Requester(a.requester_checks),
+                          cert_check_seconds=a.webhook_cert_check_seconds,
+                          access_cache=CacheConfig(allowed_seconds=a.requester_cache_allowed_seconds,
+                                                   denied_seconds=a.requester_cache_denied_seconds,
+                                                   max_entries=a.requester_cache_max_entries))
 
 
 async def _no_server(_fn: Any) -> AsyncIterator[Any]:
@@ -90,29 +157,66 @@ class _RefusalsAreNotErrors(logging.Filter):
 _REFUSAL_FILTER = _RefusalsAreNotErrors()
 
 
-def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None) -> None:
-    """Give kopf its webhook server (at start-up). The chart ships the ValidatingWebhookConfiguration itself, so
-    kopf manages none (``settings.admission.managed`` unset: no RBAC on webhook configurations)."""
+def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None,
+              client: Any = None) -> asyncio.Task[None] | None:
+    """Give kopf its webhook server (at start-up); with operator certificates, start keeping them
+    (kubetitan.certsync; the task is returned for the cleanup to cancel) and serve once the first pair is written.
+
+    The chart ships the ValidatingWebhookConfiguration itself, so kopf manages none (``settings.admission.managed``
+    unset): kopf's managed mode rewrites the whole configuration from the handlers (no matchConditions, its own
+    names) and each replica would write its own self-signed certificate into it, while every replica here serves
+    one pair from the Secret; the operator only keeps the caBundle."""
     logging.getLogger("kopf.objects").addFilter(_REFUSAL_FILTER)  # a set: adding it again is a no-op
     if options is None or options.port is None:
         settings.admission.server = _no_server
-        return
-    settings.admission.server = kopf.WebhookServer(addr=options.addr, port=options.port, certfile=options.cert_file,
-                                                   pkeyfile=options.key_file,
-                                                   file_check_interval=options.cert_check_seconds)
+        return None
+    server = kopf.WebhookServer(addr=options.addr, port=options.port, certfile=options.cert_file,
+                                pkeyfile=options.key_file, file_check_interval=options.cert_check_seconds)
+    if options.certificates is None:
+        settings.admission.server = server
+        return None
+    ready = asyncio.Event()
+
+    async def serve_when_ready(fn: Any) -> AsyncIterator[Any]:
+        await ready.wait()
+        async for client_config in server(fn):
+            yield client_config
+
+    settings.admission.server = serve_when_ready
+    return asyncio.create_task(certsync.run(client, options.certificates, ready), name="webhook certificates")
 
 
-async def _ask(client: Any, check: admission.Access, user: Mapping[str, Any]) -> bool | str:
-    """One SubjectAccessReview: True, or why not (its reason, or the API's error)."""
+async def _ask(client: Any, check: admission.Access, user: Mapping[str, Any]) -> tuple[Answer, bool]:
+    """One SubjectAccessReview: (True, or why not; whether the answer may be cached). A review that failed
+    refuses with the API's error and is never cached. Not fenced: a SubjectAccessReview stores nothing, and every
+    replica (a standby too) answers admission requests."""
     try:
         out = await client._call("authorization.k8s.io", "subjectaccessreviews", "create", "POST", SAR_PATH,
-                                 check.sar(user))
+                                 check.sar(user), fenced=False)
     except Exception as e:  # noqa: BLE001 - an unanswerable check refuses, with the reason
-        return f"the SubjectAccessReview failed: {e}"
+        return f"the SubjectAccessReview failed: {e}", False
     status = (out or {}).get("status") or {}
     if status.get("allowed"):
-        return True
-    return status.get("reason") or status.get("evaluationError") or "denied"
+        return True, True
+    if status.get("evaluationError") and not status.get("denied"):
+        return f"the SubjectAccessReview could not be evaluated: {status['evaluationError']}", False
+    return status.get("reason") or "denied", True
+
+
+def access_cache(ctx: Any, opts: WebhookOptions) -> AccessCache:
+    """The operator's SubjectAccessReview cache (one per replica; a new one when its configuration changed)."""
+    cache = getattr(ctx, "access_cache", None)
+    if cache is None or cache.config != opts.access_cache or cache.clock is not opts.clock:
+        cache = ctx.access_cache = AccessCache(opts.access_cache, opts.clock)
+    return cache
+
+
+async def answers_for(ctx: Any, opts: WebhookOptions, checks: list[admission.Access], user: Mapping[str, Any]
+                      ) -> dict[admission.Access, Answer]:
+    """Every check's answer: cached ones at once, the others asked concurrently (one request each)."""
+    cache = access_cache(ctx, opts)
+    results = await asyncio.gather(*(cache.get(c, user, lambda c=c: _ask(ctx.client, c, user)) for c in checks))
+    return dict(zip(checks, results))
 
 
 @kopf.on.validate(GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])
@@ -126,8 +230,7 @@ async def validate_llamapretrain(new: Any, old: Any, operation: str, userinfo: M
     if obj is not None:
         checks = admission.access_checks(obj, was, operation, opts.requester)
         if checks:
-            results = await asyncio.gather(*(_ask(ctx.client, c, userinfo) for c in checks))
-            answers = dict(zip(checks, results))
+            answers = await answers_for(ctx, opts, checks, userinfo)
     verdict = admission.review(obj, was, operation, ctx.options.policy, opts.requester, answers)
     warnings.extend(verdict.warnings)
     if not verdict.allowed:

@@ -1,4 +1,5 @@
-"""The chart's admission webhook: ValidatingWebhookConfiguration, Service, certificates (helm's or cert-manager's),
+"""The chart's admission webhook: ValidatingWebhookConfiguration, Service, certificates (the operator's, helm's or
+cert-manager's),
 NetworkPolicy, the operator's flags and RBAC, rendered by the real helm. tests/operator/test_webhook.py runs the
 operator with this very Secret and configuration against kmockx (certificate verified for the Service's name)."""
 
@@ -26,7 +27,7 @@ def _container(docs):
 
 
 def test_defaults_ship_a_fail_closed_webhook_served_by_every_replica(tmp_path):
-    docs = render()
+    docs = render(sets=["webhook.certificates=helm"])
     vwc = _one(docs, "ValidatingWebhookConfiguration")
     (w,) = vwc["webhooks"]
     assert w["failurePolicy"] == "Fail" and w["timeoutSeconds"] == 5 and w["sideEffects"] == "None"
@@ -75,7 +76,7 @@ def test_the_network_policy_lets_the_api_server_reach_the_webhook_and_keeps_metr
 
 
 def test_cert_manager_issues_the_certificate_and_injects_the_ca():
-    docs = render(sets=["webhook.certManager.enabled=true"])
+    docs = render(sets=["webhook.certificates=certManager"])
     vwc = _one(docs, "ValidatingWebhookConfiguration")
     cert = _one(docs, "Certificate")
     assert vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
@@ -86,7 +87,7 @@ def test_cert_manager_issues_the_certificate_and_injects_the_ca():
     svc = _one(docs, "Service", "-webhook")
     assert f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc" in cert["spec"]["dnsNames"]
     assert cert["spec"]["issuerRef"]["name"] == _one(docs, "Issuer")["metadata"]["name"]
-    own = render(sets=["webhook.certManager.enabled=true", "webhook.certManager.issuerRef.name=corp-ca",
+    own = render(sets=["webhook.certificates=certManager", "webhook.certManager.issuerRef.name=corp-ca",
                        "webhook.certManager.issuerRef.kind=ClusterIssuer"])
     assert _one(own, "Certificate")["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"}
     assert not by_kind(own, "Issuer")
@@ -124,7 +125,9 @@ def test_webhook_off_ships_none_of_it():
 
 
 @pytest.mark.parametrize("bad", ["webhook.failurePolicy=Maybe", "webhook.timeoutSeconds=31",
-                                 "webhook.requesterChecks=all"])
+                                 "webhook.requesterChecks=all", "webhook.certificates=vault",
+                                 "webhook.requesterCache.allowedSeconds=301",
+                                 "webhook.operatorCertificates.certificateDays=0"])
 def test_the_schema_refuses_bad_webhook_values(bad):
     out = helm("template", "kt", str(render.__globals__["CHART"]), *values_args([], [bad]), check=False)
     assert out.returncode != 0 and bad.split("=")[0].split(".")[-1] in out.stderr
@@ -139,3 +142,51 @@ def test_metadata_only_updates_never_reach_the_webhook_on_1_28_and_later():
     out = helm("template", "kt", str(render.__globals__["CHART"]), "--kube-version", "1.27.0").stdout
     (vwc,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "ValidatingWebhookConfiguration"]
     assert "matchConditions" not in vwc["webhooks"][0]  # 1.27 has no matchConditions (the webhook passes those)
+
+
+def test_operator_certificates_are_the_default_with_rbac_on_exactly_the_secret_and_the_configuration():
+    docs = render()
+    fullname = _one(docs, "ValidatingWebhookConfiguration")["metadata"]["name"]
+    (w,) = _one(docs, "ValidatingWebhookConfiguration")["webhooks"]
+    assert "caBundle" not in w["clientConfig"] and "annotations" not in \
+        _one(docs, "ValidatingWebhookConfiguration")["metadata"]  # the operator fills it; helm never writes it
+    secret = _one(docs, "Secret", "-webhook-tls")
+    # shipped empty, with helm's type (immutable: an upgrade from helm's certificates must not fail on it)
+    assert secret["data"] == {"tls.crt": "", "tls.key": ""} and secret["type"] == "kubernetes.io/tls"
+    # exactly get/update, on exactly these two objects
+    role = next(d for d in by_kind(docs, "Role") if d["metadata"]["name"].endswith("-webhook-certificates"))
+    crole = next(d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"].endswith("-webhook-certificates"))
+    assert role["metadata"]["namespace"] == secret["metadata"]["namespace"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "update"],
+                              "resourceNames": [secret["metadata"]["name"]]}]
+    assert crole["rules"] == [{"apiGroups": ["admissionregistration.k8s.io"],
+                               "resources": ["validatingwebhookconfigurations"], "verbs": ["get", "update"],
+                               "resourceNames": [fullname]}]
+    for kind, role_kind in (("RoleBinding", "Role"), ("ClusterRoleBinding", "ClusterRole")):
+        b = next(d for d in by_kind(docs, kind) if d["metadata"]["name"].endswith("-webhook-certificates"))
+        assert b["roleRef"]["kind"] == role_kind and b["roleRef"]["name"].endswith("-webhook-certificates")
+    # the operator parses its flags into a CertSync of that Secret, configuration and Service, writing to memory
+    c = _container(docs)
+    opts = handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook
+    svc = _one(docs, "Service", "-webhook")
+    sync = opts.certificates
+    assert (sync.secret_namespace, sync.secret_name, sync.configuration) == (
+        secret["metadata"]["namespace"], secret["metadata"]["name"], fullname)
+    assert sync.dns_names[0] == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
+    assert (sync.policy.cert_days, sync.policy.ca_days, sync.interval) == (90, 365, 60)
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "webhook-tls")
+    assert opts.cert_file == f"{mount['mountPath']}/current/tls.crt" and not mount["readOnly"]
+    vol = next(v for v in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["volumes"]
+               if v["name"] == "webhook-tls")
+    assert vol["emptyDir"]["medium"] == "Memory"
+    # the other modes grant none of it
+    for mode in ("helm", "certManager"):
+        assert not [d for d in render(sets=[f"webhook.certificates={mode}"])
+                    if d["metadata"]["name"].endswith("-webhook-certificates")]
+
+
+def test_the_requester_cache_values_become_flags():
+    c = _container(render(sets=["webhook.requesterCache.allowedSeconds=60", "webhook.requesterCache.deniedSeconds=0",
+                                "webhook.requesterCache.maxEntries=100"]))
+    cache = handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook.access_cache
+    assert (cache.allowed_seconds, cache.denied_seconds, cache.max_entries) == (60, 0, 100)

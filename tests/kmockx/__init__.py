@@ -312,7 +312,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     faults: list[Fault] = attrs.field(factory=list)
     seed: int = 0
     log: list[LogEntry] = attrs.field(factory=list)
-    identities: dict[str, tuple[str, tuple[str, ...]]] = attrs.field(
+    identities: dict[str, Any] = attrs.field(  # token or "port:N" -> webhooks.Identity, or a (user, groups) pair
         factory=lambda: {ADMIN_TOKEN: (ADMIN, ("system:masters", "system:authenticated"))})
     authorizer: Any = None  # kmockx.rbac.Authorizer; None: every authenticated user may do everything
     webhook_state: dict[str, Any] = attrs.field(factory=dict)  # kmockx.webhooks.state
@@ -344,6 +344,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.declare("v1/pods", "Pod", status=True, shortnames=("po",), builtin=True, categories=("all",))
         self.declare("v1/nodes", "Node", namespaced=False, status=True, shortnames=("no",), builtin=True)
         self.declare("v1/configmaps", "ConfigMap", shortnames=("cm",), builtin=True)
+        self.declare("v1/secrets", "Secret", builtin=True)  # the webhook's certificates (kubetitan.certsync)
         self.declare("v1/services", "Service", status=True, shortnames=("svc",), builtin=True, categories=("all",))
         self.declare("v1/events", "Event", shortnames=("ev",), builtin=True)
         self.declare("events.k8s.io/v1/events", "Event", shortnames=("ev",), builtin=True)
@@ -461,16 +462,17 @@ class KubeEmulator(kmock.KubernetesEmulator):
             await self._delete(res, ns, name, None)
 
     # ------------------------------------------------------------------ request dispatch
-    def _authn(self, request: rendering.Request) -> tuple[str, tuple[str, ...]] | None:
+    def _authn(self, request: rendering.Request) -> webhooks.Identity | None:
         """Who asks: by bearer token, else by the port the request came in on (client-go sends no token over
         plain HTTP, so each identity also gets a server port of its own: ``identities['port:N']``)."""
         headers = {k.lower(): v for k, v in (request.headers or {}).items()}
         auth = headers.get("authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
         if token and token in self.identities:
-            return self.identities[token]
+            return webhooks.identity(self.identities[token])
         port = request.url.port or headers.get("host", "").rpartition(":")[2]
-        return self.identities.get(f"port:{port}", self.identities.get(ADMIN_TOKEN) if not token else None)
+        found = self.identities.get(f"port:{port}", self.identities.get(ADMIN_TOKEN) if not token else None)
+        return None if found is None else webhooks.identity(found)
 
     @staticmethod
     def _verb(request: rendering.Request) -> str:
@@ -489,7 +491,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         verb = self._verb(request) if res is not None and res.plural is not None else "get"
         if ident is None:
             return self._answer(request, user, verb, _status(401, "Unauthorized", "Unauthorized"))
-        asking = webhooks.Request(user, ident[1])
+        asking = webhooks.Request(user, ident.groups, uid=ident.uid, extra=ident.extra)
         webhooks.requesting.set(asking)  # who asks, for admission webhooks' userInfo (kmockx.webhooks)
         if res is None or res.plural is None or path.startswith("/openapi") or path in ("/version", "/api", "/apis"):
             return self._answer(request, user, verb, await self._discovery(request))

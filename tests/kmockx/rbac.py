@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +94,17 @@ class Authorizer:
                 f"{where}")
 
 
-def service_account(name: str, ns: str = RELEASE_NS) -> tuple[str, tuple[str, ...]]:
-    """The identity (user, groups) a pod running as this ServiceAccount authenticates as."""
-    return (f"system:serviceaccount:{ns}:{name}",
-            ("system:serviceaccounts", f"system:serviceaccounts:{ns}", "system:authenticated"))
+def service_account(name: str, ns: str = RELEASE_NS) -> Any:
+    """The identity a pod running as this ServiceAccount authenticates as with its bound token: the account's
+    user and groups, its uid (the ServiceAccount object's; a stable one derived from its name here) and the
+    token's extras (``authentication.kubernetes.io/credential-id``, the token's JTI), as a real API server fills
+    ``user.Info``."""
+    from kmockx.webhooks import Identity
+
+    uid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"serviceaccount/{ns}/{name}"))
+    return Identity(f"system:serviceaccount:{ns}:{name}",
+                    ("system:serviceaccounts", f"system:serviceaccounts:{ns}", "system:authenticated"), uid,
+                    (("authentication.kubernetes.io/credential-id", (f"JTI={uuid.uuid5(uuid.NAMESPACE_URL, uid)}",)),))
 
 
 def chart_rbac(release: str, namespaces: tuple[str, ...] | None) -> tuple[dict[str, Any], ...]:

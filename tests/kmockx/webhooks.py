@@ -2,14 +2,15 @@
 
 - ``declare(k)``: the ``ValidatingWebhookConfiguration`` (admissionregistration.k8s.io/v1) and
   ``SubjectAccessReview`` (authorization.k8s.io/v1) resources. A SubjectAccessReview is answered from the
-  emulator's RBAC (``kmockx.rbac.Authorizer``; every user may do everything without one) and never stored.
+  emulator's RBAC (``kmockx.rbac.Authorizer``; every user may do everything without one: RBAC reads user and
+  groups only, as the real one) and never stored; its spec (uid and extra too) is kept in ``state(k)["sars"]``.
 - ``admit(k, t, obj, old, sub)``: after the schema and CEL (``KubeEmulator._admit``) and before storing, each
   configuration's webhooks whose rules match (operations, apiGroups, apiVersions, resources with subresources,
   scope, namespaceSelector, objectSelector) and whose ``matchConditions`` (CEL, cel-python) all hold get an ``AdmissionReview`` v1 over HTTPS: the server certificate is
   verified against the webhook's ``caBundle`` for the host the API server would dial (``url``'s host, or
   ``<service>.<namespace>.svc`` for a ``service`` reference: the emulator maps services to local addresses in
   ``endpoints``), ``?timeout=Ns`` on the URL and ``timeoutSeconds`` (default 10) bounding the call, the requesting
-  identity as ``userInfo``. A refusal answers the client with the webhook's code and the API server's message
+  identity as ``userInfo`` (username, groups, and uid and extra where the identity has them: ``Identity``). A refusal answers the client with the webhook's code and the API server's message
   ``admission webhook "NAME" denied the request: ...``; a call that fails (refused connection, timeout, bad
   certificate, malformed answer) answers 500 ``Internal error occurred: failed calling webhook "NAME": ...`` under
   ``failurePolicy: Fail`` (the default) and is skipped under ``Ignore``. Warnings come back to the client as
@@ -30,12 +31,43 @@ import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
 VWC = "admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
 SAR = "authorization.k8s.io/v1/subjectaccessreviews"
+
+
+class Identity(NamedTuple):
+    """Who a request authenticates as, as the API server's authenticators fill ``user.Info``: name, groups, uid
+    and extra (a bound service-account token carries the account's uid and ``authentication.kubernetes.io/*``
+    extras; an OIDC or impersonated user may carry any). A plain ``(user, groups)`` pair is an identity without
+    uid and extra (``identity``)."""
+
+    user: str
+    groups: tuple[str, ...]
+    uid: str = ""
+    extra: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Sorted (key, values) pairs: hashable, and the JSON ``{key: [values]}`` of ``userInfo.extra``."""
+
+    def user_info(self) -> dict[str, Any]:
+        """``userInfo`` of an AdmissionReview request (authentication.k8s.io/v1 UserInfo): empty fields left out,
+        as the API server's JSON does."""
+        out: dict[str, Any] = {"username": self.user, "groups": list(self.groups)}
+        if self.uid:
+            out["uid"] = self.uid
+        if self.extra:
+            out["extra"] = {k: list(v) for k, v in self.extra}
+        return out
+
+
+def identity(value: Any) -> Identity:
+    """An ``Identity`` from one, or from a ``(user, groups)`` pair."""
+    if isinstance(value, Identity):
+        return value
+    user, groups, *rest = value
+    return Identity(user, tuple(groups), *rest)
 
 
 @dataclass
@@ -45,6 +77,11 @@ class Request:
     user: str
     groups: tuple[str, ...]
     warnings: list[str] = field(default_factory=list)
+    uid: str = ""
+    extra: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def user_info(self) -> dict[str, Any]:
+        return Identity(self.user, self.groups, self.uid, self.extra).user_info()
 
 
 requesting: contextvars.ContextVar[Request | None] = contextvars.ContextVar("kmockx_requesting", default=None)
@@ -61,10 +98,11 @@ class CallRecord:
 
 
 def state(k: Any) -> dict[str, Any]:
-    """Per-emulator webhook state: ``endpoints`` {(namespace, service): (host, port)}, ``calls`` [CallRecord]."""
+    """Per-emulator webhook state: ``endpoints`` {(namespace, service): (host, port)}, ``calls`` [CallRecord],
+    ``sars`` [the spec of every SubjectAccessReview asked, as sent]."""
     st = k.webhook_state
     if not st:
-        st.update(endpoints={}, calls=[], contexts={})
+        st.update(endpoints={}, calls=[], contexts={}, sars=[])
     return st
 
 
@@ -76,6 +114,7 @@ def declare(k: Any) -> None:
 def subject_access_review(k: Any, body: dict[str, Any]) -> dict[str, Any]:
     """The API server's answer to a SubjectAccessReview create: its status filled in, nothing stored."""
     spec = (body or {}).get("spec") or {}
+    state(k)["sars"].append(spec)
     attrs = spec.get("resourceAttributes") or {}
     user, groups = spec.get("user", ""), tuple(spec.get("groups") or ())
     if k.authorizer is None:
@@ -255,7 +294,7 @@ async def admit(k: Any, t: Any, obj: dict[str, Any], old: dict[str, Any] | None,
         request: dict[str, Any] = {
             "uid": str(uuid.uuid4()), "kind": gvk, "resource": gvr, "requestKind": gvk, "requestResource": gvr,
             "name": meta.get("name", ""), "operation": op,
-            "userInfo": {"username": who.user, "groups": list(who.groups)},
+            "userInfo": who.user_info(),
             "object": obj, "oldObject": old, "dryRun": False,
             "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions" if old is None else "UpdateOptions"}}
         if t.namespaced:

@@ -7,7 +7,8 @@ kubectl prints what a user sees.
   answer from the API (HTTP, as kubectl sends it) as from ``kubetitan validate --policy``: accepted or refused, the
   same error lines (path: message) when the webhook refuses, the same warnings; a sample goes through kubectl;
 - a tenant bound only to "create LlamaPretrain" cannot reference a Secret, claim or service account she could not
-  use herself; the admin's ``off`` lets it pass;
+  use herself; the admin's ``off`` lets it pass; the SubjectAccessReviews carry the request's uid and extra, and
+  their cached answers expire (a revoked grant is honoured until the allowed TTL ends, on a fake clock);
 - a world-size edit of a started run: a warning on synthetic data, the operator's refusal on hub-streamed data;
 - a webhook that is down: ``Fail`` refuses with the API server's "failed calling webhook", ``Ignore`` admits.
 """
@@ -37,6 +38,7 @@ from kmockx import kubeconfig, rbac, webhooks
 from kmockx.harness import LPT, NS, ApiError, Cluster, Operator, free_port, wait_for
 from support.specs import lpt
 from kubetitan import admission, cli
+from kubetitan.access_cache import CacheConfig
 from kubetitan.policy import Policy
 from kubetitan.webhook import WebhookOptions
 
@@ -49,6 +51,9 @@ CORPUS_NS = "corpus"
 the chart's cluster mode does) answers, and no reconcile of the created objects adds noise."""
 POLICY = Policy(priority_classes=("training",), service_accounts=("default", "s3-writer"))
 """The admin policy both sides use (a spec naming another priority class is refused by policy)."""
+HELM = "webhook.certificates=helm"
+"""These tests mount the pair helm generates into the chart's Secret (the operator's own certificates:
+test_operator_certificates_...)."""
 POLICY_FILE = {"priorityClasses": list(POLICY.priority_classes), "serviceAccounts": list(POLICY.service_accounts)}
 
 
@@ -131,18 +136,34 @@ def _warning_texts(header_values: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------ the cluster, the operator, the webhook
+class FakeClock:
+    """The webhook's SubjectAccessReview cache clock: still unless a test moves it (no sleeping for TTLs)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+CACHE = CacheConfig(allowed_seconds=30, denied_seconds=5)
+
+
 @dataclasses.dataclass
 class Env:
     cluster: Cluster
     op: Operator
     port: int
     vwc: dict[str, Any]
+    clock: FakeClock
 
     def set(self, **kw: Any) -> None:
         self.op.options.webhook = dataclasses.replace(self.op.options.webhook, **kw)
 
-    def user(self, name: str, rules: list[dict[str, Any]]) -> str:
-        """A kubeconfig for user ``name`` bound (RoleBinding in ml) to ``rules``."""
+    def user(self, name: str, rules: list[dict[str, Any]], uid: str = "",
+             extra: dict[str, list[str]] | None = None) -> str:
+        """A kubeconfig for user ``name`` (with ``uid`` and ``extra`` in her ``user.Info``) bound (RoleBinding in
+        ml) to ``rules``; called again, it replaces her rules."""
         c = self.cluster
         assert c.k is not None and c.k.authorizer is not None
         c.k.authorizer.add([
@@ -150,7 +171,8 @@ class Env:
             {"kind": "RoleBinding", "metadata": {"name": name, "namespace": NS},
              "roleRef": {"kind": "Role", "name": name}, "subjects": [{"kind": "User", "name": name}]}])
         url = c.call(c._listen())
-        c.k.identities[f"port:{url.rpartition(':')[2]}"] = (name, ("system:authenticated",))
+        c.k.identities[f"port:{url.rpartition(':')[2]}"] = webhooks.Identity(
+            name, ("system:authenticated",), uid, tuple(sorted((k, tuple(v)) for k, v in (extra or {}).items())))
         path = c._tempfile()
         Path(path).write_text(kubeconfig(url, token=f"t-{name}", user=name))
         return path
@@ -176,7 +198,7 @@ def _listening(port: int) -> bool:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     tmp = tmp_path_factory.mktemp("webhook")
-    docs = rbac.render_chart()  # helm template with the defaults: the webhook Secret and configuration
+    docs = rbac.render_chart(HELM)  # helm template with the defaults: the webhook Secret and configuration
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
     mount_secret(tmp, docs)
     port = free_port()
@@ -185,12 +207,14 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         c.call(c.k.put(webhooks.VWC, vwc))
         op = Operator(c)
         op.options.policy = POLICY
+        clock = FakeClock()
         op.options.webhook = WebhookOptions(port=port, addr="127.0.0.1", cert_file=str(tmp / "mount" / "tls.crt"),
                                             key_file=str(tmp / "mount" / "tls.key"),
-                                            requester=admission.Requester.REFERENCES, cert_check_seconds=0.2)
+                                            requester=admission.Requester.REFERENCES, cert_check_seconds=0.2,
+                                            access_cache=CACHE, clock=clock)
         with op:
             wait_for(lambda: _listening(port), 20, "the operator's webhook port")
-            yield Env(c, op, port, vwc)
+            yield Env(c, op, port, vwc, clock)
         c.call(webhooks.close(c.k))
 
 
@@ -311,6 +335,7 @@ def test_a_tenant_cannot_reference_what_she_could_not_use_herself(env: Env) -> N
              "resourceNames": ["team-ckpt"]}]},
         {"kind": "RoleBinding", "metadata": {"name": "alice-ckpt", "namespace": NS},
          "roleRef": {"kind": "Role", "name": "alice-ckpt"}, "subjects": [{"kind": "User", "name": "alice"}]}])
+    env.clock.now += CACHE.denied_seconds  # the refusal above is cached that long (kubetitan.access_cache)
     out = kubectl(alice, "create", "-f", "-", stdin=json.dumps(_tenant_spec("t-pvc")))
     assert out.returncode == 0, out.stderr
     # podCreate: she may not create pods, so any reference is refused
@@ -325,6 +350,27 @@ def test_a_tenant_cannot_reference_what_she_could_not_use_herself(env: Env) -> N
     for name in ("t-pvc", "t-secret", "t-sa"):
         env.cluster.delete(LPT, NS, name)
     env.set(requester=admission.Requester.REFERENCES)
+
+
+def test_a_revoked_grant_is_honoured_until_the_allowed_ttl_ends_and_reviews_carry_uid_and_extra(env: Env) -> None:
+    pvc = {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"], "resourceNames": ["team-ckpt"]}
+    extra = {"authentication.kubernetes.io/credential-id": ["JTI=7f3c"], "scopes": ["training", "read"]}
+    bob = env.user("bob", TENANT_RULES + [pvc], uid="3d1e-bob", extra=extra)
+    sars = webhooks.state(env.cluster.k)["sars"]
+    asked = len(sars)
+    out = kubectl(bob, "create", "-f", "-", stdin=json.dumps(_tenant_spec("rev-1")))
+    assert out.returncode == 0, out.stderr
+    (spec,) = sars[asked:]  # the claim's review, for bob as the API server authenticated him
+    assert (spec["user"], spec["uid"], spec["extra"], spec["groups"]) == ("bob", "3d1e-bob", extra,
+                                                                         ["system:authenticated"])
+    env.user("bob", TENANT_RULES, uid="3d1e-bob", extra=extra)  # the admin revokes the claim
+    out = kubectl(bob, "create", "-f", "-", stdin=json.dumps(_tenant_spec("rev-2")))
+    assert out.returncode == 0, out.stderr  # the documented staleness: the allowed answer is still cached
+    env.clock.now += CACHE.allowed_seconds
+    out = kubectl(bob, "create", "-f", "-", stdin=json.dumps(_tenant_spec("rev-3")))
+    assert out.returncode != 0 and "the requesting user may not get persistentvolumeclaims 'team-ckpt'" in out.stderr
+    for name in ("rev-1", "rev-2"):
+        env.cluster.delete(LPT, NS, name)
 
 
 def test_the_code_loading_env_is_refused_by_the_policy_at_admission(env: Env) -> None:
@@ -454,7 +500,7 @@ def test_a_webhook_that_hangs_is_cut_off_at_its_timeout(env: Env) -> None:
 def test_a_renewed_certificate_is_served_without_a_restart(env: Env) -> None:
     """The Secret is renewed (cert-manager, or a new helm pair) and the configuration's caBundle with it: once the
     kubelet swaps the mounted files, the operator serves the new pair (kopf re-reads the files)."""
-    renewed = rbac.render_chart("webhook.timeoutSeconds=7")  # another render: another CA and certificate
+    renewed = rbac.render_chart(HELM, "webhook.timeoutSeconds=7")  # another render: another CA and certificate
     mount = Path(env.op.options.webhook.cert_file).parent
     try:
         _replace_vwc(env, next(d for d in renewed if d["kind"] == "ValidatingWebhookConfiguration")["webhooks"])
@@ -463,14 +509,14 @@ def test_a_renewed_certificate_is_served_without_a_restart(env: Env) -> None:
         wait_for(lambda: _post(env, _tenant_spec("renew")).status_code == 201, 20, "the renewed certificate served")
         env.cluster.delete(LPT, NS, "renew")
     finally:
-        mount_secret(mount.parent, rbac.render_chart())
+        mount_secret(mount.parent, rbac.render_chart(HELM))
         _replace_vwc(env, env.vwc["webhooks"])
         wait_for(lambda: _post(env, _tenant_spec("renew-back")).status_code == 201, 20, "the first pair again")
         env.cluster.delete(LPT, NS, "renew-back")
 
 
 def test_a_certificate_the_ca_bundle_does_not_vouch_for_is_a_failed_call(env: Env) -> None:
-    other = next(d for d in rbac.render_chart("webhook.timeoutSeconds=6")
+    other = next(d for d in rbac.render_chart(HELM, "webhook.timeoutSeconds=6")
                  if d["kind"] == "ValidatingWebhookConfiguration")  # another render: another CA
     try:
         _replace_vwc(env, other["webhooks"])
@@ -485,7 +531,7 @@ def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
     Service sends them to any ready replica)."""
     from kmockx.harness import OperatorProcess
 
-    docs = rbac.render_chart()
+    docs = rbac.render_chart(HELM)
     secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
     for key in ("tls.crt", "tls.key"):
         (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
@@ -527,3 +573,101 @@ def test_the_webhook_flags() -> None:
         opts("--webhook-port", "9443")
     with pytest.raises(SystemExit):
         opts("--requester-checks", "everything")
+    own = ("--webhook-port", "9443", "--webhook-certificates", "operator")
+    with pytest.raises(SystemExit, match="needs --webhook-secret NAMESPACE/NAME"):
+        opts(*own)
+    full = (*own, "--webhook-secret", "kt/kt-webhook-tls", "--webhook-service", "kt/kt-webhook",
+            "--webhook-configuration", "kt")
+    with pytest.raises(SystemExit, match="must be at least the serving certificate's"):
+        opts(*full, "--webhook-ca-days", "30")
+    got = opts(*full, "--webhook-cert-dir", "/run/w")
+    assert got.cert_file == "/run/w/current/tls.crt" and got.certificates.dns_names[0] == "kt-webhook.kt.svc"
+    assert opts("--requester-cache-allowed-seconds", "0").access_cache.allowed_seconds == 0
+
+
+# ------------------------------------------------------------------ the operator's own certificates
+def test_operator_certificates_fill_the_ca_bundle_verify_and_renew_before_expiry(tmp_path: Path) -> None:
+    """The chart's default (``webhook.certificates: operator``): its Secret shipped empty and its configuration
+    without caBundle. The operator, with only the chart's RBAC (get/update on those two objects by name), issues a
+    CA and a certificate into the Secret and the CA into caBundle; the double's HTTPS call verifies against it.
+    Its wall clock (injected) then reaches the certificate's last third: it re-issues it from the same CA, and the
+    double goes on verifying the new pair. Given a CA in its last third, it issues a new CA, keeps the old one in
+    caBundle beside it, and the double verifies the new pair."""
+    import datetime as dt
+
+    from kubetitan import certs, certsync
+
+    # the defaults (operator certificates), rendered as the release whose RBAC the test operator runs with
+    docs = rbac.render_chart("watch.mode=namespaced", f"watch.namespaces={{{NS}}}", release=f"ktn-{NS}")
+    vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
+    ref = vwc["webhooks"][0]["clientConfig"]["service"]
+    svc = (ref["namespace"], ref["name"])
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
+    assert "caBundle" not in vwc["webhooks"][0]["clientConfig"] and not any(secret["data"].values())
+    offset = {"days": -61.0}  # the first pair is issued "61 days ago": valid now, due for renewal at "now"
+
+    def wall() -> dt.datetime:
+        return dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=offset["days"])
+
+    port = free_port()
+    with Cluster() as c:
+        webhooks.state(c.k)["endpoints"][svc] = ("127.0.0.1", port)
+        c.call(c.k.put(webhooks.VWC, vwc))
+        c.call(c.k.put("v1/secrets", secret))
+        sync = certsync.CertSync(secret["metadata"]["namespace"], secret["metadata"]["name"], vwc["metadata"]["name"],
+                                 certsync.service_dns_names(*svc), str(tmp_path / "certs"), interval=0.2, now=wall)
+        op = Operator(c)
+        op.options.webhook = WebhookOptions(port=port, addr="127.0.0.1", cert_file=sync.cert_file,
+                                            key_file=sync.key_file, certificates=sync, cert_check_seconds=0.2)
+
+        def stored() -> tuple[bytes, dict[str, str]]:
+            now = c.get(webhooks.VWC, None, vwc["metadata"]["name"])["webhooks"][0]["clientConfig"]
+            return base64.b64decode(now.get("caBundle", "")), \
+                (c.get("v1/secrets", svc[0], secret["metadata"]["name"]) or {}).get("data") or {}
+
+        with op:
+            # the CA goes into caBundle first, then the Secret is written
+            wait_for(lambda: stored()[0] and stored()[1].get("ca.crt"), 20,
+                     "the caBundle and the Secret the operator writes")
+            bundle, data = stored()
+            first = certs.Material.from_secret(data)
+            assert first is not None and bundle == first.ca_bundle
+            wait_for(lambda: _post(Env(c, op, port, vwc, FakeClock()), _tenant_spec("own-1")).status_code == 201,
+                     20, "a create through the webhook served with the operator's certificate")
+            assert webhooks.state(c.k)["calls"][-1].outcome == "allowed"
+            offset["days"] = 0.0  # 29 of 90 days left: re-issued from the same CA
+            wait_for(lambda: stored()[1].get("tls.crt") != data["tls.crt"], 20, "the renewed certificate")
+            renewed = certs.Material.from_secret(stored()[1])
+            assert renewed is not None and renewed.ca_bundle == first.ca_bundle and stored()[0] == first.ca_bundle
+            assert certs.decide(renewed, wall(), sync.dns_names, sync.policy)[0] == certs.Action.KEEP
+            wait_for(lambda: (tmp_path / "certs" / "current" / "tls.crt").read_bytes() == renewed.cert, 20,
+                     "the renewed pair on disk")
+            wait_for(lambda: _post(Env(c, op, port, vwc, FakeClock()), _tenant_spec("own-2")).status_code == 201,
+                     20, "a create verified against the same caBundle, served with the renewed pair")
+            # CA rotation: the Secret and caBundle as an operator left them 250 days ago (its CA now in the last
+            # third of its life, a pair it renewed 20 days ago): a new CA, the old one kept trusted
+            now = wall()
+            old = certs.issue(certs.issue(None, certs.Action.ISSUE_CA, now - dt.timedelta(days=250), sync.dns_names,
+                                          sync.policy), certs.Action.ISSUE_CERT, now - dt.timedelta(days=20),
+                              sync.dns_names, sync.policy)
+            _replace(c, "v1/secrets", svc[0], secret["metadata"]["name"], {"data": old.secret_data()})
+            _replace_vwc(Env(c, op, port, vwc, FakeClock()), [
+                {**vwc["webhooks"][0], "clientConfig": {**vwc["webhooks"][0]["clientConfig"],
+                                                        "caBundle": base64.b64encode(old.ca_bundle).decode()}}])
+            wait_for(lambda: (certs.Material.from_secret(stored()[1]) or old).ca_key != old.ca_key, 20, "a new CA")
+            rotated = certs.Material.from_secret(stored()[1])
+            assert rotated is not None
+            new_ca, old_ca = certs.certificates(rotated.ca_bundle)
+            assert old_ca == certs.certificates(old.ca_bundle)[0]
+            wait_for(lambda: certs.certificates(stored()[0]) == [new_ca, old_ca], 20, "caBundle: the new CA, the old")
+            wait_for(lambda: _post(Env(c, op, port, vwc, FakeClock()), _tenant_spec("own-3")).status_code == 201,
+                     20, "a create verified against the rotated caBundle")
+        c.call(webhooks.close(c.k))
+
+
+def _replace(c: Cluster, resource: str, ns: str | None, name: str, change: dict[str, Any]) -> None:
+    """PUT the object with ``change`` merged at its top level (as an admin's kubectl replace)."""
+    now = c.get(resource, ns, name)
+    res = next(r for r in c.k.types if r.plural == resource.rpartition("/")[2])
+    code, out = c.call(c.k._replace(res, ns, name, {**now, **change}, None))
+    assert code == 200, out

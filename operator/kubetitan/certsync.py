@@ -1,0 +1,191 @@
+"""The operator's own webhook certificates, kept in step (``--webhook-certificates operator``; kubetitan.certs
+decides).
+
+Every replica runs :func:`run`: each ``interval`` it reads the Secret, and
+
+1. if :func:`kubetitan.certs.decide` says so, issues new material, first adds its CA to the configuration's
+   caBundle, then writes the Secret with the ``resourceVersion`` it read (a replica that wrote meanwhile wins: 409
+   Conflict, and this one takes the winner's material on its next read, at once);
+2. keeps the ValidatingWebhookConfiguration's caBundle to :func:`kubetitan.certs.vwc_bundle` (restored within one
+   interval if an apply of the chart or a person removed it);
+3. writes the serving pair to ``cert_dir`` when it changed (a new directory, then one symbolic-link swap: kopf
+   never reads a certificate with another's key) and kopf's server, which re-reads the files every
+   ``--webhook-cert-check-seconds``, serves it.
+
+The webhook server starts once the first pair is on disk (``ready``). The chart ships the Secret empty and grants
+exactly get/update on it and on the configuration (by name); any replica may write, and they agree through the
+Secret's resourceVersion: the first writer wins, the others read its material.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubetitan import certs
+
+log = logging.getLogger("kubetitan.certsync")
+
+VWC_PATH = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class CertSync:
+    """What ``--webhook-certificates operator`` keeps: the Secret, the configuration, the names, the files."""
+
+    secret_namespace: str
+    secret_name: str
+    configuration: str
+    dns_names: tuple[str, ...]
+    cert_dir: str
+    policy: certs.CertPolicy = certs.CertPolicy()
+    interval: float = 60.0
+    now: Callable[[], dt.datetime] = field(default=utcnow, compare=False, repr=False)
+    """Wall clock for the decisions (tests move a fake one)."""
+
+    @property
+    def cert_file(self) -> str:
+        return str(Path(self.cert_dir) / "current" / "tls.crt")
+
+    @property
+    def key_file(self) -> str:
+        return str(Path(self.cert_dir) / "current" / "tls.key")
+
+    def secret_path(self) -> str:
+        return f"/api/v1/namespaces/{self.secret_namespace}/secrets/{self.secret_name}"
+
+
+def service_dns_names(namespace: str, service: str) -> tuple[str, ...]:
+    """The names the API server may dial for a service reference (it verifies ``<svc>.<ns>.svc``)."""
+    return (f"{service}.{namespace}.svc", service, f"{service}.{namespace}", f"{service}.{namespace}.svc.cluster.local")
+
+
+def write_pair(cert_dir: str, m: certs.Material) -> bool:
+    """Put the serving pair under ``cert_dir/current`` (one atomic swap); False when it is there already."""
+    base = Path(cert_dir)
+    current = base / "current"
+    if (current / "tls.crt").exists() and (current / "tls.crt").read_bytes() == m.cert \
+            and (current / "tls.key").read_bytes() == m.key:
+        return False
+    base.mkdir(parents=True, exist_ok=True)
+    version = base / f".v-{secrets.token_hex(4)}"
+    version.mkdir(mode=0o700)
+    for name, data in (("tls.key", m.key), ("tls.crt", m.cert)):
+        fd = os.open(version / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    old = os.readlink(current) if current.is_symlink() else None
+    tmp = base / f".current-{secrets.token_hex(4)}"
+    tmp.symlink_to(version.name)
+    os.replace(tmp, current)
+    if old:
+        for name in ("tls.crt", "tls.key"):
+            (base / old / name).unlink(missing_ok=True)
+        (base / old).rmdir()
+    return True
+
+
+async def _sync_bundle(client: Any, s: CertSync, bundle: bytes) -> bool:
+    """The configuration's caBundle made :func:`certs.vwc_bundle`; True when it was changed. A concurrent write
+    (another replica adding its CA) is a 409: read again and merge with it."""
+    import base64
+
+    from kubetitan.kube import ApiError
+
+    path = f"{VWC_PATH}/{s.configuration}"
+    for _ in range(5):
+        vwc = await client._call("admissionregistration.k8s.io", "validatingwebhookconfigurations", "get", "GET",
+                                 path)
+        if vwc is None:
+            raise LookupError(f"ValidatingWebhookConfiguration {s.configuration} not found: the chart ships it "
+                              "(webhook.enabled); re-install or upgrade the release")
+        changed = False
+        for w in vwc.get("webhooks") or []:
+            cc = w.setdefault("clientConfig", {})
+            now = base64.b64decode(cc.get("caBundle") or "")
+            want = certs.vwc_bundle(now, bundle, s.now())
+            if want != now:
+                cc["caBundle"] = base64.b64encode(want).decode()
+                changed = True
+        if not changed:
+            return False
+        try:
+            await client._call("admissionregistration.k8s.io", "validatingwebhookconfigurations", "update", "PUT",
+                               path, vwc, fenced=False)
+        except ApiError as e:
+            if e.status == 409:
+                continue
+            raise
+        log.info("Updated the caBundle of ValidatingWebhookConfiguration %s", s.configuration)
+        return True
+    raise RuntimeError(f"ValidatingWebhookConfiguration {s.configuration} kept changing under this replica "
+                       "(5 conflicts in a row)")
+
+
+async def sync_once(client: Any, s: CertSync) -> certs.Material:
+    """One round: read, re-issue if due, keep the configuration's bundle, write the files. Returns what is
+    served."""
+    from kubetitan.kube import ApiError
+
+    for _ in range(3):  # a conflict means another replica wrote: read again and take its material
+        secret = await client._call("", "secrets", "get", "GET", s.secret_path())
+        if secret is None:
+            raise LookupError(f"Secret {s.secret_namespace}/{s.secret_name} not found: the chart ships it empty for "
+                              "the operator to fill (webhook.certificates: operator); re-install or upgrade the "
+                              "release")
+        m = certs.Material.from_secret(secret.get("data"))
+        action, why = certs.decide(m, s.now(), s.dns_names, s.policy)
+        if action == certs.Action.KEEP:
+            break
+        assert m is not None or action == certs.Action.ISSUE_CA
+        new = certs.issue(m, action, s.now(), s.dns_names, s.policy)
+        await _sync_bundle(client, s, new.ca_bundle)  # trusted before anyone serves it
+        secret["data"] = new.secret_data()
+        try:
+            await client._call("", "secrets", "update", "PUT", s.secret_path(), secret, fenced=False)
+        except ApiError as e:
+            if e.status == 409:
+                log.info("Secret %s/%s was written by another replica; reading its certificate",
+                         s.secret_namespace, s.secret_name)
+                continue
+            raise
+        log.info("Issued a new webhook %s (%s) into Secret %s/%s", "CA and certificate" if action ==
+                 certs.Action.ISSUE_CA else "serving certificate", why, s.secret_namespace, s.secret_name)
+        m = new
+        break
+    else:
+        raise RuntimeError("the webhook Secret kept changing under this replica (3 conflicts in a row)")
+    assert m is not None
+    await _sync_bundle(client, s, m.ca_bundle)
+    if write_pair(s.cert_dir, m):
+        log.info("Serving the webhook certificate from Secret %s/%s", s.secret_namespace, s.secret_name)
+    return m
+
+
+async def run(client: Any, s: CertSync, ready: asyncio.Event) -> None:
+    """Keep the certificates in step until cancelled; ``ready`` is set once a pair is on disk. A failed round
+    (API error, missing Secret) is logged and retried at the next interval (sooner while nothing is served)."""
+    while True:
+        try:
+            await sync_once(client, s)
+            ready.set()
+            delay = s.interval
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the next round retries; the webhook keeps serving what it has
+            from kubetitan.kube import message_of
+
+            log.warning("Could not keep the webhook certificates in step: %s", message_of(e))
+            delay = s.interval if ready.is_set() else min(s.interval, 5.0)
+        await asyncio.sleep(delay)
