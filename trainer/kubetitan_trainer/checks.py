@@ -189,8 +189,16 @@ def _shards_required(job_config: JobConfig, world_size: int, cuda: bool) -> None
         raise ConfigError("kubetitan.data.shards_path (spec.data.shards.path)", "is empty",
                           "set it to a directory written by `kubetitan prepare-data`", "data.shards-required")
     from kubetitan_trainer.shards import ShardSet
+    from kubetitan_trainer.storage import is_remote
     from kubetitan_trainer.train_spec import model_args_for
 
+    if is_remote(d.shards_path):  # staged (and fully checked) by the data loader: kubetitan_trainer.s3shards
+        from kubetitan_core.validation import s3_uri_error
+
+        if (msg := s3_uri_error(d.shards_path)) is not None:
+            raise ConfigError("kubetitan.data.shards_path (spec.data.shards.path)", msg, "write s3://bucket/prefix",
+                              "data.shards-required")
+        return
     # Sizes (a stat per file), the index, the dtype and the tokenizer's vocabulary against the model's: a bad
     # directory stops the run here with exit code 2, not as a crash in the data loader that would be retried.
     ShardSet.open(d.shards_path, vocab_size=model_args_for(job_config).vocab_size, verify="size", dtype=d.shards_dtype)
