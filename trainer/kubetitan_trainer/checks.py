@@ -192,16 +192,26 @@ def _shards_required(job_config: JobConfig, world_size: int, cuda: bool) -> None
     from kubetitan_trainer.storage import is_remote
     from kubetitan_trainer.train_spec import model_args_for
 
-    if is_remote(d.shards_path):  # staged (and fully checked) by the data loader: kubetitan_trainer.s3shards
-        from kubetitan_core.validation import s3_uri_error
-
-        if (msg := s3_uri_error(d.shards_path)) is not None:
-            raise ConfigError("kubetitan.data.shards_path (spec.data.shards.path)", msg, "write s3://bucket/prefix",
-                              "data.shards-required")
+    if is_remote(d.shards_path):  # staged and fully checked by the data loader (kubetitan_trainer.s3shards)
         return
     # Sizes (a stat per file), the index, the dtype and the tokenizer's vocabulary against the model's: a bad
     # directory stops the run here with exit code 2, not as a crash in the data loader that would be retried.
     ShardSet.open(d.shards_path, vocab_size=model_args_for(job_config).vocab_size, verify="size", dtype=d.shards_dtype)
+
+
+@recheck("data.s3-uri")
+def _data_s3_uri(job_config: JobConfig, world_size: int, cuda: bool) -> None:
+    from kubetitan_core.validation import s3_uri_error
+
+    d = job_config.kubetitan.data
+    paths = [("kubetitan.data.shards_path (spec.data.shards.path)", d.shards_path if d.source == "shards" else "")]
+    if d.source == "mixture":
+        paths += [(f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].shards.path)", p)
+                  for i, p in enumerate(d.mixture_paths)]
+    paths.append(("kubetitan.data.eval_shards_path (spec.data.eval.shards.path)", d.eval_shards_path))
+    for field, path in paths:
+        if path.startswith("s3://") and (msg := s3_uri_error(path)) is not None:
+            raise ConfigError(field, msg, "write s3://bucket/prefix", "data.s3-uri")
 
 
 @recheck("checkpoint.s3-uri")
