@@ -80,11 +80,31 @@ def settings_from(job_config: Any, uri: str) -> StageSettings:
                          stage_dir=stage_dir, threads=c.threads)
 
 
+_STAGED: dict[str, str] = {}
+"""URI -> local directory, of what this process staged (the loader and the eval loader open the same paths)."""
+
+
 def local_path(path: str, job_config: Any, field: str) -> str:
     """``path`` itself for a directory in the pod; for ``s3://...`` the local directory it was staged to."""
     if not is_remote(path):
         return path
-    return str(stage(path, settings_from(job_config, path), field))
+    if path not in _STAGED:
+        _STAGED[path] = str(stage(path, settings_from(job_config, path), field))
+    return _STAGED[path]
+
+
+def stage_all(job_config: Any) -> None:
+    """Stage every ``s3://`` shards path the config reads (source, mixture, eval) now: the trainer calls it before
+    torchtitan builds anything, so a bad bucket or object ends the process with exit code 2 and its message alone."""
+    d = job_config.kubetitan.data
+    paths = [("kubetitan.data.shards_path (spec.data.shards.path)", d.shards_path if d.source == "shards" else "")]
+    if d.source == "mixture":
+        paths += [(f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].shards.path)", p)
+                  for i, p in enumerate(d.mixture_paths)]
+    if d.eval_samples > 0:
+        paths.append(("kubetitan.data.eval_shards_path (spec.data.eval.shards.path)", d.eval_shards_path))
+    for field, path in paths:
+        local_path(path, job_config, field)
 
 
 class _Uri(str):
