@@ -208,3 +208,27 @@ def test_a_corrupt_object_stops_the_trainer_with_exit_2_and_no_traceback(s3_serv
     rc, log = _run(tmp_path, "corrupt", uri, s3_server.endpoint, s3_env, steps=1)
     assert rc == ExitCode.CONFIG_ERROR == 2, log[-4000:]
     assert f"s3://{bucket}/corrupt/{name} is corrupt" in log and "Traceback" not in log, log[-4000:]
+
+
+# ------------------------------------------------------------------------------------------ what the operator renders
+def test_pods_reading_s3_shards_get_a_staging_emptydir_the_secret_and_the_rendered_settings():
+    from kubetitan import plan
+    from kubetitan_core import contract
+
+    data = {"source": "shards", "shards": {"path": "s3://my-data/c4"},
+            "s3": {"region": "us-west-2", "endpoint": "https://s3.example:9000", "forcePathStyle": True,
+                   "credentialsSecretRef": {"name": "data-keys"}}}
+    obj = tiny_lpt({"data": data})
+    pod = plan.pod(obj, 0, 0)["spec"]
+    c = pod["containers"][0]
+    assert {"name": "data-stage", "mountPath": contract.DATA_STAGE_MOUNT} in c["volumeMounts"]
+    assert {"name": "data-stage", "emptyDir": {}} in pod["volumes"]
+    env = {e["name"]: e.get("valueFrom") for e in c["env"]}
+    assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "data-keys", "key": "AWS_ACCESS_KEY_ID"}}
+    assert render.trainer_config(obj, dump_folder="/ck")["kubetitan"]["data_s3"] == {
+        "region": "us-west-2", "endpoint": "https://s3.example:9000", "force_path_style": True,
+        "stage_dir": contract.DATA_STAGE_MOUNT}
+    # a local path: no staging volume, no settings
+    local = tiny_lpt({"data": {"source": "shards", "shards": {"path": "/data/c4"}}})
+    assert "data-stage" not in {v["name"] for v in plan.pod(local, 0, 0)["spec"]["volumes"]}
+    assert "data_s3" not in render.trainer_config(local, dump_folder="/ck")["kubetitan"]
