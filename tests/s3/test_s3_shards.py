@@ -93,6 +93,26 @@ def test_staging_copies_every_file_verified_and_a_restart_reuses_them(s3_server,
     assert victim.read_bytes() == (shards_dir / victim.name).read_bytes()
 
 
+def test_processes_of_a_node_staging_at_once_download_each_object_once(s3_server, fault_proxy, bucket, s3_env,
+                                                                        shards_dir, tmp_path):
+    """Every local rank calls the stager; the file lock lets one download while the others wait, then reuse."""
+    import threading
+
+    uri = upload(s3_server.endpoint, shards_dir, bucket, "shared")
+    got: list[Path] = []
+    ranks = [threading.Thread(target=lambda: got.append(s3shards.stage(uri, _settings(fault_proxy.endpoint, uri,
+                                                                                       tmp_path), FIELD)))
+             for _ in range(3)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(timeout=120)
+    assert len(got) == 3 and len(set(got)) == 1
+    gets = [p for m, p, _s in fault_proxy.requests if m == "GET" and "/shard-" in p]
+    assert gets and len(gets) == len(set(gets)), "an object was downloaded twice"
+    assert len(set(gets)) == 2 * len(json.loads((shards_dir / "index.json").read_text())["files"])
+
+
 def test_parts_are_parallel_ranged_gets(s3_server, fault_proxy, bucket, s3_env, tmp_path):
     """A file larger than the part size comes in ranged GETs, each retried on its own (a reset on one part)."""
     big = tmp_path / "big"

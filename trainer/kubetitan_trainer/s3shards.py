@@ -47,7 +47,7 @@ from typing import Any
 
 from kubetitan_trainer.errors import ConfigError, TransientError
 from kubetitan_trainer.shards import INDEX_FILE, RERUN, ShardSet, crc32_bytes, crc32_file
-from kubetitan_trainer.storage import S3Settings, describe_access_error, is_remote, parse_s3_uri
+from kubetitan_trainer.storage import S3Settings, access_error_kind, describe_access_error, is_remote, parse_s3_uri
 
 log = logging.getLogger("kubetitan.s3shards")
 
@@ -158,10 +158,10 @@ class Stager:
     def _request_error(self, e: BaseException, what: str) -> Exception:
         """A request that failed after every retry: a configuration error when S3 says the bucket or the access is
         wrong, else a transient one (the operator restarts the run)."""
-        field, problem, fix = describe_access_error(self.settings.s3, self.bucket, e, field=self.field,
-                                                    settings_field=self.settings.settings_field, actions="s3:GetObject")
-        if not problem.startswith("cannot list"):
-            return ConfigError(field, problem, fix)
+        if access_error_kind(e) is not None:
+            return ConfigError(*describe_access_error(self.settings.s3, self.bucket, e, field=self.field,
+                                                      settings_field=self.settings.settings_field,
+                                                      actions="s3:GetObject"))
         return TransientError(f"{what} from {self.uri} failed after the client's retries ({e}); the run is restarted")
 
     # ---------------------------------------------------------------------------------------------- listing
@@ -181,7 +181,7 @@ class Stager:
         if INDEX_FILE not in objects:
             raise self._fail(f"there is no {INDEX_FILE} under {self.uri}/ (found {len(objects)} object(s))",
                              f"upload the whole directory `kubetitan prepare-data` wrote: {SYNC_HINT.format(uri=self.uri)}")
-        raw = self._get(INDEX_FILE, objects[INDEX_FILE], 0, objects[INDEX_FILE].size)
+        raw = bytes(self._get(INDEX_FILE, objects[INDEX_FILE], 0, objects[INDEX_FILE].size))
         try:
             index = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -192,7 +192,7 @@ class Stager:
         return raw, ShardSet._from_index(_Uri(self.uri), index, self.field)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------------------------------------- transfer
-    def _get(self, name: str, info: Any, start: int, end: int) -> bytes:
+    def _get(self, name: str, info: Any, start: int, end: int) -> bytearray:
         """Bytes ``[start, end)`` of an object: one ranged GET (retried ``PART_ATTEMPTS`` times)."""
         from s3torchconnector import S3ReaderConstructor
 
@@ -205,11 +205,11 @@ class Stager:
                 reader.seek(start)
                 got = reader.readinto(buf) if buf else 0
                 if got == len(buf):
-                    return bytes(buf)
+                    return buf
                 err = OSError(f"short read: {got} of {len(buf)} bytes at offset {start}")
             except Exception as e:  # S3Exception after the client's own retries, or a dropped body
                 err = e
-                if isinstance(self._request_error(e, ""), ConfigError):
+                if access_error_kind(e) is not None:
                     break  # access denied or no bucket: retrying cannot help
             time.sleep(min(2.0 ** attempt * 0.5, 8.0))  # backoff between attempts of a part
         raise self._request_error(err or OSError("no data"), f"GET s3://{self.bucket}/{_key(self.prefix, name)}")
