@@ -202,14 +202,9 @@ def _shards_required(job_config: JobConfig, world_size: int, cuda: bool) -> None
 @recheck("data.s3-uri")
 def _data_s3_uri(job_config: JobConfig, world_size: int, cuda: bool) -> None:
     from kubetitan_core.validation import s3_uri_error
+    from kubetitan_trainer.s3shards import shards_paths
 
-    d = job_config.kubetitan.data
-    paths = [("kubetitan.data.shards_path (spec.data.shards.path)", d.shards_path if d.source == "shards" else "")]
-    if d.source == "mixture":
-        paths += [(f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].shards.path)", p)
-                  for i, p in enumerate(d.mixture_paths)]
-    paths.append(("kubetitan.data.eval_shards_path (spec.data.eval.shards.path)", d.eval_shards_path))
-    for field, path in paths:
+    for field, path in shards_paths(job_config.kubetitan.data):
         if path.startswith("s3://") and (msg := s3_uri_error(path)) is not None:
             raise ConfigError(field, msg, "write s3://bucket/prefix", "data.s3-uri")
 

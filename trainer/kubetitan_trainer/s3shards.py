@@ -93,18 +93,27 @@ def local_path(path: str, job_config: Any, field: str) -> str:
     return _STAGED[path]
 
 
-def stage_all(job_config: Any) -> None:
-    """Stage every ``s3://`` shards path the config reads (source, mixture, eval) now: the trainer calls it before
-    torchtitan builds anything, so a bad bucket or object ends the process with exit code 2 and its message alone."""
-    d = job_config.kubetitan.data
+EVAL_FIELD = "kubetitan.data.eval_shards_path (spec.data.eval.shards.path)"
+
+
+def shards_paths(d: Any) -> list[tuple[str, str]]:
+    """(field, path) of every shards path a ``[kubetitan.data]`` table reads: the source's or the mixture's, then
+    the held-out set's (empty paths left out)."""
     paths = [("kubetitan.data.shards_path (spec.data.shards.path)", d.shards_path if d.source == "shards" else "")]
     if d.source == "mixture":
         paths += [(f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].shards.path)", p)
                   for i, p in enumerate(d.mixture_paths)]
-    if d.eval_samples > 0:
-        paths.append(("kubetitan.data.eval_shards_path (spec.data.eval.shards.path)", d.eval_shards_path))
-    for field, path in paths:
-        local_path(path, job_config, field)
+    paths.append((EVAL_FIELD, d.eval_shards_path))
+    return [(f, p) for f, p in paths if p]
+
+
+def stage_all(job_config: Any) -> None:
+    """Stage every ``s3://`` shards path the config reads (source, mixture, eval) now: the trainer calls it before
+    torchtitan builds anything, so a bad bucket or object ends the process with exit code 2 and its message alone."""
+    d = job_config.kubetitan.data
+    for field, path in shards_paths(d):
+        if field != EVAL_FIELD or d.eval_samples > 0:
+            local_path(path, job_config, field)
 
 
 class _Uri(str):
