@@ -135,6 +135,11 @@ def references(spec: Mapping[str, Any], base: str = "spec") -> Iterator[Referenc
     tok = (spec.get("tokenizer") or {}).get("tokenSecretRef") or {}
     if tok.get("name"):
         yield Reference("Secret", tok["name"], f"{base}.tokenizer.tokenSecretRef.name")
+    for where, s3 in (("checkpoint.storage.s3", ((spec.get("checkpoint") or {}).get("storage") or {}).get("s3")),
+                      ("data.s3", (spec.get("data") or {}).get("s3"))):
+        ref = (s3 or {}).get("credentialsSecretRef") or {}
+        if ref.get("name"):
+            yield Reference("Secret", ref["name"], f"{base}.{where}.credentialsSecretRef.name")
     ckpt = ((spec.get("checkpoint") or {}).get("storage") or {}).get("persistentVolumeClaim") or {}
     if ckpt.get("claimName"):
         yield Reference("PersistentVolumeClaim", ckpt["claimName"],

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetitan_core import API_VERSION, KIND, contract
-from kubetitan_core.api import LlamaPretrain, LlamaPretrainSpec, processes_per_node, resolved_dp_shard, world_size
+from kubetitan_core.api import (LlamaPretrain, LlamaPretrainSpec, processes_per_node, reads_s3_shards, resolved_dp_shard,
+                                world_size)
 from kubetitan_core.catalog import INSTANCE_TYPES, pod_resources
 from kubetitan_core import hang, render
 from kubetitan_core.render import trainer_toml
@@ -181,9 +182,11 @@ def _env(lpt: LlamaPretrain, attempt: int, job_start_time: float | None) -> list
     tok = s.tokenizer.token_secret_ref
     if tok is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": tok.name, "key": tok.key}}})
-    s3 = s.checkpoint.storage.s3
-    if s3 is not None and s3.credentials_secret_ref is not None:  # else the pod's identity (Pod Identity / IRSA)
-        ref = s3.credentials_secret_ref
+    ck_s3, data_s3 = s.checkpoint.storage.s3, s.data.s3
+    # one Secret at most (rule data.s3-one-secret); without one, the pod's identity (Pod Identity / IRSA)
+    ref = (ck_s3.credentials_secret_ref if ck_s3 is not None else None) or \
+        (data_s3.credentials_secret_ref if data_s3 is not None and reads_s3_shards(s) else None)
+    if ref is not None:
         env += [{"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.access_key_id_key}}},
                 {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {
                     "name": ref.name, "key": ref.secret_access_key_key}}}]
@@ -353,6 +356,9 @@ def pod(
         # checkpoints go to S3; the dump folder is the pod's local scratch (compile cache, step log, tokenizer)
         mounts.append({"name": "checkpoints", "mountPath": ck.mount_path})
         volumes.append({"name": "checkpoints", "emptyDir": {}})
+    if reads_s3_shards(s):  # node-local disk the s3:// shards are staged to (kubetitan_trainer.s3shards)
+        mounts.append({"name": "data-stage", "mountPath": contract.DATA_STAGE_MOUNT})
+        volumes.append({"name": "data-stage", "emptyDir": {}})
     if data.volume is not None:
         mounts.append({"name": "data", "mountPath": data.mount_path, "readOnly": data.volume.read_only})
         volumes.append({"name": "data", "persistentVolumeClaim": {

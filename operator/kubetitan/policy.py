@@ -126,7 +126,7 @@ KNOBS: tuple[Knob, ...] = (
          "always passes). Default: only `default-scheduler` (Kueue needs no other); add `volcano` or "
          "`scheduler-plugins-scheduler` when that gang scheduler is installed."),
     Knob("s3_endpoint_prefixes", "s3EndpointPrefixes", ("https://",),
-         "Prefixes `spec.checkpoint.storage.s3.endpoint` (an S3-compatible store) must start with, e.g. "
+         "Prefixes `spec.checkpoint.storage.s3.endpoint` and `spec.data.s3.endpoint` (an S3-compatible store) must start with, e.g. "
          "`https://minio.storage.svc:9000`; AWS's own endpoints (the field unset) are always allowed. Default: any "
          "https endpoint; add an `http://` one only for a store inside the cluster network (checkpoints and signed "
          "requests travel in clear)."),
@@ -329,14 +329,16 @@ def _scheduler(lpt: LlamaPretrain, p: Policy) -> list[Violation]:
 
 
 def _s3_endpoint(lpt: LlamaPretrain, p: Policy) -> list[Violation]:
-    s3 = lpt.spec.checkpoint.storage.s3
-    endpoint = s3.endpoint if s3 is not None else None
-    if endpoint is None or ANY in p.s3_endpoint_prefixes or any(endpoint.startswith(x) for x in p.s3_endpoint_prefixes):
-        return []
-    return [Violation("spec.checkpoint.storage.s3.endpoint",
-                      f"S3 endpoint {endpoint} does not start with a prefix this cluster's kubetitan policy allows "
-                      f"({_allowed(p.s3_endpoint_prefixes)}); use an https:// endpoint, or "
-                      f"{_fix(_BY_KEY['s3EndpointPrefixes'])}", "policy.s3EndpointPrefixes")]
+    out = []
+    for path, s3 in (("spec.checkpoint.storage.s3.endpoint", lpt.spec.checkpoint.storage.s3),
+                     ("spec.data.s3.endpoint", lpt.spec.data.s3)):
+        endpoint = s3.endpoint if s3 is not None else None
+        if endpoint is None or ANY in p.s3_endpoint_prefixes or any(endpoint.startswith(x) for x in p.s3_endpoint_prefixes):
+            continue
+        out.append(Violation(path, f"S3 endpoint {endpoint} does not start with a prefix this cluster's kubetitan "
+                             f"policy allows ({_allowed(p.s3_endpoint_prefixes)}); use an https:// endpoint, or "
+                             f"{_fix(_BY_KEY['s3EndpointPrefixes'])}", "policy.s3EndpointPrefixes"))
+    return out
 
 
 CODE_LOADING_ENV: tuple[str, ...] = (

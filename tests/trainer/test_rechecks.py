@@ -27,6 +27,8 @@ CASES: dict[str, tuple[dict[str, dict[str, Any]], int, bool]] = {
         "emulate": True, "recipe_name": "rowwise", "enable_fsdp_float8_all_gather": True}}}}, 2, False),
     "data.shards-required": ({"kubetitan": {"data": {"source": "shards", "shards_path": ""}}}, 2, False),
     "tokenizer.path-required": ({"kubetitan": {"tokenizer": {"source": "path", "path": "{tmp}/no-tokenizer"}}}, 2, False),
+    "data.s3-uri": ({"kubetitan": {"data": {"source": "mixture", "mixture_paths": ["s3://ok-bucket/a", "s3://b//x"],
+                                            "mixture_weights": [1, 1]}}}, 2, False),
     "checkpoint.s3-uri": ({"kubetitan": {"checkpoint_storage": {"s3_uri": "s3://Bad_Bucket/x"}}}, 2, False),
 }
 

@@ -99,9 +99,16 @@ class SyntheticSource:
         return self._phrases[picks].reshape(-1)[offset : offset + self.seq_len + 1].copy()
 
 
-def open_shards(path: str, field: str, dtype: str = "auto", vocab_size: int | None = None) -> ShardSet:
+def open_shards(path: str, field: str, dtype: str = "auto", vocab_size: int | None = None,
+                job_config: JobConfig | None = None) -> ShardSet:
     """The checked shards at ``path`` (:class:`~kubetitan_trainer.shards.ShardSet`: sizes at open, every read's ids
-    against the model's vocabulary); a bad directory is a ConfigError naming ``field``, the file and the fix."""
+    against the model's vocabulary); a bad directory is a ConfigError naming ``field``, the file and the fix.
+    ``s3://bucket/prefix`` is first staged to node-local disk with every CRC-32 verified
+    (:mod:`kubetitan_trainer.s3shards`, settings from ``job_config``'s ``[kubetitan.data_s3]``)."""
+    if job_config is not None:
+        from kubetitan_trainer.s3shards import local_path
+
+        path = local_path(path, job_config, field)
     return ShardSet.open(path, vocab_size=vocab_size, verify="size", dtype=dtype, field_name=field)
 
 
@@ -405,7 +412,7 @@ def build_sources(job_config: JobConfig, *, held_out_percent: float | None = Non
     vocab = model_vocab_size(job_config)
     if cfg.source == "shards":
         field = "kubetitan.data.shards_path (spec.data.shards.path)"
-        shards = open_shards(cfg.shards_path, field, cfg.shards_dtype, vocab)
+        shards = open_shards(cfg.shards_path, field, cfg.shards_dtype, vocab, job_config)
         return [WindowSource(Path(cfg.shards_path.rstrip("/")).name or "shards", shards, seq_len, held,
                              path=cfg.shards_path)], [1.0]
     if cfg.source == "mixture":
@@ -417,8 +424,8 @@ def build_sources(job_config: JobConfig, *, held_out_percent: float | None = Non
         dtypes = list(cfg.mixture_dtypes) + ["auto"] * (len(cfg.mixture_paths) - len(cfg.mixture_dtypes))
         for i, (name, path) in enumerate(zip(mixture_names(cfg), cfg.mixture_paths)):
             field = f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].shards.path)"
-            sources.append(WindowSource(name, open_shards(path, field, dtypes[i], vocab), seq_len, held, path=path,
-                                        field=field))
+            sources.append(WindowSource(name, open_shards(path, field, dtypes[i], vocab, job_config), seq_len, held,
+                                        path=path, field=field))
         return sources, list(cfg.mixture_weights)
     raise ConfigError("kubetitan.data.source (spec.data.source)", f"unknown source {cfg.source!r}",
                       "use synthetic, shards, mixture or huggingface")
@@ -495,8 +502,8 @@ def build_eval_loader(job_config: JobConfig, dp_world_size: int, dp_rank: int) -
     seq_len = job_config.training.seq_len
     if cfg.eval_shards_path:
         field = "kubetitan.data.eval_shards_path (spec.data.eval.shards.path)"
-        src = WindowSource("eval", open_shards(cfg.eval_shards_path, field, "auto", model_vocab_size(job_config)),
-                           seq_len, path=cfg.eval_shards_path, field=field)
+        src = WindowSource("eval", open_shards(cfg.eval_shards_path, field, "auto", model_vocab_size(job_config),
+                                               job_config), seq_len, path=cfg.eval_shards_path, field=field)
         sources, weights, reads = [src], [1.0], [src.window]
         sizes = [src.windows]
     else:

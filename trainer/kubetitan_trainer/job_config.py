@@ -37,11 +37,12 @@ class KubetitanData:
     hf_text_field: str = "text"
     """Column holding the text."""
     shards_path: str = ""
-    """Directory with `*.bin` token shards and `index.json` (written by `kubetitan prepare-data`)."""
+    """Directory with `*.bin` token shards and `index.json` (written by `kubetitan prepare-data`), or
+    `s3://bucket/prefix` holding a copy of one (staged to local disk at start: `[kubetitan.data_s3]`)."""
     shards_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Token dtype of the shards; `auto` reads it from `index.json`."""
     mixture_paths: list[str] = field(default_factory=list)
-    """Shards directories of a `mixture`, one per source."""
+    """Shards directories (or `s3://bucket/prefix` copies of them) of a `mixture`, one per source."""
     mixture_weights: list[float] = field(default_factory=list)
     """Weight of each `mixture_paths` entry (any positive numbers; normalised): its share of the samples (and tokens)."""
     mixture_dtypes: list[str] = field(default_factory=list)
@@ -55,7 +56,8 @@ class KubetitanData:
     """Without `eval_shards_path`: the last this many percent of every training source's windows are held out
     (never trained on) and evaluated."""
     eval_shards_path: str = ""
-    """A separate held-out shards directory to evaluate; empty: hold out part of the training data."""
+    """A separate held-out shards directory (or `s3://bucket/prefix`) to evaluate; empty: hold out part of the
+    training data."""
     ledger: bool = False
     """Debugging: each rank appends the global samples it trains (step, position, source, window, epoch) to
     `<dump_folder>/kubetitan/ledger/rank-<r>-of-<W>.txt`."""
@@ -118,6 +120,29 @@ class KubetitanCheckpointStorage:
 
 
 @dataclass
+class KubetitanDataS3:
+    """``[kubetitan.data_s3]``: how the data's `s3://` shards paths are reached, and where they are staged
+    (kubetitan_trainer.s3shards)."""
+
+    region: str = ""
+    """The buckets' AWS region (empty: `us-east-1`)."""
+    endpoint: str = ""
+    """An S3-compatible endpoint URL; empty: AWS's regional endpoint."""
+    force_path_style: bool = False
+    """Path-style addressing (`endpoint/bucket/key`), which most S3-compatible servers need."""
+    max_attempts: int = 10
+    """Attempts per S3 request in the client's retry strategy (backoff with jitter on 503 SlowDown, 5xx,
+    connection resets and timeouts)."""
+    stage_dir: str = ""
+    """Node-local directory the shards are copied to at start (`<stage_dir>/<bucket>/<prefix>/`); empty:
+    `<job.dump_folder>/kubetitan/data-cache`."""
+    threads: int = 8
+    """Ranged GETs in flight while staging."""
+    part_size_bytes: int = 16 * 2**20
+    """Bytes per ranged GET (each in-flight GET holds one part in memory)."""
+
+
+@dataclass
 class Kubetitan:
     """``[kubetitan]``: what torchtitan's own sections cannot say."""
 
@@ -153,6 +178,8 @@ class Kubetitan:
     """Custom model dimensions."""
     checkpoint_storage: KubetitanCheckpointStorage = field(default_factory=KubetitanCheckpointStorage)
     """Where checkpoints go when not in `job.dump_folder` (S3)."""
+    data_s3: KubetitanDataS3 = field(default_factory=KubetitanDataS3)
+    """How `s3://` shards paths of `data` are reached and staged."""
 
 
 @dataclass

@@ -156,6 +156,8 @@ def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port:
         cfg["training"]["steps"] = steps
     cfg["kubetitan"]["metrics_port"] = metrics_port
     cfg["kubetitan"]["metrics_host"] = "127.0.0.1"
+    if "data_s3" in cfg["kubetitan"]:  # no staging emptyDir on this machine: s3:// shards go under the output dir
+        cfg["kubetitan"]["data_s3"]["stage_dir"] = str(out / "kubetitan" / "data-cache")
     path = out / contract.CONFIG_KEY
     path.write_text(render.trainer_toml(lpt, str(out)).split("\n", 1)[0] + "\n" + tomli_w.dumps(cfg))
     return path

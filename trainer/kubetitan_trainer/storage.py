@@ -228,26 +228,42 @@ class S3Store(CheckpointStore):
         return compat.s3_storage_reader(checkpoint_id, self.settings, self._config)
 
 
-def describe_access_error(s: S3Settings, bucket: str, e: BaseException) -> tuple[str, str, str]:
-    """(field, problem, fix) for a bucket the trainer cannot list."""
-    text = str(e)
-    low = text.lower()
-    field = "spec.checkpoint.storage.s3.uri"
-    where = f" at {s.endpoint}" if s.endpoint else f" in region {s.region}"
+def access_error_kind(e: BaseException) -> str | None:
+    """``no-bucket``, ``denied`` or ``credentials`` when an S3 error says the configuration is wrong (retrying cannot
+    help), None for anything else (network, server). s3torchconnector's S3Exception carries only a message."""
+    low = str(e).lower()
     if "bucket does not exist" in low or "nosuchbucket" in low:
+        return "no-bucket"
+    if "forbidden" in low or "access denied" in low or "accessdenied" in low or "403" in low:
+        return "denied"
+    if "credentials" in low:
+        return "credentials"
+    return None
+
+
+def describe_access_error(s: S3Settings, bucket: str, e: BaseException, *,
+                          field: str = "spec.checkpoint.storage.s3.uri", settings_field: str = "spec.checkpoint.storage.s3",
+                          actions: str = "s3:GetObject/PutObject/DeleteObject") -> tuple[str, str, str]:
+    """(field, problem, fix) for a bucket the trainer cannot reach: ``field`` is the location's field,
+    ``settings_field`` the block with its region, endpoint and credentials (checkpoints' or the data's), ``actions``
+    the object permissions the pod's identity needs there (:func:`access_error_kind` classifies the error)."""
+    text = str(e)
+    kind = access_error_kind(e)
+    where = f" at {s.endpoint}" if s.endpoint else f" in region {s.region}"
+    if kind == "no-bucket":
         return (field, f"the bucket {bucket!r} does not exist{where} ({text})",
                 f"create the bucket {bucket!r} (or correct the URI {s.uri!r}), then re-create the run")
-    if "forbidden" in low or "access denied" in low or "accessdenied" in low or "403" in low:
+    if kind == "denied":
         return (field, f"access to s3://{bucket} was denied{where} ({text})",
                 "give the pod's identity (its service account's EKS Pod Identity association or IRSA role, or the "
-                f"credentials Secret) s3:ListBucket on arn:aws:s3:::{bucket} and s3:GetObject/PutObject/DeleteObject "
+                f"credentials Secret) s3:ListBucket on arn:aws:s3:::{bucket} and {actions} "
                 f"on arn:aws:s3:::{bucket}/*, then re-create the run")
-    if "credentials" in low or "no credentials" in low:
+    if kind == "credentials":
         return (field, f"no AWS credentials to reach s3://{bucket} ({text})",
                 "associate the run's service account with an IAM role (EKS Pod Identity or IRSA) or set "
-                "spec.checkpoint.storage.s3.credentialsSecretRef, then re-create the run")
+                f"{settings_field}.credentialsSecretRef, then re-create the run")
     return (field, f"cannot list s3://{bucket}{where} ({text})",
-            "check spec.checkpoint.storage.s3 (uri, region, endpoint) and that the endpoint is reachable from the pod")
+            f"check {settings_field} (uri, region, endpoint) and that the endpoint is reachable from the pod")
 
 
 def from_config(job_config: Any) -> CheckpointStore:

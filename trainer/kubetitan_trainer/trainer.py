@@ -36,7 +36,8 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, data, heartbeat, netcheck, restore_tier, storage
+from kubetitan_trainer import (ENV_STOP_FILE, anatomy, compat, data, heartbeat, netcheck, restore_tier, s3shards,
+                               storage)
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
@@ -79,6 +80,7 @@ class KubetitanTrainer(Trainer):
         self._purger: storage.Purger | None = None
         if ck.enable:
             self._store.preflight()  # a bucket that cannot be listed: exit 2 now, not after building the model
+        s3shards.stage_all(job_config)  # s3:// shards to node-local disk, verified, before anything is built
         super().__init__(job_config)
         self._log_float8_notes()
         if ck.enable and self._store.remote:

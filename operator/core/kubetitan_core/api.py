@@ -188,11 +188,42 @@ class HuggingFaceDataSpec(_Base):
     """Column that holds the text."""
 
 
+class S3CredentialsSecretRef(_Base):
+    """A Secret in the LlamaPretrain's namespace holding static AWS credentials (instead of the pod's identity)."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the Secret."""
+    access_key_id_key: str = Field(default="AWS_ACCESS_KEY_ID", min_length=1)
+    """Key of the access key id within the Secret."""
+    secret_access_key_key: str = Field(default="AWS_SECRET_ACCESS_KEY", min_length=1)
+    """Key of the secret access key within the Secret."""
+
+
+class S3Access(_Base):
+    """How the trainer reaches S3 (or an S3-compatible store) through the Amazon S3 Connector for PyTorch
+    (docs/storage.md). Credentials come from the pod's identity (EKS Pod Identity or IRSA on
+    `resources.serviceAccountName`) unless `credentialsSecretRef` is set."""
+
+    region: str = Field(default="us-east-1", pattern=r"^[a-z]{2}(-[a-z]+)+-\d+$")
+    """The bucket's AWS region, e.g. `us-west-2`."""
+    endpoint: str | None = None
+    """An S3-compatible endpoint (`https://...`); unset: AWS's regional endpoint (S3 Express One Zone
+    directory buckets included)."""
+    force_path_style: bool = False
+    """Path-style addressing (`endpoint/bucket/key`), which most S3-compatible servers need."""
+    credentials_secret_ref: S3CredentialsSecretRef | None = None
+    """A Secret with static credentials, exposed to the trainer as `AWS_ACCESS_KEY_ID` and
+    `AWS_SECRET_ACCESS_KEY`. Prefer the pod's identity (no long-lived keys). The variables hold for every S3
+    request of the pod: set at most one Secret across `checkpoint.storage.s3` and `data.s3`."""
+
+
 class ShardsDataSpec(_Base):
     """Pre-tokenized shards: flat token files written by `kubetitan prepare-data`."""
 
     path: str = Field(min_length=1)
-    """Directory holding `*.bin` token shards (and their `index.json`) inside the pod."""
+    """Directory holding `*.bin` token shards (and their `index.json`) inside the pod, or `s3://bucket/prefix`
+    holding a copy of one (`aws s3 sync` of the `prepare-data` output): it is copied to the node's local disk at
+    start with every checksum verified, reached as `data.s3` says (docs/data.md)."""
     dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Token dtype of the shards; `auto` reads it from `index.json`."""
 
@@ -250,6 +281,10 @@ class DataSpec(_Base):
     """A claim mounted at `mountPath` that holds data (shards or a dataset copy)."""
     mount_path: str = Field(default="/data", pattern=r"^/")
     """Where `volume` is mounted."""
+    s3: S3Access | None = None
+    """How the `s3://` shards paths (`shards.path`, `mixture[].shards.path`, `eval.shards.path`) are reached:
+    region, endpoint, path-style addressing, credentials. Unset: AWS's endpoint in us-east-1 with the pod's
+    identity. The shards are staged to an emptyDir on the node (docs/storage.md: disk needed, request costs)."""
 
 
 class SecretKeyRef(_Base):
@@ -278,34 +313,13 @@ class TokenizerSpec(_Base):
 
 
 # ---------------------------------------------------------------------- checkpoint
-class S3CredentialsSecretRef(_Base):
-    """A Secret in the LlamaPretrain's namespace holding static AWS credentials (instead of the pod's identity)."""
-
-    name: str = Field(min_length=1, max_length=253)
-    """Name of the Secret."""
-    access_key_id_key: str = Field(default="AWS_ACCESS_KEY_ID", min_length=1)
-    """Key of the access key id within the Secret."""
-    secret_access_key_key: str = Field(default="AWS_SECRET_ACCESS_KEY", min_length=1)
-    """Key of the secret access key within the Secret."""
-
-
-class S3CheckpointStorage(_Base):
+class S3CheckpointStorage(S3Access):
     """Checkpoints in S3 (or an S3-compatible store) through the Amazon S3 Connector for PyTorch
     (docs/storage.md). Credentials come from the pod's identity (EKS Pod Identity or IRSA on
     `resources.serviceAccountName`) unless `credentialsSecretRef` is set."""
 
     uri: str = Field(min_length=6, max_length=1024)
     """`s3://bucket/prefix`: each save is written under `<prefix>/step-N/`; use one prefix per run."""
-    region: str = Field(default="us-east-1", pattern=r"^[a-z]{2}(-[a-z]+)+-\d+$")
-    """The bucket's AWS region, e.g. `us-west-2`."""
-    endpoint: str | None = None
-    """An S3-compatible endpoint (`https://...`); unset: AWS's regional endpoint (S3 Express One Zone
-    directory buckets included)."""
-    force_path_style: bool = False
-    """Path-style addressing (`endpoint/bucket/key`), which most S3-compatible servers need."""
-    credentials_secret_ref: S3CredentialsSecretRef | None = None
-    """A Secret with static credentials, exposed to the trainer as `AWS_ACCESS_KEY_ID` and
-    `AWS_SECRET_ACCESS_KEY`. Prefer the pod's identity (no long-lived keys)."""
 
 
 class CheckpointStorage(_Base):
@@ -743,6 +757,17 @@ class LlamaPretrain(_Base):
 
 
 # ------------------------------------------------------------------ derived values
+def reads_s3_shards(s: LlamaPretrainSpec) -> bool:
+    """Whether any shards path the trainer reads is ``s3://`` (then the pod stages them: plan and render)."""
+    d = s.data
+    used = [m.shards.path for m in d.mixture] if d.source == "mixture" else []
+    if d.source == "shards" and d.shards is not None:
+        used.append(d.shards.path)
+    if d.eval is not None and d.eval.shards is not None:
+        used.append(d.eval.shards.path)
+    return any(v.startswith("s3://") for v in used)
+
+
 def processes_per_node(spec: LlamaPretrainSpec) -> int:
     """torchrun's ``--nproc-per-node``: explicit, else one per GPU, else 1 on CPU."""
     r = spec.resources

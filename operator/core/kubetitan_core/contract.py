@@ -117,6 +117,9 @@ BUILTIN_TOKENIZER_VOCAB = 644
 CONFIG_KEY = "trainer.toml"  # ConfigMap key, and file name under CONFIG_MOUNT
 CONFIG_MOUNT = "/etc/kubetitan"
 SHM_MOUNT = "/dev/shm"  # memory-backed emptyDir of every trainer pod
+DATA_STAGE_MOUNT = "/var/cache/kubetitan/data"
+"""Node-local emptyDir that ``s3://`` shards are staged to at start (kubetitan_trainer.s3shards); only in pods whose
+spec reads such a path."""
 CHECKPOINT_SUBDIR = "checkpoint"  # torchtitan's checkpoint.folder under job.dump_folder
 DCP_METADATA_FILE = ".metadata"  # written last by torch.distributed.checkpoint
 

@@ -16,7 +16,8 @@ from typing import Any
 import tomli_w
 
 from kubetitan_core import contract
-from kubetitan_core.api import HuggingFaceDataSpec, LlamaPretrain, LlamaPretrainSpec, resolved_dp_shard
+from kubetitan_core.api import (HuggingFaceDataSpec, LlamaPretrain, LlamaPretrainSpec, S3Access, reads_s3_shards,
+                                resolved_dp_shard)
 from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES
 
 TRAIN_SPEC_NAME = "kubetitan_llama3"
@@ -189,6 +190,10 @@ def _kubetitan_table(lpt: LlamaPretrain) -> dict[str, Any]:
             table["data"]["eval_shards_path"] = d.eval.shards.path
         else:
             table["data"]["held_out_percent"] = d.eval.held_out_percent
+    if reads_s3_shards(s):  # shards staged from S3 to the pod's staging emptyDir (kubetitan_trainer.s3shards)
+        ds3 = d.s3 or S3Access()
+        table["data_s3"] = {"region": ds3.region, "endpoint": ds3.endpoint or "",
+                            "force_path_style": ds3.force_path_style, "stage_dir": contract.DATA_STAGE_MOUNT}
     s3 = s.checkpoint.storage.s3
     if s.checkpoint.enabled and s3 is not None:
         # checkpoints in S3 (kubetitan_trainer.storage); job.dump_folder stays the pod's local scratch

@@ -32,11 +32,12 @@ from kubetitan_core.api import (
     ModelSpec,
     model_in,
     processes_per_node,
+    reads_s3_shards,
     resolved_dp_shard,
     world_size,
 )
 from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES, InstanceType, ModelDims, accelerator_for
-from kubetitan_core.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, SHM_MOUNT
+from kubetitan_core.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, DATA_STAGE_MOUNT, SHM_MOUNT
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,15 @@ RULES: tuple[Rule, ...] = (
     Rule("checkpoint.s3-endpoint", "spec.checkpoint.storage.s3.endpoint",
          "an http(s)://host[:port] URL without path, query or credentials (http only where the admin policy's "
          "s3EndpointPrefixes allows it)"),
+    Rule("data.s3-uri", "spec.data.shards.path, spec.data.mixture[].shards.path, spec.data.eval.shards.path",
+         "an s3:// shards path is s3://bucket[/prefix] (the bucket naming and prefix rules of checkpoint.s3-uri)",
+         trainer="kubetitan.data.shards_path"),
+    Rule("data.s3-endpoint", "spec.data.s3.endpoint",
+         "an http(s)://host[:port] URL without path, query or credentials (http only where the admin policy's "
+         "s3EndpointPrefixes allows it)"),
+    Rule("data.s3-one-secret", "spec.data.s3.credentialsSecretRef",
+         "the same Secret and keys as checkpoint.storage.s3.credentialsSecretRef when both are set (the pod has one "
+         "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"),
     Rule("run-policy.backoff-order", "spec.runPolicy.maxBackoffSeconds", "at least backoffSeconds",
          cel=Cel(
              "self.runPolicy.maxBackoffSeconds >= self.runPolicy.backoffSeconds",
@@ -236,7 +246,8 @@ RULES: tuple[Rule, ...] = (
              ".runPolicy.maxBackoffSeconds")),
     Rule("monitoring.port", "spec.monitoring.metricsPort", "not torchrun's rendezvous port 29500"),
     Rule("path.no-dot-dot", "spec.checkpoint.mountPath, data.mountPath, checkpoint.storage.hostPath, tokenizer.path, "
-         "data.shards.path, data.mixture[].shards.path, data.eval.shards.path", "absolute, no '..' component"),
+         "data.shards.path, data.mixture[].shards.path, data.eval.shards.path", "absolute, no '..' component (a "
+         "shards path may instead be s3://: data.s3-uri)"),
     Rule("mounts.no-collision", "spec.checkpoint.mountPath, spec.data.mountPath",
          "no mount at, above or inside another (/etc/kubetitan, /dev/shm, checkpoint, data)"),
     Rule("pod.env", "spec.resources.env", "Kubernetes EnvVar (schema, name, value xor one valueFrom, refs)"),
@@ -858,6 +869,44 @@ def _checkpoint_s3_endpoint(f: Facts) -> Problems:
         yield "spec.checkpoint.storage.s3.endpoint", msg
 
 
+def shards_paths(s: LlamaPretrainSpec) -> list[tuple[str, str]]:
+    """(wire field path without ``spec.``, value) of every shards path the spec reads: source, mixture, eval."""
+    paths = []
+    if s.data.shards is not None:
+        paths.append(("data.shards.path", s.data.shards.path))
+    for i, m in enumerate(s.data.mixture or []):
+        paths.append((f"data.mixture[{i}].shards.path", m.shards.path))
+    if s.data.eval is not None and s.data.eval.shards is not None:
+        paths.append(("data.eval.shards.path", s.data.eval.shards.path))
+    return paths
+
+
+@check("data.s3-uri")
+def _data_s3_uri(f: Facts) -> Problems:
+    for path, value in shards_paths(f.spec):
+        if value.startswith("s3://") and (msg := s3_uri_error(value)) is not None:
+            yield f"spec.{path}", msg
+
+
+@check("data.s3-endpoint")
+def _data_s3_endpoint(f: Facts) -> Problems:
+    s3 = f.spec.data.s3
+    if s3 is not None and s3.endpoint is not None and (msg := s3_endpoint_error(s3.endpoint)) is not None:
+        yield "spec.data.s3.endpoint", msg
+
+
+@check("data.s3-one-secret")
+def _data_s3_one_secret(f: Facts) -> Problems:
+    d, c = f.spec.data.s3, f.spec.checkpoint.storage.s3
+    a = d.credentials_secret_ref if d is not None else None
+    b = c.credentials_secret_ref if c is not None else None
+    if a is not None and b is not None and a != b:
+        yield "spec.data.s3.credentialsSecretRef", (
+            f"names Secret {a.name!r} but checkpoint.storage.s3.credentialsSecretRef names {b.name!r} (or other keys); "
+            "the pod has one AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY for every S3 request: use one Secret whose "
+            "credentials can read the data and write the checkpoints, or remove one of them")
+
+
 @check("run-policy.backoff-order")
 def _run_policy_backoff_order(f: Facts) -> Problems:
     rp = f.spec.run_policy
@@ -878,12 +927,7 @@ def _path_no_dot_dot(f: Facts) -> Problems:
     s = f.spec
     paths = [("checkpoint.mountPath", s.checkpoint.mount_path), ("data.mountPath", s.data.mount_path),
              ("checkpoint.storage.hostPath", s.checkpoint.storage.host_path), ("tokenizer.path", s.tokenizer.path)]
-    if s.data.shards is not None:
-        paths.append(("data.shards.path", s.data.shards.path))
-    for i, m in enumerate(s.data.mixture or []):
-        paths.append((f"data.mixture[{i}].shards.path", m.shards.path))
-    if s.data.eval is not None and s.data.eval.shards is not None:
-        paths.append(("data.eval.shards.path", s.data.eval.shards.path))
+    paths += [(p, v) for p, v in shards_paths(s) if not v.startswith("s3://")]  # s3:// paths: data.s3-uri
     for path, value in paths:
         if value is not None and ".." in value.split("/"):
             yield f"spec.{path}", f"{value!r} contains a '..' component; give the absolute path without it"
@@ -975,6 +1019,7 @@ def _pod_names(f: Facts) -> Problems:
     s = f.spec
     r, tok, pvc = s.resources, s.tokenizer, s.checkpoint.storage.persistent_volume_claim
     s3_secret = s.checkpoint.storage.s3.credentials_secret_ref if s.checkpoint.storage.s3 else None
+    data_secret = s.data.s3.credentials_secret_ref if s.data.s3 else None
     names: list[tuple[str, str | None, str]] = [
         ("resources.serviceAccountName", r.service_account_name, "ServiceAccount"),
         ("resources.priorityClassName", r.priority_class_name, "PriorityClass"),
@@ -984,6 +1029,7 @@ def _pod_names(f: Facts) -> Problems:
          "PersistentVolumeClaim"),
         ("data.volume.claimName", s.data.volume.claim_name if s.data.volume else None, "PersistentVolumeClaim"),
         ("checkpoint.storage.s3.credentialsSecretRef.name", s3_secret.name if s3_secret else None, "Secret"),
+        ("data.s3.credentialsSecretRef.name", data_secret.name if data_secret else None, "Secret"),
     ]
     names += [(f"resources.imagePullSecrets[{i}]", n, "Secret") for i, n in enumerate(r.image_pull_secrets)]
     for path, value, what in names:
@@ -991,11 +1037,13 @@ def _pod_names(f: Facts) -> Problems:
             yield f"spec.{path}", msg
     if tok.token_secret_ref is not None and (msg := k8sfields.key_error(tok.token_secret_ref.key)) is not None:
         yield "spec.tokenizer.tokenSecretRef.key", msg
-    if s3_secret is not None:
-        for field, key in (("accessKeyIdKey", s3_secret.access_key_id_key),
-                           ("secretAccessKeyKey", s3_secret.secret_access_key_key)):
+    for where, secret in (("checkpoint.storage.s3", s3_secret), ("data.s3", data_secret)):
+        if secret is None:
+            continue
+        for field, key in (("accessKeyIdKey", secret.access_key_id_key),
+                           ("secretAccessKeyKey", secret.secret_access_key_key)):
             if (msg := k8sfields.key_error(key)) is not None:
-                yield f"spec.checkpoint.storage.s3.credentialsSecretRef.{field}", msg
+                yield f"spec.{where}.credentialsSecretRef.{field}", msg
     if r.instance_type is not None and (msg := k8sfields.label_value_error(r.instance_type)):
         yield "spec.resources.instanceType", f"becomes the pods' node selector node.kubernetes.io/instance-type: {msg}"
     if s.scheduling.queue_name == "":
@@ -1011,7 +1059,7 @@ _IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
 
 
 def s3_uri_error(uri: str) -> str | None:
-    """Why ``uri`` is not a usable ``s3://bucket[/prefix]`` checkpoint location (None when it is)."""
+    """Why ``uri`` is not a usable ``s3://bucket[/prefix]`` location of checkpoints or shards (None when it is)."""
     if not uri.startswith("s3://"):
         return f"{uri!r} is not an s3:// URI; use the form s3://bucket/prefix"
     bucket, _, prefix = uri[len("s3://"):].partition("/")
@@ -1062,6 +1110,8 @@ def mount_points(s: LlamaPretrainSpec) -> list[tuple[str, str]]:
     mounts = [("(the operator's config mount)", CONFIG_MOUNT), ("(the operator's /dev/shm mount)", SHM_MOUNT)]
     if ck.enabled and (ck.storage.persistent_volume_claim is not None or ck.storage.host_path is not None):
         mounts.append(("checkpoint.mountPath", ck.mount_path))
+    if reads_s3_shards(s):
+        mounts.append(("(the operator's staging mount for s3:// shards)", DATA_STAGE_MOUNT))
     if data.volume is not None:
         mounts.append(("data.mountPath", data.mount_path))
     return mounts
