@@ -4,12 +4,10 @@
    their DNS records a moment after they start, and rank 0's record is what everyone dials.
 2. Checks that the config file exists. The config itself is checked by each worker
    (``kubetitan_trainer.main.check_config``) before any process group exists: a bad one ends every
-   rank with exit 2 (the field and the fix in the log), which this launcher passes on. The launcher
-   does not parse it itself: that would import torchtitan a second time on every gang start
-   (~5 s of the time to recover from a failure on a 2-core machine).
+   rank with exit 2 (the field and the fix in the log), which this launcher passes on.
 3. Runs torchrun **in-process** through ``torch.distributed.run``'s own argument parser and
    ``elastic_launch``: static rendezvous at ``master-addr:master-port``, ``max_restarts=0``
-   (the operator restarts whole gangs), worker ``kubetitan_trainer.main --job.config_file``.
+   (the operator restarts whole gangs), workers forked from the launcher (see "Warm workers" below).
    With ``--max-restarts=N`` (N > 0) the launcher restarts the workers **in place** instead (see
    "In-place restarts" below).
 4. Exits with the **failing worker's own exit code** (the earliest failure; a worker that
@@ -34,11 +32,12 @@ volumes and their placement stay. After N such restarts the next failure ends th
 worker's exit code, and the operator re-creates the gang as before. Exit codes that a restart cannot
 cure are never restarted in place: 2 (config error) and 75 / a SIGTERM stop (the pod is going away).
 
-Warm workers: in that mode the launcher imports torch, torchtitan and the trainer once, **before any
+Warm workers (both modes): the launcher imports torch, torchtitan and the trainer once, **before any
 CUDA initialisation** (``PYTORCH_NVML_BASED_CUDA_CHECK=1`` keeps ``torch.cuda.is_available()`` from
 initialising CUDA), and the agent *forks* the workers (``start_method="fork"``, a function entry point),
-so a restart pays no interpreter start and no imports. Each worker first resets the signal handlers it
-inherited from the launcher.
+so neither a gang start nor a restart pays an interpreter start and imports per worker (N imports on an
+N-process pod were N x ~4 s of CPU at once). Each worker first resets the signal handlers it inherited
+from the launcher.
 """
 
 from __future__ import annotations
@@ -171,7 +170,7 @@ def torchrun_argv(a: argparse.Namespace) -> list[str]:
         f"--nnodes={a.nnodes}", f"--nproc-per-node={a.nproc_per_node}", f"--node-rank={a.node_rank}",
         "--rdzv-backend=static", f"--master-addr={a.master_addr}", f"--master-port={a.master_port}",
         f"--rdzv-id={a.rdzv_id}", "--max-restarts=0", f"--monitor-interval={a.monitor_interval}",
-        *([f"--rdzv-conf=timeout={a.rdzv_timeout}"] if a.rdzv_timeout else []),
+        "--start-method=fork", *([f"--rdzv-conf=timeout={a.rdzv_timeout}"] if a.rdzv_timeout else []),
         "-m", "kubetitan_trainer.main", "--job.config_file", a.config,
     ]
 
@@ -636,11 +635,10 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(a.config):
         log.error("Config error: --config %s does not exist. Fix: mount the ConfigMap or render one with `kubetitan render`", a.config)
         return ExitCode.CONFIG_ERROR
-    if a.max_restarts > 0:
-        # Forked workers need a launcher that never initialised CUDA. torch.cuda.is_available() without this
-        # asks the CUDA runtime (which poisons fork), and torchrun's LaunchConfig calls it (numa defaults) before
-        # warm_up runs: seen on the H200 ("Cannot re-initialize CUDA in forked subprocess" in every worker).
-        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    # Forked workers need a launcher that never initialised CUDA. torch.cuda.is_available() without this asks the
+    # CUDA runtime (which poisons fork), and torchrun's LaunchConfig calls it (numa defaults) before warm_up runs:
+    # seen on the H200 ("Cannot re-initialize CUDA in forked subprocess" in every worker).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
     with worker_main.imports_without_gc():
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -676,17 +674,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_LAUNCHER_STATE] = state.path
     if a.max_restarts > 0:
         os.environ[heartbeat.ENV_HEARTBEAT_DIR] = stop_dir  # the workers' step heartbeats, for the hang watchdog
-    config, cmd, cmd_args = config_from_args(torchrun_parse(torchrun_argv(a)))
+    config, _cmd, _cmd_args = config_from_args(torchrun_parse(torchrun_argv(a)))
     # SIGTERM stays ours (see the module docstring); torchrun still handles the others.
     config.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     log.info("Starting %d worker(s) on node %d of %d, master %s:%d", a.nproc_per_node, a.node_rank, a.nnodes, a.master_addr, a.master_port)
     try:
+        # Workers share the agents' TCPStore, each generation under its own key prefix (generation_scoped_agent_store,
+        # in run_worker); they are forked from this process after it imported torch and torchtitan once.
+        seconds = warm_up(["--job.config_file", a.config])
+        state.warmed(seconds)
         if a.max_restarts > 0:
-            # Workers share the agents' rendezvous TCPStore, each generation under its own key prefix
-            # (generation_scoped_agent_store, in run_worker).
-            seconds = warm_up(["--job.config_file", a.config])
-            state.warmed(seconds)
             log.info("In-place restarts on (up to %d); warm workers: imported torch/torchtitan once in %.1f s",
                      a.max_restarts, seconds)
             rule = heartbeat.Rule(a.hang_timeout_policy, a.hang_timeout_seconds, a.hang_floor_seconds,
@@ -694,7 +692,8 @@ def main(argv: list[str] | None = None) -> int:
             run_in_place(config, run_worker, ["--job.config_file", a.config], state, lambda: bool(stopped["at"]),
                          node_rank=a.node_rank, nnodes=a.nnodes, hang_rule=rule, beat_dir=stop_dir)
         else:
-            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+            log.info("Warm workers: imported torch/torchtitan once in %.1f s", seconds)
+            elastic_launch(config=config, entrypoint=run_worker)("--job.config_file", a.config)
         code = ExitCode.OK
     except StoppedInRendezvous:
         log.warning("Stopped by SIGTERM while waiting for the other pods' launchers (no worker was running)")
