@@ -467,12 +467,15 @@ class KubetitanHFTextDataset(HuggingFaceTextDataset):
 
         hub = hub or HubSpec(cfg.hf_dataset, cfg.hf_config, cfg.hf_split, cfg.hf_streaming, cfg.hf_text_field)
         self.hub = hub
+        self.documents_read = 0
+        """Documents this process has read (for error messages; the checkpointed position is the base class's)."""
         ds = load_hf_dataset(hub.dataset, hub.config, hub.split, hub.streaming, field=hub.field)
         compat.init_hf_text_dataset(self, dataset_name=hub.dataset, data=split_dataset_by_node(ds, dp_rank, dp_world_size),
                                     tokenizer=tokenizer, seq_len=seq_len, infinite=infinite,
                                     text_processor=self._text)
 
     def _text(self, sample: dict[str, Any]) -> str:
+        self.documents_read += 1
         try:
             return sample[self.hub.text_field]
         except KeyError:
@@ -489,7 +492,7 @@ class KubetitanHFTextDataset(HuggingFaceTextDataset):
             kind = downloads.classify_dataset(e)
             if kind is None:
                 raise
-            where = f"Reading the dataset {self.hub.dataset} (after {self._sample_idx} documents on this rank)"
+            where = f"Reading the dataset {self.hub.dataset} (after {self.documents_read} documents on this rank)"
             if kind == downloads.CONFIG:
                 raise ConfigError(self.hub.field, f"{where} failed: {type(e).__name__}: {downloads.first_line(e)}",
                                   f"check that the dataset's files are readable with the pod's token; {HUB_HINT}") from None
