@@ -32,9 +32,11 @@ class ExitCode(IntEnum):
     `efa` provider), checked after the first step. Not retried: use an image with the plugin (see
     `images/trainer.Dockerfile`) or set `spec.resources.networkFallback: AllowSockets`."""
     RETRYABLE = 6
-    """A transient failure that outlasted the trainer's own retries: the tokenizer download from the hub kept
-    failing with connection errors, timeouts, HTTP 429 or 5xx (capped exponential backoff with jitter first).
-    Restarted like any failure (cause `ContainerFailed`, counted against `spec.runPolicy.maxRestarts`)."""
+    """A transient failure that outlasted the trainer's own retries: the tokenizer download or the opening of a hub
+    dataset kept failing with connection errors, timeouts, HTTP 429 or 5xx (capped exponential backoff with jitter
+    first), or a streamed hub dataset broke mid-way after the `datasets` library's own retries. Restarted like any
+    failure (cause `ContainerFailed`, counted against `spec.runPolicy.maxRestarts`); to keep the hub out of the run,
+    prepare the corpus into shards (`kubetitan prepare-data`) or pre-download it (`HF_HUB_OFFLINE=1`)."""
     HANG = 7
     """A launcher's watchdog stopped its workers: a step stood still for the hang limit (`runPolicy.hangTimeoutSeconds`,
     `hangTimeoutPolicy`). With in-place restarts on, every rank's workers restart in place (cause `Hang`); once those
