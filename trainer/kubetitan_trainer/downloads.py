@@ -1,4 +1,5 @@
-"""Hub downloads that survive a flaky network and run once per node.
+"""Hub downloads that survive a flaky network and run once per node, and the one retry policy of every hub access
+(:func:`with_retries`: the tokenizer download here, a hub dataset's opening in ``kubetitan_trainer.data``).
 
 - **Once per node**: local rank 0 of each pod downloads into a private folder next to the destination, moves
   the files in (one atomic rename each) and then writes the done-marker :data:`DONE_MARKER`; the pod's other
@@ -9,6 +10,8 @@
   and full jitter (the n-th wait is uniform in ``[0, min(cap, base * 2**n)]``). When they outlast the retries the
   trainer raises :class:`~kubetitan_trainer.errors.TransientError` (exit 6, ``RETRYABLE``: the operator
   restarts the run).
+- **Hub datasets** (``datasets.load_dataset``) are classified by :func:`classify_dataset`, which reads the
+  ``datasets`` library's own exceptions (it cuts their chains).
 - **Config errors** (exit 2, not retried): the repository does not exist, is gated or refuses the token
   (HTTP 401/403/404), the revision does not exist, or the name is not a valid repository id.
   Anything else is not guessed at: it propagates (exit 1, restarted).
