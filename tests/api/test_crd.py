@@ -257,10 +257,17 @@ def test_cel_field_path_exists(rule):
 
 
 def test_cel_fields_exist_in_the_schema():
-    """Every `self.a.b` a rule reads is a field of the spec schema (a typo would never fire)."""
+    """Every `self.a.b` a rule reads is a field of the spec schema (a typo would never fire); a list macro's
+    variable (`self.a.all(m, has(m.b))`) reads fields of the list's items."""
+    macro = r"\.(all|exists|exists_one|map|filter)\((\w+),"
     for r in CEL_RULES:
         for ref in re.findall(r"self((?:\.[a-zA-Z][a-zA-Z0-9]*)+)", r.rule):
+            ref = re.sub(r"\.(all|exists|exists_one|map|filter)$", "", ref)
             assert node_at(SPEC_SCHEMA, ref) is not None, f"{r.id}: {ref} is not a spec field"
+        for m in re.finditer(r"self((?:\.[a-zA-Z][a-zA-Z0-9]*)+)" + macro, r.rule):
+            items = node_at(SPEC_SCHEMA, m.group(1))["items"]
+            for field in re.findall(rf"\b{m.group(3)}\.([a-zA-Z][a-zA-Z0-9]*)", r.rule):
+                assert field in items["properties"], f"{r.id}: {m.group(1)}[].{field} is not a field"
 
 
 # ---------------------------------------------------------------- kubernetes-validate

@@ -210,16 +210,20 @@ SHARDS = {"source": "shards", "shards": {"path": "/data/c4"}}
 MIXTURE = {"source": "mixture", "mixture": [{"shards": {"path": "/data/a"}, "weight": 3},
                                             {"shards": {"path": "/data/b"}, "weight": 1}]}
 HUB = {"source": "huggingface", "huggingface": {"dataset": "allenai/c4"}}
+HUB_MIXTURE = {"source": "mixture", "mixture": [{"shards": {"path": "/data/a"}, "weight": 3},
+                                                {"huggingface": {"dataset": "allenai/c4"}, "weight": 1}]}
 SYNTHETIC = {"source": "synthetic"}
 NODES_3 = {"resources": {"nodes": 3}}
 TP_2 = {"parallelism": {"tensorParallelDegree": 2}}  # the same world, half the data-parallel degree
 
 
 @pytest.mark.parametrize(("source", "resumes"), [("synthetic", True), ("shards", True), ("mixture", True),
-                                                 ("huggingface", False)])
+                                                 ("hub-mixture", False), ("huggingface", False)])
 def test_which_data_resumes_at_another_data_parallel_degree(source, resumes) -> None:
-    """The capability, one row per ``data.source`` (a new source must get its row: the list is the Literal's)."""
-    data = {"synthetic": SYNTHETIC, "shards": SHARDS, "mixture": MIXTURE, "huggingface": HUB}[source]
+    """The capability, one row per ``data.source`` (a new source must get its row: the list is the Literal's), and a
+    mixture with a hub entry (that entry keeps a per-rank position)."""
+    data = {"synthetic": SYNTHETIC, "shards": SHARDS, "mixture": MIXTURE, "hub-mixture": HUB_MIXTURE,
+            "huggingface": HUB}[source]
     assert contract.resumes_at_another_dp_degree(_spec(data=data).data) is resumes
     assert set(LlamaPretrainSpec.model_fields["data"].annotation.model_fields["source"].annotation.__args__) == {
         "synthetic", "shards", "mixture", "huggingface"}
@@ -233,6 +237,7 @@ GATE_ROWS = [
     ("shards-tensor-parallel", SHARDS, {}, SHARDS, TP_2, None, "data-parallel degree 16 -> 8"),
     ("hub-nodes", HUB, {}, HUB, NODES_3, C.WORLD_SIZE_CHANGE_REFUSED, "resources.nodes 2 -> 3"),
     ("hub-tensor-parallel", HUB, {}, HUB, TP_2, C.WORLD_SIZE_CHANGE_REFUSED, "data-parallel degree 16 -> 8"),
+    ("hub-mixture-nodes", HUB_MIXTURE, {}, HUB_MIXTURE, NODES_3, C.WORLD_SIZE_CHANGE_REFUSED, "resources.nodes 2 -> 3"),
     # 4 nodes at tensor-parallel 2 keep the data-parallel degree 16: the per-rank positions still fit
     ("hub-more-nodes-same-degree", HUB, {}, HUB, {"resources": {"nodes": 4}, **TP_2}, None,
      "the data-parallel degree 16 -> 16"),

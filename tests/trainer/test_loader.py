@@ -5,8 +5,11 @@ loader and the eval metrics. No torch distributed, no training: the ledger test 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 
 from kubetitan_trainer import data
 from kubetitan_trainer.data import (EvalLoader, GlobalDataLoader, GlobalStream, MixSchedule, WindowSource,
@@ -268,3 +271,75 @@ def test_a_streamed_dataset_resumed_at_another_dp_degree_is_a_config_error_not_a
     with pytest.raises(ConfigError, match="saved at data-parallel degree 2, this run has 1.*data.source shards"):
         LocalDataLoader(Empty(), dp_rank=0, dp_world_size=1, batch_size=1).load_state_dict(saved)
     LocalDataLoader(Empty(), dp_rank=0, dp_world_size=2, batch_size=1).load_state_dict(saved)  # same degree: fine
+
+
+# ------------------------------------------------------------------ a streamed (hub) source inside a mixture
+def _hub_source(tmp_path, name="stream"):
+    """A :class:`data.HubSource` over a local JSONL file (the ``datasets`` path a hub dataset takes), seq_len SEQ."""
+    import json
+
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from kubetitan_trainer.tokenizer import BUILTIN_TOKENIZER
+
+    corpus = tmp_path / f"{name}.jsonl"
+    if not corpus.exists():
+        corpus.write_text("".join(json.dumps({"text": f"doc {i} " + "abc " * (i % 5 + 1)}) + "\n" for i in range(300)))
+    return data.HubSource(name, data.HubSpec(str(corpus)), SEQ), HuggingFaceTokenizer(str(BUILTIN_TOKENIZER))
+
+
+def _hub_loader(tmp_path, W, r, b=2):
+    hub, tok = _hub_source(tmp_path)
+    hub.open(tok, r, W)
+    stream = GlobalStream([source("a", 40), hub], [3.0, 1.0], seed=5, shuffled=True)
+    counted: list[dict] = []
+    counters = data._Counters(stream)
+    counters.exporter = SimpleNamespace(data_tokens=counted.append)
+    return GlobalDataLoader(stream, dp_rank=r, dp_world_size=W, local_batch=b, on_batch=counters), counted
+
+
+def test_a_streamed_source_is_mixed_by_the_schedule_and_read_per_rank_in_order(tmp_path):
+    ld, counted = _hub_loader(tmp_path, W=1, r=0)
+    it = iter(ld)
+    batches = [next(it) for _ in range(6)]  # 12 samples: 9 from the shards, 3 from the stream
+    assert counted[-1] == {"a": 9 * (SEQ + 1), "stream": 3 * (SEQ + 1)}  # exported per source, exact
+    hub_rows = [row for inp, lab in batches for row in torch.cat([inp["input"], lab[:, -1:]], 1)
+                if not _is_arange(row)]  # a shards window here is a run of consecutive ids (ArangeShards)
+    assert len(hub_rows) == 3
+    # the stream's consecutive windows, in its order
+    again, tok = _hub_source(tmp_path)
+    again.open(tok, 0, 1)
+    assert [r.tolist() for r in hub_rows] == [again.next_window().tolist() for _ in range(3)]
+
+
+def _is_arange(row) -> bool:
+    return all(int(row[i + 1]) - int(row[i]) == 1 for i in range(len(row) - 1))
+
+
+def test_a_streamed_source_resumes_at_the_same_degree_and_refuses_another(tmp_path):
+    first, _ = _hub_loader(tmp_path, W=2, r=1)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    state = first.state_dict()
+    assert state[data._RANK_DEGREE_KEY] == 2 and data._RANK_STATE_KEY.format(1) in state
+    want = [next(it) for _ in range(3)]
+    again, _ = _hub_loader(tmp_path, W=2, r=1)
+    again.load_state_dict(state)
+    got = [b for b, _ in zip(iter(again), range(3))]
+    assert all(torch.equal(g[0]["input"], w[0]["input"]) for g, w in zip(got, want))  # continues where it stopped
+    shrunk, _ = _hub_loader(tmp_path, W=1, r=0)
+    with pytest.raises(ConfigError, match="saved at data-parallel degree 2, this run has 1.*prepare-data"):
+        shrunk.load_state_dict(state)
+    # a larger degree: rank 2's key is not in the checkpoint; caught before DCP would stop on the missing key
+    grown, _ = _hub_loader(tmp_path, W=3, r=2)
+    keys = {f"dataloader.{k}" for k in state}
+    assert str(data.resume_problem(keys, grown)).startswith("data.source huggingface")
+    assert data.resume_problem(keys, _hub_loader(tmp_path, W=2, r=1)[0]) is None
+
+
+def test_a_per_rank_checkpoint_is_caught_before_it_is_loaded():
+    ld = GlobalDataLoader(_factory()(), dp_rank=0, dp_world_size=1, local_batch=1)
+    old = {"dataloader.dp_rank_0", "dataloader.world_size", "model.tok_embeddings.weight"}
+    assert "older kubetitan" in str(data.resume_problem(old, ld))
+    assert data.resume_problem({"dataloader." + data._STATE_KEY, "model.x"}, ld) is None

@@ -319,6 +319,17 @@ def test_launcher_takes_the_failing_workers_exit_code(failures, want):
     assert exit_code_of(failures) == want
 
 
+@pytest.mark.parametrize(("message", "want"), [
+    ({"message": "ConfigError: x. Fix: y", "extraInfo": {"py_callstack": "Traceback (most recent call last):\n..."}},
+     "ConfigError: x. Fix: y"),
+    ("Signal 9 (SIGKILL) received by PID 12", "Signal 9 (SIGKILL) received by PID 12"),
+], ids=["error-file-without-its-call-stack", "plain-message"])
+def test_launcher_logs_a_failed_workers_message_without_the_call_stack(message, want):
+    from kubetitan_trainer.launch import failure_summary
+
+    assert failure_summary(message) == want
+
+
 def test_launcher_waits_for_dns_then_gives_up():
     from kubetitan_trainer.launch import wait_for_dns
 

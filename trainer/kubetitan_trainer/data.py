@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -51,8 +52,8 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 from torchtitan.tools.logging import logger
 
 from kubetitan_core import contract
-from kubetitan_trainer import compat
-from kubetitan_trainer.errors import ConfigError
+from kubetitan_trainer import compat, downloads
+from kubetitan_trainer.errors import ConfigError, TransientError
 from kubetitan_trainer.shards import ShardSet
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -66,6 +67,9 @@ LEDGER_DIR = "ledger"
 it trains to ``rank-<r>.txt``, one line ``step position source window epoch`` per sample."""
 _MASK64 = (1 << 64) - 1
 _STATE_KEY = "kubetitan_global_position"
+_RANK_STATE_KEY = "kubetitan_stream_position_dp_rank_{}"
+"""A mixture's streamed sources' positions on one rank (pickled ``HuggingFaceTextDataset`` states, by source)."""
+_RANK_DEGREE_KEY = "kubetitan_stream_dp_degree"
 
 
 def _mix(*xs: int) -> int:
@@ -232,7 +236,12 @@ class GlobalStream:
         return out
 
     def tokens(self, s: Sample) -> np.ndarray:
-        return self.sources[s.source].window(s.window)
+        src = self.sources[s.source]
+        return src.next_window() if getattr(src, "per_rank", False) else src.window(s.window)
+
+    def per_rank_sources(self) -> list[Any]:
+        """The sources whose position is one per rank (streamed datasets, :class:`HubSource`)."""
+        return [s for s in self.sources if getattr(s, "per_rank", False)]
 
     def state(self) -> dict[str, Any]:
         return {"consumed_samples": self.schedule.g, "source_draws": list(self.schedule.counts),
@@ -283,16 +292,69 @@ class GlobalDataLoader(BaseDataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         # A string: DCP saves it once (every rank's is the same) and hands it back to every rank, any world size.
-        return {_STATE_KEY: json.dumps(self.stream.state())}
+        state: dict[str, Any] = {_STATE_KEY: json.dumps(self.stream.state())}
+        hub = self.stream.per_rank_sources()
+        if hub:  # a streamed source's position is this rank's own: a key per rank, and the degree they belong to
+            state[_RANK_STATE_KEY.format(self.dp_rank)] = pickle.dumps({s.name: s.state_dict() for s in hub})
+            state[_RANK_DEGREE_KEY] = self.dp_world_size
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
         if _STATE_KEY not in state_dict:
-            raise ConfigError("checkpoint (dataloader state)", "the checkpoint's data position is not a global one (it "
-                              "was saved by a trainer that kept one position per data-parallel rank)",
-                              "start the run afresh, or resume it with that trainer version")
+            raise per_rank_checkpoint_error()
         self.stream.restore(json.loads(state_dict[_STATE_KEY]))
+        hub = self.stream.per_rank_sources()
+        if not hub:
+            return
+        key = _RANK_STATE_KEY.format(self.dp_rank)
+        saved = state_dict.get(_RANK_DEGREE_KEY)
+        if saved != self.dp_world_size or key not in state_dict:
+            raise stream_degree_error(saved, self.dp_world_size, [s.name for s in hub])
+        positions = pickle.loads(state_dict[key])
+        for s in hub:
+            s.load_state_dict(positions.get(s.name, {}))
+
+    def missing_state_error(self, saved: set[str]) -> ConfigError:
+        """What a checkpoint lacking some of this loader's keys (``saved``: the keys it has) means."""
+        if _STATE_KEY not in saved:
+            return per_rank_checkpoint_error()
+        return stream_degree_error(None, self.dp_world_size, [s.name for s in self.stream.per_rank_sources()])
+
+
+def per_rank_checkpoint_error() -> ConfigError:
+    """A checkpoint whose dataloader state is torchtitan's per-rank one (kubetitan before the global stream)."""
+    return ConfigError("checkpoint (dataloader state)",
+                       "the checkpoint's data position is not a global one: it was saved by an older kubetitan, whose "
+                       "loader kept one position per data-parallel rank (torchtitan's), and the positions of the two "
+                       "loaders do not translate into each other",
+                       "start the run afresh (a new name, or an empty checkpoint folder), or finish it with the "
+                       "kubetitan version that wrote the checkpoint (docs/data.md, Migrating)")
+
+
+def stream_degree_error(saved: int | None, now: int, names: list[str]) -> ConfigError:
+    """A run with a streamed dataset resumed at another data-parallel degree."""
+    was = f"degree {saved}" if saved is not None else "another degree"
+    return ConfigError("data.source huggingface (spec.data.source, spec.data.mixture[].huggingface)",
+                       f"the checkpoint's position in the streamed dataset(s) {', '.join(names) or ''} was saved at "
+                       f"data-parallel {was}, this run has {now}; a streamed dataset keeps one position per rank and "
+                       "cannot be re-split",
+                       "resume at the same degree, or prepare the corpus with `kubetitan prepare-data` and use "
+                       "data.source shards or shards mixture sources (their position is global: any degree resumes)")
+
+
+def resume_problem(saved_keys: set[str], loader: BaseDataLoader, prefix: str = "dataloader.") -> ConfigError | None:
+    """Before a checkpoint is loaded: the ConfigError when it lacks a key ``loader`` will ask for (DCP would stop
+    with a bare ``Missing key`` RuntimeError), None when it has them all. ``saved_keys``: the checkpoint's keys
+    (its metadata's ``state_dict_metadata``)."""
+    expected = {prefix + k for k in loader.state_dict()}
+    if not expected or expected <= saved_keys:
+        return None
+    saved = {k[len(prefix):] for k in saved_keys if k.startswith(prefix)}
+    if isinstance(loader, (GlobalDataLoader, LocalDataLoader)):
+        return loader.missing_state_error(saved)
+    return None
 
 
 class EvalLoader(BaseDataLoader):
@@ -322,21 +384,48 @@ class LocalDataLoader(ParallelAwareDataloader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict and state_dict.get("world_size", self.dp_world_size) != self.dp_world_size:
-            raise ConfigError("data.source huggingface (spec.data.source)",
-                              f"the checkpoint's data position was saved at data-parallel degree "
-                              f"{state_dict['world_size']}, this run has {self.dp_world_size}; a streamed dataset "
-                              "keeps one position per rank and cannot be re-split",
-                              "resume at the same degree, or prepare the corpus with `kubetitan prepare-data` and use "
-                              "data.source shards (its position is global: any degree resumes)")
+            raise stream_degree_error(state_dict["world_size"], self.dp_world_size, [getattr(self.dataset, 'dataset_name', '')])
         super().load_state_dict(state_dict)
+
+    def missing_state_error(self, saved: set[str]) -> ConfigError:
+        if _STATE_KEY in saved:
+            return ConfigError("data.source huggingface (spec.data.source)", "the checkpoint's data position is a "
+                               "global one (a shards or mixture run), this run streams a dataset",
+                               "resume with the data source the checkpoint was written with, or start afresh")
+        return stream_degree_error(None, self.dp_world_size, [getattr(self.dataset, 'dataset_name', '')])
 
 
 # ---------------------------------------------------------------------------------------------------- huggingface
 _LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
+HF_FIELD = "kubetitan.data.hf_dataset (spec.data.huggingface.dataset)"
+HUB_HINT = ("or keep the hub out of the run: tokenize the corpus once with `kubetitan prepare-data` and train on "
+            "shards (data.source shards or mixture), or copy the dataset to a volume (spec.data.volume) and give its "
+            "path as the dataset, or pre-fill the Hugging Face cache on a volume (HF_HOME) and set HF_HUB_OFFLINE=1")
+"""The fix every hub-dataset network error names (the retries' last message, a failure mid-stream)."""
 
 
-def load_hf_dataset(dataset: str, config: str, split: str, streaming: bool):
-    """``datasets.load_dataset`` for a hub name, a local directory/file, or ``builtin``."""
+@dataclass(frozen=True)
+class HubSpec:
+    """One Hugging Face dataset source: ``data.source = "huggingface"`` or one ``huggingface`` mixture entry."""
+
+    dataset: str
+    config: str = ""
+    split: str = "train"
+    streaming: bool = True
+    text_field: str = "text"
+    field: str = HF_FIELD
+    """The config key (and spec field) its errors name."""
+
+
+def load_hf_dataset(dataset: str, config: str, split: str, streaming: bool, *, field: str = HF_FIELD,
+                    **retry: Any):
+    """``datasets.load_dataset`` for a hub name, a local directory/file, or ``builtin``.
+
+    A hub dataset is opened with the hub retry policy (``downloads.with_retries``: capped exponential backoff
+    with jitter around the ``datasets``/``huggingface_hub`` call, whose own retries of one request count as one
+    try): a hub that stays unreachable is a :class:`TransientError` (exit 6) naming the dataset and the way to
+    train without the hub; a dataset the hub does not have (or refuses) is a :class:`ConfigError` (exit 2) on
+    ``field``. ``retry`` passes the policy's knobs (tests)."""
     from datasets import load_dataset
 
     if dataset == "builtin":
@@ -345,19 +434,31 @@ def load_hf_dataset(dataset: str, config: str, split: str, streaming: bool):
     if p.is_file():
         builder = _LOCAL_BUILDERS.get(p.suffix)
         if builder is None:
-            raise ConfigError(
-                "kubetitan.data.hf_dataset (spec.data.huggingface.dataset)",
-                f"{dataset} is a file of unknown type",
-                f"use a {', '.join(_LOCAL_BUILDERS)} file, a directory, or a hub dataset name",
-            )
+            raise ConfigError(field, f"{dataset} is a file of unknown type",
+                              f"use a {', '.join(_LOCAL_BUILDERS)} file, a directory, or a hub dataset name")
         return load_dataset(builder, data_files={split: str(p)}, split=split, streaming=streaming)
     if dataset.startswith("/") and not p.exists():
-        raise ConfigError(
-            "kubetitan.data.hf_dataset (spec.data.huggingface.dataset)",
-            f"the local path {dataset} does not exist",
-            "mount the volume that holds it (spec.data.volume) or fix the path",
-        )
-    return load_dataset(dataset, name=config or None, split=split, streaming=streaming)
+        raise ConfigError(field, f"the local path {dataset} does not exist",
+                          "mount the volume that holds it (spec.data.volume) or fix the path")
+    if p.is_dir():
+        return load_dataset(dataset, name=config or None, split=split, streaming=streaming)
+    try:
+        return downloads.with_retries(
+            lambda: load_dataset(dataset, name=config or None, split=split, streaming=streaming),
+            f"Opening the dataset {dataset} on the hub", kind=downloads.classify_dataset,
+            hint=f"check the pod's network access to the hub (or HF_ENDPOINT), {HUB_HINT}", **retry)
+    except TransientError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only the config class becomes a ConfigError; the rest propagates
+        if downloads.classify_dataset(e) != downloads.CONFIG:
+            raise
+        raise ConfigError(field, f"the hub cannot give {dataset} (config {config or 'default'}, split {split}): "
+                          f"{type(e).__name__}: {downloads.first_line(e)}",
+                          "check the dataset id (namespace/name on the hub), config and split; for a gated or "
+                          "private dataset accept its terms and set spec.tokenizer.tokenSecretRef (its HF_TOKEN "
+                          "reaches the dataset load too); with HF_HUB_OFFLINE=1 the dataset must be in the "
+                          "Hugging Face cache (HF_HOME) already; or prepare it into shards with `kubetitan "
+                          "prepare-data`") from None
 
 
 class KubetitanHFTextDataset(HuggingFaceTextDataset):
@@ -365,17 +466,94 @@ class KubetitanHFTextDataset(HuggingFaceTextDataset):
 
     The base ``__init__`` only accepts datasets from torchtitan's fixed registry, so this one sets
     the same attributes from ``[kubetitan.data]`` instead (``compat.init_hf_text_dataset``); everything else
-    is inherited.
+    is inherited, except that a failure while streaming is classified (:meth:`__iter__`).
     """
 
-    def __init__(self, cfg, tokenizer: BaseTokenizer, seq_len: int, dp_rank: int, dp_world_size: int, infinite: bool = True) -> None:
+    def __init__(self, cfg, tokenizer: BaseTokenizer, seq_len: int, dp_rank: int, dp_world_size: int,
+                 infinite: bool = True, *, hub: HubSpec | None = None) -> None:
         from datasets.distributed import split_dataset_by_node
 
-        ds = load_hf_dataset(cfg.hf_dataset, cfg.hf_config, cfg.hf_split, cfg.hf_streaming)
-        field = cfg.hf_text_field
-        compat.init_hf_text_dataset(self, dataset_name=cfg.hf_dataset, data=split_dataset_by_node(ds, dp_rank, dp_world_size),
+        hub = hub or HubSpec(cfg.hf_dataset, cfg.hf_config, cfg.hf_split, cfg.hf_streaming, cfg.hf_text_field)
+        self.hub = hub
+        self.documents_read = 0
+        """Documents this process has read (for error messages; the checkpointed position is the base class's)."""
+        ds = load_hf_dataset(hub.dataset, hub.config, hub.split, hub.streaming, field=hub.field)
+        compat.init_hf_text_dataset(self, dataset_name=hub.dataset, data=split_dataset_by_node(ds, dp_rank, dp_world_size),
                                     tokenizer=tokenizer, seq_len=seq_len, infinite=infinite,
-                                    text_processor=lambda sample: sample[field])
+                                    text_processor=self._text)
+
+    def _text(self, sample: dict[str, Any]) -> str:
+        self.documents_read += 1
+        try:
+            return sample[self.hub.text_field]
+        except KeyError:
+            raise ConfigError(self.hub.field, f"the rows of {self.hub.dataset} have no column {self.hub.text_field!r} "
+                              f"(the text field; they have {sorted(sample)})",
+                              "set this source's textField to the column that holds the text") from None
+
+    def __iter__(self):
+        try:
+            yield from super().__iter__()
+        except (ConfigError, TransientError):
+            raise
+        except Exception as e:  # noqa: BLE001 - classified: a network or hub failure is not a traceback
+            kind = downloads.classify_dataset(e)
+            if kind is None:
+                raise
+            where = f"Reading the dataset {self.hub.dataset} (after {self.documents_read} documents on this rank)"
+            if kind == downloads.CONFIG:
+                raise ConfigError(self.hub.field, f"{where} failed: {type(e).__name__}: {downloads.first_line(e)}",
+                                  f"check that the dataset's files are readable with the pod's token; {HUB_HINT}") from None
+            raise TransientError(f"{where} failed mid-stream after the library's own retries ({type(e).__name__}: "
+                                 f"{downloads.first_line(e)}). The run is restarted from its newest checkpoint (exit "
+                                 f"code 6); if it keeps failing, check the pod's network access to the hub (or "
+                                 f"HF_ENDPOINT), {HUB_HINT}") from e
+
+
+class HubSource:
+    """A streamed Hugging Face dataset inside a mixture (``mixture_kinds`` entry ``huggingface``).
+
+    The mixture schedule decides, for every global sample, which source gives it, on every rank alike; when this
+    source is chosen, rank ``r`` takes the next ``seq_len + 1`` tokens of *its own* part of the stream
+    (torchtitan's ``HuggingFaceTextDataset`` over ``split_dataset_by_node``: documents BOS + text + EOS, packed). So
+    the per-source shares are exact (the schedule's guarantee) while the tokens are rank-local, in the dataset's
+    order: no random access, no shuffle, no held-out split, and its position is one per rank, so a run with it
+    resumes only at the same data-parallel degree (:meth:`GlobalDataLoader.load_state_dict` says so)."""
+
+    per_rank = True
+    shuffle = False
+    held_out_windows = 0
+
+    def __init__(self, name: str, hub: HubSpec, seq_len: int) -> None:
+        self.name, self.hub, self.seq_len = name, hub, seq_len
+        self.windows = SYNTHETIC_WINDOWS  # a stream: the schedule never wraps it into a second "epoch"
+        self.dataset: KubetitanHFTextDataset | None = None
+        self._it: Iterator | None = None
+
+    def open(self, tokenizer: BaseTokenizer | None, dp_rank: int, dp_world_size: int) -> None:
+        """Open this rank's part of the stream (the hub retry policy applies: :func:`load_hf_dataset`)."""
+        if tokenizer is None:
+            raise ConfigError(self.hub.field, "a huggingface mixture source needs a tokenizer", "set spec.tokenizer")
+        self.dataset = KubetitanHFTextDataset(None, tokenizer, self.seq_len, dp_rank, dp_world_size, hub=self.hub)
+
+    def next_window(self) -> np.ndarray:
+        """The next ``seq_len + 1`` tokens of this rank's stream."""
+        assert self.dataset is not None, "HubSource.open() first"
+        if self._it is None:
+            self._it = iter(self.dataset)
+        inp, label = next(self._it)
+        return torch.cat([inp["input"], label[-1:]]).numpy()
+
+    def window(self, k: int) -> np.ndarray:  # noqa: ARG002 - a stream has no random access
+        raise ConfigError(self.hub.field, "a streamed dataset has no random access (held-out or replayed windows)",
+                          "evaluate on a separate held-out set (spec.data.eval.shards)")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict() if self.dataset is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.dataset is not None and state:
+            self.dataset.load_state_dict(state)
 
 
 # ---------------------------------------------------------------------------------------------------- building
@@ -391,7 +569,8 @@ def data_seed(job_config: JobConfig) -> int:
 
 
 def mixture_names(cfg) -> list[str]:
-    """Metric label of each mixture source: its name, else its directory's name (made unique with ``-<i>``)."""
+    """Metric label of each mixture source: its name, else its directory's (or dataset's) last path component, made
+    unique with ``-<i>``."""
     names = list(cfg.mixture_names) + [""] * (len(cfg.mixture_paths) - len(cfg.mixture_names))
     out: list[str] = []
     for i, (n, p) in enumerate(zip(names, cfg.mixture_paths)):
@@ -400,8 +579,27 @@ def mixture_names(cfg) -> list[str]:
     return out
 
 
+def _pad(values: list, n: int, default: Any) -> list:
+    return list(values) + [default] * (n - len(values))
+
+
+def mixture_hub_spec(cfg, i: int) -> HubSpec | None:
+    """Mixture source ``i`` as a :class:`HubSpec` when it is a ``huggingface`` one, else None."""
+    n = len(cfg.mixture_paths)
+    kinds = _pad(cfg.mixture_kinds, n, "shards")
+    if kinds[i] not in ("shards", "huggingface"):
+        raise ConfigError(f"kubetitan.data.mixture_kinds[{i}]", f"unknown kind {kinds[i]!r}", "use shards or huggingface")
+    if kinds[i] != "huggingface":
+        return None
+    return HubSpec(cfg.mixture_paths[i], _pad(cfg.mixture_hf_configs, n, "")[i],
+                   _pad(cfg.mixture_hf_splits, n, "")[i] or "train", _pad(cfg.mixture_hf_streaming, n, True)[i],
+                   _pad(cfg.mixture_hf_text_fields, n, "")[i] or "text",
+                   field=f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].huggingface.dataset)")
+
+
 def build_sources(job_config: JobConfig, *, held_out_percent: float | None = None) -> tuple[list[Any], list[float]]:
-    """The training sources and their weights from ``[kubetitan.data]``."""
+    """The training sources and their weights from ``[kubetitan.data]`` (a mixture's streamed sources are not opened
+    yet: :meth:`HubSource.open`)."""
     cfg = job_config.kubetitan.data
     seq_len = job_config.training.seq_len
     held = cfg.held_out_percent if held_out_percent is None else held_out_percent
@@ -419,10 +617,14 @@ def build_sources(job_config: JobConfig, *, held_out_percent: float | None = Non
         if len(cfg.mixture_paths) < 1 or len(cfg.mixture_weights) != len(cfg.mixture_paths):
             raise ConfigError("kubetitan.data.mixture_paths (spec.data.mixture)",
                               f"{len(cfg.mixture_paths)} path(s) and {len(cfg.mixture_weights)} weight(s)",
-                              "give every mixture source a shards path and a weight")
-        sources = []
-        dtypes = list(cfg.mixture_dtypes) + ["auto"] * (len(cfg.mixture_paths) - len(cfg.mixture_dtypes))
+                              "give every mixture source a shards path (or a dataset) and a weight")
+        sources: list[Any] = []
+        dtypes = _pad(cfg.mixture_dtypes, len(cfg.mixture_paths), "auto")
         for i, (name, path) in enumerate(zip(mixture_names(cfg), cfg.mixture_paths)):
+            hub = mixture_hub_spec(cfg, i)
+            if hub is not None:
+                sources.append(HubSource(name, hub, seq_len))
+                continue
             field = f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].shards.path)"
             sources.append(WindowSource(name, open_shards(path, field, dtypes[i], vocab, job_config), seq_len, held,
                                         path=path, field=field))
@@ -476,6 +678,9 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer 
         kwargs = {**asdict(t.dataloader), "batch_size": t.local_batch_size}
         return LocalDataLoader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)
     sources, weights = build_sources(job_config)
+    for s in sources:
+        if getattr(s, "per_rank", False):
+            s.open(tokenizer, dp_rank, dp_world_size)
     stream = GlobalStream(sources, weights, data_seed(job_config), shuffled=cfg.order == "shuffled")
     counters = _Counters(stream)
     loader = GlobalDataLoader(stream, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch=t.local_batch_size,
@@ -511,6 +716,10 @@ def build_eval_loader(job_config: JobConfig, dp_world_size: int, dp_rank: int) -
         if cfg.source == "synthetic":
             evals = SyntheticSource(sources[0].vocab_size, seq_len, _mix(data_seed(job_config), 0xE7A1))
             reads, sizes = [evals.window], [SYNTHETIC_WINDOWS]
+        elif any(getattr(s, "per_rank", False) for s in sources):
+            raise ConfigError("kubetitan.data.eval_shards_path (spec.data.eval.shards)",
+                              "is required with a huggingface mixture source: a streamed dataset has no held-out split",
+                              "prepare a held-out set with `kubetitan prepare-data` and set spec.data.eval.shards")
         else:
             reads, sizes = [s.held_out for s in sources], [s.held_out_windows for s in sources]
     if not all(sizes):

@@ -1,4 +1,5 @@
-"""Hub downloads that survive a flaky network and run once per node.
+"""Hub downloads that survive a flaky network and run once per node, and the one retry policy of every hub access
+(:func:`with_retries`: the tokenizer download here, a hub dataset's opening in ``kubetitan_trainer.data``).
 
 - **Once per node**: local rank 0 of each pod downloads into a private folder next to the destination, moves
   the files in (one atomic rename each) and then writes the done-marker :data:`DONE_MARKER`; the pod's other
@@ -9,6 +10,8 @@
   and full jitter (the n-th wait is uniform in ``[0, min(cap, base * 2**n)]``). When they outlast the retries the
   trainer raises :class:`~kubetitan_trainer.errors.TransientError` (exit 6, ``RETRYABLE``: the operator
   restarts the run).
+- **Hub datasets** (``datasets.load_dataset``) are classified by :func:`classify_dataset`, which reads the
+  ``datasets`` library's own exceptions (it cuts their chains).
 - **Config errors** (exit 2, not retried): the repository does not exist, is gated or refuses the token
   (HTTP 401/403/404), the revision does not exist, or the name is not a valid repository id.
   Anything else is not guessed at: it propagates (exit 1, restarted).
@@ -92,11 +95,16 @@ def classify(exc: BaseException) -> str | None:
 
 def with_retries(fn: Callable[[], Any], what: str, *, retries: int | None = None, base: float | None = None,
                  cap: float | None = None, sleep: Callable[[float], None] = time.sleep,
-                 rand: Callable[[], float] = random.random, log: Callable[[str], None] = print) -> Any:
-    """``fn()``, retrying transient failures (:func:`classify`) with capped exponential backoff and full jitter.
+                 rand: Callable[[], float] = random.random, log: Callable[[str], None] = print,
+                 kind: Callable[[BaseException], str | None] | None = None,
+                 hint: str = "check the pod's network access to the hub (or HF_ENDPOINT)") -> Any:
+    """``fn()``, retrying transient failures (``kind``, default :func:`classify`) with capped exponential backoff and
+    full jitter: the one retry policy of every hub access (the tokenizer download, a hub dataset's opening).
 
-    Raises :class:`TransientError` once ``retries`` retries failed too; re-raises anything else at once.
-    Unset knobs take :data:`RETRIES`, :data:`BACKOFF_BASE_SECONDS` and :data:`BACKOFF_CAP_SECONDS`."""
+    Raises :class:`TransientError` once ``retries`` retries failed too (its message ends with ``hint``); re-raises
+    anything else at once. Unset knobs take :data:`RETRIES`, :data:`BACKOFF_BASE_SECONDS` and
+    :data:`BACKOFF_CAP_SECONDS` (read at call time)."""
+    kind = classify if kind is None else kind
     retries = RETRIES if retries is None else retries
     base = BACKOFF_BASE_SECONDS if base is None else base
     cap = BACKOFF_CAP_SECONDS if cap is None else cap
@@ -104,19 +112,46 @@ def with_retries(fn: Callable[[], Any], what: str, *, retries: int | None = None
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - classified below; the rest re-raised
-            if classify(e) != TRANSIENT:
+            if kind(e) != TRANSIENT:
                 raise
             if attempt == retries:
                 raise TransientError(f"{what}: still failing after {retries + 1} tries ({type(e).__name__}: "
-                                     f"{_first_line(e)}). The run is restarted (exit code 6); if it keeps "
-                                     "failing, check the pod's network access to the hub (or HF_ENDPOINT)") from e
+                                     f"{first_line(e)}). The run is restarted (exit code 6); if it keeps "
+                                     f"failing, {hint}") from e
             delay = rand() * min(cap, base * 2**attempt)
-            log(f"{what}: {type(e).__name__}: {_first_line(e)}; retry {attempt + 1}/{retries} in {delay:.1f} s")
+            log(f"{what}: {type(e).__name__}: {first_line(e)}; retry {attempt + 1}/{retries} in {delay:.1f} s")
             sleep(delay)
     raise AssertionError("unreachable")
 
 
-def _first_line(e: BaseException) -> str:
+def classify_dataset(exc: BaseException) -> str | None:
+    """:func:`classify` for ``datasets.load_dataset`` and for reading a streamed dataset.
+
+    ``datasets`` re-raises its own exceptions with the chain cut (``raise e from None``), so its classes are read
+    first: no such dataset, no data files, an empty dataset, a gated one (``DatasetNotFoundError``) are ``CONFIG``; so
+    is any failure while ``HF_HUB_OFFLINE`` is set (it never asks the hub, so no retry can help). A hub file that is
+    neither reachable nor cached (``LocalEntryNotFoundError``) and a connection the library's own retries gave up
+    on (``ConnectionError``) are ``TRANSIENT``."""
+    from huggingface_hub import constants, errors as hf
+
+    try:
+        from datasets.data_files import EmptyDatasetError
+        from datasets.exceptions import DataFilesNotFoundError, DatasetNotFoundError
+        missing: tuple[type[BaseException], ...] = (DatasetNotFoundError, DataFilesNotFoundError, EmptyDatasetError)
+    except ImportError:  # datasets is the trainer's dependency; without it nothing here raised its classes
+        missing = ()
+    for e in _chain(exc):
+        if isinstance(e, missing):
+            return CONFIG
+    if constants.HF_HUB_OFFLINE:
+        return CONFIG
+    for e in _chain(exc):
+        if isinstance(e, hf.LocalEntryNotFoundError):
+            return TRANSIENT
+    return classify(exc)
+
+
+def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
@@ -175,7 +210,7 @@ def hub_snapshot(repo: str, patterns: list[str], token: str | None, endpoint: st
             if classify(e) != CONFIG:
                 raise
             raise ConfigError("kubetitan.tokenizer.repo (spec.tokenizer.repo)",
-                              f"the hub refused {repo}: {type(e).__name__}: {_first_line(e)}",
+                              f"the hub refused {repo}: {type(e).__name__}: {first_line(e)}",
                               "check the repository name, and for a gated or private one accept its licence "
                               "and set spec.tokenizer.tokenSecretRef to a Secret holding a token with access") from None
 

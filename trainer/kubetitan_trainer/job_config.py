@@ -21,7 +21,8 @@ class KubetitanData:
     source: Literal["synthetic", "huggingface", "shards", "mixture"] = "synthetic"
     """`synthetic`: deterministic random tokens (benchmarks); `huggingface`: a text dataset
     tokenized on the fly, read the way torchtitan reads c4; `shards`: pre-tokenized `.bin` files;
-    `mixture`: several shards directories mixed by weight (`mixture_paths`, `mixture_weights`)."""
+    `mixture`: several sources (shards directories, streamed datasets) mixed by weight (`mixture_paths`,
+    `mixture_weights`, `mixture_kinds`)."""
     order: Literal["shuffled", "sequential"] = "shuffled"
     """Order of the windows of `shards` and `mixture` sources: `shuffled` (a seeded permutation per epoch, the
     seed being `debug.seed`) or `sequential` (corpus order)."""
@@ -42,13 +43,24 @@ class KubetitanData:
     shards_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Token dtype of the shards; `auto` reads it from `index.json`."""
     mixture_paths: list[str] = field(default_factory=list)
-    """Shards directories (or `s3://bucket/prefix` copies of them) of a `mixture`, one per source."""
+    """The sources of a `mixture`, one entry each: a shards directory (or an `s3://bucket/prefix` copy of one), or
+    for a `huggingface` source (see `mixture_kinds`) the dataset (a hub id or a local path, as `hf_dataset`)."""
+    mixture_kinds: list[str] = field(default_factory=list)
+    """Kind of each `mixture_paths` entry: `shards` or `huggingface`; empty: `shards` for all."""
+    mixture_hf_configs: list[str] = field(default_factory=list)
+    """Per mixture source: the dataset configuration of a `huggingface` one (as `hf_config`), empty otherwise."""
+    mixture_hf_splits: list[str] = field(default_factory=list)
+    """Per mixture source: the split of a `huggingface` one (as `hf_split`); empty: `train`."""
+    mixture_hf_text_fields: list[str] = field(default_factory=list)
+    """Per mixture source: the text column of a `huggingface` one (as `hf_text_field`); empty: `text`."""
+    mixture_hf_streaming: list[bool] = field(default_factory=list)
+    """Per mixture source: stream a `huggingface` one (as `hf_streaming`); empty: true."""
     mixture_weights: list[float] = field(default_factory=list)
     """Weight of each `mixture_paths` entry (any positive numbers; normalised): its share of the samples (and tokens)."""
     mixture_dtypes: list[str] = field(default_factory=list)
     """Token dtype of each mixture source (`auto`, `uint16`, `uint32`); empty: `auto` for all."""
     mixture_names: list[str] = field(default_factory=list)
-    """Name of each mixture source (the `source` label of its metrics); empty: the directory's name."""
+    """Name of each mixture source (the `source` label of its metrics); empty: the directory's or dataset's name."""
     eval_samples: int = 0
     """Held-out sequences evaluated every `[validation] freq` steps, over all data-parallel ranks (rounded down to
     a multiple of local batch x data-parallel degree); 0: no evaluation."""

@@ -52,6 +52,7 @@ import socket
 import sys
 import tempfile
 import time
+from typing import Any
 
 from kubetitan_core import contract, hang
 from kubetitan_core.contract import EXIT_SIGTERM, ExitCode
@@ -123,6 +124,15 @@ class CleanStopLogFilter(logging.Filter):
             record.msg, record.args = "Workers stopped after saving their stop checkpoint (exit code 75)", ()
             record.levelno, record.levelname, record.exc_info, record.exc_text = logging.INFO, "INFO", None, None
         return True
+
+
+def failure_summary(message: Any) -> str:
+    """A failed worker's message as torch elastic read it from the worker's error file, without the Python call stack
+    it records there (``{"message": ..., "extraInfo": {"py_callstack": ...}}``): the worker logged its own error line
+    already, and a classified exit (2, 6, ...) is never shown as a traceback."""
+    if isinstance(message, dict):
+        return str(message.get("message", ""))
+    return str(message)
 
 
 def exit_code_of(failures: dict) -> int:
@@ -705,7 +715,8 @@ def main(argv: list[str] | None = None) -> int:
             log.info("Workers stopped cleanly after saving the stop checkpoint (exit code %d; the run resumes from it)",
                      code)
         else:
-            log.error("Worker rank %d failed first with exit code %d: %s", rank, failure.exitcode, failure.message)
+            log.error("Worker rank %d failed first with exit code %d: %s", rank, failure.exitcode,
+                      failure_summary(failure.message))
     if stopped["at"] and code not in (ExitCode.TERMINATED_CHECKPOINTED, ExitCode.OK):
         log.error("Stopped by SIGTERM without a complete checkpoint (worker exit %d)", code)
         code = EXIT_SIGTERM

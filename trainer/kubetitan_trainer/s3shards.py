@@ -101,8 +101,9 @@ def shards_paths(d: Any) -> list[tuple[str, str]]:
     the held-out set's (empty paths left out)."""
     paths = [("kubetitan.data.shards_path (spec.data.shards.path)", d.shards_path if d.source == "shards" else "")]
     if d.source == "mixture":
+        kinds = list(d.mixture_kinds) or ["shards"] * len(d.mixture_paths)  # a huggingface entry reads no shards
         paths += [(f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].shards.path)", p)
-                  for i, p in enumerate(d.mixture_paths)]
+                  for i, (p, kind) in enumerate(zip(d.mixture_paths, kinds, strict=True)) if kind == "shards"]
     paths.append((EVAL_FIELD, d.eval_shards_path))
     return [(f, p) for f, p in paths if p]
 

@@ -296,11 +296,25 @@ class KubetitanTrainer(Trainer):
             def tier_or_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
                 if not from_hf and self._load_tier(state_dict, checkpoint_id):
                     return None
+                if not from_hf:
+                    self._check_data_position(state_dict, checkpoint_id)
                 return dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
 
             return tier_or_dcp_load
 
         compat.wrap_checkpoint_methods(ckpt, save=wrap_save, load=wrap_load, dcp_load=wrap_dcp_load)
+
+    def _check_data_position(self, state_dict: dict, checkpoint_id: str) -> None:
+        """A checkpoint without the data position this run's loader asks for (an older kubetitan's per-rank one, a
+        streamed dataset's at another data-parallel degree) is a ConfigError saying why, not DCP's ``Missing key``."""
+        if "dataloader" not in state_dict:
+            return
+        from torch.distributed.checkpoint import FileSystemReader
+
+        reader = self._store.reader(checkpoint_id) or FileSystemReader(checkpoint_id)
+        problem = data.resume_problem(set(reader.read_metadata().state_dict_metadata), self.dataloader)
+        if problem is not None:
+            raise problem
 
     def _load_from_store(self, step: int, torchtitan_load: Callable[[int], bool]) -> bool:
         """torchtitan's ``load`` for a remote store (its own one tests a local folder with ``os.path``): the given

@@ -229,17 +229,22 @@ class ShardsDataSpec(_Base):
 
 
 class MixtureSourceSpec(_Base):
-    """One dataset of a weighted mixture: pre-tokenized shards and their share of the samples."""
+    """One dataset of a weighted mixture, `shards` or `huggingface` (exactly one), and its share of the samples."""
 
-    shards: ShardsDataSpec
-    """The source's shards (written by `kubetitan prepare-data`)."""
+    shards: ShardsDataSpec | None = None
+    """Pre-tokenized shards (written by `kubetitan prepare-data`): shuffled globally, resumable at any number of
+    GPUs."""
+    huggingface: HuggingFaceDataSpec | None = None
+    """A Hugging Face text dataset streamed and tokenized on the fly, each data-parallel rank reading its own part
+    of it in the dataset's order. A run with one cannot resume at another data-parallel degree (a stream has one
+    position per rank): prepare it into shards with `kubetitan prepare-data` for that."""
     weight: float = Field(gt=0, le=1_000_000)
     """Share of the training samples (and so of the tokens) drawn from this source, relative to the other
     sources' weights: 3 and 1 mean 75% and 25%. Realised exactly: after any n samples each source has had
     its share of n, give or take less than one sample."""
     name: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
     """Name of the source in metrics (the `source` label of `kubetitan_trainer_data_tokens_total`); unset means
-    the shards directory's name."""
+    the shards directory's name, or the dataset's name after its last `/`."""
 
 
 class EvalSpec(_Base):
@@ -255,7 +260,8 @@ class EvalSpec(_Base):
     trained on) and evaluated."""
     shards: ShardsDataSpec | None = None
     """A separate held-out dataset (shards written by `kubetitan prepare-data`); unset means a split of the
-    training data (`heldOutPercent`). Required with `data.source: huggingface`."""
+    training data (`heldOutPercent`). Required with `data.source: huggingface` and with a mixture that has a
+    `huggingface` source."""
 
 
 class DataSpec(_Base):
@@ -263,8 +269,8 @@ class DataSpec(_Base):
 
     source: Literal["synthetic", "huggingface", "shards", "mixture"] = "synthetic"
     """`synthetic`: random tokens (benchmarks); `huggingface`: a streamed text dataset
-    tokenized on the fly; `shards`: pre-tokenized files on a volume; `mixture`: several shards
-    directories mixed by weight (`mixture`)."""
+    tokenized on the fly; `shards`: pre-tokenized files on a volume; `mixture`: several sources (shards
+    directories or streamed datasets) mixed by weight (`mixture`)."""
     huggingface: HuggingFaceDataSpec | None = None
     """Settings for `source: huggingface`; unset means c4 `en` `train`, streamed."""
     shards: ShardsDataSpec | None = None
@@ -272,7 +278,7 @@ class DataSpec(_Base):
     mixture: list[MixtureSourceSpec] = Field(default_factory=list, max_length=64)
     """The sources of `source: mixture` (required there, and only there), each with its weight."""
     order: Literal["shuffled", "sequential"] = "shuffled"
-    """Order of the sequences of `shards` and `mixture` sources: `shuffled` (a permutation of all sequences
+    """Order of the sequences of `shards` sources (alone or in a mixture): `shuffled` (a permutation of all sequences
     per epoch, seeded by `training.seed`, the same for any number of GPUs) or `sequential` (corpus order).
     A streamed `huggingface` dataset is read in its own order."""
     eval: EvalSpec | None = None
@@ -760,7 +766,7 @@ class LlamaPretrain(_Base):
 def reads_s3_shards(s: LlamaPretrainSpec) -> bool:
     """Whether any shards path the trainer reads is ``s3://`` (then the pod stages them: plan and render)."""
     d = s.data
-    used = [m.shards.path for m in d.mixture] if d.source == "mixture" else []
+    used = [m.shards.path for m in d.mixture if m.shards is not None] if d.source == "mixture" else []
     if d.source == "shards" and d.shards is not None:
         used.append(d.shards.path)
     if d.eval is not None and d.eval.shards is not None:

@@ -36,9 +36,11 @@ class ExitCode(IntEnum):
     `efa` provider), checked after the first step. Not retried: use an image with the plugin (see
     `images/trainer.Dockerfile`) or set `spec.resources.networkFallback: AllowSockets`."""
     RETRYABLE = 6
-    """A transient failure that outlasted the trainer's own retries: the tokenizer download from the hub kept
-    failing with connection errors, timeouts, HTTP 429 or 5xx (capped exponential backoff with jitter first).
-    Restarted like any failure (cause `ContainerFailed`, counted against `spec.runPolicy.maxRestarts`)."""
+    """A transient failure that outlasted the trainer's own retries: the tokenizer download or the opening of a hub
+    dataset kept failing with connection errors, timeouts, HTTP 429 or 5xx (capped exponential backoff with jitter
+    first), or a streamed hub dataset broke mid-way after the `datasets` library's own retries. Restarted like any
+    failure (cause `ContainerFailed`, counted against `spec.runPolicy.maxRestarts`); to keep the hub out of the run,
+    prepare the corpus into shards (`kubetitan prepare-data`) or pre-download it (`HF_HUB_OFFLINE=1`)."""
     HANG = 7
     """A launcher's watchdog stopped its workers: a step stood still for the hang limit (`runPolicy.hangTimeoutSeconds`,
     `hangTimeoutPolicy`). With in-place restarts on, every rank's workers restart in place (cause `Hang`); once those
@@ -97,17 +99,19 @@ the dataset (hub or local) through torchtitan's ``ParallelAwareDataloader``, whi
 position per rank, so its checkpoint resumes only at the DP degree it was saved at (the trainer refuses another one
 with a configuration error). Every other source (``synthetic``, ``shards``, ``mixture``, whose entries are shards)
 reads one global sample stream whose position is the same on every rank (``kubetitan_trainer.data``): it resumes at
-any world size and DP degree, and DCP reshards the model and optimizer. The trainer picks its loader by this set."""
+any world size and DP degree, and DCP reshards the model and optimizer, unless a mixture entry is ``huggingface``
+(such an entry keeps a per-rank stream position too). The trainer picks its loader by this set."""
 
 
 def resumes_at_another_dp_degree(data: DataSpec) -> bool:
     """Capability of the trainer for one run's data (``spec.data``): whether a checkpoint of it resumes at another
-    data-parallel degree (and so at another world size). False iff a source is hub-streamed (in
-    :data:`PER_RANK_DATA_SOURCES`); a mixture holds only shards. The operator defers a mid-run edit of
+    data-parallel degree (and so at another world size). False iff a source is hub-streamed: the source itself (in
+    :data:`PER_RANK_DATA_SOURCES`) or a ``huggingface`` entry of a mixture. The operator defers a mid-run edit of
     ``resources.nodes``/``gpusPerNode``/``processesPerNode``/``parallelism`` that changes the DP degree to the next
     attempt when this holds, and refuses it otherwise (``SpecAccepted=False``, reason ``WorldSizeChangeRefused``;
     the admission webhook refuses it the same way): ``kubetitan.plan.world_size_change_allowed``."""
-    return data.source not in PER_RANK_DATA_SOURCES
+    return data.source not in PER_RANK_DATA_SOURCES and \
+        not any(m.huggingface is not None for m in (data.mixture or []))
 
 
 BUILTIN_TOKENIZER_VOCAB = 644

@@ -16,8 +16,8 @@ from typing import Any
 import tomli_w
 
 from kubetitan_core import contract
-from kubetitan_core.api import (HuggingFaceDataSpec, LlamaPretrain, LlamaPretrainSpec, S3Access, reads_s3_shards,
-                                resolved_dp_shard)
+from kubetitan_core.api import (HuggingFaceDataSpec, LlamaPretrain, LlamaPretrainSpec, MixtureSourceSpec, S3Access,
+                                reads_s3_shards, resolved_dp_shard)
 from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES
 
 TRAIN_SPEC_NAME = "kubetitan_llama3"
@@ -146,6 +146,25 @@ def efa_per_node(s: LlamaPretrainSpec) -> int:
     return 0
 
 
+def _mixture_keys(mixture: list[MixtureSourceSpec]) -> dict[str, Any]:
+    """A mixture as parallel lists (one entry per source): a shards source's path and dtype, a hub source's dataset
+    in ``mixture_paths`` and its settings in the ``mixture_hf_*`` lists (written only when a hub source is there)."""
+    hub = [m.huggingface for m in mixture]
+    keys: dict[str, Any] = {
+        "mixture_paths": [m.shards.path if m.shards else h.dataset for m, h in zip(mixture, hub)],  # type: ignore[union-attr]
+        "mixture_weights": [m.weight for m in mixture],
+        "mixture_names": [m.name or "" for m in mixture],
+        "mixture_dtypes": [m.shards.dtype if m.shards else "auto" for m in mixture],
+    }
+    if any(hub):
+        keys.update({"mixture_kinds": ["huggingface" if h else "shards" for h in hub],
+                     "mixture_hf_configs": [(h.config or "") if h else "" for h in hub],
+                     "mixture_hf_splits": [h.split if h else "" for h in hub],
+                     "mixture_hf_text_fields": [h.text_field if h else "" for h in hub],
+                     "mixture_hf_streaming": [h.streaming if h else True for h in hub]})
+    return keys
+
+
 # long: a flat mapping of spec fields to [kubetitan] keys, one key per line; splitting it would scatter the table
 def _kubetitan_table(lpt: LlamaPretrain) -> dict[str, Any]:
     """The ``[kubetitan]`` table: what torchtitan's own sections cannot say."""
@@ -179,10 +198,7 @@ def _kubetitan_table(lpt: LlamaPretrain) -> dict[str, Any]:
     if d.source == "shards" and d.shards is not None:
         table["data"].update({"shards_path": d.shards.path, "shards_dtype": d.shards.dtype})
     if d.source == "mixture" and d.mixture:
-        table["data"].update({"mixture_paths": [m.shards.path for m in d.mixture],
-                              "mixture_weights": [m.weight for m in d.mixture],
-                              "mixture_names": [m.name or "" for m in d.mixture],
-                              "mixture_dtypes": [m.shards.dtype for m in d.mixture]})
+        table["data"].update(_mixture_keys(d.mixture))
     table["data"]["order"] = d.order
     if d.eval is not None:
         table["data"]["eval_samples"] = d.eval.samples

@@ -184,11 +184,17 @@ RULES: tuple[Rule, ...] = (
              "(self.data.source == 'mixture') == (has(self.data.mixture) && size(self.data.mixture) > 0)",
              "data.mixture is required when data.source is mixture, and only then",
              ".data.mixture")),
-    Rule("data.eval-held-out", "spec.data.eval", "eval.shards set when data.source is huggingface (a stream has no "
-         "held-out split)",
+    Rule("data.mixture-source", "spec.data.mixture[]", "each source sets exactly one of shards and huggingface",
          cel=Cel(
-             "!has(self.data.eval) || self.data.source != 'huggingface' || has(self.data.eval.shards)",
-             "data.eval.shards is required with data.source huggingface (a streamed dataset cannot be split)",
+             "!has(self.data.mixture) || self.data.mixture.all(m, has(m.shards) != has(m.huggingface))",
+             "each data.mixture source sets exactly one of shards and huggingface",
+             ".data.mixture")),
+    Rule("data.eval-held-out", "spec.data.eval", "eval.shards set when data.source is huggingface or a mixture source "
+         "is (a stream has no held-out split)",
+         cel=Cel(
+             "!has(self.data.eval) || has(self.data.eval.shards) || (self.data.source != 'huggingface' && "
+             "(!has(self.data.mixture) || self.data.mixture.all(m, !has(m.huggingface))))",
+             "data.eval.shards is required with a huggingface source (a streamed dataset cannot be split)",
              ".data.eval")),
     Rule("tokenizer.path-required", "spec.tokenizer.path", "set when tokenizer.source is path",
          "kubetitan.tokenizer.path (holds tokenizer.json)",
@@ -196,7 +202,7 @@ RULES: tuple[Rule, ...] = (
              "self.tokenizer.source != 'path' || has(self.tokenizer.path)",
              "tokenizer.path is required when tokenizer.source is path",
              ".tokenizer.path")),
-    Rule("hub.repo-id", "spec.tokenizer.repo, spec.data.huggingface.dataset",
+    Rule("hub.repo-id", "spec.tokenizer.repo, spec.data.huggingface.dataset, spec.data.mixture[].huggingface.dataset",
          "a Hugging Face hub id (namespace/name), not a URL"),
     Rule("tokenizer.repo-required", "spec.tokenizer.repo", "set when tokenizer.source is huggingface",
          cel=Cel(
@@ -762,18 +768,28 @@ def _data_mixture_required(f: Facts) -> Problems:
     d = f.spec.data
     if d.source == "mixture" and not d.mixture:
         yield "spec.data.mixture", ("is required when data.source is mixture: add the sources, each with "
-                                    "shards.path and a weight")
+                                    "shards.path (or huggingface) and a weight")
     elif d.source != "mixture" and d.mixture:
         yield "spec.data.mixture", f"is only read when data.source is mixture (it is {d.source}); set the source or remove it"
+
+
+@check("data.mixture-source")
+def _data_mixture_source(f: Facts) -> Problems:
+    for i, m in enumerate(f.spec.data.mixture or []):
+        if (m.shards is None) == (m.huggingface is None):
+            yield f"spec.data.mixture[{i}]", ("sets " + ("both shards and huggingface" if m.shards else "neither shards "
+                                              "nor huggingface") + ": give each source exactly one of them")
 
 
 @check("data.eval-held-out")
 def _data_eval_held_out(f: Facts) -> Problems:
     d = f.spec.data
-    if d.eval is not None and d.source == "huggingface" and d.eval.shards is None:
-        yield "spec.data.eval", ("shards is required with data.source huggingface: a streamed dataset has no held-out "
-                                        "split; prepare a held-out set with `kubetitan prepare-data` and point "
-                                        "data.eval.shards.path at it, or train on shards")
+    hub = d.source == "huggingface" or (d.source == "mixture" and any(m.huggingface for m in d.mixture or []))
+    if d.eval is not None and hub and d.eval.shards is None:
+        what = "data.source huggingface" if d.source == "huggingface" else "a huggingface mixture source"
+        yield "spec.data.eval", (f"shards is required with {what}: a streamed dataset has no held-out "
+                                 "split; prepare a held-out set with `kubetitan prepare-data` and point "
+                                 "data.eval.shards.path at it, or train on shards")
 
 
 @check("tokenizer.path-required")
@@ -791,6 +807,9 @@ def _hub_repo_id(f: Facts) -> Problems:
     if data.source == "huggingface" and data.huggingface is not None \
             and (msg := hub_dataset_error(data.huggingface.dataset)) is not None:
         yield "spec.data.huggingface.dataset", msg
+    for i, m in enumerate(data.mixture or []):
+        if m.huggingface is not None and (msg := hub_dataset_error(m.huggingface.dataset)) is not None:
+            yield f"spec.data.mixture[{i}].huggingface.dataset", msg
 
 
 @check("tokenizer.repo-required")
@@ -875,7 +894,8 @@ def shards_paths(s: LlamaPretrainSpec) -> list[tuple[str, str]]:
     if s.data.shards is not None:
         paths.append(("data.shards.path", s.data.shards.path))
     for i, m in enumerate(s.data.mixture or []):
-        paths.append((f"data.mixture[{i}].shards.path", m.shards.path))
+        if m.shards is not None:  # (a huggingface entry reads no shards)
+            paths.append((f"data.mixture[{i}].shards.path", m.shards.path))
     if s.data.eval is not None and s.data.eval.shards is not None:
         paths.append(("data.eval.shards.path", s.data.eval.shards.path))
     return paths
