@@ -175,11 +175,19 @@ def test_a_clean_stop_is_not_logged_as_a_worker_failure():
 
     from kubetitan_trainer.launch import CleanStopLogFilter
 
+    try:  # what torch's agent attaches for a forked worker: its own ProcessContext.join's exception
+        raise RuntimeError("process 0 terminated with exit code 2")
+    except RuntimeError:
+        join_error = sys.exc_info()
+
     def record(code: int) -> logging.LogRecord:
         return logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
-                                 "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", (code, 0, 1, "x"), None)
+                                 "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s", (code, 0, 1, "x"),
+                                 join_error)
 
-    stop, crash = record(75), record(1)
+    stop, crash = record(75), record(2)
     assert CleanStopLogFilter().filter(stop) and CleanStopLogFilter().filter(crash)
     assert stop.levelno == logging.INFO and "stop checkpoint" in stop.getMessage()
-    assert crash.levelno == logging.ERROR and "exitcode: 1" in crash.getMessage()
+    assert crash.levelno == logging.ERROR and "exitcode: 2" in crash.getMessage()
+    formatted = logging.Formatter().format(crash)  # the line stays, the agent's traceback goes
+    assert "exitcode: 2" in formatted and "Traceback" not in formatted

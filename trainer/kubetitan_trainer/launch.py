@@ -117,12 +117,17 @@ def wait_for_dns(host: str, port: int, timeout: float, sleep=time.sleep, resolve
 
 class CleanStopLogFilter(logging.Filter):
     """torch's elastic agent logs every worker exit but 0 as an ERROR ``failed (exitcode: N)``; a worker that exits 75
-    saved its stop checkpoint and ended as asked (SIGTERM, Ctrl-C): that record becomes an INFO that says so."""
+    saved its stop checkpoint and ended as asked (SIGTERM, Ctrl-C): that record becomes an INFO that says so. For a
+    forked worker (a function entry point) the agent attaches the traceback of its own ``ProcessContext.join``, which
+    says nothing about the worker (the worker logged its own error): the line stays, the traceback goes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and f"failed (exitcode: {int(ExitCode.TERMINATED_CHECKPOINTED)})" in record.getMessage():
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR and f"failed (exitcode: {int(ExitCode.TERMINATED_CHECKPOINTED)})" in message:
             record.msg, record.args = "Workers stopped after saving their stop checkpoint (exit code 75)", ()
             record.levelno, record.levelname, record.exc_info, record.exc_text = logging.INFO, "INFO", None, None
+        elif "failed (exitcode: " in message:
+            record.exc_info, record.exc_text = None, None
         return True
 
 
