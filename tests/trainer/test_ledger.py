@@ -2,8 +2,10 @@
 interpreter's standard library, tokenized by ``kubetitan prepare-data``) is stopped and resumed at data-parallel degree
 2 -> 1 -> 3 with the same global batch (gradient accumulation 3, 6, 2), and the global samples it trained, read from
 the ranks' ledgers (``[kubetitan.data] ledger = true``), are exactly those of one uninterrupted run: the same samples
-(none skipped, none repeated) in the same order, each trained at the step its global position says. With a 3:1
-mixture of two sources the realised token shares match the weights within 1%.
+(none skipped, none repeated) in the same order, each trained at the step its global position says; and the job's
+cumulative token count (the step log's ``tokens``, what ``kubetitan_trainer_tokens_total`` exports) continues across
+each resize exactly: step ``s`` has trained ``s * GLOBAL_BATCH * SEQ_LEN`` tokens. With a 3:1 mixture of two sources
+the realised token shares match the weights within 1%.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(1200)]
 
 GLOBAL_BATCH = 6
+SEQ_LEN = 64
 LEGS = [(2, 3), (1, 5), (3, 8)]  # (data-parallel degree, train until this step): stop, resume at another degree
 STEPS = LEGS[-1][1]
 
@@ -49,7 +52,7 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
 
 
 def run(tmp: Path, dump: Path, dp: int, steps: int, data: dict[str, Any]) -> None:
-    obj = lpt({"training": {"steps": steps, "seqLen": 64, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
+    obj = lpt({"training": {"steps": steps, "seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
                             "warmupSteps": 1},
                "parallelism": {"dataParallelShardDegree": dp},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": dp},
@@ -76,13 +79,19 @@ def ledger(dump: Path) -> list[tuple[int, int, int, int, int]]:
     return sorted(rows, key=lambda r: r[1])
 
 
+def tokens_logged(dump: Path) -> list[tuple[int, int]]:
+    """(step, the job's tokens trained by then) of every step rank 0 logged (every step: logFrequencySteps 1)."""
+    recs = [json.loads(line) for line in (dump / "kubetitan" / "steps.jsonl").read_text().splitlines()]
+    return [(r["step"], r["tokens"]) for r in recs]
+
+
 def stream_oracle(job_data: dict[str, Any], n: int) -> list[tuple[int, int, int, int, int]]:
     """The first ``n`` samples of the configured global stream, computed in-process by the loader's own schedule."""
     from torchtitan.config import ConfigManager
 
     from kubetitan_trainer import data
 
-    obj = lpt({"training": {"seqLen": 64, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH}, "data": job_data,
+    obj = lpt({"training": {"seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH}, "data": job_data,
                "parallelism": {"dataParallelShardDegree": 1}, "resources": {"nodes": 1, "gpusPerNode": 0,
                                                                              "processesPerNode": 1}})
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"oracle-{os.getpid()}.toml"
@@ -120,6 +129,8 @@ def test_resume_at_dp_2_1_3_trains_the_uninterrupted_global_stream(case, corpus,
                 (chain / "kubetitan" / "ledger" / f"rank-{r}-of-{dp}.txt").read_text().splitlines()]
         assert sorted({int(line.split()[0]) for line in rows}) == list(range(start + 1, until + 1))
         assert len(rows) == (until - start) * GLOBAL_BATCH
+    # the job's tokens continue across DP 2 -> 1 -> 3 (each rank's count used to be restored and summed anew)
+    assert tokens_logged(chain) == [(s, s * GLOBAL_BATCH * SEQ_LEN) for s in range(1, STEPS + 1)]
 
     # the same samples in the same order as the loader's own stream ...
     assert got == stream_oracle(spec_data, n)
@@ -139,3 +150,64 @@ def test_resume_at_dp_2_1_3_trains_the_uninterrupted_global_stream(case, corpus,
     else:
         assert len({(r[3], r[4]) for r in got}) == n  # one source: n distinct windows
         assert [r[3] for r in got] != sorted(r[3] for r in got)  # shuffled, not corpus order
+
+
+class _LossMesh:
+    """The ranks whose token counts add up to the job's (torchtitan's "loss" mesh): rank ``rank`` of ``ranks``."""
+
+    def __init__(self, rank: int, ranks: int) -> None:
+        self.rank, self.ranks = rank, ranks
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+    def size(self) -> int:
+        return self.ranks
+
+
+def _train_state(folder: Path, rank: int = 0, ranks: int = 1):
+    from types import SimpleNamespace
+
+    from kubetitan_trainer import storage
+    from kubetitan_trainer.trainer import KubetitanTrainer
+
+    t = KubetitanTrainer.__new__(KubetitanTrainer)  # only what the train state's save and load read
+    t.step, t.ntokens_seen, t.productive_seconds = 0, 0, 0.0
+    t._global_tokens, t._loading_legacy_train_state = 0, False
+    t._store = storage.LocalStore(str(folder))
+    t.parallel_dims = SimpleNamespace(dp_cp_enabled=ranks > 1, get_optional_mesh=lambda name: _LossMesh(rank, ranks))
+    return t
+
+
+def test_the_jobs_tokens_are_split_over_the_resuming_ranks_and_an_older_checkpoint_still_loads(tmp_path, caplog):
+    """In-process DCP (no process group): a checkpoint carrying the job's tokens gives each of 3 resuming ranks its
+    share (summing to it exactly); one saved before that key existed loads too, each rank keeping the count saved
+    (the old behaviour), with one warning."""
+    import torch.distributed.checkpoint as dcp
+
+    from kubetitan_trainer.trainer import GLOBAL_TOKENS_KEY, token_share
+
+    def load(sd, checkpoint_id, from_hf, from_quantized):  # torchtitan's dcp_load, non-HF branch, no model
+        dcp.load(sd, checkpoint_id=checkpoint_id)
+
+    saver = _train_state(tmp_path)
+    saver.step, saver.ntokens_seen = 5, 1921
+    saver._sum_tokens_seen()  # what every save does first
+    dcp.save({"train_state": saver}, checkpoint_id=str(tmp_path / "step-5"))
+    shares = []
+    for rank in range(3):
+        t = _train_state(tmp_path, rank, 3)
+        t._dcp_load(load, {"train_state": t}, str(tmp_path / "step-5"), False, False)
+        shares.append((t.step, t.ntokens_seen))
+    assert shares == [(5, 641), (5, 640), (5, 640)]
+    assert [token_share(6, r, 4) for r in range(4)] == [2, 2, 1, 1] and token_share(7, 0, 1) == 7
+
+    # rank 0's own count of a DP 2 run, as an older kubetitan saved it: no job total
+    old = {"step": 3, "ntokens_seen": 576, "productive_step_seconds": 1.5}
+    dcp.save({"train_state": old}, checkpoint_id=str(tmp_path / "step-3"))
+    t = _train_state(tmp_path, 0, 3)
+    with caplog.at_level("WARNING"):
+        t._dcp_load(load, {"train_state": t}, str(tmp_path / "step-3"), False, False)
+    assert (t.step, t.ntokens_seen, t.productive_seconds) == (3, 576, 1.5)
+    assert caplog.text.count(f"has no train_state.{GLOBAL_TOKENS_KEY}") == 1
+    assert GLOBAL_TOKENS_KEY in t.state_dict()  # its next save carries the job's count

@@ -401,6 +401,25 @@ step-boundary checks have no hook (a test also checks the subclass's own signatu
 _declare("TRAINER_OVERRIDES", "Trainer methods KubetitanTrainer overrides, with the parameters it expects.",
          *(Upstream(f"torchtitan.train:Trainer.{name}", params=params) for name, params in TRAINER_OVERRIDES.items()))
 
+@_shim(
+    Upstream("torchtitan.train:Trainer.batch_generator", contains=("self.ntokens_seen += ntokens_batch",)),
+    Upstream("torchtitan.train:Trainer.train_step", contains=(
+        "if parallel_dims.dp_cp_enabled:", 'loss_mesh = parallel_dims.get_optional_mesh("loss")',
+        "self.ntokens_seen, dtype=torch.int64, device=self.device", '"n_tokens_seen": global_ntokens_seen')),
+    Upstream("torchtitan.train:Trainer.__init__", contains=('states={"train_state": self}',)),
+    Upstream("torchtitan.train:Trainer.load_state_dict", contains=('self.ntokens_seen = state_dict["ntokens_seen"]',)),
+)
+def tokens_seen_mesh(parallel_dims):
+    """The ranks whose ``Trainer.ntokens_seen`` torchtitan sums into the job's tokens (the logged ``n_tokens_seen``):
+    the ``"loss"`` mesh with data or context parallelism, else None (one rank's count is the job's).
+
+    ``Trainer.ntokens_seen`` is this rank's count, checkpointed per rank under ``train_state`` (DCP keeps one copy of
+    the equal values) and summed over that mesh inline in ``train_step``, which exposes neither the sum nor the
+    mesh choice. kubetitan checkpoints the sum and splits it on load (``KubetitanTrainer.load_state_dict``), so a
+    resume at another data-parallel degree continues the count: it must sum over the same ranks."""
+    return parallel_dims.get_optional_mesh("loss") if parallel_dims.dp_cp_enabled else None
+
+
 METRICS_PROCESSOR_OVERRIDES: dict[str, tuple[str, ...]] = {
     "log": ("self", "step", "global_avg_loss", "global_max_loss", "grad_norm", "extra_metrics"),
 }

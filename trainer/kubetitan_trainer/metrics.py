@@ -161,7 +161,7 @@ class Exporter:
                                   registry=r)
         self.resumed_from.set(-1)
         self.ckpt_ts = Gauge(contract.M_LAST_CHECKPOINT_TIMESTAMP, "Unix time the newest checkpoint save completed, background write included (seconds).", registry=r)
-        self.tokens = Counter(contract.M_TOKENS.removesuffix("_total"), "Tokens trained on by the whole job, carried across attempts through the checkpoint (tokens).", registry=r)
+        self.tokens = Counter(contract.M_TOKENS.removesuffix("_total"), "Tokens trained on by the whole job, carried across attempts through the checkpoint at any data-parallel degree (tokens).", registry=r)
         self.attempt = Gauge(contract.M_ATTEMPT, "Attempt number of this gang; restarts seen = attempt (count).", registry=r)
         self.heartbeat = Gauge(contract.M_LAST_STEP_TIMESTAMP, "Unix time the last optimizer step completed; the heartbeat for hang detection (seconds).", registry=r)
         self.first_step_ts = Gauge(contract.M_FIRST_STEP_TIMESTAMP, "Unix time this worker generation completed "

@@ -9,6 +9,8 @@ Every module that needs the checkpoint store goes through a :class:`CheckpointSt
 - **Newest-complete discovery** (:meth:`CheckpointStore.entries`): ``(step-N, has .metadata)`` pairs for the one
   resume rule (``kubetitan_core.contract.newest_complete_step``). DCP writes ``.metadata`` last (on S3: a copy of
   ``.metadata.tmp`` once every rank's files are written), so a save cut off mid-way is never resumed from.
+- **What a checkpoint holds** (:meth:`CheckpointStore.saved_keys`): the flattened state-dict keys of its DCP
+  metadata, so a load can leave out what an older trainer did not save.
 - **Keep-latest-K** (:meth:`CheckpointStore.purge`): the K newest complete steps stay, everything older goes.
 - **Pre-flight** (:meth:`CheckpointStore.preflight`): a bucket that does not exist or denies access is a
   configuration error (exit code 2) that names the bucket and the fix, found before the model is built.
@@ -110,6 +112,14 @@ class CheckpointStore:
 
     def reader(self, checkpoint_id: str) -> Any:
         return None
+
+    def saved_keys(self, checkpoint_id: str) -> set[str]:
+        """The flattened state-dict keys (``train_state.step``, ...) the checkpoint ``checkpoint_id`` holds, read
+        from its DCP metadata with the store's reader (DCP's filesystem reader for a local folder)."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        reader = self.reader(checkpoint_id) or FileSystemReader(checkpoint_id)
+        return set(reader.read_metadata().state_dict_metadata)
 
     def delete_step(self, step: int) -> None:
         raise NotImplementedError

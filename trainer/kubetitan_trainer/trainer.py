@@ -14,6 +14,9 @@ Everything else comes through the TrainSpec. The subclass adds, and only adds:
   prefix (DCP's S3 writer and reader, discovery by listing, keep-latest-K by kubetitan on rank 0, a bucket that
   cannot be listed is a configuration error before the model is built).
 - **Goodput state**: productive step seconds travel in the checkpoint's ``train_state``.
+- **Tokens trained, at any world size**: the checkpoint's ``train_state`` also carries the job's tokens (the sum of
+  every rank's ``ntokens_seen``, one all-reduce before each save); a resume splits it into per-rank shares over
+  however many data-parallel ranks it has, so the cumulative count continues exactly after a resize.
 - **Start-up anatomy** (:mod:`kubetitan_trainer.anatomy`): process-group init, checkpoint load and the first
   step (its compile time apart) are marked; after the first step the phases are exported and logged.
 - **Step metrics**: step time, heartbeat, data-loading time, the time a checkpoint save blocked
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchtitan.components.checkpoint import TRAIN_STATE
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
@@ -62,6 +66,21 @@ def resolve_load_step(folder: str | storage.CheckpointStore) -> int:
     return -1 if newest is None else newest
 
 
+GLOBAL_TOKENS_KEY = "ntokens_seen_global"
+"""kubetitan's ``train_state`` key: the tokens the whole job has trained (torchtitan's logged ``n_tokens_seen``, the
+sum of every rank's ``ntokens_seen``), the same on every rank. torchtitan's own ``ntokens_seen`` key is this rank's
+count: DCP keeps one rank's copy, and a resume at another data-parallel degree would sum it over the new ranks."""
+GLOBAL_TOKENS_FQN = f"{TRAIN_STATE}.{GLOBAL_TOKENS_KEY}"
+"""The key in a checkpoint's DCP metadata (checkpoints saved before it existed lack it)."""
+
+
+def token_share(global_tokens: int, rank: int, ranks: int) -> int:
+    """Rank ``rank``'s share of ``global_tokens`` over ``ranks`` ranks: the shares differ by at most one token and
+    sum to ``global_tokens`` exactly."""
+    q, r = divmod(global_tokens, ranks)
+    return q + (1 if rank < r else 0)
+
+
 class KubetitanTrainer(Trainer):
     """torchtitan's Trainer plus kubetitan's step-boundary checks (see the module docstring)."""
 
@@ -70,6 +89,8 @@ class KubetitanTrainer(Trainer):
 
     def __init__(self, job_config: JobConfig):
         self.productive_seconds = 0.0
+        self._global_tokens = 0  # the job's tokens at the last save (or load): GLOBAL_TOKENS_KEY
+        self._loading_legacy_train_state = False  # a load from a checkpoint without GLOBAL_TOKENS_KEY
         self._stop_file = os.environ.get(ENV_STOP_FILE, "")
         self._stopping = False
         self._local_loss: torch.Tensor | None = None
@@ -103,11 +124,34 @@ class KubetitanTrainer(Trainer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "productive_step_seconds": self.productive_seconds}
+        sd = {**super().state_dict(), "productive_step_seconds": self.productive_seconds}
+        if not self._loading_legacy_train_state:  # what DCP loads is what this returns: no key the checkpoint lacks
+            sd[GLOBAL_TOKENS_KEY] = self._global_tokens  # summed by _sum_tokens_seen before every save
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.productive_seconds = float(state_dict.get("productive_step_seconds", 0.0))
+        if GLOBAL_TOKENS_KEY in state_dict:  # else: torchtitan's per-rank count as loaded (see _dcp_load)
+            self._global_tokens = int(state_dict[GLOBAL_TOKENS_KEY])
+            rank, ranks = self._token_rank()
+            self.ntokens_seen = token_share(self._global_tokens, rank, ranks)
+
+    def _token_rank(self) -> tuple[int, int]:
+        """(this rank's index, ranks) among those whose ``ntokens_seen`` add up to the job's tokens."""
+        mesh = compat.tokens_seen_mesh(self.parallel_dims)
+        return (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
+
+    def _sum_tokens_seen(self) -> None:
+        """The job's tokens into ``_global_tokens`` for the save about to happen: every rank's ``ntokens_seen``
+        summed over torchtitan's ranks (one all-reduce, collective: every rank saves at the same steps)."""
+        mesh = compat.tokens_seen_mesh(self.parallel_dims)
+        if mesh is None:
+            self._global_tokens = self.ntokens_seen
+            return
+        t = torch.tensor([self.ntokens_seen], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, group=mesh.get_group())
+        self._global_tokens = int(t.item())
 
     def init_distributed(self):
         rec = anatomy.current()
@@ -236,6 +280,8 @@ class KubetitanTrainer(Trainer):
                     last_step = True
                     compat.force_full_last_save(ckpt)
                 will_save = compat.will_save(ckpt, curr_step, last_step)
+                if will_save:
+                    self._sum_tokens_seen()
                 earlier_write = compat.pending_write(ckpt) if will_save else None
                 if will_save and not self._store.remote:  # object storage has no volume to fill
                     check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
@@ -298,7 +344,7 @@ class KubetitanTrainer(Trainer):
                     return None
                 if not from_hf:
                     self._check_data_position(state_dict, checkpoint_id)
-                return dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
+                return self._dcp_load(dcp_load, state_dict, checkpoint_id, from_hf, from_quantized)
 
             return tier_or_dcp_load
 
@@ -309,12 +355,28 @@ class KubetitanTrainer(Trainer):
         streamed dataset's at another data-parallel degree) is a ConfigError saying why, not DCP's ``Missing key``."""
         if "dataloader" not in state_dict:
             return
-        from torch.distributed.checkpoint import FileSystemReader
-
-        reader = self._store.reader(checkpoint_id) or FileSystemReader(checkpoint_id)
-        problem = data.resume_problem(set(reader.read_metadata().state_dict_metadata), self.dataloader)
+        problem = data.resume_problem(self._store.saved_keys(checkpoint_id), self.dataloader)
         if problem is not None:
             raise problem
+
+    def _dcp_load(self, dcp_load: Callable, state_dict: dict, checkpoint_id: str, from_hf: bool,
+                  from_quantized: bool) -> None:
+        """torchtitan's ``dcp_load``; a checkpoint saved before ``GLOBAL_TOKENS_KEY`` existed loads without it (DCP
+        refuses a key the checkpoint lacks), keeping torchtitan's per-rank count, and a warning says so once."""
+        legacy = (not from_hf and TRAIN_STATE in state_dict
+                  and GLOBAL_TOKENS_FQN not in self._store.saved_keys(checkpoint_id))
+        if legacy and self._rank_world()[0] == 0:
+            logger.warning(
+                f"The checkpoint {checkpoint_id} has no {GLOBAL_TOKENS_FQN} (saved by an earlier kubetitan): the "
+                "job's token count continues from each rank's own count, which is right only at the data-parallel "
+                "degree that saved it: after a resize the tokens trained before it count (new degree / old degree) "
+                f"times in {contract.M_TOKENS} and the step log's tokens, in later checkpoints too (per-step tokens "
+                "and throughput are right)")
+        self._loading_legacy_train_state = legacy
+        try:
+            dcp_load(state_dict, checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
+        finally:
+            self._loading_legacy_train_state = False
 
     def _load_from_store(self, step: int, torchtitan_load: Callable[[int], bool]) -> bool:
         """torchtitan's ``load`` for a remote store (its own one tests a local folder with ``os.path``): the given
