@@ -155,14 +155,22 @@ RECIPES = [
 
 @pytest.mark.parametrize(("name", "precision", "log_lines"), RECIPES, ids=[r[0] for r in RECIPES])
 def test_seed_recipe_features_on_cpu(name, precision, log_lines, tmp_path):
-    """The seeds' recipe on 2 ranks: FP8 in torchao's emulation mode (eager only), and torch.compile."""
+    """The seeds' recipe on 2 ranks: FP8 in torchao's emulation mode (eager only), and torch.compile.
+
+    torch.compile runs with the ``aot_eager`` backend here: Dynamo captures and AOTAutograd splits the same forward
+    and backward graphs of every TransformerBlock that Inductor gets on a GPU (tests/fast/test_compiled_head.py does
+    the same), without Inductor's C++ code generation for CPU kernels, which no GPU run uses and which cost ~45 s of
+    CPU here (bench/results/suite/)."""
     obj = lpt({
         "training": {"steps": 2, "seqLen": 32, "localBatchSize": 2},
         "precision": {"activationCheckpointing": "none", "mixedPrecisionParam": "float32", **precision},
         "data": {"source": "synthetic"},
         "checkpoint": {"enabled": False},
     })
-    cfg = write_config(tmp_path / "f.toml", obj, tmp_path / "f", {"kubetitan": {"metrics_port": 0}})
+    patch = {"kubetitan": {"metrics_port": 0}}
+    if precision.get("compile"):
+        patch["compile"] = {"backend": "aot_eager"}
+    cfg = write_config(tmp_path / "f.toml", obj, tmp_path / "f", patch)
     proc = launch(cfg)
     assert proc.wait(timeout=800) == 0, tail(cfg)
     text = cfg.with_suffix(".log").read_text()
