@@ -7,21 +7,17 @@ a missing bucket are the configuration exit code naming the object or the bucket
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from kmockx.harness import free_port  # the tests' one port allocator
 from kubetitan_core import render
 from kubetitan_core.contract import ExitCode
 from kubetitan_trainer import compat, s3shards, storage
 from kubetitan_trainer.errors import ConfigError
 from support.specs import tiny_lpt
+from support.trainer import launch, ledger_config
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(300)]
 
 
@@ -181,20 +177,7 @@ def _run(tmp: Path, name: str, path: str, endpoint: str, env: dict[str, str], st
                     "checkpoint": {"enabled": False}, "runPolicy": {"maxRestarts": 0},
                     "parallelism": {"dataParallelShardDegree": 1},
                     "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1}}, name=name)
-    cfg = render.trainer_config(obj, dump_folder=str(tmp / name))
-    cfg["kubetitan"]["data"]["ledger"] = True
-    cfg["kubetitan"]["metrics_port"] = 0
-    config = tmp / f"{name}.toml"
-    import tomli_w
-
-    config.write_text(tomli_w.dumps(cfg))
-    with open(config.with_suffix(".log"), "wb") as log:
-        rc = subprocess.run(
-            [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
-             "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--rdzv-id={name}"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, cwd=REPO,
-            timeout=240).returncode
-    return rc, config.with_suffix(".log").read_text(errors="replace")
+    return launch(ledger_config(obj, tmp / name, tmp / f"{name}.toml"), 1, name, env, timeout=240)
 
 
 def _trained(dump: Path) -> tuple[dict[int, float], list[str]]:

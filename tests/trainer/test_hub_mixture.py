@@ -12,21 +12,15 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import tomli_w
 
-from kubetitan_core import render
 from kubetitan_core.contract import ExitCode
-from kmockx.harness import free_port
 from support.specs import tiny_lpt
+from support.trainer import launch, ledger_config
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(600)]
 GLOBAL_BATCH = 4
 
@@ -50,17 +44,8 @@ def run(tmp: Path, dump: Path, dp: int, steps: int, data: dict[str, Any]) -> tup
                     "parallelism": {"dataParallelShardDegree": dp},
                     "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": dp},
                     "data": data, "checkpoint": {"intervalSteps": 1000}})
-    cfg = render.trainer_config(obj, dump_folder=str(dump))
-    cfg["kubetitan"]["data"]["ledger"] = True
-    cfg["kubetitan"]["metrics_port"] = 0
-    config = tmp / f"{dump.name}-dp{dp}-to-{steps}.toml"
-    config.write_text(tomli_w.dumps(cfg))
-    r = subprocess.run(
-        [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
-         f"--nproc-per-node={dp}", "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=hubmix"],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, cwd=REPO,
-        timeout=300)
-    return r.returncode, r.stdout + r.stderr
+    return launch(ledger_config(obj, dump, tmp / f"{dump.name}-dp{dp}-to-{steps}.toml"), dp, "hubmix",
+                  {"HF_HUB_OFFLINE": "1"}, timeout=300)
 
 
 def test_a_streamed_source_mixes_by_weight_and_refuses_a_resume_at_another_degree(corpus, tmp_path):

@@ -13,8 +13,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -23,10 +21,9 @@ import pytest
 import tomli_w
 
 from kubetitan_core import render
-from kmockx.harness import free_port  # the tests' one port allocator
+from support.trainer import launch, ledger_config
 from tests.trainer.helpers import lpt
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(1200)]
 
 GLOBAL_BATCH = 6
@@ -57,18 +54,8 @@ def run(tmp: Path, dump: Path, dp: int, steps: int, data: dict[str, Any]) -> Non
                "parallelism": {"dataParallelShardDegree": dp},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": dp},
                "data": data, "checkpoint": {"intervalSteps": 1000}})
-    cfg = render.trainer_config(obj, dump_folder=str(dump))
-    cfg["kubetitan"]["data"]["ledger"] = True
-    cfg["kubetitan"]["metrics_port"] = 0
-    config = tmp / f"{dump.name}-dp{dp}-to-{steps}.toml"
-    config.write_text(tomli_w.dumps(cfg))
-    with open(config.with_suffix(".log"), "wb") as log:
-        rc = subprocess.run(
-            [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
-             f"--nproc-per-node={dp}", "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=ledger"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO, timeout=600,
-        ).returncode
-    assert rc == 0, config.with_suffix(".log").read_text(errors="replace")[-4000:]
+    rc, out = launch(ledger_config(obj, dump, tmp / f"{dump.name}-dp{dp}-to-{steps}.toml"), dp, "ledger")
+    assert rc == 0, out[-4000:]
 
 
 def ledger(dump: Path) -> list[tuple[int, int, int, int, int]]:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetitan_trainer.errors import ConfigError, TransientError
-from kubetitan_trainer.shards import INDEX_FILE, RERUN, ShardSet, crc32_bytes, crc32_file
+from kubetitan_trainer.shards import INDEX_FILE, RERUN, ShardSet, atomic_write_bytes, crc32_bytes, crc32_file
 from kubetitan_trainer.storage import S3Settings, access_error_kind, describe_access_error, is_remote, parse_s3_uri
 
 log = logging.getLogger("kubetitan.s3shards")
@@ -335,7 +335,7 @@ class Stager:
                     f.result()
             finally:
                 _write_json(self.dest / MANIFEST, manifest)  # what was verified survives a failure of the rest
-        _write_bytes(self.dest / INDEX_FILE, raw_index)
+        atomic_write_bytes(self.dest / INDEX_FILE, raw_index)
         if todo:
             secs = time.monotonic() - progress.start
             log.info("Staged %s to %s: %.1f MB in %.1f s (%.1f MB/s), every CRC-32 verified (index %s)", self.uri,
@@ -346,17 +346,8 @@ class Stager:
         return self.dest
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    _write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+    atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
 def stage(uri: str, settings: StageSettings, field: str) -> Path:

@@ -387,14 +387,20 @@ class ShardSet:
 
 
 # ------------------------------------------------------------------------------------------------------- writing
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a file so that a reader sees the old one or the whole new one (temp file in the same dir + rename)."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a file so that a reader sees the old one or the whole new one (temp file in the same dir, fsync,
+    rename)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    atomic_write_bytes(path, text.encode())
 
 
 class ShardWriter:

@@ -1,0 +1,42 @@
+"""Running the real trainer launcher (``python -m kubetitan_trainer.launch``) on one node from a test: the config
+the operator renders for a spec, with the sample ledger on, and one launch whose output is kept in a log file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import tomli_w
+
+from kmockx.harness import free_port
+from kubetitan_core import render
+from kubetitan_core.api import LlamaPretrain
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ledger_config(obj: LlamaPretrain, dump: Path, config: Path) -> Path:
+    """Write to ``config`` the trainer TOML the operator renders for ``obj`` (dump folder ``dump``), with every
+    rank's sample ledger on (``[kubetitan.data] ledger``) and no metrics port."""
+    cfg = render.trainer_config(obj, dump_folder=str(dump))
+    cfg["kubetitan"]["data"]["ledger"] = True
+    cfg["kubetitan"]["metrics_port"] = 0
+    config.write_text(tomli_w.dumps(cfg))
+    return config
+
+
+def launch(config: Path, nproc: int, rdzv_id: str, env: dict[str, str] | None = None,
+           timeout: float = 600) -> tuple[int, str]:
+    """Run the launcher for ``config`` with ``nproc`` workers on one node and wait: (exit code, its output), the
+    output also kept next to the config (``.log``)."""
+    log = config.with_suffix(".log")
+    with open(log, "wb") as out:
+        rc = subprocess.run(
+            [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
+             f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+             f"--rdzv-id={rdzv_id}"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            cwd=REPO, timeout=timeout).returncode
+    return rc, log.read_text(errors="replace")
