@@ -282,6 +282,13 @@ def warm_up(worker_argv: list[str]) -> float:
     return time.perf_counter() - begin
 
 
+def cuda_initialised() -> bool:
+    """Whether this process holds a CUDA context (then forked workers could not use CUDA)."""
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
 def _config_key(args: list[str]) -> tuple | None:
     """What a parse of ``args`` depends on: the arguments and the config file's identity and contents' stamp."""
     path = next((args[i + 1] for i, x in enumerate(args[:-1]) if x in ("--job.config_file", "--job.config-file")),
@@ -700,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_LAUNCHER_STATE] = state.path
     if a.max_restarts > 0:
         os.environ[heartbeat.ENV_HEARTBEAT_DIR] = stop_dir  # the workers' step heartbeats, for the hang watchdog
-    config, _cmd, _cmd_args = config_from_args(torchrun_parse(torchrun_argv(a)))
+    config, cmd, cmd_args = config_from_args(torchrun_parse(torchrun_argv(a)))
     # SIGTERM stays ours (see the module docstring); torchrun still handles the others.
     config.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
@@ -717,6 +724,13 @@ def main(argv: list[str] | None = None) -> int:
                                   a.save_timeout_seconds)
             run_in_place(config, run_worker, ["--job.config_file", a.config], state, lambda: bool(stopped["at"]),
                          node_rank=a.node_rank, nnodes=a.nnodes, hang_rule=rule, beat_dir=stop_dir)
+        elif cuda_initialised():
+            # a fork would give every worker a CUDA context it cannot use ("Cannot re-initialize CUDA in forked
+            # subprocess"): when NVML could not answer torch.cuda.is_available(), start fresh interpreters instead
+            log.warning("CUDA was initialised in the launcher (NVML unavailable?): starting the workers as new "
+                        "processes, each importing torch/torchtitan itself")
+            config.start_method = "spawn"
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
         else:
             log.info("Warm workers: imported torch/torchtitan once in %.1f s", seconds)
             elastic_launch(config=config, entrypoint=run_worker)("--job.config_file", a.config)
