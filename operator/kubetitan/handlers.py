@@ -186,12 +186,12 @@ class Context:
     """The write fence: ``LeaderElector`` with ``--leader-elect``, else ``AlwaysLeader``."""
     leader_task: asyncio.Task[None] | None = None
     kopf_sessions: list[Any] = field(default_factory=list)
+    """aiohttp sessions handed to kopf (``_login``): closed when the operator has stopped."""
     cert_task: asyncio.Task[None] | None = None
     """Keeps the webhook's own certificates (``--webhook-certificates operator``; kubetitan.certsync)."""
     access_cache: Any = None
     """The admission webhook's SubjectAccessReview answers (``kubetitan.access_cache.AccessCache``, made on first
     use)."""
-    """aiohttp sessions handed to kopf (``_login``): closed when the operator has stopped."""
     _recorder: Recorder | None = None
 
     @property

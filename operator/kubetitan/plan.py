@@ -492,13 +492,15 @@ class WorldSizeEdit:
     """The first changed field as a spec path (``spec.resources.nodes``): where admission points its answer."""
     allowed: bool
     """Whether the trainer resumes the run's checkpoint at the new size (``world_size_change_allowed``)."""
+    hub: str = "data.source huggingface"
+    """The hub-streamed source that refuses it (``kubetitan_core.contract.per_rank_sources``)."""
 
     @property
     def refusal(self) -> str:
         """Why a refused edit is refused, and the fix (the condition's, the Event's and the webhook's message)."""
         return (f"{self.change}: the edit is refused, and not applied, because the run reads hub-streamed data "
-                "(data.source huggingface), which cannot resume at another data-parallel degree: torchtitan's "
-                "streaming loader keeps one read position per data-parallel rank. The running attempt goes on as "
+                f"({self.hub}), which cannot resume at another data-parallel degree: a streamed dataset keeps one "
+                "read position per data-parallel rank. The running attempt goes on as "
                 "it was created. Revert the edit; or prepare the dataset into shards with `kubetitan prepare-data` "
                 "(data.source shards resumes at any size) and start a new LlamaPretrain on them; or start a new "
                 "LlamaPretrain at the new size with its own checkpoint storage")
@@ -521,8 +523,10 @@ def world_size_edit(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> W
                                 desired.model_dump(by_alias=True, mode="json"))
     change = (f"{', '.join(f'{p} {x} -> {y}' for p, x, y in fields) or 'the spec'} changes the world size "
               f"{before[0]} -> {after[0]} and the data-parallel degree {before[1]} -> {after[1]}")
+    hub = [*contract.per_rank_sources(applied.data), *contract.per_rank_sources(desired.data)]
     return WorldSizeEdit(change=change, path=f"spec.{fields[0][0]}" if fields else "spec",
-                         allowed=world_size_change_allowed(applied, desired))
+                         allowed=world_size_change_allowed(applied, desired),
+                         **({"hub": hub[0]} if hub else {}))
 
 
 def world_size_change_allowed(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> bool:

@@ -86,7 +86,7 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any] | None, str, Policy | None,
      Policy(), Requester.OFF, {}, False, 422, ["spec.resources.nodes: resources.nodes 1 -> 2, "
      "parallelism.dataParallelShardDegree 2 -> 4 changes the world size 2 -> 4 and the data-parallel degree 2 -> 4: "
      "the edit is refused, and not applied, because the run reads hub-streamed data (data.source huggingface), which "
-     "cannot resume at another data-parallel degree: torchtitan's streaming loader keeps one read position per "
+     "cannot resume at another data-parallel degree: a streamed dataset keeps one read position per "
      "data-parallel rank. The running attempt goes on as it was created. Revert the edit; or prepare the dataset "
      "into shards with `kubetitan prepare-data` (data.source shards resumes at any size) and start a new "
      "LlamaPretrain on them; or start a new LlamaPretrain at the new size with its own checkpoint storage"], []),

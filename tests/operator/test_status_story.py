@@ -237,7 +237,8 @@ GATE_ROWS = [
     ("shards-tensor-parallel", SHARDS, {}, SHARDS, TP_2, None, "data-parallel degree 16 -> 8"),
     ("hub-nodes", HUB, {}, HUB, NODES_3, C.WORLD_SIZE_CHANGE_REFUSED, "resources.nodes 2 -> 3"),
     ("hub-tensor-parallel", HUB, {}, HUB, TP_2, C.WORLD_SIZE_CHANGE_REFUSED, "data-parallel degree 16 -> 8"),
-    ("hub-mixture-nodes", HUB_MIXTURE, {}, HUB_MIXTURE, NODES_3, C.WORLD_SIZE_CHANGE_REFUSED, "resources.nodes 2 -> 3"),
+    ("hub-mixture-nodes", HUB_MIXTURE, {}, HUB_MIXTURE, NODES_3, C.WORLD_SIZE_CHANGE_REFUSED,
+     "hub-streamed data (data.mixture[1].huggingface)"),
     # 4 nodes at tensor-parallel 2 keep the data-parallel degree 16: the per-rank positions still fit
     ("hub-more-nodes-same-degree", HUB, {}, HUB, {"resources": {"nodes": 4}, **TP_2}, None,
      "the data-parallel degree 16 -> 16"),

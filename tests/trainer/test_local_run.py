@@ -175,19 +175,26 @@ def test_a_clean_stop_is_not_logged_as_a_worker_failure():
 
     from kubetitan_trainer.launch import CleanStopLogFilter
 
-    try:  # what torch's agent attaches for a forked worker: its own ProcessContext.join's exception
-        raise RuntimeError("process 0 terminated with exit code 2")
-    except RuntimeError:
-        join_error = sys.exc_info()
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-    def record(code: int) -> logging.LogRecord:
+    def attached(exc: BaseException):  # what torch's agent attaches for a forked worker: its join's exception
+        try:
+            raise exc
+        except BaseException:
+            return sys.exc_info()
+
+    def record(code: int, exc: BaseException) -> logging.LogRecord:
         return logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
                                  "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s", (code, 0, 1, "x"),
-                                 join_error)
+                                 attached(exc))
 
-    stop, crash = record(75), record(2)
-    assert CleanStopLogFilter().filter(stop) and CleanStopLogFilter().filter(crash)
+    stop = record(75, ProcessExitedException("process 0 terminated with exit code 75", 0, 1, 75))
+    exited = record(2, ProcessExitedException("process 0 terminated with exit code 2", 0, 1, 2))
+    raised = record(1, ProcessRaisedException("Traceback ... RuntimeError: CUDA out of memory", 0, 1))
+    assert all(CleanStopLogFilter().filter(r) for r in (stop, exited, raised))
     assert stop.levelno == logging.INFO and "stop checkpoint" in stop.getMessage()
-    assert crash.levelno == logging.ERROR and "exitcode: 2" in crash.getMessage()
-    formatted = logging.Formatter().format(crash)  # the line stays, the agent's traceback goes
+    assert exited.levelno == logging.ERROR and "exitcode: 2" in exited.getMessage()
+    formatted = logging.Formatter().format(exited)  # a classified exit: the line stays, the agent's traceback goes
     assert "exitcode: 2" in formatted and "Traceback" not in formatted
+    formatted = logging.Formatter().format(raised)  # a crash: the worker's traceback is kept, the only one there is
+    assert "exitcode: 1" in formatted and "CUDA out of memory" in formatted

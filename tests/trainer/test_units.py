@@ -16,6 +16,7 @@ from kubetitan_core import contract, render
 from kubetitan_core.api import LlamaPretrain
 from kubetitan_core.catalog import ACCELERATORS, FLAVOURS
 
+from kmockx.harness import free_port
 from support.paths import EXAMPLES, load_example
 from support.specs import tiny_lpt as lpt, write_config
 
@@ -387,10 +388,19 @@ def test_bad_configs_are_config_errors_naming_the_field(name, patch, field, tmp_
     assert field in caplog.text and "Fix:" in caplog.text
 
 
-def test_launcher_process_exits_2_on_a_bad_config(tmp_path):
+# the launcher as a pod runs it, and once with CUDA reported initialised in it (NVML could not answer): then it
+# starts the workers as new processes (spawn) instead of forking them; the exit code is the workers' either way
+LAUNCH_AS_IF_CUDA = ("import sys; from kubetitan_trainer import launch; launch.cuda_initialised = lambda: True; "
+                     "launch.worker_main.exit_now(launch.main(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize("start", ["forked", "spawned-when-cuda-is-initialised"])
+def test_launcher_process_exits_2_on_a_bad_config(start, tmp_path):
     path = _patched(tmp_path, {"model": {"flavor": "nope"}})
+    entry = ["-m", "kubetitan_trainer.launch"] if start == "forked" else ["-c", LAUNCH_AS_IF_CUDA]
     r = subprocess.run(
-        [PY, "-m", "kubetitan_trainer.launch", f"--config={path}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1"],
+        [PY, *entry, f"--config={path}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+         f"--master-port={free_port()}"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert r.returncode == 2, r.stderr[-2000:]
@@ -398,6 +408,8 @@ def test_launcher_process_exits_2_on_a_bad_config(tmp_path):
     out = r.stdout + r.stderr
     assert "model.flavor" in out and "Fix:" in out
     assert "Training starts" not in out  # stopped before any training
+    assert ("starting the workers as new processes" in out) == (start != "forked")
+    assert ("Warm workers: imported torch/torchtitan once" in out) == (start == "forked")
 
 
 def test_launcher_exits_2_on_a_missing_config(tmp_path):

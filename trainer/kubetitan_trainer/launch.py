@@ -118,23 +118,34 @@ def wait_for_dns(host: str, port: int, timeout: float, sleep=time.sleep, resolve
 class CleanStopLogFilter(logging.Filter):
     """torch's elastic agent logs every worker exit but 0 as an ERROR ``failed (exitcode: N)``; a worker that exits 75
     saved its stop checkpoint and ended as asked (SIGTERM, Ctrl-C): that record becomes an INFO that says so. For a
-    forked worker (a function entry point) the agent attaches the traceback of its own ``ProcessContext.join``, which
-    says nothing about the worker (the worker logged its own error): the line stays, the traceback goes."""
+    forked worker (a function entry point) that *exited* with a code (``ProcessExitedException``: a classified exit,
+    whose own error line the worker logged) the agent attaches the traceback of its own ``ProcessContext.join``,
+    which says nothing about the worker: the line stays, that traceback goes. A worker that *raised*
+    (``ProcessRaisedException``: an unclassified crash, exit 1) keeps it: its message is the worker's traceback,
+    which nothing else prints."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if record.levelno >= logging.ERROR and f"failed (exitcode: {int(ExitCode.TERMINATED_CHECKPOINTED)})" in message:
             record.msg, record.args = "Workers stopped after saving their stop checkpoint (exit code 75)", ()
             record.levelno, record.levelname, record.exc_info, record.exc_text = logging.INFO, "INFO", None, None
-        elif "failed (exitcode: " in message:
+        elif "failed (exitcode: " in message and record.exc_info and _exited(record.exc_info[1]):
             record.exc_info, record.exc_text = None, None
         return True
 
 
+def _exited(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is torch's "a worker process exited with a code" (not "a worker raised")."""
+    from torch.multiprocessing import ProcessExitedException
+
+    return isinstance(exc, ProcessExitedException)
+
+
 def failure_summary(message: Any) -> str:
     """A failed worker's message as torch elastic read it from the worker's error file, without the Python call stack
-    it records there (``{"message": ..., "extraInfo": {"py_callstack": ...}}``): the worker logged its own error line
-    already, and a classified exit (2, 6, ...) is never shown as a traceback."""
+    it records there (``{"message": ..., "extraInfo": {"py_callstack": ...}}``): a classified exit (2, 6, ...) logged
+    its own error line, and a crash's traceback is in the agent's ``failed (exitcode: 1)`` record just before
+    (:class:`CleanStopLogFilter` keeps it): shown once, not twice."""
     if isinstance(message, dict):
         return str(message.get("message", ""))
     return str(message)
@@ -269,6 +280,13 @@ def warm_up(worker_argv: list[str]) -> float:
     finally:
         sys.argv = saved
     return time.perf_counter() - begin
+
+
+def cuda_initialised() -> bool:
+    """Whether this process holds a CUDA context (then forked workers could not use CUDA)."""
+    import torch
+
+    return torch.cuda.is_initialized()
 
 
 def _config_key(args: list[str]) -> tuple | None:
@@ -689,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_LAUNCHER_STATE] = state.path
     if a.max_restarts > 0:
         os.environ[heartbeat.ENV_HEARTBEAT_DIR] = stop_dir  # the workers' step heartbeats, for the hang watchdog
-    config, _cmd, _cmd_args = config_from_args(torchrun_parse(torchrun_argv(a)))
+    config, cmd, cmd_args = config_from_args(torchrun_parse(torchrun_argv(a)))
     # SIGTERM stays ours (see the module docstring); torchrun still handles the others.
     config.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
@@ -706,6 +724,13 @@ def main(argv: list[str] | None = None) -> int:
                                   a.save_timeout_seconds)
             run_in_place(config, run_worker, ["--job.config_file", a.config], state, lambda: bool(stopped["at"]),
                          node_rank=a.node_rank, nnodes=a.nnodes, hang_rule=rule, beat_dir=stop_dir)
+        elif cuda_initialised():
+            # a fork would give every worker a CUDA context it cannot use ("Cannot re-initialize CUDA in forked
+            # subprocess"): when NVML could not answer torch.cuda.is_available(), start fresh interpreters instead
+            log.warning("CUDA was initialised in the launcher (NVML unavailable?): starting the workers as new "
+                        "processes, each importing torch/torchtitan itself")
+            config.start_method = "spawn"
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
         else:
             log.info("Warm workers: imported torch/torchtitan once in %.1f s", seconds)
             elastic_launch(config=config, entrypoint=run_worker)("--job.config_file", a.config)

@@ -97,10 +97,14 @@ PER_RANK_DATA_SOURCES = frozenset({"huggingface"})
 """``spec.data.source`` values whose read position the trainer keeps per data-parallel rank: ``huggingface`` streams
 the dataset (hub or local) through torchtitan's ``ParallelAwareDataloader``, which splits it by DP rank and saves one
 position per rank, so its checkpoint resumes only at the DP degree it was saved at (the trainer refuses another one
-with a configuration error). Every other source (``synthetic``, ``shards``, ``mixture``, whose entries are shards)
+with a configuration error). Every other source (``synthetic``, ``shards``, ``mixture``)
 reads one global sample stream whose position is the same on every rank (``kubetitan_trainer.data``): it resumes at
 any world size and DP degree, and DCP reshards the model and optimizer, unless a mixture entry is ``huggingface``
-(such an entry keeps a per-rank stream position too). The trainer picks its loader by this set."""
+(such an entry keeps a per-rank stream position too: :func:`per_rank_sources`). The trainer picks its loader by
+this set.""".replace("""mixture``, whose entries are shards)""","""mixture``)""") if False else """reads one global sample stream whose position is the same on every rank (``kubetitan_trainer.data``): it resumes at
+any world size and DP degree, and DCP reshards the model and optimizer, unless a mixture entry is ``huggingface``
+(such an entry keeps a per-rank stream position too: :func:`per_rank_sources`). The trainer picks its loader by
+this set."""
 
 
 def resumes_at_another_dp_degree(data: DataSpec) -> bool:
@@ -110,8 +114,16 @@ def resumes_at_another_dp_degree(data: DataSpec) -> bool:
     ``resources.nodes``/``gpusPerNode``/``processesPerNode``/``parallelism`` that changes the DP degree to the next
     attempt when this holds, and refuses it otherwise (``SpecAccepted=False``, reason ``WorldSizeChangeRefused``;
     the admission webhook refuses it the same way): ``kubetitan.plan.world_size_change_allowed``."""
-    return data.source not in PER_RANK_DATA_SOURCES and \
-        not any(m.huggingface is not None for m in (data.mixture or []))
+    return not per_rank_sources(data)
+
+
+def per_rank_sources(data: DataSpec) -> list[str]:
+    """The spec paths of ``data``'s hub-streamed sources, whose read position is kept per data-parallel rank:
+    ``data.source`` itself (``data.source huggingface``) or the ``huggingface`` entries of a mixture
+    (``data.mixture[1].huggingface``). Empty when the run resumes at any data-parallel degree."""
+    if data.source in PER_RANK_DATA_SOURCES:
+        return [f"data.source {data.source}"]
+    return [f"data.mixture[{i}].huggingface" for i, m in enumerate(data.mixture or []) if m.huggingface is not None]
 
 
 BUILTIN_TOKENIZER_VOCAB = 644
