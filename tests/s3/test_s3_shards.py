@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -167,6 +169,69 @@ def test_a_prefix_without_index_and_a_missing_bucket_are_config_errors(s3_server
         s3shards.stage(uri, _settings(s3_server.endpoint, uri, tmp_path), FIELD)
     assert "the bucket 'no-such-bucket-kt-data' does not exist" in str(e.value)
     assert "create the bucket 'no-such-bucket-kt-data'" in str(e.value)
+
+
+class _FakeS3:
+    """An in-process stand-in for the S3 client over a local directory: LIST and ranged GETs, each GET recorded;
+    ``mangle`` serves other bytes for a file (a corrupt object)."""
+
+    def __init__(self, root: Path, mangle: dict[str, Any] | None = None) -> None:
+        self.root, self.mangle, self.gets = root, mangle or {}, []
+
+    def list_objects(self, bucket: str, prefix: str):
+        yield SimpleNamespace(object_info=[SimpleNamespace(key=prefix + p.name, size=p.stat().st_size)
+                                           for p in sorted(self.root.iterdir())])
+
+    def get_object(self, bucket: str, key: str, object_info: Any = None, reader_constructor: Any = None):
+        name, fake = key.rsplit("/", 1)[-1], self
+
+        class Reader:
+            pos = 0
+
+            def seek(self, n: int) -> None:
+                self.pos = n
+
+            def readinto(self, buf: bytearray) -> int:
+                fake.gets.append((name, self.pos))
+                data = (fake.root / name).read_bytes()
+                data = fake.mangle.get(name, lambda b: b)(data)[self.pos:self.pos + len(buf)]
+                buf[:len(data)] = data
+                return len(data)
+
+        return Reader()
+
+
+def _many_shards(d: Path, files: int, size: int) -> list[str]:
+    """A shards directory of ``files`` .bin files of ``size`` bytes each (and their small .idx); the .bin names."""
+    import numpy as np
+
+    from kubetitan_trainer.shards import ShardWriter, make_index
+
+    d.mkdir()
+    entries = []
+    for i in range(files):
+        w = ShardWriter(d, f"shard-{i:06d}.bin", "uint16")
+        w.add(np.arange(size // 2, dtype=np.int64) % 500, np.asarray([size // 2], dtype=np.int64))
+        entries.append(w.close())
+    (d / "index.json").write_text(json.dumps(make_index(entries, dtype="uint16", vocab_size=512, bos_id=None,
+                                                        eos_id=None, tokenizer={"name": "t"})))
+    return [e["name"] for e in entries]
+
+
+def test_a_corrupt_object_is_reported_without_downloading_every_other_file(tmp_path, monkeypatch):
+    """Six files of 16 parts, two at a time; the first is corrupt: the error comes once its second download fails,
+    the files not yet started are never fetched (before the abort, every other file was downloaded first)."""
+    names = _many_shards(tmp_path / "src", files=6, size=16 * 1024)
+    fake = _FakeS3(tmp_path / "src", mangle={names[0]: lambda b: b[:-1] + bytes([b[-1] ^ 1])})
+    monkeypatch.setattr(compat, "s3_client", lambda settings, config: fake)
+    monkeypatch.setattr(s3shards.time, "sleep", lambda s: None)
+    uri = "s3://b/many"
+    with pytest.raises(ConfigError, match=f"s3://b/many/{names[0]} is corrupt"):
+        s3shards.stage(uri, s3shards.StageSettings(storage.S3Settings(uri=uri, part_size_bytes=1024),
+                                                   stage_dir=str(tmp_path / "stage"), threads=2), FIELD)
+    late = [n for n, _ in fake.gets if n.startswith(("shard-000004", "shard-000005"))]
+    assert not late, fake.gets
+    assert len([g for g in fake.gets if g[0].endswith(".bin")]) < 2 * 16 + 5 * 16
 
 
 # ------------------------------------------------------------------------------------------ the trainer, end to end

@@ -224,23 +224,32 @@ class Stager:
             time.sleep(min(2.0 ** attempt * 0.5, 8.0))  # backoff between attempts of a part
         raise self._request_error(err or OSError("no data"), f"GET s3://{self.bucket}/{_key(self.prefix, name)}")
 
-    def _download(self, name: str, info: Any, progress: _Progress, pool: cf.Executor) -> None:
-        """The object into ``.<name>.part`` by parallel ranged GETs (parts written at their offsets)."""
+    def _download(self, name: str, info: Any, progress: _Progress, pool: cf.Executor, abort: threading.Event) -> None:
+        """The object into ``.<name>.part`` by parallel ranged GETs (parts written at their offsets). A part not
+        started when ``abort`` is set (another file failed) is skipped, so the failure surfaces after the GETs in
+        flight, not after the whole download."""
         tmp = self.dest / f".{name}.part"
         part = self.settings.s3.part_size_bytes
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        futures: list[cf.Future[None]] = []
         try:
             os.ftruncate(fd, info.size)
 
             def fetch(start: int) -> None:
+                if abort.is_set():
+                    raise _Aborted()
                 data = self._get(name, info, start, min(start + part, info.size))
                 os.pwrite(fd, data, start)
                 progress.add(len(data))
 
-            for f in [pool.submit(fetch, s) for s in range(0, info.size, part)]:
+            futures = [pool.submit(fetch, s) for s in range(0, info.size, part)]
+            for f in futures:
                 f.result()
             os.fsync(fd)
         finally:
+            for f in futures:  # no part still writing when the descriptor is closed
+                if not f.cancel():  # running or done (a cancelled one never runs; cf.wait would not see it end)
+                    f.exception()
             os.close(fd)
 
     # ---------------------------------------------------------------------------------------------- staging
@@ -304,6 +313,7 @@ class Stager:
         todo = [(n, size, crc) for n, size, crc in wanted if not self._reusable(manifest, n, size, crc or "")]
         total = sum(size for _n, size, _c in todo)
         progress = _Progress(self.uri, total)
+        abort = threading.Event()
         if todo:
             log.info("Staging %s to %s: %d of %d file(s), %.1f MB (%d reused); %d ranged GETs in flight",
                      self.uri, self.dest, len(todo), len(wanted), total / 1e6, len(wanted) - len(todo),
@@ -314,7 +324,7 @@ class Stager:
 
             def one(name: str, size: int, crc: str | None) -> None:
                 for attempt in (1, 2):
-                    self._download(name, objects[name], progress, parts)
+                    self._download(name, objects[name], progress, parts, abort)
                     got = crc32_file(self.dest / f".{name}.part")
                     if crc is None or got == crc:
                         break
@@ -331,8 +341,7 @@ class Stager:
 
             manifest_lock = threading.Lock()
             try:
-                for f in [files.submit(one, *t) for t in todo]:
-                    f.result()
+                _first_failure([files.submit(one, *t) for t in todo], abort, (files, parts))
             finally:
                 _write_json(self.dest / MANIFEST, manifest)  # what was verified survives a failure of the rest
         atomic_write_bytes(self.dest / INDEX_FILE, raw_index)
@@ -344,6 +353,25 @@ class Stager:
             log.info("Reused the staged copy of %s in %s: %d file(s), every one verified when it was downloaded",
                      self.uri, self.dest, len(wanted))
         return self.dest
+
+
+class _Aborted(Exception):
+    """A part skipped because another file already failed."""
+
+
+def _first_failure(futures: list[cf.Future[None]], abort: threading.Event, pools: tuple[cf.Executor, ...]) -> None:
+    """Wait for every file; at the first failure, stop the rest (queued files and parts cancelled, parts not yet
+    started skipped) and raise it, so a bad object is reported after the GETs in flight, not after every other
+    file has downloaded."""
+    done, _pending = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+    failed = [f for f in futures if f in done and not f.cancelled() and f.exception() is not None]
+    if not failed:
+        return
+    for pool in pools:  # the files' pool first: no queued file starts once its parts begin to fail
+        pool.shutdown(wait=False, cancel_futures=True)
+    abort.set()
+    errors = [f.exception() for f in failed]
+    raise next((e for e in errors if not isinstance(e, _Aborted)), errors[0])
 
 
 def _write_json(path: Path, obj: Any) -> None:
