@@ -234,6 +234,33 @@ def test_a_corrupt_object_is_reported_without_downloading_every_other_file(tmp_p
     assert len([g for g in fake.gets if g[0].endswith(".bin")]) < 2 * 16 + 5 * 16
 
 
+def test_a_staging_disk_too_small_is_a_config_error_before_downloading_or_at_enospc(tmp_path, monkeypatch):
+    """Too little free space is reported before a GET (the .part files are sparse, so the disk would fill only at a
+    write); a disk that fills anyway (ENOSPC at a write) is the same error, not a crash."""
+    import errno
+    import shutil
+
+    _many_shards(tmp_path / "src", files=2, size=8 * 1024)
+    fake = _FakeS3(tmp_path / "src")
+    monkeypatch.setattr(compat, "s3_client", lambda settings, config: fake)
+    uri, stage_dir = "s3://b/many", tmp_path / "stage"
+    settings = s3shards.StageSettings(storage.S3Settings(uri=uri, part_size_bytes=4096), stage_dir=str(stage_dir))
+    monkeypatch.setattr(s3shards.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2**40, 2**40 - 2**20, 2**20))
+    with pytest.raises(ConfigError) as e:
+        s3shards.stage(uri, settings, FIELD)
+    assert f"the node-local staging directory {stage_dir} has 0.00 GiB free" in str(e.value)
+    assert "more local disk" in e.value.fix and "fewer or smaller shards" in e.value.fix
+    assert [n for n, _ in fake.gets if n != "index.json"] == [], "nothing downloaded"
+    monkeypatch.setattr(s3shards.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2**40, 0, 2**40))
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(s3shards.os, "pwrite", full)
+    with pytest.raises(ConfigError, match=f"the node-local staging directory {stage_dir} has"):
+        s3shards.stage(uri, settings, FIELD)
+
+
 # ------------------------------------------------------------------------------------------ the trainer, end to end
 def _run(tmp: Path, name: str, path: str, endpoint: str, env: dict[str, str], steps: int = 2) -> tuple[int, str]:
     obj = tiny_lpt({"training": {"steps": steps, "seqLen": 64, "localBatchSize": 2, "warmupSteps": 1},

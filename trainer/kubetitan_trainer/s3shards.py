@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -56,6 +58,8 @@ LOCK = ".kubetitan-staging.lock"
 PROGRESS_EVERY_SECONDS = 5.0
 PART_ATTEMPTS = 3
 """Attempts per part here, each after the client's own ``max_attempts`` retries of its request."""
+FREE_MARGIN_BYTES = 64 * 2**20
+"""Free space kept beyond the files to download (the manifest, the index, the file system's own blocks)."""
 SYNC_HINT = "aws s3 sync <the prepare-data output directory> {uri}/"
 
 
@@ -165,6 +169,14 @@ class Stager:
     def _fail(self, problem: str, fix: str) -> ConfigError:
         return ConfigError(self.field, problem, fix)
 
+    def _no_space(self, needed: int, free: int) -> ConfigError:
+        """The node-local staging disk cannot hold the files (checked before downloading, and at ENOSPC: the
+        ``.part`` files are sparse, so a full disk shows only when a part is written)."""
+        return self._fail(f"the node-local staging directory {self.settings.stage_dir} has {free / 2**30:.2f} GiB free; "
+                          f"staging {self.uri} needs {needed / 2**30:.2f} GiB more",
+                          "give the nodes more local disk (a larger root volume or ephemeral storage for the staging "
+                          "emptyDir, docs/storage.md), or read fewer or smaller shards")
+
     def _request_error(self, e: BaseException, what: str) -> Exception:
         """A request that failed after every retry: a configuration error when S3 says the bucket or the access is
         wrong, else a transient one (the operator restarts the run)."""
@@ -239,7 +251,12 @@ class Stager:
                 if abort.is_set():
                     raise _Aborted()
                 data = self._get(name, info, start, min(start + part, info.size))
-                os.pwrite(fd, data, start)
+                try:
+                    os.pwrite(fd, data, start)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    raise self._no_space(len(data), shutil.disk_usage(self.dest).free) from None
                 progress.add(len(data))
 
             futures = [pool.submit(fetch, s) for s in range(0, info.size, part)]
@@ -312,6 +329,8 @@ class Stager:
         manifest = self._manifest()
         todo = [(n, size, crc) for n, size, crc in wanted if not self._reusable(manifest, n, size, crc or "")]
         total = sum(size for _n, size, _c in todo)
+        if todo and (free := shutil.disk_usage(self.dest).free) < total + FREE_MARGIN_BYTES:
+            raise self._no_space(total + FREE_MARGIN_BYTES, free)
         progress = _Progress(self.uri, total)
         abort = threading.Event()
         if todo:
