@@ -261,6 +261,26 @@ def test_a_staging_disk_too_small_is_a_config_error_before_downloading_or_at_eno
         s3shards.stage(uri, settings, FIELD)
 
 
+def test_a_version_1_index_without_checksums_is_reused_on_a_restart(tmp_path, monkeypatch):
+    """A version-1 index (written before checksums) lists no CRC-32: its staged files are vouched for by the
+    manifest's size and mtime, so a second start downloads nothing but the index (it used to download everything)."""
+    _many_shards(tmp_path / "src", files=2, size=8 * 1024)
+    index = json.loads((tmp_path / "src" / "index.json").read_text())
+    index["version"] = 1
+    index["files"] = [{"name": f["name"], "tokens": f["tokens"]} for f in index["files"]]
+    (tmp_path / "src" / "index.json").write_text(json.dumps(index))
+    fake = _FakeS3(tmp_path / "src")
+    monkeypatch.setattr(compat, "s3_client", lambda settings, config: fake)
+    uri = "s3://b/v1"
+    settings = s3shards.StageSettings(storage.S3Settings(uri=uri, part_size_bytes=4096), stage_dir=str(tmp_path / "st"))
+    s3shards.stage(uri, settings, FIELD)
+    assert len([n for n, _ in fake.gets if n.endswith(".bin")]) == 4  # two files of two parts
+    fake.gets.clear()
+    got = s3shards.stage(uri, settings, FIELD)
+    assert [n for n, _ in fake.gets] == ["index.json"]
+    assert (got / index["files"][0]["name"]).read_bytes() == (tmp_path / "src" / index["files"][0]["name"]).read_bytes()
+
+
 # ------------------------------------------------------------------------------------------ the trainer, end to end
 def _run(tmp: Path, name: str, path: str, endpoint: str, env: dict[str, str], steps: int = 2) -> tuple[int, str]:
     obj = tiny_lpt({"training": {"steps": steps, "seqLen": 64, "localBatchSize": 2, "warmupSteps": 1},

@@ -277,13 +277,15 @@ class Stager:
         except (OSError, ValueError):
             return {"uri": self.uri, "files": {}}
 
-    def _reusable(self, manifest: dict[str, Any], name: str, size: int, crc: str) -> bool:
+    def _reusable(self, manifest: dict[str, Any], name: str, size: int, crc: str | None) -> bool:
+        """Whether the manifest vouches for the local file: same size and mtime as when it was downloaded, and the
+        CRC-32 the index gives (a version-1 index gives none: then size and mtime alone, as its download had)."""
         m = manifest["files"].get(name)
         try:
             st = (self.dest / name).stat()
         except FileNotFoundError:
             return False
-        return bool(m) and m.get("crc32") == crc and m.get("size") == size == st.st_size \
+        return bool(m) and (crc is None or m.get("crc32") == crc) and m.get("size") == size == st.st_size \
             and m.get("mtime_ns") == st.st_mtime_ns
 
     def _wanted(self, ss: ShardSet) -> list[tuple[str, int, str | None]]:
@@ -327,7 +329,7 @@ class Stager:
         wanted = self._wanted(ss)
         self._check_listing(wanted, objects)
         manifest = self._manifest()
-        todo = [(n, size, crc) for n, size, crc in wanted if not self._reusable(manifest, n, size, crc or "")]
+        todo = [(n, size, crc) for n, size, crc in wanted if not self._reusable(manifest, n, size, crc)]
         total = sum(size for _n, size, _c in todo)
         if todo and (free := shutil.disk_usage(self.dest).free) < total + FREE_MARGIN_BYTES:
             raise self._no_space(total + FREE_MARGIN_BYTES, free)
