@@ -340,6 +340,9 @@ def test_pods_reading_s3_shards_get_a_staging_emptydir_the_secret_and_the_render
     assert {"name": "data-stage", "emptyDir": {}} in pod["volumes"]
     env = {e["name"]: e.get("valueFrom") for e in c["env"]}
     assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "data-keys", "key": "AWS_ACCESS_KEY_ID"}}
+    # nodes that stage first wait for the slowest in init_process_group: bounded by the start-up budget, not 300 s
+    slow = tiny_lpt({"data": data, "runPolicy": {"startupTimeoutSeconds": 5400}})
+    assert render.trainer_config(slow, dump_folder="/ck")["comm"]["init_timeout_seconds"] == 5400
     assert render.trainer_config(obj, dump_folder="/ck")["kubetitan"]["data_s3"] == {
         "region": "us-west-2", "endpoint": "https://s3.example:9000", "force_path_style": True,
         "stage_dir": contract.DATA_STAGE_MOUNT}

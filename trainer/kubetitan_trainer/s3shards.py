@@ -23,7 +23,11 @@ place; a restart, in place or a new attempt on the same node, re-downloads only 
 
 **Who downloads.** Every process of the node calls :func:`stage` under one file lock (``flock``) on the staging
 directory: the first to get it downloads, the others wait on the lock and then find every file verified. No
-collective is involved, so the wait is bounded by the download, not by a process-group timeout.
+collective is involved in the staging itself, but it runs before torchtitan's ``init_distributed``: on a multi-node
+run the nodes that finish first wait for the slowest in the process group's initialisation, bounded by
+``comm.init_timeout_seconds``. The operator renders that as ``runPolicy.startupTimeoutSeconds``
+(``kubetitan_core.render``), the same budget the operator gives the whole start (torchtitan's own default, 300 s,
+applies only to a hand-written config); a download-time spread between nodes beyond it ends the attempt.
 
 Errors: a bucket that does not exist or denies access → ConfigError with the bucket and the fix
 (:func:`kubetitan_trainer.storage.describe_access_error`, as for checkpoints); no ``index.json`` under the prefix,
