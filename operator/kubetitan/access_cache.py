@@ -83,15 +83,25 @@ class AccessCache:
     async def get(self, check: Access, user: Mapping[str, Any],
                   ask: Callable[[], Awaitable[tuple[Answer, bool]]]) -> Answer:
         """The answer for ``check`` and ``user``: cached, or from ``ask()`` (which returns the answer and whether it
-        may be cached: False for a review that failed)."""
+        may be cached: False for a review that failed). Concurrent callers for one key share the first one's
+        ``ask()``; when that caller is cancelled (its admission request timed out), the others ask again instead of
+        failing with it."""
         k = key(check, user)
-        cached = self.lookup(k)
-        if cached is not None:
+        while True:
+            cached = self.lookup(k)
+            if cached is not None:
+                self.hits += 1
+                return cached
+            if (pending := self._inflight.get(k)) is None:
+                break
             self.hits += 1
-            return cached
-        if (pending := self._inflight.get(k)) is not None:
-            self.hits += 1
-            return await asyncio.shield(pending)
+            try:
+                return await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not pending.cancelled() or (task is not None and task.cancelling()):
+                    raise  # this caller itself was cancelled
+                self.hits -= 1  # the first asker was cancelled (its client gave up): ask again
         self.misses += 1
         fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._inflight[k] = fut

@@ -176,6 +176,30 @@ def test_the_reviews_of_one_request_go_out_together_and_identical_ones_once() ->
     assert ctx.client.fenced == [False, False]  # a standby replica answers admission requests too
 
 
+def test_a_waiter_asks_again_when_the_first_asker_is_cancelled() -> None:
+    """The first request for a key is cancelled (its client timed out) while a second waits on its review: the second
+    sends its own review and gets its answer, not the first one's CancelledError."""
+    ctx, opts, _ = _setup()
+    ctx.client.grants.add(("alice", "secrets", "wandb"))
+
+    async def scenario() -> dict[Access, Any]:
+        ctx.client.gate = asyncio.Event()
+        first = asyncio.create_task(webhook.answers_for(ctx, opts, [SECRET], ALICE))
+        while ctx.client.in_flight < 1:
+            await asyncio.sleep(0)
+        second = asyncio.create_task(webhook.answers_for(ctx, opts, [SECRET], ALICE))
+        while ctx.access_cache.hits < 1:  # the second waits on the first's review
+            await asyncio.sleep(0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        ctx.client.gate.set()
+        return await second
+
+    assert asyncio.run(scenario()) == {SECRET: True}
+    assert len(ctx.client.sent) == 2  # the first's review (cancelled) and the second's own
+
+
 def test_each_review_carries_the_requests_uid_and_extra() -> None:
     ctx, opts, _ = _setup()
     _ask(ctx, opts, SECRET)

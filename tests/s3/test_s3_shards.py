@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -169,6 +171,116 @@ def test_a_prefix_without_index_and_a_missing_bucket_are_config_errors(s3_server
     assert "create the bucket 'no-such-bucket-kt-data'" in str(e.value)
 
 
+class _FakeS3:
+    """An in-process stand-in for the S3 client over a local directory: LIST and ranged GETs, each GET recorded;
+    ``mangle`` serves other bytes for a file (a corrupt object)."""
+
+    def __init__(self, root: Path, mangle: dict[str, Any] | None = None) -> None:
+        self.root, self.mangle, self.gets = root, mangle or {}, []
+
+    def list_objects(self, bucket: str, prefix: str):
+        yield SimpleNamespace(object_info=[SimpleNamespace(key=prefix + p.name, size=p.stat().st_size)
+                                           for p in sorted(self.root.iterdir())])
+
+    def get_object(self, bucket: str, key: str, object_info: Any = None, reader_constructor: Any = None):
+        name, fake = key.rsplit("/", 1)[-1], self
+
+        class Reader:
+            pos = 0
+
+            def seek(self, n: int) -> None:
+                self.pos = n
+
+            def readinto(self, buf: bytearray) -> int:
+                fake.gets.append((name, self.pos))
+                data = (fake.root / name).read_bytes()
+                data = fake.mangle.get(name, lambda b: b)(data)[self.pos:self.pos + len(buf)]
+                buf[:len(data)] = data
+                return len(data)
+
+        return Reader()
+
+
+def _many_shards(d: Path, files: int, size: int) -> list[str]:
+    """A shards directory of ``files`` .bin files of ``size`` bytes each (and their small .idx); the .bin names."""
+    import numpy as np
+
+    from kubetitan_trainer.shards import ShardWriter, make_index
+
+    d.mkdir()
+    entries = []
+    for i in range(files):
+        w = ShardWriter(d, f"shard-{i:06d}.bin", "uint16")
+        w.add(np.arange(size // 2, dtype=np.int64) % 500, np.asarray([size // 2], dtype=np.int64))
+        entries.append(w.close())
+    (d / "index.json").write_text(json.dumps(make_index(entries, dtype="uint16", vocab_size=512, bos_id=None,
+                                                        eos_id=None, tokenizer={"name": "t"})))
+    return [e["name"] for e in entries]
+
+
+def test_a_corrupt_object_is_reported_without_downloading_every_other_file(tmp_path, monkeypatch):
+    """Six files of 16 parts, two at a time; the first is corrupt: the error comes once its second download fails,
+    the files not yet started are never fetched (before the abort, every other file was downloaded first)."""
+    names = _many_shards(tmp_path / "src", files=6, size=16 * 1024)
+    fake = _FakeS3(tmp_path / "src", mangle={names[0]: lambda b: b[:-1] + bytes([b[-1] ^ 1])})
+    monkeypatch.setattr(compat, "s3_client", lambda settings, config: fake)
+    monkeypatch.setattr(s3shards.time, "sleep", lambda s: None)
+    uri = "s3://b/many"
+    with pytest.raises(ConfigError, match=f"s3://b/many/{names[0]} is corrupt"):
+        s3shards.stage(uri, s3shards.StageSettings(storage.S3Settings(uri=uri, part_size_bytes=1024),
+                                                   stage_dir=str(tmp_path / "stage"), threads=2), FIELD)
+    late = [n for n, _ in fake.gets if n.startswith(("shard-000004", "shard-000005"))]
+    assert not late, fake.gets
+    assert len([g for g in fake.gets if g[0].endswith(".bin")]) < 2 * 16 + 5 * 16
+
+
+def test_a_staging_disk_too_small_is_a_config_error_before_downloading_or_at_enospc(tmp_path, monkeypatch):
+    """Too little free space is reported before a GET (the .part files are sparse, so the disk would fill only at a
+    write); a disk that fills anyway (ENOSPC at a write) is the same error, not a crash."""
+    import errno
+    import shutil
+
+    _many_shards(tmp_path / "src", files=2, size=8 * 1024)
+    fake = _FakeS3(tmp_path / "src")
+    monkeypatch.setattr(compat, "s3_client", lambda settings, config: fake)
+    uri, stage_dir = "s3://b/many", tmp_path / "stage"
+    settings = s3shards.StageSettings(storage.S3Settings(uri=uri, part_size_bytes=4096), stage_dir=str(stage_dir))
+    monkeypatch.setattr(s3shards.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2**40, 2**40 - 2**20, 2**20))
+    with pytest.raises(ConfigError) as e:
+        s3shards.stage(uri, settings, FIELD)
+    assert f"the node-local staging directory {stage_dir} has 0.00 GiB free" in str(e.value)
+    assert "more local disk" in e.value.fix and "fewer or smaller shards" in e.value.fix
+    assert [n for n, _ in fake.gets if n != "index.json"] == [], "nothing downloaded"
+    monkeypatch.setattr(s3shards.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(2**40, 0, 2**40))
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(s3shards.os, "pwrite", full)
+    with pytest.raises(ConfigError, match=f"the node-local staging directory {stage_dir} has"):
+        s3shards.stage(uri, settings, FIELD)
+
+
+def test_a_version_1_index_without_checksums_is_reused_on_a_restart(tmp_path, monkeypatch):
+    """A version-1 index (written before checksums) lists no CRC-32: its staged files are vouched for by the
+    manifest's size and mtime, so a second start downloads nothing but the index (it used to download everything)."""
+    _many_shards(tmp_path / "src", files=2, size=8 * 1024)
+    index = json.loads((tmp_path / "src" / "index.json").read_text())
+    index["version"] = 1
+    index["files"] = [{"name": f["name"], "tokens": f["tokens"]} for f in index["files"]]
+    (tmp_path / "src" / "index.json").write_text(json.dumps(index))
+    fake = _FakeS3(tmp_path / "src")
+    monkeypatch.setattr(compat, "s3_client", lambda settings, config: fake)
+    uri = "s3://b/v1"
+    settings = s3shards.StageSettings(storage.S3Settings(uri=uri, part_size_bytes=4096), stage_dir=str(tmp_path / "st"))
+    s3shards.stage(uri, settings, FIELD)
+    assert len([n for n, _ in fake.gets if n.endswith(".bin")]) == 4  # two files of two parts
+    fake.gets.clear()
+    got = s3shards.stage(uri, settings, FIELD)
+    assert [n for n, _ in fake.gets] == ["index.json"]
+    assert (got / index["files"][0]["name"]).read_bytes() == (tmp_path / "src" / index["files"][0]["name"]).read_bytes()
+
+
 # ------------------------------------------------------------------------------------------ the trainer, end to end
 def _run(tmp: Path, name: str, path: str, endpoint: str, env: dict[str, str], steps: int = 2) -> tuple[int, str]:
     obj = tiny_lpt({"training": {"steps": steps, "seqLen": 64, "localBatchSize": 2, "warmupSteps": 1},
@@ -228,6 +340,9 @@ def test_pods_reading_s3_shards_get_a_staging_emptydir_the_secret_and_the_render
     assert {"name": "data-stage", "emptyDir": {}} in pod["volumes"]
     env = {e["name"]: e.get("valueFrom") for e in c["env"]}
     assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "data-keys", "key": "AWS_ACCESS_KEY_ID"}}
+    # nodes that stage first wait for the slowest in init_process_group: bounded by the start-up budget, not 300 s
+    slow = tiny_lpt({"data": data, "runPolicy": {"startupTimeoutSeconds": 5400}})
+    assert render.trainer_config(slow, dump_folder="/ck")["comm"]["init_timeout_seconds"] == 5400
     assert render.trainer_config(obj, dump_folder="/ck")["kubetitan"]["data_s3"] == {
         "region": "us-west-2", "endpoint": "https://s3.example:9000", "force_path_style": True,
         "stage_dir": contract.DATA_STAGE_MOUNT}

@@ -72,6 +72,34 @@ ERRORS = [
 ]
 
 
+KINDS = [
+    # (id, the error's message as s3torchconnector/the CRT client gives it, its kind: None = transient)
+    ("no-bucket", "Service error: The bucket does not exist", "no-bucket"),
+    ("no-such-bucket", "Client error: NoSuchBucket: The specified bucket does not exist", "no-bucket"),
+    ("forbidden", "Client error: Forbidden: Access Denied", "denied"),
+    ("access-denied-code", "Service error: AccessDenied (request id: 5XJ4K)", "denied"),
+    ("http-403", "Client error: Unknown response error: HTTP status 403", "denied"),
+    ("status-code-403", "Client error: Unknown response error: status_code=403", "denied"),
+    ("403-in-request-id", "Service error: InternalError (request id: 8A403B2C403F)", None),
+    ("403-in-range", "Client error: Response body truncated for range bytes=4030000-4039999", None),
+    ("503-slow-down", "Service error: SlowDown: Please reduce your request rate. (HTTP status 503)", None),
+    ("no-credentials", "Client error: No signing credentials found", "credentials"),
+    ("invalid-key", "Service error: InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our "
+                    "records. (check the credentials)", "credentials"),
+    ("pod-identity-timeout", "Client error: Failed to load credentials: AWS_AUTH_CREDENTIALS_PROVIDER_ECS_SOURCE_"
+                             "FAILURE: AWS_IO_SOCKET_TIMEOUT: socket operation timed out", None),
+    ("pod-identity-refused", "Client error: No signing credentials found (credentials provider: connection refused "
+                             "at 169.254.170.23)", None),
+    ("imds-unavailable", "Client error: credentials provider failed: IMDS temporarily unavailable", None),
+    ("dns", "Client error: dns lookup failed", None),
+]
+
+
+@pytest.mark.parametrize("text, kind", [k[1:] for k in KINDS], ids=[k[0] for k in KINDS])
+def test_access_error_kind_reads_whole_codes_and_leaves_unreachable_credential_providers_transient(text, kind):
+    assert storage.access_error_kind(RuntimeError(text)) == kind
+
+
 @pytest.mark.parametrize("text, problem, fix", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
 def test_access_errors_name_the_bucket_and_the_fix(text, problem, fix):
     field, got_problem, got_fix = storage.describe_access_error(S, "ck", RuntimeError(text))

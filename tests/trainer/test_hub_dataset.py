@@ -91,6 +91,18 @@ def _missing():
     return [DatasetNotFoundError("Dataset 'org/ds' doesn't exist on the Hub"), DataFilesNotFoundError("no files")]
 
 
+def _offline_entry() -> BaseException:
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    return LocalEntryNotFoundError("Cannot find the requested files in the disk cache and outgoing traffic has been "
+                                   "disabled (HF_HUB_OFFLINE=1)")
+
+
+def _chained(outer: BaseException, cause: BaseException) -> BaseException:
+    outer.__cause__ = cause
+    return outer
+
+
 @pytest.mark.parametrize(("make", "offline", "want"), [
     (lambda: _missing()[0], False, downloads.CONFIG),
     (lambda: _missing()[1], False, downloads.CONFIG),
@@ -98,7 +110,13 @@ def _missing():
     (lambda: ConnectionError("Couldn't reach 'org/ds' on the Hub (OfflineModeIsEnabled)"), True, downloads.CONFIG),
     (lambda: ConnectionError("Server Disconnected"), False, downloads.TRANSIENT),
     (lambda: ValueError("a bug"), False, None),
-], ids=["no-such-dataset", "no-data-files", "unreachable", "offline-mode", "stream-gave-up", "other"])
+    (lambda: _offline_entry(), True, downloads.CONFIG),
+    (lambda: FileNotFoundError("no cached file for org/ds"), True, downloads.CONFIG),
+    (lambda: ValueError("a bug"), True, None),
+    (lambda: _chained(RuntimeError("tokenizer failed mid-stream"), KeyError("text")), True, None),
+    (lambda: ConnectionError("Server Disconnected"), True, downloads.CONFIG),
+], ids=["no-such-dataset", "no-data-files", "unreachable", "offline-mode", "stream-gave-up", "other",
+        "offline-not-cached", "offline-missing-file", "offline-bug", "offline-tokenizer-error", "offline-connection"])
 def test_classify_dataset(monkeypatch, make, offline, want):
     from huggingface_hub import constants
 

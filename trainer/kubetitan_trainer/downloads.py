@@ -124,12 +124,19 @@ def with_retries(fn: Callable[[], Any], what: str, *, retries: int | None = None
     raise AssertionError("unreachable")
 
 
+_OFFLINE_KINDS: tuple[type[BaseException], ...] = (OSError,)
+"""What a hub or file look-up raises (a ConnectionError, a missing file): with ``HF_HUB_OFFLINE`` set that is the
+setting's doing, a configuration error; any other exception (a tokenizer error mid-stream, a bug) is classified as
+without it."""
+
+
 def classify_dataset(exc: BaseException) -> str | None:
     """:func:`classify` for ``datasets.load_dataset`` and for reading a streamed dataset.
 
     ``datasets`` re-raises its own exceptions with the chain cut (``raise e from None``), so its classes are read
     first: no such dataset, no data files, an empty dataset, a gated one (``DatasetNotFoundError``) are ``CONFIG``; so
-    is any failure while ``HF_HUB_OFFLINE`` is set (it never asks the hub, so no retry can help). A hub file that is
+    is a hub or file look-up failure (an ``OSError``, a hub error) while ``HF_HUB_OFFLINE`` is set (it never asks the hub,
+    so no retry can help); other exceptions keep their classification. A hub file that is
     neither reachable nor cached (``LocalEntryNotFoundError``) and a connection the library's own retries gave up
     on (``ConnectionError``) are ``TRANSIENT``."""
     from huggingface_hub import constants, errors as hf
@@ -143,7 +150,9 @@ def classify_dataset(exc: BaseException) -> str | None:
     for e in _chain(exc):
         if isinstance(e, missing):
             return CONFIG
-    if constants.HF_HUB_OFFLINE:
+    if constants.HF_HUB_OFFLINE and any(isinstance(e, _OFFLINE_KINDS + (hf.HfHubHTTPError, hf.LocalEntryNotFoundError,
+                                                                        hf.OfflineModeIsEnabled))
+                                        for e in _chain(exc)):
         return CONFIG
     for e in _chain(exc):
         if isinstance(e, hf.LocalEntryNotFoundError):

@@ -23,7 +23,11 @@ place; a restart, in place or a new attempt on the same node, re-downloads only 
 
 **Who downloads.** Every process of the node calls :func:`stage` under one file lock (``flock``) on the staging
 directory: the first to get it downloads, the others wait on the lock and then find every file verified. No
-collective is involved, so the wait is bounded by the download, not by a process-group timeout.
+collective is involved in the staging itself, but it runs before torchtitan's ``init_distributed``: on a multi-node
+run the nodes that finish first wait for the slowest in the process group's initialisation, bounded by
+``comm.init_timeout_seconds``. The operator renders that as ``runPolicy.startupTimeoutSeconds``
+(``kubetitan_core.render``), the same budget the operator gives the whole start (torchtitan's own default, 300 s,
+applies only to a hand-written config); a download-time spread between nodes beyond it ends the attempt.
 
 Errors: a bucket that does not exist or denies access → ConfigError with the bucket and the fix
 (:func:`kubetitan_trainer.storage.describe_access_error`, as for checkpoints); no ``index.json`` under the prefix,
@@ -36,10 +40,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -56,6 +62,8 @@ LOCK = ".kubetitan-staging.lock"
 PROGRESS_EVERY_SECONDS = 5.0
 PART_ATTEMPTS = 3
 """Attempts per part here, each after the client's own ``max_attempts`` retries of its request."""
+FREE_MARGIN_BYTES = 64 * 2**20
+"""Free space kept beyond the files to download (the manifest, the index, the file system's own blocks)."""
 SYNC_HINT = "aws s3 sync <the prepare-data output directory> {uri}/"
 
 
@@ -165,6 +173,14 @@ class Stager:
     def _fail(self, problem: str, fix: str) -> ConfigError:
         return ConfigError(self.field, problem, fix)
 
+    def _no_space(self, needed: int, free: int) -> ConfigError:
+        """The node-local staging disk cannot hold the files (checked before downloading, and at ENOSPC: the
+        ``.part`` files are sparse, so a full disk shows only when a part is written)."""
+        return self._fail(f"the node-local staging directory {self.settings.stage_dir} has {free / 2**30:.2f} GiB free; "
+                          f"staging {self.uri} needs {needed / 2**30:.2f} GiB more",
+                          "give the nodes more local disk (a larger root volume or ephemeral storage for the staging "
+                          "emptyDir, docs/storage.md), or read fewer or smaller shards")
+
     def _request_error(self, e: BaseException, what: str) -> Exception:
         """A request that failed after every retry: a configuration error when S3 says the bucket or the access is
         wrong, else a transient one (the operator restarts the run)."""
@@ -224,23 +240,37 @@ class Stager:
             time.sleep(min(2.0 ** attempt * 0.5, 8.0))  # backoff between attempts of a part
         raise self._request_error(err or OSError("no data"), f"GET s3://{self.bucket}/{_key(self.prefix, name)}")
 
-    def _download(self, name: str, info: Any, progress: _Progress, pool: cf.Executor) -> None:
-        """The object into ``.<name>.part`` by parallel ranged GETs (parts written at their offsets)."""
+    def _download(self, name: str, info: Any, progress: _Progress, pool: cf.Executor, abort: threading.Event) -> None:
+        """The object into ``.<name>.part`` by parallel ranged GETs (parts written at their offsets). A part not
+        started when ``abort`` is set (another file failed) is skipped, so the failure surfaces after the GETs in
+        flight, not after the whole download."""
         tmp = self.dest / f".{name}.part"
         part = self.settings.s3.part_size_bytes
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        futures: list[cf.Future[None]] = []
         try:
             os.ftruncate(fd, info.size)
 
             def fetch(start: int) -> None:
+                if abort.is_set():
+                    raise _Aborted()
                 data = self._get(name, info, start, min(start + part, info.size))
-                os.pwrite(fd, data, start)
+                try:
+                    os.pwrite(fd, data, start)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    raise self._no_space(len(data), shutil.disk_usage(self.dest).free) from None
                 progress.add(len(data))
 
-            for f in [pool.submit(fetch, s) for s in range(0, info.size, part)]:
+            futures = [pool.submit(fetch, s) for s in range(0, info.size, part)]
+            for f in futures:
                 f.result()
             os.fsync(fd)
         finally:
+            for f in futures:  # no part still writing when the descriptor is closed
+                if not f.cancel():  # running or done (a cancelled one never runs; cf.wait would not see it end)
+                    f.exception()
             os.close(fd)
 
     # ---------------------------------------------------------------------------------------------- staging
@@ -251,13 +281,15 @@ class Stager:
         except (OSError, ValueError):
             return {"uri": self.uri, "files": {}}
 
-    def _reusable(self, manifest: dict[str, Any], name: str, size: int, crc: str) -> bool:
+    def _reusable(self, manifest: dict[str, Any], name: str, size: int, crc: str | None) -> bool:
+        """Whether the manifest vouches for the local file: same size and mtime as when it was downloaded, and the
+        CRC-32 the index gives (a version-1 index gives none: then size and mtime alone, as its download had)."""
         m = manifest["files"].get(name)
         try:
             st = (self.dest / name).stat()
         except FileNotFoundError:
             return False
-        return bool(m) and m.get("crc32") == crc and m.get("size") == size == st.st_size \
+        return bool(m) and (crc is None or m.get("crc32") == crc) and m.get("size") == size == st.st_size \
             and m.get("mtime_ns") == st.st_mtime_ns
 
     def _wanted(self, ss: ShardSet) -> list[tuple[str, int, str | None]]:
@@ -301,9 +333,12 @@ class Stager:
         wanted = self._wanted(ss)
         self._check_listing(wanted, objects)
         manifest = self._manifest()
-        todo = [(n, size, crc) for n, size, crc in wanted if not self._reusable(manifest, n, size, crc or "")]
+        todo = [(n, size, crc) for n, size, crc in wanted if not self._reusable(manifest, n, size, crc)]
         total = sum(size for _n, size, _c in todo)
+        if todo and (free := shutil.disk_usage(self.dest).free) < total + FREE_MARGIN_BYTES:
+            raise self._no_space(total + FREE_MARGIN_BYTES, free)
         progress = _Progress(self.uri, total)
+        abort = threading.Event()
         if todo:
             log.info("Staging %s to %s: %d of %d file(s), %.1f MB (%d reused); %d ranged GETs in flight",
                      self.uri, self.dest, len(todo), len(wanted), total / 1e6, len(wanted) - len(todo),
@@ -314,7 +349,7 @@ class Stager:
 
             def one(name: str, size: int, crc: str | None) -> None:
                 for attempt in (1, 2):
-                    self._download(name, objects[name], progress, parts)
+                    self._download(name, objects[name], progress, parts, abort)
                     got = crc32_file(self.dest / f".{name}.part")
                     if crc is None or got == crc:
                         break
@@ -331,8 +366,7 @@ class Stager:
 
             manifest_lock = threading.Lock()
             try:
-                for f in [files.submit(one, *t) for t in todo]:
-                    f.result()
+                _first_failure([files.submit(one, *t) for t in todo], abort, (files, parts))
             finally:
                 _write_json(self.dest / MANIFEST, manifest)  # what was verified survives a failure of the rest
         atomic_write_bytes(self.dest / INDEX_FILE, raw_index)
@@ -344,6 +378,25 @@ class Stager:
             log.info("Reused the staged copy of %s in %s: %d file(s), every one verified when it was downloaded",
                      self.uri, self.dest, len(wanted))
         return self.dest
+
+
+class _Aborted(Exception):
+    """A part skipped because another file already failed."""
+
+
+def _first_failure(futures: list[cf.Future[None]], abort: threading.Event, pools: tuple[cf.Executor, ...]) -> None:
+    """Wait for every file; at the first failure, stop the rest (queued files and parts cancelled, parts not yet
+    started skipped) and raise it, so a bad object is reported after the GETs in flight, not after every other
+    file has downloaded."""
+    done, _pending = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+    failed = [f for f in futures if f in done and not f.cancelled() and f.exception() is not None]
+    if not failed:
+        return
+    for pool in pools:  # the files' pool first: no queued file starts once its parts begin to fail
+        pool.shutdown(wait=False, cancel_futures=True)
+    abort.set()
+    errors = [f.exception() for f in failed]
+    raise next((e for e in errors if not isinstance(e, _Aborted)), errors[0])
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -238,15 +238,27 @@ class S3Store(CheckpointStore):
         return compat.s3_storage_reader(checkpoint_id, self.settings, self._config)
 
 
+_NO_BUCKET = re.compile(r"bucket does not exist|\bnosuchbucket\b", re.I)
+_DENIED = re.compile(r"\baccess ?denied\b|\bforbidden\b|\b(?:status|http|code|response)\D{0,16}\b403\b", re.I)
+"""Access denied: the error code or reason, or 403 as a whole number after "status"/"HTTP"/"code" (a bare ``403``
+can be part of a request id or a byte range)."""
+_CREDENTIALS = re.compile(r"credentials", re.I)
+_PROVIDER_TRANSIENT = re.compile(r"tim(?:ed|e) ?out|timeout|connection (?:refused|reset|closed)|connect(?:ion)? "
+                                 r"failed|socket|temporar|unavailable|throttl|\b5\d\d\b", re.I)
+"""A credentials error that says the provider could not be reached (the EKS Pod Identity agent or the instance
+metadata service not answering yet at node start): transient, not a configuration error."""
+
+
 def access_error_kind(e: BaseException) -> str | None:
     """``no-bucket``, ``denied`` or ``credentials`` when an S3 error says the configuration is wrong (retrying cannot
-    help), None for anything else (network, server). s3torchconnector's S3Exception carries only a message."""
-    low = str(e).lower()
-    if "bucket does not exist" in low or "nosuchbucket" in low:
+    help), None for anything else (network, server, a credentials provider not reachable yet).
+    s3torchconnector's S3Exception carries only a message; tests/s3/test_storage_units.py has the table."""
+    text = str(e)
+    if _NO_BUCKET.search(text):
         return "no-bucket"
-    if "forbidden" in low or "access denied" in low or "accessdenied" in low or "403" in low:
+    if _DENIED.search(text):
         return "denied"
-    if "credentials" in low:
+    if _CREDENTIALS.search(text) and not _PROVIDER_TRANSIENT.search(text):
         return "credentials"
     return None
 
