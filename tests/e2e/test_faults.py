@@ -185,8 +185,12 @@ def test_one_run_through_every_fault(e2e) -> None:
     log = step_log(e2e.ckpt)
     segs = attempts_in_log(log)
     after = [r for r in log if r["attempt"] == 4]  # stop at S, resume at S + 1: one unbroken run of steps
-    assert after[0]["step"] == stopped_at + 1, (stopped_at, after[:2])
-    assert after[-1]["step"] == STEPS and st["training"]["step"] == STEPS
+    if stopped_at < STEPS:
+        assert after[0]["step"] == stopped_at + 1, (stopped_at, after[:2])
+        assert after[-1]["step"] == STEPS
+    else:  # attempt 3 trained its last step before the SIGTERM reached it (hog loop s13, run 5): nothing is left
+        assert after == [], after
+    assert st["training"]["step"] == STEPS
     assert STEPS in complete_checkpoints(e2e.ckpt), "no final checkpoint"
     assert [r["cause"] for r in st["restarts"]] == ["ContainerFailed", "Hang", "NodeFailure"]
     assert st["restartCount"] == 3 and st["attempt"] == 4
