@@ -9,10 +9,14 @@ the outcome into the documented exit code (``kubetitan_core.contract.ExitCode``)
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
+import logging
 import os
 import sys
 import tempfile
+import threading
 from contextlib import contextmanager
 from typing import Iterator, NoReturn
 
@@ -36,11 +40,25 @@ def imports_without_gc() -> Iterator[None]:
 
 
 def exit_now(code: int) -> NoReturn:
-    """``sys.exit(code)`` with every object frozen first: the interpreter's shutdown collections then skip torch's
-    objects, which took seconds of CPU per process (``bench/process_overhead.py``). Everything else of a normal exit
-    (atexit handlers, flushed logs and streams) still runs."""
+    """End the process with ``code`` after what a normal exit does for Python (non-daemon threads joined and the
+    executors' exit hooks run, as ``Py_FinalizeEx`` starts; the atexit handlers; logging and the standard streams
+    flushed), without the rest of the interpreter's teardown: its collections walked every object torch
+    and torchtitan created (seconds of CPU a process, ``bench/process_overhead.py``), and C++ static destructors
+    running beside torch's threads sometimes abort (``terminate called without an active exception``, exit -6 instead
+    of the real code: seen at the end of test_ledger's DP-3 leg and of test_fp8_all_gather's ranks). A forked worker
+    ends the same way (multiprocessing's ``os._exit``)."""
     gc.freeze()
-    sys.exit(code)
+    try:
+        join_threads = getattr(threading, "_shutdown", None)  # CPython's own first step of a normal exit
+        if join_threads is not None:
+            join_threads()
+        atexit._run_exitfuncs()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def load_config(argv: list[str]):
