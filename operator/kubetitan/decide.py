@@ -447,8 +447,12 @@ def deadline_exceeded(f: Facts) -> Decision | None:
 
 
 def suspended(f: Facts) -> Decision | None:
-    """Suspension: stop every pod gracefully (each rank checkpoints on SIGTERM)."""
+    """Suspension: stop every pod gracefully (each rank checkpoints on SIGTERM). Not when rank 0 already exited 0 at
+    the spec's step count: the run finished before the suspension reached it, and it succeeds (``rank0_succeeded``)."""
     if not f.rp.suspend:
+        return None
+    trained = f.obs.attempt_steps
+    if _exited_ok(f.rank0) and (trained is None or trained >= f.spec.training.steps):
         return None
     live = [p for p in f.current if not p.deleting]
     return Decision(Action.SUSPEND, C.SUSPENDED_BY_USER if not live else C.SUSPENDING,

@@ -28,8 +28,9 @@ def spec(**run_policy: Any) -> LlamaPretrainSpec:
     return LlamaPretrainSpec.model_validate({"resources": {"nodes": 2}, "runPolicy": run_policy})
 
 
-def steps_spec(steps: int) -> LlamaPretrainSpec:
-    return LlamaPretrainSpec.model_validate({"resources": {"nodes": 2}, "training": {"steps": steps}})
+def steps_spec(steps: int, **run_policy: Any) -> LlamaPretrainSpec:
+    return LlamaPretrainSpec.model_validate({"resources": {"nodes": 2}, "training": {"steps": steps},
+                                             "runPolicy": run_policy})
 
 
 def status(attempt: int | None = 0, restarts: list[RestartRecord] = (), conds: list[Condition] = (),
@@ -267,6 +268,16 @@ CASES = [
      Observed(pods=gang(over={1: {"phase": "Succeeded", "exit_code": 0}}), nodes=ok_nodes, progress=TRAINING,
               ranks_seen=SEEN, now=NOW), Action.KEEP, C.WAITING_FOR_PODS, None, {}),
     ("suspend-deletes-gracefully", spec(suspend=True), status(), Observed(pods=gang(), nodes=ok_nodes, now=NOW),
+     Action.SUSPEND, C.SUSPENDING, None, {**RESTART_ALL, "force_delete": (), "ends_attempt": True,
+                                          "rule": "suspended"}),
+    # the run trained its last step before the suspension reached it (hog loop s13): done, not suspended
+    ("suspend-after-rank0-finished-succeeds", spec(suspend=True), status(),
+     Observed(pods=gang(over={0: {"phase": "Succeeded", "exit_code": 0}}), nodes=ok_nodes, now=NOW),
+     Action.SUCCEED, C.COMPLETED, None, {"delete": ("j-a0-1",), "rule": "rank0_succeeded"}),
+    # ... but with spec.training.steps raised since, the run is not done: the suspension stands
+    ("suspend-after-rank0-finished-fewer-steps-suspends", steps_spec(150, suspend=True), status(),
+     Observed(pods=gang(over={0: {"phase": "Succeeded", "exit_code": 0}}), nodes=ok_nodes, now=NOW,
+              attempt_steps=100),
      Action.SUSPEND, C.SUSPENDING, None, {**RESTART_ALL, "force_delete": (), "ends_attempt": True,
                                           "rule": "suspended"}),
     ("previous-attempt-deleted", spec(), status(attempt=1, restarts=[rec(0, ago=99)]),
