@@ -168,17 +168,20 @@ def test_one_run_through_every_fault(e2e) -> None:
         assert log[_first_index_after(log, rec)]["step"] == resumed + 1
 
         # ---- suspend: every rank checkpoints on SIGTERM and exits 75; pods gone. Under two CPU hogs attempt 3 can
-        # train its last step before the SIGTERM reaches it (hog loops s13): rank 0 exits 0, and the run succeeds
-        # instead of being suspended (decide.suspended), with nothing to resume.
+        # train its last step before the suspension lands (hog loops s13): rank 0 exits 0 first and the run succeeds
+        # (decide.suspended leaves it to rank0_succeeded), or the ranks finish the last step while stopping (exit 0
+        # or 75 with the final checkpoint) and the run is Suspended with nothing left to train.
         c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": True}}})
         wait_for(lambda: _st(c, name).get("phase") in ("Suspended", "Succeeded") and not _pods(c, name), 120,
                  "suspended (or done first)")
         finished_first = _st(c, name)["phase"] == "Succeeded"
         stopped_at = step_log(e2e.ckpt)[-1]["step"]
+        exits = {k.exits[(NS, f"{name}-a3-{r}")] for r in (0, 1)}
         if finished_first:
             assert k.exits[(NS, f"{name}-a3-0")] == (0, "Completed") and stopped_at == STEPS
         else:
-            assert k.exits[(NS, f"{name}-a3-0")] == (75, "Error") and k.exits[(NS, f"{name}-a3-1")] == (75, "Error")
+            stopped = {(75, "Error")} | ({(0, "Completed")} if stopped_at == STEPS else set())
+            assert exits <= stopped, (exits, stopped_at)
             assert max(complete_checkpoints(e2e.ckpt)) == stopped_at, "no checkpoint at the stop step"
             time.sleep(1.0)
             assert _st(c, name)["restartCount"] == 3  # a suspension is not a restart
