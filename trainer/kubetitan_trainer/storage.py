@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import contextlib
 import os
 import queue
 import re
@@ -85,10 +86,8 @@ def dir_bytes(path: str) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
         for f in files:
-            try:
+            with contextlib.suppress(OSError):  # a file that vanished meanwhile counts 0
                 total += os.path.getsize(os.path.join(root, f))
-            except OSError:
-                pass
     return total
 
 
