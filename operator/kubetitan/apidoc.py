@@ -44,6 +44,13 @@ RESTART_CAUSES: dict[str, str] = {
     "NonFiniteLoss": "The loss became NaN or infinite (exit code 3).",
     "PodDeleted": "A pod of the attempt was deleted by someone other than the operator (by hand, a script) "
     "after the operator had seen it, with no `DisruptionTarget` that names another cause.",
+    "Shrink": "`runPolicy.elastic`: a node of the gang was lost (or pods of the gang could not be scheduled) and no "
+    "replacement came within `shrinkAfterSeconds`: the next attempt runs on the largest number of schedulable nodes "
+    "(at least `minNodes`), resuming the newest checkpoint with the same global batch. Counts toward "
+    "`elastic.maxResizes`, not `maxRestarts`.",
+    "Grow": "`runPolicy.elastic`: enough nodes have been Ready and schedulable for `growCheckSeconds`: right after the "
+    "attempt's next complete checkpoint the gang is re-created larger (up to `maxNodes`). Counts toward "
+    "`elastic.maxResizes`, not `maxRestarts`.",
     "Unknown": "The attempt ended and no cause could be attributed.",
 }
 """What each ``status.restarts[].cause`` means; one entry per value of ``api.RestartCause``."""
