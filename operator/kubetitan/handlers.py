@@ -55,7 +55,8 @@ from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 from kubetitan import status as status_mod
-from kubetitan.decide import Action, ChildError, decide, parse_time
+from kubetitan import elastic
+from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS, Action, ChildError, decide, nodes_to_avoid, parse_time
 from kubetitan.events import Recorder
 from kubetitan.kube import Client, ClientClosed, FencedWrite, classify, load_config, message_of, transient
 from kubetitan.leader import AlwaysLeader, LeaderElector, LeaseConfig, NotLeader
@@ -96,6 +97,8 @@ class Options:
     """Scrapes in flight at once across all runs (``--scrape-concurrency``)."""
     hang_floor_seconds: float = float(AUTO_HANG_FLOOR_SECONDS)
     """The floor of ``runPolicy.hangTimeoutPolicy: Auto`` (``--hang-floor-seconds``)."""
+    resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+    """The least time between two resizes of an elastic run (``--resize-min-interval-seconds``)."""
     clock: Callable[[], float] = time.time
     """Source of 'now' for every decision; tests pass a faster clock instead of lowering API minimums."""
     policy: policy.Policy = field(default_factory=policy.Policy)
@@ -564,7 +567,10 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                                       child_errors=child_errors, missing_children=missing,
                                       attempt_steps=steps_then if isinstance(steps_then, int) else None,
                                       attempt_nodes=nodes_then if isinstance(nodes_then, int) else None,
-                                      hang_floor_seconds=ctx.options.hang_floor_seconds)
+                                      hang_floor_seconds=ctx.options.hang_floor_seconds,
+                                      capacity=elastic.run_capacity(lpt, attempt, nodes_to_avoid(old.restarts),
+                                                                    _all_nodes(nodes_index), now),
+                                      resize_min_interval_seconds=ctx.options.resize_min_interval_seconds)
             d = decide(spec, old, obs)
             if d.stale_status:
                 # Another replica moved the run on while this one was paused: take the API's status, act later.
@@ -715,6 +721,11 @@ def _shown_children(uid: str, name: str, indexes: tuple[Any, Any] | None) -> set
             if child in index.get(uid, ())}
 
 
+def _all_nodes(index: Any) -> list[Any]:
+    """Every node the ``lpt_nodes`` index holds (elastic capacity)."""
+    return [v for key in index for v in index[key] if v is not None] if index is not None else []
+
+
 def _node(index: Any, name: str) -> Any:
     """The node's health from the ``lpt_nodes`` index; absent from the index means absent from the API."""
     hit = next(iter(index.get(name, ())), None) if index is not None else None
@@ -787,7 +798,7 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
             lpt, spec_of_attempt = then, job.applied_spec
     start = parse_time(status.start_time)
     children = plan.attempt_children(lpt, attempt, job_start_time=start, avoid_nodes=avoid,
-                                     hang_floor_seconds=ctx.options.hang_floor_seconds)
+                                     hang_floor_seconds=ctx.options.hang_floor_seconds, nodes=status.nodes)
     applied = json.dumps(spec_of_attempt, sort_keys=True, separators=(",", ":"))
     cm = next(c for c in children if c["kind"] == "ConfigMap")
     cm["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_SPEC] = applied
@@ -933,6 +944,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default 10; shorter than the lease duration)")
     le.add_argument("--leader-elect-retry-period", type=_positive_seconds, default=2.0, metavar="S",
                     help="seconds between renewals and between a standby's tries (default 2)")
+    p.add_argument("--resize-min-interval-seconds", type=_positive_seconds,
+                   default=DEFAULT_RESIZE_MIN_INTERVAL_SECONDS, metavar="S",
+                   help=f"the least time between two resizes (Shrink/Grow) of a run with runPolicy.elastic: the "
+                   f"cluster admin's cap on how often a gang is re-created for its size "
+                   f"(default {DEFAULT_RESIZE_MIN_INTERVAL_SECONDS:g})")
     p.add_argument("--log-format", choices=["json", "plain", "full"], default="json",
                    help="log format (default json: one structured object per line)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
@@ -948,6 +964,7 @@ def options_from_args(a: argparse.Namespace) -> Options:
                    scrape_timeout=a.scrape_timeout, scrape_max_bytes=a.scrape_max_bytes,
                    scrape_concurrency=a.scrape_concurrency,
                    hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a), leader=lease_from_args(a),
+                   resize_min_interval_seconds=a.resize_min_interval_seconds,
                    webhook=webhook_mod.from_args(a))
 
 
