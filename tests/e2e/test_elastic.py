@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from common import complete_checkpoints, free_port, step_log
-from support.specs import NS, e2e_spec, lpt
+from support.specs import NS, e2e_elastic_spec, lpt
 
 from kmockx.harness import Operator, wait_for
 from kubetitan import conditions as C
@@ -33,15 +33,6 @@ pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(600)]
 STEPS, INTERVAL, GLOBAL_BATCH = 20, 2, 6
 SHRINK_AFTER, GROW_CHECK = 2, 2
 START = 300.0  # seconds allowed for a gang to reach its first step (torch imports on two busy cores)
-
-
-def elastic_spec(ckpt: Path) -> dict:
-    spec = e2e_spec(ckpt, STEPS, INTERVAL, free_port(), maxInPlaceRestarts=0,
-                    elastic={"minNodes": 2, "shrinkAfterSeconds": SHRINK_AFTER, "growCheckSeconds": GROW_CHECK})
-    spec["resources"]["nodes"] = 3
-    spec["parallelism"] = {"dataParallelShardDegree": -1}
-    spec["training"].update(localBatchSize=1, globalBatchSize=GLOBAL_BATCH)
-    return spec
 
 
 def _of(c, name: str, attempt: int) -> list[str]:
@@ -66,7 +57,8 @@ def test_a_lost_node_shrinks_the_gang_and_its_return_grows_it_back_without_skipp
     op = Operator(c, namespaces=(NS,), scan_interval=0.2, scrape_interval=0.5)
     op.options.resize_min_interval_seconds = 1.0
     with op:
-        c.apply(lpt(name, elastic_spec(e2e.ckpt)))
+        c.apply(lpt(name, e2e_elastic_spec(e2e.ckpt, STEPS, INTERVAL, free_port(), GLOBAL_BATCH, {
+            "shrinkAfterSeconds": SHRINK_AFTER, "growCheckSeconds": GROW_CHECK})))
         wait_for(lambda: len(c.pod_names(NS, name)) == 3 and st().get("nodes") == 3, 30, "attempt 0's 3 pods")
 
         # ---- the node of rank 2 fails at attempt 0's first checkpoint, and no node replaces it
