@@ -644,7 +644,7 @@ def shrink(f: Facts) -> Decision | None:
         return None  # another failure: pod_failed restarts at the same size
     size = f.nodes
     target = min(cap.schedulable, elastic_sizes(f.spec).stop - 1)
-    if target >= size or target < e.min_nodes or _resize_blocked(f) is not None or _saving(f):
+    if target >= size or target < e.min_nodes or _resize_blocked(f) is not None:
         return None
     since = min(t for _, t in lost)
     left = since + e.shrink_after_seconds - f.now
@@ -652,6 +652,12 @@ def shrink(f: Facts) -> Decision | None:
     what = f"node {first.node_name} of pod {first.name} is lost" if first.node_name else \
         f"pod {first.name} (rank {first.rank}) cannot be placed"
     what += f" (+{len(lost) - 1} more)" if len(lost) > 1 else ""
+    if _saving(f):  # never a resize mid-save: wait for it (or for checkpoint.saveTimeoutSeconds) before anything else
+        pr = f.obs.progress
+        wait = (pr.last_progress_time or f.now) + f.spec.checkpoint.save_timeout_seconds - f.now
+        return Decision(Action.WAIT, C.WAITING_FOR_REPLACEMENT, f"{what} while the checkpoint of step {pr.step} is "
+                        "being saved; the gang shrinks only after the save (at most checkpoint.saveTimeoutSeconds) "
+                        "and runPolicy.elastic.shrinkAfterSeconds", requeue_after=max(0.05, wait))
     if left > 0:
         return Decision(Action.WAIT, C.WAITING_FOR_REPLACEMENT, f"{what} and only {cap.schedulable} node(s) fit the "
                         f"gang of {size}; shrinking to {target} at {iso(f.now + left)} unless a replacement comes "
