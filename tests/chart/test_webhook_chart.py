@@ -209,3 +209,10 @@ def test_an_upgrade_renders_the_certificates_the_operator_wrote_so_helm_keeps_th
         assert rendered_secret()["data"] == {"tls.crt": "", "tls.key": ""}  # install: the keys, empty
         c.call(c.k.put("v1/secrets", {**secret, "data": live}))
         assert rendered_secret()["data"] == live  # an upgrade: exactly what the operator wrote
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_the_removed_cert_manager_switch_names_its_replacement(value):
+    out = helm("template", "kt", str(CHART), "--set", f"webhook.certManager.enabled={value}", check=False)
+    assert out.returncode != 0
+    assert f"webhook.certManager.enabled (here {value}) was removed: set webhook.certificates=certManager" in out.stderr
