@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kubetitan_core.contract import EXIT_SIGKILL, EXIT_SIGTERM, ExitCode
 
@@ -264,19 +264,28 @@ def describe(m: re.Match[str]) -> str:
     return m.group(0).strip()
 
 
-def worker_cause(exit_code: int | None, text: str | None = None,
-                 table: Sequence[Cause] = CAUSES) -> tuple[Cause, str]:
+class WorkerCause(NamedTuple):
+    """Why a worker failed (:func:`worker_cause`)."""
+
+    cause: Cause
+    seen: str
+    """What was seen: ``exit code N``, or what the row's detector found in the text (:func:`describe`)."""
+    by_text: bool
+    """Found by the row's detector in the text (not by the exit code)."""
+
+
+def worker_cause(exit_code: int | None, text: str | None = None, table: Sequence[Cause] = CAUSES) -> WorkerCause:
     """Why a worker (a process a launcher runs) failed: its exit code and its failure report's text (the
     exception torch elastic recorded, an Xid report). The order is ``classify_pod``'s for a container: an exit code
     whose cause ends the run, then a cause detected in the text, then the exit code's cause, else
-    ``ContainerFailed``. Returns the row and what was seen ("exit code N" or what the detector found)."""
+    ``ContainerFailed``."""
     coded = by_exit_code(exit_code, table)
     if coded is not None and not coded.retried:
-        return coded, f"exit code {exit_code}"
+        return WorkerCause(coded, f"exit code {exit_code}", False)
     found = by_message(text, table)
     if found is not None:
-        return found
-    return coded or by_id(CONTAINER_FAILED, table), f"exit code {exit_code}"
+        return WorkerCause(*found, True)
+    return WorkerCause(coded or by_id(CONTAINER_FAILED, table), f"exit code {exit_code}", False)
 
 
 def avoided_nodes(blamed: Iterable[tuple[str | None, str]], table: Sequence[Cause] = CAUSES) -> tuple[str, ...]:
@@ -297,5 +306,5 @@ def avoided_nodes(blamed: Iterable[tuple[str | None, str]], table: Sequence[Caus
 __all__ = [
     "APPLICATION_XIDS", "CAUSES", "CONTAINER_FAILED", "Cause", "GPU_FAULT_XIDS", "RESTART_CAUSES", "UNKNOWN",
     "avoided_nodes", "by_disruption", "by_exit_code", "by_id", "by_message", "by_pod_reason", "by_terminated_reason",
-    "by_waiting_reason", "describe", "worker_cause",
+    "by_waiting_reason", "describe", "WorkerCause", "worker_cause",
 ]
