@@ -27,7 +27,6 @@ KNOWN_LONG_FUNCTIONS: set[str] = {
     "kubetitan.handlers._create_attempt",
     "kubetitan_core.render.trainer_config",
     "kubetitan.monitoring.alerts.alerts",
-    "kubetitan.apidoc.render",
     "kubetitan_trainer.launch.main",
     "kubetitan_trainer.metrics.Exporter.__init__",
     "kubetitan.status.track",
