@@ -83,6 +83,12 @@ class Cause:
         return self.in_place or self.recreate
 
     @property
+    def summary(self) -> str:
+        """The first sentence of ``doc`` (alert descriptions)."""
+        head, dot, _ = self.doc.partition(". ")
+        return head + "." if dot else self.doc
+
+    @property
     def runbook(self) -> str:
         """The anchor of the cause's section in docs/runbook.md (its heading is the id)."""
         return self.id.lower()
@@ -148,6 +154,44 @@ CONTAINER_FAILED = "ContainerFailed"
 UNKNOWN = "Unknown"
 
 CAUSES: tuple[Cause, ...] = (
+    # --- retried causes (status.restarts[].cause); the enum's order
+    Cause(CONTAINER_FAILED, "A trainer container exited with a retryable error: exit code 1, 6 (`RETRYABLE`), a "
+          "signal (137, 143) or any other non-zero code not listed below.", in_place=True, recreate=True,
+          exit_codes=frozenset({int(ExitCode.FAILED), int(ExitCode.RETRYABLE), EXIT_SIGKILL, EXIT_SIGTERM})),
+    Cause("OOMKilled", "The kernel's OOM killer stopped a trainer container (terminated reason `OOMKilled`).",
+          in_place=False, recreate=True, observed=": OOMKilled", fix="raise spec.resources.memory or lower the batch",
+          terminated_reasons=frozenset({"OOMKilled"})),
+    Cause("Evicted", "The kubelet evicted a pod (node pressure).", in_place=False, recreate=True,
+          pod_reasons=frozenset({"Evicted"})),
+    Cause("Preempted", "A pod was preempted by the scheduler, or the trainer exited with code 75 after "
+          "saving a checkpoint on SIGTERM.", in_place=False, recreate=True, severity="info",
+          observed=" (SIGTERM, checkpoint saved)", exit_codes=frozenset({int(ExitCode.TERMINATED_CHECKPOINTED)}),
+          disruption_reasons=frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler"})),
+    Cause("NodeFailure", "A node became NotReady or disappeared, or its taint manager or kubelet "
+          "terminated the pod.", in_place=False, recreate=True, avoid_node_after=2,
+          disruption_reasons=frozenset({"DeletionByTaintManager", "TerminationByKubelet", "DeletionByPodGC"})),
+    Cause("GPUXidError", "A GPU of the pod failed and needs a reset or a replacement. The pod's termination message "
+          "(the launcher writes the failed worker's) names an NVIDIA Xid of a GPU fault "
+          f"({_XID_LIST}), or CUDA's uncorrectable ECC/NVLink error. Not restarted in place (the same GPU would fail "
+          "again): the gang is re-created and the node is kept out of the run's later attempts at once. Application "
+          "Xids (13, 31, 43, 45) are a program's bug, not a GPU fault: they stay "
+          "`ContainerFailed`.", in_place=False, recreate=True,
+          fix="the gang is re-created without this node; drain it and have its GPU checked (nvidia-smi -q, DCGM "
+          "diagnostics) or replaced", message_patterns=(_XID, *_CUDA_FAULTS), avoid_node_after=1,
+          alert="KubeTitanGPUXidError"),
+    Cause("Hang", "The step did not advance for the hang limit (`runPolicy.hangTimeoutSeconds` / "
+          "`hangTimeoutPolicy`): a launcher stopped its workers (exit code 7; in place while `maxInPlaceRestarts` "
+          "last), or, when no launcher did, the operator re-created the gang.", in_place=True, recreate=True,
+          observed=": its launcher stopped a worker whose step stood still for the hang limit and had no in-place "
+          "restart left", exit_codes=frozenset({int(ExitCode.HANG)})),
+    Cause("StartupTimeout", "No first step within `runPolicy.startupTimeoutSeconds` after all pods ran.",
+          in_place=False, recreate=True),
+    Cause("NonFiniteLoss", "The loss became NaN or infinite (exit code 3).", in_place=True, recreate=True,
+          observed=": the loss became NaN/inf", exit_codes=frozenset({int(ExitCode.NON_FINITE_LOSS)})),
+    Cause("PodDeleted", "A pod of the attempt was deleted by someone other than the operator (by hand, a script) "
+          "after the operator had seen it, with no `DisruptionTarget` that names another cause.",
+          in_place=False, recreate=True, severity="info"),
+    Cause(UNKNOWN, "The attempt ended and no cause could be attributed.", in_place=True, recreate=True),
     # --- causes that end the run (the launcher does not restart them in place; the operator does not retry)
     Cause("ImagePullFailed", "The kubelet cannot pull the trainer image (`ErrImagePull`, `ImagePullBackOff`, "
           "`InvalidImageName`, `ErrImageNeverPull`). The run fails.", in_place=False, recreate=False,
@@ -168,46 +212,9 @@ CAUSES: tuple[Cause, ...] = (
           fix="use an image with libfabric and aws-ofi-nccl (images/trainer.Dockerfile) or set "
           "spec.resources.networkFallback: AllowSockets",
           exit_codes=frozenset({int(ExitCode.NETWORK_NOT_EFA)}), alert="KubeTitanNetworkNotEFA"),
-    # --- retried causes (status.restarts[].cause); the enum's order
-    Cause(CONTAINER_FAILED, "A trainer container exited with a retryable error: exit code 1, 6 (`RETRYABLE`), a "
-          "signal (137, 143) or any other non-zero code not listed below.", in_place=True, recreate=True,
-          exit_codes=frozenset({int(ExitCode.FAILED), int(ExitCode.RETRYABLE), EXIT_SIGKILL, EXIT_SIGTERM})),
-    Cause("OOMKilled", "The kernel's OOM killer stopped a trainer container (terminated reason `OOMKilled`).",
-          in_place=False, recreate=True, observed=": OOMKilled", fix="raise spec.resources.memory or lower the batch",
-          terminated_reasons=frozenset({"OOMKilled"})),
-    Cause("Evicted", "The kubelet evicted a pod (node pressure).", in_place=False, recreate=True,
-          pod_reasons=frozenset({"Evicted"})),
-    Cause("Preempted", "A pod was preempted by the scheduler, or the trainer exited with code 75 after "
-          "saving a checkpoint on SIGTERM.", in_place=False, recreate=True, severity="info",
-          observed=" (SIGTERM, checkpoint saved)", exit_codes=frozenset({int(ExitCode.TERMINATED_CHECKPOINTED)}),
-          disruption_reasons=frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler"})),
-    Cause("NodeFailure", "A node became NotReady or disappeared, or its taint manager or kubelet "
-          "terminated the pod.", in_place=False, recreate=True, avoid_node_after=2,
-          disruption_reasons=frozenset({"DeletionByTaintManager", "TerminationByKubelet", "DeletionByPodGC"})),
-    Cause("GPUXidError", "A GPU fault: an NVIDIA Xid that means the GPU or its node needs a reset or a replacement "
-          f"({_XID_LIST}), or CUDA's uncorrectable "
-          "ECC/NVLink error, in the pod's termination message (its launcher writes the worker's). Not restarted in "
-          "place (the same GPU would fail again): the gang is re-created and the node is kept out of the run's later "
-          "attempts at once. Application Xids (13, 31, 43, 45) are a program's bug, not a GPU fault: they stay "
-          "`ContainerFailed`.", in_place=False, recreate=True,
-          fix="the gang is re-created without this node; drain it and have its GPU checked (nvidia-smi -q, DCGM "
-          "diagnostics) or replaced", message_patterns=(_XID, *_CUDA_FAULTS), avoid_node_after=1,
-          alert="KubeTitanGPUXidError"),
-    Cause("Hang", "The step did not advance for the hang limit (`runPolicy.hangTimeoutSeconds` / "
-          "`hangTimeoutPolicy`): a launcher stopped its workers (exit code 7; in place while `maxInPlaceRestarts` "
-          "last), or, when no launcher did, the operator re-created the gang.", in_place=True, recreate=True,
-          observed=": its launcher stopped a worker whose step stood still for the hang limit and had no in-place "
-          "restart left", exit_codes=frozenset({int(ExitCode.HANG)})),
-    Cause("StartupTimeout", "No first step within `runPolicy.startupTimeoutSeconds` after all pods ran.",
-          in_place=False, recreate=True),
-    Cause("NonFiniteLoss", "The loss became NaN or infinite (exit code 3).", in_place=True, recreate=True,
-          observed=": the loss became NaN/inf", exit_codes=frozenset({int(ExitCode.NON_FINITE_LOSS)})),
-    Cause("PodDeleted", "A pod of the attempt was deleted by someone other than the operator (by hand, a script) "
-          "after the operator had seen it, with no `DisruptionTarget` that names another cause.",
-          in_place=False, recreate=True, severity="info"),
-    Cause(UNKNOWN, "The attempt ended and no cause could be attributed.", in_place=True, recreate=True),
 )
-"""Every cause, in the order docs list them (the CRD's enum keeps the order of the retried ones)."""
+"""Every cause: the retried ones (the CRD's enum, in this order), then those that end the run. The order is the docs';
+which piece of evidence is read first is ``classify_pod``'s (no exit code or reason belongs to two rows)."""
 
 RESTART_CAUSES: tuple[str, ...] = tuple(c.id for c in CAUSES if c.retried)
 """The values of ``status.restarts[].cause``."""
