@@ -103,3 +103,23 @@ def test_adding_the_gpu_cause_is_one_row_and_its_detector() -> None:
     pod = PodObs(name="p", attempt=0, rank=0, phase="Failed", exit_code=1, node_name="n", termination_message=text)
     assert classify_pod(pod, without).cause == causes.CONTAINER_FAILED
     assert classify_pod(pod).cause == "GPUXidError"
+
+
+def _raise_a_gpu_fault() -> None:
+    raise RuntimeError(f"CUDA error: unknown error\n{XID_79_KERNEL}")
+
+
+@pytest.mark.xdist_group("trainer-torch")  # imports torch: on the worker that already has it
+def test_torch_elastic_records_what_a_worker_raised_where_the_launcher_reads_it(tmp_path) -> None:
+    """The failure report is real: a worker forked by torch elastic (as the launcher's agent forks them) that raises
+    leaves its exception in the ProcessFailure's message, and the launcher finds the Xid there (a few seconds:
+    torch's import and one fork)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    ctx = start_processes(name="w", entrypoint=_raise_a_gpu_fault, args={0: ()}, envs={0: {}},
+                          logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), start_method="fork")
+    result = ctx.wait()
+    assert result is not None and result.is_failed()
+    assert launch.restartable(result.failures, stop_requested=False) is False
+    found = launch.failure_cause(result.failures[0])
+    assert (found.cause.id, found.seen, found.by_text) == ("GPUXidError", "Xid 79 (GPU has fallen off the bus)", True)

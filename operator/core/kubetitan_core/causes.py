@@ -38,7 +38,7 @@ class Cause:
     id: str
     """``status.restarts[].cause`` (and the ``cause`` label of ``kubetitan_operator_restarts_total``) of a cause that
     is retried; the ``Failed`` condition's reason of one that ends the run."""
-    doc: str
+    doc: str = field(repr=False)
     """What it means (docs/api.md's cause table)."""
     in_place: bool
     """A worker failure of this cause is restarted in place by the launchers (same pods, every rank's workers),
@@ -50,7 +50,7 @@ class Cause:
     observed: str = ""
     """What the operator's message adds after "pod P (rank R) exited with code N" (the termination message
     follows)."""
-    fix: str = ""
+    fix: str = field(default="", repr=False)
     """What to do, at the end of the operator's message (causes that end the run, and text-detected ones)."""
     exit_codes: frozenset[int] = frozenset()
     """Trainer (container or worker) exit codes of this cause."""
