@@ -29,8 +29,10 @@ stops its other local workers and re-enters the rendezvous; every other agent se
 (``num_nodes_waiting() > 0`` in ``SimpleElasticAgent._invoke_run``) and restarts its own workers too, so
 the whole gang restarts together and resumes from the newest complete checkpoint, while the pods, their
 volumes and their placement stay. After N such restarts the next failure ends the launcher with the
-worker's exit code, and the operator re-creates the gang as before. Exit codes that a restart cannot
-cure are never restarted in place: 2 (config error) and 75 / a SIGTERM stop (the pod is going away).
+worker's exit code, and the operator re-creates the gang as before. Failures that a restart in the same pods
+cannot cure are never restarted in place: the causes of ``kubetitan_core.causes.CAUSES`` whose row says so (exit
+2, 4, 5 and 75, a GPU fault such as NVIDIA Xid 79 in the worker's failure report) and a SIGTERM stop (the pod is
+going away). A GPU fault is also written to the pod's termination message, where the operator reads it.
 
 Warm workers (both modes): the launcher imports torch, torchtitan and the trainer once, **before any
 CUDA initialisation** (``PYTORCH_NVML_BASED_CUDA_CHECK=1`` keeps ``torch.cuda.is_available()`` from
@@ -54,7 +56,7 @@ import tempfile
 import time
 from typing import Any
 
-from kubetitan_core import contract, hang
+from kubetitan_core import causes, contract, hang
 from kubetitan_core.contract import EXIT_SIGTERM, ExitCode
 
 from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, heartbeat
@@ -160,10 +162,42 @@ def exit_code_of(failures: dict) -> int:
     return 128 - code if code < 0 else code  # -15 (signal) -> 143, as a shell reports it
 
 
-NOT_RESTARTED_IN_PLACE = frozenset({int(ExitCode.CONFIG_ERROR), int(ExitCode.STORAGE_FULL),
-                                    int(ExitCode.NETWORK_NOT_EFA), int(ExitCode.TERMINATED_CHECKPOINTED)})
-"""Worker exit codes a restart in place cannot cure: a bad config, a full checkpoint volume, NCCL not on
-the EFA the spec asked for, and a stop after SIGTERM (75)."""
+ENV_XID_REPORT = "KUBETITAN_XID_REPORT_FILE"
+"""Optional: a file in which something on the node mirrors the NVIDIA driver's Xid lines (``NVRM: Xid (PCI:...):
+79, ...``), e.g. a node agent writing the kernel log into a hostPath the pod mounts; set in the trainer image or by
+the platform. A worker's exception does not name the Xid behind a GPU that fell off the bus (CUDA reports an
+unknown error), the kernel log does. Read only when a worker fails, and only if written after the launcher
+started (a stale line from before must not blame this run's GPU)."""
+XID_REPORT_TAIL_BYTES = 64 * 1024
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+"""The pod's ``terminationMessagePath`` (Kubernetes' default; plan.py sets ``FallbackToLogsOnError``, so the log's
+tail stands in when this file is empty). Written only for a failure cause detected in text (a GPU fault): then
+the operator reads it there, whatever the log's last lines are."""
+
+
+def xid_report(env: dict | None = None, since: float = 0.0) -> str:
+    """The tail of the Xid report file (:data:`ENV_XID_REPORT`) if it was written at or after ``since``; else ''."""
+    path = (os.environ if env is None else env).get(ENV_XID_REPORT, "")
+    try:
+        if not path or os.stat(path).st_mtime < since:
+            return ""
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - XID_REPORT_TAIL_BYTES))
+            return f.read().decode(errors="replace")
+    except OSError as e:
+        log.warning("Could not read the Xid report %s: %s", path, e)
+        return ""
+
+
+def failure_cause(failure: Any, report: str = "") -> causes.WorkerCause:
+    """The cause of one worker failure (a torch elastic ``ProcessFailure``): its exit code and the text of its
+    failure report (the exception torch recorded in the worker's error file) and of the Xid report, looked up in
+    ``kubetitan_core.causes`` (:func:`~kubetitan_core.causes.worker_cause`)."""
+    code = failure.exitcode
+    text = "\n".join(t for t in (failure_summary(getattr(failure, "message", "")), report) if t)
+    return causes.worker_cause(128 - code if code < 0 else code, text)
+
 
 ENV_LAUNCHER_STATE = anatomy.ENV_LAUNCHER_STATE
 """Path of the launcher's JSON state file (in-place restarts so far, the failures and when they were detected,
@@ -174,11 +208,42 @@ WARM_MODULES = ("torchtitan.train", "kubetitan_trainer.train_spec", "kubetitan_t
 """What a warm launcher imports once so that forked workers start without imports."""
 
 
-def restartable(failures: dict, stop_requested: bool) -> bool:
-    """May the gang restart in place after ``failures`` (local rank -> ProcessFailure)?"""
+def restartable(failures: dict, stop_requested: bool, report: str = "") -> bool:
+    """May the gang restart in place after ``failures`` (local rank -> ProcessFailure)? Not after a stop, nor when
+    any failure's cause (:func:`failure_cause`) is one that the causes table does not restart in place."""
     if stop_requested:
         return False
-    return not any(f.exitcode in NOT_RESTARTED_IN_PLACE for f in failures.values())
+    return all(failure_cause(f, report).cause.in_place for f in failures.values())
+
+
+def text_detected(failures: dict, report: str = "") -> tuple[int, causes.Cause, str] | None:
+    """The first failure (local rank, cause, what was seen) whose cause was detected in its text rather than by its
+    exit code (a GPU fault); None when there is none."""
+    for rank, f in sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0])):
+        found = failure_cause(f, report)
+        if found.by_text:
+            return rank, found.cause, found.seen
+    return None
+
+
+def report_detected(failures: dict, report: str = "", path: str = TERMINATION_MESSAGE_PATH) -> str | None:
+    """Log a failure whose cause was found in its text (:func:`text_detected`) and write it as the pod's termination
+    message when ``path`` exists (in a pod it does); the line, or None when there is none."""
+    found = text_detected(failures, report)
+    if found is None:
+        return None
+    rank, cause, seen = found
+    f = failures[rank]
+    line = (f"{cause.id}: {seen} (worker local rank {rank}, exit code {exit_code_of({rank: f})}); not restarted in "
+            f"place: {failure_summary(f.message)[:1000]}")
+    log.error("%s", line)
+    if os.path.exists(path):
+        try:
+            with open(path, "w") as out:
+                out.write(line[:4000])  # the kubelet reads at most 4096 bytes
+        except OSError as e:
+            log.warning("Could not write the termination message %s: %s", path, e)
+    return line
 
 
 def torchrun_argv(a: argparse.Namespace) -> list[str]:
@@ -347,14 +412,14 @@ class LauncherState:
         self.data["warm_import_seconds"] = seconds
         self.write()
 
-    def failed(self, failures: dict, restarting: bool, detected: float | None = None) -> None:
+    def failed(self, failures: dict, restarting: bool, detected: float | None = None, report: str = "") -> None:
         """``detected``: when the agent saw the failure (the origin of the next generation's start-up anatomy;
-        ``ProcessFailure.timestamp`` is whole seconds)."""
+        ``ProcessFailure.timestamp`` is whole seconds); ``report``: the Xid report's text (:func:`xid_report`)."""
         rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
         code = first.exitcode
         self.data["failures"].append({"time": first.timestamp or time.time(), "detected": detected or time.time(),
                                       "local_rank": rank, "exit_code": 128 - code if code < 0 else code,
-                                      "restarted": restarting})
+                                      "cause": failure_cause(first, report).cause.id, "restarted": restarting})
         self.data["failures"] = self.data["failures"][-20:]
         if restarting:
             self.data["restarts"] += 1
@@ -537,10 +602,11 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                     for f in result.failures.values():
                         if f.exitcode == -signal.SIGKILL:  # a worker that exited by itself keeps its own code
                             f.exitcode = int(ExitCode.HANG)
-                ok = restartable(result.failures, stop_requested()) and compat.remaining_restarts(self) > 0
+                report = xid_report(since=state.data["started"])
+                ok = restartable(result.failures, stop_requested(), report) and compat.remaining_restarts(self) > 0
                 if not ok:
                     compat.forbid_restarts(self)
-                state.failed(result.failures, restarting=ok, detected=detected)
+                state.failed(result.failures, restarting=ok, detected=detected, report=report)
                 if ok:
                     post_failure(worker_group.store, self.generation, node_rank, result.failures, self.hang_report)
                     log.warning("Worker(s) failed (%s); restarting every rank's workers in place (%d left)",
@@ -747,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log.error("Worker rank %d failed first with exit code %d: %s", rank, failure.exitcode,
                       failure_summary(failure.message))
+            report_detected(e.failures, xid_report(since=state.data["started"]))
     if stopped["at"] and code not in (ExitCode.TERMINATED_CHECKPOINTED, ExitCode.OK):
         log.error("Stopped by SIGTERM without a complete checkpoint (worker exit %d)", code)
         code = EXIT_SIGTERM

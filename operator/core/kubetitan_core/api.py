@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from kubetitan_core import API_VERSION, KIND
+from kubetitan_core.causes import RESTART_CAUSES
 
 
 class _Base(BaseModel):
@@ -522,18 +523,8 @@ class LlamaPretrainSpec(_Base):
 # -------------------------------------------------------------------------- status
 Phase = Literal["Pending", "Starting", "Running", "Restarting", "Blocked", "Suspended", "Succeeded", "Failed"]
 
-RestartCause = Literal[
-    "ContainerFailed",
-    "OOMKilled",
-    "Evicted",
-    "Preempted",
-    "NodeFailure",
-    "Hang",
-    "StartupTimeout",
-    "NonFiniteLoss",
-    "PodDeleted",
-    "Unknown",
-]
+RestartCause = Literal[RESTART_CAUSES]  # type: ignore[valid-type]
+"""``status.restarts[].cause``: the retried causes of :data:`kubetitan_core.causes.CAUSES`, in its order."""
 
 
 class Condition(_Base):
