@@ -13,6 +13,7 @@ clean stop (SIGTERM to the launcher, exit 75); a second Ctrl-C kills the launche
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -26,6 +27,7 @@ import tomli_w
 
 from kubetitan_core import contract, render
 from kubetitan_core.api import LlamaPretrain
+from kubetitan_core.contract.launcher import LauncherArgs, launcher_args, monitor_interval_seconds
 
 
 def free_port() -> int:
@@ -163,6 +165,14 @@ def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port:
     return path
 
 
+def local_launcher_args(lpt: LlamaPretrain, config: Path, master_port: int) -> LauncherArgs:
+    """The launcher's arguments of a local run: what a pod of the spec gets (``launcher_args``: in-place restarts,
+    the hang watchdog's policy, the save timeout), as the only node, its master on this machine."""
+    args = launcher_args(lpt.spec, config=str(config), node_rank=0, master_addr="127.0.0.1", master_port=master_port,
+                         rdzv_id=f"local-{lpt.metadata.name}", dns_timeout=5)
+    return dataclasses.replace(args, nnodes=1, monitor_interval=monitor_interval_seconds(1))
+
+
 def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | None = None) -> int:
     """Train ``lpt`` locally; returns the trainer's exit code (``kubetitan_core.contract.ExitCode``)."""
     from tqdm import tqdm
@@ -186,9 +196,7 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
     total = steps or lpt.spec.training.steps
     nproc = processes_per_node(lpt)
     log_path = out / "train.log"
-    cmd = [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
-           f"--nproc-per-node={nproc}", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={master_port}",
-           f"--rdzv-id=local-{name}", "--dns-timeout=5"]
+    cmd = [sys.executable, "-m", "kubetitan_trainer.launch", *local_launcher_args(lpt, config, master_port).to_argv()]
     env = {**os.environ, **spec_env(lpt), contract.ENV_ATTEMPT: os.environ.get(contract.ENV_ATTEMPT, "0"),
            contract.ENV_JOB_NAME: name, contract.ENV_JOB_NAMESPACE: lpt.metadata.namespace or "default",
            contract.ENV_JOB_START_TIME: str(int(time.time()))}
