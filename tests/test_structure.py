@@ -23,7 +23,6 @@ KNOWN_LONG_FUNCTIONS: set[str] = {
     "kubetitan.handlers.cycle",
     "kubetitan.status.next_status",
     "kubetitan.handlers._create_attempt",
-    "kubetitan_core.render.trainer_config",
     "kubetitan.monitoring.alerts.alerts",
     "kubetitan.apidoc.render",
     "kubetitan_trainer.metrics.Exporter.__init__",

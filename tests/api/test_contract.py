@@ -8,11 +8,14 @@ import json
 
 import pytest
 
+from kubetitan_core import render
 from kubetitan_core.api import LlamaPretrain, LlamaPretrainSpec
 from kubetitan_core.contract import ENV_RESTART_FAILURE, ExitCode
 from kubetitan_core.contract.failure import FailureReport
 from kubetitan_core.contract.launcher import LauncherArgs, launcher_args, parser, spec_value
+from kubetitan_core.contract.trainer_toml import Kubetitan, KubetitanData, from_table, to_table
 
+from support.paths import EXAMPLES, load_example
 from support.specs import make_lpt
 
 MIRRORED = {f.name: f.metadata["spec"] for f in dataclasses.fields(LauncherArgs) if f.metadata.get("spec")}
@@ -61,6 +64,28 @@ def test_launcher_args_take_each_mirrored_field_from_the_spec(path):
     name = next(n for n, p in MIRRORED.items() if p == path)
     assert getattr(a, name) == value != getattr(LauncherArgs(config="c"), name)
     assert LauncherArgs.from_argv(a.to_argv()) == a
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_the_rendered_kubetitan_table_reads_back_as_the_typed_one(example):
+    """render writes the typed [kubetitan] table; read as torchtitan reads it, it is the same object, and it says
+    what the run is (identity, platform, each table's source) whatever the values."""
+    obj = LlamaPretrain.model_validate(load_example(example))
+    typed = render.kubetitan_table(obj)
+    table = render.trainer_config(obj)["kubetitan"]
+    assert from_table(Kubetitan, table) == typed
+    assert {"job_name", "namespace", "metrics_port", "platform", "efa_per_node", "network_fallback"} <= set(table)
+    assert table["data"]["source"] == obj.spec.data.source and table["tokenizer"]["source"] == obj.spec.tokenizer.source
+
+
+def test_the_kubetitan_table_leaves_out_defaults_and_refuses_unknown_keys():
+    assert set(to_table(Kubetitan())) == {  # the always-written keys; metrics_host and the unused tables are not
+        "job_name", "namespace", "metrics_port", "gpu_product", "instance_type", "platform", "efa_per_node",
+        "network_fallback", "requested_fsdp_float8_all_gather", "requested_precompute_float8_scale", "data", "tokenizer"}
+    assert to_table(KubetitanData(source="shards", shards_path="/d")) == \
+        {"source": "shards", "order": "shuffled", "shards_path": "/d"}
+    with pytest.raises(ValueError, match="hf_datset"):
+        from_table(Kubetitan, {"data": {"hf_datset": "c4"}})
 
 
 def test_launcher_args_wait_out_the_scheduling_wait_and_round_trip():

@@ -48,6 +48,7 @@ def test_every_example_is_accepted_by_the_trainer_config_loader(example, tmp_pat
     assert cfg.kubetitan.data.source == table["data"]["source"] == obj.spec.data.source
     assert cfg.kubetitan.tokenizer.source == obj.spec.tokenizer.source
     assert cfg.kubetitan.metrics_port == obj.spec.monitoring.metrics_port
+    assert cfg.kubetitan == render.kubetitan_table(obj)  # every key the renderer decided reaches the trainer
     from kubetitan_trainer.train_spec import model_args_for
 
     assert model_args_for(cfg).dim > 0  # the flavour exists in the registered TrainSpec

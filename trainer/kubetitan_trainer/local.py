@@ -153,13 +153,16 @@ def spec_env(lpt: LlamaPretrain) -> dict[str, str]:
 
 
 def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port: int) -> Path:
-    cfg = render.trainer_config(lpt, dump_folder=str(out))
+    """The run's ``trainer.toml`` in ``out``: the operator's rendering, with its dump folder ``out``, the metrics
+    endpoint on this machine's loopback at ``metrics_port``, and s3:// shards staged under ``out`` (no staging
+    emptyDir here)."""
+    kt = render.kubetitan_table(lpt)
+    kt = dataclasses.replace(kt, metrics_port=metrics_port, metrics_host="127.0.0.1")
+    if kt.data_s3.stage_dir:
+        kt.data_s3 = dataclasses.replace(kt.data_s3, stage_dir=str(out / "kubetitan" / "data-cache"))
+    cfg = render.trainer_config(lpt, dump_folder=str(out), kubetitan=kt)
     if steps is not None:
         cfg["training"]["steps"] = steps
-    cfg["kubetitan"]["metrics_port"] = metrics_port
-    cfg["kubetitan"]["metrics_host"] = "127.0.0.1"
-    if "data_s3" in cfg["kubetitan"]:  # no staging emptyDir on this machine: s3:// shards go under the output dir
-        cfg["kubetitan"]["data_s3"]["stage_dir"] = str(out / "kubetitan" / "data-cache")
     path = out / contract.CONFIG_KEY
     path.write_text(render.trainer_toml(lpt, str(out)).split("\n", 1)[0] + "\n" + tomli_w.dumps(cfg))
     return path
