@@ -1,5 +1,8 @@
 """Pod entry point: ``python -m kubetitan_trainer.launch --config=... --nnodes=N ...``.
 
+The flags are :class:`kubetitan_core.contract.launcher.LauncherArgs` (``--help`` lists them with their defaults):
+the operator's pods and ``kubetitan run`` build them from the spec with ``launcher_args``.
+
 1. Waits (bounded, logging) until ``--master-addr`` resolves: pods of a headless Service get
    their DNS records a moment after they start, and rank 0's record is what everyone dials.
 2. Checks that the config file exists. The config itself is checked by each worker
