@@ -98,7 +98,8 @@ def run(a: argparse.Namespace) -> None:
         t = time.time()
         with open(work / f"{order}.log", "wb") as log:
             rc = subprocess.run([sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
-                                 "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=curves"],
+                                 "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=curves",
+                                 "--max-restarts=0"],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
         print(f"{order}: exit {rc} in {time.time() - t:.0f} s")

@@ -3,7 +3,8 @@
 Every row comes from :func:`kubetitan_core.crd.openapi_schema`, which comes from the docstrings,
 defaults and bounds in :mod:`kubetitan_core.api`; so the reference, ``kubectl explain`` and the
 defaults the operator applies cannot disagree. The exit codes come from
-:class:`kubetitan_core.contract.ExitCode` and its member docstrings.
+:class:`kubetitan_core.contract.ExitCode` and its member docstrings, the restart causes from
+:data:`kubetitan_core.causes.CAUSES`.
 
 Run ``python -m kubetitan.apidoc --write`` after changing the API; a test fails when
 ``docs/api.md`` drifts from this generator.
@@ -16,45 +17,15 @@ import ast
 import inspect
 import json
 import signal
-import typing
 from pathlib import Path
 from typing import Any
 
-from kubetitan_core import API_VERSION, KIND, PLURAL, SHORT_NAMES, contract
-from kubetitan_core.api import RestartCause
+from kubetitan_core import API_VERSION, KIND, PLURAL, SHORT_NAMES, causes, contract
 from kubetitan_core.crd import GENERATE_COMMAND as CRD_COMMAND
 from kubetitan_core.crd import PRINTER_COLUMNS, _description, emit, openapi_schema
 
 GENERATE_COMMAND = "python -m kubetitan.apidoc --write"
 DOC_FILE = "api.md"
-
-RESTART_CAUSES: dict[str, str] = {
-    "ContainerFailed": "A trainer container exited with a retryable error: exit code 1, 6 (`RETRYABLE`), a "
-    "signal (137, 143) or any other non-zero code not listed below.",
-    "OOMKilled": "The kernel's OOM killer stopped a trainer container (terminated reason `OOMKilled`).",
-    "Evicted": "The kubelet evicted a pod (node pressure).",
-    "Preempted": "A pod was preempted by the scheduler, or the trainer exited with code 75 after "
-    "saving a checkpoint on SIGTERM.",
-    "NodeFailure": "A node became NotReady or disappeared, or its taint manager or kubelet "
-    "terminated the pod.",
-    "Hang": "The step did not advance for the hang limit (`runPolicy.hangTimeoutSeconds` / `hangTimeoutPolicy`): "
-            "a launcher stopped its workers (exit code 7; in place while `maxInPlaceRestarts` last), or, when no "
-            "launcher did, the operator re-created the gang.",
-    "StartupTimeout": "No first step within `runPolicy.startupTimeoutSeconds` after all pods ran.",
-    "NonFiniteLoss": "The loss became NaN or infinite (exit code 3).",
-    "PodDeleted": "A pod of the attempt was deleted by someone other than the operator (by hand, a script) "
-    "after the operator had seen it, with no `DisruptionTarget` that names another cause.",
-    "Shrink": "`runPolicy.elastic`: a node of the gang was lost (or pods of the gang could not be scheduled) and no "
-    "replacement came within `shrinkAfterSeconds`: the next attempt runs on the largest number of schedulable nodes "
-    "(at least `minNodes`), resuming the newest checkpoint with the same global batch. Counts toward "
-    "`elastic.maxResizes`, not `maxRestarts`.",
-    "Grow": "`runPolicy.elastic`: enough nodes have been Ready and schedulable for `growCheckSeconds`: right after the "
-    "attempt's next complete checkpoint the gang is re-created larger (up to `maxNodes`). Counts toward "
-    "`elastic.maxResizes`, not `maxRestarts`.",
-    "Unknown": "The attempt ended and no cause could be attributed.",
-}
-"""What each ``status.restarts[].cause`` means; one entry per value of ``api.RestartCause``."""
-
 
 # ------------------------------------------------------------------------ formatting
 def _cell(text: str) -> str:
@@ -191,7 +162,20 @@ def render(rules: list[Any] | None = None) -> str:
     status = {**status, "properties": {k: v for k, v in status["properties"].items() if k != "kopf"}}
     spec_sections = _sections(spec, "spec")
     status_sections = _sections(status, "status")
+    out = _head(root, spec_sections + status_sections)
+    out += ["## Spec", ""]
+    for path, node in spec_sections:
+        out += [f"### `{path}`", "", _cell(node.get("description", "")), "", *_field_table(path, node), ""]
+    out += _rules_sections(spec, rules)
+    out += ["## Status", "", "Written only by the operator, through the `status` subresource.", ""]
+    for path, node in status_sections:
+        out += [f"### `{path}`", "", _cell(node.get("description", "")), "", *_field_table(path, node), ""]
+    out += _printer_columns() + _exit_codes() + restart_causes() + names_and_pod_fields() + _admin_policy()
+    return "\n".join(out)
 
+
+def _head(root: dict[str, Any], sections: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Title, introduction and contents."""
     out = [
         f"# {KIND} API reference (`{API_VERSION}`)",
         "",
@@ -209,17 +193,20 @@ def render(rules: list[Any] | None = None) -> str:
         "## Contents",
         "",
     ]
-    for path, _ in spec_sections + status_sections:
+    for path, _ in sections:
         out.append(f"{'  ' * path.count('.')}- [`{path}`](#{_anchor(path)})")
     out += ["- [Cross-field rules](#cross-field-rules)", "- [Warnings](#warnings)", "- [Printer columns](#printer-columns)",
             "- [Trainer exit codes](#trainer-exit-codes)", "- [Restart causes](#restart-causes)",
             "- [Names and pod fields](#names-and-pod-fields)", "- [Admin policy](#admin-policy)", ""]
+    return out
 
-    out += ["## Spec", ""]
-    for path, node in spec_sections:
-        out += [f"### `{path}`", "", _cell(node.get("description", "")), "", *_field_table(path, node), ""]
 
-    out += [
+def _rules_sections(spec: dict[str, Any], rules: list[Any]) -> list[str]:
+    """The CEL rules, the whole rule table and the warnings."""
+    from kubetitan_core.validation import RULES
+    from kubetitan_core.warning_rules import WARNINGS
+
+    out = [
         "## Cross-field rules",
         "",
         "Checked by the API server (`x-kubernetes-validations` on `spec`, reason `FieldValueInvalid`) and, "
@@ -230,9 +217,6 @@ def render(rules: list[Any] | None = None) -> str:
         *_rules_table(spec, rules),
         "",
     ]
-
-    from kubetitan_core.validation import RULES
-
     out += ["All semantic rules, one table (`kubetitan_core.validation.RULES`): `kubetitan validate` and the operator "
             "check each; CEL: its twin is generated into the CRD and also enforced by the API server; Trainer: the "
             "trainer.toml key on which the trainer checks it again when it starts (`kubetitan_trainer.checks`, "
@@ -241,9 +225,6 @@ def render(rules: list[Any] | None = None) -> str:
     out += [f"| {r.id} | {_cell(r.field)} | {_cell(r.checks)} | {'yes' if r.cel else ''} | {_cell(r.trainer)} |"
             for r in RULES]
     out.append("")
-
-    from kubetitan_core.warning_rules import WARNINGS
-
     out += ["## Warnings", "", _cell(
         "Valid specs that are probably not what was meant, one table (`kubetitan_core.warning_rules.WARNINGS`). A "
         "warning never refuses anything: `kubetitan validate` prints each as `warning [id] path: message` and "
@@ -252,33 +233,56 @@ def render(rules: list[Any] | None = None) -> str:
             "| Warning | Field | Flags | Scope |", "|---|---|---|---|"]
     out += [f"| {w.id} | {_cell(w.field)} | {_cell(w.flags)} | {w.scope} |" for w in WARNINGS]
     out.append("")
+    return out
 
-    out += ["## Status", "", "Written only by the operator, through the `status` subresource.", ""]
-    for path, node in status_sections:
-        out += [f"### `{path}`", "", _cell(node.get("description", "")), "", *_field_table(path, node), ""]
 
-    out += ["## Printer columns", "", "`kubectl get lpt` shows the first group; `-o wide` adds the rest.", "",
-            "| Column | Field | Type | Wide only | Description |", "|---|---|---|---|---|"]
+def _printer_columns() -> list[str]:
+    out = ["## Printer columns", "", "`kubectl get lpt` shows the first group; `-o wide` adds the rest.", "",
+           "| Column | Field | Type | Wide only | Description |", "|---|---|---|---|---|"]
     for c in PRINTER_COLUMNS:
         out.append(f"| {c['name']} | `{c['jsonPath']}` | {c['type']} | {'yes' if c.get('priority') else ''} | "
                    f"{_cell(c.get('description', 'Time since the resource was created.'))} |")
     out.append("")
+    return out
 
-    out += ["## Trainer exit codes", "", _description(contract.ExitCode.__doc__ or ""), "",
-            "| Code | Name | Meaning |", "|---|---|---|"]
+
+def _exit_codes() -> list[str]:
+    out = ["## Trainer exit codes", "", _description(contract.ExitCode.__doc__ or ""), "",
+           "| Code | Name | Meaning |", "|---|---|---|"]
     out += [f"| {code} | `{name}` | {_cell(doc)} |" for code, name, doc in exit_codes()]
     out.append("")
+    return out
 
-    out += ["## Restart causes", "", "Values of `status.restarts[].cause` (and of the `cause` label of "
-            "`kubetitan_operator_restarts_total`).", "", "| Cause | Meaning |", "|---|---|"]
-    out += [f"| `{cause}` | {_cell(RESTART_CAUSES[cause])} |" for cause in typing.get_args(RestartCause)]
-    out.append("")
 
-    out += names_and_pod_fields()
+def cause_row(c: causes.Cause) -> str:
+    """One row of the cause tables: what it means, what follows, what it counts against, severity, runbook."""
+    follows = "in place, else re-created" if c.in_place and c.recreate else "re-created" if c.recreate else \
+        "in place" if c.in_place else "the run fails"
+    return (f"| `{c.id}` | {_cell(c.doc)} | {follows} | {_cell(c.budgets())} | {c.severity} | "
+            f"[runbook](runbook.md#{c.runbook}) |")
 
+
+def restart_causes() -> list[str]:
+    """The restart causes and the failures that end a run, from ``kubetitan_core.causes.CAUSES``."""
+    head = ["| Cause | Meaning | What follows | Counts against | Severity | Runbook |", "|---|---|---|---|---|---|"]
+    return [
+        "## Restart causes", "", _cell(
+            "Values of `status.restarts[].cause` (and of the `cause` label of `kubetitan_operator_restarts_total`), "
+            "one row each of `kubetitan_core.causes.CAUSES`, the table the operator's restart decision, the "
+            "launcher's in-place decision, this list, the CRD's enum and the alerts are all read from. *In place*: "
+            "the launchers restart every rank's workers in the same pods while `runPolicy.maxInPlaceRestarts` "
+            "lasts (a worker failure); *re-created*: the operator deletes the gang and creates the next attempt, "
+            "which resumes from the newest checkpoint."), "", *head,
+        *[cause_row(c) for c in causes.CAUSES if c.retried], "",
+        "Failures that end the run (the `Failed` condition's reason; never retried, never restarted in place):", "",
+        *head, *[cause_row(c) for c in causes.CAUSES if not c.retried], "",
+    ]
+
+
+def _admin_policy() -> list[str]:
     from kubetitan import policy
 
-    out += ["## Admin policy", "", _cell(
+    out = ["## Admin policy", "", _cell(
         "What the cluster admin allows runs to put into their pods (operator/kubetitan/policy.py). A valid spec "
         "outside it is refused at reconcile: `Ready=False`/`SpecAccepted=False` with reason "
         f"`{policy.REASON}`, the field path and the fix in the message, a Warning Event, no child. A run that "
@@ -294,7 +298,7 @@ def render(rules: list[Any] | None = None) -> str:
     out += [f"| `{value}` | `{flag}` | `{default}` | {_cell(help_)} |"
             for value, flag, default, help_ in policy.knob_table()]
     out.append("")
-    return "\n".join(out)
+    return out
 
 
 def names_and_pod_fields() -> list[str]:

@@ -25,24 +25,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from kubetitan import conditions as C
-from kubetitan_core.api import (RESIZE_CAUSES, AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, RestartCause,
-                                RestartRecord, TrainingStatus, elastic_sizes)
-from kubetitan_core import hang
+from kubetitan_core.api import (AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, RestartCause, RestartRecord,
+                                TrainingStatus, elastic_sizes)
+from kubetitan_core import causes, hang
+from kubetitan_core.causes import RESIZE_CAUSES
 from kubetitan_core.contract import EXIT_SIGKILL, EXIT_SIGTERM, ExitCode
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 
 MAX_RESTART_RECORDS = 50
 DEFAULT_RESIZE_MIN_INTERVAL_SECONDS = 600.0
 """The operator's ``--resize-min-interval-seconds`` by default: an elastic run resizes at most once per 10 minutes."""
-NODE_FAILURES_TO_AVOID = 2
-"""A node blamed for this many restarts of the run is kept out of later attempts (anti-affinity)."""
-
-IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
-CONFIG_WAIT_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
-NODE_DISRUPTIONS = frozenset({"DeletionByTaintManager", "TerminationByKubelet", "DeletionByPodGC"})
-"""``DisruptionTarget`` reasons that blame the node: taint eviction, kubelet shutdown, PodGC of a pod whose
-node is gone."""
-PREEMPTIONS = frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler"})
+NODE_FAILURES_TO_AVOID = causes.by_id("NodeFailure").avoid_node_after
+"""A node blamed for this many ``NodeFailure`` restarts of the run is kept out of later attempts (anti-affinity);
+each cause's own number is its row's ``avoid_node_after`` (``GPUXidError``: 1)."""
+DELETED_EXIT_CODES = frozenset({int(ExitCode.TERMINATED_CHECKPOINTED), EXIT_SIGTERM, EXIT_SIGKILL})
+"""Exit codes of a pod that stopped because it was deleted (saved on SIGTERM, or killed after the grace)."""
 
 
 # ------------------------------------------------------------------ observed state
@@ -300,19 +297,12 @@ def backoff_seconds(spec: LlamaPretrainSpec, records: Sequence[RestartRecord]) -
     return float(min(rp.max_backoff_seconds, rp.backoff_seconds * (2 ** min(k, 30))))
 
 
-NODE_CAUSES: frozenset[str] = frozenset({"NodeFailure"})
-"""Restart causes that blame the node itself. A crashed or killed container (ContainerFailed, OOMKilled,
-NonFiniteLoss, ...) says nothing about its node: counting those would, after a few ordinary crashes,
-exclude every node the gang can use and leave the next attempt unschedulable."""
-
-
-def nodes_to_avoid(records: Sequence[RestartRecord]) -> tuple[str, ...]:
-    """Nodes that failed (as nodes) at least ``NODE_FAILURES_TO_AVOID`` times in this run."""
-    counts: dict[str, int] = {}
-    for r in records:
-        if r.node_name and r.cause in NODE_CAUSES:
-            counts[r.node_name] = counts.get(r.node_name, 0) + 1
-    return tuple(sorted(n for n, c in counts.items() if c >= NODE_FAILURES_TO_AVOID))
+def nodes_to_avoid(records: Sequence[RestartRecord], table: Sequence[causes.Cause] = causes.CAUSES) -> tuple[str, ...]:
+    """Nodes blamed often enough in this run to keep out of later attempts: by causes whose row blames the node
+    (``avoid_node_after``: ``NodeFailure`` twice, ``GPUXidError`` once). A crashed or killed container
+    (ContainerFailed, OOMKilled, NonFiniteLoss, ...) says nothing about its node: counting those would, after a few
+    ordinary crashes, exclude every node the gang can use and leave the next attempt unschedulable."""
+    return causes.avoided_nodes(((r.node_name, r.cause) for r in records), table)
 
 
 @dataclass(frozen=True)
@@ -325,60 +315,62 @@ class Failure:
     fatal_reason: str | None = None
 
 
-def classify_pod(p: PodObs) -> Failure | None:
-    """Why this pod ends its attempt, or None if it does not (yet)."""
-    if p.waiting_reason in IMAGE_PULL_REASONS:
-        return Failure(None, f"pod {p.name}: {p.waiting_reason}: {p.waiting_message or 'cannot pull the image'}; "
-                       "fix spec.resources.image (or imagePullSecrets)", p.name, p.node_name, C.IMAGE_PULL_FAILED)
-    if p.waiting_reason in CONFIG_WAIT_REASONS:
-        return Failure(None, f"pod {p.name}: {p.waiting_reason}: {p.waiting_message or ''}".rstrip(": "),
-                       p.name, p.node_name, C.CONFIG_ERROR)
-    if p.reason == "Evicted":
-        return Failure("Evicted", f"pod {p.name} was evicted from node {p.node_name}: {p.message or ''}".rstrip(": "),
-                       p.name, p.node_name)
-    if p.disruption_reason in NODE_DISRUPTIONS and p.phase not in ("Succeeded",) and p.exit_code != ExitCode.OK:
-        # the node is going or gone: the pod is lost whether or not its container has reported an exit yet
+def classify_pod(p: PodObs, table: Sequence[causes.Cause] = causes.CAUSES) -> Failure | None:
+    """Why this pod ends its attempt, or None if it does not (yet). The evidence is read in a fixed order (the
+    kubelet cannot start the container; the pod was evicted or its node is going; an exit code that ends the run;
+    a cause detected in the termination message; the container's terminated reason; a deletion by someone else; a
+    preemption; the exit code); which cause each piece of evidence means, and whether it is retried, is
+    ``table``'s (:data:`kubetitan_core.causes.CAUSES`)."""
+    if (c := causes.by_waiting_reason(p.waiting_reason, table)) is not None:
+        msg = f"pod {p.name}: {p.waiting_reason}: {p.waiting_message or ''}".rstrip(": ")
+        return _failure(c, msg + (f"; {c.fix}" if c.fix else ""), p)
+    if (c := causes.by_pod_reason(p.reason, table)) is not None:
+        return _failure(c, f"pod {p.name} was evicted from node {p.node_name}: {p.message or ''}".rstrip(": "), p)
+    if (c := causes.by_disruption(p.disruption_reason, table)) is not None and c.avoid_node_after is not None \
+            and p.phase not in ("Succeeded",) and p.exit_code != ExitCode.OK:
+        # a disruption that blames the node (its row's avoid_node_after): the node is going or gone, and the pod is
+        # lost whether or not its container has reported an exit yet
         what = f"pod {p.name} (rank {p.rank})" + (f" exited with code {p.exit_code}" if p.exit_code is not None
                                                    else " is being removed")
-        return Failure("NodeFailure", f"{what}: {p.disruption_reason} on node {p.node_name}", p.name, p.node_name)
+        return _failure(c, f"{what}: {p.disruption_reason} on node {p.node_name}", p)
     if p.phase not in ("Failed", "Succeeded") and p.exit_code is None:
         return None
     if p.phase == "Succeeded" or p.exit_code == ExitCode.OK:
         return None  # a finished rank is not a failure; rank 0 decides success
+    return _exited(p, table)
+
+
+def _exited(p: PodObs, table: Sequence[causes.Cause]) -> Failure:
+    """A trainer container that exited with a non-zero code (or a Failed pod): the rest of ``classify_pod``."""
     code = p.exit_code
     tail = f": {p.termination_message.strip()}" if p.termination_message else ""
     what = f"pod {p.name} (rank {p.rank}) exited with code {code}"
-    if code == ExitCode.CONFIG_ERROR:
-        return Failure(None, f"{what} (configuration error){tail}; fix the spec and re-apply",
-                       p.name, p.node_name, C.CONFIG_ERROR)
-    if code == ExitCode.STORAGE_FULL:
-        return Failure(None, f"{what}: the checkpoint volume has too little free space for a save{tail}; free "
-                       "space or enlarge the volume (or lower checkpoint.keepLatestK), then re-create the run",
-                       p.name, p.node_name, C.STORAGE_FULL)
-    if code == ExitCode.NETWORK_NOT_EFA:
-        return Failure(None, f"{what}: EFA was requested but NCCL is not using it{tail}; use an image with "
-                       "libfabric and aws-ofi-nccl (images/trainer.Dockerfile) or set "
-                       "spec.resources.networkFallback: AllowSockets", p.name, p.node_name, C.NETWORK_NOT_EFA)
-    if p.terminated_reason == "OOMKilled":
-        return Failure("OOMKilled", f"{what}: OOMKilled (raise spec.resources.memory or lower the batch)",
-                       p.name, p.node_name)
-    if p.deleting and p.disruption_reason is None and code in (ExitCode.TERMINATED_CHECKPOINTED, EXIT_SIGTERM,
-                                                               EXIT_SIGKILL):
+    coded = causes.by_exit_code(code, table)
+    if coded is not None and not coded.retried:
+        return _failure(coded, f"{what}{coded.observed}{tail}; {coded.fix}", p)
+    if (found := causes.by_message(p.termination_message, table)) is not None:
+        c, seen = found
+        return _failure(c, f"{what}: {seen}{c.observed}" + (f"; {c.fix}" if c.fix else "") + tail, p)
+    if (c := causes.by_terminated_reason(p.terminated_reason, table)) is not None:
+        return _failure(c, f"{what}{c.observed}" + (f" ({c.fix})" if c.fix else ""), p)
+    if p.deleting and p.disruption_reason is None and code in DELETED_EXIT_CODES:
         # the operator deletes the current attempt's pods only when it ends the attempt (then they are an earlier
         # attempt's) or suspends the run (decided before this): someone else deleted this one
-        return Failure("PodDeleted", f"{what} after it was deleted, not by the operator{tail}", p.name, p.node_name)
-    if p.disruption_reason in PREEMPTIONS:
-        return Failure("Preempted", f"{what} after preemption", p.name, p.node_name)
-    if code == ExitCode.TERMINATED_CHECKPOINTED:
-        return Failure("Preempted", f"{what} (SIGTERM, checkpoint saved)", p.name, p.node_name)
-    if code == ExitCode.NON_FINITE_LOSS:
-        return Failure("NonFiniteLoss", f"{what}: the loss became NaN/inf{tail}", p.name, p.node_name)
-    if code == ExitCode.HANG:
-        return Failure("Hang", f"{what}: its launcher stopped a worker whose step stood still for the hang limit and "
-                       f"had no in-place restart left{tail}", p.name, p.node_name)
+        return _failure(causes.by_id("PodDeleted", table), f"{what} after it was deleted, not by the operator{tail}", p)
+    if (c := causes.by_disruption(p.disruption_reason, table)) is not None:
+        return _failure(c, f"{what} after preemption", p)
+    if coded is not None and code not in (EXIT_SIGKILL, EXIT_SIGTERM):
+        return _failure(coded, f"{what}{coded.observed}{tail}", p)
     if code in (EXIT_SIGKILL, EXIT_SIGTERM):
-        return Failure("ContainerFailed", f"{what} (killed by signal {code - 128}){tail}", p.name, p.node_name)
-    return Failure("ContainerFailed", f"{what}{tail}", p.name, p.node_name)
+        return _failure(causes.by_id(causes.CONTAINER_FAILED, table), f"{what} (killed by signal {code - 128}){tail}", p)
+    return _failure(causes.by_id(causes.CONTAINER_FAILED, table), f"{what}{tail}", p)
+
+
+def _failure(c: causes.Cause, message: str, p: PodObs) -> Failure:
+    """``c``'s failure of pod ``p``: a restart cause, or (a cause that is not retried) the run's failure reason."""
+    if c.retried:
+        return Failure(c.id, message, p.name, p.node_name)  # type: ignore[arg-type]
+    return Failure(None, message, p.name, p.node_name, c.id)
 
 
 def _cleanup(spec: LlamaPretrainSpec, pods: Sequence[PodObs]) -> tuple[str, ...]:
@@ -891,21 +883,22 @@ def in_place_failure(f: Facts) -> Failure:
     code, rank = pr.restart_exit_code, pr.restart_node_rank
     pod = next((p for p in f.current if p.rank == rank), None) if rank is not None else None
     where = f"pod {pod.name} (rank {rank})" if pod else (f"rank {rank}" if rank is not None else "a pod")
+    row = causes.by_exit_code(code) if code is not None else causes.by_id(causes.UNKNOWN)
+    if row is None or not row.in_place:  # a code the launchers do not restart in place cannot have begun one
+        row = causes.by_id(causes.CONTAINER_FAILED)
+    cause: RestartCause = row.id  # type: ignore[assignment]
     if code is None:
-        cause: RestartCause = "Unknown"
         what = "a worker failed (no launcher reported which)"
-    elif code == ExitCode.NON_FINITE_LOSS:
-        cause, what = "NonFiniteLoss", f"a worker of {where} exited with code {code}: the loss became NaN/inf"
     elif code == ExitCode.HANG and pod is None:  # no stopped worker: every rank's step stood still together
-        cause, what = "Hang", (f"the step stood still for the hang limit on every rank and the launchers stopped "
-                               f"their workers (exit code {code}; no worker was stopped, so no one node is named)")
+        what = (f"the step stood still for the hang limit on every rank and the launchers stopped "
+                f"their workers (exit code {code}; no worker was stopped, so no one node is named)")
     elif code == ExitCode.HANG:
-        cause, what = "Hang", (f"the step stood still for the hang limit and the launcher of {where} stopped its "
-                               f"workers (exit code {code})")
+        what = (f"the step stood still for the hang limit and the launcher of {where} stopped its "
+                f"workers (exit code {code})")
     elif code in (EXIT_SIGKILL, EXIT_SIGTERM):
-        cause, what = "ContainerFailed", f"a worker of {where} was killed by signal {code - 128} (exit code {code})"
+        what = f"a worker of {where} was killed by signal {code - 128} (exit code {code})"
     else:
-        cause, what = "ContainerFailed", f"a worker of {where} exited with code {code}"
+        what = f"a worker of {where} exited with code {code}{row.observed}"
     return Failure(cause, f"{what}; the launchers restarted every rank's workers in place (generation "
                    f"{pr.generation} of attempt {f.attempt})", pod.name if pod else "", pod.node_name if pod else None)
 

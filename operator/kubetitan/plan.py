@@ -23,6 +23,8 @@ from kubetitan_core.api import (LlamaPretrain, LlamaPretrainSpec, at_size, proce
                                 resolved_dp_shard, world_size)
 from kubetitan_core.catalog import INSTANCE_TYPES, pod_resources
 from kubetitan_core import hang, render
+from kubetitan_core.contract import launcher as contract_launcher
+from kubetitan_core.contract.launcher import RENDEZVOUS_PORT, LauncherArgs
 from kubetitan_core.render import trainer_toml
 
 LABEL_NAME = "kubetitan.io/name"
@@ -31,7 +33,6 @@ LABEL_ATTEMPT = "kubetitan.io/attempt"
 LABEL_RANK = "kubetitan.io/rank"
 ANNOTATION_CONFIG_HASH = "kubetitan.io/config-hash"
 CONTAINER_NAME = "trainer"
-RENDEZVOUS_PORT = 29500
 TERMINATION_MARGIN_SECONDS = 30
 """Extra grace on top of checkpoint.saveTimeoutSeconds for the process to flush and exit."""
 
@@ -66,13 +67,6 @@ def master_address(lpt: LlamaPretrain, attempt: int) -> str:
     """DNS name of rank 0 through the headless service."""
     ns = lpt.metadata.namespace or "default"
     return f"{pod_name(lpt.metadata.name, attempt, 0)}.{service_name(lpt.metadata.name)}.{ns}.svc"
-
-
-def gang_wait_seconds(spec: Any) -> int:
-    """How long a rank waits for the rest of its gang (rank 0's DNS record, the rendezvous): the scheduling
-    wait plus the start-up allowance, so ``Unschedulable`` is reported before any rank gives up."""
-    rp = spec.run_policy
-    return int(rp.unschedulable_timeout_seconds + rp.startup_timeout_seconds)
 
 
 def job_labels(lpt: LlamaPretrain) -> dict[str, str]:
@@ -263,56 +257,25 @@ def _affinity(lpt: LlamaPretrain, attempt: int, avoid_nodes: Sequence[str]) -> d
     return aff or None
 
 
-def pod(
-    lpt: LlamaPretrain,
-    attempt: int,
-    rank: int,
-    job_start_time: float | None = None,
-    avoid_nodes: Sequence[str] = (),
-    config_hash: str | None = None,
-    hang_floor_seconds: float = hang.AUTO_HANG_FLOOR_SECONDS,
-) -> dict[str, Any]:
-    """The pod of node ``rank`` in ``attempt`` (``hang_floor_seconds``: the operator's ``--hang-floor-seconds``,
-    passed on to the launcher's hang watchdog)."""
-    s, meta = lpt.spec, lpt.metadata
-    r, ck, data = s.resources, s.checkpoint, s.data
-    name = pod_name(meta.name, attempt, rank)
-    nproc = processes_per_node(s)
-    labels = {**job_labels(lpt), LABEL_ATTEMPT: str(attempt), LABEL_RANK: str(rank)}
-    annotations = {ANNOTATION_CONFIG_HASH: config_hash or _hash(trainer_toml(lpt))}
-    if s.scheduling.queue_name:
-        labels[KUEUE_QUEUE_LABEL] = s.scheduling.queue_name
-        labels[KUEUE_GROUP_LABEL] = f"{meta.name}-a{attempt}"
-        annotations[KUEUE_GROUP_COUNT] = str(r.nodes)
+def launcher_args(lpt: LlamaPretrain, attempt: int, rank: int,
+                  hang_floor_seconds: float = hang.AUTO_HANG_FLOOR_SECONDS) -> LauncherArgs:
+    """The launcher's arguments in the pod of node ``rank`` of ``attempt``
+    (:func:`kubetitan_core.contract.launcher.launcher_args`, which ``kubetitan run`` calls too): the mounted config,
+    rank 0 through the headless Service, one rendezvous id per attempt. In-place restarts
+    (``runPolicy.maxInPlaceRestarts``; 0: the static launcher, every failure re-creates the gang): the launchers
+    restart every rank's workers together, the operator records each one from rank 0's metrics and re-creates the
+    gang when the attempt's budget is used up (``decide.restarted_in_place``); the launcher's hang watchdog stops a
+    worker whose step stands still and every rank's workers restart in place."""
+    meta = lpt.metadata
+    return contract_launcher.launcher_args(
+        lpt.spec, config=f"{contract.CONFIG_MOUNT}/{contract.CONFIG_KEY}", node_rank=rank,
+        master_addr=master_address(lpt, attempt), rdzv_id=f"{meta.namespace or 'default'}-{meta.name}-a{attempt}",
+        hang_floor_seconds=hang_floor_seconds)
 
-    args = [
-        f"--config={contract.CONFIG_MOUNT}/{contract.CONFIG_KEY}",
-        f"--nnodes={r.nodes}",
-        f"--nproc-per-node={nproc}",
-        f"--node-rank={rank}",
-        f"--master-addr={master_address(lpt, attempt)}",
-        f"--master-port={RENDEZVOUS_PORT}",
-        f"--rdzv-id={meta.namespace or 'default'}-{meta.name}-a{attempt}",
-        # Outlast the scheduling wait: a rank waiting for rank 0's DNS record, or rank 0 waiting in the
-        # rendezvous for the ranks of a partly scheduled gang, must not exit (a ContainerFailed restart) before
-        # the operator reports Unschedulable.
-        f"--dns-timeout={gang_wait_seconds(s)}",
-        f"--rdzv-timeout={gang_wait_seconds(s)}",
-        # In-place restarts (runPolicy.maxInPlaceRestarts; 0: the static launcher, every failure re-creates the
-        # gang). The launchers restart every rank's workers together; the operator records each one from rank 0's
-        # metrics and re-creates the gang when the attempt's budget is used up (decide.restarted_in_place).
-        f"--max-restarts={s.run_policy.max_in_place_restarts}",
-        # How often each launcher checks its workers and (in place) whether a peer waits for a new rendezvous
-        # round: 0.05 s per node within [0.1, 1] s, so a small gang notices a failure quickly and a large one does
-        # not flood rank 0's rendezvous store.
-        f"--monitor-interval={min(1.0, max(0.1, 0.05 * r.nodes)):g}",
-        # The hang rule (kubetitan_core.hang) for the launcher's watchdog: with in-place restarts on, the
-        # launcher whose worker's step stands still stops it and every rank's workers restart in place.
-        f"--hang-timeout-seconds={s.run_policy.hang_timeout_seconds}",
-        f"--hang-timeout-policy={s.run_policy.hang_timeout_policy}",
-        f"--hang-floor-seconds={hang_floor_seconds:g}",
-        f"--save-timeout-seconds={ck.save_timeout_seconds}",
-    ]
+
+def _resources(lpt: LlamaPretrain) -> dict[str, Any]:
+    """The trainer container's requests and limits: GPUs, EFA interfaces, CPU and memory, huge pages."""
+    r = lpt.spec.resources
     limits: dict[str, Any] = {}
     requests: dict[str, Any] = {}
     if r.gpus_per_node > 0:
@@ -320,7 +283,7 @@ def pod(
     if (efa := efa_per_node(lpt)) > 0:
         limits[EFA_RESOURCE] = efa
     # CPU and memory: the spec's (request = limit), else from the instance type (catalog.pod_resources says how).
-    res = pod_resources(r.instance_type, r.gpus_per_node, nproc, r.cpu, r.memory)
+    res = pod_resources(r.instance_type, r.gpus_per_node, processes_per_node(lpt.spec), r.cpu, r.memory)
     requests["cpu"], requests["memory"] = res.cpu, res.memory
     if res.cpu_limit is not None:
         limits["cpu"] = res.cpu_limit
@@ -330,21 +293,22 @@ def pod(
         # Huge pages are not overcommitted: request = limit. The API server refuses them without a cpu or
         # memory request ("HugePages require cpu or memory"), which every trainer pod now has.
         limits[HUGEPAGES_RESOURCE] = requests[HUGEPAGES_RESOURCE] = hp
-    resources: dict[str, Any] = {}
-    if limits:
-        resources["limits"] = limits
-    if requests:
-        resources["requests"] = requests
+    return {k: v for k, v in (("limits", limits), ("requests", requests)) if v}
 
+
+def _volumes(lpt: LlamaPretrain) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the trainer container's volume mounts, the pod's volumes): config, /dev/shm, checkpoints, the s3:// shards'
+    staging disk, the data volume."""
+    s = lpt.spec
+    ck, data, st = s.checkpoint, s.data, s.checkpoint.storage
     mounts = [
         {"name": "config", "mountPath": contract.CONFIG_MOUNT, "readOnly": True},
         {"name": "dshm", "mountPath": contract.SHM_MOUNT},
     ]
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": config_map_name(meta.name)}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}},
+        {"name": "config", "configMap": {"name": config_map_name(lpt.metadata.name)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": s.resources.shm_size}},
     ]
-    st = ck.storage
     if ck.enabled and (st.persistent_volume_claim or st.host_path):
         mounts.append({"name": "checkpoints", "mountPath": ck.mount_path})
         if st.persistent_volume_claim:
@@ -363,7 +327,13 @@ def pod(
         mounts.append({"name": "data", "mountPath": data.mount_path, "readOnly": data.volume.read_only})
         volumes.append({"name": "data", "persistentVolumeClaim": {
             "claimName": data.volume.claim_name, "readOnly": data.volume.read_only}})
+    return mounts, volumes
 
+
+def _container(lpt: LlamaPretrain, attempt: int, rank: int, job_start_time: float | None,
+               mounts: list[dict[str, Any]], hang_floor_seconds: float) -> dict[str, Any]:
+    """The trainer container: the launcher (``python -m kubetitan_trainer.launch``) with its arguments."""
+    s, r = lpt.spec, lpt.spec.resources
     ports = [{"name": "metrics", "containerPort": s.monitoring.metrics_port, "protocol": "TCP"}]
     if rank == 0:
         ports.append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
@@ -372,7 +342,7 @@ def pod(
         "image": r.image,
         "imagePullPolicy": r.image_pull_policy,
         "command": ["python", "-m", "kubetitan_trainer.launch"],
-        "args": args,
+        "args": launcher_args(lpt, attempt, rank, hang_floor_seconds).to_argv(),
         "env": _env(lpt, attempt, job_start_time),
         "ports": ports,
         "volumeMounts": mounts,
@@ -380,41 +350,64 @@ def pod(
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": container_security_context(),
     }
-    if resources:
+    if resources := _resources(lpt):
         container["resources"] = resources
+    return container
 
+
+def _scheduling(lpt: LlamaPretrain, attempt: int, avoid_nodes: Sequence[str]) -> dict[str, Any]:
+    """The pod spec's placement fields that are set: node selector, tolerations, affinity, service account,
+    priority class, scheduler, image pull secrets."""
+    s, r = lpt.spec, lpt.spec.resources
     node_selector = dict(r.node_selector)
     if r.instance_type:
         node_selector.setdefault(INSTANCE_TYPE_LABEL, r.instance_type)
     tolerations = copy.deepcopy(r.tolerations)
     if r.gpus_per_node > 0 and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
         tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    fields: dict[str, Any] = {
+        "nodeSelector": node_selector,
+        "tolerations": tolerations,
+        "affinity": _affinity(lpt, attempt, avoid_nodes),
+        "serviceAccountName": r.service_account_name,
+        "priorityClassName": r.priority_class_name,
+        "schedulerName": s.scheduling.scheduler_name,
+        "imagePullSecrets": [{"name": n} for n in r.image_pull_secrets],
+    }
+    return {k: v for k, v in fields.items() if v}
 
+
+def pod(
+    lpt: LlamaPretrain,
+    attempt: int,
+    rank: int,
+    job_start_time: float | None = None,
+    avoid_nodes: Sequence[str] = (),
+    config_hash: str | None = None,
+    hang_floor_seconds: float = hang.AUTO_HANG_FLOOR_SECONDS,
+) -> dict[str, Any]:
+    """The pod of node ``rank`` in ``attempt`` (``hang_floor_seconds``: the operator's ``--hang-floor-seconds``,
+    passed on to the launcher's hang watchdog)."""
+    s, meta = lpt.spec, lpt.metadata
+    name = pod_name(meta.name, attempt, rank)
+    labels = {**job_labels(lpt), LABEL_ATTEMPT: str(attempt), LABEL_RANK: str(rank)}
+    annotations = {ANNOTATION_CONFIG_HASH: config_hash or _hash(trainer_toml(lpt))}
+    if s.scheduling.queue_name:
+        labels[KUEUE_QUEUE_LABEL] = s.scheduling.queue_name
+        labels[KUEUE_GROUP_LABEL] = f"{meta.name}-a{attempt}"
+        annotations[KUEUE_GROUP_COUNT] = str(s.resources.nodes)
+    mounts, volumes = _volumes(lpt)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the operator restarts whole gangs, never single pods
         "hostname": name,
         "subdomain": service_name(meta.name),
         "automountServiceAccountToken": False,  # training pods get no Kubernetes API access
         "securityContext": pod_security_context(),
-        "terminationGracePeriodSeconds": ck.save_timeout_seconds + TERMINATION_MARGIN_SECONDS,
-        "containers": [container],
+        "terminationGracePeriodSeconds": s.checkpoint.save_timeout_seconds + TERMINATION_MARGIN_SECONDS,
+        "containers": [_container(lpt, attempt, rank, job_start_time, mounts, hang_floor_seconds)],
         "volumes": volumes,
+        **_scheduling(lpt, attempt, avoid_nodes),
     }
-    if node_selector:
-        spec["nodeSelector"] = node_selector
-    if tolerations:
-        spec["tolerations"] = tolerations
-    if aff := _affinity(lpt, attempt, avoid_nodes):
-        spec["affinity"] = aff
-    if r.service_account_name:
-        spec["serviceAccountName"] = r.service_account_name
-    if r.priority_class_name:
-        spec["priorityClassName"] = r.priority_class_name
-    if s.scheduling.scheduler_name:
-        spec["schedulerName"] = s.scheduling.scheduler_name
-    if r.image_pull_secrets:
-        spec["imagePullSecrets"] = [{"name": n} for n in r.image_pull_secrets]
-
     return {
         "apiVersion": "v1",
         "kind": "Pod",

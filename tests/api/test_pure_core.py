@@ -23,7 +23,8 @@ OPERATOR_PURE = ("kubetitan.plan", "kubetitan.decide", "kubetitan.conditions", "
 
 
 def _modules(root: Path, package: str) -> list[str]:
-    return [package] + [f"{package}.{m.name}" for m in pkgutil.walk_packages([str(root)]) if not m.ispkg]
+    """``package`` and every module and subpackage under it (``kubetitan_core.contract.launcher``)."""
+    return [package] + [m.name for m in pkgutil.walk_packages([str(root)], prefix=f"{package}.")]
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:

@@ -9,8 +9,10 @@ import base64
 import subprocess
 
 import pytest
+import yaml
 
-from chartlib import by_kind, helm, render, values_args
+from chartlib import CHART, NAMESPACE, RELEASE, by_kind, helm, render, values_args
+from kmockx.harness import Cluster
 from kubetitan import admission, handlers
 from kubetitan.webhook import WEBHOOK_ID
 
@@ -137,8 +139,6 @@ def test_metadata_only_updates_never_reach_the_webhook_on_1_28_and_later():
     (w,) = _one(render(), "ValidatingWebhookConfiguration")["webhooks"]
     assert w["matchConditions"] == [{"name": "creates-or-changes-spec",
                                      "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"}]
-    import yaml
-
     out = helm("template", "kt", str(render.__globals__["CHART"]), "--kube-version", "1.27.0").stdout
     (vwc,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "ValidatingWebhookConfiguration"]
     assert "matchConditions" not in vwc["webhooks"][0]  # 1.27 has no matchConditions (the webhook passes those)
@@ -190,3 +190,29 @@ def test_the_requester_cache_values_become_flags():
                                 "webhook.requesterCache.maxEntries=100"]))
     cache = handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook.access_cache
     assert (cache.allowed_seconds, cache.denied_seconds, cache.max_entries) == (60, 0, 100)
+
+
+
+def test_an_upgrade_renders_the_certificates_the_operator_wrote_so_helm_keeps_them():
+    """Helm 3's upgrade patch is a three-way merge that writes every value the chart renders over the live one; the
+    chart therefore renders the operator-written Secret's live data (lookup, which `--dry-run=server` runs against
+    the API server: kmockx here), so the upgrade's patch of the Secret is empty."""
+    secret = _one(render(), "Secret", "-webhook-tls")
+    live = {"tls.crt": base64.b64encode(b"operator cert").decode(), "tls.key": base64.b64encode(b"key").decode(),
+            "ca.crt": base64.b64encode(b"operator CAs").decode()}
+    with Cluster(namespaces=(NAMESPACE,)) as c:
+        def rendered_secret():
+            out = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=server",
+                       "--kubeconfig", c.admin_kubeconfig, "--show-only", "templates/webhook.yaml").stdout
+            return next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Secret")
+
+        assert rendered_secret()["data"] == {"tls.crt": "", "tls.key": ""}  # install: the keys, empty
+        c.call(c.k.put("v1/secrets", {**secret, "data": live}))
+        assert rendered_secret()["data"] == live  # an upgrade: exactly what the operator wrote
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_the_removed_cert_manager_switch_names_its_replacement(value):
+    out = helm("template", "kt", str(CHART), "--set", f"webhook.certManager.enabled={value}", check=False)
+    assert out.returncode != 0
+    assert f"webhook.certManager.enabled (here {value}) was removed: set webhook.certificates=certManager" in out.stderr

@@ -132,6 +132,19 @@ CASES = [
          labels=_run("Failed", "NetworkNotEFA")),
     Case("network-efa-ok", "KubeTitanNetworkNotEFA", {f'{P}{{{J},phase="Running",reason="Training"}}': "1x5"}, "1m",
          False),
+    # -- a restart with a cause whose row names an alert (kubetitan_core.causes: GPUXidError); the counter series
+    # appears with the first such restart, which must count although increase() has no earlier sample
+    Case("gpu-xid-first-restart-fires", "KubeTitanGPUXidError",
+         {f'kubetitan_operator_restarts_total{{{J},cause="GPUXidError",mode="Recreate"}}': "_x5 1x60"}, "10m", True,
+         "1"),
+    Case("gpu-xid-another-within-the-window-fires", "KubeTitanGPUXidError",
+         {f'kubetitan_operator_restarts_total{{{J},cause="GPUXidError",mode="Recreate"}}': "1x100 2x30"}, "110m", True,
+         "1"),
+    Case("gpu-xid-long-ago", "KubeTitanGPUXidError",
+         {f'kubetitan_operator_restarts_total{{{J},cause="GPUXidError",mode="Recreate"}}': "_x5 1x130"}, "130m", False),
+    Case("gpu-xid-other-causes", "KubeTitanGPUXidError",
+         {f'kubetitan_operator_restarts_total{{{J},cause="ContainerFailed",mode="InPlace"}}': "_x5 1x60"}, "10m",
+         False),
     # -- operator down
     Case("operator-down-fires", "KubeTitanOperatorDown", {f"up{{{O}}}": "0x20"}, "15m", True, labels={}),
     Case("operator-down-no-target-fires", "KubeTitanOperatorDown", {f"up{{{T}}}": "1x20"}, "15m", True, labels={}),

@@ -147,7 +147,8 @@ def start_trainer(tmp: Path, metrics_port: int) -> tuple[subprocess.Popen, Path]
     log = out / "train.log"
     cmd = [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
            f"--nproc-per-node={processes_per_node(lpt)}", "--node-rank=0", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", f"--rdzv-id=live-{NAME}", "--dns-timeout=5"]
+           f"--master-port={free_port()}", f"--rdzv-id=live-{NAME}", "--dns-timeout=5",
+           "--max-restarts=0"]
     env = {**os.environ, contract.ENV_ATTEMPT: "0", contract.ENV_JOB_NAME: NAME, contract.ENV_JOB_NAMESPACE: NS,
            contract.ENV_JOB_START_TIME: str(int(time.time()))}
     with open(log, "wb") as f:

@@ -169,6 +169,10 @@ ELASTIC_CASES = [
      Observed(now=NOW), Action.CREATE, C.CREATING, None, {"nodes": 2, "rule": "attempt_not_created",
                                                          "message_has": "the 2 pods of attempt 1"}),
 ]
+XID_79 = ("[kubetitan] GPUXidError: Xid 79 (GPU has fallen off the bus) (worker local rank 3, exit code 1); not "
+          "restarted in place: RuntimeError: CUDA error: unknown error")
+"""The termination message a launcher writes for a worker whose failure report showed Xid 79 (``launch.report_detected``;
+tests/trainer/test_launch_causes.py checks that the launcher writes this shape)."""
 CASES = [
     # (id, spec, status, observed, want action, want reason, want cause, the rest of the decision)
     ("fresh-run-creates", spec(), LlamaPretrainStatus(), Observed(now=NOW), Action.CREATE, C.CREATING, None,
@@ -251,6 +255,29 @@ CASES = [
     ("containers-crashing-twice-on-a-node-do-not-exclude-it", spec(),
      status(restarts=[rec(0, ago=99, node="n0"), rec(1, "OOMKilled", ago=99, node="n0")], attempt=2),
      Observed(now=NOW), Action.CREATE, C.CREATING, None, {"avoid_nodes": ()}),
+    # GPUXidError (kubetitan_core.causes): the Xid its launcher wrote into the termination message; the gang is
+    # re-created and the node is avoided from the next attempt on (once is enough: avoid_node_after=1)
+    ("gpu-xid-79-in-termination-message-recreates", spec(), status(),
+     Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 1, "termination_message": XID_79}}),
+              nodes=ok_nodes, progress=TRAINING, ranks_seen=SEEN, now=NOW),
+     Action.RESTART, C.RESTARTED, "GPUXidError", {**RESTART_ALL, "node_name": "n1", "rule": "pod_failed",
+                                                  "message_has": "Xid 79 (GPU has fallen off the bus)"}),
+    ("gpu-fault-is-not-restarted-in-place-even-with-in-place-on", spec(maxInPlaceRestarts=3), status(),
+     Observed(pods=gang(over={0: {"phase": "Failed", "exit_code": 134, "termination_message":
+                                  "RuntimeError: CUDA error: uncorrectable ECC error encountered"}}),
+              nodes=ok_nodes, progress=TRAINING, ranks_seen=SEEN, now=NOW),
+     Action.RESTART, C.RESTARTED, "GPUXidError", {**RESTART_ALL, "node_name": "n0", "rule": "pod_failed"}),
+    ("application-xid-13-is-a-container-failure", spec(), status(),
+     Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 1, "termination_message":
+                                  "NVRM: Xid (PCI:0000:3b:00): 13, pid=4242, name=python, Graphics Exception"}}),
+              nodes=ok_nodes, progress=TRAINING, ranks_seen=SEEN, now=NOW),
+     Action.RESTART, C.RESTARTED, "ContainerFailed", {**RESTART_ALL, "node_name": "n1", "rule": "pod_failed"}),
+    ("config-error-beats-an-xid-in-its-message", spec(), status(),
+     Observed(pods=gang(over={0: {"phase": "Failed", "exit_code": 2, "termination_message": XID_79}}),
+              nodes=ok_nodes, now=NOW), Action.FAIL, C.CONFIG_ERROR, None, {"delete": ("j-a0-1",), "node_name": "n0"}),
+    ("gpu-fault-once-avoids-the-node", spec(), status(restarts=[rec(0, "GPUXidError", ago=99, node="gpu-bad")],
+                                                      attempt=1), Observed(now=NOW),
+     Action.CREATE, C.CREATING, None, {"avoid_nodes": ("gpu-bad",)}),
     ("create-refused-reports-and-retries-no-restart", spec(), status(),
      Observed(pods=gang()[:1], nodes=ok_nodes, ranks_seen=frozenset({0}), now=NOW,
               child_errors=(ChildError("Pod", "j-a0-1", C.FORBIDDEN, "exceeded quota: gpu"),)),
@@ -560,6 +587,12 @@ def test_backoff_doubles_and_caps(records, want) -> None:
 def test_nodes_failed_twice_are_avoided() -> None:
     assert nodes_to_avoid([rec(0, "NodeFailure", node="a"), rec(1, "NodeFailure", node="b"),
                            rec(2, "NodeFailure", node="a"), rec(3, node="b"), rec(4, "Hang", node="b")]) == ("a",)
+
+
+def test_a_gpu_fault_avoids_its_node_at_once_and_counts_with_node_failures() -> None:
+    assert nodes_to_avoid([rec(0, "GPUXidError", node="g"), rec(1, "NodeFailure", node="n")]) == ("g",)
+    # a node that failed as a node once and then lost a GPU: the GPU fault's own limit (1) applies
+    assert nodes_to_avoid([rec(0, "NodeFailure", node="n"), rec(1, "GPUXidError", node="n")]) == ("n",)
 
 
 @pytest.mark.parametrize(("p", "want"), [

@@ -40,7 +40,7 @@ def _launch(config: Path, env: dict[str, str]) -> subprocess.Popen:
     log = open(config.with_suffix(".log"), "ab")
     return subprocess.Popen(
         [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1", "--nproc-per-node=2",
-         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=s3"],
+         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=s3", "--max-restarts=0"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
         env={**os.environ, **env, contract.ENV_ATTEMPT: "0", "OMP_NUM_THREADS": "1"})
 

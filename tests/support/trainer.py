@@ -36,7 +36,7 @@ def launch(config: Path, nproc: int, rdzv_id: str, env: dict[str, str] | None = 
         rc = subprocess.run(
             [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
              f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-             f"--rdzv-id={rdzv_id}"],
+             f"--rdzv-id={rdzv_id}", "--max-restarts=0"],  # the static launcher: a failure ends the run
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
             cwd=REPO, timeout=timeout).returncode
     return rc, log.read_text(errors="replace")

@@ -230,7 +230,7 @@ def test_launcher_turns_the_tier_on_for_in_place_restarts_only():
     from kubetitan_trainer.launch import parse_args, restore_tier_folder
 
     base = ["--config=x", "--rdzv-id=ml-run-a0", "--node-rank=1"]
-    assert restore_tier_folder(parse_args(base), {}) == ""
+    assert restore_tier_folder(parse_args([*base, "--max-restarts=0"]), {}) == ""
     assert restore_tier_folder(parse_args([*base, "--max-restarts=2"]), {}) == "/dev/shm/kubetitan-restore-ml-run-a0-1"
     assert restore_tier_folder(parse_args([*base, "--max-restarts=2", "--restore-tier=off"]), {}) == ""
     assert restore_tier_folder(parse_args([*base, "--max-restarts=2", "--restore-tier=/x"]), {}) == "/x"

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from kubetitan_core.contract import ExitCode
+from kubetitan_core.contract.failure import FailureReport
 from kubetitan_trainer import heartbeat, launch
 from kubetitan_trainer.heartbeat import Rule, stalled
 
@@ -94,8 +95,8 @@ def test_writer_is_off_without_the_launchers_folder(tmp_path, monkeypatch) -> No
     assert w.file == "" and not os.listdir(tmp_path)
 
 
-def fail(code: int, t: float, stopped: bool = False) -> dict:
-    return {"exit_code": code, "time": t, "stopped": stopped, "node_rank": int(t)}
+def fail(code: int, t: float, stopped: bool = False) -> FailureReport:
+    return FailureReport(exit_code=code, time=t, stopped=stopped, node_rank=int(t))
 
 
 @pytest.mark.parametrize(("posted", "first"), [
@@ -110,7 +111,12 @@ def fail(code: int, t: float, stopped: bool = False) -> dict:
 ], ids=["generic-1-last", "stopped-hang-first", "earliest-hang", "stopped-hang-over-earlier-kill",
         "stopped-hang-over-nccl-abort", "hang-then-nccl-abort", "crash-then-waiting-hang", "hang-over-generic-1"])
 def test_the_failure_that_began_a_generation(posted, first) -> None:
-    assert min(posted, key=launch.failure_order)["node_rank"] == first
+    assert min(posted, key=launch.failure_order).node_rank == first
+
+
+def hang(time: float, stopped: bool) -> FailureReport:
+    """The hang watchdog's report before it is posted (the posting launcher sets the node rank)."""
+    return FailureReport(exit_code=ExitCode.HANG, node_rank=0, time=time, local_rank=0, stopped=stopped)
 
 
 class Store:
@@ -133,15 +139,15 @@ def test_a_hang_names_its_node_only_when_a_worker_was_stopped() -> None:
     """Every rank's step stands still together in a gang: a hang no stopped worker explains names no node (rank -1;
     the launcher that saw it is kept), so the operator's "same node twice in a row" escalation never counts it."""
     store = Store()
-    launch.post_failure(store, 3, 0, {}, {"exit_code": 7, "local_rank": 0, "time": 1.0, "stopped": False})
-    launch.post_failure(store, 3, 1, {}, {"exit_code": 7, "local_rank": 0, "time": 2.0, "stopped": True})
+    launch.post_failure(store, 3, 0, {}, hang(time=1.0, stopped=False))
+    launch.post_failure(store, 3, 1, {}, hang(time=2.0, stopped=True))
     got = launch.earliest_failure(store, 3, 2)
-    assert (got["node_rank"], got["seen_by"]) == (1, 1)
+    assert (got.node_rank, got.seen_by) == (1, 1)
     store = Store()
-    launch.post_failure(store, 4, 0, {}, {"exit_code": 7, "local_rank": 0, "time": 1.0, "stopped": False})
-    launch.post_failure(store, 4, 1, {}, {"exit_code": 7, "local_rank": 0, "time": 1.1, "stopped": False})
+    launch.post_failure(store, 4, 0, {}, hang(time=1.0, stopped=False))
+    launch.post_failure(store, 4, 1, {}, hang(time=1.1, stopped=False))
     got = launch.earliest_failure(store, 4, 2)
-    assert (got["exit_code"], got["node_rank"], got["seen_by"]) == (7, -1, 0)
+    assert (got.exit_code, got.node_rank, got.seen_by) == (7, -1, 0)
 
 
 def test_process_state_sees_a_stopped_process_and_kill_workers_ends_it() -> None:

@@ -104,6 +104,9 @@ def test_operator_fails_the_run_on_exit_5_without_restart():
 
 
 def test_launcher_does_not_restart_exit_5_in_place():
-    from kubetitan_trainer.launch import NOT_RESTARTED_IN_PLACE
+    from types import SimpleNamespace
 
-    assert {int(ExitCode.NETWORK_NOT_EFA), int(ExitCode.STORAGE_FULL)} <= NOT_RESTARTED_IN_PLACE
+    from kubetitan_trainer.launch import restartable
+
+    for code in (ExitCode.NETWORK_NOT_EFA, ExitCode.STORAGE_FULL):
+        assert not restartable({0: SimpleNamespace(exitcode=int(code), timestamp=1, message="<NONE>")}, False)

@@ -36,7 +36,7 @@ def launch(config: Path, env_extra: dict[str, str] | None = None) -> subprocess.
     log = open(config.with_suffix(".log"), "ab")
     return subprocess.Popen(
         [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1", "--nproc-per-node=2",
-         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=test"],
+         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=test", "--max-restarts=0"],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
     )
 

@@ -48,6 +48,7 @@ def test_every_example_is_accepted_by_the_trainer_config_loader(example, tmp_pat
     assert cfg.kubetitan.data.source == table["data"]["source"] == obj.spec.data.source
     assert cfg.kubetitan.tokenizer.source == obj.spec.tokenizer.source
     assert cfg.kubetitan.metrics_port == obj.spec.monitoring.metrics_port
+    assert cfg.kubetitan == render.kubetitan_table(obj)  # every key the renderer decided reaches the trainer
     from kubetitan_trainer.train_spec import model_args_for
 
     assert model_args_for(cfg).dim > 0  # the flavour exists in the registered TrainSpec
@@ -400,7 +401,7 @@ def test_launcher_process_exits_2_on_a_bad_config(start, tmp_path):
     entry = ["-m", "kubetitan_trainer.launch"] if start == "forked" else ["-c", LAUNCH_AS_IF_CUDA]
     r = subprocess.run(
         [PY, *entry, f"--config={path}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-         f"--master-port={free_port()}"],
+         f"--master-port={free_port()}", "--max-restarts=0"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert r.returncode == 2, r.stderr[-2000:]
@@ -460,7 +461,7 @@ def test_in_place_launcher_uses_a_c10d_rendezvous_hosted_by_node_rank_0_and_fork
     from kubetitan_trainer.launch import parse_args, torchrun_argv
 
     base = ["--config=c.toml", "--nnodes=2", "--master-addr=m.svc", "--master-port=29500", "--rdzv-id=r"]
-    static = torchrun_argv(parse_args(base))
+    static = torchrun_argv(parse_args([*base, "--max-restarts=0"]))
     assert "--rdzv-backend=static" in static and "--max-restarts=0" in static
     for rank, host in ((0, "true"), (1, "false")):
         argv = torchrun_argv(parse_args([*base, f"--node-rank={rank}", "--max-restarts=3"]))
@@ -480,11 +481,11 @@ def test_the_posted_worker_failure_that_is_not_collateral_begins_the_next_genera
     post_failure(store, 0, 0, {0: _failure(1, 100)})  # rank 0's worker failed on the broken collective, seen first
     post_failure(store, 0, 1, {0: _failure(-9, 100)})  # rank 1's worker was SIGKILLed: the cause
     got = earliest_failure(store, 0, 2)
-    assert (got["exit_code"], got["node_rank"], got["local_rank"]) == (137, 1, 0)
+    assert (got.exit_code, got.node_rank, got.local_rank) == (137, 1, 0)
     assert earliest_failure(store, 1, 2) is None  # generation 1 has failed nowhere yet
     post_failure(store, 1, 1, {0: _failure(1, 200)})  # two generic failures: the earlier one
     post_failure(store, 1, 0, {0: _failure(1, 200)})
-    assert earliest_failure(store, 1, 2)["node_rank"] == 1
+    assert earliest_failure(store, 1, 2).node_rank == 1
 
 
 def test_rendezvous_timeout_from_the_operator_reaches_torchrun():
@@ -492,7 +493,7 @@ def test_rendezvous_timeout_from_the_operator_reaches_torchrun():
     timeout on both launcher paths, so rank 0 outwaits a partly scheduled gang; without it torch's default."""
     from kubetitan_trainer.launch import parse_args, torchrun_argv
 
-    base = ["--config=c.toml", "--nnodes=2", "--master-addr=m.svc", "--rdzv-timeout=2700"]
+    base = ["--config=c.toml", "--nnodes=2", "--master-addr=m.svc", "--max-restarts=0", "--rdzv-timeout=2700"]
     assert "--rdzv-conf=timeout=2700" in torchrun_argv(parse_args(base))
     assert "--rdzv-conf=is_host=true,join_timeout=2700" in torchrun_argv(parse_args([*base, "--max-restarts=2"]))
     assert not any(a.startswith("--rdzv-conf") for a in torchrun_argv(parse_args(base[:-1])))

@@ -1,5 +1,8 @@
 """Pod entry point: ``python -m kubetitan_trainer.launch --config=... --nnodes=N ...``.
 
+The flags are :class:`kubetitan_core.contract.launcher.LauncherArgs` (``--help`` lists them with their defaults):
+the operator's pods and ``kubetitan run`` build them from the spec with ``launcher_args``.
+
 1. Waits (bounded, logging) until ``--master-addr`` resolves: pods of a headless Service get
    their DNS records a moment after they start, and rank 0's record is what everyone dials.
 2. Checks that the config file exists. The config itself is checked by each worker
@@ -29,8 +32,10 @@ stops its other local workers and re-enters the rendezvous; every other agent se
 (``num_nodes_waiting() > 0`` in ``SimpleElasticAgent._invoke_run``) and restarts its own workers too, so
 the whole gang restarts together and resumes from the newest complete checkpoint, while the pods, their
 volumes and their placement stay. After N such restarts the next failure ends the launcher with the
-worker's exit code, and the operator re-creates the gang as before. Exit codes that a restart cannot
-cure are never restarted in place: 2 (config error) and 75 / a SIGTERM stop (the pod is going away).
+worker's exit code, and the operator re-creates the gang as before. Failures that a restart in the same pods
+cannot cure are never restarted in place: the causes of ``kubetitan_core.causes.CAUSES`` whose row says so (exit
+2, 4, 5 and 75, a GPU fault such as NVIDIA Xid 79 in the worker's failure report) and a SIGTERM stop (the pod is
+going away). A GPU fault is also written to the pod's termination message, where the operator reads it.
 
 Warm workers (both modes): the launcher imports torch, torchtitan and the trainer once, **before any
 CUDA initialisation** (``PYTORCH_NVML_BASED_CUDA_CHECK=1`` keeps ``torch.cuda.is_available()`` from
@@ -42,8 +47,8 @@ from the launcher.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -54,8 +59,10 @@ import tempfile
 import time
 from typing import Any
 
-from kubetitan_core import contract, hang
+from kubetitan_core import causes, contract
 from kubetitan_core.contract import EXIT_SIGTERM, ExitCode
+from kubetitan_core.contract.failure import FailureReport
+from kubetitan_core.contract.launcher import LauncherArgs
 
 from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, heartbeat
 from kubetitan_trainer import main as worker_main
@@ -63,35 +70,10 @@ from kubetitan_trainer import main as worker_main
 log = logging.getLogger("kubetitan.launch")
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kubetitan_trainer.launch", description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="trainer.toml rendered by the operator")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=29500)
-    p.add_argument("--rdzv-id", default="kubetitan")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="in-place worker restarts of the whole gang before the launcher exits (0: none; the "
-                        "operator re-creates the gang)")
-    p.add_argument("--restore-tier", default="auto",
-                   help="folder of the node-local restore tier (kubetitan_trainer.restore_tier) for in-place restarts: "
-                        "'auto' = /dev/shm/kubetitan-restore-<rdzv-id> with --max-restarts > 0, 'off' = none")
-    p.add_argument("--monitor-interval", type=float, default=0.5, help="seconds between the agent's worker checks")
-    p.add_argument("--dns-timeout", type=float, default=600.0, help="seconds to wait for --master-addr to resolve")
-    p.add_argument("--rdzv-timeout", type=int, default=None,
-                   help="seconds the rendezvous waits for every node to join (default: torchrun's, 900 static and "
-                        "600 c10d); the operator passes one that outlasts its scheduling wait")
-    p.add_argument("--hang-timeout-seconds", type=float, default=900.0,
-                   help="runPolicy.hangTimeoutSeconds, for the in-place hang watchdog (kubetitan_core.hang)")
-    p.add_argument("--hang-timeout-policy", choices=("Auto", "Fixed"), default="Auto",
-                   help="runPolicy.hangTimeoutPolicy, for the in-place hang watchdog")
-    p.add_argument("--hang-floor-seconds", type=float, default=float(hang.AUTO_HANG_FLOOR_SECONDS),
-                   help="the operator's --hang-floor-seconds (Auto's floor), for the in-place hang watchdog")
-    p.add_argument("--save-timeout-seconds", type=float, default=600.0,
-                   help="checkpoint.saveTimeoutSeconds: added to the hang limit after a checkpoint step")
-    return p.parse_args(argv)
+def parse_args(argv: list[str]) -> LauncherArgs:
+    """The launcher's flags: :class:`kubetitan_core.contract.launcher.LauncherArgs` (what the operator's pods and
+    ``kubetitan run`` pass), each with its type, default and help defined there once."""
+    return LauncherArgs.from_argv(argv)
 
 
 def wait_for_dns(host: str, port: int, timeout: float, sleep=time.sleep, resolve=socket.getaddrinfo) -> bool:
@@ -160,10 +142,42 @@ def exit_code_of(failures: dict) -> int:
     return 128 - code if code < 0 else code  # -15 (signal) -> 143, as a shell reports it
 
 
-NOT_RESTARTED_IN_PLACE = frozenset({int(ExitCode.CONFIG_ERROR), int(ExitCode.STORAGE_FULL),
-                                    int(ExitCode.NETWORK_NOT_EFA), int(ExitCode.TERMINATED_CHECKPOINTED)})
-"""Worker exit codes a restart in place cannot cure: a bad config, a full checkpoint volume, NCCL not on
-the EFA the spec asked for, and a stop after SIGTERM (75)."""
+ENV_XID_REPORT = "KUBETITAN_XID_REPORT_FILE"
+"""Optional: a file in which something on the node mirrors the NVIDIA driver's Xid lines (``NVRM: Xid (PCI:...):
+79, ...``), e.g. a node agent writing the kernel log into a hostPath the pod mounts; set in the trainer image or by
+the platform. A worker's exception does not name the Xid behind a GPU that fell off the bus (CUDA reports an
+unknown error), the kernel log does. Read only when a worker fails, and only if written after the launcher
+started (a stale line from before must not blame this run's GPU)."""
+XID_REPORT_TAIL_BYTES = 64 * 1024
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+"""The pod's ``terminationMessagePath`` (Kubernetes' default; plan.py sets ``FallbackToLogsOnError``, so the log's
+tail stands in when this file is empty). Written only for a failure cause detected in text (a GPU fault): then
+the operator reads it there, whatever the log's last lines are."""
+
+
+def xid_report(env: dict | None = None, since: float = 0.0) -> str:
+    """The tail of the Xid report file (:data:`ENV_XID_REPORT`) if it was written at or after ``since``; else ''."""
+    path = (os.environ if env is None else env).get(ENV_XID_REPORT, "")
+    try:
+        if not path or os.stat(path).st_mtime < since:
+            return ""
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - XID_REPORT_TAIL_BYTES))
+            return f.read().decode(errors="replace")
+    except OSError as e:
+        log.warning("Could not read the Xid report %s: %s", path, e)
+        return ""
+
+
+def failure_cause(failure: Any, report: str = "") -> causes.WorkerCause:
+    """The cause of one worker failure (a torch elastic ``ProcessFailure``): its exit code and the text of its
+    failure report (the exception torch recorded in the worker's error file) and of the Xid report, looked up in
+    ``kubetitan_core.causes`` (:func:`~kubetitan_core.causes.worker_cause`)."""
+    code = failure.exitcode
+    text = "\n".join(t for t in (failure_summary(getattr(failure, "message", "")), report) if t)
+    return causes.worker_cause(128 - code if code < 0 else code, text)
+
 
 ENV_LAUNCHER_STATE = anatomy.ENV_LAUNCHER_STATE
 """Path of the launcher's JSON state file (in-place restarts so far, the failures and when they were detected,
@@ -174,14 +188,45 @@ WARM_MODULES = ("torchtitan.train", "kubetitan_trainer.train_spec", "kubetitan_t
 """What a warm launcher imports once so that forked workers start without imports."""
 
 
-def restartable(failures: dict, stop_requested: bool) -> bool:
-    """May the gang restart in place after ``failures`` (local rank -> ProcessFailure)?"""
+def restartable(failures: dict, stop_requested: bool, report: str = "") -> bool:
+    """May the gang restart in place after ``failures`` (local rank -> ProcessFailure)? Not after a stop, nor when
+    any failure's cause (:func:`failure_cause`) is one that the causes table does not restart in place."""
     if stop_requested:
         return False
-    return not any(f.exitcode in NOT_RESTARTED_IN_PLACE for f in failures.values())
+    return all(failure_cause(f, report).cause.in_place for f in failures.values())
 
 
-def torchrun_argv(a: argparse.Namespace) -> list[str]:
+def text_detected(failures: dict, report: str = "") -> tuple[int, causes.Cause, str] | None:
+    """The first failure (local rank, cause, what was seen) whose cause was detected in its text rather than by its
+    exit code (a GPU fault); None when there is none."""
+    for rank, f in sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0])):
+        found = failure_cause(f, report)
+        if found.by_text:
+            return rank, found.cause, found.seen
+    return None
+
+
+def report_detected(failures: dict, report: str = "", path: str = TERMINATION_MESSAGE_PATH) -> str | None:
+    """Log a failure whose cause was found in its text (:func:`text_detected`) and write it as the pod's termination
+    message when ``path`` exists (in a pod it does); the line, or None when there is none."""
+    found = text_detected(failures, report)
+    if found is None:
+        return None
+    rank, cause, seen = found
+    f = failures[rank]
+    line = (f"{cause.id}: {seen} (worker local rank {rank}, exit code {exit_code_of({rank: f})}); not restarted in "
+            f"place: {failure_summary(f.message)[:1000]}")
+    log.error("%s", line)
+    if os.path.exists(path):
+        try:
+            with open(path, "w") as out:
+                out.write(line[:4000])  # the kubelet reads at most 4096 bytes
+        except OSError as e:
+            log.warning("Could not write the termination message %s: %s", path, e)
+    return line
+
+
+def torchrun_argv(a: LauncherArgs) -> list[str]:
     if a.max_restarts > 0:
         is_host = "true" if a.node_rank == 0 else "false"
         return [
@@ -201,7 +246,7 @@ def torchrun_argv(a: argparse.Namespace) -> list[str]:
     ]
 
 
-def restore_tier_folder(a: argparse.Namespace, env: dict) -> str:
+def restore_tier_folder(a: LauncherArgs, env: dict) -> str:
     """The restore tier's folder for this launcher ('' = off); the pod's KUBETITAN_RESTORE_TIER wins."""
     from kubetitan_trainer.restore_tier import ENV_RESTORE_TIER
 
@@ -347,14 +392,14 @@ class LauncherState:
         self.data["warm_import_seconds"] = seconds
         self.write()
 
-    def failed(self, failures: dict, restarting: bool, detected: float | None = None) -> None:
+    def failed(self, failures: dict, restarting: bool, detected: float | None = None, report: str = "") -> None:
         """``detected``: when the agent saw the failure (the origin of the next generation's start-up anatomy;
-        ``ProcessFailure.timestamp`` is whole seconds)."""
+        ``ProcessFailure.timestamp`` is whole seconds); ``report``: the Xid report's text (:func:`xid_report`)."""
         rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
         code = first.exitcode
         self.data["failures"].append({"time": first.timestamp or time.time(), "detected": detected or time.time(),
                                       "local_rank": rank, "exit_code": 128 - code if code < 0 else code,
-                                      "restarted": restarting})
+                                      "cause": failure_cause(first, report).cause.id, "restarted": restarting})
         self.data["failures"] = self.data["failures"][-20:]
         if restarting:
             self.data["restarts"] += 1
@@ -381,43 +426,43 @@ FAILURE_KEY = "kubetitan/failure/{generation}/{node_rank}"
 """Rendezvous-store key under which a launcher posts the worker failure that ended ``generation``."""
 
 
-def post_failure(store, generation: int, node_rank: int, failures: dict, hang_report: dict | None = None) -> None:
+def post_failure(store, generation: int, node_rank: int, failures: dict, hang_report: FailureReport | None = None) -> None:
     """Post this pod's first worker failure (exit code, node rank, time) for rank 0's next generation; a hang the
     watchdog stopped (``hang_report``, :meth:`InPlaceAgent` ``_stop_hung``) is posted as that instead. A hang with
     no stopped worker names no node (node rank -1, seen by ``seen_by``): in a gang every rank's step stands still
     together, every watchdog fires within a tick of the others, and which one was first says nothing of where the
     hang is (the operator's "same node twice in a row" escalation must not count it)."""
     if hang_report is not None:
-        rec = {**hang_report, "node_rank": node_rank if hang_report.get("stopped") else -1, "seen_by": node_rank}
+        rec = dataclasses.replace(hang_report, node_rank=node_rank if hang_report.stopped else -1, seen_by=node_rank)
     else:
         rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
         code = first.exitcode
-        rec = {"exit_code": 128 - code if code < 0 else code, "node_rank": node_rank, "local_rank": rank,
-               "time": time.time()}
+        rec = FailureReport(exit_code=128 - code if code < 0 else code, node_rank=node_rank, local_rank=rank,
+                            time=time.time())
     try:
-        store.set(FAILURE_KEY.format(generation=generation, node_rank=node_rank), json.dumps(rec))
+        store.set(FAILURE_KEY.format(generation=generation, node_rank=node_rank), rec.to_json())
     except Exception as e:  # noqa: BLE001 - the restart goes on without the report; the operator says Unknown
         log.warning("Could not post the worker failure to the rendezvous store: %s", e)
 
 
-def failure_order(f: dict) -> tuple:
+def failure_order(f: FailureReport) -> tuple:
     """Sort key of posted failures, the one that began the generation first: a hang whose launcher found its
     worker stopped (state T: it is the hung one; the others' workers only waited for it in a collective, and
     crash when the watchdog kills it: SIGABRT from NCCL, signal 9 or 15), then any code but the generic 1 (a
     peer's collective fails with 1 the moment the first worker dies), then the earliest."""
-    stopped_hang = f["exit_code"] == ExitCode.HANG and bool(f.get("stopped"))
-    return (not stopped_hang, f["exit_code"] == ExitCode.FAILED, f["time"])
+    stopped_hang = f.exit_code == ExitCode.HANG and f.stopped
+    return (not stopped_hang, f.exit_code == ExitCode.FAILED, f.time)
 
 
-def earliest_failure(store, generation: int, nnodes: int) -> dict | None:
+def earliest_failure(store, generation: int, nnodes: int) -> FailureReport | None:
     """The failure that began ``generation``, of those the pods posted (:func:`failure_order`). The others are
     usually its collateral (seen here with 0.1 s monitor intervals: a SIGKILLed worker lost to its peer's 1)."""
     found = []
     for r in range(nnodes):
         key = FAILURE_KEY.format(generation=generation, node_rank=r)
         try:
-            if store.check([key]):
-                found.append(json.loads(store.get(key)))
+            if store.check([key]) and (report := FailureReport.from_json(store.get(key))) is not None:
+                found.append(report)
         except Exception as e:  # noqa: BLE001 - as above
             log.warning("Could not read %s from the rendezvous store: %s", key, e)
     return min(found, key=failure_order) if found else None
@@ -492,6 +537,41 @@ IN_RENDEZVOUS = {"now": False}
 launcher at once instead of waiting out the round (up to its join timeout) while the pod terminates."""
 
 
+def in_place_rendezvous_handler(config, nnodes: int, agents: list):
+    """torch's c10d rendezvous handler for ``config``, whose ``num_nodes_waiting`` also counts a peer's announcement
+    of the next generation (:func:`rejoin`), and whose state cache lasts one :func:`poll_seconds`. ``agents``: the
+    one agent of this launcher, once it exists."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                  local_addr=config.local_addr, **config.rdzv_configs)
+    handler = rdzv_registry.get_rendezvous_handler(params)
+
+    def counting_rejoins(torch_waiting):
+        def num_nodes_waiting() -> int:
+            """torch's count, or 1 when a peer announced the next generation (:func:`rejoin`): this agent's healthy
+            workers must restart too (``SimpleElasticAgent._invoke_run`` polls this every monitor interval)."""
+            agent = agents[0] if agents else None
+            store = compat.agent_store(agent) if agent is not None else None
+            if store is not None and agent.generation >= 0:
+                try:
+                    if store.check([REJOIN_KEY.format(generation=agent.generation + 1)]):
+                        return 1
+                except Exception as e:  # noqa: BLE001 - torch's own count still applies
+                    log.debug("Could not read the rejoin key: %s", e)
+            return torch_waiting()
+
+        return num_nodes_waiting
+
+    compat.wrap_num_nodes_waiting(handler, counting_rejoins)
+    compat.shorten_rendezvous_cache(handler, poll_seconds(nnodes))  # (1 s in torch 2.11: a poll within it re-reads)
+    return handler
+
+
+# The agent subclass of torch's LocalElasticAgent (imported here, lazily, as all of torch's elastic code in the
+# long: launcher) closes over this run's state, stop flag, node rank and hang rule; each of its methods is short
 def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requested, node_rank: int = 0,
                  nnodes: int = 1, hang_rule: heartbeat.Rule | None = None, beat_dir: str = "") -> None:
     """``torch.distributed.launcher.api.launch_agent`` with an agent that records failures, refuses restarts that
@@ -501,8 +581,6 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     fast_rendezvous_polls(nnodes)
@@ -514,7 +592,7 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
         """Worker generation (contract.ENV_RESTART_GENERATION): one rendezvous round per generation on every
         rank, so every pod counts the same, where torchrun's restart count moves only on the failing pod."""
 
-        hang_report: dict | None = None
+        hang_report: FailureReport | None = None
         """This generation's hang, once the watchdog stopped the workers for one (posted as its failure)."""
 
         def _monitor_workers(self, worker_group):
@@ -537,10 +615,11 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                     for f in result.failures.values():
                         if f.exitcode == -signal.SIGKILL:  # a worker that exited by itself keeps its own code
                             f.exitcode = int(ExitCode.HANG)
-                ok = restartable(result.failures, stop_requested()) and compat.remaining_restarts(self) > 0
+                report = xid_report(since=state.data["started"])
+                ok = restartable(result.failures, stop_requested(), report) and compat.remaining_restarts(self) > 0
                 if not ok:
                     compat.forbid_restarts(self)
-                state.failed(result.failures, restarting=ok, detected=detected)
+                state.failed(result.failures, restarting=ok, detected=detected, report=report)
                 if ok:
                     post_failure(worker_group.store, self.generation, node_rank, result.failures, self.hang_report)
                     log.warning("Worker(s) failed (%s); restarting every rank's workers in place (%d left)",
@@ -553,8 +632,8 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
             comes first, restarts them) and the whole gang restarts in place."""
             pids = [w.id for w in worker_group.workers if w.id]
             stopped = any(process_state(pid) in ("T", "t") for pid in pids)
-            self.hang_report = {"exit_code": int(ExitCode.HANG), "local_rank": stall.local_rank, "time": time.time(),
-                                "stopped": stopped, "message": stall.describe()}
+            self.hang_report = FailureReport(exit_code=int(ExitCode.HANG), node_rank=node_rank, time=time.time(),
+                                             local_rank=stall.local_rank, stopped=stopped, message=stall.describe())
             post_failure(worker_group.store, self.generation, node_rank, {}, self.hang_report)
             log.warning("Hang: %s%s; stopping this pod's workers (every rank's workers restart in place)",
                         stall.describe(), " (the worker is stopped, state T)" if stopped else "")
@@ -605,45 +684,23 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                 steps = [b["step"] for b in heartbeat.read(beat_dir, range(config.nproc_per_node)).values()
                          if b.get("generation") == self.generation]
                 if steps:
-                    failure["previous_step"] = max(steps)
+                    failure = dataclasses.replace(failure, previous_step=max(steps))
             self.generation += 1
             self.hang_report = None
             if beat_dir:
                 heartbeat.clear(beat_dir, range(config.nproc_per_node))
             os.environ[contract.ENV_RESTART_GENERATION] = str(self.generation)  # forked workers inherit it
             if failure is not None:
-                os.environ[contract.ENV_RESTART_FAILURE] = json.dumps(failure)
+                os.environ[contract.ENV_RESTART_FAILURE] = failure.to_json()
                 log.warning("Worker generation %d starts after a failure of node rank %s (exit code %s)",
-                            self.generation, failure["node_rank"], failure["exit_code"])
+                            self.generation, failure.node_rank, failure.exit_code)
             else:
                 os.environ.pop(contract.ENV_RESTART_FAILURE, None)
             state.data["generation"] = self.generation
             state.write()
 
-    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes,
-                                  local_addr=config.local_addr, **config.rdzv_configs)
-    handler = rdzv_registry.get_rendezvous_handler(params)
     agents: list = []
-
-    def counting_rejoins(torch_waiting):
-        def num_nodes_waiting() -> int:
-            """torch's count, or 1 when a peer announced the next generation (:func:`rejoin`): this agent's healthy
-            workers must restart too (``SimpleElasticAgent._invoke_run`` polls this every monitor interval)."""
-            agent = agents[0] if agents else None
-            store = compat.agent_store(agent) if agent is not None else None
-            if store is not None and agent.generation >= 0:
-                try:
-                    if store.check([REJOIN_KEY.format(generation=agent.generation + 1)]):
-                        return 1
-                except Exception as e:  # noqa: BLE001 - torch's own count still applies
-                    log.debug("Could not read the rejoin key: %s", e)
-            return torch_waiting()
-
-        return num_nodes_waiting
-
-    compat.wrap_num_nodes_waiting(handler, counting_rejoins)
-    compat.shorten_rendezvous_cache(handler, poll_seconds(nnodes))  # (1 s in torch 2.11: a poll within it re-reads)
+    handler = in_place_rendezvous_handler(config, nnodes, agents)
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=handler,
                       max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
@@ -659,34 +716,20 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
         spec.rdzv_handler.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[kubetitan] %(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(CleanStopLogFilter())
-    a = parse_args(sys.argv[1:] if argv is None else argv)
+def preflight(a: LauncherArgs) -> int | None:
+    """The exit code when the launcher cannot start (rank 0's address does not resolve, the config is missing);
+    None when it can."""
     if not wait_for_dns(a.master_addr, a.master_port, a.dns_timeout):
         return ExitCode.FAILED
     if not os.path.isfile(a.config):
         log.error("Config error: --config %s does not exist. Fix: mount the ConfigMap or render one with `kubetitan render`", a.config)
         return ExitCode.CONFIG_ERROR
-    # Forked workers need a launcher that never initialised CUDA. torch.cuda.is_available() without this asks the
-    # CUDA runtime (which poisons fork), and torchrun's LaunchConfig calls it (numa defaults) before warm_up runs:
-    # seen on the H200 ("Cannot re-initialize CUDA in forked subprocess" in every worker).
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    return None
 
-    with worker_main.imports_without_gc():
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.launcher.api import elastic_launch
-        from torch.distributed.run import config_from_args
-        from torch.distributed.run import parse_args as torchrun_parse
 
-    from kubetitan_trainer import compile_cache
-
-    cache = compile_cache.configure(a.config)  # before any worker starts: they inherit the variables
-    if cache:
-        log.info("Compile cache (Inductor, AOTAutograd, Triton): %s", cache)
-    stop_dir = tempfile.mkdtemp(prefix="kubetitan-")
-    stop_file = os.path.join(stop_dir, "stop")
-    os.environ[ENV_STOP_FILE] = stop_file
+def stop_on_sigterm(stop_file: str) -> dict:
+    """Handle SIGTERM ourselves (see the module docstring): create the workers' stop file, and end a rendezvous
+    wait at once. Returns the dict whose ``at`` is the time SIGTERM came (0.0 before)."""
     stopped = {"at": 0.0}
 
     def on_sigterm(signum, frame):
@@ -698,8 +741,85 @@ def main(argv: list[str] | None = None) -> int:
             raise StoppedInRendezvous()
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    return stopped
+
+
+def launch_workers(a: LauncherArgs, config, cmd, cmd_args, state: LauncherState, stopped: dict,
+                   stop_dir: str) -> None:
+    """Run this node's workers until they end: in place (``--max-restarts`` > 0), forked from this warm launcher,
+    or as new processes when CUDA was initialised here. Raises ChildFailedError when they fail."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    # Workers share the agents' TCPStore, each generation under its own key prefix (generation_scoped_agent_store,
+    # in run_worker); they are forked from this process after it imported torch and torchtitan once.
+    seconds = warm_up(["--job.config_file", a.config])
+    state.warmed(seconds)
+    if a.max_restarts > 0:
+        log.info("In-place restarts on (up to %d); warm workers: imported torch/torchtitan once in %.1f s",
+                 a.max_restarts, seconds)
+        rule = heartbeat.Rule(a.hang_timeout_policy, a.hang_timeout_seconds, a.hang_floor_seconds,
+                              a.save_timeout_seconds)
+        run_in_place(config, run_worker, ["--job.config_file", a.config], state, lambda: bool(stopped["at"]),
+                     node_rank=a.node_rank, nnodes=a.nnodes, hang_rule=rule, beat_dir=stop_dir)
+    elif cuda_initialised():
+        # a fork would give every worker a CUDA context it cannot use ("Cannot re-initialize CUDA in forked
+        # subprocess"): when NVML could not answer torch.cuda.is_available(), start fresh interpreters instead
+        log.warning("CUDA was initialised in the launcher (NVML unavailable?): starting the workers as new "
+                    "processes, each importing torch/torchtitan itself")
+        config.start_method = "spawn"
+        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    else:
+        log.info("Warm workers: imported torch/torchtitan once in %.1f s", seconds)
+        elastic_launch(config=config, entrypoint=run_worker)("--job.config_file", a.config)
+
+
+def workers_exit_code(failures: dict) -> int:
+    """The launcher's exit code for the workers' ``failures`` (:func:`exit_code_of`), logged."""
+    code = exit_code_of(failures)
+    rank, failure = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
+    if code == ExitCode.TERMINATED_CHECKPOINTED:  # every rank saved the stop checkpoint: a clean, resumable stop
+        log.info("Workers stopped cleanly after saving the stop checkpoint (exit code %d; the run resumes from it)",
+                 code)
+    else:
+        log.error("Worker rank %d failed first with exit code %d: %s", rank, failure.exitcode,
+                  failure_summary(failure.message))
+    return code
+
+
+def stopped_exit_code(code: int) -> int:
+    """The exit code after SIGTERM: the workers' 75 (stop checkpoint saved) or 0 (training ended first) stand; any
+    other is a stop without a complete checkpoint (143)."""
+    if code in (ExitCode.TERMINATED_CHECKPOINTED, ExitCode.OK):
+        return code
+    log.error("Stopped by SIGTERM without a complete checkpoint (worker exit %d)", code)
+    return EXIT_SIGTERM
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[kubetitan] %(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(CleanStopLogFilter())
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    if (code := preflight(a)) is not None:
+        return code
+    # Forked workers need a launcher that never initialised CUDA. torch.cuda.is_available() without this asks the
+    # CUDA runtime (which poisons fork), and torchrun's LaunchConfig calls it (numa defaults) before warm_up runs:
+    # seen on the H200 ("Cannot re-initialize CUDA in forked subprocess" in every worker).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+    with worker_main.imports_without_gc():
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import config_from_args
+        from torch.distributed.run import parse_args as torchrun_parse
+
+    from kubetitan_trainer import compile_cache
     from kubetitan_trainer.restore_tier import ENV_RESTORE_TIER
 
+    cache = compile_cache.configure(a.config)  # before any worker starts: they inherit the variables
+    if cache:
+        log.info("Compile cache (Inductor, AOTAutograd, Triton): %s", cache)
+    stop_dir = tempfile.mkdtemp(prefix="kubetitan-")
+    os.environ[ENV_STOP_FILE] = os.path.join(stop_dir, "stop")
+    stopped = stop_on_sigterm(os.environ[ENV_STOP_FILE])
     tier = os.environ[ENV_RESTORE_TIER] = restore_tier_folder(a, os.environ)
     if tier:
         log.info("Restore tier for in-place restarts: %s (removed when the launcher exits)", tier)
@@ -713,45 +833,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     log.info("Starting %d worker(s) on node %d of %d, master %s:%d", a.nproc_per_node, a.node_rank, a.nnodes, a.master_addr, a.master_port)
     try:
-        # Workers share the agents' TCPStore, each generation under its own key prefix (generation_scoped_agent_store,
-        # in run_worker); they are forked from this process after it imported torch and torchtitan once.
-        seconds = warm_up(["--job.config_file", a.config])
-        state.warmed(seconds)
-        if a.max_restarts > 0:
-            log.info("In-place restarts on (up to %d); warm workers: imported torch/torchtitan once in %.1f s",
-                     a.max_restarts, seconds)
-            rule = heartbeat.Rule(a.hang_timeout_policy, a.hang_timeout_seconds, a.hang_floor_seconds,
-                                  a.save_timeout_seconds)
-            run_in_place(config, run_worker, ["--job.config_file", a.config], state, lambda: bool(stopped["at"]),
-                         node_rank=a.node_rank, nnodes=a.nnodes, hang_rule=rule, beat_dir=stop_dir)
-        elif cuda_initialised():
-            # a fork would give every worker a CUDA context it cannot use ("Cannot re-initialize CUDA in forked
-            # subprocess"): when NVML could not answer torch.cuda.is_available(), start fresh interpreters instead
-            log.warning("CUDA was initialised in the launcher (NVML unavailable?): starting the workers as new "
-                        "processes, each importing torch/torchtitan itself")
-            config.start_method = "spawn"
-            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
-        else:
-            log.info("Warm workers: imported torch/torchtitan once in %.1f s", seconds)
-            elastic_launch(config=config, entrypoint=run_worker)("--job.config_file", a.config)
+        launch_workers(a, config, cmd, cmd_args, state, stopped, stop_dir)
         code = ExitCode.OK
     except StoppedInRendezvous:
         log.warning("Stopped by SIGTERM while waiting for the other pods' launchers (no worker was running)")
         code = EXIT_SIGTERM
     except ChildFailedError as e:
-        code = exit_code_of(e.failures)
-        rank, failure = min(e.failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode < 0, kv[0]))
-        if code == ExitCode.TERMINATED_CHECKPOINTED:  # every rank saved the stop checkpoint: a clean, resumable stop
-            log.info("Workers stopped cleanly after saving the stop checkpoint (exit code %d; the run resumes from it)",
-                     code)
-        else:
-            log.error("Worker rank %d failed first with exit code %d: %s", rank, failure.exitcode,
-                      failure_summary(failure.message))
-    if stopped["at"] and code not in (ExitCode.TERMINATED_CHECKPOINTED, ExitCode.OK):
-        log.error("Stopped by SIGTERM without a complete checkpoint (worker exit %d)", code)
-        code = EXIT_SIGTERM
-    elif stopped["at"] and code == ExitCode.OK:
-        code = ExitCode.OK  # training reached its last step (and saved) before the stop took effect
+        code = workers_exit_code(e.failures)
+        if code != ExitCode.TERMINATED_CHECKPOINTED:
+            report_detected(e.failures, xid_report(since=state.data["started"]))
+    if stopped["at"]:
+        code = stopped_exit_code(code)
     if tier:
         import shutil
 

@@ -13,6 +13,7 @@ clean stop (SIGTERM to the launcher, exit 75); a second Ctrl-C kills the launche
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -26,6 +27,7 @@ import tomli_w
 
 from kubetitan_core import contract, render
 from kubetitan_core.api import LlamaPretrain
+from kubetitan_core.contract.launcher import LauncherArgs, launcher_args, monitor_interval_seconds
 
 
 def free_port() -> int:
@@ -151,16 +153,27 @@ def spec_env(lpt: LlamaPretrain) -> dict[str, str]:
 
 
 def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port: int) -> Path:
-    cfg = render.trainer_config(lpt, dump_folder=str(out))
+    """The run's ``trainer.toml`` in ``out``: the operator's rendering, with its dump folder ``out``, the metrics
+    endpoint on this machine's loopback at ``metrics_port``, and s3:// shards staged under ``out`` (no staging
+    emptyDir here)."""
+    kt = render.kubetitan_table(lpt)
+    kt = dataclasses.replace(kt, metrics_port=metrics_port, metrics_host="127.0.0.1")
+    if kt.data_s3.stage_dir:
+        kt.data_s3 = dataclasses.replace(kt.data_s3, stage_dir=str(out / "kubetitan" / "data-cache"))
+    cfg = render.trainer_config(lpt, dump_folder=str(out), kubetitan=kt)
     if steps is not None:
         cfg["training"]["steps"] = steps
-    cfg["kubetitan"]["metrics_port"] = metrics_port
-    cfg["kubetitan"]["metrics_host"] = "127.0.0.1"
-    if "data_s3" in cfg["kubetitan"]:  # no staging emptyDir on this machine: s3:// shards go under the output dir
-        cfg["kubetitan"]["data_s3"]["stage_dir"] = str(out / "kubetitan" / "data-cache")
     path = out / contract.CONFIG_KEY
     path.write_text(render.trainer_toml(lpt, str(out)).split("\n", 1)[0] + "\n" + tomli_w.dumps(cfg))
     return path
+
+
+def local_launcher_args(lpt: LlamaPretrain, config: Path, master_port: int) -> LauncherArgs:
+    """The launcher's arguments of a local run: what a pod of the spec gets (``launcher_args``: in-place restarts,
+    the hang watchdog's policy, the save timeout), as the only node, its master on this machine."""
+    args = launcher_args(lpt.spec, config=str(config), node_rank=0, master_addr="127.0.0.1", master_port=master_port,
+                         rdzv_id=f"local-{lpt.metadata.name}", dns_timeout=5)
+    return dataclasses.replace(args, nnodes=1, monitor_interval=monitor_interval_seconds(1))
 
 
 def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | None = None) -> int:
@@ -186,9 +199,7 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
     total = steps or lpt.spec.training.steps
     nproc = processes_per_node(lpt)
     log_path = out / "train.log"
-    cmd = [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
-           f"--nproc-per-node={nproc}", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={master_port}",
-           f"--rdzv-id=local-{name}", "--dns-timeout=5"]
+    cmd = [sys.executable, "-m", "kubetitan_trainer.launch", *local_launcher_args(lpt, config, master_port).to_argv()]
     env = {**os.environ, **spec_env(lpt), contract.ENV_ATTEMPT: os.environ.get(contract.ENV_ATTEMPT, "0"),
            contract.ENV_JOB_NAME: name, contract.ENV_JOB_NAMESPACE: lpt.metadata.namespace or "default",
            contract.ENV_JOB_START_TIME: str(int(time.time()))}

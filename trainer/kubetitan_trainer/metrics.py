@@ -46,6 +46,7 @@ from torchtitan.tools.logging import logger
 
 from kubetitan_core import contract
 from kubetitan_core.catalog import ACCELERATORS, accelerator_for
+from kubetitan_core.contract.failure import FailureReport
 
 from kubetitan_trainer import compat, cpu_bridge
 
@@ -91,14 +92,11 @@ MEDIAN_WINDOW = 50
 """Steps in the rolling median of ``kubetitan_trainer_step_duration_median_seconds``."""
 
 
-def restart_generation() -> tuple[int, dict]:
-    """(worker generation, the failure that began it) from the launcher's environment (contract.ENV_RESTART_*)."""
+def restart_generation() -> tuple[int, FailureReport | None]:
+    """(worker generation, the failure that began it: None in generation 0) from the launcher's environment
+    (contract.ENV_RESTART_*)."""
     gen = int(os.environ.get(contract.ENV_RESTART_GENERATION, "0") or 0)
-    try:
-        failure = json.loads(os.environ.get(contract.ENV_RESTART_FAILURE) or "{}")
-    except ValueError:
-        failure = {}
-    return gen, failure if isinstance(failure, dict) else {}
+    return gen, FailureReport.from_env(os.environ)
 
 
 class NullExporter:
@@ -202,10 +200,11 @@ class Exporter:
                                  "with it (seconds).", registry=r)
         gen, failure = restart_generation()
         self.restart_generation.set(gen)
-        self.restart_exit_code.set(failure.get("exit_code", -1))
-        self.restart_node_rank.set(failure.get("node_rank", -1))
-        self.restart_ts.set(failure.get("time", 0))
-        self.restart_previous_step.set(failure.get("previous_step", -1))
+        # generation 0 (no failure): -1, -1, 0, -1, as the help texts say
+        self.restart_exit_code.set(failure.exit_code if failure else -1)
+        self.restart_node_rank.set(failure.node_rank if failure else -1)
+        self.restart_ts.set(failure.time if failure else 0)
+        self.restart_previous_step.set(failure.previous_step if failure and failure.previous_step is not None else -1)
         self._recent: list[float] = []
         self._first_step_done = False
 

@@ -9,6 +9,7 @@ fresh interpreter), so the operator installs without torch and the trainer image
 - ``catalog``     model flavours, accelerators and instance types the validator, planner and trainer need
 - ``render``      spec -> the trainer's TOML config (torchtitan 0.2.2 keys + ``[kubetitan]``)
 - ``contract``    exit codes, metric names, env names and the checkpoint rule between trainer and operator
+- ``causes``      the restart causes, one table: detectors, in-place/re-create, budgets, docs
 - ``k8sfields``   the pass-through pod fields checked against the Kubernetes 1.32 OpenAPI schema
 - ``strictyaml``  the YAML loader every file a user hands us goes through
 """

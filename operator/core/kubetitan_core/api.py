@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from kubetitan_core import API_VERSION, KIND
+from kubetitan_core.causes import RESIZE_CAUSES, RESTART_CAUSES  # noqa: F401 - RESIZE_CAUSES re-exported
 
 
 class _Base(BaseModel):
@@ -552,23 +553,8 @@ class LlamaPretrainSpec(_Base):
 # -------------------------------------------------------------------------- status
 Phase = Literal["Pending", "Starting", "Running", "Restarting", "Blocked", "Suspended", "Succeeded", "Failed"]
 
-RestartCause = Literal[
-    "ContainerFailed",
-    "OOMKilled",
-    "Evicted",
-    "Preempted",
-    "NodeFailure",
-    "Hang",
-    "StartupTimeout",
-    "NonFiniteLoss",
-    "PodDeleted",
-    "Shrink",
-    "Grow",
-    "Unknown",
-]
-RESIZE_CAUSES: frozenset[str] = frozenset({"Shrink", "Grow"})
-"""Restarts that change the gang's size (``runPolicy.elastic``): they count toward ``elastic.maxResizes``, not
-``maxRestarts``."""
+RestartCause = Literal[RESTART_CAUSES]  # type: ignore[valid-type]
+"""``status.restarts[].cause``: the retried causes of :data:`kubetitan_core.causes.CAUSES`, in its order."""
 
 
 class Condition(_Base):

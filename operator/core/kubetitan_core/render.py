@@ -1,9 +1,9 @@
 """Spec -> the trainer's config file (``trainer.toml``).
 
 The file is a torchtitan 0.2.2 job config (the same TOML you would pass to
-``torchtitan.train --job.config_file``) plus one ``[kubetitan]`` table that the trainer
-declares through torchtitan's ``job.custom_config_module`` extension point
-(``kubetitan_trainer.job_config``). Keys are torchtitan's own; a contract test parses every
+``torchtitan.train --job.config_file``) plus one ``[kubetitan]`` table, typed in
+``kubetitan_core.contract.trainer_toml`` and declared to torchtitan through its ``job.custom_config_module``
+extension point (``kubetitan_trainer.job_config``). Keys are torchtitan's own; a contract test parses every
 rendered example with torchtitan's ``ConfigManager``.
 
 Pure: no I/O, no torch.
@@ -19,36 +19,56 @@ from kubetitan_core import contract
 from kubetitan_core.api import (HuggingFaceDataSpec, LlamaPretrain, LlamaPretrainSpec, MixtureSourceSpec, S3Access,
                                 reads_s3_shards, resolved_dp_shard)
 from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES
+from kubetitan_core.contract.trainer_toml import (Kubetitan, KubetitanCheckpointStorage, KubetitanData,
+                                                  KubetitanDataS3, KubetitanModel, KubetitanTokenizer, to_table)
 
 TRAIN_SPEC_NAME = "kubetitan_llama3"
 """The torchtitan TrainSpec the trainer registers (Llama 3 + kubetitan's data and metrics)."""
 CUSTOM_CONFIG_MODULE = "kubetitan_trainer.job_config"
 
 
-def trainer_config(lpt: LlamaPretrain, dump_folder: str | None = None) -> dict[str, Any]:
+def trainer_config(lpt: LlamaPretrain, dump_folder: str | None = None,
+                   kubetitan: Kubetitan | None = None) -> dict[str, Any]:
     """The trainer config as a dict of TOML tables.
 
     ``dump_folder`` overrides where checkpoints, TensorBoard logs and traces go; it defaults
-    to the checkpoint mount inside the pod (local runs pass a directory of their own).
+    to the checkpoint mount inside the pod (local runs pass a directory of their own). ``kubetitan``: the
+    ``[kubetitan]`` table to write instead of :func:`kubetitan_table`'s (``kubetitan run`` changes its metrics
+    endpoint).
     """
     s: LlamaPretrainSpec = lpt.spec
     meta = lpt.metadata
-    t, p, pr, ck, mon = s.training, s.parallelism, s.precision, s.checkpoint, s.monitoring
-    flavor = "custom" if s.model.flavor == "custom" else FLAVOURS[s.model.flavor][0]
-    f8 = pr.float8
-    dp_shard = resolved_dp_shard(s) or 1
-
-    converters = ["quantize.linear.float8"] if f8.enabled else []
     cfg: dict[str, Any] = {
         "job": {
-            "dump_folder": dump_folder or ck.mount_path,
+            "dump_folder": dump_folder or s.checkpoint.mount_path,
             "description": f"{meta.namespace or 'default'}/{meta.name}",
             "custom_config_module": CUSTOM_CONFIG_MODULE,
         },
+        **_training_tables(s),
+        **_runtime_tables(s),
+    }
+    if s.data.eval is not None:
+        # torchtitan's own validation loop (kubetitan's held-out loader, kubetitan_trainer.evaluation); steps -1:
+        # the whole held-out set, finite and equal on every rank.
+        cfg["validation"] = {"enable": True, "freq": s.data.eval.interval_steps, "steps": -1}
+    if s.training.decay_ratio is not None:
+        cfg["lr_scheduler"]["decay_ratio"] = s.training.decay_ratio
+    if s.training.seed is not None:
+        cfg["debug"] = {"seed": s.training.seed}
+    if s.precision.float8.enabled:
+        cfg["quantize"] = {"linear": {"float8": _float8(s)}}
+    cfg["kubetitan"] = to_table(kubetitan or kubetitan_table(lpt))
+    return cfg
+
+
+def _training_tables(s: LlamaPretrainSpec) -> dict[str, Any]:
+    """torchtitan's ``model``, ``optimizer``, ``lr_scheduler``, ``training`` and ``parallelism`` tables."""
+    t, p, pr = s.training, s.parallelism, s.precision
+    return {
         "model": {
             "name": TRAIN_SPEC_NAME,
-            "flavor": flavor,
-            "converters": converters,
+            "flavor": "custom" if s.model.flavor == "custom" else FLAVOURS[s.model.flavor][0],
+            "converters": ["quantize.linear.float8"] if pr.float8.enabled else [],
         },
         "optimizer": {
             "name": "AdamW",
@@ -77,6 +97,13 @@ def trainer_config(lpt: LlamaPretrain, dump_folder: str | None = None) -> dict[s
             "pipeline_parallel_degree": p.pipeline_parallel_degree,
             "context_parallel_degree": p.context_parallel_degree,
         },
+    }
+
+
+def _runtime_tables(s: LlamaPretrainSpec) -> dict[str, Any]:
+    """torchtitan's ``checkpoint``, ``activation_checkpoint``, ``compile``, ``metrics`` and ``comm`` tables."""
+    pr, ck, mon = s.precision, s.checkpoint, s.monitoring
+    return {
         "checkpoint": {
             "enable": ck.enabled,
             "folder": contract.CHECKPOINT_SUBDIR,
@@ -106,34 +133,24 @@ def trainer_config(lpt: LlamaPretrain, dump_folder: str | None = None) -> dict[s
             "train_timeout_seconds": max(60, s.run_policy.hang_timeout_seconds // 2),
         },
     }
-    if s.data.eval is not None:
-        # torchtitan's own validation loop (kubetitan's held-out loader, kubetitan_trainer.evaluation); steps -1:
-        # the whole held-out set, finite and equal on every rank.
-        cfg["validation"] = {"enable": True, "freq": s.data.eval.interval_steps, "steps": -1}
-    if t.decay_ratio is not None:
-        cfg["lr_scheduler"]["decay_ratio"] = t.decay_ratio
-    if t.seed is not None:
-        cfg["debug"] = {"seed": t.seed}
-    if f8.enabled:
-        float8: dict[str, Any] = {}
-        if f8.recipe != "tensorwise":
-            # torchtitan 0.2.2: any recipe_name selects torchao's recipe path, which rejects FSDP FP8
-            # all-gather; tensorwise with all-gather is the plain (recipe_name unset) path.
-            float8["recipe_name"] = f8.recipe
-        cfg["quantize"] = {
-            "linear": {
-                "float8": {
-                    **float8,
-                    "enable_fsdp_float8_all_gather": f8.fsdp_float8_all_gather and dp_shard > 1,
-                    "precompute_float8_dynamic_scale_for_fsdp": f8.precompute_dynamic_scale
-                    and dp_shard > 1,
-                    "filter_fqns": list(f8.filter_fqns),
-                    "emulate": f8.emulate,
-                }
-            }
-        }
-    cfg["kubetitan"] = _kubetitan_table(lpt)
-    return cfg
+
+
+def _float8(s: LlamaPretrainSpec) -> dict[str, Any]:
+    """``[quantize.linear.float8]``; FSDP FP8 all-gather and precomputed scales only where FSDP shards (dp_shard > 1)."""
+    f8 = s.precision.float8
+    dp_shard = resolved_dp_shard(s) or 1
+    float8: dict[str, Any] = {}
+    if f8.recipe != "tensorwise":
+        # torchtitan 0.2.2: any recipe_name selects torchao's recipe path, which rejects FSDP FP8
+        # all-gather; tensorwise with all-gather is the plain (recipe_name unset) path.
+        float8["recipe_name"] = f8.recipe
+    return {
+        **float8,
+        "enable_fsdp_float8_all_gather": f8.fsdp_float8_all_gather and dp_shard > 1,
+        "precompute_float8_dynamic_scale_for_fsdp": f8.precompute_dynamic_scale and dp_shard > 1,
+        "filter_fqns": list(f8.filter_fqns),
+        "emulate": f8.emulate,
+    }
 
 
 def efa_per_node(s: LlamaPretrainSpec) -> int:
@@ -146,9 +163,9 @@ def efa_per_node(s: LlamaPretrainSpec) -> int:
     return 0
 
 
-def _mixture_keys(mixture: list[MixtureSourceSpec]) -> dict[str, Any]:
+def _mixture(mixture: list[MixtureSourceSpec]) -> dict[str, Any]:
     """A mixture as parallel lists (one entry per source): a shards source's path and dtype, a hub source's dataset
-    in ``mixture_paths`` and its settings in the ``mixture_hf_*`` lists (written only when a hub source is there)."""
+    in ``mixture_paths`` and its settings in the ``mixture_hf_*`` lists (set only when a hub source is there)."""
     hub = [m.huggingface for m in mixture]
     keys: dict[str, Any] = {
         "mixture_paths": [m.shards.path if m.shards else h.dataset for m, h in zip(mixture, hub)],  # type: ignore[union-attr]
@@ -165,73 +182,77 @@ def _mixture_keys(mixture: list[MixtureSourceSpec]) -> dict[str, Any]:
     return keys
 
 
-# long: a flat mapping of spec fields to [kubetitan] keys, one key per line; splitting it would scatter the table
-def _kubetitan_table(lpt: LlamaPretrain) -> dict[str, Any]:
-    """The ``[kubetitan]`` table: what torchtitan's own sections cannot say."""
-    s = lpt.spec
-    d, tok = s.data, s.tokenizer
-    table: dict[str, Any] = {
-        "job_name": lpt.metadata.name,
-        "namespace": lpt.metadata.namespace or "default",
-        "metrics_port": s.monitoring.metrics_port,
-        "gpu_product": s.resources.gpu_product or "",
-        "instance_type": s.resources.instance_type or "",
-        "platform": s.resources.platform,
-        "efa_per_node": efa_per_node(s),
-        "network_fallback": s.resources.network_fallback,
-        "requested_fsdp_float8_all_gather": s.precision.float8.fsdp_float8_all_gather,
-        "requested_precompute_float8_scale": s.precision.float8.precompute_dynamic_scale,
-        "data": {"source": d.source},
-        "tokenizer": {"source": tok.source},
-    }
+def _data(s: LlamaPretrainSpec) -> KubetitanData:
+    """``[kubetitan.data]``: the source and its settings, the read order, the held-out evaluation."""
+    d = s.data
+    keys: dict[str, Any] = {"source": d.source, "order": d.order}
     if d.source == "huggingface":
         hf = d.huggingface or HuggingFaceDataSpec()
-        table["data"].update(
-            {
-                "hf_dataset": hf.dataset,
-                "hf_config": hf.config or "",
-                "hf_split": hf.split,
-                "hf_streaming": hf.streaming,
-                "hf_text_field": hf.text_field,
-            }
-        )
+        keys.update(hf_dataset=hf.dataset, hf_config=hf.config or "", hf_split=hf.split, hf_streaming=hf.streaming,
+                    hf_text_field=hf.text_field)
     if d.source == "shards" and d.shards is not None:
-        table["data"].update({"shards_path": d.shards.path, "shards_dtype": d.shards.dtype})
+        keys.update(shards_path=d.shards.path, shards_dtype=d.shards.dtype)
     if d.source == "mixture" and d.mixture:
-        table["data"].update(_mixture_keys(d.mixture))
-    table["data"]["order"] = d.order
+        keys.update(_mixture(d.mixture))
     if d.eval is not None:
-        table["data"]["eval_samples"] = d.eval.samples
+        keys["eval_samples"] = d.eval.samples
         if d.eval.shards is not None:
-            table["data"]["eval_shards_path"] = d.eval.shards.path
+            keys["eval_shards_path"] = d.eval.shards.path
         else:
-            table["data"]["held_out_percent"] = d.eval.held_out_percent
-    if reads_s3_shards(s):  # shards staged from S3 to the pod's staging emptyDir (kubetitan_trainer.s3shards)
-        ds3 = d.s3 or S3Access()
-        table["data_s3"] = {"region": ds3.region, "endpoint": ds3.endpoint or "",
-                            "force_path_style": ds3.force_path_style, "stage_dir": contract.DATA_STAGE_MOUNT}
-    s3 = s.checkpoint.storage.s3
-    if s.checkpoint.enabled and s3 is not None:
-        # checkpoints in S3 (kubetitan_trainer.storage); job.dump_folder stays the pod's local scratch
-        table["checkpoint_storage"] = {"s3_uri": s3.uri, "region": s3.region, "endpoint": s3.endpoint or "",
-                                       "force_path_style": s3.force_path_style}
-    if tok.path:
-        table["tokenizer"]["path"] = tok.path
-    if tok.repo:
-        table["tokenizer"]["repo"] = tok.repo
-    if s.model.flavor == "custom" and s.model.custom is not None:
-        c = s.model.custom
-        table["model"] = {
-            "dim": c.dim,
-            "n_layers": c.n_layers,
-            "n_heads": c.n_heads,
-            "n_kv_heads": c.n_kv_heads or c.n_heads,
-            "ffn_dim_multiplier": c.ffn_dim_multiplier or 1.0,
-            "multiple_of": c.multiple_of,
-            "rope_theta": c.rope_theta,
-            "vocab_size": c.vocab_size,
-        }
-    return table
+            keys["held_out_percent"] = d.eval.held_out_percent
+    return KubetitanData(**keys)
+
+
+def _model(s: LlamaPretrainSpec) -> KubetitanModel:
+    """``[kubetitan.model]``: the custom flavour's dimensions (the defaults for a named flavour, which ignores them)."""
+    c = s.model.custom
+    if s.model.flavor != "custom" or c is None:
+        return KubetitanModel()
+    return KubetitanModel(dim=c.dim, n_layers=c.n_layers, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads or c.n_heads,
+                          ffn_dim_multiplier=c.ffn_dim_multiplier or 1.0, multiple_of=c.multiple_of,
+                          rope_theta=c.rope_theta, vocab_size=c.vocab_size)
+
+
+def _storage(s: LlamaPretrainSpec) -> tuple[KubetitanCheckpointStorage, KubetitanDataS3]:
+    """``[kubetitan.checkpoint_storage]`` (checkpoints in S3; ``job.dump_folder`` stays the pod's local scratch,
+    kubetitan_trainer.storage) and ``[kubetitan.data_s3]`` (s3:// shards staged to the pod's staging emptyDir,
+    kubetitan_trainer.s3shards); each the defaults when not used."""
+    ck_s3 = s.checkpoint.storage.s3
+    checkpoints = KubetitanCheckpointStorage()
+    if s.checkpoint.enabled and ck_s3 is not None:
+        checkpoints = KubetitanCheckpointStorage(s3_uri=ck_s3.uri, region=ck_s3.region, endpoint=ck_s3.endpoint or "",
+                                                 force_path_style=ck_s3.force_path_style)
+    data = KubetitanDataS3()
+    if reads_s3_shards(s):
+        ds3 = s.data.s3 or S3Access()
+        data = KubetitanDataS3(region=ds3.region, endpoint=ds3.endpoint or "", force_path_style=ds3.force_path_style,
+                               stage_dir=contract.DATA_STAGE_MOUNT)
+    return checkpoints, data
+
+
+def kubetitan_table(lpt: LlamaPretrain) -> Kubetitan:
+    """The ``[kubetitan]`` table of ``lpt``, typed (:mod:`kubetitan_core.contract.trainer_toml`): what torchtitan's
+    own sections cannot say."""
+    s = lpt.spec
+    tok = s.tokenizer
+    checkpoint_storage, data_s3 = _storage(s)
+    return Kubetitan(
+        job_name=lpt.metadata.name,
+        namespace=lpt.metadata.namespace or "default",
+        metrics_port=s.monitoring.metrics_port,
+        gpu_product=s.resources.gpu_product or "",
+        instance_type=s.resources.instance_type or "",
+        platform=s.resources.platform,
+        efa_per_node=efa_per_node(s),
+        network_fallback=s.resources.network_fallback,
+        requested_fsdp_float8_all_gather=s.precision.float8.fsdp_float8_all_gather,
+        requested_precompute_float8_scale=s.precision.float8.precompute_dynamic_scale,
+        data=_data(s),
+        tokenizer=KubetitanTokenizer(source=tok.source, path=tok.path or "", repo=tok.repo or ""),
+        model=_model(s),
+        checkpoint_storage=checkpoint_storage,
+        data_s3=data_s3,
+    )
 
 
 def trainer_toml(lpt: LlamaPretrain, dump_folder: str | None = None) -> str:

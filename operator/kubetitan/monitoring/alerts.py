@@ -12,14 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kubetitan_core import causes
 from kubetitan_core import contract as c
 from kubetitan.monitoring import queries as q
 from kubetitan.monitoring.config import DEFAULT, MonitoringConfig
 
 GROUP_NAME = "kubetitan"
 LPT = "LlamaPretrain {{ $labels.namespace }}/{{ $labels.name }}"
-OWN_ALERT_REASONS = ("StorageFull", "NetworkNotEFA", "UnschedulableTimeout")
-"""Failed reasons with an alert of their own: KubeTitanRunFailed leaves them to it."""
+OWN_ALERT_REASONS = (*(x.id for x in causes.CAUSES if not x.retried and x.alert), "UnschedulableTimeout")
+"""Failed reasons with an alert of their own (the causes table's rows that end a run and name an alert, and
+UnschedulableTimeout): KubeTitanRunFailed leaves them to it."""
 UNSCHEDULABLE_REASONS = ("PodsUnschedulable", "UnschedulableTimeout")
 """Ready's reason while the Unschedulable condition is True (waiting), and Failed's when it failed the run."""
 
@@ -44,12 +46,14 @@ class Alert:
 
 
 def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
+    """Every alert, in the rules file's order."""
+    return [*training_alerts(cfg), *efficiency_alerts(cfg), *run_alerts(cfg), *cause_alerts(cfg),
+            *operator_alerts(cfg)]
+
+
+def training_alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
+    """Alerts on the trainer's progress and loss."""
     t, by = cfg.trainer, cfg.by_job
-    info = q.OP_JOB_PHASE_INFO
-
-    def phase(selector: str) -> str:
-        return f"max by ({by}, phase, reason) ({info}{{{cfg.operator}, {selector}}}) > 0"
-
     return [
         Alert(
             "KubeTitanTrainingStalled",
@@ -88,6 +92,13 @@ def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
             f"{cfg.loss_divergence_factor}x its lowest value over {cfg.loss_long_window}. Check the learning "
             "rate schedule, recent spec changes, a resume from an unexpected checkpoint, and the data mix.",
         ),
+    ]
+
+
+def efficiency_alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
+    """Alerts on what a run loses: restarts, MFU, work since the last checkpoint."""
+    t, by = cfg.trainer, cfg.by_job
+    return [
         Alert(
             "KubeTitanRestartRateHigh",
             # kubetitan_operator_job_restarts is the run's restart count (status.restartCount): a gauge
@@ -100,8 +111,9 @@ def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
             "A training run restarts too often.",
             f"{LPT} was gang-restarted {{{{ $value | humanize }}}} times in the last {cfg.restart_rate_window}. "
             "Check the restart causes in `kubectl get lpt -o yaml` (status.restarts) and the "
-            "kubetitan_operator_restarts_total series by cause: OOMKilled, NodeFailure or Hang each point "
-            "at a different fix.",
+            "kubetitan_operator_restarts_total series by cause: each of "
+            f"{', '.join(x.id for x in causes.CAUSES if x.retried and not x.resize)} points at a different fix (the "
+            "runbook's Restart causes section).",
         ),
         Alert(
             "KubeTitanMFUDropped",
@@ -128,6 +140,21 @@ def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
             "trainer logs for failed saves, the checkpoint storage (capacity, credentials, throughput) and "
             "the checkpoint save time panel.",
         ),
+    ]
+
+
+def _phase(cfg: MonitoringConfig, selector: str) -> str:
+    """A run in a phase/reason (``kubetitan_operator_job_phase_info``)."""
+    return f"max by ({cfg.by_job}, phase, reason) ({q.OP_JOB_PHASE_INFO}{{{cfg.operator}, {selector}}}) > 0"
+
+
+def run_alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
+    """Alerts on a run's phase and reason: failed, unschedulable, and the failures with an alert of their own."""
+
+    def phase(selector: str) -> str:
+        return _phase(cfg, selector)
+
+    return [
         Alert(
             "KubeTitanRunFailed",
             phase(f'phase="Failed", reason!~"{"|".join(OWN_ALERT_REASONS)}"'),
@@ -172,6 +199,35 @@ def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
             "Check the trainer image for libfabric and aws-ofi-nccl, the pods' vpc.amazonaws.com/efa requests, "
             "the EFA device plugin on the nodes and the NCCL lines of the rank 0 log.",
         ),
+    ]
+
+
+def cause_alerts(cfg: MonitoringConfig = DEFAULT, table: tuple[causes.Cause, ...] = causes.CAUSES) -> list[Alert]:
+    """One alert per retried cause whose row names one (``kubetitan_core.causes``: ``GPUXidError``): a restart of
+    the run with that cause within ``cause_alert_window``. A counter series that first appears inside the window
+    has no earlier sample for ``increase`` to start from, so it counts with its value."""
+    by, w = cfg.by_job, cfg.cause_alert_window
+    out = []
+    for row in table:
+        if not (row.retried and row.alert):
+            continue
+        sel = f'{q.OP_RESTARTS}{{{cfg.operator}, cause="{row.id}"}}'
+        out.append(Alert(
+            row.alert,
+            f"sum by ({by}) (({sel} unless {sel} offset {w}) or increase({sel}[{w}])) > 0",
+            cfg.cause_alert_for,
+            row.severity,
+            f"A training run restarted with cause {row.id}.",
+            f"{LPT} restarted {{{{ $value | humanize }}}} time(s) in the last {w} with cause {row.id}: {row.summary} "
+            f"Check `status.restarts` (each record's message and nodeName) and the cause's runbook section; "
+            f"{row.fix}.",
+        ))
+    return out
+
+
+def operator_alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
+    """Alerts on the operator itself."""
+    return [
         Alert(
             "KubeTitanOperatorDown",
             f"absent(up{{{cfg.operator}}} == 1)",

@@ -65,6 +65,10 @@ class MonitoringConfig:
     ``runPolicy.unschedulableTimeoutSeconds``, so the wait is already long) -> KubeTitanRunUnschedulable."""
     storage_full_for: str = "0m"
     network_not_efa_for: str = "0m"
+    cause_alert_window: str = "1h"
+    """A restart with a cause whose row names an alert (``kubetitan_core.causes``: GPUXidError) within this window
+    -> that alert."""
+    cause_alert_for: str = "0m"
 
     # ---- annotations
     runbook_url_base: str = "https://github.com/kubetitan/kubetitan/blob/main/docs/runbook.md"

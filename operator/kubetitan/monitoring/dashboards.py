@@ -150,6 +150,11 @@ def _dashboard(uid: str, title: str, panels: list[Panel], variables: list[dict[s
 
 
 def run_panels(cfg: MonitoringConfig = DEFAULT) -> list[Panel]:
+    """The run dashboard's panels, in their order: progress and loss, throughput, memory, checkpoints and restarts."""
+    return [*_progress_panels(cfg), *_throughput_panels(cfg), *_checkpoint_and_restart_panels(cfg)]
+
+
+def _progress_panels(cfg: MonitoringConfig) -> list[Panel]:
     return [
         Panel("Step", "Newest optimizer step of the run (rank 0 of every pod reports it).",
               [Target(q.step(cfg), "step"), Target(q.total_steps(cfg), "total")], width=6, kind="stat"),
@@ -178,6 +183,11 @@ def run_panels(cfg: MonitoringConfig = DEFAULT) -> list[Panel]:
               "loss).", [Target(q.eval_perplexity(cfg), "perplexity")], width=6, kind="stat"),
         Panel("Gradient norm", "Total gradient norm before clipping (`training.maxNorm`).",
               [Target(q.grad_norm(cfg), "grad norm")]),
+    ]
+
+
+def _throughput_panels(cfg: MonitoringConfig) -> list[Panel]:
+    return [
         Panel("Tokens/s per GPU", "Training throughput per GPU, averaged over pods and per pod "
               "(the reference: Llama 3 8B on H100 with compile + FP8 reaches about 8,950).",
               [Target(q.tokens_per_second_per_gpu(cfg), "average"),
@@ -204,6 +214,11 @@ def run_panels(cfg: MonitoringConfig = DEFAULT) -> list[Panel]:
               "(the caching allocator's pool).",
               [Target(q.memory_max_active(cfg), "active {{pod}}"), Target(q.memory_max_reserved(cfg), "reserved {{pod}}")],
               unit="bytes"),
+    ]
+
+
+def _checkpoint_and_restart_panels(cfg: MonitoringConfig) -> list[Panel]:
+    return [
         Panel("Checkpoint age", "Seconds since the newest complete checkpoint was saved; a restart loses "
               "the steps trained since then.",
               [Target(q.checkpoint_age(cfg), "age"), ], unit="s", width=6),

@@ -1,6 +1,9 @@
 """What the trainer and the operator agree on: exit codes, env, file names, metric names.
 
-Both sides import these constants; neither restates them. Pure, torch-free.
+Both sides import these constants; neither restates them. The typed parts live in submodules:
+:mod:`kubetitan_core.contract.launcher` (the launcher's arguments), :mod:`kubetitan_core.contract.trainer_toml`
+(the ``[kubetitan]`` table of ``trainer.toml``) and :mod:`kubetitan_core.contract.failure` (the in-place restart's
+failure report). Pure, torch-free.
 """
 
 from __future__ import annotations

@@ -1,0 +1,122 @@
+"""kubetitan_core.contract's typed definitions, pure: the launcher's arguments (defaults from the API, argv round
+trip, filled from the spec) and the in-place failure report (JSON round trip, tolerant reading)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from kubetitan_core import render
+from kubetitan_core.api import LlamaPretrain, LlamaPretrainSpec
+from kubetitan_core.contract import ENV_RESTART_FAILURE, ExitCode
+from kubetitan_core.contract.failure import FailureReport
+from kubetitan_core.contract.launcher import LauncherArgs, launcher_args, parser, spec_value
+from kubetitan_core.contract.trainer_toml import Kubetitan, KubetitanData, from_table, to_table
+
+from support.paths import EXAMPLES, load_example
+from support.specs import make_lpt
+
+MIRRORED = {f.name: f.metadata["spec"] for f in dataclasses.fields(LauncherArgs) if f.metadata.get("spec")}
+
+NON_DEFAULT = {  # a valid value other than the API default, per mirrored spec path
+    "run_policy.max_in_place_restarts": ("runPolicy", "maxInPlaceRestarts", 0),
+    "run_policy.hang_timeout_seconds": ("runPolicy", "hangTimeoutSeconds", 123),
+    "run_policy.hang_timeout_policy": ("runPolicy", "hangTimeoutPolicy", "Fixed"),
+    "checkpoint.save_timeout_seconds": ("checkpoint", "saveTimeoutSeconds", 1200),
+}
+
+
+def test_the_run_policy_flags_mirror_their_spec_fields():
+    assert MIRRORED == {"max_restarts": "run_policy.max_in_place_restarts",
+                        "hang_timeout_seconds": "run_policy.hang_timeout_seconds",
+                        "hang_timeout_policy": "run_policy.hang_timeout_policy",
+                        "save_timeout_seconds": "checkpoint.save_timeout_seconds"}
+
+
+@pytest.mark.parametrize("name", sorted(MIRRORED))
+def test_every_mirrored_launcher_default_is_the_api_default(name):
+    """The launcher run by hand behaves as a pod of a default spec: the dataclass default and the parser's default
+    are the API's (the launcher's save timeout was 600 s where the API's is 300 s; its in-place restarts 0 where
+    the API's maxInPlaceRestarts is 3)."""
+    want = spec_value(LlamaPretrainSpec(), MIRRORED[name])
+    assert getattr(LauncherArgs(config="c"), name) == want
+    assert getattr(LauncherArgs.from_argv(["--config=c"]), name) == want
+
+
+def test_the_parser_is_the_dataclass():
+    """One flag per field, no other; the parser's defaults are the dataclass's; --config is required."""
+    flags = {a.dest for a in parser()._actions if a.dest != "help"}
+    assert flags == {f.name for f in dataclasses.fields(LauncherArgs)}
+    assert LauncherArgs.from_argv(["--config=c"]) == LauncherArgs(config="c")
+    with pytest.raises(SystemExit):
+        LauncherArgs.from_argv([])
+    with pytest.raises(SystemExit):
+        LauncherArgs.from_argv(["--config=c", "--hang-timeout-policy=Sometimes"])
+
+
+@pytest.mark.parametrize("path", sorted(NON_DEFAULT))
+def test_launcher_args_take_each_mirrored_field_from_the_spec(path):
+    section, key, value = NON_DEFAULT[path]
+    spec = LlamaPretrain.model_validate(make_lpt({section: {key: value}})).spec
+    a = launcher_args(spec, config="/c", node_rank=0, master_addr="m", rdzv_id="r")
+    name = next(n for n, p in MIRRORED.items() if p == path)
+    assert getattr(a, name) == value != getattr(LauncherArgs(config="c"), name)
+    assert LauncherArgs.from_argv(a.to_argv()) == a
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_the_rendered_kubetitan_table_reads_back_as_the_typed_one(example):
+    """render writes the typed [kubetitan] table; read as torchtitan reads it, it is the same object, and it says
+    what the run is (identity, platform, each table's source) whatever the values."""
+    obj = LlamaPretrain.model_validate(load_example(example))
+    typed = render.kubetitan_table(obj)
+    table = render.trainer_config(obj)["kubetitan"]
+    assert from_table(Kubetitan, table) == typed
+    assert {"job_name", "namespace", "metrics_port", "platform", "efa_per_node", "network_fallback"} <= set(table)
+    assert table["data"]["source"] == obj.spec.data.source and table["tokenizer"]["source"] == obj.spec.tokenizer.source
+
+
+def test_the_kubetitan_table_leaves_out_defaults_and_refuses_unknown_keys():
+    assert set(to_table(Kubetitan())) == {  # the always-written keys; metrics_host and the unused tables are not
+        "job_name", "namespace", "metrics_port", "gpu_product", "instance_type", "platform", "efa_per_node",
+        "network_fallback", "requested_fsdp_float8_all_gather", "requested_precompute_float8_scale", "data", "tokenizer"}
+    assert to_table(KubetitanData(source="shards", shards_path="/d")) == \
+        {"source": "shards", "order": "shuffled", "shards_path": "/d"}
+    with pytest.raises(ValueError, match="hf_datset"):
+        from_table(Kubetitan, {"data": {"hf_datset": "c4"}})
+
+
+def test_launcher_args_wait_out_the_scheduling_wait_and_round_trip():
+    spec = LlamaPretrain.model_validate(make_lpt({
+        "resources": {"nodes": 8, "gpusPerNode": 8},
+        "runPolicy": {"unschedulableTimeoutSeconds": 600, "startupTimeoutSeconds": 900}})).spec
+    a = launcher_args(spec, config="/c", node_rank=3, master_addr="run-a1-0.run.ml.svc", rdzv_id="ml-run-a1")
+    assert (a.nnodes, a.nproc_per_node, a.node_rank, a.dns_timeout, a.rdzv_timeout, a.monitor_interval) == \
+        (8, 8, 3, 1500.0, 1500, 0.4)
+    assert LauncherArgs.from_argv(a.to_argv()) == a
+    local = launcher_args(spec, config="/c", node_rank=0, master_addr="127.0.0.1", rdzv_id="l", dns_timeout=5)
+    assert (local.dns_timeout, local.rdzv_timeout) == (5.0, 1500)
+
+
+REPORT = FailureReport(exit_code=137, node_rank=1, time=1700000000.5, local_rank=0)
+
+
+@pytest.mark.parametrize("report", [
+    REPORT,
+    FailureReport(exit_code=int(ExitCode.HANG), node_rank=-1, time=1.0, local_rank=2, stopped=False,
+                  message="step 7 stood still for 40 s (limit 30 s)", seen_by=0, previous_step=7),
+], ids=["crash", "hang"])
+def test_failure_report_round_trips_through_json(report):
+    assert FailureReport.from_json(report.to_json()) == report
+    assert FailureReport.from_env({ENV_RESTART_FAILURE: report.to_json()}) == report
+
+
+def test_failure_report_reads_nothing_from_no_report_and_ignores_unknown_keys():
+    assert FailureReport.from_env({}) is None  # generation 0
+    for bad in ("", "not json", "[1, 2]", json.dumps({"node_rank": 1})):
+        assert FailureReport.from_json(bad) is None, bad
+    newer = json.dumps({**json.loads(REPORT.to_json()), "xid": 79})  # a newer launcher's extra key
+    assert FailureReport.from_json(newer) == REPORT
+    assert "seen_by" not in json.loads(REPORT.to_json())  # unset optional fields are left out
