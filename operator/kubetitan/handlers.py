@@ -568,8 +568,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], index: Any, from_daemon: 
                                       attempt_steps=steps_then if isinstance(steps_then, int) else None,
                                       attempt_nodes=nodes_then if isinstance(nodes_then, int) else None,
                                       hang_floor_seconds=ctx.options.hang_floor_seconds,
-                                      capacity=elastic.run_capacity(lpt, attempt, nodes_to_avoid(old.restarts),
-                                                                    _all_nodes(nodes_index), now),
+                                      capacity=_capacity(lpt, attempt, old, nodes_index, now),
                                       resize_min_interval_seconds=ctx.options.resize_min_interval_seconds)
             d = decide(spec, old, obs)
             if d.stale_status:
@@ -721,9 +720,13 @@ def _shown_children(uid: str, name: str, indexes: tuple[Any, Any] | None) -> set
             if child in index.get(uid, ())}
 
 
-def _all_nodes(index: Any) -> list[Any]:
-    """Every node the ``lpt_nodes`` index holds (elastic capacity)."""
-    return [v for key in index for v in index[key] if v is not None] if index is not None else []
+def _capacity(lpt: Any, attempt: int, status: LlamaPretrainStatus, index: Any, now: float) -> Any:
+    """The node capacity of an elastic run (``kubetitan.elastic``) from every node the ``lpt_nodes`` index holds; None
+    for a run that is not elastic (no walk over the nodes then)."""
+    if lpt.spec.run_policy.elastic is None or index is None:
+        return None
+    nodes = [v for key in index for v in index[key] if v is not None]
+    return elastic.run_capacity(lpt, attempt, nodes_to_avoid(status.restarts), nodes, now)
 
 
 def _node(index: Any, name: str) -> Any:
