@@ -21,10 +21,8 @@ KNOWN_CYCLES: set[tuple[str, ...]] = {
 
 KNOWN_LONG_FUNCTIONS: set[str] = {
     "kubetitan_trainer.launch.run_in_place",
-    "kubetitan.handlers.cycle",
     "kubetitan.plan.pod",
     "kubetitan.status.next_status",
-    "kubetitan.handlers._create_attempt",
     "kubetitan_core.render.trainer_config",
     "kubetitan.monitoring.alerts.alerts",
     "kubetitan.apidoc.render",
