@@ -22,13 +22,11 @@ KNOWN_CYCLES: set[tuple[str, ...]] = {
 KNOWN_LONG_FUNCTIONS: set[str] = {
     "kubetitan_trainer.launch.run_in_place",
     "kubetitan.plan.pod",
-    "kubetitan.status.next_status",
     "kubetitan_core.render.trainer_config",
     "kubetitan.monitoring.alerts.alerts",
     "kubetitan.apidoc.render",
     "kubetitan_trainer.launch.main",
     "kubetitan_trainer.metrics.Exporter.__init__",
-    "kubetitan.status.track",
     "kubetitan_trainer.trainer.KubetitanTrainer._wrap_checkpoint_save",
     "kubetitan.monitoring.dashboards.run_panels",
     "kubetitan_trainer.local.run_local",

@@ -1,4 +1,4 @@
-"""Observe: one read of a run into a :class:`~kubetitan.reconcile.snapshot.Snapshot`.
+"""Observe: one read of a run into a ``Snapshot`` (``kubetitan.reconcile.snapshot``).
 
 The object and its status, the spec's parse (and the admin policy's check), the run's pods and their nodes from the
 watches' indexes, its ConfigMap/Service from theirs, rank 0's /metrics (paced by ``--scrape-interval``; a failed
