@@ -172,6 +172,7 @@ def exit_codes() -> list[tuple[int, str, str]]:
     return sorted(out)
 
 
+# long: the page's sections in reading order, each a few lines over a table generated elsewhere
 def render(rules: list[Any] | None = None) -> str:
     """The whole of ``docs/api.md``."""
     if rules is None:

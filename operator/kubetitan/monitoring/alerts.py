@@ -43,6 +43,7 @@ class Alert:
         }
 
 
+# long: one list literal, one Alert row per alert in the mixin's shape; split, the table would be scattered
 def alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
     t, by = cfg.trainer, cfg.by_job
     info = q.OP_JOB_PHASE_INFO

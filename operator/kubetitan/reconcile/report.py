@@ -23,6 +23,7 @@ from kubetitan import status as status_mod
 from kubetitan_core import warning_rules
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan.decide import Action, ChildError, Decision, parse_time
+from kubetitan.reconcile.apply import Created
 from kubetitan.reconcile.context import Context
 from kubetitan.reconcile.memory import RunMemory
 from kubetitan.reconcile.snapshot import Snapshot
@@ -112,8 +113,8 @@ async def pending_events(ctx: Context, memory: RunMemory, snap: Snapshot) -> Non
 
 
 async def create_round(ctx: Context, snap: Snapshot, memory: RunMemory, status: LlamaPretrainStatus,
-                       outcome: Any) -> None:
-    """What a create round (``apply.Created``) tells: a refusal (one aggregated ``FailedCreate`` Warning), children
+                       outcome: Created) -> None:
+    """What a create round tells: a refusal (one aggregated ``FailedCreate`` Warning), children
     created again while the attempt runs (``RecreatedChildren``), or a new attempt (the recovery-time metric)."""
     attempt, ns, name = outcome.attempt, snap.namespace, snap.name
     if outcome.errors:
