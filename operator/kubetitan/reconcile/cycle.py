@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ from kubetitan import status as status_mod
 from kubetitan.decide import Action, decide
 from kubetitan.reconcile import apply, report
 from kubetitan.reconcile.context import Context
-from kubetitan.reconcile.observe import log, observe, reread
+from kubetitan.reconcile.observe import observe, reread
 from kubetitan.reconcile.snapshot import decision_inputs
+
+log = logging.getLogger("kubetitan.operator")
 
 
 @dataclass(frozen=True)

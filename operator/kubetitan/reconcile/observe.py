@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,8 +22,6 @@ from kubetitan.observe import pod_obs, spec_changes
 from kubetitan.reconcile.context import ANNOTATION_APPLIED_SPEC, Context
 from kubetitan.reconcile.memory import RunMemory
 from kubetitan.reconcile.snapshot import Scrape, Snapshot, child_names, children_of, nodes_of, pods_of
-
-log = logging.getLogger("kubetitan.operator")
 
 
 def read_run(memory: RunMemory, body: Mapping[str, Any], now: float, pol: policy.Policy | None) -> Snapshot:

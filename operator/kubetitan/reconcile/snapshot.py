@@ -37,7 +37,10 @@ class Scrape:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A run as one cycle read it. The observed parts stay empty for a run whose spec is refused (``invalid``)."""
+    """A run as one cycle read it. The observed parts stay empty for a run whose spec is refused (``invalid``).
+
+    Frozen; the mappings and the status model in it are shared with the caches they came from and are read only
+    (``status.next_status`` works on a deep copy)."""
 
     body: Mapping[str, Any]
     """The object as watched (kopf's read-only view): Events point at it; its spec re-renders an attempt."""
