@@ -20,11 +20,7 @@ KNOWN_CYCLES: set[tuple[str, ...]] = {
 """Import cycles (sorted modules of one strongly connected component) that existed when this check came in."""
 
 KNOWN_LONG_FUNCTIONS: set[str] = {
-    "kubetitan.handlers.cycle",
-    "kubetitan.status.next_status",
-    "kubetitan.handlers._create_attempt",
     "kubetitan_trainer.metrics.Exporter.__init__",
-    "kubetitan.status.track",
     "kubetitan_trainer.trainer.KubetitanTrainer._wrap_checkpoint_save",
     "kubetitan_trainer.local.run_local",
 }

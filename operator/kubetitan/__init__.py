@@ -11,7 +11,9 @@ never imports this one. Layout (pure core, thin edge):
 - ``conditions``  condition types and reasons
 - ``policy``      the cluster admin's policy (allowed hostPaths, images, service accounts, ...)
 - ``apidoc``      docs/api.md generated from ``kubetitan_core``
-- ``handlers``    thin kopf handlers; ``kube`` the client edge; ``observe`` scraping
+- ``reconcile``   one cycle of a run: observe (a frozen snapshot) -> decide -> report -> apply, with expectations
+- ``handlers``    the kopf registration (indexes, wake-ups, daemons); ``runner`` its flags and main loop
+- ``kube``        the client edge; ``observe`` parsing of pods/nodes and the bounded scrape
 - ``cli``         the ``kubetitan`` command (``run``/``prepare-data`` hand over to the trainer's own process)
 """
 

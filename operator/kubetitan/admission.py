@@ -232,7 +232,7 @@ def _started(old: Mapping[str, Any]) -> bool:
 
 
 def _immutable_errors(obj: Mapping[str, Any], old: Mapping[str, Any]) -> list[str]:
-    """The operator's refusal of a started run's checkpoint-breaking change (handlers.cycle), at admission."""
+    """The operator's refusal of a started run's checkpoint-breaking change (reconcile.cycle), at admission."""
     before, after = _wire_spec(old), _wire_spec(obj)
     if before is None or after is None or not _started(old):
         return []

@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-FORWARDED = {"operator": ("kubetitan.handlers", "main")}
+FORWARDED = {"operator": ("kubetitan.runner", "main")}
 TRAINER_COMMANDS = {"prepare-data": "kubetitan_trainer.prepare"}
 
 

@@ -1,6 +1,6 @@
 """The one place that builds a LlamaPretrain's status (pure: no kopf, no client, no clock).
 
-The handlers call, per cycle:
+The reconcile cycle (``kubetitan.reconcile``) calls, per cycle:
 
 1. :func:`track` — fold this cycle's scrape of rank 0 and the pods/nodes seen into the persisted
    ``status.observation`` (last known progress, metrics reachability, ranks seen, nodes missing since);
@@ -28,8 +28,9 @@ from kubetitan_core.api import (
     StatusEvent, TrainingStatus, elastic_sizes,
 )
 from kubetitan.decide import (
-    Capacity, AUTO_HANG_FLOOR_SECONDS, DEFAULT_RESIZE_MIN_INTERVAL_SECONDS, MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso,
-    iso_ms, parse_time, replace, restart_event, restart_record,
+    AUTO_HANG_FLOOR_SECONDS, DEFAULT_RESIZE_MIN_INTERVAL_SECONDS, MAX_RESTART_RECORDS, Action, Capacity, ChildError,
+    Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso, iso_ms, parse_time, replace, restart_event,
+    restart_record,
 )
 
 MAX_PENDING_EVENTS = 20
@@ -76,6 +77,13 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
         o.metrics_error_reason = None
         return o
     o.metrics_ok_time, o.metrics_error, o.metrics_error_reason = iso_ms(now), None, None
+    _track_generation(o, metrics, now)
+    _track_progress(o, metrics, now)
+    return o
+
+
+def _track_generation(o: AttemptObservation, metrics: Mapping[str, float], now: float) -> None:
+    """The launchers' worker generation: a new one (restarted in place) starts the progress over."""
     gen = _int(metrics, contract.M_RESTART_GENERATION)
     if gen is not None and gen > (o.generation or 0):
         # The launchers restarted every rank's workers in place: steps may go back (to the checkpoint) and the
@@ -90,6 +98,10 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
         o.restart_node_rank = rank if rank is not None and rank >= 0 else None
     if gen is not None and (o.generation is None or gen > o.generation):
         o.generation = gen
+
+
+def _track_progress(o: AttemptObservation, metrics: Mapping[str, float], now: float) -> None:
+    """Step, checkpoint, resumed-from step and the progress times; only positive evidence moves the times."""
     median = _num(metrics, contract.M_STEP_DURATION_MEDIAN)
     if median is not None and median > 0:
         o.step_seconds_median = median
@@ -102,7 +114,7 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
     if o.start_step is None and resumed is not None and resumed >= 0:
         o.start_step = resumed  # what the workers loaded, even when the first scrape comes steps later
     if step is None or step <= 0:
-        return o
+        return
     # A trainer without the resumed-from gauge: after loading a checkpoint it publishes the step it resumed
     # from, with its heartbeat still 0 until it completes a step of its own; that step is where it starts.
     loaded_only = beat is not None and beat <= 0
@@ -122,7 +134,6 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
         last = beat
     o.last_progress_time = iso_ms(last) if last is not None else None
     o.step = step if o.step is None else max(o.step, step)
-    return o
 
 
 def progress(o: AttemptObservation | None) -> Progress:
@@ -146,7 +157,8 @@ def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[
              training: TrainingStatus | None = None, child_errors: tuple[ChildError, ...] = (),
              missing_children: tuple[str, ...] = (), attempt_steps: int | None = None,
              attempt_nodes: int | None = None, hang_floor_seconds: float = AUTO_HANG_FLOOR_SECONDS,
-             capacity: Capacity | None = None, resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS) -> Observed:
+             capacity: Capacity | None = None,
+             resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS) -> Observed:
     """The decision's inputs; a missing node is timed from when it was first seen missing."""
     timed = {n: (replace(v, not_ready_since=parse_time(o.nodes_missing_since.get(n))) if not v.exists else v)
              for n, v in nodes.items()}
@@ -246,19 +258,43 @@ def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
 
 
 # ------------------------------------------------------------------ 4. next status
-def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decision,  # noqa: C901
+def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decision,
                 obs: Observed) -> LlamaPretrainStatus:
-    """The status after ``d``: conditions, attempt, restart history, training numbers, observation."""
+    """The status after ``d``: conditions, attempt, restart history, training numbers, observation.
+
+    In order: the observation carried in (:func:`_carry_observation`), the last restart's record settled
+    (:func:`_settle_restarts`), the attempt moved on (:func:`_advance_attempt`), then the conditions, the derived
+    phase and the Events of the conditions' transitions (``pendingEvents``)."""
     s = status.model_copy(deep=True)
     now = iso(obs.now)
-    gen = obs.generation
-    conds = s.conditions
-    s.observed_generation = gen
+    s.observed_generation = obs.generation
     attempt = s.attempt if s.attempt is not None else 0
+    _carry_observation(spec, s, d, obs, now)
+    _settle_restarts(s, status, d, obs, attempt)
+    _advance_attempt(spec, s, status, d, obs, attempt, now)
+    conds = s.conditions
+    before = {c.type: c.model_copy() for c in conds}
 
     def cond(type_: str, st: str, reason: str, msg: str) -> None:
-        C.set_condition(conds, type_, st, reason, msg, now, gen)
+        C.set_condition(conds, type_, st, reason, msg, now, obs.generation)
 
+    _outcome_conditions(spec, d, obs, cond)
+    if d.action not in (Action.FAIL, Action.SUCCEED, Action.FINISHED):
+        _progress_conditions(spec, s, d, obs, attempt, cond)
+    elif d.action == Action.FAIL or d.action == Action.SUCCEED:
+        cond(C.RESTARTING, "False", C.NOT_RESTARTING, "the run is finished")
+        cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "the run is finished")
+    _ready_condition(d, attempt, cond)
+    s.phase = C.derive_phase(conds)
+    if d.action != Action.FINISHED:
+        s.message = d.message
+    conds.sort(key=lambda c: C.ALL_TYPES.index(c.type) if c.type in C.ALL_TYPES else len(C.ALL_TYPES))
+    s.pending_events = [*s.pending_events, *status_events(before, conds, d, attempt, obs, now)][-MAX_PENDING_EVENTS:]
+    return s
+
+
+def _carry_observation(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Decision, obs: Observed, now: str) -> None:
+    """The training numbers and the observation of this cycle; the start time and attempt 0 of a first create."""
     if obs.training is not None:
         s.training = obs.training
     if s.training is None:
@@ -268,8 +304,6 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
         s.observation = obs.observation.model_copy(deep=True)
     if s.observation is not None and (d.grow_plan is not None or d.cancel_grow):
         s.observation.grow_to, s.observation.grow_after_step = d.grow_plan or (None, None)
-    size = s.nodes if s.nodes is not None else (obs.attempt_nodes or spec.resources.nodes)  # the current attempt's
-
     if d.action == Action.CREATE and s.start_time is None:
         s.start_time = now
     if d.action == Action.CREATE and d.nodes is not None:
@@ -277,6 +311,11 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
     if s.attempt is None and d.action in (Action.CREATE, Action.WAIT, Action.KEEP):
         s.attempt = 0
 
+
+def _settle_restarts(s: LlamaPretrainStatus, status: LlamaPretrainStatus, d: Decision, obs: Observed,
+                     attempt: int) -> None:
+    """The last restart's downtime, resumed step and start-up anatomy, once the workers after it trained a step;
+    an in-place restart's record."""
     # The downtime of the last restart ends with the next attempt's first step. By then the step that attempt
     # really resumed from is known too: the record's guess (the newest checkpoint scraped before the failure)
     # misses a save that completed between the last scrape and the failure, and then overstates lostSteps.
@@ -311,12 +350,17 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
             or (last.mode != "InPlace" and last.attempt < attempt and not started.generation)):
         last.startup = started.model_copy()
 
+
+def _advance_attempt(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, status: LlamaPretrainStatus, d: Decision,
+                     obs: Observed, attempt: int, now: str) -> None:
+    """A restart's record and the next attempt; the end of the run; the progress column."""
+    assert s.training is not None
     if d.action == Action.RESTART:
         rec = restart_record(status, d, obs)
         if d.cause in RESIZE_CAUSES:  # its own budget (runPolicy.elastic.maxResizes), not maxRestarts
-            rec.from_nodes, rec.to_nodes = size, d.nodes
+            rec.from_nodes = s.nodes if s.nodes is not None else (obs.attempt_nodes or spec.resources.nodes)
+            rec.to_nodes = s.nodes = d.nodes
             s.resize_count += 1
-            s.nodes = d.nodes
         else:
             s.restart_count += 1
         s.restarts = [*s.restarts, rec][-MAX_RESTART_RECORDS:]
@@ -335,9 +379,10 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
         s.training.step = trained if s.training.step is None else s.training.step
     step = s.training.step  # after the lines above: a run that succeeded unscraped shows the step it reached
     s.training.progress = f"{step if step is not None else 0}/{spec.training.steps}"
-    before = {c.type: c.model_copy() for c in conds}
 
-    # ---- conditions
+
+def _outcome_conditions(spec: LlamaPretrainSpec, d: Decision, obs: Observed, cond: Any) -> None:
+    """SpecAccepted, CheckpointsDurable, Succeeded and Failed."""
     if obs.spec_block:
         cond(C.SPEC_ACCEPTED, "False", obs.spec_block_reason, obs.spec_block)
     elif obs.spec_deferred:
@@ -345,47 +390,49 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
     else:
         cond(C.SPEC_ACCEPTED, "True", C.SPEC_APPLIED, "the spec is valid and applied")
     cond(C.CHECKPOINTS_DURABLE, *C.checkpoints_durable(spec))
-
-    terminal = d.action in (Action.FAIL, Action.SUCCEED, Action.FINISHED)
     if d.action == Action.SUCCEED:
         cond(C.SUCCEEDED, "True", d.reason, d.message)
         cond(C.FAILED, "False", C.NOT_FINISHED, "the run succeeded")
     elif d.action == Action.FAIL:
         cond(C.FAILED, "True", d.reason, d.message)
         cond(C.SUCCEEDED, "False", d.reason, "the run failed")
-    elif not terminal:
+    elif d.action != Action.FINISHED:
         cond(C.SUCCEEDED, "False", C.NOT_FINISHED, "training has not reached spec.training.steps yet")
         cond(C.FAILED, "False", C.NOT_FINISHED, "the run has not failed")
 
-    if not terminal:
-        if d.action == Action.SUSPEND:
-            cond(C.SUSPENDED, "True", d.reason, d.message)
-        else:
-            cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "runPolicy.suspend is false")
-        trains = d.ready or d.reason == C.PROGRESS_UNKNOWN  # a step of this attempt was seen: the restart is over
-        restarting = d.action == Action.RESTART or d.reason == C.RESTART_BLOCKED or (
-            (d.action == Action.RESTARTED_IN_PLACE or C.is_true(conds, C.RESTARTING)) and not trains
-            and d.action != Action.SUSPEND)
-        if restarting:
-            last = s.restarts[-1] if s.restarts else None
-            msg = d.message if d.action in (Action.RESTART, Action.WAIT, Action.RESTARTED_IN_PLACE) or last is None \
-                else (f"worker generation {last.generation} of attempt {attempt} restarted in place ({last.cause}: "
-                      f"{last.message})" if last.mode == "InPlace" else
-                      f"attempt {attempt} replaces attempt {last.attempt} ({last.cause}: {last.message})")
-            cond(C.RESTARTING, "True", d.reason if d.action != Action.KEEP else C.RESTARTED, msg)
-        else:
-            cond(C.RESTARTING, "False", C.NOT_RESTARTING, "no restart in progress")
-        if d.unschedulable:
-            cond(C.UNSCHEDULABLE, "True", d.reason, d.message)
-        else:
-            cond(C.UNSCHEDULABLE, "False", C.PODS_SCHEDULED, "no pod waits longer than unschedulableTimeoutSeconds")
-        _children_condition(spec, s, d, obs, cond)
-        _metrics_condition(s, obs.progress, s.attempt != attempt, cond)
-        _full_size_condition(spec, s, cond)
-    elif d.action == Action.FAIL or d.action == Action.SUCCEED:
-        cond(C.RESTARTING, "False", C.NOT_RESTARTING, "the run is finished")
-        cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "the run is finished")
 
+def _progress_conditions(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Decision, obs: Observed, attempt: int,
+                         cond: Any) -> None:
+    """Suspended, Restarting, Unschedulable, ChildrenCreated and MetricsAvailable of a run that is not finished."""
+    conds = s.conditions
+    if d.action == Action.SUSPEND:
+        cond(C.SUSPENDED, "True", d.reason, d.message)
+    else:
+        cond(C.SUSPENDED, "False", C.NOT_SUSPENDED, "runPolicy.suspend is false")
+    trains = d.ready or d.reason == C.PROGRESS_UNKNOWN  # a step of this attempt was seen: the restart is over
+    restarting = d.action == Action.RESTART or d.reason == C.RESTART_BLOCKED or (
+        (d.action == Action.RESTARTED_IN_PLACE or C.is_true(conds, C.RESTARTING)) and not trains
+        and d.action != Action.SUSPEND)
+    if restarting:
+        last = s.restarts[-1] if s.restarts else None
+        msg = d.message if d.action in (Action.RESTART, Action.WAIT, Action.RESTARTED_IN_PLACE) or last is None \
+            else (f"worker generation {last.generation} of attempt {attempt} restarted in place ({last.cause}: "
+                  f"{last.message})" if last.mode == "InPlace" else
+                  f"attempt {attempt} replaces attempt {last.attempt} ({last.cause}: {last.message})")
+        cond(C.RESTARTING, "True", d.reason if d.action != Action.KEEP else C.RESTARTED, msg)
+    else:
+        cond(C.RESTARTING, "False", C.NOT_RESTARTING, "no restart in progress")
+    if d.unschedulable:
+        cond(C.UNSCHEDULABLE, "True", d.reason, d.message)
+    else:
+        cond(C.UNSCHEDULABLE, "False", C.PODS_SCHEDULED, "no pod waits longer than unschedulableTimeoutSeconds")
+    _children_condition(spec, s, d, obs, cond)
+    _metrics_condition(s, obs.progress, s.attempt != attempt, cond)
+    _full_size_condition(spec, s, cond)
+
+
+def _ready_condition(d: Decision, attempt: int, cond: Any) -> None:
+    """Ready, the summary condition (a finished run's stays as it is)."""
     if d.action == Action.FINISHED:
         pass  # terminal conditions stay as they are
     elif d.ready:
@@ -396,13 +443,6 @@ def next_status(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, d: Decisio
         cond(C.READY, "False", d.reason, f"attempt {attempt} ended ({d.cause}); attempt {attempt + 1} follows")
     else:
         cond(C.READY, "False", d.reason or C.WAITING_FOR_PODS, d.message)
-
-    s.phase = C.derive_phase(conds)
-    if d.action != Action.FINISHED:
-        s.message = d.message
-    conds.sort(key=lambda c: C.ALL_TYPES.index(c.type) if c.type in C.ALL_TYPES else len(C.ALL_TYPES))
-    s.pending_events = [*s.pending_events, *status_events(before, conds, d, attempt, obs, now)][-MAX_PENDING_EVENTS:]
-    return s
 
 
 def status_events(before: Mapping[str, Condition], conds: list[Condition], d: Decision, attempt: int,

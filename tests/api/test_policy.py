@@ -309,13 +309,13 @@ def test_malformed_flags_say_which_flag(flag, message):
 
 
 def test_operator_flags_are_the_policy_flags():
-    from kubetitan import handlers
+    from kubetitan import runner
 
-    a = handlers.build_parser().parse_args(["-A", "--policy-host-path-prefixes=/var/lib/kubetitan",
+    a = runner.build_parser().parse_args(["-A", "--policy-host-path-prefixes=/var/lib/kubetitan",
                                             "--policy-image-prefixes=r/,s/"])
-    opts = handlers.options_from_args(a)
+    opts = runner.options_from_args(a)
     assert opts.policy == Policy(host_path_prefixes=("/var/lib/kubetitan",), image_prefixes=("r/", "s/"))
-    assert handlers.options_from_args(handlers.build_parser().parse_args(["-A"])).policy == Policy()
+    assert runner.options_from_args(runner.build_parser().parse_args(["-A"])).policy == Policy()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

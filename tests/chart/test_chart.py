@@ -382,7 +382,7 @@ def test_notes_tell_what_to_run_next(tmp_path, sets, expect):
 def test_the_operator_accepts_the_rendered_command_line(sets, want):
     """The container's command runs through /bin/sh as rendered, and the operator's own argument
     parser accepts the result; peered replicas get distinct priorities from their pod names."""
-    from kubetitan import handlers
+    from kubetitan import runner
 
     (c,) = by_kind(render([], sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
     argvs = []
@@ -396,12 +396,12 @@ def test_the_operator_accepts_the_rendered_command_line(sets, want):
         else:
             assert c["command"] == ["kubetitan", "operator"]
             argvs.append(c["args"])
-    parsed = [handlers.build_parser().parse_args(a) for a in argvs]
+    parsed = [runner.build_parser().parse_args(a) for a in argvs]
     p = parsed[0]
     assert {"all_namespaces": p.all_namespaces, "namespaces": p.namespace, "peering": p.peering,
             "leader_elect": p.leader_elect} == want
     if p.leader_elect:  # the rendered Lease settings pass the operator's own check (client-go's rules)
-        assert handlers.lease_from_args(p).problems() == []
+        assert runner.lease_from_args(p).problems() == []
     assert p.metrics_port == 8080 and p.liveness == "http://0.0.0.0:8081/healthz" and p.log_format == "json"
     assert (p.scrape_max_bytes, p.scrape_timeout, p.scrape_concurrency) == (4194304, 3.0, 8)  # values.yaml's
     if want["peering"]:
@@ -412,11 +412,11 @@ def test_the_operator_accepts_the_rendered_command_line(sets, want):
 
 def test_the_scrape_bounds_reach_the_operator_and_nonsense_is_refused():
     """operator.scrape.* become --scrape-* flags the operator parses; a bound of 0 fails `helm template` (schema)."""
-    from kubetitan import handlers
+    from kubetitan import runner
 
     sets = ["operator.scrape.maxBytes=1048576", "operator.scrape.timeoutSeconds=2", "operator.scrape.concurrency=2"]
     (c,) = by_kind(render([], sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
-    opts = handlers.options_from_args(handlers.build_parser().parse_args(c["args"]))
+    opts = runner.options_from_args(runner.build_parser().parse_args(c["args"]))
     assert (opts.scrape_max_bytes, opts.scrape_timeout, opts.scrape_concurrency) == (1048576, 2.0, 2)
     with pytest.raises(AssertionError, match=r"(?s)failed:.*operator.scrape.maxBytes"):
         render([], ["operator.scrape.maxBytes=0"])

@@ -6,14 +6,14 @@ import pytest
 import yaml
 
 from chartlib import CHART, by_kind, helm, render, values_args
-from kubetitan import handlers
+from kubetitan import runner
 from kubetitan import policy
 from kubetitan.policy import ANY, KNOBS, Policy, node_labels
 
 
 def _operator_policy(files=(), sets=()) -> Policy:
     (c,) = by_kind(render(list(files), list(sets)), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
-    return handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).policy
+    return runner.options_from_args(runner.build_parser().parse_args(c["args"])).policy
 
 
 def _args() -> list[str]:
@@ -38,7 +38,7 @@ def test_the_chart_defaults_refuse_what_was_open(spec, rule):
     """With `helm install`'s defaults, the operator's policy (from the rendered flags) refuses each of these."""
     from kubetitan_core.validation import parse
 
-    pol = handlers.options_from_args(handlers.build_parser().parse_args(_args())).policy
+    pol = runner.options_from_args(runner.build_parser().parse_args(_args())).policy
     obj = {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain", "metadata": {"name": "r", "namespace": "ml"},
            "spec": {"model": {"flavor": "debug"}, "training": {"steps": 100, "warmupSteps": 10},
                     "data": {"source": "synthetic"}, "tokenizer": {"source": "builtin"},
@@ -86,7 +86,7 @@ def test_an_empty_list_allows_nothing(tmp_path):
     docs = [d for d in yaml.safe_load_all(helm("template", "kt", str(CHART), "-f", str(values)).stdout) if d]
     (c,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
     assert "--policy-service-accounts=" in c["args"] and "--policy-image-prefixes=" in c["args"]
-    pol = handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).policy
+    pol = runner.options_from_args(runner.build_parser().parse_args(c["args"])).policy
     assert pol == Policy(service_accounts=(), image_prefixes=())
 
 

@@ -13,7 +13,7 @@ import yaml
 
 from chartlib import CHART, NAMESPACE, RELEASE, by_kind, helm, render, values_args
 from kmockx.harness import Cluster
-from kubetitan import admission, handlers
+from kubetitan import admission, runner
 from kubetitan.webhook import WEBHOOK_ID
 
 
@@ -48,7 +48,7 @@ def test_defaults_ship_a_fail_closed_webhook_served_by_every_replica(tmp_path):
     assert {"name": "webhook", "containerPort": 9443, "protocol": "TCP"} in c["ports"]
     assert svc["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
     # the operator parses its flags into a webhook on 9443 with the mounted certificate, references checks
-    opts = handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook
+    opts = runner.options_from_args(runner.build_parser().parse_args(c["args"])).webhook
     assert opts.port == 9443 and opts.requester == admission.Requester.REFERENCES
     mount = next(m for m in c["volumeMounts"] if m["name"] == "webhook-tls")
     assert opts.cert_file == f"{mount['mountPath']}/tls.crt" and opts.key_file == f"{mount['mountPath']}/tls.key"
@@ -113,7 +113,7 @@ def test_values_choose_failure_policy_timeout_and_requester_checks():
     (w,) = _one(docs, "ValidatingWebhookConfiguration")["webhooks"]
     assert (w["failurePolicy"], w["timeoutSeconds"]) == ("Ignore", 2)
     c = _container(docs)
-    assert handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook.requester == \
+    assert runner.options_from_args(runner.build_parser().parse_args(c["args"])).webhook.requester == \
         admission.Requester.OFF
 
 
@@ -123,7 +123,7 @@ def test_webhook_off_ships_none_of_it():
     assert not [d for d in docs if d["metadata"]["name"].endswith(("-webhook", "-webhook-tls"))]
     c = _container(docs)
     assert not [a for a in c["args"] if a.startswith("--webhook-")]
-    assert handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook.port is None
+    assert runner.options_from_args(runner.build_parser().parse_args(c["args"])).webhook.port is None
 
 
 @pytest.mark.parametrize("bad", ["webhook.failurePolicy=Maybe", "webhook.timeoutSeconds=31",
@@ -167,7 +167,7 @@ def test_operator_certificates_are_the_default_with_rbac_on_exactly_the_secret_a
         assert b["roleRef"]["kind"] == role_kind and b["roleRef"]["name"].endswith("-webhook-certificates")
     # the operator parses its flags into a CertSync of that Secret, configuration and Service, writing to memory
     c = _container(docs)
-    opts = handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook
+    opts = runner.options_from_args(runner.build_parser().parse_args(c["args"])).webhook
     svc = _one(docs, "Service", "-webhook")
     sync = opts.certificates
     assert (sync.secret_namespace, sync.secret_name, sync.configuration) == (
@@ -188,7 +188,7 @@ def test_operator_certificates_are_the_default_with_rbac_on_exactly_the_secret_a
 def test_the_requester_cache_values_become_flags():
     c = _container(render(sets=["webhook.requesterCache.allowedSeconds=60", "webhook.requesterCache.deniedSeconds=0",
                                 "webhook.requesterCache.maxEntries=100"]))
-    cache = handlers.options_from_args(handlers.build_parser().parse_args(c["args"])).webhook.access_cache
+    cache = runner.options_from_args(runner.build_parser().parse_args(c["args"])).webhook.access_cache
     assert (cache.allowed_seconds, cache.denied_seconds, cache.max_entries) == (60, 0, 100)
 
 

@@ -204,7 +204,7 @@ def _help_flags(parse_args) -> set[str]:
 def cli() -> dict[str, frozenset[str]]:
     """Subcommand -> its flags; '' = the top-level parser; 'launch' = kubetitan_trainer.launch."""
     from kubetitan import cli as kcli
-    from kubetitan import handlers
+    from kubetitan import runner
     from kubetitan_trainer import launch, prepare
 
     top = kcli.build_parser()
@@ -212,7 +212,7 @@ def cli() -> dict[str, frozenset[str]]:
     out = {"": frozenset(_flags(top))}
     for name, p in sub.choices.items():
         out[name] = frozenset(_flags(p))
-    out["operator"] = frozenset(_flags(handlers.build_parser()))
+    out["operator"] = frozenset(_flags(runner.build_parser()))
     out["prepare-data"] = frozenset(_help_flags(prepare.parse_args))
     out["launch"] = frozenset(_help_flags(launch.parse_args))
     return out

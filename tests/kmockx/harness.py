@@ -2,7 +2,7 @@
 
 - ``Cluster``: a KubeEmulator on 127.0.0.1 in its own thread and event loop, with the resources the
   operator uses declared (the LlamaPretrain CRD's printer columns come from ``kubetitan_core.crd``).
-- ``Operator``: ``kubetitan.handlers.run`` in a thread (the same code ``kubetitan operator`` runs),
+- ``Operator``: ``kubetitan.runner.run`` in a thread (the same code ``kubetitan operator`` runs),
   stopped through kopf's stop flag; ``ScaledClock`` lets API-minimum timeouts (e.g. 30 s) pass fast.
 - ``OperatorProcess``: ``kubetitan operator`` as a separate process (HA replicas, logs, liveness, benchmark).
 - ``Rank0Metrics``: a real prometheus-client exporter serving the trainer's metric names.
@@ -34,7 +34,7 @@ import yaml
 from kmockx import ApiError, KubeEmulator, kubeconfig, rbac  # noqa: F401 - ApiError re-exported for tests
 from kmockx.validation import StructuralSchema
 from kubetitan_core import contract
-from kubetitan.handlers import Options, run
+from kubetitan.runner import Options, run
 from support.specs import NS, cpu_spec, lpt  # noqa: F401 - cpu_spec, lpt re-exported for tests written before tests/support
 
 LPT = "kubetitan.io/v1alpha1/llamapretrains"

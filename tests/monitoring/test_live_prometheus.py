@@ -157,7 +157,7 @@ def start_trainer(tmp: Path, metrics_port: int) -> tuple[subprocess.Popen, Path]
 
 
 def start_operator_metrics(port: int):
-    """The operator's metrics, served the way handlers.run serves them, with one run's series."""
+    """The operator's metrics, served the way runner.run serves them, with one run's series."""
     from prometheus_client import start_http_server
 
     from kubetitan.operator_metrics import OperatorMetrics

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kubetitan import handlers
+from kubetitan import runner
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 
 
-def _opts(*argv: str) -> handlers.Options:
-    return handlers.options_from_args(handlers.build_parser().parse_args(["-A", *argv]))
+def _opts(*argv: str) -> runner.Options:
+    return runner.options_from_args(runner.build_parser().parse_args(["-A", *argv]))
 
 
 def test_the_auto_hang_floor_defaults_to_30_s_and_can_be_lowered() -> None:

@@ -215,24 +215,6 @@ def test_the_restart_event_survives_an_operator_sigkill_between_status_and_event
     assert cluster.status(NS, "k")["restartCount"] == 1
 
 
-def test_a_delete_already_sent_is_not_sent_again_while_the_index_lags(monkeypatch) -> None:
-    """Delete expectations (``handlers._to_delete``): the cycle woken by the first pod's DELETED event still sees the
-    second pod in the index and decides to delete it again; the DELETE is not re-sent within ``ENSURED_SECONDS``,
-    a force delete (grace 0) of a pod deleted gracefully still goes, and after the window a pod still shown is
-    deleted again (a lost request)."""
-    from kubetitan import handlers
-
-    now = [100.0]
-    monkeypatch.setattr(handlers.time, "monotonic", lambda: now[0])
-    job = handlers.JobState()
-    assert handlers._to_delete(job, ("a", "b"), (), None) == ["a", "b"]
-    assert handlers._to_delete(job, ("b",), (), None) == []  # the index still shows b
-    assert handlers._to_delete(job, ("b",), (), 0) == ["b"]  # its node died: forced out all the same
-    assert handlers._to_delete(job, ("b",), (), 0) == []
-    now[0] += handlers.ENSURED_SECONDS
-    assert handlers._to_delete(job, ("a", "b"), ("b",), None) == ["a"]  # b is in the force list this cycle
-
-
 class _EventsApi:
     """The three calls the recorder makes, on a dict (a stand-in for the API server's Event store)."""
 

@@ -1,7 +1,7 @@
 """How the operator runs, against kmockx: HA peering, namespace scope, liveness, structured logs.
 
 The HA and log tests start ``kubetitan operator`` as real processes (the CLI code path); the scope
-tests run ``kubetitan.handlers.run`` in-process (the same function the CLI calls).
+tests run ``kubetitan.runner.run`` in-process (the same function the CLI calls).
 """
 
 from __future__ import annotations

@@ -562,10 +562,10 @@ def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
 
 
 def test_the_webhook_flags() -> None:
-    from kubetitan import handlers
+    from kubetitan import runner
 
     def opts(*args: str) -> WebhookOptions:
-        return handlers.options_from_args(handlers.build_parser().parse_args(["-n", NS, *args])).webhook
+        return runner.options_from_args(runner.build_parser().parse_args(["-n", NS, *args])).webhook
 
     assert opts().port is None and opts().requester == admission.Requester.REFERENCES
     assert opts("--requester-checks", "podCreate").requester == admission.Requester.POD_CREATE
