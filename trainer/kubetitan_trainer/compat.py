@@ -18,6 +18,7 @@ decides whether to import them (the warm-worker path must not initialise CUDA).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -495,6 +496,34 @@ def uses_agent_store() -> bool:
     import importlib
 
     return importlib.import_module(_RDZV)._torchelastic_use_agent_store()
+
+
+_C10D = "torch.distributed.distributed_c10d"
+
+
+@_shim(Upstream(f"{_C10D}:_abort_process_group", params=("group",), contains=("pg_to_abort.abort()",)),
+       Upstream(f"{_C10D}:_World.pg_names"))
+def abort_process_group(*, keep_bookkeeping: bool = False) -> None:
+    """Abort every process group's communicators (NCCL: a collective stuck on the GPU returns with an error).
+
+    torch's ``_abort_process_group()`` (experimental, NCCL only) aborts them in one NCCL group and clears c10d's world
+    (``destroy_process_group`` would wait for the stuck collective). ``keep_bookkeeping``: only call each group's
+    ``abort()`` and leave the world to the main thread (the in-process monitor thread's case: the main thread may be
+    inside a collective of those groups). Gloo groups are left alone: their collectives end by the peer's closed
+    sockets or the group's timeout (``kubetitan_trainer.inprocess``)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    if not keep_bookkeeping:
+        c10d._abort_process_group()
+        return
+    for pg in sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True):
+        try:
+            pg.abort()
+        except RuntimeError as e:  # already aborted, or a backend without abort
+            logging.getLogger("kubetitan.compat").debug("abort of %s: %s", c10d._world.pg_names.get(pg), e)
 
 
 _DYN = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
