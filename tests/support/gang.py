@@ -41,11 +41,17 @@ def batch(step: int, rank: int, dim: int):
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def flat_params(model) -> list[float]:
+    import torch
+
+    return torch.cat([q.detach().reshape(-1) for q in model.parameters()]).cpu().tolist()
+
+
 def main(argv: list[str] | None = None) -> int:  # long: one rank's whole life, read top to bottom
     p = argparse.ArgumentParser()
     for name, kind, default in (("rank", int, 0), ("world", int, 2), ("port", int, 0), ("out", str, ""),
                                 ("steps", int, 8), ("save-every", int, 2), ("dim", int, 64),
-                                ("timeout", float, 3.0), ("max-restarts", int, 3)):
+                                ("timeout", float, 3.0), ("max-restarts", int, 3), ("backend", str, "gloo")):
         p.add_argument(f"--{name}", type=kind, default=default)
     a = p.parse_args(argv)
     import torch
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:  # long: one rank's whole life, 
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    device = torch.device("cuda", a.rank) if a.backend == "nccl" else torch.device("cpu")  # one node
     out = Path(a.out)
     tier = out / "tier"
 
@@ -64,18 +71,18 @@ def main(argv: list[str] | None = None) -> int:  # long: one rank's whole life, 
 
     host = dist.TCPStore("127.0.0.1", a.port, a.world, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=30)) if a.rank == 0 else None
-    model = torch.nn.Sequential(torch.nn.Linear(a.dim, a.dim), torch.nn.Tanh(), torch.nn.Linear(a.dim, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(a.dim, a.dim), torch.nn.Tanh(), torch.nn.Linear(a.dim, 1)).to(device)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     train = TrainState()
     states = {"model": model, "optimizer": optim, "train_state": train}
-    ip = inprocess.InProcessRestart(store_factory, a.rank, a.world, collective_timeout=a.timeout,
+    ip = inprocess.InProcessRestart(store_factory, a.rank, a.world, backend=a.backend, collective_timeout=a.timeout,
                                     barrier_timeout=max(10.0, 3 * a.timeout), max_restarts=a.max_restarts)
     report: dict = {"pid": os.getpid(), "iterations": [], "losses": {}}
 
     def step_once() -> float:
         s = train.step + 1
         ip.step = s
-        x, y = batch(s, a.rank, a.dim)
+        x, y = (t.to(device) for t in batch(s, a.rank, a.dim))
         optim.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss = inprocess.inject(a.rank, s, loss)
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:  # long: one rank's whole life, 
         code = e.exit_code
         report["gave_up"] = str(e)
     report.update(exit_code=code, restarts=ip.restarts, recoveries=ip.recoveries, final_step=train.step,
-                  params=[float(v) for v in torch.cat([q.detach().reshape(-1) for q in model.parameters()])])
+                  params=flat_params(model)[:100_000])
     (out / f"rank-{a.rank}.json").write_text(json.dumps(report))
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -3,6 +3,8 @@ an injected exception, an injected hang and a fault the causes table does not re
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kubetitan_core.contract import ExitCode
@@ -51,6 +53,31 @@ def test_inject_fires_once_and_only_where_asked(monkeypatch):
     with pytest.raises(RuntimeError, match="injected fault at rank 1 step 4"):
         inprocess.inject(1, 4)
     assert inprocess.inject(1, 4, "loss") == "loss"  # once per process: the restarted step trains
+
+
+@pytest.mark.xdist_group("trainer-torch")
+def test_progress_timeout_interrupts_a_stalled_step_and_restarts():
+    """The monitor's own hang detector (what NCCL needs): a step that stands still is reported as a Hang, the main
+    thread (asleep in the step) is interrupted, and the body runs again on a new process group."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    ip = inprocess.InProcessRestart(lambda: store, 0, 1, progress_timeout=0.3, poll_seconds=0.01)
+    calls = []
+
+    def body(iteration: int) -> str:
+        calls.append(iteration)
+        ip.step = 3
+        if iteration == 0:
+            time.sleep(60)  # a stalled step
+        return "trained"
+
+    try:
+        assert ip.run(body) == "trained"
+    finally:
+        dist.destroy_process_group()
+    assert calls == [0, 1] and ip.restarts == 1
+    assert (ip.recoveries[0]["cause"], ip.recoveries[0]["fault_step"]) == ("Hang", 3)
 
 
 # --------------------------------------------------------------------------------------------- a real gloo gang

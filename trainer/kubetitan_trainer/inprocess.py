@@ -184,12 +184,16 @@ class InProcessRestart:
 
     def __init__(self, store_factory: Callable[[], Any], rank: int, world_size: int, *, backend: str = "gloo",
                  collective_timeout: float = 60.0, barrier_timeout: float = 60.0, max_restarts: int = 3,
-                 poll_seconds: float = 0.02):
+                 poll_seconds: float = 0.02, progress_timeout: float | None = None):
         self.store_factory = store_factory
         self.store = store_factory()
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.collective_timeout, self.barrier_timeout = collective_timeout, barrier_timeout
         self.max_restarts, self.poll_seconds = max_restarts, poll_seconds
+        self.progress_timeout = progress_timeout
+        """Seconds without a new ``step`` after which this rank's monitor reports a ``Hang`` itself (None: off; the
+        collective timeout is then the hang detector). NCCL needs it: a host waiting on a stuck kernel never sees
+        the collective's timeout unless the communicator is aborted, which the report does."""
         self.generation = 0
         self.restarts = 0
         self.step = -1
@@ -276,7 +280,17 @@ class InProcessRestart:
     def _monitor(self, g: int, stop: threading.Event) -> None:
         store = self.store_factory()
         key = f"fault/{g}"
+        seen, since = self.step, time.monotonic()
         while not stop.wait(self.poll_seconds):
+            if self.step != seen:
+                seen, since = self.step, time.monotonic()
+            elif self.progress_timeout is not None and time.monotonic() - since > self.progress_timeout:
+                stalled = TimeoutError(f"step {seen} made no progress for {self.progress_timeout:.0f} s "
+                                       "(in-process progress timeout)")
+                f = classify(stalled, rank=self.rank, generation=g, step=seen)
+                log.error("Rank %d: %s", self.rank, f.seen)
+                store.set(f"fault/{g}/rank/{self.rank}", f.dumps())
+                store.compare_set(key, "", f.dumps())
             if store.check([key]):
                 self._interrupt(g)
                 return
