@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:  # long: one rank's whole life, 
     p = argparse.ArgumentParser()
     for name, kind, default in (("rank", int, 0), ("world", int, 2), ("port", int, 0), ("out", str, ""),
                                 ("steps", int, 8), ("save-every", int, 2), ("dim", int, 64),
-                                ("timeout", float, 3.0), ("max-restarts", int, 3), ("backend", str, "gloo")):
+                                ("timeout", float, 3.0), ("max-restarts", int, 3), ("backend", str, "gloo"),
+                                ("progress-timeout", float, 0.0)):
         p.add_argument(f"--{name}", type=kind, default=default)
     a = p.parse_args(argv)
     import torch
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:  # long: one rank's whole life, 
     train = TrainState()
     states = {"model": model, "optimizer": optim, "train_state": train}
     ip = inprocess.InProcessRestart(store_factory, a.rank, a.world, backend=a.backend, collective_timeout=a.timeout,
-                                    barrier_timeout=max(10.0, 3 * a.timeout), max_restarts=a.max_restarts)
+                                    barrier_timeout=max(10.0, 3 * a.timeout), max_restarts=a.max_restarts,
+                                    progress_timeout=a.progress_timeout or None)
     report: dict = {"pid": os.getpid(), "iterations": [], "losses": {}}
 
     def step_once() -> float:
