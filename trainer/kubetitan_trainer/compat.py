@@ -526,6 +526,49 @@ def abort_process_group(*, keep_bookkeeping: bool = False) -> None:
             logging.getLogger("kubetitan.compat").debug("abort of %s: %s", c10d._world.pg_names.get(pg), e)
 
 
+_FSDP_COMMON = "torch.distributed.fsdp._fully_shard._fsdp_common"
+
+
+@_shim(Upstream(f"{_FSDP_COMMON}:FSDPMeshInfo.__post_init__", sets=("shard_process_group",)),
+       Upstream(f"{_FSDP_COMMON}:DDPMeshInfo.__post_init__", sets=("replicate_process_group",)),
+       Upstream("torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup",
+                sets=("mesh_info", "post_forward_mesh_info")),
+       Upstream("torch.distributed.fsdp:FSDPModule._get_fsdp_state"),
+       Upstream("torchtitan.distributed.parallel_dims:ParallelDims.build_mesh"),
+       Upstream("torchtitan.distributed.parallel_dims:ParallelDims.world_mesh.fget", contains=("self._world_mesh",)))
+def rebind_process_groups(parallel_dims: Any, model_parts: list) -> int:
+    """After the default process group was destroyed and made again (an in-process restart): torchtitan's meshes
+    built again, in the order of the first time, and every FSDP2 module's process groups re-bound; the number of
+    group references re-bound.
+
+    c10d names groups by a counter that the default group's destroy resets, so groups made again in the same order
+    get the same names, and a ``DeviceMesh`` (the model's DTensors keep theirs) resolves its groups by name: the old
+    meshes reach the new groups. FSDP2 instead keeps the group objects (``FSDPMeshInfo.shard_process_group``,
+    ``DDPMeshInfo.replicate_process_group``, both in HSDP) of each param group's ``mesh_info`` and ``post_forward_mesh_info``; a
+    destroyed gloo group even stays usable through such a reference, so a forgotten one would keep using the old
+    connections without an error."""
+    from torch.distributed.fsdp import FSDPModule
+
+    _rebind(parallel_dims, "_world_mesh", None)
+    _rebind(parallel_dims, "_world_mesh", parallel_dims.build_mesh())
+    n = 0
+    for part in model_parts:
+        for module in part.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is None:
+                continue
+            for info in {id(i): i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None}.values():
+                if hasattr(info, "shard_process_group"):
+                    _rebind(info, "shard_process_group", info.mesh.get_group(info.shard_mesh_dim))
+                    n += 1
+                if hasattr(info, "replicate_process_group"):
+                    _rebind(info, "replicate_process_group", info.mesh.get_group(info.replicate_mesh_dim))
+                    n += 1
+    return n
+
+
 _DYN = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 
 

@@ -176,6 +176,24 @@ def inject(rank: int, step: int, loss: Any = None) -> Any:
     return loss
 
 
+def launcher_store_factory(timeout: float = 60.0) -> Callable[[], Any]:
+    """New clients of the store the worker's process group was made with (``MASTER_ADDR``/``MASTER_PORT``: the
+    launcher's agent store, or rank 0's), under a prefix of this worker generation (the launcher's in-place restarts,
+    ``ENV_RESTART_GENERATION``): keys of an earlier generation's processes are never read."""
+    import torch.distributed as dist
+
+    from kubetitan_core import contract
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    prefix = f"kubetitan/inprocess/{os.environ.get(contract.ENV_RESTART_GENERATION, '0') or '0'}"
+
+    def connect() -> Any:
+        return dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False,
+                                                      timeout=timedelta(seconds=timeout)))
+
+    return connect
+
+
 # --------------------------------------------------------------------------------------------------- the restarter
 class InProcessRestart:
     """Runs ``body(iteration)`` and restarts it in this process after a restartable fault on any rank (see the
@@ -313,7 +331,7 @@ class InProcessRestart:
     # --- recovery
     def _mark(self, phase: str) -> None:
         if self.recoveries and self.recoveries[-1].get("generation") == self.generation:
-            self.recoveries[-1][phase] = time.time()
+            self.recoveries[-1].setdefault(phase, time.time())
 
     def mark(self, phase: str) -> None:
         """The body's own phase of the current recovery (``state_loaded``, ``first_step``): its wall-clock time."""
