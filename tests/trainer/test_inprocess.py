@@ -3,6 +3,7 @@ an injected exception, an injected hang and a fault the causes table does not re
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -47,12 +48,14 @@ def test_decide(name, primary, faults, previous, restarts, want_retry, want_code
 
 
 def test_inject_fires_once_and_only_where_asked(monkeypatch):
-    monkeypatch.setenv(inprocess.ENV_TEST_FAULT, "1:4:raise")
+    monkeypatch.setenv(inprocess.ENV_TEST_FAULT, "1:4:raise,0:6:nan")
     monkeypatch.setattr(inprocess, "_fired", set())
     assert inprocess.inject(0, 4, "loss") == "loss" and inprocess.inject(1, 3, "loss") == "loss"
     with pytest.raises(RuntimeError, match="injected fault at rank 1 step 4"):
         inprocess.inject(1, 4)
     assert inprocess.inject(1, 4, "loss") == "loss"  # once per process: the restarted step trains
+    first = inprocess.inject(0, 6, 2.0)
+    assert math.isnan(first) and inprocess.inject(0, 6, 2.0) == 2.0  # the second fault of the list, also once
 
 
 @pytest.mark.xdist_group("trainer-torch")

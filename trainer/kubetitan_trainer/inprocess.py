@@ -30,7 +30,7 @@ docs/reliability.md) in what matters, at a fraction of its size:
   be re-bound by the body: the old one is destroyed).
 
 Test-only fault injection: ``KUBETITAN_TEST_FAULT=<rank>:<step>:<kind>`` (:func:`inject`), ``kind`` one of
-``raise`` (a RuntimeError), ``nan`` (the step's loss becomes NaN), ``hang`` (the rank sleeps in the step), ``config``
+``raise`` (a RuntimeError; several faults: comma-separated), ``nan`` (the step's loss becomes NaN), ``hang`` (the rank sleeps in the step), ``config``
 (a ConfigError, not restartable), each once per process, or ``raise-always`` (every time: a fault that repeats).
 """
 
@@ -154,15 +154,18 @@ _fired: set[str] = set()
 
 
 def inject(rank: int, step: int, loss: Any = None) -> Any:
-    """Test-only: the fault ``KUBETITAN_TEST_FAULT`` asks for at (``rank``, ``step``), else nothing. Returns
-    ``loss`` (NaN for ``nan``)."""
-    spec = os.environ.get(ENV_TEST_FAULT, "")
-    if not spec:
-        return loss
-    r, s, kind = spec.split(":", 2)
-    if (int(r), int(s)) != (rank, step) or (spec in _fired and kind != "raise-always"):
-        return loss
-    _fired.add(spec)
+    """Test-only: the fault ``KUBETITAN_TEST_FAULT`` asks for at (``rank``, ``step``), else nothing (several faults:
+    comma-separated). Returns ``loss`` (NaN for ``nan``)."""
+    specs = [x for x in os.environ.get(ENV_TEST_FAULT, "").split(",") if x]
+    for spec in specs:
+        r, s, kind = spec.split(":", 2)
+        if (int(r), int(s)) == (rank, step) and (spec not in _fired or kind == "raise-always"):
+            _fired.add(spec)
+            return _fire(kind, rank, step, loss)
+    return loss
+
+
+def _fire(kind: str, rank: int, step: int, loss: Any) -> Any:
     log.warning("Injected fault %r at rank %d step %d (%s)", kind, rank, step, ENV_TEST_FAULT)
     if kind in ("raise", "raise-always"):
         raise RuntimeError(f"injected fault at rank {rank} step {step}")
