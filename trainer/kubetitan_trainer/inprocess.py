@@ -13,8 +13,10 @@ docs/reliability.md) in what matters, at a fraction of its size:
 - **A monitor thread** per rank watches ``fault/g``. When another rank has faulted it interrupts this rank's main
   thread: NCCL's communicators are aborted (that unblocks a collective stuck on the GPU) and ``SIGUSR2`` makes the main
   thread raise :class:`RestartInterrupt` (a ``BaseException``, as nvidia-resiliency-ext's ``RestartAbort``) at its
-  next bytecode, or at once from an interruptible wait (``time.sleep``, a lock). A gloo collective returns by itself:
-  the faulted peer has closed its sockets, or the new process group's timeout ends it.
+  next bytecode, or at once from an interruptible wait (``time.sleep``, a lock). A gloo collective cannot be
+  aborted (torch 2.11: ``abort``/``shutdown`` of a gloo group wake nobody): it ends when the faulted peer's sockets
+  close (its group destroyed and no longer referenced) or, when something still holds that group (FSDP does), at the
+  collective timeout.
 - **Hangs** are collective timeouts: a rank whose peer never arrives gets the process group's timeout error
   (``collective_timeout``), reports it as a ``Hang`` fault, and the hung rank is interrupted as above.
 - **Agreement**: every rank writes its own fault (if any), tears its process group down (NCCL: ``abort``), and meets
