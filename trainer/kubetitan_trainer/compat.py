@@ -18,6 +18,7 @@ decides whether to import them (the warm-worker path must not initialise CUDA).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -495,6 +496,77 @@ def uses_agent_store() -> bool:
     import importlib
 
     return importlib.import_module(_RDZV)._torchelastic_use_agent_store()
+
+
+_C10D = "torch.distributed.distributed_c10d"
+
+
+@_shim(Upstream(f"{_C10D}:_abort_process_group", params=("group",), contains=("pg_to_abort.abort()",)),
+       Upstream(f"{_C10D}:_World.pg_names"))
+def abort_process_group(*, keep_bookkeeping: bool = False) -> None:
+    """Abort every process group's communicators (NCCL: a collective stuck on the GPU returns with an error).
+
+    torch's ``_abort_process_group()`` (experimental, NCCL only) aborts them in one NCCL group and clears c10d's world
+    (``destroy_process_group`` would wait for the stuck collective). ``keep_bookkeeping``: only call each group's
+    ``abort()`` and leave the world to the main thread (the in-process monitor thread's case: the main thread may be
+    inside a collective of those groups). Gloo groups are left alone: their collectives end by the peer's closed
+    sockets or the group's timeout (``kubetitan_trainer.inprocess``)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    if not keep_bookkeeping:
+        c10d._abort_process_group()
+        return
+    for pg in sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True):
+        try:
+            pg.abort()
+        except RuntimeError as e:  # already aborted, or a backend without abort
+            logging.getLogger("kubetitan.compat").debug("abort of %s: %s", c10d._world.pg_names.get(pg), e)
+
+
+_FSDP_COMMON = "torch.distributed.fsdp._fully_shard._fsdp_common"
+
+
+@_shim(Upstream(f"{_FSDP_COMMON}:FSDPMeshInfo.__post_init__", sets=("shard_process_group",)),
+       Upstream(f"{_FSDP_COMMON}:DDPMeshInfo.__post_init__", sets=("replicate_process_group",)),
+       Upstream("torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup",
+                sets=("mesh_info", "post_forward_mesh_info")),
+       Upstream("torch.distributed.fsdp:FSDPModule._get_fsdp_state"),
+       Upstream("torchtitan.distributed.parallel_dims:ParallelDims.build_mesh"),
+       Upstream("torchtitan.distributed.parallel_dims:ParallelDims.world_mesh.fget", contains=("self._world_mesh",)))
+def rebind_process_groups(parallel_dims: Any, model_parts: list) -> int:
+    """After the default process group was destroyed and made again (an in-process restart): torchtitan's meshes
+    built again, in the order of the first time, and every FSDP2 module's process groups re-bound; the number of
+    group references re-bound.
+
+    c10d names groups by a counter that the default group's destroy resets, so groups made again in the same order
+    get the same names, and a ``DeviceMesh`` (the model's DTensors keep theirs) resolves its groups by name: the old
+    meshes reach the new groups. FSDP2 instead keeps the group objects (``FSDPMeshInfo.shard_process_group``,
+    ``DDPMeshInfo.replicate_process_group``, both in HSDP) of each param group's ``mesh_info`` and ``post_forward_mesh_info``; a
+    destroyed gloo group even stays usable through such a reference, so a forgotten one would keep using the old
+    connections without an error."""
+    from torch.distributed.fsdp import FSDPModule
+
+    _rebind(parallel_dims, "_world_mesh", None)
+    _rebind(parallel_dims, "_world_mesh", parallel_dims.build_mesh())
+    n = 0
+    for part in model_parts:
+        for module in part.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is None:
+                continue
+            for info in {id(i): i for i in (group.mesh_info, group.post_forward_mesh_info) if i is not None}.values():
+                if hasattr(info, "shard_process_group"):
+                    _rebind(info, "shard_process_group", info.mesh.get_group(info.shard_mesh_dim))
+                    n += 1
+                if hasattr(info, "replicate_process_group"):
+                    _rebind(info, "replicate_process_group", info.mesh.get_group(info.replicate_mesh_dim))
+                    n += 1
+    return n
 
 
 _DYN = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"

@@ -116,6 +116,7 @@ def _main(argv: list[str]) -> int:
 
     from kubetitan_trainer.errors import (ConfigError, NetworkNotEfaError, NonFiniteLossError, StorageFullError,
                                          TransientError)
+    from kubetitan_trainer.inprocess import GangGaveUp
 
     code = check_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
     if code is not None:
@@ -152,6 +153,9 @@ def _main(argv: list[str]) -> int:
     except TransientError as e:
         logger.error(str(e))
         return ExitCode.RETRYABLE
+    except GangGaveUp as e:  # in-process restarts ended: the fault's exit code, for the launcher's path
+        logger.error(str(e))
+        return e.exit_code
     return int(KubetitanTrainer.exit_code)
 
 

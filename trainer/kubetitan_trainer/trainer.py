@@ -40,8 +40,8 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import (ENV_STOP_FILE, anatomy, compat, data, heartbeat, netcheck, restore_tier, s3shards,
-                               storage)
+from kubetitan_trainer import (ENV_STOP_FILE, anatomy, compat, data, heartbeat, inprocess, netcheck, restore_tier,
+                               s3shards, storage)
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
@@ -94,6 +94,8 @@ class KubetitanTrainer(Trainer):
         self._stop_file = os.environ.get(ENV_STOP_FILE, "")
         self._stopping = False
         self._local_loss: torch.Tensor | None = None
+        self._inprocess: inprocess.InProcessRestart | None = None
+        self._restarting = False  # an in-process restart's load: nothing to load is the end of in-process restarts
         self._tier_writer = restore_tier.BackgroundWriter()
         ck = job_config.checkpoint
         self._heartbeat = heartbeat.Writer.from_env(job_config.training.steps, ck.enable, ck.interval)
@@ -169,6 +171,39 @@ class KubetitanTrainer(Trainer):
             if step >= 0:
                 ck.load_step = step
                 logger.info(f"Resuming from the newest complete checkpoint, step {step}")
+        self._inprocess = self._in_process_restart()
+        if self._inprocess is None:
+            return super().train()
+        return self._inprocess.run(self._train_iteration, process_group_ready=True)
+
+    def _in_process_restart(self) -> inprocess.InProcessRestart | None:
+        """The in-process restarter when ``[kubetitan] inprocess_restarts`` is on (kubetitan_trainer.inprocess)."""
+        kt = self.job_config.kubetitan
+        if kt.inprocess_restarts <= 0 or not dist.is_initialized():
+            return None
+        if not self.checkpointer.enable:
+            logger.warning("In-process restarts are off: checkpoint.enable is false, so there is no state to restart "
+                           "from (turn checkpoints on to use [kubetitan] inprocess_restarts)")
+            return None
+        rank, world = self._rank_world()
+        timeout = float(self.job_config.comm.train_timeout_seconds)
+        logger.info(f"In-process restarts on: up to {kt.inprocess_restarts}, collective timeout {timeout:.0f} s, "
+                    f"progress timeout {kt.inprocess_progress_timeout_seconds or 'off'} (pid {os.getpid()})")
+        return inprocess.InProcessRestart(
+            inprocess.launcher_store_factory(), rank, world, backend=dist.get_backend(),
+            collective_timeout=timeout, barrier_timeout=timeout + 30, max_restarts=kt.inprocess_restarts,
+            progress_timeout=float(kt.inprocess_progress_timeout_seconds) or None)
+
+    def _train_iteration(self, iteration: int):
+        """torchtitan's loop; after an in-process restart, first the meshes and FSDP's groups re-bound to the new
+        process group and the newest saved state as the one to load (the model and its compiled code are kept)."""
+        if iteration > 0:
+            n = compat.rebind_process_groups(self.parallel_dims, self.model_parts)
+            ck = self.job_config.checkpoint
+            ck.load_step = resolve_load_step(self._store)  # a newer restore tier wins inside the load (-1: none)
+            self._restarting = True
+            logger.info(f"In-process restart {iteration}: process groups re-bound ({n} FSDP references), loading "
+                        f"the newest saved state (pid {os.getpid()})")
         return super().train()
 
     def _after_load(self) -> None:
@@ -195,6 +230,8 @@ class KubetitanTrainer(Trainer):
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        if self._inprocess is not None:
+            loss = inprocess.inject(self._rank_world()[0], self.step, loss)  # test-only (KUBETITAN_TEST_FAULT)
         d = loss.detach()
         self._local_loss = d if self._local_loss is None else self._local_loss + d
         return loss
@@ -208,6 +245,8 @@ class KubetitanTrainer(Trainer):
             rec.mark("load_end")
             rec.first_step_begins()
         self._local_loss = None
+        if self._inprocess is not None:
+            self._inprocess.step = self.step
         super().train_step(data_iterator)
         # After the first step every NCCL communicator exists: its log says which network it is on.
         not_efa = self._check_network() if first else False
@@ -225,6 +264,8 @@ class KubetitanTrainer(Trainer):
         self._heartbeat.step_done(self.step, seconds, saving=stop)
         if first:
             self._publish_startup(rec)
+        if self._inprocess is not None and self._inprocess.restarts:
+            self._inprocess.mark("first_step")  # once per restart (the first mark of a phase is kept)
         if stop:
             self._stopping = True
             logger.warning(f"Stop requested (SIGTERM): saving a full checkpoint at step {self.step}, then exiting")
@@ -331,6 +372,13 @@ class KubetitanTrainer(Trainer):
                 loaded = self._load_newer_tier(step) or (self._load_from_store(step, load) if self._store.remote
                                                          else load(step))
                 rec.mark("load_end")
+                if self._restarting:
+                    self._restarting = False
+                    if not loaded:  # every rank alike: the load is collective
+                        raise inprocess.GangGaveUp(ExitCode.FAILED, "in-process restart: nothing saved yet to "
+                                                   "restart from; exiting for the launcher's restart")
+                    if self._inprocess is not None:
+                        self._inprocess.mark("state_loaded")
                 if loaded and rec.load_source == "none":
                     rec.load_source = "dcp"
                 self._after_load()

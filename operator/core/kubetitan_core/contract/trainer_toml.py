@@ -190,6 +190,16 @@ class Kubetitan:
     the trainer says so in its log)."""
     requested_precompute_float8_scale: bool = field(default=False, metadata=ALWAYS)
     """The spec asked for precomputed FP8 scales (same rule as above)."""
+    inprocess_restarts: int = 0
+    """In-process restarts per worker process (`kubetitan_trainer.inprocess`): after a fault that leaves the
+    process alive (an exception in a step, a non-finite loss, a collective error or timeout) every rank restarts
+    its training loop in the same process, on a new process group, from the newest saved state; a fault the causes
+    table does not restart in place, one that repeats at the same step, or more than this many end the worker as
+    before. 0 (the default): off."""
+    inprocess_progress_timeout_seconds: int = 0
+    """With in-process restarts on: seconds a step may stand still before its rank reports a `Hang` and the gang
+    restarts in-process (needed on NCCL, where a host waiting on a stuck kernel never sees the collective timeout);
+    0: only the collective timeout (`comm.train_timeout_seconds`) detects a hang."""
     data: KubetitanData = field(default_factory=KubetitanData)
     """Training data."""
     tokenizer: KubetitanTokenizer = field(default_factory=KubetitanTokenizer)

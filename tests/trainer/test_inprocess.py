@@ -1,0 +1,141 @@
+"""In-process restart (kubetitan_trainer.inprocess): the pure rules, then a real 2-rank gloo gang (support.gang) with
+an injected exception, an injected hang and a fault the causes table does not restart in place."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from kubetitan_core.contract import ExitCode
+from kubetitan_trainer import errors, inprocess
+from kubetitan_trainer.inprocess import Fault, classify, decide
+
+
+def fault(rank=1, cause="ContainerFailed", step=5, in_place=True, code=1) -> Fault:
+    return Fault(rank=rank, generation=0, step=step, cause=cause, seen="x", in_place=in_place, exit_code=code)
+
+
+@pytest.mark.parametrize("exc, cause, in_place, code", [
+    (RuntimeError("boom"), "ContainerFailed", True, 1),
+    (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation"), "Hang",
+     True, 7),
+    (errors.NonFiniteLossError(5), "NonFiniteLoss", True, 3),
+    (errors.ConfigError("a.b", "bad", "fix it"), "ConfigError", False, 2),
+    (RuntimeError("CUDA error: unspecified launch failure; NVRM: Xid (PCI:0000:c6:00): 79, GPU has fallen off the bus"),
+     "GPUXidError", False, 1),
+])
+def test_classify_goes_through_the_causes_table(exc, cause, in_place, code):
+    f = classify(exc, rank=1, generation=0, step=5)
+    assert (f.cause, f.in_place, f.exit_code) == (cause, in_place, code)
+    assert Fault.loads(f.dumps()) == f
+
+
+@pytest.mark.parametrize("name, primary, faults, previous, restarts, want_retry, want_code", [
+    ("first retryable fault", fault(), [fault()], None, 0, True, 0),
+    ("collateral error of a peer is retryable too", fault(), [fault(), fault(rank=0)], None, 0, True, 0),
+    ("not in place (primary)", fault(cause="GPUXidError", in_place=False), [], None, 0, False, 1),
+    ("not in place (another rank's record)", fault(), [fault(), fault(rank=0, cause="ConfigError", in_place=False,
+                                                                     code=2)], None, 0, False, 2),
+    ("budget used up", fault(), [fault()], None, 3, False, 1),
+    ("same fault at the same step again", fault(), [fault()], fault(), 1, False, 1),
+    ("same rank and cause at a later step", fault(step=9), [fault(step=9)], fault(), 1, True, 0),
+])
+def test_decide(name, primary, faults, previous, restarts, want_retry, want_code):
+    d = decide(primary, faults, previous, restarts, max_restarts=3)
+    assert (d.retry, d.exit_code) == (want_retry, want_code), (name, d.reason)
+
+
+def test_inject_fires_once_and_only_where_asked(monkeypatch):
+    monkeypatch.setenv(inprocess.ENV_TEST_FAULT, "1:4:raise,0:6:nan")
+    monkeypatch.setattr(inprocess, "_fired", set())
+    assert inprocess.inject(0, 4, "loss") == "loss" and inprocess.inject(1, 3, "loss") == "loss"
+    with pytest.raises(RuntimeError, match="injected fault at rank 1 step 4"):
+        inprocess.inject(1, 4)
+    assert inprocess.inject(1, 4, "loss") == "loss"  # once per process: the restarted step trains
+    first = inprocess.inject(0, 6, 2.0)
+    assert math.isnan(first) and inprocess.inject(0, 6, 2.0) == 2.0  # the second fault of the list, also once
+
+
+@pytest.mark.xdist_group("trainer-torch")
+def test_progress_timeout_interrupts_a_stalled_step_and_restarts():
+    """The monitor's own hang detector (what NCCL needs): a step that stands still is reported as a Hang, the main
+    thread (asleep in the step) is interrupted, and the body runs again on a new process group."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    ip = inprocess.InProcessRestart(lambda: store, 0, 1, progress_timeout=0.3, poll_seconds=0.01)
+    calls = []
+
+    def body(iteration: int) -> str:
+        calls.append(iteration)
+        ip.step = 3
+        if iteration == 0:
+            time.sleep(60)  # a stalled step
+        return "trained"
+
+    try:
+        assert ip.run(body) == "trained"
+    finally:
+        dist.destroy_process_group()
+    assert calls == [0, 1] and ip.restarts == 1
+    assert (ip.recoveries[0]["cause"], ip.recoveries[0]["fault_step"]) == ("Hang", 3)
+
+
+# --------------------------------------------------------------------------------------------- a real gloo gang
+STEPS = dict(steps=8, save_every=2, timeout=2.0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    from support import gang
+
+    results = gang.launch(tmp_path_factory.mktemp("base"), **STEPS)
+    assert [code for _, code, _ in results] == [0, 0]
+    return [report for _, _, report in results]
+
+
+def assert_restarted_in_process(results, baseline, cause: str) -> None:
+    for (pid, code, report), base in zip(results, baseline):
+        assert code == 0, report.get("gave_up")
+        assert [it["pid"] for it in report["iterations"]] == [pid, pid], "the same process trained on"
+        assert report["restarts"] == 1 and report["recoveries"][0]["cause"] == cause
+        assert report["final_step"] == STEPS["steps"]
+        # state from the tier, then the same steps on the same data: what an uninterrupted run has, exactly
+        assert report["params"] == base["params"]
+        assert report["losses"] == {k: v for k, v in base["losses"].items() if k in report["losses"]}
+        assert {"state_loaded", "first_step"} <= set(report["recoveries"][0])
+
+
+@pytest.mark.xdist_group("trainer-torch")
+def test_exception_restarts_the_loop_in_the_same_processes(tmp_path, uninterrupted):
+    from support import gang
+
+    results = gang.launch(tmp_path, env={inprocess.ENV_TEST_FAULT: "1:5:raise"}, **STEPS)
+    assert_restarted_in_process(results, uninterrupted, "ContainerFailed")
+    assert results[0][2]["recoveries"][0]["fault_rank"] == 1
+
+
+@pytest.mark.xdist_group("trainer-torch")
+def test_hang_is_detected_by_the_collective_timeout_and_restarted(tmp_path, uninterrupted):
+    from support import gang
+
+    results = gang.launch(tmp_path, env={inprocess.ENV_TEST_FAULT: "1:5:hang"}, **STEPS)
+    # rank 0 waited in the all-reduce for the process group's timeout and reported a Hang; rank 1, asleep in its
+    # step, was interrupted by its monitor (signal) and joined the restart
+    assert_restarted_in_process(results, uninterrupted, "Hang")
+    assert results[1][2]["recoveries"][0]["fault_rank"] == 0
+
+
+@pytest.mark.xdist_group("trainer-torch")
+@pytest.mark.parametrize("kind, code, restarts", [("config", ExitCode.CONFIG_ERROR, 0), ("raise-always", 1, 1)])
+def test_fallback_exits_with_the_code_for_the_launcher(tmp_path, kind, code, restarts):
+    """A cause the table does not restart in place (ConfigError), or the same fault at the same step again: every
+    rank exits with the fault's code, and the launcher's path (restart in place / re-create / fail) follows."""
+    from support import gang
+
+    results = gang.launch(tmp_path, env={inprocess.ENV_TEST_FAULT: f"1:5:{kind}"}, **STEPS)
+    for _, got, report in results:
+        assert got == code, report
+        assert report["restarts"] == restarts and report["final_step"] < STEPS["steps"]
