@@ -47,8 +47,12 @@ CHECKPOINTS_DURABLE = "CheckpointsDurable"
 the pod's own filesystem (warning rule ``checkpoint.no-volume``, also a Warning Event), or of checkpoints turned off.
 Computed from the spec alone (:func:`checkpoints_durable`)."""
 
+FULL_SIZE = "FullSize"
+"""Elastic runs only (``runPolicy.elastic``): True while the gang has ``maxNodes`` nodes; False while it is smaller
+(reason ``Shrunk``, or ``GrowPlanned`` once it waits for its next checkpoint to grow)."""
+
 ALL_TYPES = (READY, SPEC_ACCEPTED, SUSPENDED, RESTARTING, UNSCHEDULABLE, CHILDREN_CREATED, METRICS_AVAILABLE,
-             CHECKPOINTS_DURABLE, SUCCEEDED, FAILED)
+             CHECKPOINTS_DURABLE, FULL_SIZE, SUCCEEDED, FAILED)
 
 # ------------------------------------------------------------------ reasons
 INVALID_SPEC = "InvalidSpec"
@@ -65,6 +69,13 @@ RESTART_BLOCKED = "RestartBlocked"
 """The next attempt cannot start: the spec holds a change it must not pick up (``SpecAccepted`` says which)."""
 PROGRESS_UNKNOWN = "ProgressUnknown"
 """Every pod of the attempt runs, but rank 0's /metrics does not answer: whether it trains is not known."""
+RESIZING = "Resizing"
+"""An elastic run ends its attempt to re-create the gang at another size (restart cause ``Shrink`` or ``Grow``)."""
+WAITING_FOR_REPLACEMENT = "WaitingForReplacement"
+"""An elastic run lost a node (or cannot place a pod) and waits ``shrinkAfterSeconds`` for a replacement."""
+AT_MAX_NODES = "AtMaxNodes"
+SHRUNK = "Shrunk"
+GROW_PLANNED = "GrowPlanned"
 CREATING = "Creating"
 WAITING_FOR_PODS = "WaitingForPods"
 WAITING_FOR_FIRST_STEP = "WaitingForFirstStep"

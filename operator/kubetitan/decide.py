@@ -25,12 +25,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from kubetitan import conditions as C
-from kubetitan_core.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, RestartCause, RestartRecord, TrainingStatus
+from kubetitan_core.api import (AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus, RestartCause, RestartRecord,
+                                TrainingStatus, elastic_sizes)
 from kubetitan_core import causes, hang
+from kubetitan_core.causes import RESIZE_CAUSES
 from kubetitan_core.contract import EXIT_SIGKILL, EXIT_SIGTERM, ExitCode
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 
 MAX_RESTART_RECORDS = 50
+DEFAULT_RESIZE_MIN_INTERVAL_SECONDS = 600.0
+"""The operator's ``--resize-min-interval-seconds`` by default: an elastic run resizes at most once per 10 minutes."""
 NODE_FAILURES_TO_AVOID = causes.by_id("NodeFailure").avoid_node_after
 """A node blamed for this many ``NodeFailure`` restarts of the run is kept out of later attempts (anti-affinity);
 each cause's own number is its row's ``avoid_node_after`` (``GPUXidError``: 1)."""
@@ -82,6 +86,24 @@ class NodeObs:
     not_ready_since: float | None = None
     """``lastTransitionTime`` of a Ready condition that is not True; for a missing node, when the operator first
     saw it missing (kept in ``status.observation``)."""
+    ready_since: float | None = None
+    """``lastTransitionTime`` of a Ready condition that is True (how long the node has been Ready)."""
+    unschedulable: bool = False
+    """``spec.unschedulable`` (cordoned)."""
+    labels: tuple[tuple[str, str], ...] = ()
+    taints: tuple[tuple[str, str, str], ...] = ()
+    """(key, value, effect) of each taint."""
+    gpus: int | None = None
+    """Allocatable ``nvidia.com/gpu`` (None: the node lists none)."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Nodes that fit one pod of the gang (``kubetitan.elastic.capacity``): now, and Ready for at least
+    ``runPolicy.elastic.growCheckSeconds``."""
+
+    schedulable: int
+    stable: int
 
 
 @dataclass(frozen=True)
@@ -162,7 +184,13 @@ class Observed:
     may have changed since); None when unknown."""
     attempt_nodes: int | None = None
     """``spec.resources.nodes`` of the spec the current attempt was created from: its gang size, whatever the spec
-    says now (a live attempt is never added to); None when unknown (the spec's count then)."""
+    says now (a live attempt is never added to); None when unknown (the spec's count then). ``status.nodes``, when
+    set, wins (an elastic run's size is not its spec's)."""
+    capacity: Capacity | None = None
+    """Nodes that fit one pod of the gang (elastic runs only; None: not observed, and then no resize)."""
+    resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+    """The admin's cap on how often a run may resize (the operator's ``--resize-min-interval-seconds``): no resize
+    sooner than this after the previous one."""
 
 
 # ------------------------------------------------------------------ decision
@@ -214,6 +242,12 @@ class Decision:
     """The status is older than the cluster (pods of a newer attempt exist): re-read it before acting."""
     recreate: tuple[str, ...] = ()
     """ConfigMap/Service names to create again while the attempt goes on (they were deleted by hand)."""
+    nodes: int | None = None
+    """``Action.CREATE``: the attempt's gang size; ``Action.RESTART`` with cause Shrink/Grow: the next attempt's."""
+    grow_plan: tuple[int, int] | None = None
+    """A grow planned this cycle: (the size, the checkpoint step a newer complete checkpoint must follow)."""
+    cancel_grow: bool = False
+    """A planned grow no longer fits the nodes: forget it."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -245,6 +279,7 @@ def made_progress(records: Sequence[RestartRecord], i: int) -> bool:
 
 
 def trailing_without_progress(records: Sequence[RestartRecord]) -> int:
+    records = [r for r in records if r.cause not in RESIZE_CAUSES]  # a resize has its own budget (maxResizes)
     n = 0
     for i in range(len(records) - 1, -1, -1):
         if made_progress(records, i):
@@ -256,6 +291,8 @@ def trailing_without_progress(records: Sequence[RestartRecord]) -> int:
 def backoff_seconds(spec: LlamaPretrainSpec, records: Sequence[RestartRecord]) -> float:
     """Delay before the attempt after ``records[-1]``: doubles per earlier failure without progress."""
     rp = spec.run_policy
+    if records and records[-1].cause in RESIZE_CAUSES:
+        return 0.0  # a planned resize (or a shrink that waited shrinkAfterSeconds already) starts at once
     k = trailing_without_progress(records[:-1]) if records and not made_progress(records, len(records) - 1) else 0
     return float(min(rp.max_backoff_seconds, rp.backoff_seconds * (2 ** min(k, 30))))
 
@@ -376,7 +413,9 @@ class Facts:
 
     @property
     def nodes(self) -> int:
-        """The current attempt's gang size: the spec it was created from, else the spec's."""
+        """The current attempt's gang size: ``status.nodes``, else the spec it was created from, else the spec's."""
+        if self.status.nodes is not None:
+            return self.status.nodes
         return self.obs.attempt_nodes if self.obs.attempt_nodes is not None else self.spec.resources.nodes
 
     @property
@@ -500,13 +539,29 @@ def attempt_not_created(f: Facts) -> Decision | None:
     if f.obs.spec_block:
         return Decision(Action.WAIT, C.RESTART_BLOCKED, f"attempt {f.attempt} cannot start: {f.obs.spec_block}")
     last = f.status.restarts[-1] if f.status.restarts else None
+    if last is not None and last.attempt == f.attempt - 1 and last.cause == "Grow":
+        saving = [p for p in f.previous if p.attempt == last.attempt and p.phase not in ("Succeeded", "Failed")
+                  and not _node_failed(f.obs.nodes.get(p.node_name) if p.node_name else None)]
+        if saving:  # a planned grow: save, then re-create (the new gang resumes the checkpoint the old one saves)
+            return Decision(Action.WAIT, C.RESIZING, f"attempt {f.attempt} ({last.to_nodes} nodes) starts once the "
+                            f"{len(saving)} pod(s) of attempt {last.attempt} have saved their checkpoint and exited")
     if last is not None and last.attempt == f.attempt - 1:
         backoff = backoff_seconds(f.spec, f.status.restarts)
         ready_at = (parse_time(last.time) or f.now) + backoff
         if f.now < ready_at:
             return Decision(Action.WAIT, C.BACKOFF, f"attempt {f.attempt} starts at {iso(ready_at)} (restart "
                             f"backoff of {backoff:g}s)", requeue_after=ready_at - f.now)
-    return _create(f, f"creating the {f.spec.resources.nodes} pods of attempt {f.attempt}")
+    return _create(f, f"creating the {attempt_size(f)} pods of attempt {f.attempt}")
+
+
+def attempt_size(f: Facts) -> int:
+    """The gang size of an attempt created now: ``resources.nodes``; for an elastic run the size its last resize set
+    (``status.nodes``), within ``minNodes..maxNodes``."""
+    if f.rp.elastic is None:
+        return f.spec.resources.nodes
+    sizes = elastic_sizes(f.spec)
+    n = f.status.nodes if f.status.nodes is not None else f.spec.resources.nodes
+    return min(max(n, sizes.start), sizes.stop - 1)
 
 
 def _create(f: Facts, message: str) -> Decision:
@@ -515,7 +570,127 @@ def _create(f: Facts, message: str) -> Decision:
         e = errs[0]
         more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
         message = f"{message}; the API refused {e.kind} {e.name}: {e.message}{more}; retrying"
-    return Decision(Action.CREATE, C.CREATING, message, avoid_nodes=nodes_to_avoid(f.status.restarts))
+    n = f.nodes if f.current else attempt_size(f)  # missing ranks of a live attempt: its own size
+    return Decision(Action.CREATE, C.CREATING, message, avoid_nodes=nodes_to_avoid(f.status.restarts), nodes=n)
+
+
+# ------------------------------------------------------------------ elastic (runPolicy.elastic)
+def _resize_blocked(f: Facts) -> str | None:
+    """Why no resize may start now (the budget, the admin's interval), or None."""
+    e = f.rp.elastic
+    assert e is not None
+    if f.status.resize_count >= e.max_resizes:
+        return f"runPolicy.elastic.maxResizes={e.max_resizes} resizes are used up"
+    last = next((r for r in reversed(f.status.restarts) if r.cause in RESIZE_CAUSES), None)
+    at = parse_time(last.time) if last is not None else None
+    cap = f.obs.resize_min_interval_seconds
+    if at is not None and f.now - at < cap:
+        return f"the last resize was at {iso(at)} and the operator allows one per {cap:g}s " \
+               "(--resize-min-interval-seconds)"
+    return None
+
+
+def _saving(f: Facts) -> bool:
+    """A checkpoint save is in progress: the step is a checkpoint step newer than the newest complete checkpoint, and
+    the step stood still for less than ``checkpoint.saveTimeoutSeconds`` (a save that outlived it is not one)."""
+    pr, ck = f.obs.progress, f.spec.checkpoint
+    if pr.step is None or not ck.enabled:
+        return False
+    last_step = min(f.spec.training.steps, f.obs.attempt_steps or f.spec.training.steps)
+    if not hang.save_window(pr.step, last_step, ck.enabled, ck.interval_steps):
+        return False
+    if pr.last_checkpoint_step is not None and pr.last_checkpoint_step >= pr.step:
+        return False
+    since = pr.last_progress_time if pr.last_progress_time is not None else f.now
+    return f.now - since < ck.save_timeout_seconds
+
+
+def _resize(f: Facts, cause: RestartCause, to: int, message: str, force: tuple[str, ...] = ()) -> Decision:
+    """End the attempt to re-create it at ``to`` nodes (a restart with its own budget, ``elastic.maxResizes``)."""
+    end = tuple(p.name for p in f.current if not p.deleting and p.name not in force)
+    return Decision(Action.RESTART, C.RESIZING, message, cause=cause, delete=end, force_delete=force, nodes=to)
+
+
+def shrink(f: Facts) -> Decision | None:
+    """Elastic: a node of the attempt is lost (NotReady or missing) or a pod of it is not placed, and the schedulable
+    nodes cannot make up the gang. Wait ``shrinkAfterSeconds`` for a replacement (from when the node was lost or the
+    pod created), then end the attempt (cause Shrink) and re-create it at the largest size the nodes fit, never below
+    ``minNodes``. With a replacement schedulable, a shrink left in the budget or a shrink not allowed (below
+    ``minNodes``, ``maxResizes``, the admin's interval, a save in progress), the ordinary rules decide (NodeFailure
+    at the same size, Unschedulable)."""
+    e, cap = f.rp.elastic, f.obs.capacity
+    if e is None or cap is None or not f.current:
+        return None
+    lost: list[tuple[PodObs, float]] = []
+    for p in f.current:
+        n = f.obs.nodes.get(p.node_name) if p.node_name else None
+        if _node_failed(n) and p.phase not in ("Succeeded", "Failed"):
+            assert n is not None
+            lost.append((p, n.not_ready_since if n.not_ready_since is not None else f.now))
+        elif p.node_name is None and p.phase == "Pending" and not p.deleting:
+            lost.append((p, p.created if p.created is not None else f.now))
+    if not lost:
+        return None
+    on_lost = {p.name for p, _ in lost}
+    if any(classify_pod(p) is not None for p in f.current if p.name not in on_lost):
+        return None  # another failure: pod_failed restarts at the same size
+    size = f.nodes
+    target = min(cap.schedulable, elastic_sizes(f.spec).stop - 1)
+    if target >= size or target < e.min_nodes or _resize_blocked(f) is not None:
+        return None
+    since = min(t for _, t in lost)
+    left = since + e.shrink_after_seconds - f.now
+    first = lost[0][0]
+    what = f"node {first.node_name} of pod {first.name} is lost" if first.node_name else \
+        f"pod {first.name} (rank {first.rank}) cannot be placed"
+    what += f" (+{len(lost) - 1} more)" if len(lost) > 1 else ""
+    if _saving(f):  # never a resize mid-save: wait for it (or for checkpoint.saveTimeoutSeconds) before anything else
+        pr = f.obs.progress
+        wait = (pr.last_progress_time or f.now) + f.spec.checkpoint.save_timeout_seconds - f.now
+        return Decision(Action.WAIT, C.WAITING_FOR_REPLACEMENT, f"{what} while the checkpoint of step {pr.step} is "
+                        "being saved; the gang shrinks only after the save (at most checkpoint.saveTimeoutSeconds) "
+                        "and runPolicy.elastic.shrinkAfterSeconds", requeue_after=max(0.05, wait))
+    if left > 0:
+        return Decision(Action.WAIT, C.WAITING_FOR_REPLACEMENT, f"{what} and only {cap.schedulable} node(s) fit the "
+                        f"gang of {size}; shrinking to {target} at {iso(f.now + left)} unless a replacement comes "
+                        "(runPolicy.elastic.shrinkAfterSeconds)", requeue_after=left)
+    force = tuple(p.name for p, _ in lost if p.node_name and not p.deleting)
+    return _resize(f, "Shrink", target, f"{what}; no replacement within runPolicy.elastic.shrinkAfterSeconds="
+                   f"{e.shrink_after_seconds}: shrinking the gang from {size} to {target} nodes (the global batch is "
+                   "kept by gradient accumulation)", force)
+
+
+def grow(f: Facts) -> Decision | None:
+    """Elastic: the gang trains below ``maxNodes`` and more nodes have been Ready and schedulable for
+    ``growCheckSeconds``: plan a grow; once a complete checkpoint newer than the plan exists and no save is in
+    progress, end the attempt (cause Grow; its pods save again on SIGTERM) and re-create it larger."""
+    e, cap, pr = f.rp.elastic, f.obs.capacity, f.obs.progress
+    if e is None or cap is None or not _all_running(f) or pr.step is None:
+        return None
+    size = f.nodes
+    target = min(cap.stable, elastic_sizes(f.spec).stop - 1)
+    o = f.obs.observation
+    planned = o.grow_to if o is not None else None
+    if target <= size or _resize_blocked(f) is not None:
+        if planned is not None:
+            return Decision(Action.KEEP, C.TRAINING, f"attempt {f.attempt} is training; the planned grow to "
+                            f"{planned} nodes is called off ({_resize_blocked(f) or f'{cap.stable} node(s) fit'})",
+                            ready=True, cancel_grow=True)
+        return None
+    after = o.grow_after_step if o is not None and o.grow_after_step is not None else None
+    if planned is None or after is None:
+        ck = pr.last_checkpoint_step if pr.last_checkpoint_step is not None else -1
+        return Decision(Action.KEEP, C.TRAINING, f"attempt {f.attempt} is training on {size} nodes; {target} nodes have "
+                        f"been Ready and schedulable for runPolicy.elastic.growCheckSeconds={e.grow_check_seconds}: "
+                        f"it grows to {target} right after its next complete checkpoint", ready=True,
+                        grow_plan=(target, ck))
+    done = pr.last_checkpoint_step is not None and pr.last_checkpoint_step > after
+    if not done or _saving(f):
+        return Decision(Action.KEEP, C.TRAINING, f"attempt {f.attempt} is training on {size} nodes; grows to "
+                        f"{target} right after its next complete checkpoint (newer than step {after})", ready=True)
+    return _resize(f, "Grow", target, f"{target} nodes have been Ready and schedulable for "
+                   f"runPolicy.elastic.growCheckSeconds={e.grow_check_seconds} and checkpoint step "
+                   f"{pr.last_checkpoint_step} is complete: growing the gang from {size} to {target} nodes")
 
 
 def pod_failed(f: Facts) -> Decision | None:
@@ -774,8 +949,8 @@ def restarted_in_place(f: Facts) -> Decision | None:
 RULES: tuple[Rule, ...] = (
     status_behind_cluster, finished, deadline_exceeded, suspended, steps_raised, rank0_succeeded,
     lowered_steps_reached, attempt_not_created,
-    pod_failed, ranks_missing, restarted_in_place, unschedulable, node_grace, stuck_before_running, hung,
-    startup_timed_out, running,
+    shrink, pod_failed, ranks_missing, restarted_in_place, unschedulable, node_grace, stuck_before_running, hung,
+    startup_timed_out, grow, running,
 )
 """The decision rules in order; ``decide`` returns the first one's answer that is not None."""
 
@@ -853,7 +1028,7 @@ def restart_event(d: Decision, attempt: int, blocked: str | None = None) -> tupl
 
 
 __all__ = [
-    "RULES", "Action", "ChildError", "Decision", "Facts", "NodeObs", "Observed", "PodObs", "Progress",
+    "RULES", "Action", "Capacity", "ChildError", "Decision", "Facts", "NodeObs", "Observed", "PodObs", "Progress",
     "backoff_seconds", "classify_pod", "decide", "facts", "hang_timeout", "in_place_record", "made_progress",
     "nodes_to_avoid", "replace", "restart_record",
 ]

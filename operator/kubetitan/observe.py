@@ -78,11 +78,19 @@ def node_obs(name: str, node: Mapping[str, Any] | None) -> NodeObs:
     """Health of a node; ``node`` None means the API says it does not exist."""
     if node is None:
         return NodeObs(name=name, exists=False, ready=False, not_ready_since=None)
-    ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
+    spec, status = node.get("spec") or {}, node.get("status") or {}
+    gpus = (status.get("allocatable") or {}).get(plan.GPU_RESOURCE)
+    place = {"unschedulable": bool(spec.get("unschedulable")),
+             "labels": tuple(sorted(((node.get("metadata") or {}).get("labels") or {}).items())),
+             "taints": tuple((t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in spec.get("taints") or []),
+             "gpus": int(gpus) if isinstance(gpus, (int, str)) and str(gpus).isdigit() else None}
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
     if ready is None:
-        return NodeObs(name=name, ready=None)
+        return NodeObs(name=name, ready=None, **place)
     ok = {"True": True, "False": False}.get(ready.get("status"))
-    return NodeObs(name=name, ready=ok, not_ready_since=None if ok else _ts(ready.get("lastTransitionTime")))
+    since = _ts(ready.get("lastTransitionTime"))
+    return NodeObs(name=name, ready=ok, not_ready_since=None if ok else since, ready_since=since if ok else None,
+                   **place)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

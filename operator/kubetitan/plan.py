@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetitan_core import API_VERSION, KIND, contract
-from kubetitan_core.api import (LlamaPretrain, LlamaPretrainSpec, processes_per_node, reads_s3_shards, resolved_dp_shard,
-                                world_size)
+from kubetitan_core.api import (LlamaPretrain, LlamaPretrainSpec, at_size, processes_per_node, reads_s3_shards,
+                                resolved_dp_shard, world_size)
 from kubetitan_core.catalog import INSTANCE_TYPES, pod_resources
 from kubetitan_core import hang, render
 from kubetitan_core.contract import launcher as contract_launcher
@@ -243,8 +243,8 @@ def _affinity(lpt: LlamaPretrain, attempt: int, avoid_nodes: Sequence[str]) -> d
             terms.append({"matchExpressions": []})
         for term in terms:  # terms are ORed: every term must carry our rules
             term.setdefault("matchExpressions", []).extend(copy.deepcopy(exprs))
-    if s.resources.gpus_per_node > 0 and s.resources.nodes > 1:
-        # One pod per node: a gang of N nodes must really be N machines.
+    if (s.resources.gpus_per_node > 0 or s.run_policy.elastic is not None) and s.resources.nodes > 1:
+        # One pod per node: a gang of N nodes must really be N machines (an elastic run's size is a node count).
         pod_anti = aff.setdefault("podAntiAffinity", {})
         pod_anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
             {
@@ -416,6 +416,13 @@ def pod(
     }
 
 
+def sized(lpt: LlamaPretrain, nodes: int | None) -> LlamaPretrain:
+    """``lpt`` as an attempt of ``nodes`` nodes renders it (itself when ``nodes`` is None or its own size)."""
+    if nodes is None or nodes == lpt.spec.resources.nodes:
+        return lpt
+    return lpt.model_copy(update={"spec": at_size(lpt.spec, nodes)})
+
+
 def _hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -426,10 +433,14 @@ def attempt_children(
     job_start_time: float | None = None,
     avoid_nodes: Sequence[str] = (),
     hang_floor_seconds: float = hang.AUTO_HANG_FLOOR_SECONDS,
+    nodes: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Every child object of ``attempt``: ConfigMap, Service, then the pods by rank."""
+    """Every child object of ``attempt``: ConfigMap, Service, then the pods by rank. ``nodes``: the attempt's gang
+    size when it is not ``resources.nodes`` (``runPolicy.elastic``: ``status.nodes``): pods, ``--nnodes`` and the
+    trainer config follow it, and the global batch stays the spec's (``kubetitan_core.api.at_size``)."""
     if attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {attempt}")
+    lpt = sized(lpt, nodes)
     cm = config_map(lpt)
     digest = _hash(cm["data"][contract.CONFIG_KEY])
     pods = [

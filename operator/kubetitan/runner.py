@@ -23,6 +23,7 @@ from kubetitan.observe import DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYT
 from kubetitan.operator_metrics import OperatorMetrics
 from kubetitan.reconcile.context import Context, Options
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
+from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
 
 log = logging.getLogger("kubetitan.operator")
 
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-floor-seconds", type=_positive_seconds, default=float(AUTO_HANG_FLOOR_SECONDS),
                    metavar="S", help=f"the least the Auto hang timeout waits for a step, whatever the step time "
                    f"(default {AUTO_HANG_FLOOR_SECONDS}; runPolicy.hangTimeoutPolicy)")
+    p.add_argument("--resize-min-interval-seconds", type=_positive_seconds,
+                   default=DEFAULT_RESIZE_MIN_INTERVAL_SECONDS, metavar="S",
+                   help=f"the least time between two resizes (Shrink/Grow) of a run with runPolicy.elastic: the "
+                   f"cluster admin's cap on how often a gang is re-created for its size "
+                   f"(default {DEFAULT_RESIZE_MIN_INTERVAL_SECONDS:g})")
     le = p.add_argument_group("leader election", "one writing replica: a coordination.k8s.io/v1 Lease with fencing "
                               "(docs/operator.md, HA)")
     le.add_argument("--leader-elect", action="store_true",
@@ -90,6 +96,7 @@ def options_from_args(a: argparse.Namespace) -> Options:
                    scrape_timeout=a.scrape_timeout, scrape_max_bytes=a.scrape_max_bytes,
                    scrape_concurrency=a.scrape_concurrency,
                    hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a), leader=lease_from_args(a),
+                   resize_min_interval_seconds=a.resize_min_interval_seconds,
                    webhook=webhook_mod.from_args(a))
 
 

@@ -24,12 +24,13 @@ from kubetitan import conditions as C
 from kubetitan import plan
 from kubetitan_core import contract
 from kubetitan_core.api import (
-    AttemptObservation, Condition, DataSpec, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases, StatusEvent,
-    TrainingStatus,
+    RESIZE_CAUSES, AttemptObservation, Condition, DataSpec, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases,
+    StatusEvent, TrainingStatus, elastic_sizes,
 )
 from kubetitan.decide import (
-    AUTO_HANG_FLOOR_SECONDS, MAX_RESTART_RECORDS, Action, ChildError, Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso,
-    iso_ms, parse_time, replace, restart_event, restart_record,
+    AUTO_HANG_FLOOR_SECONDS, DEFAULT_RESIZE_MIN_INTERVAL_SECONDS, MAX_RESTART_RECORDS, Action, Capacity, ChildError,
+    Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso, iso_ms, parse_time, replace, restart_event,
+    restart_record,
 )
 
 MAX_PENDING_EVENTS = 20
@@ -155,7 +156,9 @@ def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[
              spec_deferred: str | None = None,
              training: TrainingStatus | None = None, child_errors: tuple[ChildError, ...] = (),
              missing_children: tuple[str, ...] = (), attempt_steps: int | None = None,
-             attempt_nodes: int | None = None, hang_floor_seconds: float = AUTO_HANG_FLOOR_SECONDS) -> Observed:
+             attempt_nodes: int | None = None, hang_floor_seconds: float = AUTO_HANG_FLOOR_SECONDS,
+             capacity: Capacity | None = None,
+             resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS) -> Observed:
     """The decision's inputs; a missing node is timed from when it was first seen missing."""
     timed = {n: (replace(v, not_ready_since=parse_time(o.nodes_missing_since.get(n))) if not v.exists else v)
              for n, v in nodes.items()}
@@ -164,7 +167,8 @@ def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[
                     spec_deferred=spec_deferred, training=training,
                     ranks_seen=frozenset(o.ranks_seen), child_errors=child_errors, observation=o,
                     missing_children=missing_children, attempt_steps=attempt_steps, attempt_nodes=attempt_nodes,
-                    hang_floor_seconds=hang_floor_seconds)
+                    hang_floor_seconds=hang_floor_seconds, capacity=capacity,
+                    resize_min_interval_seconds=resize_min_interval_seconds)
 
 
 def spec_gate(applied: Mapping[str, Any] | None, spec: LlamaPretrainSpec,
@@ -298,8 +302,12 @@ def _carry_observation(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Decis
     s.training.total_steps = spec.training.steps
     if obs.observation is not None:
         s.observation = obs.observation.model_copy(deep=True)
+    if s.observation is not None and (d.grow_plan is not None or d.cancel_grow):
+        s.observation.grow_to, s.observation.grow_after_step = d.grow_plan or (None, None)
     if d.action == Action.CREATE and s.start_time is None:
         s.start_time = now
+    if d.action == Action.CREATE and d.nodes is not None:
+        s.nodes = d.nodes
     if s.attempt is None and d.action in (Action.CREATE, Action.WAIT, Action.KEEP):
         s.attempt = 0
 
@@ -349,8 +357,13 @@ def _advance_attempt(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, status: Ll
     assert s.training is not None
     if d.action == Action.RESTART:
         rec = restart_record(status, d, obs)
+        if d.cause in RESIZE_CAUSES:  # its own budget (runPolicy.elastic.maxResizes), not maxRestarts
+            rec.from_nodes = s.nodes if s.nodes is not None else (obs.attempt_nodes or spec.resources.nodes)
+            rec.to_nodes = s.nodes = d.nodes
+            s.resize_count += 1
+        else:
+            s.restart_count += 1
         s.restarts = [*s.restarts, rec][-MAX_RESTART_RECORDS:]
-        s.restart_count += 1
         s.attempt = attempt + 1
         s.training.step = None
     if d.action == Action.SUSPEND and d.ends_attempt:
@@ -415,6 +428,7 @@ def _progress_conditions(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Dec
         cond(C.UNSCHEDULABLE, "False", C.PODS_SCHEDULED, "no pod waits longer than unschedulableTimeoutSeconds")
     _children_condition(spec, s, d, obs, cond)
     _metrics_condition(s, obs.progress, s.attempt != attempt, cond)
+    _full_size_condition(spec, s, cond)
 
 
 def _ready_condition(d: Decision, attempt: int, cond: Any) -> None:
@@ -458,7 +472,8 @@ def _children_condition(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Deci
     """True once every pod of the (new) current attempt exists; else False with why (never an older attempt's)."""
     attempt = s.attempt if s.attempt is not None else 0
     same = attempt == (obs.observation.attempt if obs.observation is not None else attempt)
-    nodes = obs.attempt_nodes if obs.attempt_nodes is not None and same else spec.resources.nodes
+    nodes = s.nodes if s.nodes is not None else (
+        obs.attempt_nodes if obs.attempt_nodes is not None and same else spec.resources.nodes)
     present = {p.rank for p in obs.pods if p.attempt == attempt and not p.deleting}
     if obs.child_errors and d.action == Action.CREATE:
         e = obs.child_errors[0]
@@ -470,6 +485,24 @@ def _children_condition(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Deci
     else:
         reason = C.CREATING if d.action in (Action.CREATE, Action.KEEP) else (d.reason or C.CREATING)
         cond(C.CHILDREN_CREATED, "False", reason, f"{len(present)}/{nodes} pods of attempt {attempt} exist")
+
+
+def _full_size_condition(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, cond: Any) -> None:
+    """Elastic runs: whether the gang has ``maxNodes`` nodes (none for a run that is not elastic)."""
+    if spec.run_policy.elastic is None:
+        s.conditions[:] = [c for c in s.conditions if c.type != C.FULL_SIZE]
+        return
+    top = elastic_sizes(spec).stop - 1
+    n = s.nodes if s.nodes is not None else spec.resources.nodes
+    plan = s.observation.grow_to if s.observation is not None else None
+    if n >= top:
+        cond(C.FULL_SIZE, "True", C.AT_MAX_NODES, f"the gang has {n} nodes (runPolicy.elastic.maxNodes={top})")
+    elif plan is not None:
+        cond(C.FULL_SIZE, "False", C.GROW_PLANNED, f"the gang has {n} of {top} nodes; it grows to {plan} right after "
+             "its next complete checkpoint")
+    else:
+        cond(C.FULL_SIZE, "False", C.SHRUNK, f"the gang has {n} of {top} nodes (runPolicy.elastic.maxNodes); it grows "
+             "back once more nodes have been Ready and schedulable for runPolicy.elastic.growCheckSeconds")
 
 
 def _metrics_condition(s: LlamaPretrainStatus, pr: Progress, new_attempt: bool, cond: Any) -> None:

@@ -21,10 +21,12 @@ class _Env:
 
 @pytest.fixture
 def e2e(tmp_path: Path, request: pytest.FixtureRequest):
-    """The double, its kubelet (2 nodes; ``@pytest.mark.e2e_nodes(n)`` for n) and the checkpoint claim's folder."""
+    """The double, its kubelet (2 nodes; ``@pytest.mark.e2e_nodes(n)`` for n, ``e2e_nodes(n, ledger=True)`` to turn the
+    trainers' sample ledgers on) and the checkpoint claim's folder."""
     ckpt = tmp_path / "ckpt"
     marker = request.node.get_closest_marker("e2e_nodes")
     nodes = marker.args[0] if marker else 2
-    with Cluster() as c, Kubelet(c, tmp_path / "kubelet", nodes=nodes, claims={CLAIM: ckpt}) as k:
+    ledger = bool(marker.kwargs.get("ledger")) if marker else False
+    with Cluster() as c, Kubelet(c, tmp_path / "kubelet", nodes=nodes, claims={CLAIM: ckpt}, ledger=ledger) as k:
         yield _Env(c, k, ckpt)
         assert not k.errors, f"the e2e kubelet failed: {k.errors!r}"

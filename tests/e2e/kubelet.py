@@ -7,7 +7,9 @@ It plays the node agents of a small fake cluster against kmockx (tests/kmockx):
 - **Scheduling**: binds each new Pod of a LlamaPretrain (label ``kubetitan.io/name``) or of a Job (label
   ``batch.kubernetes.io/job-name``: the test plays the Job controller) to the ready node with
   the fewest live pods, honouring ``kubernetes.io/hostname NotIn`` node affinity (the planner's
-  avoid-nodes rule); gives it its own loopback address (127.0.0.2, 127.0.0.3, ...) as ``status.podIP``.
+  avoid-nodes rule) and a required pod anti-affinity on ``kubernetes.io/hostname`` (one pod of a gang per node: a
+  pod with no free node stays Pending, unbound, until one is); gives it its own loopback address (127.0.0.2,
+  127.0.0.3, ...) as ``status.podIP``.
 - **Containers**: runs the pod's own ``command + args`` with its ``env`` as a local process, with
   ``python`` replaced by ``sys.executable``. Env ``valueFrom.fieldRef`` is resolved like the downward API
   (``status.podIP``, ``status.hostIP``, ``spec.nodeName``, ``metadata.name``, ``metadata.namespace``,
@@ -145,6 +147,7 @@ class PodProc:
     term_sent: float | None = None
     oom: bool = False
     reported: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
 
     def live_pids(self) -> list[int]:
         return [p for p, start in self.pids.items() if _alive(p, start)]
@@ -163,14 +166,15 @@ class Kubelet:
 
     def __init__(self, cluster: Cluster, workdir: Path, nodes: int = 2, poll: float = 0.1,
                  claims: dict[str, Path] | None = None, run_as_pod_user: bool = False,
-                 fs_group_policy: str = "File") -> None:
+                 fs_group_policy: str = "File", ledger: bool = False) -> None:
         """``run_as_pod_user`` (needs root): run each container as its pod's ``securityContext`` user, group and
         ``fsGroup`` and apply ``fsGroup`` to volumes as a kubelet does: claims get it when ``fs_group_policy`` is
         ``File`` (a CSI driver's ``fsGroupPolicy``; ``None`` models FSx's default for ReadWriteMany claims),
         ``fsGroupChangePolicy: OnRootMismatch`` only when the root's group or mode is wrong; hostPath never,
-        and a missing ``DirectoryOrCreate`` hostPath is created ``root:root 0755``."""
+        and a missing ``DirectoryOrCreate`` hostPath is created ``root:root 0755``. ``ledger``: turn every rank's
+        sample ledger on in the materialised trainer.toml (``[kubetitan.data] ledger``, a test-only key)."""
         assert cluster.k is not None
-        self.run_as_pod_user, self.fs_group_policy = run_as_pod_user, fs_group_policy
+        self.run_as_pod_user, self.fs_group_policy, self.ledger = run_as_pod_user, fs_group_policy, ledger
         cluster.k.graceful_pod_deletion = True
         self.c, self.workdir, self.poll = cluster, Path(workdir), poll
         self.nodes = [f"node-{i}" for i in range(nodes)]
@@ -331,6 +335,14 @@ class Kubelet:
                 if e.get("key") == "kubernetes.io/hostname" and e.get("operator") == "NotIn":
                     avoid |= set(e.get("values") or [])
         load = {n: 0 for n in self.nodes if n not in self.dead and n not in avoid}
+        for term in ((spec.get("affinity") or {}).get("podAntiAffinity") or {}).get(
+                "requiredDuringSchedulingIgnoredDuringExecution") or []:
+            if term.get("topologyKey") != "kubernetes.io/hostname":
+                continue
+            want = (term.get("labelSelector") or {}).get("matchLabels") or {}
+            for p in self.pods.values():  # one pod per node: a node with a live matching pod is taken
+                if p.state != "Exited" and all(p.labels.get(k) == v for k, v in want.items()):
+                    load.pop(p.node, None)
         if not load:
             return  # stays Pending (no schedulable node)
         for p in self.pods.values():
@@ -343,7 +355,7 @@ class Kubelet:
             self._next_ip += 1
         d = self.workdir / ns / name
         d.mkdir(parents=True, exist_ok=True)
-        self.pods[(ns, name)] = PodProc(ns=ns, name=name, node=node, ip=ip, dir=d)
+        self.pods[(ns, name)] = PodProc(ns=ns, name=name, node=node, ip=ip, dir=d, labels=dict(meta.get("labels") or {}))
         self.c.patch(PODS, ns, name, {"spec": {"nodeName": node}})
         self.c.patch(PODS, ns, name, {"status": {
             "phase": "Pending", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": ip,
@@ -544,6 +556,8 @@ class Kubelet:
                 cfg = tomllib.loads(text)
                 if "kubetitan" in cfg:  # see the module docstring: one shared network namespace
                     cfg["kubetitan"]["metrics_host"] = pp.ip
+                    if self.ledger:
+                        cfg["kubetitan"].setdefault("data", {})["ledger"] = True
                 text = tomli_w.dumps(cfg)
             (d / key).write_text(text)
         return d

@@ -25,3 +25,17 @@ def test_a_hang_floor_that_is_not_positive_seconds_is_refused_with_the_fix(bad: 
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--hang-floor-seconds" in err and "is not a number of seconds above 0 (e.g. 30)" in err, err
+
+
+def test_the_admins_resize_interval_defaults_to_10_minutes_and_reaches_the_decision() -> None:
+    """``--resize-min-interval-seconds``: the cluster admin's cap on how often an elastic run resizes."""
+    from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+
+    assert _opts().resize_min_interval_seconds == DEFAULT_RESIZE_MIN_INTERVAL_SECONDS == 600
+    assert _opts("--resize-min-interval-seconds=1800").resize_min_interval_seconds == 1800.0
+
+
+def test_a_resize_interval_that_is_not_positive_seconds_is_refused_with_the_fix(capsys) -> None:
+    with pytest.raises(SystemExit):
+        _opts("--resize-min-interval-seconds=0")
+    assert "--resize-min-interval-seconds" in capsys.readouterr().err

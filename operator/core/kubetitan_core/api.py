@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from kubetitan_core import API_VERSION, KIND
-from kubetitan_core.causes import RESTART_CAUSES
+from kubetitan_core.causes import RESIZE_CAUSES, RESTART_CAUSES  # noqa: F401 - RESIZE_CAUSES re-exported
 
 
 class _Base(BaseModel):
@@ -422,6 +422,33 @@ class ResourcesSpec(_Base):
 
 
 # ---------------------------------------------------------------------- run policy
+class ElasticSpec(_Base):
+    """Elastic training: run on fewer nodes when a node is lost and no replacement comes, grow back at a
+    checkpoint when capacity returns. The global batch (`training.globalBatchSize`, or `localBatchSize` x the
+    data-parallel degree at `resources.nodes` when unset) stays the same at every size through gradient
+    accumulation, so the loss curve and the learning-rate schedule (in steps) are unchanged; a smaller gang trains
+    each step more slowly. Every size from `minNodes` to `maxNodes` must be a valid layout (the validator names the
+    sizes that are not). Needs data that resumes at another data-parallel degree (synthetic, shards, mixture of
+    shards: not a streamed Hugging Face dataset) and `parallelism.dataParallelShardDegree: -1`."""
+
+    min_nodes: int = Field(ge=1, le=4096)
+    """The fewest nodes the run trains on: it never shrinks below this; with fewer schedulable nodes it waits
+    (`Unschedulable`) like a run that is not elastic."""
+    max_nodes: int | None = Field(default=None, ge=1, le=4096)
+    """The most nodes the run grows to when capacity allows. Defaults to `resources.nodes` (the size the run starts
+    at)."""
+    shrink_after_seconds: int = Field(default=300, ge=0, le=86400)
+    """How long the run waits for a replacement after it lost a node (or while pods of the gang cannot be
+    scheduled) before it restarts at the largest size the schedulable nodes fit (at least `minNodes`)."""
+    grow_check_seconds: int = Field(default=600, ge=0, le=86400)
+    """How long enough nodes must have been Ready and schedulable for the pods (node selector, tolerations, nodes
+    the run avoids) before a shrunk run plans to grow: it grows right after its next complete checkpoint (save,
+    then re-create the gang larger)."""
+    max_resizes: int = Field(default=10, ge=0, le=10000)
+    """Resizes (shrinks and grows) allowed in the run: their own budget, apart from `maxRestarts`. Once used up the
+    run keeps its size (and waits for nodes like a run that is not elastic)."""
+
+
 class RunPolicySpec(_Base):
     """What the operator does when things go wrong, and when the run ends."""
 
@@ -471,6 +498,9 @@ class RunPolicySpec(_Base):
     """Delete the LlamaPretrain this long after it succeeded or failed. Unset keeps it."""
     cleanup_policy: Literal["None", "Running", "All"] = "Running"
     """Pods deleted when the run finishes: `None`, the still-`Running` ones, or `All`."""
+    elastic: ElasticSpec | None = None
+    """Shrink the gang when a node is lost and no replacement comes; grow it back at a checkpoint when capacity
+    returns. Unset: the run always trains on `resources.nodes` nodes."""
 
 
 class SchedulingSpec(_Base):
@@ -602,6 +632,10 @@ class RestartRecord(_Base):
     rank 0 trained after that scrape are not counted (never more than the truth)."""
     startup: StartupPhases | None = None
     """The start-up of the workers that followed this restart, phase by phase (set once they trained a step)."""
+    from_nodes: int | None = None
+    """`Shrink`/`Grow`: the gang's size (nodes) before the resize."""
+    to_nodes: int | None = None
+    """`Shrink`/`Grow`: the gang's size (nodes) of the next attempt."""
 
 
 class TrainingStatus(_Base):
@@ -680,6 +714,10 @@ class AttemptObservation(_Base):
     """Pod rank whose worker failure began the current generation."""
     step_seconds_median: float | None = None
     """Median step time of the current generation's recent steps (the automatic hang timeout scales with it)."""
+    grow_to: int | None = None
+    """A planned grow (`runPolicy.elastic`): the size the gang grows to right after its next complete checkpoint."""
+    grow_after_step: int | None = None
+    """The planned grow waits for a complete checkpoint newer than this step."""
 
 
 class StatusEvent(_Base):
@@ -709,7 +747,12 @@ class LlamaPretrainStatus(_Base):
     attempt: int | None = None
     """Current attempt number (0 for the first gang, +1 per restart)."""
     restart_count: int = 0
-    """Number of gang restarts so far."""
+    """Number of gang restarts so far (resizes not included: `resizeCount`)."""
+    nodes: int | None = None
+    """Nodes of the current attempt's gang: `resources.nodes`, or with `runPolicy.elastic` the size the run
+    trains at now."""
+    resize_count: int = 0
+    """Resizes (`Shrink`/`Grow` restarts) so far (`runPolicy.elastic.maxResizes`)."""
     restarts: list[RestartRecord] = Field(default_factory=list)
     """The newest restarts (at most 50), oldest first."""
     training: TrainingStatus | None = None
@@ -765,6 +808,14 @@ def reads_s3_shards(s: LlamaPretrainSpec) -> bool:
     return any(v.startswith("s3://") for v in used)
 
 
+def elastic_sizes(spec: LlamaPretrainSpec) -> range:
+    """The gang sizes an elastic run may train at (``minNodes``..``maxNodes``); only ``resources.nodes`` otherwise."""
+    e = spec.run_policy.elastic
+    if e is None:
+        return range(spec.resources.nodes, spec.resources.nodes + 1)
+    return range(e.min_nodes, (e.max_nodes if e.max_nodes is not None else spec.resources.nodes) + 1)
+
+
 def processes_per_node(spec: LlamaPretrainSpec) -> int:
     """torchrun's ``--nproc-per-node``: explicit, else one per GPU, else 1 on CPU."""
     r = spec.resources
@@ -791,6 +842,37 @@ def resolved_dp_shard(spec: LlamaPretrainSpec) -> int | None:
     )
     ws = world_size(spec)
     return ws // others if ws % others == 0 and ws >= others else None
+
+
+def dp_degree(spec: LlamaPretrainSpec) -> int | None:
+    """The data-parallel degree (shard x replicate) the batch is split over; None when the degrees do not divide the
+    world."""
+    shard = resolved_dp_shard(spec)
+    return None if shard is None else shard * spec.parallelism.data_parallel_replicate_degree
+
+
+def global_batch(spec: LlamaPretrainSpec) -> int | None:
+    """The global batch in samples: ``training.globalBatchSize``, else ``localBatchSize`` x the data-parallel degree
+    at ``resources.nodes`` (an elastic run keeps it at every size); None when the degrees do not divide the world."""
+    t = spec.training
+    if t.global_batch_size is not None:
+        return t.global_batch_size
+    dp = dp_degree(spec)
+    return None if dp is None else t.local_batch_size * dp
+
+
+def at_size(spec: LlamaPretrainSpec, nodes: int) -> LlamaPretrainSpec:
+    """``spec`` as one attempt of ``nodes`` nodes trains it: ``resources.nodes`` set to the attempt's size and, for an
+    elastic run, the global batch pinned (gradient accumulation makes up the difference at a smaller size). The
+    spec itself when the size is its own."""
+    if nodes == spec.resources.nodes:
+        return spec
+    gb = global_batch(spec)
+    out = spec.model_copy(deep=True)
+    out.resources.nodes = nodes
+    if spec.run_policy.elastic is not None and gb is not None:
+        out.training.global_batch_size = gb
+    return out
 
 
 def model_in(annotation: Any) -> type[BaseModel] | None:

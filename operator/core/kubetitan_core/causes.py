@@ -72,6 +72,10 @@ class Cause:
     (required anti-affinity). None: the node is not blamed (a crashed container says nothing about its node)."""
     alert: str = ""
     """Name of the Prometheus alert of this cause's own, if any (``kubetitan.monitoring.alerts``)."""
+    resize: bool = False
+    """A planned change of the gang's size (``runPolicy.elastic``), decided by the operator from the nodes, never read
+    from a pod: it counts toward ``elastic.maxResizes`` instead of ``maxRestarts``/``maxRestartsWithoutProgress``, and
+    the next attempt starts without backoff."""
     _compiled: tuple[re.Pattern[str], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +101,9 @@ class Cause:
         """What a restart of this cause counts against (docs)."""
         if not self.retried:
             return "none: the run fails"
+        if self.resize:
+            return "`runPolicy.elastic.maxResizes` (not `maxRestarts`); at most one resize per the operator's " \
+                "`--resize-min-interval-seconds`"
         out = ["`maxRestarts`", "`maxRestartsWithoutProgress`"]
         if self.in_place:
             out.append("`maxInPlaceRestarts` (in place)")
@@ -191,6 +198,14 @@ CAUSES: tuple[Cause, ...] = (
     Cause("PodDeleted", "A pod of the attempt was deleted by someone other than the operator (by hand, a script) "
           "after the operator had seen it, with no `DisruptionTarget` that names another cause.",
           in_place=False, recreate=True, severity="info"),
+    Cause("Shrink", "`runPolicy.elastic`: a node of the gang was lost (or a pod of it could not be placed) and too few "
+          "schedulable nodes could replace it for `shrinkAfterSeconds`: the next attempt runs on the largest number "
+          "that fits (at least `minNodes`), resuming the newest checkpoint with the same global batch.",
+          in_place=False, recreate=True, severity="info", resize=True),
+    Cause("Grow", "`runPolicy.elastic`: more nodes have been Ready and schedulable for the pods for "
+          "`growCheckSeconds`: right after the attempt's next complete checkpoint its pods save again on SIGTERM and "
+          "the gang is re-created larger (up to `maxNodes`), resuming that save.", in_place=False, recreate=True,
+          severity="info", resize=True),
     Cause(UNKNOWN, "The attempt ended and no cause could be attributed.", in_place=True, recreate=True),
     # --- causes that end the run (the launcher does not restart them in place; the operator does not retry)
     Cause("ImagePullFailed", "The kubelet cannot pull the trainer image (`ErrImagePull`, `ImagePullBackOff`, "
@@ -218,6 +233,8 @@ which piece of evidence is read first is ``classify_pod``'s (no exit code or rea
 
 RESTART_CAUSES: tuple[str, ...] = tuple(c.id for c in CAUSES if c.retried)
 """The values of ``status.restarts[].cause``."""
+RESIZE_CAUSES: frozenset[str] = frozenset(c.id for c in CAUSES if c.resize)
+"""Restarts that change the gang's size (``Shrink``, ``Grow``): their own budget, ``runPolicy.elastic.maxResizes``."""
 
 
 def by_id(cause_id: str, table: Sequence[Cause] = CAUSES) -> Cause:
@@ -311,7 +328,8 @@ def avoided_nodes(blamed: Iterable[tuple[str | None, str]], table: Sequence[Caus
 
 
 __all__ = [
-    "APPLICATION_XIDS", "CAUSES", "CONTAINER_FAILED", "Cause", "GPU_FAULT_XIDS", "RESTART_CAUSES", "UNKNOWN",
+    "APPLICATION_XIDS", "CAUSES", "CONTAINER_FAILED", "Cause", "GPU_FAULT_XIDS", "RESIZE_CAUSES", "RESTART_CAUSES",
+    "UNKNOWN",
     "avoided_nodes", "by_disruption", "by_exit_code", "by_id", "by_message", "by_pod_reason", "by_terminated_reason",
     "by_waiting_reason", "describe", "WorkerCause", "worker_cause",
 ]

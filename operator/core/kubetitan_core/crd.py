@@ -63,6 +63,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
      "description": "Step of the newest complete checkpoint."},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restartCount",
      "description": "Gang restarts so far."},
+    {"name": "Nodes", "type": "integer", "jsonPath": ".status.nodes",
+     "description": "Nodes of the current attempt's gang (runPolicy.elastic shrinks and grows it)."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1,
      "description": "Current attempt number."},

@@ -18,6 +18,7 @@ Each error names the field path, what is wrong, and how to fix it.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,10 @@ from pydantic import ValidationError
 from kubetitan_core import API_VERSION, KIND, contract, k8sfields
 from kubetitan_core.api import (
     LlamaPretrain,
+    at_size,
+    dp_degree,
+    elastic_sizes,
+    global_batch,
     LlamaPretrainSpec,
     ModelSpec,
     model_in,
@@ -250,6 +255,14 @@ RULES: tuple[Rule, ...] = (
              "self.runPolicy.maxBackoffSeconds >= self.runPolicy.backoffSeconds",
              "runPolicy.maxBackoffSeconds must be at least runPolicy.backoffSeconds",
              ".runPolicy.maxBackoffSeconds")),
+    Rule("elastic.range", "spec.runPolicy.elastic", "minNodes <= resources.nodes <= maxNodes"),
+    Rule("elastic.layouts", "spec.runPolicy.elastic", "every size from minNodes to maxNodes is a valid layout: "
+         "dataParallelShardDegree -1, the other degrees divide the processes, a shard degree above 1 for FP8 "
+         "all-gather, and the global batch reachable exactly by gradient accumulation (a multiple of localBatchSize "
+         "x the data-parallel degree at that size)"),
+    Rule("elastic.data", "spec.data", "data that resumes at another data-parallel degree (no hub-streamed source: "
+         "its position is per rank)"),
+    Rule("elastic.needs-checkpoint", "spec.checkpoint.enabled", "a resize resumes from a checkpoint"),
     Rule("monitoring.port", "spec.monitoring.metricsPort", "not torchrun's rendezvous port 29500"),
     Rule("path.no-dot-dot", "spec.checkpoint.mountPath, data.mountPath, checkpoint.storage.hostPath, tokenizer.path, "
          "data.shards.path, data.mixture[].shards.path, data.eval.shards.path", "absolute, no '..' component (a "
@@ -933,6 +946,92 @@ def _run_policy_backoff_order(f: Facts) -> Problems:
     if rp.max_backoff_seconds < rp.backoff_seconds:
         yield "spec.runPolicy.maxBackoffSeconds", (f"{rp.max_backoff_seconds} is below backoffSeconds "
                                                    f"({rp.backoff_seconds}); raise it")
+
+
+# ---- elastic training (runPolicy.elastic)
+@check("elastic.range")
+def _elastic_range(f: Facts) -> Problems:
+    e, n = f.spec.run_policy.elastic, f.spec.resources.nodes
+    if e is None:
+        return
+    top = e.max_nodes if e.max_nodes is not None else n
+    if e.min_nodes > n:
+        yield "spec.runPolicy.elastic.minNodes", (f"{e.min_nodes} is above resources.nodes ({n}), the size the run "
+                                                 f"starts at; set minNodes to at most {n}")
+    if top < n:
+        yield "spec.runPolicy.elastic.maxNodes", (f"{top} is below resources.nodes ({n}), the size the run starts at; "
+                                                 f"set maxNodes to at least {n} or leave it unset (= {n})")
+
+
+_SIZE_RULES = ("parallelism.product", "parallelism.ddp-1d", "training.global-batch", "float8.all-gather-dp",
+               "metadata.name")
+"""The rules that depend on the gang's size: ``elastic.layouts`` runs them at every size of the elastic range."""
+
+
+def _size_errors(f: Facts, n: int) -> list[FieldError]:
+    """The size-dependent errors of the spec at ``n`` nodes (the global batch pinned as an elastic run pins it)."""
+    spec = at_size(f.spec, n)
+    if spec is f.spec:  # the spec's own size: its own rules report it
+        return []
+    if spec.training.global_batch_size is None:
+        spec.training.global_batch_size = global_batch(f.spec)
+    sized = Facts.of(f.obj.model_copy(update={"spec": spec}))
+    return [e for rid in _SIZE_RULES for e in CHECKS[rid](sized)]
+
+
+@check("elastic.layouts")
+def _elastic_layouts(f: Facts) -> Problems:
+    s, e = f.spec, f.spec.run_policy.elastic
+    if e is None:
+        return
+    if s.parallelism.data_parallel_shard_degree != -1:
+        yield "spec.parallelism.dataParallelShardDegree", (
+            f"{s.parallelism.data_parallel_shard_degree} fixes the number of processes, so the gang cannot change "
+            "size; set dataParallelShardDegree: -1 (every process the other degrees leave) with runPolicy.elastic")
+        return
+    sizes = list(elastic_sizes(s))
+    gb = global_batch(s)
+    if len(sizes) < 2 or gb is None or s.resources.nodes not in sizes:
+        return  # one size: the spec's own rules; no global batch: parallelism.product, a bad range: elastic.range
+    bad = {n: errs for n in sizes if (errs := _size_errors(f, n))}
+    if not bad:
+        return
+    good = [n for n in sizes if n not in bad]
+    per = "; ".join(f"at {n} node(s) {errs[0].message.split('; ')[0]}" for n, errs in bad.items())  # the what
+    fix = [f"narrow minNodes..maxNodes to sizes that work ({', '.join(map(str, good))})" if good else
+           "no size in the range works"]
+    batch_bad = [n for n, errs in bad.items() if all(x.rule == "training.global-batch" for x in errs)]
+    if batch_bad:
+        micro = [s.training.local_batch_size * (dp_degree(at_size(s, n)) or 1) for n in sizes]
+        lcm = math.lcm(*micro)
+        fix.append(f"or set training.globalBatchSize to a multiple of {lcm} (localBatchSize x the data-parallel "
+                   f"degree of every size: {', '.join(map(str, micro))}) so that gradient accumulation keeps it "
+                   "exactly at every size")
+    which = f"sizes {', '.join(map(str, bad))} are not valid layouts" if len(bad) > 1 else \
+        f"size {next(iter(bad))} is not a valid layout"
+    yield "spec.runPolicy.elastic", (
+        f"{which} of minNodes..maxNodes ({sizes[0]}..{sizes[-1]}) "
+        f"for a global batch of {gb} samples: {per}; {' '.join(fix)}")
+
+
+@check("elastic.data")
+def _elastic_data(f: Facts) -> Problems:
+    if f.spec.run_policy.elastic is None:
+        return
+    streamed = contract.per_rank_sources(f.spec.data)
+    if streamed:
+        yield "spec.data", (
+            f"runPolicy.elastic resumes the run at another data-parallel degree, but {', '.join(streamed)} "
+            "keep(s) a per-rank position in a streamed Hugging Face dataset that cannot be resumed at another degree; "
+            "tokenize the data into shards first (kubetitan prepare-data, data.source: shards) or remove "
+            "runPolicy.elastic")
+
+
+@check("elastic.needs-checkpoint")
+def _elastic_needs_checkpoint(f: Facts) -> Problems:
+    if f.spec.run_policy.elastic is not None and not f.spec.checkpoint.enabled:
+        yield "spec.checkpoint.enabled", ("runPolicy.elastic resizes the gang by resuming a checkpoint at the new "
+                                          "size; set checkpoint.enabled: true or remove runPolicy.elastic")
 
 
 @check("monitoring.port")

@@ -112,8 +112,8 @@ def efficiency_alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
             f"{LPT} was gang-restarted {{{{ $value | humanize }}}} times in the last {cfg.restart_rate_window}. "
             "Check the restart causes in `kubectl get lpt -o yaml` (status.restarts) and the "
             "kubetitan_operator_restarts_total series by cause: each of "
-            f"{', '.join(x.id for x in causes.CAUSES if x.retried)} points at a different fix (the runbook's "
-            "Restart causes section).",
+            f"{', '.join(x.id for x in causes.CAUSES if x.retried and not x.resize)} points at a different fix (the "
+            "runbook's Restart causes section).",
         ),
         Alert(
             "KubeTitanMFUDropped",

@@ -112,7 +112,7 @@ async def create_attempt(ctx: Context, snap: Snapshot, memory: RunMemory, status
     present = ({p.name for p in snap.current} | set(snap.children_shown or ())) if only is None else set()
     lpt, spec_of_attempt = _spec_of_attempt(snap, memory, only is not None or started)
     children = plan.attempt_children(lpt, attempt, job_start_time=parse_time(status.start_time), avoid_nodes=avoid,
-                                     hang_floor_seconds=ctx.options.hang_floor_seconds)
+                                     hang_floor_seconds=ctx.options.hang_floor_seconds, nodes=status.nodes)
     cm = next(c for c in children if c["kind"] == "ConfigMap")
     cm["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_SPEC] = json.dumps(
         spec_of_attempt, sort_keys=True, separators=(",", ":"))

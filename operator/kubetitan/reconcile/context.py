@@ -11,6 +11,7 @@ from typing import Any
 from kubetitan import policy
 from kubetitan import webhook as webhook_mod
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
+from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
 from kubetitan.events import Recorder
 from kubetitan.kube import Client
 from kubetitan.leader import AlwaysLeader, LeaseConfig
@@ -45,6 +46,8 @@ class Options:
     """Scrapes in flight at once across all runs (``--scrape-concurrency``)."""
     hang_floor_seconds: float = float(AUTO_HANG_FLOOR_SECONDS)
     """The floor of ``runPolicy.hangTimeoutPolicy: Auto`` (``--hang-floor-seconds``)."""
+    resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+    """The least time between two resizes of an elastic run (``--resize-min-interval-seconds``)."""
     clock: Callable[[], float] = time.time
     """Source of 'now' for every decision; tests pass a faster clock instead of lowering API minimums."""
     policy: policy.Policy = field(default_factory=policy.Policy)

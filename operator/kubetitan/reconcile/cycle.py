@@ -60,7 +60,7 @@ async def cycle(ctx: Context, body: Mapping[str, Any], pods_index: Any, *, pods_
                 await report.invalid(ctx, snap, memory)
                 return Outcome(errors=list(snap.errors))
             await report.observation(ctx, snap, memory)
-            obs = decision_inputs(snap, ctx.options.hang_floor_seconds)
+            obs = decision_inputs(snap, ctx.options.hang_floor_seconds, ctx.options.resize_min_interval_seconds)
             d = decide(snap.lpt.spec, snap.status, obs)
             if d.stale_status:  # another replica moved the run on while this one was paused: act later
                 await reread(ctx, memory, snap)

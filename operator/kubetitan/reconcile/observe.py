@@ -16,12 +16,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubetitan_core import validation, warning_rules
-from kubetitan import plan, policy, scraped
+from kubetitan import elastic, plan, policy, scraped
+from kubetitan.decide import nodes_to_avoid
 from kubetitan import status as status_mod
 from kubetitan.observe import pod_obs, spec_changes
 from kubetitan.reconcile.context import ANNOTATION_APPLIED_SPEC, Context
 from kubetitan.reconcile.memory import RunMemory
-from kubetitan.reconcile.snapshot import Scrape, Snapshot, child_names, children_of, nodes_of, pods_of
+from kubetitan.reconcile.snapshot import Scrape, Snapshot, all_nodes, child_names, children_of, nodes_of, pods_of
 
 
 def read_run(memory: RunMemory, body: Mapping[str, Any], now: float, pol: policy.Policy | None) -> Snapshot:
@@ -49,6 +50,9 @@ async def observe(ctx: Context, memory: RunMemory, body: Mapping[str, Any], *, p
     nodes = nodes_of(nodes_index, pods)
     snap = dataclasses.replace(snap, pods=pods, nodes=nodes, children_shown=children_of(children_index, snap.uid,
                                                                                          snap.name))
+    if snap.lpt.spec.run_policy.elastic is not None:  # the nodes that fit one pod of the gang (only then: a walk)
+        snap = dataclasses.replace(snap, capacity=elastic.run_capacity(
+            snap.lpt, snap.attempt, nodes_to_avoid(snap.status.restarts), all_nodes(nodes_index), snap.now))
     scrape = await _scrape(ctx, memory, snap)
     current = snap.current
     if current and not memory.applied_loaded:

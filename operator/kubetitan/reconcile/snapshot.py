@@ -18,7 +18,8 @@ from kubetitan import conditions as C
 from kubetitan import plan, policy
 from kubetitan import status as status_mod
 from kubetitan_core.api import LlamaPretrainStatus
-from kubetitan.decide import ChildError, NodeObs, Observed, PodObs
+from kubetitan.decide import Capacity, ChildError, NodeObs, Observed, PodObs
+from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
 from kubetitan.observe import node_obs
 
 
@@ -78,6 +79,8 @@ class Snapshot:
     child_errors: tuple[ChildError, ...] = ()
     """The API's refusals of the last create round of the current attempt."""
     scrape: Scrape = field(default_factory=Scrape)
+    capacity: Capacity | None = None
+    """Elastic runs: the nodes that fit one pod of the gang (``kubetitan.elastic``); None otherwise."""
 
     @property
     def attempt(self) -> int:
@@ -150,7 +153,13 @@ def child_names(name: str) -> tuple[str, str]:
     return plan.config_map_name(name), plan.service_name(name)
 
 
-def decision_inputs(snap: Snapshot, hang_floor_seconds: float) -> Observed:
+def all_nodes(index: Any) -> list[NodeObs]:
+    """Every node the ``lpt_nodes`` index holds (an elastic run's capacity)."""
+    return [v for key in index for v in index[key] if v is not None] if index is not None else []
+
+
+def decision_inputs(snap: Snapshot, hang_floor_seconds: float,
+                    resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS) -> Observed:
     """``decide.Observed`` from the snapshot: this read folded into the persisted observation (``status.track``)."""
     sc, old = snap.scrape, snap.status
     seen = status_mod.track(old.observation, snap.attempt, snap.now, metrics=sc.metrics, scrape_error=sc.error,
@@ -163,4 +172,5 @@ def decision_inputs(snap: Snapshot, hang_floor_seconds: float) -> Observed:
                                spec_deferred=deferred, training=training, child_errors=snap.child_errors,
                                missing_children=snap.missing, attempt_steps=snap.attempt_spec("training", "steps"),
                                attempt_nodes=snap.attempt_spec("resources", "nodes"),
-                               hang_floor_seconds=hang_floor_seconds)
+                               hang_floor_seconds=hang_floor_seconds, capacity=snap.capacity,
+                               resize_min_interval_seconds=resize_min_interval_seconds)
