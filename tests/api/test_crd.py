@@ -237,8 +237,8 @@ def test_printer_column_points_at_a_real_field(column):
 def test_printer_columns_names_and_wide_only():
     cols = VERSION["additionalPrinterColumns"]
     assert [c["name"] for c in cols if not c.get("priority")] == [
-        "Phase", "Progress", "Loss", "Tok/s", "MFU", "Ckpt", "Restarts", "Nodes", "Age"]
-    assert [c["name"] for c in cols if c.get("priority") == 1] == ["Attempt", "ETA", "Message"]
+        "Phase", "Progress", "Loss", "Tok/s", "MFU", "Ckpt", "Restarts", "Age"]
+    assert [c["name"] for c in cols if c.get("priority") == 1] == ["Nodes", "Attempt", "ETA", "Message"]
 
 
 # ------------------------------------------------------------------------ CEL rules

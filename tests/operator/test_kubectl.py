@@ -34,8 +34,8 @@ def test_kubectl_apply_and_get_shows_printer_columns(cluster: Cluster, tmp_path:
         wait_for(lambda: cluster.status(NS, "kc").get("phase") == "Starting", 20, "phase")
         table = kubectl(cluster, "get", "lpt", "-n", NS)
         header, row = table.splitlines()[:2]
-        assert header.split() == ["NAME", "PHASE", "PROGRESS", "LOSS", "TOK/S", "MFU", "CKPT", "RESTARTS", "NODES",
-                                  "AGE"]
-        assert row.split()[:3] == ["kc", "Starting", "0/100"] and row.split()[7:9] == ["0", "2"], row
-        wide = kubectl(cluster, "get", "lpt", "kc", "-n", NS, "-o", "wide")
-        assert wide.splitlines()[0].split()[-3:] == ["ATTEMPT", "ETA", "MESSAGE"]
+        assert header.split() == ["NAME", "PHASE", "PROGRESS", "LOSS", "TOK/S", "MFU", "CKPT", "RESTARTS", "AGE"]
+        assert row.split()[:3] == ["kc", "Starting", "0/100"] and row.split()[7] == "0", row
+        wide = kubectl(cluster, "get", "lpt", "kc", "-n", NS, "-o", "wide").splitlines()
+        assert wide[0].split()[-4:] == ["NODES", "ATTEMPT", "ETA", "MESSAGE"]
+        assert wide[1].split()[9] == "2", wide[1]  # the gang's size, after AGE

@@ -63,9 +63,10 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
      "description": "Step of the newest complete checkpoint."},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restartCount",
      "description": "Gang restarts so far."},
-    {"name": "Nodes", "type": "integer", "jsonPath": ".status.nodes",
-     "description": "Nodes of the current attempt's gang (runPolicy.elastic shrinks and grows it)."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # After the fixed default columns (DESIGN.md): `kubectl get lpt -o wide` shows it.
+    {"name": "Nodes", "type": "integer", "jsonPath": ".status.nodes", "priority": 1,
+     "description": "Nodes of the current attempt's gang (runPolicy.elastic shrinks and grows it)."},
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1,
      "description": "Current attempt number."},
     # A string, not a date: kubectl prints future dates as "<invalid>".
