@@ -420,3 +420,17 @@ def test_the_scrape_bounds_reach_the_operator_and_nonsense_is_refused():
     assert (opts.scrape_max_bytes, opts.scrape_timeout, opts.scrape_concurrency) == (1048576, 2.0, 2)
     with pytest.raises(AssertionError, match=r"(?s)failed:.*operator.scrape.maxBytes"):
         render([], ["operator.scrape.maxBytes=0"])
+
+
+def test_the_resize_interval_reaches_the_operator_and_nonsense_is_refused():
+    """operator.resizeMinIntervalSeconds becomes --resize-min-interval-seconds (the default is the operator's own)."""
+    from kubetitan import decide, runner
+
+    def parsed(sets):
+        (c,) = by_kind(render([], sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+        return runner.options_from_args(runner.build_parser().parse_args(c["args"]))
+
+    assert parsed([]).resize_min_interval_seconds == decide.DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+    assert parsed(["operator.resizeMinIntervalSeconds=1800"]).resize_min_interval_seconds == 1800
+    with pytest.raises(AssertionError, match=r"(?s)failed:.*resizeMinIntervalSeconds"):
+        render([], ["operator.resizeMinIntervalSeconds=0"])
