@@ -18,6 +18,7 @@ is launched cold too.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
@@ -35,8 +36,8 @@ IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", 
                    "HF_", "TMPDIR", "LANG", "LC_")
 """Variables read when torch (or a library it loads) is imported (or the interpreter starts): a launch is forked
 from a warm parent started with the same values."""
-RUNTIME_ENV = ("TORCH_NCCL_",)
-"""Exceptions read only when used (a process group's construction), not at import."""
+RUNTIME_ENV = ("TORCH_NCCL_", "PYTHONUNBUFFERED")
+"""Exceptions: read when used (a process group's construction), or applied by the fork itself (``-u``'s streams)."""
 ENV_COLD = "KUBETITAN_TEST_COLD_LAUNCH"
 
 
@@ -123,6 +124,19 @@ class _Zygote:
 
 _zygotes: dict[frozenset, _Zygote] = {}
 _lock = threading.Lock()
+
+
+@atexit.register
+def _stop_zygotes() -> None:
+    """End the warm parents with the test process and wait for them (their children's CPU time is then counted in
+    this process's, as a cold launch's is)."""
+    for z in list(_zygotes.values()):
+        try:
+            if z.proc.stdin is not None:
+                z.proc.stdin.close()
+            z.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
 
 
 def _at_import(env: dict[str, str]) -> frozenset:

@@ -24,6 +24,7 @@ import runpy
 import select
 import signal
 import sys
+import time
 import traceback
 
 PRELOAD = (
@@ -79,6 +80,13 @@ def _child(req: dict, wakeup: tuple[int, int]) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     sys.path[0] = os.getcwd()  # as ``python -m`` does
+    if os.environ.get("PYTHONUNBUFFERED"):  # as ``python -u``: unbuffered binary layer, text written through
+        import io
+
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            old = getattr(sys, name)
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,
+                                                errors=old.errors, write_through=True))
     sys.argv = ["-m", *req["args"]]
     try:
         runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
@@ -105,8 +113,11 @@ def _child(req: dict, wakeup: tuple[int, int]) -> None:
 
 
 def _report(msg: dict) -> None:
-    sys.stdout.write(json.dumps(msg) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(msg) + "\n")
+        sys.stdout.flush()
+    except OSError:  # the test process is gone (a broken pipe): nobody to tell
+        pass
 
 
 def _reap() -> None:
@@ -118,6 +129,20 @@ def _reap() -> None:
         if pid == 0:
             return
         _report({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+def _reap_all(deadline: float) -> None:
+    _reap()
+    while _children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+        _reap()
+
+
+def _children() -> list[int]:
+    try:
+        return [int(x) for x in open(f"/proc/self/task/{os.getpid()}/children").read().split()]
+    except OSError:
+        return []
 
 
 def main() -> None:
@@ -139,7 +164,8 @@ def main() -> None:
             os.read(wakeup[0], 4096)
         if 0 in ready:
             data = os.read(0, 1 << 16)
-            if not data:
+            if not data:  # the test process is ending: wait (bounded) for what is left, so its CPU time is counted
+                _reap_all(deadline=time.monotonic() + 5)
                 return
             buf += data
             while b"\n" in buf:
