@@ -1,19 +1,20 @@
 """Launch ``python -m MODULE`` for a trainer test, forked from a warm parent that has imported torch already.
 
 Every launch of the trainer's launcher used to import torch and what torchtitan imports from it (Inductor, FSDP,
-the datasets library, ...): about 4 CPU seconds of each launch, and the trainer tests launch ~25 times. One warm
-parent per test process (``tests/support/zygote.py``) imports them once; each :func:`popen` is a fork of it that runs
-the module with the given arguments, environment, working directory and log, as the command line would, and
-returns a handle with the ``subprocess.Popen`` methods the tests use (``pid``, ``poll``, ``wait``,
-``send_signal``, ``terminate``, ``kill``, ``returncode``).
+the datasets library, ...): about 4 CPU seconds of each launch, ~25 launches in the trainer tests and one per pod of
+every e2e gang start. One warm parent per test process (``tests/support/zygote.py``) imports them once; each
+:func:`popen` is a fork of it that runs the module with the given arguments, environment, working directory, log,
+session and (e2e pods) mount and UTS namespace, as the command line would, and returns a handle with the
+``subprocess.Popen`` methods the tests use (``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``,
+``returncode``).
 
 What the tests still exercise: the launcher's whole ``main`` (torchrun's agent, its own warm-up and forks of the
 workers, signals, exit codes) and the workers; torchtitan and kubetitan are imported by each launch itself. What
-they do not: a cold interpreter's import of torch. That is covered by every test that starts the launcher
-otherwise (the e2e kubelet's pods, ``kubetitan run`` in tests/trainer/test_local_run.py, tests/monitoring), and
-by ``KUBETITAN_TEST_COLD_LAUNCH=1``, which makes :func:`popen` start every launch cold. An environment that
-differs from the warm parent's in what torch reads at import (``OMP_*``, ``MKL_*``, ``TORCH*``, ``PYTHON*``, ...)
-is launched cold too.
+they do not: a cold interpreter's import of torch. That is covered by the tests that start the launcher otherwise
+(``kubetitan run`` in tests/trainer/test_local_run.py, tests/monitoring/test_live_prometheus.py, test_units' bad
+config launches, the e2e pods that run as another user), and by ``KUBETITAN_TEST_COLD_LAUNCH=1``, which makes
+:func:`popen` start every launch cold. A launch whose environment differs in what is read at import
+(:data:`IMPORT_TIME_ENV`: ``OMP_*``, ``TORCH*``, ``PYTHON*``, ``HF_*``, ...) is forked from a warm parent of its own.
 """
 
 from __future__ import annotations
