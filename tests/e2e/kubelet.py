@@ -11,7 +11,9 @@ It plays the node agents of a small fake cluster against kmockx (tests/kmockx):
   pod with no free node stays Pending, unbound, until one is); gives it its own loopback address (127.0.0.2,
   127.0.0.3, ...) as ``status.podIP``.
 - **Containers**: runs the pod's own ``command + args`` with its ``env`` as a local process, with
-  ``python`` replaced by ``sys.executable``. Env ``valueFrom.fieldRef`` is resolved like the downward API
+  ``python`` replaced by ``sys.executable``; a ``python -m MODULE`` container (the trainer's launcher) is forked
+  from a warm parent that imported torch once (``tests/support/warm.py``; ``KUBETITAN_TEST_COLD_LAUNCH=1`` starts
+  each cold). Env ``valueFrom.fieldRef`` is resolved like the downward API
   (``status.podIP``, ``status.hostIP``, ``spec.nodeName``, ``metadata.name``, ``metadata.namespace``,
   ``metadata.labels['k']``, ``metadata.annotations['k']``).
   Nothing is mounted: the ConfigMap mounted at ``/etc/kubetitan`` is written into a temp dir and
@@ -68,6 +70,7 @@ import kmock
 import tomli_w
 
 from kmockx.harness import PODS, Cluster, free_port
+from support import warm
 
 LABEL_NAME = "kubetitan.io/name"
 LABEL_JOB_NAME = "batch.kubernetes.io/job-name"
@@ -138,7 +141,7 @@ class PodProc:
     ip: str
     dir: Path
     state: str = "Bound"  # Bound -> Running -> Exited
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | warm.WarmProcess | None = None
     pids: dict[int, int] = field(default_factory=dict)
     """Every process of the container seen so far: pid -> its start time (a reused pid is someone else's)."""
     started_at: str | None = None
@@ -458,14 +461,20 @@ class Kubelet:
             # Drop to the pod's user after the (root-only) mount and hostname, like a runtime entering the container.
             argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}",
                     f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--", *argv]
-        if NAMESPACES:
-            script = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
-            argv = ["unshare", "--mount", "--uts", "--", "sh", "-c", script, "kubelet",
-                    str(pp.dir / "hosts"), spec.get("hostname") or pp.name, *argv]
-        log = open(pp.dir / "container.log", "ab")
-        pp.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, cwd=str(pp.dir))
-        log.close()
+        hosts = (pp.dir / "hosts", spec.get("hostname") or pp.name) if NAMESPACES else None
+        if ids is None and len(argv) > 2 and argv[:2] == [sys.executable, "-m"]:
+            # python -m MODULE: forked from a warm parent that imported torch once (tests/support/warm.py)
+            pp.proc = warm.popen(argv[2], argv[3:], env, pp.dir / "container.log", cwd=pp.dir, new_session=True,
+                                 namespaces=hosts)
+        else:
+            if hosts is not None:
+                script = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+                argv = ["unshare", "--mount", "--uts", "--", "sh", "-c", script, "kubelet", str(hosts[0]), hosts[1],
+                        *argv]
+            log = open(pp.dir / "container.log", "ab")
+            pp.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True, cwd=str(pp.dir))
+            log.close()
         pp.pids = {pp.proc.pid: _start_time(pp.proc.pid) or 0}
         pp.state, pp.started_at = "Running", _now_iso()
         self.c.patch(PODS, pp.ns, pp.name, {"status": {

@@ -22,8 +22,11 @@ from kubetitan import conditions as C
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(600)]
 
-STEPS, INTERVAL = 8, 2
-"""Few steps; a checkpoint every 2, so attempt 0 has one (and is killed there) 6 steps before it could finish."""
+STEPS, INTERVAL = 24, 2
+"""A checkpoint every 2 steps, so attempt 0 has one (and is killed there) long before it could finish; attempt 1 trains
+the other ~22 for a few seconds, so the operator scrapes the step it resumed from (its restart record's
+``resumedFromStep`` is settled from that scrape: with 8 steps and warm launches, attempt 1 could finish between two
+0.5 s scrapes and leave the record at the operator's first guess)."""
 OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5}
 START = 300.0  # seconds allowed for a gang to reach its first step (torch imports on two busy cores)
 

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from kmockx.harness import free_port  # the tests' one port allocator
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 from kubetitan_trainer import storage
+from support import warm
 from tests.trainer.helpers import lpt, write_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,13 +36,12 @@ def _config(tmp_path: Path, name: str, endpoint: str, uri: str, steps: int, **ch
     return write_config(tmp_path / f"{name}.toml", obj, tmp_path / name, {"kubetitan": {"metrics_port": 0}})
 
 
-def _launch(config: Path, env: dict[str, str]) -> subprocess.Popen:
-    log = open(config.with_suffix(".log"), "ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1", "--nproc-per-node=2",
-         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=s3", "--max-restarts=0"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-        env={**os.environ, **env, contract.ENV_ATTEMPT: "0", "OMP_NUM_THREADS": "1"})
+def _launch(config: Path, env: dict[str, str]) -> warm.WarmProcess | subprocess.Popen:
+    return warm.popen("kubetitan_trainer.launch",
+                      [f"--config={config}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                       f"--master-port={free_port()}", "--rdzv-id=s3", "--max-restarts=0"],
+                      {**os.environ, **env, contract.ENV_ATTEMPT: "0", "OMP_NUM_THREADS": "1"},
+                      config.with_suffix(".log"), cwd=REPO, new_session=True)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -57,7 +56,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+def _kill_tree(proc: warm.WarmProcess | subprocess.Popen) -> None:
     """SIGKILL the launcher and every worker (torch starts the workers in sessions of their own), as a node loss."""
     pids = [proc.pid, *_descendants(proc.pid)]
     for pid in pids:

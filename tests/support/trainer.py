@@ -1,11 +1,11 @@
 """Running the real trainer launcher (``python -m kubetitan_trainer.launch``) on one node from a test: the config
-the operator renders for a spec, with the sample ledger on, and one launch whose output is kept in a log file."""
+the operator renders for a spec, with the sample ledger on, and one launch whose output is kept in a log file
+(forked from a warm parent that imported torch once: :mod:`support.warm`)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import tomli_w
@@ -13,6 +13,7 @@ import tomli_w
 from kmockx.harness import free_port
 from kubetitan_core import render
 from kubetitan_core.api import LlamaPretrain
+from support import warm
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,11 +33,16 @@ def launch(config: Path, nproc: int, rdzv_id: str, env: dict[str, str] | None = 
     """Run the launcher for ``config`` with ``nproc`` workers on one node and wait: (exit code, its output), the
     output also kept next to the config (``.log``)."""
     log = config.with_suffix(".log")
-    with open(log, "wb") as out:
-        rc = subprocess.run(
-            [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
-             f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-             f"--rdzv-id={rdzv_id}", "--max-restarts=0"],  # the static launcher: a failure ends the run
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-            cwd=REPO, timeout=timeout).returncode
+    log.write_bytes(b"")
+    proc = warm.popen("kubetitan_trainer.launch",
+                      [f"--config={config}", "--nnodes=1", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+                       f"--master-port={free_port()}", f"--rdzv-id={rdzv_id}",
+                       "--max-restarts=0"],  # the static launcher: a failure ends the run
+                      {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, log, cwd=REPO)
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # as subprocess.run's time-out does
+        proc.wait(30)
+        raise
     return rc, log.read_text(errors="replace")

@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,21 +23,20 @@ from kubetitan_trainer import anatomy
 from kmockx.harness import free_port  # the tests' one port allocator (no bind-0 races between tests)
 from kubetitan_trainer.local import scrape
 
+from support import warm
 from support.specs import tiny_lpt as lpt, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(900)]
 
 
-def launch(config: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+def launch(config: Path, env_extra: dict[str, str] | None = None) -> warm.WarmProcess | subprocess.Popen:
     env = {**os.environ, contract.ENV_ATTEMPT: "3", contract.ENV_JOB_START_TIME: "1700000000", "OMP_NUM_THREADS": "1",
            **(env_extra or {})}
-    log = open(config.with_suffix(".log"), "ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1", "--nproc-per-node=2",
-         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=test", "--max-restarts=0"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-    )
+    return warm.popen("kubetitan_trainer.launch",
+                      [f"--config={config}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                       f"--master-port={free_port()}", "--rdzv-id=test", "--max-restarts=0"],
+                      env, config.with_suffix(".log"), cwd=REPO)
 
 
 def losses(dump: Path) -> dict[int, float]:
@@ -53,7 +51,7 @@ def tail(config: Path) -> str:
     return config.with_suffix(".log").read_text(errors="replace")[-4000:]
 
 
-def wait_for(proc: subprocess.Popen, port: int, cond, timeout: float = 400) -> dict[str, float] | None:
+def wait_for(proc: warm.WarmProcess | subprocess.Popen, port: int, cond, timeout: float = 400) -> dict[str, float] | None:
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         try:
@@ -215,11 +213,10 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     cfg = write_config(tmp_path / "ip.toml", lpt({"training": {"steps": steps}, "data": {"source": "synthetic"}}),
                        dump, {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
     env = {**os.environ, contract.ENV_ATTEMPT: "0", "OMP_NUM_THREADS": "1"}
-    log = open(cfg.with_suffix(".log"), "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={cfg}", "--nnodes=1", "--nproc-per-node=2",
-         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--rdzv-id=inplace", "--max-restarts=2",
-         "--monitor-interval=0.1", f"--restore-tier={tier}"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    proc = warm.popen("kubetitan_trainer.launch",
+                      [f"--config={cfg}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                       f"--master-port={free_port()}", "--rdzv-id=inplace", "--max-restarts=2", "--monitor-interval=0.1",
+                       f"--restore-tier={tier}"], env, cfg.with_suffix(".log"), cwd=REPO)
     m = wait_for(proc, port, lambda m: m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= 4 and m.get(contract.M_STEP, 0) >= 5)
     assert m is not None, tail(cfg)
     assert m[contract.M_RESUMED_FROM_STEP] == 0, m  # generation 0 started fresh

@@ -49,9 +49,9 @@ def test_every_example_is_accepted_by_the_trainer_config_loader(example, tmp_pat
     assert cfg.kubetitan.tokenizer.source == obj.spec.tokenizer.source
     assert cfg.kubetitan.metrics_port == obj.spec.monitoring.metrics_port
     assert cfg.kubetitan == render.kubetitan_table(obj)  # every key the renderer decided reaches the trainer
-    from kubetitan_trainer.train_spec import model_args_for
+    from kubetitan_trainer.flavours import model_args_for
 
-    assert model_args_for(cfg).dim > 0  # the flavour exists in the registered TrainSpec
+    assert model_args_for(cfg).dim > 0  # the flavour exists in the TrainSpec's table
 
 
 @pytest.mark.parametrize("flavour", sorted(FLAVOURS), ids=sorted(FLAVOURS))
@@ -72,7 +72,7 @@ def test_catalog_dims_match_registered_model_args(flavour):
 def test_custom_flavour_takes_dims_from_the_kubetitan_table(tmp_path):
     obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 128, "nLayers": 2, "nHeads": 4, "nKvHeads": 2, "vocabSize": 1024}}})
     cfg = parse(write_config(tmp_path / "t.toml", obj, tmp_path))
-    from kubetitan_trainer.train_spec import model_args_for
+    from kubetitan_trainer.flavours import model_args_for
 
     a = model_args_for(cfg)
     assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size) == (128, 2, 4, 2, 1024)

@@ -1,12 +1,19 @@
 """kubetitan's training runtime: torchtitan 0.2.2's own Trainer, extended through its extension points.
 
 - ``job_config``: the ``[kubetitan]`` table (torch-free), merged via ``job.custom_config_module``
-- ``train_spec``: the ``kubetitan_llama3`` TrainSpec (flavours, data, tokenizer, metrics)
+- ``train_spec``: the ``kubetitan_llama3`` TrainSpec (flavours, data, tokenizer, metrics); ``flavours``: its
+  model args, which ``checks``, ``data`` and ``tokenizer`` read without the TrainSpec
 - ``trainer``: a thin Trainer subclass (stop/non-finite checks at step boundaries, goodput state)
 - ``main``: the worker entry point; ``launch``: the pod entry point (torchrun in-process)
 - ``local``: ``kubetitan run``; ``prepare``: ``kubetitan prepare-data``
 - ``cpu_bridge``: the four places torchtitan assumes CUDA, bridged only without a GPU
 """
+
+from pathlib import Path
+
+BUILTIN_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer"
+"""The shipped tokenizer's folder (``spec.tokenizer.source: builtin``), read by ``tokenizer``, ``checks`` and
+``prepare`` (which does not import torch)."""
 
 ENV_STOP_FILE = "KUBETITAN_STOP_FILE"
 """Set by the launcher for its workers: the file whose existence asks them to checkpoint and stop."""

@@ -19,7 +19,9 @@ from pathlib import Path
 from torchtitan.config import JobConfig
 
 from kubetitan_core.validation import RULES
+from kubetitan_trainer import BUILTIN_TOKENIZER
 from kubetitan_trainer.errors import ConfigError
+from kubetitan_trainer.flavours import model_args_for
 
 Recheck = Callable[[JobConfig, int, bool], None]
 RECHECKS: dict[str, Recheck] = {}
@@ -50,7 +52,6 @@ def check(job_config: JobConfig, world_size: int, cuda: bool) -> None:
 
 def _trainer_only(job_config: JobConfig) -> None:
     from kubetitan_core.render import TRAIN_SPEC_NAME
-    from kubetitan_trainer.train_spec import model_args_for
 
     if job_config.model.name != TRAIN_SPEC_NAME:
         raise ConfigError("model.name", f"is {job_config.model.name!r}", f"set it to {TRAIN_SPEC_NAME!r} (kubetitan's TrainSpec)")
@@ -100,8 +101,6 @@ def _parallelism_product(job_config: JobConfig, world_size: int, cuda: bool) -> 
 def vocab_error(job_config: JobConfig, tokens: int) -> ConfigError | None:
     """Rule tokenizer.vocab on the tokenizer's real size (also run by ``tokenizer.build_tokenizer`` after a
     download, for tokenizers that are not in the pod before training starts)."""
-    from kubetitan_trainer.train_spec import model_args_for
-
     model_vocab = model_args_for(job_config).vocab_size
     if tokens <= model_vocab:
         return None
@@ -117,8 +116,6 @@ def vocab_error(job_config: JobConfig, tokens: int) -> ConfigError | None:
 def _tokenizer_vocab(job_config: JobConfig, world_size: int, cuda: bool) -> None:
     """A tokenizer already in the pod (builtin, or a path holding tokenizer.json) is measured now; a hub tokenizer
     is measured by ``tokenizer.build_tokenizer`` once downloaded (same :func:`vocab_error`)."""
-    from kubetitan_trainer.tokenizer import BUILTIN_TOKENIZER
-
     tk = job_config.kubetitan.tokenizer
     folder = BUILTIN_TOKENIZER if tk.source == "builtin" else Path(tk.path) if tk.source == "path" and tk.path else None
     if folder is None or not (folder / "tokenizer.json").is_file():
@@ -190,7 +187,6 @@ def _shards_required(job_config: JobConfig, world_size: int, cuda: bool) -> None
                           "set it to a directory written by `kubetitan prepare-data`", "data.shards-required")
     from kubetitan_trainer.shards import ShardSet
     from kubetitan_trainer.storage import is_remote
-    from kubetitan_trainer.train_spec import model_args_for
 
     if is_remote(d.shards_path):  # staged and fully checked by the data loader (kubetitan_trainer.s3shards)
         return

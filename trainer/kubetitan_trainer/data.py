@@ -54,6 +54,7 @@ from torchtitan.tools.logging import logger
 from kubetitan_core import contract
 from kubetitan_trainer import compat, downloads
 from kubetitan_trainer.errors import ConfigError, TransientError
+from kubetitan_trainer.flavours import model_args_for
 from kubetitan_trainer.shards import ShardSet
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -558,8 +559,6 @@ class HubSource:
 
 # ---------------------------------------------------------------------------------------------------- building
 def model_vocab_size(job_config: JobConfig) -> int:
-    from kubetitan_trainer.train_spec import model_args_for
-
     return model_args_for(job_config).vocab_size
 
 

@@ -178,8 +178,6 @@ def local_launcher_args(lpt: LlamaPretrain, config: Path, master_port: int) -> L
 
 def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | None = None) -> int:
     """Train ``lpt`` locally; returns the trainer's exit code (``kubetitan_core.contract.ExitCode``)."""
-    from tqdm import tqdm
-
     name = lpt.metadata.name
     short = gpu_shortfall(lpt, visible_gpus()) if lpt.spec.resources.gpus_per_node > 0 else None
     if short:
@@ -196,7 +194,6 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
         print(f"error: cannot write the output directory {out}: {e.strerror or e}. Fix: pass --output-dir with a "
               "writable directory (checkpoints, logs and metrics go there)", file=sys.stderr)
         return contract.ExitCode.CONFIG_ERROR
-    total = steps or lpt.spec.training.steps
     nproc = processes_per_node(lpt)
     log_path = out / "train.log"
     cmd = [sys.executable, "-m", "kubetitan_trainer.launch", *local_launcher_args(lpt, config, master_port).to_argv()]
@@ -207,40 +204,55 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
     with open(log_path, "ab") as logf:
         # Own session: Ctrl-C reaches this process only, which turns it into a graceful stop.
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
-        interrupts = 0
-        resumed = False
+        code = _follow(proc, name, steps or lpt.spec.training.steps, metrics_port)
+    _summary(lpt, out, log_path, metrics_port, code)
+    return code
 
-        def on_sigint(signum, frame) -> None:
-            nonlocal interrupts
-            interrupts += 1
-            if interrupts == 1:
-                bar.write("Stopping: the trainer saves a checkpoint at the next step (Ctrl-C again to kill)")
-                proc.send_signal(signal.SIGTERM)
-            else:
-                killed = kill_tree(proc.pid)
-                bar.write(f"Killed the launcher and its workers (PIDs {', '.join(map(str, killed))})")
 
-        previous = signal.signal(signal.SIGINT, on_sigint)
-        try:
-            while proc.poll() is None:
-                try:
-                    m = scrape(metrics_port)
-                except OSError:
-                    m = {}
-                if not resumed and m.get(contract.M_RESUMED_FROM_STEP, -1) >= 0:
-                    resumed = True  # the trainer loaded its state: it continues from this step
-                    if m[contract.M_RESUMED_FROM_STEP] > 0:
-                        resume_bar(bar, int(m[contract.M_RESUMED_FROM_STEP]))
-                if contract.M_STEP in m:
-                    bar.update(max(0, int(m[contract.M_STEP]) - bar.n))
-                    bar.set_postfix(bar_postfix(m), refresh=True)
-                time.sleep(0.5)
-        finally:
-            signal.signal(signal.SIGINT, previous)
-            bar.close()
-        code = proc.wait()
-        code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
+def _follow(proc: subprocess.Popen, name: str, total: int, metrics_port: int) -> int:
+    """A progress bar from the trainer's metrics until the launcher ends; the first Ctrl-C stops it gracefully
+    (SIGTERM: a checkpoint at the next step), the second kills its process tree. Returns its exit code (128 + N
+    when killed by signal N, as a shell reports it)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
+    interrupts = 0
+    resumed = False
+
+    def on_sigint(signum, frame) -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            bar.write("Stopping: the trainer saves a checkpoint at the next step (Ctrl-C again to kill)")
+            proc.send_signal(signal.SIGTERM)
+        else:
+            killed = kill_tree(proc.pid)
+            bar.write(f"Killed the launcher and its workers (PIDs {', '.join(map(str, killed))})")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        while proc.poll() is None:
+            try:
+                m = scrape(metrics_port)
+            except OSError:
+                m = {}
+            if not resumed and m.get(contract.M_RESUMED_FROM_STEP, -1) >= 0:
+                resumed = True  # the trainer loaded its state: it continues from this step
+                if m[contract.M_RESUMED_FROM_STEP] > 0:
+                    resume_bar(bar, int(m[contract.M_RESUMED_FROM_STEP]))
+            if contract.M_STEP in m:
+                bar.update(max(0, int(m[contract.M_STEP]) - bar.n))
+                bar.set_postfix(bar_postfix(m), refresh=True)
+            time.sleep(0.5)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        bar.close()
+    code = proc.wait()
+    return 128 - code if code < 0 else code
+
+
+def _summary(lpt: LlamaPretrain, out: Path, log_path: Path, metrics_port: int, code: int) -> None:
+    """What the run left and where: exit code, metrics, TensorBoard, checkpoints, and the log's tail on a failure."""
     ck = out / contract.CHECKPOINT_SUBDIR
     if code == contract.ExitCode.TERMINATED_CHECKPOINTED:
         print(f"Stopped with a checkpoint (exit code {code}); the same command resumes from it")
@@ -253,7 +265,6 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
     if code not in (0, contract.ExitCode.TERMINATED_CHECKPOINTED):
         tail = log_path.read_text(errors="replace").splitlines()[-15:]
         print("\n".join(tail))
-    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,6 +121,19 @@ class Exporter:
                  checkpoint_interval: int = 0) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.port = 0
+        self._step_metrics(r, peak_flops)
+        self._progress_metrics(r)
+        self._restart_metrics(r)
+        self.total_steps.set(total_steps)
+        self.attempt.set(attempt)
+        self.job_start.set(job_start)
+        self.ckpt_interval.set(checkpoint_interval)
+        self._tokens_seen = 0
+        self._recent: list[float] = []
+        self._first_step_done = False
+
+    def _step_metrics(self, r: CollectorRegistry, peak_flops: float | None) -> None:
+        """What a logged step measured: loss, gradients, throughput, FLOPs, step and data-wait times, eval, memory."""
         self.step = Gauge(contract.M_STEP, "Last completed optimizer step (steps).", registry=r)
         self.total_steps = Gauge(contract.M_TOTAL_STEPS, "Optimizer steps the run trains for (steps).", registry=r)
         # Registered at the first logged step (set_loss): before it there is no loss, and a 0 would be read as one.
@@ -152,6 +165,9 @@ class Exporter:
         self._eval_registered = False
         self.mem_active = Gauge(contract.M_MEMORY_MAX_ACTIVE, "Peak active device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
         self.mem_reserved = Gauge(contract.M_MEMORY_MAX_RESERVED, "Peak reserved device memory over the last log interval; peak host RSS on CPU (bytes).", registry=r)
+
+    def _progress_metrics(self, r: CollectorRegistry) -> None:
+        """What the run has kept and when: checkpoints, tokens, goodput, heartbeats, this generation's start-up."""
         self.ckpt_duration = Histogram(contract.M_CHECKPOINT_SAVE_DURATION, "Time training was blocked by a checkpoint save (staging only with async saves) (seconds).", buckets=CKPT_BUCKETS, registry=r)
         self.ckpt_step = Gauge(contract.M_LAST_CHECKPOINT_STEP, "Step of the newest complete checkpoint this attempt saved or resumed from; async saves count once their background write has finished (steps).", registry=r)
         self.resumed_from = Gauge(contract.M_RESUMED_FROM_STEP, "Step this worker generation resumed from: the "
@@ -167,21 +183,18 @@ class Exporter:
                                    "however late the first scrape comes (seconds).", registry=r)
         self.productive = Counter(contract.M_PRODUCTIVE_SECONDS.removesuffix("_total"), "Wall time of optimizer steps kept in checkpoints, carried across attempts (seconds).", registry=r)
         self.job_start = Gauge(contract.M_JOB_START_TIMESTAMP, "Unix time the run's first attempt started; goodput = productive seconds / (now - this) (seconds).", registry=r)
-        self.total_steps.set(total_steps)
-        self.attempt.set(attempt)
-        self.job_start.set(job_start)
         # Alerts judge checkpoint age in intervals; 0 means checkpoints are off.
         self.ckpt_interval = Gauge(contract.M_CHECKPOINT_INTERVAL, "Configured steps between two checkpoint "
                                    "saves; 0 when checkpoints are off (steps).", registry=r)
-        self.ckpt_interval.set(checkpoint_interval)
         self.startup_phase = Gauge(
             contract.M_STARTUP_PHASE_SECONDS, "Start-up of this worker generation split into phases, from the launcher's "
             "start (or its detection of the failure an in-place restart answers) to the end of the first step; the "
             "phases sum to kubetitan_trainer_startup_seconds (seconds).", ["phase"], registry=r)
         self.startup_total = Gauge(contract.M_STARTUP_SECONDS, "Start-up of this worker generation: from the launcher's "
                                    "start or its detection of the failure to the end of the first step (seconds).", registry=r)
-        self._tokens_seen = 0
-        # In-place restarts (launch.py --max-restarts): which worker generation this is, and the failure that began it.
+
+    def _restart_metrics(self, r: CollectorRegistry) -> None:
+        """In-place restarts (launch.py --max-restarts): which worker generation this is, and the failure that began it."""
         self.restart_generation = Gauge(contract.M_RESTART_GENERATION, "Worker generation within this attempt: 0 for the "
                                 "first workers, +1 per in-place restart of every rank's workers (count).", registry=r)
         self.restart_exit_code = Gauge(contract.M_RESTART_EXIT_CODE, "Exit code of the worker failure that began "
@@ -205,8 +218,6 @@ class Exporter:
         self.restart_node_rank.set(failure.node_rank if failure else -1)
         self.restart_ts.set(failure.time if failure else 0)
         self.restart_previous_step.set(failure.previous_step if failure and failure.previous_step is not None else -1)
-        self._recent: list[float] = []
-        self._first_step_done = False
 
     def startup(self, record: dict) -> None:
         """The start-up anatomy of this worker generation (:mod:`kubetitan_trainer.anatomy`)."""

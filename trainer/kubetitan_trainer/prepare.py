@@ -36,10 +36,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from kubetitan_core.contract import ExitCode
+from kubetitan_trainer import BUILTIN_TOKENIZER
 from kubetitan_trainer import shards as S
-
-BUILTIN_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer"
-"""The shipped tokenizer (the same directory ``kubetitan_trainer.tokenizer`` loads; that module imports torchtitan)."""
 PLAN_FILE = "plan.json"
 PARTS_DIR = "parts"
 SUFFIXES = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}

@@ -11,9 +11,10 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 
+from kubetitan_trainer import BUILTIN_TOKENIZER
+from kubetitan_trainer.checks import vocab_error
 from kubetitan_trainer.errors import ConfigError
 
-BUILTIN_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer"
 _FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
@@ -54,8 +55,6 @@ def tokenizer_dir(job_config: JobConfig) -> str:
 def build_tokenizer(job_config: JobConfig) -> HuggingFaceTokenizer:
     """TrainSpec ``build_tokenizer_fn``; checks the model's vocabulary can hold every token id (rule
     tokenizer.vocab, the same check ``checks`` runs before training for a tokenizer already in the pod)."""
-    from kubetitan_trainer.checks import vocab_error
-
     tok = HuggingFaceTokenizer(tokenizer_dir(job_config))
     if (e := vocab_error(job_config, tok.get_vocab_size())) is not None:
         raise e

@@ -25,6 +25,7 @@ Everything else comes through the TrainSpec. The subclass adds, and only adds:
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -312,91 +313,90 @@ class KubetitanTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def _wrap_checkpoint_save(self) -> None:
+        """Route the checkpointer's ``save``, ``load`` and ``dcp_load`` through :meth:`_timed_save`,
+        :meth:`_load_then_publish` and :meth:`_tier_or_dcp_load` (each is given the original bound method)."""
+        compat.wrap_checkpoint_methods(
+            self.checkpointer, save=lambda save: functools.partial(self._timed_save, save),
+            load=lambda load: functools.partial(self._load_then_publish, load),
+            dcp_load=lambda dcp_load: functools.partial(self._tier_or_dcp_load, dcp_load))
+
+    def _timed_save(self, save: Callable, curr_step: int, last_step: bool = False) -> None:
+        """torchtitan's save, with the free-space check, the restore tier, the save's metrics, keep-latest-K, and a
+        stop's full synchronous save and exit code."""
         ckpt = self.checkpointer
+        if self._stopping:
+            # A stop save must be complete and resumable: full state, synchronous.
+            last_step = True
+            compat.force_full_last_save(ckpt)
+        will_save = compat.will_save(ckpt, curr_step, last_step)
+        if will_save:
+            self._sum_tokens_seen()
+        earlier_write = compat.pending_write(ckpt) if will_save else None
+        if will_save and not self._store.remote:  # object storage has no volume to fill
+            check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
+        if will_save and not last_step:
+            ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
+        tier = will_save and not last_step and bool(self._tier)
+        staged_saves = compat.stages_in_background(ckpt)
+        if tier and not staged_saves:
+            # Before DCP's save: a failure during that save (a cut-off step-N, never loaded) still finds step N
+            # in every rank's tier (restore_tier.agreed_newer_step), so an in-place restart loses no step.
+            self._save_tier(curr_step)
+        begin = time.perf_counter()
+        save(curr_step, last_step=last_step)
+        if tier and staged_saves:
+            stager = compat.checkpoint_stager(ckpt)
+            staged = getattr(stager, "last_staged", None)  # a staging.ReusableStager's
+            if staged is not None:  # pinned async saves: write the tier from the staged copy, in the background
+                stager.last_staged = None
+                stager.before_stage = self._tier_writer.wait
+                rank, world = self._rank_world()
+                self._tier_writer.start(staged, self._tier, step=curr_step, rank=rank, world_size=world,
+                                        checkpoint_folder=ckpt.folder)
+            else:
+                self._save_tier(curr_step)
+        if will_save:
+            # An async save leaves its background write in save_future (a new one; a synchronous save,
+            # the last step's included, leaves the earlier one or None): it is complete when that ends.
+            write = compat.pending_write(ckpt)
+            write = write if write is not earlier_write else None
+            self.metrics_processor.exporter.checkpoint_saved(curr_step, time.perf_counter() - begin, write)
+            if self._purger is not None:
+                self._purger.request()  # keep-latest-K over the complete steps (an in-flight one is kept)
+        if self._stopping:
+            if will_save:
+                KubetitanTrainer.exit_code = ExitCode.TERMINATED_CHECKPOINTED
+                logger.info(f"Saved the stop checkpoint at step {curr_step}")
+            else:
+                KubetitanTrainer.exit_code = contract.EXIT_SIGTERM
+                logger.warning("Stopping without a checkpoint: checkpoint.enable is false")
 
-        def wrap_save(save: Callable) -> Callable:
-            def timed_save(curr_step: int, last_step: bool = False) -> None:
-                if self._stopping:
-                    # A stop save must be complete and resumable: full state, synchronous.
-                    last_step = True
-                    compat.force_full_last_save(ckpt)
-                will_save = compat.will_save(ckpt, curr_step, last_step)
-                if will_save:
-                    self._sum_tokens_seen()
-                earlier_write = compat.pending_write(ckpt) if will_save else None
-                if will_save and not self._store.remote:  # object storage has no volume to fill
-                    check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
-                if will_save and not last_step:
-                    ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
-                tier = will_save and not last_step and bool(self._tier)
-                staged_saves = compat.stages_in_background(ckpt)
-                if tier and not staged_saves:
-                    # Before DCP's save: a failure during that save (a cut-off step-N, never loaded) still finds step N
-                    # in every rank's tier (restore_tier.agreed_newer_step), so an in-place restart loses no step.
-                    self._save_tier(curr_step)
-                begin = time.perf_counter()
-                save(curr_step, last_step=last_step)
-                if tier and staged_saves:
-                    stager = compat.checkpoint_stager(ckpt)
-                    staged = getattr(stager, "last_staged", None)  # a staging.ReusableStager's
-                    if staged is not None:  # pinned async saves: write the tier from the staged copy, in the background
-                        stager.last_staged = None
-                        stager.before_stage = self._tier_writer.wait
-                        rank, world = self._rank_world()
-                        self._tier_writer.start(staged, self._tier, step=curr_step, rank=rank, world_size=world,
-                                                checkpoint_folder=ckpt.folder)
-                    else:
-                        self._save_tier(curr_step)
-                if will_save:
-                    # An async save leaves its background write in save_future (a new one; a synchronous save,
-                    # the last step's included, leaves the earlier one or None): it is complete when that ends.
-                    write = compat.pending_write(ckpt)
-                    write = write if write is not earlier_write else None
-                    self.metrics_processor.exporter.checkpoint_saved(curr_step, time.perf_counter() - begin, write)
-                    if self._purger is not None:
-                        self._purger.request()  # keep-latest-K over the complete steps (an in-flight one is kept)
-                if self._stopping:
-                    if will_save:
-                        KubetitanTrainer.exit_code = ExitCode.TERMINATED_CHECKPOINTED
-                        logger.info(f"Saved the stop checkpoint at step {curr_step}")
-                    else:
-                        KubetitanTrainer.exit_code = contract.EXIT_SIGTERM
-                        logger.warning("Stopping without a checkpoint: checkpoint.enable is false")
+    def _load_then_publish(self, load: Callable, step: int = -1) -> bool:
+        """torchtitan's load (or the restore tier's, or the object store's), timed for the start-up anatomy."""
+        rec = anatomy.current()
+        rec.mark("load_begin")
+        loaded = self._load_newer_tier(step) or (self._load_from_store(step, load) if self._store.remote
+                                                 else load(step))
+        rec.mark("load_end")
+        if self._restarting:
+            self._restarting = False
+            if not loaded:  # every rank alike: the load is collective
+                raise inprocess.GangGaveUp(ExitCode.FAILED, "in-process restart: nothing saved yet to "
+                                           "restart from; exiting for the launcher's restart")
+            if self._inprocess is not None:
+                self._inprocess.mark("state_loaded")
+        if loaded and rec.load_source == "none":
+            rec.load_source = "dcp"
+        self._after_load()
+        return loaded
 
-            return timed_save
-
-        def wrap_load(load: Callable) -> Callable:
-            def load_then_publish(step: int = -1) -> bool:
-                rec = anatomy.current()
-                rec.mark("load_begin")
-                loaded = self._load_newer_tier(step) or (self._load_from_store(step, load) if self._store.remote
-                                                         else load(step))
-                rec.mark("load_end")
-                if self._restarting:
-                    self._restarting = False
-                    if not loaded:  # every rank alike: the load is collective
-                        raise inprocess.GangGaveUp(ExitCode.FAILED, "in-process restart: nothing saved yet to "
-                                                   "restart from; exiting for the launcher's restart")
-                    if self._inprocess is not None:
-                        self._inprocess.mark("state_loaded")
-                if loaded and rec.load_source == "none":
-                    rec.load_source = "dcp"
-                self._after_load()
-                return loaded
-
-            return load_then_publish
-
-        def wrap_dcp_load(dcp_load: Callable) -> Callable:
-            def tier_or_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
-                if not from_hf and self._load_tier(state_dict, checkpoint_id):
-                    return None
-                if not from_hf:
-                    self._check_data_position(state_dict, checkpoint_id)
-                return self._dcp_load(dcp_load, state_dict, checkpoint_id, from_hf, from_quantized)
-
-            return tier_or_dcp_load
-
-        compat.wrap_checkpoint_methods(ckpt, save=wrap_save, load=wrap_load, dcp_load=wrap_dcp_load)
+    def _tier_or_dcp_load(self, dcp_load: Callable, state_dict, checkpoint_id, from_hf, from_quantized):
+        """The restore tier's state when it holds this step, else DCP's load after the data-position check."""
+        if not from_hf and self._load_tier(state_dict, checkpoint_id):
+            return None
+        if not from_hf:
+            self._check_data_position(state_dict, checkpoint_id)
+        return self._dcp_load(dcp_load, state_dict, checkpoint_id, from_hf, from_quantized)
 
     def _check_data_position(self, state_dict: dict, checkpoint_id: str) -> None:
         """A checkpoint without the data position this run's loader asks for (an older kubetitan's per-rank one, a

@@ -1,0 +1,184 @@
+"""The warm parent of the trainer tests' launches (run as a script by :mod:`support.warm`, never imported).
+
+It imports what every launcher process imports from torch (torch, torch.distributed's launcher and checkpointing,
+Inductor, FSDP, the datasets library, ...) once, with the collector off and frozen as ``kubetitan_trainer.main.
+imports_without_gc`` does, and then forks one child per request read from stdin. Each child becomes what
+``python -m MODULE ARGS`` in ``cwd`` with ``env`` and its output in ``log`` would be: its own session when asked,
+stdin from /dev/null, stdout and stderr appended to the log, the module run by ``runpy`` as ``__main__``. It imports
+torchtitan and kubetitan itself (torchtitan binds ``sys.argv`` as a default when it is imported), so only torch's
+own import is shared. Single-threaded: requests and SIGCHLD (through a wakeup pipe) are multiplexed with select.
+
+Protocol, one JSON object a line: in ``{"id", "module", "args", "env", "cwd", "log", "new_session", "namespaces"}``
+(``namespaces``: null, or ``[hosts file, hostname]`` for a mount and UTS namespace of its own); out
+``{"ready": true}`` once, then ``{"id", "pid"}`` when a child is forked and ``{"pid", "returncode"}`` (negative: the
+signal, as ``subprocess.Popen.returncode``) when it ends. EOF on stdin (the test process ended) ends the zygote.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import sys
+import time
+import traceback
+
+PRELOAD = (
+    "torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
+    "torch.distributed.elastic.agent.server.local_elastic_agent", "torch.distributed.fsdp", "torch.distributed.tensor",
+    "torch.nn.attention.flex_attention", "torch._dynamo", "torch._inductor.compile_fx", "functorch.compile",
+    "torch.utils.tensorboard", "datasets", "tyro", "numpy",
+)
+"""torch and the libraries torchtitan imports (about 80% of a launcher's import time, bench/results/suite/)."""
+
+
+def _enter_namespaces(hosts: str, hostname: str) -> None:
+    """What ``unshare --mount --uts`` and ``mount --bind HOSTS /etc/hosts && hostname NAME`` do (the e2e kubelet)."""
+    import ctypes
+    import socket
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, clone_newuts, ms_bind, ms_rec, ms_private = 0x00020000, 0x04000000, 4096, 16384, 1 << 18
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    check(libc.unshare(clone_newns | clone_newuts), "unshare")
+    check(libc.mount(b"none", b"/", None, ms_rec | ms_private, None), "mount --make-rprivate /")
+    check(libc.mount(hosts.encode(), b"/etc/hosts", None, ms_bind, None), "mount --bind /etc/hosts")
+    socket.sethostname(hostname)
+
+
+def _child(req: dict, wakeup: tuple[int, int]) -> None:
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in wakeup:
+        os.close(fd)
+    if req.get("new_session"):
+        os.setsid()
+    log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    code = 0
+    try:
+        if req.get("namespaces"):
+            _enter_namespaces(*req["namespaces"])
+    except OSError as e:
+        print(f"zygote: {e}", file=sys.stderr)
+        os._exit(1)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.path[0] = os.getcwd()  # as ``python -m`` does
+    if os.environ.get("PYTHONUNBUFFERED"):  # as ``python -u``: unbuffered binary layer, text written through
+        import io
+
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            old = getattr(sys, name)
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,
+                                                errors=old.errors, write_through=True))
+    sys.argv = ["-m", *req["args"]]
+    try:
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - what the interpreter prints for an uncaught exception
+        traceback.print_exc()
+        code = 1
+    import atexit
+    import threading
+
+    threading._shutdown()  # what a normal exit does first (the launcher itself ends through exit_now)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _report(msg: dict) -> None:
+    try:
+        sys.stdout.write(json.dumps(msg) + "\n")
+        sys.stdout.flush()
+    except OSError:  # the test process is gone (a broken pipe): nobody to tell
+        pass
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _report({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+def _reap_all(deadline: float) -> None:
+    _reap()
+    while _children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+        _reap()
+
+
+def _children() -> list[int]:
+    try:
+        return [int(x) for x in open(f"/proc/self/task/{os.getpid()}/children").read().split()]
+    except OSError:
+        return []
+
+
+def main() -> None:
+    sys.path[0] = os.getcwd()  # not this script's folder (tests/support would shadow top-level names)
+    gc.disable()
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.enable()
+    gc.freeze()
+    wakeup = os.pipe()
+    os.set_blocking(wakeup[1], False)
+    signal.set_wakeup_fd(wakeup[1])
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    _report({"ready": True})
+    buf = b""
+    while True:
+        ready, _, _ = select.select([0, wakeup[0]], [], [])
+        if wakeup[0] in ready:
+            os.read(wakeup[0], 4096)
+        if 0 in ready:
+            data = os.read(0, 1 << 16)
+            if not data:  # the test process is ending: wait (bounded) for what is left, so its CPU time is counted
+                _reap_all(deadline=time.monotonic() + 5)
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                req = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(req, wakeup)
+                _report({"id": req["id"], "pid": pid})
+        _reap()
+
+
+if __name__ == "__main__":
+    main()
