@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetitan_core import API_VERSION, KIND, contract
-from kubetitan_core.api import (LlamaPretrain, LlamaPretrainSpec, at_size, processes_per_node, reads_s3_shards,
-                                resolved_dp_shard, world_size)
+from kubetitan_core.api import (LlamaPretrain, LlamaPretrainSpec, at_size, elastic_sizes, processes_per_node,
+                                reads_s3_shards, resolved_dp_shard, world_size)
 from kubetitan_core.catalog import INSTANCE_TYPES, pod_resources
 from kubetitan_core import hang, render
 from kubetitan_core.contract import launcher as contract_launcher
@@ -498,6 +498,8 @@ class WorldSizeEdit:
     """Whether the trainer resumes the run's checkpoint at the new size (``world_size_change_allowed``)."""
     hub: str = "data.source huggingface"
     """The hub-streamed source that refuses it (``kubetitan_core.contract.per_rank_sources``)."""
+    elastic: range | None = None
+    """The node counts ``runPolicy.elastic`` allows the edited spec (``api.elastic_sizes``); None: not elastic."""
 
     @property
     def refusal(self) -> str:
@@ -513,6 +515,12 @@ class WorldSizeEdit:
     def deferral(self) -> str:
         """What an allowed edit does (the admission warning; the operator's ``DeferredToNextAttempt`` message adds
         the other deferred fields)."""
+        if self.elastic is not None:  # the size is the operator's to choose, within the bounds
+            return (f"{self.change}: runPolicy.elastic sizes this run, so the next attempt keeps the size of the "
+                    f"running one (its last resize) within minNodes..maxNodes ({self.elastic.start}.."
+                    f"{self.elastic.stop - 1} now) and grows toward maxNodes when nodes stay free for "
+                    "growCheckSeconds; other layout fields apply when the next attempt starts. The running attempt "
+                    "goes on as it was created")
         return (f"{self.change}: applied when the next attempt starts (a restart, or suspend and resume to apply now), "
                 "which resumes the newest checkpoint at the new size; the running attempt goes on as it was created")
 
@@ -530,6 +538,7 @@ def world_size_edit(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> W
     hub = [*contract.per_rank_sources(applied.data), *contract.per_rank_sources(desired.data)]
     return WorldSizeEdit(change=change, path=f"spec.{fields[0][0]}" if fields else "spec",
                          allowed=world_size_change_allowed(applied, desired),
+                         elastic=elastic_sizes(desired) if desired.run_policy.elastic is not None else None,
                          **({"hub": hub[0]} if hub else {}))
 
 

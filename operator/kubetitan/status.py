@@ -202,9 +202,10 @@ def spec_gate(applied: Mapping[str, Any] | None, spec: LlamaPretrainSpec,
     if edit is not None and not edit.allowed:
         return edit.refusal, C.WORLD_SIZE_CHANGE_REFUSED, None
     if later:
+        size = "" if edit is None else f"; {edit.deferral}" if edit.elastic is not None else (
+            f"; {edit.change}: the next attempt resumes the newest checkpoint at the new size")
         return None, None, (f"{', '.join(later)} changed; applied when the next attempt starts (suspend and resume to "
-                            "apply now)" + (f"; {edit.change}: the next attempt resumes the newest checkpoint at the new "
-                                            "size" if edit is not None else ""))
+                            "apply now)" + size)
     return None, None, None
 
 

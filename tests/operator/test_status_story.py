@@ -270,6 +270,19 @@ def test_a_world_size_edit_is_deferred_unless_the_data_cannot_resume_at_another_
         assert edit.path == "spec.resources.nodes" or "tensorParallelDegree" in edit.path, edit
 
 
+def test_an_elastic_runs_node_edit_says_the_operator_keeps_sizing_it() -> None:
+    """runPolicy.elastic: the next attempt's size is the running one's within the new bounds, not resources.nodes
+    (decide.attempt_size), and the deferral says so instead of "at the new size"."""
+    elastic = {"runPolicy": {"elastic": {"minNodes": 1}}}
+    applied = _spec(data=SYNTHETIC, **elastic).model_dump(by_alias=True, exclude_none=True, mode="json")
+    desired = _spec(3, data=SYNTHETIC, **elastic)
+    wire = desired.model_dump(by_alias=True, exclude_none=True, mode="json")
+    block, reason, deferred = S.spec_gate(applied, desired, spec_changes(applied, wire))
+    assert block is None and reason is None
+    assert "resources.nodes 2 -> 3" in deferred and "runPolicy.elastic sizes this run" in deferred, deferred
+    assert "within minNodes..maxNodes (1..3 now)" in deferred and "at the new size" not in deferred, deferred
+
+
 def test_an_attempt_of_an_older_operator_is_gated_by_its_data_as_written() -> None:
     """An applied spec the current model refuses (an older operator's): the changed field names the change, its data
     alone decides; data that cannot be read at all may be hub-streamed, so the edit is refused."""
