@@ -49,7 +49,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from kubetitan_core import GROUP, PLURAL, VERSION, validation, warning_rules
-from kubetitan import __version__, plan, policy, scraped
+from kubetitan import __version__, fanout, plan, policy, scraped
 from kubetitan import webhook as webhook_mod  # registers the admission handler (kopf.on.validate)
 from kubetitan import conditions as C
 from kubetitan_core.api import LlamaPretrainStatus
@@ -759,9 +759,9 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
     gang gets the gang's own ``--nnodes`` and config hash, and an edit waits for the next attempt. ``only``:
     create just these ConfigMap/Service names (deleted by hand while the attempt goes on), the same way.
 
-    Pods go in slow-start batches of 1, 2, 4, ... (as Kubernetes' ReplicaSet controller does): a batch the API
-    refuses stops the round, so a quota that refuses the whole gang costs one refused create per round, not one
-    per pod. A refused round becomes ``ChildrenCreated=False`` on the next cycle and one aggregated Warning Event
+    Pods go in slow start (``fanout.slow_start``: 1, 2, 4, ... as Kubernetes' ReplicaSet controller does, each
+    accepted create admitting two more, with no barrier between rounds): a refused create stops the round, so a
+    quota that refuses the whole gang costs one refused create per round, not one per pod. A refused round becomes ``ChildrenCreated=False`` on the next cycle and one aggregated Warning Event
     ``FailedCreate`` naming how many pods are not created and the API's message; it is retried after a capped,
     jittered backoff (the returned delay). Never a restart: a child that was never seen is simply created again.
     """
@@ -817,22 +817,20 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
     ok = await asyncio.gather(*(one(o) for o in others))
     for o, _ in zip(others, ok, strict=True):
         if not any(e.name == o["metadata"]["name"] for e in errors):
-            job.ensured[o["metadata"]["name"]] = mono
+            job.ensured[o["metadata"]["name"]] = time.monotonic()
     made: list[dict[str, Any]] = []
     unsent = 0
     if not errors:
-        batch, i = 1, 0
-        while i < len(pods):
-            chunk = pods[i:i + batch]
-            await asyncio.gather(*(one(o) for o in chunk))
-            made += [o for o in chunk if not any(e.name == o["metadata"]["name"] for e in errors)]
-            i += len(chunk)
-            if errors:
-                unsent = len(pods) - i
-                break
-            batch *= 2
+        async def accepted(o: dict[str, Any]) -> bool:
+            await one(o)
+            return not any(e.name == o["metadata"]["name"] for e in errors)
+
+        unsent = await fanout.slow_start(pods, accepted)
+        refused = {e.name for e in errors}
+        made = [o for o in pods[:len(pods) - unsent] if o["metadata"]["name"] not in refused]
+        done = time.monotonic()  # the index lags behind these creates from now on, not from the round's start
         for o in made:
-            job.ensured[o["metadata"]["name"]] = mono
+            job.ensured[o["metadata"]["name"]] = done
     job.child_errors, job.child_errors_attempt = tuple(errors), attempt
     if errors:
         job.create_failures += 1
@@ -872,7 +870,7 @@ def _refusal_summary(errors: list[ChildError], not_created: int, unsent: int, at
     kinds = sorted({f"{x.kind} {x.reason}" for x in errors[1:]} - {f"{e.kind} {e.reason}"})
     also = f" (also refused: {', '.join(kinds)})" if kinds else ""
     if e.kind == "Pod":
-        held = f"; {unsent} more not sent this round (slow start stops at a refused batch)" if unsent else ""
+        held = f"; {unsent} more not sent this round (slow start stops at a refused create)" if unsent else ""
         return (f"{not_created} pod(s) of attempt {attempt} are not created: the API refused {e.name}: {e.reason}: "
                 f"{e.message}{also}{held}; retrying with backoff")
     return (f"the pods of attempt {attempt} wait: the API refused {e.kind} {e.name}: {e.reason}: {e.message}"
