@@ -263,7 +263,8 @@ def main() -> int:
         rs = []
         for i in range(a.repeat):
             rs.append(r := gang(a.profile, a.nodes))
-            print(f"  gang run {i + 1}: {r['seconds']:.3f} s, CPU: operator {r['cpu']:.2f} s, kmockx {r['kcpu']:.2f} s; "
+            print(f"  gang run {i + 1}: {r['seconds']:.3f} s, CPU: operator {r['cpu']:.2f} s, "
+                  f"kmockx {r['kcpu']:.2f} s; "
                   f"pod creates answered {r['stats'].get('pod_creates')} ({_load()})", flush=True)
         print(f"apply -> all {a.nodes} pods created ({a.nodes}-node gang): median {_med(rs, 'seconds'):.3f} s of "
               f"{a.repeat} (operator CPU {_med(rs, 'cpu'):.2f} s; target < 2 s for 1024 nodes)", flush=True)
@@ -273,7 +274,8 @@ def main() -> int:
             rs.append(r := gang(a.profile, a.nodes, tuple(fault_args(a.fault_share, a.retry_after, seed=i)),
                                 "faults"))
             st = r["stats"]
-            print(f"  faults run {i + 1}: {r['seconds']:.3f} s, CPU: operator {r['cpu']:.2f} s, kmockx {r['kcpu']:.2f} s; "
+            print(f"  faults run {i + 1}: {r['seconds']:.3f} s, CPU: operator {r['cpu']:.2f} s, "
+                  f"kmockx {r['kcpu']:.2f} s; "
                   f"injected "
                   f"{'+'.join(str(f['hits']) for f in st.get('faults', []))} (429+503); pod creates answered "
                   f"{st.get('pod_creates')} ({_load()})", flush=True)

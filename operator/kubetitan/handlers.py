@@ -762,8 +762,9 @@ async def _create_attempt(ctx: Context, lpt: Any, status: LlamaPretrainStatus, a
     Pods go in slow start (``fanout.slow_start``: 1, 2, 4, ... as Kubernetes' ReplicaSet controller does, each
     accepted create admitting two more, with no barrier between rounds): a refused create stops the round, so a
     quota that refuses the whole gang costs one refused create per round, not one per pod. A refused round
-    becomes ``ChildrenCreated=False`` on the next cycle and one aggregated Warning Event ``FailedCreate`` naming how many pods are not created and the API's message; it is retried after a capped,
-    jittered backoff (the returned delay). Never a restart: a child that was never seen is simply created again.
+    becomes ``ChildrenCreated=False`` on the next cycle and one aggregated Warning Event ``FailedCreate`` naming
+    how many pods are not created and the API's message; it is retried after a capped, jittered backoff (the
+    returned delay). Never a restart: a child that was never seen is simply created again.
     """
     client = ctx.client
     assert client is not None
