@@ -203,10 +203,11 @@ class Client:
     here (bench/operator_bench.py), which mattered once hundreds of runs were created at once.
 
     ``concurrency`` (default 16) caps the requests in flight, across all runs: a 1,024-pod gang is 16 creates at
-    a time, not 1,024. The API server admits requests by priority and fairness, giving each priority level a
-    few dozen seats by default; 16 keeps one operator from taking them all during a large gang's creation (other
-    controllers and kubectl still get answers) while a real API server's ~10-30 ms per create still makes ~500+
-    creates a second. A request waiting out a retry's backoff or ``Retry-After`` holds no slot.
+    a time, not 1,024. The API server admits requests by priority and fairness: the operator's service account
+    shares its priority level's seats with every other controller's, so a bounded share keeps a large gang's
+    creation from crowding them out (and a 429 from APF is the server saying the share is too big), while at a
+    real API server's ~10-30 ms per create 16 in flight still make 500 or more creates a second. A request
+    waiting out a retry's backoff or ``Retry-After`` holds no slot.
     """
 
     def __init__(self, cfg: kubernetes.client.Configuration, concurrency: int = 16,
