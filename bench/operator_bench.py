@@ -15,8 +15,9 @@ Scenarios (each on a fresh server and operator):
 
 1. ``gang``: apply one ``--nodes``-node LlamaPretrain -> all its pods created;
 2. ``faults``: the same with ``--fault-share`` of the pod-create requests (retries included: each request
-   draws anew; run i of ``--repeat`` uses seed i, so runs of two invocations draw alike) answered 429 or 503 (half each) with ``Retry-After: --retry-after`` seconds
-   (kmockx's ``--fault``); it also prints how kmockx answered the pod creates (409s would be duplicates);
+   draws anew; run i of ``--repeat`` uses seed i, so runs of two invocations draw alike) answered 429 or 503
+   (half each) with ``Retry-After: --retry-after`` seconds (kmockx's ``--fault``); it also prints how kmockx
+   answered the pod creates (409s would be duplicates);
 3. ``recovery``: an 8-node gang runs, one pod fails -> the next attempt's 8 pods created;
 4. ``many``: ``--runs`` LlamaPretrains (1 pod each) applied at once -> all have their pod and phase Starting;
    operator RSS idle, peak and after settling.
