@@ -1,7 +1,8 @@
 """Operator benchmark against kmockx (prints numbers; asserts no timing).
 
-    .venv/bin/python bench/operator_bench.py [--runs 500] [--profile DIR] [--only gang|recovery|many]
-                                             [--operator-src DIR]
+    .venv/bin/python bench/operator_bench.py [--nodes 1024] [--runs 2000] [--repeat 3] [--profile DIR]
+                                             [--only gang|faults|recovery|many ...] [--fault-share 0.2]
+                                             [--retry-after 1] [--operator-src DIR]
 
 Three processes, so that the operator is measured on its own:
 
@@ -12,10 +13,17 @@ Three processes, so that the operator is measured on its own:
 
 Scenarios (each on a fresh server and operator):
 
-1. ``gang``: apply one 64-node LlamaPretrain -> all 64 pods created;
-2. ``recovery``: an 8-node gang runs, one pod fails -> the next attempt's 8 pods created;
-3. ``many``: N LlamaPretrains (1 pod each) applied at once -> all have their pod and phase Starting;
+1. ``gang``: apply one ``--nodes``-node LlamaPretrain -> all its pods created;
+2. ``faults``: the same with ``--fault-share`` of the pod-create requests (retries included: each request
+   draws anew; run i of ``--repeat`` uses seed i, so runs of two invocations draw alike) answered 429 or 503
+   (half each) with ``Retry-After: --retry-after`` seconds (kmockx's ``--fault``); it also prints how kmockx
+   answered the pod creates (409s would be duplicates);
+3. ``recovery``: an 8-node gang runs, one pod fails -> the next attempt's 8 pods created;
+4. ``many``: ``--runs`` LlamaPretrains (1 pod each) applied at once -> all have their pod and phase Starting;
    operator RSS idle, peak and after settling.
+
+``--repeat N`` runs each scenario N times (each on a fresh server and operator) and prints every run and the
+median.
 
 ``--profile DIR`` runs the operator under cProfile (main thread: kopf's event loop and our handlers)
 and writes DIR/<scenario>.prof.
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +49,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from kmockx.harness import OperatorProcess, proc_memory_mb, wait_for  # noqa: E402
+from kmockx.harness import OperatorProcess, wait_for  # noqa: E402
 from support.specs import NS, cpu_spec, lpt  # noqa: E402
 
 LPT_PATH = f"/apis/kubetitan.io/v1alpha1/namespaces/{NS}/llamapretrains"
@@ -52,10 +61,11 @@ OPERATOR_SRC: str | None = None
 class Server:
     """kmockx in its own process."""
 
-    def __init__(self) -> None:
+    def __init__(self, *args: str) -> None:
         fd, self.kubeconfig = tempfile.mkstemp(suffix=".kubeconfig")
         os.close(fd)
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests/kmockx/serve.py"), self.kubeconfig],
+        self.stats: dict[str, Any] = {}
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests/kmockx/serve.py"), self.kubeconfig, *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().split()
@@ -64,8 +74,11 @@ class Server:
         self.http = requests.Session()
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.close()
+        for line in self.proc.stdout:
+            if line.startswith("stats "):
+                self.stats = json.loads(line[len("stats "):])
         self.proc.wait(20)
         os.unlink(self.kubeconfig)
 
@@ -144,16 +157,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def gang(profile: str | None, nodes: int = 64) -> dict[str, float]:
-    with Server() as s, operator(s, profile, "gang", "--scan-interval", "5") as op:
+def fault_args(share: float, retry_after: int, seed: int) -> list[str]:
+    """kmockx's ``--fault`` options: ``share`` of pod creates answered 429 or 503 (half each), with Retry-After."""
+    first = share / 2
+    second = (share / 2) / (1 - first)  # tried only on requests the first fault let through
+    return ["--seed", str(seed), *(a for code, rate in ((429, first), (503, second)) for a in (
+        "--fault", json.dumps({"code": code, "verbs": ["create"], "resource": "pods", "rate": rate,
+                               "retry_after": retry_after})))]
+
+
+def gang(profile: str | None, nodes: int = 64, server_args: tuple[str, ...] = (), scenario: str = "gang"
+         ) -> dict[str, Any]:
+    s = Server(*server_args)
+    with s, operator(s, profile, scenario, "--scan-interval", "5") as op:
         w = Watch(s, POD_PATH, "kubetitan.io/name=big")
         time.sleep(1.0)  # let the operator finish its initial listing
-        cpu0, t0 = cpu_seconds(op.pid), time.perf_counter()
+        cpu0, kcpu0, t0 = cpu_seconds(op.pid), cpu_seconds(s.proc.pid), time.perf_counter()
         s.create(LPT_PATH, lpt("big", cpu_spec(nodes=nodes)))
-        wait_for(lambda: w.count() >= nodes, 60, f"{nodes} pods", every=0.002)
-        out = {"seconds": time.perf_counter() - t0, "cpu": cpu_seconds(op.pid) - cpu0}
+        wait_for(lambda: w.count() >= nodes, 120, f"{nodes} pods", every=0.002)
+        out: dict[str, Any] = {"seconds": time.perf_counter() - t0, "cpu": cpu_seconds(op.pid) - cpu0,
+                               "kcpu": cpu_seconds(s.proc.pid) - kcpu0, "pods": w.count()}
         w.close()
-        return out
+    out["stats"] = s.stats
+    return out
 
 
 def recovery(profile: str | None, nodes: int = 8) -> dict[str, float]:
@@ -207,34 +233,69 @@ def many(profile: str | None, n: int) -> dict[str, float]:
                 "peak": max(peak[0], mem["VmHWM"]), "settled": mem["VmRSS"]}
 
 
+def _med(rs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rs)
+
+
+def _load() -> str:
+    return "load " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--runs", type=int, default=500)
+    p.add_argument("--runs", type=int, default=500, help="LlamaPretrains in the 'many' scenario")
+    p.add_argument("--nodes", type=int, default=64, help="nodes of the gang in 'gang' and 'faults'")
+    p.add_argument("--repeat", type=int, default=1, help="run each scenario this many times; print the median")
+    p.add_argument("--fault-share", type=float, default=0.2, help="share of pod-create requests refused ('faults')")
+    p.add_argument("--retry-after", type=int, default=1, help="the refusals' Retry-After, seconds ('faults')")
     p.add_argument("--profile", metavar="DIR")
-    p.add_argument("--only", choices=["gang", "recovery", "many"])
+    p.add_argument("--only", choices=["gang", "faults", "recovery", "many"], action="append",
+                   help="run only this scenario (repeatable)")
     p.add_argument("--operator-src", metavar="DIR",
                    help="run the operator from DIR/kubetitan instead (A/B against an older commit: "
                         "git archive COMMIT operator/kubetitan | tar -x -C /tmp/old; DIR=/tmp/old/operator)")
     a = p.parse_args()
     global OPERATOR_SRC
     OPERATOR_SRC = a.operator_src
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start; operator, kmockx "
-          "and this driver are separate processes")
-    if a.only in (None, "gang"):
-        r = gang(a.profile)
-        print(f"apply -> all 64 pods created (64-node gang):   {r['seconds']:.3f} s  "
-              f"(operator CPU {r['cpu']:.2f} s; target < 1 s)")
-    if a.only in (None, "recovery"):
-        r = recovery(a.profile)
-        print(f"pod failure -> next attempt's 8 pods created:  {r['seconds']:.3f} s  "
-              f"(operator CPU {r['cpu']:.2f} s; target < 5 s; backoffSeconds=0)")
-    if a.only in (None, "many"):
-        r = many(a.profile, a.runs)
-        print(f"{a.runs} LlamaPretrains: applied in {r['applied']:.2f} s; all pods after {r['pods']:.2f} s; "
-              f"all Starting after {r['total']:.2f} s (CPU: operator {r['cpu']:.1f} s, kmockx {r['kcpu']:.1f} s)")
-        print(f"operator RSS: idle {r['idle']:.0f} MiB, peak {r['peak']:.0f} MiB, settled {r['settled']:.0f} MiB "
-              f"with {a.runs} runs  (target < 200 MB)")
-    print(f"load average {os.getloadavg()[0]:.1f} at end")
+    only = set(a.only or ("gang", "faults", "recovery", "many"))
+    print(f"machine: {os.cpu_count()} CPUs, {_load()} at start; operator, kmockx and this driver are separate "
+          "processes", flush=True)
+    if "gang" in only:
+        rs = []
+        for i in range(a.repeat):
+            rs.append(r := gang(a.profile, a.nodes))
+            print(f"  gang run {i + 1}: {r['seconds']:.3f} s, CPU: operator {r['cpu']:.2f} s, "
+                  f"kmockx {r['kcpu']:.2f} s; "
+                  f"pod creates answered {r['stats'].get('pod_creates')} ({_load()})", flush=True)
+        print(f"apply -> all {a.nodes} pods created ({a.nodes}-node gang): median {_med(rs, 'seconds'):.3f} s of "
+              f"{a.repeat} (operator CPU {_med(rs, 'cpu'):.2f} s; target < 2 s for 1024 nodes)", flush=True)
+    if "faults" in only:
+        rs = []
+        for i in range(a.repeat):
+            rs.append(r := gang(a.profile, a.nodes, tuple(fault_args(a.fault_share, a.retry_after, seed=i)),
+                                "faults"))
+            st = r["stats"]
+            print(f"  faults run {i + 1}: {r['seconds']:.3f} s, CPU: operator {r['cpu']:.2f} s, "
+                  f"kmockx {r['kcpu']:.2f} s; "
+                  f"injected "
+                  f"{'+'.join(str(f['hits']) for f in st.get('faults', []))} (429+503); pod creates answered "
+                  f"{st.get('pod_creates')} ({_load()})", flush=True)
+        print(f"apply -> all {a.nodes} pods created, {a.fault_share:.0%} of pod creates answered 429/503 with "
+              f"Retry-After {a.retry_after} s: median {_med(rs, 'seconds'):.3f} s of {a.repeat} (operator CPU "
+              f"{_med(rs, 'cpu'):.2f} s; target < 5 s for 1024 nodes)", flush=True)
+    if "recovery" in only:
+        rs = [recovery(a.profile) for _ in range(a.repeat)]
+        print(f"pod failure -> next attempt's 8 pods created:  median {_med(rs, 'seconds'):.3f} s of {a.repeat} "
+              f"(operator CPU {_med(rs, 'cpu'):.2f} s; target < 5 s; backoffSeconds=0) ({_load()})", flush=True)
+    if "many" in only:
+        for i in range(a.repeat):
+            r = many(a.profile, a.runs)
+            print(f"{a.runs} LlamaPretrains (run {i + 1}): applied in {r['applied']:.2f} s; all pods after "
+                  f"{r['pods']:.2f} s; all Starting after {r['total']:.2f} s (CPU: operator {r['cpu']:.1f} s, "
+                  f"kmockx {r['kcpu']:.1f} s)", flush=True)
+            print(f"operator RSS: idle {r['idle']:.0f} MiB, peak {r['peak']:.0f} MiB, settled {r['settled']:.0f} MiB "
+                  f"with {a.runs} runs  (target < 300 MiB for 2000) ({_load()})", flush=True)
+    print(f"{_load()} at end")
     return 0
 
 

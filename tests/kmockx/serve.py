@@ -3,11 +3,21 @@
 Writes a kubeconfig pointing at the server to KUBECONFIG, prints ``ready <url>`` on stdout, and
 serves until stdin closes or SIGTERM/SIGINT. The benchmark uses it so that the operator process' RSS
 and CPU are measured apart from the API server's.
+
+``--fault JSON`` (repeatable) injects a :class:`kmockx.Fault` (its fields as a JSON object), e.g. 10% of pod
+creates answered 429 with ``Retry-After: 1``::
+
+    --fault '{"code": 429, "verbs": ["create"], "resource": "pods", "rate": 0.1, "retry_after": 1}'
+
+Faults are tried in order, so a second one with ``rate`` r2 answers (1 - r1) * r2 of the requests. On exit it
+prints ``stats {JSON}``: each fault's hits and the answers to pod creates by status code.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import shutil
 import signal
 import sys
@@ -23,15 +33,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Serve kmockx (the test API server) until stdin closes.")
     p.add_argument("kubeconfig", help="where to write a kubeconfig for the server")
     p.add_argument("--namespace", action="append", default=[], help="extra namespace to create (repeatable)")
+    p.add_argument("--fault", action="append", default=[], type=json.loads, metavar="JSON",
+                   help="inject a kmockx.Fault, its fields as a JSON object (repeatable; tried in order)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the faults' random choice (reproducible runs)")
     a = p.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with Cluster(namespaces=tuple(a.namespace)) as c:
+        assert c.k is not None
+        c.k.seed = a.seed
+        faults = [c.k.inject(**f) for f in a.fault]
         shutil.copyfile(c.kubeconfig, a.kubeconfig)
         print(f"ready {c.url}", flush=True)
         threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
         stop.wait()
+        pod_creates = collections.Counter(e.code for e in c.k.log if e.verb == "create"
+                                  and e.path.split("?")[0].endswith("/pods"))
+        print("stats " + json.dumps({"faults": [{"code": f.code, "resource": f.resource, "hits": f.hits}
+                                               for f in faults],
+                                    "pod_creates": {str(k): v for k, v in sorted(pod_creates.items())}}), flush=True)
     return 0
 
 

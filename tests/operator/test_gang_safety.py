@@ -8,6 +8,7 @@ aggregated like a Kubernetes controller's, and an Event that belongs to a status
   reverting the edit starts attempt 1 with 2 consistent pods;
 - a quota refusing a 256-pod gang: one FailedCreate Event counted per round, naming 256 pods and the API's
   message; one refused pod create per round (slow start), not 256;
+- pod creates answered 429 with a Retry-After: retried after that wait, the gang complete, no duplicate create;
 - the operator SIGKILLed after writing a restart into the status and before its Event: the next operator sends
   it, exactly once.
 """
@@ -168,6 +169,38 @@ def test_a_quota_refusing_a_256_pod_gang_is_one_counted_event(cluster: Cluster) 
     posts = [r for r in list(cluster.k) if r.method.value == "POST" and r.resource and r.resource.plural == "pods"]
     # slow start: a refused batch of 1 ends the round, so one refused create per round, not 256
     assert len(posts) == fault.hits and rounds <= fault.hits <= ev[0]["count"] + 2, (len(posts), fault.hits)
+
+
+def test_pod_creates_answered_429_wait_their_retry_after_and_the_gang_ends_complete_without_duplicates(
+        cluster: Cluster, monkeypatch) -> None:
+    """The first pod creates are answered 429 with ``Retry-After: 7``: each is sent again only after the client
+    asked to wait those 7 s (recorded instead of slept), and the 8-pod gang ends with every pod, each POSTed
+    until its one 201 and never again (no 409: no duplicate create)."""
+    import kubetitan.kube as kube
+
+    waits: list[tuple[str, float]] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded(seconds: float, cause: str) -> None:
+        waits.append((cause, seconds))
+        await real_sleep(0)
+
+    monkeypatch.setattr(kube, "_backoff_sleep", recorded)
+    assert cluster.k is not None
+    fault = cluster.k.inject(code=429, verbs="create", resource="pods", namespace=NS, count=3, retry_after=7)
+    with Operator(cluster):
+        cluster.apply(lpt("ra", cpu_spec(nodes=8)))
+        wait_for(lambda: len(cluster.pod_names(NS, "ra")) == 8, 30, "8 pods")
+        wait_for(lambda: cluster.status(NS, "ra").get("phase") == "Starting", 30, "phase Starting")
+    assert fault.hits == 3
+    after_429 = [w for cause, w in waits if cause == "429"]  # (a dropped keep-alive connection may retry too)
+    assert len(after_429) == 3 and all(7.0 <= w <= 7.0 + kube.RetryPolicy().base_seconds for w in after_429), waits
+    posts = [e for e in cluster.k.log if e.verb == "create" and e.path.split("?")[0] == f"/api/v1/namespaces/{NS}/pods"]
+    assert [e.code for e in posts].count(429) == 3 and [e.code for e in posts].count(201) == 8, posts
+    assert len(posts) == 11, [str(e) for e in posts]  # 8 accepted + 3 refused: nothing sent twice, no 409
+    assert sorted(cluster.pod_names(NS, "ra")) == [f"ra-a0-{r}" for r in range(8)]
+    children = cluster.condition(NS, "ra", "ChildrenCreated")
+    assert children is None or children["status"] == "True", children  # retried inside the client: no refusal
 
 
 def test_the_restart_event_survives_an_operator_sigkill_between_status_and_event(cluster: Cluster) -> None:

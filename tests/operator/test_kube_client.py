@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import email.utils
+import time
 
 import aiohttp.web
 import kubernetes
@@ -74,7 +76,9 @@ def test_credentials_cached_and_refreshed_on_401(accepted: str, want_status: int
 
 
 # ------------------------------------------------------------------ the error policy (one place: kubetitan.kube)
-from kubetitan.kube import ApiError, NameConflict, RetryPolicy, classify, message_of  # noqa: E402
+from kubetitan.kube import (  # noqa: E402
+    ApiError, NameConflict, RetryPolicy, classify, message_of, retry_after_seconds,
+)
 
 FAST = RetryPolicy(attempts=4, base_seconds=0.001, cap_seconds=0.01)
 
@@ -198,12 +202,74 @@ def test_connection_errors_are_retried_then_raised() -> None:
 
 
 @pytest.mark.parametrize(("n", "retry_after", "low", "high"), [
-    (0, None, 0.0, 0.2), (3, None, 0.0, 1.6), (20, None, 0.0, 10.0), (0, 2.5, 2.5, 2.5), (0, 99.0, 10.0, 10.0),
-], ids=["first", "fourth", "capped", "retry-after", "retry-after-capped"])
+    (0, None, 0.0, 0.2), (3, None, 0.0, 1.6), (20, None, 0.0, 10.0), (0, 2.5, 2.5, 2.7), (0, 0.4, 0.4, 0.5),
+    (4, 0.0, 0.0, 0.0), (0, 99.0, 10.0, 10.0),
+], ids=["first", "fourth", "capped", "retry-after", "retry-after-small-jitter", "retry-after-zero",
+        "retry-after-capped"])
 def test_backoff_is_capped_exponential_with_jitter(n, retry_after, low, high) -> None:
+    """Without Retry-After: full jitter under a doubling cap. With it: never earlier than asked, at most a quarter
+    (and at most base_seconds) later, and never more than cap_seconds."""
     p = RetryPolicy()
-    for _ in range(20):
+    for _ in range(50):
         assert low <= p.delay(n, retry_after) <= high
+
+
+NOW = 1_760_000_000.0  # a fixed "now" (epoch seconds) for the HTTP-date forms
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    ("1", 1.0), (" 120 ", 120.0), ("0", 0.0), ("1.5", 1.5),
+    (email.utils.formatdate(NOW + 30, usegmt=True), 30.0),                   # HTTP-date: seconds until then
+    (email.utils.formatdate(NOW - 30, usegmt=True), 0.0),                    # already past: retry now
+    ("Sun, 06 Nov 1994 08:49:37 GMT", 0.0),                                  # RFC 9110's own example (past)
+    (None, None), ("", None), ("-5", None), ("soon", None), ("1e3", None),   # not a Retry-After: own backoff
+], ids=["one", "spaces", "zero", "decimal", "http-date", "http-date-past", "rfc-example", "absent", "empty",
+        "negative", "garbage", "exponent"])
+def test_retry_after_seconds_and_http_date(value, want) -> None:
+    assert retry_after_seconds(value, now=NOW) == want
+
+
+def test_a_retry_after_http_date_far_ahead_waits_the_cap_not_an_hour() -> None:
+    p = RetryPolicy()
+    ra = retry_after_seconds(email.utils.formatdate(NOW + 3600, usegmt=True), now=NOW)
+    assert ra == 3600.0 and p.delay(0, ra) == p.cap_seconds
+
+
+def test_a_create_answered_429_waits_its_retry_after_outside_the_concurrency_slot(monkeypatch) -> None:
+    """The wait asked for is the server's Retry-After (HTTP-date form here), and while it waits the create holds no
+    slot: with one slot, another call goes through during the wait."""
+    import kubetitan.kube as kube
+
+    waits: list[float] = []
+    asked, other_done = asyncio.Event(), asyncio.Event()
+    seen: list = []
+    date = email.utils.formatdate(time.time() + 3, usegmt=True)  # ~3 s ahead (whole seconds: 2 < wait <= 3)
+
+    async def recorded(seconds: float, cause: str) -> None:  # instead of sleeping: record, let another call run
+        assert cause == "429"
+        waits.append(seconds)
+        asked.set()
+        await other_done.wait()
+
+    monkeypatch.setattr(kube, "_backoff_sleep", recorded)
+    script = [_status(429, "TooManyRequests", "slow down", {"Retry-After": date})]
+
+    async def main() -> None:
+        runner, host = await _listen("/{tail:.*}", _serve(script, seen))
+        client = Client(kubernetes.client.Configuration(host=host), concurrency=1)  # the default RetryPolicy
+        try:
+            create = asyncio.create_task(client.create(POD))
+            await asked.wait()
+            assert await client.get("pods", "ml", "other") is not None  # the only slot is free during the wait
+            other_done.set()
+            assert await create is True
+        finally:
+            await client.aclose()
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert len(waits) == 1 and 2.0 <= waits[0] <= 3.0 + RetryPolicy().base_seconds, waits
+    assert [m for m, _ in seen] == ["POST", "GET", "POST"], seen
 
 
 def test_calls_in_flight_when_the_client_closes_end_with_client_closed_and_send_nothing_more() -> None:

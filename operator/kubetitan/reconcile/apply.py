@@ -23,7 +23,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kubetitan_core import validation
 from kubetitan_core.api import LlamaPretrainStatus
-from kubetitan import plan
+from kubetitan import fanout, plan
 from kubetitan.decide import Action, ChildError, Decision, parse_time
 from kubetitan.kube import Client, classify, message_of
 from kubetitan.reconcile.context import ANNOTATION_APPLIED_SPEC, Context
@@ -120,7 +120,9 @@ async def create_attempt(ctx: Context, snap: Snapshot, memory: RunMemory, status
     pods = [c for c in children if c["kind"] == "Pod" and only is None and needed(c["metadata"]["name"])]
     objects = [c for c in children if c["kind"] in ("ConfigMap", "Service") and needed(c["metadata"]["name"])]
     done = await create_children(ctx.client, objects + pods)
-    exp.expect_created(done.created, mono)
+    # Stamped when the round ends: the index lags behind these creates from then on, and a 1,024-pod round can take
+    # longer than the expectations' lifetime (stamped at its start, the next cycle sent pods again: 409s).
+    exp.expect_created(done.created, exp.now())
     if cm["metadata"]["name"] in done.created:
         memory.applied_spec, memory.applied_loaded = spec_of_attempt, True
     memory.refusals.attempt, memory.refusals.errors = attempt, done.errors
@@ -161,10 +163,11 @@ def _spec_of_attempt(snap: Snapshot, memory: RunMemory, live: bool) -> tuple[Any
 
 async def create_children(client: Client, objects: list[dict[str, Any]]) -> Round:
     """Create ``objects`` (children of one run): the ConfigMap first (ours and existing: brought up to date), then
-    the Services together, then the Pods in slow-start batches of 1, 2, 4, ... (as Kubernetes' ReplicaSet
-    controller does). The client's semaphore bounds the requests in flight. Pods wait for a ConfigMap/Service the
-    API refused (without them the gang cannot start), and a batch the API refuses stops the round, so a quota that
-    refuses the whole gang costs one refused create per round, not one per pod."""
+    the Services together, then the Pods in slow start (``fanout.slow_start``: 1, 2, 4, ... as Kubernetes'
+    ReplicaSet controller does, each accepted create admitting two more, with no barrier between rounds, so a
+    create waiting out a Retry-After holds back only itself). The client's semaphore bounds the requests in flight.
+    Pods wait for a ConfigMap/Service the API refused (without them the gang cannot start), and a refused create
+    stops the round, so a quota that refuses the whole gang costs one refused create per round, not one per pod."""
     errors: list[ChildError] = []
     created: list[str] = []
 
@@ -188,15 +191,13 @@ async def create_children(client: Client, objects: list[dict[str, Any]]) -> Roun
     await asyncio.gather(*(one(o) for o in others))
     created += [o["metadata"]["name"] for o in others if not refused(o)]
     pods = [o for o in objects if o["kind"] == "Pod"]
-    batch, i, unsent = 1, 0, 0
-    while i < len(pods) and not errors:
-        chunk = pods[i:i + batch]
-        await asyncio.gather(*(one(o) for o in chunk))
-        created += [o["metadata"]["name"] for o in chunk if not refused(o)]
-        i += len(chunk)
-        if errors:
-            unsent = len(pods) - i
-        batch *= 2
+    unsent = 0
+    if not errors:
+        async def accepted(o: dict[str, Any]) -> bool:
+            return await one(o) and not refused(o)
+
+        unsent = await fanout.slow_start(pods, accepted)
+        created += [o["metadata"]["name"] for o in pods[:len(pods) - unsent] if not refused(o)]
     return Round(tuple(created), tuple(errors), unsent)
 
 

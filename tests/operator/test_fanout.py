@@ -1,0 +1,143 @@
+"""kubetitan.fanout.slow_start: the gang's create fan-out (each accepted create admits two more, no barrier).
+
+The sends are fakes that finish when the test says so (asyncio Events), so every check is about which creates
+had started at that point, never about time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kubetitan.fanout import slow_start
+
+
+class Sends:
+    """Fake creates: ``answer(i, ok)`` finishes create ``i``; ``started`` lists the ones begun, in order."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+        self.gates: dict[int, asyncio.Future[bool]] = {}
+
+    async def __call__(self, i: int) -> bool:
+        self.started.append(i)
+        self.gates[i] = asyncio.get_running_loop().create_future()
+        return await self.gates[i]
+
+    async def settle(self) -> None:
+        """Let slow_start react to what was answered (it starts new sends before it waits again)."""
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    def answer(self, i: int, ok: bool = True, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.gates[i].set_exception(error)
+        else:
+            self.gates[i].set_result(ok)
+
+
+def test_each_accepted_create_admits_two_more_like_the_batches_1_2_4() -> None:
+    async def main() -> None:
+        s = Sends()
+        task = asyncio.create_task(slow_start(list(range(10)), s))
+        await s.settle()
+        assert s.started == [0]  # one create first: a refusing quota costs one request
+        s.answer(0)
+        await s.settle()
+        assert s.started == [0, 1, 2]
+        s.answer(1)
+        s.answer(2)
+        await s.settle()
+        assert s.started == [0, 1, 2, 3, 4, 5, 6]  # after k accepted, 2k + 1 started (batches 1, 2, 4)
+        for i in range(3, 7):
+            s.answer(i)
+        await s.settle()
+        assert s.started == list(range(10))
+        for i in range(7, 10):
+            s.answer(i)
+        assert await task == 0
+
+    asyncio.run(main())
+
+
+def test_a_slow_create_holds_back_only_itself() -> None:
+    """A create waiting out a Retry-After does not stop the next ones (the batch version waited for it)."""
+    async def main() -> None:
+        s = Sends()
+        task = asyncio.create_task(slow_start(list(range(8)), s))
+        await s.settle()
+        s.answer(0)
+        await s.settle()
+        s.answer(2)  # 1 is still waiting (its 429's Retry-After)
+        await s.settle()
+        assert s.started == [0, 1, 2, 3, 4]
+        for i in (3, 4):
+            s.answer(i)
+        await s.settle()
+        assert s.started == list(range(8))  # 4 accepted -> all 8 started; 1 still not answered
+        for i in (1, 5, 6, 7):
+            s.answer(i)
+        assert await task == 0
+
+    asyncio.run(main())
+
+
+def test_a_refusal_stops_the_sending_and_the_started_ones_finish() -> None:
+    async def main() -> None:
+        s = Sends()
+        task = asyncio.create_task(slow_start(list(range(100)), s))
+        await s.settle()
+        s.answer(0)
+        await s.settle()
+        s.answer(1, ok=False)  # refused (a quota): nothing more starts
+        await s.settle()
+        assert s.started == [0, 1, 2]
+        assert not task.done()  # 2 is still in flight: waited for
+        s.answer(2)
+        assert await task == 97  # never sent
+        assert s.started == [0, 1, 2]
+
+    asyncio.run(main())
+
+
+def test_an_error_is_raised_after_the_started_ones_finish() -> None:
+    """E.g. leader.NotLeader from the fence: nothing more is sent, nothing is left running, the error goes up."""
+    async def main() -> None:
+        s = Sends()
+        task = asyncio.create_task(slow_start(list(range(10)), s))
+        await s.settle()
+        s.answer(0)
+        await s.settle()
+        s.answer(1, error=RuntimeError("lost the Lease"))
+        await s.settle()
+        assert not task.done() and s.started == [0, 1, 2]
+        s.answer(2)
+        with pytest.raises(RuntimeError, match="lost the Lease"):
+            await task
+        assert s.started == [0, 1, 2]
+
+    asyncio.run(main())
+
+
+def test_cancelling_it_cancels_the_creates_in_flight() -> None:
+    async def main() -> None:
+        s = Sends()
+        task = asyncio.create_task(slow_start(list(range(10)), s))
+        await s.settle()
+        s.answer(0)
+        await s.settle()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert all(s.gates[i].cancelled() for i in (1, 2))
+
+    asyncio.run(main())
+
+
+def test_nothing_to_send() -> None:
+    async def main() -> None:
+        s = Sends()
+        assert await slow_start([], s) == 0 and s.started == []
+
+    asyncio.run(main())
