@@ -20,6 +20,7 @@ config launches, the e2e pods that run as another user), and by ``KUBETITAN_TEST
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -64,10 +65,8 @@ class WarmProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it has just exited
                 os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -132,12 +131,10 @@ def _stop_zygotes() -> None:
     """End the warm parents with the test process and wait for them (their children's CPU time is then counted in
     this process's, as a cold launch's is)."""
     for z in list(_zygotes.values()):
-        try:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):  # gone already, or stuck: the test run ends
             if z.proc.stdin is not None:
                 z.proc.stdin.close()
             z.proc.wait(10)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
 
 
 def _at_import(env: dict[str, str]) -> frozenset:

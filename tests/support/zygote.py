@@ -16,6 +16,7 @@ signal, as ``subprocess.Popen.returncode``) when it ends. EOF on stdin (the test
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
@@ -105,19 +106,15 @@ def _child(req: dict, wakeup: tuple[int, int]) -> None:
     threading._shutdown()  # what a normal exit does first (the launcher itself ends through exit_now)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing left to flush
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 
 def _report(msg: dict) -> None:
-    try:
+    with contextlib.suppress(OSError):  # the test process is gone (a broken pipe): nobody to tell
         sys.stdout.write(json.dumps(msg) + "\n")
         sys.stdout.flush()
-    except OSError:  # the test process is gone (a broken pipe): nobody to tell
-        pass
 
 
 def _reap() -> None:
