@@ -325,10 +325,12 @@ def _settle_restarts(s: LlamaPretrainStatus, status: LlamaPretrainStatus, d: Dec
         last = s.restarts[-1]
         t0 = parse_time(last.time) or obs.now
         last.downtime_seconds = round(max(0.0, obs.progress.first_step_time - t0), 3)
-        if obs.progress.start_step is not None and last.lost_steps is not None:
-            ended = (last.resumed_from_step or 0) + last.lost_steps  # the failed attempt's last step
+        if obs.progress.start_step is not None:
+            # lostSteps stays unknown when no step of the failed attempt was scraped before it failed
+            if last.lost_steps is not None:
+                ended = (last.resumed_from_step or 0) + last.lost_steps  # the failed attempt's last step
+                last.lost_steps = max(0, ended - obs.progress.start_step)
             last.resumed_from_step = obs.progress.start_step
-            last.lost_steps = max(0, ended - obs.progress.start_step)
 
     if d.action == Action.RESTARTED_IN_PLACE:  # the same attempt and pods; a new worker generation
         s.restarts = [*s.restarts, in_place_record(status, d, obs)][-MAX_RESTART_RECORDS:]

@@ -645,6 +645,20 @@ def test_restart_record_takes_the_step_the_next_attempt_really_resumed_from() ->
     assert next_status(s, newer, decide(s, newer, obs3), obs3).restarts[0] == r
 
 
+def test_restart_record_settles_the_resumed_step_even_when_no_step_was_scraped_before_the_failure() -> None:
+    """A rank killed at the first checkpoint, before the operator scraped any step: the record is written with
+    nothing known (resumed 0, lost unknown); the next attempt's first step still settles the step it resumed from."""
+    s = spec()
+    obs = Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 137}}), nodes=ok_nodes, now=NOW,
+                   progress=Progress())
+    new = next_status(s, status(), decide(s, status(), obs), obs)
+    assert (new.restarts[0].resumed_from_step, new.restarts[0].lost_steps) == (0, None)
+    obs2 = Observed(pods=gang(1), nodes=ok_nodes, now=NOW + 20,
+                    progress=Progress(step=3, start_step=2, last_progress_time=NOW + 19, first_step_time=NOW + 18))
+    r = next_status(s, new, decide(s, new, obs2), obs2).restarts[0]
+    assert (r.resumed_from_step, r.lost_steps, r.downtime_seconds) == (2, None, 18.0)
+
+
 @pytest.mark.parametrize(("old_status", "new_status", "reason", "changed", "keeps_time"), [
     (None, "True", "A", True, False),
     ("True", "True", "A", False, True),
