@@ -1,0 +1,262 @@
+"""Where a killed worker's seconds go before the next one can start (issue 29, items 1 and 2), measured apart.
+
+Session 11 measured 6.4 s from SIGKILL to the launcher seeing a worker dead when that worker had saved (its ~40 GiB
+of pinned DCP staging memory and its CUDA context), 0.4 s when it had not. This probe separates the parts, one child
+process per variant (spawned, never forked from a CUDA parent):
+
+  ctx          a CUDA context only
+  gpu          + GPU memory (--gpu-gib, like the training state and activations)
+  pinned       + --host-gib of pinned host memory from the CUDA caching host allocator (DCP's staging: today)
+  shm_reg      + --host-gib of a /dev/shm file mapped and cudaHostRegister-ed in place (memory a worker's death does
+               not free: the file outlives the process; only the registration ends with it)
+
+For each: SIGKILL -> a robust mutex held by the child is handed to the parent as EOWNERDEAD (the kernel releases
+robust futexes at the start of the exit, before the address space and file descriptors are torn down) ->
+waitpid returns (what torchrun's agent polls) -> the GPU's free memory is back (the next worker can allocate).
+Then the load side: --host-gib from the registered mapping to the GPU on 1 and 4 streams, registration itself, and
+a pipelined register-then-copy of 1 GiB chunks, against a copy from the same mapping unregistered (today's tier).
+
+    python bench/teardown_probe.py --host-gib 40 --gpu-gib 100 --out /tmp/probe     # on the H200
+    python bench/teardown_probe.py --cpu --host-gib 1 --out /tmp/probe              # the mechanism only, no CUDA
+
+Prints one JSON line per measurement and a table at the end; writes results.jsonl into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+GIB = 1 << 30
+EOWNERDEAD = 130
+MUTEX_BYTES = 64  # sizeof(pthread_mutex_t) is 40 on x86_64 glibc; padded
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def _robust_mutex(path: Path, init: bool) -> tuple[mmap.mmap, ctypes.c_void_p]:
+    """A process-shared robust pthread mutex in a small shared file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, MUTEX_BYTES)
+    m = mmap.mmap(fd, MUTEX_BYTES)
+    os.close(fd)
+    addr = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+    if init:
+        attr = ctypes.create_string_buffer(16)
+        assert _libc.pthread_mutexattr_init(attr) == 0
+        assert _libc.pthread_mutexattr_setpshared(attr, 1) == 0   # PTHREAD_PROCESS_SHARED
+        assert _libc.pthread_mutexattr_setrobust(attr, 1) == 0    # PTHREAD_MUTEX_ROBUST
+        assert _libc.pthread_mutex_init(addr, attr) == 0
+    return m, addr
+
+
+def child(args: argparse.Namespace) -> None:
+    """The worker stand-in: take the mutex, allocate, say ready, wait to be killed."""
+    m, mutex = _robust_mutex(Path(args.mutex), init=False)
+    assert _libc.pthread_mutex_lock(mutex) == 0
+    info: dict = {}
+    held = []
+    if not args.cpu:
+        import torch
+        t0 = time.perf_counter()
+        torch.cuda.init()
+        torch.empty(1, device="cuda")
+        info["ctx_s"] = time.perf_counter() - t0
+        if args.variant != "ctx":
+            t0 = time.perf_counter()
+            held.append(torch.empty(int(args.gpu_gib * GIB), dtype=torch.uint8, device="cuda"))
+            torch.cuda.synchronize()
+            info["gpu_alloc_s"] = time.perf_counter() - t0
+    if args.variant == "pinned":
+        t0 = time.perf_counter()
+        if args.cpu:
+            buf = mmap.mmap(-1, int(args.host_gib * GIB))
+            buf.write(b"\1" * len(buf)) if args.host_gib <= 1 else None
+            held.append(buf)
+        else:
+            import torch
+            held.append(torch.empty(int(args.host_gib * GIB), dtype=torch.uint8, pin_memory=True))
+        info["pin_s"] = time.perf_counter() - t0
+    elif args.variant == "shm_reg":
+        t0 = time.perf_counter()
+        fd = os.open(args.shm, os.O_RDWR)
+        size = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size)
+        os.close(fd)
+        held.append(mapping)
+        info["map_s"] = time.perf_counter() - t0
+        if not args.cpu:
+            import torch
+            ptr = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+            t0 = time.perf_counter()
+            rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+            info["register_s"], info["register_rc"] = time.perf_counter() - t0, int(rc)
+    print(json.dumps({"ready": True, **info}), flush=True)
+    signal.pause()
+
+
+def _gpu_free() -> int:
+    import torch
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def kill_once(args: argparse.Namespace, variant: str, work: Path) -> dict:
+    """Start one child, kill it when ready, time the three events."""
+    mpath = work / f"mutex-{variant}"
+    mpath.unlink(missing_ok=True)
+    _m, mutex = _robust_mutex(mpath, init=True)
+    cmd = [sys.executable, __file__, "--child", "--variant", variant, "--mutex", str(mpath), "--shm", str(args.shm),
+           "--host-gib", str(args.host_gib), "--gpu-gib", str(args.gpu_gib)] + (["--cpu"] if args.cpu else [])
+    base_free = None if args.cpu else _gpu_free()
+    t_start = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    ready = json.loads(p.stdout.readline())
+    setup_s = time.perf_counter() - t_start
+    got: dict[str, float] = {}
+
+    def wait_mutex() -> None:
+        rc = _libc.pthread_mutex_lock(mutex)  # blocks (the GIL released) until the child dies
+        got["futex"] = time.perf_counter()
+        got["futex_rc"] = rc
+        if rc == EOWNERDEAD:
+            _libc.pthread_mutex_consistent(mutex)
+        _libc.pthread_mutex_unlock(mutex)
+
+    th = threading.Thread(target=wait_mutex, daemon=True)
+    th.start()
+    time.sleep(0.5)  # the waiter is blocked in the lock before the kill (a probe, not a test)
+    t_kill = time.perf_counter()
+    os.kill(p.pid, signal.SIGKILL)
+    gpu_back = None
+    if not args.cpu:
+        while True:  # free memory back within 2 GiB of before the child started
+            if _gpu_free() >= base_free - 2 * GIB:
+                gpu_back = time.perf_counter() - t_kill
+                break
+            time.sleep(0.005)
+            if time.perf_counter() - t_kill > 60:
+                break
+    p.wait()
+    t_reap = time.perf_counter()
+    th.join(60)
+    r = {"what": "kill", "variant": variant, "setup_s": round(setup_s, 3), **{k: round(v, 3) if isinstance(v, float)
+         else v for k, v in ready.items() if k != "ready"},
+         "kill_to_futex_s": round(got["futex"] - t_kill, 4) if "futex" in got else None,
+         "futex_rc": got.get("futex_rc"), "kill_to_reap_s": round(t_reap - t_kill, 4),
+         "kill_to_gpu_free_s": None if gpu_back is None else round(gpu_back, 4)}
+    mpath.unlink(missing_ok=True)
+    return r
+
+
+def load_side(args: argparse.Namespace) -> list[dict]:
+    """Copies of the /dev/shm mapping to the GPU: unregistered, registered (1 and 4 streams), pipelined."""
+    import torch
+    out = []
+    fd = os.open(args.shm, os.O_RDWR)
+    size = os.fstat(fd).st_size
+    mapping = mmap.mmap(fd, size)
+    os.close(fd)
+    host = torch.frombuffer(mapping, dtype=torch.uint8)
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+
+    def timed(what: str, fn) -> None:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        s = time.perf_counter() - t0
+        out.append({"what": what, "gib": round(size / GIB, 2), "s": round(s, 3), "gb_per_s": round(size / s / 1e9, 1)})
+        print(json.dumps(out[-1]), flush=True)
+
+    timed("copy_pageable", lambda: dev.copy_(host))
+    ptr = host.data_ptr()
+    cudart = torch.cuda.cudart()
+    timed("register", lambda: cudart.cudaHostRegister(ptr, size, 0))
+    out[-1]["pinned_after"] = bool(host.is_pinned())
+    timed("copy_registered_1_stream", lambda: dev.copy_(host, non_blocking=True))
+
+    def four() -> None:
+        streams = [torch.cuda.Stream() for _ in range(4)]
+        step = (size + 3) // 4
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                dev[i * step:(i + 1) * step].copy_(host[i * step:(i + 1) * step], non_blocking=True)
+        for s in streams:
+            s.synchronize()
+
+    timed("copy_registered_4_streams", four)
+    timed("unregister", lambda: cudart.cudaHostUnregister(ptr))
+
+    def pipelined() -> None:  # register 1 GiB, start its copy, register the next while it runs
+        chunk = GIB
+        for off in range(0, size, chunk):
+            n = min(chunk, size - off)
+            cudart.cudaHostRegister(ptr + off, n, 0)
+            dev[off:off + n].copy_(host[off:off + n], non_blocking=True)
+        torch.cuda.synchronize()
+        for off in range(0, size, chunk):
+            cudart.cudaHostUnregister(ptr + off)
+
+    timed("register_and_copy_pipelined_1gib", pipelined)
+    del host, dev
+    mapping.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/teardown-probe"))
+    ap.add_argument("--host-gib", type=float, default=40.0)
+    ap.add_argument("--gpu-gib", type=float, default=100.0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--variants", default="ctx,gpu,pinned,shm_reg")
+    ap.add_argument("--shm", type=Path, default=Path("/dev/shm/kt-teardown-probe"))
+    ap.add_argument("--cpu", action="store_true", help="no CUDA: the mutex and reap timings only")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--mutex", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(args.shm, "wb") as f:  # the tier-like file, written once (its pages exist before any child maps it)
+        block = os.urandom(1 << 20) * 64
+        for _ in range(int(args.host_gib * GIB) // len(block)):
+            f.write(block)
+    print(json.dumps({"what": "shm_file_written", "gib": args.host_gib, "s": round(time.perf_counter() - t0, 2)}),
+          flush=True)
+    rows = []
+    try:
+        for _ in range(args.repeats):
+            for v in args.variants.split(","):
+                r = kill_once(args, v, args.out)
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+        if not args.cpu:
+            rows += load_side(args)
+    finally:
+        args.shm.unlink(missing_ok=True)
+        with open(args.out / "results.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print("\n| variant | set-up s | kill -> robust mutex s | kill -> reaped s | kill -> GPU memory free s |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if r["what"] == "kill":
+            print(f"| {r['variant']} | {r['setup_s']} | {r['kill_to_futex_s']} | {r['kill_to_reap_s']} | "
+                  f"{r['kill_to_gpu_free_s']} |")
+
+
+if __name__ == "__main__":
+    main()
