@@ -6,7 +6,9 @@ process per variant (spawned, never forked from a CUDA parent):
 
   ctx          a CUDA context only
   gpu          + GPU memory (--gpu-gib, like the training state and activations)
-  pinned       + --host-gib of pinned host memory from the CUDA caching host allocator (DCP's staging: today)
+  pinned       + --host-gib of pinned host memory from the CUDA caching host allocator (cudaHostAlloc)
+  dcp_today    + --host-gib as DCP's pinned, shared staging allocates it (torch 2.11 StateDictStager: a shared-memory
+               storage per tensor, each cudaHostRegister-ed; here 1 GiB storages)
   shm_reg      + --host-gib of a /dev/shm file mapped and cudaHostRegister-ed in place (memory a worker's death does
                not free: the file outlives the process; only the registration ends with it)
 
@@ -85,6 +87,19 @@ def child(args: argparse.Namespace) -> None:
         else:
             import torch
             held.append(torch.empty(int(args.host_gib * GIB), dtype=torch.uint8, pin_memory=True))
+        info["pin_s"] = time.perf_counter() - t0
+    elif args.variant == "dcp_today":  # DCP's staging as torch 2.11 does it: shared storages, each registered
+        t0 = time.perf_counter()
+        if args.cpu:
+            held += [mmap.mmap(-1, GIB // 4) for _ in range(max(1, int(args.host_gib * 4)))]
+        else:
+            import torch
+            import torch.cuda._pin_memory_utils as pin_memory_utils
+            for _ in range(max(1, int(args.host_gib))):  # 1 GiB storages (DCP: one per state tensor)
+                st = torch.UntypedStorage._new_shared(GIB, device="cpu")
+                st.fill_(1)
+                pin_memory_utils.pin_memory(st.data_ptr(), st.nbytes())
+                held.append(st)
         info["pin_s"] = time.perf_counter() - t0
     elif args.variant == "shm_reg":
         t0 = time.perf_counter()
@@ -219,7 +234,7 @@ def main() -> None:
     ap.add_argument("--host-gib", type=float, default=40.0)
     ap.add_argument("--gpu-gib", type=float, default=100.0)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--variants", default="ctx,gpu,pinned,shm_reg")
+    ap.add_argument("--variants", default="ctx,gpu,dcp_today,shm_reg,pinned")
     ap.add_argument("--shm", type=Path, default=Path("/dev/shm/kt-teardown-probe"))
     ap.add_argument("--cpu", action="store_true", help="no CUDA: the mutex and reap timings only")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -239,13 +254,13 @@ def main() -> None:
           flush=True)
     rows = []
     try:
+        if not args.cpu:  # first: it needs the GPU to itself
+            rows += load_side(args)
         for _ in range(args.repeats):
             for v in args.variants.split(","):
                 r = kill_once(args, v, args.out)
                 print(json.dumps(r), flush=True)
                 rows.append(r)
-        if not args.cpu:
-            rows += load_side(args)
     finally:
         args.shm.unlink(missing_ok=True)
         with open(args.out / "results.jsonl", "w") as f:
