@@ -194,6 +194,34 @@ def load_side(args: argparse.Namespace) -> list[dict]:
         print(json.dumps(out[-1]), flush=True)
 
     timed("copy_pageable", lambda: dev.copy_(host))
+
+    def bounced(threads: int, chunk: int = 64 << 20) -> None:
+        # today's tier load with one thread; several threads each memcpy their chunks into their own two pinned
+        # buffers (torch's CPU copy_ releases the GIL) and copy them on their own stream
+        def part(k: int) -> None:
+            bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            evs = [None, None]
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for j, off in enumerate(range(k * chunk, size, threads * chunk)):
+                    n = min(chunk, size - off)
+                    b = j & 1
+                    if evs[b] is not None:
+                        evs[b].synchronize()
+                    bufs[b][:n].copy_(host[off:off + n])
+                    dev[off:off + n].copy_(bufs[b][:n], non_blocking=True)
+                    evs[b] = torch.cuda.Event()
+                    evs[b].record(stream)
+            stream.synchronize()
+
+        ts = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    for n in (1, 4, 8):
+        timed(f"copy_bounced_{n}_threads", lambda n=n: bounced(n))
     ptr = host.data_ptr()
     cudart = torch.cuda.cudart()
     timed("register", lambda: cudart.cudaHostRegister(ptr, size, 0))
