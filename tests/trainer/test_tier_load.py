@@ -1,0 +1,70 @@
+"""The restore tier's parallel load (issue 29, item 2): every byte of every tensor lands once, on any number of
+threads and any chunk size; the thread count's knob. The CUDA path (pinned buffers, a stream per thread) runs the
+same chunk plan; its speed is measured on the H200 (bench/teardown_probe.py, docs/reliability.md)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kubetitan_trainer import restore_tier
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(37, generator=g), torch.randn(3, 5, generator=g).to(torch.bfloat16),
+            torch.randint(0, 1 << 40, (11,), generator=g), torch.zeros(0), torch.randn(64, 3, generator=g)]
+
+
+def _as_bytes(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.contiguous().reshape(-1).view(torch.uint8).clone() for t in ts]
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 1 << 20])
+def test_chunks_cover_every_byte_once_in_order(size: int) -> None:
+    src = _as_bytes(_tensors())
+    dst = [torch.empty_like(s) for s in src]
+    got = restore_tier.chunks(list(zip(src, dst)), size)
+    assert all(0 < s.numel() <= size and s.numel() == d.numel() for s, d in got)
+    for s, d in got:
+        d.copy_(s)
+    assert all(torch.equal(a, b) for a, b in zip(src, dst))
+    assert sum(s.numel() for s, _d in got) == sum(s.numel() for s in src)
+
+
+def test_chunks_refuse_a_size_mismatch() -> None:
+    with pytest.raises(restore_tier.TierMismatch, match="8 bytes for a tensor of 4 bytes"):
+        restore_tier.chunks([(torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))], 4)
+
+
+@pytest.mark.parametrize(("threads", "chunk"), [(1, 1 << 20), (3, 7), (8, 64)])
+def test_parallel_load_fills_every_tensor_exactly(threads: int, chunk: int) -> None:
+    want = _tensors()
+    targets = [torch.full_like(t, 0) for t in want]
+    strided = torch.zeros(5, 3).t()  # not contiguous: copied whole on the calling thread
+    pairs = [(b, t) for b, t in zip(_as_bytes(want), targets)]
+    pairs.append((_as_bytes([torch.arange(15.0).reshape(3, 5)])[0], strided))
+    restore_tier._ParallelLoad(threads, chunk, bounce_cpu=True).run(pairs)
+    assert all(torch.equal(a, b) for a, b in zip(want, targets))
+    assert torch.equal(strided, torch.arange(15.0).reshape(3, 5))
+
+
+def test_a_failing_thread_fails_the_load(monkeypatch) -> None:
+    """An error on a loading thread (here: its bounce buffers cannot be allocated) is raised by the load itself."""
+    def no_memory(*a, **k):
+        raise RuntimeError("CUDA error: out of memory (pinned)")
+
+    monkeypatch.setattr(torch, "empty", no_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        restore_tier._ParallelLoad(2, 8, bounce_cpu=True).run([(torch.zeros(16, dtype=torch.uint8),
+                                                               torch.ones(16, dtype=torch.uint8))])
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, 4), ("8", 8), ("0", 1), ("many", 4)])
+def test_load_threads_knob(raw, want, caplog) -> None:
+    env = {} if raw is None else {restore_tier.ENV_LOAD_THREADS: raw}
+    with caplog.at_level(logging.WARNING, logger="kubetitan.restore_tier"):
+        assert restore_tier.load_threads(env) == want
+    assert ("is not a whole number" in caplog.text) == (raw == "many")
