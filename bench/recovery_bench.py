@@ -10,6 +10,12 @@ after its first steps, before the next checkpoint (one full checkpoint on disk a
 - ``warm_dcp``: compile cache kept, the tier moved away first (so the load goes through DCP: "before");
 - ``cold_tier`` / ``cold_dcp``: the compile cache moved away first (a cold compile), tier kept / moved.
 
+An item written ``saved:<kind>`` makes the generation that is killed before it save first: it trains to its own
+next checkpoint step N, writes the tier of step N (its pinned staging memory is then allocated, as in every worker of
+a real run, which is what makes a dead worker's teardown slow), and is killed two steps later. The local disk holds
+one 40 GiB DCP checkpoint, so before such a generation the bench deletes every DCP checkpoint (from then on every
+load is from the tier) and after its kill the one it was writing.
+
 Per generation it reports the trainer's start-up anatomy (``<dump>/kubetitan/startup.jsonl``,
 :mod:`kubetitan_trainer.anatomy`) and the bench's own clock: SIGKILL -> the end of the first trained step.
 Every event is printed and appended to ``<out>/events.jsonl`` as it happens (a cut-off run keeps its part).
@@ -40,6 +46,8 @@ from kubetitan_trainer.local import free_port, scrape, spec_env, write_config  #
 
 PLANS = ("warm_tier", "warm_dcp", "cold_tier", "cold_dcp")
 NEED_S = {"warm_tier": 45, "warm_dcp": 100, "cold_tier": 100, "cold_dcp": 150}
+SAVED = "saved:"
+SAVED_NEED_S = 75  # a saved generation: steps to its checkpoint, the first pinned save of a process, the tier write
 """Seconds a planned restart may need (start-up + a few steps) on the H200; not started with less left."""
 
 CPU_SPEC = {
@@ -86,6 +94,16 @@ def children(pid: int) -> list[int]:
     return [int(x) for x in p.read_text().split()] if p.exists() else []
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first)."""
+    out, todo = [], children(pid)
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children(p)
+    return out
+
+
 def startup_records(dump: Path) -> list[dict]:
     p = dump / "kubetitan" / "startup.jsonl"
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
@@ -118,12 +136,15 @@ def run(a: argparse.Namespace) -> int:
     port = free_port()
     config = write_config(lpt, dump, None, port)
     plan = [p for p in a.plan.split(",") if p]
-    assert all(p in PLANS for p in plan), f"--plan: each of {PLANS}"
+    assert all(p.removeprefix(SAVED) in PLANS for p in plan), f"--plan: each of {PLANS}, optionally {SAVED}<kind>"
+    assert not (a.tier_only and any(p.endswith("_dcp") for p in plan)), "--tier-only: a plan without *_dcp items"
     env = {**os.environ, **spec_env(lpt), contract.ENV_ATTEMPT: "0", contract.ENV_JOB_NAME: "recovery-bench",
            contract.ENV_JOB_NAMESPACE: "bench", contract.ENV_JOB_START_TIME: str(int(time.time()))}
     from kubetitan_trainer import compile_cache
 
     compile_cache.configure(str(config), env)  # what the launcher will set (setdefault): the bench can move it
+    if a.precompile:
+        env["TORCH_CACHING_PRECOMPILE"] = "1"
     cmd = [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
            "--nproc-per-node=1", "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
            "--rdzv-id=recovery-bench", f"--max-restarts={len(plan)}", "--monitor-interval=0.1",
@@ -134,7 +155,7 @@ def run(a: argparse.Namespace) -> int:
            "--hang-timeout-policy=Fixed", "--hang-timeout-seconds=900"]
     free = shutil.disk_usage(tier.parent if tier.parent.exists() else "/").free
     ev("start", cmd=cmd, plan=plan, tier=str(tier), tier_free_gib=round(free / 2**30, 1),
-       compile_cache=str(cache_dir(env)), deadline_s=a.deadline)
+       compile_cache=str(cache_dir(env)), deadline_s=a.deadline, tier_only=a.tier_only, precompile=a.precompile)
     log = open(out / "launcher.log", "ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     results: list[dict] = []
@@ -142,6 +163,7 @@ def run(a: argparse.Namespace) -> int:
     try:
         gen = 0
         kill_time = None
+        killed_had_saved = False
         kind = "cold_start"
         while True:
             # 1. this generation's start-up record
@@ -156,6 +178,7 @@ def run(a: argparse.Namespace) -> int:
             if kill_time is not None:
                 row["kill_to_first_step_end_s"] = round(rec["time"] - kill_time, 2)
                 row["kill_to_detected_s"] = round(rec["time"] - rec["total_seconds"] - kill_time, 2)
+                row["killed_worker_had_saved"] = killed_had_saved
             results.append(row)
             ev("generation", **row)
             for moved in (Path(str(tier) + ".away"), Path(str(cache_dir(env) or "") + ".away")):
@@ -166,13 +189,25 @@ def run(a: argparse.Namespace) -> int:
                     ev("restored", path=str(back))
             if gen >= len(plan):
                 break
-            nxt = plan[gen]
+            item = plan[gen]
+            nxt, own_save = item.removeprefix(SAVED), item.startswith(SAVED) and gen > 0  # gen 0 saves anyway
             left = deadline - time.time()
-            if left < NEED_S[nxt] * (0.2 if a.cpu else 1):
-                ev("stop", reason=f"{left:.0f} s left, {nxt} may need {NEED_S[nxt]} s")
+            need = NEED_S[nxt] + (SAVED_NEED_S if own_save else 0)
+            if left < need * (0.2 if a.cpu else 1):
+                ev("stop", reason=f"{left:.0f} s left, {item} may need {need} s")
                 break
-            # 2. the kill point: a complete checkpoint (and the tier) of step `interval`, a step or two past it
-            target = a.interval + 2
+            # 2. the kill point: gen 0 a step or two past its complete step-`interval` checkpoint and tier; a
+            #    saved generation two steps past its own checkpoint step N, once its tier holds N; any other one
+            #    step past its first
+            if own_save:
+                for d in (dump / contract.CHECKPOINT_SUBDIR).glob("step-*"):  # room for its own DCP save
+                    shutil.rmtree(d, ignore_errors=True)
+                    ev("deleted", path=str(d), why="the disk holds one checkpoint; loads come from the tier now")
+                save_at = -(-row["first_step"] // a.interval) * a.interval
+                target = save_at + 2
+            else:
+                save_at = a.interval
+                target = a.interval + 2 if gen == 0 else row["first_step"] + 1
 
             def ready():
                 try:
@@ -193,26 +228,33 @@ def run(a: argparse.Namespace) -> int:
                 break
 
             def saved():
+                if own_save:
+                    return True if (tier_step(tier) or -1) >= save_at else None
+                if gen > 0:
+                    return True
+                if a.tier_only:
+                    return True if (tier_step(tier) or -1) >= a.interval else None
                 if not ckpt_meta.exists():
                     return None
-                if gen > 0 or tier_step(tier) == a.interval:
+                if tier_step(tier) == a.interval:
                     return True
                 text = (out / "launcher.log").read_text(errors="replace")
                 return True if ("Restore tier skipped" in text or "Restore tier not written" in text) else None
 
-            # The worker trains on while its step-`interval` save completes: DCP's async writer and the restore
-            # tier's background thread (which a stopped worker would stop too). `interval` must leave room for
-            # that before the next checkpoint step (the device's disk holds one full checkpoint).
-            ok = wait(saved, proc, deadline, ev, f"complete checkpoint step-{a.interval} and its tier")
+            # The worker trains on while its save completes: DCP's async writer and the restore tier's background
+            # thread (which a stopped worker would stop too). `interval` must leave room for that before the next
+            # checkpoint step (the device's disk holds one full checkpoint).
+            ok = wait(saved, proc, deadline, ev, f"generation {gen}'s checkpoint step-{save_at} and its tier")
             if ok is None:
                 ev("warning", what=f"tier step {tier_step(tier)}, {ckpt_meta} exists: {ckpt_meta.exists()}")
-                if not ckpt_meta.exists():
+                if not ckpt_meta.exists() and not own_save:
                     break
             step = ready() or step  # (the stopped worker serves no /metrics: read it first)
+            workers = descendants(proc.pid)  # the workers and whatever they started (DCP's writer process)
             for w in workers:
                 os.kill(w, signal.SIGSTOP)  # no further step while the bench moves things away
-            ev("paused", step=step, workers=workers)
-            if step >= 2 * a.interval:
+            ev("paused", step=step, workers=workers, saved_step=save_at if (own_save or gen == 0) else None)
+            if step >= save_at + a.interval and not a.tier_only:
                 ev("error", what=f"step {step}: a second checkpoint began before the first completed; raise --interval")
                 break
             # 3. what the next generation runs without
@@ -226,9 +268,12 @@ def run(a: argparse.Namespace) -> int:
             kill_time = time.time()
             for w in workers:
                 os.kill(w, signal.SIGKILL)
-            ev("killed", workers=workers, step=step, next=nxt)
+            killed_had_saved = own_save or gen == 0
+            ev("killed", workers=workers, step=step, next=nxt, killed_had_saved=killed_had_saved)
+            if own_save:  # the DCP save it was writing (partial or complete): the tier holds that step
+                shutil.rmtree(dump / contract.CHECKPOINT_SUBDIR / f"step-{save_at}", ignore_errors=True)
             gen += 1
-            kind = nxt
+            kind = item
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -262,12 +307,16 @@ def wait(cond, proc, deadline, ev, what, poll=0.1):
 def table(rows: list[dict]) -> str:
     from kubetitan_trainer.anatomy import PHASES
 
-    head = ["gen", "start", "loaded from", "kill -> first step end"] + list(PHASES) + ["sum"]
+    head = ["gen", "start", "killed worker had saved", "loaded from", "kill -> first step end", "kill -> detected"] \
+        + list(PHASES) + ["sum"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         k = r.get("kill_to_first_step_end_s")
-        lines.append("| " + " | ".join([str(r["generation"]), r["kind"], r["checkpoint_source"],
-                                        "-" if k is None else f"{k:.1f} s"]
+        d = r.get("kill_to_detected_s")
+        lines.append("| " + " | ".join([str(r["generation"]), r["kind"],
+                                        {True: "yes", False: "no"}.get(r.get("killed_worker_had_saved"), "-"),
+                                        r["checkpoint_source"], "-" if k is None else f"{k:.1f} s",
+                                        "-" if d is None else f"{d:.2f} s"]
                                        + [f"{r['phases'][p]:.1f}" for p in PHASES]
                                        + [f"{r['startup_total_s']:.1f}"]) + " |")
     return "\n".join(lines)
@@ -288,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=420, help="seconds for the whole bench")
     p.add_argument("--cpu", action="store_true", help="the debug model on CPU (dry run of the driver)")
     p.add_argument("--keep", action="store_true", help="keep the work folder and the tier")
+    p.add_argument("--tier-only", action="store_true",
+                   help="every load is from the tier: generation 0 is killed once its tier is written (its DCP save "
+                        "need not complete) and DCP checkpoints may be deleted as they complete (a plan without "
+                        "*_dcp items, on a disk too small for two checkpoints)")
+    p.add_argument("--precompile", action="store_true",
+                   help="TORCH_CACHING_PRECOMPILE=1 for every generation: torch 2.11's experimental Dynamo cache, "
+                        "so a warm generation skips Dynamo's tracing too")
     return run(p.parse_args(argv))
 
 

@@ -1,0 +1,33 @@
+#!/bin/bash
+# Device call 20 (session 15, issue 29): recovery anatomy of the 3B recipe for kills of workers that HAD SAVED
+# (their pinned DCP staging allocated, as in every worker of a real run): bench/recovery_bench.py --tier-only with
+# the plan saved:warm_tier x3 then saved:cold_tier, checkpoints every 20 steps; every load from the restore tier
+# (now read on KUBETITAN_TIER_LOAD_THREADS threads, default 4); TORCH_CACHING_PRECOMPILE=1 (torch 2.11's Dynamo
+# cache) unless PRECOMPILE=0. A background cleaner deletes each complete DCP checkpoint (the 64 GB disk holds one).
+# If generation 0 fails with the precompile cache on, the bench runs again without it.
+# Raw output in $OUT: recovery.txt, events.jsonl, results.json, launcher.log (tail), logs.tgz.
+# Usage (device tool, carry [".whl"]): [PRECOMPILE=0] bash bench/device/call20.sh [SECONDS=540]
+export R=/tmp/r
+source bench/device/setup.sh
+END=${1:-540}
+( while sleep 2; do for d in /tmp/recovery-bench/out/checkpoint/step-*; do
+    [ -f "$d/.metadata" ] && rm -rf "$d" && echo "$(date -u +%T) deleted complete checkpoint $d"; done; done ) \
+  > "$R/cleaner.txt" 2>&1 &
+CLEANER=$!
+PLAN=saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier
+PC=--precompile; [ "${PRECOMPILE:-1}" = 0 ] && PC=
+echo "=== recovery bench $(date -u +%T) plan $PLAN $PC, $((END - SECONDS)) s left"
+python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier /dev/shm/kt-recovery-tier \
+  --interval 20 --tier-only $PC --deadline $((END - SECONDS - 10)) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
+if [ -n "$PC" ] && ! grep -q '"generation": 0' "$OUT/events.jsonl"; then
+  echo "=== generation 0 did not train with the precompile cache: again without it $(date -u +%T)"
+  mv "$OUT/launcher.log" "$R/launcher_precompile.log"; mv "$OUT/events.jsonl" "$R/events_precompile.jsonl"
+  python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier /dev/shm/kt-recovery-tier \
+    --interval 20 --tier-only --deadline $((END - SECONDS - 10)) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
+fi
+kill $CLEANER
+echo "=== end $(date -u +%T), $SECONDS s"; free -g | head -2
+grep -aE "Restore tier|Loaded step|Finished loading|Start-up of|precompile|DynamoCache|Traceback|Error" "$OUT/launcher.log" \
+  | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-240 | tail -40 | tee "$R/launcher_grep.txt"
+tar -C "$R" -czf "$OUT/logs.tgz" . 2>/dev/null
+gzip -f "$OUT/launcher.log"
