@@ -1,0 +1,114 @@
+#!/bin/bash
+# Device call 18 (issue 29, the last must-show): loss parity on REAL TEXT, one H200. NOT RUN YET on the device.
+# 1. corpus: the text files of the machine (no network): bench/text_corpus.py (the Python standard library's .py,
+#    /usr/share/doc and common-licenses, man pages, the installed packages' .py/.md/.rst/.txt; one JSONL document a
+#    file), then `kubetitan prepare-data` (kubetitan's own CLI, its builtin tokenizer: a 644-token byte-level BPE
+#    with Llama 3's special tokens, trainer/kubetitan_trainer/assets/tokenizer) into shards, every core a worker;
+#    byte counts, the files' summary, tokens and MB/s -> corpus.txt. The shuffle is the loader's (data.order:
+#    shuffled, a permutation of the seqLen+1-token windows seeded by the run's seed).
+# 2. three runs of the 3B model at seq 2048, batch 2, 300 steps (learning-rate warm-up 20), on those shards:
+#    a) the recipe's numerics through `kubetitan run` (examples/llama3-3b-h200.yaml: FP8 tensorwise with the output
+#       projection in FP8, compiled by kubetitan's TrainSpec; expandable segments), seed A;
+#    b) plain torchtitan 0.2.2 (its own TrainSpec, FP8 tensorwise blocks, bf16 output projection: torchtitan's
+#       default filter), seed A: the same initial weights and the same data order as a) (torchtitan seeds the
+#       initialisation with debug.seed, kubetitan's loader the window order with the same seed);
+#    c) plain torchtitan, seed B: another initialisation AND another data order (both follow the seed): the
+#       run-to-run noise.
+#    a) and b) run at once on the one GPU (~62 GiB each; their step times are not measurements), then c) alone.
+#    Every run: alloc=exp (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the allocator's, not numerics).
+# 3. bench/plot_parity.py: raw + EMA-smoothed curves and their differences -> loss_parity_text.png; the numbers
+#    (mean |recipe - plain_A| and |plain_A - plain_B| over the last 100 steps, raw and smoothed, the gap of the
+#    tail means, the step-to-step std) -> parity.txt.
+# $OUT gets (6 files): progress.txt, corpus.txt, parity.txt, loss_parity_text.png, results.jsonl, logs.tgz (every
+# log, the corpus summary and file list, env.txt), each as soon as it exists.
+# Expected: ~1.5 min set-up (wheels, corpus, prepare-data), a)+b) ~2.5-3 min, c) ~1.5-2 min: ~6-7 min in all.
+#
+# Usage (device tool, kind nvidia-h200, carry [".whl"], timeout_s 600): bash bench/device/call18.sh
+# Knobs (env): STEPS (300), BATCH (2), SEQ (2048), SEED_A (42), SEED_B (1234), CORPUS_MB (64), END_S (540: no run
+# goes past this many seconds of the script).
+# CPU dry run on the development machine (the same path: debug model, eager, seq 128, 10 steps, learning-rate warm-up
+# 2, an 8 MB corpus):
+#   DRY=1 OUT=bench/results/parity/cpu_dryrun_s15 bash bench/device/call18.sh
+export R=${R:-/tmp/r18}
+DRY=${DRY:-0}
+rm -rf "$R"
+mkdir -p "$OUT"
+source bench/device/setup.sh
+if [ "$DRY" = 1 ]; then
+  FLAV=debugmodel MODE=eager STEPS=${STEPS:-10} SEQ=${SEQ:-128} CORPUS_MB=${CORPUS_MB:-8} D=${D:-/tmp/c18dry} LRWARM=2
+else
+  FLAV=3B MODE=fp8tw STEPS=${STEPS:-300} SEQ=${SEQ:-2048} CORPUS_MB=${CORPUS_MB:-64} D=${D:-/tmp/c18} LRWARM=20
+fi
+BATCH=${BATCH:-2} SEED_A=${SEED_A:-42} SEED_B=${SEED_B:-1234} END_S=${END_S:-540}
+W=${GPUBENCH_WORK_ROOT:-/tmp/gpubench18}
+rm -rf "$D" "$W"
+mkdir -p "$D" "$R/a" "$R/b" "$R/c"
+say() { echo "$(date -u +%T) +${SECONDS}s $*" | tee -a "$OUT/progress.txt"; }
+gpu_mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null | tr -d '\n'; }
+last_step() {  # the newest "step: N loss: X" of the given logs (kubetitan's keeps torchtitan's colours)
+  cat "$@" 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g' | grep -ao 'step: *[0-9]* *loss: *[0-9.]*' | tail -1 | tr -s ' '
+}
+alive() { for p in "$@"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
+watch_runs() {  # every 20 s while a run lives: each run's newest step and the GPU's memory in use
+  local pids=$1 last=$SECONDS
+  shift
+  while alive $pids; do
+    sleep 2
+    if ((SECONDS - last >= 20)); then
+      last=$SECONDS
+      say "$(for x in "$@"; do echo -n "$x: $(last_step $R/$x/*.log $W/$x/*/out/train.log) | "; done)gpu $(gpu_mem)"
+    fi
+  done
+}
+say "call18 DRY=$DRY: $FLAV $MODE batch $BATCH seq $SEQ steps $STEPS seeds $SEED_A/$SEED_B, corpus <= $CORPUS_MB MB"
+
+# 1. corpus and shards
+python3 bench/text_corpus.py --out "$D/corpus.jsonl" --max-mb "$CORPUS_MB" --summary "$R/corpus_summary.json" \
+  --list "$R/corpus_files.tsv" 2>&1 | tee "$R/corpus.txt"
+say "corpus written; prepare-data with $(nproc) workers"
+python3 -m kubetitan.cli prepare-data "$D/corpus.jsonl" -o "$D/shards" --workers "$(nproc)" --no-progress 2>&1 \
+  | tee -a "$R/corpus.txt"
+python3 - "$D/shards/index.json" <<'PY' 2>&1 | tee -a "$R/corpus.txt"
+import json, sys
+ix = json.load(open(sys.argv[1]))
+print(f"shards: {ix['total_tokens']:,} tokens ({ix['dtype']}), {ix['documents']:,} documents, {len(ix['files'])} "
+      f"shard files, tokenizer {ix['tokenizer']['name']} ({ix['tokenizer']['vocab_size']} tokens), "
+      f"{ix['input_bytes'] / ix['total_tokens']:.2f} input bytes per token")
+PY
+cp "$R/corpus.txt" "$OUT/"
+[ -f "$D/shards/index.json" ] || { say "prepare-data failed: no index.json"; snap; exit 1; }
+say "shards ready"
+snap
+
+# 2. the runs
+C=$BATCH:steps=$STEPS:warmup=4:lrwarm=$LRWARM:alloc=exp:data=shards:shards=$D/shards
+export GPUBENCH_SEQ_LEN=$SEQ
+run() {  # run NAME TIMEOUT CASE: one bench case into $R/NAME (log, results.jsonl)
+  GPUBENCH_WORK=$W/$1 python3 bench/gpu_bench.py run --out "$R/$1" --case-timeout "$2" --cases "$3" \
+    > "$R/$1/bench.txt" 2>&1
+}
+T=$((END_S - SECONDS - 130)); ((T < 60)) && T=60  # a)+b) leave c) at least ~130 s
+say "a) recipe (kubetitan, FP8 head) seed $SEED_A + b) plain (bf16 head) seed $SEED_A, at once; limit ${T}s"
+run a $T "$FLAV:$MODE:$C:fp8out=1:path=kubetitan:seed=$SEED_A" &
+P1=$!
+run b $T "$FLAV:$MODE:$C:path=plain:seed=$SEED_A" &
+P2=$!
+watch_runs "$P1 $P2" a b
+wait $P1 $P2
+say "a) $(tail -1 $R/a/bench.txt)"
+say "b) $(tail -1 $R/b/bench.txt)"
+snap
+T=$((END_S - SECONDS)); ((T < 60)) && T=60
+say "c) plain seed $SEED_B alone; limit ${T}s"
+run c $T "$FLAV:$MODE:$C:path=plain:seed=$SEED_B" &
+watch_runs "$!" c
+wait
+say "c) $(tail -1 $R/c/bench.txt)"
+cat "$R"/{a,b,c}/results.jsonl > "$R/results.jsonl" 2>/dev/null
+
+# 3. the curves and the numbers
+PYTHONPATH=$PYTHONPATH${PLOT_PATH:+:$PLOT_PATH} python3 bench/plot_parity.py "$R/a/results.jsonl" \
+  "$R/b/results.jsonl" "$R/c/results.jsonl" "$OUT/loss_parity_text.png" --txt "$R/parity.txt" 2>&1 | tee -a "$OUT/progress.txt"
+cp "$R/parity.txt" "$OUT/" 2>/dev/null
+finish
+say "done"
