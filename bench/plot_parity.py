@@ -117,7 +117,8 @@ def plot(curves: dict[str, list[float]], labels: dict[str, str], n: int, weight:
     colours = {"recipe": "tab:orange", "plain_A": "tab:blue", "plain_B": "tab:green"}
     fig, (ax, dx) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     style = {"recipe": "--", "plain_A": "-", "plain_B": "-"}  # dashed: the recipe stays visible on top of plain_A
-    for k, v in curves.items():
+    for k in sorted(curves, key=lambda k: k == "recipe"):  # the recipe last, on top
+        v = curves[k]
         ax.plot(steps, v[:n], color=colours[k], lw=0.6, alpha=0.35)
         ax.plot(steps, sm[k], color=colours[k], lw=1.6, ls=style[k], label=f"{k}: {labels[k]}")
     ax.text(0.99, 0.99, f"faint: each step's loss; bold: EMA {weight}", transform=ax.transAxes, ha="right", va="top",

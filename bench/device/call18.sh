@@ -2,10 +2,12 @@
 # Device call 18 (issue 29, the last must-show): loss parity on REAL TEXT, one H200. NOT RUN YET on the device.
 # 1. corpus: the text files of the machine (no network): bench/text_corpus.py (the Python standard library's .py,
 #    /usr/share/doc and common-licenses, man pages, the installed packages' .py/.md/.rst/.txt; one JSONL document a
-#    file), then `kubetitan prepare-data` (kubetitan's own CLI, its builtin tokenizer: a 644-token byte-level BPE
-#    with Llama 3's special tokens, trainer/kubetitan_trainer/assets/tokenizer) into shards, every core a worker;
-#    byte counts, the files' summary, tokens and MB/s -> corpus.txt. The shuffle is the loader's (data.order:
-#    shuffled, a permutation of the seqLen+1-token windows seeded by the run's seed).
+#    file); a 32,768-token byte-level BPE learnt from it (TOKENIZER=bpe, the default: kubetitan's builtin tokenizer,
+#    trainer/kubetitan_trainer/assets/tokenizer, is 644 tokens learnt from the shipped toy corpus, ~1.3 bytes a
+#    token on real text; no Llama 3 tokenizer can be fetched there; TOKENIZER=builtin uses it anyway); then
+#    `kubetitan prepare-data` (kubetitan's own CLI) into shards, every core a worker; byte counts, the files'
+#    summary, tokens and MB/s -> corpus.txt. The shuffle is the loader's (data.order: shuffled, a permutation of
+#    the seqLen+1-token windows seeded by the run's seed).
 # 2. three runs of the 3B model at seq 2048, batch 2, 300 steps (learning-rate warm-up 20), on those shards:
 #    a) the recipe's numerics through `kubetitan run` (examples/llama3-3b-h200.yaml: FP8 tensorwise with the output
 #       projection in FP8, compiled by kubetitan's TrainSpec; expandable segments), seed A;
@@ -24,8 +26,8 @@
 # Expected: ~1.5 min set-up (wheels, corpus, prepare-data), a)+b) ~2.5-3 min, c) ~1.5-2 min: ~6-7 min in all.
 #
 # Usage (device tool, kind nvidia-h200, carry [".whl"], timeout_s 600): bash bench/device/call18.sh
-# Knobs (env): STEPS (300), BATCH (2), SEQ (2048), SEED_A (42), SEED_B (1234), CORPUS_MB (64), END_S (540: no run
-# goes past this many seconds of the script).
+# Knobs (env): STEPS (300), BATCH (2), SEQ (2048), SEED_A (42), SEED_B (1234), CORPUS_MB (64), TOKENIZER (bpe or
+# builtin), VOCAB (32768), END_S (540: no run goes past this many seconds of the script).
 # CPU dry run on the development machine (the same path: debug model, eager, seq 128, 10 steps, learning-rate warm-up
 # 2, an 8 MB corpus):
 #   DRY=1 OUT=bench/results/parity/cpu_dryrun_s15 bash bench/device/call18.sh
@@ -36,9 +38,12 @@ mkdir -p "$OUT"
 source bench/device/setup.sh
 if [ "$DRY" = 1 ]; then
   FLAV=debugmodel MODE=eager STEPS=${STEPS:-10} SEQ=${SEQ:-128} CORPUS_MB=${CORPUS_MB:-8} D=${D:-/tmp/c18dry} LRWARM=2
+  VOCAB=${VOCAB:-2048}  # the debug model's vocabulary
 else
   FLAV=3B MODE=fp8tw STEPS=${STEPS:-300} SEQ=${SEQ:-2048} CORPUS_MB=${CORPUS_MB:-64} D=${D:-/tmp/c18} LRWARM=20
+  VOCAB=${VOCAB:-32768}
 fi
+TOKENIZER=${TOKENIZER:-bpe}
 BATCH=${BATCH:-2} SEED_A=${SEED_A:-42} SEED_B=${SEED_B:-1234} END_S=${END_S:-540}
 W=${GPUBENCH_WORK_ROOT:-/tmp/gpubench18}
 rm -rf "$D" "$W"
@@ -60,14 +65,20 @@ watch_runs() {  # every 20 s while a run lives: each run's newest step and the G
     fi
   done
 }
-say "call18 DRY=$DRY: $FLAV $MODE batch $BATCH seq $SEQ steps $STEPS seeds $SEED_A/$SEED_B, corpus <= $CORPUS_MB MB"
+say "call18 DRY=$DRY: $FLAV $MODE batch $BATCH seq $SEQ steps $STEPS seeds $SEED_A/$SEED_B, corpus <= $CORPUS_MB MB," \
+  "tokenizer $TOKENIZER"
 
-# 1. corpus and shards
+# 1. corpus, tokenizer, shards
+case $TOKENIZER in
+  bpe) TOK=$D/tokenizer TOKARGS=(--tokenizer-out "$D/tokenizer" --vocab-size "$VOCAB") ;;
+  builtin) TOK=builtin TOKARGS=() ;;
+  *) say "TOKENIZER=$TOKENIZER: use bpe or builtin"; exit 2 ;;
+esac
 python3 bench/text_corpus.py --out "$D/corpus.jsonl" --max-mb "$CORPUS_MB" --summary "$R/corpus_summary.json" \
-  --list "$R/corpus_files.tsv" 2>&1 | tee "$R/corpus.txt"
-say "corpus written; prepare-data with $(nproc) workers"
-python3 -m kubetitan.cli prepare-data "$D/corpus.jsonl" -o "$D/shards" --workers "$(nproc)" --no-progress 2>&1 \
-  | tee -a "$R/corpus.txt"
+  --list "$R/corpus_files.tsv" "${TOKARGS[@]}" 2>&1 | tee "$R/corpus.txt"
+say "corpus written; prepare-data with $(nproc) workers, tokenizer $TOK"
+python3 -m kubetitan.cli prepare-data "$D/corpus.jsonl" -o "$D/shards" --tokenizer "$TOK" --workers "$(nproc)" \
+  --no-progress 2>&1 | tee -a "$R/corpus.txt"
 python3 - "$D/shards/index.json" <<'PY' 2>&1 | tee -a "$R/corpus.txt"
 import json, sys
 ix = json.load(open(sys.argv[1]))
