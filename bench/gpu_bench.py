@@ -22,8 +22,9 @@ holds no ``:`` or ``,``),
 (checkpoint every ``ckint`` steps; pinned = ``async_with_pinned_mem``), ``profile=N`` (profile steps
 N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
 
-Every run: seq_len 8192, synthetic tokens, no activation checkpointing unless asked, AdamW
-(torchtitan defaults: fused, lr 8e-4 warm-up 2 steps... see ``toml_for``), ``log_freq = 1``; the
+Every run: seq_len 8192 (``GPUBENCH_SEQ_LEN``), synthetic tokens unless ``data=shards``, no activation
+checkpointing unless asked, AdamW (torchtitan defaults: fused, lr 8e-4 warm-up 2 steps... see ``toml_for``),
+``log_freq = 1``; the
 bench parses torchtitan's per-step log line (tokens/s, TFLOP/s, MFU, reserved memory, loss) and
 reports median and spread over the steps after ``warmup``.
 

@@ -119,7 +119,8 @@ cat "$R"/{a,b,c}/results.jsonl > "$R/results.jsonl" 2>/dev/null
 
 # 3. the curves and the numbers
 PYTHONPATH=$PYTHONPATH${PLOT_PATH:+:$PLOT_PATH} python3 bench/plot_parity.py "$R/a/results.jsonl" \
-  "$R/b/results.jsonl" "$R/c/results.jsonl" "$OUT/loss_parity_text.png" --txt "$R/parity.txt" 2>&1 | tee -a "$OUT/progress.txt"
+  "$R/b/results.jsonl" "$R/c/results.jsonl" "$OUT/loss_parity_text.png" --txt "$R/parity.txt" 2>&1 \
+  | tee -a "$OUT/progress.txt"
 cp "$R/parity.txt" "$OUT/" 2>/dev/null
 finish
 say "done"
