@@ -69,6 +69,13 @@ def sources() -> dict[str, list[Path]]:
     }
 
 
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
 def read_text(p: Path) -> str | None:
     """The file's text (``.gz`` decompressed), or None when it is not UTF-8 text of a usable size."""
     try:
@@ -106,6 +113,8 @@ def build(out: Path, max_bytes: int, listing: Path | None = None) -> dict:  # lo
             for p in sorted(cands[name], key=lambda p: (zlib.crc32(str(p).encode()), str(p))):
                 if budget - used < MIN_BYTES:
                     break
+                if p.suffix != ".gz" and _size(p) > budget - used:  # cannot fit: skip it without reading it
+                    continue
                 text = read_text(p)
                 if text is None:
                     skipped += 1

@@ -16,7 +16,9 @@
 #       initialisation with debug.seed, kubetitan's loader the window order with the same seed);
 #    c) plain torchtitan, seed B: another initialisation AND another data order (both follow the seed): the
 #       run-to-run noise.
-#    a) and b) run at once on the one GPU (~62 GiB each; their step times are not measurements), then c) alone.
+#    a) and b) run at once on the one GPU (~62 GiB each; their step times are not measurements), then c) alone;
+#    a run of the pair that stopped short of STEPS (say, out of memory beside the other) runs again alone if time
+#    is left.
 #    Every run: alloc=exp (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the allocator's, not numerics).
 # 3. bench/plot_parity.py: raw + EMA-smoothed curves and their differences -> loss_parity_text.png; the numbers
 #    (mean |recipe - plain_A| and |plain_A - plain_B| over the last 100 steps, raw and smoothed, the gap of the
@@ -27,7 +29,8 @@
 #
 # Usage (device tool, kind nvidia-h200, carry [".whl"], timeout_s 600): bash bench/device/call18.sh
 # Knobs (env): STEPS (300), BATCH (2), SEQ (2048), SEED_A (42), SEED_B (1234), CORPUS_MB (64), TOKENIZER (bpe or
-# builtin), VOCAB (32768), END_S (540: no run goes past this many seconds of the script).
+# builtin), VOCAB (32768), END_S (540: no run goes past this many seconds of the script), PAIR_S (the limit of the
+# a)+b) pair; default END_S - 130 - the set-up's seconds).
 # CPU dry run on the development machine (the same path: debug model, eager, seq 128, 10 steps, learning-rate warm-up
 # 2, an 8 MB corpus):
 #   DRY=1 OUT=bench/results/parity/cpu_dryrun_s15 bash bench/device/call18.sh
@@ -98,11 +101,14 @@ run() {  # run NAME TIMEOUT CASE: one bench case into $R/NAME (log, results.json
   GPUBENCH_WORK=$W/$1 python3 bench/gpu_bench.py run --out "$R/$1" --case-timeout "$2" --cases "$3" \
     > "$R/$1/bench.txt" 2>&1
 }
-T=$((END_S - SECONDS - 130)); ((T < 60)) && T=60  # a)+b) leave c) at least ~130 s
+CASE_a=$FLAV:$MODE:$C:fp8out=1:path=kubetitan:seed=$SEED_A  # the recipe's numerics
+CASE_b=$FLAV:$MODE:$C:path=plain:seed=$SEED_A                # plain torchtitan, the same seed
+CASE_c=$FLAV:$MODE:$C:path=plain:seed=$SEED_B                # plain torchtitan, another seed
+T=${PAIR_S:-$((END_S - SECONDS - 130))}; ((T < 30)) && T=30  # a)+b) leave c) at least ~130 s
 say "a) recipe (kubetitan, FP8 head) seed $SEED_A + b) plain (bf16 head) seed $SEED_A, at once; limit ${T}s"
-run a $T "$FLAV:$MODE:$C:fp8out=1:path=kubetitan:seed=$SEED_A" &
+run a $T "$CASE_a" &
 P1=$!
-run b $T "$FLAV:$MODE:$C:path=plain:seed=$SEED_A" &
+run b $T "$CASE_b" &
 P2=$!
 watch_runs "$P1 $P2" a b
 wait $P1 $P2
@@ -111,10 +117,24 @@ say "b) $(tail -1 $R/b/bench.txt)"
 snap
 T=$((END_S - SECONDS)); ((T < 60)) && T=60
 say "c) plain seed $SEED_B alone; limit ${T}s"
-run c $T "$FLAV:$MODE:$C:path=plain:seed=$SEED_B" &
+run c $T "$CASE_c" &
 watch_runs "$!" c
 wait
 say "c) $(tail -1 $R/c/bench.txt)"
+steps_of() { python3 -c 'import json,sys; print(max([json.loads(l).get("steps_logged", 0) for l in open(sys.argv[1])
+  if l.strip()] or [0]))' "$R/$1/results.jsonl" 2>/dev/null || echo 0; }
+for x in a b; do  # a run of the pair that stopped short (e.g. out of memory beside the other): again, alone
+  T=$((END_S - SECONDS))
+  if (($(steps_of $x) < STEPS && T >= 120)); then
+    say "$x) logged $(steps_of $x) of $STEPS steps: again alone; limit ${T}s"
+    mv "$R/$x" "$R/$x-first" && mkdir -p "$R/$x"
+    v=CASE_$x
+    run $x $T "${!v}" &
+    watch_runs "$!" $x
+    wait
+    say "$x) $(tail -1 $R/$x/bench.txt)"
+  fi
+done
 cat "$R"/{a,b,c}/results.jsonl > "$R/results.jsonl" 2>/dev/null
 
 # 3. the curves and the numbers
