@@ -24,7 +24,8 @@
 #    (mean |recipe - plain_A| and |plain_A - plain_B| over the last 100 steps, raw and smoothed, the gap of the
 #    tail means, the step-to-step std) -> parity.txt.
 # $OUT gets (6 files): progress.txt, corpus.txt, parity.txt, loss_parity_text.png, results.jsonl, logs.tgz (every
-# log, the corpus summary and file list, env.txt), each as soon as it exists.
+# log, the corpus summary and file list, the learnt tokenizer, the shards' index.json, env.txt), each as soon as it
+# exists.
 # Expected: ~1.5 min set-up (wheels, corpus, prepare-data), a)+b) ~2.5-3 min, c) ~1.5-2 min: ~6-7 min in all.
 #
 # Usage (device tool, kind nvidia-h200, carry [".whl"], timeout_s 600): bash bench/device/call18.sh
@@ -91,6 +92,8 @@ print(f"shards: {ix['total_tokens']:,} tokens ({ix['dtype']}), {ix['documents']:
 PY
 cp "$R/corpus.txt" "$OUT/"
 [ -f "$D/shards/index.json" ] || { say "prepare-data failed: no index.json"; snap; exit 1; }
+cp "$D/shards/index.json" "$R/shards_index.json"  # provenance: the shards' files, checksums, tokenizer sha256
+[ "$TOKENIZER" = bpe ] && cp -r "$D/tokenizer" "$R/"
 say "shards ready"
 snap
 
