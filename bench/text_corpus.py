@@ -26,7 +26,8 @@ library, as ``trainer/tools/make_assets.py`` makes kubetitan's builtin one: GPT-
 ``tokenizer_config.json`` there, for ``kubetitan prepare-data --tokenizer DIR``. Why: the builtin tokenizer is 644
 tokens learnt from the shipped toy corpus, about 1.3 bytes a token on code and prose (nearly bytes); no Llama 3
 tokenizer can be fetched on a machine without network, and a 32k vocabulary learnt from the text itself is the
-nearest stand-in (about 3.9 bytes a token on such a corpus, measured on this repository's 8 MB dry-run corpus).
+nearest stand-in: 3.86 bytes a token on a 64 MB corpus of the development machine's files (70.1 MB of JSONL
+input, 18,164,591 tokens, prepare-data's count; the builtin tokenizer: 1.28 on the 8 MB one).
 """
 
 from __future__ import annotations
