@@ -15,12 +15,16 @@ projection stays in bf16 (``filter_fqns = ["output"]``, torchtitan's and kubetit
 ``alloc=exp`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: the caching allocator grows
 segments instead of keeping fixed blocks, less fragmentation; through ``spec.resources.env`` on the kubetitan
 path), ``data=kt`` (plain path: torchtitan's TrainSpec fed kubetitan's synthetic source, for loss parity),
+``data=shards:shards=DIR`` (both paths: kubetitan's shards source over ``DIR``, a ``kubetitan prepare-data`` output,
+in its shuffled order seeded by ``seed``; on the plain path through torchtitan's TrainSpec, as ``data=kt``; ``DIR``
+holds no ``:`` or ``,``),
 ``lrwarm=`` (warm-up steps, default 4), ``round=`` (a label: repeats of one case get their own log), ``kill=N`` (kill the run once step N is logged: no final save), ``ac=selective|full``, ``ckpt=sync|async|pinned``
 (checkpoint every ``ckint`` steps; pinned = ``async_with_pinned_mem``), ``profile=N`` (profile steps
 N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
 
-Every run: seq_len 8192, synthetic tokens, no activation checkpointing unless asked, AdamW
-(torchtitan defaults: fused, lr 8e-4 warm-up 2 steps... see ``toml_for``), ``log_freq = 1``; the
+Every run: seq_len 8192 (``GPUBENCH_SEQ_LEN``), synthetic tokens unless ``data=shards``, no activation
+checkpointing unless asked, AdamW (torchtitan defaults: fused, lr 8e-4 warm-up 2 steps... see ``toml_for``),
+``log_freq = 1``; the
 bench parses torchtitan's per-step log line (tokens/s, TFLOP/s, MFU, reserved memory, loss) and
 reports median and spread over the steps after ``warmup``.
 
@@ -51,7 +55,7 @@ PEAK_BF16_TFLOPS = 989.0
 
 STEP_RE = re.compile(
     r"step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:\s*(\S+)\s+memory:\s*([\d.]+)GiB\(([\d.]+)%\)\s+"
-    r"tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*([\d.]+)%"
+    r"tps:\s*([\d,]+)\s+tflops:\s*([\d,.]+)\s+mfu:\s*([\d.]+%|n/a)"  # n/a: kubetitan on a device without a known peak (CPU)
 )
 PEAK_RE = re.compile(r"GPUBENCH peak_allocated_gib=([\d.]+) peak_reserved_gib=([\d.]+)")
 PARAMS_RE = re.compile(r"size:\s*([\d,]+) total parameters")
@@ -66,17 +70,34 @@ MODES = {
 }
 
 
+DATA = {"bench": "the spec's own synthetic phrases (plain path) or kubetitan's synthetic source (kubetitan path)",
+        "kt": "kubetitan's synthetic source on both paths",
+        "shards": "kubetitan's shards source over shards=DIR on both paths, shuffled (seeded by seed=)"}
+
+
+def kubetitan_data(case: dict) -> dict:
+    """The ``[kubetitan.data]`` table of a case's data (``data=kt`` or ``data=shards``): what the plain path's
+    ``llama3_gpubench_ktdata`` spec reads; the kubetitan path renders the same from its spec.data."""
+    if case["data"] == "shards":
+        return {"source": "shards", "shards_path": case["shards"], "order": "shuffled"}
+    return {"source": "synthetic"}
+
+
 def parse_case(text: str) -> dict:
     parts = text.split(":")
     if len(parts) < 3 or parts[1] not in MODES:
         raise SystemExit(f"bad case {text!r}: write FLAVOUR:MODE:BATCH[:key=value...], MODE one of {sorted(MODES)}")
     case = {"flavor": parts[0], "mode": parts[1], "batch": int(parts[2]), "spec": "plain", "ac": "none",
-            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "alloc": "", "data": "bench", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "id": text}
+            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "alloc": "", "data": "bench", "shards": "", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "id": text}
     for kv in parts[3:]:
         k, _, v = kv.partition("=")
         if k not in case:
             raise SystemExit(f"bad option {k!r} in case {text!r}")
         case[k] = type(case[k])(v) if not isinstance(case[k], str) else v
+    if case["data"] not in DATA:
+        raise SystemExit(f"bad data={case['data']!r} in case {text!r}: use one of {sorted(DATA)}")
+    if (case["data"] == "shards") != bool(case["shards"]):
+        raise SystemExit(f"case {text!r}: data=shards and shards=DIR (a `kubetitan prepare-data` output) go together")
     return case
 
 
@@ -112,8 +133,8 @@ def toml_for(case: dict, dump_folder: str) -> dict:
     """The plain torchtitan 0.2.2 job config of a case (what ``--job.config_file`` gets)."""
     mode = MODES[case["mode"]]
     spec = {"plain": "llama3_gpubench", "fast": "llama3_gpubench_fast", "rope": "llama3_gpubench_rope"}[case["spec"]]
-    if case["data"] == "kt":
-        assert case["spec"] == "plain", "data=kt is for torchtitan's own model and loss"
+    if case["data"] in ("kt", "shards"):
+        assert case["spec"] == "plain", f"data={case['data']} is for torchtitan's own model and loss"
         spec = "llama3_gpubench_ktdata"
     cfg = {
         "job": {"dump_folder": dump_folder, "description": case["id"]},
@@ -133,9 +154,9 @@ def toml_for(case: dict, dump_folder: str) -> dict:
         "metrics": {"log_freq": 1, "disable_color_printing": True, "enable_tensorboard": False},
         "debug": {"seed": case["seed"]},
     }
-    if case["data"] == "kt":  # kubetitan's synthetic source reads the [kubetitan] table
+    if case["data"] in ("kt", "shards"):  # kubetitan's data sources read the [kubetitan] table
         cfg["job"]["custom_config_module"] = "kubetitan_trainer.job_config"
-        cfg["kubetitan"] = {"data": {"source": "synthetic"}}
+        cfg["kubetitan"] = {"data": kubetitan_data(case)}
     if mode["fp8"]:
         # tensorwise = torchao's default Float8LinearConfig (recipe_name unset), as kubetitan renders it;
         # call 1 (bench/results/gpu_call1) used recipe_name = "tensorwise", the same config.
@@ -150,7 +171,7 @@ def parse_log(text: str, warmup: int, profile_after: int = 0) -> dict:
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # kubetitan's log keeps torchtitan's colours
     steps = [m.groups() for m in STEP_RE.finditer(text)]
     rows = [dict(step=int(s), loss=float(lo), grad_norm=float(g), mem_reserved_gib=float(mr), mem_pct=float(mp),
-                 tps=float(t.replace(",", "")), tflops=float(tf.replace(",", "")), mfu=float(mf))
+                 tps=float(t.replace(",", "")), tflops=float(tf.replace(",", "")), mfu=float(mf.rstrip("%").replace("n/a", "nan")))
             for s, lo, g, mr, mp, t, tf, mf in steps]
     res: dict = {"steps_logged": len(rows)}
     if not rows:

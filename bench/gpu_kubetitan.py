@@ -56,6 +56,24 @@ def _precision(case: dict) -> dict:
     return p
 
 
+def _data(case: dict) -> dict:
+    """spec.data: kubetitan's synthetic source, or (``data=shards``) the shards at ``shards=DIR`` in the shuffled
+    order, as ``gpu_bench.kubetitan_data`` gives the plain path."""
+    if case.get("data") == "shards":
+        return {"source": "shards", "shards": {"path": case["shards"]}, "order": "shuffled"}
+    return {"source": "synthetic"}
+
+
+def _resources(case: dict) -> dict:
+    """One H200; the debug model on a machine without a GPU (the bench's CPU dry runs): one CPU process."""
+    if case["flavor"] == "debugmodel":
+        from kubetitan_trainer.local import visible_gpus
+
+        if not visible_gpus():
+            return {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1}
+    return {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H200"}
+
+
 def lpt_for(case: dict, name: str) -> dict:
     from gpu_bench import CKPT_ASYNC_MODE, SEQ_LEN
 
@@ -72,13 +90,12 @@ def lpt_for(case: dict, name: str) -> dict:
             "parallelism": {"dataParallelShardDegree": -1},
             "precision": {**_precision(case), "activationCheckpointing": case["ac"],
                           "mixedPrecisionParam": "bfloat16"},
-            "data": {"source": "synthetic"},
+            "data": _data(case),
             "tokenizer": {"source": "builtin"},
             "checkpoint": {"enabled": ck is not None, "intervalSteps": case["ckint"],
                            "asyncMode": CKPT_ASYNC_MODE[case["ckpt"]],
                            "keepLatestK": 2},
-            "resources": {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H200",
-                          **({"env": spec_env(case)} if spec_env(case) else {})},
+            "resources": {**_resources(case), **({"env": spec_env(case)} if spec_env(case) else {})},
             "monitoring": {"logFrequencySteps": 1, "tensorboard": False},
             "runPolicy": {"maxRestarts": 3 if ck else 0},
         },

@@ -1,8 +1,13 @@
 # Sourced by every device script: carried wheels -> /tmp/site, kubetitan packages on PYTHONPATH, environment facts.
 # Wheels: .whl/ (ignored via .git/info/exclude), made as /work/.library/device/README.md says; see docs/benchmarks.md.
+# DRY=1 (a script's CPU dry run on the development machine, e.g. call18.sh): no wheels, the project's venv.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/bench:$PWD/trainer:$PWD/operator:$PWD/operator/core  # kubetitan_core lives in operator/core
+if [ "${DRY:-0}" = 1 ]; then
+  export PYTHONPATH=$PWD/bench:$PWD/trainer:$PWD/operator:$PWD/operator/core
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD/bench:$PWD/trainer:$PWD/operator:$PWD/operator/core  # kubetitan_core lives in operator/core
+fi
 export PYTHONUNBUFFERED=1 LOG_RANK=0
 export USE_JAX=0 USE_TF=0  # datasets would import JAX (present on the device) in every process: seconds of start-up
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -46,19 +46,26 @@ def test_examples_cover_the_documented_recipes():
     assert (rec.training.seq_len, rec.training.learning_rate, rec.training.warmup_steps) == (8192, 3e-4, 200)
 
 
-def test_h200_3b_recipe_is_the_benchmarked_configuration():
-    """examples/llama3-3b-h200.yaml is the shape measured on the H200 (bench case ``RECIPE_CASE`` through the
-    kubetitan path, docs/benchmarks.md): the same model, batch, sequence, precision, parallelism and env."""
+def _bench():
+    """bench/gpu_bench.py and bench/gpu_kubetitan.py (bench/ is no package)."""
     import sys
     from pathlib import Path
 
     bench = str(Path(__file__).resolve().parents[2] / "bench")
     sys.path.insert(0, bench)
     try:
-        from gpu_bench import parse_case
-        from gpu_kubetitan import RECIPE_CASE, lpt_for
+        import gpu_bench
+        import gpu_kubetitan
     finally:
         sys.path.remove(bench)
+    return gpu_bench, gpu_kubetitan
+
+
+def test_h200_3b_recipe_is_the_benchmarked_configuration():
+    """examples/llama3-3b-h200.yaml is the shape measured on the H200 (bench case ``RECIPE_CASE`` through the
+    kubetitan path, docs/benchmarks.md): the same model, batch, sequence, precision, parallelism and env."""
+    gpu_bench, gpu_kubetitan = _bench()
+    parse_case, RECIPE_CASE, lpt_for = gpu_bench.parse_case, gpu_kubetitan.RECIPE_CASE, gpu_kubetitan.lpt_for
     measured = parse(lpt_for(parse_case(RECIPE_CASE), "bench"))[0].spec
     recipe = parse(load_example(next(p for p in EXAMPLES if p.stem == "llama3-3b-h200")))[0].spec
     for part in ("model", "precision", "parallelism"):
@@ -68,3 +75,29 @@ def test_h200_3b_recipe_is_the_benchmarked_configuration():
     assert (recipe.resources.nodes, recipe.resources.gpus_per_node) == (1, 1)
     assert recipe.resources.env == measured.resources.env
     assert recipe.checkpoint.async_mode == "async_with_pinned_mem" and recipe.checkpoint.interval_steps == 100
+
+
+def test_parity_cases_feed_both_paths_the_same_shards_seed_and_schedule():
+    """bench/device/call18.sh's loss parity: the recipe through ``kubetitan run`` and plain torchtitan read the same
+    shards in the same shuffled order (``[kubetitan.data]``), with the same seed (initial weights and data order),
+    batch, sequence, steps, learning rate and warm-up; the recipe's precision differs only in its output projection."""
+    from kubetitan_core.render import trainer_config
+
+    gpu_bench, gpu_kubetitan = _bench()
+    opts = "2:steps=300:lrwarm=20:alloc=exp:data=shards:shards=/tmp/c18/shards:seed=42"
+    recipe = gpu_bench.parse_case(f"3B:fp8tw:{opts}:fp8out=1:path=kubetitan")
+    plain = gpu_bench.toml_for(gpu_bench.parse_case(f"3B:fp8tw:{opts}:path=plain"), "/tmp/dump")
+    kt = trainer_config(parse(gpu_kubetitan.lpt_for(recipe, "bench"))[0])
+    data = {k: kt["kubetitan"]["data"].get(k) for k in plain["kubetitan"]["data"]}
+    assert data == plain["kubetitan"]["data"] == {"source": "shards", "shards_path": "/tmp/c18/shards",
+                                                  "order": "shuffled"}
+    assert kt["debug"]["seed"] == plain["debug"]["seed"] == 42
+    for table, keys in {"training": ("local_batch_size", "seq_len", "steps", "max_norm"),
+                        "optimizer": ("lr", "weight_decay"), "lr_scheduler": ("warmup_steps",)}.items():
+        assert {k: kt[table][k] for k in keys} == {k: plain[table][k] for k in keys}, table
+    assert kt["quantize"]["linear"]["float8"]["filter_fqns"] == []  # the recipe: the output projection in FP8 too
+    assert plain["quantize"]["linear"]["float8"]["filter_fqns"] == ["output"]  # torchtitan's default: bf16 head
+    with pytest.raises(SystemExit, match="data=shards and shards=DIR"):
+        gpu_bench.parse_case("3B:fp8tw:2:data=shards")
+    with pytest.raises(SystemExit, match="bad data="):
+        gpu_bench.parse_case("3B:fp8tw:2:data=c4")
