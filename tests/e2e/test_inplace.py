@@ -17,6 +17,8 @@ attempt 2                rank 1's worker is frozen (SIGSTOP) -> its launcher's w
                          frozen (its /metrics with it): its launcher sees it the same way, in place again. Auto is
                          the rule in force for this whole run (the steps are far below 12 s), so the run also shows
                          it raising no false Hang through the restarts above.
+then                     the run is deleted mid-training: the finalizer is released and every pod and process is
+                         gone, with no ConfigMap or Service left.
 
 Everything waits on status writes and rank 0's step log (each record carries its attempt and generation).
 """
@@ -29,7 +31,7 @@ import pytest
 from common import complete_checkpoints, free_port, step_log
 from support.specs import NS, e2e_spec, lpt
 
-from kmockx.harness import PODS, Operator, wait_for
+from kmockx.harness import CMS, LPT, PODS, SVCS, Operator, wait_for
 from kubetitan.decide import parse_time
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
@@ -157,3 +159,11 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         assert [r["cause"] for r in _st(c, name)["restarts"]] == ["ContainerFailed", "ContainerFailed", "NodeFailure",
                                                                  "Hang", "Hang"], "a false Hang before a freeze"
         _log_reaches(e2e.ckpt, 2, 2, rec5["resumedFromStep"] + 2)
+
+        # ---- the run deleted mid-training (it has 400 steps): the finalizer is released, every pod and process
+        # goes, and nothing of the run is left (once its own scenario in test_faults.py: one gang start less)
+        assert len(k.live_processes()) >= 4  # 2 launchers + 2 workers
+        c.delete(LPT, NS, name)
+        wait_for(lambda: c.lpt(NS, name) is None, 30, "the LlamaPretrain deleted (finalizer released)")
+        wait_for(lambda: not c.pod_names(NS, name) and not k.live_processes(), 60, "pods and processes gone")
+    assert not c.list(CMS, NS) and not c.list(SVCS, NS)

@@ -1,6 +1,6 @@
 """The e2e kubelet double itself, with fake containers (``python -c``): statuses, signals, names, env.
 
-Cheap (no torch): each container is a one-line Python program.
+Cheap (no torch): each container is a one-line Python program, so these run outside the ``e2e`` xdist group.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from support.specs import NS
 from kubelet import NAMESPACES
 
 from kmockx.harness import PODS, wait_for
-
-pytestmark = pytest.mark.xdist_group("e2e")
 
 
 def _pod(name: str, code: str, grace: int = 30, rank: int = 0, run: str = "k") -> dict:
@@ -72,17 +70,18 @@ def test_downward_api_env_and_hosts_resolve_rank0(e2e) -> None:
 
 
 @pytest.mark.parametrize(("code", "grace", "want_code", "max_seconds"), [
-    ("import time\nwhile True: time.sleep(0.1)", 30, 143, 5),
-    ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(0.1)", 2, 137, 10),
-    ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\nwhile True: time.sleep(0.1)",
-     30, 75, 5),
+    ("import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.1)", 30, 143, 5),
+    ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+     "while True: time.sleep(0.1)", 2, 137, 10),
+    ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\nprint('ready', flush=True)\n"
+     "while True: time.sleep(0.1)", 30, 75, 5),
 ], ids=["sigterm-kills", "sigterm-ignored-sigkill-after-grace", "sigterm-handled-exit-75"])
 def test_delete_sends_sigterm_then_sigkill_after_grace(e2e, code: str, grace: int, want_code: int,
                                                        max_seconds: float) -> None:
     c, k = e2e.cluster, e2e.kubelet
     c.call(c.k.put(PODS, _pod("t", code, grace=grace)))
     wait_for(lambda: _state(c, "t")["phase"] == "Running", 10, "running")
-    time.sleep(0.5)  # let the program install its handler
+    wait_for(lambda: "ready" in k.log(NS, "t"), 10, "the program's handler installed (it prints ready after)")
     t0 = time.monotonic()
     c.delete(PODS, NS, "t")
     assert c.get(PODS, NS, "t")["metadata"]["deletionTimestamp"]  # graceful: terminating, not gone

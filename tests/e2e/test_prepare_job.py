@@ -21,8 +21,6 @@ from kubelet import Kubelet
 
 from kmockx.harness import PODS, Cluster, wait_for
 
-pytestmark = pytest.mark.xdist_group("e2e")
-
 JOBS = "batch/v1/jobs"
 CLAIM = "corpus"
 K8S_VERSIONS = ["1.27", "1.35", "1.37"]  # as tests/api/test_examples.py: the oldest and newest supported

@@ -21,8 +21,7 @@ from kubelet import Kubelet
 from kmockx.harness import PODS, Cluster, wait_for
 from kubetitan import plan
 
-pytestmark = [pytest.mark.xdist_group("e2e"),
-              pytest.mark.skipif(os.geteuid() != 0, reason="changing the process user needs root")]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="changing the process user needs root")
 
 PROBE = """
 import os, sys
@@ -117,6 +116,7 @@ def test_on_root_mismatch_leaves_a_prepared_tree_alone(world: Path) -> None:
     assert (root / "old" / "f").stat().st_gid == 4242
 
 
+@pytest.mark.xdist_group("e2e")  # runs the trainer; the probes above are one-line programs
 def test_the_trainer_runs_as_uid_10001_and_checkpoints_to_a_fresh_claim(world: Path) -> None:
     """The real thing: the operator's pod, the real trainer (torchtitan debug model on CPU) as uid 10001, writing
     its checkpoints, step log and NCCL-trace folder into a fresh root-owned claim, to the end of the run."""
