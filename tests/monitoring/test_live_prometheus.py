@@ -2,7 +2,7 @@
 operator's metrics server; plus `promtool check metrics` on both exporters' output.
 
 Prometheus (Debian's, from `make tools`) listens on 127.0.0.1 on a free port with tmp storage and
-scrapes every second: the trainer (torchtitan's debug model, 2 gloo ranks, launched exactly as
+scrapes every half second: the trainer (torchtitan's debug model, 2 gloo ranks, launched exactly as
 `kubetitan run` launches it, with the trainer's own `write_config`) as job kubetitan-trainer, and
 the operator's `OperatorMetrics` served by prometheus-client as the operator serves it (with
 per-run series recorded through its own methods) as job kubetitan-operator. The static target
@@ -19,7 +19,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import tomllib
 import urllib.parse
@@ -38,7 +37,8 @@ from kubetitan.monitoring.config import DEFAULT
 REPO = Path(__file__).resolve().parents[2]
 RULES_FILE = REPO / "charts" / "kubetitan" / "files" / "kubetitan-rules.yaml"
 NS, NAME = "ml", "live-debug"
-RATE = "15s"  # stands in for Grafana's $__rate_interval at a 1 s scrape interval
+SCRAPE = "500ms"  # half a second: the 10 scrapes the test waits for take 5 s of the trainer's (2 ranks') CPU, not 10
+RATE = "8s"  # stands in for Grafana's $__rate_interval (at least 4 scrape intervals) at that scrape interval
 pytestmark = pytest.mark.xdist_group("live-prometheus")
 
 
@@ -75,7 +75,7 @@ def http_text(url: str, timeout: float = 5.0) -> str:
         return r.read().decode()
 
 
-def wait_for(what: str, check, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None):
+def wait_for(what: str, check, timeout: float, proc=None, log: Path | None = None):
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -111,7 +111,7 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc) -> None:
     """Stop a process and everything it started (SIGKILL: the test needs no checkpoint)."""
     if proc.poll() is None:
         for pid in [*descendants(proc.pid), proc.pid]:
@@ -122,7 +122,7 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def start_trainer(tmp: Path, metrics_port: int) -> tuple[subprocess.Popen, Path]:
+def start_trainer(tmp: Path, metrics_port: int):
     from kubetitan_trainer.local import processes_per_node, write_config
 
     lpt = LlamaPretrain.model_validate(yaml.safe_load((REPO / "examples" / "debug-cpu.yaml").read_text()))
@@ -145,15 +145,16 @@ def start_trainer(tmp: Path, metrics_port: int) -> tuple[subprocess.Popen, Path]
     cfg["validation"] = {"enable": True, "freq": 2, "steps": -1}
     config.write_text(tomli_w.dumps(cfg))
     log = out / "train.log"
-    cmd = [sys.executable, "-m", "kubetitan_trainer.launch", f"--config={config}", "--nnodes=1",
-           f"--nproc-per-node={processes_per_node(lpt)}", "--node-rank=0", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", f"--rdzv-id=live-{NAME}", "--dns-timeout=5",
-           "--max-restarts=0"]
+    args = [f"--config={config}", "--nnodes=1", f"--nproc-per-node={processes_per_node(lpt)}", "--node-rank=0",
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--rdzv-id=live-{NAME}", "--dns-timeout=5",
+            "--max-restarts=0"]
     env = {**os.environ, contract.ENV_ATTEMPT: "0", contract.ENV_JOB_NAME: NAME, contract.ENV_JOB_NAMESPACE: NS,
-           contract.ENV_JOB_START_TIME: str(int(time.time()))}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, log
+           contract.ENV_JOB_START_TIME: str(int(time.time())), "OMP_NUM_THREADS": "1"}  # torchrun's default for workers
+    # ``python -m kubetitan_trainer.launch ARGS``, forked from the tests' warm parent (support.warm: torch imported
+    # once per test process; `kubetitan run`'s cold start is tests/trainer/test_local_run.py's)
+    from support import warm
+
+    return warm.popen("kubetitan_trainer.launch", args, env, log, cwd=REPO, new_session=True), log
 
 
 def start_operator_metrics(port: int):
@@ -178,7 +179,7 @@ def start_operator_metrics(port: int):
 
 def prometheus_config(trainer_port: int, operator_port: int) -> dict:
     return {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+        "global": {"scrape_interval": SCRAPE, "scrape_timeout": "450ms", "evaluation_interval": "1s"},
         "rule_files": [str(RULES_FILE)],
         "scrape_configs": [
             {"job_name": DEFAULT.trainer_job,
@@ -250,8 +251,7 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(tmp_path):
             r = instant(expr)["data"]["result"]
             return float(r[0]["value"][1]) if r else None
 
-        # Train until a checkpoint is saved and a rate window of steps has been scraped.
-        # Train until a checkpoint is saved and 15 s of scrapes cover the run and the operator.
+        # Train until a checkpoint is saved and 10 scrapes of a rate window cover the run and the operator.
         wait_for("a checkpoint and a rate window of scrapes in Prometheus",
                  lambda: (scalar(f'max({contract.M_LAST_CHECKPOINT_STEP}{{job="{DEFAULT.trainer_job}"}}) > 0') and
                           scalar(f'count_over_time({contract.M_STEP}{{job="{DEFAULT.trainer_job}"}}[{RATE}]) >= 10') and

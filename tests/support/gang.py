@@ -144,21 +144,18 @@ def main(argv: list[str] | None = None) -> int:  # long: one rank's whole life, 
 def launch(out: Path, world: int = 2, env: dict[str, str] | None = None, wait_seconds: float = 120,
            **args: object) -> list[tuple[int, int, dict]]:
     """Run a gang of ``world`` ranks (``--name value`` from ``args``) and wait: per rank (its pid, its exit code,
-    its report)."""
-    import subprocess
-
+    its report). Each rank is ``python -m tests.support.gang`` in the repository, forked from the tests' warm parent
+    (:func:`support.warm.popen`: torch imported once per test process; cold with ``KUBETITAN_TEST_COLD_LAUNCH=1``)."""
     from kmockx.harness import free_port
+    from support import warm
 
     out.mkdir(parents=True, exist_ok=True)
     root = Path(__file__).resolve().parents[2]
-    path = os.pathsep.join(str(root / d) for d in ("tests", "trainer", "operator/core", "operator"))
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     port = free_port()
     extra = [f"--{k.replace('_', '-')}={v}" for k, v in args.items()]
-    procs = [subprocess.Popen([sys.executable, "-m", "support.gang", f"--rank={r}", f"--world={world}",
-                               f"--port={port}", f"--out={out}", *extra], env=full_env,
-                              stdout=open(out / f"rank-{r}.log", "wb"), stderr=subprocess.STDOUT)
+    procs = [warm.popen("tests.support.gang", [f"--rank={r}", f"--world={world}", f"--port={port}", f"--out={out}",
+                                               *extra], full_env, out / f"rank-{r}.log", cwd=root)
              for r in range(world)]
     results = []
     try:
@@ -170,7 +167,7 @@ def launch(out: Path, world: int = 2, env: dict[str, str] | None = None, wait_se
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+                proc.wait(30)
     return results
 
 

@@ -122,6 +122,38 @@ class _Zygote:
             return self.forked.pop(rid)
 
 
+def wait_all(procs: list[WarmProcess | subprocess.Popen], timeout: float, ok: tuple[int, ...] = (0,)) -> list[int]:
+    """Wait for every process of a gang started by :func:`popen`: their exit codes, in order. The first one to end
+    with a code not in ``ok`` ends the others (SIGKILL): a rank whose peer failed would otherwise wait in a
+    collective until its own time-out. ``subprocess.TimeoutExpired`` (after killing them all) when they outlive
+    ``timeout``."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        left = deadline - time.monotonic()
+        parents = {p._z for p in pending if isinstance(p, WarmProcess)}
+        one = next(iter(parents)) if len(parents) == 1 and all(isinstance(p, WarmProcess) for p in pending) else None
+        try:
+            if one is not None:  # woken by the warm parent's report of any of its children's end
+                with one.cond:
+                    one.cond.wait_for(lambda: any(p.returncode is not None for p in pending), max(left, 0))
+            else:  # cold launches, or children of several warm parents: look again at least every half second
+                pending[0].wait(min(max(left, 0), 0.5))
+        except subprocess.TimeoutExpired:
+            pass
+        ended = [p for p in pending if p.poll() is not None]
+        if any(p.returncode not in ok for p in ended) or (not ended and time.monotonic() >= deadline):
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.wait(30)
+            if not ended:
+                raise subprocess.TimeoutExpired(f"gang of {len(procs)} launches", timeout)
+            break
+        pending = [p for p in pending if p.poll() is None]
+    return [p.returncode for p in procs]
+
+
 _zygotes: dict[frozenset, _Zygote] = {}
 _lock = threading.Lock()
 

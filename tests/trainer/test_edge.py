@@ -101,44 +101,20 @@ def test_checkpoint_estimate_sums_the_shards_of_all_ranks_on_the_training_device
     assert seen == [est.device]
 
 
-AGREE = """
-import os, shutil, sys
-from collections import namedtuple
-from datetime import timedelta
-import torch.distributed as dist
-from kubetitan_trainer import trainer as T
-from kubetitan_trainer.errors import StorageFullError
-
-# A file rendezvous: no TCP port chosen in advance that another process on the machine could take meanwhile
-dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/rendezvous", rank=int(os.environ["RANK"]),
-                        world_size=2, timeout=timedelta(seconds=120))
-free = 1000 if dist.get_rank() == 1 else 10**9  # only rank 1's volume is short of the 5,500 B the save needs
-shutil.disk_usage = lambda p: namedtuple("usage", "total used free")(10**9, 0, free)
-try:
-    T.check_free_space(sys.argv[1], 5000, T.max_across_ranks)
-except StorageFullError as e:
-    print(f"other_rank={e.other_rank}: {e}", flush=True)
-    sys.exit(e.exit_code)
-print("saving", flush=True)
-"""
-
-
 def test_free_space_is_agreed_across_ranks(tmp_path) -> None:
     """Two real ranks (gloo): rank 1's volume lacks the space, rank 0's has plenty; both exit 4 before the save
     (one MAX all-reduce), rank 0 saying another rank's volume is short. Alone, rank 0 would enter the save."""
-    import subprocess
-    import sys
+    from support import warm
+    from support.paths import REPO
 
-    script = tmp_path / "agree.py"
-    script.write_text(AGREE)
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], env={**os.environ, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [ExitCode.STORAGE_FULL] * 2, outs
+    # each rank forked from the tests' warm parent (support.warm: torch imported once per test process)
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs = [warm.popen("tests.trainer.agree_rank", [str(tmp_path)], {**os.environ, "OMP_NUM_THREADS": "1",
+                                                                      "RANK": str(r)}, logs[r], cwd=REPO)
+             for r in range(2)]
+    codes = warm.wait_all(procs, timeout=240, ok=(0, ExitCode.STORAGE_FULL))
+    outs = [log.read_text(errors="replace") for log in logs]
+    assert codes == [ExitCode.STORAGE_FULL] * 2, outs
     assert "other_rank=True: Another rank's checkpoint volume lacks" in outs[0], outs[0]
     assert "other_rank=False: The checkpoint volume at" in outs[1], outs[1]
     assert "saving" not in outs[0] + outs[1]

@@ -19,56 +19,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kmockx.harness import free_port
 
+from support import warm
+from support.paths import REPO
 from support.specs import tiny_lpt as lpt, write_config
-
-PY = sys.executable
-
-RANK = r"""
-import json, os, sys
-import torch
-cfg, out = sys.argv[1], sys.argv[2]
-sys.argv = ["kubetitan_trainer.main", "--job.config_file", cfg]
-from kubetitan_trainer import cpu_bridge
-cpu_bridge.apply()
-import torch.distributed as dist
-import torch.distributed.fsdp._fully_shard._fsdp_collectives as C
-from kubetitan_trainer.main import load_config
-from kubetitan_trainer.trainer import KubetitanTrainer
-
-inputs, wire = {}, []
-get_inputs = C._get_param_all_gather_inputs
-def record_inputs(fsdp_params):
-    got = get_inputs(fsdp_params)
-    for p, ts in zip(fsdp_params, got):
-        inputs[p._param_fqn] = [str(t.dtype) for t in ts]
-    return got
-C._get_param_all_gather_inputs = record_inputs
-gather = dist.all_gather_into_tensor
-def record_wire(output_tensor, input_tensor, *a, **k):
-    wire.append(str(input_tensor.dtype))
-    return gather(output_tensor, input_tensor, *a, **k)
-dist.all_gather_into_tensor = record_wire
-
-trainer = KubetitanTrainer(load_config(sys.argv[1:]))
-model = trainer.model_parts[0]
-local = {n: type(p.to_local()).__name__ for n, p in model.named_parameters()}
-linears = sorted(n + ".weight" for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
-with torch.no_grad():
-    model(torch.randint(0, 500, (1, 16)))
-json.dump({"local": local, "inputs": inputs, "wire": wire, "float8_linears": linears},
-          open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w"))
-dist.destroy_process_group()
-from kubetitan_trainer.main import exit_now
-exit_now(0)  # as a trainer process ends: the interpreter's teardown sometimes aborted here (exit -6, make test s13)
-"""
 
 
 def _observe(tmp_path: Path, all_gather: bool) -> dict:
@@ -78,14 +37,18 @@ def _observe(tmp_path: Path, all_gather: bool) -> dict:
                                         "fsdpFloat8AllGather": all_gather}},
                "data": {"source": "synthetic"}, "checkpoint": {"enabled": False}})
     cfg = write_config(tmp_path / "t.toml", obj, tmp_path / "dump", {"kubetitan": {"metrics_port": 0}})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run([PY, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-                        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--no-python",
-                        PY, "-c", RANK, str(cfg), str(tmp_path)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    out = r.stdout + r.stderr
-    fatal = out.find("Fatal Python error")  # a C++ abort: its first lines name the thread and the frame
-    assert r.returncode == 0, (out[fatal:fatal + 3000] + "\n...\n" if fatal >= 0 else "") + out[-4000:]
+    # the two ranks as torchrun would start them (its rank variables), each forked from the tests' warm parent
+    # (tests/support/warm.py: torch imported once per test process) and running tests/trainer/fp8_rank.py
+    port, logs = free_port(), [tmp_path / f"rank{i}.log" for i in (0, 1)]
+    procs = [warm.popen("tests.trainer.fp8_rank", [str(cfg), str(tmp_path)],
+                        {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(i), "LOCAL_RANK": str(i), "GROUP_RANK": "0",
+                         "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                        logs[i], cwd=REPO) for i in (0, 1)]
+    codes = warm.wait_all(procs, timeout=600)
+    for code, log in zip(codes, logs):
+        out = log.read_text(errors="replace")
+        fatal = out.find("Fatal Python error")  # a C++ abort: its first lines name the thread and the frame
+        assert code == 0, (out[fatal:fatal + 3000] + "\n...\n" if fatal >= 0 else "") + out[-4000:]
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert ranks[0] == ranks[1]  # both ranks gather the same things
     return ranks[0]

@@ -275,10 +275,16 @@ def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1},
                "parallelism": {"dataParallelShardDegree": 1}})
     cfg = write_config(tmp_path / "trainer.toml", obj, tmp_path / "dump")
-    r = subprocess.run([sys.executable, "-m", "kubetitan_trainer.main", "--job.config_file", str(cfg)],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
-    out = r.stdout + r.stderr
-    assert r.returncode == 2, out[-3000:]
+    # ``python -m kubetitan_trainer.main``, forked from the tests' warm parent (support.warm: torch imported once)
+    from support import warm
+    from support.paths import REPO
+
+    log = tmp_path / "trainer.log"
+    proc = warm.popen("kubetitan_trainer.main", ["--job.config_file", str(cfg)],
+                      {**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}, log, cwd=REPO)
+    code = warm.wait_all([proc], timeout=300)[0]
+    out = log.read_text(errors="replace")  # its stdout and stderr
+    assert code == 2, out[-3000:]
     assert want in out and "spec.data.shards.path" in out and "Fix:" in out and "Traceback" not in out, out[-3000:]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -390,23 +391,22 @@ def test_bad_configs_are_config_errors_naming_the_field(name, patch, field, tmp_
 
 
 # the launcher as a pod runs it, and once with CUDA reported initialised in it (NVML could not answer): then it
-# starts the workers as new processes (spawn) instead of forking them; the exit code is the workers' either way
-LAUNCH_AS_IF_CUDA = ("import sys; from kubetitan_trainer import launch; launch.cuda_initialised = lambda: True; "
-                     "launch.worker_main.exit_now(launch.main(sys.argv[1:]))")
-
-
+# starts the workers as new processes (spawn: cold interpreters, each importing torch) instead of forking them; the
+# exit code is the workers' either way. The launcher itself is forked from the tests' warm parent (support.warm).
 @pytest.mark.parametrize("start", ["forked", "spawned-when-cuda-is-initialised"])
 def test_launcher_process_exits_2_on_a_bad_config(start, tmp_path):
+    from support import warm
+
     path = _patched(tmp_path, {"model": {"flavor": "nope"}})
-    entry = ["-m", "kubetitan_trainer.launch"] if start == "forked" else ["-c", LAUNCH_AS_IF_CUDA]
-    r = subprocess.run(
-        [PY, *entry, f"--config={path}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-         f"--master-port={free_port()}", "--max-restarts=0"],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )
-    assert r.returncode == 2, r.stderr[-2000:]
+    module = "kubetitan_trainer.launch" if start == "forked" else "tests.trainer.launch_as_if_cuda"
+    log = tmp_path / "launch.log"
+    proc = warm.popen(module, [f"--config={path}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                               f"--master-port={free_port()}", "--max-restarts=0"],
+                      {**os.environ, "OMP_NUM_THREADS": "1"}, log, cwd=REPO)
+    code = warm.wait_all([proc], timeout=300)[0]
+    out = log.read_text(errors="replace")  # the launcher's and the workers' stdout and stderr
+    assert code == 2, out[-2000:]
     # the workers check the config (the launcher only checks the file exists) and log to stdout
-    out = r.stdout + r.stderr
     assert "model.flavor" in out and "Fix:" in out
     assert "Training starts" not in out  # stopped before any training
     assert ("starting the workers as new processes" in out) == (start != "forked")
