@@ -252,6 +252,7 @@ def load_side(args: argparse.Namespace) -> list[dict]:
 
     timed("register_and_copy_pipelined_1gib", pipelined)
     del host, dev
+    torch.cuda.empty_cache()  # the kill variants below need the GPU's memory back
     mapping.close()
     return out
 
@@ -265,6 +266,7 @@ def main() -> None:
     ap.add_argument("--variants", default="ctx,gpu,dcp_today,shm_reg,pinned")
     ap.add_argument("--shm", type=Path, default=Path("/dev/shm/kt-teardown-probe"))
     ap.add_argument("--cpu", action="store_true", help="no CUDA: the mutex and reap timings only")
+    ap.add_argument("--skip-load", action="store_true", help="the kill variants only")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--mutex", help=argparse.SUPPRESS)
@@ -282,7 +284,7 @@ def main() -> None:
           flush=True)
     rows = []
     try:
-        if not args.cpu:  # first: it needs the GPU to itself
+        if not args.cpu and not args.skip_load:  # first: it needs the GPU to itself
             rows += load_side(args)
         for _ in range(args.repeats):
             for v in args.variants.split(","):
