@@ -19,6 +19,11 @@ load is collective, so a mix would hang). Loading mirrors ``dcp.load``: the stat
 objects are filled in place, then each one's ``load_state_dict`` runs. A stale or missing tier is ignored
 (DCP then), and a tier that fails while loading is deleted before the error ends the worker.
 
+With pinned async saves and the staging arena (:mod:`kubetitan_trainer.arena`), DCP's staged copy already lies in a
+file of this folder that outlives the worker (``staging-rank-<r>.bin``): the tier is then only ``rank-<r>.json``,
+whose layout points into that file (its ``"file"`` key; :func:`save_from_arena`), and the stager removes the JSON
+before each stage writes the arena, so a stage cut off midway leaves no usable, torn tier.
+
 The tier costs one device-to-host copy of the state per save (training waits for it) and host memory equal
 to the state (the pod's ``/dev/shm`` size limit must hold it; when the folder lacks the space the tier is
 skipped with a warning and an older one deleted). The launcher turns it on for in-place restarts
@@ -229,6 +234,50 @@ def discard(folder: str | Path, rank: int) -> None:
         p.unlink(missing_ok=True)
 
 
+def invalidate(folder: str | Path, rank: int) -> None:
+    """Remove this rank's tier JSON only (its bytes are about to be overwritten: a tier without its JSON is never
+    used). The staging arena calls it before each stage writes into the file the tier points into."""
+    _paths(folder, rank)[1].unlink(missing_ok=True)
+
+
+def _bin_of(folder: str | Path, rank: int, meta: dict) -> Path:
+    """The file whose bytes the tier's layout points into: ``rank-<r>.bin``, or the staging arena's file."""
+    name = meta.get("file")
+    return Path(folder) / name if isinstance(name, str) and "/" not in name else _paths(folder, rank)[0]
+
+
+def _write_meta(meta: Path, **fields: Any) -> None:
+    tmp = meta.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(fields))
+    os.replace(tmp, meta)
+
+
+def save_from_arena(staged: dict[str, Any], folder: str | Path, arena: Any, *, step: int, rank: int,
+                    world_size: int, checkpoint_folder: str) -> int | None:
+    """Make the staged copy in ``arena`` (kubetitan_trainer.arena) this rank's tier for ``step``: only the JSON is
+    written, its layout pointing into the arena's file. None when a staged tensor is not a contiguous run of the
+    arena (then the caller copies, :func:`save`); else the bytes the tier holds.
+
+    The stager removed the JSON before it staged (:func:`invalidate`), so the tier is complete from the moment the
+    JSON appears; ``rank-<r>.bin`` of an earlier copied tier is deleted (its memory is the state's size)."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _skeleton(materialise(staged), tensors)
+    layout, total = [], 0
+    for t in tensors:
+        off = arena.offset_of(t)
+        if off is None:
+            return None
+        n = _nbytes(t)
+        layout.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": off, "nbytes": n})
+        total += n
+    binf, meta = _paths(folder, rank)
+    binf.unlink(missing_ok=True)
+    _write_meta(meta, step=step, rank=rank, world_size=world_size, file=arena.file.name,
+                checkpoint_folder=storage.folder_key(checkpoint_folder), layout=layout,
+                skeleton=pickle.dumps(skeleton).hex())
+    return total
+
+
 def save(states: dict[str, Any], folder: str | Path, *, step: int, rank: int, world_size: int,
          checkpoint_folder: str) -> int:
     """Write this rank's share of ``states`` for ``step``; the bytes written (0 when the folder lacks room)."""
@@ -262,11 +311,8 @@ def save(states: dict[str, Any], folder: str | Path, *, step: int, rank: int, wo
                     src = t.detach().contiguous().reshape(-1).view(torch.uint8)
                     mover.to_host(src, buf[entry["offset"]:entry["offset"] + entry["nbytes"]])
             del buf
-    tmp = meta.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"step": step, "rank": rank, "world_size": world_size,
-                               "checkpoint_folder": storage.folder_key(checkpoint_folder), "layout": layout,
-                               "skeleton": pickle.dumps(skeleton).hex()}))
-    os.replace(tmp, meta)
+    _write_meta(meta, step=step, rank=rank, world_size=world_size, checkpoint_folder=storage.folder_key(checkpoint_folder),
+                layout=layout, skeleton=pickle.dumps(skeleton).hex())
     return offset
 
 
@@ -274,26 +320,26 @@ def usable(folder: str | Path, *, step: int, rank: int, world_size: int, checkpo
     """Does this rank's tier hold ``step`` of this run (same checkpoint folder, rank and world size)?"""
     if not folder:
         return False
-    binf, meta = _paths(folder, rank)
+    meta = _paths(folder, rank)[1]
     try:
         m = json.loads(meta.read_text())
     except (OSError, ValueError):
         return False
     return (m.get("step") == step and m.get("rank") == rank and m.get("world_size") == world_size
-            and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and binf.is_file())
+            and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and _bin_of(folder, rank, m).is_file())
 
 
 def tier_step(folder: str | Path, *, rank: int, world_size: int, checkpoint_folder: str) -> int:
     """The step this rank's tier holds for this run (same checkpoint folder, rank and world size); -1 for none."""
     if not folder:
         return -1
-    binf, meta = _paths(folder, rank)
+    meta = _paths(folder, rank)[1]
     try:
         m = json.loads(meta.read_text())
     except (OSError, ValueError):
         return -1
     ok = (m.get("rank") == rank and m.get("world_size") == world_size and isinstance(m.get("step"), int)
-          and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and binf.is_file())
+          and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and _bin_of(folder, rank, m).is_file())
     return m["step"] if ok else -1
 
 
@@ -363,8 +409,9 @@ def prepare(states: dict[str, Any], folder: str | Path, *, rank: int) -> Prepare
     """Check this rank's tier against ``states`` (structure, shapes, dtypes) without copying anything.
 
     Raises TierMismatch when it does not fit, OSError/ValueError when it cannot be read."""
-    binf, meta = _paths(folder, rank)
+    meta = _paths(folder, rank)[1]
     m = json.loads(meta.read_text())
+    binf = _bin_of(folder, rank, m)
     skeleton = pickle.loads(bytes.fromhex(m["skeleton"]))
     plan: list = []
     filled = _fill_plan(materialise(states), skeleton, m["layout"], "state", plan)
@@ -387,7 +434,9 @@ class BackgroundWriter:
     def __init__(self) -> None:
         self._thread = None
 
-    def start(self, staged: Any, folder: str, **kw) -> None:
+    def start(self, staged: Any, folder: str, arena: Any = None, **kw) -> None:
+        """``arena``: the staging arena the copy is in (kubetitan_trainer.arena): the tier is then only its JSON
+        (:func:`save_from_arena`), unless a staged tensor lies outside it (then the copy, as without one)."""
         import threading
         import time as _time
 
@@ -397,7 +446,9 @@ class BackgroundWriter:
             begin = _time.perf_counter()
             try:
                 sd = staged.result() if hasattr(staged, "result") else staged
-                n = save(sd, folder, **kw)
+                n = save_from_arena(sd, folder, arena, **kw) if arena is not None else None
+                if n is None:
+                    n = save(sd, folder, **kw)
             except Exception as e:  # noqa: BLE001 - the tier is an optimisation; DCP stays the source
                 discard(folder, kw.get("rank", 0))
                 log.warning("Restore tier not written at step %s: %s", kw.get("step"), e)

@@ -1,0 +1,187 @@
+"""The staging arena (kubetitan_trainer.arena): DCP's staged copy in a file of the restore tier's folder that outlives
+the worker, the stager that stages into it, and the restore tier that points into it (issue 29), on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import namedtuple
+
+import torch
+from torch.distributed.checkpoint.staging import StagingOptions
+
+from kubetitan_trainer import arena, restore_tier
+from kubetitan_trainer.staging import ReusableStager
+
+from .test_anatomy_restore import _flat, _same, _trained
+
+CPU_STAGING = StagingOptions(False, True, False, False)
+"""On CPU: no pinning (no CUDA), shared storages as torchtitan asks, synchronous staging (stage returns the copy)."""
+
+CHILD_PATH = os.pathsep.join(sys.path)
+
+
+def _child(code: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": CHILD_PATH},
+                            stdout=subprocess.PIPE, text=True, **kw)
+
+
+def _inside(t: torch.Tensor, a: arena.Arena) -> bool:
+    p = t.untyped_storage().data_ptr()
+    return a.data_ptr <= p and p + t.untyped_storage().nbytes() <= a.data_ptr + a.nbytes
+
+
+def test_an_arena_is_reused_across_processes_with_its_bytes_and_re_created_at_another_size(tmp_path):
+    child = _child(
+        "import sys, torch\nfrom kubetitan_trainer import arena\n"
+        f"a = arena.open_arena({str(tmp_path)!r}, 3, 10000)\nassert not a.reused\n"
+        "s = a.storage(300); s.copy_(torch.arange(300, dtype=torch.int16).to(torch.uint8).untyped_storage())\n"
+        "print(a.nbytes, a.file.stat().st_ino)\n")
+    size, ino = map(int, child.communicate(timeout=120)[0].split())
+    assert child.returncode == 0 and size == arena.aligned(10000)
+
+    again = arena.open_arena(tmp_path, 3, 10000)  # the same size: the same file, its bytes still there
+    assert again.reused and again.file.stat().st_ino == ino and again.file.name == "staging-rank-3.bin"
+    assert torch.equal(again.base[:300], torch.arange(300, dtype=torch.int16).to(torch.uint8))
+    first, second = again.storage(100), again.storage(5000)
+    assert second.data_ptr() - first.data_ptr() == arena.ALIGN  # the bump allocator aligns every storage
+    assert again.storage(again.nbytes) is None  # full: the caller stages elsewhere
+    again.close()
+
+    other = arena.open_arena(tmp_path, 3, 3 * 10000)  # another size: a new file, new (zero) pages
+    assert not other.reused and other.nbytes == arena.aligned(30000) and not other.base[:300].any()
+
+
+def test_the_stager_stages_into_the_arena_and_reuses_its_storages(tmp_path):
+    src = _trained(seed=1)
+    stager = ReusableStager(CPU_STAGING, arena_folder=str(tmp_path), rank=0)
+    state = restore_tier.materialise(src[2])
+    staged = stager.stage(state)
+    a = stager.arena
+    assert a is not None and a.nbytes == arena.aligned(arena.staged_bytes(state))
+    tensors: list[torch.Tensor] = []
+    restore_tier._skeleton(staged, tensors)
+    assert tensors and all(_inside(t, a) for t in tensors)
+    assert all(torch.equal(staged[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
+
+    with torch.no_grad():
+        for p in src[0].parameters():
+            p.add_(1)
+    top = a.top
+    again = stager.stage(restore_tier.materialise(src[2]))
+    assert a.top == top  # the second stage allocates nothing: the cached arena storages are overwritten
+    assert torch.equal(again["0.weight"], src[0][0].weight) and again["0.weight"].data_ptr() == staged["0.weight"].data_ptr()
+    stager.close()
+
+
+def test_a_tier_from_the_arena_loads_the_same_state_as_a_dcp_load(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    src = _trained(seed=1)
+    tier, ckpt = tmp_path / "tier", tmp_path / "ckpt"
+    stager = ReusableStager(CPU_STAGING, arena_folder=str(tier), rank=0)
+    staged = stager.stage(restore_tier.materialise(src[2]))
+    dcp.save(staged, checkpoint_id=str(ckpt / "step-8"))
+    writer = restore_tier.BackgroundWriter()
+    writer.start(staged, str(tier), arena=stager.arena, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
+    writer.wait()
+    meta = json.loads((tier / "rank-0.json").read_text())
+    assert meta["file"] == "staging-rank-0.bin" and not (tier / "rank-0.bin").exists()  # no copy was written
+    assert restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
+
+    via_dcp = _trained(seed=2)
+    dcp.load(via_dcp[2], checkpoint_id=str(ckpt / "step-8"))
+    via_dcp[0].load_state_dict({k: v for k, v in via_dcp[2].items() if isinstance(v, torch.Tensor)})
+    via_tier = _trained(seed=3)
+    assert restore_tier.load(via_tier[2], tier, rank=0) > 0
+    want = _flat(*src)
+    assert _same(_flat(*via_dcp), want) and _same(_flat(*via_tier), want)
+
+    # a staged tensor outside the arena (not contiguous, or staged elsewhere): the tier is copied as before
+    assert restore_tier.save_from_arena({"x": torch.ones(4, 4).t()}, tier, stager.arena, step=9, rank=0,
+                                        world_size=1, checkpoint_folder=str(ckpt)) is None
+    assert restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
+
+
+class Probe:
+    """A value in the state dict whose staging (a deep copy) records whether the tier's JSON exists then."""
+
+    seen: list[bool] = []
+    meta = None
+
+    def __deepcopy__(self, memo):
+        Probe.seen.append(Probe.meta.exists())
+        return Probe()
+
+
+def test_the_tier_json_is_gone_while_a_stage_is_in_flight(tmp_path):
+    src = _trained(seed=1)
+    tier, ckpt = tmp_path / "tier", str(tmp_path / "ckpt")
+    stager = ReusableStager(CPU_STAGING, arena_folder=str(tier), rank=0)
+    Probe.seen, Probe.meta = [], tier / "rank-0.json"
+    for step in (4, 8):
+        staged = stager.stage({**restore_tier.materialise(src[2]), "probe": Probe()})
+        assert restore_tier.save_from_arena(staged, tier, stager.arena, step=step, rank=0, world_size=1,
+                                            checkpoint_folder=ckpt)
+        assert restore_tier.usable(tier, step=step, rank=0, world_size=1, checkpoint_folder=ckpt)
+    assert Probe.seen == [False, False]  # the second stage ran after the step-4 tier was complete: JSON removed first
+
+
+CHILD_STAGES = """
+import os, sys, torch
+from torch.distributed.checkpoint.staging import StagingOptions
+from kubetitan_trainer import restore_tier
+from kubetitan_trainer.staging import ReusableStager
+state = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64), "b": torch.arange(7, dtype=torch.bfloat16),
+         "extra": {"step": 11, "m": [torch.full((3,), 2.5)]}}
+stager = ReusableStager(StagingOptions(False, True, False, False), arena_folder=sys.argv[1], rank=0)
+staged = stager.stage(state)
+assert restore_tier.save_from_arena(staged, sys.argv[1], stager.arena, step=11, rank=0, world_size=1,
+                                    checkpoint_folder="ck")
+print("staged", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_killed_worker_leaves_the_arena_and_a_new_process_loads_the_tier_from_it(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", CHILD_STAGES, str(tmp_path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": CHILD_PATH})
+    assert child.stdout.readline().strip() == "staged"
+    child.send_signal(signal.SIGKILL)
+    assert child.wait(timeout=60) == -signal.SIGKILL
+
+    assert restore_tier.usable(tmp_path, step=11, rank=0, world_size=1, checkpoint_folder="ck")
+    fresh = {"w": torch.zeros(64, 64), "b": torch.zeros(7, dtype=torch.bfloat16),
+             "extra": {"step": 0, "m": [torch.zeros(3)]}}
+    assert restore_tier.load(fresh, tmp_path, rank=0) == 4096 * 4 + 7 * 2 + 3 * 4
+    assert torch.equal(fresh["w"], torch.arange(4096, dtype=torch.float32).reshape(64, 64))
+    assert torch.equal(fresh["b"], torch.arange(7, dtype=torch.bfloat16))
+    assert fresh["extra"]["step"] == 11 and torch.equal(fresh["extra"]["m"][0], torch.full((3,), 2.5))
+    # the next generation's stager finds the arena with the right size: its pages are reused, not re-created
+    stager = ReusableStager(CPU_STAGING, arena_folder=str(tmp_path), rank=0)
+    stager.stage(fresh)
+    assert stager.arena.reused
+    assert not restore_tier.usable(tmp_path, step=11, rank=0, world_size=1, checkpoint_folder="ck")  # being overwritten
+
+
+def test_without_room_or_a_tier_folder_staging_is_torch_s(tmp_path, monkeypatch, caplog):
+    src = _trained(seed=1)
+    plain = ReusableStager(CPU_STAGING)  # no tier folder (static launcher): no arena, nothing written
+    staged = plain.stage(restore_tier.materialise(src[2]))
+    assert plain.arena is None and staged["0.weight"].is_shared() and not list(tmp_path.iterdir())
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(arena.shutil, "disk_usage", lambda p: Usage(10, 10, 0))
+    tier, ckpt = tmp_path / "tier", str(tmp_path / "ckpt")
+    stager = ReusableStager(CPU_STAGING, arena_folder=str(tier), rank=0)
+    staged = stager.stage(restore_tier.materialise(src[2]))
+    assert stager.arena is None and "Staging arena not used" in caplog.text and "/dev/shm" in caplog.text
+    assert staged["0.weight"].is_shared() and not (tier / "staging-rank-0.bin").exists()
+    monkeypatch.undo()
+    writer = restore_tier.BackgroundWriter()  # no arena: the tier is the copy, as before
+    writer.start(staged, str(tier), arena=stager.arena, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
+    writer.wait()
+    assert (tier / "rank-0.bin").exists() and "file" not in json.loads((tier / "rank-0.json").read_text())
