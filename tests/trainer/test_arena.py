@@ -30,29 +30,46 @@ def _child(code: str, **kw) -> subprocess.Popen:
 
 
 def _inside(t: torch.Tensor, a: arena.Arena) -> bool:
-    p = t.untyped_storage().data_ptr()
-    return a.data_ptr <= p and p + t.untyped_storage().nbytes() <= a.data_ptr + a.nbytes
+    return t.numel() == 0 or a.place(t) is not None
 
 
 def test_an_arena_is_reused_across_processes_with_its_bytes_and_re_created_at_another_size(tmp_path):
+    state = "{'a': torch.zeros(75, dtype=torch.int32), 'b': [torch.zeros(10, 10)]}"
     child = _child(
-        "import sys, torch\nfrom kubetitan_trainer import arena\n"
-        f"a = arena.open_arena({str(tmp_path)!r}, 3, 10000)\nassert not a.reused\n"
+        "import torch\nfrom kubetitan_trainer import arena\n"
+        f"a = arena.open_arena({str(tmp_path)!r}, 3, {state})\nassert a.count == 2\n"
         "s = a.storage(300); s.copy_(torch.arange(300, dtype=torch.int16).to(torch.uint8).untyped_storage())\n"
-        "print(a.nbytes, a.file.stat().st_ino)\n")
-    size, ino = map(int, child.communicate(timeout=120)[0].split())
-    assert child.returncode == 0 and size == arena.aligned(10000)
+        "a.storage(400)\nprint((a.folder / '0.bin').stat().st_ino, a.created, a.reused)\n")
+    ino, created, reused = map(int, child.communicate(timeout=120)[0].split())
+    assert child.returncode == 0 and (created, reused) == (2, 0)
 
-    again = arena.open_arena(tmp_path, 3, 10000)  # the same size: the same file, its bytes still there
-    assert again.reused and again.file.stat().st_ino == ino and again.file.name == "staging-rank-3.bin"
-    assert torch.equal(again.base[:300], torch.arange(300, dtype=torch.int16).to(torch.uint8))
-    first, second = again.storage(100), again.storage(5000)
-    assert second.data_ptr() - first.data_ptr() == arena.ALIGN  # the bump allocator aligns every storage
-    assert again.storage(again.nbytes) is None  # full: the caller stages elsewhere
-    again.close()
+    state = {"a": torch.zeros(75, dtype=torch.int32), "b": [torch.zeros(10, 10)]}
+    again = arena.open_arena(tmp_path, 3, state)  # the same sizes: the same files, their bytes still there
+    first = again.storage(300)
+    assert again.reused == 1 and (tmp_path / "staging-rank-3" / "0.bin").stat().st_ino == ino
+    assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(first), torch.arange(300, dtype=torch.int16).to(torch.uint8))
+    second = again.storage(4000)  # another size: a new file, new (zero) pages
+    assert again.created == 1 and (tmp_path / "staging-rank-3" / "1.bin").stat().st_size == 4000
+    assert not torch.empty(0, dtype=torch.uint8).set_(second).any()
+    assert again.storage(8) is None  # used up: the caller stages as torch does
+    # a later state with fewer storages: the files it does not use are removed
+    arena.open_arena(tmp_path, 3, {"a": torch.zeros(75, dtype=torch.int32)})
+    assert sorted(p.name for p in (tmp_path / "staging-rank-3").iterdir()) == ["0.bin"]
 
-    other = arena.open_arena(tmp_path, 3, 3 * 10000)  # another size: a new file, new (zero) pages
-    assert not other.reused and other.nbytes == arena.aligned(30000) and not other.base[:300].any()
+
+def test_a_staged_copy_sent_to_dcp_s_checkpoint_process_stays_in_the_arena(tmp_path):
+    """torchtitan's pinned saves hand the staged copy to DCP's checkpoint process through a torch.multiprocessing pipe:
+    torch must pass the staging files' descriptors, not move the storages into fresh worker-owned shared memory."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    src = _trained(seed=1)
+    stager = ReusableStager(CPU_STAGING, arena_folder=str(tmp_path), rank=0)
+    staged = stager.stage(restore_tier.materialise(src[2]))
+    before = {k: v.data_ptr() for k, v in staged.items() if isinstance(v, torch.Tensor)}
+    ForkingPickler(io.BytesIO()).dump(staged)
+    assert {k: v.data_ptr() for k, v in staged.items() if isinstance(v, torch.Tensor)} == before
+    assert all(_inside(v, stager.arena) for v in staged.values() if isinstance(v, torch.Tensor))
 
 
 def test_the_stager_stages_into_the_arena_and_reuses_its_storages(tmp_path):
@@ -61,7 +78,7 @@ def test_the_stager_stages_into_the_arena_and_reuses_its_storages(tmp_path):
     state = restore_tier.materialise(src[2])
     staged = stager.stage(state)
     a = stager.arena
-    assert a is not None and a.nbytes == arena.aligned(arena.staged_bytes(state))
+    assert a is not None and a.count == len(list((tmp_path / "staging-rank-0").iterdir())) > 0
     tensors: list[torch.Tensor] = []
     restore_tier._skeleton(staged, tensors)
     assert tensors and all(_inside(t, a) for t in tensors)
@@ -70,9 +87,9 @@ def test_the_stager_stages_into_the_arena_and_reuses_its_storages(tmp_path):
     with torch.no_grad():
         for p in src[0].parameters():
             p.add_(1)
-    top = a.top
+    used = a.next
     again = stager.stage(restore_tier.materialise(src[2]))
-    assert a.top == top  # the second stage allocates nothing: the cached arena storages are overwritten
+    assert a.next == used  # the second stage allocates nothing: the cached arena storages are overwritten
     assert torch.equal(again["0.weight"], src[0][0].weight) and again["0.weight"].data_ptr() == staged["0.weight"].data_ptr()
     stager.close()
 
@@ -89,7 +106,8 @@ def test_a_tier_from_the_arena_loads_the_same_state_as_a_dcp_load(tmp_path):
     writer.start(staged, str(tier), arena=stager.arena, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
     writer.wait()
     meta = json.loads((tier / "rank-0.json").read_text())
-    assert meta["file"] == "staging-rank-0.bin" and not (tier / "rank-0.bin").exists()  # no copy was written
+    assert meta["arena"] == "staging-rank-0" and not (tier / "rank-0.bin").exists()  # no copy was written
+    assert {e["file"].split("/")[0] for e in meta["layout"] if e["nbytes"]} == {"staging-rank-0"}
     assert restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
 
     via_dcp = _trained(seed=2)
@@ -163,7 +181,7 @@ def test_a_killed_worker_leaves_the_arena_and_a_new_process_loads_the_tier_from_
     # the next generation's stager finds the arena with the right size: its pages are reused, not re-created
     stager = ReusableStager(CPU_STAGING, arena_folder=str(tmp_path), rank=0)
     stager.stage(fresh)
-    assert stager.arena.reused
+    assert stager.arena.reused == 3 and stager.arena.created == 0
     assert not restore_tier.usable(tmp_path, step=11, rank=0, world_size=1, checkpoint_folder="ck")  # being overwritten
 
 
@@ -179,9 +197,9 @@ def test_without_room_or_a_tier_folder_staging_is_torch_s(tmp_path, monkeypatch,
     stager = ReusableStager(CPU_STAGING, arena_folder=str(tier), rank=0)
     staged = stager.stage(restore_tier.materialise(src[2]))
     assert stager.arena is None and "Staging arena not used" in caplog.text and "/dev/shm" in caplog.text
-    assert staged["0.weight"].is_shared() and not (tier / "staging-rank-0.bin").exists()
+    assert staged["0.weight"].is_shared() and not (tier / "staging-rank-0").exists()
     monkeypatch.undo()
     writer = restore_tier.BackgroundWriter()  # no arena: the tier is the copy, as before
     writer.start(staged, str(tier), arena=stager.arena, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
     writer.wait()
-    assert (tier / "rank-0.bin").exists() and "file" not in json.loads((tier / "rank-0.json").read_text())
+    assert (tier / "rank-0.bin").exists() and "arena" not in json.loads((tier / "rank-0.json").read_text())

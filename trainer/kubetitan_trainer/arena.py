@@ -1,25 +1,32 @@
-"""A staging arena: DCP's staged copy of the training state in a file of the restore tier's folder (issue 29).
+"""A staging arena: DCP's staged copy of the training state in files of the restore tier's folder (issue 29).
 
 torch 2.11's ``StateDictStager`` stages every tensor into its own fresh shared-memory storage and, with CUDA,
 ``cudaHostRegister``s each one. Those pages belong to the worker: when it dies the kernel frees them all before
 its parent sees it dead (6.4 s on the H200 for the 3B model's ~40 GiB, against 0.4 s for a worker that never
 saved), and the next generation allocates and pins them again at its first save (a 13-28 s stall).
 
-Here the staged copy lives in ``<tier>/staging-rank-<r>.bin``, a file of the pod's ``/dev/shm`` that the launcher
-owns and that outlives the workers: the file is mapped ``MAP_SHARED``, a bump allocator hands out
-``UntypedStorage`` views of it (:meth:`Arena.storage`), and with CUDA the whole mapping is registered once. A
-worker's death unmaps the file but frees none of its pages, and the next generation finds the file with the right
-size and its pages already there. Because the staged copy is in a file that outlives the worker, the restore tier
-is that file (:func:`kubetitan_trainer.restore_tier.save_from_arena` writes only the tier's JSON).
+Here the staged copy lives in ``<tier>/staging-rank-<r>/``, in the pod's ``/dev/shm`` that the launcher owns and
+that outlives the workers: one file per staged storage (``<k>.bin``, the k-th storage the stager stages), each
+mapped ``MAP_SHARED`` as a torch shared-memory storage that keeps its file descriptor (:meth:`Arena.storage`).
+One file per storage, not one file with a bump allocator: torchtitan's pinned async saves hand the staged copy to
+DCP's checkpoint *process* through a ``torch.multiprocessing`` pipe, and torch passes a storage's file descriptor
+only when the storage is such a mapping of its own file; any other storage (a view at an offset of one big mapping
+included) is first copied into fresh worker-owned shared memory and moved there, leaving the arena behind
+(tests/trainer/test_arena.py pickles a staged copy as that pipe does and checks it stays put).
 
-Without a tier folder, or when the folder lacks room for the state, there is no arena (:func:`open_arena` warns
-and returns None) and staging is torch's.
+A worker's death unmaps the files but frees none of their pages, and the next generation's stager, staging the
+same state in the same order, finds every file with the right size and its pages already there (a file of another
+size is re-created). With CUDA each file is registered with ``cudaHostRegister`` as torch registers its own
+storages. Because the staged copy is in files that outlive the worker, the restore tier points into them
+(:func:`kubetitan_trainer.restore_tier.save_from_arena` writes only the tier's JSON).
+
+Without a tier folder, when the folder lacks room for the state, or when torch shares tensors by file name rather
+than file descriptor, there is no arena (:func:`open_arena` warns and returns None) and staging is torch's.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import shutil
 import warnings
@@ -30,31 +37,25 @@ import torch
 
 from kubetitan_trainer import compat
 
-ALIGN = 4096
-"""Every staged storage starts at a multiple of this offset (a page: any dtype's alignment holds)."""
 MARGIN = 1.02
-"""The folder must have this much more free space than the arena (tmpfs metadata, other files of the tier)."""
+"""The folder must have this much more free space than the arena needs (tmpfs metadata, the tier's JSON)."""
 
 log = logging.getLogger("kubetitan.arena")
 
 
-def aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def path(folder: str | Path, rank: int) -> Path:
-    return Path(folder) / f"staging-rank-{rank}.bin"
+    return Path(folder) / f"staging-rank-{rank}"
 
 
-def staged_bytes(state: Any) -> int:
-    """The arena size ``state`` needs: the aligned bytes of every distinct storage of its tensors (a DTensor's
-    local shard), as the stager copies each storage once."""
+def _storages(state: Any) -> dict[tuple[str, int], int]:
+    """(device, data pointer) -> bytes of every distinct storage of ``state``'s tensors (a DTensor's local shard)."""
     seen: dict[tuple[str, int], int] = {}
 
     def walk(obj: Any) -> None:
         if isinstance(obj, torch.Tensor):
             s = compat.local_tensor(obj).untyped_storage()
-            seen[(str(s.device), s.data_ptr())] = max(seen.get((str(s.device), s.data_ptr()), 0), s.nbytes())
+            key = (str(s.device), s.data_ptr())
+            seen[key] = max(seen.get(key, 0), s.nbytes())
         elif isinstance(obj, dict):
             for v in obj.values():
                 walk(v)
@@ -65,86 +66,100 @@ def staged_bytes(state: Any) -> int:
             walk(obj.state_dict())
 
     walk(state)
-    return sum(aligned(max(n, 1)) for n in seen.values())
+    return seen
+
+
+def staged_bytes(state: Any) -> int:
+    """The bytes the stager copies for ``state``: every distinct storage once."""
+    return sum(_storages(state).values())
 
 
 class Arena:
-    """A mapped staging file and a bump allocator over it (the stager keeps its storages across stages, so the
-    allocator only grows; a storage that does not fit is staged the way torch does)."""
+    """This rank's staging files; :meth:`storage` hands out the next one (the stager caches its storages across
+    stages, so a stager asks once per storage; one it does not get is staged the way torch does)."""
 
-    def __init__(self, file: Path, nbytes: int, reused: bool) -> None:
-        self.file, self.nbytes, self.reused = file, nbytes, reused
-        with open(file, "r+b") as f:
-            self._mm = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED)
-        self.base = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self.top = 0
-        self.registered = False
-
-    @property
-    def data_ptr(self) -> int:
-        return self.base.data_ptr()
-
-    def register_with_cuda(self) -> bool:
-        """One ``cudaHostRegister`` of the whole mapping (instead of one per staged storage); False if refused."""
-        if self.registered or not torch.cuda.is_available():
-            return self.registered
-        err = torch.cuda.cudart().cudaHostRegister(self.data_ptr, self.nbytes, 0)
-        self.registered = int(err) == 0
-        if not self.registered:
-            warnings.warn(f"cudaHostRegister of the staging arena {self.file} failed ({err}): staged copies are "
-                          "pageable (slower device-to-host copies)", stacklevel=2)
-        return self.registered
+    def __init__(self, folder: Path, count: int, pin: bool = False, pin_min_bytes: int = 5) -> None:
+        self.folder, self.count, self.pin, self.pin_min_bytes = folder, count, pin, pin_min_bytes
+        self.next = 0
+        self.reused = self.created = 0
+        """Files found with the right size (pages already there) / created or re-sized, so far."""
+        self.names: dict[int, tuple[str, int]] = {}
+        """A staged storage's data pointer -> (its file, relative to the tier folder; its bytes)."""
+        self.registered: list[int] = []
 
     def storage(self, nbytes: int) -> torch.UntypedStorage | None:
-        """A fresh view of ``nbytes`` of the arena, or None when it is full (the caller stages elsewhere)."""
-        if self.top + nbytes > self.nbytes:
+        """The next staging file as a storage of ``nbytes`` (its old pages when it has that size), or None when the
+        arena is used up or ``nbytes`` is 0 (the caller stages as torch does)."""
+        if self.next >= self.count or nbytes <= 0:
             return None
-        if not nbytes:
-            return torch.UntypedStorage(0)
-        view = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=self.top)
-        self.top += aligned(nbytes)
-        return view.untyped_storage()  # starts at the offset; keeps the mapping alive as long as it lives
+        name = f"{self.next}.bin"
+        self.next += 1
+        file = self.folder / name
+        old = file.stat().st_size if file.exists() else -1
+        if old != nbytes:
+            file.unlink(missing_ok=True)  # another size: new pages (a shrunk file would keep a stale tail)
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if old != nbytes:
+                os.ftruncate(fd, nbytes)
+            s = compat.shared_storage_from_fd(fd, nbytes)
+        finally:
+            os.close(fd)  # the storage keeps its own duplicate
+        self.reused += old == nbytes
+        self.created += old != nbytes
+        self.names[s.data_ptr()] = (f"{self.folder.name}/{name}", nbytes)
+        if self.pin and nbytes >= self.pin_min_bytes:
+            self._register(s.data_ptr(), nbytes)
+        return s
 
-    def offset_of(self, t: torch.Tensor) -> int | None:
-        """Where ``t``'s bytes start in the arena file; None when they are not in it or ``t`` is not contiguous."""
+    def _register(self, ptr: int, nbytes: int) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) == 0:
+            self.registered.append(ptr)
+        else:
+            warnings.warn(f"cudaHostRegister of a staging file in {self.folder} failed ({err}): that staged copy "
+                          "is pageable (a slower device-to-host copy)", stacklevel=3)
+
+    def place(self, t: torch.Tensor) -> tuple[str, int] | None:
+        """(file relative to the tier folder, byte offset in it) of ``t``'s bytes; None when ``t`` is not a
+        contiguous run of one staging file."""
         if t.device.type != "cpu" or not t.is_contiguous():
             return None
-        off = t.untyped_storage().data_ptr() - self.data_ptr + t.storage_offset() * t.element_size()
-        if t.numel() == 0:
-            return 0 if 0 <= off <= self.nbytes else None
-        return off if 0 <= off and off + t.numel() * t.element_size() <= self.nbytes else None
+        named = self.names.get(t.untyped_storage().data_ptr())
+        if named is None:
+            return None
+        off = t.storage_offset() * t.element_size()
+        return (named[0], off) if off + t.numel() * t.element_size() <= named[1] else None
 
     def close(self) -> None:
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.data_ptr)
-            self.registered = False
-        del self.base
-        try:
-            self._mm.close()
-        except BufferError:  # staged storages still point into it: the mapping ends with them
-            pass
+        """End the CUDA registrations; the files stay (the restore tier may point into them)."""
+        for ptr in self.registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self.registered = []
 
 
-def open_arena(folder: str | Path, rank: int, nbytes: int) -> Arena | None:
-    """This rank's arena of ``nbytes`` in ``folder``: the existing file when it has that size (its pages are
-    there already), else a new one; None (with a warning) when the folder lacks room."""
-    file = path(folder, rank)
-    nbytes = max(aligned(nbytes), ALIGN)
-    old = file.stat().st_size if file.exists() else 0
-    if old == nbytes:
-        return Arena(file, nbytes, reused=True)
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free + old
-    if free < nbytes * MARGIN:
-        file.unlink(missing_ok=True)
+def open_arena(folder: str | Path, rank: int, state: Any, pin: bool = False, pin_min_bytes: int = 5) -> Arena | None:
+    """This rank's arena in ``folder``, sized for ``state`` (the state dict about to be staged); None (with a
+    warning) when the folder lacks room or torch shares tensors by file name."""
+    import torch.multiprocessing
+
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        log.warning("Staging arena not used: torch shares tensors by %r, the arena's files need 'file_descriptor'",
+                    torch.multiprocessing.get_sharing_strategy())
+        return None
+    sizes = _storages(state)
+    need = sum(sizes.values())
+    where = path(folder, rank)
+    where.mkdir(parents=True, exist_ok=True)
+    files = sorted(where.glob("*.bin"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1)
+    for stale in files[len(sizes):]:  # a state with fewer storages than the last generation's
+        stale.unlink(missing_ok=True)
+    have = sum(p.stat().st_size for p in files[:len(sizes)])
+    free = shutil.disk_usage(where).free + have
+    if free < need * MARGIN:
+        shutil.rmtree(where, ignore_errors=True)
         log.warning("Staging arena not used: %s has %.1f GiB free, the staged state needs %.1f GiB; staging in "
                     "worker memory (a worker that had saved takes longer to be seen dead). Raise the pod's /dev/shm "
-                    "size to use it.", folder, free / 2**30, nbytes * MARGIN / 2**30)
+                    "size to use it.", folder, free / 2**30, need * MARGIN / 2**30)
         return None
-    file.unlink(missing_ok=True)  # a file of another size: its pages go, new ones are allocated once here
-    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-    return Arena(file, nbytes, reused=False)
+    return Arena(where, len(sizes), pin=pin and torch.cuda.is_available(), pin_min_bytes=pin_min_bytes)

@@ -312,6 +312,22 @@ _declare(
 )
 
 
+@_shim(
+    Upstream("torch:UntypedStorage._new_shared_fd_cpu"),
+    Upstream("torch.multiprocessing.reductions:rebuild_storage_fd", contains=("cls._new_shared_fd_cpu(fd, size)",)),
+    Upstream("torch.multiprocessing.reductions:reduce_storage", contains=("storage._share_fd_cpu_()",)),
+)
+def shared_storage_from_fd(fd: int, nbytes: int) -> Any:
+    """A CPU storage mapping ``nbytes`` of the file open at ``fd`` (``MAP_SHARED``; the storage keeps a duplicate of
+    ``fd``): torch's own shared-memory storage, which ``torch.multiprocessing`` hands to another process by that
+    file descriptor instead of copying it into fresh shared memory. The staging arena's files need exactly this
+    (DCP's checkpoint process receives the staged copy through such a pipe); torch makes it only in private
+    ``UntypedStorage._new_shared_fd_cpu`` (what ``rebuild_storage_fd`` calls)."""
+    import torch
+
+    return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+
+
 @_shim(Upstream(f"{_STAGER}.__init__", sets=("_cached_storage_mapping",)))
 def staged_storage_cache(stager) -> Any:
     """A ``StateDictStager``'s cache of staged storages (source storage -> staged copy, weakly keyed), which

@@ -19,9 +19,9 @@ load is collective, so a mix would hang). Loading mirrors ``dcp.load``: the stat
 objects are filled in place, then each one's ``load_state_dict`` runs. A stale or missing tier is ignored
 (DCP then), and a tier that fails while loading is deleted before the error ends the worker.
 
-With pinned async saves and the staging arena (:mod:`kubetitan_trainer.arena`), DCP's staged copy already lies in a
-file of this folder that outlives the worker (``staging-rank-<r>.bin``): the tier is then only ``rank-<r>.json``,
-whose layout points into that file (its ``"file"`` key; :func:`save_from_arena`), and the stager removes the JSON
+With pinned async saves and the staging arena (:mod:`kubetitan_trainer.arena`), DCP's staged copy already lies in
+files of this folder that outlive the worker (``staging-rank-<r>/<k>.bin``): the tier is then only ``rank-<r>.json``,
+whose layout entries name those files (``"file"``, ``"offset"``; :func:`save_from_arena`), and the stager removes the JSON
 before each stage writes the arena, so a stage cut off midway leaves no usable, torn tier.
 
 The tier costs one device-to-host copy of the state per save (training waits for it) and host memory equal
@@ -32,6 +32,7 @@ skipped with a warning and an older one deleted). The launcher turns it on for i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -240,10 +241,15 @@ def invalidate(folder: str | Path, rank: int) -> None:
     _paths(folder, rank)[1].unlink(missing_ok=True)
 
 
-def _bin_of(folder: str | Path, rank: int, meta: dict) -> Path:
-    """The file whose bytes the tier's layout points into: ``rank-<r>.bin``, or the staging arena's file."""
-    name = meta.get("file")
-    return Path(folder) / name if isinstance(name, str) and "/" not in name else _paths(folder, rank)[0]
+def _arena_of(folder: str | Path, meta: dict) -> Path | None:
+    """The staging arena folder the tier's layout points into (kubetitan_trainer.arena), or None (``rank-<r>.bin``)."""
+    name = meta.get("arena")
+    return Path(folder) / name if isinstance(name, str) and name and "/" not in name else None
+
+
+def _present(folder: str | Path, rank: int, meta: dict) -> bool:
+    where = _arena_of(folder, meta)
+    return where.is_dir() if where is not None else _paths(folder, rank)[0].is_file()
 
 
 def _write_meta(meta: Path, **fields: Any) -> None:
@@ -255,8 +261,8 @@ def _write_meta(meta: Path, **fields: Any) -> None:
 def save_from_arena(staged: dict[str, Any], folder: str | Path, arena: Any, *, step: int, rank: int,
                     world_size: int, checkpoint_folder: str) -> int | None:
     """Make the staged copy in ``arena`` (kubetitan_trainer.arena) this rank's tier for ``step``: only the JSON is
-    written, its layout pointing into the arena's file. None when a staged tensor is not a contiguous run of the
-    arena (then the caller copies, :func:`save`); else the bytes the tier holds.
+    written, each layout entry naming its staging file and offset. None when a staged tensor with bytes is not a
+    contiguous run of one staging file (then the caller copies, :func:`save`); else the bytes the tier holds.
 
     The stager removed the JSON before it staged (:func:`invalidate`), so the tier is complete from the moment the
     JSON appears; ``rank-<r>.bin`` of an earlier copied tier is deleted (its memory is the state's size)."""
@@ -264,15 +270,16 @@ def save_from_arena(staged: dict[str, Any], folder: str | Path, arena: Any, *, s
     skeleton = _skeleton(materialise(staged), tensors)
     layout, total = [], 0
     for t in tensors:
-        off = arena.offset_of(t)
-        if off is None:
-            return None
         n = _nbytes(t)
-        layout.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": off, "nbytes": n})
+        place = arena.place(t) if n else ("", 0)
+        if place is None:
+            return None
+        layout.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "file": place[0],
+                       "offset": place[1], "nbytes": n})
         total += n
     binf, meta = _paths(folder, rank)
     binf.unlink(missing_ok=True)
-    _write_meta(meta, step=step, rank=rank, world_size=world_size, file=arena.file.name,
+    _write_meta(meta, step=step, rank=rank, world_size=world_size, arena=arena.folder.name,
                 checkpoint_folder=storage.folder_key(checkpoint_folder), layout=layout,
                 skeleton=pickle.dumps(skeleton).hex())
     return total
@@ -326,7 +333,7 @@ def usable(folder: str | Path, *, step: int, rank: int, world_size: int, checkpo
     except (OSError, ValueError):
         return False
     return (m.get("step") == step and m.get("rank") == rank and m.get("world_size") == world_size
-            and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and _bin_of(folder, rank, m).is_file())
+            and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and _present(folder, rank, m))
 
 
 def tier_step(folder: str | Path, *, rank: int, world_size: int, checkpoint_folder: str) -> int:
@@ -339,7 +346,7 @@ def tier_step(folder: str | Path, *, rank: int, world_size: int, checkpoint_fold
     except (OSError, ValueError):
         return -1
     ok = (m.get("rank") == rank and m.get("world_size") == world_size and isinstance(m.get("step"), int)
-          and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and _bin_of(folder, rank, m).is_file())
+          and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and _present(folder, rank, m))
     return m["step"] if ok else -1
 
 
@@ -386,17 +393,30 @@ class Prepared:
         self.states, self.binf, self.filled, self.plan = states, binf, filled, plan
         self.threads = load_threads() if threads is None else threads
 
+    def file_of(self, entry: dict) -> Path:
+        """The file an entry's bytes are in: its staging file (a tier from the arena), else ``rank-<r>.bin``."""
+        return self.binf.parent / entry["file"] if entry.get("file") else self.binf
+
     def apply(self) -> int:
         """Copy the tier into the state in place, then each Stateful's ``load_state_dict``; the bytes read."""
-        with open(self.binf, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            with warnings.catch_warnings():  # a read-only mapping: only read from here
-                warnings.simplefilter("ignore", UserWarning)
-                buf = torch.frombuffer(mm, dtype=torch.uint8)
-            pairs = [(buf[e["offset"]:e["offset"] + e["nbytes"]], local) for local, e in self.plan if e["nbytes"]]
+        with contextlib.ExitStack() as stack:
+            bufs: dict[Path, torch.Tensor] = {}
+            pairs = []
+            for local, e in self.plan:
+                if not e["nbytes"]:
+                    continue
+                file = self.file_of(e)
+                if file not in bufs:
+                    f = stack.enter_context(open(file, "rb"))
+                    mm = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                    with warnings.catch_warnings():  # a read-only mapping: only read from here
+                        warnings.simplefilter("ignore", UserWarning)
+                        bufs[file] = torch.frombuffer(mm, dtype=torch.uint8)
+                pairs.append((bufs[file][e["offset"]:e["offset"] + e["nbytes"]], local))
             with torch.no_grad():
                 _ParallelLoad(self.threads).run(pairs)
             total = sum(e["nbytes"] for _local, e in self.plan)
-            del buf, pairs
+            del bufs, pairs  # before the mappings close
         for k, v in self.states.items():
             if _is_stateful(v):
                 v.load_state_dict(self.filled[k])
@@ -409,15 +429,21 @@ def prepare(states: dict[str, Any], folder: str | Path, *, rank: int) -> Prepare
     """Check this rank's tier against ``states`` (structure, shapes, dtypes) without copying anything.
 
     Raises TierMismatch when it does not fit, OSError/ValueError when it cannot be read."""
-    meta = _paths(folder, rank)[1]
+    binf, meta = _paths(folder, rank)
     m = json.loads(meta.read_text())
-    binf = _bin_of(folder, rank, m)
     skeleton = pickle.loads(bytes.fromhex(m["skeleton"]))
     plan: list = []
     filled = _fill_plan(materialise(states), skeleton, m["layout"], "state", plan)
-    if binf.stat().st_size < max([e["offset"] + e["nbytes"] for e in m["layout"]], default=0):
-        raise TierMismatch(f"{binf} is shorter than its layout")
-    return Prepared(states, binf, filled, plan)
+    prepared = Prepared(states, binf, filled, plan)
+    ends: dict[Path, int] = {}
+    for e in m["layout"]:
+        if e["nbytes"]:
+            f = prepared.file_of(e)
+            ends[f] = max(ends.get(f, 0), e["offset"] + e["nbytes"])
+    for f, end in ends.items():
+        if f.stat().st_size < end:
+            raise TierMismatch(f"{f} is shorter than its layout")
+    return prepared
 
 
 def load(states: dict[str, Any], folder: str | Path, *, rank: int) -> int:

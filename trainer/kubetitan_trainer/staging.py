@@ -13,7 +13,7 @@ calls 7 and 8, and gone with this module in call 9 (docs/benchmarks.md, "Checkpo
 closes), which is what the upstream fix does. It also keeps the pinned host buffers across saves, as
 the DCP staging design intends: they are allocated and registered once, at the first save.
 With the restore tier's folder (in-place restarts), the staged copy lives in the staging arena
-(:mod:`kubetitan_trainer.arena`): a file that outlives the worker, registered with CUDA once, so that a worker's
+(:mod:`kubetitan_trainer.arena`): files that outlive the worker, so that a worker's
 death frees none of those pages and the next generation's first save finds them there; the restore tier then
 points into it. Remove the per-stage ``close`` workaround when the pinned torch has the fix (the canary test in
 ``tests/trainer/test_units.py`` fails then). The torch internals it touches are in :mod:`kubetitan_trainer.compat`.
@@ -49,8 +49,8 @@ class _KeepOpenStateDictStager(compat.state_dict_stager_class()):
         super().close()
 
     def _stage_untyped_storage(self, storage: torch.UntypedStorage, non_blocking: bool = False):
-        """torch's, except that a storage staged for the first time gets its copy from the arena (already
-        registered with CUDA as a whole), cached as torch caches its own."""
+        """torch's, except that a storage staged for the first time gets its copy from the arena (a file of the
+        tier's folder, registered with CUDA when torch would pin), cached as torch caches its own."""
         cache = compat.staged_storage_cache(self)
         new = None
         if self.arena is not None and storage not in cache:
@@ -92,16 +92,15 @@ class ReusableStager(DefaultStager):
 
     def _open_arena(self, state_dict) -> None:
         inner = compat.inner_state_dict_stager(self)
-        if self.arena is not None or inner.arena is not None:
+        if self.arena is not None:
             return
-        self.arena = arena_mod.open_arena(self.arena_folder, self.rank, arena_mod.staged_bytes(state_dict))
+        self.arena = arena_mod.open_arena(self.arena_folder, self.rank, state_dict, pin=inner.pin_memory,
+                                          pin_min_bytes=inner.pin_memory_min_bytes)
         if self.arena is None:
             self.arena_folder = ""  # no room: torch's staging from now on
             return
-        if inner.pin_memory:
-            self.arena.register_with_cuda()
-        log.info("Staging arena %s: %.2f GiB (%s)", self.arena.file, self.arena.nbytes / 2**30,
-                 "pages already there" if self.arena.reused else "new")
+        log.info("Staging arena %s: %d storages, %.2f GiB", self.arena.folder, self.arena.count,
+                 arena_mod.staged_bytes(state_dict) / 2**30)
         inner.arena = self.arena
 
     def close(self) -> None:
