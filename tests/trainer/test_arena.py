@@ -203,3 +203,42 @@ def test_without_room_or_a_tier_folder_staging_is_torch_s(tmp_path, monkeypatch,
     writer.start(staged, str(tier), arena=stager.arena, step=8, rank=0, world_size=1, checkpoint_folder=ckpt)
     writer.wait()
     assert (tier / "rank-0.bin").exists() and "arena" not in json.loads((tier / "rank-0.json").read_text())
+
+
+def test_pinned_style_async_saves_through_dcp_s_checkpoint_process_keep_the_staged_copy_in_the_arena(tmp_path):
+    """Two ``dcp.async_save``s as torchtitan's async_with_pinned_mem makes them (the checkpoint *process*, the stager
+    staging in the background): both checkpoints hold their values, and the staged copy stayed in the arena files
+    (the process got their descriptors), so the tier from the arena holds the last save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    import torch.distributed as dist
+
+    tier = tmp_path / "tier"
+    stager = ReusableStager(StagingOptions(False, True, True, False), arena_folder=str(tier), rank=0)
+    w = torch.zeros(1000)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the checkpoint process joins it
+    try:
+        for step in (1, 2):
+            w.fill_(step)
+            res = dcp.async_save({"w": w, "train_state": {"step": step}}, checkpoint_id=tmp_path / f"step-{step}",
+                                 async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager)
+            staged = stager.last_staged.result()
+            res.upload_completion.result()
+            assert restore_tier.save_from_arena(staged, tier, stager.arena, step=step, rank=0, world_size=1,
+                                                checkpoint_folder="ck") == 4000
+    finally:  # end this test's checkpoint process (torch keeps one per process, for the process's lifetime)
+        from torch.distributed.checkpoint import _async_process_executor as executor
+
+        if executor._CHECKPOINT_PROCESS is not None:
+            executor._CHECKPOINT_PROCESS.__del__()
+            executor._CHECKPOINT_PROCESS = None
+        dist.destroy_process_group()
+    for step in (1, 2):
+        got = {"w": torch.empty(1000), "train_state": {"step": 0}}
+        dcp.load(got, checkpoint_id=tmp_path / f"step-{step}")
+        assert got["train_state"]["step"] == step and bool((got["w"] == step).all())
+    got = {"w": torch.empty(1000), "train_state": {"step": 0}}
+    restore_tier.load(got, tier, rank=0)
+    assert got["train_state"]["step"] == 2 and bool((got["w"] == 2).all()) and stager.arena.next == 1
+    stager.close()
