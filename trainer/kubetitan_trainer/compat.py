@@ -293,6 +293,48 @@ def inner_state_dict_stager(stager):
     return stager._state_dict_stager
 
 
+_STAGER = "torch.distributed.checkpoint._state_dict_stager:StateDictStager"
+
+STATE_DICT_STAGER_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "_stage_untyped_storage": ("self", "storage", "non_blocking"),
+}
+"""Private ``StateDictStager`` methods ``staging._KeepOpenStateDictStager`` overrides (declared with
+:func:`overrides`): the staging arena (kubetitan_trainer.arena) hands out the staged storages; torch allocates
+one shared, pinned storage per tensor there and has no allocator hook."""
+
+_declare(
+    "STATE_DICT_STAGER_OVERRIDES", "Private StateDictStager methods staging's stager overrides (the staging arena "
+    "allocates the staged storages; torch has no allocator hook).",
+    *(Upstream(f"{_STAGER}.{name}", params=params) for name, params in STATE_DICT_STAGER_OVERRIDES.items()),
+    Upstream(f"{_STAGER}._stage_untyped_storage", contains=(
+        "if storage in self._cached_storage_mapping:", "self._cached_storage_mapping[storage] = new_storage")),
+    Upstream(f"{_STAGER}._offload_tensor", contains=("self._stage_untyped_storage(",)),
+)
+
+
+@_shim(
+    Upstream("torch:UntypedStorage._new_shared_fd_cpu"),
+    Upstream("torch.multiprocessing.reductions:rebuild_storage_fd", contains=("cls._new_shared_fd_cpu(fd, size)",)),
+    Upstream("torch.multiprocessing.reductions:reduce_storage", contains=("storage._share_fd_cpu_()",)),
+)
+def shared_storage_from_fd(fd: int, nbytes: int) -> Any:
+    """A CPU storage mapping ``nbytes`` of the file open at ``fd`` (``MAP_SHARED``; the storage keeps a duplicate of
+    ``fd``): torch's own shared-memory storage, which ``torch.multiprocessing`` hands to another process by that
+    file descriptor instead of copying it into fresh shared memory. The staging arena's files need exactly this
+    (DCP's checkpoint process receives the staged copy through such a pipe); torch makes it only in private
+    ``UntypedStorage._new_shared_fd_cpu`` (what ``rebuild_storage_fd`` calls)."""
+    import torch
+
+    return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+
+
+@_shim(Upstream(f"{_STAGER}.__init__", sets=("_cached_storage_mapping",)))
+def staged_storage_cache(stager) -> Any:
+    """A ``StateDictStager``'s cache of staged storages (source storage -> staged copy, weakly keyed), which
+    ``_stage_untyped_storage`` reads first; an override that allocates the copy itself must fill it as torch does."""
+    return stager._cached_storage_mapping
+
+
 # ====================================================================== datasets (kubetitan_trainer.data)
 HF_TEXT_DATASET_ATTRIBUTES = ("dataset_name", "_data", "_tokenizer", "seq_len", "infinite", "_text_processor",
                               "_sample_idx", "_token_buffer")
@@ -665,6 +707,7 @@ _declare(
 
 PRIVATE_OVERRIDES: dict[str, dict[str, tuple[str, ...]]] = {
     "torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent": ELASTIC_AGENT_OVERRIDES,
+    _STAGER: STATE_DICT_STAGER_OVERRIDES,
 }
 """Upstream class -> the private methods a kubetitan subclass may override (and call through ``super()``)."""
 

@@ -19,6 +19,11 @@ load is collective, so a mix would hang). Loading mirrors ``dcp.load``: the stat
 objects are filled in place, then each one's ``load_state_dict`` runs. A stale or missing tier is ignored
 (DCP then), and a tier that fails while loading is deleted before the error ends the worker.
 
+With pinned async saves and the staging arena (:mod:`kubetitan_trainer.arena`), DCP's staged copy already lies in
+files of this folder that outlive the worker (``staging-rank-<r>/<k>.bin``): the tier is then only ``rank-<r>.json``,
+whose layout entries name those files (``"file"``, ``"offset"``; :func:`save_from_arena`), and the stager removes the JSON
+before each stage writes the arena, so a stage cut off midway leaves no usable, torn tier.
+
 The tier costs one device-to-host copy of the state per save (training waits for it) and host memory equal
 to the state (the pod's ``/dev/shm`` size limit must hold it; when the folder lacks the space the tier is
 skipped with a warning and an older one deleted). The launcher turns it on for in-place restarts
@@ -27,6 +32,7 @@ skipped with a warning and an older one deleted). The launcher turns it on for i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -229,6 +235,56 @@ def discard(folder: str | Path, rank: int) -> None:
         p.unlink(missing_ok=True)
 
 
+def invalidate(folder: str | Path, rank: int) -> None:
+    """Remove this rank's tier JSON only (its bytes are about to be overwritten: a tier without its JSON is never
+    used). The staging arena calls it before each stage writes into the file the tier points into."""
+    _paths(folder, rank)[1].unlink(missing_ok=True)
+
+
+def _arena_of(folder: str | Path, meta: dict) -> Path | None:
+    """The staging arena folder the tier's layout points into (kubetitan_trainer.arena), or None (``rank-<r>.bin``)."""
+    name = meta.get("arena")
+    return Path(folder) / name if isinstance(name, str) and name and "/" not in name else None
+
+
+def _present(folder: str | Path, rank: int, meta: dict) -> bool:
+    where = _arena_of(folder, meta)
+    return where.is_dir() if where is not None else _paths(folder, rank)[0].is_file()
+
+
+def _write_meta(meta: Path, **fields: Any) -> None:
+    tmp = meta.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(fields))
+    os.replace(tmp, meta)
+
+
+def save_from_arena(staged: dict[str, Any], folder: str | Path, arena: Any, *, step: int, rank: int,
+                    world_size: int, checkpoint_folder: str) -> int | None:
+    """Make the staged copy in ``arena`` (kubetitan_trainer.arena) this rank's tier for ``step``: only the JSON is
+    written, each layout entry naming its staging file and offset. None when a staged tensor with bytes is not a
+    contiguous run of one staging file (then the caller copies, :func:`save`); else the bytes the tier holds.
+
+    The stager removed the JSON before it staged (:func:`invalidate`), so the tier is complete from the moment the
+    JSON appears; ``rank-<r>.bin`` of an earlier copied tier is deleted (its memory is the state's size)."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _skeleton(materialise(staged), tensors)
+    layout, total = [], 0
+    for t in tensors:
+        n = _nbytes(t)
+        place = arena.place(t) if n else ("", 0)
+        if place is None:
+            return None
+        layout.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "file": place[0],
+                       "offset": place[1], "nbytes": n})
+        total += n
+    binf, meta = _paths(folder, rank)
+    binf.unlink(missing_ok=True)
+    _write_meta(meta, step=step, rank=rank, world_size=world_size, arena=arena.folder.name,
+                checkpoint_folder=storage.folder_key(checkpoint_folder), layout=layout,
+                skeleton=pickle.dumps(skeleton).hex())
+    return total
+
+
 def save(states: dict[str, Any], folder: str | Path, *, step: int, rank: int, world_size: int,
          checkpoint_folder: str) -> int:
     """Write this rank's share of ``states`` for ``step``; the bytes written (0 when the folder lacks room)."""
@@ -262,11 +318,8 @@ def save(states: dict[str, Any], folder: str | Path, *, step: int, rank: int, wo
                     src = t.detach().contiguous().reshape(-1).view(torch.uint8)
                     mover.to_host(src, buf[entry["offset"]:entry["offset"] + entry["nbytes"]])
             del buf
-    tmp = meta.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"step": step, "rank": rank, "world_size": world_size,
-                               "checkpoint_folder": storage.folder_key(checkpoint_folder), "layout": layout,
-                               "skeleton": pickle.dumps(skeleton).hex()}))
-    os.replace(tmp, meta)
+    _write_meta(meta, step=step, rank=rank, world_size=world_size, checkpoint_folder=storage.folder_key(checkpoint_folder),
+                layout=layout, skeleton=pickle.dumps(skeleton).hex())
     return offset
 
 
@@ -274,26 +327,26 @@ def usable(folder: str | Path, *, step: int, rank: int, world_size: int, checkpo
     """Does this rank's tier hold ``step`` of this run (same checkpoint folder, rank and world size)?"""
     if not folder:
         return False
-    binf, meta = _paths(folder, rank)
+    meta = _paths(folder, rank)[1]
     try:
         m = json.loads(meta.read_text())
     except (OSError, ValueError):
         return False
     return (m.get("step") == step and m.get("rank") == rank and m.get("world_size") == world_size
-            and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and binf.is_file())
+            and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and _present(folder, rank, m))
 
 
 def tier_step(folder: str | Path, *, rank: int, world_size: int, checkpoint_folder: str) -> int:
     """The step this rank's tier holds for this run (same checkpoint folder, rank and world size); -1 for none."""
     if not folder:
         return -1
-    binf, meta = _paths(folder, rank)
+    meta = _paths(folder, rank)[1]
     try:
         m = json.loads(meta.read_text())
     except (OSError, ValueError):
         return -1
     ok = (m.get("rank") == rank and m.get("world_size") == world_size and isinstance(m.get("step"), int)
-          and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and binf.is_file())
+          and m.get("checkpoint_folder") == storage.folder_key(checkpoint_folder) and _present(folder, rank, m))
     return m["step"] if ok else -1
 
 
@@ -340,17 +393,30 @@ class Prepared:
         self.states, self.binf, self.filled, self.plan = states, binf, filled, plan
         self.threads = load_threads() if threads is None else threads
 
+    def file_of(self, entry: dict) -> Path:
+        """The file an entry's bytes are in: its staging file (a tier from the arena), else ``rank-<r>.bin``."""
+        return self.binf.parent / entry["file"] if entry.get("file") else self.binf
+
     def apply(self) -> int:
         """Copy the tier into the state in place, then each Stateful's ``load_state_dict``; the bytes read."""
-        with open(self.binf, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            with warnings.catch_warnings():  # a read-only mapping: only read from here
-                warnings.simplefilter("ignore", UserWarning)
-                buf = torch.frombuffer(mm, dtype=torch.uint8)
-            pairs = [(buf[e["offset"]:e["offset"] + e["nbytes"]], local) for local, e in self.plan if e["nbytes"]]
+        with contextlib.ExitStack() as stack:
+            bufs: dict[Path, torch.Tensor] = {}
+            pairs = []
+            for local, e in self.plan:
+                if not e["nbytes"]:
+                    continue
+                file = self.file_of(e)
+                if file not in bufs:
+                    f = stack.enter_context(open(file, "rb"))
+                    mm = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                    with warnings.catch_warnings():  # a read-only mapping: only read from here
+                        warnings.simplefilter("ignore", UserWarning)
+                        bufs[file] = torch.frombuffer(mm, dtype=torch.uint8)
+                pairs.append((bufs[file][e["offset"]:e["offset"] + e["nbytes"]], local))
             with torch.no_grad():
                 _ParallelLoad(self.threads).run(pairs)
             total = sum(e["nbytes"] for _local, e in self.plan)
-            del buf, pairs
+            del bufs, pairs  # before the mappings close
         for k, v in self.states.items():
             if _is_stateful(v):
                 v.load_state_dict(self.filled[k])
@@ -368,9 +434,16 @@ def prepare(states: dict[str, Any], folder: str | Path, *, rank: int) -> Prepare
     skeleton = pickle.loads(bytes.fromhex(m["skeleton"]))
     plan: list = []
     filled = _fill_plan(materialise(states), skeleton, m["layout"], "state", plan)
-    if binf.stat().st_size < max([e["offset"] + e["nbytes"] for e in m["layout"]], default=0):
-        raise TierMismatch(f"{binf} is shorter than its layout")
-    return Prepared(states, binf, filled, plan)
+    prepared = Prepared(states, binf, filled, plan)
+    ends: dict[Path, int] = {}
+    for e in m["layout"]:
+        if e["nbytes"]:
+            f = prepared.file_of(e)
+            ends[f] = max(ends.get(f, 0), e["offset"] + e["nbytes"])
+    for f, end in ends.items():
+        if f.stat().st_size < end:
+            raise TierMismatch(f"{f} is shorter than its layout")
+    return prepared
 
 
 def load(states: dict[str, Any], folder: str | Path, *, rank: int) -> int:
@@ -387,7 +460,9 @@ class BackgroundWriter:
     def __init__(self) -> None:
         self._thread = None
 
-    def start(self, staged: Any, folder: str, **kw) -> None:
+    def start(self, staged: Any, folder: str, arena: Any = None, **kw) -> None:
+        """``arena``: the staging arena the copy is in (kubetitan_trainer.arena): the tier is then only its JSON
+        (:func:`save_from_arena`), unless a staged tensor lies outside it (then the copy, as without one)."""
         import threading
         import time as _time
 
@@ -397,7 +472,9 @@ class BackgroundWriter:
             begin = _time.perf_counter()
             try:
                 sd = staged.result() if hasattr(staged, "result") else staged
-                n = save(sd, folder, **kw)
+                n = save_from_arena(sd, folder, arena, **kw) if arena is not None else None
+                if n is None:
+                    n = save(sd, folder, **kw)
             except Exception as e:  # noqa: BLE001 - the tier is an optimisation; DCP stays the source
                 discard(folder, kw.get("rank", 0))
                 log.warning("Restore tier not written at step %s: %s", kw.get("step"), e)

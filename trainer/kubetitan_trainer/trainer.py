@@ -335,7 +335,9 @@ class KubetitanTrainer(Trainer):
         if will_save and not self._store.remote:  # object storage has no volume to fill
             check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
         if will_save and not last_step:
-            ensure_reusable_stager(ckpt)  # torch 2.11's DefaultStager stages once: see staging.py
+            # torch 2.11's DefaultStager stages once (see staging.py); the staged copy goes into the staging arena
+            # in the restore tier's folder when there is one (kubetitan_trainer.arena).
+            ensure_reusable_stager(ckpt, arena_folder=self._tier, rank=self._rank_world()[0])
         tier = will_save and not last_step and bool(self._tier)
         staged_saves = compat.stages_in_background(ckpt)
         if tier and not staged_saves:
@@ -351,7 +353,8 @@ class KubetitanTrainer(Trainer):
                 stager.last_staged = None
                 stager.before_stage = self._tier_writer.wait
                 rank, world = self._rank_world()
-                self._tier_writer.start(staged, self._tier, step=curr_step, rank=rank, world_size=world,
+                self._tier_writer.start(staged, self._tier, arena=getattr(stager, "arena", None), step=curr_step,
+                                        rank=rank, world_size=world,
                                         checkpoint_folder=ckpt.folder)
             else:
                 self._save_tier(curr_step)
