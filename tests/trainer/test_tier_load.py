@@ -1,5 +1,5 @@
 """The restore tier's parallel load (issue 29, item 2): every byte of every tensor lands once, on any number of
-threads and any chunk size; the thread count's knob. The CUDA path (pinned buffers, a stream per thread) runs the
+threads and any chunk size; the thread count's knob and its default. The CUDA path (pinned buffers, a stream per thread) runs the
 same chunk plan; its speed is measured on the H200 (bench/teardown_probe.py, docs/reliability.md)."""
 
 from __future__ import annotations
@@ -62,9 +62,12 @@ def test_a_failing_thread_fails_the_load(monkeypatch) -> None:
                                                                torch.ones(16, dtype=torch.uint8))])
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, 4), ("8", 8), ("0", 1), ("many", 4)])
-def test_load_threads_knob(raw, want, caplog) -> None:
+@pytest.mark.parametrize(("raw", "intra_op", "want"), [
+    (None, 1, 4), (None, 16, 1), ("8", 16, 8), ("0", 1, 1), ("many", 1, 4), ("many", 16, 1)])
+def test_load_threads_knob(raw, intra_op, want, caplog) -> None:
+    """Unset: one thread when torch's own copies are parallel (measured fastest on the H200), four when torchrun
+    gave each worker one intra-op thread; the variable wins; a bad value warns and keeps the default."""
     env = {} if raw is None else {restore_tier.ENV_LOAD_THREADS: raw}
     with caplog.at_level(logging.WARNING, logger="kubetitan.restore_tier"):
-        assert restore_tier.load_threads(env) == want
+        assert restore_tier.load_threads(env, intra_op_threads=intra_op) == want
     assert ("is not a whole number" in caplog.text) == (raw == "many")
