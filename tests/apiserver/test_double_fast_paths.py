@@ -5,7 +5,8 @@
   for each keyword's edge cases) and refuse to compile any keyword it does not model.
 - the store's index by resource: GET, list (namespace, label selector), delete and re-create stay consistent.
 - CRD schemas (and their compiled CEL programs) belong to one registration of the CRD: an update of the CRD takes
-  effect at once (nothing cached from the old schema is used).
+  effect at once (nothing cached from the old schema is used); the rules are compiled when the CRD is registered,
+  and a rule that does not compile still fails where it is evaluated.
 """
 
 from __future__ import annotations
@@ -239,3 +240,19 @@ def test_a_crd_update_replaces_its_schema_and_cel_rules_at_once(c: Cluster) -> N
     r = requests.post(widgets, json=_widget("w4", 2, m=1), timeout=10)
     assert r.status_code == 422 and "needs self.n <= self.m" in r.text  # the new rule, not the old one
     assert requests.post(widgets, json=_widget("w5", 1, m=2), timeout=10).status_code == 201
+
+
+def test_cel_rules_are_compiled_when_the_crd_is_registered_and_a_broken_one_still_fails_at_admission(
+        c: Cluster) -> None:
+    assert c.k is not None
+    crd = _crd(maximum=9, rule="self.n >= self.m")
+    crd["spec"]["names"] = {"plural": "gadgets", "singular": "gadget", "kind": "Gadget"}
+    crd["metadata"]["name"] = "gadgets.example.com"
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec["x-kubernetes-validations"].append({"rule": "self.n >>> 1", "message": "never compiles"})
+    c.call(c.k.put(CRDS, crd))
+    schema = next(t.schema for r, t in c.k.types.items() if r.plural == "gadgets")
+    assert set(schema._cel) == {"self.n >= self.m"}  # compiled at registration; the broken one is not
+    obj = {**_widget("g1", 1, m=0), "apiVersion": "example.com/v1", "kind": "Gadget"}
+    r = requests.post(f"{c.url}/apis/example.com/v1/namespaces/{NS}/gadgets", json=obj, timeout=10)
+    assert r.status_code == 422 and "self.n >>> 1" in r.text  # reported where it is evaluated, as before

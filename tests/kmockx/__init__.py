@@ -390,11 +390,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 continue
             schema = (v.get("schema") or {}).get("openAPIV3Schema") or {"type": "object",
                                                                          "x-kubernetes-preserve-unknown-fields": True}
+            structural = StructuralSchema(schema)
+            structural.compile_rules()  # as the API server compiles a CRD's CEL rules when the CRD is written
             self.declare(f"{spec['group']}/{v['name']}/{names['plural']}", names["kind"],
                          namespaced=spec.get("scope", "Namespaced") == "Namespaced",
                          status="status" in (v.get("subresources") or {}), shortnames=tuple(names.get("shortNames", [])),
                          singular=names.get("singular"), printer_columns=v.get("additionalPrinterColumns"),
-                         schema=StructuralSchema(schema), categories=tuple(names.get("categories", [])))
+                         schema=structural, categories=tuple(names.get("categories", [])))
 
     def _unregister_crd(self, crd: dict[str, Any]) -> None:
         spec = crd["spec"]

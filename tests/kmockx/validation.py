@@ -13,6 +13,7 @@ Each error is a ``Cause`` (field, reason, message); ``invalid_status`` renders t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -470,6 +471,25 @@ class StructuralSchema:
             env = celpy.Environment()
             self._cel[expr] = env.program(env.compile(expr))
         return self._cel[expr]
+
+    def compile_rules(self) -> None:
+        """Compile every CEL rule and messageExpression of the schema now, as the API server does when a CRD is
+        written (so the first object's admission does not pay for it). A rule that does not compile is left to
+        fail where it is evaluated, as before (kmockx does not refuse such a CRD)."""
+        def walk(node: Any) -> None:
+            if isinstance(node, dict):
+                for rule in node.get("x-kubernetes-validations") or []:
+                    for expr in (rule.get("rule"), rule.get("messageExpression")):
+                        if isinstance(expr, str):
+                            with contextlib.suppress(Exception):  # reported when evaluated (see _cel_rule)
+                                self._program(expr)
+                for v in node.values():
+                    walk(v)
+            elif isinstance(node, list):
+                for v in node:
+                    walk(v)
+
+        walk(self.schema)
 
     @staticmethod
     def _to_cel(value: Any, key: str, as_cel: dict[str, Any]) -> Any:
