@@ -26,7 +26,7 @@ Scenarios (each on a fresh server and operator):
 median.
 
 ``--profile DIR`` runs the operator under cProfile (main thread: kopf's event loop and our handlers)
-and writes DIR/<scenario>.prof.
+and writes DIR/<scenario>.prof, and kmockx's server thread too (DIR/kmockx_<scenario>.prof).
 """
 
 from __future__ import annotations
@@ -61,10 +61,13 @@ OPERATOR_SRC: str | None = None
 class Server:
     """kmockx in its own process."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, profile: str | None = None) -> None:
         fd, self.kubeconfig = tempfile.mkstemp(suffix=".kubeconfig")
         os.close(fd)
         self.stats: dict[str, Any] = {}
+        if profile:
+            Path(profile).parent.mkdir(parents=True, exist_ok=True)
+            args = (*args, "--profile", profile)
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests/kmockx/serve.py"), self.kubeconfig, *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -151,6 +154,11 @@ def operator(server: Server, profile: str | None, scenario: str, *args: str) -> 
     return op
 
 
+def _kprof(profile: str | None, scenario: str) -> str | None:
+    """kmockx's profile file for ``scenario`` under ``--profile DIR``."""
+    return str(Path(profile) / f"kmockx_{scenario}.prof") if profile else None
+
+
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -168,7 +176,7 @@ def fault_args(share: float, retry_after: int, seed: int) -> list[str]:
 
 def gang(profile: str | None, nodes: int = 64, server_args: tuple[str, ...] = (), scenario: str = "gang"
          ) -> dict[str, Any]:
-    s = Server(*server_args)
+    s = Server(*server_args, profile=_kprof(profile, scenario))
     with s, operator(s, profile, scenario, "--scan-interval", "5") as op:
         w = Watch(s, POD_PATH, "kubetitan.io/name=big")
         time.sleep(1.0)  # let the operator finish its initial listing
@@ -183,7 +191,8 @@ def gang(profile: str | None, nodes: int = 64, server_args: tuple[str, ...] = ()
 
 
 def recovery(profile: str | None, nodes: int = 8) -> dict[str, float]:
-    with Server() as s, operator(s, profile, "recovery", "--scan-interval", "5") as op:
+    with Server(profile=_kprof(profile, "recovery")) as s, \
+            operator(s, profile, "recovery", "--scan-interval", "5") as op:
         w = Watch(s, POD_PATH, "kubetitan.io/name=rec")
         s.create(LPT_PATH, lpt("rec", cpu_spec(nodes=nodes)))
         wait_for(lambda: w.count() >= nodes, 60, "attempt 0 pods")
@@ -202,7 +211,7 @@ def recovery(profile: str | None, nodes: int = 8) -> dict[str, float]:
 
 
 def many(profile: str | None, n: int) -> dict[str, float]:
-    with Server() as s, operator(s, profile, "many", "--scan-interval", "10") as op:
+    with Server(profile=_kprof(profile, "many")) as s, operator(s, profile, "many", "--scan-interval", "10") as op:
         pods, runs = Watch(s, POD_PATH), Watch(s, LPT_PATH)
         time.sleep(2.0)
         idle = op.memory_mb()["VmRSS"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -434,10 +434,12 @@ def attempt_children(
     avoid_nodes: Sequence[str] = (),
     hang_floor_seconds: float = hang.AUTO_HANG_FLOOR_SECONDS,
     nodes: int | None = None,
+    ranks: Collection[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object of ``attempt``: ConfigMap, Service, then the pods by rank. ``nodes``: the attempt's gang
     size when it is not ``resources.nodes`` (``runPolicy.elastic``: ``status.nodes``): pods, ``--nnodes`` and the
-    trainer config follow it, and the global batch stays the spec's (``kubetitan_core.api.at_size``)."""
+    trainer config follow it, and the global batch stays the spec's (``kubetitan_core.api.at_size``). ``ranks``:
+    render only these pods (each pod depends on its rank alone, so they are the full list's pods of those ranks)."""
     if attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {attempt}")
     lpt = sized(lpt, nodes)
@@ -445,9 +447,14 @@ def attempt_children(
     digest = _hash(cm["data"][contract.CONFIG_KEY])
     pods = [
         pod(lpt, attempt, rank, job_start_time, avoid_nodes, digest, hang_floor_seconds)
-        for rank in range(lpt.spec.resources.nodes)
+        for rank in range(lpt.spec.resources.nodes) if ranks is None or rank in ranks
     ]
     return [cm, service(lpt), *pods]
+
+
+def attempt_pod_names(lpt: LlamaPretrain, attempt: int, nodes: int | None = None) -> list[str]:
+    """The names of ``attempt_children``'s pods, by rank, without rendering them."""
+    return [pod_name(lpt.metadata.name, attempt, rank) for rank in range(sized(lpt, nodes).spec.resources.nodes)]
 
 
 # ------------------------------------------------------------------ world-size changes

@@ -76,9 +76,10 @@ class Cluster:
     watch modes (``operator_kubeconfig`` gives the exact rules of one mode), ``admin_kubeconfig`` as a cluster
     admin (a user running kubectl). In-process helpers (``apply``, ``patch``, ...) act as an admin."""
 
-    def __init__(self, namespaces: tuple[str, ...] = (), rbac: bool = True) -> None:
+    def __init__(self, namespaces: tuple[str, ...] = (), rbac: bool = True, profile: str | None = None) -> None:
         self.namespaces = ("default", NS, RELEASE_NS, *namespaces)  # RELEASE_NS: the operator's own (its Lease)
         self.rbac = rbac
+        self.profile = profile  # a file: cProfile of the server's thread (its event loop), written when it stops
         self._kubeconfigs: list[str] = []
         self._stack: contextlib.AsyncExitStack | None = None
         self.loop = asyncio.new_event_loop()
@@ -100,8 +101,19 @@ class Cluster:
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(self._serve())
 
+    def _profiled(self) -> Any:
+        """A cProfile of this thread from now until ``_serve`` is told to stop (None without ``profile``)."""
+        if self.profile is None:
+            return None
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+        return prof
+
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
+        prof = self._profiled()
         async with KubeEmulator() as k, kmock.Server(k) as srv, contextlib.AsyncExitStack() as stack:
             self.k, self._stack = k, stack
             self.url = str(srv.url).rstrip("/")
@@ -117,6 +129,9 @@ class Cluster:
                 k.authorizer = rbac.Authorizer()
             self._ready.set()
             await self._stop.wait()
+            if prof is not None:  # written before the teardown, which may outlast __exit__'s join (open watches)
+                prof.disable()
+                prof.dump_stats(self.profile)
 
     def __enter__(self) -> Cluster:
         self.thread.start()

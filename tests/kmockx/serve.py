@@ -10,7 +10,8 @@ creates answered 429 with ``Retry-After: 1``::
     --fault '{"code": 429, "verbs": ["create"], "resource": "pods", "rate": 0.1, "retry_after": 1}'
 
 Faults are tried in order, so a second one with ``rate`` r2 answers (1 - r1) * r2 of the requests. On exit it
-prints ``stats {JSON}``: each fault's hits and the answers to pod creates by status code.
+prints ``stats {JSON}``: each fault's hits and the answers to pod creates by status code. ``--profile FILE`` runs
+the server's thread (its event loop: every request's admission, storage and watch fan-out) under cProfile.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault", action="append", default=[], type=json.loads, metavar="JSON",
                    help="inject a kmockx.Fault, its fields as a JSON object (repeatable; tried in order)")
     p.add_argument("--seed", type=int, default=0, help="seed of the faults' random choice (reproducible runs)")
+    p.add_argument("--profile", metavar="FILE", help="cProfile the server's thread; the stats go to FILE on exit")
     a = p.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with Cluster(namespaces=tuple(a.namespace)) as c:
+    with Cluster(namespaces=tuple(a.namespace), profile=a.profile) as c:
         assert c.k is not None
         c.k.seed = a.seed
         faults = [c.k.inject(**f) for f in a.fault]

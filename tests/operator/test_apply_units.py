@@ -1,16 +1,24 @@
 """The create fan-out (``reconcile.apply.create_children``) against a recording stand-in client: the order of the
-requests, slow-start batches of pods, a refusal stopping the round, an existing ConfigMap brought up to date
-(no API double; milliseconds). What the API double shows end to end is in test_gang_safety.py."""
+requests, slow-start batches of pods, a refusal stopping the round, an existing ConfigMap brought up to date; and
+``create_attempt`` rendering and sending only the children not known to exist (no API double; milliseconds). What
+the API double shows end to end is in test_gang_safety.py."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from kubetitan import plan
+from kubetitan.decide import PodObs
 from kubetitan.kube import ApiError
-from kubetitan.reconcile.apply import create_children
+from kubetitan.reconcile.apply import create_attempt, create_children
+from kubetitan.reconcile.memory import RunMemory
+from kubetitan.reconcile.observe import read_run
+from support.specs import cpu_spec, lpt
 
 
 class Recorder:
@@ -20,6 +28,7 @@ class Recorder:
     def __init__(self, existing: set[str] = frozenset(), refuse: set[str] = frozenset()) -> None:
         self.existing, self.refuse = set(existing), set(refuse)
         self.calls: list[tuple[str, str]] = []
+        self.objects: dict[str, dict] = {}
         self.batches: list[list[str]] = []
         self._open: list[str] = []
 
@@ -31,6 +40,7 @@ class Recorder:
             self.batches.append(self._open)
             self._open = []
         self.calls.append(("create", name))
+        self.objects[name] = obj
         if name in self.refuse:
             raw = json.dumps({"kind": "Status", "reason": "Forbidden", "message": "exceeded quota"}).encode()
             raise ApiError(403, "POST", f"/api/v1/namespaces/ml/pods/{name}", raw)
@@ -78,3 +88,46 @@ def test_pods_wait_for_a_refused_config_map_or_service(refused: str) -> None:
     assert [e.name for e in done.errors] == [refused] and done.unsent == 0
     assert not any(name.startswith("r-a0-") for _, name in client.calls)
     assert done.created == tuple(n for n in ("r-config", "r") if n != refused)
+
+
+# ------------------------------------------------------------------ create_attempt: what is rendered and sent
+NODES = 8
+CHILDREN = ("r-config", "r", *(f"r-a0-{i}" for i in range(NODES)))
+ATTEMPT_ROUNDS = [
+    # (id, pods the index shows, names created moments ago (in flight), ConfigMap/Service shown, the names sent)
+    ("nothing-yet", (), (), (), CHILDREN),
+    ("index-lags-behind-the-whole-gang", (), CHILDREN, (), ()),
+    ("index-shows-part-the-rest-in-flight", (0, 1, 2), CHILDREN[:2] + CHILDREN[5:], ("r-config", "r"), ()),
+    ("three-pods-lost", (0, 1, 2, 3, 4), ("r-config",), ("r-config", "r"), ("r-a0-5", "r-a0-6", "r-a0-7")),
+    ("a-pod-of-the-live-gang-missing", (0, 1, 2, 3, 4, 5, 7), ("r-config",), ("r-config", "r"), ("r-a0-6",)),
+    ("the-configmap-is-written-once-per-attempt", tuple(range(NODES)), (), ("r-config", "r"), ("r-config",)),
+]
+
+
+@pytest.mark.parametrize(("shown", "in_flight", "children_shown", "want"), [r[1:] for r in ATTEMPT_ROUNDS],
+                         ids=[r[0] for r in ATTEMPT_ROUNDS])
+def test_create_attempt_renders_and_sends_only_the_children_not_known_to_exist(
+        monkeypatch: pytest.MonkeyPatch, shown: tuple[int, ...], in_flight: tuple[str, ...],
+        children_shown: tuple[str, ...], want: tuple[str, ...]) -> None:
+    """A cycle woken while the pod index lags behind the gang it just created renders no pod at all; otherwise the
+    pods rendered are exactly those sent, and each is the full render's pod of that rank."""
+    memory = RunMemory()
+    memory.expected.creating(0)
+    memory.expected.expect_created(in_flight, memory.expected.now())
+    snap = read_run(memory, lpt("r", cpu_spec(nodes=NODES), uid="u-1"), 1000.0, None)
+    snap = dataclasses.replace(snap, pods=tuple(PodObs(name=f"r-a0-{r}", attempt=0, rank=r, phase="Running")
+                                                  for r in shown), children_shown=frozenset(children_shown))
+    rendered: list[int] = []
+    real_pod = plan.pod
+    monkeypatch.setattr(plan, "pod", lambda lpt_, attempt, rank, *a: rendered.append(rank) or real_pod(
+        lpt_, attempt, rank, *a))
+    client = Recorder()
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0))
+    status = snap.status.model_copy(update={"attempt": 0})
+    done = asyncio.run(create_attempt(ctx, snap, memory, status, ()))  # type: ignore[arg-type]
+    sent = tuple(name for verb, name in client.calls if verb == "create")
+    assert sent == want and done.errors == ()
+    assert [plan.pod_name("r", 0, r) for r in rendered] == [n for n in want if n.startswith("r-a0-")]
+    full = {c["metadata"]["name"]: c for c in plan.attempt_children(snap.lpt, 0, hang_floor_seconds=120.0)}
+    assert all(client.objects[n] == full[n] for n in sent if n.startswith("r-a0-"))
+    assert all(memory.expected.in_flight(n, memory.expected.now()) for n in want)
