@@ -70,8 +70,8 @@ def test_a_replica_that_cannot_renew_stops_writing_and_the_other_acts_once(clust
     logs: list[OperatorProcess] = []
     try:
         _split_brain_then_hand_back(cluster, logs)
-    except AssertionError as e:  # say what each replica did
-        raise AssertionError(f"{e}\n" + "\n".join(f"--- replica {i}:\n{op.log_text()[-3000:]}"
+    except Exception as e:  # an assertion or an API error of the test's own calls: say what each replica did
+        raise AssertionError(f"{type(e).__name__}: {e}\n" + "\n".join(f"--- replica {i}:\n{op.log_text()[-3000:]}"
                                                    for i, op in enumerate(logs))) from None
 
 

@@ -3,6 +3,7 @@ snapshot and what it gives the decision, the run's memory (no API double, no eve
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from types import MappingProxyType
 
@@ -213,3 +214,29 @@ def test_decision_inputs_fold_the_read_into_the_observation() -> None:
     assert obs.attempt_steps == 50 and obs.attempt_nodes == 2 and obs.hang_floor_seconds == 120.0
     assert obs.ranks_seen == frozenset({0, 1}) and obs.training is None
     assert obs.observation.metrics_error == "GET x failed"
+
+
+def test_a_node_the_index_lacks_is_read_from_the_api_before_it_counts_as_missing() -> None:
+    """The pod watch can deliver a pod bound to a node before the node watch delivers the node: such a node is read
+    from the API server; only one that the API server does not have either is missing (no restart for a node that
+    exists, even with nodeFailureGraceSeconds 0)."""
+    from kubetitan.observe import node_obs
+    from kubetitan.reconcile.observe import confirm_missing
+
+    api = {"node-0": {"metadata": {"name": "node-0"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}}
+    asked: list[tuple] = []
+
+    async def get(resource, ns, name):
+        asked.append((resource, ns, name))
+        return api.get(name)
+
+    indexed = node_obs("node-2", api["node-0"])
+    nodes = MappingProxyType({"node-0": node_obs("node-0", None), "node-1": node_obs("node-1", None),
+                              "node-2": indexed})
+    got = asyncio.run(confirm_missing(nodes, get))
+    assert got["node-0"].exists and got["node-0"].ready is True
+    assert not got["node-1"].exists
+    assert got["node-2"] is indexed
+    assert asked == [("nodes", None, "node-0"), ("nodes", None, "node-1")]  # the index's nodes are not read again
+    all_there = MappingProxyType({"node-2": indexed})
+    assert asyncio.run(confirm_missing(all_there, get)) is all_there and len(asked) == 2

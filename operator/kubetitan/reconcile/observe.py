@@ -12,14 +12,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from kubetitan_core import validation, warning_rules
 from kubetitan import elastic, plan, policy, scraped
-from kubetitan.decide import nodes_to_avoid
+from kubetitan.decide import NodeObs, nodes_to_avoid
 from kubetitan import status as status_mod
-from kubetitan.observe import pod_obs, spec_changes
+from kubetitan.observe import node_obs, pod_obs, spec_changes
 from kubetitan.reconcile.context import ANNOTATION_APPLIED_SPEC, Context
 from kubetitan.reconcile.memory import RunMemory
 from kubetitan.reconcile.snapshot import Scrape, Snapshot, all_nodes, child_names, children_of, nodes_of, pods_of
@@ -48,6 +49,8 @@ async def observe(ctx: Context, memory: RunMemory, body: Mapping[str, Any], *, p
         return snap
     pods = pods_override if pods_override is not None else pods_of(pods_index, snap.uid)
     nodes = nodes_of(nodes_index, pods)
+    if ctx.client is not None:
+        nodes = await confirm_missing(nodes, ctx.client.get)
     snap = dataclasses.replace(snap, pods=pods, nodes=nodes, children_shown=children_of(children_index, snap.uid,
                                                                                          snap.name))
     if snap.lpt.spec.run_policy.elastic is not None:  # the nodes that fit one pod of the gang (only then: a walk)
@@ -65,6 +68,22 @@ async def observe(ctx: Context, memory: RunMemory, body: Mapping[str, Any], *, p
         missing = memory.expected.missing(snap.attempt, {c: c in snap.children_shown for c in child_names(snap.name)})
     return dataclasses.replace(snap, scrape=scrape, applied_spec=memory.applied_spec, gate=_gate(memory, snap),
                                missing=missing, child_errors=memory.refusals.of(snap.attempt))
+
+
+async def confirm_missing(nodes: Mapping[str, NodeObs], get: Callable[..., Awaitable[Any]]) -> Mapping[str, NodeObs]:
+    """The nodes that the index does not hold although a pod is bound to them, read from the API server.
+
+    The node index and the pod index are fed by two watches, and nothing orders their events: a pod bound to a node
+    that has just joined can arrive before that node does, and with ``nodeFailureGraceSeconds: 0`` the gang would be
+    restarted for a node that exists. Only a node the API server does not have either is missing (one GET per
+    absent node and cycle: absent nodes are rare)."""
+    absent = [name for name, n in nodes.items() if not n.exists]
+    if not absent:
+        return nodes
+    out = dict(nodes)
+    for name in absent:
+        out[name] = node_obs(name, await get("nodes", None, name))
+    return MappingProxyType(out)
 
 
 def parse(memory: RunMemory, body: Mapping[str, Any], pol: policy.Policy | None = None
