@@ -1248,8 +1248,10 @@ def _inside(a: str, b: str) -> bool:
 def _loc_to_path(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for x in loc:
-        if isinstance(x, int):
-            parts[-1] = f"{parts[-1]}[{x}]" if parts else f"[{x}]"
+        if isinstance(x, int) and parts:  # a list index: field[3]
+            parts[-1] = f"{parts[-1]}[{x}]"
+        elif isinstance(x, int):  # a mapping key that is not a string, at the top (YAML's `0:`)
+            parts.append(f"[{x}]")
         elif x in ("function-after", "function-before", "literal_error") or str(x).startswith("function-"):
             continue
         else:
@@ -1266,6 +1268,11 @@ def _pydantic_errors(e: ValidationError) -> list[FieldError]:
             near = _closest(str(d["loc"][-1]), _fields_at(d["loc"][:-1]))
             msg = (f"unknown field; did you mean {near!r}? rename it (or remove it)" if near else
                    "unknown field; remove it (see `kubectl explain llamapretrain.spec` or docs/api.md for the fields)")
+        elif kind == "invalid_key":
+            what = {"int": "a number", "float": "a number", "bool": "true/false", "NoneType": "null"}.get(
+                type(d.get("input")).__name__, type(d.get("input")).__name__)
+            msg = (f"the key {d.get('input')!r} is not a field name (YAML read it as {what}); remove it, or quote it "
+                   "if it was meant as a name")
         elif kind == "literal_error":
             msg = f"{d.get('input')!r} is not allowed: {d['msg'].replace('Input should be', 'use')}"
         elif kind == "missing":
