@@ -59,7 +59,7 @@ demo: python-env
 	$(VENV)/bin/kubetitan run examples/debug-cpu.yaml
 
 test: setup
-	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -q --durations=25 tests
+	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -n 3 --dist loadgroup --no-loadscope-reorder -q --durations=25 tests
 
 # Regenerate constraints.txt from the current venv (maintainers only).
 lock:

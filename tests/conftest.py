@@ -18,7 +18,7 @@ _SLOWEST_FIRST = (
     "tests/trainer/",
     "tests/fast/",
 )
-"""Where the time goes (``--durations``, bench/results/suite/), longest first. xdist (``make test``: ``-n 2
+"""Where the time goes (``--durations``, bench/results/suite/), longest first. xdist (``make test``: ``-n 3
 --dist loadgroup --no-loadscope-reorder``) hands work out in collection order, so the long xdist groups and the
 slow tests start first and the many short tests fill the gaps at the end (longest-processing-time-first)."""
 
