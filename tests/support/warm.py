@@ -133,14 +133,12 @@ def wait_all(procs: list[WarmProcess | subprocess.Popen], timeout: float, ok: tu
         left = deadline - time.monotonic()
         parents = {p._z for p in pending if isinstance(p, WarmProcess)}
         one = next(iter(parents)) if len(parents) == 1 and all(isinstance(p, WarmProcess) for p in pending) else None
-        try:
-            if one is not None:  # woken by the warm parent's report of any of its children's end
-                with one.cond:
-                    one.cond.wait_for(lambda: any(p.returncode is not None for p in pending), max(left, 0))
-            else:  # cold launches, or children of several warm parents: look again at least every half second
+        if one is not None:  # woken by the warm parent's report of any of its children's end
+            with one.cond:
+                one.cond.wait_for(lambda: any(p.returncode is not None for p in pending), max(left, 0))
+        else:  # cold launches, or children of several warm parents: look again at least every half second
+            with contextlib.suppress(subprocess.TimeoutExpired):  # still running: the checks below decide
                 pending[0].wait(min(max(left, 0), 0.5))
-        except subprocess.TimeoutExpired:
-            pass
         ended = [p for p in pending if p.poll() is not None]
         if any(p.returncode not in ok for p in ended) or (not ended and time.monotonic() >= deadline):
             for p in procs:
