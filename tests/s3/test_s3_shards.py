@@ -7,6 +7,8 @@ a missing bucket are the configuration exit code naming the object or the bucket
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -175,8 +177,12 @@ class _FakeS3:
     """An in-process stand-in for the S3 client over a local directory: LIST and ranged GETs, each GET recorded;
     ``mangle`` serves other bytes for a file (a corrupt object)."""
 
-    def __init__(self, root: Path, mangle: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: Path, mangle: dict[str, Any] | None = None,
+                 hold: Callable[[str], bool] | None = None) -> None:
         self.root, self.mangle, self.gets = root, mangle or {}, []
+        self.hold = hold
+        """A GET of a file for which ``hold(name)`` is true waits until it is false (re-checked at every GET)."""
+        self.cond = threading.Condition()
 
     def list_objects(self, bucket: str, prefix: str):
         yield SimpleNamespace(object_info=[SimpleNamespace(key=prefix + p.name, size=p.stat().st_size)
@@ -192,7 +198,11 @@ class _FakeS3:
                 self.pos = n
 
             def readinto(self, buf: bytearray) -> int:
-                fake.gets.append((name, self.pos))
+                with fake.cond:
+                    if fake.hold is not None:
+                        fake.cond.wait_for(lambda: not fake.hold(name), timeout=30)
+                    fake.gets.append((name, self.pos))
+                    fake.cond.notify_all()
                 data = (fake.root / name).read_bytes()
                 data = fake.mangle.get(name, lambda b: b)(data)[self.pos:self.pos + len(buf)]
                 buf[:len(data)] = data
@@ -222,7 +232,10 @@ def test_a_corrupt_object_is_reported_without_downloading_every_other_file(tmp_p
     """Six files of 16 parts, two at a time; the first is corrupt: the error comes once its second download fails,
     the files not yet started are never fetched (before the abort, every other file was downloaded first)."""
     names = _many_shards(tmp_path / "src", files=6, size=16 * 1024)
-    fake = _FakeS3(tmp_path / "src", mangle={names[0]: lambda b: b[:-1] + bytes([b[-1] ^ 1])})
+    # The third and later files wait until the corrupt one has been downloaded twice (16 parts each), so that the
+    # other thread cannot run ahead through every file while the first is fetched (as on a loaded machine)
+    fake = _FakeS3(tmp_path / "src", mangle={names[0]: lambda b: b[:-1] + bytes([b[-1] ^ 1])},
+                   hold=lambda name: name in names[2:] and sum(n == names[0] for n, _ in fake.gets) < 2 * 16)
     monkeypatch.setattr(compat, "s3_client", lambda settings, config: fake)
     monkeypatch.setattr(s3shards.time, "sleep", lambda s: None)
     uri = "s3://b/many"
