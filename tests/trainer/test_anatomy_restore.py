@@ -151,6 +151,21 @@ def _flat(model, opt, states) -> dict:
     return out
 
 
+def _loads_match_dcp(src, tier: Path, checkpoint: Path):
+    """Fresh states (other seeds: other weights, optimizer moments and train state) loaded from the DCP checkpoint
+    and from the tier both equal ``src``; the tier-loaded one is returned."""
+    import torch.distributed.checkpoint as dcp
+
+    via_dcp = _trained(seed=2)
+    dcp.load(via_dcp[2], checkpoint_id=str(checkpoint))
+    via_dcp[0].load_state_dict({k: v for k, v in via_dcp[2].items() if isinstance(v, torch.Tensor)})
+    via_tier = _trained(seed=3)
+    assert restore_tier.load(via_tier[2], tier, rank=0) > 0
+    want = _flat(*src)
+    assert _same(_flat(*via_dcp), want) and _same(_flat(*via_tier), want)
+    return via_tier
+
+
 def _same(a: dict, b: dict) -> bool:
     assert a.keys() == b.keys()
     for k in a:
@@ -170,14 +185,7 @@ def test_tier_load_gives_the_same_state_as_a_dcp_load(tmp_path):
     n = restore_tier.save(src[2], tier, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
     assert n > 0 and restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
 
-    via_dcp = _trained(seed=2)  # different weights, optimizer moments and train state
-    dcp.load(via_dcp[2], checkpoint_id=str(ckpt / "step-8"))
-    via_dcp[0].load_state_dict({k: v for k, v in via_dcp[2].items() if isinstance(v, torch.Tensor)})
-    via_tier = _trained(seed=3)
-    assert restore_tier.load(via_tier[2], tier, rank=0) > 0
-
-    want = _flat(*src)
-    assert _same(_flat(*via_dcp), want) and _same(_flat(*via_tier), want)
+    via_tier = _loads_match_dcp(src, tier, ckpt / "step-8")
     assert via_tier[2]["train_state"].state_dict()["step"] == 8  # the Stateful got its load_state_dict
 
 

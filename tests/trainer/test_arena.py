@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.staging import StagingOptions
 from kubetitan_trainer import arena, restore_tier
 from kubetitan_trainer.staging import ReusableStager
 
-from .test_anatomy_restore import _flat, _same, _trained
+from .test_anatomy_restore import _loads_match_dcp, _trained
 
 CPU_STAGING = StagingOptions(False, True, False, False)
 """On CPU: no pinning (no CUDA), shared storages as torchtitan asks, synchronous staging (stage returns the copy)."""
@@ -110,13 +110,7 @@ def test_a_tier_from_the_arena_loads_the_same_state_as_a_dcp_load(tmp_path):
     assert {e["file"].split("/")[0] for e in meta["layout"] if e["nbytes"]} == {"staging-rank-0"}
     assert restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
 
-    via_dcp = _trained(seed=2)
-    dcp.load(via_dcp[2], checkpoint_id=str(ckpt / "step-8"))
-    via_dcp[0].load_state_dict({k: v for k, v in via_dcp[2].items() if isinstance(v, torch.Tensor)})
-    via_tier = _trained(seed=3)
-    assert restore_tier.load(via_tier[2], tier, rank=0) > 0
-    want = _flat(*src)
-    assert _same(_flat(*via_dcp), want) and _same(_flat(*via_tier), want)
+    _loads_match_dcp(src, tier, ckpt / "step-8")
 
     # a staged tensor outside the arena (not contiguous, or staged elsewhere): the tier is copied as before
     assert restore_tier.save_from_arena({"x": torch.ones(4, 4).t()}, tier, stager.arena, step=9, rank=0,
