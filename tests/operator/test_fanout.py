@@ -7,6 +7,7 @@ had started at that point, never about time.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -36,60 +37,58 @@ class Sends:
         else:
             self.gates[i].set_result(ok)
 
+    async def step(self, *accepted: int) -> None:
+        """Accept these creates, then let slow_start react."""
+        for i in accepted:
+            self.answer(i)
+        await self.settle()
 
-def test_each_accepted_create_admits_two_more_like_the_batches_1_2_4() -> None:
+
+def _play(n: int, script: Callable[[Sends, asyncio.Task[int]], Awaitable[None]]) -> None:
+    """Run ``slow_start`` over ``n`` fake creates and ``script`` against it, once its first sends have started."""
     async def main() -> None:
         s = Sends()
-        task = asyncio.create_task(slow_start(list(range(10)), s))
+        task = asyncio.create_task(slow_start(list(range(n)), s))
         await s.settle()
+        await script(s, task)
+
+    asyncio.run(main())
+
+
+def test_each_accepted_create_admits_two_more_like_the_batches_1_2_4() -> None:
+    async def script(s: Sends, task: asyncio.Task[int]) -> None:
         assert s.started == [0]  # one create first: a refusing quota costs one request
-        s.answer(0)
-        await s.settle()
+        await s.step(0)
         assert s.started == [0, 1, 2]
-        s.answer(1)
-        s.answer(2)
-        await s.settle()
+        await s.step(1, 2)
         assert s.started == [0, 1, 2, 3, 4, 5, 6]  # after k accepted, 2k + 1 started (batches 1, 2, 4)
-        for i in range(3, 7):
-            s.answer(i)
-        await s.settle()
+        await s.step(*range(3, 7))
         assert s.started == list(range(10))
         for i in range(7, 10):
             s.answer(i)
         assert await task == 0
 
-    asyncio.run(main())
+    _play(10, script)
 
 
 def test_a_slow_create_holds_back_only_itself() -> None:
     """A create waiting out a Retry-After does not stop the next ones (the batch version waited for it)."""
-    async def main() -> None:
-        s = Sends()
-        task = asyncio.create_task(slow_start(list(range(8)), s))
-        await s.settle()
-        s.answer(0)
-        await s.settle()
-        s.answer(2)  # 1 is still waiting (its 429's Retry-After)
-        await s.settle()
+    async def script(s: Sends, task: asyncio.Task[int]) -> None:
+        await s.step(0)
+        await s.step(2)  # 1 is still waiting (its 429's Retry-After)
         assert s.started == [0, 1, 2, 3, 4]
-        for i in (3, 4):
-            s.answer(i)
-        await s.settle()
+        await s.step(3, 4)
         assert s.started == list(range(8))  # 4 accepted -> all 8 started; 1 still not answered
         for i in (1, 5, 6, 7):
             s.answer(i)
         assert await task == 0
 
-    asyncio.run(main())
+    _play(8, script)
 
 
 def test_a_refusal_stops_the_sending_and_the_started_ones_finish() -> None:
-    async def main() -> None:
-        s = Sends()
-        task = asyncio.create_task(slow_start(list(range(100)), s))
-        await s.settle()
-        s.answer(0)
-        await s.settle()
+    async def script(s: Sends, task: asyncio.Task[int]) -> None:
+        await s.step(0)
         s.answer(1, ok=False)  # refused (a quota): nothing more starts
         await s.settle()
         assert s.started == [0, 1, 2]
@@ -98,17 +97,13 @@ def test_a_refusal_stops_the_sending_and_the_started_ones_finish() -> None:
         assert await task == 97  # never sent
         assert s.started == [0, 1, 2]
 
-    asyncio.run(main())
+    _play(100, script)
 
 
 def test_an_error_is_raised_after_the_started_ones_finish() -> None:
     """E.g. leader.NotLeader from the fence: nothing more is sent, nothing is left running, the error goes up."""
-    async def main() -> None:
-        s = Sends()
-        task = asyncio.create_task(slow_start(list(range(10)), s))
-        await s.settle()
-        s.answer(0)
-        await s.settle()
+    async def script(s: Sends, task: asyncio.Task[int]) -> None:
+        await s.step(0)
         s.answer(1, error=RuntimeError("lost the Lease"))
         await s.settle()
         assert not task.done() and s.started == [0, 1, 2]
@@ -117,22 +112,18 @@ def test_an_error_is_raised_after_the_started_ones_finish() -> None:
             await task
         assert s.started == [0, 1, 2]
 
-    asyncio.run(main())
+    _play(10, script)
 
 
 def test_cancelling_it_cancels_the_creates_in_flight() -> None:
-    async def main() -> None:
-        s = Sends()
-        task = asyncio.create_task(slow_start(list(range(10)), s))
-        await s.settle()
-        s.answer(0)
-        await s.settle()
+    async def script(s: Sends, task: asyncio.Task[int]) -> None:
+        await s.step(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert all(s.gates[i].cancelled() for i in (1, 2))
 
-    asyncio.run(main())
+    _play(10, script)
 
 
 def test_nothing_to_send() -> None:
