@@ -26,6 +26,7 @@ import json
 import os
 import queue
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -332,6 +333,10 @@ def text_pieces(text: str) -> list[str]:
 def _init_worker(tokenizer_json: str, progress: Any) -> None:
     """Each worker loads the tokenizer once and tokenizes on one thread (the parallelism is the processes)."""
     global _TOK, _PROGRESS, _PIECES
+    # A forked worker inherits its parent's signal handlers: one that turns SIGTERM into an exception (torch's
+    # elastic agent installs such a handler) would keep the pool's terminate() from ending it, and a worker caught in
+    # the pool's finalizers then hangs the whole run. The pool's own SIGTERM must end a worker.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
