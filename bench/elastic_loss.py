@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
 
 from common import complete_checkpoints, free_port, step_log  # noqa: E402
-from support.specs import CLAIM, NS, e2e_elastic_spec, lpt  # noqa: E402
+from support.specs import CLAIM, NS, e2e_elastic_spec, lpt, with_debug_model  # noqa: E402
 from kubelet import Kubelet  # noqa: E402
 
 from kmockx.harness import Cluster, Operator, wait_for  # noqa: E402
@@ -46,7 +46,7 @@ def one(run: str, a: argparse.Namespace, out: Path) -> None:
     with tempfile.TemporaryDirectory(prefix=f"elastic-{run}-") as tmp:
         ckpt = Path(tmp) / "ckpt"
         elastic = {"shrinkAfterSeconds": a.shrink_after, "growCheckSeconds": a.grow_check} if run == "elastic" else None
-        spec = e2e_elastic_spec(ckpt, a.steps, a.interval, free_port(), 6, elastic)
+        spec = with_debug_model(e2e_elastic_spec(ckpt, a.steps, a.interval, free_port(), 6, elastic))
         with Cluster() as c, Kubelet(c, Path(tmp) / "kubelet", nodes=3, claims={CLAIM: ckpt}) as k:
             op = Operator(c, namespaces=(NS,), scan_interval=0.2, scrape_interval=0.5)
             op.options.resize_min_interval_seconds = 1.0

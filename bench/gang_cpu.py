@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
 
 from common import attempts_in_log, complete_checkpoints, free_port, step_log  # noqa: E402
-from support.specs import CLAIM, e2e_spec, lpt  # noqa: E402
+from support.specs import CLAIM, e2e_spec, lpt, with_debug_model  # noqa: E402
 from kubelet import _alive, _children_map  # noqa: E402
 
 from kubetitan_core import contract  # noqa: E402
@@ -83,7 +83,7 @@ def main() -> int:
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gang-cpu-"))
     ckpt = tmp / "ckpt"
-    spec = e2e_spec(ckpt, a.steps, a.interval, free_port())
+    spec = with_debug_model(e2e_spec(ckpt, a.steps, a.interval, free_port()))
     # This bench plays the gang re-creation path (a new attempt with new pods). With in-place restarts on
     # (runPolicy.maxInPlaceRestarts > 0) rank 0's launcher would wait in the rendezvous for the killed pod,
     # which only the operator replaces.

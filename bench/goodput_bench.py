@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
 
 from common import free_port, step_log  # noqa: E402
-from support.specs import CLAIM, NS, e2e_spec, lpt  # noqa: E402
+from support.specs import CLAIM, NS, e2e_spec, lpt, with_debug_model  # noqa: E402
 from kubelet import Kubelet  # noqa: E402
 
 from kmockx.harness import Cluster, Operator  # noqa: E402
@@ -66,7 +66,8 @@ def run(steps: int, interval: int, kill_every: int | None, timeout: float, async
     kills: list[dict] = []
     with Cluster() as c, Kubelet(c, tmp / "kubelet", nodes=nodes, claims={CLAIM: ckpt}) as k, Operator(c, namespaces=(NS,)):
         t0 = time.time()
-        spec = e2e_spec(ckpt, steps, interval, free_port(), hangTimeoutSeconds=120, maxInPlaceRestarts=in_place)
+        spec = with_debug_model(e2e_spec(ckpt, steps, interval, free_port(), hangTimeoutSeconds=120,
+                                          maxInPlaceRestarts=in_place))
         spec["checkpoint"]["asyncMode"] = async_mode
         c.apply(lpt("goodput", spec))
         next_kill = kill_every + kill_offset if kill_every else None

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
 
 from common import free_port  # noqa: E402
-from support.specs import CLAIM, NS, e2e_spec, lpt  # noqa: E402
+from support.specs import CLAIM, NS, e2e_spec, lpt, with_debug_model  # noqa: E402
 from kubelet import Kubelet  # noqa: E402
 
 from kmockx.harness import Cluster, Operator  # noqa: E402
@@ -71,7 +71,8 @@ def main() -> int:
     ckpt = tmp / "ckpt"
     t0 = time.time()
     with Cluster() as c, Kubelet(c, tmp / "kubelet", claims={CLAIM: ckpt}) as k, Operator(c, namespaces=(NS,)):
-        c.apply(lpt(NAME, e2e_spec(ckpt, a.steps, a.interval, free_port(), hangTimeoutSeconds=120)))
+        spec = e2e_spec(ckpt, a.steps, a.interval, free_port(), hangTimeoutSeconds=120)
+        c.apply(lpt(NAME, with_debug_model(spec)))
         killed = shown = False
         while time.time() - t0 < a.timeout:
             st = c.status(NS, NAME)

@@ -1,6 +1,6 @@
 """End to end: the REAL operator (kopf, in-process) and the REAL trainer (torchrun + torchtitan processes)
 against kmockx, with tests/e2e/kubelet.py running every pod as local processes. 2 "nodes" x 1 process,
-torchtitan's debug model on CPU (gloo), checkpoints every few steps on a temp dir.
+the test model (support.specs.TEST_MODEL) on CPU (gloo), checkpoints every few steps on a temp dir.
 
 One run goes through every fault in order, so the whole file starts as few gangs as possible (each start
 imports torch four times on a two-core machine). It has in-place restarts off (``maxInPlaceRestarts: 0``):
@@ -219,7 +219,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         assert max(losses) - min(losses) <= 1e-3 * abs(losses[0]), (step, losses)
     # ... no attempt starts over from step 1 (fresh weights), and training still lowers the loss
     assert all(s[0]["step"] > 1 for s in segs[1:]), [s[0]["step"] for s in segs]
-    last = [r["loss"] for r in log[-5:]]  # the seeded debug run's per-step loss is noisy: its best recent step
+    last = [r["loss"] for r in log[-5:]]  # the seeded run's per-step loss is noisy: its best recent step
     assert min(last) < first_loss - 0.3, (first_loss, last)
     assert not k.live_processes() or wait_for(lambda: not k.live_processes(), 60, "processes gone")
 

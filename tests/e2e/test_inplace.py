@@ -1,6 +1,6 @@
 """End to end, two-level recovery: the REAL operator (kopf, in-process) and the REAL trainer (the launcher with
 in-place restarts on, torchrun's agent with a c10d rendezvous, torchtitan workers) against kmockx, with
-tests/e2e/kubelet.py running every pod as local processes (2 "nodes" x 1 process, debug model on CPU).
+tests/e2e/kubelet.py running every pod as local processes (2 "nodes" x 1 process, the test model on CPU).
 
 One run goes through the three paths in order (every gang start imports torch on a two-core machine):
 

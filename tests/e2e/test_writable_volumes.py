@@ -118,7 +118,7 @@ def test_on_root_mismatch_leaves_a_prepared_tree_alone(world: Path) -> None:
 
 @pytest.mark.xdist_group("e2e")  # runs the trainer; the probes above are one-line programs
 def test_the_trainer_runs_as_uid_10001_and_checkpoints_to_a_fresh_claim(world: Path) -> None:
-    """The real thing: the operator's pod, the real trainer (torchtitan debug model on CPU) as uid 10001, writing
+    """The real thing: the operator's pod, the real trainer (the test model on CPU) as uid 10001, writing
     its checkpoints, step log and NCCL-trace folder into a fresh root-owned claim, to the end of the run."""
     from common import CLAIM, complete_checkpoints, e2e_spec, free_port, lpt, step_log
 

@@ -2,7 +2,7 @@
 operator's metrics server; plus `promtool check metrics` on both exporters' output.
 
 Prometheus (Debian's, from `make tools`) listens on 127.0.0.1 on a free port with tmp storage and
-scrapes every half second: the trainer (torchtitan's debug model, 2 gloo ranks, launched exactly as
+scrapes every half second: the trainer (the test model, support.specs.TEST_MODEL, 2 gloo ranks, launched exactly as
 `kubetitan run` launches it, with the trainer's own `write_config`) as job kubetitan-trainer, and
 the operator's `OperatorMetrics` served by prometheus-client as the operator serves it (with
 per-run series recorded through its own methods) as job kubetitan-operator. The static target

@@ -1,6 +1,6 @@
 """A streamed (Hugging Face) dataset inside a mixture, and resumes the data position cannot make.
 
-The real trainer on CPU (gloo, the debug model, ``kubetitan_trainer.launch``): a 3:1 mixture of shards (written by
+The real trainer on CPU (gloo, the test model, ``kubetitan_trainer.launch``): a 3:1 mixture of shards (written by
 ``kubetitan prepare-data``) and a dataset read through the ``datasets`` library (a local JSONL file: the same
 ``HuggingFaceTextDataset`` path a hub dataset takes, without the network) trains at DP 2; its ledger shows the
 shares the mixture schedule guarantees and each rank reading its own part of the stream. A resume at DP 1 is exit 2

@@ -1,4 +1,4 @@
-"""The ledger test: the real trainer on CPU (gloo, the debug model) over a real text corpus (Python sources of this
+"""The ledger test: the real trainer on CPU (gloo, the test model) over a real text corpus (Python sources of this
 interpreter's standard library, tokenized by ``kubetitan prepare-data``) is stopped and resumed at data-parallel degree
 2 -> 1 -> 3 with the same global batch (gradient accumulation 3, 6, 2), and the global samples it trained, read from
 the ranks' ledgers (``[kubetitan.data] ledger = true``), are exactly those of one uninterrupted run: the same samples

@@ -15,7 +15,7 @@ from support.specs import tiny_lpt as lpt, write_config
 FLAGGED = [r.id for r in RULES if r.trainer]
 
 F8 = {"model": {"converters": ["quantize.linear.float8"]}}
-# rule id -> (trainer.toml sections to overwrite, world size, cuda); the tiny debug run is valid as rendered.
+# rule id -> (trainer.toml sections to overwrite, world size, cuda); the tiny test run is valid as rendered.
 CASES: dict[str, tuple[dict[str, dict[str, Any]], int, bool]] = {
     "parallelism.product": ({"parallelism": {"tensor_parallel_degree": 3}}, 2, False),
     "tokenizer.vocab": ({"model": {"flavor": "custom"}}, 2, False),  # + kubetitan.model vocab_size 600 below

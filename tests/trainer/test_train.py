@@ -1,4 +1,4 @@
-"""The real torchtitan train loop on CPU: 2 gloo ranks, FSDP dp_shard=2, the debug model.
+"""The real torchtitan train loop on CPU: 2 gloo ranks, FSDP dp_shard=2, the test model (support.specs.TEST_MODEL).
 
 Runs are data (like torchtitan's OverrideDefinitions): each case is a list of launches in one
 dump folder. All share one xdist group so that two torch runs never overlap on the 2-core CI box.
