@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import signal
 
 import pytest
 
@@ -48,3 +49,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     gc.freeze()  # the interpreter's shutdown collections would walk every object the tests left behind
+
+
+_RESTORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Every test leaves the process's signal handlers as it found them. torch elastic's ``PContext.start()``
+    installs its own SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers in the main thread and never restores them, so a test
+    that runs the launcher in-process (``launch.main``, ``start_processes``: tests/trainer/test_anatomy_restore.py,
+    test_launch_causes.py) left them to every later test of its xdist worker and to what those fork (a prepare-data
+    pool worker that inherited one hung a ``make test`` in session 15)."""
+    before = {s: signal.getsignal(s) for s in _RESTORED_SIGNALS}
+    yield
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
