@@ -147,19 +147,35 @@ def test_generated_rejected_with_path_and_fix(case) -> None:
     _check(errors, paths)
 
 
-def test_cli_rejects_a_sample(tmp_path: Path) -> None:
-    sample = HAND[::6]
+def test_cli_rejects_every_hand_written_case(tmp_path: Path) -> None:
+    """``kubetitan validate`` as a user runs it: one file alone (exit 1, the path named), then every hand-written case
+    in one call (one interpreter: each file's own block says it is invalid and names its path; exit 1)."""
     files = []
-    for name, obj, _ in sample:
+    for name, obj, _ in HAND:
         f = tmp_path / f"{name}.yaml"
         f.write_text(yaml.safe_dump(obj))
         files.append(f)
-    for f, (name, _, path) in zip(files, sample, strict=True):
-        r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", str(f)], capture_output=True, text=True,
-                           timeout=60)
-        out = r.stdout + r.stderr
-        assert r.returncode == 1, (name, out)
-        assert path in out, (name, path, out)
+
+    def validate(*paths: Path) -> tuple[int, str]:
+        r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", *map(str, paths)], capture_output=True,
+                           text=True, timeout=120)
+        return r.returncode, r.stdout + r.stderr
+
+    rc, out = validate(files[0])
+    assert rc == 1 and HAND[0][2] in out, (HAND[0][0], out)
+    rc, out = validate(*files)
+    assert rc == 1, out
+    blocks: dict[str, str] = {}
+    for line in out.splitlines():  # "<file>: LlamaPretrain ... is invalid ..." then indented "  - <path>: ..." lines
+        head = next((str(f) for f in files if line.startswith(f"{f}: ")), None)
+        if head is not None:
+            blocks[head] = blocks.get(head, "") + line + "\n"
+            last = head
+        elif line.startswith(" ") and blocks:
+            blocks[last] += line + "\n"
+    for f, (name, _, path) in zip(files, HAND, strict=True):
+        block = blocks.get(str(f), "")
+        assert " is invalid" in block and path in block, (name, path, block)
 
 
 # ---------------------------------------------------------------------- through the running operator
