@@ -392,7 +392,8 @@ def test_bad_configs_are_config_errors_naming_the_field(name, patch, field, tmp_
 
 # the launcher as a pod runs it, and once with CUDA reported initialised in it (NVML could not answer): then it
 # starts the workers as new processes (spawn: cold interpreters, each importing torch) instead of forking them; the
-# exit code is the workers' either way. The launcher itself is forked from the tests' warm parent (support.warm).
+# exit code is the workers' either way. The launcher itself is forked from the tests' warm parent (support.warm). The
+# spawned case starts one worker, not two: each cold interpreter costs ~4 CPU s and a second adds nothing to check.
 @pytest.mark.parametrize("start", ["forked", "spawned-when-cuda-is-initialised"])
 def test_launcher_process_exits_2_on_a_bad_config(start, tmp_path):
     from support import warm
@@ -400,7 +401,8 @@ def test_launcher_process_exits_2_on_a_bad_config(start, tmp_path):
     path = _patched(tmp_path, {"model": {"flavor": "nope"}})
     module = "kubetitan_trainer.launch" if start == "forked" else "tests.trainer.launch_as_if_cuda"
     log = tmp_path / "launch.log"
-    proc = warm.popen(module, [f"--config={path}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+    nproc = 2 if start == "forked" else 1
+    proc = warm.popen(module, [f"--config={path}", "--nnodes=1", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
                                f"--master-port={free_port()}", "--max-restarts=0"],
                       {**os.environ, "OMP_NUM_THREADS": "1"}, log, cwd=REPO)
     code = warm.wait_all([proc], timeout=300)[0]
