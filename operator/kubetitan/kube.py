@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime
 import email.utils
 import heapq
@@ -20,7 +21,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,6 +228,25 @@ async def _backoff_sleep(seconds: float, cause: str) -> None:
     await asyncio.sleep(seconds)
 
 
+RETRY_WAIT: contextvars.ContextVar[Callable[[bool], None] | None] = contextvars.ContextVar(
+    "kubetitan_kube_retry_wait", default=None)
+"""Told ``True`` when a call made in this context starts waiting before a retry (a 429/5xx, with or without
+``Retry-After``, a timeout, a dropped connection: the server has given no verdict on the request yet) and ``False``
+when the wait is over. ``fanout.slow_start`` sets it for each create it starts (it lends a waiting create's place
+in its window to the next one); None (the default): nobody listens."""
+
+
+async def _wait_to_retry(seconds: float, cause: str) -> None:
+    note = RETRY_WAIT.get()
+    if note is not None:
+        note(True)
+    try:
+        await _backoff_sleep(seconds, cause)
+    finally:
+        if note is not None:
+            note(False)
+
+
 def _retry_after(headers: Any) -> float | None:
     return retry_after_seconds(headers.get("Retry-After") if headers is not None else None)
 
@@ -385,7 +405,7 @@ class Client:
                 self.retries[type(e).__name__] = self.retries.get(type(e).__name__, 0) + 1
                 log.debug("Retrying %s %s (attempt %d of %d) after %s", method, path, n + 2, attempts,
                           type(e).__name__)
-                await _backoff_sleep(self.retry.delay(n), type(e).__name__)
+                await _wait_to_retry(self.retry.delay(n), type(e).__name__)
                 n += 1
                 continue
             if status == 401 and not refreshed and self._auth_headers is not None:
@@ -394,7 +414,7 @@ class Client:
             if status in RETRYABLE_STATUSES and n + 1 < attempts:
                 self.retries[str(status)] = self.retries.get(str(status), 0) + 1
                 log.debug("Retrying %s %s (attempt %d of %d) after %d", method, path, n + 2, attempts, status)
-                await _backoff_sleep(self.retry.delay(n, retry_after), str(status))
+                await _wait_to_retry(self.retry.delay(n, retry_after), str(status))
                 n += 1
                 continue
             break

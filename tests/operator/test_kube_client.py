@@ -360,13 +360,14 @@ def test_slots_grant_the_oldest_ticket_first_and_skip_or_pass_on_cancelled_waite
 
 
 def test_a_retry_after_its_retry_after_is_sent_before_first_time_requests_queued_meanwhile(monkeypatch) -> None:
-    """A create answered 429 with ``Retry-After: 1`` waits exactly 1 s (recorded, not slept) holding no slot; its
-    retry is then sent ahead of the requests that queued for the client's only slot while it waited (they started
+    """A create answered 429 with ``Retry-After: 1`` waits exactly 1 s (recorded, not slept) holding no slot, and
+    says so through ``kube.RETRY_WAIT``; its retry is then sent ahead of the requests that queued for the client's only slot while it waited (they started
     after it), not behind them."""
     import kubetitan.kube as kube
 
     waits: list[float] = []
     seen: list[str] = []
+    notes: list[bool] = []
     waiting, come_back, busy_seen, release_busy = (asyncio.Event() for _ in range(4))
 
     async def recorded(seconds: float, cause: str) -> None:
@@ -393,7 +394,9 @@ def test_a_retry_after_its_retry_after_is_sent_before_first_time_requests_queued
         runner, host = await _listen("/{tail:.*}", handler)
         client = Client(kubernetes.client.Configuration(host=host), concurrency=1)  # the default RetryPolicy
         try:
+            kube.RETRY_WAIT.set(notes.append)  # the create's task runs in a copy of this context: it tells of its wait
             create = asyncio.create_task(client.create(POD))
+            kube.RETRY_WAIT.set(None)
             await waiting.wait()  # answered 429: waiting out its Retry-After, holding no slot
             busy = asyncio.create_task(client.get("pods", "ml", "busy"))
             await busy_seen.wait()  # the only slot is taken
@@ -412,4 +415,5 @@ def test_a_retry_after_its_retry_after_is_sent_before_first_time_requests_queued
 
     asyncio.run(main())
     assert waits == [1.0]  # exactly the Retry-After: no jitter on top
+    assert notes == [True, False]  # kube.RETRY_WAIT told of the wait (fanout.slow_start lends its place meanwhile)
     assert seen == ["POST pods", "GET busy", "POST pods", "GET later-0", "GET later-1", "GET later-2"], seen
