@@ -17,7 +17,10 @@ Scenarios (each on a fresh server and operator):
 2. ``faults``: the same with ``--fault-share`` of the pod-create requests (retries included: each request
    draws anew; run i of ``--repeat`` uses seed i, so runs of two invocations draw alike) answered 429 or 503
    (half each) with ``Retry-After: --retry-after`` seconds (kmockx's ``--fault``); it also prints how kmockx
-   answered the pod creates (409s would be duplicates);
+   answered the pod creates (409s would be duplicates) and, from kmockx's request log, when the first pod create
+   was answered, when every pod had been answered once, the most refusals one pod had, the floor those refusals
+   set (each pod's first answer plus its refusals x ``Retry-After``, the latest) and when the last pod was created:
+   ``last - floor`` is what the operator's client and fan-out added on top of the waits the server asked for;
 3. ``recovery``: an 8-node gang runs, one pod fails -> the next attempt's 8 pods created;
 4. ``many``: ``--runs`` LlamaPretrains (1 pod each) applied at once -> all have their pod and phase Starting;
    operator RSS idle, peak and after settling.
