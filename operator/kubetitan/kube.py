@@ -237,6 +237,7 @@ in its window to the next one); None (the default): nobody listens."""
 
 
 async def _wait_to_retry(seconds: float, cause: str) -> None:
+    """:func:`_backoff_sleep`, told to ``RETRY_WAIT``'s listener (if any) as it starts and ends."""
     note = RETRY_WAIT.get()
     if note is not None:
         note(True)
