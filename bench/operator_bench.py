@@ -17,7 +17,10 @@ Scenarios (each on a fresh server and operator):
 2. ``faults``: the same with ``--fault-share`` of the pod-create requests (retries included: each request
    draws anew; run i of ``--repeat`` uses seed i, so runs of two invocations draw alike) answered 429 or 503
    (half each) with ``Retry-After: --retry-after`` seconds (kmockx's ``--fault``); it also prints how kmockx
-   answered the pod creates (409s would be duplicates);
+   answered the pod creates (409s would be duplicates) and, from kmockx's request log, when the first pod create
+   was answered, when every pod had been answered once, the most refusals one pod had, the floor those refusals
+   set (each pod's first answer plus its refusals x ``Retry-After``, the latest) and when the last pod was created:
+   ``last - floor`` is what the operator's client and fan-out added on top of the waits the server asked for;
 3. ``recovery``: an 8-node gang runs, one pod fails -> the next attempt's 8 pods created;
 4. ``many``: ``--runs`` LlamaPretrains (1 pod each) applied at once -> all have their pod and phase Starting;
    operator RSS idle, peak and after settling.
@@ -181,12 +184,15 @@ def gang(profile: str | None, nodes: int = 64, server_args: tuple[str, ...] = ()
         w = Watch(s, POD_PATH, "kubetitan.io/name=big")
         time.sleep(1.0)  # let the operator finish its initial listing
         cpu0, kcpu0, t0 = cpu_seconds(op.pid), cpu_seconds(s.proc.pid), time.perf_counter()
+        applied = time.monotonic()
         s.create(LPT_PATH, lpt("big", cpu_spec(nodes=nodes)))
         wait_for(lambda: w.count() >= nodes, 120, f"{nodes} pods", every=0.002)
         out: dict[str, Any] = {"seconds": time.perf_counter() - t0, "cpu": cpu_seconds(op.pid) - cpu0,
                                "kcpu": cpu_seconds(s.proc.pid) - kcpu0, "pods": w.count()}
         w.close()
     out["stats"] = s.stats
+    if "first" in s.stats.get("chains", {}):  # kmockx's clock is this process' (time.monotonic: one per host)
+        out["stats"]["chains"]["first"] -= applied
     return out
 
 
@@ -289,6 +295,12 @@ def main() -> int:
                   f"injected "
                   f"{'+'.join(str(f['hits']) for f in st.get('faults', []))} (429+503); pod creates answered "
                   f"{st.get('pod_creates')} ({_load()})", flush=True)
+            if ch := st.get("chains"):
+                print(f"    first pod create answered {ch['first']:.3f} s after the apply; most refusals of one pod "
+                      f"{ch['refused']}; after the first pod-create answer: every pod answered once "
+                      f"{ch['once']:.3f} s, the refusals' "
+                      f"floor {ch['floor']:.3f} s, last pod created {ch['last']:.3f} s (added on top "
+                      f"{ch['last'] - ch['floor']:.3f} s)", flush=True)
         print(f"apply -> all {a.nodes} pods created, {a.fault_share:.0%} of pod creates answered 429/503 with "
               f"Retry-After {a.retry_after} s: median {_med(rs, 'seconds'):.3f} s of {a.repeat} (operator CPU "
               f"{_med(rs, 'cpu'):.2f} s; target < 5 s for 1024 nodes)", flush=True)

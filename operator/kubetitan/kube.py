@@ -10,13 +10,18 @@ Every call names its (apiGroup, resource, verb) and is refused unless ``rbac.RUL
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import datetime
 import email.utils
+import heapq
+import itertools
 import json
 import logging
 import random
 import ssl
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,15 +127,17 @@ class RetryPolicy:
     def delay(self, n: int, retry_after: float | None = None) -> float:
         """Seconds before retry ``n`` (0-based).
 
-        With a ``Retry-After`` (seconds, already parsed: :func:`retry_after_seconds`) the retry waits at least that
-        long, plus a jitter of up to a quarter of it (at most ``base_seconds``) so that the many requests one
-        overload answered at once do not come back at the same instant; the wait is capped at ``cap_seconds``
-        (a header asking for an hour does not park a reconcile for an hour: the request is tried again after the cap
-        and, if still refused, fails to the caller, which backs off on its own). Without one: full jitter.
+        With a ``Retry-After`` (seconds, already parsed: :func:`retry_after_seconds`) the retry waits exactly that
+        long, as client-go does (``rest/with_retry.go``: it sleeps the ``Retry-After`` and adds no jitter), capped at
+        ``cap_seconds`` (a header asking for an hour does not park a reconcile for an hour: the request is tried
+        again after the cap and, if still refused, fails to the caller, which backs off on its own). No jitter on
+        top: the requests one overload refused together do come back together, but they come back through the
+        client's request slots (:class:`Slots`, 16 in flight at most), so the herd reaches the server at the
+        client's steady rate, not at once; a jitter only made every refused request later (up to 0.2 s per
+        retry, a pod refused 4 times in a row ~0.4 s later on average). Without one: full jitter.
         """
         if retry_after is not None:
-            wait = max(0.0, retry_after)
-            return min(self.cap_seconds, wait + random.uniform(0, min(self.base_seconds, wait / 4)))
+            return min(self.cap_seconds, max(0.0, retry_after))
         return random.uniform(0, min(self.cap_seconds, self.base_seconds * (2 ** n)))
 
 
@@ -156,10 +163,89 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
+class Slots:
+    """The client's request slots: at most ``n`` requests in flight, granted oldest call first.
+
+    An ``asyncio.Semaphore`` grants its slots in the order the waiters asked, so a retry (after its backoff or its
+    ``Retry-After``, waited out holding no slot) queued behind every request asked for since: with a 1,024-pod gang
+    that is up to ~1,000 first-time creates, ~1 s of queue on top of each ``Retry-After``. Here each call takes a
+    ticket when it starts (:meth:`ticket`) and every attempt of it asks with that ticket; a free slot goes to the
+    smallest ticket waiting, so a retry keeps the place its call had (ahead of the calls that started after it)
+    and a call told to come back in 1 s is sent 1 s later, not 1 s plus the queue. First attempts are still
+    granted in the order they asked (tickets increase). A slot is handed to its waiter directly on release
+    (no newcomer can take it in between); a waiter cancelled after being handed one gives it back.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap: (ticket, tie-break, future)
+        self._tickets = itertools.count()
+        self._ties = itertools.count()
+
+    def ticket(self) -> int:
+        """A call's place in the queue (taken once per call, kept by its retries)."""
+        return next(self._tickets)
+
+    @property
+    def waiting(self) -> int:
+        """Calls queued for a slot (cancelled ones not yet skipped included)."""
+        return len(self._waiting)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, ticket: int) -> AsyncIterator[None]:
+        """Hold one slot for the block; wait (by ``ticket``) while none is free."""
+        await self._acquire(ticket)
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self, ticket: int) -> None:
+        if self._free > 0:  # a free slot means nobody waits: release hands a slot straight to a waiter
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (ticket, next(self._ties), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed a slot just as it was cancelled: pass it on
+                self._release()
+            raise  # (a cancelled future stays in the heap; _release skips it)
+
+    def _release(self) -> None:
+        while self._waiting:
+            fut = heapq.heappop(self._waiting)[2]
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._free += 1
+
+
 async def _backoff_sleep(seconds: float, cause: str) -> None:
     """The wait before a retry; ``cause`` as in ``Client.retries`` (one name, so that a test can record the waits
     asked for instead of sleeping)."""
     await asyncio.sleep(seconds)
+
+
+RETRY_WAIT: contextvars.ContextVar[Callable[[bool], None] | None] = contextvars.ContextVar(
+    "kubetitan_kube_retry_wait", default=None)
+"""Told ``True`` when a call made in this context starts waiting before a retry (a 429/5xx, with or without
+``Retry-After``, a timeout, a dropped connection: the server has given no verdict on the request yet) and ``False``
+when the wait is over. ``fanout.slow_start`` sets it for each create it starts (it lends a waiting create's place
+in its window to the next one); None (the default): nobody listens."""
+
+
+async def _wait_to_retry(seconds: float, cause: str) -> None:
+    """:func:`_backoff_sleep`, told to ``RETRY_WAIT``'s listener (if any) as it starts and ends."""
+    note = RETRY_WAIT.get()
+    if note is not None:
+        note(True)
+    try:
+        await _backoff_sleep(seconds, cause)
+    finally:
+        if note is not None:
+            note(False)
 
 
 def _retry_after(headers: Any) -> float | None:
@@ -207,7 +293,8 @@ class Client:
     shares its priority level's seats with every other controller's, so a bounded share keeps a large gang's
     creation from crowding them out (and a 429 from APF is the server saying the share is too big), while at a
     real API server's ~10-30 ms per create 16 in flight still make 500 or more creates a second. A request
-    waiting out a retry's backoff or ``Retry-After`` holds no slot.
+    waiting out a retry's backoff or ``Retry-After`` holds no slot, and when it is due it is sent ahead of the
+    calls that started after it (:class:`Slots`: oldest call first).
     """
 
     def __init__(self, cfg: kubernetes.client.Configuration, concurrency: int = 16,
@@ -224,7 +311,7 @@ class Client:
         self.retries: dict[str, int] = {}
         """Retries by cause (HTTP status or exception name), for tests and logs."""
         self.host = cfg.host.rstrip("/")
-        self.limit = asyncio.Semaphore(concurrency)
+        self.limit = Slots(concurrency)
         self.session: Any = None
         self.closed = False
         self.calls: dict[tuple[str, str, str], int] = {}
@@ -295,11 +382,12 @@ class Client:
         refreshed = False
         n = 0
         attempts = self.retry.attempts if retries else 1
+        place = self.limit.ticket()  # kept by every attempt: a retry is sent ahead of the calls started after it
         while True:
             headers = {"Content-Type": content_type, "Accept": "application/json", "User-Agent": self.user_agent,
                        **self._auth()}
             try:
-                async with self.limit:
+                async with self.limit.slot(place):
                     if self.closed:  # closed while this call waited for a slot or a retry's backoff
                         raise ClientClosed(f"{method} {path}: the client is closed (the operator is stopping)")
                     limit = timeout
@@ -318,7 +406,7 @@ class Client:
                 self.retries[type(e).__name__] = self.retries.get(type(e).__name__, 0) + 1
                 log.debug("Retrying %s %s (attempt %d of %d) after %s", method, path, n + 2, attempts,
                           type(e).__name__)
-                await _backoff_sleep(self.retry.delay(n), type(e).__name__)
+                await _wait_to_retry(self.retry.delay(n), type(e).__name__)
                 n += 1
                 continue
             if status == 401 and not refreshed and self._auth_headers is not None:
@@ -327,7 +415,7 @@ class Client:
             if status in RETRYABLE_STATUSES and n + 1 < attempts:
                 self.retries[str(status)] = self.retries.get(str(status), 0) + 1
                 log.debug("Retrying %s %s (attempt %d of %d) after %d", method, path, n + 2, attempts, status)
-                await _backoff_sleep(self.retry.delay(n, retry_after), str(status))
+                await _wait_to_retry(self.retry.delay(n, retry_after), str(status))
                 n += 1
                 continue
             break

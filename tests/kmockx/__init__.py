@@ -237,6 +237,8 @@ class LogEntry:
     """The request's User-Agent (tells apart replicas that share one identity)."""
     time: float = 0.0
     """``time.monotonic()`` when the answer was sent."""
+    name: str = ""
+    """The object's name: the path's, or for a create the body's ``metadata.name`` (a refused create's too)."""
 
     def __str__(self) -> str:
         return f"#{self.id} {self.user} {self.verb} {self.path} -> {self.code}{' (injected)' if self.fault else ''}"
@@ -614,8 +616,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     def _answer(self, request: rendering.Request, user: str, verb: str, resp: aiohttp.web.StreamResponse,
                 fault: bool = False) -> aiohttp.web.StreamResponse:
+        name = request.name or ""
+        if not name and verb == "create" and isinstance(request.data, dict):
+            name = str((request.data.get("metadata") or {}).get("name") or "")
         self.log.append(LogEntry(request.id, user, verb, str(request.url.path_qs), resp.status, fault, _agent(request),
-                                 time.monotonic()))
+                                 time.monotonic(), name))
         return resp
 
     # ------------------------------------------------------------------ discovery and OpenAPI

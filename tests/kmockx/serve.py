@@ -24,10 +24,33 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kmockx.harness import Cluster  # noqa: E402
+
+
+def chains(log: list[Any], faults: list[Any]) -> dict[str, Any]:
+    """How the pod creates went, per pod (``faults`` asking for a ``Retry-After``): the most refusals one pod had
+    (``refused``), when the first pod create was answered (``first``, ``time.monotonic()``: the same clock in every
+    process of the host), and in seconds after it: when every pod had been answered once (``once``), when the last
+    pod was created (``last``) and the floor the refusals alone set (``floor``: for each pod, its first answer plus its refusals times the
+    ``Retry-After``; the latest of them). ``last - floor`` is what the client and the double added on top."""
+    wait = max((f.retry_after or 0 for f in faults), default=0)
+    per: dict[str, list[Any]] = collections.defaultdict(list)
+    for e in log:
+        if e.verb == "create" and e.name and e.path.split("?")[0].endswith("/pods"):
+            per[e.name].append(e)
+    if not per:
+        return {}
+    t0 = min(es[0].time for es in per.values())
+    refused = {n: sum(1 for e in es if e.code in (429, 503)) for n, es in per.items()}
+    created = [e.time for es in per.values() for e in es if e.code == 201]
+    floor = max(es[0].time + refused[n] * wait for n, es in per.items())
+    return {"refused": max(refused.values()), "first": t0, "floor": round(floor - t0, 3),
+            "once": round(max(es[0].time for es in per.values()) - t0, 3),
+            "last": round(max(created, default=t0) - t0, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                                   and e.path.split("?")[0].endswith("/pods"))
         print("stats " + json.dumps({"faults": [{"code": f.code, "resource": f.resource, "hits": f.hits}
                                                for f in faults],
-                                    "pod_creates": {str(k): v for k, v in sorted(pod_creates.items())}}), flush=True)
+                                    "pod_creates": {str(k): v for k, v in sorted(pod_creates.items())},
+                                    "chains": chains(c.k.log, faults)}), flush=True)
     return 0
 
 

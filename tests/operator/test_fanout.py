@@ -7,6 +7,7 @@ had started at that point, never about time.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -14,17 +15,29 @@ import pytest
 from kubetitan.fanout import slow_start
 
 
+WAITING: contextvars.ContextVar = contextvars.ContextVar("test_fanout_waiting", default=None)
+"""Stands for ``kube.RETRY_WAIT``: how a fake create tells slow_start it waits to be tried again."""
+
+
 class Sends:
-    """Fake creates: ``answer(i, ok)`` finishes create ``i``; ``started`` lists the ones begun, in order."""
+    """Fake creates: ``answer(i, ok)`` finishes create ``i``; ``started`` lists the ones begun, in order;
+    ``wait(i, True)`` / ``wait(i, False)``: create ``i`` starts / stops waiting out a Retry-After."""
 
     def __init__(self) -> None:
         self.started: list[int] = []
         self.gates: dict[int, asyncio.Future[bool]] = {}
+        self.notes: dict[int, Callable[[bool], None]] = {}
 
     async def __call__(self, i: int) -> bool:
         self.started.append(i)
         self.gates[i] = asyncio.get_running_loop().create_future()
+        if WAITING.get() is not None:
+            self.notes[i] = WAITING.get()
         return await self.gates[i]
+
+    async def wait(self, i: int, waiting: bool) -> None:
+        self.notes[i](waiting)
+        await self.settle()
 
     async def settle(self) -> None:
         """Let slow_start react to what was answered (it starts new sends before it waits again)."""
@@ -44,11 +57,12 @@ class Sends:
         await self.settle()
 
 
-def _play(n: int, script: Callable[[Sends, asyncio.Task[int]], Awaitable[None]]) -> None:
-    """Run ``slow_start`` over ``n`` fake creates and ``script`` against it, once its first sends have started."""
+def _play(n: int, script: Callable[[Sends, asyncio.Task[int]], Awaitable[None]], told: bool = False) -> None:
+    """Run ``slow_start`` over ``n`` fake creates and ``script`` against it, once its first sends have started
+    (``told``: the creates tell it when they wait to be tried again)."""
     async def main() -> None:
         s = Sends()
-        task = asyncio.create_task(slow_start(list(range(n)), s))
+        task = asyncio.create_task(slow_start(list(range(n)), s, waiting=WAITING if told else None))
         await s.settle()
         await script(s, task)
 
@@ -84,6 +98,37 @@ def test_a_slow_create_holds_back_only_itself() -> None:
         assert await task == 0
 
     _play(8, script)
+
+
+def test_a_create_told_to_come_back_later_lends_its_place_to_the_next_one() -> None:
+    """A create waiting out a Retry-After has no verdict yet: its place goes to the next create, at most k + 1 places
+    after k accepted. The probe told to wait lets one more go, never two before the first acceptance (a server
+    throttling everything gets two creates, not the gang); a throttled create among the first no longer stalls the
+    gang for its Retry-After."""
+    async def script(s: Sends, task: asyncio.Task[int]) -> None:
+        assert s.started == [0]
+        await s.wait(0, True)  # the probe is answered 429: one more create goes in its place
+        assert s.started == [0, 1]
+        await s.wait(1, True)  # throttled too: nothing more before an acceptance
+        assert s.started == [0, 1]
+        await s.wait(1, False)
+        await s.step(1)  # 1 accepted, 0 still waiting: 2k + 1 = 3, plus 1 lent place
+        assert s.started == [0, 1, 2, 3]
+        await s.wait(2, True)
+        await s.wait(3, True)  # three waiting, k = 1: at most k + 1 = 2 lent
+        assert s.started == [0, 1, 2, 3, 4]
+        await s.step(4)  # k = 2: 5 + min(3, 3)
+        assert s.started == list(range(8))
+        for i in (0, 2, 3):
+            await s.wait(i, False)  # sent again: the lent places are not taken back from creates already started
+        assert s.started == list(range(8))
+        await s.step(0, 2, 3)  # k = 5: all ten started
+        assert s.started == list(range(10))
+        for i in range(5, 10):
+            s.answer(i)
+        assert await task == 0
+
+    _play(10, script, told=True)
 
 
 def test_a_refusal_stops_the_sending_and_the_started_ones_finish() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import email.utils
 import time
 
@@ -202,13 +203,13 @@ def test_connection_errors_are_retried_then_raised() -> None:
 
 
 @pytest.mark.parametrize(("n", "retry_after", "low", "high"), [
-    (0, None, 0.0, 0.2), (3, None, 0.0, 1.6), (20, None, 0.0, 10.0), (0, 2.5, 2.5, 2.7), (0, 0.4, 0.4, 0.5),
+    (0, None, 0.0, 0.2), (3, None, 0.0, 1.6), (20, None, 0.0, 10.0), (0, 2.5, 2.5, 2.5), (3, 0.4, 0.4, 0.4),
     (4, 0.0, 0.0, 0.0), (0, 99.0, 10.0, 10.0),
-], ids=["first", "fourth", "capped", "retry-after", "retry-after-small-jitter", "retry-after-zero",
+], ids=["first", "fourth", "capped", "retry-after", "retry-after-any-attempt", "retry-after-zero",
         "retry-after-capped"])
 def test_backoff_is_capped_exponential_with_jitter(n, retry_after, low, high) -> None:
-    """Without Retry-After: full jitter under a doubling cap. With it: never earlier than asked, at most a quarter
-    (and at most base_seconds) later, and never more than cap_seconds."""
+    """Without Retry-After: full jitter under a doubling cap. With it: exactly what the server asked (as client-go:
+    no jitter on top, whatever the attempt), and never more than cap_seconds."""
     p = RetryPolicy()
     for _ in range(50):
         assert low <= p.delay(n, retry_after) <= high
@@ -268,7 +269,7 @@ def test_a_create_answered_429_waits_its_retry_after_outside_the_concurrency_slo
             await runner.cleanup()
 
     asyncio.run(main())
-    assert len(waits) == 1 and 2.0 <= waits[0] <= 3.0 + RetryPolicy().base_seconds, waits
+    assert len(waits) == 1 and 2.0 < waits[0] <= 3.0, waits
     assert [m for m, _ in seen] == ["POST", "GET", "POST"], seen
 
 
@@ -317,3 +318,102 @@ def test_calls_in_flight_when_the_client_closes_end_with_client_closed_and_send_
         assert "waiting" not in seen and "after-close" not in seen
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------ request slots: oldest call first
+def test_slots_grant_the_oldest_ticket_first_and_skip_or_pass_on_cancelled_waiters() -> None:
+    """One slot, held; first-time calls a-d queue, then the retry of a call that started before them all asks with
+    its call's ticket: it is granted first, then a, c (b gave up while it waited: skipped); d, cancelled in the
+    instant it was handed the slot, passes it on to a later call: no slot is lost."""
+    from kubetitan.kube import Slots
+
+    async def main() -> list[str]:
+        slots, order = Slots(1), []
+        gates: dict[str, asyncio.Event] = collections.defaultdict(asyncio.Event)
+        tasks: dict[str, asyncio.Task] = {}
+
+        async def call(ticket: int, name: str) -> None:
+            async with slots.slot(ticket):
+                order.append(name)
+                await gates[name].wait()
+            if name == "c":  # released just now: d has been handed the slot but has not run yet
+                tasks["d"].cancel()
+
+        retried = slots.ticket()  # its first attempt was answered "retry after" (not modelled): it holds no slot
+        tasks["holder"] = asyncio.create_task(call(slots.ticket(), "holder"))
+        await asyncio.sleep(0)
+        tasks.update({n: asyncio.create_task(call(slots.ticket(), n)) for n in "abcd"})
+        await asyncio.sleep(0)
+        tasks["retry"] = asyncio.create_task(call(retried, "retry"))
+        await asyncio.sleep(0)
+        assert slots.waiting == 5
+        tasks["b"].cancel()
+        for name in ("holder", "retry", "a", "c"):
+            gates[name].set()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        assert tasks["b"].cancelled() and tasks["d"].cancelled()
+        gates["late"].set()
+        await asyncio.wait_for(call(slots.ticket(), "late"), 5)  # the slot d was handed came back
+        return order
+
+    assert asyncio.run(main()) == ["holder", "retry", "a", "c", "late"]
+
+
+def test_a_retry_after_its_retry_after_is_sent_before_first_time_requests_queued_meanwhile(monkeypatch) -> None:
+    """A create answered 429 with ``Retry-After: 1`` waits exactly 1 s (recorded, not slept) holding no slot, and
+    says so through ``kube.RETRY_WAIT``; its retry is then sent ahead of the requests that queued for the client's only slot while it waited (they started
+    after it), not behind them."""
+    import kubetitan.kube as kube
+
+    waits: list[float] = []
+    seen: list[str] = []
+    notes: list[bool] = []
+    waiting, come_back, busy_seen, release_busy = (asyncio.Event() for _ in range(4))
+
+    async def recorded(seconds: float, cause: str) -> None:
+        waits.append(seconds)
+        waiting.set()
+        await come_back.wait()
+
+    monkeypatch.setattr(kube, "_backoff_sleep", recorded)
+    refused = [True]
+
+    async def handler(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        name = request.path.rsplit("/", 1)[-1]
+        seen.append(f"{request.method} {name}")
+        if request.method == "POST" and refused:
+            refused.pop()
+            return aiohttp.web.json_response({"kind": "Status", "code": 429, "reason": "TooManyRequests"},
+                                             status=429, headers={"Retry-After": "1"})
+        if name == "busy":
+            busy_seen.set()
+            await release_busy.wait()
+        return aiohttp.web.json_response({"kind": "Pod"}, status=201 if request.method == "POST" else 200)
+
+    async def main() -> None:
+        runner, host = await _listen("/{tail:.*}", handler)
+        client = Client(kubernetes.client.Configuration(host=host), concurrency=1)  # the default RetryPolicy
+        try:
+            kube.RETRY_WAIT.set(notes.append)  # the create's task runs in a copy of this context: it tells of its wait
+            create = asyncio.create_task(client.create(POD))
+            kube.RETRY_WAIT.set(None)
+            await waiting.wait()  # answered 429: waiting out its Retry-After, holding no slot
+            busy = asyncio.create_task(client.get("pods", "ml", "busy"))
+            await busy_seen.wait()  # the only slot is taken
+            later = [asyncio.create_task(client.get("pods", "ml", f"later-{i}")) for i in range(3)]
+            while client.limit.waiting < 3:
+                await asyncio.sleep(0.001)
+            come_back.set()  # the Retry-After has passed: the retry queues behind the three first-time requests
+            while client.limit.waiting < 4:
+                await asyncio.sleep(0.001)
+            release_busy.set()
+            assert await create is True
+            await asyncio.gather(busy, *later)
+        finally:
+            await client.aclose()
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert waits == [1.0]  # exactly the Retry-After: no jitter on top
+    assert notes == [True, False]  # kube.RETRY_WAIT told of the wait (fanout.slow_start lends its place meanwhile)
+    assert seen == ["POST pods", "GET busy", "POST pods", "GET later-0", "GET later-1", "GET later-2"], seen

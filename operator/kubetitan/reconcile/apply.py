@@ -25,7 +25,7 @@ from kubetitan_core import validation
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan import fanout, plan
 from kubetitan.decide import Action, ChildError, Decision, parse_time
-from kubetitan.kube import Client, classify, message_of
+from kubetitan.kube import RETRY_WAIT, Client, classify, message_of
 from kubetitan.reconcile.context import ANNOTATION_APPLIED_SPEC, Context
 from kubetitan.reconcile.memory import RunMemory
 from kubetitan.reconcile.snapshot import Snapshot
@@ -170,7 +170,7 @@ async def create_children(client: Client, objects: list[dict[str, Any]]) -> Roun
     """Create ``objects`` (children of one run): the ConfigMap first (ours and existing: brought up to date), then
     the Services together, then the Pods in slow start (``fanout.slow_start``: 1, 2, 4, ... as Kubernetes'
     ReplicaSet controller does, each accepted create admitting two more, with no barrier between rounds, so a
-    create waiting out a Retry-After holds back only itself). The client's semaphore bounds the requests in flight.
+    create waiting out a Retry-After holds back only itself, and lends its place to the next create meanwhile). The client's semaphore bounds the requests in flight.
     Pods wait for a ConfigMap/Service the API refused (without them the gang cannot start), and a refused create
     stops the round, so a quota that refuses the whole gang costs one refused create per round, not one per pod."""
     errors: list[ChildError] = []
@@ -201,7 +201,7 @@ async def create_children(client: Client, objects: list[dict[str, Any]]) -> Roun
         async def accepted(o: dict[str, Any]) -> bool:
             return await one(o) and not refused(o)
 
-        unsent = await fanout.slow_start(pods, accepted)
+        unsent = await fanout.slow_start(pods, accepted, waiting=RETRY_WAIT)
         created += [o["metadata"]["name"] for o in pods[:len(pods) - unsent] if not refused(o)]
     return Round(tuple(created), tuple(errors), unsent)
 
