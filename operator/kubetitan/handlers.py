@@ -135,28 +135,31 @@ async def _login(memo: Any, **_: Any) -> Any:
     return kopf.AiohttpSession(aiohttp_session=session, server=ctx.cfg.host.rstrip("/"))
 
 
+# The indexers and event handlers below are ``async def`` although they never await: kopf runs a plain ``def`` handler
+# in its thread pool (one hop per handler per watch event, with a task and a context copy each), which cost CPU and
+# kept 6 threads, each with its own malloc arena; on the loop they are direct calls (docs/benchmarks.md, session 16).
 @kopf.index("pods", labels={plan.LABEL_UID: kopf.PRESENT})
-def lpt_pods(body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
+async def lpt_pods(body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
     """Pods by their run's uid (only the fields the decision reads)."""
     obs = pod_obs(body)
     return {labels[plan.LABEL_UID]: obs} if obs is not None else {}
 
 
 @kopf.index("nodes")
-def lpt_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+async def lpt_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
     """Health of every node by name (a watch, not one GET per node per cycle; kopf fills the index before any
     handler runs, so a node absent from it does not exist)."""
     return {name: node_obs(name, body)}
 
 
 @kopf.index("configmaps", labels={plan.LABEL_UID: kopf.PRESENT})
-def lpt_configmaps(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
+async def lpt_configmaps(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
     """The runs' ConfigMaps by run uid (a watch: one deleted by hand is seen gone at once)."""
     return {labels[plan.LABEL_UID]: name}
 
 
 @kopf.index("services", labels={plan.LABEL_UID: kopf.PRESENT})
-def lpt_services(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
+async def lpt_services(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
     """The runs' headless Services by run uid (like ``lpt_configmaps``)."""
     return {labels[plan.LABEL_UID]: name}
 
@@ -164,7 +167,7 @@ def lpt_services(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, An
 @kopf.on.event("pods", labels={plan.LABEL_UID: kopf.PRESENT})
 @kopf.on.event("configmaps", labels={plan.LABEL_UID: kopf.PRESENT})
 @kopf.on.event("services", labels={plan.LABEL_UID: kopf.PRESENT})
-def _pod_changed(labels: Mapping[str, str], memo: Any, **_: Any) -> None:
+async def _pod_changed(labels: Mapping[str, str], memo: Any, **_: Any) -> None:
     """Wake the run's daemon at once when one of its children changes (a pod's phase, a ConfigMap deleted by
     hand): observation stays level-based, this only cuts the latency."""
     job = _ctx(memo).jobs.get(labels[plan.LABEL_UID])
@@ -173,7 +176,7 @@ def _pod_changed(labels: Mapping[str, str], memo: Any, **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def _run_changed(type: str | None, body: kopf.Body, memo: Any, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
+async def _run_changed(type: str | None, body: kopf.Body, memo: Any, **_: Any) -> None:  # noqa: A002 - kopf's kwarg
     """Wake the run's daemon when its spec changes (a new ``metadata.generation``); forget a deleted run's metric
     series and memory. Writes nothing (kopf keeps no record of event handlers)."""
     ctx = _ctx(memo)

@@ -14,23 +14,67 @@ nothing a decision depends on. :class:`RunMemory` holds the rest, each field say
   values, the recovery-time metric), and the scrape's pace;
 - caches of pure functions of the object (its parse, the spec-change gate), kept only for their cost.
 
+With 2,000 runs this is a large part of the operator's memory, so the two pydantic models kept per run (the parse of
+the spec, the status written last: ~12-15 KiB of objects each) are kept as their JSON (~2 KiB, :class:`Packed`) and
+rebuilt when a cycle reads them (~20 us), and the parse's cache key is a digest of the spec, not a copy of it
+(docs/benchmarks.md, "where the memory goes").
+
 A new leader term drops the writes-in-flight part (``forget``) and the daemon re-reads the run from the API.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from kubetitan_core.api import LlamaPretrainStatus
+from pydantic import BaseModel
+
+from kubetitan_core.api import LlamaPretrain, LlamaPretrainStatus
 from kubetitan.decide import ChildError
 from kubetitan.reconcile.expectations import Expectations
 
 CREATE_RETRY_BASE_SECONDS = 0.5
 CREATE_RETRY_CAP_SECONDS = 60.0
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class Packed(Generic[M]):
+    """A pydantic model kept as its JSON and rebuilt on each ``get()``: ~2 KiB of bytes instead of ~12-15 KiB of
+    objects for a LlamaPretrain or its status, for ~20 us per rebuild.
+
+    ``of`` checks that the JSON validates and gives back an equal model with the same JSON (so a float in an int
+    field, or any value that would not survive the trip, is caught); a model that does not is kept as it is."""
+
+    model_type: type[M]
+    data: bytes | M
+    """The model's JSON (``model_dump_json(by_alias=True, round_trip=True)``), or the model itself."""
+
+    @classmethod
+    def of(cls, model: M) -> Packed[M]:
+        data = model.model_dump_json(by_alias=True, round_trip=True).encode()
+        try:
+            back = type(model).model_validate_json(data)
+        except ValueError:  # pydantic's ValidationError: the JSON does not even validate
+            return cls(type(model), model)
+        same = back == model and back.model_dump_json(by_alias=True, round_trip=True).encode() == data
+        return cls(type(model), data if same else model)
+
+    def get(self) -> M:
+        """The model (a new object for packed JSON: changing it changes nothing here)."""
+        return self.model_type.model_validate_json(self.data) if isinstance(self.data, bytes) else self.data
+
+
+def spec_digest(spec: Any) -> bytes:
+    """A 128-bit digest of a spec's canonical JSON: the parse cache's key (a copy of the spec cost ~3.5 KiB a run)."""
+    text = json.dumps(spec, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 @dataclass
@@ -90,9 +134,9 @@ class Reported:
 class Memo:
     """Caches of pure functions of the object, kept for their cost only (a cycle of 2,000 runs re-validates none)."""
 
-    parsed_from: Any = None
-    """The ``spec`` the parse below came from: a cycle re-validates only when the spec changed."""
-    parsed: tuple[Any, list[Any], dict[str, Any]] | None = None
+    parsed_from: bytes | None = None
+    """``spec_digest`` of the ``spec`` the parse below came from: a cycle re-validates only when the spec changed."""
+    parsed: tuple[Packed[LlamaPretrain] | None, list[Any], dict[str, Any]] | None = None
     """(LlamaPretrain or None, validation errors, the spec dumped in wire form)."""
     changes_for: tuple[Any, Any] | None = None
     """The (applied, desired) specs ``gate`` was computed for (by identity)."""
@@ -110,9 +154,9 @@ class RunMemory:
     """Set by a watch event of the run or a child: the daemon's next cycle starts at once."""
     generation: Any = None
     """The run's ``metadata.generation`` last seen by the run's event handler (a new one wakes the daemon)."""
-    written: LlamaPretrainStatus | None = None
-    """The status this replica wrote last: the watch may still deliver an older one, and a cycle must not start
-    from it (it would undo its own last step)."""
+    packed_written: Packed[LlamaPretrainStatus] | None = None
+    """The status this replica wrote last (``written``): the watch may still deliver an older one, and a cycle must
+    not start from it (it would undo its own last step)."""
     reread: dict[str, Any] | None = None
     """The status as just read from the API (a new term, or a stale status): the next cycle starts from it, not
     from the watched one, which may be older."""
@@ -129,6 +173,16 @@ class RunMemory:
     """What was reported once outside the status."""
     memo: Memo = field(default_factory=Memo)
     """Caches of pure functions of the object."""
+
+    @property
+    def written(self) -> LlamaPretrainStatus | None:
+        """The status this replica wrote last, rebuilt from ``packed_written`` (a new object on every read: assign it
+        back after changing it)."""
+        return None if self.packed_written is None else self.packed_written.get()
+
+    @written.setter
+    def written(self, status: LlamaPretrainStatus | None) -> None:
+        self.packed_written = None if status is None else Packed.of(status)
 
     def forget_children(self) -> None:
         """Drop what this replica believes about children (after a fail-over, re-read from the API)."""

@@ -9,7 +9,6 @@ a new leader term starts or the decision finds the status stale.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,7 +21,7 @@ from kubetitan.decide import NodeObs, nodes_to_avoid
 from kubetitan import status as status_mod
 from kubetitan.observe import node_obs, pod_obs, spec_changes
 from kubetitan.reconcile.context import ANNOTATION_APPLIED_SPEC, Context
-from kubetitan.reconcile.memory import RunMemory
+from kubetitan.reconcile.memory import Packed, RunMemory, spec_digest
 from kubetitan.reconcile.snapshot import Scrape, Snapshot, all_nodes, child_names, children_of, nodes_of, pods_of
 
 
@@ -30,8 +29,9 @@ def read_run(memory: RunMemory, body: Mapping[str, Any], now: float, pol: policy
     """The object's part of the snapshot: identity, the status to start from, the spec's parse (pure)."""
     meta = body["metadata"]
     raw = memory.reread if memory.reread is not None else body.get("status")
-    written = memory.written is not None
-    old = memory.written if memory.written is not None else status_mod.load(raw)
+    mine = memory.written
+    written = mine is not None
+    old = mine if mine is not None else status_mod.load(raw)
     # Against what the server holds: our last write, or (first cycle here) the read status less kopf's bookkeeping.
     old_raw = old.dump() if written else {k: v for k, v in (raw or {}).items() if k != "kopf"}
     lpt, errors, desired = parse(memory, body, pol)
@@ -94,14 +94,16 @@ def parse(memory: RunMemory, body: Mapping[str, Any], pol: policy.Policy | None 
     The parse reads the spec and the immutable identity (apiVersion, kind, name, namespace, uid); status
     writes and kopf's annotation patches change none of them, so most cycles reuse the last result.
     """
-    spec, memo = body.get("spec"), memory.memo
-    if memo.parsed is None or spec != memo.parsed_from:
+    memo, digest = memory.memo, spec_digest(body.get("spec"))
+    if memo.parsed is None or digest != memo.parsed_from:
         lpt, errors = validation.parse(dict(body))
         if lpt is not None and not errors and pol is not None:
             errors = list(policy.check(lpt, pol))
         desired = lpt.spec.model_dump(by_alias=True, exclude_none=True, mode="json") if lpt is not None else {}
-        memo.parsed_from, memo.parsed = copy.deepcopy(spec), (lpt, errors, desired)
-    return memo.parsed
+        memo.parsed_from, memo.parsed = digest, (Packed.of(lpt) if lpt is not None else None, errors, desired)
+        return lpt, errors, desired
+    packed, errors, desired = memo.parsed
+    return (packed.get() if packed is not None else None), errors, desired
 
 
 def _gate(memory: RunMemory, snap: Snapshot) -> tuple[str | None, str | None, str | None]:

@@ -110,6 +110,7 @@ async def pending_events(ctx: Context, memory: RunMemory, snap: Snapshot) -> Non
     if len(left) != len(written.pending_events):
         await ctx.client.patch_status(snap.namespace, snap.name, {"pendingEvents": [e.dump() for e in left]})
         written.pending_events = left
+        memory.written = written  # a rebuilt copy: store the change
 
 
 async def create_round(ctx: Context, snap: Snapshot, memory: RunMemory, status: LlamaPretrainStatus,
