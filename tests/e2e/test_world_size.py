@@ -23,11 +23,11 @@ from kubetitan import conditions as C
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(600)]
 
-STEPS, INTERVAL = 70, 10
+STEPS, INTERVAL = 80, 10
 """A checkpoint every 10 steps: attempt 0 is killed at its first (seen in the checkpoint folder, polled every 20 ms)
-with 60 steps (~3 s of the test model here) left, so the kill lands long before it could finish; attempt 1 saves 6
-times, not 15 (each save writes every rank's model and optimizer), and trains its ~60 steps for a few seconds, so the
-operator scrapes the step it resumed from (its restart record's ``resumedFromStep`` is settled from that scrape: a
+with 70 steps (3.0-4.2 s of the test model here) left, so the kill lands long before it could finish; attempt 1 saves
+7 times, not 20 (each save writes every rank's model and optimizer), and trains its ~70 steps for a few seconds, so
+the operator scrapes the step it resumed from (its restart record's ``resumedFromStep`` is settled from that scrape: a
 short attempt 1 could finish between two 0.5 s scrapes and leave the record at the operator's first guess)."""
 OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5}
 START = 300.0  # seconds allowed for a gang to reach its first step (torch imports on two busy cores)
