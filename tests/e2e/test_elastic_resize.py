@@ -24,13 +24,18 @@ from pathlib import Path
 import pytest
 from common import complete_checkpoints, free_port, step_log
 from support.specs import NS, e2e_elastic_spec, lpt
+from support.windows import slack
 
 from kmockx.harness import Operator, wait_for
 from kubetitan import conditions as C
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(600)]
 
-STEPS, INTERVAL, GLOBAL_BATCH = 20, 2, 6
+STEPS, INTERVAL, GLOBAL_BATCH = 60, 5, 6
+"""rank 2's node fails at attempt 0's first checkpoint (step 5, seen in the checkpoint folder) with 55 steps left;
+attempt 1 resumes there and must still train when the node's return is planned as a grow (growCheckSeconds, the
+operator's 1 s resize interval, then its next checkpoint): 55 steps of 2 ranks with 3 micro-batches each, ~5 s here
+(the windows each run prints: bench/results/suite/s16_windows_e2e_s3.txt); a checkpoint every 5 steps, 12 saves."""
 SHRINK_AFTER, GROW_CHECK = 2, 2
 START = 300.0  # seconds allowed for a gang to reach its first step (torch imports on two busy cores)
 
@@ -65,6 +70,7 @@ def test_a_lost_node_shrinks_the_gang_and_its_return_grows_it_back_without_skipp
         wait_for(lambda: complete_checkpoints(e2e.ckpt), START, "attempt 0's first checkpoint")
         lost = wait_for(lambda: k.proc(NS, f"{name}-a0-2").node, 10, "rank 2's node")
         k.fail_node(lost)
+        slack("rank 2's node failed (attempt 0)", step_log(e2e.ckpt), STEPS, attempt=0)
         failed_at = time.monotonic()
         cond = wait_for(lambda: (x := c.condition(NS, name, C.READY)) and x["reason"] == C.WAITING_FOR_REPLACEMENT
                         and x, 30, "Ready=False/WaitingForReplacement")
@@ -83,7 +89,9 @@ def test_a_lost_node_shrinks_the_gang_and_its_return_grows_it_back_without_skipp
 
         # ---- the node returns: attempt 1 grows back to 3 at its next checkpoint
         k.restore_node(lost)
+        slack("the node back (attempt 1, the grow planned from here)", step_log(e2e.ckpt), STEPS, attempt=1)
         wait_for(lambda: st().get("resizeCount") == 2, 120, "the grow")
+        slack("the grow decided (attempt 1)", step_log(e2e.ckpt), STEPS, attempt=1)
         grown_at = time.monotonic()
         wait_for(lambda: len(_of(c, name, 2)) == 3, 60, "attempt 2's 3 pods")
         wait_for(lambda: st().get("phase") == "Succeeded", START, "Succeeded")

@@ -39,13 +39,20 @@ from pathlib import Path
 import pytest
 from common import attempts_in_log, complete_checkpoints, free_port, loss_by_step, step_log
 from support.specs import NS, e2e_spec, lpt
+from support.windows import slack
 
 from kmockx.harness import LPT, PODS, Operator, wait_for
 from kubetitan.decide import parse_time
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
 
-STEPS, INTERVAL = 20, 4
+STEPS, INTERVAL = 120, 20
+"""Each fault lands while the run trains, and the test learns where the run is from the operator's 0.5 s scrapes
+(about 10 steps of the test model late): the freeze at step >= 21 (seen by step ~31); attempt 1 resumes from step 20,
+and its operator restart (a 1 s pause and a new operator's first scrape) and node failure take ~15 steps; attempt 2
+resumes from step 20 or 40 and is suspended at step ~22-52, with 70-100 steps (4-5 s here) left (the windows each run
+prints: bench/results/suite/s16_windows_e2e_s3.txt). A checkpoint every 20 steps: the first scrape past step 21
+cannot have seen the second checkpoint (step 40) yet, and 6 saves, not 30."""
 OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5}
 """Quicker than the operator's defaults (10 s / 15 s), slower than the harness's (0.1 s / 0.05 s): the operator's
 loop then costs little of the two cores the trainers run on. Downtime is exact anyway (the trainer's heartbeat)."""
@@ -124,6 +131,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         # ---- freeze one process -> hang detected, restart
         frozen = k.freeze(NS, f"{name}-a0-1")
         assert frozen
+        slack("freeze (attempt 0)", step_log(e2e.ckpt), STEPS, attempt=0)
         _wait_restarts(c, name, 1, 90, "hang restart")
         # what attempt 0 left, read once the restart is decided (attempt 1's pods do not exist yet): by the time
         # the restart record settles, attempt 1 may have saved its own next checkpoint (seen under two CPU hogs)
@@ -137,6 +145,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         assert log[_first_index_after(log, rec)]["step"] == resumed + 1, "attempt 1 did not resume from the newest checkpoint"
 
         # ---- restart the operator itself mid-run: no duplicate pods, the restart count kept, the run carries on
+        slack("operator restart (attempt 1)", step_log(e2e.ckpt), STEPS, attempt=1)
         op.stop()
         step_then = _step(c, name)
         time.sleep(1.0)
@@ -151,6 +160,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         victim = f"{name}-a1-1"
         node = c.get(PODS, NS, victim)["spec"]["nodeName"]
         k.fail_node(node)
+        slack("node failure (attempt 1)", step_log(e2e.ckpt), STEPS, attempt=1)
         _wait_restarts(c, name, 2, 60, "node failure restart")
         rec = _st(c, name)["restarts"][1]
         assert rec["cause"] == "NodeFailure" and rec["nodeName"] == node, rec
@@ -169,6 +179,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         # (decide.suspended leaves it to rank0_succeeded), or the ranks finish the last step while stopping (exit 0
         # or 75 with the final checkpoint) and the run is Suspended with nothing left to train.
         c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": True}}})
+        slack("suspend (attempt 2)", step_log(e2e.ckpt), STEPS, attempt=2)
         wait_for(lambda: _st(c, name).get("phase") in ("Suspended", "Succeeded") and not _pods(c, name), 120,
                  "suspended (or done first)")
         finished_first = _st(c, name)["phase"] == "Succeeded"
@@ -220,6 +231,8 @@ def test_one_run_through_every_fault(e2e) -> None:
     # ... no attempt starts over from step 1 (fresh weights), and training still lowers the loss
     assert all(s[0]["step"] > 1 for s in segs[1:]), [s[0]["step"] for s in segs]
     last = [r["loss"] for r in log[-5:]]  # the seeded run's per-step loss is noisy: its best recent step
+    print(f"loss: step 1 {first_loss:.3f}, best of the last 5 steps {min(last):.3f} (falls by "
+          f"{first_loss - min(last):.3f}; the test asks for 0.3)", flush=True)
     assert min(last) < first_loss - 0.3, (first_loss, last)
     assert not k.live_processes() or wait_for(lambda: not k.live_processes(), 60, "processes gone")
 
@@ -334,6 +347,7 @@ def test_api_faults_on_every_request_leave_the_run_untouched(e2e) -> None:
         for cut in (c.k.drop_watches, c.k.expire_watches):
             mark = len(c.k.log)
             cut()
+            slack(f"{cut.__name__} (attempt 0)", step_log(e2e.ckpt), steps, attempt=0)
             for plural in ("pods", "llamapretrains", "configmaps", "services", "nodes"):
                 wait_for(lambda plural=plural: _watches_since(c, user, mark, plural), 60,
                          f"the operator watching {plural} again after {cut.__name__}")

@@ -30,6 +30,7 @@ import json
 import pytest
 from common import complete_checkpoints, free_port, step_log
 from support.specs import NS, e2e_spec, lpt
+from support.windows import slack
 
 from kmockx.harness import CMS, LPT, PODS, SVCS, Operator, wait_for
 from kubetitan.decide import parse_time
@@ -51,7 +52,10 @@ def _step(c, name: str) -> int:
 
 
 def _uids(c, name: str) -> dict[str, str]:
-    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in c.pods(NS, name)}
+    """Name -> uid of the run's live pods: a re-created attempt's pods may still be terminating (a rank stopping
+    on SIGTERM waits for its gang's checkpoint save) when the next attempt has trained its first step."""
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in c.pods(NS, name)
+            if not p["metadata"].get("deletionTimestamp")}
 
 
 def _log_reaches(ckpt, attempt: int, generation: int, step: int, timeout: float = START) -> None:
@@ -85,6 +89,7 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         # ---- a worker dies on a healthy node: every rank's workers restart in place
         killed_at_step = step_log(e2e.ckpt)[-1]["step"]
         assert k.kill_workers(NS, f"{name}-a0-1"), "no worker process to kill"
+        slack("worker kill (attempt 0, generation 0)", step_log(e2e.ckpt), STEPS, attempt=0)
         rec = _settled(c, name, 0)
         assert rec["mode"] == "InPlace" and rec["attempt"] == 0 and rec["generation"] == 1, rec
         assert rec["cause"] == "ContainerFailed" and "signal 9" in rec["message"] and rec["nodeName"] == node1, rec
@@ -113,6 +118,7 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         # ---- the same pod's worker fails again: the node failed in place twice -> re-create the gang
         _log_reaches(e2e.ckpt, 0, 1, rec["resumedFromStep"] + 2)
         assert k.kill_workers(NS, f"{name}-a0-1")
+        slack("worker kill (attempt 0, generation 1)", step_log(e2e.ckpt), STEPS, attempt=0)
         wait_for(lambda: _st(c, name).get("restartCount") == 2, START, "the second failure recorded")
         rec2 = _st(c, name)["restarts"][1]
         assert rec2["mode"] == "Recreate" and rec2["attempt"] == 0 and "failed in place twice in a row" in rec2["message"], rec2
@@ -125,6 +131,7 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         victim = f"{name}-a1-1"
         node = c.get(PODS, NS, victim)["spec"]["nodeName"]
         k.fail_node(node)
+        slack("node failure (attempt 1)", step_log(e2e.ckpt), STEPS, attempt=1)
         wait_for(lambda: _st(c, name).get("restartCount") == 3, 60, "node failure restart")
         rec3 = _st(c, name)["restarts"][2]
         assert rec3["mode"] == "Recreate" and rec3["cause"] == "NodeFailure" and rec3["nodeName"] == node, rec3
@@ -143,6 +150,7 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         assert len(set(node_of.values())) == 2, node_of  # else the second hang is its node's second: escalation
         _log_reaches(e2e.ckpt, 2, 0, _st(c, name)["restarts"][2]["resumedFromStep"] + 6)  # Auto needs 5 steps
         assert k.freeze(NS, f"{name}-a2-1"), "no worker process to freeze"
+        slack("rank 1 frozen (attempt 2)", step_log(e2e.ckpt), STEPS, attempt=2)
         rec4 = _settled(c, name, 3)
         assert (rec4["mode"], rec4["cause"], rec4["attempt"], rec4.get("generation")) == ("InPlace", "Hang", 2, 1), rec4
         assert rec4["nodeName"] == node_of[f"{name}-a2-1"] and "exit code 7" in rec4["message"], rec4
@@ -152,6 +160,7 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         # launcher's watchdog does (the heartbeat file, no network) and the gang restarts in place again
         _log_reaches(e2e.ckpt, 2, 1, rec4["resumedFromStep"] + 6)
         assert k.freeze(NS, f"{name}-a2-0"), "no worker process to freeze"
+        slack("rank 0 frozen (attempt 2)", step_log(e2e.ckpt), STEPS, attempt=2)
         rec5 = _settled(c, name, 4)
         assert (rec5["mode"], rec5["cause"], rec5["attempt"], rec5.get("generation")) == ("InPlace", "Hang", 2, 2), rec5
         assert rec5["nodeName"] == node_of[f"{name}-a2-0"], rec5
@@ -164,6 +173,7 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         # goes, and nothing of the run is left (once its own scenario in test_faults.py: one gang start less)
         assert len(k.live_processes()) >= 4  # 2 launchers + 2 workers
         c.delete(LPT, NS, name)
+        slack("run deleted (attempt 2)", step_log(e2e.ckpt), STEPS, attempt=2)
         wait_for(lambda: c.lpt(NS, name) is None, 30, "the LlamaPretrain deleted (finalizer released)")
         wait_for(lambda: not c.pod_names(NS, name) and not k.live_processes(), 60, "pods and processes gone")
     assert not c.list(CMS, NS) and not c.list(SVCS, NS)

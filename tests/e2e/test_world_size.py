@@ -16,18 +16,19 @@ from __future__ import annotations
 import pytest
 from common import complete_checkpoints, free_port, step_log
 from support.specs import NS, e2e_spec, lpt
+from support.windows import slack
 
 from kmockx.harness import LPT, Operator, wait_for
 from kubetitan import conditions as C
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(600)]
 
-STEPS, INTERVAL = 24, 4
-"""A checkpoint every 4 steps, so attempt 0 has one (and is killed there) long before it could finish, and attempt 1
-saves 5 times, not 10 (each save writes every rank's model and optimizer); attempt 1 trains the other ~20 for a few
-seconds, so the operator scrapes the step it resumed from (its restart record's
-``resumedFromStep`` is settled from that scrape: with 8 steps and warm launches, attempt 1 could finish between two
-0.5 s scrapes and leave the record at the operator's first guess)."""
+STEPS, INTERVAL = 80, 10
+"""A checkpoint every 10 steps: attempt 0 is killed at its first (seen in the checkpoint folder, polled every 20 ms)
+with 70 steps (3.0-4.2 s of the test model here) left, so the kill lands long before it could finish; attempt 1 saves
+7 times, not 20 (each save writes every rank's model and optimizer), and trains its ~70 steps for a few seconds, so
+the operator scrapes the step it resumed from (its restart record's ``resumedFromStep`` is settled from that scrape: a
+short attempt 1 could finish between two 0.5 s scrapes and leave the record at the operator's first guess)."""
 OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5}
 START = 300.0  # seconds allowed for a gang to reach its first step (torch imports on two busy cores)
 
@@ -57,6 +58,7 @@ def test_nodes_2_to_3_mid_run_applies_at_the_next_attempt_which_resumes_at_the_n
 
         # ---- the edit, while attempt 0 starts: deferred, attempt 0 untouched
         c.patch(LPT, NS, name, {"spec": {"resources": {"nodes": 3}, "parallelism": {"dataParallelShardDegree": 3}}})
+        slack("nodes 2 -> 3 edit (attempt 0)", step_log(e2e.ckpt), STEPS, attempt=0)
         cond = wait_for(lambda: (x := c.condition(NS, name, C.SPEC_ACCEPTED)) and x["reason"]
                         == C.DEFERRED_TO_NEXT_ATTEMPT and x, 30, "SpecAccepted=True/DeferredToNextAttempt")
         assert cond["status"] == "True" and "resources.nodes 2 -> 3" in cond["message"], cond
@@ -67,6 +69,7 @@ def test_nodes_2_to_3_mid_run_applies_at_the_next_attempt_which_resumes_at_the_n
 
         # ---- a rank of attempt 0 dies: attempt 1 is the 3-node gang
         k.kill(NS, f"{name}-a0-1")
+        slack("rank 1 killed (attempt 0)", step_log(e2e.ckpt), STEPS, attempt=0)
         wait_for(lambda: st().get("restartCount") == 1, 60, "the restart after the kill")
         left = complete_checkpoints(e2e.ckpt)  # what attempt 0 left (attempt 1 has not trained yet)
         assert {p for p in _pods_created(c) if "-a0-" in p} == {f"{name}-a0-0", f"{name}-a0-1"}, "a pod added to attempt 0"

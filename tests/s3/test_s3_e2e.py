@@ -19,11 +19,15 @@ from kubetitan_trainer import storage
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "e2e"))  # the e2e kubelet and its builders (no package there)
 from common import NS, e2e_spec, lpt, step_log  # noqa: E402
+from support.windows import slack  # noqa: E402
 from kubelet import Kubelet  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
 
-STEPS, INTERVAL = 12, 3
+STEPS, INTERVAL = 80, 10
+"""rank 1 is killed once the operator has scraped attempt 0's first checkpoint (0.5 s scrapes: up to ~10 steps of the
+test model late, seen here at step 10-20), with 60-70 steps (3 s or more here, and the S3 saves) left: the kill lands
+while the run trains (the windows each run prints: bench/results/suite/s16_windows_e2e_s3.txt)."""
 START = 300.0
 
 
@@ -66,6 +70,7 @@ def test_gang_killed_resumes_from_s3_and_a_missing_bucket_fails_with_a_condition
                      and st(name).get("attempt") == 0, START, "attempt 0's first checkpoint in S3")
             assert not (scratch / "checkpoint").exists(), "checkpoints went to the bucket, not the scratch folder"
             k.kill(NS, f"{name}-a0-1")
+            slack("rank 1 killed (attempt 0)", step_log(scratch), STEPS, attempt=0)
             wait_for(lambda: st(name).get("restartCount") == 1, 60, "restart after the kill")
             left = complete()  # what attempt 0 left in the bucket (attempt 1's pods do not exist yet)
             wait_for(lambda: len(st(name).get("restarts") or []) > 0
