@@ -72,6 +72,8 @@ class PodObs:
     scheduled_since: float | None = None
     """When the pod's ``PodScheduled`` condition turned True (its ``lastTransitionTime``)."""
     running_since: float | None = None
+    finished_at: float | None = None
+    """The container's ``state.terminated.finishedAt`` (epoch seconds; the API gives whole seconds), if it ended."""
     deleting: bool = False
 
 
@@ -695,7 +697,8 @@ def grow(f: Facts) -> Decision | None:
 
 def pod_failed(f: Facts) -> Decision | None:
     """A failure of any pod, a lost node past its grace, or a rank that disappeared ends the attempt."""
-    failures = [x for p in f.current if (x := classify_pod(p)) is not None]
+    failed = [(p, x) for p in f.current if (x := classify_pod(p)) is not None]
+    failures = [x for _, x in sorted(failed, key=lambda px: _root_first(*px))]
     failures += [x for x, _left in _lost_nodes(f) if x is not None]
     if not failures:
         gone = sorted(r for r in f.obs.ranks_seen if r not in {p.rank for p in f.current})
@@ -713,6 +716,23 @@ def pod_failed(f: Facts) -> Decision | None:
     first = failures[0]
     extra = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
     return restart_or_fail(f, replace(first, message=first.message + extra), force)
+
+
+def _root_first(p: PodObs, x: Failure) -> tuple[float, int, int]:
+    """Which of several failed pods the restart names (the first in this order): the one that ended first, since
+    the others most often ended because of it (a rank killed by the OOM killer takes its peers down with a
+    connection reset a moment later: the record must say OOMKilled or "killed by signal 9", not the peers' exit 1).
+    ``finishedAt`` has whole seconds, so within one second: a cause of its own (OOMKilled, a detected message, an
+    eviction, ...) before a signal's kill before a plain non-zero exit, then the lower rank. A failure seen before
+    its container ended (the kubelet cannot start it, an eviction, a node going) has no end time and comes first."""
+    when = p.finished_at if p.finished_at is not None and p.exit_code is not None else float("-inf")
+    if x.cause != causes.CONTAINER_FAILED:
+        kind = 0
+    elif p.exit_code in (EXIT_SIGKILL, EXIT_SIGTERM):
+        kind = 1
+    else:
+        kind = 2
+    return when, kind, p.rank
 
 
 def _lost_nodes(f: Facts) -> list[tuple[Failure | None, float]]:

@@ -70,6 +70,7 @@ def pod_obs(pod: Mapping[str, Any]) -> PodObs | None:
         created=_ts(meta.get("creationTimestamp")),
         scheduled_since=_ts(sched.get("lastTransitionTime")) if sched.get("status") == "True" else None,
         running_since=_ts(running.get("startedAt")) if running else None,
+        finished_at=_ts(term.get("finishedAt")) if term else None,
         deleting=bool(meta.get("deletionTimestamp")),
     )
 

@@ -606,6 +606,43 @@ def test_classify_pod(p, want) -> None:
     assert (None if f is None else f.cause or "fatal") == want
 
 
+# (rank 0's container, rank 1's container) -> the pod the restart names: the rank that ended first, and within one
+# second of finishedAt a cause of its own, then a signal's kill, then a plain exit, then the lower rank
+_OOM = {"phase": "Failed", "exit_code": 137, "terminated_reason": "OOMKilled"}
+ROOT_CASES = [
+    ("killed-rank-1-then-peer-exit-1-same-second",
+     {"phase": "Failed", "exit_code": 1, "finished_at": NOW - 2}, {"phase": "Failed", "exit_code": 137, "finished_at": NOW - 2},
+     "j-a0-1", "killed by signal 9"),
+    ("peer-exit-1-a-second-after-the-kill",
+     {"phase": "Failed", "exit_code": 1, "finished_at": NOW - 1}, {"phase": "Failed", "exit_code": 137, "finished_at": NOW - 2},
+     "j-a0-1", "killed by signal 9"),
+    ("rank-0-crashed-first-rank-1-killed-later",
+     {"phase": "Failed", "exit_code": 1, "finished_at": NOW - 3}, {"phase": "Failed", "exit_code": 137, "finished_at": NOW - 2},
+     "j-a0-0", "exited with code 1"),
+    ("oom-killed-before-a-plain-kill-in-the-same-second",
+     {"phase": "Failed", "exit_code": 137, "finished_at": NOW - 2}, {**_OOM, "finished_at": NOW - 2}, "j-a0-1", "OOM"),
+    ("two-plain-exits-same-second-lower-rank",
+     {"phase": "Failed", "exit_code": 1, "finished_at": NOW - 2}, {"phase": "Failed", "exit_code": 1, "finished_at": NOW - 2},
+     "j-a0-0", "exited with code 1"),
+    ("no-end-times-cause-of-its-own-first",
+     {"phase": "Failed", "exit_code": 1}, _OOM, "j-a0-1", "OOM"),
+    ("image-pull-before-a-peer-that-ended",
+     {"phase": "Failed", "exit_code": 1, "finished_at": NOW - 2},
+     {"phase": "Pending", "waiting_reason": "ImagePullBackOff", "waiting_message": "no such image"}, "j-a0-1", "ImagePullBackOff"),
+]
+
+
+@pytest.mark.parametrize(("r0", "r1", "named", "says"), [c[1:] for c in ROOT_CASES], ids=[c[0] for c in ROOT_CASES])
+def test_a_restart_names_the_failure_that_came_first(r0, r1, named, says) -> None:
+    s = spec()
+    obs = Observed(pods=gang(over={0: r0, 1: r1}), nodes=ok_nodes, progress=TRAINING, now=NOW)
+    d = decide(s, status(), obs)
+    assert d.action in (Action.RESTART, Action.FAIL), d
+    new = next_status(s, status(), d, obs)
+    msg = new.restarts[0].message if new.restarts else d.message
+    assert f"pod {named}" in msg and says in msg and ("(+1 more)" in msg or d.action == Action.FAIL), msg
+
+
 def test_restart_status_records_history_and_conditions() -> None:
     s = spec()
     st = status()
