@@ -2,11 +2,17 @@
 operator's metrics server; plus `promtool check metrics` on both exporters' output.
 
 Prometheus (Debian's, from `make tools`) listens on 127.0.0.1 on a free port with tmp storage and
-scrapes every half second: the trainer (the test model, support.specs.TEST_MODEL, 2 gloo ranks, launched exactly as
-`kubetitan run` launches it, with the trainer's own `write_config`) as job kubetitan-trainer, and
+scrapes every half second: the trainer (examples/debug-cpu.yaml: torchtitan's debug model, 2 gloo ranks, launched
+exactly as `kubetitan run` launches it, with the trainer's own `write_config`) as job kubetitan-trainer, and
 the operator's `OperatorMetrics` served by prometheus-client as the operator serves it (with
 per-run series recorded through its own methods) as job kubetitan-operator. The static target
 labels stand in for the chart's PodMonitor relabelling (namespace, pod, name).
+
+The queries need the trainer training until the last one (rates, the ETA "while the run trains"); the test kills
+it then. ``STEPS`` steps of the debug model with a checkpoint and an evaluation every 2 take ~0.7 s each here (at
+load 4): the last query ran at step ~10, with minutes of training left (the slack is printed at the end:
+bench/results/suite/s16_windows_trainer.txt). The test model's steps would save no CPU: the trainer trains flat out
+until the test kills it either way.
 """
 
 from __future__ import annotations
@@ -33,12 +39,15 @@ from kubetitan_core import contract
 from kubetitan_core.api import LlamaPretrain, TrainingStatus
 from kubetitan.monitoring import dashboards, queries
 from kubetitan.monitoring.config import DEFAULT
+from support.trainer import step_records
+from support.windows import slack
 
 REPO = Path(__file__).resolve().parents[2]
 RULES_FILE = REPO / "charts" / "kubetitan" / "files" / "kubetitan-rules.yaml"
 NS, NAME = "ml", "live-debug"
 SCRAPE = "500ms"  # half a second: the 10 scrapes the test waits for take 5 s of the trainer's (2 ranks') CPU, not 10
 RATE = "8s"  # stands in for Grafana's $__rate_interval (at least 4 scrape intervals) at that scrape interval
+STEPS = 400
 pytestmark = pytest.mark.xdist_group("live-prometheus")
 
 
@@ -129,7 +138,7 @@ def start_trainer(tmp: Path, metrics_port: int):
     lpt.metadata.name, lpt.metadata.namespace = NAME, NS
     out = tmp / "run"
     out.mkdir()
-    config = write_config(lpt, out, 400, metrics_port)
+    config = write_config(lpt, out, STEPS, metrics_port)
     cfg = tomllib.loads(config.read_text())
     # The CPU has no FLOP/s peak, so the trainer would not export MFU; borrow an H100's so that
     # the MFU panel has a series (its value is tiny and meaningless here).
@@ -283,7 +292,7 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(tmp_path):
             assert {NS, NAME} & set(values["data"]), (var["name"], values)
 
         # A few values are what the run and the operator reported.
-        assert scalar(substitute(queries.total_steps(DEFAULT))) == 400
+        assert scalar(substitute(queries.total_steps(DEFAULT))) == STEPS
         assert 0 < scalar(substitute(queries.mfu(DEFAULT))) < 1
         assert scalar(substitute(queries.job_restarts(DEFAULT))) == 1
         assert scalar(substitute(queries.goodput(DEFAULT))) == pytest.approx(0.93)
@@ -314,6 +323,7 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(tmp_path):
         rules = [r for g in groups for r in g["rules"]]
         assert len(rules) == len(yaml.safe_load(RULES_FILE.read_text())["groups"][0]["rules"])
         assert all(r["health"] in ("ok", "unknown") for r in rules), [r for r in rules if r["health"] == "err"]
+        slack("the last query", step_records(tmp_path / "run"), STEPS)
     finally:
         stop(trainer)
         op_server.shutdown()

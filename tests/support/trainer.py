@@ -1,9 +1,10 @@
 """Running the real trainer launcher (``python -m kubetitan_trainer.launch``) on one node from a test: the config
 the operator renders for a spec, with the sample ledger on, and one launch whose output is kept in a log file
-(forked from a warm parent that imported torch once: :mod:`support.warm`)."""
+(forked from a warm parent that imported torch once: :mod:`support.warm`); rank 0's step log read while it runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -46,3 +47,10 @@ def launch(config: Path, nproc: int, rdzv_id: str, env: dict[str, str] | None = 
         proc.wait(30)
         raise
     return rc, log.read_text(errors="replace")
+
+
+def step_records(dump: Path) -> list[dict]:
+    """Rank 0's step records so far (``<dump>/kubetitan/steps.jsonl``, read while the run writes it: a line still
+    being written is left out)."""
+    text = (Path(dump) / "kubetitan" / "steps.jsonl").read_text()
+    return [json.loads(line) for line in text.split("\n")[:-1] if line]

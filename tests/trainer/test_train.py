@@ -25,9 +25,17 @@ from kubetitan_trainer.local import scrape
 
 from support import warm
 from support.specs import tiny_lpt as lpt, write_config
+from support.trainer import step_records as records
+from support.windows import slack
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(900)]
+
+WINDOW = 88
+"""Steps a run trains after the point a test waits for (a scrape, every 0.3 s, showing a step or a checkpoint) before
+the window its action must land in closes: ~3.1 s at the 35 ms a step of ``support.specs.TINY`` on this 2-core machine
+when quiet (bench/results/suite/s16_windows_trainer.txt), so that the action lands while the run trains on a quiet or
+faster machine too. Each test prints the slack its action left (``support.windows.slack``)."""
 
 
 def launch(config: Path, env_extra: dict[str, str] | None = None) -> warm.WarmProcess | subprocess.Popen:
@@ -40,11 +48,7 @@ def launch(config: Path, env_extra: dict[str, str] | None = None) -> warm.WarmPr
 
 
 def losses(dump: Path) -> dict[int, float]:
-    out = {}
-    for line in (dump / "kubetitan" / "steps.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
-    return out
+    return {rec["step"]: rec["loss"] for rec in records(dump)}
 
 
 def tail(config: Path) -> str:
@@ -65,14 +69,18 @@ def wait_for(proc: warm.WarmProcess | subprocess.Popen, port: int, cond, timeout
 
 
 def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
-    """One uninterrupted run (async saves), then a run stopped by SIGTERM and resumed: same losses step by step."""
-    steps = 8
+    """One uninterrupted run (async saves), then a run stopped by SIGTERM and resumed: same losses step by step.
+
+    Both wait for a scrape showing step >= 2, then act while the run trains (A: reads /metrics again; B: SIGTERM,
+    which must land before the last step): ``WINDOW`` steps follow step 2 (8 steps in all until session 16)."""
+    steps, every = 2 + WINDOW, 30  # A saves asynchronously every 30 steps: 3 saves, not one every 4
     # --- A: uninterrupted, with the metrics endpoint checked while it runs
     port = free_port()
     a_dump = tmp_path / "a"
     # A saves asynchronously (the API's default), B synchronously: the losses must not tell them apart.
-    a_cfg = write_config(tmp_path / "a.toml", lpt({"training": {"steps": steps}, "checkpoint": {"asyncMode": "async"}}), a_dump,
-                         {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
+    a_cfg = write_config(tmp_path / "a.toml", lpt({"training": {"steps": steps},
+                                                   "checkpoint": {"asyncMode": "async", "intervalSteps": every}}),
+                         a_dump, {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
     proc = launch(a_cfg)
     m = wait_for(proc, port, lambda m: m.get(contract.M_STEP, 0) >= 2 and contract.M_LOSS in m)
     text = None
@@ -80,6 +88,7 @@ def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
         import urllib.request
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        slack("A's /metrics read again", records(a_dump), steps)  # + its last save and 2 s in torchtitan's exit
     assert proc.wait(timeout=600) == 0, tail(a_cfg)
     assert m is not None, "metrics endpoint never showed step >= 2: " + tail(a_cfg)
     now = time.time()
@@ -104,16 +113,18 @@ def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
     assert sorted(a) == list(range(1, steps + 1))
     assert a[steps] < a[1] - 1.0, f"loss did not fall: {a}"
     ck = a_dump / contract.CHECKPOINT_SUBDIR
-    assert (ck / "step-4" / contract.DCP_METADATA_FILE).is_file() and (ck / f"step-{steps}" / contract.DCP_METADATA_FILE).is_file()
+    assert all((ck / f"step-{s}" / contract.DCP_METADATA_FILE).is_file() for s in (every, steps))
 
     # --- B: same config, SIGTERM once step >= 2 -> full checkpoint at that step, exit 75
     port = free_port()
     b_dump = tmp_path / "b"
-    b_cfg = write_config(tmp_path / "b.toml", lpt({"training": {"steps": steps}, "checkpoint": {"intervalSteps": 100}}), b_dump,
+    b_obj = lpt({"training": {"steps": steps}, "checkpoint": {"intervalSteps": 2 * steps}})  # no periodic save
+    b_cfg = write_config(tmp_path / "b.toml", b_obj, b_dump,
                          {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
     proc = launch(b_cfg)
     assert wait_for(proc, port, lambda m: m.get(contract.M_STEP, 0) >= 2) is not None, tail(b_cfg)
     proc.send_signal(signal.SIGTERM)
+    slack("B's SIGTERM", records(b_dump), steps)
     assert proc.wait(timeout=300) == ExitCode.TERMINATED_CHECKPOINTED, tail(b_cfg)
     saved = sorted(int(p.name.split("-")[1]) for p in (b_dump / contract.CHECKPOINT_SUBDIR).glob("step-*"))
     assert len(saved) == 1 and 2 <= saved[0] < steps, saved
@@ -182,15 +193,15 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def _cut_off_newest_save(workers: list[int], tier: Path) -> int:
-    """Freeze every worker where both ranks' tiers hold the same step T, make T's DCP save look cut off (no
-    .metadata, as when a failure lands in it), and return T; the workers stay stopped."""
+def _cut_off_newest_save(workers: list[int], tier: Path, newer_than: int) -> int:
+    """Freeze every worker where both ranks' tiers hold the same step T > ``newer_than``, make T's DCP save look cut
+    off (no .metadata, as when a failure lands in it), and return T; the workers stay stopped."""
     for _ in range(200):
         for w in workers:
             os.kill(w, signal.SIGSTOP)
         metas = [tier / f"rank-{r}.json" for r in range(2)]
         steps = {json.loads(m.read_text())["step"] if m.exists() else -1 for m in metas}
-        if len(steps) == 1 and min(steps) > 4:
+        if len(steps) == 1 and min(steps) > newer_than:
             t = steps.pop()
             folder = Path(json.loads(metas[0].read_text())["checkpoint_folder"])
             (folder / f"step-{t}" / ".metadata").unlink(missing_ok=True)
@@ -202,54 +213,68 @@ def _cut_off_newest_save(workers: list[int], tier: Path) -> int:
 
 
 def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tmp_path):
-    """--max-restarts=2: one worker SIGKILLed after the step-4 checkpoint; the same launcher forks new workers for
-    both ranks, they resume from step 4 out of the restore tier (the replayed step 5 has the same loss). Then a
+    """--max-restarts=2: one worker SIGKILLed after the first checkpoint (step 1); the same launcher forks new workers
+    for both ranks, they resume from step 1 out of the restore tier (the replayed step 2 has the same loss). Then a
     kill whose step-T DCP save was cut off (its .metadata gone): the tier, written before DCP's save, holds T on
-    both ranks, so generation 2 resumes at T + 1 from it, not from T - 4 (no lost steps). Each generation's
-    start-up anatomy is logged, the tier folder is gone when the launcher exits."""
-    steps, port = 20, free_port()
+    both ranks, so generation 2 resumes at T + 1 from it, not from step 1, the newest complete checkpoint (no lost
+    steps). Each generation's start-up anatomy is logged, the tier folder is gone when the launcher exits.
+
+    Both kills follow a scrape (every 0.3 s) and must land before the run's next save: the first after step 2, with
+    ``WINDOW`` steps to the step-K save (checkpoint interval K); the second after the step-K save, with ``WINDOW``
+    steps to the final one. torchtitan's first-step checkpoint (``checkpoint.enable_first_step_checkpoint``, the same
+    save as any other) gives the first kill its checkpoint after one step instead of K, so the run trains two windows,
+    not three. Until session 16: a checkpoint every 4 steps (the first kill after step 4), 20 steps."""
+    first, every = 1, WINDOW + 2
+    steps, port = every + WINDOW, free_port()
     tier = tmp_path / "tier"
     dump = tmp_path / "ip"
-    cfg = write_config(tmp_path / "ip.toml", lpt({"training": {"steps": steps}, "data": {"source": "synthetic"}}),
-                       dump, {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
+    cfg = write_config(tmp_path / "ip.toml", lpt({"training": {"steps": steps}, "data": {"source": "synthetic"},
+                                                  "checkpoint": {"intervalSteps": every}}),
+                       dump, {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"},
+                              "checkpoint": {"enable_first_step_checkpoint": True}})
     env = {**os.environ, contract.ENV_ATTEMPT: "0", "OMP_NUM_THREADS": "1"}
     proc = warm.popen("kubetitan_trainer.launch",
                       [f"--config={cfg}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                        f"--master-port={free_port()}", "--rdzv-id=inplace", "--max-restarts=2", "--monitor-interval=0.1",
                        f"--restore-tier={tier}"], env, cfg.with_suffix(".log"), cwd=REPO)
-    m = wait_for(proc, port, lambda m: m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= 4 and m.get(contract.M_STEP, 0) >= 5)
+    m = wait_for(proc, port, lambda m: m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= first
+                 and m.get(contract.M_STEP, 0) >= first + 1)
     assert m is not None, tail(cfg)
     assert m[contract.M_RESUMED_FROM_STEP] == 0, m  # generation 0 started fresh
     first_workers = _children(proc.pid)
     assert len(first_workers) == 2, first_workers
     os.kill(first_workers[1], signal.SIGKILL)
+    slack("SIGKILL of a generation-0 worker", records(dump), every)
     m = wait_for(proc, port, lambda m: m.get(contract.M_RESTART_GENERATION, 0) == 1
-                 and m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= 8)
+                 and m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= every)
     assert m is not None, tail(cfg)
     second_workers = _children(proc.pid)
     assert len(second_workers) == 2 and not set(second_workers) & set(first_workers), second_workers
-    cut = _cut_off_newest_save(second_workers, tier)
+    cut = _cut_off_newest_save(second_workers, tier, newer_than=first)
     for w in second_workers:  # both: a surviving rank 0 must not finish the cut-off save's .metadata
         os.kill(w, signal.SIGKILL)
+    slack("cut-off save and SIGKILL of generation 1", records(dump), steps)
     assert proc.wait(timeout=600) == 0, tail(cfg)
     text = cfg.with_suffix(".log").read_text(errors="replace")
     assert "restarting every rank's workers in place" in text
     runs = [int(json.loads(x)["step"]) for x in (dump / "kubetitan" / "steps.jsonl").read_text().splitlines()]
     restart_at = next(i for i in range(1, len(runs)) if runs[i] <= runs[i - 1])
-    assert runs[restart_at] == 5  # resumed after the step-4 checkpoint (the step-8 one did not exist yet)
+    assert runs[restart_at] == first + 1  # resumed after the first checkpoint (the step-K one did not exist yet)
     assert runs[-1] == steps
     by_gen = [json.loads(x) for x in (dump / "kubetitan" / "steps.jsonl").read_text().splitlines()]
     gen2 = [r["step"] for r in by_gen if r.get("generation") == 2]
-    assert gen2[0] == cut + 1, (cut, runs)  # the cut-off step's tier, not the newest complete DCP (cut - 4)
-    assert "Resuming from the newest complete checkpoint, step 4" in text
+    assert gen2[0] == cut + 1, (cut, runs)  # the cut-off step's tier, not the newest complete DCP (step 1)
+    assert f"Resuming from the newest complete checkpoint, step {first}" in text
     recs = [json.loads(x) for x in (dump / "kubetitan" / "steps.jsonl").read_text().splitlines()]
     before, after = recs[:restart_at], recs[restart_at:]
-    assert next(r["loss"] for r in after if r["step"] == 5) == next(r["loss"] for r in before if r["step"] == 5)
-    assert "Loaded step 4 from the restore tier" in text and not tier.exists()
+    replayed = first + 1
+    assert next(r["loss"] for r in after if r["step"] == replayed) == next(r["loss"] for r in before
+                                                                             if r["step"] == replayed)
+    assert f"Loaded step {first} from the restore tier" in text and not tier.exists()
     assert f"Every rank's restore tier holds step {cut}, newer than the newest complete checkpoint" in text
     starts = [json.loads(x) for x in (dump / "kubetitan" / "startup.jsonl").read_text().splitlines()]
     assert [(s["generation"], s["origin"], s["first_step"], s["checkpoint_source"]) for s in starts] == [
-        (0, "launcher_start", 1, "none"), (1, "failure_detected", 5, "restore_tier"),
+        (0, "launcher_start", 1, "none"), (1, "failure_detected", first + 1, "restore_tier"),
         (2, "failure_detected", cut + 1, "restore_tier")]
     for s in starts:
         assert list(s["phases"]) == list(anatomy.PHASES) and min(s["phases"].values()) >= 0
