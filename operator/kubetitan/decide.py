@@ -724,7 +724,9 @@ def _root_first(p: PodObs, x: Failure) -> tuple[float, int, int]:
     connection reset a moment later: the record must say OOMKilled or "killed by signal 9", not the peers' exit 1).
     ``finishedAt`` has whole seconds, so within one second: a cause of its own (OOMKilled, a detected message, an
     eviction, ...) before a signal's kill before a plain non-zero exit, then the lower rank. A failure seen before
-    its container ended (the kubelet cannot start it, an eviction, a node going) has no end time and comes first."""
+    its container ended (the kubelet cannot start it, an eviction, a node going) has no end time and comes first.
+    Each node's kubelet stamps ``finishedAt`` by its own clock: a skew of a second or more between nodes can put
+    the wrong pod first (the record then names a peer, as before this order existed)."""
     when = p.finished_at if p.finished_at is not None and p.exit_code is not None else float("-inf")
     if x.cause != causes.CONTAINER_FAILED:
         kind = 0

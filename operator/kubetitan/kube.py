@@ -163,6 +163,11 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
+LEASE_TICKET = -1
+"""The ticket of the leader Lease's calls (get, create, renew): smaller than any call's, so the next free request slot
+is theirs."""
+
+
 class Slots:
     """The client's request slots: at most ``n`` requests in flight, granted oldest call first.
 
@@ -382,7 +387,10 @@ class Client:
         refreshed = False
         n = 0
         attempts = self.retry.attempts if retries else 1
-        place = self.limit.ticket()  # kept by every attempt: a retry is sent ahead of the calls started after it
+        # kept by every attempt: a retry is sent ahead of the calls started after it; the leader Lease's calls ahead
+        # of every queued call (a renewal queued behind a gang's creates and their retries could miss its deadline
+        # and cost this replica the Lease mid-reconcile)
+        place = LEASE_TICKET if group == "coordination.k8s.io" and resource == "leases" else self.limit.ticket()
         while True:
             headers = {"Content-Type": content_type, "Accept": "application/json", "User-Agent": self.user_agent,
                        **self._auth()}

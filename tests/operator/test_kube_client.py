@@ -417,3 +417,49 @@ def test_a_retry_after_its_retry_after_is_sent_before_first_time_requests_queued
     assert waits == [1.0]  # exactly the Retry-After: no jitter on top
     assert notes == [True, False]  # kube.RETRY_WAIT told of the wait (fanout.slow_start lends its place meanwhile)
     assert seen == ["POST pods", "GET busy", "POST pods", "GET later-0", "GET later-1", "GET later-2"], seen
+
+
+def test_a_lease_renewal_is_sent_before_every_call_queued_for_a_slot() -> None:
+    """The leader Lease's calls (``kube.LEASE_TICKET``) take the next free slot ahead of the calls already queued: a
+    renewal behind a 1,024-pod gang's creates could miss its deadline and cost the replica the Lease. With the
+    client's only slot held and three GETs queued, the renewal (queued last) is sent first after the holder."""
+    seen: list[str] = []
+    release = asyncio.Event()
+
+    async def pods(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        seen.append(request.match_info["name"])
+        if request.match_info["name"] == "busy":
+            await release.wait()  # holds the client's only slot
+        return aiohttp.web.json_response({"kind": "Pod"})
+
+    async def lease(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        seen.append("lease")
+        return aiohttp.web.json_response({"kind": "Lease", "metadata": {"name": "kubetitan"}})
+
+    async def main() -> None:
+        app = aiohttp.web.Application()
+        app.router.add_route("*", "/api/v1/namespaces/ml/pods/{name}", pods)
+        app.router.add_route("*", "/apis/coordination.k8s.io/v1/namespaces/ml/leases/{name}", lease)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        client = Client(kubernetes.client.Configuration(host=host), concurrency=1)
+        try:
+            holder = asyncio.create_task(client.get("pods", "ml", "busy"))
+            while "busy" not in seen:
+                await asyncio.sleep(0.01)
+            queued = [asyncio.create_task(client.get("pods", "ml", f"q{i}")) for i in range(3)]
+            await asyncio.sleep(0)
+            renew = asyncio.create_task(client.update_lease("ml", "kubetitan", {"metadata": {"name": "kubetitan"}}))
+            await asyncio.sleep(0)
+            assert client.limit.waiting == 4
+            release.set()
+            await asyncio.gather(holder, renew, *queued)
+        finally:
+            await client.aclose()
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert seen == ["busy", "lease", "q0", "q1", "q2"], seen

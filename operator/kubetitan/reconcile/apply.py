@@ -170,7 +170,8 @@ async def create_children(client: Client, objects: list[dict[str, Any]]) -> Roun
     """Create ``objects`` (children of one run): the ConfigMap first (ours and existing: brought up to date), then
     the Services together, then the Pods in slow start (``fanout.slow_start``: 1, 2, 4, ... as Kubernetes'
     ReplicaSet controller does, each accepted create admitting two more, with no barrier between rounds, so a
-    create waiting out a Retry-After holds back only itself, and lends its place to the next create meanwhile). The client's semaphore bounds the requests in flight.
+    create waiting out a Retry-After holds back only itself, and lends its place to the next create meanwhile).
+    The client's request slots (``kube.Slots``) bound the requests in flight.
     Pods wait for a ConfigMap/Service the API refused (without them the gang cannot start), and a refused create
     stops the round, so a quota that refuses the whole gang costs one refused create per round, not one per pod."""
     errors: list[ChildError] = []
