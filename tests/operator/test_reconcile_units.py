@@ -180,6 +180,16 @@ def test_a_model_whose_json_does_not_give_it_back_is_kept_as_it_is() -> None:
     assert isinstance(Packed.of(LlamaPretrainStatus(attempt=1)).data, bytes)
 
 
+def test_writing_an_unchanged_status_keeps_its_packed_json_and_a_change_replaces_it() -> None:
+    memory = RunMemory()
+    memory.written = LlamaPretrainStatus(attempt=1)
+    first = memory.packed_written
+    memory.written = LlamaPretrainStatus(attempt=1)  # a cycle that changed nothing: nothing packed again
+    assert memory.packed_written is first
+    memory.written = LlamaPretrainStatus(attempt=2)
+    assert memory.packed_written is not first and memory.written.attempt == 2
+
+
 @pytest.mark.parametrize(("spec_change", "attempt", "want_invalid", "want_live"), [
     ({}, None, False, False),
     ({"resources": {"nodes": 0}}, None, True, False),

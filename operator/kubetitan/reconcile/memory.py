@@ -57,8 +57,12 @@ class Packed(Generic[M]):
     """The model's JSON (``model_dump_json(by_alias=True, round_trip=True)``), or the model itself."""
 
     @classmethod
-    def of(cls, model: M) -> Packed[M]:
+    def of(cls, model: M, previous: Packed[M] | None = None) -> Packed[M]:
+        """``model`` packed; ``previous`` itself when it already holds the same JSON (a cycle that changed nothing:
+        one dump, not a dump, a validation, a comparison and a second dump)."""
         data = model.model_dump_json(by_alias=True, round_trip=True).encode()
+        if previous is not None and previous.model_type is type(model) and previous.data == data:
+            return previous
         try:
             back = type(model).model_validate_json(data)
         except ValueError:  # pydantic's ValidationError: the JSON does not even validate
@@ -182,7 +186,7 @@ class RunMemory:
 
     @written.setter
     def written(self, status: LlamaPretrainStatus | None) -> None:
-        self.packed_written = None if status is None else Packed.of(status)
+        self.packed_written = None if status is None else Packed.of(status, self.packed_written)
 
     def forget_children(self) -> None:
         """Drop what this replica believes about children (after a fail-over, re-read from the API)."""
