@@ -15,10 +15,12 @@ from kubernetes.client.exceptions import ApiException
 from kubetitan.kube import Client
 
 
-async def _listen(path: str, handler) -> tuple[aiohttp.web.AppRunner, str]:
-    """A tiny API server answering every method on ``path`` with ``handler``: its runner and base URL."""
+async def _listen(path: str, handler, *more: tuple[str, object]) -> tuple[aiohttp.web.AppRunner, str]:
+    """A tiny API server answering every method on ``path`` with ``handler`` (and on each further ``(path,
+    handler)`` of ``more``): its runner and base URL."""
     app = aiohttp.web.Application()
-    app.router.add_route("*", path, handler)
+    for p, h in ((path, handler), *more):
+        app.router.add_route("*", p, h)
     runner = aiohttp.web.AppRunner(app)
     await runner.setup()
     site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
@@ -273,6 +275,18 @@ def test_a_create_answered_429_waits_its_retry_after_outside_the_concurrency_slo
     assert [m for m, _ in seen] == ["POST", "GET", "POST"], seen
 
 
+def _busy_holds_the_slot(seen: list[str], release: asyncio.Event, others):
+    """A pods handler: records each name; ``busy`` is answered only once ``release`` is set (it holds a slot of a
+    one-slot client), any other name by ``others``."""
+    async def pods(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        seen.append(request.match_info["name"])
+        if request.match_info["name"] == "busy":
+            await release.wait()
+            return aiohttp.web.json_response({"kind": "Pod"})
+        return await others(request)
+    return pods
+
+
 def test_calls_in_flight_when_the_client_closes_end_with_client_closed_and_send_nothing_more() -> None:
     """The operator's clean-up closes the client while daemons' calls still wait (for a slot or a retry's
     backoff): those calls end with ClientClosed (the daemon ends quietly), never an AttributeError on the session
@@ -283,16 +297,13 @@ def test_calls_in_flight_when_the_client_closes_end_with_client_closed_and_send_
     first_answered = asyncio.Event()
     release = asyncio.Event()
 
-    async def pods(request: aiohttp.web.Request) -> aiohttp.web.Response:
-        seen.append(request.match_info["name"])
-        if request.match_info["name"] == "busy":
-            await release.wait()  # holds the client's only slot
-            return aiohttp.web.json_response({"kind": "Pod"})
+    async def unavailable(request: aiohttp.web.Request) -> aiohttp.web.Response:
         first_answered.set()
         return aiohttp.web.json_response({"kind": "Status", "code": 503}, status=503)
 
     async def main() -> None:
-        runner, host = await _listen("/api/v1/namespaces/ml/pods/{name}", pods)
+        runner, host = await _listen("/api/v1/namespaces/ml/pods/{name}",
+                                     _busy_holds_the_slot(seen, release, unavailable))
         cfg = kubernetes.client.Configuration(host=host)
         backoff = Client(cfg, retry=RetryPolicy(attempts=5, base_seconds=1.0, cap_seconds=1.0))
         in_backoff = asyncio.create_task(backoff.get("pods", "ml", "flaky"))
@@ -426,10 +437,7 @@ def test_a_lease_renewal_is_sent_before_every_call_queued_for_a_slot() -> None:
     seen: list[str] = []
     release = asyncio.Event()
 
-    async def pods(request: aiohttp.web.Request) -> aiohttp.web.Response:
-        seen.append(request.match_info["name"])
-        if request.match_info["name"] == "busy":
-            await release.wait()  # holds the client's only slot
+    async def pod(request: aiohttp.web.Request) -> aiohttp.web.Response:
         return aiohttp.web.json_response({"kind": "Pod"})
 
     async def lease(request: aiohttp.web.Request) -> aiohttp.web.Response:
@@ -437,14 +445,8 @@ def test_a_lease_renewal_is_sent_before_every_call_queued_for_a_slot() -> None:
         return aiohttp.web.json_response({"kind": "Lease", "metadata": {"name": "kubetitan"}})
 
     async def main() -> None:
-        app = aiohttp.web.Application()
-        app.router.add_route("*", "/api/v1/namespaces/ml/pods/{name}", pods)
-        app.router.add_route("*", "/apis/coordination.k8s.io/v1/namespaces/ml/leases/{name}", lease)
-        runner = aiohttp.web.AppRunner(app)
-        await runner.setup()
-        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, host = await _listen("/api/v1/namespaces/ml/pods/{name}", _busy_holds_the_slot(seen, release, pod),
+                                     ("/apis/coordination.k8s.io/v1/namespaces/ml/leases/{name}", lease))
         client = Client(kubernetes.client.Configuration(host=host), concurrency=1)
         try:
             holder = asyncio.create_task(client.get("pods", "ml", "busy"))
