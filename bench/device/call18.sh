@@ -28,7 +28,8 @@
 # exists.
 # Expected: ~1.5 min set-up (wheels, corpus, prepare-data), a)+b) ~2.5-3 min, c) ~1.5-2 min: ~6-7 min in all.
 #
-# Usage (device tool, kind nvidia-h200, carry [".whl"], timeout_s 600): bash bench/device/call18.sh
+# On a card of less than ~127 GiB (an H100) the three runs go one after another (SERIAL=1, ~60 GiB each).
+# Usage (device tool, carry [".whl"], timeout_s 600): bash bench/device/call18.sh
 # Knobs (env): STEPS (300), BATCH (2), SEQ (2048), SEED_A (42), SEED_B (1234), CORPUS_MB (64), TOKENIZER (bpe or
 # builtin), VOCAB (32768), END_S (540: no run goes past this many seconds of the script), PAIR_S (the limit of the
 # a)+b) pair; default END_S - 130 - the set-up's seconds).
@@ -107,6 +108,24 @@ run() {  # run NAME TIMEOUT CASE: one bench case into $R/NAME (log, results.json
 CASE_a=$FLAV:$MODE:$C:fp8out=1:path=kubetitan:seed=$SEED_A  # the recipe's numerics
 CASE_b=$FLAV:$MODE:$C:path=plain:seed=$SEED_A                # plain torchtitan, the same seed
 CASE_c=$FLAV:$MODE:$C:path=plain:seed=$SEED_B                # plain torchtitan, another seed
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+GPU_MIB=${GPU_MIB:-0}
+# SERIAL=1 (the default on a card of less than ~127 GiB, e.g. an H100's 80 GB): a), b) and c) one after another,
+# each limited to an equal share of the time left; the numerics do not depend on the order or on the card's size.
+SERIAL=${SERIAL:-$(( GPU_MIB > 0 && GPU_MIB < 130000 ? 1 : 0 ))}
+if [ "$SERIAL" = 1 ]; then
+  for x in a b c; do
+    left=$(( $(printf '%s\n' a b c | sed -n "/^$x\$/,\$p" | wc -l) ))
+    T=$(( (END_S - SECONDS) / left )); ((T < 60)) && T=60
+    v=CASE_$x
+    say "$x) alone (SERIAL=1: the card has $GPU_MIB MiB) ${!v}; limit ${T}s"
+    run $x $T "${!v}" &
+    watch_runs "$!" $x
+    wait
+    say "$x) $(tail -1 $R/$x/bench.txt)"
+    snap
+  done
+else
 T=${PAIR_S:-$((END_S - SECONDS - 130))}; ((T < 30)) && T=30  # a)+b) leave c) at least ~130 s
 say "a) recipe (kubetitan, FP8 head) seed $SEED_A + b) plain (bf16 head) seed $SEED_A, at once; limit ${T}s"
 run a $T "$CASE_a" &
@@ -124,6 +143,7 @@ run c $T "$CASE_c" &
 watch_runs "$!" c
 wait
 say "c) $(tail -1 $R/c/bench.txt)"
+fi
 steps_of() { python3 -c 'import json,sys; print(max([json.loads(l).get("steps_logged", 0) for l in open(sys.argv[1])
   if l.strip()] or [0]))' "$R/$1/results.jsonl" 2>/dev/null || echo 0; }
 for x in a b; do  # a run of the pair that stopped short (e.g. out of memory beside the other): again, alone
