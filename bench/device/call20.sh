@@ -6,6 +6,9 @@
 # cache) unless PRECOMPILE=0. A background cleaner deletes each complete DCP checkpoint (the 64 GB disk holds one).
 # If generation 0 fails with the precompile cache on, the bench runs again without it.
 # Raw output in $OUT: recovery.txt, events.jsonl, results.json, launcher.log (tail), logs.tgz.
+# On a card of less than ~127 GiB (an H100: the recipe's 116 GiB at seq 8192, batch 4 does not fit) the bench runs the
+# same recipe at seq 2048, batch 2 (~56 GiB; the state, and so the tier and the staging, is the same ~40 GiB):
+# /tmp/llama3-3b-80gb.yaml, copied into $R. Its step and compile times are not the H200 recipe's.
 # Usage (device tool, carry [".whl"]): [PRECOMPILE=0] bash bench/device/call20.sh [SECONDS=540]
 export R=/tmp/r
 source bench/device/setup.sh
@@ -14,16 +17,32 @@ END=${1:-540}
     [ -f "$d/.metadata" ] && rm -rf "$d" && echo "$(date -u +%T) deleted complete checkpoint $d"; done; done ) \
   > "$R/cleaner.txt" 2>&1 &
 CLEANER=$!
+LPT=examples/llama3-3b-h200.yaml
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+if (( ${GPU_MIB:-0} > 0 && GPU_MIB < 130000 )); then
+  LPT=/tmp/llama3-3b-80gb.yaml
+  python3 - "$LPT" <<'PY'
+import sys
+import yaml
+d = yaml.safe_load(open("examples/llama3-3b-h200.yaml"))
+d["metadata"]["name"] = "llama3-3b-80gb"
+d["spec"]["training"].update(seqLen=2048, localBatchSize=2)
+d["spec"]["resources"]["gpuProduct"] = "H100"
+yaml.safe_dump(d, open(sys.argv[1], "w"), sort_keys=False)
+PY
+  cp "$LPT" "$R/"
+  echo "=== the card has $GPU_MIB MiB: the recipe at seq 2048, batch 2 ($LPT)"
+fi
 PLAN=saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier
 PC=--precompile; [ "${PRECOMPILE:-1}" = 0 ] && PC=
 echo "=== recovery bench $(date -u +%T) plan $PLAN $PC, $((END - SECONDS)) s left"
 python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier /dev/shm/kt-recovery-tier \
-  --interval 20 --tier-only $PC --deadline $((END - SECONDS - 10)) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
+  --lpt "$LPT" --interval 20 --tier-only $PC --deadline $((END - SECONDS - 10)) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
 if [ -n "$PC" ] && ! grep -q '"generation": 0' "$OUT/events.jsonl"; then
   echo "=== generation 0 did not train with the precompile cache: again without it $(date -u +%T)"
   mv "$OUT/launcher.log" "$R/launcher_precompile.log"; mv "$OUT/events.jsonl" "$R/events_precompile.jsonl"
   python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier /dev/shm/kt-recovery-tier \
-    --interval 20 --tier-only --deadline $((END - SECONDS - 10)) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
+    --lpt "$LPT" --interval 20 --tier-only --deadline $((END - SECONDS - 10)) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
 fi
 kill $CLEANER
 echo "=== end $(date -u +%T), $SECONDS s"; free -g | head -2
