@@ -17,9 +17,12 @@ robust futexes at the start of the exit, before the address space and file descr
 waitpid returns (what torchrun's agent polls) -> the GPU's free memory is back (the next worker can allocate).
 Then the load side: --host-gib from the registered mapping to the GPU on 1 and 4 streams, registration itself, and
 a pipelined register-then-copy of 1 GiB chunks, against a copy from the same mapping unregistered (today's tier).
+First, the reads a new worker could make of a tier it has never mapped: ``pread`` on 1-16 threads into pinned bounce
+buffers (no page tables at all) and a fresh mapping copied through pinned buffers (today's tier load).
 
     python bench/teardown_probe.py --host-gib 40 --gpu-gib 100 --out /tmp/probe     # on the H200
     python bench/teardown_probe.py --cpu --host-gib 1 --out /tmp/probe              # the mechanism only, no CUDA
+    python bench/teardown_probe.py --host-gib 40 --fallocate --load-variants pread_1,pread_4,pread_8,pread_16,fresh
 
 Prints one JSON line per measurement and a table at the end; writes results.jsonl into --out.
 """
@@ -193,6 +196,69 @@ def load_side(args: argparse.Namespace) -> list[dict]:
         out.append({"what": what, "gib": round(size / GIB, 2), "s": round(s, 3), "gb_per_s": round(size / s / 1e9, 1)})
         print(json.dumps(out[-1]), flush=True)
 
+    def pread_bounced(threads: int, chunk: int = 64 << 20) -> None:
+        # no mapping at all: each thread preads its chunks of the file into its own two pinned buffers (the kernel's
+        # copy from the page cache; os.preadv releases the GIL) and copies them on its own stream
+        rfd = os.open(args.shm, os.O_RDONLY)
+
+        def part(k: int) -> None:
+            bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            views = [b.numpy() for b in bufs]
+            evs = [None, None]
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for j, off in enumerate(range(k * chunk, size, threads * chunk)):
+                    n = min(chunk, size - off)
+                    b = j & 1
+                    if evs[b] is not None:
+                        evs[b].synchronize()
+                    got = 0
+                    while got < n:
+                        got += os.preadv(rfd, [memoryview(views[b])[got:n]], off + got)
+                    dev[off:off + n].copy_(bufs[b][:n], non_blocking=True)
+                    evs[b] = torch.cuda.Event()
+                    evs[b].record(stream)
+            stream.synchronize()
+
+        try:
+            ts = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+        finally:
+            os.close(rfd)
+
+    def fresh_mapping_bounced() -> None:
+        # today's tier load in a new worker: a mapping this process has never touched (every page faults), one
+        # thread through two pinned buffers (torch's CPU copy runs on its intra-op threads)
+        with open(args.shm, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            src = torch.frombuffer(mm, dtype=torch.uint8)
+            bufs = [torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            evs = [None, None]
+            for j, off in enumerate(range(0, size, 64 << 20)):
+                n = min(64 << 20, size - off)
+                b = j & 1
+                if evs[b] is not None:
+                    evs[b].synchronize()
+                bufs[b][:n].copy_(src[off:off + n])
+                dev[off:off + n].copy_(bufs[b][:n], non_blocking=True)
+                evs[b] = torch.cuda.Event()
+                evs[b].record()
+            torch.cuda.synchronize()
+            del src
+
+    wanted = args.load_variants.split(",") if args.load_variants else None
+    for n in (1, 4, 8, 16):
+        if wanted is None or f"pread_{n}" in wanted:
+            timed(f"pread_bounced_{n}_threads", lambda n=n: pread_bounced(n))
+    if wanted is None or "fresh" in wanted:
+        timed("fresh_mapping_bounced_1_thread", fresh_mapping_bounced)
+    if wanted is not None:
+        del host, dev
+        torch.cuda.empty_cache()
+        mapping.close()
+        return out
     timed("copy_pageable", lambda: dev.copy_(host))
 
     def bounced(threads: int, chunk: int = 64 << 20) -> None:
@@ -267,6 +333,11 @@ def main() -> None:
     ap.add_argument("--shm", type=Path, default=Path("/dev/shm/kt-teardown-probe"))
     ap.add_argument("--cpu", action="store_true", help="no CUDA: the mutex and reap timings only")
     ap.add_argument("--skip-load", action="store_true", help="the kill variants only")
+    ap.add_argument("--load-variants", default="",
+                    help="only these reads, then no kill variant (comma-separated: pread_1, pread_4, pread_8, "
+                         "pread_16, fresh); default: every read")
+    ap.add_argument("--fallocate", action="store_true",
+                    help="make the file with posix_fallocate (zeroed pages, seconds) instead of random bytes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--mutex", help=argparse.SUPPRESS)
@@ -277,16 +348,19 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(args.shm, "wb") as f:  # the tier-like file, written once (its pages exist before any child maps it)
-        block = os.urandom(1 << 20) * 64
-        for _ in range(int(args.host_gib * GIB) // len(block)):
-            f.write(block)
+        if args.fallocate:
+            os.posix_fallocate(f.fileno(), 0, int(args.host_gib * GIB) // (64 << 20) * (64 << 20))
+        else:
+            block = os.urandom(1 << 20) * 64
+            for _ in range(int(args.host_gib * GIB) // len(block)):
+                f.write(block)
     print(json.dumps({"what": "shm_file_written", "gib": args.host_gib, "s": round(time.perf_counter() - t0, 2)}),
           flush=True)
     rows = []
     try:
         if not args.cpu and not args.skip_load:  # first: it needs the GPU to itself
             rows += load_side(args)
-        for _ in range(args.repeats):
+        for _ in range(0 if args.load_variants else args.repeats):
             for v in args.variants.split(","):
                 r = kill_once(args, v, args.out)
                 print(json.dumps(r), flush=True)

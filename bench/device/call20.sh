@@ -5,6 +5,8 @@
 # (now read on KUBETITAN_TIER_LOAD_THREADS threads, default 4); TORCH_CACHING_PRECOMPILE=1 (torch 2.11's Dynamo
 # cache) unless PRECOMPILE=0. A background cleaner deletes each complete DCP checkpoint (the 64 GB disk holds one).
 # If generation 0 fails with the precompile cache on, the bench runs again without it.
+# Then, with >= 45 s left (PROBE_S=55 are kept for it), bench/teardown_probe.py times 40 GiB tier reads: pread on
+# 1-16 threads into pinned buffers and a fresh mapping through pinned buffers (today's load) -> tier_read.txt.
 # Raw output in $OUT: recovery.txt, events.jsonl, results.json, launcher.log (tail), logs.tgz.
 # On a card of less than ~127 GiB (an H100: the recipe's 116 GiB at seq 8192, batch 4 does not fit) the bench runs the
 # same recipe at seq 2048, batch 2 (~56 GiB; the state, and so the tier and the staging, is the same ~40 GiB):
@@ -37,14 +39,20 @@ PLAN=saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier
 PC=--precompile; [ "${PRECOMPILE:-1}" = 0 ] && PC=
 echo "=== recovery bench $(date -u +%T) plan $PLAN $PC, $((END - SECONDS)) s left"
 python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier /dev/shm/kt-recovery-tier \
-  --lpt "$LPT" --interval 20 --tier-only $PC --deadline $((END - SECONDS - 10)) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
+  --lpt "$LPT" --interval 20 --tier-only $PC --deadline $((END - SECONDS - ${PROBE_S:-55})) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
 if [ -n "$PC" ] && ! grep -q '"generation": 0' "$OUT/events.jsonl"; then
   echo "=== generation 0 did not train with the precompile cache: again without it $(date -u +%T)"
   mv "$OUT/launcher.log" "$R/launcher_precompile.log"; mv "$OUT/events.jsonl" "$R/events_precompile.jsonl"
   python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier /dev/shm/kt-recovery-tier \
-    --lpt "$LPT" --interval 20 --tier-only --deadline $((END - SECONDS - 10)) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
+    --lpt "$LPT" --interval 20 --tier-only --deadline $((END - SECONDS - ${PROBE_S:-55})) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
 fi
 kill $CLEANER
+if ((END - SECONDS >= 45)); then  # the tier reads a new worker could make, 40 GiB (bench/teardown_probe.py)
+  echo "=== tier read probe $(date -u +%T), $((END - SECONDS)) s left"
+  rm -rf /dev/shm/kt-recovery-tier
+  timeout $((END - SECONDS - 5)) python3 bench/teardown_probe.py --host-gib 40 --fallocate --out "$R/probe" \
+    --load-variants pread_1,pread_4,pread_8,pread_16,fresh 2>&1 | tee "$R/tier_read.txt" | tee -a "$OUT/recovery.txt"
+fi
 echo "=== end $(date -u +%T), $SECONDS s"; free -g | head -2
 grep -aE "Restore tier|Loaded step|Finished loading|Start-up of|precompile|DynamoCache|Traceback|Error" "$OUT/launcher.log" \
   | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-240 | tail -40 | tee "$R/launcher_grep.txt"
