@@ -176,14 +176,20 @@ def _same(a: dict, b: dict) -> bool:
     return True
 
 
-def test_tier_load_gives_the_same_state_as_a_dcp_load(tmp_path):
+@pytest.mark.parametrize("read", ["map", "pread"])
+def test_tier_load_gives_the_same_state_as_a_dcp_load(tmp_path, monkeypatch, read):
+    """Through either read of the tier's file (restore_tier.ENV_READ)."""
     import torch.distributed.checkpoint as dcp
+
+    monkeypatch.setenv(restore_tier.ENV_READ, read)
 
     src = _trained(seed=1)
     tier, ckpt = tmp_path / "tier", tmp_path / "ckpt"
     dcp.save(restore_tier.materialise(src[2]), checkpoint_id=str(ckpt / "step-8"))
     n = restore_tier.save(src[2], tier, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
     assert n > 0 and restore_tier.usable(tier, step=8, rank=0, world_size=1, checkpoint_folder=str(ckpt))
+    if read == "pread":  # the load maps nothing of the tier
+        monkeypatch.setattr(restore_tier, "mmap", None)
 
     via_tier = _loads_match_dcp(src, tier, ckpt / "step-8")
     assert via_tier[2]["train_state"].state_dict()["step"] == 8  # the Stateful got its load_state_dict

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections import namedtuple
 
+import pytest
 import torch
 from torch.distributed.checkpoint.staging import StagingOptions
 
@@ -94,8 +95,11 @@ def test_the_stager_stages_into_the_arena_and_reuses_its_storages(tmp_path):
     stager.close()
 
 
-def test_a_tier_from_the_arena_loads_the_same_state_as_a_dcp_load(tmp_path):
+@pytest.mark.parametrize("read", ["map", "pread"])
+def test_a_tier_from_the_arena_loads_the_same_state_as_a_dcp_load(tmp_path, monkeypatch, read):
     import torch.distributed.checkpoint as dcp
+
+    monkeypatch.setenv(restore_tier.ENV_READ, read)
 
     src = _trained(seed=1)
     tier, ckpt = tmp_path / "tier", tmp_path / "ckpt"

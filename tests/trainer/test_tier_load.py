@@ -5,6 +5,7 @@ same chunk plan; its speed is measured on the H200 (bench/teardown_probe.py, doc
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -71,3 +72,55 @@ def test_load_threads_knob(raw, intra_op, want, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="kubetitan.restore_tier"):
         assert restore_tier.load_threads(env, intra_op_threads=intra_op) == want
     assert ("is not a whole number" in caplog.text) == (raw == "many")
+
+
+def _file_of(ts: list[torch.Tensor], path) -> list[tuple[int, int]]:
+    """The tensors' bytes one after another in ``path``; (offset, nbytes) of each."""
+    spans, off = [], 0
+    with open(path, "wb") as f:
+        for b in _as_bytes(ts):
+            f.write(b.numpy().tobytes())
+            spans.append((off, b.numel()))
+            off += b.numel()
+    return spans
+
+
+@pytest.mark.parametrize(("threads", "chunk", "bounce"), [(1, 1 << 20, True), (3, 7, True), (4, 64, False)])
+def test_pread_load_fills_every_tensor_exactly_without_mapping_the_file(tmp_path, monkeypatch, threads, chunk,
+                                                                       bounce) -> None:
+    """The ``pread`` mode: file spans cut into chunks like a mapping's bytes, read by the loader threads into
+    their buffers (or, for CPU tensors, straight into them); nothing maps the file."""
+    import mmap
+
+    want = _tensors() + [torch.arange(15.0).reshape(3, 5)]
+    spans = _file_of(want, tmp_path / "tier.bin")
+    targets = [torch.full_like(t, 0) for t in want[:-1]] + [torch.zeros(5, 3).t()]  # the last: not contiguous
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: pytest.fail("the pread mode mapped the file"))
+    fd = os.open(tmp_path / "tier.bin", os.O_RDONLY)
+    try:
+        whole = restore_tier.FileSpan(fd, 0, os.fstat(fd).st_size)
+        pairs = [(whole[o:o + n], t) for (o, n), t in zip(spans, targets)]
+        restore_tier._ParallelLoad(threads, chunk, bounce_cpu=bounce).run(pairs)
+    finally:
+        os.close(fd)
+    assert all(torch.equal(a, b) for a, b in zip(want, targets))
+
+
+def test_a_short_file_fails_the_pread_load(tmp_path) -> None:
+    (tmp_path / "tier.bin").write_bytes(b"\x01" * 10)
+    fd = os.open(tmp_path / "tier.bin", os.O_RDONLY)
+    try:
+        with pytest.raises(restore_tier.TierMismatch, match="6 bytes short"):
+            restore_tier._ParallelLoad(2, 8, bounce_cpu=True).run(
+                [(restore_tier.FileSpan(fd, 0, 16), torch.zeros(16, dtype=torch.uint8))])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, "map"), ("pread", "pread"), (" PREAD ", "pread"), ("map", "map"),
+                                           ("mmap", "map")])
+def test_read_mode_knob(raw, want, caplog) -> None:
+    env = {} if raw is None else {restore_tier.ENV_READ: raw}
+    with caplog.at_level(logging.WARNING, logger="kubetitan.restore_tier"):
+        assert restore_tier.read_mode(env) == want
+    assert ("is not one of map, pread" in caplog.text) == (raw == "mmap")

@@ -59,6 +59,12 @@ node runs several workers). With more intra-op threads one loader thread is fast
 them), 40 GiB through one thread's pinned bounce buffers ran at 47.7 GB/s, through 4 threads at 29.7 and through 8 at
 27.7 (bench/teardown_probe.py, device call of session 15, docs/reliability.md)."""
 
+ENV_READ = "KUBETITAN_TIER_READ"
+"""How a load reads the tier's files: ``map`` (default: a read-only mapping, copied through pinned buffers) or
+``pread`` (``os.preadv`` straight into the pinned buffers: no mapping, so no page fault and no page table to tear
+down; the kernel's copy runs on the loader's threads, so give it several, :data:`ENV_LOAD_THREADS`)."""
+READ_MODES = ("map", "pread")
+
 ALIGN = 64
 MARGIN = 1.05
 
@@ -138,6 +144,49 @@ class _Mover:
             dst[off:off + n].copy_(buf[:n])
 
 
+class FileSpan:
+    """Bytes ``[offset, offset + nbytes)`` of an open file, read with ``os.preadv`` (the ``pread`` mode): sliced
+    and counted as the flat uint8 views of a mapping are, so :func:`chunks` cuts both the same way."""
+
+    __slots__ = ("fd", "offset", "nbytes")
+
+    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
+        self.fd, self.offset, self.nbytes = fd, offset, nbytes
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def __getitem__(self, part: slice) -> FileSpan:
+        start, stop, _ = part.indices(self.nbytes)
+        return FileSpan(self.fd, self.offset + start, max(0, stop - start))
+
+    def read_into(self, dst: torch.Tensor) -> None:
+        """Fill the first ``nbytes`` of ``dst`` (a contiguous uint8 CPU tensor, pinned or not) from the file."""
+        view = memoryview(dst.detach().numpy()).cast("B")
+        got = 0
+        while got < self.nbytes:
+            n = os.preadv(self.fd, [view[got:self.nbytes]], self.offset + got)
+            if n <= 0:
+                raise TierMismatch(f"the tier's file ended {self.nbytes - got} bytes short of its layout")
+            got += n
+
+
+def _fill(buf: torch.Tensor, src: torch.Tensor | FileSpan) -> None:
+    """``buf[:n] = src`` for a mapping's bytes or a file span."""
+    if isinstance(src, FileSpan):
+        src.read_into(buf)
+    else:
+        buf[:src.numel()].copy_(src)
+
+
+def _whole(src: torch.Tensor | FileSpan) -> torch.Tensor:
+    if not isinstance(src, FileSpan):
+        return src
+    out = torch.empty(src.nbytes, dtype=torch.uint8)
+    src.read_into(out)
+    return out
+
+
 class _ParallelLoad:
     """Copies the tier's bytes into the state's tensors on several threads (issue 29: the load at memory speed).
 
@@ -146,21 +195,29 @@ class _ParallelLoad:
     buffers (pinned for CUDA targets) and, for CUDA targets, its own stream: its ``memcpy`` of one chunk into a
     buffer overlaps the device copy of the previous chunk from the other, and torch's CPU ``copy_`` releases the
     GIL, so the threads' copies run in parallel. Every chunk of every tensor goes to exactly one thread
-    (:func:`chunks`). Tensors that are not contiguous are copied whole on the calling thread."""
+    (:func:`chunks`). Tensors that are not contiguous are copied whole on the calling thread, and so are CPU
+    tensors (read straight into them in the ``pread`` mode).
+
+    In the ``pread`` mode (:class:`FileSpan` sources) a thread fills its buffer with ``os.preadv`` instead of a copy
+    from a mapping: the kernel's copy from the page cache runs on that thread (the GIL released), so the threads'
+    reads run in parallel and no page of the tier is ever mapped into the worker."""
 
     CHUNK = 64 << 20
 
     def __init__(self, threads: int, chunk: int = CHUNK, bounce_cpu: bool = False) -> None:
         self.threads, self.chunk, self.bounce_cpu = max(1, threads), chunk, bounce_cpu
 
-    def run(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``pairs``: (the tier's bytes of a tensor as a flat uint8 view, the tensor to fill in place)."""
+    def run(self, pairs: list[tuple[torch.Tensor | FileSpan, torch.Tensor]]) -> None:
+        """``pairs``: (the tier's bytes of a tensor as a flat uint8 view or a :class:`FileSpan`, the tensor to fill
+        in place)."""
         flat = []
         for src, local in pairs:
             if local.is_contiguous() and (local.is_cuda or self.bounce_cpu):
                 flat.append((src, local.view(-1).view(torch.uint8)))
+            elif local.is_contiguous() and isinstance(src, FileSpan):
+                src.read_into(local.view(-1).view(torch.uint8))  # a CPU tensor: read straight into it
             else:
-                local.copy_(src.view(local.dtype).view(local.shape))
+                local.copy_(_whole(src).view(local.dtype).view(local.shape))
         work = chunks([(s, d) for s, d in flat], self.chunk)
         if not work:
             return
@@ -175,7 +232,7 @@ class _ParallelLoad:
         if errors:
             raise errors[0]
 
-    def _part(self, work: list[tuple[torch.Tensor, torch.Tensor]], errors: list[BaseException]) -> None:
+    def _part(self, work: list[tuple[Any, torch.Tensor]], errors: list[BaseException]) -> None:
         try:
             cuda = work[0][1].is_cuda
             size = max(s.numel() for s, _d in work)
@@ -183,7 +240,7 @@ class _ParallelLoad:
             if not cuda:
                 for i, (s, d) in enumerate(work):
                     b = bufs[i & 1][:s.numel()]
-                    b.copy_(s)
+                    _fill(b, s)
                     d.copy_(b)
                 return
             device = work[0][1].device
@@ -195,7 +252,7 @@ class _ParallelLoad:
                     b = i & 1
                     if done[b] is not None:
                         done[b].synchronize()  # that buffer's last device copy has finished
-                    bufs[b][:s.numel()].copy_(s)
+                    _fill(bufs[b], s)
                     d.copy_(bufs[b][:s.numel()], non_blocking=True)
                     done[b] = torch.cuda.Event()
                     done[b].record(stream)
@@ -204,7 +261,7 @@ class _ParallelLoad:
             errors.append(e)
 
 
-def chunks(pairs: list[tuple[torch.Tensor, torch.Tensor]], size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def chunks(pairs: list[tuple[Any, torch.Tensor]], size: int) -> list[tuple[Any, torch.Tensor]]:
     """(source, target) flat uint8 pairs cut into aligned pieces of at most ``size`` bytes, in order."""
     out = []
     for src, dst in pairs:
@@ -229,6 +286,14 @@ def load_threads(env: dict | None = None, intra_op_threads: int | None = None) -
     except ValueError:
         log.warning("%s=%r is not a whole number; loading the tier on %d thread(s)", ENV_LOAD_THREADS, raw, default)
         return default
+
+
+def read_mode(env: dict | None = None) -> str:
+    """How loads read the tier (``KUBETITAN_TIER_READ``: ``map`` or ``pread``; unset or unknown: ``map``)."""
+    raw = (os.environ if env is None else env).get(ENV_READ, "").strip().lower()
+    if raw and raw not in READ_MODES:
+        log.warning("%s=%r is not one of %s; reading the tier through a mapping", ENV_READ, raw, ", ".join(READ_MODES))
+    return raw if raw in READ_MODES else "map"
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -399,9 +464,10 @@ class Prepared:
     """A checked tier load: :meth:`apply` copies it into the state (see :func:`prepare`)."""
 
     def __init__(self, states: dict[str, Any], binf: Path, filled: dict[str, Any], plan: list,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, mode: str | None = None) -> None:
         self.states, self.binf, self.filled, self.plan = states, binf, filled, plan
         self.threads = load_threads() if threads is None else threads
+        self.mode = read_mode() if mode is None else mode
 
     def file_of(self, entry: dict) -> Path:
         """The file an entry's bytes are in: its staging file (a tier from the arena), else ``rank-<r>.bin``."""
@@ -418,10 +484,13 @@ class Prepared:
                 file = self.file_of(e)
                 if file not in bufs:
                     f = stack.enter_context(open(file, "rb"))
-                    mm = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-                    with warnings.catch_warnings():  # a read-only mapping: only read from here
-                        warnings.simplefilter("ignore", UserWarning)
-                        bufs[file] = torch.frombuffer(mm, dtype=torch.uint8)
+                    if self.mode == "pread":
+                        bufs[file] = FileSpan(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+                    else:
+                        mm = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                        with warnings.catch_warnings():  # a read-only mapping: only read from here
+                            warnings.simplefilter("ignore", UserWarning)
+                            bufs[file] = torch.frombuffer(mm, dtype=torch.uint8)
                 pairs.append((bufs[file][e["offset"]:e["offset"] + e["nbytes"]], local))
             with torch.no_grad():
                 _ParallelLoad(self.threads).run(pairs)
