@@ -174,7 +174,8 @@ def run(a: argparse.Namespace) -> int:
             row = {"generation": gen, "kind": kind, "checkpoint_source": rec["checkpoint_source"],
                    "first_step": rec["first_step"], "origin": rec["origin"],
                    "phases": {k: round(v, 2) for k, v in rec["phases"].items()},
-                   "startup_total_s": round(rec["total_seconds"], 2)}
+                   "startup_total_s": round(rec["total_seconds"], 2),
+                   "compile_parts": rec.get("compile_parts", {})}  # torch's own compile phases (anatomy)
             if kill_time is not None:
                 row["kill_to_first_step_end_s"] = round(rec["time"] - kill_time, 2)
                 row["kill_to_detected_s"] = round(rec["time"] - rec["total_seconds"] - kill_time, 2)

@@ -72,9 +72,13 @@ def test_recorder_gives_generation_0_the_warm_imports_and_closes_once(monkeypatc
     rec.mark("load_begin", 16.5)
     rec.mark("load_end", 18.0)
     rec.load_source = "restore_tier"
-    monkeypatch.setattr(anatomy, "compile_seconds", iter([1.0, 3.5]).__next__)
+    monkeypatch.setattr(anatomy, "compile_parts", iter([
+        {"total_wall_time": 1.0, "entire_frame_compile": 1.0, "code_gen": 0.75},
+        {"total_wall_time": 3.5, "entire_frame_compile": 3.5, "code_gen": 0.75, "backend_compile": 0.25}]).__next__)
     rec.first_step_begins()
     r = rec.first_step_ends(step=11, attempt=2, t=21.0)
+    assert r["compile_parts"] == {"backend_compile": 0.25, "entire_frame_compile": 2.5}  # unchanged parts dropped
+    assert anatomy.describe(r).endswith("first-step compile parts: entire_frame_compile 2.50, backend_compile 0.25")
     assert r["phases"]["process_start"] == pytest.approx(2.0) and r["phases"]["imports"] == pytest.approx(3.5)
     assert r["phases"]["first_step_compile"] == pytest.approx(2.5) and r["phases"]["first_step"] == pytest.approx(0.5)
     assert r["total_seconds"] == pytest.approx(11.0)

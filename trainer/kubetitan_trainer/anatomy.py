@@ -22,6 +22,10 @@ phase                         from -> to
 ``first_step``                the rest of the first step (and the few calls between the load and the step).
 ============================  =================================================================================
 
+The record also keeps ``compile_parts``: the first step's seconds in each of torch's own compile phases
+(``entire_frame_compile``, ``backend_compile``, ``inductor_compile``, ``code_gen``, ...; they nest), which say where
+a warm cache's seconds still go.
+
 Rank 0 of the job writes one JSON line per worker generation to ``<dump>/kubetitan/startup.jsonl``; local
 rank 0 of every pod exports the phases as ``kubetitan_trainer_startup_phase_seconds{phase=...}`` (see
 :mod:`kubetitan_trainer.metrics`). Pure of torch (torch is read only when a worker has imported it).
@@ -85,9 +89,16 @@ def origin_of(state: dict, fallback: float) -> tuple[float, str, int]:
     return fallback, "worker_start", generation
 
 
-def compile_seconds() -> float:
-    """Seconds this process has spent in torch.compile so far (0 when torch._dynamo is not loaded)."""
-    return compat.compile_seconds()
+def compile_parts() -> dict[str, float]:
+    """Seconds this process has spent in torch.compile so far, ``total_wall_time`` and each of torch's parts ({}
+    when torch._dynamo is not loaded)."""
+    return compat.compile_time_parts()
+
+
+def parts_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The parts' seconds between two readings of :func:`compile_parts` (those of at least 5 ms, rounded)."""
+    out = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
+    return {k: v for k, v in sorted(out.items()) if v >= 0.005}
 
 
 def split(marks: dict[str, float], compile_in_first_step: float, warm_import_seconds: float = 0.0) -> dict[str, float]:
@@ -125,24 +136,26 @@ class Recorder:
         # A warm launcher's one-time imports belong to generation 0's imports, not to its process start.
         self.warm_import_seconds = float(self.state.get("warm_import_seconds", 0.0) or 0.0) if self.generation == 0 else 0.0
         self.load_source = "none"
-        self._compile_before = 0.0
+        self._compile_before: dict[str, float] = {}
         self.result: dict | None = None
 
     def mark(self, name: str, t: float | None = None) -> None:
         self.marks.setdefault(name, time.time() if t is None else t)
 
     def first_step_begins(self) -> None:
-        self._compile_before = compile_seconds()
+        self._compile_before = compile_parts()
 
     def first_step_ends(self, step: int, attempt: int, t: float | None = None) -> dict:
         """Close the record at the end of the first step of this process; returns it (once)."""
         if self.result is not None:
             return self.result
         self.mark("first_step_end", t)
-        phases = split(self.marks, compile_seconds() - self._compile_before, self.warm_import_seconds)
+        spent = parts_spent(self._compile_before, compile_parts())
+        phases = split(self.marks, spent.get("total_wall_time", 0.0), self.warm_import_seconds)
         self.result = {"attempt": attempt, "generation": self.generation, "origin": self.origin_kind,
                        "first_step": step, "checkpoint_source": self.load_source, "phases": phases,
-                       "total_seconds": sum(phases.values()), "time": self.marks["first_step_end"]}
+                       "total_seconds": sum(phases.values()), "time": self.marks["first_step_end"],
+                       "compile_parts": {k: v for k, v in spent.items() if k != "total_wall_time"}}
         return self.result
 
 
@@ -173,4 +186,11 @@ def describe(record: dict) -> str:
     p = record["phases"]
     return (f"Start-up of generation {record['generation']} (attempt {record['attempt']}, from {record['origin']}) "
             f"to the end of step {record['first_step']}: {record['total_seconds']:.1f} s = "
-            + ", ".join(f"{k} {p[k]:.1f}" for k in PHASES) + f" (checkpoint: {record['checkpoint_source']})")
+            + ", ".join(f"{k} {p[k]:.1f}" for k in PHASES) + f" (checkpoint: {record['checkpoint_source']})"
+            + compile_note(record.get("compile_parts") or {}))
+
+
+def compile_note(parts: dict[str, float]) -> str:
+    """The first step's compile parts, longest first (torch's own names; they nest, so they do not add up)."""
+    top = sorted(parts.items(), key=lambda kv: -kv[1])[:6]
+    return "; first-step compile parts: " + ", ".join(f"{k} {v:.2f}" for k, v in top) if top else ""

@@ -892,18 +892,20 @@ def local_tensor(t):
 
 # ====================================================================== compile time (kubetitan_trainer.anatomy)
 @_shim(Upstream("torch._dynamo.utils:calculate_time_spent", params=(), contains=('"total_wall_time"',)))
-def compile_seconds() -> float:
-    """Seconds this process has spent in torch.compile (0 when torch._dynamo is not loaded, or on any error).
+def compile_time_parts() -> dict[str, float]:
+    """Seconds this process has spent in each part of torch.compile so far ({} when torch._dynamo is not loaded, or
+    on any error): ``total_wall_time`` and torch's own phases (``entire_frame_compile``, ``backend_compile``,
+    ``inductor_compile``, ``code_gen``, ``async_compile.wait``, ...).
 
-    torch records it in ``torch._dynamo.utils`` (``calculate_time_spent()["total_wall_time"]``) and has no
-    public accessor; the start-up anatomy separates the first step's compile time with it."""
+    torch records them in ``torch._dynamo.utils`` (``calculate_time_spent()``) and has no public accessor; the
+    start-up anatomy separates the first step's compile time, and its parts, with it."""
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
-        return 0.0
+        return {}
     try:
-        return float(utils.calculate_time_spent().get("total_wall_time", 0.0))
+        return {str(k): float(v) for k, v in utils.calculate_time_spent().items()}
     except Exception:  # noqa: BLE001 - a private API: never let it break training
-        return 0.0
+        return {}
 
 
 # ====================================================================== the doc table
