@@ -890,6 +890,67 @@ def local_tensor(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
+# ====================================================================== the AOTAutograd cache (kubetitan_trainer.aot_cache)
+@_shim(Upstream("torch._functorch._aot_autograd.autograd_cache:check_node_safe", params=("node",),
+                contains=("unsafe_marked_cacheable_functions",)),
+       Upstream("torch._inductor.config:unsafe_marked_cacheable_functions"))
+def mark_cacheable(names: dict[str, str]) -> None:
+    """Let the AOTAutograd cache key graphs that call these functions (``module.qualname`` -> a version string
+    that goes into the key).
+
+    torch 2.11 refuses to cache a graph with any ``call_function`` target outside its allow-list and bypasses
+    the cache instead: every process then traces the joint forward/backward graph again. Its one knob is
+    ``torch._inductor.config.unsafe_marked_cacheable_functions`` (a private module); entries are added, never
+    removed."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.unsafe_marked_cacheable_functions.update(names)
+
+
+@_shim(Upstream("torch._dynamo.variables.misc:produce_trampoline_autograd_apply", params=("fn_cls",),
+                contains=("trampoline_autograd_apply._origin = produce_trampoline_autograd_apply",)),
+       Upstream("torch._dynamo.symbolic_convert:InliningInstructionTranslator.check_inlineable",
+                contains=("func.fn._origin is produce_trampoline_autograd_apply",)),
+       Upstream("torch._dynamo.variables.misc:AutogradFunctionVariable.call_method",
+                contains=("produce_trampoline_autograd_apply(",)))
+def name_autograd_trampolines(namespace: Any, on_new: Callable[[str, type], None]) -> None:
+    """Make Dynamo's stand-in for an allowed-in-graph ``autograd.Function`` a function of ``namespace`` named
+    after the class, instead of a fresh closure per call site.
+
+    When Dynamo meets ``Fn.apply`` for a Function allowed in the graph (torchao's float8 casts and matmul are),
+    it puts ``produce_trampoline_autograd_apply(Fn)`` (a local closure) in the graph; the AOTAutograd cache
+    can neither allow-list nor pickle a closure, so every graph with an FP8 linear bypasses the cache. The
+    stand-in here calls the same closure; it is created once per class, set on ``namespace`` under a name made
+    of the class's module and qualified name (so pickle finds it by reference), and ``on_new(name, Fn)`` is
+    called for it (to mark it cacheable). Dynamo recognises its trampolines by ``_origin``, which stays the
+    producer Dynamo looks up. The producer is a module function Dynamo calls through its module; there is no
+    hook, so the module attribute is rebound."""
+    import torch._dynamo.variables.misc as misc
+
+    original = misc.produce_trampoline_autograd_apply
+    if getattr(original, "_kubetitan_named", False):
+        return
+
+    def produce(fn_cls: Any) -> Callable:
+        name = f"apply__{fn_cls.__module__}__{fn_cls.__qualname__}".replace(".", "_")
+        fn = getattr(namespace, name, None)
+        if fn is None:
+            closure = original(fn_cls)
+
+            def fn(*args: Any, **kwargs: Any) -> Any:
+                return closure(*args, **kwargs)
+
+            fn.__name__ = fn.__qualname__ = name
+            fn.__module__ = namespace.__name__
+            fn._origin = produce
+            setattr(namespace, name, fn)
+            on_new(name, fn_cls)
+        return fn
+
+    produce._kubetitan_named = True
+    _rebind(misc, "produce_trampoline_autograd_apply", produce)
+
+
 # ====================================================================== compile time (kubetitan_trainer.anatomy)
 @_shim(Upstream("torch._dynamo.utils:calculate_time_spent", params=(), contains=('"total_wall_time"',)))
 def compile_time_parts() -> dict[str, float]:

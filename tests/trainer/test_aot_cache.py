@@ -1,0 +1,77 @@
+"""The AOTAutograd cache serves the recipe's graphs (kubetitan_trainer.aot_cache, issue 29 item 3).
+
+A fresh interpreter captures one FP8 TransformerBlock of the debug model with Dynamo (a backend that only
+inspects the graph: no Inductor, ~seconds) and applies the AOTAutograd cache's own node check
+(``check_cacheable``) plus the pickling by reference that its key needs, first as torch 2.11 ships, then after
+:func:`kubetitan_trainer.aot_cache.enable`. Without it the graph is refused (so every restart traces the joint
+graph again); with it nothing is. The full round trip (a second process hitting the cache) is
+``bench/aot_cache_probe.py``; it compiles with Inductor and takes minutes on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from kubetitan_trainer import aot_cache
+
+PROBE = textwrap.dedent('''
+    import json, pickle, torch
+    from torch._functorch._aot_autograd import autograd_cache
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    def refused(gm):
+        """The targets the cache would refuse (its node check, then pickling each by reference for the key)."""
+        out = []
+        for node in gm.graph.nodes:
+            try:
+                autograd_cache.check_node_safe(node)
+                if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload):
+                    pickle.dumps(node.target)
+            except Exception:
+                out.append(f"{getattr(node.target, '__module__', '?')}.{getattr(node.target, '__name__', node.target)}")
+        return sorted(set(out))
+
+    def capture():
+        seen = []
+        def backend(gm, example_inputs):
+            seen.append(refused(gm))
+            return gm.forward
+        torch._dynamo.reset()
+        model = Transformer(llama3_args["debugmodel"])
+        convert_to_float8_training(model.layers, config=Float8LinearConfig())
+        block = torch.compile(model.layers["0"], backend=backend, fullgraph=True)
+        x = torch.randn(2, 16, model.model_args.dim, requires_grad=True)
+        block(x, model.freqs_cis[:16], None)
+        return seen
+
+    before = capture()
+    from kubetitan_trainer import aot_cache
+    aot_cache.enable()
+    aot_cache.enable()  # idempotent
+    after = capture()
+    print(json.dumps({"before": before, "after": after}))
+''')
+
+
+def test_enable_makes_an_fp8_blocks_graph_cacheable() -> None:
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(got["before"]) == 1 and len(got["after"]) == 1  # one graph each time: the block, fullgraph
+    before = set(got["before"][0])
+    # as shipped: the SDPA backend selection, torchao's configs and its Functions' closures are refused
+    assert {"torch.nn.attention._sdpa_kernel", "torch.nn.attention._backend_from_string"} <= before
+    assert any(name.endswith("trampoline_autograd_apply") for name in before)
+    assert any(name.startswith("torchao.float8.") for name in before)
+    assert got["after"] == [[]]
+
+
+def test_every_marked_name_is_keyed_by_the_versions_of_its_package() -> None:
+    names = aot_cache.cacheable_names()
+    assert set(names) == set(aot_cache.TORCH_PURE) | set(aot_cache.TORCHAO_PURE)
+    assert all(v.startswith("torch ") for v in names.values())
+    assert all("torchao " in names[n] for n in aot_cache.TORCHAO_PURE)

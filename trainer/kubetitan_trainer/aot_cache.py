@@ -1,0 +1,65 @@
+"""Let torch's AOTAutograd cache serve the recipe's compiled graphs (issue 29, item 3: warm start without
+compilation).
+
+With a warm compile cache, a new worker process still traces every compiled region with Dynamo, then asks the
+AOTAutograd cache for the joint forward/backward graph. torch 2.11 refuses to cache a graph that calls any
+function outside its allow-list, and the recipe's blocks call several, so the cache is bypassed and every
+restart traces and partitions the joint graph again (on this project's CPU probe, 1.5-2 s of a debug block's
+warm start; on the GPU the compile-time parts in the start-up record, :mod:`kubetitan_trainer.anatomy`, show it):
+
+- torch's own SDPA backend selection, which torchtitan's attention enters around every call
+  (``sdpa_kernel(..., set_priority=True)``): ``torch.nn.attention._sdpa_kernel`` and ``_backend_from_string``;
+- torchao's float8 config tuples and dataclasses, built in the graph (:data:`TORCHAO_PURE`);
+- torchao's float8 ``autograd.Function`` s, allowed in the graph: Dynamo calls each through a fresh closure,
+  which can be neither allow-listed nor pickled into a key (:func:`kubetitan_trainer.compat.name_autograd_trampolines`
+  gives each a stable, importable name in this module).
+
+:func:`enable` marks them all cacheable, each keyed by the versions of the package that defines it (so an
+upgrade of torch or torchao makes new keys; the compile cache's folder is keyed by both too,
+:mod:`kubetitan_trainer.compile_cache`). They are what the FX graph cache already accepts in the same graphs:
+the compiled code still calls them at run time, only the key is made. Called by kubetitan's TrainSpec before
+it compiles anything (:func:`kubetitan_trainer.train_spec.wrap_parallelize`).
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+
+from kubetitan_trainer import compat
+
+TORCH_PURE = ("torch.nn.attention._backend_from_string", "torch.nn.attention._sdpa_kernel")
+"""torch functions in the recipe's graphs that the AOTAutograd cache does not allow-list."""
+
+TORCHAO_PURE = (
+    "torchao.float8.float8_training_tensor.ScaledMMConfig",
+    "torchao.float8.float8_training_tensor.LinearMMConfig",
+    "torchao.float8.config.CastConfig",
+    "torchao.float8.config.Float8GemmConfig",
+    "torchao.float8.config.Float8LinearConfig",
+)
+"""torchao's float8 configuration classes, constructed inside the recipe's graphs."""
+
+
+def _version(dist: str) -> str:
+    try:
+        return f"{dist} {metadata.version(dist)}"
+    except metadata.PackageNotFoundError:
+        return f"{dist} none"
+
+
+def cacheable_names() -> dict[str, str]:
+    """Every name :func:`enable` marks up front -> the version string in its cache key."""
+    torch_v, torchao_v = _version("torch"), f"{_version('torch')}, {_version('torchao')}"
+    return {**{n: torch_v for n in TORCH_PURE}, **{n: torchao_v for n in TORCHAO_PURE}}
+
+
+def _trampoline_named(name: str, fn_cls: type) -> None:
+    owner = fn_cls.__module__.split(".")[0]
+    compat.mark_cacheable({f"{__name__}.{name}": f"{_version('torch')}, {_version(owner)}"})
+
+
+def enable() -> None:
+    """Make the recipe's compiled graphs cacheable by the AOTAutograd cache (idempotent)."""
+    compat.mark_cacheable(cacheable_names())
+    compat.name_autograd_trampolines(sys.modules[__name__], _trampoline_named)
