@@ -289,6 +289,9 @@ def run(a: argparse.Namespace) -> int:
                 shutil.rmtree(p, ignore_errors=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(table(results))
+    tput = steady_throughput(out / "steps.jsonl", a.interval)
+    if tput:
+        ev("throughput", **tput)
     return 0 if len(results) == len(plan) + 1 else 1
 
 
@@ -303,6 +306,24 @@ def wait(cond, proc, deadline, ev, what, poll=0.1):
         time.sleep(poll)
     ev("timeout", what=what)
     return None
+
+
+def steady_throughput(steps_log: Path, interval: int) -> dict | None:
+    """The recipe's tokens per second per GPU in steady steps: generation 0's steps after the first three, without
+    a checkpoint step or the two after it (a save's stall); median and quartiles over the logged steps."""
+    import statistics
+
+    if not steps_log.exists():
+        return None
+    rows = [json.loads(x) for x in steps_log.read_text().splitlines() if x.strip()]
+    tps = sorted(r["tokens_per_second_per_gpu"] for r in rows
+                 if r.get("generation") == 0 and r["step"] > 3 and r["step"] % interval not in (0, 1, 2)
+                 and r.get("tokens_per_second_per_gpu"))
+    if len(tps) < 4:
+        return None
+    q = statistics.quantiles(tps, n=4)
+    return {"steps": len(tps), "tokens_per_second_per_gpu_median": round(statistics.median(tps)),
+            "q1": round(q[0]), "q3": round(q[2])}
 
 
 def table(rows: list[dict]) -> str:
