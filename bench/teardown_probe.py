@@ -11,6 +11,8 @@ process per variant (spawned, never forked from a CUDA parent):
                storage per tensor, each cudaHostRegister-ed; here 1 GiB storages)
   shm_reg      + --host-gib of a /dev/shm file mapped and cudaHostRegister-ed in place (memory a worker's death does
                not free: the file outlives the process; only the registration ends with it)
+  shm_map      + the same file mapped with every page mapped for writing, not registered (a staging arena written
+               through small pinned bounce buffers: what its death costs without the registration)
 
 For each: SIGKILL -> a robust mutex held by the child is handed to the parent as EOWNERDEAD (the kernel releases
 robust futexes at the start of the exit, before the address space and file descriptors are torn down) ->
@@ -44,6 +46,7 @@ from pathlib import Path
 
 GIB = 1 << 30
 EOWNERDEAD = 130
+MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+); Python's mmap module may not name it
 MUTEX_BYTES = 64  # sizeof(pthread_mutex_t) is 40 on x86_64 glibc; padded
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
@@ -104,15 +107,17 @@ def child(args: argparse.Namespace) -> None:
                 pin_memory_utils.pin_memory(st.data_ptr(), st.nbytes())
                 held.append(st)
         info["pin_s"] = time.perf_counter() - t0
-    elif args.variant == "shm_reg":
+    elif args.variant in ("shm_reg", "shm_map"):
         t0 = time.perf_counter()
         fd = os.open(args.shm, os.O_RDWR)
         size = os.fstat(fd).st_size
         mapping = mmap.mmap(fd, size)
         os.close(fd)
         held.append(mapping)
+        if args.variant == "shm_map":  # every page mapped for writing, as staging through bounce buffers would
+            mapping.madvise(MADV_POPULATE_WRITE)
         info["map_s"] = time.perf_counter() - t0
-        if not args.cpu:
+        if not args.cpu and args.variant == "shm_reg":
             import torch
             ptr = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
             t0 = time.perf_counter()
@@ -329,7 +334,7 @@ def main() -> None:
     ap.add_argument("--host-gib", type=float, default=40.0)
     ap.add_argument("--gpu-gib", type=float, default=100.0)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--variants", default="ctx,gpu,dcp_today,shm_reg,pinned")
+    ap.add_argument("--variants", default="ctx,gpu,dcp_today,shm_reg,shm_map,pinned")
     ap.add_argument("--shm", type=Path, default=Path("/dev/shm/kt-teardown-probe"))
     ap.add_argument("--cpu", action="store_true", help="no CUDA: the mutex and reap timings only")
     ap.add_argument("--skip-load", action="store_true", help="the kill variants only")
