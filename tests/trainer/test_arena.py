@@ -73,12 +73,32 @@ def test_a_staged_copy_sent_to_dcp_s_checkpoint_process_stays_in_the_arena(tmp_p
     assert all(_inside(v, stager.arena) for v in staged.values() if isinstance(v, torch.Tensor))
 
 
-def test_the_stager_stages_into_the_arena_and_reuses_its_storages(tmp_path):
+def _resident_kib(folder) -> int:
+    """KiB of this process's mappings of files under ``folder`` that are in its page tables (``Rss`` in smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
+            inside = len(head) >= 6 and head[5].startswith(str(folder))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.parametrize("write", ["map", "pwrite"])
+def test_the_stager_stages_into_the_arena_and_reuses_its_storages(tmp_path, monkeypatch, write):
+    """Both ways of writing the arena give the same staged copy; ``pwrite`` never brings the files' pages into this
+    process's page tables (so its death has none to tear down), ``map`` does."""
+    monkeypatch.setenv(arena.ENV_WRITE, write)
+    monkeypatch.setattr(arena, "CHUNK", 4096)  # several chunks, and several writer threads, per storage
     src = _trained(seed=1)
     stager = ReusableStager(CPU_STAGING, arena_folder=str(tmp_path), rank=0)
     state = restore_tier.materialise(src[2])
     staged = stager.stage(state)
     a = stager.arena
+    assert a.mode == write
+    mapped_kib = _resident_kib(tmp_path)
+    assert (mapped_kib == 0) == (write == "pwrite"), mapped_kib
     assert a is not None and a.count == len(list((tmp_path / "staging-rank-0").iterdir())) > 0
     tensors: list[torch.Tensor] = []
     restore_tier._skeleton(staged, tensors)
@@ -89,17 +109,22 @@ def test_the_stager_stages_into_the_arena_and_reuses_its_storages(tmp_path):
         for p in src[0].parameters():
             p.add_(1)
     used = a.next
+    if write == "pwrite":
+        mapped_kib = _resident_kib(tmp_path)  # reading the staged copy above brought pages in; none more below
     again = stager.stage(restore_tier.materialise(src[2]))
     assert a.next == used  # the second stage allocates nothing: the cached arena storages are overwritten
+    if write == "pwrite":
+        assert _resident_kib(tmp_path) == mapped_kib
     assert torch.equal(again["0.weight"], src[0][0].weight) and again["0.weight"].data_ptr() == staged["0.weight"].data_ptr()
     stager.close()
 
 
-@pytest.mark.parametrize("read", ["map", "pread"])
-def test_a_tier_from_the_arena_loads_the_same_state_as_a_dcp_load(tmp_path, monkeypatch, read):
+@pytest.mark.parametrize(("write", "read"), [("map", "map"), ("map", "pread"), ("pwrite", "pread")])
+def test_a_tier_from_the_arena_loads_the_same_state_as_a_dcp_load(tmp_path, monkeypatch, write, read):
     import torch.distributed.checkpoint as dcp
 
     monkeypatch.setenv(restore_tier.ENV_READ, read)
+    monkeypatch.setenv(arena.ENV_WRITE, write)
 
     src = _trained(seed=1)
     tier, ckpt = tmp_path / "tier", tmp_path / "ckpt"
@@ -240,3 +265,12 @@ def test_pinned_style_async_saves_through_dcp_s_checkpoint_process_keep_the_stag
     restore_tier.load(got, tier, rank=0)
     assert got["train_state"]["step"] == 2 and bool((got["w"] == 2).all()) and stager.arena.next == 1
     stager.close()
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, "map"), ("pwrite", "pwrite"), (" PWRITE", "pwrite"), ("mmap", "map")])
+def test_write_mode_knob(raw, want, caplog) -> None:
+    env = {} if raw is None else {arena.ENV_WRITE: raw}
+    with caplog.at_level("WARNING", logger="kubetitan.arena"):
+        assert arena.write_mode(env) == want
+    assert ("is not one of map, pwrite" in caplog.text) == (raw == "mmap")
+    assert arena.write_threads({arena.ENV_WRITE_THREADS: "3"}) == 3 and arena.write_threads({}) == arena.WRITE_THREADS

@@ -50,14 +50,23 @@ class _KeepOpenStateDictStager(compat.state_dict_stager_class()):
 
     def _stage_untyped_storage(self, storage: torch.UntypedStorage, non_blocking: bool = False):
         """torch's, except that a storage staged for the first time gets its copy from the arena (a file of the
-        tier's folder, registered with CUDA when torch would pin), cached as torch caches its own."""
+        tier's folder, registered with CUDA when torch would pin), cached as torch caches its own. In the arena's
+        ``pwrite`` mode every stage writes the file (:meth:`kubetitan_trainer.arena.Arena.write`), never the
+        mapping."""
         cache = compat.staged_storage_cache(self)
         new = None
         if self.arena is not None and storage not in cache:
             new = self.arena.storage(storage.nbytes())
         if new is None:  # cached already, no arena, or the arena is full
+            if self.arena is not None and self.arena.mode == "pwrite" and storage in cache \
+                    and cache[storage].data_ptr() in self.arena.names:
+                self.arena.write(cache[storage], storage)  # a later stage: into the file, not its mapping
+                return cache[storage]
             return super()._stage_untyped_storage(storage, non_blocking=non_blocking)
-        new.copy_(storage, non_blocking=non_blocking)
+        if self.arena.mode == "pwrite":
+            self.arena.write(new, storage)
+        else:
+            new.copy_(storage, non_blocking=non_blocking)
         cache[storage] = new
         return new
 
