@@ -124,3 +124,12 @@ def test_read_mode_knob(raw, want, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="kubetitan.restore_tier"):
         assert restore_tier.read_mode(env) == want
     assert ("is not one of map, pread" in caplog.text) == (raw == "mmap")
+
+
+@pytest.mark.parametrize(("threads", "want_mib"), [(1, 64), (2, 64), (4, 32), (8, 16), (16, 8), (64, 4)])
+def test_the_bounce_chunk_keeps_the_pinned_memory_of_all_threads_within_the_budget(threads, want_mib) -> None:
+    """One thread keeps the measured 64 MiB chunk; more threads share 256 MiB of pinned buffers (two each), so a
+    fresh worker does not pin gigabytes before its first copy."""
+    load = restore_tier._ParallelLoad(threads)
+    assert load.chunk == want_mib << 20
+    assert 2 * threads * load.chunk <= max(restore_tier._ParallelLoad.BOUNCE_BUDGET, 2 * threads * (4 << 20))

@@ -203,9 +203,15 @@ class _ParallelLoad:
     reads run in parallel and no page of the tier is ever mapped into the worker."""
 
     CHUNK = 64 << 20
+    BOUNCE_BUDGET = 256 << 20
+    """Pinned bounce memory of all threads together (two buffers a thread). A fresh worker pins it before its
+    first copy, and pinning from scratch cost ~0.75 s a GiB on the H200 machine (40 GiB in 30 s, issue 29): 16
+    threads of 2 x 64 MiB would pin 2 GiB. Whether that is why the 16-thread ``pread`` load ran slower in a
+    training run (2.6-3.4 s) than in the probe (1.47 s) is not measured (docs/reliability.md)."""
 
-    def __init__(self, threads: int, chunk: int = CHUNK, bounce_cpu: bool = False) -> None:
-        self.threads, self.chunk, self.bounce_cpu = max(1, threads), chunk, bounce_cpu
+    def __init__(self, threads: int, chunk: int | None = None, bounce_cpu: bool = False) -> None:
+        self.threads, self.bounce_cpu = max(1, threads), bounce_cpu
+        self.chunk = chunk if chunk is not None else chunk_for(self.threads, self.CHUNK, self.BOUNCE_BUDGET)
 
     def run(self, pairs: list[tuple[torch.Tensor | FileSpan, torch.Tensor]]) -> None:
         """``pairs``: (the tier's bytes of a tensor as a flat uint8 view or a :class:`FileSpan`, the tensor to fill
@@ -259,6 +265,13 @@ class _ParallelLoad:
             stream.synchronize()
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread by run()
             errors.append(e)
+
+
+def chunk_for(threads: int, largest: int, budget: int, smallest: int = 4 << 20) -> int:
+    """The bounce chunk for ``threads`` loader threads: ``largest`` while two a thread fit ``budget``, else the
+    share that fits (whole MiB, at least ``smallest``)."""
+    share = budget // (2 * max(1, threads)) >> 20 << 20
+    return max(smallest, min(largest, share))
 
 
 def chunks(pairs: list[tuple[Any, torch.Tensor]], size: int) -> list[tuple[Any, torch.Tensor]]:
