@@ -457,7 +457,7 @@ def _fill_plan(target: Any, skel: Any, layout: list[dict], path: str, plan: list
         if list(local.shape) != entry["shape"] or str(local.dtype).removeprefix("torch.") != entry["dtype"]:
             raise TierMismatch(f"{path}: tier {entry['dtype']}{entry['shape']}, state "
                                f"{str(local.dtype).removeprefix('torch.')}{list(local.shape)}")
-        plan.append((local, entry))
+        plan.append((local, entry, path.split(".", 2)[1] if path.count(".") else ""))  # + the state's top key
         return target
     if isinstance(skel, dict):
         if not isinstance(target, dict) or set(target) != set(skel):
@@ -486,12 +486,12 @@ class Prepared:
         """The file an entry's bytes are in: its staging file (a tier from the arena), else ``rank-<r>.bin``."""
         return self.binf.parent / entry["file"] if entry.get("file") else self.binf
 
-    def apply(self) -> int:
-        """Copy the tier into the state in place, then each Stateful's ``load_state_dict``; the bytes read."""
+    def _copy(self, entries: list[tuple[torch.Tensor, dict]]) -> None:
+        """Copy these (tensor, layout entry) pairs from the tier's files into the tensors."""
         with contextlib.ExitStack() as stack:
-            bufs: dict[Path, torch.Tensor] = {}
+            bufs: dict[Path, Any] = {}
             pairs = []
-            for local, e in self.plan:
+            for local, e in entries:
                 if not e["nbytes"]:
                     continue
                 file = self.file_of(e)
@@ -507,14 +507,94 @@ class Prepared:
                 pairs.append((bufs[file][e["offset"]:e["offset"] + e["nbytes"]], local))
             with torch.no_grad():
                 _ParallelLoad(self.threads).run(pairs)
-            total = sum(e["nbytes"] for _local, e in self.plan)
             del bufs, pairs  # before the mappings close
+
+    def apply(self, defer: tuple[str, ...] = ()) -> int:
+        """Copy the tier into the state in place, then each Stateful's ``load_state_dict``; the bytes read.
+
+        ``defer``: top-level keys of the state (``"optimizer"``) whose tensors of :data:`DEFER_MIN_BYTES` or more
+        are copied in a background thread after the ``load_state_dict`` calls (:attr:`pending`; wait on it before
+        anything reads them: the optimizer's step). Only when the object still holds the very tensors that were
+        filled after its ``load_state_dict`` (torch's optimizers keep the tensors they are given): otherwise they
+        are copied first and ``load_state_dict`` runs again, as without ``defer``."""
+        now, later = [], []
+        for local, e, key in self.plan:
+            (later if key in defer and e["nbytes"] >= DEFER_MIN_BYTES else now).append((local, e))
+        self._copy(now)
         for k, v in self.states.items():
             if _is_stateful(v):
                 v.load_state_dict(self.filled[k])
             else:
                 self.states[k] = self.filled[k]
+        total = sum(e["nbytes"] for _local, e, _k in self.plan)
+        if not later:
+            return total
+        keys = [k for k in defer if k in self.states]
+        if _held({k: self.states[k] for k in keys}) >= {_local(t).data_ptr() for t, _e in later}:
+            self.pending = Pending(self._copy, later, sum(e["nbytes"] for _t, e in later))
+            return total
+        log.info("Restore tier: %s does not keep the tensors it was loaded from; loading it whole first", keys)
+        self._copy(later)
+        for k in keys:
+            self.states[k].load_state_dict(self.filled[k])
         return total
+
+    pending: Pending | None = None
+    """The deferred copies of the last :meth:`apply` (None: nothing deferred)."""
+
+
+DEFER_MIN_BYTES = 1 << 20
+"""Smaller tensors of a deferred part are copied at once (an optimizer's step counters may be copied by its
+``load_state_dict``; its moments are not)."""
+
+ENV_DEFER = "KUBETITAN_TIER_DEFER_OPTIMIZER"
+"""``1``: the trainer loads the optimizer's moments from the tier in the background, while the first step's forward
+and backward run, and waits for them before the optimizer's step (issue 29 item 2); unset or ``0``: at once."""
+
+
+def defer_keys(env: dict | None = None) -> tuple[str, ...]:
+    """The state keys a tier load defers (:data:`ENV_DEFER`)."""
+    return ("optimizer",) if (os.environ if env is None else env).get(ENV_DEFER, "").strip() == "1" else ()
+
+
+def _held(states: dict[str, Any]) -> set[int]:
+    """The data pointers of every tensor ``states`` hold now (their state dicts, read again)."""
+    tensors: list[torch.Tensor] = []
+    _skeleton(materialise(states), tensors)
+    return {_local(t).data_ptr() for t in tensors}
+
+
+class Pending:
+    """Deferred tier copies running in a background thread; :meth:`wait` ends them and raises their error."""
+
+    def __init__(self, copy: Any, entries: list, nbytes: int) -> None:
+        import time as _time
+
+        self.nbytes, self.seconds = nbytes, None
+        self._errors: list[BaseException] = []
+
+        def run() -> None:
+            begin = _time.perf_counter()
+            try:
+                copy(entries)
+            except BaseException as e:  # noqa: BLE001 - raised by wait() on the training thread
+                self._errors.append(e)
+            self.seconds = _time.perf_counter() - begin
+
+        self._thread: threading.Thread | None = threading.Thread(target=run, name="kubetitan-tier-deferred",
+                                                                  daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._errors:
+            raise self._errors[0]
+
+    @property
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
 
 
 def prepare(states: dict[str, Any], folder: str | Path, *, rank: int) -> Prepared:

@@ -25,6 +25,7 @@ Everything else comes through the TrainSpec. The subclass adds, and only adds:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -279,6 +280,8 @@ class KubetitanTrainer(Trainer):
             anatomy.append_log(self.job_config.job.dump_folder, record)
 
     _network_message: str = ""
+    _tier_pending: restore_tier.Pending | None = None
+    """The restore tier's copies still running in the background (restore_tier.ENV_DEFER)."""
 
     def _check_network(self) -> bool:
         """Log the NCCL network (local rank 0) and say whether the run must end (kubetitan_trainer.netcheck)."""
@@ -521,16 +524,44 @@ class KubetitanTrainer(Trainer):
                             " not every rank's is): loading through DCP")
             return False
         begin = time.perf_counter()
+        if self._tier_pending is not None:  # a load again (in-process restart) before the last one's step
+            with contextlib.suppress(Exception):
+                self._tier_pending.wait()
         try:
-            n = prepared.apply()
+            n = prepared.apply(defer=restore_tier.defer_keys())
+            self._tier_pending = prepared.pending
         except Exception:
             restore_tier.discard(folder, rank)  # never try this tier again
             raise
         compat.finish_model_load(self.checkpointer, state_dict)  # what torchtitan's dcp_load does after dcp.load
         anatomy.current().load_source = "restore_tier"
+        later = ""
+        if prepared.pending is not None:
+            self._wait_before_optimizer_step(prepared.pending, folder, rank)
+            later = f", of which {prepared.pending.nbytes / 2**30:.2f} GiB of the optimizer's in the background"
         logger.info(f"Loaded step {step} from the restore tier: {n / 2**30:.2f} GiB in "
-                    f"{time.perf_counter() - begin:.2f} s ({folder})")
+                    f"{time.perf_counter() - begin:.2f} s{later} ({folder})")
         return True
+
+    def _wait_before_optimizer_step(self, pending: restore_tier.Pending, folder: str, rank: int) -> None:
+        """Every optimizer waits for the tier's deferred copies before its next step (once); a copy that failed
+        deletes this rank's tier and ends the step with its error, as a failed load does."""
+        handles: list = []
+
+        def wait(*_args) -> None:
+            for h in handles:
+                h.remove()
+            handles.clear()
+            begin = time.perf_counter()
+            try:
+                pending.wait()
+            except Exception:
+                restore_tier.discard(folder, rank)
+                raise
+            logger.info(f"Restore tier: the optimizer's {pending.nbytes / 2**30:.2f} GiB loaded in the background in "
+                        f"{pending.seconds or 0:.2f} s; the step waited {time.perf_counter() - begin:.2f} s for it")
+
+        handles.extend(o.register_step_pre_hook(wait) for o in self.optimizers)
 
     def _checkpoint_bytes_estimate(self) -> int:
         """Bytes one save writes (all ranks): the newest complete checkpoint's size, else model + AdamW state

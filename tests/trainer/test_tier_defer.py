@@ -1,0 +1,132 @@
+"""The optimizer's part of a restore-tier load, deferred to a background thread (restore_tier.ENV_DEFER, issue 29
+item 2): the load returns before the optimizer's moments are copied, the optimizer's next step waits for them, the
+result is the state a load at once gives, and an optimizer that does not keep the tensors it was given, or a copy
+that fails, is handled as a load at once / a failed load."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kubetitan_trainer import restore_tier
+from kubetitan_trainer.trainer import KubetitanTrainer as Trainer
+
+from .test_anatomy_restore import _flat, _same, _trained
+
+
+def _tier(tmp_path):
+    src = _trained(seed=1)
+    restore_tier.save(src[2], tmp_path, step=8, rank=0, world_size=1, checkpoint_folder=str(tmp_path / "ckpt"))
+    return src
+
+
+def _moments(opt) -> list[torch.Tensor]:
+    return [s["exp_avg"] for o in opt for s in o.state.values()]
+
+
+@pytest.fixture
+def small_tensors_defer(monkeypatch):
+    monkeypatch.setattr(restore_tier, "DEFER_MIN_BYTES", 64)  # the test model's moments are 64-256 bytes
+
+
+def _gate(monkeypatch) -> threading.Event:
+    """Hold the deferred copy (the second ``_copy`` of a load) until the returned event is set."""
+    gate, real = threading.Event(), restore_tier.Prepared._copy
+    calls = []
+
+    def held(self, entries):
+        calls.append(len(entries))
+        if len(calls) > 1:
+            assert gate.wait(30)
+        real(self, entries)
+
+    monkeypatch.setattr(restore_tier.Prepared, "_copy", held)
+    return gate
+
+
+def test_the_load_returns_before_the_moments_and_the_result_is_a_load_at_once(tmp_path, monkeypatch,
+                                                                             small_tensors_defer):
+    src = _tier(tmp_path)
+    want = _trained(seed=3)
+    restore_tier.load(want[2], tmp_path, rank=0)  # at once
+    got = _trained(seed=3)
+    gate = _gate(monkeypatch)
+    prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
+    prepared.apply(defer=("optimizer",))
+    assert prepared.pending is not None and not prepared.pending.done
+    # the model, the train state and the small moments are in; the others are not yet (still seed 3's values)
+    assert torch.equal(got[0][0].weight, src[0][0].weight) and got[2]["train_state"].state_dict()["step"] == 8
+    pairs = list(zip(_moments(got[1]), _moments(src[1])))
+    big = [a.nbytes >= restore_tier.DEFER_MIN_BYTES for a, _b in pairs]
+    assert any(big) and not all(big)
+    assert [torch.equal(a, b) for a, b in pairs] == [not x for x in big]
+    gate.set()
+    prepared.pending.wait()
+    assert prepared.pending.done and prepared.pending.nbytes > 0
+    assert _same(_flat(*got), _flat(*want)) and _same(_flat(*got), _flat(*src))
+
+
+def test_the_optimizer_step_waits_for_the_moments(tmp_path, monkeypatch, small_tensors_defer):
+    """Through the trainer's hook: a step taken while the copy is held still steps from the loaded moments."""
+    _tier(tmp_path)
+    ref = _trained(seed=3)
+    restore_tier.load(ref[2], tmp_path, rank=0)
+    got = _trained(seed=3)
+    gate = _gate(monkeypatch)
+    prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
+    prepared.apply(defer=("optimizer",))
+    Trainer._wait_before_optimizer_step(SimpleNamespace(optimizers=got[1]), prepared.pending, str(tmp_path), 0)
+    x = torch.randn(3, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    for model, opt in ((ref[0], ref[1]), (got[0], got[1])):
+        model(x).float().square().mean().backward()
+    stepped = threading.Thread(target=got[1].step)
+    stepped.start()
+    stepped.join(0.5)
+    assert stepped.is_alive()  # held by the hook until the moments are in
+    gate.set()
+    stepped.join(30)
+    ref[1].step()
+    assert _same(_flat(*got), _flat(*ref))
+    got[1].zero_grad()
+    got[1].step()  # the hook ran once and is gone
+
+
+def test_an_optimizer_that_copies_what_it_is_given_is_loaded_at_once(tmp_path, monkeypatch, small_tensors_defer):
+    src = _tier(tmp_path)
+    got = _trained(seed=3)
+    real = type(got[1]).load_state_dict
+    monkeypatch.setattr(type(got[1]), "load_state_dict", lambda self, sd: real(self, copy.deepcopy(sd)))
+    prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
+    prepared.apply(defer=("optimizer",))
+    assert prepared.pending is None
+    assert _same(_flat(*got), _flat(*src))
+
+
+def test_a_failed_deferred_copy_fails_the_step_and_deletes_the_tier(tmp_path, monkeypatch, small_tensors_defer):
+    _tier(tmp_path)
+    got = _trained(seed=3)
+    real, calls = restore_tier.Prepared._copy, []
+
+    def broken(self, entries):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError("the tier's file went away")
+        real(self, entries)
+
+    monkeypatch.setattr(restore_tier.Prepared, "_copy", broken)
+    prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
+    prepared.apply(defer=("optimizer",))
+    Trainer._wait_before_optimizer_step(SimpleNamespace(optimizers=got[1]), prepared.pending, str(tmp_path), 0)
+    got[0](torch.randn(3, 8, dtype=torch.bfloat16)).float().square().mean().backward()
+    with pytest.raises(OSError, match="went away"):
+        got[1].step()
+    assert not (tmp_path / "rank-0.json").exists()
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, ()), ("1", ("optimizer",)), ("0", ()), ("yes", ())])
+def test_defer_knob(raw, want) -> None:
+    assert restore_tier.defer_keys({} if raw is None else {restore_tier.ENV_DEFER: raw}) == want
