@@ -201,14 +201,11 @@ def load_side(args: argparse.Namespace) -> list[dict]:
         out.append({"what": what, "gib": round(size / GIB, 2), "s": round(s, 3), "gb_per_s": round(size / s / 1e9, 1)})
         print(json.dumps(out[-1]), flush=True)
 
-    def pread_bounced(threads: int, chunk: int = 64 << 20) -> None:
-        # no mapping at all: each thread preads its chunks of the file into its own two pinned buffers (the kernel's
-        # copy from the page cache; os.preadv releases the GIL) and copies them on its own stream
-        rfd = os.open(args.shm, os.O_RDONLY)
-
+    def bounced(threads: int, fill, chunk: int = 64 << 20) -> None:
+        # each thread fills its chunks into its own two pinned buffers (``fill(buf, offset, n)``) and copies them
+        # on its own stream
         def part(k: int) -> None:
             bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            views = [b.numpy() for b in bufs]
             evs = [None, None]
             stream = torch.cuda.Stream()
             with torch.cuda.stream(stream):
@@ -217,20 +214,29 @@ def load_side(args: argparse.Namespace) -> list[dict]:
                     b = j & 1
                     if evs[b] is not None:
                         evs[b].synchronize()
-                    got = 0
-                    while got < n:
-                        got += os.preadv(rfd, [memoryview(views[b])[got:n]], off + got)
+                    fill(bufs[b], off, n)
                     dev[off:off + n].copy_(bufs[b][:n], non_blocking=True)
                     evs[b] = torch.cuda.Event()
                     evs[b].record(stream)
             stream.synchronize()
 
+        ts = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    def pread_bounced(threads: int) -> None:
+        # no mapping at all: the kernel's copy from the page cache (os.preadv releases the GIL)
+        rfd = os.open(args.shm, os.O_RDONLY)
+
+        def fill(buf, off: int, n: int) -> None:
+            view, got = memoryview(buf.numpy()), 0
+            while got < n:
+                got += os.preadv(rfd, [view[got:n]], off + got)
+
         try:
-            ts = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+            bounced(threads, fill)
         finally:
             os.close(rfd)
 
@@ -266,33 +272,12 @@ def load_side(args: argparse.Namespace) -> list[dict]:
         return out
     timed("copy_pageable", lambda: dev.copy_(host))
 
-    def bounced(threads: int, chunk: int = 64 << 20) -> None:
-        # today's tier load with one thread; several threads each memcpy their chunks into their own two pinned
-        # buffers (torch's CPU copy_ releases the GIL) and copy them on their own stream
-        def part(k: int) -> None:
-            bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            evs = [None, None]
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                for j, off in enumerate(range(k * chunk, size, threads * chunk)):
-                    n = min(chunk, size - off)
-                    b = j & 1
-                    if evs[b] is not None:
-                        evs[b].synchronize()
-                    bufs[b][:n].copy_(host[off:off + n])
-                    dev[off:off + n].copy_(bufs[b][:n], non_blocking=True)
-                    evs[b] = torch.cuda.Event()
-                    evs[b].record(stream)
-            stream.synchronize()
-
-        ts = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+    def from_mapping(buf, off: int, n: int) -> None:
+        # today's tier load: a memcpy from the mapping (torch's CPU copy_ releases the GIL)
+        buf[:n].copy_(host[off:off + n])
 
     for n in (1, 4, 8):
-        timed(f"copy_bounced_{n}_threads", lambda n=n: bounced(n))
+        timed(f"copy_bounced_{n}_threads", lambda n=n: bounced(n, from_mapping))
     ptr = host.data_ptr()
     cudart = torch.cuda.cudart()
     timed("register", lambda: cudart.cudaHostRegister(ptr, size, 0))
