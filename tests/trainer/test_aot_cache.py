@@ -75,3 +75,63 @@ def test_every_marked_name_is_keyed_by_the_versions_of_its_package() -> None:
     assert set(names) == set(aot_cache.TORCH_PURE) | set(aot_cache.TORCHAO_PURE)
     assert all(v.startswith("torch ") for v in names.values())
     assert all("torchao " in names[n] for n in aot_cache.TORCHAO_PURE)
+
+
+STAND_INS = textwrap.dedent('''
+    import json, torch
+    from kubetitan_trainer import aot_cache
+    aot_cache.enable()
+
+    def make(scale):
+        class F(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x * scale
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * scale
+        return torch._dynamo.allow_in_graph(F)
+
+    out = {}
+    x = torch.ones(3)
+    for scale in (2.0, 3.0):  # two classes with one qualified name: each runs its own code
+        F = make(scale)
+        torch._dynamo.reset()
+        out[str(scale)] = torch.compile(lambda x, F=F: F.apply(x), backend="eager", fullgraph=True)(x).tolist()
+
+    @torch._dynamo.allow_in_graph
+    class G(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 5
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 5
+
+    graphs = []
+    torch.compile(lambda x: G.apply(x) + 1, backend=lambda gm, ex: graphs.append(gm) or gm.forward, fullgraph=True)(x)
+    out["stand_in"] = [n.target.__module__ for n in graphs[0].graph.nodes if n.op == "call_function"][0]
+    torch._dynamo.reset()  # Dynamo traces the graph it made again (a stand-in in it)
+    out["retraced"] = torch.compile(graphs[0], backend="eager", fullgraph=True)(x)[0].tolist()
+    print(json.dumps(out))
+''')
+
+
+def test_stand_ins_never_run_another_class_and_dynamo_traces_them_again() -> None:
+    out = subprocess.run([sys.executable, "-c", STAND_INS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["2.0"] == [2.0] * 3 and got["3.0"] == [3.0] * 3
+    assert got["stand_in"] == "kubetitan_trainer.aot_cache" and got["retraced"] == [6.0] * 3
+
+
+def test_a_functions_key_holds_the_versions_and_its_source() -> None:
+    from importlib import metadata
+
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    key = aot_cache.function_key(matmul_with_hp_or_float8_args)
+    assert key.startswith(f"torch {metadata.version('torch')}, torchao {metadata.version('torchao')}, source ")
+    assert "source unknown" not in key

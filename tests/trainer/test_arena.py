@@ -274,3 +274,47 @@ def test_write_mode_knob(raw, want, caplog) -> None:
         assert arena.write_mode(env) == want
     assert ("is not one of map, pwrite" in caplog.text) == (raw == "mmap")
     assert arena.write_threads({arena.ENV_WRITE_THREADS: "3"}) == 3 and arena.write_threads({}) == arena.WRITE_THREADS
+
+
+def test_a_failed_write_returns_only_after_every_write_of_the_storage_ended(tmp_path, monkeypatch):
+    """One chunk's pwrite fails (a full /dev/shm) while the others are still queued: the error comes back only once
+    they have all ended, so none writes through the closed descriptor into a file opened afterwards."""
+    import threading
+    import time
+
+    monkeypatch.setattr(arena, "CHUNK", 4096)
+    a = arena.Arena(tmp_path / "staging-rank-0", 1, mode="pwrite", threads=2)
+    a.folder.mkdir()
+    dst = a.storage(4 * 4096)
+    real, started = arena._pwrite_all, threading.Event()
+
+    def flaky(fd, data, off):
+        if off == 0:
+            assert started.wait(10)  # a later chunk is in flight when this one fails
+            raise OSError(28, "No space left on device")
+        started.set()
+        time.sleep(0.3)
+        return real(fd, data, off)
+
+    monkeypatch.setattr(arena, "_pwrite_all", flaky)
+    with pytest.raises(OSError, match="No space left"):
+        a.write(dst, torch.full((4 * 4096,), 7, dtype=torch.uint8).untyped_storage())
+    victim = tmp_path / "unrelated.txt"
+    fd = os.open(victim, os.O_RDWR | os.O_CREAT)  # may get the staging file's old descriptor number
+    try:
+        os.write(fd, b"important")
+        a.close()  # every queued write has ended by now
+        assert os.fstat(fd).st_size == 9 and victim.read_bytes() == b"important"
+    finally:
+        os.close(fd)
+
+
+def test_a_replaced_staging_file_is_not_written(tmp_path, monkeypatch):
+    monkeypatch.setenv(arena.ENV_WRITE, "pwrite")
+    a = arena.open_arena(tmp_path, 0, {"x": torch.zeros(64)})
+    dst = a.storage(256)
+    (a.folder / "0.bin").unlink()
+    (a.folder / "0.bin").write_bytes(b"\0" * 256)  # another file at the path: DCP reads the old one through dst
+    with pytest.raises(OSError, match="was replaced"):
+        a.write(dst, torch.ones(64).untyped_storage())
+    a.close()

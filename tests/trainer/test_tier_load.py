@@ -126,7 +126,8 @@ def test_read_mode_knob(raw, want, caplog) -> None:
     assert ("is not one of map, pread" in caplog.text) == (raw == "mmap")
 
 
-@pytest.mark.parametrize(("threads", "want_mib"), [(1, 64), (2, 64), (4, 32), (8, 16), (16, 8), (64, 4)])
+@pytest.mark.parametrize(("threads", "want_mib"), [(1, 64), (2, 64), (3, 32), (4, 32), (5, 16), (8, 16), (12, 8),
+                                                   (16, 8), (64, 4)])
 def test_the_bounce_chunk_keeps_the_pinned_memory_of_all_threads_within_the_budget(threads, want_mib) -> None:
     """One thread keeps the measured 64 MiB chunk; more threads share 256 MiB of pinned buffers (two each), so a
     fresh worker does not pin gigabytes before its first copy."""

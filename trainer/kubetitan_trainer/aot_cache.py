@@ -16,13 +16,21 @@ warm start; on the GPU the compile-time parts in the start-up record, :mod:`kube
 
 :func:`enable` marks them all cacheable, each keyed by the versions of the package that defines it (so an
 upgrade of torch or torchao makes new keys; the compile cache's folder is keyed by both too,
-:mod:`kubetitan_trainer.compile_cache`). They are what the FX graph cache already accepts in the same graphs:
-the compiled code still calls them at run time, only the key is made. Called by kubetitan's TrainSpec before
-it compiles anything (:func:`kubetitan_trainer.train_spec.wrap_parallelize`).
+:mod:`kubetitan_trainer.compile_cache`); a Function's key also holds a hash of its class's source, so an edited
+Function (an editable or development install under the same version) makes a new key. All of them are traced
+into the cached joint graph (AOTAutograd runs them while it traces: the SDPA backend chosen, the configs' values,
+the Functions' forward and backward), which is why their versions, and a Function's source, are in the key; the
+arguments they are called with are part of the traced graph that the key hashes. Torchao's float8 Functions get their stand-ins when
+:func:`enable` runs (when torchao's float8 modules are loaded), so the cache keys do not depend on the order in
+which regions compile; another allowed-in-graph Function gets one when Dynamo first meets it. Called by kubetitan's
+TrainSpec before it compiles anything (:func:`kubetitan_trainer.train_spec.wrap_parallelize`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 import sys
 from importlib import metadata
 
@@ -41,11 +49,24 @@ TORCHAO_PURE = (
 """torchao's float8 configuration classes, constructed inside the recipe's graphs."""
 
 
+TORCHAO_FUNCTION_MODULES = (
+    "torchao.float8.float8_training_tensor",
+    "torchao.float8.float8_scaling_utils",
+    "torchao.float8.float8_linear",
+)
+"""Modules whose allowed-in-graph ``autograd.Function`` s get their stand-ins up front (when already imported)."""
+
+
 def _version(dist: str) -> str:
     try:
         return f"{dist} {metadata.version(dist)}"
     except metadata.PackageNotFoundError:
         return f"{dist} none"
+
+
+@functools.cache
+def _distributions(top_module: str) -> tuple[str, ...]:
+    return tuple(sorted(metadata.packages_distributions().get(top_module, [top_module])))
 
 
 def cacheable_names() -> dict[str, str]:
@@ -54,12 +75,28 @@ def cacheable_names() -> dict[str, str]:
     return {**{n: torch_v for n in TORCH_PURE}, **{n: torchao_v for n in TORCHAO_PURE}}
 
 
+def function_key(fn_cls: type) -> str:
+    """The key part of an ``autograd.Function`` 's stand-in: torch's version, its package's, its source's hash."""
+    dists = _distributions(fn_cls.__module__.split(".")[0])
+    try:
+        source = hashlib.sha256(inspect.getsource(fn_cls).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        source = "unknown"
+    return ", ".join([_version("torch"), *(_version(d) for d in dists), f"source {source}"])
+
+
 def _trampoline_named(name: str, fn_cls: type) -> None:
-    owner = fn_cls.__module__.split(".")[0]
-    compat.mark_cacheable({f"{__name__}.{name}": f"{_version('torch')}, {_version(owner)}"})
+    compat.mark_cacheable({f"{__name__}.{name}": function_key(fn_cls)})
 
 
 def enable() -> None:
     """Make the recipe's compiled graphs cacheable by the AOTAutograd cache (idempotent)."""
+    import torch
+
     compat.mark_cacheable(cacheable_names())
-    compat.name_autograd_trampolines(sys.modules[__name__], _trampoline_named)
+    produce = compat.name_autograd_trampolines(sys.modules[__name__], _trampoline_named)
+    for mod in TORCHAO_FUNCTION_MODULES:
+        module = sys.modules.get(mod)
+        for obj in vars(module).values() if module is not None else ():
+            if isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and obj.__module__ == mod:
+                produce(obj)

@@ -130,6 +130,11 @@ class Arena:
         """Files found with the right size (pages already there) / created or re-sized, so far."""
         self.names: dict[int, tuple[str, int]] = {}
         """A staged storage's data pointer -> (its file, relative to the tier folder; its bytes)."""
+        self.inodes: dict[int, int] = {}
+        """A staged storage's data pointer -> its file's inode (:meth:`write` writes only into that file)."""
+        self.storages: list[torch.UntypedStorage] = []
+        """Every storage handed out, kept for the arena's life: a freed one's address, reused by another mapping,
+        would otherwise still be found in :attr:`names`."""
         self.registered: list[int] = []
 
     def storage(self, nbytes: int) -> torch.UntypedStorage | None:
@@ -153,6 +158,8 @@ class Arena:
         self.reused += old == nbytes
         self.created += old != nbytes
         self.names[s.data_ptr()] = (f"{self.folder.name}/{name}", nbytes)
+        self.inodes[s.data_ptr()] = file.stat().st_ino
+        self.storages.append(s)
         if self.pin and nbytes >= self.pin_min_bytes and self.mode == "map":
             self._register(s.data_ptr(), nbytes)
         return s
@@ -160,23 +167,25 @@ class Arena:
     def write(self, dst: torch.UntypedStorage, src: torch.UntypedStorage) -> None:
         """Copy ``src`` into the staging file behind ``dst`` (a storage :meth:`storage` gave) without touching
         ``dst``'s mapping: CPU sources straight from their memory, CUDA sources through pinned bounce buffers of
-        :data:`CHUNK` bytes; ``os.pwrite`` on :attr:`threads` threads. Returns when every byte is in the file."""
+        :data:`CHUNK` bytes; ``os.pwrite`` on :attr:`threads` threads. Returns when every byte is in the file (or
+        raises the first error once every write has ended)."""
+        import concurrent.futures
         import queue
-        from concurrent.futures import ThreadPoolExecutor
 
         name, nbytes = self.names[dst.data_ptr()]
         flat = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src)
         if flat.numel() != nbytes:
             raise ValueError(f"{name}: a staging file of {nbytes} bytes for a storage of {flat.numel()} bytes")
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kubetitan-stage-write")
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="kubetitan-stage-write")
         fd = os.open(self.folder.parent / name, os.O_WRONLY)
+        jobs: list = []
         try:
+            if os.fstat(fd).st_ino != self.inodes[dst.data_ptr()]:
+                raise OSError(f"{name} was replaced since it was mapped; not writing into another file")
             if not flat.is_cuda:
                 view = memoryview(flat.numpy())
-                jobs = [self._pool.submit(_pwrite_all, fd, view[o:o + CHUNK], o) for o in range(0, nbytes, CHUNK)]
-                for j in jobs:
-                    j.result()
+                jobs += [self._pool.submit(_pwrite_all, fd, view[o:o + CHUNK], o) for o in range(0, nbytes, CHUNK)]
                 return
             if self._bounce is None:
                 self._bounce = queue.Queue()
@@ -184,14 +193,17 @@ class Arena:
                     self._bounce.put(torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True))
             stream = torch.cuda.Stream(device=flat.device)
             stream.wait_stream(torch.cuda.current_stream(flat.device))
-            jobs = []
             for o in range(0, nbytes, CHUNK):
                 n = min(CHUNK, nbytes - o)
                 buf = self._bounce.get()  # free again once its write ended (below)
-                with torch.cuda.stream(stream):
-                    buf[:n].copy_(flat[o:o + n], non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(stream)
+                try:
+                    with torch.cuda.stream(stream):
+                        buf[:n].copy_(flat[o:o + n], non_blocking=True)
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                except BaseException:
+                    self._bounce.put(buf)
+                    raise
 
                 def put(buf=buf, n=n, o=o, done=done) -> None:
                     try:
@@ -201,10 +213,11 @@ class Arena:
                         self._bounce.put(buf)
 
                 jobs.append(self._pool.submit(put))
-            for j in jobs:
-                j.result()
         finally:
+            concurrent.futures.wait(jobs)  # no write may outlive the descriptor
             os.close(fd)
+            for j in jobs:
+                j.result()  # the first error, once all have ended
 
     def _register(self, ptr: int, nbytes: int) -> None:
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)

@@ -913,42 +913,51 @@ def mark_cacheable(names: dict[str, str]) -> None:
                 contains=("func.fn._origin is produce_trampoline_autograd_apply",)),
        Upstream("torch._dynamo.variables.misc:AutogradFunctionVariable.call_method",
                 contains=("produce_trampoline_autograd_apply(",)))
-def name_autograd_trampolines(namespace: Any, on_new: Callable[[str, type], None]) -> None:
+def name_autograd_trampolines(namespace: Any, on_new: Callable[[str, type], None]) -> Callable[[type], Callable]:
     """Make Dynamo's stand-in for an allowed-in-graph ``autograd.Function`` a function of ``namespace`` named
-    after the class, instead of a fresh closure per call site.
+    after the class, instead of a fresh closure per call site; returns the producer (to create stand-ins ahead).
 
     When Dynamo meets ``Fn.apply`` for a Function allowed in the graph (torchao's float8 casts and matmul are),
     it puts ``produce_trampoline_autograd_apply(Fn)`` (a local closure) in the graph; the AOTAutograd cache
     can neither allow-list nor pickle a closure, so every graph with an FP8 linear bypasses the cache. The
-    stand-in here calls the same closure; it is created once per class, set on ``namespace`` under a name made
-    of the class's module and qualified name (so pickle finds it by reference), and ``on_new(name, Fn)`` is
-    called for it (to mark it cacheable). Dynamo recognises its trampolines by ``_origin``, which stays the
-    producer Dynamo looks up. The producer is a module function Dynamo calls through its module; there is no
-    hook, so the module attribute is rebound."""
+    stand-in here calls ``Fn.apply`` as torch's closure does; it is created once per class, set on ``namespace``
+    under a name made of the class's module and qualified name (so pickle finds it by reference), and
+    ``on_new(name, Fn)`` is called for it (to mark it cacheable). A class whose name is taken by another class
+    (classes made by a factory share a qualified name) gets torch's own closure: its graphs bypass the cache as
+    before, and no stand-in ever runs another class's code. Dynamo recognises its trampolines by ``_origin``,
+    which is set to the producer Dynamo now looks up. The producer is a module function Dynamo calls through its
+    module; there is no hook, so the module attribute is rebound."""
     import torch._dynamo.variables.misc as misc
 
-    original = misc.produce_trampoline_autograd_apply
-    if getattr(original, "_kubetitan_named", False):
-        return
+    current = misc.produce_trampoline_autograd_apply
+    if getattr(current, "_kubetitan_named", False):
+        return current
+    original = current
 
     def produce(fn_cls: Any) -> Callable:
-        name = f"apply__{fn_cls.__module__}__{fn_cls.__qualname__}".replace(".", "_")
+        name = f"apply__{fn_cls.__module__}__{fn_cls.__qualname__}".replace(".", "_").replace("<", "_").replace(">", "_")
         fn = getattr(namespace, name, None)
-        if fn is None:
+        if fn is not None and getattr(fn, "_kubetitan_cls", None) is fn_cls:
+            return fn
+        if fn is not None or "<locals>" in fn_cls.__qualname__:  # not a unique, importable name
             closure = original(fn_cls)
+            closure._origin = produce
+            return closure
 
-            def fn(*args: Any, **kwargs: Any) -> Any:
-                return closure(*args, **kwargs)
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            return fn_cls.apply(*args, **kwargs)
 
-            fn.__name__ = fn.__qualname__ = name
-            fn.__module__ = namespace.__name__
-            fn._origin = produce
-            setattr(namespace, name, fn)
-            on_new(name, fn_cls)
+        fn.__name__ = fn.__qualname__ = name
+        fn.__module__ = namespace.__name__
+        fn._origin = produce
+        fn._kubetitan_cls = fn_cls
+        setattr(namespace, name, fn)
+        on_new(name, fn_cls)
         return fn
 
     produce._kubetitan_named = True
     _rebind(misc, "produce_trampoline_autograd_apply", produce)
+    return produce
 
 
 # ====================================================================== compile time (kubetitan_trainer.anatomy)

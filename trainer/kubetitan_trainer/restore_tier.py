@@ -269,9 +269,10 @@ class _ParallelLoad:
 
 def chunk_for(threads: int, largest: int, budget: int, smallest: int = 4 << 20) -> int:
     """The bounce chunk for ``threads`` loader threads: ``largest`` while two a thread fit ``budget``, else the
-    share that fits (whole MiB, at least ``smallest``)."""
-    share = budget // (2 * max(1, threads)) >> 20 << 20
-    return max(smallest, min(largest, share))
+    largest power of two that fits (torch's pinned allocator rounds every buffer up to one), at least
+    ``smallest``."""
+    share = max(1, budget // (2 * max(1, threads)))
+    return max(smallest, min(largest, 1 << (share.bit_length() - 1)))
 
 
 def chunks(pairs: list[tuple[Any, torch.Tensor]], size: int) -> list[tuple[Any, torch.Tensor]]:
@@ -646,6 +647,10 @@ class BackgroundWriter:
                 sd = staged.result() if hasattr(staged, "result") else staged
                 n = save_from_arena(sd, folder, arena, **kw) if arena is not None else None
                 if n is None:
+                    if arena is not None and getattr(arena, "mode", "map") == "pwrite":
+                        log.warning("Restore tier: a staged tensor lies outside the staging arena, so the tier is "
+                                    "copied through this worker's mappings of the arena (its pages are then in "
+                                    "the worker's page tables, and its death takes longer to tear down)")
                     n = save(sd, folder, **kw)
             except Exception as e:  # noqa: BLE001 - the tier is an optimisation; DCP stays the source
                 discard(folder, kw.get("rank", 0))
