@@ -8,6 +8,7 @@
 # Then, with >= 45 s left (PROBE_S=55 are kept for it), bench/teardown_probe.py times 40 GiB tier reads: pread on
 # 1-16 threads into pinned buffers and a fresh mapping through pinned buffers (today's load) -> tier_read.txt;
 # with >= 50 s still left, the kill probe of a 40 GiB arena registered (today) or only mapped -> teardown.txt.
+# PROBES=0: no probes (bench/device/call21.sh).
 # Raw output in $OUT: recovery.txt, events.jsonl, results.json, launcher.log (tail), logs.tgz.
 # On a card of less than ~127 GiB (an H100: the recipe's 116 GiB at seq 8192, batch 4 does not fit) the bench runs the
 # same recipe at seq 2048, batch 2 (~56 GiB; the state, and so the tier and the staging, is the same ~40 GiB):
@@ -48,13 +49,13 @@ if [ -n "$PC" ] && ! grep -q '"generation": 0' "$OUT/events.jsonl"; then
     --lpt "$LPT" --interval 20 --tier-only --deadline $((END - SECONDS - ${PROBE_S:-55})) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
 fi
 kill $CLEANER
-if ((END - SECONDS >= 45)); then  # the tier reads a new worker could make, 40 GiB (bench/teardown_probe.py)
+if [ "${PROBES:-1}" = 1 ] && ((END - SECONDS >= 45)); then  # the tier reads a new worker could make, 40 GiB (bench/teardown_probe.py)
   echo "=== tier read probe $(date -u +%T), $((END - SECONDS)) s left"
   rm -rf /dev/shm/kt-recovery-tier
   timeout $((END - SECONDS - 5)) python3 bench/teardown_probe.py --host-gib 40 --fallocate --out "$R/probe" \
     --load-variants pread_1,pread_4,pread_8,pread_16,fresh 2>&1 | tee "$R/tier_read.txt" | tee -a "$OUT/recovery.txt"
 fi
-if ((END - SECONDS >= 50)); then  # what a dead worker's arena costs: registered (today) vs only mapped and written
+if [ "${PROBES:-1}" = 1 ] && ((END - SECONDS >= 50)); then  # what a dead worker's arena costs: registered (today) vs only mapped and written
   echo "=== teardown probe $(date -u +%T), $((END - SECONDS)) s left"
   timeout $((END - SECONDS - 5)) python3 bench/teardown_probe.py --host-gib 40 --gpu-gib 20 --fallocate --skip-load \
     --variants shm_reg,shm_map --repeats 2 --out "$R/probe_kill" 2>&1 | tee "$R/teardown.txt" | tee -a "$OUT/recovery.txt"
