@@ -559,9 +559,17 @@ def defer_keys(env: dict | None = None) -> tuple[str, ...]:
 
 
 def _held(states: dict[str, Any]) -> set[int]:
-    """The data pointers of every tensor ``states`` hold now (their state dicts, read again)."""
+    """The data pointers of every tensor ``states`` hold now: an optimizer's (or a container of optimizers') from
+    its ``state`` directly, anything else from its state dict, read again."""
     tensors: list[torch.Tensor] = []
-    _skeleton(materialise(states), tensors)
+    for v in states.values():
+        optimizers = [v] if isinstance(v, torch.optim.Optimizer) and not hasattr(v, "optimizers") else \
+            list(getattr(v, "optimizers", None) or [])
+        if optimizers and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            for o in optimizers:
+                _skeleton(list(o.state.values()), tensors)
+        else:
+            _skeleton(materialise({"x": v}), tensors)
     return {_local(t).data_ptr() for t in tensors}
 
 
