@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from kubetitan_trainer import compat
+from kubetitan_trainer import compat, knobs
 
 MARGIN = 1.02
 """The folder must have this much more free space than the arena needs (tmpfs metadata, the tier's JSON)."""
@@ -63,19 +63,11 @@ log = logging.getLogger("kubetitan.arena")
 
 def write_mode(env: dict | None = None) -> str:
     """``KUBETITAN_STAGING_WRITE``: ``map`` or ``pwrite``; unset or unknown: ``map``."""
-    raw = (os.environ if env is None else env).get(ENV_WRITE, "").strip().lower()
-    if raw and raw not in WRITE_MODES:
-        log.warning("%s=%r is not one of %s; staging through the mapping", ENV_WRITE, raw, ", ".join(WRITE_MODES))
-    return raw if raw in WRITE_MODES else "map"
+    return knobs.choice(ENV_WRITE, WRITE_MODES, "staging through the mapping", log, env)
 
 
 def write_threads(env: dict | None = None) -> int:
-    raw = (os.environ if env is None else env).get(ENV_WRITE_THREADS, "")
-    try:
-        return max(1, int(raw)) if raw else WRITE_THREADS
-    except ValueError:
-        log.warning("%s=%r is not a whole number; writing on %d threads", ENV_WRITE_THREADS, raw, WRITE_THREADS)
-        return WRITE_THREADS
+    return knobs.whole_number(ENV_WRITE_THREADS, WRITE_THREADS, f"writing on {WRITE_THREADS} threads", log, env)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -125,6 +117,7 @@ class Arena:
         self.mode, self.threads = mode, threads
         self._pool: Any = None
         self._bounce: Any = None  # a queue of pinned bounce buffers (the pwrite mode, CUDA sources)
+        self._stream: Any = None  # their device-to-host copy stream
         self.next = 0
         self.reused = self.created = 0
         """Files found with the right size (pages already there) / created or re-sized, so far."""
@@ -187,11 +180,12 @@ class Arena:
                 view = memoryview(flat.numpy())
                 jobs += [self._pool.submit(_pwrite_all, fd, view[o:o + CHUNK], o) for o in range(0, nbytes, CHUNK)]
                 return
-            if self._bounce is None:
+            if self._bounce is None:  # once per arena: the bounce buffers and the copy stream
                 self._bounce = queue.Queue()
                 for _ in range(2 * self.threads):
                     self._bounce.put(torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True))
-            stream = torch.cuda.Stream(device=flat.device)
+                self._stream = torch.cuda.Stream(device=flat.device)
+            stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(flat.device))
             for o in range(0, nbytes, CHUNK):
                 n = min(CHUNK, nbytes - o)
@@ -247,7 +241,7 @@ class Arena:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._bounce = None
+        self._bounce = self._stream = None
 
 
 def open_arena(folder: str | Path, rank: int, state: Any, pin: bool = False, pin_min_bytes: int = 5) -> Arena | None:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from kubetitan_trainer import compat, storage
+from kubetitan_trainer import compat, knobs, storage
 
 ENV_RESTORE_TIER = "KUBETITAN_RESTORE_TIER"
 """Folder of the restore tier (set by the launcher; unset or empty: off)."""
@@ -293,21 +293,13 @@ def default_load_threads(intra_op_threads: int | None = None) -> int:
 
 def load_threads(env: dict | None = None, intra_op_threads: int | None = None) -> int:
     """How many threads load the tier (``KUBETITAN_TIER_LOAD_THREADS``, else :func:`default_load_threads`)."""
-    raw = (os.environ if env is None else env).get(ENV_LOAD_THREADS, "")
     default = default_load_threads(intra_op_threads)
-    try:
-        return max(1, int(raw)) if raw else default
-    except ValueError:
-        log.warning("%s=%r is not a whole number; loading the tier on %d thread(s)", ENV_LOAD_THREADS, raw, default)
-        return default
+    return knobs.whole_number(ENV_LOAD_THREADS, default, f"loading the tier on {default} thread(s)", log, env)
 
 
 def read_mode(env: dict | None = None) -> str:
     """How loads read the tier (``KUBETITAN_TIER_READ``: ``map`` or ``pread``; unset or unknown: ``map``)."""
-    raw = (os.environ if env is None else env).get(ENV_READ, "").strip().lower()
-    if raw and raw not in READ_MODES:
-        log.warning("%s=%r is not one of %s; reading the tier through a mapping", ENV_READ, raw, ", ".join(READ_MODES))
-    return raw if raw in READ_MODES else "map"
+    return knobs.choice(ENV_READ, READ_MODES, "reading the tier through a mapping", log, env)
 
 
 def _nbytes(t: torch.Tensor) -> int:

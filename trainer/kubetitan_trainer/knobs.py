@@ -1,0 +1,30 @@
+"""Worker environment knobs read the same way everywhere: a choice among names, or a whole number; a bad value is
+warned about (naming the variable, the value and what happens instead) and the default is used."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+
+def choice(name: str, choices: tuple[str, ...], instead: str, log: logging.Logger,
+           env: Mapping[str, str] | None = None) -> str:
+    """``env[name]`` (stripped, lower case) when it is one of ``choices``; else ``choices[0]``, with a warning that
+    says ``instead`` when the variable was set to something else."""
+    raw = (os.environ if env is None else env).get(name, "").strip().lower()
+    if raw and raw not in choices:
+        log.warning("%s=%r is not one of %s; %s", name, raw, ", ".join(choices), instead)
+    return raw if raw in choices else choices[0]
+
+
+def whole_number(name: str, default: int, instead: str, log: logging.Logger,
+                 env: Mapping[str, str] | None = None, minimum: int = 1) -> int:
+    """``env[name]`` as a whole number (at least ``minimum``); unset: ``default``; not a number: ``default``, with a
+    warning that says ``instead``."""
+    raw = (os.environ if env is None else env).get(name, "")
+    try:
+        return max(minimum, int(raw)) if raw else default
+    except ValueError:
+        log.warning("%s=%r is not a whole number; %s", name, raw, instead)
+        return default
