@@ -175,7 +175,8 @@ def run(a: argparse.Namespace) -> int:
                    "first_step": rec["first_step"], "origin": rec["origin"],
                    "phases": {k: round(v, 2) for k, v in rec["phases"].items()},
                    "startup_total_s": round(rec["total_seconds"], 2),
-                   "compile_parts": rec.get("compile_parts", {})}  # torch's own compile phases (anatomy)
+                   "compile_parts": rec.get("compile_parts", {}),  # torch's own compile phases (anatomy)
+                   "compile_counts": rec.get("compile_counts", {})}  # graphs traced, cache hits/misses (anatomy)
             if kill_time is not None:
                 row["kill_to_first_step_end_s"] = round(rec["time"] - kill_time, 2)
                 row["kill_to_detected_s"] = round(rec["time"] - rec["total_seconds"] - kill_time, 2)

@@ -75,10 +75,15 @@ def test_recorder_gives_generation_0_the_warm_imports_and_closes_once(monkeypatc
     monkeypatch.setattr(anatomy, "compile_parts", iter([
         {"total_wall_time": 1.0, "entire_frame_compile": 1.0, "code_gen": 0.75},
         {"total_wall_time": 3.5, "entire_frame_compile": 3.5, "code_gen": 0.75, "backend_compile": 0.25}]).__next__)
+    monkeypatch.setattr(anatomy, "compile_counts", iter([
+        {"stats.unique_graphs": 3, "inductor.fxgraph_cache_hit": 2},
+        {"stats.unique_graphs": 5, "inductor.fxgraph_cache_hit": 2, "aot_autograd.autograd_cache_hit": 2}]).__next__)
     rec.first_step_begins()
     r = rec.first_step_ends(step=11, attempt=2, t=21.0)
     assert r["compile_parts"] == {"backend_compile": 0.25, "entire_frame_compile": 2.5}  # unchanged parts dropped
-    assert anatomy.describe(r).endswith("first-step compile parts: entire_frame_compile 2.50, backend_compile 0.25")
+    assert r["compile_counts"] == {"aot_autograd.autograd_cache_hit": 2, "stats.unique_graphs": 2}  # only growth
+    assert anatomy.describe(r).endswith("first-step compile parts: entire_frame_compile 2.50, backend_compile 0.25"
+                                        "; compile counts: aot_autograd.autograd_cache_hit 2, stats.unique_graphs 2")
     assert r["phases"]["process_start"] == pytest.approx(2.0) and r["phases"]["imports"] == pytest.approx(3.5)
     assert r["phases"]["first_step_compile"] == pytest.approx(2.5) and r["phases"]["first_step"] == pytest.approx(0.5)
     assert r["total_seconds"] == pytest.approx(11.0)
@@ -89,6 +94,21 @@ def test_recorder_gives_generation_0_the_warm_imports_and_closes_once(monkeypatc
     gen1 = anatomy.Recorder({"restarts": 1, "started": 10.0, "warm_import_seconds": 3.0,
                              "failures": [{"detected": 40.0, "restarted": True}]}, now=41.0)
     assert gen1.warm_import_seconds == 0 and gen1.marks["origin"] == 40.0 and gen1.generation == 1
+
+
+def test_compile_counts_count_the_graphs_torch_compile_traces():
+    import torch
+
+    before = anatomy.compile_counts()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(x):
+        return x * 2 + 1
+
+    f(torch.ones(3))
+    f(torch.ones(3))  # the same graph, no new trace
+    grown = anatomy.counts_spent(before, anatomy.compile_counts())
+    assert grown.get("stats.unique_graphs") == 1 and grown.get("stats.calls_captured", 0) >= 2
 
 
 def test_process_start_time_of_this_process_is_in_the_past():

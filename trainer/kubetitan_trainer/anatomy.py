@@ -24,7 +24,9 @@ phase                         from -> to
 
 The record also keeps ``compile_parts``: the first step's seconds in each of torch's own compile phases
 (``entire_frame_compile``, ``backend_compile``, ``inductor_compile``, ``code_gen``, ...; they nest), which say where
-a warm cache's seconds still go.
+a warm cache's seconds still go; and ``compile_counts``: how many graphs the first step traced and how many of them
+the AOTAutograd and Inductor caches served (``aot_autograd.autograd_cache_hit``, ``inductor.fxgraph_cache_miss``,
+...), which say whether the warm start was served from the cache or compiled again.
 
 Rank 0 of the job writes one JSON line per worker generation to ``<dump>/kubetitan/startup.jsonl``; local
 rank 0 of every pod exports the phases as ``kubetitan_trainer_startup_phase_seconds{phase=...}`` (see
@@ -101,6 +103,17 @@ def parts_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return {k: v for k, v in sorted(out.items()) if v >= 0.005}
 
 
+def compile_counts() -> dict[str, int]:
+    """This process's torch.compile counters so far (graphs traced; AOTAutograd and Inductor cache hits, misses
+    and bypasses; {} when torch._dynamo is not loaded)."""
+    return compat.compile_counts()
+
+
+def counts_spent(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters that grew between two readings of :func:`compile_counts`, by how much."""
+    return {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v > before.get(k, 0)}
+
+
 def split(marks: dict[str, float], compile_in_first_step: float, warm_import_seconds: float = 0.0) -> dict[str, float]:
     """Contiguous phase seconds from the marks (unix times): ``origin``, ``main``, ``pg_begin``, ``pg_end``,
     ``load_begin``, ``load_end``, ``first_step_end``. A missing mark takes the previous one's time (a phase of 0);
@@ -137,6 +150,7 @@ class Recorder:
         self.warm_import_seconds = float(self.state.get("warm_import_seconds", 0.0) or 0.0) if self.generation == 0 else 0.0
         self.load_source = "none"
         self._compile_before: dict[str, float] = {}
+        self._counts_before: dict[str, int] = {}
         self.result: dict | None = None
 
     def mark(self, name: str, t: float | None = None) -> None:
@@ -144,6 +158,7 @@ class Recorder:
 
     def first_step_begins(self) -> None:
         self._compile_before = compile_parts()
+        self._counts_before = compile_counts()
 
     def first_step_ends(self, step: int, attempt: int, t: float | None = None) -> dict:
         """Close the record at the end of the first step of this process; returns it (once)."""
@@ -155,7 +170,8 @@ class Recorder:
         self.result = {"attempt": attempt, "generation": self.generation, "origin": self.origin_kind,
                        "first_step": step, "checkpoint_source": self.load_source, "phases": phases,
                        "total_seconds": sum(phases.values()), "time": self.marks["first_step_end"],
-                       "compile_parts": {k: v for k, v in spent.items() if k != "total_wall_time"}}
+                       "compile_parts": {k: v for k, v in spent.items() if k != "total_wall_time"},
+                       "compile_counts": counts_spent(self._counts_before, compile_counts())}
         return self.result
 
 
@@ -187,10 +203,15 @@ def describe(record: dict) -> str:
     return (f"Start-up of generation {record['generation']} (attempt {record['attempt']}, from {record['origin']}) "
             f"to the end of step {record['first_step']}: {record['total_seconds']:.1f} s = "
             + ", ".join(f"{k} {p[k]:.1f}" for k in PHASES) + f" (checkpoint: {record['checkpoint_source']})"
-            + compile_note(record.get("compile_parts") or {}))
+            + compile_note(record.get("compile_parts") or {}) + counts_note(record.get("compile_counts") or {}))
 
 
 def compile_note(parts: dict[str, float]) -> str:
     """The first step's compile parts, longest first (torch's own names; they nest, so they do not add up)."""
     top = sorted(parts.items(), key=lambda kv: -kv[1])[:6]
     return "; first-step compile parts: " + ", ".join(f"{k} {v:.2f}" for k, v in top) if top else ""
+
+
+def counts_note(counts: dict[str, int]) -> str:
+    """The first step's compile counters (graphs traced, cache hits, misses and bypasses)."""
+    return "; compile counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()) if counts else ""
