@@ -38,11 +38,11 @@ def _gate(monkeypatch) -> threading.Event:
     gate, real = threading.Event(), restore_tier.Prepared._copy
     calls = []
 
-    def held(self, entries):
+    def held(self, entries, **kw):
         calls.append(len(entries))
         if len(calls) > 1:
             assert gate.wait(30)
-        real(self, entries)
+        real(self, entries, **kw)
 
     monkeypatch.setattr(restore_tier.Prepared, "_copy", held)
     return gate
@@ -111,11 +111,11 @@ def test_a_failed_deferred_copy_fails_the_step_and_deletes_the_tier(tmp_path, mo
     got = _trained(seed=3)
     real, calls = restore_tier.Prepared._copy, []
 
-    def broken(self, entries):
+    def broken(self, entries, **kw):
         calls.append(1)
         if len(calls) > 1:
             raise OSError("the tier's file went away")
-        real(self, entries)
+        real(self, entries, **kw)
 
     monkeypatch.setattr(restore_tier.Prepared, "_copy", broken)
     prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
@@ -130,3 +130,27 @@ def test_a_failed_deferred_copy_fails_the_step_and_deletes_the_tier(tmp_path, mo
 @pytest.mark.parametrize(("raw", "want"), [(None, ()), ("1", ("optimizer",)), ("0", ()), ("yes", ())])
 def test_defer_knob(raw, want) -> None:
     assert restore_tier.defer_keys({} if raw is None else {restore_tier.ENV_DEFER: raw}) == want
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, restore_tier.DEFAULT_DEFER_THREADS), ("2", 2), ("0", 1),
+                                           ("many", restore_tier.DEFAULT_DEFER_THREADS)])
+def test_defer_threads_knob(raw, want) -> None:
+    assert restore_tier.defer_threads({} if raw is None else {restore_tier.ENV_DEFER_THREADS: raw}) == want
+
+
+def test_the_deferred_part_runs_on_its_own_thread_count(tmp_path, monkeypatch, small_tensors_defer):
+    _tier(tmp_path)
+    seen, real = [], restore_tier._ParallelLoad.__init__
+
+    def init(self, threads, *a, **kw):
+        seen.append(threads)
+        real(self, threads, *a, **kw)
+
+    monkeypatch.setattr(restore_tier._ParallelLoad, "__init__", init)
+    monkeypatch.setenv(restore_tier.ENV_DEFER_THREADS, "3")
+    got = _trained(seed=3)
+    prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
+    prepared.threads = 7
+    prepared.apply(defer=("optimizer",))
+    prepared.pending.wait()
+    assert seen == [7, 3]  # the load at once on the load's threads, the deferred part on its own
