@@ -267,12 +267,13 @@ def test_pinned_style_async_saves_through_dcp_s_checkpoint_process_keep_the_stag
     stager.close()
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, "map"), ("pwrite", "pwrite"), (" PWRITE", "pwrite"), ("mmap", "map")])
+@pytest.mark.parametrize(("raw", "want"), [(None, "pwrite"), ("pwrite", "pwrite"), (" PWRITE", "pwrite"), ("map", "map"),
+                                           ("mmap", "pwrite")])
 def test_write_mode_knob(raw, want, caplog) -> None:
     env = {} if raw is None else {arena.ENV_WRITE: raw}
     with caplog.at_level("WARNING", logger="kubetitan.arena"):
         assert arena.write_mode(env) == want
-    assert ("is not one of map, pwrite" in caplog.text) == (raw == "mmap")
+    assert ("is not one of pwrite, map; staging with pwrite" in caplog.text) == (raw == "mmap")
     assert arena.write_threads({arena.ENV_WRITE_THREADS: "3"}) == 3 and arena.write_threads({}) == arena.WRITE_THREADS
 
 

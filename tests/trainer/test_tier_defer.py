@@ -127,9 +127,12 @@ def test_a_failed_deferred_copy_fails_the_step_and_deletes_the_tier(tmp_path, mo
     assert not (tmp_path / "rank-0.json").exists()
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, ()), ("1", ("optimizer",)), ("0", ()), ("yes", ())])
-def test_defer_knob(raw, want) -> None:
-    assert restore_tier.defer_keys({} if raw is None else {restore_tier.ENV_DEFER: raw}) == want
+@pytest.mark.parametrize(("raw", "want"), [(None, ("optimizer",)), ("1", ("optimizer",)), ("0", ()), (" 0 ", ()),
+                                           ("yes", ("optimizer",))])
+def test_defer_knob(raw, want, caplog) -> None:
+    with caplog.at_level("WARNING", logger="kubetitan.restore_tier"):
+        assert restore_tier.defer_keys({} if raw is None else {restore_tier.ENV_DEFER: raw}) == want
+    assert ("is not one of 1, 0; deferring the optimizer's part" in caplog.text) == (raw == "yes")
 
 
 @pytest.mark.parametrize(("raw", "want"), [(None, restore_tier.DEFAULT_DEFER_THREADS), ("2", 2), ("0", 1),

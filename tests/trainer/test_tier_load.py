@@ -65,13 +65,26 @@ def test_a_failing_thread_fails_the_load(monkeypatch) -> None:
 
 @pytest.mark.parametrize(("raw", "intra_op", "want"), [
     (None, 1, 4), (None, 16, 1), ("8", 16, 8), ("0", 1, 1), ("many", 1, 4), ("many", 16, 1)])
-def test_load_threads_knob(raw, intra_op, want, caplog) -> None:
-    """Unset: one thread when torch's own copies are parallel (measured fastest on the H200), four when torchrun
-    gave each worker one intra-op thread; the variable wins; a bad value warns and keeps the default."""
-    env = {} if raw is None else {restore_tier.ENV_LOAD_THREADS: raw}
+def test_load_threads_knob_when_mapped(raw, intra_op, want, caplog) -> None:
+    """``map`` mode, unset: one thread when torch's own copies are parallel (measured fastest on the H200), four
+    when torchrun gave each worker one intra-op thread; the variable wins; a bad value warns and keeps the default."""
+    env = {restore_tier.ENV_READ: "map"} | ({} if raw is None else {restore_tier.ENV_LOAD_THREADS: raw})
     with caplog.at_level(logging.WARNING, logger="kubetitan.restore_tier"):
         assert restore_tier.load_threads(env, intra_op_threads=intra_op) == want
     assert ("is not a whole number" in caplog.text) == (raw == "many")
+
+
+@pytest.mark.parametrize(("cpus", "workers", "want"), [(16, 1, 16), (64, 1, 16), (16, 8, 2), (192, 8, 16),
+                                                        (96, 8, 12), (2, 1, 2), (1, 4, 2)])
+def test_pread_threads_share_the_nodes_cpus_among_its_workers(cpus, workers, want) -> None:
+    assert restore_tier.default_load_threads(mode="pread", cpus=cpus, local_workers=workers) == want
+
+
+def test_pread_threads_read_local_world_size(monkeypatch) -> None:
+    monkeypatch.setattr(restore_tier.os, "sched_getaffinity", lambda _pid: set(range(32)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert restore_tier.load_threads({}) == 8  # the default mode is pread: 32 CPUs over 4 workers
+    assert restore_tier.load_threads({restore_tier.ENV_LOAD_THREADS: "3"}) == 3
 
 
 def _file_of(ts: list[torch.Tensor], path) -> list[tuple[int, int]]:
@@ -117,13 +130,13 @@ def test_a_short_file_fails_the_pread_load(tmp_path) -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, "map"), ("pread", "pread"), (" PREAD ", "pread"), ("map", "map"),
-                                           ("mmap", "map")])
+@pytest.mark.parametrize(("raw", "want"), [(None, "pread"), ("pread", "pread"), (" PREAD ", "pread"), ("map", "map"),
+                                           (" MAP", "map"), ("mmap", "pread")])
 def test_read_mode_knob(raw, want, caplog) -> None:
     env = {} if raw is None else {restore_tier.ENV_READ: raw}
     with caplog.at_level(logging.WARNING, logger="kubetitan.restore_tier"):
         assert restore_tier.read_mode(env) == want
-    assert ("is not one of map, pread" in caplog.text) == (raw == "mmap")
+    assert ("is not one of pread, map; reading the tier with pread" in caplog.text) == (raw == "mmap")
 
 
 @pytest.mark.parametrize(("threads", "want_mib"), [(1, 64), (2, 64), (3, 32), (4, 32), (5, 16), (8, 16), (12, 8),

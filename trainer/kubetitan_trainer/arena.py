@@ -23,15 +23,16 @@ storages. Because the staged copy is in files that outlive the worker, the resto
 Without a tier folder, when the folder lacks room for the state, or when torch shares tensors by file name rather
 than file descriptor, there is no arena (:func:`open_arena` warns and returns None) and staging is torch's.
 
-**Writes** (``KUBETITAN_STAGING_WRITE``, :func:`write_mode`). ``map`` (the default): the stager copies each tensor
-into the file's mapping, registered with CUDA (device-to-host DMA straight into it). A worker that did so has
-every page of the ~40 GiB mapped and registered, and its death must unmap and unregister them all before it is seen
-dead (2.0-2.3 s on the H100 machine with the 3B state, session 17). ``pwrite``: the worker never touches the
-mapping; each storage goes through a few small pinned bounce buffers and ``os.pwrite`` into the file on
+**Writes** (``KUBETITAN_STAGING_WRITE``, :func:`write_mode`). ``pwrite`` (the default): the worker never touches
+the mapping; each storage goes through a few small pinned bounce buffers and ``os.pwrite`` into the file on
 :data:`WRITE_THREADS` threads (:meth:`Arena.write`), so the worker's page tables never hold the arena and its
-death has only its GPU memory and small buffers to free. The file's pages are the same (DCP's checkpoint process
-maps and reads them as before); load the tier with ``KUBETITAN_TIER_READ=pread`` too, or the next worker maps
-them in.
+death has only its GPU memory and small buffers to free. ``map``: the stager copies each tensor into the file's
+mapping, registered with CUDA (device-to-host DMA straight into it); a worker that did so has every page of the
+~40 GiB mapped and registered, and its death must unmap and unregister them all before it is seen dead. On an H100
+with the 3B state (device call 21, docs/reliability.md) a killed worker was seen dead 0.25-0.36 s after the kill
+with ``pwrite`` and 1.89-2.02 s with ``map``, at the same training throughput. The file's pages are the same
+either way (DCP's checkpoint process maps and reads them as before); the tier's default ``pread`` load
+(``KUBETITAN_TIER_READ``) does not map them into the next worker either.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ MARGIN = 1.02
 """The folder must have this much more free space than the arena needs (tmpfs metadata, the tier's JSON)."""
 
 ENV_WRITE = "KUBETITAN_STAGING_WRITE"
-"""How the stager writes the arena: ``map`` (default) or ``pwrite`` (see the module's docstring)."""
-WRITE_MODES = ("map", "pwrite")
+"""How the stager writes the arena: ``pwrite`` (default) or ``map`` (see the module's docstring)."""
+WRITE_MODES = ("pwrite", "map")
 ENV_WRITE_THREADS = "KUBETITAN_STAGING_WRITE_THREADS"
 WRITE_THREADS = 8
 """Threads that ``pwrite`` the arena in the ``pwrite`` mode (each with two bounce buffers of :data:`CHUNK`)."""
@@ -62,8 +63,8 @@ log = logging.getLogger("kubetitan.arena")
 
 
 def write_mode(env: dict | None = None) -> str:
-    """``KUBETITAN_STAGING_WRITE``: ``map`` or ``pwrite``; unset or unknown: ``map``."""
-    return knobs.choice(ENV_WRITE, WRITE_MODES, "staging through the mapping", log, env)
+    """``KUBETITAN_STAGING_WRITE``: ``pwrite`` or ``map``; unset or unknown: ``pwrite``."""
+    return knobs.choice(ENV_WRITE, WRITE_MODES, "staging with pwrite", log, env)
 
 
 def write_threads(env: dict | None = None) -> int:

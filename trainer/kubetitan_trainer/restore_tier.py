@@ -24,6 +24,10 @@ files of this folder that outlive the worker (``staging-rank-<r>/<k>.bin``): the
 whose layout entries name those files (``"file"``, ``"offset"``; :func:`save_from_arena`), and the stager removes the JSON
 before each stage writes the arena, so a stage cut off midway leaves no usable, torn tier.
 
+A load reads the files with ``os.preadv`` on several threads (:data:`ENV_READ`, :data:`ENV_LOAD_THREADS`), so no page
+of the tier is mapped into the worker, and copies the optimizer's part in the background while the first step
+runs (:data:`ENV_DEFER`); each is a knob with the other way as its alternative.
+
 The tier costs one device-to-host copy of the state per save (training waits for it) and host memory equal
 to the state (the pod's ``/dev/shm`` size limit must hold it; when the folder lacks the space the tier is
 skipped with a warning and an older one deleted). The launcher turns it on for in-place restarts
@@ -55,16 +59,22 @@ ENV_RESTORE_TIER = "KUBETITAN_RESTORE_TIER"
 ENV_LOAD_THREADS = "KUBETITAN_TIER_LOAD_THREADS"
 """Threads that copy the tier into the state at a load (default: :func:`default_load_threads`)."""
 DEFAULT_LOAD_THREADS = 4
-"""Loader threads when torch's CPU copies run on one thread each (``OMP_NUM_THREADS=1``, which torchrun sets when a
-node runs several workers). With more intra-op threads one loader thread is fastest: on the H200 machine (16 of
-them), 40 GiB through one thread's pinned bounce buffers ran at 47.7 GB/s, through 4 threads at 29.7 and through 8 at
-27.7 (bench/teardown_probe.py, device call of session 15, docs/reliability.md)."""
+"""``map`` mode: loader threads when torch's CPU copies run on one thread each (``OMP_NUM_THREADS=1``, which
+torchrun sets when a node runs several workers). With more intra-op threads one loader thread is fastest there: on
+the H200 machine (16 of them), 40 GiB through one thread's pinned bounce buffers ran at 47.7 GB/s, through 4
+threads at 29.7 and through 8 at 27.7 (bench/teardown_probe.py, device call of session 15, docs/reliability.md)."""
+PREAD_THREADS = (2, 16)
+"""``pread`` mode: the node's CPUs shared among its workers (``LOCAL_WORLD_SIZE``), within these bounds. Each
+thread's ``preadv`` is the kernel's copy from the page cache: on the H100 machine 40 GiB read in 8.2-8.9 s on 1
+thread, 2.5-2.7 s on 4, 1.7 s on 8 and 1.47 s on 16 (probe, session 17)."""
 
 ENV_READ = "KUBETITAN_TIER_READ"
-"""How a load reads the tier's files: ``map`` (default: a read-only mapping, copied through pinned buffers) or
-``pread`` (``os.preadv`` straight into the pinned buffers: no mapping, so no page fault and no page table to tear
-down; the kernel's copy runs on the loader's threads, so give it several, :data:`ENV_LOAD_THREADS`)."""
-READ_MODES = ("map", "pread")
+"""How a load reads the tier's files: ``pread`` (default: ``os.preadv`` straight into the loader threads' pinned
+buffers: no mapping, so no page fault and no page table to tear down; the kernel's copy runs on the loader's
+threads, :data:`ENV_LOAD_THREADS`) or ``map`` (a read-only mapping, copied through pinned buffers). On an H100 with
+the 3B state (device call 21, docs/reliability.md) ``pread`` on 16 threads with the optimizer deferred loaded in
+0.9-1.1 s, against 2.9-4.5 s mapped."""
+READ_MODES = ("pread", "map")
 
 ALIGN = 64
 MARGIN = 1.05
@@ -286,21 +296,31 @@ def chunks(pairs: list[tuple[Any, torch.Tensor]], size: int) -> list[tuple[Any, 
     return out
 
 
-def default_load_threads(intra_op_threads: int | None = None) -> int:
-    """One loader thread when torch's copies are parallel already, else :data:`DEFAULT_LOAD_THREADS`."""
+def default_load_threads(intra_op_threads: int | None = None, mode: str = "pread", cpus: int | None = None,
+                         local_workers: int | None = None) -> int:
+    """``pread``: the node's CPUs over its workers (``LOCAL_WORLD_SIZE``), within :data:`PREAD_THREADS`. ``map``: one
+    loader thread when torch's copies are parallel already, else :data:`DEFAULT_LOAD_THREADS`."""
+    if mode == "pread":
+        cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+        if local_workers is None:
+            local_workers = knobs.whole_number("LOCAL_WORLD_SIZE", 1, "counting one worker on this node", log)
+        low, high = PREAD_THREADS
+        return max(low, min(high, cpus // max(1, local_workers)))
     n = torch.get_num_threads() if intra_op_threads is None else intra_op_threads
     return 1 if n > 1 else DEFAULT_LOAD_THREADS
 
 
-def load_threads(env: dict | None = None, intra_op_threads: int | None = None) -> int:
-    """How many threads load the tier (``KUBETITAN_TIER_LOAD_THREADS``, else :func:`default_load_threads`)."""
-    default = default_load_threads(intra_op_threads)
+def load_threads(env: dict | None = None, intra_op_threads: int | None = None, mode: str | None = None) -> int:
+    """How many threads load the tier (``KUBETITAN_TIER_LOAD_THREADS``, else :func:`default_load_threads` for
+    ``mode``, the read mode by default)."""
+    mode = read_mode(env) if mode is None else mode
+    default = default_load_threads(intra_op_threads, mode)
     return knobs.whole_number(ENV_LOAD_THREADS, default, f"loading the tier on {default} thread(s)", log, env)
 
 
 def read_mode(env: dict | None = None) -> str:
-    """How loads read the tier (``KUBETITAN_TIER_READ``: ``map`` or ``pread``; unset or unknown: ``map``)."""
-    return knobs.choice(ENV_READ, READ_MODES, "reading the tier through a mapping", log, env)
+    """How loads read the tier (``KUBETITAN_TIER_READ``: ``pread`` or ``map``; unset or unknown: ``pread``)."""
+    return knobs.choice(ENV_READ, READ_MODES, "reading the tier with pread", log, env)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -473,8 +493,8 @@ class Prepared:
     def __init__(self, states: dict[str, Any], binf: Path, filled: dict[str, Any], plan: list,
                  threads: int | None = None, mode: str | None = None) -> None:
         self.states, self.binf, self.filled, self.plan = states, binf, filled, plan
-        self.threads = load_threads() if threads is None else threads
         self.mode = read_mode() if mode is None else mode
+        self.threads = load_threads(mode=self.mode) if threads is None else threads
 
     def file_of(self, entry: dict) -> Path:
         """The file an entry's bytes are in: its staging file (a tier from the arena), else ``rank-<r>.bin``."""
@@ -544,17 +564,20 @@ DEFER_MIN_BYTES = 1 << 20
 ``load_state_dict``; its moments are not)."""
 
 ENV_DEFER = "KUBETITAN_TIER_DEFER_OPTIMIZER"
-"""``1``: the trainer loads the optimizer's moments from the tier in the background, while the first step's forward
-and backward run, and waits for them before the optimizer's step (issue 29 item 2); unset or ``0``: at once."""
+"""``1`` (default): the trainer loads the optimizer's moments from the tier in the background, while the first step's
+forward and backward run, and waits for them before the optimizer's step (issue 29 item 2); ``0``: at once. On an
+H100 with the 3B state (device call 21) the optimizer's 26.9 GiB came in 1.9-2.3 s and the step waited 0.00 s."""
 
 
 ENV_DEFER_THREADS = "KUBETITAN_TIER_DEFER_THREADS"
 """Loader threads of the deferred (background) part of a load (default :data:`DEFAULT_DEFER_THREADS`)."""
 DEFAULT_DEFER_THREADS = 4
-"""Few threads, so large chunks: the deferred copy runs while the training thread compiles its first step, and every
-chunk a loader thread copies takes the GIL a few times. On an H100 (device call 21, docs/reliability.md) 16 threads
-of 8 MiB chunks copied the optimizer's 26.9 GiB in 1.9-2.3 s, with 1.5-3 s to spare, and the first step's warm
-compile took 3.4-3.9 s against 2.0-2.2 s without the background copy."""
+"""The deferred copy runs while the training thread compiles its first step, and every chunk a loader thread copies
+takes the GIL a few times between its system calls, so the two slow each other down. On an H100 with the 3B state
+(device calls 21 and 22, docs/reliability.md): on 16 threads the optimizer's 26.9 GiB came in 1.9-2.3 s and the warm
+compile took 3.4-3.9 s (2.0-2.2 s with no copy running); on 4 threads the compile took 2.2-2.8 s and the copy 4.0-5.4
+s, the step waiting 0.8-1.6 s for it. Kill -> first step end was the same (p50 6.7 and 6.5 s); 4 uses a quarter of
+the threads, which counts on a node of 8 workers."""
 
 
 def defer_threads(env: dict | None = None) -> int:
@@ -564,8 +587,9 @@ def defer_threads(env: dict | None = None) -> int:
 
 
 def defer_keys(env: dict | None = None) -> tuple[str, ...]:
-    """The state keys a tier load defers (:data:`ENV_DEFER`)."""
-    return ("optimizer",) if (os.environ if env is None else env).get(ENV_DEFER, "").strip() == "1" else ()
+    """The state keys a tier load defers (:data:`ENV_DEFER`: on unless ``0``; anything but ``0``/``1`` warns)."""
+    on = knobs.choice(ENV_DEFER, ("1", "0"), "deferring the optimizer's part", log, env) == "1"
+    return ("optimizer",) if on else ()
 
 
 def _held(states: dict[str, Any]) -> set[int]:
