@@ -157,3 +157,59 @@ def test_the_deferred_part_runs_on_its_own_thread_count(tmp_path, monkeypatch, s
     prepared.apply(defer=("optimizer",))
     prepared.pending.wait()
     assert seen == [7, 3]  # the load at once on the load's threads, the deferred part on its own
+
+
+class _Host(SimpleNamespace):
+    """What the trainer's deferred-load methods read of ``self``."""
+
+    def _rank_world(self):
+        return 0, 1
+
+
+def test_a_load_before_the_last_loads_step_waits_for_its_copy_and_drops_its_hooks(tmp_path, monkeypatch,
+                                                                                   small_tensors_defer):
+    """An in-process restart loads again before the first optimizer step: the earlier background copy ends first
+    (nothing else may write the moments meanwhile), and its step pre-hooks are gone."""
+    _tier(tmp_path)
+    got = _trained(seed=3)
+    gate = _gate(monkeypatch)
+    prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
+    prepared.apply(defer=("optimizer",))
+    host = _Host(optimizers=got[1], _tier_pending=prepared.pending, _tier=str(tmp_path))
+    Trainer._wait_before_optimizer_step(host, prepared.pending, str(tmp_path), 0)
+    assert host._tier_hooks and all(o._optimizer_step_pre_hooks for o in got[1])
+    settled = threading.Thread(target=Trainer._settle_tier_pending, args=(host,))
+    settled.start()
+    settled.join(0.5)
+    assert settled.is_alive()  # held until the copy ends
+    gate.set()
+    settled.join(30)
+    assert prepared.pending.done and host._tier_pending is None and host._tier_hooks == []
+    assert not any(o._optimizer_step_pre_hooks for o in got[1])
+    assert (tmp_path / "rank-0.json").exists()
+
+
+def test_a_failed_copy_settled_by_the_next_load_deletes_the_tier_but_fails_no_step(tmp_path, monkeypatch,
+                                                                                   small_tensors_defer, caplog):
+    _tier(tmp_path)
+    got = _trained(seed=3)
+    real, calls = restore_tier.Prepared._copy, []
+
+    def broken(self, entries, **kw):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError("the tier's file went away")
+        real(self, entries, **kw)
+
+    monkeypatch.setattr(restore_tier.Prepared, "_copy", broken)
+    prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
+    prepared.apply(defer=("optimizer",))
+    host = _Host(optimizers=got[1], _tier_pending=prepared.pending, _tier=str(tmp_path))
+    Trainer._wait_before_optimizer_step(host, prepared.pending, str(tmp_path), 0)
+    with caplog.at_level("WARNING"):
+        Trainer._settle_tier_pending(host)
+    assert "background copy failed (the tier's file went away); deleting this rank's tier" in caplog.text
+    assert not (tmp_path / "rank-0.json").exists()
+    got[0](torch.randn(3, 8, dtype=torch.bfloat16)).float().square().mean().backward()
+    got[1].step()  # the failed copy's hook is gone with it
+    Trainer._settle_tier_pending(host)  # nothing pending: a no-op

@@ -81,10 +81,28 @@ def test_pread_threads_share_the_nodes_cpus_among_its_workers(cpus, workers, wan
 
 
 def test_pread_threads_read_local_world_size(monkeypatch) -> None:
-    monkeypatch.setattr(restore_tier.os, "sched_getaffinity", lambda _pid: set(range(32)))
+    monkeypatch.setattr(restore_tier, "usable_cpus", lambda: 32)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert restore_tier.load_threads({}) == 8  # the default mode is pread: 32 CPUs over 4 workers
+    assert restore_tier.load_threads() == 8  # the default mode is pread: 32 CPUs over 4 workers
+    assert restore_tier.load_threads({"LOCAL_WORLD_SIZE": "2"}) == 16  # a given environment is read, not the process's
     assert restore_tier.load_threads({restore_tier.ENV_LOAD_THREADS: "3"}) == 3
+
+
+@pytest.mark.parametrize(("affinity", "cpu_max", "want"), [
+    (16, "max 100000", 16), (64, "800000 100000", 8), (64, "150000 100000", 2), (4, "800000 100000", 4),
+    (16, None, 16), (16, "garbage", 16), (16, "50000 100000", 1)])
+def test_usable_cpus_is_the_affinity_within_the_cgroup_quota(tmp_path, monkeypatch, affinity, cpu_max, want) -> None:
+    monkeypatch.setattr(restore_tier.os, "sched_getaffinity", lambda _pid: set(range(affinity)))
+    f = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        f.write_text(cpu_max + "\n")
+    assert restore_tier.usable_cpus(f) == want
+
+
+def test_usable_cpus_without_sched_getaffinity(tmp_path, monkeypatch) -> None:
+    monkeypatch.delattr(restore_tier.os, "sched_getaffinity")
+    monkeypatch.setattr(restore_tier.os, "cpu_count", lambda: 6)
+    assert restore_tier.usable_cpus(tmp_path / "absent") == 6
 
 
 def _file_of(ts: list[torch.Tensor], path) -> list[tuple[int, int]]:

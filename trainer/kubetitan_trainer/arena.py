@@ -112,7 +112,7 @@ class Arena:
     """This rank's staging files; :meth:`storage` hands out the next one (the stager caches its storages across
     stages, so a stager asks once per storage; one it does not get is staged the way torch does)."""
 
-    def __init__(self, folder: Path, count: int, pin: bool = False, pin_min_bytes: int = 5, mode: str = "map",
+    def __init__(self, folder: Path, count: int, pin: bool = False, pin_min_bytes: int = 5, mode: str = "pwrite",
                  threads: int = WRITE_THREADS) -> None:
         self.folder, self.count, self.pin, self.pin_min_bytes = folder, count, pin, pin_min_bytes
         self.mode, self.threads = mode, threads

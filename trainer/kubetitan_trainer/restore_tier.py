@@ -296,14 +296,31 @@ def chunks(pairs: list[tuple[Any, torch.Tensor]], size: int) -> list[tuple[Any, 
     return out
 
 
-def default_load_threads(intra_op_threads: int | None = None, mode: str = "pread", cpus: int | None = None,
-                         local_workers: int | None = None) -> int:
-    """``pread``: the node's CPUs over its workers (``LOCAL_WORLD_SIZE``), within :data:`PREAD_THREADS`. ``map``: one
-    loader thread when torch's copies are parallel already, else :data:`DEFAULT_LOAD_THREADS`."""
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """CPUs this process may use: those it may run on (``sched_getaffinity``; ``os.cpu_count`` where there is none),
+    at most its cgroup's CPU quota rounded up (a pod's CPU limit, cgroup v2 ``cpu.max``: ``<quota> <period>``)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    try:
+        quota, period = cgroup.read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def default_load_threads(intra_op_threads: int | None = None, *, mode: str = "pread", cpus: int | None = None,
+                         local_workers: int | None = None, env: dict | None = None) -> int:
+    """``pread``: the pod's CPUs (:func:`usable_cpus`) over its workers (``LOCAL_WORLD_SIZE`` of ``env``, else of the
+    process), within :data:`PREAD_THREADS`. ``map``: one loader thread when torch's copies are parallel already,
+    else :data:`DEFAULT_LOAD_THREADS`."""
     if mode == "pread":
-        cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+        cpus = usable_cpus() if cpus is None else cpus
         if local_workers is None:
-            local_workers = knobs.whole_number("LOCAL_WORLD_SIZE", 1, "counting one worker on this node", log)
+            local_workers = knobs.whole_number("LOCAL_WORLD_SIZE", 1, "counting one worker on this node", log, env)
         low, high = PREAD_THREADS
         return max(low, min(high, cpus // max(1, local_workers)))
     n = torch.get_num_threads() if intra_op_threads is None else intra_op_threads
@@ -314,7 +331,7 @@ def load_threads(env: dict | None = None, intra_op_threads: int | None = None, m
     """How many threads load the tier (``KUBETITAN_TIER_LOAD_THREADS``, else :func:`default_load_threads` for
     ``mode``, the read mode by default)."""
     mode = read_mode(env) if mode is None else mode
-    default = default_load_threads(intra_op_threads, mode)
+    default = default_load_threads(intra_op_threads, mode=mode, env=env)
     return knobs.whole_number(ENV_LOAD_THREADS, default, f"loading the tier on {default} thread(s)", log, env)
 
 
@@ -566,7 +583,8 @@ DEFER_MIN_BYTES = 1 << 20
 ENV_DEFER = "KUBETITAN_TIER_DEFER_OPTIMIZER"
 """``1`` (default): the trainer loads the optimizer's moments from the tier in the background, while the first step's
 forward and backward run, and waits for them before the optimizer's step (issue 29 item 2); ``0``: at once. On an
-H100 with the 3B state (device call 21) the optimizer's 26.9 GiB came in 1.9-2.3 s and the step waited 0.00 s."""
+H100 with the 3B state it took kill -> first step end from p50 9.2 s to 6.5-6.7 s together with the ``pread`` load
+and the arena's ``pwrite`` (device calls 21 and 22; the copy's own times: :data:`DEFAULT_DEFER_THREADS`)."""
 
 
 ENV_DEFER_THREADS = "KUBETITAN_TIER_DEFER_THREADS"

@@ -25,7 +25,6 @@ Everything else comes through the TrainSpec. The subclass adds, and only adds:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import time
@@ -282,6 +281,8 @@ class KubetitanTrainer(Trainer):
     _network_message: str = ""
     _tier_pending: restore_tier.Pending | None = None
     """The restore tier's copies still running in the background (restore_tier.ENV_DEFER)."""
+    _tier_hooks: list = []
+    """The optimizers' step pre-hooks that wait for them (never mutated in place: replaced per load)."""
 
     def _check_network(self) -> bool:
         """Log the NCCL network (local rank 0) and say whether the run must end (kubetitan_trainer.netcheck)."""
@@ -381,6 +382,7 @@ class KubetitanTrainer(Trainer):
         """torchtitan's load (or the restore tier's, or the object store's), timed for the start-up anatomy."""
         rec = anatomy.current()
         rec.mark("load_begin")
+        self._settle_tier_pending()
         loaded = self._load_newer_tier(step) or (self._load_from_store(step, load) if self._store.remote
                                                  else load(step))
         rec.mark("load_end")
@@ -524,9 +526,6 @@ class KubetitanTrainer(Trainer):
                             " not every rank's is): loading through DCP")
             return False
         begin = time.perf_counter()
-        if self._tier_pending is not None:  # a load again (in-process restart) before the last one's step
-            with contextlib.suppress(Exception):
-                self._tier_pending.wait()
         try:
             n = prepared.apply(defer=restore_tier.defer_keys())
             self._tier_pending = prepared.pending
@@ -543,10 +542,29 @@ class KubetitanTrainer(Trainer):
                     f"{time.perf_counter() - begin:.2f} s{later} ({folder})")
         return True
 
+    def _settle_tier_pending(self) -> None:
+        """Before any load (an in-process restart's comes before the last load's first optimizer step): the last
+        tier load's background copies end, so neither DCP nor the tier writes into tensors they still fill, and
+        their step pre-hooks go. Their error no longer fails a step (this load replaces what they wrote) but still
+        deletes this rank's tier, as a failed load does."""
+        pending, self._tier_pending = self._tier_pending, None
+        for h in self._tier_hooks:
+            h.remove()
+        self._tier_hooks = []
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except Exception as e:  # noqa: BLE001 - said and acted on; the load that follows replaces the state
+            logger.warning(f"Restore tier: the last load's background copy failed ({e}); deleting this rank's tier")
+            if self._tier:
+                restore_tier.discard(self._tier, self._rank_world()[0])
+
     def _wait_before_optimizer_step(self, pending: restore_tier.Pending, folder: str, rank: int) -> None:
         """Every optimizer waits for the tier's deferred copies before its next step (once); a copy that failed
         deletes this rank's tier and ends the step with its error, as a failed load does."""
         handles: list = []
+        self._tier_hooks = handles  # removed by _settle_tier_pending when a load comes first
 
         def wait(*_args) -> None:
             for h in handles:
