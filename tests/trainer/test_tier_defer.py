@@ -213,3 +213,29 @@ def test_a_failed_copy_settled_by_the_next_load_deletes_the_tier_but_fails_no_st
     got[0](torch.randn(3, 8, dtype=torch.bfloat16)).float().square().mean().backward()
     got[1].step()  # the failed copy's hook is gone with it
     Trainer._settle_tier_pending(host)  # nothing pending: a no-op
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, None), ("", None), ("1", 0.001), ("0", 0.001), ("soon", 0.005)])
+def test_defer_switch_knob(raw, want) -> None:
+    env = {} if raw is None else {restore_tier.ENV_DEFER_SWITCH_MS: raw}
+    assert restore_tier.defer_switch_interval(env) == want
+
+
+def test_the_switch_interval_is_short_while_the_deferred_copy_runs_and_put_back_after(tmp_path, monkeypatch,
+                                                                                      small_tensors_defer):
+    import sys
+
+    _tier(tmp_path)
+    got = _trained(seed=3)
+    gate = _gate(monkeypatch)
+    monkeypatch.setenv(restore_tier.ENV_DEFER_SWITCH_MS, "1")
+    before = sys.getswitchinterval()
+    try:
+        prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
+        prepared.apply(defer=("optimizer",))
+        assert sys.getswitchinterval() == pytest.approx(0.001)  # while the copy is held
+        gate.set()
+        prepared.pending.wait()
+        assert sys.getswitchinterval() == before
+    finally:
+        sys.setswitchinterval(before)

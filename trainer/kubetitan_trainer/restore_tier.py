@@ -564,7 +564,7 @@ class Prepared:
         keys = [k for k in defer if k in self.states]
         if _held({k: self.states[k] for k in keys}) >= {_local(t).data_ptr() for t, _e in later}:
             self.pending = Pending(functools.partial(self._copy, threads=defer_threads()), later,
-                                   sum(e["nbytes"] for _t, e in later))
+                                   sum(e["nbytes"] for _t, e in later), switch_interval=defer_switch_interval())
             return total
         log.info("Restore tier: %s does not keep the tensors it was loaded from; loading it whole first", keys)
         self._copy(later)
@@ -604,6 +604,21 @@ def defer_threads(env: dict | None = None) -> int:
                               f"copying the deferred part on {DEFAULT_DEFER_THREADS} threads", log, env)
 
 
+ENV_DEFER_SWITCH_MS = "KUBETITAN_TIER_DEFER_SWITCH_MS"
+"""Python's thread switch interval, in milliseconds, while the deferred copy runs (unset: Python's own, 5 ms). The
+copy's threads take the GIL a few times a chunk, between their system calls, while the training thread compiles
+its first step; a waiting thread gets the GIL only when the holder releases it or the interval runs out, so each of
+those takes up to the interval (the "convoy effect"). A shorter interval shortens every such wait, for a few more
+switches of the training thread. Opt-in, not yet measured on a GPU."""
+
+
+def defer_switch_interval(env: dict | None = None) -> float | None:
+    """Seconds for ``sys.setswitchinterval`` during the deferred copy (:data:`ENV_DEFER_SWITCH_MS`); None: unset."""
+    if not (os.environ if env is None else env).get(ENV_DEFER_SWITCH_MS, "").strip():
+        return None
+    return knobs.whole_number(ENV_DEFER_SWITCH_MS, 5, "switching every 5 ms", log, env) / 1000
+
+
 def defer_keys(env: dict | None = None) -> tuple[str, ...]:
     """The state keys a tier load defers (:data:`ENV_DEFER`: on unless ``0``; anything but ``0``/``1`` warns)."""
     on = knobs.choice(ENV_DEFER, ("1", "0"), "deferring the optimizer's part", log, env) == "1"
@@ -628,11 +643,17 @@ def _held(states: dict[str, Any]) -> set[int]:
 class Pending:
     """Deferred tier copies running in a background thread; :meth:`wait` ends them and raises their error."""
 
-    def __init__(self, copy: Any, entries: list, nbytes: int) -> None:
+    def __init__(self, copy: Any, entries: list, nbytes: int, switch_interval: float | None = None) -> None:
+        """``switch_interval``: seconds for ``sys.setswitchinterval`` while the copy runs (None: Python's own, 5 ms),
+        put back when it ends (:data:`ENV_DEFER_SWITCH_MS`)."""
+        import sys
         import time as _time
 
         self.nbytes, self.seconds = nbytes, None
         self._errors: list[BaseException] = []
+        before = sys.getswitchinterval()
+        if switch_interval is not None:
+            sys.setswitchinterval(switch_interval)
 
         def run() -> None:
             begin = _time.perf_counter()
@@ -640,6 +661,9 @@ class Pending:
                 copy(entries)
             except BaseException as e:  # noqa: BLE001 - raised by wait() on the training thread
                 self._errors.append(e)
+            finally:
+                if switch_interval is not None and sys.getswitchinterval() == switch_interval:
+                    sys.setswitchinterval(before)  # unless someone else changed it meanwhile
             self.seconds = _time.perf_counter() - begin
 
         self._thread: threading.Thread | None = threading.Thread(target=run, name="kubetitan-tier-deferred",
