@@ -106,7 +106,8 @@ def test_an_optimizer_that_copies_what_it_is_given_is_loaded_at_once(tmp_path, m
     assert _same(_flat(*got), _flat(*src))
 
 
-def test_a_failed_deferred_copy_fails_the_step_and_deletes_the_tier(tmp_path, monkeypatch, small_tensors_defer):
+def _load_whose_deferred_copy_fails(tmp_path, monkeypatch):
+    """A model/optimizer loaded from a tier with the optimizer deferred, whose deferred copy raises OSError."""
     _tier(tmp_path)
     got = _trained(seed=3)
     real, calls = restore_tier.Prepared._copy, []
@@ -120,6 +121,11 @@ def test_a_failed_deferred_copy_fails_the_step_and_deletes_the_tier(tmp_path, mo
     monkeypatch.setattr(restore_tier.Prepared, "_copy", broken)
     prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
     prepared.apply(defer=("optimizer",))
+    return got, prepared
+
+
+def test_a_failed_deferred_copy_fails_the_step_and_deletes_the_tier(tmp_path, monkeypatch, small_tensors_defer):
+    got, prepared = _load_whose_deferred_copy_fails(tmp_path, monkeypatch)
     Trainer._wait_before_optimizer_step(SimpleNamespace(optimizers=got[1]), prepared.pending, str(tmp_path), 0)
     got[0](torch.randn(3, 8, dtype=torch.bfloat16)).float().square().mean().backward()
     with pytest.raises(OSError, match="went away"):
@@ -191,19 +197,7 @@ def test_a_load_before_the_last_loads_step_waits_for_its_copy_and_drops_its_hook
 
 def test_a_failed_copy_settled_by_the_next_load_deletes_the_tier_but_fails_no_step(tmp_path, monkeypatch,
                                                                                    small_tensors_defer, caplog):
-    _tier(tmp_path)
-    got = _trained(seed=3)
-    real, calls = restore_tier.Prepared._copy, []
-
-    def broken(self, entries, **kw):
-        calls.append(1)
-        if len(calls) > 1:
-            raise OSError("the tier's file went away")
-        real(self, entries, **kw)
-
-    monkeypatch.setattr(restore_tier.Prepared, "_copy", broken)
-    prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
-    prepared.apply(defer=("optimizer",))
+    got, prepared = _load_whose_deferred_copy_fails(tmp_path, monkeypatch)
     host = _Host(optimizers=got[1], _tier_pending=prepared.pending, _tier=str(tmp_path))
     Trainer._wait_before_optimizer_step(host, prepared.pending, str(tmp_path), 0)
     with caplog.at_level("WARNING"):
