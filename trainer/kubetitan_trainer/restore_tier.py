@@ -594,8 +594,8 @@ DEFAULT_DEFER_THREADS = 4
 takes the GIL a few times between its system calls, so the two slow each other down. On an H100 with the 3B state
 (device calls 21 and 22, docs/reliability.md): on 16 threads the optimizer's 26.9 GiB came in 1.9-2.3 s and the warm
 compile took 3.4-3.9 s (2.0-2.2 s with no copy running); on 4 threads the compile took 2.2-2.8 s and the copy 4.0-5.4
-s, the step waiting 0.8-1.6 s for it. Kill -> first step end was the same (p50 6.7 and 6.5 s); 4 uses a quarter of
-the threads, which counts on a node of 8 workers."""
+s, the step waiting 0.8-1.6 s for it. Kill -> first step end was the same (p50 6.7 s on 16 threads, 6.5 s on 4 over
+call 22's second half); 4 uses a quarter of the threads, which counts on a node of 8 workers."""
 
 
 def defer_threads(env: dict | None = None) -> int:
