@@ -1,5 +1,6 @@
 """Worker environment knobs read the same way everywhere: a choice among names, or a whole number; a bad value is
-warned about (naming the variable, the value and what happens instead) and the default is used."""
+warned about (naming the variable, the value and what happens instead) and the default is used. Also the CPUs a
+process may run on, which several defaults are sized by."""
 
 from __future__ import annotations
 
@@ -28,3 +29,11 @@ def whole_number(name: str, default: int, instead: str, log: logging.Logger,
     except ValueError:
         log.warning("%s=%r is not a whole number; %s", name, raw, instead)
         return default
+
+
+def affinity_cpus() -> int:
+    """CPUs this process may run on (``sched_getaffinity``; ``os.cpu_count`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

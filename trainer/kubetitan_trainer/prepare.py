@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from kubetitan_core.contract import ExitCode
-from kubetitan_trainer import BUILTIN_TOKENIZER
+from kubetitan_trainer import BUILTIN_TOKENIZER, knobs
 from kubetitan_trainer import shards as S
 PLAN_FILE = "plan.json"
 PARTS_DIR = "parts"
@@ -60,13 +60,6 @@ _fix = S.data_error
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
-def _default_workers() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="kubetitan prepare-data", description=__doc__.split("\n")[0].split(": ", 1)[1],
@@ -79,7 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--text-field", default="text", help="key (JSONL) or column (Parquet) holding the text")
     p.add_argument("--dtype", choices=["auto", "uint16", "uint32"], default="auto",
                    help="token dtype; auto: uint16 when the vocabulary fits, else uint32")
-    p.add_argument("--workers", type=int, default=_default_workers(),
+    p.add_argument("--workers", type=int, default=knobs.affinity_cpus(),
                    help="tokenizer processes (default: every core this process may use, here %(default)s)")
     p.add_argument("--unit-mb", type=float, default=0.0,
                    help="input MiB per work unit, the unit of parallelism and of resume (default 0: auto, the input "

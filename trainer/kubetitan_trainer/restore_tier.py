@@ -44,6 +44,7 @@ import mmap
 import os
 import pickle
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -297,18 +298,13 @@ def chunks(pairs: list[tuple[Any, torch.Tensor]], size: int) -> list[tuple[Any, 
 
 
 def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
-    """CPUs this process may use: those it may run on (``sched_getaffinity``; ``os.cpu_count`` where there is none),
-    at most its cgroup's CPU quota rounded up (a pod's CPU limit, cgroup v2 ``cpu.max``: ``<quota> <period>``)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        n = os.cpu_count() or 1
-    try:
+    """CPUs this process may use: those it may run on (:func:`knobs.affinity_cpus`), at most its cgroup's CPU quota
+    rounded up (a pod's CPU limit, cgroup v2 ``cpu.max``: ``<quota> <period>``; none readable: no cap)."""
+    n = knobs.affinity_cpus()
+    with contextlib.suppress(OSError, ValueError):
         quota, period = cgroup.read_text().split()[:2]
         if quota != "max":
             n = min(n, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
     return n
 
 
@@ -646,7 +642,6 @@ class Pending:
     def __init__(self, copy: Any, entries: list, nbytes: int, switch_interval: float | None = None) -> None:
         """``switch_interval``: seconds for ``sys.setswitchinterval`` while the copy runs (None: Python's own, 5 ms),
         put back when it ends (:data:`ENV_DEFER_SWITCH_MS`)."""
-        import sys
         import time as _time
 
         self.nbytes, self.seconds = nbytes, None
