@@ -147,13 +147,14 @@ def test_defer_threads_knob(raw, want) -> None:
     assert restore_tier.defer_threads({} if raw is None else {restore_tier.ENV_DEFER_THREADS: raw}) == want
 
 
-def test_the_deferred_part_runs_on_its_own_thread_count(tmp_path, monkeypatch, small_tensors_defer):
+def test_the_deferred_part_runs_on_its_own_threads_and_larger_chunks(tmp_path, monkeypatch, small_tensors_defer):
     _tier(tmp_path)
-    seen, real = [], restore_tier._ParallelLoad.__init__
+    seen, chunks, real = [], [], restore_tier._ParallelLoad.__init__
 
     def init(self, threads, *a, **kw):
         seen.append(threads)
         real(self, threads, *a, **kw)
+        chunks.append(self.chunk)
 
     monkeypatch.setattr(restore_tier._ParallelLoad, "__init__", init)
     monkeypatch.setenv(restore_tier.ENV_DEFER_THREADS, "3")
@@ -163,6 +164,11 @@ def test_the_deferred_part_runs_on_its_own_thread_count(tmp_path, monkeypatch, s
     prepared.apply(defer=("optimizer",))
     prepared.pending.wait()
     assert seen == [7, 3]  # the load at once on the load's threads, the deferred part on its own
+    # the deferred part's threads share DEFER_BOUNCE_BUDGET: fewer, larger chunks (GIL switches) than the load at once
+    load = restore_tier._ParallelLoad
+    assert chunks == [restore_tier.chunk_for(7, load.CHUNK, load.BOUNCE_BUDGET),
+                      restore_tier.chunk_for(3, load.CHUNK, restore_tier.DEFER_BOUNCE_BUDGET)]
+    assert chunks[1] == load.CHUNK > restore_tier.chunk_for(3, load.CHUNK, load.BOUNCE_BUDGET)
 
 
 class _Host(SimpleNamespace):

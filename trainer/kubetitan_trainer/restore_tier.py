@@ -264,15 +264,14 @@ class _ParallelLoad:
             device = work[0][1].device
             stream = torch.cuda.Stream(device=device)
             stream.wait_stream(torch.cuda.current_stream(device))  # the targets' allocation and fill come first
-            done: list = [None, None]
+            done = [torch.cuda.Event(), torch.cuda.Event()]  # recorded again for each chunk: no event a chunk
             with torch.cuda.stream(stream):
                 for i, (s, d) in enumerate(work):
                     b = i & 1
-                    if done[b] is not None:
+                    if i >= 2:
                         done[b].synchronize()  # that buffer's last device copy has finished
                     _fill(bufs[b], s)
                     d.copy_(bufs[b][:s.numel()], non_blocking=True)
-                    done[b] = torch.cuda.Event()
                     done[b].record(stream)
             stream.synchronize()
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread by run()
@@ -513,9 +512,11 @@ class Prepared:
         """The file an entry's bytes are in: its staging file (a tier from the arena), else ``rank-<r>.bin``."""
         return self.binf.parent / entry["file"] if entry.get("file") else self.binf
 
-    def _copy(self, entries: list[tuple[torch.Tensor, dict]], threads: int | None = None) -> None:
+    def _copy(self, entries: list[tuple[torch.Tensor, dict]], threads: int | None = None,
+              bounce_budget: int | None = None) -> None:
         """Copy these (tensor, layout entry) pairs from the tier's files into the tensors (on ``threads`` loader
-        threads; None: :attr:`threads`)."""
+        threads; None: :attr:`threads`; ``bounce_budget``: the threads' pinned bounce bytes together, None:
+        :attr:`_ParallelLoad.BOUNCE_BUDGET`)."""
         with contextlib.ExitStack() as stack:
             bufs: dict[Path, Any] = {}
             pairs = []
@@ -534,7 +535,10 @@ class Prepared:
                             bufs[file] = torch.frombuffer(mm, dtype=torch.uint8)
                 pairs.append((bufs[file][e["offset"]:e["offset"] + e["nbytes"]], local))
             with torch.no_grad():
-                _ParallelLoad(self.threads if threads is None else threads).run(pairs)
+                n = self.threads if threads is None else threads
+                chunk = None if bounce_budget is None else \
+                    chunk_for(n, _ParallelLoad.CHUNK, bounce_budget)
+                _ParallelLoad(n, chunk).run(pairs)
             del bufs, pairs  # before the mappings close
 
     def apply(self, defer: tuple[str, ...] = ()) -> int:
@@ -559,7 +563,8 @@ class Prepared:
             return total
         keys = [k for k in defer if k in self.states]
         if _held({k: self.states[k] for k in keys}) >= {_local(t).data_ptr() for t, _e in later}:
-            self.pending = Pending(functools.partial(self._copy, threads=defer_threads()), later,
+            self.pending = Pending(functools.partial(self._copy, threads=defer_threads(),
+                                                     bounce_budget=DEFER_BOUNCE_BUDGET), later,
                                    sum(e["nbytes"] for _t, e in later), switch_interval=defer_switch_interval())
             return total
         log.info("Restore tier: %s does not keep the tensors it was loaded from; loading it whole first", keys)
@@ -592,6 +597,16 @@ takes the GIL a few times between its system calls, so the two slow each other d
 compile took 3.4-3.9 s (2.0-2.2 s with no copy running); on 4 threads the compile took 2.2-2.8 s and the copy 4.0-5.4
 s, the step waiting 0.8-1.6 s for it. Kill -> first step end was the same (p50 6.7 s on 16 threads, 6.5 s on 4 over
 call 22's second half); 4 uses a quarter of the threads, which counts on a node of 8 workers."""
+
+
+DEFER_BOUNCE_BUDGET = 512 << 20
+"""Pinned bounce memory of the deferred copy's threads together: 64 MiB chunks on the default 4 threads, where the
+immediate part's :data:`_ParallelLoad.BOUNCE_BUDGET` gives them 32 MiB. While the first step compiles, a copy
+thread gets the GIL back after each chunk's system calls only when the compiling thread lets it go (at the latest
+after Python's switch interval), so the copy moves about one chunk per switch: ~150-180 chunks a second at the
+default 5 ms on the CPU probe (``bench/gil_convoy_probe.py``, bench/results/recovery/gil_convoy_cpu_s19.txt), and
+6-7 GB/s for 32 MiB chunks on an H100 (device call 22). Twice the chunk is twice the bytes a switch, for the same
+number of switches taken from the compile; the 256 MiB more that are pinned cost ~0.2 s in the background."""
 
 
 def defer_threads(env: dict | None = None) -> int:
