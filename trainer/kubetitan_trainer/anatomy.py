@@ -172,6 +172,11 @@ class Recorder:
                        "total_seconds": sum(phases.values()), "time": self.marks["first_step_end"],
                        "compile_parts": {k: v for k, v in spent.items() if k != "total_wall_time"},
                        "compile_counts": counts_spent(self._counts_before, compile_counts())}
+        from kubetitan_trainer import cuda_context  # torch-free
+
+        early = cuda_context.settled()
+        if early is not None:
+            self.result["cuda_context"] = {k: early[k] for k in ("seconds", "device", "rc")}
         return self.result
 
 
@@ -203,7 +208,16 @@ def describe(record: dict) -> str:
     return (f"Start-up of generation {record['generation']} (attempt {record['attempt']}, from {record['origin']}) "
             f"to the end of step {record['first_step']}: {record['total_seconds']:.1f} s = "
             + ", ".join(f"{k} {p[k]:.1f}" for k in PHASES) + f" (checkpoint: {record['checkpoint_source']})"
-            + compile_note(record.get("compile_parts") or {}) + counts_note(record.get("compile_counts") or {}))
+            + compile_note(record.get("compile_parts") or {}) + counts_note(record.get("compile_counts") or {})
+            + context_note(record.get("cuda_context")))
+
+
+def context_note(early: dict | None) -> str:
+    """The CUDA context made on a side thread at the start (:mod:`kubetitan_trainer.cuda_context`)."""
+    if not early:
+        return ""
+    return (f"; CUDA context on a side thread: {early['seconds']:.2f} s" if not early["rc"] else
+            f"; CUDA context on a side thread: failed (CUDA error {early['rc']})")
 
 
 def compile_note(parts: dict[str, float]) -> str:

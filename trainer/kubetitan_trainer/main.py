@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     from kubetitan_trainer import anatomy
 
     anatomy.begin()  # the start-up anatomy's "main" mark (kubetitan_trainer.anatomy)
+    from kubetitan_trainer import cuda_context
+
+    cuda_context.begin()  # the GPU's context made on a side thread while the config, the world and the model build
     with imports_without_gc():
         return _main(argv)
 
