@@ -209,7 +209,19 @@ def describe(record: dict) -> str:
             f"to the end of step {record['first_step']}: {record['total_seconds']:.1f} s = "
             + ", ".join(f"{k} {p[k]:.1f}" for k in PHASES) + f" (checkpoint: {record['checkpoint_source']})"
             + compile_note(record.get("compile_parts") or {}) + counts_note(record.get("compile_counts") or {})
-            + context_note(record.get("cuda_context")))
+            + context_note(record.get("cuda_context")) + aot_note(record.get("aot_precompile")))
+
+
+def aot_note(aot: dict | None) -> str:
+    """The ahead-of-time compiled blocks' use (:mod:`kubetitan_trainer.aot_precompile`)."""
+    if not aot:
+        return ""
+    loaded = f"loaded in {aot['load_seconds']:.2f} s" if aot.get("loaded") else \
+        ("failed to load" if aot.get("error") else "none to load")
+    made = aot.get("made") or {}
+    return (f"; AOT blocks: {loaded}, {aot['served']} calls served, {aot['fell_back']} compiled as usual"
+            + (f"; made in {made['seconds']:.1f} s" if made.get("saved") else
+               (f"; not made ({made['why']})" if made else "")))
 
 
 def context_note(early: dict | None) -> str:

@@ -1004,6 +1004,103 @@ def compile_counts() -> dict[str, int]:
         return {}
 
 
+# ====================================================================== AOT-precompiled blocks (kubetitan_trainer.aot_precompile)
+@_shim(Upstream("torch._dynamo.eval_frame:OptimizedModule.__init__", params=("self", "mod", "dynamo_ctx"),
+                sets=("_orig_mod", "dynamo_ctx")),
+       Upstream("torch._dynamo.eval_frame:OptimizedModule._initialize", sets=("forward",)))
+def compiled_module_parts(module: Any) -> tuple[Any, Any] | None:
+    """``(the module torch.compile wrapped, the wrapper's compiled forward)`` for a ``torch.compile(module)``
+    wrapper (an ``OptimizedModule``, as torchtitan's ``apply_compile`` makes of each block); None for anything
+    else. torch exposes neither attribute publicly."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if not isinstance(module, OptimizedModule):
+        return None
+    return module._orig_mod, module.forward
+
+
+@_shim(Upstream("torch._dynamo.eval_frame:OptimizedModule._initialize", sets=("forward",)))
+def set_compiled_forward(module: Any, forward: Callable) -> None:
+    """Make ``forward`` the wrapper's forward (torch sets the compiled one as an instance attribute when it
+    initialises the wrapper; ``nn.Module.__call__`` calls it after the wrapper's hooks, FSDP's included)."""
+    _rebind(module, "forward", forward)
+
+
+@_shim(Upstream("torch._dynamo.aot_compile:aot_compile_module", params=("model", "inputs", "hooks", "backend")),
+       Upstream("torch._dynamo.aot_compile:ModelInput", params=("args", "kwargs", "contexts")),
+       Upstream("torch._dynamo.eval_frame:OptimizedModule._aot_compile",
+                contains=("self.dynamo_ctx._hooks", "innermost_backend(self.dynamo_ctx.callback)")),
+       Upstream("torch._dynamo.config:enable_aot_compile"))
+def aot_compile_module(wrapper: Any, args: tuple, kwargs: dict, contexts: list) -> Any:
+    """Compile ``wrapper``'s module (a ``torch.compile`` wrapper, fullgraph) ahead of time for one input signature:
+    Dynamo, AOTAutograd (forward and backward) and Inductor, as its first call would, into an object that
+    :func:`aot_serialize` turns into bytes; the wrapper's own forward is left as it is.
+
+    torch 2.11's ahead-of-time compile of a module is experimental: ``OptimizedModule._aot_compile`` calls this
+    function with the wrapper's hooks and backend and replaces the wrapper's forward, which kubetitan does not
+    want (the compiled region keeps its own forward as the fallback), so the same call is made here."""
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.aot_compile import ModelInput, aot_compile_module as compile_module
+    from torch._dynamo.eval_frame import innermost_backend
+
+    _fix_defaults_source_pickling()
+    with dynamo_config.patch(enable_aot_compile=True):
+        return compile_module(wrapper._orig_mod, [ModelInput(args=args, kwargs=kwargs, contexts=contexts)],
+                              wrapper.dynamo_ctx._hooks, innermost_backend(wrapper.dynamo_ctx.callback))
+
+
+@_shim(Upstream("torch._dynamo.aot_compile:AOTCompiledModel.serialize", params=("self",)))
+def aot_serialize(compiled: Any) -> bytes:
+    """The bytes of an :func:`aot_compile_module` result (its guards, bytecode and compiled graphs)."""
+    return compiled.serialize()
+
+
+@_shim(Upstream("torch._dynamo.aot_compile:AOTCompiledModel.deserialize", params=("model", "data")))
+def aot_deserialize(data: bytes) -> Any:
+    """:func:`aot_serialize`'s bytes loaded, bound to no module yet (:func:`aot_run` passes it at each call). Safe
+    on a thread of its own: it reads no module's state."""
+    from torch._dynamo.aot_compile import AOTCompiledModel
+
+    return AOTCompiledModel.deserialize(None, data)
+
+
+@_shim(Upstream("torch._dynamo.aot_compile:AOTCompiledModel", sets=()),
+       Upstream("torch._dynamo.aot_compile:AOTCompiledFunction.guard_check", params=("self", "args", "kwargs")),
+       Upstream("torch._dynamo.aot_compile:AOTCompiledFunction.__call__", params=("self", "args", "kwargs")))
+def aot_run(compiled: Any, module: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """``(True, module's forward on these arguments through the first of the compiled graphs whose guards pass)``,
+    or ``(False, None)`` when none pass (the caller then runs its own compiled forward).
+
+    ``AOTCompiledModel.__call__`` does the same but raises when no guards pass; its graphs are in
+    ``compiled_results`` and take the module as their first argument."""
+    for result in compiled.compiled_results:
+        if result.guard_check(module, *args, **kwargs):
+            return True, result(module, *args, **kwargs)
+    return False, None
+
+
+@_shim(Upstream("torch._dynamo.source:DefaultsSource", params=("base", "idx_key", "is_kw")),
+       Upstream("torch._guards:dataclass_with_cached_hash", contains=("__reduce__",)))
+def _fix_defaults_source_pickling() -> None:
+    """Pickle ``DefaultsSource`` by its ``__init__`` fields only.
+
+    torch 2.11's ``dataclass_with_cached_hash`` gives guard sources a ``__reduce__`` that passes every field to the
+    class, ``init=False`` ones too, so a guard on a function's default argument (a block's ``positions=None``)
+    saves but fails to load (``DefaultsSource.__init__() takes from 3 to 4 positional arguments but 6 were given``).
+    The fix has to be in the saving process: it is what is written. Applied once; the canary in
+    tests/trainer/test_compat.py says when torch no longer needs it."""
+    from torch._dynamo.source import DefaultsSource
+
+    if getattr(DefaultsSource.__reduce__, "_kubetitan", False):
+        return
+
+    def reduce(self: Any) -> tuple:
+        return type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.init)
+
+    reduce._kubetitan = True
+    _rebind(DefaultsSource, "__reduce__", reduce)
+
+
 # ====================================================================== the doc table
 DOC_BEGIN = "<!-- compat:begin (generated by python -m kubetitan_trainer.compat --write docs/trainer.md) -->"
 DOC_END = "<!-- compat:end -->"

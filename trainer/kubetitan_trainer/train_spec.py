@@ -26,7 +26,7 @@ from torchtitan.tools.logging import logger
 
 from kubetitan_core.render import TRAIN_SPEC_NAME
 
-from kubetitan_trainer import aot_cache, compat, cpu_bridge
+from kubetitan_trainer import aot_cache, aot_precompile, compat, cpu_bridge
 from kubetitan_trainer.data import build_dataloader
 from kubetitan_trainer.evaluation import build_validator
 from kubetitan_trainer.flavours import model_args
@@ -59,7 +59,8 @@ def compile_fp8_head(model: torch.nn.Module, job_config: JobConfig) -> bool:
 
 def wrap_parallelize(parallelize_fn: Callable) -> Callable:
     """torchtitan's parallelize (with the CPU bridge), then :func:`compile_fp8_head`; with compile on, the
-    AOTAutograd cache is made to serve the recipe's graphs first (:mod:`kubetitan_trainer.aot_cache`)."""
+    AOTAutograd cache is made to serve the recipe's graphs first (:mod:`kubetitan_trainer.aot_cache`), and the
+    compiled blocks get their ahead-of-time artefact when it is on (:mod:`kubetitan_trainer.aot_precompile`)."""
     parallelize_fn = cpu_bridge.wrap_parallelize(parallelize_fn)
 
     @functools.wraps(parallelize_fn)
@@ -68,6 +69,8 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
             aot_cache.enable()  # before anything is compiled: restarts then load the joint graphs from the cache
         model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
         compile_fp8_head(model, job_config)
+        if job_config.compile.enable and "model" in job_config.compile.components:
+            aot_precompile.install(model)  # opt-in: KUBETITAN_AOT_PRECOMPILE=1
         return model
 
     return parallelize

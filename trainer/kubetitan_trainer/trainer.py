@@ -41,8 +41,8 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import (ENV_STOP_FILE, anatomy, compat, data, heartbeat, inprocess, netcheck, restore_tier,
-                               s3shards, storage)
+from kubetitan_trainer import (ENV_STOP_FILE, anatomy, aot_precompile, compat, data, heartbeat, inprocess, netcheck,
+                               restore_tier, s3shards, storage)
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
@@ -273,6 +273,9 @@ class KubetitanTrainer(Trainer):
 
     def _publish_startup(self, rec: anatomy.Recorder) -> None:
         record = rec.first_step_ends(self.step, self.metrics_processor.attempt)
+        aot = aot_precompile.after_first_step()  # after the mark: rank 0's one-off precompile is not start-up
+        if aot is not None:
+            record["aot_precompile"] = aot
         self.metrics_processor.exporter.startup(record)
         if self.metrics_processor.rank == 0:
             logger.info(anatomy.describe(record))

@@ -1,0 +1,30 @@
+#!/bin/bash
+# Device call 24 (issue 29, session 19): on ONE machine, in one call, two halves of bench/device/call20.sh (no
+# probes, no caching precompile), each planning 3 kills of workers that had saved and a cold one:
+#   1. the defaults of session 19: the deferred copy's 64 MiB chunks (restore_tier.DEFER_BOUNCE_BUDGET) and the CUDA
+#      context made on a side thread (KUBETITAN_EARLY_CUDA_CONTEXT=1, kubetitan_trainer.cuda_context);
+#   2. the same with KUBETITAN_AOT_PRECOMPILE=1 (kubetitan_trainer.aot_precompile): generation 0 makes the blocks'
+#      ahead-of-time artefact after its first step; each restarted worker loads it on a side thread instead of
+#      tracing and compiling the blocks. The start-up lines ("Start-up of ...", in launcher_grep.txt of each half)
+#      say "AOT blocks: loaded in X s, N calls served, M compiled as usual".
+# Against calls 21-22 (H100, session 18: p50 6.7 s kill -> first step end; warm compile 2.0-2.8 s).
+# $OUT: defaults_recovery.txt, aot_recovery.txt (each half's events and anatomy table), c24.tgz (both halves' $OUT:
+# events, start-up records, launcher logs).
+# Usage (device tool, carry [".whl"], timeout_s 600; needs_h200 for the H200 recipe): bash bench/device/call24.sh [560]
+set -u
+END=${1:-560}
+FINAL=$OUT
+HALF=$(((END - 20) / 2))
+rm -rf /tmp/c24 && mkdir -p /tmp/c24/defaults /tmp/c24/aot
+echo "=== defaults half, ${HALF} s, $(date -u +%T)"
+OUT=/tmp/c24/defaults PRECOMPILE=0 PROBE_S=0 PROBES=0 KUBETITAN_AOT_PRECOMPILE=0 bash bench/device/call20.sh "$HALF" \
+  2>&1 | grep -v "^{\"t\"" | tail -30
+cp /tmp/c24/defaults/recovery.txt "$FINAL/defaults_recovery.txt" 2>/dev/null
+LEFT=$((END - SECONDS - 10))
+echo "=== AOT precompile half, ${LEFT} s, $(date -u +%T)"
+OUT=/tmp/c24/aot PRECOMPILE=0 PROBE_S=0 PROBES=0 KUBETITAN_AOT_PRECOMPILE=1 bash bench/device/call20.sh "$LEFT" 2>&1 \
+  | grep -v "^{\"t\"" | tail -30
+cp /tmp/c24/aot/recovery.txt "$FINAL/aot_recovery.txt" 2>/dev/null
+grep -ah "AOT" /tmp/r/launcher_grep.txt 2>/dev/null | cut -c1-400 | tail -12
+tar -C /tmp/c24 -czf "$FINAL/c24.tgz" defaults aot
+echo "=== end $(date -u +%T), $SECONDS s"

@@ -1,0 +1,296 @@
+"""Transformer blocks compiled ahead of time: a restarted worker loads them instead of compiling (issue 29, item 3).
+
+With a warm compile cache a new worker still spends ~2 s of its first step in torch.compile (an H100, device calls
+21-22): Dynamo traces each compiled region again (~0.85 s), then the caches hand back the graphs and their kernels.
+torch 2.11 can compile a ``fullgraph`` region ahead of time into bytes that hold its guards, its bytecode and its
+compiled forward and backward (``torch._dynamo.aot_compile``, experimental). Loading them needs no trace, and
+needs no module either, so it runs on a thread of its own while the worker builds its model and loads its
+checkpoint.
+
+Opt-in (``KUBETITAN_AOT_PRECOMPILE=1``) until a GPU run has measured it; with compile on:
+
+- :func:`install` (kubetitan's TrainSpec, after torchtitan's parallelize) gives every compiled transformer block a
+  :class:`Dispatch` forward. If the artefact for these blocks exists it starts loading it in the background.
+- Each call runs the artefact's graph when its guards pass (the same shapes, dtypes, grad mode, autocast...), and
+  the block's own ``torch.compile`` forward otherwise (an evaluation under ``no_grad``, another batch shape), so
+  nothing ever fails for want of a matching graph.
+- Without an artefact, rank 0 makes one after its first training step (:func:`after_first_step`) from the
+  inputs the first block saw, and writes it into the compile cache's folder (keyed as the cache is, plus the
+  sources of the block's modules, since the artefact holds their bytecode). That costs one compile of a block,
+  once per cache key.
+- A worker that used the artefact and died before the end of its first step leaves a marker; the next worker
+  then deletes the artefact instead of loading it (a broken artefact must not crash-loop a run), and rank 0
+  makes a new one.
+
+What was used goes into the start-up record (``aot_precompile``: loaded or not, load seconds, calls served by the
+artefact and calls that fell back).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kubetitan_trainer import compat, knobs
+
+log = logging.getLogger(__name__)
+
+ENV = "KUBETITAN_AOT_PRECOMPILE"
+"""``0`` (default): blocks compile as before; ``1``: blocks use (and rank 0 makes) an ahead-of-time artefact."""
+
+SUBDIR = "aot"
+"""The artefacts' folder, beside the compile cache's ``inductor`` and ``triton`` folders (one cache key each)."""
+
+
+def enabled(env: Mapping[str, str] | None = None) -> bool:
+    return knobs.choice(ENV, ("0", "1"), "compiling the blocks as usual", log, env) == "1"
+
+
+def folder(env: Mapping[str, str] | None = None) -> Path | None:
+    """``<compile cache>/aot`` (the cache's folder is ``TORCHINDUCTOR_CACHE_DIR``'s parent,
+    :mod:`kubetitan_trainer.compile_cache`); None without a cache folder."""
+    cache = (os.environ if env is None else env).get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(cache).parent / SUBDIR if cache else None
+
+
+def source_key(module: Any) -> str:
+    """A hash of the source files of every class in ``module`` (the artefact holds their bytecode: an edited
+    block, attention or FP8 linear, under the same package versions, makes a new artefact)."""
+    files = set()
+    for m in module.modules():
+        src = sys.modules.get(type(m).__module__)
+        path = getattr(src, "__file__", None)
+        if path:
+            files.add(path)
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        digest.update(path.encode())
+        try:
+            digest.update(Path(path).read_bytes())
+        except OSError:
+            digest.update(b"?")
+    return digest.hexdigest()[:16]
+
+
+class Artefact:
+    """An artefact file loaded on a thread of its own (:meth:`get` waits for it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.compiled, self.error, self.seconds = path, None, None, None
+        self._thread = threading.Thread(target=self._load, name="kubetitan-aot-load", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        begin = time.perf_counter()
+        try:
+            self.compiled = compat.aot_deserialize(self.path.read_bytes())
+        except Exception as e:  # noqa: BLE001 - any failure: the blocks compile as usual
+            self.error = f"{type(e).__name__}: {e}"
+        self.seconds = time.perf_counter() - begin
+
+    def get(self) -> Any:
+        self._thread.join()
+        return self.compiled
+
+
+class Spec:
+    """What a call's argument was (a tensor's shape, strides, dtype, device and requires_grad; anything else as is),
+    to rebuild an example input for the ahead-of-time compile."""
+
+    def __init__(self, value: Any) -> None:
+        import torch
+
+        self.tensor = type(value) is torch.Tensor
+        self.value = None if self.tensor else value
+        if self.tensor:
+            self.meta = (tuple(value.shape), value.stride(), value.dtype, value.device, value.requires_grad)
+        self.supported = self.tensor or value is None or isinstance(value, (bool, int, float, str))
+
+    def build(self) -> Any:
+        import torch
+
+        if not self.tensor:
+            return self.value
+        shape, stride, dtype, device, grad = self.meta
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
+
+
+class Dispatch:
+    """A compiled block's forward: the artefact's graph when its guards pass, else the block's own compiled forward.
+
+    ``capture``: the first call made with grad enabled is recorded (:attr:`seen`) for :func:`after_first_step`."""
+
+    def __init__(self, owner: Precompiled, module: Any, fallback: Any) -> None:
+        self.owner, self.module, self.fallback = owner, module, fallback
+        self.seen: tuple[list[Spec], dict[str, Spec], tuple[str, Any] | None] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self.owner
+        compiled = owner.artefact.get() if owner.artefact is not None else None
+        if compiled is not None:
+            served, out = compat.aot_run(compiled, self.module, args, kwargs)
+            if served:
+                owner.served += 1
+                return out
+        owner.fell_back += 1
+        if owner.capture and self.seen is None:
+            self.seen = _record(args, kwargs)
+        return self.fallback(*args, **kwargs)
+
+
+def _record(args: tuple, kwargs: dict) -> tuple:
+    import torch
+
+    autocast = None
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            autocast = (device, torch.get_autocast_dtype(device))
+            break
+    return [Spec(a) for a in args], {k: Spec(v) for k, v in kwargs.items()}, autocast
+
+
+class Precompiled:
+    """The model's compiled blocks and their artefact (:func:`install`)."""
+
+    def __init__(self, blocks: list[Any], path: Path, rank: int) -> None:
+        self.blocks, self.path, self.rank = blocks, path, rank
+        self.marker = path.with_name(f"{path.name}.trying-rank{rank}")
+        self.served = self.fell_back = 0
+        self.saved: dict[str, Any] | None = None
+        self.artefact: Artefact | None = None
+        self._discard_if_it_failed_before()
+        if path.exists():
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text(str(os.getpid()))  # removed once this worker's first step has ended
+            self.artefact = Artefact(path)
+        self.capture = self.artefact is None and rank == 0
+        self.dispatch = []
+        for wrapper in blocks:
+            inner, forward = compat.compiled_module_parts(wrapper)
+            if isinstance(forward, Dispatch):  # installed before (the same model parallelised again)
+                forward = forward.fallback
+            self.dispatch.append(Dispatch(self, inner, forward))
+            compat.set_compiled_forward(wrapper, self.dispatch[-1])
+
+    def _discard_if_it_failed_before(self) -> None:
+        markers = list(self.path.parent.glob(f"{self.path.name}.trying-rank*")) if self.path.parent.exists() else []
+        if not markers:
+            return
+        log.warning("AOT precompile: a worker that used %s ended before its first step did (marker %s); deleting "
+                    "the artefact so that this run compiles its blocks and rank 0 makes a new one", self.path,
+                    ", ".join(m.name for m in markers))
+        for p in (self.path, *markers):
+            p.unlink(missing_ok=True)
+
+    def after_first_step(self) -> None:
+        self.marker.unlink(missing_ok=True)
+        artefact = self.artefact
+        if artefact is not None and artefact.error:
+            log.warning("AOT precompile: loading %s failed (%s); the blocks compiled as usual. Delete the file to "
+                        "have rank 0 make a new one", self.path, artefact.error)
+        if self.capture:
+            self.capture = False
+            self.saved = self._save()
+
+    def _save(self) -> dict[str, Any]:
+        import torch
+
+        seen = next((d.seen for d in self.dispatch if d.seen is not None), None)
+        wrapper = self.blocks[0]
+        if seen is None:
+            return {"saved": False, "why": "no block was called with grad enabled"}
+        args, kwargs, autocast = seen
+        unsupported = [s for s in (*args, *kwargs.values()) if not s.supported]
+        if unsupported:
+            return {"saved": False, "why": f"an input of type {type(unsupported[0].value).__name__}"}
+        begin = time.perf_counter()
+        try:
+            contexts = [torch.autocast(autocast[0], dtype=autocast[1])] if autocast else []
+            unshard, reshard = getattr(wrapper, "unshard", None), getattr(wrapper, "reshard", None)
+            if unshard is not None:  # an FSDP2 block: compile it as its forward sees it, its parameters gathered
+                unshard()
+            # The first step's gradients are set aside while it compiles: a parameter's .grad would be written into
+            # the artefact's guards and fail its load ("assigned grad expected to be a Tensor or None").
+            params = list(wrapper.parameters())
+            grads = [p.grad for p in params]
+            try:
+                for p in params:
+                    p.grad = None
+                compiled = compat.aot_compile_module(wrapper, tuple(s.build() for s in args),
+                                                     {k: s.build() for k, s in kwargs.items()}, contexts)
+            finally:
+                for p, g in zip(params, grads):
+                    p.grad = g
+                if reshard is not None:
+                    reshard()
+            data = compat.aot_serialize(compiled)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, self.path)
+        except Exception as e:  # noqa: BLE001 - an experimental torch API: never fail training for it
+            log.warning("AOT precompile: compiling the blocks ahead of time failed (%s: %s); restarted workers "
+                        "compile them as usual", type(e).__name__, e)
+            return {"saved": False, "why": f"{type(e).__name__}: {e}"[:300]}
+        seconds = time.perf_counter() - begin
+        log.info("AOT precompile: compiled the transformer blocks ahead of time in %.1f s (%.1f MiB) into %s; "
+                 "restarted workers load it instead of compiling them", seconds, len(data) / 2**20, self.path)
+        return {"saved": True, "seconds": round(seconds, 2), "bytes": len(data)}
+
+    def summary(self) -> dict[str, Any]:
+        a = self.artefact
+        out: dict[str, Any] = {"loaded": bool(a is not None and a.compiled is not None), "served": self.served,
+                               "fell_back": self.fell_back}
+        if a is not None:
+            out["load_seconds"] = None if a.seconds is None else round(a.seconds, 3)
+            if a.error:
+                out["error"] = a.error[:300]
+        if self.saved is not None:
+            out["made"] = self.saved
+        return out
+
+
+CURRENT: Precompiled | None = None
+"""This process's compiled blocks (the last :func:`install`)."""
+
+
+def install(model: Any, rank: int | None = None, env: Mapping[str, str] | None = None) -> Precompiled | None:
+    """Give ``model``'s compiled transformer blocks (``model.layers``) their :class:`Dispatch` forwards; None when
+    off, without a compile cache folder, or without compiled blocks."""
+    global CURRENT
+    env = os.environ if env is None else env
+    if not enabled(env):
+        return None
+    where = folder(env)
+    layers = getattr(model, "layers", None)
+    blocks = [b for b in (layers.children() if layers is not None else ()) if compat.compiled_module_parts(b)]
+    if where is None or not blocks:
+        log.info("AOT precompile: %s; the blocks compile as usual",
+                 "no compile cache folder (TORCHINDUCTOR_CACHE_DIR)" if where is None else "no compiled blocks")
+        return None
+    inner = compat.compiled_module_parts(blocks[0])[0]
+    path = where / f"{type(inner).__name__}-{source_key(inner)}.aot"
+    rank = int(env.get("RANK", "0") or 0) if rank is None else rank
+    CURRENT = Precompiled(blocks, path, rank)
+    log.info("AOT precompile: %s for %d blocks", "loading %s" % path if CURRENT.artefact else
+             ("rank 0 makes %s after its first step" % path if CURRENT.capture else "no artefact yet"), len(blocks))
+    return CURRENT
+
+
+def after_first_step() -> dict[str, Any] | None:
+    """The trainer's call after its first training step; the summary for the start-up record (None when off)."""
+    if CURRENT is None:
+        return None
+    summary = CURRENT.summary()  # what the first step used, before a save adds its own
+    CURRENT.after_first_step()
+    if CURRENT.saved is not None:
+        summary["made"] = CURRENT.saved
+    return summary
+
