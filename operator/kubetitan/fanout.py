@@ -26,6 +26,17 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+async def _settled(create: Awaitable[bool]) -> bool | Exception:
+    """A create's verdict, or the exception it raised, as the task's result: no create task ever ends with an
+    exception. kopf re-raises the exception of every task of the loop that ends while the operator stops
+    (``kopf._core.reactor.running.run_tasks``, its "hung" tasks), even one :func:`slow_start` has already handled:
+    a create that met the client's closing (``kube.ClientClosed``) during a stop crashed the operator's exit."""
+    try:
+        return await create
+    except Exception as e:  # noqa: BLE001 - handed to slow_start, which raises the first once the others end
+        return e
+
+
 # long: one loop that starts, collects and judges the creates (splitting it would spread its invariants over helpers)
 async def slow_start(items: Sequence[T], send: Callable[[T], Awaitable[bool]],
                      waiting: contextvars.ContextVar[Callable[[bool], None] | None] | None = None) -> int:
@@ -65,7 +76,7 @@ async def slow_start(items: Sequence[T], send: Callable[[T], Awaitable[bool]],
             if waiting is not None:  # this create's own context: its ``waiting`` names its item
                 ctx = contextvars.copy_context()
                 ctx.run(waiting.set, told(started))
-            task = loop.create_task(send(items[started]), context=ctx)
+            task = loop.create_task(_settled(send(items[started])), context=ctx)
             task.add_done_callback(finished.put_nowait)
             running[task] = started
             started += 1
@@ -88,8 +99,8 @@ async def slow_start(items: Sequence[T], send: Callable[[T], Awaitable[bool]],
         for t in done:
             if t.cancelled():
                 error = error or asyncio.CancelledError()
-            elif t.exception() is not None:
-                error = error or t.exception()
+            elif isinstance(t.result(), BaseException):
+                error = error or t.result()
             elif t.result():
                 accepted += 1
             else:

@@ -160,6 +160,24 @@ def test_an_error_is_raised_after_the_started_ones_finish() -> None:
     _play(10, script)
 
 
+def test_no_create_task_ends_with_an_exception_for_kopf_to_raise_again() -> None:
+    """While the operator stops, kopf re-raises the exception of every task of the loop that ends
+    (``kopf._core.reactor.running.run_tasks``), even one slow_start has handled: a create that failed on the closed
+    client (``kube.ClientClosed``) crashed the operator's exit (tests/operator/test_webhook.py, session 19). The error
+    still reaches slow_start's caller; the tasks themselves end with a result."""
+    async def script(s: Sends, task: asyncio.Task[int]) -> None:
+        before = asyncio.all_tasks()
+        await s.step(0)
+        creates = asyncio.all_tasks() - before - {task}
+        s.answer(1, error=RuntimeError("the client is closed (the operator is stopping)"))
+        s.answer(2)
+        with pytest.raises(RuntimeError, match="the client is closed"):
+            await task
+        assert len(creates) == 2 and all(t.done() and not t.cancelled() and t.exception() is None for t in creates)
+
+    _play(10, script)
+
+
 def test_cancelling_it_cancels_the_creates_in_flight() -> None:
     async def script(s: Sends, task: asyncio.Task[int]) -> None:
         await s.step(0)
