@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from kubetitan_trainer import aot_precompile, compat
+from kubetitan_trainer import anatomy, aot_precompile, compat
 
 PROBE = textwrap.dedent("""
     import json, os
@@ -140,6 +140,23 @@ def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compil
     summary = aot_precompile.after_first_step()
     assert summary["loaded"] and summary["served"] == 1 and summary["fell_back"] == 1 and not p.capture
     assert not p.marker.exists()
+
+
+def test_blocks_sharded_over_several_ranks_are_not_made_ahead_of_time(tmp_path, monkeypatch):
+    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    holder = _compiled_holder()
+    gathered = []
+    for block in holder.layers.values():
+        block.unshard = lambda: gathered.append(1)  # an FSDP2 block: gathering it is a collective
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(compat, "aot_compile_module", lambda *a: pytest.fail("compiled a sharded block"))
+    p = aot_precompile.install(holder, rank=0, env=env)
+    p.dispatch[0].seen = aot_precompile._record((torch.ones(2, 4),), {})
+    summary = aot_precompile.after_first_step()
+    assert summary["made"] == {"saved": False, "why": "the blocks are sharded over 2 ranks (FSDP): not supported yet"}
+    assert not gathered and not p.path.exists()
+    assert "not made (the blocks are sharded" in anatomy.aot_note(summary)
 
 
 @pytest.mark.parametrize("env", [{}, {aot_precompile.ENV: "0"}, {aot_precompile.ENV: "1"}])

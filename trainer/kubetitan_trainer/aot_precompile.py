@@ -18,6 +18,9 @@ Opt-in (``KUBETITAN_AOT_PRECOMPILE=1``) until a GPU run has measured it; with co
   inputs the first block saw, and writes it into the compile cache's folder (keyed as the cache is, plus the
   sources of the block's modules, since the artefact holds their bytecode). That costs one compile of a block,
   once per cache key.
+- Blocks sharded over several ranks (FSDP2 across ranks) are not made ahead of time yet (gathering a block's
+  parameters is a collective every rank would have to join while rank 0 compiles): such runs compile as before,
+  and the start-up record says why nothing was made.
 - A worker that used the artefact and died before the end of its first step leaves a marker; the next worker
   then deletes the artefact instead of loading it (a broken artefact must not crash-loop a run), and rank 0
   makes a new one.
@@ -210,11 +213,16 @@ class Precompiled:
         unsupported = [s for s in (*args, *kwargs.values()) if not s.supported]
         if unsupported:
             return {"saved": False, "why": f"an input of type {type(unsupported[0].value).__name__}"}
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if hasattr(wrapper, "unshard") and world > 1:
+            # Compiling a sharded block as its forward sees it needs its parameters gathered, a collective every
+            # rank would have to join while only rank 0 compiles: not built. Such runs compile their blocks as usual.
+            return {"saved": False, "why": f"the blocks are sharded over {world} ranks (FSDP): not supported yet"}
         begin = time.perf_counter()
         try:
             contexts = [torch.autocast(autocast[0], dtype=autocast[1])] if autocast else []
             unshard, reshard = getattr(wrapper, "unshard", None), getattr(wrapper, "reshard", None)
-            if unshard is not None:  # an FSDP2 block: compile it as its forward sees it, its parameters gathered
+            if unshard is not None:  # an FSDP2 block of one rank: compile it as its forward sees it, gathered
                 unshard()
             # The first step's gradients are set aside while it compiles: a parameter's .grad would be written into
             # the artefact's guards and fail its load ("assigned grad expected to be a Tensor or None").
