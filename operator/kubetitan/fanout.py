@@ -26,15 +26,26 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-async def _settled(create: Awaitable[bool]) -> bool | Exception:
-    """A create's verdict, or the exception it raised, as the task's result: no create task ever ends with an
-    exception. kopf re-raises the exception of every task of the loop that ends while the operator stops
+async def _settled(create: Awaitable[T]) -> T | Exception:
+    """A create's verdict (or any write's result), or the exception it raised, as the task's result: no such task
+    ever ends with an exception. kopf re-raises the exception of every task of the loop that ends while the operator stops
     (``kopf._core.reactor.running.run_tasks``, its "hung" tasks), even one :func:`slow_start` has already handled:
     a create that met the client's closing (``kube.ClientClosed``) during a stop crashed the operator's exit."""
     try:
         return await create
     except Exception as e:  # noqa: BLE001 - handed to slow_start, which raises the first once the others end
         return e
+
+
+async def gather(*aws: Awaitable[T]) -> list[T]:
+    """``asyncio.gather`` for the operator's writes: every awaitable runs to its end in a task that never ends with
+    an exception (:func:`_settled`), then the first exception, if any, is raised. Nothing is left running unowned,
+    and nothing is left for kopf to raise again while the operator stops."""
+    results = await asyncio.gather(*(_settled(a) for a in aws))
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results  # type: ignore[return-value]
 
 
 # long: one loop that starts, collects and judges the creates (splitting it would spread its invariants over helpers)

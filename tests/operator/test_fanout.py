@@ -178,6 +178,40 @@ def test_no_create_task_ends_with_an_exception_for_kopf_to_raise_again() -> None
     _play(10, script)
 
 
+def test_gather_runs_every_write_to_its_end_then_raises_the_first_error_and_leaves_no_failed_task() -> None:
+    from kubetitan.fanout import gather
+
+    async def main() -> None:
+        ended: list[str] = []
+
+        async def write(name: str, gate: asyncio.Future) -> str:
+            try:
+                return await gate
+            finally:
+                ended.append(name)
+
+        loop = asyncio.get_running_loop()
+        gates = [loop.create_future() for _ in range(3)]
+        before = asyncio.all_tasks()
+        job = asyncio.create_task(gather(*(write(str(i), g) for i, g in enumerate(gates))))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        tasks = asyncio.all_tasks() - before - {job}
+        gates[0].set_exception(RuntimeError("the client is closed"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not job.done()  # the others still run: nothing is left unowned
+        gates[1].set_result("b")
+        gates[2].set_result("c")
+        with pytest.raises(RuntimeError, match="the client is closed"):
+            await job
+        assert sorted(ended) == ["0", "1", "2"]
+        assert len(tasks) == 3 and all(t.done() and not t.cancelled() and t.exception() is None for t in tasks)
+        assert await gather(asyncio.sleep(0, "x"), asyncio.sleep(0, "y")) == ["x", "y"]
+
+    asyncio.run(main())
+
+
 def test_cancelling_it_cancels_the_creates_in_flight() -> None:
     async def script(s: Sends, task: asyncio.Task[int]) -> None:
         await s.step(0)

@@ -13,7 +13,6 @@ annotation): an edit never changes or adds to a running gang.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,7 +68,7 @@ async def act(ctx: Context, snap: Snapshot, memory: RunMemory, d: Decision, new:
     deletes = [client.delete_pod(ns, n) for n in exp.to_delete(d.delete, d.force_delete, None)]
     deletes += [client.delete_pod(ns, n, grace_seconds=0) for n in exp.to_delete(d.force_delete, (), 0)]
     if deletes:
-        await asyncio.gather(*deletes)
+        await fanout.gather(*deletes)
     requeue, created = d.requeue_after, None
     if d.action == Action.CREATE or d.recreate:
         # a refused create is retried after its backoff, however often the run is woken meanwhile
@@ -194,7 +193,7 @@ async def create_children(client: Client, objects: list[dict[str, Any]]) -> Roun
                                {"metadata": {"annotations": cm["metadata"]["annotations"]}, "data": cm["data"]})
         created += [cm["metadata"]["name"]] if not refused(cm) else []
     others = [o for o in objects if o["kind"] not in ("ConfigMap", "Pod")]
-    await asyncio.gather(*(one(o) for o in others))
+    await fanout.gather(*(one(o) for o in others))
     created += [o["metadata"]["name"] for o in others if not refused(o)]
     pods = [o for o in objects if o["kind"] == "Pod"]
     unsent = 0
