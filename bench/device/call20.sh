@@ -8,7 +8,7 @@
 # Then, with >= 45 s left (PROBE_S=55 are kept for it), bench/teardown_probe.py times 40 GiB tier reads: pread on
 # 1-16 threads into pinned buffers and a fresh mapping through pinned buffers (today's load) -> tier_read.txt;
 # with >= 50 s still left, the kill probe of a 40 GiB arena registered (today) or only mapped -> teardown.txt.
-# PROBES=0: no probes (bench/device/call21.sh).
+# PROBES=0: no probes (bench/device/call21.sh). PLAN=...: another plan (recovery_bench.py --plan).
 # Raw output in $OUT: recovery.txt, events.jsonl, results.json, launcher.log (tail), logs.tgz.
 # On a card of less than ~127 GiB (an H100: the recipe's 116 GiB at seq 8192, batch 4 does not fit) the bench runs the
 # same recipe at seq 2048, batch 2 (~56 GiB; the state, and so the tier and the staging, is the same ~40 GiB):
@@ -37,7 +37,7 @@ PY
   cp "$LPT" "$R/"
   echo "=== the card has $GPU_MIB MiB: the recipe at seq 2048, batch 2 ($LPT)"
 fi
-PLAN=saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier
+PLAN=${PLAN:-saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier}
 PC=--precompile; [ "${PRECOMPILE:-1}" = 0 ] && PC=
 echo "=== recovery bench $(date -u +%T) plan $PLAN $PC, $((END - SECONDS)) s left"
 python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier /dev/shm/kt-recovery-tier \

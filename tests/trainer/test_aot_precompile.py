@@ -68,6 +68,7 @@ PROBE = textwrap.dedent("""
             for b in m.layers.values():
                 h = b(h, freqs, None)
     print(json.dumps({"summary": summary, "traced": traced, "no_grad_fell_back": p.fell_back - summary["fell_back"],
+                      "refused": p.refused,
                       "diff": [float((a - b).abs().max()) for a, b in zip(got, ref)],
                       "files": sorted(os.listdir(aot_precompile.folder()))}))
 """)
@@ -96,6 +97,7 @@ def test_rank_0_makes_the_artefact_and_a_fresh_process_runs_it_without_tracing(t
     assert second["traced"] == 0  # no Dynamo trace on the artefact's path
     assert max(second["diff"]) < 1e-4  # output, the input's and a weight's gradient as the eager model's
     assert second["no_grad_fell_back"] == 2  # guards refuse a no_grad call: the blocks compile it as usual
+    assert second["refused"] and not second["refused"].startswith("(could not tell")  # the failed guard, named
     assert not [f for f in second["files"] if ".trying-" in f]  # the first step ended: its marker is gone
 
 
@@ -112,11 +114,20 @@ def test_a_worker_that_died_using_the_artefact_makes_the_next_one_delete_it(tmp_
     assert first.artefact is None and not first.capture  # no artefact, and rank 1 does not make one
     first.path.parent.mkdir(parents=True)
     first.path.write_bytes(b"artefact")
-    dying = aot_precompile.install(_compiled_holder(), rank=1, env=env)
-    assert dying.artefact is not None and dying.marker.exists()  # ... and it dies before its first step ends
+    rank0 = aot_precompile.install(_compiled_holder(), rank=0, env=env)
+    assert rank0.artefact is not None and rank0.marker.read_text() == str(os.getpid())
+    # another model part of the same process (pipeline stages) and another rank's live worker keep it
+    assert aot_precompile.install(_compiled_holder(), rank=0, env=env).artefact is not None
+    assert aot_precompile.install(_compiled_holder(), rank=1, env=env).artefact is not None
+    rank0.marker.write_text("999999")  # ... rank 0's worker died before its first step ended: a new process finds
     nxt = aot_precompile.install(_compiled_holder(), rank=0, env=env)
-    assert not nxt.path.exists() and not list(nxt.path.parent.glob("*.trying-*"))
+    assert not nxt.path.exists() and not nxt.marker.exists()
     assert nxt.artefact is None and nxt.capture  # rank 0 makes a new one after its first step
+
+
+def test_several_ranks_compile_as_usual(tmp_path):
+    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "WORLD_SIZE": "2"}
+    assert aot_precompile.install(_compiled_holder(), rank=0, env=env) is None
 
 
 def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compile(tmp_path, monkeypatch):
@@ -133,12 +144,14 @@ def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compil
         return (args[0].shape[0] == 3), "served"
 
     monkeypatch.setattr(compat, "aot_run", run)
+    monkeypatch.setattr(compat, "aot_guard_failure", lambda compiled, module, args, kwargs: "size mismatch at index 0")
     p = aot_precompile.install(holder, rank=0, env=env)
     assert holder.layers["0"](torch.ones(3, 4)) == "served" and calls[-1] == ("compiled", inner)
     fallback = holder.layers["1"](torch.ones(2, 4))  # guards refuse: the block's own torch.compile forward
     assert isinstance(fallback, torch.Tensor) and fallback.shape == (2, 4)
     summary = aot_precompile.after_first_step()
     assert summary["loaded"] and summary["served"] == 1 and summary["fell_back"] == 1 and not p.capture
+    assert summary["refused"] == "size mismatch at index 0"  # why the artefact was not used, in the record
     assert not p.marker.exists()
 
 

@@ -18,9 +18,10 @@ Opt-in (``KUBETITAN_AOT_PRECOMPILE=1``) until a GPU run has measured it; with co
   inputs the first block saw, and writes it into the compile cache's folder (keyed as the cache is, plus the
   sources of the block's modules, since the artefact holds their bytecode). That costs one compile of a block,
   once per cache key.
-- Blocks sharded over several ranks (FSDP2 across ranks) are not made ahead of time yet (gathering a block's
-  parameters is a collective every rank would have to join while rank 0 compiles): such runs compile as before,
-  and the start-up record says why nothing was made.
+- Single-process runs only, so far (``WORLD_SIZE`` 1, the recovery bench's): with several ranks, rank 0's compile
+  after step 1 would hold every other rank at step 2's collectives, an artefact made on ``cuda:0`` serves no other
+  local rank (its guards check the device) and loading it would put a context on GPU 0, and a block sharded by
+  FSDP2 would have to be gathered by all ranks together. Such runs compile as before.
 - A worker that used the artefact and died before the end of its first step leaves a marker; the next worker
   then deletes the artefact instead of loading it (a broken artefact must not crash-loop a run), and rank 0
   makes a new one.
@@ -142,10 +143,18 @@ class Dispatch:
             if served:
                 owner.served += 1
                 return out
+            if owner.refused is None:  # the first refusal says why (the start-up record)
+                owner.refused = compat.aot_guard_failure(compiled, self.module, args, kwargs)[:600]
         owner.fell_back += 1
-        if owner.capture and self.seen is None:
+        if owner.capture and self.seen is None and _grad_enabled():
             self.seen = _record(args, kwargs)
         return self.fallback(*args, **kwargs)
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
 
 
 def _record(args: tuple, kwargs: dict) -> tuple:
@@ -166,6 +175,7 @@ class Precompiled:
         self.blocks, self.path, self.rank = blocks, path, rank
         self.marker = path.with_name(f"{path.name}.trying-rank{rank}")
         self.served = self.fell_back = 0
+        self.refused: str | None = None
         self.saved: dict[str, Any] | None = None
         self.artefact: Artefact | None = None
         self._discard_if_it_failed_before()
@@ -183,13 +193,18 @@ class Precompiled:
             compat.set_compiled_forward(wrapper, self.dispatch[-1])
 
     def _discard_if_it_failed_before(self) -> None:
-        markers = list(self.path.parent.glob(f"{self.path.name}.trying-rank*")) if self.path.parent.exists() else []
-        if not markers:
+        """This rank's marker left by another process (its last worker used the artefact and ended before its first
+        step did): delete the artefact. Only this rank's own marker counts: another rank's may be a live worker's."""
+        try:
+            writer = self.marker.read_text().strip()
+        except OSError:
             return
-        log.warning("AOT precompile: a worker that used %s ended before its first step did (marker %s); deleting "
-                    "the artefact so that this run compiles its blocks and rank 0 makes a new one", self.path,
-                    ", ".join(m.name for m in markers))
-        for p in (self.path, *markers):
+        if writer == str(os.getpid()):
+            return
+        log.warning("AOT precompile: the last worker of rank %d (pid %s) used %s and ended before its first step "
+                    "did; deleting the artefact so that this run compiles its blocks and rank 0 makes a new one",
+                    self.rank, writer, self.path)
+        for p in (self.path, self.marker):
             p.unlink(missing_ok=True)
 
     def after_first_step(self) -> None:
@@ -260,6 +275,8 @@ class Precompiled:
             out["load_seconds"] = None if a.seconds is None else round(a.seconds, 3)
             if a.error:
                 out["error"] = a.error[:300]
+        if self.refused is not None:
+            out["refused"] = self.refused
         if self.saved is not None:
             out["made"] = self.saved
         return out
@@ -275,6 +292,11 @@ def install(model: Any, rank: int | None = None, env: Mapping[str, str] | None =
     global CURRENT
     env = os.environ if env is None else env
     if not enabled(env):
+        return None
+    world = int(env.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        log.info("AOT precompile: single-process runs only so far (this run has %d ranks); the blocks compile as "
+                 "usual", world)
         return None
     where = folder(env)
     layers = getattr(model, "layers", None)

@@ -17,6 +17,7 @@ decides whether to import them (the warm-worker path must not initialise CUDA).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import sys
@@ -1044,9 +1045,12 @@ def aot_compile_module(wrapper: Any, args: tuple, kwargs: dict, contexts: list) 
     from torch._dynamo.eval_frame import innermost_backend
 
     _fix_defaults_source_pickling()
+    # a copy: aot_compile_fullgraph sets its own guard filter on the hooks it is given, and the wrapper's own
+    # compiles (an evaluation, another shape) must keep their full guards
+    hooks = copy.copy(wrapper.dynamo_ctx._hooks)
     with dynamo_config.patch(enable_aot_compile=True):
         return compile_module(wrapper._orig_mod, [ModelInput(args=args, kwargs=kwargs, contexts=contexts)],
-                              wrapper.dynamo_ctx._hooks, innermost_backend(wrapper.dynamo_ctx.callback))
+                              hooks, innermost_backend(wrapper.dynamo_ctx.callback))
 
 
 @_shim(Upstream("torch._dynamo.aot_compile:AOTCompiledModel.serialize", params=("self",)))
@@ -1077,6 +1081,19 @@ def aot_run(compiled: Any, module: Any, args: tuple, kwargs: dict) -> tuple[bool
         if result.guard_check(module, *args, **kwargs):
             return True, result(module, *args, **kwargs)
     return False, None
+
+
+@_shim(Upstream("torch._dynamo.aot_compile:AOTCompiledFunction.prepare_f_locals", params=("self", "args", "kwargs")),
+       Upstream("torch._dynamo.aot_compile:AOTCompiledFunction", sets=()))
+def aot_guard_failure(compiled: Any, module: Any, args: tuple, kwargs: dict) -> str:
+    """Why the first of the compiled graphs refuses these arguments: the guard manager's verbose check (the failed
+    guard and its source), for the start-up record; "" when it cannot tell."""
+    try:
+        result = compiled.compiled_results[0]
+        f_locals = result.prepare_f_locals(module, *args, **kwargs)
+        return str(result._artifacts.guard_manager.check_verbose(f_locals))
+    except Exception as e:  # noqa: BLE001 - a diagnostic of an experimental API: never let it break training
+        return f"(could not tell: {type(e).__name__}: {e})"
 
 
 @_shim(Upstream("torch._dynamo.source:DefaultsSource", params=("base", "idx_key", "is_kw")),
