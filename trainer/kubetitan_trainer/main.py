@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     anatomy.begin()  # the start-up anatomy's "main" mark (kubetitan_trainer.anatomy)
     from kubetitan_trainer import cuda_context
 
-    cuda_context.begin()  # the GPU's context made on a side thread while the config, the world and the model build
+    cuda_context.begin()  # opt-in (KUBETITAN_EARLY_CUDA_CONTEXT=1): the GPU's context made on a side thread
     with imports_without_gc():
         return _main(argv)
 
