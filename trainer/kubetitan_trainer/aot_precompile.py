@@ -32,7 +32,9 @@ artefact and calls that fell back).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -83,6 +85,11 @@ def source_key(module: Any) -> str:
     return digest.hexdigest()[:16]
 
 
+def sidecar(path: Path) -> Path:
+    """The artefact's description (``{"autocast": [device, dtype name] or null}``), written before the artefact."""
+    return path.with_name(path.name + ".json")
+
+
 class Artefact:
     """An artefact file loaded on a thread of its own (:meth:`get` waits for it)."""
 
@@ -92,9 +99,18 @@ class Artefact:
         self._thread.start()
 
     def _load(self) -> None:
+        import torch
+
         begin = time.perf_counter()
         try:
-            self.compiled = compat.aot_deserialize(self.path.read_bytes())
+            # Loading rebuilds the guards with this thread's dispatch state (a tensor's expected dispatch keys hold
+            # the thread's autocast keys): rebuild them under the autocast the artefact was made for, which is the
+            # training calls' (else every call under autocast is refused: "dispatch key set mismatch").
+            autocast = json.loads(sidecar(self.path).read_text()).get("autocast") if sidecar(self.path).exists() \
+                else None
+            with torch.autocast(autocast[0], dtype=getattr(torch, autocast[1])) if autocast else \
+                    contextlib.nullcontext():
+                self.compiled = compat.aot_deserialize(self.path.read_bytes())
         except Exception as e:  # noqa: BLE001 - any failure: the blocks compile as usual
             self.error = f"{type(e).__name__}: {e}"
         self.seconds = time.perf_counter() - begin
@@ -204,7 +220,7 @@ class Precompiled:
         log.warning("AOT precompile: the last worker of rank %d (pid %s) used %s and ended before its first step "
                     "did; deleting the artefact so that this run compiles its blocks and rank 0 makes a new one",
                     self.rank, writer, self.path)
-        for p in (self.path, self.marker):
+        for p in (self.path, sidecar(self.path), self.marker):
             p.unlink(missing_ok=True)
 
     def after_first_step(self) -> None:
@@ -255,9 +271,11 @@ class Precompiled:
                     reshard()
             data = compat.aot_serialize(compiled)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, self.path)
+            described = [autocast[0], str(autocast[1]).removeprefix("torch.")] if autocast else None
+            for path, body in ((sidecar(self.path), json.dumps({"autocast": described}).encode()), (self.path, data)):
+                tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+                tmp.write_bytes(body)
+                os.replace(tmp, path)
         except Exception as e:  # noqa: BLE001 - an experimental torch API: never fail training for it
             log.warning("AOT precompile: compiling the blocks ahead of time failed (%s: %s); restarted workers "
                         "compile them as usual", type(e).__name__, e)
@@ -265,7 +283,7 @@ class Precompiled:
         seconds = time.perf_counter() - begin
         log.info("AOT precompile: compiled the transformer blocks ahead of time in %.1f s (%.1f MiB) into %s; "
                  "restarted workers load it instead of compiling them", seconds, len(data) / 2**20, self.path)
-        return {"saved": True, "seconds": round(seconds, 2), "bytes": len(data)}
+        return {"saved": True, "seconds": round(seconds, 2), "bytes": len(data), "autocast": described}
 
     def summary(self) -> dict[str, Any]:
         a = self.artefact
