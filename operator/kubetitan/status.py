@@ -378,9 +378,10 @@ def _advance_attempt(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, status: Ll
     if d.action in (Action.FAIL, Action.SUCCEED) and s.completion_time is None:
         s.completion_time = now
     if d.action == Action.SUCCEED:
+        # the workers finished their count: the last scrape may have come a few steps before the end (or never)
         trained = obs.attempt_steps if obs.attempt_steps is not None else spec.training.steps
-        s.training.step = trained if s.training.step is None else s.training.step
-    step = s.training.step  # after the lines above: a run that succeeded unscraped shows the step it reached
+        s.training.step = trained if s.training.step is None else max(s.training.step, trained)
+    step = s.training.step  # after the lines above: a succeeded run shows the step it reached
     s.training.progress = f"{step if step is not None else 0}/{spec.training.steps}"
 
 

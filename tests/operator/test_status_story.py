@@ -134,6 +134,18 @@ def test_a_run_that_succeeded_with_metrics_never_answering_shows_the_step_it_rea
     assert st.phase == "Succeeded" and (st.training.step, st.training.progress) == (100, "100/100")
 
 
+def test_a_run_whose_last_scrape_came_before_its_last_steps_shows_the_step_it_reached_once_succeeded() -> None:
+    """The workers finished their count between two scrapes (the e2e fault run under CPU hogs saw 38 of 40)."""
+    from kubetitan_core.api import TrainingStatus
+
+    spec = _spec()
+    done = (replace(_pods()[0], phase="Succeeded", exit_code=0), _pods()[1])
+    obs = Observed(pods=done, nodes=NODES, now=NOW, ranks_seen=frozenset({0, 1}), progress=TRAINING,
+                   training=TrainingStatus(step=98, total_steps=100))
+    st = _step(spec, _status(), obs)
+    assert st.phase == "Succeeded" and (st.training.step, st.training.progress) == (100, "100/100")
+
+
 def test_ready_follows_the_metrics_it_rests_on() -> None:
     """Ready=True/Training only while rank 0 answers; the scrape failing flips it to Unknown/ProgressUnknown in the
     same status write that sets MetricsAvailable=False (phase Running: the pods run); answering again: True."""
