@@ -12,19 +12,5 @@
 # events, start-up records, launcher logs).
 # Usage (device tool, carry [".whl"], timeout_s 600; needs_h200 for the H200 recipe): bash bench/device/call24.sh [560]
 set -u
-END=${1:-560}
-FINAL=$OUT
-HALF=$(((END - 20) / 2))
-rm -rf /tmp/c24 && mkdir -p /tmp/c24/defaults /tmp/c24/aot
-echo "=== defaults half, ${HALF} s, $(date -u +%T)"
-OUT=/tmp/c24/defaults PRECOMPILE=0 PROBE_S=0 PROBES=0 KUBETITAN_AOT_PRECOMPILE=0 bash bench/device/call20.sh "$HALF" \
-  2>&1 | grep -v "^{\"t\"" | tail -30
-cp /tmp/c24/defaults/recovery.txt "$FINAL/defaults_recovery.txt" 2>/dev/null
-LEFT=$((END - SECONDS - 10))
-echo "=== AOT precompile half, ${LEFT} s, $(date -u +%T)"
-OUT=/tmp/c24/aot PRECOMPILE=0 PROBE_S=0 PROBES=0 KUBETITAN_AOT_PRECOMPILE=1 bash bench/device/call20.sh "$LEFT" 2>&1 \
-  | grep -v "^{\"t\"" | tail -30
-cp /tmp/c24/aot/recovery.txt "$FINAL/aot_recovery.txt" 2>/dev/null
+bash bench/device/two_halves.sh "${1:-560}" c24 defaults "KUBETITAN_AOT_PRECOMPILE=0" aot "KUBETITAN_AOT_PRECOMPILE=1"
 grep -ah "AOT" /tmp/r/launcher_grep.txt 2>/dev/null | cut -c1-400 | tail -12
-tar -C /tmp/c24 -czf "$FINAL/c24.tgz" defaults aot
-echo "=== end $(date -u +%T), $SECONDS s"
