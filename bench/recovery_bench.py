@@ -111,8 +111,9 @@ def startup_records(dump: Path) -> list[dict]:
 
 
 def cache_dir(env: dict) -> Path | None:
-    d = env.get("TORCHINDUCTOR_CACHE_DIR")
-    return Path(d).parent if d else None
+    from kubetitan_trainer import compile_cache
+
+    return compile_cache.root(env)
 
 
 def tier_step(tier: Path) -> int | None:

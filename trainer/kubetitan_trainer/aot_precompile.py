@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kubetitan_trainer import compat, knobs
+from kubetitan_trainer import compat, compile_cache, knobs
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,9 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 def folder(env: Mapping[str, str] | None = None) -> Path | None:
-    """``<compile cache>/aot`` (the cache's folder is ``TORCHINDUCTOR_CACHE_DIR``'s parent,
-    :mod:`kubetitan_trainer.compile_cache`); None without a cache folder."""
-    cache = (os.environ if env is None else env).get("TORCHINDUCTOR_CACHE_DIR")
-    return Path(cache).parent / SUBDIR if cache else None
+    """``<compile cache>/aot`` (:func:`kubetitan_trainer.compile_cache.root`); None without a cache folder."""
+    cache = compile_cache.root(env)
+    return cache / SUBDIR if cache is not None else None
 
 
 def source_key(module: Any) -> str:

@@ -1059,13 +1059,18 @@ def aot_serialize(compiled: Any) -> bytes:
     return compiled.serialize()
 
 
-@_shim(Upstream("torch._dynamo.aot_compile:AOTCompiledModel.deserialize", params=("model", "data")))
+@_shim(Upstream("torch._dynamo.aot_compile:AOTCompiledModel.deserialize", params=("model", "data")),
+       Upstream("torch._dynamo.aot_compile:AOTCompiledFunction.disable_guard_check", params=("self",)))
 def aot_deserialize(data: bytes) -> Any:
     """:func:`aot_serialize`'s bytes loaded, bound to no module yet (:func:`aot_run` passes it at each call). Safe
-    on a thread of its own: it reads no module's state."""
+    on a thread of its own: it reads no module's state. Each graph's own guard check on call is turned off:
+    :func:`aot_run` checks the guards once before it calls one (the graph's ``__call__`` would check them again)."""
     from torch._dynamo.aot_compile import AOTCompiledModel
 
-    return AOTCompiledModel.deserialize(None, data)
+    compiled = AOTCompiledModel.deserialize(None, data)
+    for result in compiled.compiled_results:
+        result.disable_guard_check()
+    return compiled
 
 
 @_shim(Upstream("torch._dynamo.aot_compile:AOTCompiledModel", sets=()),
@@ -1087,7 +1092,7 @@ def aot_run(compiled: Any, module: Any, args: tuple, kwargs: dict) -> tuple[bool
        Upstream("torch._dynamo.aot_compile:AOTCompiledFunction", sets=()))
 def aot_guard_failure(compiled: Any, module: Any, args: tuple, kwargs: dict) -> str:
     """Why the first of the compiled graphs refuses these arguments: the guard manager's verbose check (the failed
-    guard and its source), for the start-up record; "" when it cannot tell."""
+    guard and its source), for the start-up record; "(could not tell: ...)" when it cannot tell."""
     try:
         result = compiled.compiled_results[0]
         f_locals = result.prepare_f_locals(module, *args, **kwargs)
@@ -1105,7 +1110,7 @@ def _fix_defaults_source_pickling() -> None:
     class, ``init=False`` ones too, so a guard on a function's default argument (a block's ``positions=None``)
     saves but fails to load (``DefaultsSource.__init__() takes from 3 to 4 positional arguments but 6 were given``).
     The fix has to be in the saving process: it is what is written. Applied once; the canary in
-    tests/trainer/test_compat.py says when torch no longer needs it."""
+    tests/trainer/test_aot_precompile.py says when torch no longer needs it."""
     from torch._dynamo.source import DefaultsSource
 
     if getattr(DefaultsSource.__reduce__, "_kubetitan", False):

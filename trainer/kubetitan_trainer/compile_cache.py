@@ -49,6 +49,13 @@ def cache_key(config: dict, gpus: list[str], versions: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def root(env: dict | None = None) -> Path | None:
+    """The cache folder of this process (``TORCHINDUCTOR_CACHE_DIR``'s parent, as :func:`configure` lays it out;
+    other artefacts kept beside the caches go in its subfolders); None when the variable is unset."""
+    cache = (os.environ if env is None else env).get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(cache).parent if cache else None
+
+
 def configure(config_path: str, env: dict | None = None, gpus: list[str] | None = None) -> str | None:
     """Set the cache variables in ``env`` (default ``os.environ``) for the run of ``config_path``.
 
@@ -60,10 +67,10 @@ def configure(config_path: str, env: dict | None = None, gpus: list[str] | None 
         return None
     versions = {d: _version(d) for d in ("torch", "triton", "torchtitan", "torchao")}
     key = cache_key(config, gpu_models() if gpus is None else gpus, versions)
-    root = Path((config.get("job") or {}).get("dump_folder") or ".") / SUBDIR / key
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
-    env.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    folder = Path((config.get("job") or {}).get("dump_folder") or ".") / SUBDIR / key
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "inductor"))
+    env.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
     # Inductor's FX graph cache and the AOTAutograd cache are on by default in torch 2.11; say so explicitly.
     env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
-    return str(root)
+    return str(folder)
