@@ -12,12 +12,12 @@ used to fail. ``bench/collect_pairs.py`` collects every pair of test directories
 from __future__ import annotations
 
 import ast
-import functools
 import subprocess
 import sys
 from pathlib import Path
 
 from support.paths import REPO
+from support.pyparse import parse_file
 
 TESTS = REPO / "tests"
 HOOKS_AND_SETTINGS = ("pytest_",)
@@ -26,11 +26,6 @@ HOOKS_AND_SETTINGS = ("pytest_",)
 
 def _py_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
-
-
-@functools.cache
-def _tree(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(), filename=str(path))
 
 
 def _imported_modules(tree: ast.Module) -> list[tuple[int, str]]:
@@ -49,7 +44,7 @@ def _imported_modules(tree: ast.Module) -> list[tuple[int, str]]:
 def test_no_module_imports_a_conftest():
     offenders = [f"{p.relative_to(REPO)}:{line}: imports {name}"
                  for root in (TESTS, REPO / "bench") for p in _py_files(root)
-                 for line, name in _imported_modules(_tree(p)) if name.split(".")[-1] == "conftest"]
+                 for line, name in _imported_modules(parse_file(p)) if name.split(".")[-1] == "conftest"]
     assert not offenders, ("conftest modules shadow each other (all are imported as `conftest`); move the helper to "
                            "tests/support and import it from there:\n" + "\n".join(offenders))
 
@@ -66,7 +61,7 @@ def _is_fixture(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
 def test_conftests_hold_fixtures_and_hooks_only():
     offenders = []
     for path in sorted(TESTS.rglob("conftest.py")):
-        for node in _tree(path).body:
+        for node in parse_file(path).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 names, ok = [node.name], _is_fixture(node)
             elif isinstance(node, ast.ClassDef):
@@ -116,7 +111,7 @@ def test_one_set_of_spec_builders():
     inline)."""
     offenders = [f"{p.relative_to(REPO)}:{fn.lineno}: {fn.name}"
                  for p in _py_files(TESTS) if TESTS / "support" not in p.parents
-                 for fn in ast.walk(_tree(p)) if isinstance(fn, ast.FunctionDef)
+                 for fn in ast.walk(parse_file(p)) if isinstance(fn, ast.FunctionDef)
                  and not fn.name.startswith("test_") and _builds_llamapretrain(fn)]
     assert not offenders, "build LlamaPretrain objects with support.specs (lpt, make_lpt, ...):\n" + "\n".join(offenders)
 
@@ -125,7 +120,7 @@ def test_the_layout_check_sees_the_suite():
     """The scans above are not vacuous: they find the conftests, the e2e helper modules and the builders."""
     assert len(list(TESTS.rglob("conftest.py"))) >= 2
     assert {"kmockx", "support", "common", "kubelet", "chartlib", "test_layout"} <= set(_top_level_modules())
-    assert _builds_llamapretrain(next(n for n in ast.walk(_tree(TESTS / "support" / "specs.py"))
+    assert _builds_llamapretrain(next(n for n in ast.walk(parse_file(TESTS / "support" / "specs.py"))
                                       if isinstance(n, ast.FunctionDef) and n.name == "lpt"))
 
 
@@ -135,3 +130,45 @@ def test_api_and_operator_collect_together():
                         "tests/api", "tests/operator"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " tests collected" in r.stdout and "error" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
+def test_the_static_checks_parse_safely_while_a_collection_runs_a_finaliser_that_parses():
+    """The failure CI met (tests/support/pyparse.py): a cyclic collection during ``ast.parse`` runs a finaliser
+    that parses too (as 3.11's traceback module does for an unraisable exception). Plain ``ast.parse`` fails on this
+    interpreter's re-entry bug, or, on one without the bug, builds the same tree; ``support.pyparse.parse`` always
+    builds it and leaves the collector on."""
+    import gc
+
+    from support.pyparse import parse
+
+    source = "\n".join(f"def f{i}(a, b):\n    return [a + b * {i} for _ in range(3)]" for i in range(400))
+    expected = ast.dump(ast.parse(source))
+
+    class ParsesWhenCollected:
+        def __del__(self):
+            ast.parse("x.y + 1")
+
+    def arm() -> None:
+        for _ in range(50):
+            c = ParsesWhenCollected()
+            c.me = c  # a cycle: freed only by the cyclic collector
+
+    threshold = gc.get_threshold()
+    results = {}
+    try:
+        for name, fn in (("ast.parse", ast.parse), ("pyparse.parse", parse)):
+            arm()
+            gc.set_threshold(1)  # collect at (nearly) every allocation, so during the tree's construction
+            try:
+                results[name] = ast.dump(fn(source))
+            except SystemError as e:
+                results[name] = e
+            finally:
+                gc.set_threshold(*threshold)
+                gc.collect()
+    finally:
+        gc.set_threshold(*threshold)
+    assert results["pyparse.parse"] == expected
+    assert gc.isenabled()
+    if sys.version_info < (3, 12):  # the bug's interpreters: the check reproduces it, so it tests the guard
+        assert isinstance(results["ast.parse"], SystemError), results["ast.parse"]

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from support.pyparse import parse_file
+
 REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "operator" / "core" / "kubetitan_core"
 OPERATOR = REPO / "operator" / "kubetitan"
@@ -92,7 +94,7 @@ def _imports(root: Path, base: Path = REPO) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for f in sorted(root.rglob("*.py")):
         names: set[str] = set()
-        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+        for node in ast.walk(parse_file(f)):
             if isinstance(node, ast.Import):
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

@@ -400,3 +400,27 @@ def test_stock_kubectl_apply_get_describe_patch_watch_delete(c: Cluster, tmp_pat
 def test_validation_module_renders_multiple_causes() -> None:
     s = validation.invalid_status("Pod", "p", [validation.required("spec.a"), validation.required("spec.b")], "", "Pod")
     assert s["message"] == 'Pod "p" is invalid: [spec.a: Required value, spec.b: Required value]'
+
+
+def test_a_cluster_that_stops_with_a_watch_open_leaves_no_task_behind() -> None:
+    """The double's thread ends every task it served before its loop closes: a watch still waiting for events
+    when the test ends was once left pending on a loop that closed later, and a later test's garbage collection
+    finalised it ('Event loop is closed' in pytest's unraisable-exception hook, then CI's SystemError in
+    ``ast.parse``: tests/support/pyparse.py)."""
+    import asyncio
+
+    with Cluster() as cluster:
+        res = next(r for r in cluster.k.types if r.plural == "configmaps")
+        t, _ = _watch_in_thread(cluster, f"/api/v1/namespaces/{NS}/configmaps", "0")
+        wait_for(lambda: cluster.k._watchers.get(res), 5, "the watch to start")
+        loop = cluster.loop
+        holder: list[set[asyncio.Task]] = []
+        cluster.loop.call_soon_threadsafe(lambda: holder.append(asyncio.all_tasks(loop)))
+        wait_for(lambda: holder, 5, "the loop to list its tasks")
+        watching = [task for task in holder[0] if not task.done()]
+        assert watching, "the open watch is served by a task"
+    assert not cluster.thread.is_alive()
+    left = [task for task in watching if not task.done()]
+    assert not left, f"tasks left pending when the double stopped: {left}"
+    assert loop.is_closed()
+    t.join(10)

@@ -33,6 +33,7 @@ import yaml
 
 from kubetitan_core import api, contract
 from kubetitan import conditions as C
+from support.pyparse import parse_file
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -91,7 +92,7 @@ def _torchtitan_paths() -> set[str]:
     spec = importlib.util.find_spec("torchtitan")
     assert spec and spec.submodule_search_locations, "torchtitan is not installed"
     src = Path(next(iter(spec.submodule_search_locations))) / "config" / "job_config.py"
-    classes = {n.name: n for n in ast.parse(src.read_text()).body if isinstance(n, ast.ClassDef)}
+    classes = {n.name: n for n in parse_file(src).body if isinstance(n, ast.ClassDef)}
 
     def walk(name: str, prefix: str) -> set[str]:
         out: set[str] = set()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from support.paths import REPO
+from support.pyparse import parse
 
 PACKAGES: dict[str, Path] = {
     "kubetitan_core": REPO / "operator" / "core" / "kubetitan_core",
@@ -61,7 +62,7 @@ class Function:
 def _parsed(path: Path) -> tuple[str, ast.Module]:
     """A file's text and syntax tree (read once per process: the three checks share them)."""
     text = path.read_text()
-    return text, ast.parse(text, filename=str(path))
+    return text, parse(text, str(path))
 
 
 def _module_name(package: str, root: Path, path: Path) -> str:

@@ -191,29 +191,24 @@ def fault_proxy(s3_server):
             return web.Response(status=up.status, headers=out, body=payload)
 
     def run() -> None:
-        loop = asyncio.new_event_loop()
-        state["loop"] = loop
-
-        async def start() -> None:
-            state["closing"] = asyncio.Event()
+        async def serve() -> None:
+            state["closing"], state["stop"] = asyncio.Event(), asyncio.Event()
             state["session"] = aiohttp.ClientSession(skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"))
             app = web.Application(client_max_size=1 << 30)
             app.router.add_route("*", "/{tail:.*}", handle)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
-            state["runner"] = runner
             started.set()
-
-        loop.run_until_complete(start())
-        loop.run_forever()
-
-        async def stop() -> None:
-            await state["runner"].cleanup()
+            await state["stop"].wait()
+            await runner.cleanup()
             await state["session"].close()
 
-        loop.run_until_complete(stop())
-        loop.close()
+        # asyncio.Runner: what serve() leaves running is cancelled and ended before the loop closes (no task is left
+        # for a later test's garbage collection to finalise: tests/kmockx/harness.py, Cluster._main)
+        with asyncio.Runner() as loop_runner:
+            state["loop"] = loop_runner.get_loop()
+            loop_runner.run(serve())
 
     t = threading.Thread(target=run, name="s3-fault-proxy", daemon=True)
     t.start()
@@ -221,5 +216,5 @@ def fault_proxy(s3_server):
     proxy.endpoint = f"http://127.0.0.1:{port}"
     yield proxy
     state["loop"].call_soon_threadsafe(state["closing"].set)
-    state["loop"].call_soon_threadsafe(state["loop"].stop)
+    state["loop"].call_soon_threadsafe(state["stop"].set)
     t.join(timeout=30)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kubetitan_trainer import compat
+from support.pyparse import parse, parse_file
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "trainer" / "kubetitan_trainer"
@@ -54,7 +55,7 @@ def self_assignments(source: str) -> set[str]:
         else:
             yield t
 
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse(source)):
         ts = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, (ast.AnnAssign, ast.AugAssign)) else []
         for t in ts:
@@ -444,7 +445,7 @@ class _Scanner:
 
 def scan_source(source: str, module_obj=None, own_private: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
     """Upstream-internal uses in one module's source: (line, what) pairs (see the module docstring)."""
-    tree = ast.parse(source)
+    tree = parse(source)
     s = _Scanner(module_obj, own_private)
     s.bound_other = set()
     s.scan_scope(tree.body, {}, set(), top=True)
@@ -455,7 +456,7 @@ def own_private_names(paths) -> frozenset[str]:
     """Underscore names kubetitan itself defines: module/class-level defs and assignments, ``self._x`` stores."""
     names: set[str] = set()
     for p in paths:
-        for node in ast.walk(ast.parse(p.read_text())):
+        for node in ast.walk(parse_file(p)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
