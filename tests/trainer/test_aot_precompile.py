@@ -5,17 +5,19 @@ delete it."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-from kubetitan_trainer import anatomy, aot_precompile, compat
+from kubetitan_trainer import anatomy, aot_precompile, compat, compile_cache
 
 PROBE = textwrap.dedent("""
     import json, os
@@ -64,13 +66,17 @@ PROBE = textwrap.dedent("""
         got = run(m, x.clone().requires_grad_(), freqs)
     traced = compat.compile_counts().get("stats.unique_graphs", 0) - before
     summary = aot_precompile.after_first_step()
+    aot_precompile.step_ended()  # as the trainer calls it after each step: the crash marker outlives step 1 ...
+    markers = [sorted(f for f in os.listdir(aot_precompile.folder()) if ".trying-" in f)]
+    aot_precompile.step_ended()  # ... and goes after step 2
+    markers.append(sorted(f for f in os.listdir(aot_precompile.folder()) if ".trying-" in f))
     no_grad = None
     if p.artefact is not None:  # not what the artefact was made for: its guards refuse it, and name the guard
         inner = compat.compiled_module_parts(m.layers["0"])[0]
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             no_grad = [compat.aot_run(p.artefact.get(), inner, (x.clone(), freqs, None), {})[0],
                        compat.aot_guard_failure(p.artefact.get(), inner, (x.clone(), freqs, None), {})]
-    print(json.dumps({"summary": summary, "traced": traced, "no_grad": no_grad,
+    print(json.dumps({"summary": summary, "traced": traced, "no_grad": no_grad, "markers": markers,
                       "diff": [float((a - b).abs().max()) for a, b in zip(got, ref)],
                       "files": sorted(os.listdir(aot_precompile.folder()))}))
 """)
@@ -101,12 +107,14 @@ def test_rank_0_makes_the_artefact_and_a_fresh_process_runs_it_without_tracing(t
     assert second["diff"] == first["diff"]  # output, input's and a weight's gradient: as the first process compiled
     served, why = second["no_grad"]  # a no_grad call: refused (the block's own compile runs it), the guard named
     assert served is False and "grad_mode" in why, why
-    assert not [f for f in second["files"] if ".trying-" in f]  # the first step ended: its marker is gone
+    assert second["markers"] == [[artefacts[0] + ".trying-rank0"], []]  # the crash marker goes after step 2
+    assert not [f for f in second["files"] if ".making" in f]
 
 
-def _compiled_holder():
+def _compiled_holder(backend: str = "inductor"):
     m = torch.nn.Module()
-    m.layers = torch.nn.ModuleDict({str(i): torch.compile(torch.nn.Linear(4, 4), fullgraph=True) for i in range(2)})
+    m.layers = torch.nn.ModuleDict({str(i): torch.compile(torch.nn.Linear(4, 4), fullgraph=True, backend=backend)
+                                    for i in range(2)})
     return m
 
 
@@ -118,14 +126,23 @@ def test_a_worker_that_died_using_the_artefact_makes_the_next_one_delete_it(tmp_
     first.path.parent.mkdir(parents=True)
     first.path.write_bytes(b"artefact")
     rank0 = aot_precompile.install(_compiled_holder(), rank=0, env=env)
-    assert rank0.artefact is not None and rank0.marker.read_text() == str(os.getpid())
+    assert rank0.artefact is not None and rank0.marker.read_text() == aot_precompile.process_token()
     # another model part of the same process (pipeline stages) and another rank's live worker keep it
     assert aot_precompile.install(_compiled_holder(), rank=0, env=env).artefact is not None
     assert aot_precompile.install(_compiled_holder(), rank=1, env=env).artefact is not None
-    rank0.marker.write_text("999999")  # ... rank 0's worker died before its first step ended: a new process finds
-    nxt = aot_precompile.install(_compiled_holder(), rank=0, env=env)
-    assert not nxt.path.exists() and not nxt.marker.exists()
-    assert nxt.artefact is None and nxt.capture  # rank 0 makes a new one after its first step
+    # ... rank 0's worker died before its second step ended, and the next worker is another process: with another
+    # pid, or with the same one (a container restarted in a new PID namespace starts its processes in the same order)
+    for same_pid in (False, True):
+        first.path.write_bytes(b"artefact")
+        dead = aot_precompile.process_token()
+        if same_pid:  # this process plays the next one: the same pid, a token of its own
+            monkeypatch.setattr(aot_precompile, "_TOKENS", {})
+        else:
+            dead = "999999-0123456789ab"
+        rank0.marker.write_text(dead)
+        nxt = aot_precompile.install(_compiled_holder(), rank=0, env=env)
+        assert not nxt.path.exists() and not nxt.marker.exists(), dead
+        assert nxt.artefact is None and nxt.capture  # rank 0 makes a new one after its first step
 
 
 def test_several_ranks_compile_as_usual(tmp_path):
@@ -138,7 +155,7 @@ def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compil
     (tmp_path / aot_precompile.SUBDIR).mkdir()
     holder = _compiled_holder()
     inner = compat.compiled_module_parts(holder.layers["0"])[0]
-    (tmp_path / aot_precompile.SUBDIR / f"Linear-{aot_precompile.source_key(inner)}.aot").write_bytes(b"x")
+    (tmp_path / aot_precompile.SUBDIR / aot_precompile.artefact_name(inner, env)).write_bytes(b"x")
     monkeypatch.setattr(compat, "aot_deserialize", lambda data: "compiled")
     calls = []
 
@@ -155,6 +172,10 @@ def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compil
     summary = aot_precompile.after_first_step()
     assert summary["loaded"] and summary["served"] == 1 and summary["fell_back"] == 1 and not p.capture
     assert summary["refused"] == "size mismatch at index 0"  # why the artefact was not used, in the record
+    assert p.path.exists() and "made" not in summary  # it served a call: kept
+    aot_precompile.step_ended()
+    assert p.marker.exists()
+    aot_precompile.step_ended()
     assert not p.marker.exists()
 
 
@@ -195,3 +216,125 @@ def test_a_guard_on_a_default_argument_pickles_with_the_fix_and_torch_still_need
     compat._fix_defaults_source_pickling()
     source = DefaultsSource(GlobalSource("f"), 1, is_kw=False)
     assert pickle.loads(pickle.dumps(source)) == source
+
+
+def _with_artefact(tmp_path, monkeypatch, env, body=b"x"):
+    """A holder of two compiled blocks and an artefact file for them (loading it is monkeypatched by the caller);
+    the blocks' own compile is Dynamo's with the eager backend (no C++ build on CPU)."""
+    holder = _compiled_holder("eager")
+    inner = compat.compiled_module_parts(holder.layers["0"])[0]
+    path = tmp_path / aot_precompile.SUBDIR / aot_precompile.artefact_name(inner, env)
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(body)
+    return holder, inner, path
+
+
+def test_a_block_with_hooks_of_its_own_is_never_served_nor_made_into_an_artefact(tmp_path, monkeypatch):
+    """The artefact traces the block's forward only; the block's own compile runs its hooks (a pre-hook that
+    doubles the input must double it)."""
+    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    holder, inner, _ = _with_artefact(tmp_path, monkeypatch, env)
+    monkeypatch.setattr(compat, "aot_deserialize", lambda data: "compiled")
+    monkeypatch.setattr(compat, "aot_run", lambda *a: pytest.fail("served a block that has hooks"))
+    inner.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    p = aot_precompile.install(holder, rank=0, env=env)
+    x = torch.ones(3, 4)
+    assert torch.allclose(holder.layers["0"](x), torch.nn.functional.linear(2 * x, inner.weight, inner.bias))
+    p.path.unlink()  # and rank 0 does not make one from it
+    p.artefact = None
+    monkeypatch.setattr(compat, "aot_compile_module", lambda *a: pytest.fail("made an artefact of a hooked block"))
+    summary = aot_precompile.after_first_step()
+    assert "forward_pre_hooks" in summary["refused"]
+    assert summary["made"] == {"saved": False, "why": "the block has hooks the artefact would skip: forward_pre_hooks"}
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.ENOSPC], ids=["read-only", "full"])
+def test_a_cache_folder_that_cannot_be_written_never_stops_the_run(tmp_path, monkeypatch, err):
+    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    holder, _, path = _with_artefact(tmp_path, monkeypatch, env)
+
+    def refuse(p, body):
+        raise OSError(err, os.strerror(err), str(p))
+
+    monkeypatch.setattr(aot_precompile, "_write", refuse)
+    monkeypatch.setattr(compat, "aot_compile_module", lambda *a: pytest.fail("compiled without a .making marker"))
+    p = aot_precompile.install(holder, rank=0, env=env)  # the crash marker cannot be written: not used
+    assert p.artefact is None and path.exists()
+    path.unlink()
+    p.dispatch[0].seen = aot_precompile._record((torch.ones(2, 4),), {})
+    summary = aot_precompile.after_first_step()
+    assert summary["made"]["saved"] is False and os.strerror(err) in summary["made"]["why"]
+
+
+def test_the_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    target = tmp_path / "a" / "artefact.aot"
+
+    def full(self, body):
+        Path.write_text(self, "partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(OSError):
+        aot_precompile._write(target, b"body")
+    assert os.listdir(target.parent) == []
+
+
+def test_a_worker_that_died_making_the_artefact_stops_the_next_ones_from_trying(tmp_path, monkeypatch):
+    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    made = []
+
+    def compile_module(wrapper, args, kwargs, contexts):
+        made.append(p.making.read_text())  # the marker is there while it compiles
+        return "compiled"
+
+    monkeypatch.setattr(compat, "aot_compile_module", compile_module)
+    monkeypatch.setattr(compat, "aot_serialize", lambda compiled: b"artefact")
+    p = aot_precompile.install(_compiled_holder(), rank=0, env=env)
+    p.dispatch[0].seen = aot_precompile._record((torch.ones(2, 4),), {})
+    assert aot_precompile.after_first_step()["made"]["saved"] is True
+    assert made == [aot_precompile.process_token()] and not p.making.exists() and p.path.read_bytes() == b"artefact"
+    p.path.unlink()
+    p.making.write_text("999999-0123456789ab")  # a worker died while it compiled
+    nxt = aot_precompile.install(_compiled_holder(), rank=0, env=env)
+    assert not nxt.capture and nxt.making.exists()  # nobody tries again until the file is deleted
+    nxt.making.unlink()
+    assert aot_precompile.install(_compiled_holder(), rank=0, env=env).capture
+
+
+@pytest.mark.parametrize("why", ["load-error", "refused-every-call"])
+def test_an_artefact_that_cannot_serve_is_replaced_by_rank_0(tmp_path, monkeypatch, why):
+    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    holder, _, path = _with_artefact(tmp_path, monkeypatch, env, body=b"stale")
+
+    def load(data):
+        if why == "load-error":
+            raise RuntimeError("unpickling a stale artefact")
+        return "compiled"
+
+    monkeypatch.setattr(compat, "aot_deserialize", load)
+    monkeypatch.setattr(compat, "aot_run", lambda *a: (False, None))
+    monkeypatch.setattr(compat, "aot_guard_failure", lambda *a: "a guard of another run")
+    monkeypatch.setattr(compat, "aot_compile_module", lambda *a: "compiled")
+    monkeypatch.setattr(compat, "aot_serialize", lambda compiled: b"fresh")
+    p = aot_precompile.install(holder, rank=0, env=env)
+    with torch.enable_grad():
+        holder.layers["0"](torch.ones(2, 4))  # falls back to the block's own compile, and is recorded
+    summary = aot_precompile.after_first_step()
+    assert summary["served"] == 0 and summary["made"]["saved"] is True
+    assert path.read_bytes() == b"fresh" and not p.marker.exists()
+
+
+def test_the_artefact_is_named_by_the_compile_cache_key_even_when_the_pod_chose_the_folder(tmp_path):
+    inner = torch.nn.Linear(2, 2)
+    names = {aot_precompile.artefact_name(inner, {compile_cache.KEY_ENV: k}) for k in ("a", "b", "")}
+    assert len(names) == 3 and all(n.startswith("Linear-") and n.endswith(".aot") for n in names)
+    assert aot_precompile.artefact_name(inner, {compile_cache.KEY_ENV: "a"}) in names  # stable
+    keys = []
+    for backend in ("inductor", "aot_eager"):  # a [compile] change: another key, so another artefact
+        cfg = tmp_path / f"{backend}.toml"
+        cfg.write_text(f'[job]\ndump_folder = "{tmp_path}"\n[compile]\nenable = true\nbackend = "{backend}"\n')
+        env = {"TORCHINDUCTOR_CACHE_DIR": "/users/own/cache"}  # the pod's env chose the folder: kept
+        compile_cache.configure(str(cfg), env, gpus=[])
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == "/users/own/cache"
+        keys.append(aot_precompile.artefact_name(inner, env))
+    assert keys[0] != keys[1]

@@ -17,16 +17,22 @@ opt-in until the H200 recipe has run with it. With compile on:
   the block's own ``torch.compile`` forward otherwise (an evaluation under ``no_grad``, another batch shape), so
   nothing ever fails for want of a matching graph.
 - Without an artefact, rank 0 makes one after its first training step (:func:`after_first_step`) from the
-  inputs the first block saw, and writes it into the compile cache's folder (keyed as the cache is, plus the
-  sources of the block's modules, since the artefact holds their bytecode). That costs one compile of a block,
-  once per cache key.
+  inputs the first block saw, and writes it into the compile cache's folder, named by the cache's key
+  (``compile_cache.KEY_ENV``, also when the pod's env chose the folder), the Python version and the sources of the
+  block's modules (the artefact holds their bytecode). That costs one compile of a block, once per key. An
+  artefact that failed to load, or whose guards refused every call of the first step, is replaced the same way.
+- A block with hooks of its own (``module_call_hooks``: the artefact traces its ``forward`` only) is never served
+  from an artefact, nor made into one.
 - Single-process runs only, so far (``WORLD_SIZE`` 1, the recovery bench's): with several ranks, rank 0's compile
   after step 1 would hold every other rank at step 2's collectives, an artefact made on ``cuda:0`` serves no other
   local rank (its guards check the device) and loading it would put a context on GPU 0, and a block sharded by
   FSDP2 would have to be gathered by all ranks together. Such runs compile as before.
-- A worker that used the artefact and died before the end of its first step leaves a marker; the next worker
-  then deletes the artefact instead of loading it (a broken artefact must not crash-loop a run), and rank 0
-  makes a new one.
+- A worker that used the artefact and died before the end of its second step leaves a marker (named by a token of
+  that process, not only its pid, which a container restarted in a new PID namespace reuses); the next worker then
+  deletes the artefact instead of loading it (a broken artefact must not crash-loop a run), and rank 0 makes a new
+  one. A worker that died while making one leaves a marker too: no later worker tries to make it again (delete the
+  ``.making`` file to let one try).
+- A cache folder that cannot be written (read-only, full) never stops a run: the blocks compile as usual.
 
 What was used goes into the start-up record (``aot_precompile``: loaded or not, load seconds, calls served by the
 artefact and calls that fell back).
@@ -42,6 +48,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,6 +62,41 @@ ENV = "KUBETITAN_AOT_PRECOMPILE"
 
 SUBDIR = "aot"
 """The artefacts' folder, beside the compile cache's ``inductor`` and ``triton`` folders (one cache key each)."""
+
+
+_TOKENS: dict[int, str] = {}
+
+
+def process_token() -> str:
+    """This process's token for the markers: its pid and a random part made once per process (a forked child gets its
+    own; a pid reused by a later process, e.g. in a container restarted with a new PID namespace, does not match)."""
+    pid = os.getpid()
+    if pid not in _TOKENS:
+        _TOKENS[pid] = f"{pid}-{uuid.uuid4().hex[:12]}"
+    return _TOKENS[pid]
+
+
+def _unlink(*paths: Path) -> bool:
+    """Delete ``paths`` (missing ones are fine); False, logged, when one cannot be deleted (a read-only folder)."""
+    try:
+        for p in paths:
+            p.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("AOT precompile: cannot delete %s (%s)", e.filename, e.strerror)
+        return False
+    return True
+
+
+def _write(path: Path, body: bytes) -> None:
+    """``body`` into ``path`` through a temporary file renamed into place (removed if the write fails)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(body)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -84,6 +126,12 @@ def source_key(module: Any) -> str:
         except OSError:
             digest.update(b"?")
     return digest.hexdigest()[:16]
+
+
+def artefact_name(inner: Any, env: Mapping[str, str]) -> str:
+    """``<block class>-<hash>.aot``: the hash of the compile cache's key, the Python version and the block's sources."""
+    key = "/".join((env.get(compile_cache.KEY_ENV, ""), sys.version.split()[0], source_key(inner)))
+    return f"{type(inner).__name__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.aot"
 
 
 def sidecar(path: Path) -> Path:
@@ -155,6 +203,10 @@ class Dispatch:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self.owner
         compiled = owner.artefact.get() if owner.artefact is not None else None
+        hooks = compat.module_call_hooks(self.module) if compiled is not None else None
+        if hooks:  # the artefact holds the forward only: the block's own compile runs them
+            compiled = None
+            owner.refused = owner.refused or f"the block has hooks the artefact would skip: {', '.join(hooks)}"
         if compiled is not None:
             served, out = compat.aot_run(compiled, self.module, args, kwargs)
             if served:
@@ -191,16 +243,22 @@ class Precompiled:
     def __init__(self, blocks: list[Any], path: Path, rank: int) -> None:
         self.blocks, self.path, self.rank = blocks, path, rank
         self.marker = path.with_name(f"{path.name}.trying-rank{rank}")
-        self.served = self.fell_back = 0
+        self.making = path.with_name(f"{path.name}.making")
+        self.served = self.fell_back = self.steps = 0
         self.refused: str | None = None
         self.saved: dict[str, Any] | None = None
         self.artefact: Artefact | None = None
         self._discard_if_it_failed_before()
         if path.exists():
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
-            self.marker.write_text(str(os.getpid()))  # removed once this worker's first step has ended
-            self.artefact = Artefact(path)
-        self.capture = self.artefact is None and rank == 0
+            try:
+                _write(self.marker, process_token().encode())  # removed once this worker's second step has ended
+            except OSError as e:  # the artefact could not be deleted if it crashed this worker: do not use it
+                log.warning("AOT precompile: cannot write %s (%s); the blocks compile as usual", self.marker,
+                            e.strerror)
+            else:
+                self.artefact = Artefact(path)
+        # rank 0 records the first call that falls back, to make an artefact from it (none yet, or a useless one)
+        self.capture = rank == 0 and not self._making_failed_before()
         self.dispatch = []
         for wrapper in blocks:
             inner, forward = compat.compiled_module_parts(wrapper)
@@ -210,29 +268,62 @@ class Precompiled:
             compat.set_compiled_forward(wrapper, self.dispatch[-1])
 
     def _discard_if_it_failed_before(self) -> None:
-        """This rank's marker left by another process (its last worker used the artefact and ended before its first
+        """This rank's marker left by another process (its last worker used the artefact and ended before its second
         step did): delete the artefact. Only this rank's own marker counts: another rank's may be a live worker's."""
         try:
             writer = self.marker.read_text().strip()
         except OSError:
             return
-        if writer == str(os.getpid()):
+        if writer == process_token():  # this process's own (an in-process restart)
             return
-        log.warning("AOT precompile: the last worker of rank %d (pid %s) used %s and ended before its first step "
-                    "did; deleting the artefact so that this run compiles its blocks and rank 0 makes a new one",
+        log.warning("AOT precompile: the last worker of rank %d (process %s) used %s and ended before its second "
+                    "step did; deleting the artefact so that this run compiles its blocks and rank 0 makes a new one",
                     self.rank, writer, self.path)
-        for p in (self.path, sidecar(self.path), self.marker):
-            p.unlink(missing_ok=True)
+        _unlink(self.path, sidecar(self.path), self.marker)
+
+    def _making_failed_before(self) -> bool:
+        """Another process's ``.making`` marker: a worker died making the artefact (a crash in the compile, the host's
+        OOM killer); making it again would kill this one too."""
+        try:
+            writer = self.making.read_text().strip()
+        except OSError:
+            return False
+        if writer == process_token():
+            return False
+        log.warning("AOT precompile: a worker (process %s) died making %s; this run does not try again (delete %s "
+                    "to let the next worker try)", writer, self.path, self.making)
+        return True
+
+    def useless(self) -> str | None:
+        """Why the loaded artefact should be replaced (None: keep it): it failed to load, or it refused every call."""
+        a = self.artefact
+        if a is None:
+            return None
+        if a.error:
+            return f"loading it failed ({a.error})"
+        if self.served == 0 and self.fell_back:
+            return f"its guards refused every call of the first step ({self.refused})"
+        return None
 
     def after_first_step(self) -> None:
-        self.marker.unlink(missing_ok=True)
-        artefact = self.artefact
-        if artefact is not None and artefact.error:
-            log.warning("AOT precompile: loading %s failed (%s); the blocks compiled as usual. Delete the file to "
-                        "have rank 0 make a new one", self.path, artefact.error)
+        why = self.useless()
+        if why is not None:
+            log.warning("AOT precompile: %s: %s; the blocks compiled as usual, and it is deleted so that rank 0 makes "
+                        "a new one", self.path, why)
+            if _unlink(self.path, sidecar(self.path)):
+                self.artefact = None
+                _unlink(self.marker)  # this worker no longer runs an artefact
         if self.capture:
             self.capture = False
-            self.saved = self._save()
+            if self.artefact is None:
+                self.saved = self._save()
+
+    def step_ended(self) -> None:
+        """After each training step: the marker goes once the second step has ended (the first with optimizer
+        state allocated: an artefact that made a worker run out of memory there still counts as its death)."""
+        self.steps += 1
+        if self.steps == 2:
+            _unlink(self.marker)
 
     def _save(self) -> dict[str, Any]:
         import torch
@@ -241,6 +332,9 @@ class Precompiled:
         wrapper = self.blocks[0]
         if seen is None:
             return {"saved": False, "why": "no block was called with grad enabled"}
+        hooks = compat.module_call_hooks(compat.compiled_module_parts(wrapper)[0])
+        if hooks:
+            return {"saved": False, "why": f"the block has hooks the artefact would skip: {', '.join(hooks)}"}
         args, kwargs, autocast = seen
         unsupported = [s for s in (*args, *kwargs.values()) if not s.supported]
         if unsupported:
@@ -250,6 +344,10 @@ class Precompiled:
             # Compiling a sharded block as its forward sees it needs its parameters gathered, a collective every
             # rank would have to join while only rank 0 compiles: not built. Such runs compile their blocks as usual.
             return {"saved": False, "why": f"the blocks are sharded over {world} ranks (FSDP): not supported yet"}
+        try:
+            _write(self.making, process_token().encode())  # a crash while making it: no later worker tries again
+        except OSError as e:
+            return {"saved": False, "why": f"cannot write {self.making}: {e.strerror}"}
         begin = time.perf_counter()
         try:
             contexts = [torch.autocast(autocast[0], dtype=autocast[1])] if autocast else []
@@ -271,16 +369,15 @@ class Precompiled:
                 if reshard is not None:
                     reshard()
             data = compat.aot_serialize(compiled)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             described = [autocast[0], str(autocast[1]).removeprefix("torch.")] if autocast else None
-            for path, body in ((sidecar(self.path), json.dumps({"autocast": described}).encode()), (self.path, data)):
-                tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-                tmp.write_bytes(body)
-                os.replace(tmp, path)
+            _write(sidecar(self.path), json.dumps({"autocast": described}).encode())
+            _write(self.path, data)
         except Exception as e:  # noqa: BLE001 - an experimental torch API: never fail training for it
             log.warning("AOT precompile: compiling the blocks ahead of time failed (%s: %s); restarted workers "
                         "compile them as usual", type(e).__name__, e)
             return {"saved": False, "why": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            _unlink(self.making)
         seconds = time.perf_counter() - begin
         log.info("AOT precompile: compiled the transformer blocks ahead of time in %.1f s (%.1f MiB) into %s; "
                  "restarted workers load it instead of compiling them", seconds, len(data) / 2**20, self.path)
@@ -325,12 +422,18 @@ def install(model: Any, rank: int | None = None, env: Mapping[str, str] | None =
                  "no compile cache folder (TORCHINDUCTOR_CACHE_DIR)" if where is None else "no compiled blocks")
         return None
     inner = compat.compiled_module_parts(blocks[0])[0]
-    path = where / f"{type(inner).__name__}-{source_key(inner)}.aot"
+    path = where / artefact_name(inner, env)
     rank = int(env.get("RANK", "0") or 0) if rank is None else rank
     CURRENT = Precompiled(blocks, path, rank)
     log.info("AOT precompile: %s for %d blocks", "loading %s" % path if CURRENT.artefact else
              ("rank 0 makes %s after its first step" % path if CURRENT.capture else "no artefact yet"), len(blocks))
     return CURRENT
+
+
+def step_ended() -> None:
+    """The trainer's call after every training step (cheap: a counter)."""
+    if CURRENT is not None:
+        CURRENT.step_ended()
 
 
 def after_first_step() -> dict[str, Any] | None:

@@ -1020,6 +1020,24 @@ def compiled_module_parts(module: Any) -> tuple[Any, Any] | None:
     return module._orig_mod, module.forward
 
 
+_CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+@_shim(Upstream("torch.nn.modules.module:Module._call_impl",
+                contains=tuple(f"self.{k}" for k in _CALL_HOOKS) + tuple(f"_global{k}" for k in _CALL_HOOKS)),
+       Upstream("torch.nn.modules.module:_global_forward_hooks"),
+       Upstream("torch.nn.modules.module:_global_forward_pre_hooks"),
+       Upstream("torch.nn.modules.module:_global_backward_hooks"),
+       Upstream("torch.nn.modules.module:_global_backward_pre_hooks"))
+def module_call_hooks(module: Any) -> list[str]:
+    """The hooks ``module.__call__`` runs around its forward (its own, and those registered for every module), by
+    kind: ``nn.Module`` keeps them in private dicts and offers no public way to ask whether any are set."""
+    from torch.nn.modules import module as torch_module
+
+    return ([k.strip("_") for k in _CALL_HOOKS if getattr(module, k, None)]
+            + ["global " + k.strip("_") for k in _CALL_HOOKS if getattr(torch_module, "_global" + k)])
+
+
 @_shim(Upstream("torch._dynamo.eval_frame:OptimizedModule._initialize", sets=("forward",)))
 def set_compiled_forward(module: Any, forward: Callable) -> None:
     """Make ``forward`` the wrapper's forward (torch sets the compiled one as an instance attribute when it

@@ -24,6 +24,9 @@ from pathlib import Path
 
 KEY_TABLES = ("model", "parallelism", "compile", "training", "quantize")
 SUBDIR = "compile-cache"
+KEY_ENV = "KUBETITAN_COMPILE_CACHE_KEY"
+"""Set by :func:`configure` to the key (also when the pod's env chose the cache folders): artefacts kept beside the
+caches put it in their names (:mod:`kubetitan_trainer.aot_precompile`)."""
 
 
 def _version(dist: str) -> str:
@@ -68,6 +71,7 @@ def configure(config_path: str, env: dict | None = None, gpus: list[str] | None 
     versions = {d: _version(d) for d in ("torch", "triton", "torchtitan", "torchao")}
     key = cache_key(config, gpu_models() if gpus is None else gpus, versions)
     folder = Path((config.get("job") or {}).get("dump_folder") or ".") / SUBDIR / key
+    env[KEY_ENV] = key
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder / "inductor"))
     env.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
     # Inductor's FX graph cache and the AOTAutograd cache are on by default in torch 2.11; say so explicitly.
