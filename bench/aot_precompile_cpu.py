@@ -5,6 +5,7 @@ makes the artefact after its first step; run 2 loads it and its blocks run it. P
 ``.trying-rank0`` or ``.making`` marker may be left by a run that trained past step 2).
 
     PATH=$PWD/.tools/bin:$PWD/.venv/bin:$PATH python bench/aot_precompile_cpu.py [--work /tmp/aot-cpu] [--steps 4]
+        [--precision '{"activationCheckpointing": "full"}']    # spec.precision fields over the default's
 
 CPU timings say nothing of a GPU's: loading builds the artefact's C++ kernels again (seconds here, none on a GPU).
 """
@@ -12,6 +13,8 @@ CPU timings say nothing of a GPU's: loading builds the artefact's C++ kernels ag
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import shutil
 import sys
 import time
@@ -28,12 +31,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/aot-cpu"))
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--precision", type=json.loads, default={}, help="spec.precision fields (JSON) over the default's")
     args = ap.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     obj = tiny_lpt({"training": {"steps": args.steps, "seqLen": 32, "localBatchSize": 2},
                     "precision": {"activationCheckpointing": "none", "mixedPrecisionParam": "float32",
-                                  "compile": True},
+                                  "compile": True, **args.precision},
                     "data": {"source": "synthetic"}, "checkpoint": {"enabled": False},
                     "parallelism": {"dataParallelShardDegree": 1},
                     "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1}})
@@ -49,7 +53,14 @@ def main() -> int:
         files = sorted((args.work / "dump").rglob("aot/*"))
         for f in files:
             print(f"    file: {f.name} ({f.stat().st_size} bytes)")
-        failed |= rc != 0 or any(".trying-" in f.name or f.name.endswith(".making") for f in files)
+        served = [int(n) for n in re.findall(r"AOT blocks: loaded in [\d.]+ s, (\d+) calls served", out)]
+        problems = [what for what, bad in (
+            (f"exit code {rc}", rc != 0),
+            ("a marker was left", any(".trying-" in f.name or f.name.endswith((".making", ".crashed")) for f in files)),
+            ("no artefact was made", run == 1 and not any(f.suffix == ".aot" for f in files)),
+            ("the artefact served no call", run == 2 and not (served and served[0] > 0))) if bad]
+        print(f"    {'FAILED: ' + '; '.join(problems) if problems else 'as expected'}")
+        failed |= bool(problems)
     return 1 if failed else 0
 
 

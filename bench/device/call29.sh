@@ -14,4 +14,6 @@
 set -u
 PLAN=saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier PROBES=0 PROBE_S=0 PRECOMPILE=0 \
   KUBETITAN_AOT_PRECOMPILE=1 KUBETITAN_TIER_DEFER_THREADS=16 bash bench/device/call20.sh "${1:-560}"
+rc=$?
 grep -ah "AOT\|Start-up of" "$OUT/launcher.log" 2>/dev/null | cut -c1-400 | tail -12
+exit $rc

@@ -143,6 +143,8 @@ def test_a_worker_that_died_using_the_artefact_makes_the_next_one_delete_it(tmp_
         nxt = aot_precompile.install(_compiled_holder(), rank=0, env=env)
         assert not nxt.path.exists() and not nxt.marker.exists(), dead
         assert nxt.artefact is None and nxt.capture  # rank 0 makes a new one after its first step
+        assert nxt.crashed.read_text() == "1"  # (the count of such deletions in a row: tested below)
+        nxt.crashed.unlink()
 
 
 def test_several_ranks_compile_as_usual(tmp_path):
@@ -229,23 +231,48 @@ def _with_artefact(tmp_path, monkeypatch, env, body=b"x"):
     return holder, inner, path
 
 
-def test_a_block_with_hooks_of_its_own_is_never_served_nor_made_into_an_artefact(tmp_path, monkeypatch):
-    """The artefact traces the block's forward only; the block's own compile runs its hooks (a pre-hook that
-    doubles the input must double it)."""
+@pytest.mark.parametrize("where", ["block", "submodule", "global"])
+def test_a_block_with_hooks_is_never_served_nor_made_into_an_artefact_and_keeps_a_good_one(tmp_path, monkeypatch,
+                                                                                          where):
+    """The artefact holds the graph traced without hooks, and Dynamo does not guard on them: a block with a hook on
+    it, on a module inside it, or on every module runs its own compile (a pre-hook that doubles the input of the
+    block's linear must double it), rank 0 makes no artefact of it, and an artefact already there is not blamed."""
     env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    holder, inner, _ = _with_artefact(tmp_path, monkeypatch, env)
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleDict({str(i): torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)),
+                                                               fullgraph=True, backend="eager") for i in range(2)})
+    inner = compat.compiled_module_parts(holder.layers["0"])[0]
+    path = tmp_path / aot_precompile.SUBDIR / aot_precompile.artefact_name(inner, env)
+    path.parent.mkdir()
+    path.write_bytes(b"good")
     monkeypatch.setattr(compat, "aot_deserialize", lambda data: "compiled")
     monkeypatch.setattr(compat, "aot_run", lambda *a: pytest.fail("served a block that has hooks"))
-    inner.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
-    p = aot_precompile.install(holder, rank=0, env=env)
-    x = torch.ones(3, 4)
-    assert torch.allclose(holder.layers["0"](x), torch.nn.functional.linear(2 * x, inner.weight, inner.bias))
-    p.path.unlink()  # and rank 0 does not make one from it
-    p.artefact = None
     monkeypatch.setattr(compat, "aot_compile_module", lambda *a: pytest.fail("made an artefact of a hooked block"))
-    summary = aot_precompile.after_first_step()
-    assert "forward_pre_hooks" in summary["refused"]
-    assert summary["made"] == {"saved": False, "why": "the block has hooks the artefact would skip: forward_pre_hooks"}
+    double = lambda module, args: (args[0] * 2,)  # noqa: E731
+    if where == "global":
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda module, args: (args[0] * 2,) if isinstance(module, torch.nn.Linear) else None)
+    else:
+        handle = (inner if where == "block" else inner[0]).register_forward_pre_hook(double)
+    try:
+        p = aot_precompile.install(holder, rank=0, env=env)
+        x = torch.ones(3, 4)
+        with torch.enable_grad():
+            got = holder.layers["0"](x)
+        assert torch.allclose(got, torch.nn.functional.linear(2 * x, inner[0].weight, inner[0].bias))
+        summary = aot_precompile.after_first_step()
+        assert summary["served"] == 0 and "hooks" in summary["refused"], summary
+        assert {"block": "forward_pre_hooks", "submodule": "forward_pre_hooks on 0",
+                "global": "global forward_pre_hooks"}[where] in summary["refused"]
+        assert path.read_bytes() == b"good" and "made" not in summary  # not blamed: kept, and nothing made
+        path.unlink()  # without an artefact, rank 0 would make one: not of a hooked block
+        p = aot_precompile.install(holder, rank=0, env=env)
+        with torch.enable_grad():
+            holder.layers["0"](x)
+        made = aot_precompile.after_first_step()["made"]
+        assert made["saved"] is False and made["why"].startswith("the block has hooks the artefact would skip")
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("err", [errno.EROFS, errno.ENOSPC], ids=["read-only", "full"])
@@ -338,3 +365,80 @@ def test_the_artefact_is_named_by_the_compile_cache_key_even_when_the_pod_chose_
         assert env["TORCHINDUCTOR_CACHE_DIR"] == "/users/own/cache"
         keys.append(aot_precompile.artefact_name(inner, env))
     assert keys[0] != keys[1]
+
+
+def _next_process(monkeypatch):
+    """This test process plays the next worker: the same pid, a token of its own."""
+    monkeypatch.setattr(aot_precompile, "_TOKENS", {})
+
+
+def test_an_artefact_that_kills_every_worker_running_it_is_made_again_once_then_never(tmp_path, monkeypatch):
+    """A deterministic fault in the artefact: each crash deletes it and rank 0 would make the same one again after
+    its first step, for a crash every other restart. After MAX_CRASHES deletions in a row nobody makes it."""
+    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    monkeypatch.setattr(compat, "aot_deserialize", lambda data: "compiled")
+    monkeypatch.setattr(compat, "aot_compile_module", lambda *a: "compiled")
+    monkeypatch.setattr(compat, "aot_serialize", lambda compiled: b"artefact")
+    made, crashes = [], 0
+    for generation in range(8):
+        _next_process(monkeypatch)
+        p = aot_precompile.install(_compiled_holder("eager"), rank=0, env=env)
+        if p.artefact is not None:  # this worker runs the artefact and dies in its first step
+            crashes += 1
+            continue
+        p.dispatch[0].seen = aot_precompile._record((torch.ones(2, 4),), {})
+        summary = aot_precompile.after_first_step()  # trains without one; rank 0 makes one unless told not to
+        made.append(summary["made"]["saved"])
+        aot_precompile.step_ended()
+        aot_precompile.step_ended()
+    assert crashes == aot_precompile.MAX_CRASHES and made[:2] == [True, True] and not any(made[2:])
+    assert "artefacts in a row were deleted" in summary["made"]["why"] and p.crashed.read_text() == "2"
+
+
+def test_an_artefact_that_serves_past_the_second_step_resets_the_count_and_a_clean_end_removes_the_marker(
+        tmp_path, monkeypatch):
+    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    holder, _, path = _with_artefact(tmp_path, monkeypatch, env)
+    monkeypatch.setattr(compat, "aot_deserialize", lambda data: "compiled")
+    monkeypatch.setattr(compat, "aot_run", lambda *a: (True, torch.zeros(1)))
+    p = aot_precompile.install(holder, rank=0, env=env)
+    p.crashed.write_text("1")  # one crash before: this worker runs it through its second step
+    holder.layers["0"](torch.ones(2, 4))
+    aot_precompile.after_first_step()
+    aot_precompile.step_ended()
+    assert p.marker.exists() and p.crashed.exists()
+    aot_precompile.step_ended()
+    assert not p.marker.exists() and not p.crashed.exists()
+    # a worker that stops cleanly after one step (SIGTERM, or the run's last step) is no crash either
+    _next_process(monkeypatch)
+    p = aot_precompile.install(holder, rank=0, env=env)
+    holder.layers["0"](torch.ones(2, 4))
+    aot_precompile.after_first_step()
+    aot_precompile.step_ended()
+    assert p.marker.exists()
+    aot_precompile.training_ended()
+    assert not p.marker.exists()
+    _next_process(monkeypatch)
+    assert aot_precompile.install(holder, rank=0, env=env).artefact is not None and path.exists()
+
+
+def test_a_crashed_artefact_in_a_read_only_folder_is_not_run(tmp_path, monkeypatch):
+    """It cannot be deleted, nor a marker written: the worker compiles as usual and nothing raises."""
+    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    holder, _, path = _with_artefact(tmp_path, monkeypatch, env)
+    marker = path.with_name(path.name + ".trying-rank0")
+    marker.write_text("999999-0123456789ab")  # a worker died running it
+    real_unlink = Path.unlink
+
+    def read_only(self, missing_ok=False):
+        if self.parent == path.parent:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    def refuse(p, body):
+        raise OSError(errno.EROFS, "Read-only file system", str(p))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    monkeypatch.setattr(aot_precompile, "_write", refuse)
+    p = aot_precompile.install(holder, rank=0, env=env)
+    assert p.artefact is None and path.exists() and marker.exists()

@@ -21,17 +21,20 @@ opt-in until the H200 recipe has run with it. With compile on:
   (``compile_cache.KEY_ENV``, also when the pod's env chose the folder), the Python version and the sources of the
   block's modules (the artefact holds their bytecode). That costs one compile of a block, once per key. An
   artefact that failed to load, or whose guards refused every call of the first step, is replaced the same way.
-- A block with hooks of its own (``module_call_hooks``: the artefact traces its ``forward`` only) is never served
-  from an artefact, nor made into one.
+- A block with hooks on it or on a module inside it (``module_call_hooks``: the artefact holds the graph traced
+  without them, and Dynamo does not guard on hooks) is never served from an artefact, nor made into one; such
+  refusals do not count against the artefact.
 - Single-process runs only, so far (``WORLD_SIZE`` 1, the recovery bench's): with several ranks, rank 0's compile
   after step 1 would hold every other rank at step 2's collectives, an artefact made on ``cuda:0`` serves no other
   local rank (its guards check the device) and loading it would put a context on GPU 0, and a block sharded by
   FSDP2 would have to be gathered by all ranks together. Such runs compile as before.
-- A worker that used the artefact and died before the end of its second step leaves a marker (named by a token of
-  that process, not only its pid, which a container restarted in a new PID namespace reuses); the next worker then
-  deletes the artefact instead of loading it (a broken artefact must not crash-loop a run), and rank 0 makes a new
-  one. A worker that died while making one leaves a marker too: no later worker tries to make it again (delete the
-  ``.making`` file to let one try).
+- A worker that used the artefact and died before the end of its second step (and before a clean end of training)
+  leaves a marker holding a token of that process (not only its pid, which a container restarted in a new PID
+  namespace reuses); the next worker then deletes the artefact instead of loading it (a broken artefact must not
+  crash-loop a run), and rank 0 makes a new one, once: after :data:`MAX_CRASHES` such deletions in a row
+  (``.crashed`` counts them; a worker that runs the artefact past its second step resets it) no worker makes it
+  again. A worker that died while making one leaves a ``.making`` marker: no later worker tries to make it again.
+  Delete those files to let one try.
 - A cache folder that cannot be written (read-only, full) never stops a run: the blocks compile as usual.
 
 What was used goes into the start-up record (``aot_precompile``: loaded or not, load seconds, calls served by the
@@ -63,6 +66,10 @@ ENV = "KUBETITAN_AOT_PRECOMPILE"
 SUBDIR = "aot"
 """The artefacts' folder, beside the compile cache's ``inductor`` and ``triton`` folders (one cache key each)."""
 
+
+MAX_CRASHES = 2
+"""Artefacts deleted after a crash, in a row, after which no worker makes a new one (a deterministic fault in the
+artefact then costs two crashes, not every other restart)."""
 
 _TOKENS: dict[int, str] = {}
 
@@ -204,8 +211,9 @@ class Dispatch:
         owner = self.owner
         compiled = owner.artefact.get() if owner.artefact is not None else None
         hooks = compat.module_call_hooks(self.module) if compiled is not None else None
-        if hooks:  # the artefact holds the forward only: the block's own compile runs them
+        if hooks:  # the artefact holds the graph traced without them: the block's own compile runs them
             compiled = None
+            owner.hooked = True
             owner.refused = owner.refused or f"the block has hooks the artefact would skip: {', '.join(hooks)}"
         if compiled is not None:
             served, out = compat.aot_run(compiled, self.module, args, kwargs)
@@ -244,7 +252,9 @@ class Precompiled:
         self.blocks, self.path, self.rank = blocks, path, rank
         self.marker = path.with_name(f"{path.name}.trying-rank{rank}")
         self.making = path.with_name(f"{path.name}.making")
+        self.crashed = path.with_name(f"{path.name}.crashed")
         self.served = self.fell_back = self.steps = 0
+        self.hooked = False
         self.refused: str | None = None
         self.saved: dict[str, Any] | None = None
         self.artefact: Artefact | None = None
@@ -258,7 +268,12 @@ class Precompiled:
             else:
                 self.artefact = Artefact(path)
         # rank 0 records the first call that falls back, to make an artefact from it (none yet, or a useless one)
-        self.capture = rank == 0 and not self._making_failed_before()
+        self.capture = False
+        if rank == 0:
+            why_not = self._why_not_make()
+            self.capture = why_not is None
+            if why_not is not None:
+                self.saved = {"saved": False, "why": why_not}
         self.dispatch = []
         for wrapper in blocks:
             inner, forward = compat.compiled_module_parts(wrapper)
@@ -276,23 +291,40 @@ class Precompiled:
             return
         if writer == process_token():  # this process's own (an in-process restart)
             return
+        crashes = self._crashes() + 1
         log.warning("AOT precompile: the last worker of rank %d (process %s) used %s and ended before its second "
-                    "step did; deleting the artefact so that this run compiles its blocks and rank 0 makes a new one",
-                    self.rank, writer, self.path)
-        _unlink(self.path, sidecar(self.path), self.marker)
+                    "step did; deleting the artefact (%d time(s) in a row) so that this run compiles its blocks",
+                    self.rank, writer, self.path, crashes)
+        if _unlink(self.path, sidecar(self.path), self.marker):
+            try:
+                _write(self.crashed, str(crashes).encode())
+            except OSError as e:
+                log.warning("AOT precompile: cannot write %s (%s)", self.crashed, e.strerror)
 
-    def _making_failed_before(self) -> bool:
-        """Another process's ``.making`` marker: a worker died making the artefact (a crash in the compile, the host's
-        OOM killer); making it again would kill this one too."""
+    def _crashes(self) -> int:
+        """Artefacts deleted after a crash, in a row (``.crashed``; 0 without the file)."""
+        try:
+            return int(self.crashed.read_text().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def _why_not_make(self) -> str | None:
+        """Why rank 0 must not make an artefact (None: it may): a worker died making one (a crash in the compile, the
+        host's OOM killer: making it again would kill this one too), or artefacts were deleted after crashes
+        :data:`MAX_CRASHES` times in a row."""
         try:
             writer = self.making.read_text().strip()
         except OSError:
-            return False
-        if writer == process_token():
-            return False
-        log.warning("AOT precompile: a worker (process %s) died making %s; this run does not try again (delete %s "
-                    "to let the next worker try)", writer, self.path, self.making)
-        return True
+            writer = None
+        if writer is not None and writer != process_token():
+            why = f"a worker (process {writer}) died making it; delete {self.making} to let one try again"
+        elif self._crashes() >= MAX_CRASHES:
+            why = (f"{self._crashes()} artefacts in a row were deleted after a worker running them died; delete "
+                   f"{self.crashed} to let one be made again")
+        else:
+            return None
+        log.warning("AOT precompile: not making %s: %s", self.path, why)
+        return why
 
     def useless(self) -> str | None:
         """Why the loaded artefact should be replaced (None: keep it): it failed to load, or it refused every call."""
@@ -301,7 +333,7 @@ class Precompiled:
             return None
         if a.error:
             return f"loading it failed ({a.error})"
-        if self.served == 0 and self.fell_back:
+        if self.served == 0 and self.fell_back and not self.hooked:
             return f"its guards refused every call of the first step ({self.refused})"
         return None
 
@@ -323,7 +355,14 @@ class Precompiled:
         state allocated: an artefact that made a worker run out of memory there still counts as its death)."""
         self.steps += 1
         if self.steps == 2:
-            _unlink(self.marker)
+            self.survived()
+
+    def survived(self) -> None:
+        """This worker is past the point where the artefact could have killed it (its second step, or a clean end
+        of training): its marker goes, and an artefact it ran resets the count of crashes."""
+        _unlink(self.marker)
+        if self.served:
+            _unlink(self.crashed)
 
     def _save(self) -> dict[str, Any]:
         import torch
@@ -434,6 +473,13 @@ def step_ended() -> None:
     """The trainer's call after every training step (cheap: a counter)."""
     if CURRENT is not None:
         CURRENT.step_ended()
+
+
+def training_ended() -> None:
+    """The trainer's call when training ends without an error (the last step, or a stop on SIGTERM), also before a
+    second step: what the worker ran did not kill it."""
+    if CURRENT is not None:
+        CURRENT.survived()
 
 
 def after_first_step() -> dict[str, Any] | None:

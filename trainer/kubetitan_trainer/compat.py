@@ -1030,12 +1030,14 @@ _CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
        Upstream("torch.nn.modules.module:_global_backward_hooks"),
        Upstream("torch.nn.modules.module:_global_backward_pre_hooks"))
 def module_call_hooks(module: Any) -> list[str]:
-    """The hooks ``module.__call__`` runs around its forward (its own, and those registered for every module), by
-    kind: ``nn.Module`` keeps them in private dicts and offers no public way to ask whether any are set."""
+    """The hooks ``__call__`` runs around the forward of ``module`` or of a module inside it (``forward_hooks``,
+    ``forward_pre_hooks on attention.wq``, ...), and those registered for every module (``global ...``): ``nn.Module``
+    keeps them in private dicts and offers no public way to ask whether any are set."""
     from torch.nn.modules import module as torch_module
 
-    return ([k.strip("_") for k in _CALL_HOOKS if getattr(module, k, None)]
-            + ["global " + k.strip("_") for k in _CALL_HOOKS if getattr(torch_module, "_global" + k)])
+    found = [k.strip("_") + (f" on {name}" if name else "")
+             for name, m in module.named_modules() for k in _CALL_HOOKS if getattr(m, k, None)]
+    return found + ["global " + k.strip("_") for k in _CALL_HOOKS if getattr(torch_module, "_global" + k)]
 
 
 @_shim(Upstream("torch._dynamo.eval_frame:OptimizedModule._initialize", sets=("forward",)))

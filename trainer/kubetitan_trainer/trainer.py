@@ -174,8 +174,11 @@ class KubetitanTrainer(Trainer):
                 logger.info(f"Resuming from the newest complete checkpoint, step {step}")
         self._inprocess = self._in_process_restart()
         if self._inprocess is None:
-            return super().train()
-        return self._inprocess.run(self._train_iteration, process_group_ready=True)
+            result = super().train()
+        else:
+            result = self._inprocess.run(self._train_iteration, process_group_ready=True)
+        aot_precompile.training_ended()  # a clean end: the AOT artefact's crash marker goes
+        return result
 
     def _in_process_restart(self) -> inprocess.InProcessRestart | None:
         """The in-process restarter when ``[kubetitan] inprocess_restarts`` is on (kubetitan_trainer.inprocess)."""
