@@ -220,7 +220,7 @@ def test_a_guard_on_a_default_argument_pickles_with_the_fix_and_torch_still_need
     assert pickle.loads(pickle.dumps(source)) == source
 
 
-def _with_artefact(tmp_path, monkeypatch, env, body=b"x"):
+def _with_artefact(tmp_path, env, body=b"x"):
     """A holder of two compiled blocks and an artefact file for them (loading it is monkeypatched by the caller);
     the blocks' own compile is Dynamo's with the eager backend (no C++ build on CPU)."""
     holder = _compiled_holder("eager")
@@ -278,7 +278,7 @@ def test_a_block_with_hooks_is_never_served_nor_made_into_an_artefact_and_keeps_
 @pytest.mark.parametrize("err", [errno.EROFS, errno.ENOSPC], ids=["read-only", "full"])
 def test_a_cache_folder_that_cannot_be_written_never_stops_the_run(tmp_path, monkeypatch, err):
     env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    holder, _, path = _with_artefact(tmp_path, monkeypatch, env)
+    holder, _, path = _with_artefact(tmp_path, env)
 
     def refuse(p, body):
         raise OSError(err, os.strerror(err), str(p))
@@ -296,11 +296,10 @@ def test_a_cache_folder_that_cannot_be_written_never_stops_the_run(tmp_path, mon
 def test_the_write_leaves_no_partial_file(tmp_path, monkeypatch):
     target = tmp_path / "a" / "artefact.aot"
 
-    def full(self, body):
-        Path.write_text(self, "partial")
+    def full(fd):  # the data written, the flush to the disk fails
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_bytes", full)
+    monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError):
         aot_precompile._write(target, b"body")
     assert os.listdir(target.parent) == []
@@ -331,7 +330,7 @@ def test_a_worker_that_died_making_the_artefact_stops_the_next_ones_from_trying(
 @pytest.mark.parametrize("why", ["load-error", "refused-every-call"])
 def test_an_artefact_that_cannot_serve_is_replaced_by_rank_0(tmp_path, monkeypatch, why):
     env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    holder, _, path = _with_artefact(tmp_path, monkeypatch, env, body=b"stale")
+    holder, _, path = _with_artefact(tmp_path, env, body=b"stale")
 
     def load(data):
         if why == "load-error":
@@ -398,7 +397,7 @@ def test_an_artefact_that_kills_every_worker_running_it_is_made_again_once_then_
 def test_an_artefact_that_serves_past_the_second_step_resets_the_count_and_a_clean_end_removes_the_marker(
         tmp_path, monkeypatch):
     env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    holder, _, path = _with_artefact(tmp_path, monkeypatch, env)
+    holder, _, path = _with_artefact(tmp_path, env)
     monkeypatch.setattr(compat, "aot_deserialize", lambda data: "compiled")
     monkeypatch.setattr(compat, "aot_run", lambda *a: (True, torch.zeros(1)))
     p = aot_precompile.install(holder, rank=0, env=env)
@@ -425,7 +424,7 @@ def test_an_artefact_that_serves_past_the_second_step_resets_the_count_and_a_cle
 def test_a_crashed_artefact_in_a_read_only_folder_is_not_run(tmp_path, monkeypatch):
     """It cannot be deleted, nor a marker written: the worker compiles as usual and nothing raises."""
     env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    holder, _, path = _with_artefact(tmp_path, monkeypatch, env)
+    holder, _, path = _with_artefact(tmp_path, env)
     marker = path.with_name(path.name + ".trying-rank0")
     marker.write_text("999999-0123456789ab")  # a worker died running it
     real_unlink = Path.unlink

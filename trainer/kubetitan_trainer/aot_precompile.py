@@ -56,7 +56,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kubetitan_trainer import compat, compile_cache, knobs
+from kubetitan_trainer import compat, compile_cache, knobs, shards
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +95,10 @@ def _unlink(*paths: Path) -> bool:
 
 
 def _write(path: Path, body: bytes) -> None:
-    """``body`` into ``path`` through a temporary file renamed into place (removed if the write fails)."""
+    """``body`` into ``path`` (its folder made if need be) as :func:`kubetitan_trainer.shards.atomic_write_bytes`
+    writes: whole or not at all, no temporary file left by a failed write."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(body)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    shards.atomic_write_bytes(path, body)
 
 
 def enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -316,10 +311,11 @@ class Precompiled:
             writer = self.making.read_text().strip()
         except OSError:
             writer = None
+        crashes = self._crashes()
         if writer is not None and writer != process_token():
             why = f"a worker (process {writer}) died making it; delete {self.making} to let one try again"
-        elif self._crashes() >= MAX_CRASHES:
-            why = (f"{self._crashes()} artefacts in a row were deleted after a worker running them died; delete "
+        elif crashes >= MAX_CRASHES:
+            why = (f"{crashes} artefacts in a row were deleted after a worker running them died; delete "
                    f"{self.crashed} to let one be made again")
         else:
             return None

@@ -1035,9 +1035,11 @@ def module_call_hooks(module: Any) -> list[str]:
     keeps them in private dicts and offers no public way to ask whether any are set."""
     from torch.nn.modules import module as torch_module
 
-    found = [k.strip("_") + (f" on {name}" if name else "")
-             for name, m in module.named_modules() for k in _CALL_HOOKS if getattr(m, k, None)]
-    return found + ["global " + k.strip("_") for k in _CALL_HOOKS if getattr(torch_module, "_global" + k)]
+    found = ["global " + k.strip("_") for k in _CALL_HOOKS if getattr(torch_module, "_global" + k)]
+    if any(getattr(m, k, None) for m in module.modules() for k in _CALL_HOOKS):  # on every block call: names only then
+        found[:0] = [k.strip("_") + (f" on {name}" if name else "")
+                     for name, m in module.named_modules() for k in _CALL_HOOKS if getattr(m, k, None)]
+    return found
 
 
 @_shim(Upstream("torch._dynamo.eval_frame:OptimizedModule._initialize", sets=("forward",)))
