@@ -228,17 +228,23 @@ def openapi_schema(rules: Iterable[Any] | None = None, kubernetes_version: str |
     """The ``openAPIV3Schema`` of the LlamaPretrain resource."""
     root = _section_schema(LlamaPretrain)
     props = root["properties"]
-    # The API server owns these three: only `type` (and a description) may be said about them.
+    # The API server owns these three: only `type` (and, but for metadata, a description) may be said about them.
     props["apiVersion"] = {
         "type": "string",
         "description": "APIVersion defines the versioned schema of this representation of an object; "
         f"`{GROUP}/{VERSION}` for this resource.",
     }
     props["kind"] = {"type": "string", "description": f"Kind is the REST resource type; `{KIND}`."}
-    props["metadata"] = {"type": "object", "description": props["metadata"].get("description", "")}
+    # Only `type: object`: a real API server refuses anything more about metadata in a CRD, a description
+    # included ("must not specify anything other than name and generateName").
+    props["metadata"] = {"type": "object"}
     validations = cel_validations(_default_rules() if rules is None else rules, kubernetes_version)
     if validations:
         props["spec"]["x-kubernetes-validations"] = validations
+        # No `default: {}` on spec itself: a real API server evaluates the CEL rules on a default value as written,
+        # without the nested defaults, and refuses the CRD ("no such key: parallelism"). `spec: {}` as sent is
+        # still defaulted section by section before the rules run; a run without spec is checked by the webhook.
+        props["spec"].pop("default", None)
     conditions = props["status"]["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"
     conditions["x-kubernetes-list-map-keys"] = ["type"]
