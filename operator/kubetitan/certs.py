@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -108,11 +109,20 @@ def _same_key(cert: x509.Certificate, key_pem: bytes) -> bool:
 
 
 def _names(cert: x509.Certificate) -> set[str]:
+    """The certificate's DNS names and IP addresses (as text)."""
     try:
-        return set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-                   .get_values_for_type(x509.DNSName))
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         return set()
+    return set(san.get_values_for_type(x509.DNSName)) | {str(ip) for ip in san.get_values_for_type(x509.IPAddress)}
+
+
+def _san(name: str) -> x509.GeneralName:
+    """An IP address SAN for an address (the out-of-cluster URL mode: ``https://127.0.0.1:9443``), else a DNS name."""
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
 
 
 def decide(m: Material | None, now: dt.datetime, dns_names: tuple[str, ...], policy: CertPolicy
@@ -186,7 +196,7 @@ def issue(m: Material | None, action: Action, now: dt.datetime, dns_names: tuple
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_names[0])]))
             .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - SKEW).not_valid_after(not_after)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([_san(n) for n in dns_names]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)

@@ -24,6 +24,7 @@ import datetime as dt
 import logging
 import os
 import secrets
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,14 @@ class CertSync:
 
     def secret_path(self) -> str:
         return f"/api/v1/namespaces/{self.secret_namespace}/secrets/{self.secret_name}"
+
+
+def url_names(url: str) -> tuple[str, ...]:
+    """The name the API server dials for a URL client configuration: its host (a DNS name or an IP address)."""
+    host = urllib.parse.urlsplit(url).hostname
+    if not host:
+        raise ValueError(f"webhook URL {url!r} has no host")
+    return (host,)
 
 
 def service_dns_names(namespace: str, service: str) -> tuple[str, ...]:

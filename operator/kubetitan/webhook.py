@@ -77,6 +77,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="operator certificates: the ValidatingWebhookConfiguration whose caBundle the operator keeps")
     p.add_argument("--webhook-service", metavar="NS/NAME",
                    help="operator certificates: the webhook's Service (the certificate's DNS names)")
+    p.add_argument("--webhook-url", metavar="URL",
+                   help="operator certificates, out of cluster (the chart's webhook.url): the https URL the API "
+                        "server calls instead of the Service; the certificate is issued for its host (a DNS name or "
+                        "an IP address). Exclusive with --webhook-service")
     p.add_argument("--webhook-cert-dir", metavar="DIR", default=None,
                    help="operator certificates: where the served pair is written (default: a new private temporary "
                         "directory; the chart sets an in-memory emptyDir)")
@@ -110,16 +114,30 @@ def _ns_name(flag: str, value: str | None) -> tuple[str, str]:
     return ns, name
 
 
+def _server_names(a: argparse.Namespace) -> tuple[str, ...]:
+    if a.webhook_url and a.webhook_service:
+        raise SystemExit("error: give --webhook-service (in cluster) or --webhook-url (out of cluster), not both")
+    if a.webhook_url:
+        if not a.webhook_url.startswith("https://"):
+            raise SystemExit(f"error: --webhook-url {a.webhook_url!r} must be an https:// URL (the API server calls "
+                             "webhooks over HTTPS only)")
+        try:
+            return certsync.url_names(a.webhook_url)
+        except ValueError as e:
+            raise SystemExit(f"error: --webhook-url: {e}") from None
+    return certsync.service_dns_names(*_ns_name("--webhook-service", a.webhook_service))
+
+
 def _cert_sync(a: argparse.Namespace) -> certsync.CertSync:
     secret_ns, secret = _ns_name("--webhook-secret", a.webhook_secret)
-    svc_ns, svc = _ns_name("--webhook-service", a.webhook_service)
+    names = _server_names(a)
     if not a.webhook_configuration:
         raise SystemExit("error: --webhook-certificates operator needs --webhook-configuration NAME (the chart sets it)")
     policy = certs.CertPolicy(cert_days=a.webhook_cert_days, ca_days=a.webhook_ca_days)
     if problems := policy.problems():
         raise SystemExit("error: " + "; ".join(problems))
     cert_dir = a.webhook_cert_dir or tempfile.mkdtemp(prefix="kubetitan-webhook-")
-    return certsync.CertSync(secret_ns, secret, a.webhook_configuration, certsync.service_dns_names(svc_ns, svc),
+    return certsync.CertSync(secret_ns, secret, a.webhook_configuration, names,
                              cert_dir, policy, interval=a.webhook_cert_check_seconds)
 
 

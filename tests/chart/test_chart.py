@@ -257,7 +257,7 @@ def test_watch_mode_and_peering(sets, want_args, want_peerings):
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["replicaCount=0"], "replicaCount: Must be greater than or equal to 1"),
+        (["replicaCount=-1"], "replicaCount: Must be greater than or equal to 0"),
         (["watch.mode=everywhere"], "watch.mode: watch.mode must be one of the following"),
         (["watch.namespaces={Bad_Name}"], "watch.namespaces.0: Does not match pattern"),
         (["operator.metricsPort=80"], "operator.metricsPort: Must be greater than or equal to 1024"),
@@ -271,7 +271,7 @@ def test_watch_mode_and_peering(sets, want_args, want_peerings):
         (["leaderElection.retryPeriodSeconds=0"], "leaderElection.retryPeriodSeconds: Must be greater than or equal to 1"),
         (["leaderElection.leaseName=Bad_Name"], "leaderElection.leaseName: Does not match pattern"),
     ],
-    ids=["replicas-zero", "bad-mode", "bad-namespace", "privileged-port", "pull-policy", "bad-interval",
+    ids=["replicas-negative", "bad-mode", "bad-namespace", "privileged-port", "pull-policy", "bad-interval",
          "relative-runbook", "typo-nested", "typo-top", "log-format", "verbose", "lease-retry-zero", "lease-name"],
 )
 def test_invalid_values_are_rejected_with_a_clear_message(sets, message):

@@ -97,6 +97,19 @@ def test_an_issued_certificate_verifies_for_the_service_name_against_the_bundle(
     assert cert.not_valid_before_utc == T0 - certs.SKEW and cert.not_valid_after_utc == T0 + 90 * DAY
 
 
+def test_an_out_of_cluster_url_gets_a_certificate_for_its_ip_address(tmp_path):
+    """``--webhook-url https://127.0.0.1:9443`` (the chart's webhook.url): an IP address SAN the API server's
+    client verifies, kept as valid (no re-issue every check) and re-issued when the URL's host changes."""
+    names = certsync.url_names("https://127.0.0.1:9443")
+    assert names == ("127.0.0.1",)
+    m = certs.issue(None, certs.Action.ISSUE_CA, NOW, names, POLICY)
+    assert _verifies(m.ca_bundle, m.cert, m.key, tmp_path, name="127.0.0.1")
+    assert not _verifies(m.ca_bundle, m.cert, m.key, tmp_path, name="127.0.0.2")
+    assert certs.decide(m, NOW, names, POLICY)[0] == certs.Action.KEEP
+    assert certs.decide(m, NOW, certsync.url_names("https://webhook.example:9443"), POLICY)[0] == \
+        certs.Action.ISSUE_CERT
+
+
 def test_a_renewed_certificate_keeps_the_ca_and_a_new_ca_keeps_the_old_one_trusted_until_it_expires(tmp_path):
     t0 = NOW - 244 * DAY  # the first CA was issued then: it is in its last third now
     first = fresh(t0)
