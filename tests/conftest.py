@@ -7,6 +7,8 @@ import signal
 
 import pytest
 
+from support.cluster import STARTS_KEY
+
 _SLOWEST_FIRST = (
     "tests/e2e/",
     "tests/operator/",
@@ -66,3 +68,19 @@ def _signal_handlers_restored():
     for s, handler in before.items():
         if signal.getsignal(s) is not handler:
             signal.signal(s, handler)
+
+
+_control_plane_starts: list[str] = []
+
+
+def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - xdist's hook: a worker ended
+    """Collect the real control plane's start line of each xdist worker that started one (tests/cluster)."""
+    line = getattr(node, "workeroutput", {}).get("kubetitan_control_plane")
+    if line:
+        _control_plane_starts.append(f"[{node.gateway.id}] {line}")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # noqa: ANN001
+    """Print how long each real control plane took to start (the lane's fixed cost, once per xdist group)."""
+    for line in _control_plane_starts + config.stash.get(STARTS_KEY, []):
+        terminalreporter.write_line(line)

@@ -1,10 +1,16 @@
 """A process-running kubelet for end-to-end tests (a test double, not a product feature).
 
-It plays the node agents of a small fake cluster against kmockx (tests/kmockx):
+It plays the node agents of a small cluster, either against kmockx (tests/kmockx) or against the real control
+plane of ``support.cluster`` (a ``KubeCluster``):
 
-- **Nodes**: creates ``Node`` objects (``node-0``, ``node-1``, ...) whose ``Ready`` condition tests flip
-  with :meth:`Kubelet.fail_node` / :meth:`Kubelet.restore_node`.
-- **Scheduling**: binds each new Pod of a LlamaPretrain (label ``kubetitan.io/name``) or of a Job (label
+- **Nodes**: creates ``Node`` objects (``node-0``, ``node-1``, ...). On the real cluster each node registers as a
+  kubelet does, with its own identity (``system:node:<name>``, so the Node authorizer and NodeRestriction judge its
+  writes), capacity (cpu, memory, ``nvidia.com/gpu``, EFA, hugepages) and a Lease in ``kube-node-lease`` renewed
+  every :data:`HEARTBEAT_SECONDS`; :meth:`Kubelet.fail_node` stops the renewals and the node lifecycle controller
+  turns the node ``Ready=Unknown`` after its grace period. On the double, tests flip ``Ready`` directly
+  (:meth:`Kubelet.fail_node` / :meth:`Kubelet.restore_node`).
+- **Scheduling** (the double only: on the real cluster kube-scheduler binds, and the double runs what is bound to
+  its nodes): binds each new Pod of a LlamaPretrain (label ``kubetitan.io/name``) or of a Job (label
   ``batch.kubernetes.io/job-name``: the test plays the Job controller) to the ready node with
   the fewest live pods, honouring ``kubernetes.io/hostname NotIn`` node affinity (the planner's
   avoid-nodes rule) and a required pod anti-affinity on ``kubernetes.io/hostname`` (one pod of a gang per node: a
@@ -66,7 +72,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import kmock
 import tomli_w
 
 from kmockx.harness import PODS, Cluster, free_port
@@ -76,6 +81,9 @@ LABEL_NAME = "kubetitan.io/name"
 LABEL_JOB_NAME = "batch.kubernetes.io/job-name"
 """Pods of a Kubernetes Job (``kubetitan prepare-data --render-job``) carry it; the double runs those too."""
 CONFIG_MOUNT = "/etc/kubetitan"
+HEARTBEAT_SECONDS = 1.0
+"""How often the double renews each live node's Lease (a kubelet's default is 10 s; the tests' clusters use a short
+node grace period)."""
 LOG_TAIL_BYTES = 2048  # the kubelet's FallbackToLogsOnError limit (2048 bytes or 80 lines)
 
 
@@ -169,18 +177,19 @@ class Kubelet:
 
     def __init__(self, cluster: Cluster, workdir: Path, nodes: int = 2, poll: float = 0.1,
                  claims: dict[str, Path] | None = None, run_as_pod_user: bool = False,
-                 fs_group_policy: str = "File", ledger: bool = False) -> None:
+                 fs_group_policy: str = "File", ledger: bool = False, node_prefix: str = "node-") -> None:
         """``run_as_pod_user`` (needs root): run each container as its pod's ``securityContext`` user, group and
         ``fsGroup`` and apply ``fsGroup`` to volumes as a kubelet does: claims get it when ``fs_group_policy`` is
         ``File`` (a CSI driver's ``fsGroupPolicy``; ``None`` models FSx's default for ReadWriteMany claims),
         ``fsGroupChangePolicy: OnRootMismatch`` only when the root's group or mode is wrong; hostPath never,
         and a missing ``DirectoryOrCreate`` hostPath is created ``root:root 0755``. ``ledger``: turn every rank's
-        sample ledger on in the materialised trainer.toml (``[kubetitan.data] ledger``, a test-only key)."""
-        assert cluster.k is not None
+        sample ledger on in the materialised trainer.toml (``[kubetitan.data] ledger``, a test-only key).
+        ``node_prefix``: the nodes' names (``<prefix>0``, ...; a real cluster shared by several tests needs its own)."""
         self.run_as_pod_user, self.fs_group_policy, self.ledger = run_as_pod_user, fs_group_policy, ledger
-        cluster.k.graceful_pod_deletion = True
+        if getattr(cluster, "k", None) is not None:
+            cluster.k.graceful_pod_deletion = True  # the double's opt-in; a real API server always does it
         self.c, self.workdir, self.poll = cluster, Path(workdir), poll
-        self.nodes = [f"node-{i}" for i in range(nodes)]
+        self.nodes = [f"{node_prefix}{i}" for i in range(nodes)]
         self.claims = {k: str(v) for k, v in (claims or {}).items()}
         self.dead: set[str] = set()
         self.pods: dict[tuple[str, str], PodProc] = {}
@@ -192,6 +201,7 @@ class Kubelet:
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="e2e-kubelet")
         self.errors: list[BaseException] = []
+        self._last_heartbeat = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Kubelet:
@@ -204,6 +214,9 @@ class Kubelet:
         self._stop.set()
         self.thread.join(10)
         self.kill_all()
+        if self.c.schedules:  # a shared real cluster: no node of this kubelet may take a later test's pods
+            for n in self.nodes:
+                self.c.delete("v1/nodes", None, n)
 
     def kill_all(self) -> None:
         with self.lock:
@@ -258,14 +271,17 @@ class Kubelet:
         self.kill(ns, name)
 
     def fail_node(self, node: str) -> None:
-        """The node stops reporting: Ready=Unknown, its kubelet is dead, its processes freeze (no RST)."""
+        """The node stops reporting: its kubelet is dead, its processes freeze (no RST), and it turns Ready=Unknown
+        (at once on the double; on a real cluster the node lifecycle controller does it once the node's Lease has
+        not been renewed for the grace period)."""
         with self.lock:
             self.dead.add(node)
             for p in self.pods.values():
                 if p.node == node:
                     self._refresh(p)
                     p.signal(signal.SIGSTOP)
-        self.c.set_node_ready(node, False)
+        if not self.c.schedules:
+            self.c.set_node_ready(node, False)
 
     def crash_node_processes(self, node: str) -> None:
         """The failed machine's processes are gone for good (SIGKILL); the API is not told."""
@@ -281,14 +297,7 @@ class Kubelet:
 
     def force_delete(self, ns: str, name: str) -> None:
         """``kubectl delete pod --grace-period=0 --force``."""
-        k = self.c.k
-        assert k is not None
-
-        async def go() -> None:
-            async with k._lock:
-                await k._delete(kmock.resource(PODS), ns, name, {"gracePeriodSeconds": 0})
-
-        self.c.call(go())
+        self.c.force_delete(ns, name)
 
     def live_processes(self) -> list[int]:
         with self.lock:
@@ -302,10 +311,21 @@ class Kubelet:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
+                self.heartbeat()
                 self.sync()
             except Exception as e:  # noqa: BLE001 - surfaced to the test through .errors
                 self.errors.append(e)
             self._stop.wait(self.poll)
+
+    def heartbeat(self) -> None:
+        """Renew the Lease of every live node (a real cluster's node lifecycle controller watches them)."""
+        now = time.monotonic()
+        if now - self._last_heartbeat < HEARTBEAT_SECONDS:
+            return
+        self._last_heartbeat = now
+        for n in self.nodes:
+            if n not in self.dead:
+                self.c.renew_node(n)
 
     def sync(self) -> None:
         pods = {(p["metadata"].get("namespace"), p["metadata"]["name"]): p for p in self.c.list(PODS)
@@ -319,8 +339,13 @@ class Kubelet:
                     if not pp.live_pids():
                         del self.pods[key]
             for key, pod in sorted(pods.items()):
-                if key not in self.pods and not pod["spec"].get("nodeName") and not pod["metadata"].get(
-                        "deletionTimestamp"):
+                if key in self.pods or pod["metadata"].get("deletionTimestamp"):
+                    continue
+                node = pod["spec"].get("nodeName")
+                if self.c.schedules:  # the real scheduler bound it: run it if it is one of ours
+                    if node in self.nodes and node not in self.dead:
+                        self._adopt(pod, node)
+                elif not node:
                     self._bind(pod)
             for key, pod in sorted(pods.items()):
                 pp = self.pods.get(key)
@@ -352,6 +377,12 @@ class Kubelet:
             if p.node in load and p.state != "Exited":
                 load[p.node] += 1
         node = min(load, key=lambda n: (load[n], n))
+        self.c.patch(PODS, meta.get("namespace", "default"), meta["name"], {"spec": {"nodeName": node}})
+        self._adopt(pod, node)
+
+    def _adopt(self, pod: dict[str, Any], node: str) -> None:
+        """A pod bound to ``node``: give it an address and report it Pending (ContainerCreating)."""
+        meta, spec = pod["metadata"], pod["spec"]
         ns, name = meta.get("namespace", "default"), meta["name"]
         ip = self.ips.setdefault(f"{ns}/{name}", f"127.0.0.{self._next_ip}")
         if ip == f"127.0.0.{self._next_ip}":
@@ -359,11 +390,10 @@ class Kubelet:
         d = self.workdir / ns / name
         d.mkdir(parents=True, exist_ok=True)
         self.pods[(ns, name)] = PodProc(ns=ns, name=name, node=node, ip=ip, dir=d, labels=dict(meta.get("labels") or {}))
-        self.c.patch(PODS, ns, name, {"spec": {"nodeName": node}})
-        self.c.patch(PODS, ns, name, {"status": {
-            "phase": "Pending", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": ip,
+        self.c.patch_pod_status(ns, name, {
+            "phase": "Pending", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": ip, "hostIPs": [{"ip": ip}],
             "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": _now_iso()}],
-            "containerStatuses": [self._cstatus(spec, {"waiting": {"reason": "ContainerCreating"}})]}}, "status")
+            "containerStatuses": [self._cstatus(spec, {"waiting": {"reason": "ContainerCreating"}})]}, node)
         self._write_hosts()
 
     @staticmethod
@@ -400,10 +430,7 @@ class Kubelet:
             if pp.exit_code is not None:
                 self._report_exit(pp, pod)
         if pp.state == "Exited" and deleting and not pp.live_pids():
-            try:
-                self.c.call(self.c.k.remove(PODS, pp.ns, pp.name))  # the kubelet's final grace-0 delete
-            except AssertionError:
-                pass
+            self.c.delete_now(pp.ns, pp.name, pp.node)  # the kubelet's final grace-0 delete
 
     def _refresh(self, pp: PodProc) -> None:
         """Track every descendant of the main process (workers start their own sessions)."""
@@ -428,11 +455,11 @@ class Kubelet:
             tail = self.log(pp.ns, pp.name)[-LOG_TAIL_BYTES:]
             if tail:
                 term["message"] = tail
-        self.c.patch(PODS, pp.ns, pp.name, {"status": {
+        self.c.patch_pod_status(pp.ns, pp.name, {
             "phase": "Succeeded" if code == 0 else "Failed",
             "conditions": [{"type": "PodScheduled", "status": "True"},
                            {"type": "Ready", "status": "False", "reason": "PodCompleted"}],
-            "containerStatuses": [self._cstatus(pod["spec"], {"terminated": term})]}}, "status")
+            "containerStatuses": [self._cstatus(pod["spec"], {"terminated": term})]}, pp.node)
 
     # ------------------------------------------------------------------ starting a container
     def _start(self, pp: PodProc, pod: dict[str, Any]) -> None:
@@ -442,8 +469,8 @@ class Kubelet:
             env = self._env(pod, pp)
             argv = self._argv(pod, pp, c)
         except ValueError as e:
-            self.c.patch(PODS, pp.ns, pp.name, {"status": {"containerStatuses": [self._cstatus(spec, {
-                "waiting": {"reason": "CreateContainerConfigError", "message": str(e)}})]}}, "status")
+            self.c.patch_pod_status(pp.ns, pp.name, {"containerStatuses": [self._cstatus(spec, {
+                "waiting": {"reason": "CreateContainerConfigError", "message": str(e)}})]}, pp.node)
             return
         ids = self._pod_user(pp, spec) if self.run_as_pod_user else None
         if ids is not None:
@@ -477,12 +504,11 @@ class Kubelet:
             log.close()
         pp.pids = {pp.proc.pid: _start_time(pp.proc.pid) or 0}
         pp.state, pp.started_at = "Running", _now_iso()
-        self.c.patch(PODS, pp.ns, pp.name, {"status": {
+        self.c.patch_pod_status(pp.ns, pp.name, {
             "phase": "Running", "startTime": pp.started_at,
             "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Initialized", "status": "True"},
                            {"type": "ContainersReady", "status": "True"}, {"type": "Ready", "status": "True"}],
-            "containerStatuses": [self._cstatus(spec, {"running": {"startedAt": pp.started_at}}, True)]}},
-            "status")
+            "containerStatuses": [self._cstatus(spec, {"running": {"startedAt": pp.started_at}}, True)]}, pp.node)
 
     def _pod_user(self, pp: PodProc, spec: dict[str, Any]) -> tuple[int, int, list[int]] | None:
         """(uid, gid, supplementary groups) of the pod's securityContext (container level wins), else None."""

@@ -244,6 +244,35 @@ class Cluster:
     def pods(self, ns: str, name: str) -> list[dict[str, Any]]:
         return sorted(self.list(PODS, ns, f"kubetitan.io/name={name}"), key=lambda p: p["metadata"]["name"])
 
+    # ---- the node-agent interface the e2e kubelet uses (support.cluster.KubeCluster is the real cluster's)
+    schedules = False
+    """The double has no scheduler: the e2e kubelet binds pods itself."""
+
+    def renew_node(self, name: str) -> None:
+        """No node Leases here: a node is Ready until a test says otherwise."""
+
+    def patch_pod_status(self, ns: str, name: str, status: dict[str, Any], node: str) -> None:
+        self.patch(PODS, ns, name, {"status": status}, "status")
+
+    def delete_now(self, ns: str, name: str, node: str) -> None:
+        """The kubelet's final grace-0 delete (already gone: nothing to do)."""
+        assert self.k is not None
+        try:
+            self.call(self.k.remove(PODS, ns, name))
+        except AssertionError:
+            pass
+
+    def force_delete(self, ns: str, name: str) -> None:
+        """``kubectl delete pod --grace-period=0 --force``."""
+        k = self.k
+        assert k is not None
+
+        async def go() -> None:
+            async with k._lock:
+                await k._delete(kmock.resource(PODS), ns, name, {"gracePeriodSeconds": 0})
+
+        self.call(go())
+
     def pod_names(self, ns: str, name: str) -> list[str]:
         return [p["metadata"]["name"] for p in self.pods(ns, name)]
 

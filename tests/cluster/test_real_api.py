@@ -1,0 +1,155 @@
+"""The product against a real kube-apiserver (built from k8s.io/kubernetes by ``make cluster``): the chart installed
+with helm, the CRD's schema and CEL rules as the server enforces them, the webhook called by the server, the
+requester checks answered by the server's authorizer, server-side apply, ``kubectl explain``, PodSecurity,
+ResourceQuota and garbage collection by the controller-manager.
+
+Where these tests and the API double (tests/kmockx) disagree, the real server is right: docs/testing.md lists each
+difference found and what changed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kmockx.harness import wait_for
+from kubetitan_core import crd as crdmod
+from kubetitan_core.validation import CEL_RULES, parse
+from support.cluster import LPT, PODS, ApiError, ControlPlane, KubeCluster, kubernetes_version, resource_path
+from support.paths import EXAMPLES, REPO
+from support.release import Release, kubectl
+from support.specs import cpu_spec, lpt, make_lpt
+
+pytestmark = pytest.mark.xdist_group("real-cluster")
+CORPUS = yaml.safe_load((REPO / "tests" / "api" / "invalid_specs.yaml").read_text())
+CRD = yaml.safe_load((REPO / "crds" / crdmod.CRD_FILE).read_text())
+CEL_MESSAGE_TO_ID = {r["message"]: {c.rule: c.id for c in CEL_RULES}[r["rule"]]
+                     for r in CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+                         "x-kubernetes-validations"]}
+CEL_IDS = set(CEL_MESSAGE_TO_ID.values())
+DENIED = 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request'
+
+
+def test_the_server_is_the_pinned_kubernetes(control_plane: ControlPlane) -> None:
+    assert control_plane.version()["gitVersion"] == kubernetes_version()
+
+
+def test_helm_installs_the_chart_and_the_crd_is_established(control_plane: ControlPlane, release: Release) -> None:
+    crd = control_plane.admin.get("apiextensions.k8s.io/v1/customresourcedefinitions", None,
+                                  "llamapretrains.kubetitan.io")
+    assert crd is not None
+    conds = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert conds.get("Established") == "True" and conds.get("NamesAccepted") == "True", conds
+    kinds = {d["kind"] for d in release.manifest}
+    assert {"ClusterRole", "ServiceAccount", "ValidatingWebhookConfiguration", "Deployment"} <= kinds, kinds
+    out = kubectl("get", "lpt", "-A", kubeconfig=control_plane.admin_kubeconfig)
+    assert out.returncode == 0  # the short name and the printer columns are served
+
+
+def test_kubectl_explain_reads_the_typed_spec_descriptions(control_plane: ControlPlane, release: Release) -> None:
+    out = kubectl("explain", "llamapretrain.spec.training", kubeconfig=control_plane.admin_kubeconfig).stdout
+    assert "LlamaPretrain" in out and "seqLen" in out, out
+    training = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["training"]
+    for field in ("seqLen", "steps", "localBatchSize"):
+        description = " ".join(training["properties"][field]["description"].split())
+        assert description[:60] in " ".join(out.split()), (field, description, out)
+
+
+def _post_dry_run(api: Any, doc: dict[str, Any]) -> tuple[int, dict[str, Any], list[str]]:
+    """``POST`` with ``dryRun=All`` (nothing stored) and strict field validation, as kubectl sends it: the status,
+    the body and the Warning headers. (Without ``fieldValidation=Strict`` the server drops an unknown field with a
+    warning instead of refusing it.)"""
+    r = api.s.post(api.server + resource_path(LPT, doc["metadata"]["namespace"]),
+                   params={"dryRun": "All", "fieldValidation": "Strict"},  # kubectl's default since 1.27
+                   data=json.dumps(doc), headers={"Content-Type": "application/json"}, timeout=30)
+    return r.status_code, r.json(), r.headers.get("Warning", "")
+
+
+def _cel_ids(body: dict[str, Any]) -> set[str]:
+    causes = (body.get("details") or {}).get("causes") or []
+    return {rid for c in causes for msg, rid in CEL_MESSAGE_TO_ID.items() if msg in c.get("message", "")}
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
+def test_every_corpus_spec_is_refused_by_the_real_server_as_the_validator_refuses_it(
+        case: dict[str, Any], control_plane: ControlPlane, operator: Any, namespace: str) -> None:
+    """The CRD's OpenAPI schema and CEL rules run in the server before any webhook: a spec they refuse is answered
+    422 with exactly the CEL rules the Python validator reports for it; a spec they pass reaches the webhook, which
+    refuses it with the validator's errors."""
+    doc = make_lpt(case["spec"], name="c", namespace=namespace)
+    _, errors = parse(make_lpt(case["spec"]))
+    py = {e.rule for e in errors}
+    code, body, _ = _post_dry_run(control_plane.admin, doc)
+    assert code in (400, 403, 422), (code, body)
+    message = body.get("message", "")
+    if DENIED in message:
+        assert not py & CEL_IDS and "schema" not in py, f"the CRD let through {sorted(py & CEL_IDS)}: {message}"
+        for e in errors:
+            assert e.path in message, (e.path, message)
+    elif code == 400:  # strict decoding: an unknown field, before any validation
+        assert body.get("reason") == "BadRequest" and "unknown field" in message and "schema" in py, body
+    else:
+        assert code == 422 and body.get("reason") == "Invalid", body
+        assert _cel_ids(body) == py & CEL_IDS, (message, sorted(py))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_through_kubectl_dry_run_server_as_kubetitan_validate_says(
+        path: Path, control_plane: ControlPlane, operator: Any, namespace: str, tmp_path: Path) -> None:
+    """``kubectl apply --dry-run=server`` of each example (CRD, CEL, the webhook with the chart's default policy)
+    agrees with ``kubetitan validate --policy charts/kubetitan/values.yaml``."""
+    cli = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", "--policy",
+                          str(REPO / "charts/kubetitan/values.yaml"), str(path)], capture_output=True, text=True)
+    own = yaml.safe_load(path.read_text())["metadata"].get("namespace")
+    if own:
+        control_plane.admin.ensure_namespace(own)
+    out = kubectl("apply", "--dry-run=server", "-n", own or namespace, "-f", str(path),
+                  kubeconfig=control_plane.admin_kubeconfig, check=False)
+    assert (out.returncode == 0) == (cli.returncode == 0), (out.stdout, out.stderr, cli.stdout, cli.stderr)
+    if out.returncode:
+        assert DENIED in out.stderr, out.stderr  # refused by the admin policy in the webhook, not by the schema
+
+
+def test_a_refusal_and_a_warning_through_real_kubectl(control_plane: ControlPlane, operator: Any,
+                                                      namespace: str, tmp_path: Path) -> None:
+    bad = lpt("bad", {**cpu_spec(), "parallelism": {"dataParallelShardDegree": 3}}, namespace=namespace)
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(bad))
+    out = kubectl("apply", "-f", str(f), kubeconfig=control_plane.admin_kubeconfig, check=False)
+    assert out.returncode != 0 and "spec.parallelism" in out.stderr, out.stderr
+    warned = lpt("warned", {**cpu_spec(), "checkpoint": {**cpu_spec()["checkpoint"], "intervalSteps": 1000}},
+                 namespace=namespace)
+    f.write_text(yaml.safe_dump(warned))
+    out = kubectl("apply", "--dry-run=server", "-f", str(f), kubeconfig=control_plane.admin_kubeconfig)
+    assert "Warning: [checkpoint.interval-beyond-run]" in out.stderr, out.stderr
+
+
+def test_server_side_apply_of_a_run_tracks_its_field_managers(control_plane: ControlPlane, release: Release,
+                                                                namespace: str, tmp_path: Path) -> None:
+    """``kubectl apply --server-side`` creates and updates a run (the double answered NotFound), and a second
+    manager's conflicting change is refused until forced."""
+    doc = lpt("ssa", cpu_spec(), namespace=namespace)
+    doc["spec"]["runPolicy"]["suspend"] = True  # nothing to reconcile into pods
+    f = tmp_path / "ssa.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    kc = control_plane.admin_kubeconfig
+    out = kubectl("apply", "--server-side", "--field-manager=alice", "-f", str(f), kubeconfig=kc)
+    assert "serverside-applied" in out.stdout, out.stdout
+    doc["spec"]["training"]["steps"] = 200
+    f.write_text(yaml.safe_dump(doc))
+    kubectl("apply", "--server-side", "--field-manager=alice", "-f", str(f), kubeconfig=kc)
+    obj = control_plane.admin.get(LPT, namespace, "ssa")
+    assert obj["spec"]["training"]["steps"] == 200 and obj["metadata"]["generation"] == 2
+    assert "alice" in {m["manager"] for m in obj["metadata"]["managedFields"]}
+    doc["spec"]["training"]["steps"] = 300
+    f.write_text(yaml.safe_dump(doc))
+    out = kubectl("apply", "--server-side", "--field-manager=bob", "-f", str(f), kubeconfig=kc, check=False)
+    assert out.returncode != 0 and "conflict" in out.stderr.lower(), out.stderr
+    kubectl("apply", "--server-side", "--field-manager=bob", "--force-conflicts", "-f", str(f), kubeconfig=kc)
+    assert control_plane.admin.get(LPT, namespace, "ssa")["spec"]["training"]["steps"] == 300

@@ -1,0 +1,153 @@
+"""Runs on the real control plane: the operator (the chart's arguments and ServiceAccount) creates the gang, the real
+kube-scheduler places it on the e2e kubelet's nodes (tests/e2e/kubelet.py, each node with its own identity and
+Lease), the controller-manager garbage-collects, counts quota and turns a silent node NotReady; real trainers train.
+
+- children pass PodSecurity ``restricted`` in an enforcing namespace and are garbage-collected through their
+  ownerReferences when the run is deleted;
+- a ResourceQuota refusing the gang's second pod gives one aggregated Warning Event;
+- one CPU run: start -> a rank's container killed -> the gang re-created -> its node stops renewing its Lease
+  (NotReady after the controller-manager's grace period) -> NodeFailure restart on the other nodes -> Succeeded.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # the kubelet double's folder
+from kubelet import Kubelet  # noqa: E402
+
+from kmockx.harness import OperatorProcess, free_port, wait_for  # noqa: E402
+from support.cluster import LPT, NODES, PODS, ApiError, ControlPlane, KubeCluster  # noqa: E402
+from support.release import Release  # noqa: E402
+from support.specs import CLAIM, cpu_spec, e2e_spec, lpt  # noqa: E402
+
+pytestmark = [pytest.mark.xdist_group("real-cluster"), pytest.mark.timeout(900)]
+OPERATOR_FLAGS = ("--scan-interval=0.2", "--scrape-interval=0.5")
+"""Quicker cycles than the chart's defaults (10 s / 15 s), as the e2e suite on the double runs them."""
+START = 300.0
+
+
+@pytest.fixture(scope="module")
+def fast_operator(release: Release, control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[OperatorProcess]:
+    d = tmp_path_factory.mktemp("webhook")
+    with OperatorProcess(str(release.operator_kubeconfig()),
+                         *release.operator_args(cert_dir=str(d), extra=OPERATOR_FLAGS)) as op:
+        yield op
+
+
+def _claim(cp: ControlPlane, ns: str, name: str, path: Path) -> None:
+    """A ReadWriteMany claim bound to a hostPath PersistentVolume at ``path`` (what the e2e kubelet mounts)."""
+    pv = f"{ns}-{name}"
+    cp.admin.create("v1/persistentvolumes", None, {
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+        "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(path)},
+                 "claimRef": {"namespace": ns, "name": name}}})
+    cp.admin.create("v1/persistentvolumeclaims", ns, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": ns},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+                 "resources": {"requests": {"storage": "10Gi"}}}})
+    wait_for(lambda: (cp.admin.get("v1/persistentvolumeclaims", ns, name) or {}).get("status", {}).get("phase")
+             == "Bound", 30, f"claim {name} bound by the controller-manager")
+
+
+def _events(kube: KubeCluster, ns: str, name: str, reason: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in kube.list("v1/events", ns) if e["involvedObject"].get("name") == name
+            and (reason is None or e["reason"] == reason)]
+
+
+def test_children_pass_pod_security_restricted_and_are_garbage_collected(
+        kube: KubeCluster, control_plane: ControlPlane, fast_operator: OperatorProcess, namespace: str) -> None:
+    kube.patch("v1/namespaces", None, namespace, {"metadata": {"labels": {
+        "pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}}})
+    # the namespace enforces: a pod breaking `restricted` is refused by the server
+    with pytest.raises(ApiError) as refused:
+        kube.api.create(PODS, namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "root"},
+                                          "spec": {"containers": [{"name": "c", "image": "busybox"}]}})
+    assert refused.value.status == 403 and "violates PodSecurity" in str(refused.value)
+    kube.apply(lpt("gc", cpu_spec(nodes=2), namespace=namespace))
+    wait_for(lambda: len(kube.pods(namespace, "gc")) == 2, 60, "the gang's 2 pods admitted under restricted")
+    run = kube.lpt(namespace, "gc")
+    children = [("v1/configmaps", c["metadata"]["name"]) for c in kube.list("v1/configmaps", namespace)
+                if any(o["uid"] == run["metadata"]["uid"] for o in c["metadata"].get("ownerReferences") or [])]
+    children += [("v1/services", s["metadata"]["name"]) for s in kube.list("v1/services", namespace)]
+    children += [(PODS, p["metadata"]["name"]) for p in kube.pods(namespace, "gc")]
+    assert len(children) >= 4, children
+    for res, name in children:
+        refs = kube.get(res, namespace, name)["metadata"]["ownerReferences"]
+        assert [(r["kind"], r["uid"], r.get("controller")) for r in refs] == [
+            ("LlamaPretrain", run["metadata"]["uid"], True)], (res, name, refs)
+    kube.delete(LPT, namespace, "gc")
+    wait_for(lambda: all(kube.get(res, namespace, name) is None for res, name in children), 60,
+             "every child gone after the run's deletion (garbage collector)")
+
+
+def test_a_quota_refusing_the_second_pod_is_one_aggregated_event(
+        kube: KubeCluster, control_plane: ControlPlane, fast_operator: OperatorProcess, namespace: str) -> None:
+    kube.api.create("v1/resourcequotas", namespace, {"apiVersion": "v1", "kind": "ResourceQuota",
+                                                     "metadata": {"name": "team-quota"}, "spec": {"hard": {"pods": "1"}}})
+    wait_for(lambda: (kube.get("v1/resourcequotas", namespace, "team-quota") or {}).get("status", {}).get("hard"),
+             30, "the quota's status from the resource quota controller")
+    kube.apply(lpt("q", cpu_spec(nodes=2), namespace=namespace))
+    ev = wait_for(lambda: (e := _events(kube, namespace, "q", "FailedCreate"))
+                  and (e[0].get("count") or e[0].get("series", {}).get("count") or 1) >= 2 and e,
+                  90, "the refused creates counted on one Event")
+    assert len(ev) == 1 and ev[0]["type"] == "Warning", ev
+    assert "exceeded quota: team-quota" in ev[0]["message"], ev[0]["message"]
+    children = kube.condition(namespace, "q", "ChildrenCreated")
+    assert children["status"] == "False" and children["reason"] == "Forbidden", children
+    assert len(kube.pods(namespace, "q")) == 1
+
+
+def _attempt_pods(kube: KubeCluster, ns: str, name: str, attempt: int) -> list[dict[str, Any]]:
+    return [p for p in kube.pods(ns, name) if f"-a{attempt}-" in p["metadata"]["name"]]
+
+
+def test_a_cpu_run_survives_a_killed_rank_and_a_lost_node_then_succeeds(
+        kube: KubeCluster, control_plane: ControlPlane, fast_operator: OperatorProcess, namespace: str,
+        tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _claim(control_plane, namespace, CLAIM, ckpt)
+    spec = e2e_spec(ckpt, steps=400, interval=10, metrics_port=free_port(), maxInPlaceRestarts=0)
+    with Kubelet(kube, tmp_path / "kubelet", nodes=3, claims={CLAIM: ckpt}, node_prefix=f"{namespace}-n") as k:
+        kube.apply(lpt("cpu", spec, namespace=namespace))
+        # attempt 0 trains: kill rank 1's container (every process of the pod)
+        wait_for(lambda: kube.status(namespace, "cpu").get("training", {}).get("step", 0) >= 12, START,
+                 "attempt 0 past its first checkpoint")
+        a0 = _attempt_pods(kube, namespace, "cpu", 0)
+        assert len({p["spec"]["nodeName"] for p in a0}) == 2  # one pod per node, placed by kube-scheduler
+        k.kill(namespace, sorted(p["metadata"]["name"] for p in a0)[1], signal.SIGKILL)
+        wait_for(lambda: len(kube.status(namespace, "cpu").get("restarts") or []) >= 1, 120, "the first restart")
+        first = kube.status(namespace, "cpu")["restarts"][0]
+        assert first["cause"] == "ContainerFailed", first
+        # attempt 1 trains: its rank 1's node goes silent (no Lease renewal, processes frozen)
+        wait_for(lambda: kube.status(namespace, "cpu").get("attempt") == 1 and kube.status(
+            namespace, "cpu").get("training", {}).get("step", 0) > first.get("resumedFromStep", 0) + 2, START,
+            "attempt 1 training")
+        a1 = sorted(_attempt_pods(kube, namespace, "cpu", 1), key=lambda p: p["metadata"]["name"])
+        lost = a1[1]["spec"]["nodeName"]
+        k.fail_node(lost)
+        wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "Unknown"
+                             for c in kube.get(NODES, None, lost)["status"]["conditions"]), 60,
+                 "the node lifecycle controller marks the silent node NotReady")
+        wait_for(lambda: len(kube.status(namespace, "cpu").get("restarts") or []) >= 2, 120, "the second restart")
+        second = kube.status(namespace, "cpu")["restarts"][1]
+        assert second["cause"] == "NodeFailure", second
+        a2 = _attempt_pods(kube, namespace, "cpu", 2)
+        wait_for(lambda: len(_attempt_pods(kube, namespace, "cpu", 2)) == 2 and all(
+            p["spec"].get("nodeName") for p in _attempt_pods(kube, namespace, "cpu", 2)), 60, "attempt 2 bound")
+        a2 = _attempt_pods(kube, namespace, "cpu", 2)
+        assert lost not in {p["spec"]["nodeName"] for p in a2}, (lost, [p["spec"]["nodeName"] for p in a2])
+        wait_for(lambda: kube.status(namespace, "cpu").get("phase") == "Succeeded", START, "Succeeded")
+        status = kube.status(namespace, "cpu")
+        assert status["training"]["step"] == 400 and len(status["restarts"]) == 2, status
+        k.restore_node(lost)
+    assert not k.errors, k.errors
