@@ -18,7 +18,11 @@ path), ``data=kt`` (plain path: torchtitan's TrainSpec fed kubetitan's synthetic
 ``data=shards:shards=DIR`` (both paths: kubetitan's shards source over ``DIR``, a ``kubetitan prepare-data`` output,
 in its shuffled order seeded by ``seed``; on the plain path through torchtitan's TrainSpec, as ``data=kt``; ``DIR``
 holds no ``:`` or ``,``),
-``lrwarm=`` (warm-up steps, default 4), ``round=`` (a label: repeats of one case get their own log), ``kill=N`` (kill the run once step N is logged: no final save), ``ac=selective|full``, ``ckpt=sync|async|pinned``
+``lrwarm=`` (warm-up steps, default 4), ``round=`` (a label: repeats of one case get their own log), ``kill=N`` (kill the run once step N is logged: no final save), ``ac=selective|full|memory_budget``
+(``sac=op|N``: selective per op, the default, or every N-th block; ``budget=F``: torchtitan's ``memory_budget`` mode,
+the compiler's activation-memory budget 0-1, plain path only: kubetitan's spec has no such mode), ``gb=N`` (global
+batch: gradient accumulation over ``N / BATCH`` micro-batches), ``gpu=H100|H200`` (the kubetitan path's
+``spec.resources.gpuProduct``, default H200), ``ckpt=sync|async|pinned``
 (checkpoint every ``ckint`` steps; pinned = ``async_with_pinned_mem``), ``profile=N`` (profile steps
 N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
 
@@ -88,7 +92,8 @@ def parse_case(text: str) -> dict:
     if len(parts) < 3 or parts[1] not in MODES:
         raise SystemExit(f"bad case {text!r}: write FLAVOUR:MODE:BATCH[:key=value...], MODE one of {sorted(MODES)}")
     case = {"flavor": parts[0], "mode": parts[1], "batch": int(parts[2]), "spec": "plain", "ac": "none",
-            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "alloc": "", "data": "bench", "shards": "", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "id": text}
+            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "alloc": "", "data": "bench", "shards": "", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "sac": "op", "budget": 0.0, "gb": 0,
+            "gpu": "H200", "id": text}
     for kv in parts[3:]:
         k, _, v = kv.partition("=")
         if k not in case:
@@ -96,6 +101,12 @@ def parse_case(text: str) -> dict:
         case[k] = type(case[k])(v) if not isinstance(case[k], str) else v
     if case["data"] not in DATA:
         raise SystemExit(f"bad data={case['data']!r} in case {text!r}: use one of {sorted(DATA)}")
+    if case["ac"] not in ("none", "selective", "full", "memory_budget"):
+        raise SystemExit(f"bad ac={case['ac']!r} in case {text!r}: use none, selective, full or memory_budget")
+    if (case["ac"] == "memory_budget") != (case["budget"] > 0):
+        raise SystemExit(f"case {text!r}: ac=memory_budget and budget=F (0 < F <= 1) go together")
+    if case["gb"] and case["gb"] % case["batch"]:
+        raise SystemExit(f"case {text!r}: gb={case['gb']} is not a multiple of the batch {case['batch']}")
     if (case["data"] == "shards") != bool(case["shards"]):
         raise SystemExit(f"case {text!r}: data=shards and shards=DIR (a `kubetitan prepare-data` output) go together")
     return case
@@ -144,12 +155,14 @@ def toml_for(case: dict, dump_folder: str) -> dict:
         "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8, "weight_decay": 0.1},
         "lr_scheduler": {"warmup_steps": case["lrwarm"]},
         "training": {"local_batch_size": case["batch"], "seq_len": SEQ_LEN, "max_norm": 1.0,
-                     "steps": case["steps"], "dataset": "gpubench_synthetic", "mixed_precision_param": "bfloat16"},
+                     "steps": case["steps"], "dataset": "gpubench_synthetic", "mixed_precision_param": "bfloat16",
+                     "global_batch_size": case["gb"] or -1},
         "parallelism": {"data_parallel_shard_degree": -1},
         "checkpoint": {"enable": case["ckpt"] != "none", "folder": "checkpoint", "interval": case["ckint"],
                        "async_mode": CKPT_ASYNC_MODE[case["ckpt"]],
                        "keep_latest_k": 2, "last_save_model_only": True},  # 3B: 43 GB a full save, 64 GB disk
-        "activation_checkpoint": {"mode": case["ac"], "selective_ac_option": "op"},
+        "activation_checkpoint": {"mode": case["ac"], "selective_ac_option": case["sac"],
+                                  **({"memory_budget": case["budget"]} if case["ac"] == "memory_budget" else {})},
         "compile": {"enable": mode["compile"], "components": ["model", "loss"]},
         "metrics": {"log_freq": 1, "disable_color_printing": True, "enable_tensorboard": False},
         "debug": {"seed": case["seed"]},
@@ -384,6 +397,43 @@ def table(dirs: list[str]) -> None:
         print(fmt_row(r, ceiling))
 
 
+def compare_key(case_id: str) -> str:
+    """A case without its ``round=``/``path=`` labels: the repeats of one configuration share it."""
+    return ":".join(p for p in case_id.split(":") if not p.startswith(("round=", "path=")))
+
+
+def compare(dirs: list[str]) -> str:
+    """Per configuration and path: tok/s of each round (their median is the figure), MFU, reserved memory, and the
+    ratio to the best plain-torchtitan configuration that ran (failed runs: listed, never a denominator)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for d in dirs:
+        p = Path(d) / "results.jsonl"
+        for r in ([json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []):
+            if "path" in r:
+                groups.setdefault((r["path"], compare_key(r["case"])), []).append(r)
+    med = {k: statistics.median(r["tps_median"] for r in rs if "tps_median" in r)
+           for k, rs in groups.items() if any("tps_median" in r for r in rs)}
+    plain = {k: v for k, v in med.items() if k[0] == "plain"}
+    best = max(plain, key=plain.get) if plain else None
+    lines = [f"{'path':9s} {'configuration':44s} {'tok/s (median of rounds)':>24s} {'rounds':>28s} {'MFU':>6s} "
+             f"{'reserved':>9s} {'vs best plain':>13s}"]
+    for k in sorted(groups, key=lambda k: (k[0] != "plain", -med.get(k, 0))):
+        rs = groups[k]
+        ok = [r for r in rs if "tps_median" in r]
+        if not ok:
+            why = ", ".join(f"rc={r['rc']} steps={r.get('steps_logged', 0)}" for r in rs)
+            lines.append(f"{k[0]:9s} {k[1]:44s} {'did not run: ' + why:>24s}")
+            continue
+        rounds = " / ".join(f"{r['tps_median']:,.0f}" for r in ok)
+        mfu = statistics.median(r["mfu_median"] for r in ok)
+        ratio = f"{med[k] / plain[best]:.3f}" if best else "-"
+        lines.append(f"{k[0]:9s} {k[1]:44s} {med[k]:>24,.0f} {rounds:>28s} {mfu:5.1f}% "
+                     f"{max(r['mem_reserved_gib'] for r in ok):6.1f}GiB {ratio:>13s}")
+    if best:
+        lines.append(f"best plain torchtitan: {best[1]} ({plain[best]:,.0f} tok/s)")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -397,9 +447,14 @@ def main(argv=None) -> None:
     m.add_argument("--out", required=True)
     t = sub.add_parser("table")
     t.add_argument("dirs", nargs="+")
+    c = sub.add_parser("compare", help="each configuration's rounds, MFU and its ratio to the best plain one")
+    c.add_argument("dirs", nargs="+")
     a = ap.parse_args(argv)
     if a.cmd == "table":
         return table(a.dirs)
+    if a.cmd == "compare":
+        print(compare(a.dirs))
+        return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.cmd == "matmul":

@@ -48,6 +48,9 @@ def spec_env(case: dict) -> list[dict]:
 RECIPE_CASE = "3B:fp8tw:4:fp8out=1:alloc=exp"
 """The bench case that ``examples/llama3-3b-h200.yaml`` is (checked in tests/api/test_examples.py)."""
 
+RECIPE_CASE_H100 = "3B:fp8tw:2:ac=selective:sac=7:fp8out=1:alloc=exp:gpu=H100"
+"""The bench case that ``examples/llama3-3b-h100.yaml`` is (``bench/device/h100_recipe_vs_torchtitan.sh``'s RECIPE)."""
+
 
 def _precision(case: dict) -> dict:
     p = {k: dict(v) if isinstance(v, dict) else v for k, v in MODE_PRECISION[case["mode"]].items()}
@@ -71,7 +74,16 @@ def _resources(case: dict) -> dict:
 
         if not visible_gpus():
             return {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1}
-    return {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H200"}
+    return {"nodes": 1, "gpusPerNode": 1, "gpuProduct": case.get("gpu", "H200")}
+
+
+def _activation_checkpointing(case: dict) -> dict:
+    """spec.precision's activation checkpointing; torchtitan's ``memory_budget`` mode is not in kubetitan's spec."""
+    if case["ac"] == "memory_budget":
+        raise SystemExit(f"case {case['id']!r}: kubetitan's spec has no memory_budget activation checkpointing "
+                         "(use ac=none|selective|full, or path=plain)")
+    sac = {"selectiveActivationCheckpointing": case.get("sac", "op")} if case["ac"] == "selective" else {}
+    return {"activationCheckpointing": case["ac"], **sac}
 
 
 def lpt_for(case: dict, name: str) -> dict:
@@ -86,10 +98,9 @@ def lpt_for(case: dict, name: str) -> dict:
             "model": {"flavor": {"debugmodel": "debug"}.get(case["flavor"], case["flavor"])},
             "training": {"steps": case["steps"], "seqLen": SEQ_LEN, "localBatchSize": case["batch"],
                          "learningRate": 3e-4, "warmupSteps": case.get("lrwarm", 4), "weightDecay": 0.1, "maxNorm": 1.0,
-                         "seed": case["seed"]},
+                         "seed": case["seed"], **({"globalBatchSize": case["gb"]} if case.get("gb") else {})},
             "parallelism": {"dataParallelShardDegree": -1},
-            "precision": {**_precision(case), "activationCheckpointing": case["ac"],
-                          "mixedPrecisionParam": "bfloat16"},
+            "precision": {**_precision(case), **_activation_checkpointing(case), "mixedPrecisionParam": "bfloat16"},
             "data": _data(case),
             "tokenizer": {"source": "builtin"},
             "checkpoint": {"enabled": ck is not None, "intervalSteps": case["ckint"],
