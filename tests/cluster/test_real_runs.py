@@ -6,14 +6,16 @@ Lease), the controller-manager garbage-collects, counts quota and turns a silent
   ownerReferences when the run is deleted;
 - a ResourceQuota refusing the gang's second pod gives one aggregated Warning Event;
 - one CPU run: start -> a rank's container killed -> the gang re-created -> its node stops renewing its Lease
-  (NotReady after the controller-manager's grace period) -> NodeFailure restart on the other nodes -> Succeeded.
+  (NotReady after the controller-manager's grace period) -> NodeFailure restart on the other nodes -> etcd
+  compacted and kube-apiserver restarted (every watch expires) -> no further restart -> Succeeded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,15 @@ def _claim(cp: ControlPlane, ns: str, name: str, path: Path) -> None:
                  "resources": {"requests": {"storage": "10Gi"}}}})
     wait_for(lambda: (cp.admin.get("v1/persistentvolumeclaims", ns, name) or {}).get("status", {}).get("phase")
              == "Bound", 30, f"claim {name} bound by the controller-manager")
+
+
+@contextlib.contextmanager
+def _explained(diagnosis: Callable[[], str]) -> Iterator[None]:
+    """An AssertionError inside carries ``diagnosis()`` (the state of the run when a wait failed)."""
+    try:
+        yield
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n--- diagnosis ---\n{diagnosis()}") from None
 
 
 def _events(kube: KubeCluster, ns: str, name: str, reason: str | None = None) -> list[dict[str, Any]]:
@@ -106,6 +117,19 @@ def test_a_quota_refusing_the_second_pod_is_one_aggregated_event(
     assert len(kube.pods(namespace, "q")) == 1
 
 
+def _diagnosis(kube: KubeCluster, k: Kubelet, ns: str, name: str) -> str:
+    """What a failing wait shows: the run's status, its pods (node, phase, container state), its Events and the
+    tail of each container's log."""
+    lines = [f"status: {kube.status(ns, name)}"]
+    for p in kube.pods(ns, name):
+        cs = (p.get("status", {}).get("containerStatuses") or [{}])[0].get("state")
+        lines.append(f"pod {p['metadata']['name']} node={p['spec'].get('nodeName')} "
+                     f"phase={p.get('status', {}).get('phase')} state={cs}")
+        lines.append("  log: " + k.log(ns, p["metadata"]["name"])[-1500:].replace("\n", "\n  "))
+    lines += [f"event {e['reason']}: {e['message'][:300]}" for e in _events(kube, ns, name)]
+    return "\n".join(lines)
+
+
 def _attempt_pods(kube: KubeCluster, ns: str, name: str, attempt: int) -> list[dict[str, Any]]:
     return [p for p in kube.pods(ns, name) if f"-a{attempt}-" in p["metadata"]["name"]]
 
@@ -117,7 +141,8 @@ def test_a_cpu_run_survives_a_killed_rank_and_a_lost_node_then_succeeds(
     ckpt.mkdir()
     _claim(control_plane, namespace, CLAIM, ckpt)
     spec = e2e_spec(ckpt, steps=400, interval=10, metrics_port=free_port(), maxInPlaceRestarts=0)
-    with Kubelet(kube, tmp_path / "kubelet", nodes=3, claims={CLAIM: ckpt}, node_prefix=f"{namespace}-n") as k:
+    with Kubelet(kube, tmp_path / "kubelet", nodes=3, claims={CLAIM: ckpt}, node_prefix=f"{namespace}-n") as k, \
+            _explained(lambda: _diagnosis(kube, k, namespace, "cpu")):
         kube.apply(lpt("cpu", spec, namespace=namespace))
         # attempt 0 trains: kill rank 1's container (every process of the pod)
         wait_for(lambda: kube.status(namespace, "cpu").get("training", {}).get("step", 0) >= 12, START,
@@ -146,6 +171,14 @@ def test_a_cpu_run_survives_a_killed_rank_and_a_lost_node_then_succeeds(
             p["spec"].get("nodeName") for p in _attempt_pods(kube, namespace, "cpu", 2)), 60, "attempt 2 bound")
         a2 = _attempt_pods(kube, namespace, "cpu", 2)
         assert lost not in {p["spec"]["nodeName"] for p in a2}, (lost, [p["spec"]["nodeName"] for p in a2])
+        # attempt 2 trains: etcd compacted and kube-apiserver restarted, so every watch ends and resumes from a
+        # resourceVersion that is gone (410): the operator re-lists, and the run goes on without another restart
+        wait_for(lambda: kube.status(namespace, "cpu").get("attempt") == 2 and kube.status(
+            namespace, "cpu").get("training", {}).get("step", 0) > second.get("resumedFromStep", 0) + 2, START,
+            "attempt 2 training")
+        control_plane.compact()
+        down = control_plane.restart_apiserver()
+        print(f"kube-apiserver restarted in {down:.1f} s at step {kube.status(namespace, 'cpu')['training']['step']}")
         wait_for(lambda: kube.status(namespace, "cpu").get("phase") == "Succeeded", START, "Succeeded")
         status = kube.status(namespace, "cpu")
         assert status["training"]["step"] == 400 and len(status["restarts"]) == 2, status

@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import requests
 import tomli_w
 
 from kmockx.harness import PODS, Cluster, free_port
@@ -201,18 +202,22 @@ class Kubelet:
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="e2e-kubelet")
         self.errors: list[BaseException] = []
-        self._last_heartbeat = 0.0
+        self.heartbeat_thread = threading.Thread(target=self._heartbeats, daemon=True, name="e2e-kubelet-leases")
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Kubelet:
         for n in self.nodes:
             self.c.add_node(n)
         self.thread.start()
+        if self.c.schedules:
+            self.heartbeat_thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self.thread.join(10)
+        if self.heartbeat_thread.is_alive():
+            self.heartbeat_thread.join(10)
         self.kill_all()
         if self.c.schedules:  # a shared real cluster: no node of this kubelet may take a later test's pods
             for n in self.nodes:
@@ -311,21 +316,26 @@ class Kubelet:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.heartbeat()
                 self.sync()
+            except requests.ConnectionError:
+                pass  # the API server is away (a test restarts it): a kubelet tries again, as here at the next poll
             except Exception as e:  # noqa: BLE001 - surfaced to the test through .errors
                 self.errors.append(e)
             self._stop.wait(self.poll)
 
-    def heartbeat(self) -> None:
-        """Renew the Lease of every live node (a real cluster's node lifecycle controller watches them)."""
-        now = time.monotonic()
-        if now - self._last_heartbeat < HEARTBEAT_SECONDS:
-            return
-        self._last_heartbeat = now
-        for n in self.nodes:
-            if n not in self.dead:
-                self.c.renew_node(n)
+    def _heartbeats(self) -> None:
+        """Renew the Lease of every live node every :data:`HEARTBEAT_SECONDS`, on a thread of its own as a kubelet's
+        node lease controller runs: a slow pod start in the sync loop never makes a node look dead."""
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            for n in self.nodes:
+                if n in self.dead:
+                    continue
+                try:
+                    self.c.renew_node(n)
+                except requests.ConnectionError:
+                    pass  # the API server is away: the next beat tries again
+                except Exception as e:  # noqa: BLE001 - surfaced to the test through .errors
+                    self.errors.append(e)
 
     def sync(self) -> None:
         pods = {(p["metadata"].get("namespace"), p["metadata"]["name"]): p for p in self.c.list(PODS)
@@ -426,9 +436,9 @@ class Kubelet:
                 pp.reason = "OOMKilled" if pp.oom else ("Completed" if pp.exit_code == 0 else "Error")
                 self.exits[(pp.ns, pp.name)] = (pp.exit_code, pp.reason)
         if pp.state == "Exited" and not pp.reported:
-            pp.reported = True
             if pp.exit_code is not None:
-                self._report_exit(pp, pod)
+                self._report_exit(pp, pod)  # raises while the API server is away: reported at a later sync
+            pp.reported = True
         if pp.state == "Exited" and deleting and not pp.live_pids():
             self.c.delete_now(pp.ns, pp.name, pp.node)  # the kubelet's final grace-0 delete
 

@@ -284,6 +284,7 @@ class Component:
     proc: subprocess.Popen[bytes]
     log: Path
     started: float
+    args: list[str] = field(default_factory=list)
 
     def tail(self, n: int = 40) -> str:
         try:
@@ -298,7 +299,7 @@ class ControlPlane:
 
     workdir: Path | None = None
     bin_dir: Path = BIN
-    node_grace_seconds: int = 8
+    node_grace_seconds: int = 10
     """kube-controller-manager's ``--node-monitor-grace-period``: a node whose Lease and status have not been
     renewed for this long is marked ``Ready=Unknown``."""
     controllers: str = "*"
@@ -374,8 +375,10 @@ class ControlPlane:
 
     def node_api(self, node: str) -> Api:
         """The node agent's identity (``system:node:<node>``): the Node authorizer and NodeRestriction apply."""
-        return Api(self.server, self.pki.ca_file,
-                   cert=self.pki.issue(f"node-{node}", f"system:node:{node}", ("system:nodes",)))
+        crt, key = self.pki.dir / f"node-{node}.crt", self.pki.dir / f"node-{node}.key"
+        if not crt.exists():  # one certificate per node, however many clients use it
+            crt, key = self.pki.issue(f"node-{node}", f"system:node:{node}", ("system:nodes",))
+        return Api(self.server, self.pki.ca_file, cert=(crt, key))
 
     def token(self, namespace: str, service_account: str, seconds: int = 3600) -> str:
         """A token of the ServiceAccount from the TokenRequest API (what a projected token volume holds)."""
@@ -393,11 +396,11 @@ class ControlPlane:
     def _spawn(self, name: str, args: list[str]) -> Component:
         assert self.workdir is not None
         log = self.workdir / f"{name}.log"
-        f = open(log, "wb")  # noqa: SIM115 - the child keeps it
+        f = open(log, "ab")  # noqa: SIM115 - the child keeps it
         proc = subprocess.Popen([str(self.bin_dir / name), *args], stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         f.close()
-        c = self.components[name] = Component(name, proc, log, time.monotonic())
+        c = self.components[name] = Component(name, proc, log, time.monotonic(), list(args))
         return c
 
     @staticmethod
@@ -483,6 +486,21 @@ class ControlPlane:
         c = self.components["kube-controller-manager"]
         self._wait(c, lambda: self.admin.get("v1/serviceaccounts", "default", "default") is not None)
 
+    def restart_apiserver(self) -> float:
+        """Stop kube-apiserver (SIGTERM, SIGKILL after 10 s) and start it again with the same flags: every watch
+        ends, and its watch cache starts anew from etcd. Returns the seconds until it was ready again."""
+        t0 = time.monotonic()
+        old = self.components.pop("kube-apiserver")
+        old.proc.send_signal(signal.SIGTERM)
+        try:
+            old.proc.wait(10)
+        except subprocess.TimeoutExpired:  # its graceful shutdown waits for the open watches to drain
+            old.proc.kill()
+            old.proc.wait(10)
+        c = self._spawn("kube-apiserver", old.args)
+        self._wait(c, lambda: self.admin.s.get(self.server + "/readyz", timeout=2).status_code == 200, timeout=90)
+        return time.monotonic() - t0
+
     # -- etcd
     def compact(self) -> int:
         """Compact etcd at its current revision (what the API server does every 5 minutes): watches resumed from
@@ -524,6 +542,7 @@ class KubeCluster:
     def __init__(self, cp: ControlPlane) -> None:
         self.cp, self.api = cp, cp.admin
         self._nodes: dict[str, Api] = {}
+        self._leases: dict[str, Api] = {}
 
     # -- reads and a test's writes (admin)
     def get(self, resource: str, ns: str | None, name: str) -> dict[str, Any] | None:
@@ -586,8 +605,11 @@ class KubeCluster:
         self.renew_node(name)
 
     def renew_node(self, name: str) -> None:
-        """The node's heartbeat: renew its Lease in ``kube-node-lease`` (created on first use)."""
-        api, now = self.node(name), _micro_now()
+        """The node's heartbeat: renew its Lease in ``kube-node-lease`` (created on first use). A client of its own
+        per node: the heartbeat runs on the kubelet double's lease thread."""
+        if name not in self._leases:
+            self._leases[name] = self.cp.node_api(name)
+        api, now = self._leases[name], _micro_now()
         try:
             api.patch(LEASES, "kube-node-lease", name, {"spec": {"renewTime": now}})
         except ApiError as e:
