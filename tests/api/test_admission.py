@@ -48,6 +48,8 @@ SECRET_ENV = [{"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "
 PVC = Access("get", "", "persistentvolumeclaims", "ml", "ckpt")
 SECRET = Access("get", "", "secrets", "ml", "wandb")
 PODS = Access("create", "", "pods", "ml")
+FIX = ("ask for that access, reference something you may use, or ask the cluster admin to set the kubetitan "
+       "chart's webhook.requesterChecks")
 
 ROWS: list[tuple[str, dict[str, Any], dict[str, Any] | None, str, Policy | None, Requester, dict[Access, Any],
                  bool, int, list[str] | None, list[str]]] = [
@@ -111,12 +113,41 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any] | None, str, Policy | None,
       "(not checked); ask for that access, reference something you may use, or ask the cluster admin to set the "
       "kubetitan chart's webhook.requesterChecks"], []),
     ("references-off", obj(), None, "CREATE", Policy(), Requester.OFF, {PVC: False}, True, 200, [], []),
-    ("update-adding-a-secret-checks-only-the-secret", obj(resources={"env": SECRET_ENV}), obj(), "UPDATE", Policy(),
-     Requester.REFERENCES, {SECRET: "no RBAC rule"}, False, 403,
+    ("update-adding-an-env-secret-checks-every-reference", obj(resources={"env": SECRET_ENV}), obj(), "UPDATE",
+     Policy(), Requester.REFERENCES, {SECRET: "no RBAC rule", PVC: True}, False, 403,
      ["spec.resources.env[0].valueFrom.secretKeyRef.name: Secret wandb is used by the pods the operator creates, "
       "and the requesting user may not get secrets 'wandb' in namespace ml (no RBAC rule); ask for that access, "
       "reference something you may use, or ask the cluster admin to set the kubetitan chart's "
       "webhook.requesterChecks"], []),
+    # an edit of someone else's run: a reference is new when its use is; an image, env or mount change checks all
+    ("edit-moving-a-pull-secret-into-env-and-swapping-the-image", obj(resources={
+        "env": SECRET_ENV, "image": "tenant.example/evil:1"}), obj(resources={"imagePullSecrets": ["wandb"]}),
+     "UPDATE", Policy(), Requester.REFERENCES, {}, False, 403,
+     [f"spec.resources.env[0].valueFrom.secretKeyRef.name: Secret wandb is used by the pods the operator creates, "
+      f"and the requesting user may not get secrets 'wandb' in namespace ml (not checked); {FIX}",
+      f"spec.checkpoint.storage.persistentVolumeClaim.claimName: PersistentVolumeClaim ckpt is used by the pods "
+      f"the operator creates, and the requesting user may not get persistentvolumeclaims 'ckpt' in namespace ml "
+      f"(not checked); {FIX}"], []),
+    ("edit-swapping-only-the-image-checks-every-reference", obj(resources={"image": "tenant.example/evil:1"}),
+     obj(), "UPDATE", Policy(), Requester.REFERENCES, {PVC: False}, False, 403, [
+         f"spec.checkpoint.storage.persistentVolumeClaim.claimName: PersistentVolumeClaim ckpt is used by the pods "
+         f"the operator creates, and the requesting user may not get persistentvolumeclaims 'ckpt' in namespace ml "
+         f"(denied); {FIX}"], []),
+    ("edit-moving-a-pull-secret-into-the-tokenizer-is-a-new-use", obj(
+        resources={"imagePullSecrets": ["wandb"]}, tokenizer={"source": "builtin", "tokenSecretRef": {"name": "wandb"}}),
+     obj(resources={"imagePullSecrets": ["wandb"]}), "UPDATE", Policy(), Requester.REFERENCES, {PVC: True}, False,
+     403, [f"spec.tokenizer.tokenSecretRef.name: Secret wandb is used by the pods the operator creates, and the "
+           f"requesting user may not get secrets 'wandb' in namespace ml (not checked); {FIX}"], []),
+    ("edit-making-a-read-only-data-claim-writable-checks-every-reference", obj(data={"volume": {"claimName": "d"}}),
+     obj(data={"volume": {"claimName": "d", "readOnly": True}}), "UPDATE", Policy(), Requester.REFERENCES,
+     {PVC: True}, False, 403, [
+         f"spec.data.volume.claimName: PersistentVolumeClaim d is used by the pods the operator creates, and the "
+         f"requesting user may not get persistentvolumeclaims 'd' in namespace ml (not checked); {FIX}"], []),
+    ("edit-of-a-live-field-checks-nothing", obj(training={"steps": 200}, resources={"env": SECRET_ENV}),
+     obj(resources={"env": SECRET_ENV}), "UPDATE", Policy(), Requester.REFERENCES, {}, True, 200, [], []),
+    ("edit-reordering-pull-secrets-checks-nothing", obj(resources={"imagePullSecrets": ["b", "a"]}),
+     obj(resources={"imagePullSecrets": ["a", "b"]}), "UPDATE", Policy(), Requester.REFERENCES, {}, True, 200, [],
+     []),
     ("pod-create-granted", obj(), None, "CREATE", Policy(), Requester.POD_CREATE, {PODS: True}, True, 200, [], []),
     ("pod-create-denied", obj(), None, "CREATE", Policy(), Requester.POD_CREATE, {PODS: False}, False, 403,
      ["spec.checkpoint.storage.persistentVolumeClaim.claimName: this spec makes the operator create pods that use "
@@ -152,6 +183,8 @@ def test_review(case: tuple[Any, ...]) -> None:
     assert list(v.errors) == lines
     if lines:
         assert v.message.splitlines()[1:] == [f"  - {ln}" for ln in lines]
+    if "every-reference" in case[0] or "swapping-the-image" in case[0]:
+        assert "so every reference is checked as if she created the run as it now stands" in v.message
     assert [w.split("]", 1)[0][1:] for w in v.warnings] == warned
 
 

@@ -8,7 +8,9 @@ kubectl prints what a user sees.
   same error lines (path: message) when the webhook refuses, the same warnings; a sample goes through kubectl;
 - a tenant bound only to "create LlamaPretrain" cannot reference a Secret, claim or service account she could not
   use herself; the admin's ``off`` lets it pass; the SubjectAccessReviews carry the request's uid and extra, and
-  their cached answers expire (a revoked grant is honoured until the allowed TTL ends, on a fake clock);
+  their cached answers expire (a revoked grant is honoured until the allowed TTL ends, on a fake clock); a tenant
+  editing an admin's run is checked for each reference whose use is new, and for all of them when the edit
+  changes the image, env or mounts;
 - a world-size edit of a started run: a warning on synthetic data, the operator's refusal on hub-streamed data;
 - a webhook that is down: ``Fail`` refuses with the API server's "failed calling webhook", ``Ignore`` admits.
 """
@@ -371,6 +373,41 @@ def test_a_revoked_grant_is_honoured_until_the_allowed_ttl_ends_and_reviews_carr
     assert out.returncode != 0 and "the requesting user may not get persistentvolumeclaims 'team-ckpt'" in out.stderr
     for name in ("rev-1", "rev-2"):
         env.cluster.delete(LPT, NS, name)
+
+
+def test_a_tenant_editing_an_admins_run_is_checked_for_every_new_use_and_for_all_when_the_code_changes(
+        env: Env) -> None:
+    """The edit bypass: an admin's run uses Secret db-creds as an image pull secret (only the kubelet reads it); a
+    tenant who may patch LlamaPretrains but not read db-creds moves it into ``env`` and swaps the image. The same
+    Secret under a new use, and an image change, are checked as if she created the run: refused, naming the field
+    and the access she lacks. A live-field edit of the same run checks nothing and passes."""
+    carol = env.user("carol", [{"apiGroups": ["kubetitan.io"], "resources": ["llamapretrains"],
+                                "verbs": ["create", "get", "patch", "update"]}])
+    doc = _tenant_spec("admins-run", imagePullSecrets=["db-creds"])
+    doc["spec"]["runPolicy"] = {"suspend": True}  # not started: its tokenizer may still change
+    env.cluster.apply(doc)  # as the cluster admin
+    try:
+        patch = {"spec": {"resources": {"image": "tenant.example/mine:1", "env": [
+            {"name": "DB_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "db-creds", "key": "password"}}}]}}}
+        out = kubectl(carol, "patch", "lpt", "admins-run", "-n", NS, "--type", "merge", "-p", json.dumps(patch))
+        assert out.returncode != 0, out.stdout
+        assert ("this update changes spec.resources.image, spec.resources.env, so every reference is checked as if "
+                "she created the run as it now stands") in out.stderr, out.stderr
+        assert ("spec.resources.env[0].valueFrom.secretKeyRef.name: Secret db-creds is used by the pods the operator "
+                "creates, and the requesting user may not get secrets 'db-creds' in namespace ml") in out.stderr
+        # the same Secret moved into the tokenizer, image and env untouched: a new use, checked
+        patch = {"spec": {"tokenizer": {"tokenSecretRef": {"name": "db-creds", "key": "password"}}}}
+        out = kubectl(carol, "patch", "lpt", "admins-run", "-n", NS, "--type", "merge", "-p", json.dumps(patch))
+        assert ("spec.tokenizer.tokenSecretRef.name: Secret db-creds is used by the pods the operator creates, and "
+                "the requesting user may not get secrets 'db-creds' in namespace ml") in out.stderr, out.stderr
+        stored = env.cluster.get(LPT, NS, "admins-run")
+        assert "env" not in stored["spec"]["resources"] and "tokenSecretRef" not in stored["spec"]["tokenizer"]
+        # a live field: no reference is used anew, nothing to check
+        out = kubectl(carol, "patch", "lpt", "admins-run", "-n", NS, "--type", "merge", "-p",
+                      json.dumps({"spec": {"training": {"steps": 150}}}))
+        assert out.returncode == 0, out.stderr
+    finally:
+        env.cluster.delete(LPT, NS, "admins-run")
 
 
 def test_the_code_loading_env_is_refused_by_the_policy_at_admission(env: Env) -> None:
