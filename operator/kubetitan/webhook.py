@@ -8,6 +8,9 @@ webhook"). The handler asks the API server the requester checks' SubjectAccessRe
 :mod:`kubetitan.access_cache`), then returns :func:`kubetitan.admission.review`'s verdict: a refusal is a
 ``kopf.AdmissionError`` with the review's message and code, warnings go into kopf's ``warnings`` list.
 
+The server is :class:`kubetitan.webhook_guard.GuardedServer`: kopf's, reading reviews up to 7 MiB (sized from the
+API server's own request limit: an UPDATE carries the object and the old object).
+
 Certificates: the files given (helm's or cert-manager's Secret, mounted), or with ``--webhook-certificates
 operator`` the operator's own, issued, rotated and served by :mod:`kubetitan.certsync`.
 
@@ -28,7 +31,7 @@ from typing import Any
 
 import kopf
 
-from kubetitan import admission, certs, certsync
+from kubetitan import admission, certs, certsync, webhook_guard
 from kubetitan.access_cache import AccessCache, Answer, CacheConfig
 from kubetitan_core import GROUP, PLURAL, VERSION
 
@@ -170,8 +173,8 @@ def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None,
     if options is None or options.port is None:
         settings.admission.server = _no_server
         return None
-    server = kopf.WebhookServer(addr=options.addr, port=options.port, certfile=options.cert_file,
-                                pkeyfile=options.key_file, file_check_interval=options.cert_check_seconds)
+    server = webhook_guard.server(options.addr, options.port, options.cert_file, options.key_file,
+                                  options.cert_check_seconds)
     if options.certificates is None:
         settings.admission.server = server
         return None

@@ -39,7 +39,7 @@ import yaml
 from kmockx import kubeconfig, rbac, webhooks
 from kmockx.harness import LPT, NS, ApiError, Cluster, Operator, free_port, wait_for
 from support.specs import lpt
-from kubetitan import admission, cli
+from kubetitan import admission, cli, webhook_guard
 from kubetitan.access_cache import CacheConfig
 from kubetitan.policy import Policy
 from kubetitan.webhook import WebhookOptions
@@ -462,6 +462,28 @@ def test_a_world_size_edit_of_a_started_run_is_answered_as_the_operator_gates_it
 
 
 # ------------------------------------------------------------------ a webhook that is down
+# ------------------------------------------------------------------ size
+def test_a_2_5_mb_object_is_created_and_suspended_through_the_webhook(env: Env) -> None:
+    """An UPDATE's review carries the object and the old object: 2 x 2.5 MB is read (the limit is sized from the
+    API server's 3 MiB body), where aiohttp's default 1 MiB answered 413 and the API server failed the call."""
+    doc = _tenant_spec("big", env=[{"name": f"V{i}", "value": "x" * 8000} for i in range(320)])
+    doc["metadata"]["namespace"] = CORPUS_NS
+    assert 2_500_000 < len(json.dumps(doc)) < webhook_guard.API_SERVER_MAX_BODY_BYTES
+    calls = webhooks.state(env.cluster.k)["calls"]
+    seen = len(calls)
+    r = _post(env, doc)
+    assert r.status_code == 201, r.text[:500]
+    try:
+        url = f"{env.cluster.url}/apis/kubetitan.io/v1alpha1/namespaces/{CORPUS_NS}/llamapretrains/big"
+        r = requests.patch(url, json={"spec": {"runPolicy": {"suspend": True}}}, timeout=60, headers={
+            "Authorization": "Bearer kmock", "Content-Type": "application/merge-patch+json"})
+        assert r.status_code == 200, r.text[:500]
+        assert r.json()["spec"]["runPolicy"]["suspend"] is True
+        assert [c.outcome for c in calls[seen:]] == ["allowed", "allowed"]  # both answered by the webhook
+    finally:
+        env.cluster.delete(LPT, CORPUS_NS, "big")
+
+
 def _replace_vwc(env: Env, webhooks_: list[dict[str, Any]]) -> None:
     """PUT the configuration with other webhooks (as an admin's kubectl replace)."""
     c = env.cluster
