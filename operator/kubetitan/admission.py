@@ -63,6 +63,12 @@ role), which ``create serviceaccounts/token`` grants directly; a priority class 
 creation, so the check is the verb ``use`` on it (granted explicitly, like PodSecurityPolicy's ``use``)."""
 
 
+MAX_ACCESS_CHECKS = 64
+"""The most SubjectAccessReviews one request may need (distinct objects a spec references, in ``references``
+mode): a spec needing more is refused before any is asked, so no request, from the API server or from anyone
+else who reaches the webhook, makes the operator send more than this many."""
+
+
 @dataclass(frozen=True)
 class Reference:
     """One object a spec makes the pods use: its kind, name, the field that names it, and what the pods do with it."""
@@ -257,13 +263,11 @@ def access_checks(obj: Mapping[str, Any], old: Mapping[str, Any] | None, operati
         return []
     if mode == Requester.POD_CREATE:
         return [Access("create", "", "pods", ns)]
-    out: list[Access] = []
+    out: dict[Access, None] = {}  # distinct, in reference order
     for r in refs:
         verb, group, resource = VERBS[r.kind]
-        a = Access(verb, group, resource, None if r.kind == "PriorityClass" else ns, r.name)
-        if a not in out:
-            out.append(a)
-    return out
+        out.setdefault(Access(verb, group, resource, None if r.kind == "PriorityClass" else ns, r.name))
+    return list(out)
 
 
 def _namespace(obj: Mapping[str, Any], old: Mapping[str, Any] | None) -> str:
@@ -317,7 +321,8 @@ def review(obj: Mapping[str, Any] | None, old: Mapping[str, Any] | None, operati
 
     ``obj``/``old``: the request's object and oldObject; ``operation``: CREATE, UPDATE (others pass); ``pol``: the
     admin policy (None: none); ``mode`` and ``answers``: the requester checks and the SubjectAccessReview answer of
-    each :func:`access_checks` entry (True, or the reason it was denied; a missing answer refuses).
+    each :func:`access_checks` entry (True, or the reason it was denied; a missing answer refuses). A request that
+needs more than :data:`MAX_ACCESS_CHECKS` of them is refused (422) whatever the answers.
 
     An UPDATE that leaves ``spec`` as it was passes at once: kopf's finalizer and annotation patches, and label
     edits, must never be refused because a stored spec predates a rule (the operator reports those itself).
@@ -349,6 +354,9 @@ def review(obj: Mapping[str, Any] | None, old: Mapping[str, Any] | None, operati
             return Verdict(False, f"LlamaPretrain {name} has started, and this change of its world size is refused "
                            f"(1 error(s)):\n  - {line}", warnings, 422, (line,))
         warnings = (*warnings, f"[{C.DEFERRED_TO_NEXT_ATTEMPT}] {edit.path}: {edit.deferral}")
+    if (too_many := _too_many_checks(obj, old, operation, mode)) is not None:
+        return Verdict(False, f"LlamaPretrain {name} needs more access checks than one request may ask "
+                       f"(1 error(s)):\n  - {too_many}", warnings, 422, (too_many,))
     denied = _requester_denials(obj, old, operation, mode, answers or {})
     if denied:
         changed = _rechecked_for(obj, old, operation)
@@ -357,6 +365,16 @@ def review(obj: Mapping[str, Any] | None, old: Mapping[str, Any] | None, operati
         return Verdict(False, f"LlamaPretrain {name} references what the requesting user may not use herself{why} "
                        f"({len(denied)} error(s)):\n  - " + "\n  - ".join(denied), warnings, 403, tuple(denied))
     return Verdict(True, "", warnings)
+
+
+def _too_many_checks(obj: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str,
+                     mode: Requester) -> str | None:
+    checks = access_checks(obj, old, operation, mode)
+    if len(checks) <= MAX_ACCESS_CHECKS:
+        return None
+    return (f"spec: the requester checks need {len(checks)} SubjectAccessReviews for the distinct Secrets, ConfigMaps, "
+            f"claims, service account and priority class this spec references, more than the {MAX_ACCESS_CHECKS} "
+            "one request may ask; reference fewer objects (one Secret or ConfigMap can hold many keys)")
 
 
 def _requester_denials(obj: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str, mode: Requester,

@@ -1,13 +1,34 @@
-"""The admission webhook's server: kopf's, reading reviews as large as the API server sends.
+"""Who may drive the admission webhook, and how much: request size, per-caller rate limits, client certificates.
 
-An UPDATE's AdmissionReview carries the object and the old object, each up to :data:`API_SERVER_MAX_BODY_BYTES`,
-in one envelope: a review is read up to :data:`MAX_REVIEW_BYTES` (aiohttp's default, 1 MiB, answered 413 to the
-UPDATE of a valid ~543 KB object, so even ``suspend: true`` was refused), and a larger body is answered 413 before
-it is read.
+Any pod that reaches the webhook's port can POST an AdmissionReview, and each review may make the operator ask the
+API server SubjectAccessReviews (the requester checks), whose answers say which user may read which Secret. So:
+
+- **Size**: a review is read up to :data:`MAX_REVIEW_BYTES`, sized from the API server's own request limit (an
+  UPDATE carries the object and the old object, each up to :data:`API_SERVER_MAX_BODY_BYTES`, in one envelope);
+  a larger body is answered 413 before it is read.
+- **Access checks per review**: at most ``admission.MAX_ACCESS_CHECKS`` SubjectAccessReviews; a spec that needs
+  more is refused before any is asked (``admission.review``).
+- **Rate**: the SubjectAccessReviews a review would send (answers not in the access cache) are charged to two token
+  buckets, the caller's source address and (source, username); a review that would overdraw either is refused
+  with 429 and the time to wait, and asks nothing (:class:`RateLimiter`; the buckets are kept for at most
+  :attr:`RateConfig.max_callers` callers each, least recently used dropped first).
+- **Client certificates** (``--webhook-client-ca-file``): where the API server is configured to present a client
+  certificate to webhooks (its AdmissionConfiguration's ``kubeConfigFile``), the TLS handshake requires one signed
+  by that CA, and ``--webhook-client-names`` narrows it to the certificate's common or DNS names; every other
+  caller is turned away before it can send a byte of a review.
+
+:class:`GuardedServer` is kopf's ``WebhookServer`` with the size limit, the client-name check and the caller
+(:data:`CALLER`, read by the handler) added; the rest is kopf's.
 """
 
 from __future__ import annotations
 
+import contextvars
+import math
+import ssl
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp.web
@@ -24,16 +45,151 @@ MAX_REVIEW_BYTES = 2 * API_SERVER_MAX_BODY_BYTES + REVIEW_ENVELOPE_BYTES
 server admits, and the envelope."""
 
 
+@dataclass(frozen=True)
+class RateConfig:
+    """SubjectAccessReviews (not answered from the access cache) the webhook sends per caller: a token bucket per
+    source address and per (source, username)."""
+
+    user_per_second: float = 10.0
+    """Refill rate of a (source, username) bucket."""
+    user_burst: int = 128
+    """Its size: two reviews at the per-review cap. At least ``admission.MAX_ACCESS_CHECKS``."""
+    source_per_second: float = 50.0
+    """Refill rate of a source address's bucket (every user the API server forwards shares it)."""
+    source_burst: int = 512
+    """Its size. At least ``admission.MAX_ACCESS_CHECKS``."""
+    max_callers: int = 4096
+    """Buckets kept per kind (least recently used dropped first): the memory bound."""
+
+    def problems(self, per_review: int) -> list[str]:
+        out = []
+        for name, rate, burst in (("user", self.user_per_second, self.user_burst),
+                                  ("source", self.source_per_second, self.source_burst)):
+            if not rate > 0:
+                out.append(f"--webhook-rate-{name}-per-second must be > 0 (got {rate})")
+            if burst < per_review:
+                out.append(f"--webhook-rate-{name}-burst must be at least {per_review}, the access checks one review "
+                           f"may need (got {burst})")
+        if self.max_callers < 1:
+            out.append(f"--webhook-rate-max-callers must be at least 1 (got {self.max_callers})")
+        return out
+
+
+class _Buckets:
+    """Token buckets by key, least recently used dropped beyond ``size`` (a dropped caller starts full again)."""
+
+    def __init__(self, per_second: float, burst: int, size: int) -> None:
+        self.per_second, self.burst, self.size = per_second, burst, size
+        self._b: OrderedDict[Any, tuple[float, float]] = OrderedDict()
+
+    def wait(self, key: Any, n: int, now: float) -> float:
+        """Seconds until ``n`` tokens are there (0: now)."""
+        tokens, then = self._b.pop(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - then) * self.per_second)
+        self._b[key] = (tokens, now)
+        while len(self._b) > self.size:
+            self._b.popitem(last=False)
+        return 0.0 if tokens >= n else (n - tokens) / self.per_second
+
+    def take(self, key: Any, n: int) -> None:
+        tokens, now = self._b[key]
+        self._b[key] = (tokens - n, now)
+
+    def __len__(self) -> int:
+        return len(self._b)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a caller may not have its access checks now."""
+
+    who: str
+    per_second: float
+    burst: int
+    retry_after: float
+
+    def __str__(self) -> str:
+        return (f"{self.who} may have {self.per_second:g} SubjectAccessReviews a second asked for it (bursts of "
+                f"{self.burst}); retry in {math.ceil(self.retry_after * 10) / 10:g} s")
+
+
+class RateLimiter:
+    """The per-caller budget of SubjectAccessReviews (:class:`RateConfig`), on an injectable clock."""
+
+    def __init__(self, config: RateConfig, clock: Callable[[], float]) -> None:
+        self.config, self.clock = config, clock
+        self.users = _Buckets(config.user_per_second, config.user_burst, config.max_callers)
+        self.sources = _Buckets(config.source_per_second, config.source_burst, config.max_callers)
+
+    def charge(self, source: str, user: str, n: int) -> Refusal | None:
+        """Take ``n`` from both of the caller's buckets, or nothing and the refusal when either is short."""
+        if n <= 0:
+            return None
+        now = self.clock()
+        c = self.config
+        waits = [(self.sources.wait(source, n, now), f"source {source}", c.source_per_second, c.source_burst),
+                 (self.users.wait((source, user), n, now), f"user {user!r} from {source}", c.user_per_second,
+                  c.user_burst)]
+        wait, who, rate, burst = max(waits, key=lambda w: w[0])
+        if wait > 0:
+            return Refusal(who, rate, burst, wait)
+        self.sources.take(source, n)
+        self.users.take((source, user), n)
+        return None
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent the review being answered: the peer address and, with client certificates, the names of its
+    verified certificate."""
+
+    source: str
+    names: tuple[str, ...] = ()
+
+
+CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("kubetitan_webhook_caller", default=None)
+"""Set by :class:`GuardedServer` around each review; the kopf handler runs in the same context."""
+
+
+def cert_names(peercert: Any) -> tuple[str, ...]:
+    """The common names and DNS names of a verified peer certificate (``ssl.SSLSocket.getpeercert()``)."""
+    if not isinstance(peercert, dict):
+        return ()
+    cns = [v for rdn in peercert.get("subject", ()) for k, v in rdn if k == "commonName"]
+    dns = [v for k, v in peercert.get("subjectAltName", ()) if k == "DNS"]
+    return tuple(cns + dns)
+
+
 class GuardedServer(kopf.WebhookServer):
-    """kopf's webhook server, reading bodies up to :data:`MAX_REVIEW_BYTES`."""
+    """kopf's webhook server, reading bodies up to :data:`MAX_REVIEW_BYTES` (aiohttp's default is 1 MiB), and with
+    ``client_names`` a verified client certificate of one of those names required (kopf's ``verify_cafile`` with
+    ``verify_mode=ssl.CERT_REQUIRED`` makes the handshake require a certificate of that CA: :func:`server`)."""
+
+    def __init__(self, *args: Any, client_names: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.client_names = client_names
 
     async def _serve(self, fn: Any, request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:  # type: ignore[override]
         if request.content_length is not None and request.content_length > MAX_REVIEW_BYTES:
             raise aiohttp.web.HTTPRequestEntityTooLarge(max_size=MAX_REVIEW_BYTES,
                                                         actual_size=request.content_length)
-        return await kopf.WebhookServer._serve(fn, request.clone(client_max_size=MAX_REVIEW_BYTES))
+        peercert = request.transport.get_extra_info("peercert") if request.transport else None
+        names = cert_names(peercert)
+        if self.client_names and not set(names) & set(self.client_names):
+            raise aiohttp.web.HTTPForbidden(reason="client certificate not among --webhook-client-names")
+        token = CALLER.set(Caller(request.remote or "unknown", names))
+        try:
+            return await kopf.WebhookServer._serve(fn, request.clone(client_max_size=MAX_REVIEW_BYTES))
+        finally:
+            CALLER.reset(token)
 
 
-def server(addr: str, port: int, cert_file: str | None, key_file: str | None, check_seconds: float) -> GuardedServer:
-    """The webhook's HTTPS server."""
-    return GuardedServer(addr=addr, port=port, certfile=cert_file, pkeyfile=key_file, file_check_interval=check_seconds)
+def server(addr: str, port: int, cert_file: str | None, key_file: str | None, check_seconds: float,
+           client_ca_file: str | None = None, client_names: tuple[str, ...] = ()) -> GuardedServer:
+    """The webhook's HTTPS server; with ``client_ca_file``, only callers presenting a certificate it signed (and,
+    with ``client_names``, of one of those names) get past the handshake."""
+    verify: dict[str, Any] = {}
+    if client_ca_file:
+        verify = {"verify_cafile": client_ca_file, "verify_mode": ssl.CERT_REQUIRED}
+    return GuardedServer(addr=addr, port=port, certfile=cert_file, pkeyfile=key_file, file_check_interval=check_seconds,
+                         client_names=client_names, **verify)

@@ -28,6 +28,7 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,8 @@ from support.specs import lpt
 from kubetitan import admission, cli, webhook_guard
 from kubetitan.access_cache import CacheConfig
 from kubetitan.policy import Policy
-from kubetitan.webhook import WebhookOptions
+from kubetitan.webhook import WEBHOOK_ID, WebhookOptions
+from kubetitan.webhook_guard import RateConfig
 
 pytestmark = pytest.mark.xdist_group("operator-kmock")
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
@@ -149,6 +151,9 @@ class FakeClock:
 
 
 CACHE = CacheConfig(allowed_seconds=30, denied_seconds=5)
+RATE = RateConfig(user_burst=100_000, source_burst=100_000)
+"""The module's other tests are not about the callers' budget (the fake clock never refills it):
+test_a_caller_gets_a_bounded_number_of_subject_access_reviews sets the defaults."""
 
 
 @dataclasses.dataclass
@@ -213,7 +218,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         op.options.webhook = WebhookOptions(port=port, addr="127.0.0.1", cert_file=str(tmp / "mount" / "tls.crt"),
                                             key_file=str(tmp / "mount" / "tls.key"),
                                             requester=admission.Requester.REFERENCES, cert_check_seconds=0.2,
-                                            access_cache=CACHE, clock=clock)
+                                            access_cache=CACHE, clock=clock, rate=RATE)
         with op:
             wait_for(lambda: _listening(port), 20, "the operator's webhook port")
             yield Env(c, op, port, vwc, clock)
@@ -462,7 +467,7 @@ def test_a_world_size_edit_of_a_started_run_is_answered_as_the_operator_gates_it
 
 
 # ------------------------------------------------------------------ a webhook that is down
-# ------------------------------------------------------------------ size
+# ------------------------------------------------------------------ size, access-check cap, callers
 def test_a_2_5_mb_object_is_created_and_suspended_through_the_webhook(env: Env) -> None:
     """An UPDATE's review carries the object and the old object: 2 x 2.5 MB is read (the limit is sized from the
     API server's 3 MiB body), where aiohttp's default 1 MiB answered 413 and the API server failed the call."""
@@ -482,6 +487,80 @@ def test_a_2_5_mb_object_is_created_and_suspended_through_the_webhook(env: Env) 
         assert [c.outcome for c in calls[seen:]] == ["allowed", "allowed"]  # both answered by the webhook
     finally:
         env.cluster.delete(LPT, CORPUS_NS, "big")
+
+
+GVK = {"group": "kubetitan.io", "version": "v1alpha1", "kind": "LlamaPretrain"}
+
+
+def _review(env: Env, doc: dict[str, Any], user: str) -> tuple[dict[str, Any], float]:
+    """POST an AdmissionReview straight to the webhook's port, as any pod that reaches it can (no API server, a
+    made-up ``userInfo``): the webhook's ``response`` and the seconds it took."""
+    body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": os.urandom(8).hex(), "kind": GVK,
+        "resource": {"group": "kubetitan.io", "version": "v1alpha1", "resource": "llamapretrains"},
+        "namespace": doc["metadata"]["namespace"], "name": doc["metadata"]["name"], "operation": "CREATE",
+        "userInfo": {"username": user, "groups": ["system:authenticated"]}, "object": doc, "oldObject": None}}
+    started = time.perf_counter()
+    r = requests.post(f"https://127.0.0.1:{env.port}/{WEBHOOK_ID}", json=body, verify=False, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    return r.json()["response"], time.perf_counter() - started
+
+
+def _secret_refs(prefix: str, n: int) -> list[dict[str, Any]]:
+    return [{"name": f"S{i}", "valueFrom": {"secretKeyRef": {"name": f"{prefix}-{i}", "key": "k"}}} for i in range(n)]
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_5000_references_are_refused_fast_without_asking_a_subject_access_review(env: Env) -> None:
+    """One review naming 5,000 distinct Secrets made the operator ask 5,000 SubjectAccessReviews (19 s): a spec
+    needing more than 64 is refused before any is asked, from the API server as from a caller posting directly."""
+    sars = webhooks.state(env.cluster.k)["sars"]
+    asked = len(sars)
+    doc = _tenant_spec("many-refs", env=_secret_refs("probe", 5000))
+    resp, seconds = _review(env, doc, "mallory")
+    assert resp["allowed"] is False and resp["status"]["code"] == 422
+    assert ("spec: the requester checks need 5001 SubjectAccessReviews for the distinct Secrets, ConfigMaps, claims, "
+            "service account and priority class this spec references, more than the 64 one request may ask; "
+            "reference fewer objects (one Secret or ConfigMap can hold many keys)") in resp["status"]["message"]
+    assert len(sars) == asked  # not one
+    assert seconds < 10, seconds
+    alice = env.user("alice", TENANT_RULES)  # through the API server, as a tenant: the same answer
+    out = kubectl(alice, "create", "-f", "-", stdin=json.dumps(doc))
+    assert "more than the 64 one request may ask" in out.stderr, out.stderr
+    assert len(sars) == asked
+    # at the cap: asked, 64 at most
+    resp, _ = _review(env, _tenant_spec("at-cap", env=_secret_refs("cap", 63)), "mallory")
+    assert resp["allowed"] is False and "may not get secrets 'cap-0'" in resp["status"]["message"]
+    assert 0 < len(sars) - asked <= admission.MAX_ACCESS_CHECKS
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_a_caller_gets_a_bounded_number_of_subject_access_reviews(env: Env) -> None:
+    """Direct reviews under ever new usernames from one address: the source's budget (512 SubjectAccessReviews,
+    on the test's still clock) is spent, then every review is refused with 429 and the wait, asking nothing; one
+    username alone gets its own smaller budget (128). Cached answers cost nothing."""
+    env.set(rate=RateConfig())  # the defaults, fresh buckets
+    sars = webhooks.state(env.cluster.k)["sars"]
+    asked = len(sars)
+    answers = []
+    for i in range(12):
+        resp, _ = _review(env, _tenant_spec(f"probe-{i}", env=_secret_refs(f"p{i}", 59)), f"user-{i}")
+        answers.append(resp["status"]["code"])
+    # 60 checks a review (59 Secrets and the claim): 8 fit 512, the 9th would overdraw the source's bucket
+    assert answers == [403] * 8 + [429] * 4, answers
+    assert len(sars) - asked == 8 * 60 <= RateConfig().source_burst
+    refused, _ = _review(env, _tenant_spec("probe-x", env=_secret_refs("px", 59)), "user-x")
+    assert refused["status"]["message"].startswith(
+        "the admission webhook answers the requester checks of this request later: source 127.0.0.1 may have 50 "
+        "SubjectAccessReviews a second asked for it (bursts of 512); retry in "), refused["status"]["message"]
+    again, _ = _review(env, _tenant_spec("probe-0", env=_secret_refs("p0", 59)), "user-0")
+    assert again["status"]["code"] == 403  # every answer cached: nothing charged
+    env.clock.now += 600  # the buckets refill; one user alone: 2 reviews of 60 fit her 128, the third does not
+    codes = [_review(env, _tenant_spec(f"one-{i}", env=_secret_refs(f"o{i}", 59)), "eve")[0]["status"]["code"]
+             for i in range(3)]
+    assert codes == [403, 403, 429], codes
+    env.set(rate=RATE)
+    env.clock.now += 600
 
 
 def _replace_vwc(env: Env, webhooks_: list[dict[str, Any]]) -> None:
@@ -620,6 +699,90 @@ def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
         c.call(webhooks.close(c.k))
 
 
+def _client_certs(tmp: Path) -> dict[str, tuple[str, str]]:
+    """A client CA and certificates it signs (common names ``kube-apiserver`` and ``intruder``), and one of
+    ``kube-apiserver`` that another CA signs: {name: (certfile, keyfile)}; the CA is ``tmp/client-ca.crt``."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = dt.datetime.now(dt.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def ca(cn: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(name(cn)).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(hours=1))
+                .not_valid_after(now + dt.timedelta(days=1))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True).sign(key, hashes.SHA256()))
+        return cert, key
+
+    def client(cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], file: str) -> tuple[str, str]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(issuer[0].subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=1))
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(issuer[1], hashes.SHA256()))
+        (tmp / f"{file}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (tmp / f"{file}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                            serialization.PrivateFormat.PKCS8,
+                                                            serialization.NoEncryption()))
+        return str(tmp / f"{file}.crt"), str(tmp / f"{file}.key")
+
+    trusted, other = ca("apiserver client CA"), ca("some other CA")
+    (tmp / "client-ca.crt").write_bytes(trusted[0].public_bytes(serialization.Encoding.PEM))
+    return {"kube-apiserver": client("kube-apiserver", trusted, "apiserver"),
+            "intruder": client("intruder", trusted, "intruder"),
+            "other-ca": client("kube-apiserver", other, "other-ca")}
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_with_a_client_ca_only_the_api_servers_certificate_gets_a_review_answered(tmp_path: Path) -> None:
+    """``--webhook-client-ca-file`` and ``--webhook-client-names``: the API server presenting its client certificate
+    (its AdmissionConfiguration's kubeConfigFile) is answered; no certificate, another CA's, or another name of
+    the same CA is turned away before a review is read, so the API server reports a failed call and a pod posting
+    straight to the port gets nothing."""
+    from kmockx.harness import OperatorProcess
+
+    docs = rbac.render_chart(HELM)
+    mount_secret(tmp_path, docs)
+    certs_ = _client_certs(tmp_path)
+    vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
+    with Cluster() as c:
+        c.call(c.k.put(webhooks.VWC, vwc))
+        port = free_port()
+        webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", port)
+        with OperatorProcess(c.kubeconfig, "--namespace", NS, "--webhook-port", str(port),
+                             "--webhook-addr", "127.0.0.1", "--webhook-cert-file", str(tmp_path / "mount" / "tls.crt"),
+                             "--webhook-key-file", str(tmp_path / "mount" / "tls.key"),
+                             "--webhook-client-ca-file", str(tmp_path / "client-ca.crt"),
+                             "--webhook-client-names", "kube-apiserver"):
+            wait_for(lambda: _listening(port), 20, "the webhook port")
+            bad = _tenant_spec("cc-bad", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}])
+
+            def apply_as(who: str | None) -> str:
+                webhooks.state(c.k)["client_cert"] = certs_[who] if who else None
+                with pytest.raises(ApiError) as e:
+                    c.apply(bad)
+                return str(e.value.status)
+
+            assert 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request' in \
+                apply_as("kube-apiserver")
+            for who, why in ((None, "failed to call webhook: Post"), ("other-ca", "failed to call webhook: Post"),
+                             ("intruder", "the server responded with the status code 403")):
+                got = apply_as(who)
+                assert 'failed calling webhook "validate.llamapretrains.kubetitan.io"' in got and why in got, (who, got)
+            with pytest.raises(requests.exceptions.ConnectionError):  # SSLError: the handshake wants a certificate
+                requests.post(f"https://127.0.0.1:{port}/{WEBHOOK_ID}", json={}, verify=False, timeout=10)
+        c.call(webhooks.close(c.k))
+
+
 def test_the_webhook_flags() -> None:
     from kubetitan import runner
 
@@ -642,6 +805,15 @@ def test_the_webhook_flags() -> None:
     got = opts(*full, "--webhook-cert-dir", "/run/w")
     assert got.cert_file == "/run/w/current/tls.crt" and got.certificates.dns_names[0] == "kt-webhook.kt.svc"
     assert opts("--requester-cache-allowed-seconds", "0").access_cache.allowed_seconds == 0
+    assert opts().rate == RateConfig() and opts().client_ca_file is None
+    assert opts("--webhook-rate-user-per-second", "2", "--webhook-rate-source-burst", "64").rate == RateConfig(
+        user_per_second=2, source_burst=64)
+    with pytest.raises(SystemExit, match="--webhook-rate-user-burst must be at least 64"):
+        opts("--webhook-rate-user-burst", "8")
+    with pytest.raises(SystemExit, match="--webhook-client-names needs --webhook-client-ca-file"):
+        opts("--webhook-client-names", "kube-apiserver")
+    got = opts("--webhook-client-ca-file", "/ca.crt", "--webhook-client-names", "kube-apiserver, front-proxy")
+    assert (got.client_ca_file, got.client_names) == ("/ca.crt", ("kube-apiserver", "front-proxy"))
 
 
 # ------------------------------------------------------------------ the operator's own certificates
