@@ -212,7 +212,8 @@ def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None,
         settings.admission.server = _no_server
         return None
     server = webhook_guard.server(options.addr, options.port, options.cert_file, options.key_file,
-                                  options.cert_check_seconds, options.client_ca_file, options.client_names)
+                                  options.cert_check_seconds, options.client_ca_file, options.client_names,
+                                  options.clock)
     if options.certificates is None:
         settings.admission.server = server
         return None
@@ -252,6 +253,15 @@ def access_cache(ctx: Any, opts: WebhookOptions) -> AccessCache:
     return cache
 
 
+def refusal_log(ctx: Any, opts: WebhookOptions) -> webhook_guard.Aggregated:
+    """The replica's refused-review log line: at most one per ``LOG_EVERY_SECONDS``, the rest counted into it."""
+    agg = getattr(ctx, "webhook_refusals", None)
+    if agg is None or agg.clock is not opts.clock:
+        agg = ctx.webhook_refusals = webhook_guard.Aggregated(log, logging.INFO, webhook_guard.LOG_EVERY_SECONDS,
+                                                              opts.clock)
+    return agg
+
+
 def rate_limiter(ctx: Any, opts: WebhookOptions) -> RateLimiter:
     """The replica's per-caller budget of SubjectAccessReviews (a new one when its configuration changed)."""
     limiter = getattr(ctx, "webhook_rate", None)
@@ -277,6 +287,11 @@ async def answers_for(ctx: Any, opts: WebhookOptions, checks: list[admission.Acc
     return dict(zip(checks, results))
 
 
+def _name(obj: Mapping[str, Any] | None) -> str:
+    meta = (obj or {}).get("metadata") or {}
+    return f"{meta.get('namespace')}/{meta.get('name') or meta.get('generateName')}"
+
+
 @kopf.on.validate(GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])
 async def validate_llamapretrain(new: Any, old: Any, operation: str, userinfo: Mapping[str, Any],
                                  warnings: list[str], memo: Any, **_: Any) -> None:
@@ -289,14 +304,14 @@ async def validate_llamapretrain(new: Any, old: Any, operation: str, userinfo: M
         checks = admission.access_checks(obj, was, operation, opts.requester)
         if 0 < len(checks) <= admission.MAX_ACCESS_CHECKS:  # more: review refuses without asking any
             if (refusal := _charge(ctx, opts, checks, userinfo)) is not None:
+                refusal_log(ctx, opts).log("Refused %s of LlamaPretrain %s by %s for now: %s", operation,
+                                           _name(obj), userinfo.get("username"), refusal)
                 raise kopf.AdmissionError(f"the admission webhook answers the requester checks of this request "
                                           f"later: {refusal}", code=429)
             answers = await answers_for(ctx, opts, checks, userinfo)
     verdict = admission.review(obj, was, operation, ctx.options.policy, opts.requester, answers)
     warnings.extend(verdict.warnings)
     if not verdict.allowed:
-        meta = (obj or was or {}).get("metadata") or {}
-        log.info("Refused %s of LlamaPretrain %s/%s by %s: %s", operation, meta.get("namespace"),
-                 meta.get("name") or meta.get("generateName"), userinfo.get("username"),
-                 "; ".join(verdict.errors))
+        refusal_log(ctx, opts).log("Refused %s of LlamaPretrain %s by %s: %s", operation, _name(obj or was or {}),
+                                   userinfo.get("username"), "; ".join(verdict.errors))
         raise kopf.AdmissionError(verdict.message, code=verdict.code)

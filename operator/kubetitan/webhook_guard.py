@@ -12,6 +12,9 @@ API server SubjectAccessReviews (the requester checks), whose answers say which 
   buckets, the caller's source address and (source, username); a review that would overdraw either is refused
   with 429 and the time to wait, and asks nothing (:class:`RateLimiter`; the buckets are kept for at most
   :attr:`RateConfig.max_callers` callers each, least recently used dropped first).
+- **Malformed requests**: a body that is not an AdmissionReview kopf can decide is answered 400 with the reason
+  (kopf answered 500 and aiohttp logged a traceback for each); such requests, and refused reviews, are logged at
+  most once per :data:`LOG_EVERY_SECONDS`, with the count of those in between (:class:`Aggregated`).
 - **Client certificates** (``--webhook-client-ca-file``): where the API server is configured to present a client
   certificate to webhooks (its AdmissionConfiguration's ``kubeConfigFile``), the TLS handshake requires one signed
   by that CA, and ``--webhook-client-names`` narrows it to the certificate's common or DNS names; every other
@@ -24,8 +27,11 @@ API server SubjectAccessReviews (the requester checks), whose answers say which 
 from __future__ import annotations
 
 import contextvars
+import json
+import logging
 import math
 import ssl
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +39,8 @@ from typing import Any
 
 import aiohttp.web
 import kopf
+
+log = logging.getLogger("kubetitan.webhook")
 
 API_SERVER_MAX_BODY_BYTES = 3 * 1024 * 1024
 """The API server's limit on one request body (kube-apiserver's ``MaxRequestBodyBytes``, 3 MiB): no object it
@@ -160,14 +168,62 @@ def cert_names(peercert: Any) -> tuple[str, ...]:
     return tuple(cns + dns)
 
 
+class Aggregated:
+    """One log line per ``every`` seconds; the lines that came in between are counted into the next one, so a burst
+    (1,211 refused reviews, a flood of garbage) costs one line per window instead of one per request."""
+
+    def __init__(self, logger: logging.Logger, level: int, every: float, clock: Callable[[], float]) -> None:
+        self.logger, self.level, self.every, self.clock = logger, level, every, clock
+        self.last: float | None = None
+        self.held = 0
+
+    def log(self, msg: str, *args: Any) -> bool:
+        """Log now (True), or count it into the next line."""
+        now = self.clock()
+        if self.last is not None and now - self.last < self.every:
+            self.held += 1
+            return False
+        if self.held:
+            msg += f" (and {self.held} more like it in the {now - (self.last or now):.0f} s before)"
+        self.logger.log(self.level, msg, *args)
+        self.last, self.held = now, 0
+        return True
+
+
+LOG_EVERY_SECONDS = 10.0
+"""The most often a refused or malformed review is logged (:class:`Aggregated`)."""
+
+
+def review_problem(data: Any) -> str | None:
+    """What makes ``data`` not an AdmissionReview kopf can decide (None: it is one). The API server never sends
+    such a body; anyone else who reaches the port may, and gets 400 with this reason instead of kopf's 500."""
+    if not isinstance(data, dict):
+        return f"the body is a JSON {type(data).__name__}, not an AdmissionReview object"
+    req = data.get("request")
+    if not isinstance(req, dict):
+        return "request is missing or not an object"
+    for key in ("uid", "operation"):
+        if not isinstance(req.get(key), str):
+            return f"request.{key} is missing or not a string"
+    for key in ("userInfo", "kind", "resource"):
+        if not isinstance(req.get(key), dict):
+            return f"request.{key} is missing or not an object"
+    new, old = req.get("object"), req.get("oldObject")
+    if not isinstance(new, (dict, type(None))) or not isinstance(old, (dict, type(None))) or new is old is None:
+        return "request.object and request.oldObject must be objects or null, and one of them an object"
+    return None
+
+
 class GuardedServer(kopf.WebhookServer):
     """kopf's webhook server, reading bodies up to :data:`MAX_REVIEW_BYTES` (aiohttp's default is 1 MiB), and with
     ``client_names`` a verified client certificate of one of those names required (kopf's ``verify_cafile`` with
     ``verify_mode=ssl.CERT_REQUIRED`` makes the handshake require a certificate of that CA: :func:`server`)."""
 
-    def __init__(self, *args: Any, client_names: tuple[str, ...] = (), **kwargs: Any) -> None:
+    def __init__(self, *args: Any, client_names: tuple[str, ...] = (), clock: Callable[[], float] = time.monotonic,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.client_names = client_names
+        self.malformed = Aggregated(log, logging.WARNING, LOG_EVERY_SECONDS, clock)
 
     async def _serve(self, fn: Any, request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:  # type: ignore[override]
         if request.content_length is not None and request.content_length > MAX_REVIEW_BYTES:
@@ -177,19 +233,29 @@ class GuardedServer(kopf.WebhookServer):
         names = cert_names(peercert)
         if self.client_names and not set(names) & set(self.client_names):
             raise aiohttp.web.HTTPForbidden(reason="client certificate not among --webhook-client-names")
+        request = request.clone(client_max_size=MAX_REVIEW_BYTES)
+        try:
+            why = review_problem(json.loads(await request.text()))
+        except ValueError as e:  # not JSON, or not UTF-8
+            why = f"the body is not JSON: {e}"
+        if why is not None:
+            self.malformed.log("Answered 400 to a request from %s that is not an AdmissionReview: %s",
+                               request.remote, why)
+            raise aiohttp.web.HTTPBadRequest(reason=why)
         token = CALLER.set(Caller(request.remote or "unknown", names))
         try:
-            return await kopf.WebhookServer._serve(fn, request.clone(client_max_size=MAX_REVIEW_BYTES))
+            return await kopf.WebhookServer._serve(fn, request)  # reads the body aiohttp keeps, again
         finally:
             CALLER.reset(token)
 
 
 def server(addr: str, port: int, cert_file: str | None, key_file: str | None, check_seconds: float,
-           client_ca_file: str | None = None, client_names: tuple[str, ...] = ()) -> GuardedServer:
+           client_ca_file: str | None = None, client_names: tuple[str, ...] = (),
+           clock: Callable[[], float] = time.monotonic) -> GuardedServer:
     """The webhook's HTTPS server; with ``client_ca_file``, only callers presenting a certificate it signed (and,
     with ``client_names``, of one of those names) get past the handshake."""
     verify: dict[str, Any] = {}
     if client_ca_file:
         verify = {"verify_cafile": client_ca_file, "verify_mode": ssl.CERT_REQUIRED}
     return GuardedServer(addr=addr, port=port, certfile=cert_file, pkeyfile=key_file, file_check_interval=check_seconds,
-                         client_names=client_names, **verify)
+                         client_names=client_names, clock=clock, **verify)

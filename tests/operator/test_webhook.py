@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -561,6 +562,40 @@ def test_a_caller_gets_a_bounded_number_of_subject_access_reviews(env: Env) -> N
     assert codes == [403, 403, 429], codes
     env.set(rate=RATE)
     env.clock.now += 600
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_garbage_is_a_400_without_a_traceback_and_refusals_are_logged_once_per_window(
+        env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    """Bodies that are not an AdmissionReview got kopf's 500 and an aiohttp ERROR traceback each; now 400 with the
+    reason, one WARNING per window for all of them. A burst of refused reviews is one INFO line per window, the
+    rest counted into the next line (the fake clock moves the window)."""
+    caplog.set_level(logging.INFO)
+    env.clock.now += 3600  # a new window for both logs
+    url = f"https://127.0.0.1:{env.port}/{WEBHOOK_ID}"
+    garbage = {b"not json": "the body is not JSON", b"[]": "the body is a JSON list, not an AdmissionReview object",
+               b'{"request": "x"}': "request is missing or not an object",
+               b'{"request": {}}': "request.uid is missing or not a string",
+               b'{"request": {"uid": "u", "operation": "CREATE", "userInfo": {}, "kind": {}, "resource": {}, '
+               b'"object": 5}}': "request.object and request.oldObject must be objects or null"}
+    for body, why in garbage.items():
+        r = requests.post(url, data=body, verify=False, timeout=10, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and why in r.reason, (body, r.status_code, r.reason)
+    for i in range(20):
+        resp, _ = _review(env, _tenant_spec(f"noisy-{i}", env=[{"name": "LD_PRELOAD", "value": "/x.so"}]), "mallory")
+        assert resp["status"]["code"] == 403
+    env.clock.now += webhook_guard.LOG_EVERY_SECONDS
+    _review(env, _tenant_spec("noisy-last", env=[{"name": "LD_PRELOAD", "value": "/x.so"}]), "mallory")
+    requests.post(url, data=b"[]", verify=False, timeout=10)
+    mine = [r for r in caplog.records if r.name.startswith(("kubetitan", "kopf", "aiohttp"))]
+    assert not [r for r in mine if r.exc_info or r.levelno >= logging.ERROR], \
+        [(r.name, r.getMessage()[:200]) for r in mine if r.exc_info or r.levelno >= logging.ERROR]
+    malformed = [r.getMessage() for r in mine if "that is not an AdmissionReview" in r.getMessage()]
+    assert len(malformed) == 2 and malformed[1].endswith("(and 4 more like it in the 10 s before)"), malformed
+    refused = [r.getMessage() for r in mine if r.getMessage().startswith("Refused CREATE of LlamaPretrain ml/noisy")]
+    assert len(refused) == 2, refused
+    assert refused[0].startswith("Refused CREATE of LlamaPretrain ml/noisy-0 by mallory: spec.resources.env[0].name")
+    assert refused[1].endswith("(and 19 more like it in the 10 s before)"), refused[1]
 
 
 def _replace_vwc(env: Env, webhooks_: list[dict[str, Any]]) -> None:
