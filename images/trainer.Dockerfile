@@ -1,5 +1,5 @@
 # kubetitan trainer image: torchtitan 0.2.2 + torchao 0.17.0 on PyTorch 2.11 with CUDA, and the
-# kubetitan_trainer package (entry point: python -m kubetitan_trainer.launch, set by the planner).
+# kubetitan_trainer package (entry point: /opt/conda/bin/python -s -m kubetitan_trainer.launch, set by the planner).
 #   docker build -f images/trainer.Dockerfile -t kubetitan/trainer:0.1.0 .
 #   docker build -f images/trainer.Dockerfile --build-arg TRAINER_UID=0 -t kubetitan/trainer:0.1.0-root .
 # The base image already has torch 2.11.0 (CUDA 12.8 runtime, for the 570+ drivers of current EKS
@@ -61,11 +61,14 @@ COPY constraints.txt ./
 COPY operator/core/ ./operator/core/
 COPY trainer/ ./trainer/
 # The pins are the project's own (trainer/pyproject.toml, constraints.txt); tests/chart checks
-# that these lines agree with them.
+# that these lines agree with them. The planner runs the launcher by the interpreter's absolute path
+# (kubetitan_core.contract.TRAINER_PYTHON, never `python` through PATH): the last line fails the build when
+# that path is not the Python the packages went into.
 RUN python -m pip install -c constraints.txt \
       torch==2.11.0 torchtitan==0.2.2 torchao==0.17.0 \
       ./operator/core ./trainer \
- && python -c "import torch, torchtitan, torchao; assert torch.__version__.startswith('2.11.0'), torch.__version__"
+ && python -c "import torch, torchtitan, torchao; assert torch.__version__.startswith('2.11.0'), torch.__version__" \
+ && /opt/conda/bin/python -s -c "import kubetitan_trainer.launch"
 
 # Non-root by default (uid 10001); build with TRAINER_UID=0 where the node setup needs root.
 ARG TRAINER_UID=10001
@@ -79,4 +82,4 @@ USER ${TRAINER_UID}
 WORKDIR /checkpoints
 EXPOSE 9090 29500
 ENTRYPOINT []
-CMD ["python", "-m", "kubetitan_trainer.launch", "--help"]
+CMD ["/opt/conda/bin/python", "-s", "-m", "kubetitan_trainer.launch", "--help"]

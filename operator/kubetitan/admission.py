@@ -63,13 +63,28 @@ role), which ``create serviceaccounts/token`` grants directly; a priority class 
 creation, so the check is the verb ``use`` on it (granted explicitly, like PodSecurityPolicy's ``use``)."""
 
 
+MAX_ACCESS_CHECKS = 64
+"""The most SubjectAccessReviews one request may need (distinct objects a spec references, in ``references``
+mode): a spec needing more is refused before any is asked, so no request, from the API server or from anyone
+else who reaches the webhook, makes the operator send more than this many."""
+
+
 @dataclass(frozen=True)
 class Reference:
-    """One object a spec makes the pods use: its kind, name and the field that names it."""
+    """One object a spec makes the pods use: its kind, name, the field that names it, and what the pods do with it."""
 
     kind: str
     name: str
     path: str
+    use: str = ""
+    """The purpose, independent of list positions: ``env WANDB_API_KEY from key k``, ``image pull secret``,
+    ``checkpoint S3 credentials for https://minio:9000``... A reference is new to an update when its
+    ``(kind, name, use)`` is: the same Secret moved from ``imagePullSecrets`` (only the kubelet reads it) into an
+    environment variable (the trainer's code reads it) is a new use, and is checked."""
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.kind, self.name, self.use
 
 
 @dataclass(frozen=True)
@@ -126,31 +141,64 @@ def references(spec: Mapping[str, Any], base: str = "spec") -> Iterator[Referenc
     res = spec.get("resources") or {}
     for i, e in enumerate(res.get("env") or []):
         vf = (e or {}).get("valueFrom") or {}
+        var = (e or {}).get("name")
         if (s := vf.get("secretKeyRef")) and s.get("name"):
-            yield Reference("Secret", s["name"], f"{base}.resources.env[{i}].valueFrom.secretKeyRef.name")
+            yield Reference("Secret", s["name"], f"{base}.resources.env[{i}].valueFrom.secretKeyRef.name",
+                            f"env {var} from key {s.get('key')}")
         if (c := vf.get("configMapKeyRef")) and c.get("name"):
-            yield Reference("ConfigMap", c["name"], f"{base}.resources.env[{i}].valueFrom.configMapKeyRef.name")
+            yield Reference("ConfigMap", c["name"], f"{base}.resources.env[{i}].valueFrom.configMapKeyRef.name",
+                            f"env {var} from key {c.get('key')}")
     for i, name in enumerate(res.get("imagePullSecrets") or []):
-        yield Reference("Secret", name, f"{base}.resources.imagePullSecrets[{i}]")
+        yield Reference("Secret", name, f"{base}.resources.imagePullSecrets[{i}]", "image pull secret")
     tok = (spec.get("tokenizer") or {}).get("tokenSecretRef") or {}
     if tok.get("name"):
-        yield Reference("Secret", tok["name"], f"{base}.tokenizer.tokenSecretRef.name")
+        yield Reference("Secret", tok["name"], f"{base}.tokenizer.tokenSecretRef.name",
+                        f"tokenizer token from key {tok.get('key')}")
     for where, s3 in (("checkpoint.storage.s3", ((spec.get("checkpoint") or {}).get("storage") or {}).get("s3")),
                       ("data.s3", (spec.get("data") or {}).get("s3"))):
         ref = (s3 or {}).get("credentialsSecretRef") or {}
         if ref.get("name"):
-            yield Reference("Secret", ref["name"], f"{base}.{where}.credentialsSecretRef.name")
-    ckpt = ((spec.get("checkpoint") or {}).get("storage") or {}).get("persistentVolumeClaim") or {}
+            yield Reference("Secret", ref["name"], f"{base}.{where}.credentialsSecretRef.name",
+                            f"{where} credentials from keys {ref.get('accessKeyIdKey')}, "
+                            f"{ref.get('secretAccessKeyKey')} for {(s3 or {}).get('endpoint') or 'AWS'}")
+    ckpt_spec = spec.get("checkpoint") or {}
+    ckpt = (ckpt_spec.get("storage") or {}).get("persistentVolumeClaim") or {}
     if ckpt.get("claimName"):
         yield Reference("PersistentVolumeClaim", ckpt["claimName"],
-                        f"{base}.checkpoint.storage.persistentVolumeClaim.claimName")
-    vol = (spec.get("data") or {}).get("volume") or {}
+                        f"{base}.checkpoint.storage.persistentVolumeClaim.claimName",
+                        f"checkpoint volume at {ckpt_spec.get('mountPath')}")
+    data = spec.get("data") or {}
+    vol = data.get("volume") or {}
     if vol.get("claimName"):
-        yield Reference("PersistentVolumeClaim", vol["claimName"], f"{base}.data.volume.claimName")
+        yield Reference("PersistentVolumeClaim", vol["claimName"], f"{base}.data.volume.claimName",
+                        f"data volume at {data.get('mountPath')}" + (" read-only" if vol.get("readOnly") else ""))
     if res.get("serviceAccountName"):
-        yield Reference("ServiceAccount", res["serviceAccountName"], f"{base}.resources.serviceAccountName")
+        yield Reference("ServiceAccount", res["serviceAccountName"], f"{base}.resources.serviceAccountName",
+                        "pod service account")
     if res.get("priorityClassName"):
-        yield Reference("PriorityClass", res["priorityClassName"], f"{base}.resources.priorityClassName")
+        yield Reference("PriorityClass", res["priorityClassName"], f"{base}.resources.priorityClassName",
+                        "pod priority class")
+
+
+CODE_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("resources", "image"), ("resources", "env"), ("checkpoint", "mountPath"), ("checkpoint", "storage"),
+    ("data", "mountPath"), ("data", "volume"),
+)
+"""The spec fields that decide what code the pods run and what it can see: the image, the environment (every
+variable: one can load code, point a token at another server or change what the launcher does) and the mounts
+(claims, host paths, mount paths, read-only). An UPDATE that changes one of them is checked as if the requesting
+user created the run as it now stands: every reference, not only the new uses, because her code (or her change
+of it) would get all of them."""
+
+
+def code_changes(new: Mapping[str, Any], was: Mapping[str, Any]) -> list[str]:
+    """The :data:`CODE_FIELDS` (``spec.`` paths) that differ between two wire-form specs."""
+    def at(spec: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+        for part in path:
+            spec = spec.get(part) if isinstance(spec, Mapping) else None
+        return spec
+
+    return ["spec." + ".".join(p) for p in CODE_FIELDS if at(new, p) != at(was, p)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -180,19 +228,33 @@ def _wire_spec(obj: Any) -> dict[str, Any] | None:
 
 
 def _new_references(obj: Mapping[str, Any], old: Mapping[str, Any] | None) -> list[Reference]:
+    """The references the requester checks cover: all of them on CREATE, on an UPDATE of an old object that does
+    not parse, and on an UPDATE that changes a :data:`CODE_FIELDS` field; else those whose use is new."""
     new = _wire_spec(obj)
     if new is None:
         return []
     was = _wire_spec(old) if old is not None else None
-    before = {(r.kind, r.name) for r in references(was)} if was is not None else set()
-    return [r for r in references(new) if (r.kind, r.name) not in before]
+    if was is None or code_changes(new, was):
+        return list(references(new))
+    before = {r.key for r in references(was)}
+    return [r for r in references(new) if r.key not in before]
+
+
+def _rechecked_for(obj: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str) -> list[str]:
+    """The code fields an UPDATE changes (why every reference is checked), else []."""
+    if operation != "UPDATE" or old is None:
+        return []
+    new, was = _wire_spec(obj), _wire_spec(old)
+    return code_changes(new, was) if new is not None and was is not None else []
 
 
 def access_checks(obj: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str,
                   mode: Requester) -> list[Access]:
-    """The SubjectAccessReviews ``review`` needs answered for this request (none when it needs none): only the
-    references a CREATE makes, or that an UPDATE adds (a tenant editing ``training.steps`` of an admin's run
-    needs no access to the admin's Secret)."""
+    """The SubjectAccessReviews ``review`` needs answered for this request (none when it needs none): every
+    reference of a CREATE, or of an UPDATE that changes the image, the environment or the mounts
+    (:data:`CODE_FIELDS`); of any other UPDATE, the references whose use is new (a tenant editing
+    ``training.steps`` of an admin's run needs no access to the admin's Secret; moving it from
+    ``imagePullSecrets`` into ``tokenizer.tokenSecretRef`` does)."""
     if mode == Requester.OFF or operation not in ("CREATE", "UPDATE") or _spec_unchanged(obj, old, operation):
         return []
     refs = _new_references(obj, old)
@@ -201,13 +263,11 @@ def access_checks(obj: Mapping[str, Any], old: Mapping[str, Any] | None, operati
         return []
     if mode == Requester.POD_CREATE:
         return [Access("create", "", "pods", ns)]
-    out: list[Access] = []
+    out: dict[Access, None] = {}  # distinct, in reference order
     for r in refs:
         verb, group, resource = VERBS[r.kind]
-        a = Access(verb, group, resource, None if r.kind == "PriorityClass" else ns, r.name)
-        if a not in out:
-            out.append(a)
-    return out
+        out.setdefault(Access(verb, group, resource, None if r.kind == "PriorityClass" else ns, r.name))
+    return list(out)
 
 
 def _namespace(obj: Mapping[str, Any], old: Mapping[str, Any] | None) -> str:
@@ -261,7 +321,8 @@ def review(obj: Mapping[str, Any] | None, old: Mapping[str, Any] | None, operati
 
     ``obj``/``old``: the request's object and oldObject; ``operation``: CREATE, UPDATE (others pass); ``pol``: the
     admin policy (None: none); ``mode`` and ``answers``: the requester checks and the SubjectAccessReview answer of
-    each :func:`access_checks` entry (True, or the reason it was denied; a missing answer refuses).
+    each :func:`access_checks` entry (True, or the reason it was denied; a missing answer refuses). A request that
+needs more than :data:`MAX_ACCESS_CHECKS` of them is refused (422) whatever the answers.
 
     An UPDATE that leaves ``spec`` as it was passes at once: kopf's finalizer and annotation patches, and label
     edits, must never be refused because a stored spec predates a rule (the operator reports those itself).
@@ -293,11 +354,27 @@ def review(obj: Mapping[str, Any] | None, old: Mapping[str, Any] | None, operati
             return Verdict(False, f"LlamaPretrain {name} has started, and this change of its world size is refused "
                            f"(1 error(s)):\n  - {line}", warnings, 422, (line,))
         warnings = (*warnings, f"[{C.DEFERRED_TO_NEXT_ATTEMPT}] {edit.path}: {edit.deferral}")
+    if (too_many := _too_many_checks(obj, old, operation, mode)) is not None:
+        return Verdict(False, f"LlamaPretrain {name} needs more access checks than one request may ask "
+                       f"(1 error(s)):\n  - {too_many}", warnings, 422, (too_many,))
     denied = _requester_denials(obj, old, operation, mode, answers or {})
     if denied:
-        return Verdict(False, f"LlamaPretrain {name} references what the requesting user may not use herself "
+        changed = _rechecked_for(obj, old, operation)
+        why = (f"; this update changes {', '.join(changed)}, so every reference is checked as if she created the "
+               "run as it now stands" if changed else "")
+        return Verdict(False, f"LlamaPretrain {name} references what the requesting user may not use herself{why} "
                        f"({len(denied)} error(s)):\n  - " + "\n  - ".join(denied), warnings, 403, tuple(denied))
     return Verdict(True, "", warnings)
+
+
+def _too_many_checks(obj: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str,
+                     mode: Requester) -> str | None:
+    checks = access_checks(obj, old, operation, mode)
+    if len(checks) <= MAX_ACCESS_CHECKS:
+        return None
+    return (f"spec: the requester checks need {len(checks)} SubjectAccessReviews for the distinct Secrets, ConfigMaps, "
+            f"claims, service account and priority class this spec references, more than the {MAX_ACCESS_CHECKS} "
+            "one request may ask; reference fewer objects (one Secret or ConfigMap can hold many keys)")
 
 
 def _requester_denials(obj: Mapping[str, Any], old: Mapping[str, Any] | None, operation: str, mode: Requester,

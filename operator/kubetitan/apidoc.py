@@ -298,6 +298,24 @@ def _admin_policy() -> list[str]:
     out += [f"| `{value}` | `{flag}` | `{default}` | {_cell(help_)} |"
             for value, flag, default, help_ in policy.knob_table()]
     out.append("")
+    return out + _code_loading_env()
+
+
+def _code_loading_env() -> list[str]:
+    python = " ".join(contract.TRAINER_COMMAND)
+    out = ["### Code-loading environment", "", _cell(
+        "`policy.codeLoadingEnv` refuses a `spec.resources.env` variable that matches one of these patterns unless "
+        "it lists the name (`kubetitan_core.contract.CODE_LOADING_ENV`, defined once for the policy, this table "
+        "and the tests). Matching names that only tune are allowed: "
+        + ", ".join(f"`{n}`" for n in sorted(contract.TUNING_ENV)) + ". Whatever the environment, the trainer "
+        f"container's command is `{python}`: an absolute interpreter path (never `python` looked up through "
+        "`PATH`), with Python's user site directory off (`-s`), and the operator sets "
+        f"`{contract.ENV_NO_USER_SITE}=1` (reserved) so that no Python process of the pod reads `.pth` files "
+        "from a home directory."), "", "| Pattern | What it makes the trainer load or run | Names it refuses, e.g. |",
+        "|---|---|---|"]
+    out += [f"| `{e.pattern}` | {_cell(e.loads)} | {', '.join(f'`{n}`' for n in e.names())} |"
+            for e in contract.CODE_LOADING_ENV]
+    out.append("")
     return out
 
 

@@ -156,6 +156,7 @@ def _env(lpt: LlamaPretrain, attempt: int, job_start_time: float | None) -> list
         {"name": contract.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": contract.ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": contract.ENV_NO_USER_SITE, "value": "1"},  # no .pth files from a home directory (reserved)
     ]
     if job_start_time is not None:
         env.append({"name": contract.ENV_JOB_START_TIME, "value": f"{job_start_time:.3f}"})
@@ -332,7 +333,8 @@ def _volumes(lpt: LlamaPretrain) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 def _container(lpt: LlamaPretrain, attempt: int, rank: int, job_start_time: float | None,
                mounts: list[dict[str, Any]], hang_floor_seconds: float) -> dict[str, Any]:
-    """The trainer container: the launcher (``python -m kubetitan_trainer.launch``) with its arguments."""
+    """The trainer container: the launcher (``contract.TRAINER_COMMAND``: the image's interpreter by absolute path,
+    user site off) with its arguments."""
     s, r = lpt.spec, lpt.spec.resources
     ports = [{"name": "metrics", "containerPort": s.monitoring.metrics_port, "protocol": "TCP"}]
     if rank == 0:
@@ -341,7 +343,7 @@ def _container(lpt: LlamaPretrain, attempt: int, rank: int, job_start_time: floa
         "name": CONTAINER_NAME,
         "image": r.image,
         "imagePullPolicy": r.image_pull_policy,
-        "command": ["python", "-m", "kubetitan_trainer.launch"],
+        "command": list(contract.TRAINER_COMMAND),
         "args": launcher_args(lpt, attempt, rank, hang_floor_seconds).to_argv(),
         "env": _env(lpt, attempt, job_start_time),
         "ports": ports,

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kubetitan_core import contract
 from kubetitan_core.api import LlamaPretrain
 from kubetitan.plan import INSTANCE_TYPE_LABEL
 
@@ -131,14 +132,13 @@ KNOBS: tuple[Knob, ...] = (
          "https endpoint; add an `http://` one only for a store inside the cluster network (checkpoints and signed "
          "requests travel in clear)."),
     Knob("code_loading_env", "codeLoadingEnv", (),
-         "Environment variables in `spec.resources.env` that make the trainer load code from outside the image "
-         "(the dynamic loader's `LD_PRELOAD`, `LD_AUDIT`, `LD_LIBRARY_PATH`, `GCONV_PATH`; Python's "
-         "`PYTHONPATH`, `PYTHONHOME`, `PYTHONSTARTUP`, `PYTHONUSERBASE`, `PYTHONPYCACHEPREFIX`, "
-         "`PYTHONBREAKPOINT`; a shell's `BASH_ENV`, `ENV`; NCCL's `NCCL_NET_PLUGIN`, `NCCL_TUNER_PLUGIN`, "
-         "`NCCL_PROFILER_PLUGIN`, `NCCL_ENV_PLUGIN`; compiled-kernel caches `TORCHINDUCTOR_CACHE_DIR`, "
-         "`TRITON_CACHE_DIR`, `TORCH_EXTENSIONS_DIR`) that a run may set: names, or `*` for all. Pointed at a "
-         "writable claim they run whatever a spec author put there, so `imagePrefixes` would no longer bound the "
-         "code that runs. Default: none."),
+         "Environment variables in `spec.resources.env` that make the trainer load or run code from outside the "
+         "image and that a run may set anyway: names, or `*` for all. Refused otherwise: "
+         + ", ".join(f"`{e.pattern}`" for e in contract.CODE_LOADING_ENV)
+         + " (what each loads: \"Code-loading environment\" below), except "
+         + ", ".join(f"`{n}`" for n in sorted(contract.TUNING_ENV)) + ". Pointed at a writable claim they run "
+         "whatever a spec author put there, so `imagePrefixes` would no longer bound the code that runs. Default: "
+         "none."),
 )
 _BY_KEY = {k.key: k for k in KNOBS}
 
@@ -341,33 +341,19 @@ def _s3_endpoint(lpt: LlamaPretrain, p: Policy) -> list[Violation]:
     return out
 
 
-CODE_LOADING_ENV: tuple[str, ...] = (
-    "LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "GCONV_PATH",
-    "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONPYCACHEPREFIX", "PYTHONBREAKPOINT",
-    "BASH_ENV", "ENV",
-    "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "NCCL_PROFILER_PLUGIN", "NCCL_ENV_PLUGIN",
-    "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR",
-)
-"""Variables that make a process of the trainer image load code named by the spec rather than the image: the
-dynamic loader's preload/audit/search path and glibc's iconv modules (every process), Python's module path, home,
-start-up file, user site (its ``.pth`` files run code), bytecode cache and breakpoint hook, a non-interactive
-shell's start-up file (the launcher's shell), NCCL's plugin libraries (``dlopen``ed by name or path), and the
-caches from which torch.compile, Triton and torch's JIT extensions load compiled shared objects. Each is refused
-unless ``policy.codeLoadingEnv`` lists it (docs/install.md, "Trust model")."""
-
-
 def _code_loading_env(lpt: LlamaPretrain, p: Policy) -> list[Violation]:
     if ANY in p.code_loading_env:
         return []
     out = []
     for i, e in enumerate(lpt.spec.resources.env):
         name = e.get("name") if isinstance(e, dict) else None
-        if name in CODE_LOADING_ENV and name not in p.code_loading_env:
-            out.append(Violation(f"spec.resources.env[{i}].name",
-                                 f"{name} makes the trainer load code from outside its image, which this cluster's "
-                                 f"kubetitan policy does not allow (allowed: {_allowed(p.code_loading_env)}); put "
-                                 f"the code into the image, or {_fix(_BY_KEY['codeLoadingEnv'])}",
-                                 "policy.codeLoadingEnv"))
+        if not isinstance(name, str) or name in p.code_loading_env or (rule := contract.code_loading_env(name)) is None:
+            continue
+        out.append(Violation(f"spec.resources.env[{i}].name",
+                             f"{name} makes the trainer load code from outside its image ({rule.pattern}: "
+                             f"{rule.loads}), which this cluster's kubetitan policy does not allow (allowed: "
+                             f"{_allowed(p.code_loading_env)}); put the code into the image, or "
+                             f"{_fix(_BY_KEY['codeLoadingEnv'])}", "policy.codeLoadingEnv"))
     return out
 
 

@@ -8,6 +8,12 @@ webhook"). The handler asks the API server the requester checks' SubjectAccessRe
 :mod:`kubetitan.access_cache`), then returns :func:`kubetitan.admission.review`'s verdict: a refusal is a
 ``kopf.AdmissionError`` with the review's message and code, warnings go into kopf's ``warnings`` list.
 
+Callers (:mod:`kubetitan.webhook_guard`): reviews are read up to 7 MiB (sized from the API server's own request
+limit), a request needing more than ``admission.MAX_ACCESS_CHECKS`` SubjectAccessReviews is refused before any is
+asked, the reviews the cache cannot answer are charged to the caller's budget (per source address and per
+(source, username); over it: 429), and with ``--webhook-client-ca-file`` only a caller presenting a certificate
+of that CA (the API server's) gets past the TLS handshake.
+
 Certificates: the files given (helm's or cert-manager's Secret, mounted), or with ``--webhook-certificates
 operator`` the operator's own, issued, rotated and served by :mod:`kubetitan.certsync`.
 
@@ -28,8 +34,9 @@ from typing import Any
 
 import kopf
 
-from kubetitan import admission, certs, certsync
-from kubetitan.access_cache import AccessCache, Answer, CacheConfig
+from kubetitan import admission, certs, certsync, webhook_guard
+from kubetitan.access_cache import AccessCache, Answer, CacheConfig, key
+from kubetitan.webhook_guard import RateConfig, RateLimiter
 from kubetitan_core import GROUP, PLURAL, VERSION
 
 log = logging.getLogger("kubetitan.webhook")
@@ -54,6 +61,12 @@ class WebhookOptions:
     """How long the requester checks' SubjectAccessReview answers are reused (kubetitan.access_cache)."""
     clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
     """The access cache's clock (tests advance a fake one instead of sleeping)."""
+    rate: RateConfig = RateConfig()
+    """The per-caller budget of SubjectAccessReviews (kubetitan.webhook_guard)."""
+    client_ca_file: str | None = None
+    """Require a client certificate signed by this CA (the API server's, where it is configured to present one)."""
+    client_names: tuple[str, ...] = ()
+    """With ``client_ca_file``: the certificate's common or DNS name must be one of these (none: any)."""
     certificates: certsync.CertSync | None = None
     """``--webhook-certificates operator``: the operator issues, rotates and serves its own pair (kubetitan.certsync;
     ``cert_file``/``key_file`` are then the files it writes). None: serve the files given (helm's or cert-manager's
@@ -103,6 +116,24 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requester-cache-denied-seconds", type=float, default=CacheConfig.denied_seconds,
                    metavar="S", help="reuse a denied answer this long: the longest a new grant is still refused "
                    "(default %(default)s; 0: never)")
+    p.add_argument("--webhook-rate-user-per-second", type=float, default=RateConfig.user_per_second, metavar="R",
+                   help="SubjectAccessReviews (not answered from the cache) a second per requesting user and source "
+                        "address; a review that would exceed it is refused with 429 (default %(default)s)")
+    p.add_argument("--webhook-rate-user-burst", type=int, default=RateConfig.user_burst, metavar="N",
+                   help=f"... in bursts of up to N (at least {admission.MAX_ACCESS_CHECKS}; default %(default)s)")
+    p.add_argument("--webhook-rate-source-per-second", type=float, default=RateConfig.source_per_second,
+                   metavar="R", help="the same per source address, every user it sends together (default "
+                                     "%(default)s)")
+    p.add_argument("--webhook-rate-source-burst", type=int, default=RateConfig.source_burst, metavar="N",
+                   help=f"... in bursts of up to N (at least {admission.MAX_ACCESS_CHECKS}; default %(default)s)")
+    p.add_argument("--webhook-rate-max-callers", type=int, default=RateConfig.max_callers, metavar="N",
+                   help="rate buckets kept per kind, least recently used dropped first (default %(default)s)")
+    p.add_argument("--webhook-client-ca-file", metavar="FILE", default=None,
+                   help="require callers to present a client certificate signed by this CA (PEM): the API server's, "
+                        "where its AdmissionConfiguration gives it one for this webhook (docs/install.md)")
+    p.add_argument("--webhook-client-names", metavar="NAME,...", default="",
+                   help="with --webhook-client-ca-file: the certificate's common name or a DNS name must be one of "
+                        "these (default: any the CA signed)")
     p.add_argument("--requester-cache-max-entries", type=int, default=CacheConfig.max_entries, metavar="N",
                    help="the most answers kept, least recently used dropped first (default %(default)s; 0: no cache)")
 
@@ -147,7 +178,17 @@ def from_args(a: argparse.Namespace) -> WebhookOptions:
         raise SystemExit("error: --webhook-port needs --webhook-cert-file and --webhook-key-file (the chart mounts "
                          "them from its webhook Secret), or --webhook-certificates operator; the API server calls "
                          "webhooks over HTTPS only")
-    return WebhookOptions(port=a.webhook_port, addr=a.webhook_addr,
+    rate = RateConfig(user_per_second=a.webhook_rate_user_per_second, user_burst=a.webhook_rate_user_burst,
+                      source_per_second=a.webhook_rate_source_per_second, source_burst=a.webhook_rate_source_burst,
+                      max_callers=a.webhook_rate_max_callers)
+    if problems := rate.problems(admission.MAX_ACCESS_CHECKS):
+        raise SystemExit("error: " + "; ".join(problems))
+    names = tuple(n.strip() for n in a.webhook_client_names.split(",") if n.strip())
+    if names and not a.webhook_client_ca_file:
+        raise SystemExit("error: --webhook-client-names needs --webhook-client-ca-file (the CA that signs the API "
+                         "server's client certificate)")
+    return WebhookOptions(port=a.webhook_port, addr=a.webhook_addr, rate=rate,
+                          client_ca_file=a.webhook_client_ca_file, client_names=names,
                           cert_file=sync.cert_file if sync else a.webhook_cert_file,
                           key_file=sync.key_file if sync else a.webhook_key_file, certificates=sync, requester=admission.Requester(a.requester_checks),
                           cert_check_seconds=a.webhook_cert_check_seconds,
@@ -188,8 +229,9 @@ def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None,
     if options is None or options.port is None:
         settings.admission.server = _no_server
         return None
-    server = kopf.WebhookServer(addr=options.addr, port=options.port, certfile=options.cert_file,
-                                pkeyfile=options.key_file, file_check_interval=options.cert_check_seconds)
+    server = webhook_guard.server(options.addr, options.port, options.cert_file, options.key_file,
+                                  options.cert_check_seconds, options.client_ca_file, options.client_names,
+                                  options.clock)
     if options.certificates is None:
         settings.admission.server = server
         return None
@@ -229,12 +271,43 @@ def access_cache(ctx: Any, opts: WebhookOptions) -> AccessCache:
     return cache
 
 
+def refusal_log(ctx: Any, opts: WebhookOptions) -> webhook_guard.Aggregated:
+    """The replica's refused-review log line: at most one per ``LOG_EVERY_SECONDS``, the rest counted into it."""
+    agg = getattr(ctx, "webhook_refusals", None)
+    if agg is None or agg.clock is not opts.clock:
+        agg = ctx.webhook_refusals = webhook_guard.Aggregated(log, logging.INFO, webhook_guard.LOG_EVERY_SECONDS,
+                                                              opts.clock)
+    return agg
+
+
+def rate_limiter(ctx: Any, opts: WebhookOptions) -> RateLimiter:
+    """The replica's per-caller budget of SubjectAccessReviews (a new one when its configuration changed)."""
+    limiter = getattr(ctx, "webhook_rate", None)
+    if limiter is None or limiter.config != opts.rate or limiter.clock is not opts.clock:
+        limiter = ctx.webhook_rate = RateLimiter(opts.rate, opts.clock)
+    return limiter
+
+
+def _charge(ctx: Any, opts: WebhookOptions, checks: list[admission.Access], user: Mapping[str, Any]
+            ) -> webhook_guard.Refusal | None:
+    """Charge the SubjectAccessReviews this review would send (the checks the cache cannot answer) to its caller."""
+    cache = access_cache(ctx, opts)
+    asks = sum(1 for c in checks if cache.lookup(key(c, user)) is None)
+    caller = webhook_guard.CALLER.get() or webhook_guard.Caller("unknown")
+    return rate_limiter(ctx, opts).charge(caller.source, str(user.get("username", "")), asks)
+
+
 async def answers_for(ctx: Any, opts: WebhookOptions, checks: list[admission.Access], user: Mapping[str, Any]
                       ) -> dict[admission.Access, Answer]:
     """Every check's answer: cached ones at once, the others asked concurrently (one request each)."""
     cache = access_cache(ctx, opts)
     results = await asyncio.gather(*(cache.get(c, user, lambda c=c: _ask(ctx.client, c, user)) for c in checks))
     return dict(zip(checks, results))
+
+
+def _name(obj: Mapping[str, Any] | None) -> str:
+    meta = (obj or {}).get("metadata") or {}
+    return f"{meta.get('namespace')}/{meta.get('name') or meta.get('generateName')}"
 
 
 @kopf.on.validate(GROUP, VERSION, PLURAL, id=WEBHOOK_ID, operations=["CREATE", "UPDATE"])
@@ -247,13 +320,16 @@ async def validate_llamapretrain(new: Any, old: Any, operation: str, userinfo: M
     answers: dict[admission.Access, bool | str] = {}
     if obj is not None:
         checks = admission.access_checks(obj, was, operation, opts.requester)
-        if checks:
+        if 0 < len(checks) <= admission.MAX_ACCESS_CHECKS:  # more: review refuses without asking any
+            if (refusal := _charge(ctx, opts, checks, userinfo)) is not None:
+                refusal_log(ctx, opts).log("Refused %s of LlamaPretrain %s by %s for now: %s", operation,
+                                           _name(obj), userinfo.get("username"), refusal)
+                raise kopf.AdmissionError(f"the admission webhook answers the requester checks of this request "
+                                          f"later: {refusal}", code=429)
             answers = await answers_for(ctx, opts, checks, userinfo)
     verdict = admission.review(obj, was, operation, ctx.options.policy, opts.requester, answers)
     warnings.extend(verdict.warnings)
     if not verdict.allowed:
-        meta = (obj or was or {}).get("metadata") or {}
-        log.info("Refused %s of LlamaPretrain %s/%s by %s: %s", operation, meta.get("namespace"),
-                 meta.get("name") or meta.get("generateName"), userinfo.get("username"),
-                 "; ".join(verdict.errors))
+        refusal_log(ctx, opts).log("Refused %s of LlamaPretrain %s by %s: %s", operation, _name(obj or was or {}),
+                                   userinfo.get("username"), "; ".join(verdict.errors))
         raise kopf.AdmissionError(verdict.message, code=verdict.code)

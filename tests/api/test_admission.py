@@ -16,8 +16,10 @@ from kubetitan import plan
 from kubetitan.admission import Access, Requester, access_checks, references, review
 from kubetitan.conditions import WORLD_SIZE_CHANGE_REFUSED
 from kubetitan.observe import spec_changes
-from kubetitan.policy import CODE_LOADING_ENV, Policy, check
+from kubetitan.policy import Policy, check
 from kubetitan.status import spec_gate
+from kubetitan_core.contract import (CODE_LOADING_ENV, ENV_NO_USER_SITE, TRAINER_PYTHON, TUNING_ENV,
+                                     code_loading_env)
 from kubetitan_core.validation import parse
 from support.specs import lpt
 
@@ -48,6 +50,8 @@ SECRET_ENV = [{"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "
 PVC = Access("get", "", "persistentvolumeclaims", "ml", "ckpt")
 SECRET = Access("get", "", "secrets", "ml", "wandb")
 PODS = Access("create", "", "pods", "ml")
+FIX = ("ask for that access, reference something you may use, or ask the cluster admin to set the kubetitan "
+       "chart's webhook.requesterChecks")
 
 ROWS: list[tuple[str, dict[str, Any], dict[str, Any] | None, str, Policy | None, Requester, dict[Access, Any],
                  bool, int, list[str] | None, list[str]]] = [
@@ -111,12 +115,41 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any] | None, str, Policy | None,
       "(not checked); ask for that access, reference something you may use, or ask the cluster admin to set the "
       "kubetitan chart's webhook.requesterChecks"], []),
     ("references-off", obj(), None, "CREATE", Policy(), Requester.OFF, {PVC: False}, True, 200, [], []),
-    ("update-adding-a-secret-checks-only-the-secret", obj(resources={"env": SECRET_ENV}), obj(), "UPDATE", Policy(),
-     Requester.REFERENCES, {SECRET: "no RBAC rule"}, False, 403,
+    ("update-adding-an-env-secret-checks-every-reference", obj(resources={"env": SECRET_ENV}), obj(), "UPDATE",
+     Policy(), Requester.REFERENCES, {SECRET: "no RBAC rule", PVC: True}, False, 403,
      ["spec.resources.env[0].valueFrom.secretKeyRef.name: Secret wandb is used by the pods the operator creates, "
       "and the requesting user may not get secrets 'wandb' in namespace ml (no RBAC rule); ask for that access, "
       "reference something you may use, or ask the cluster admin to set the kubetitan chart's "
       "webhook.requesterChecks"], []),
+    # an edit of someone else's run: a reference is new when its use is; an image, env or mount change checks all
+    ("edit-moving-a-pull-secret-into-env-and-swapping-the-image", obj(resources={
+        "env": SECRET_ENV, "image": "tenant.example/evil:1"}), obj(resources={"imagePullSecrets": ["wandb"]}),
+     "UPDATE", Policy(), Requester.REFERENCES, {}, False, 403,
+     [f"spec.resources.env[0].valueFrom.secretKeyRef.name: Secret wandb is used by the pods the operator creates, "
+      f"and the requesting user may not get secrets 'wandb' in namespace ml (not checked); {FIX}",
+      f"spec.checkpoint.storage.persistentVolumeClaim.claimName: PersistentVolumeClaim ckpt is used by the pods "
+      f"the operator creates, and the requesting user may not get persistentvolumeclaims 'ckpt' in namespace ml "
+      f"(not checked); {FIX}"], []),
+    ("edit-swapping-only-the-image-checks-every-reference", obj(resources={"image": "tenant.example/evil:1"}),
+     obj(), "UPDATE", Policy(), Requester.REFERENCES, {PVC: False}, False, 403, [
+         f"spec.checkpoint.storage.persistentVolumeClaim.claimName: PersistentVolumeClaim ckpt is used by the pods "
+         f"the operator creates, and the requesting user may not get persistentvolumeclaims 'ckpt' in namespace ml "
+         f"(denied); {FIX}"], []),
+    ("edit-moving-a-pull-secret-into-the-tokenizer-is-a-new-use", obj(
+        resources={"imagePullSecrets": ["wandb"]}, tokenizer={"source": "builtin", "tokenSecretRef": {"name": "wandb"}}),
+     obj(resources={"imagePullSecrets": ["wandb"]}), "UPDATE", Policy(), Requester.REFERENCES, {PVC: True}, False,
+     403, [f"spec.tokenizer.tokenSecretRef.name: Secret wandb is used by the pods the operator creates, and the "
+           f"requesting user may not get secrets 'wandb' in namespace ml (not checked); {FIX}"], []),
+    ("edit-making-a-read-only-data-claim-writable-checks-every-reference", obj(data={"volume": {"claimName": "d"}}),
+     obj(data={"volume": {"claimName": "d", "readOnly": True}}), "UPDATE", Policy(), Requester.REFERENCES,
+     {PVC: True}, False, 403, [
+         f"spec.data.volume.claimName: PersistentVolumeClaim d is used by the pods the operator creates, and the "
+         f"requesting user may not get persistentvolumeclaims 'd' in namespace ml (not checked); {FIX}"], []),
+    ("edit-of-a-live-field-checks-nothing", obj(training={"steps": 200}, resources={"env": SECRET_ENV}),
+     obj(resources={"env": SECRET_ENV}), "UPDATE", Policy(), Requester.REFERENCES, {}, True, 200, [], []),
+    ("edit-reordering-pull-secrets-checks-nothing", obj(resources={"imagePullSecrets": ["b", "a"]}),
+     obj(resources={"imagePullSecrets": ["a", "b"]}), "UPDATE", Policy(), Requester.REFERENCES, {}, True, 200, [],
+     []),
     ("pod-create-granted", obj(), None, "CREATE", Policy(), Requester.POD_CREATE, {PODS: True}, True, 200, [], []),
     ("pod-create-denied", obj(), None, "CREATE", Policy(), Requester.POD_CREATE, {PODS: False}, False, 403,
      ["spec.checkpoint.storage.persistentVolumeClaim.claimName: this spec makes the operator create pods that use "
@@ -128,7 +161,8 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any] | None, str, Policy | None,
     # policy.codeLoadingEnv
     ("ld-preload-refused", obj(resources={"env": [{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}]}), None,
      "CREATE", Policy(), Requester.OFF, {}, False, 403,
-     ["spec.resources.env[0].name: LD_PRELOAD makes the trainer load code from outside its image, which this "
+     ["spec.resources.env[0].name: LD_PRELOAD makes the trainer load code from outside its image (LD_*: the "
+      "dynamic loader's preloaded and audit libraries and its search path: every process loads them), which this "
       "cluster's kubetitan policy does not allow (allowed: none); put the code into the image, or ask the cluster "
       "admin to add it to the kubetitan chart's policy.codeLoadingEnv"], []),
     ("pythonpath-listed", obj(resources={"env": [{"name": "PYTHONPATH", "value": "/data/lib"}]}), None, "CREATE",
@@ -152,6 +186,8 @@ def test_review(case: tuple[Any, ...]) -> None:
     assert list(v.errors) == lines
     if lines:
         assert v.message.splitlines()[1:] == [f"  - {ln}" for ln in lines]
+    if "every-reference" in case[0] or "swapping-the-image" in case[0]:
+        assert "so every reference is checked as if she created the run as it now stands" in v.message
     assert [w.split("]", 1)[0][1:] for w in v.warnings] == warned
 
 
@@ -202,9 +238,47 @@ def test_the_subject_access_review_carries_the_requests_user() -> None:
         "user": "alice", "groups": ["team-a", "system:authenticated"], "uid": "u1", "extra": {"scopes": ["x"]}}}
 
 
-def test_every_code_loading_variable_is_refused_by_default_and_others_are_not() -> None:
-    names = [*CODE_LOADING_ENV, "WANDB_PROJECT", "NCCL_DEBUG", "PYTHONUNBUFFERED"]
-    o = obj(resources={"env": [{"name": n, "value": "x"} for n in names]})
+CODE_LOADING = [(e.pattern, n) for e in CODE_LOADING_ENV for n in e.names()]
+"""Every code-loading variable the contract names (each pattern's examples), one test each."""
+TUNING = [*sorted(TUNING_ENV), "WANDB_PROJECT", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS",
+          "PYTORCH_CUDA_ALLOC_CONF", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "HF_HUB_OFFLINE", "HF_HOME", "FI_PROVIDER"]
+"""Variables that only tune (or name data): never refused."""
+
+
+@pytest.mark.parametrize("pattern,name", CODE_LOADING, ids=[n for _, n in CODE_LOADING])
+def test_a_code_loading_variable_is_refused_by_default_and_allowed_when_listed(pattern: str, name: str) -> None:
+    o = obj(resources={"env": [{"name": "WANDB_PROJECT", "value": "x"}, {"name": name, "value": "/data/x"}]})
     v = review(o, None, "CREATE", Policy())
-    refused = [ln.split(" ", 2)[1] for ln in v.errors]
-    assert refused == list(CODE_LOADING_ENV)
+    assert not v.allowed and v.code == 403
+    (line,) = v.errors
+    assert line.startswith(f"spec.resources.env[1].name: {name} makes the trainer load code from outside its image "
+                           f"({pattern}: "), line
+    assert line.endswith("put the code into the image, or ask the cluster admin to add it to the kubetitan chart's "
+                         "policy.codeLoadingEnv")
+    assert review(o, None, "CREATE", Policy(code_loading_env=(name,))).allowed
+    assert review(o, None, "CREATE", Policy(code_loading_env=("*",))).allowed
+
+
+@pytest.mark.parametrize("name", TUNING)
+def test_a_variable_that_only_tunes_is_not_refused(name: str) -> None:
+    o = obj(resources={"env": [{"name": name, "value": "1"}]})
+    assert review(o, None, "CREATE", Policy()).allowed
+
+
+def test_the_issues_variables_are_code_loading() -> None:
+    """The variables that were admitted before the list became a wide deny-list by pattern."""
+    for name in ("PATH", "HOME", "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH", "XDG_CACHE_HOME", "PYTHONWARNINGS",
+                 "PYTHONPLATLIBDIR", "CUDA_INJECTION64_PATH", "OPENSSL_CONF", "AWS_CONFIG_FILE", "TMPDIR", "CC"):
+        assert code_loading_env(name) is not None, name
+
+
+def test_the_user_site_switch_is_the_operators() -> None:
+    """The operator sets PYTHONNOUSERSITE=1 on every pod; a spec may not unset it (env.reserved)."""
+    o = obj(resources={"env": [{"name": ENV_NO_USER_SITE, "value": "0"}]})
+    v = review(o, None, "CREATE", Policy(code_loading_env=("*",)))
+    assert v.code == 422 and v.errors[0].startswith(f"spec.resources.env[0].name: '{ENV_NO_USER_SITE}' is set by the "
+                                                    "operator or the launcher and may not be overridden")
+    pod = plan.pod(parse(copy.deepcopy(obj()))[0], 0, 0)
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] == [TRAINER_PYTHON, "-s", "-m", "kubetitan_trainer.launch"]
+    assert {"name": ENV_NO_USER_SITE, "value": "1"} in c["env"]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kubetitan_core import contract
+
 REPO = Path(__file__).resolve().parents[2]
 OPERATOR = (REPO / "images" / "operator.Dockerfile").read_text()
 TRAINER = (REPO / "images" / "trainer.Dockerfile").read_text()
@@ -116,10 +118,14 @@ def test_trainer_image_has_the_planners_entry_point():
                          capture_output=True, text=True, check=True, timeout=60).stdout
     (pod,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Pod"]
     command = pod["spec"]["containers"][0]["command"]
-    assert command[:2] == ["python", "-m"]
-    module = command[2]
+    assert command == list(contract.TRAINER_COMMAND)
+    assert command[:3] == [contract.TRAINER_PYTHON, "-s", "-m"]  # absolute interpreter, user site off
+    module = command[3]
     assert (REPO / "trainer" / (module.replace(".", "/") + ".py")).exists(), module
     assert f'"{module}"' in TRAINER
+    # the image checks that the absolute interpreter is the one its packages went into
+    assert f"&& {contract.TRAINER_PYTHON} -s -c \"import {module}\"" in TRAINER
+    assert {"name": contract.ENV_NO_USER_SITE, "value": "1"} in pod["spec"]["containers"][0]["env"]
 
 
 @pytest.mark.parametrize("name", ["operator", "trainer"])

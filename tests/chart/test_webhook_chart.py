@@ -192,6 +192,31 @@ def test_the_requester_cache_values_become_flags():
     assert (cache.allowed_seconds, cache.denied_seconds, cache.max_entries) == (60, 0, 100)
 
 
+def test_the_rate_limit_and_client_auth_values_become_flags():
+    from kubetitan.webhook_guard import RateConfig
+
+    def webhook(*sets):
+        docs = render(sets=list(sets))
+        c = _container(docs)
+        return runner.options_from_args(runner.build_parser().parse_args(c["args"])).webhook, \
+            by_kind(docs, "Deployment")[0]
+
+    opts, dep = webhook()
+    assert opts.rate == RateConfig() and opts.client_ca_file is None  # the chart's defaults are the operator's
+    assert not [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook-client-ca"]
+    opts, dep = webhook("webhook.rateLimit.userPerSecond=2", "webhook.rateLimit.sourceBurst=1024",
+                        "webhook.clientAuth.caConfigMap=apiserver-webhook-client-ca",
+                        "webhook.clientAuth.names={kube-apiserver,front-proxy-client}")
+    assert (opts.rate.user_per_second, opts.rate.source_burst) == (2, 1024)
+    assert opts.client_ca_file == "/etc/kubetitan/webhook-client-ca/ca.crt"
+    assert opts.client_names == ("kube-apiserver", "front-proxy-client")
+    pod = dep["spec"]["template"]["spec"]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "webhook-client-ca"]
+    assert vol["configMap"]["name"] == "apiserver-webhook-client-ca"
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "webhook-client-ca"]
+    assert opts.client_ca_file == f"{mount['mountPath']}/{vol['configMap']['items'][0]['path']}"
+
+
 
 def test_an_upgrade_renders_the_certificates_the_operator_wrote_so_helm_keeps_them():
     """Helm 3's upgrade patch is a three-way merge that writes every value the chart renders over the live one; the

@@ -17,7 +17,8 @@ plane of ``support.cluster`` (a ``KubeCluster``):
   pod with no free node stays Pending, unbound, until one is); gives it its own loopback address (127.0.0.2,
   127.0.0.3, ...) as ``status.podIP``.
 - **Containers**: runs the pod's own ``command + args`` with its ``env`` as a local process, with
-  ``python`` replaced by ``sys.executable``; a ``python -m MODULE`` container (the trainer's launcher) is forked
+  ``python`` and the trainer image's interpreter (``contract.TRAINER_PYTHON``, an absolute path that exists only in
+  the image) replaced by ``sys.executable``; a ``python [-s] -m MODULE`` container (the trainer's launcher) is forked
   from a warm parent that imported torch once (``tests/support/warm.py``; ``KUBETITAN_TEST_COLD_LAUNCH=1`` starts
   each cold). Env ``valueFrom.fieldRef`` is resolved like the downward API
   (``status.podIP``, ``status.hostIP``, ``spec.nodeName``, ``metadata.name``, ``metadata.namespace``,
@@ -76,7 +77,21 @@ import requests
 import tomli_w
 
 from kmockx.harness import PODS, Cluster, free_port
+from kubetitan_core import contract
 from support import warm
+
+INTERPRETERS = ("python", contract.TRAINER_PYTHON)
+"""A container command's interpreter the double runs as ``sys.executable``: ``python`` (test pods) and the trainer
+image's absolute one (the planner's pods)."""
+
+
+def _module_call(argv: list[str]) -> tuple[str, list[str]] | None:
+    """(MODULE, its arguments) of ``sys.executable [-s] -m MODULE ...``, else None."""
+    flags = argv[1:argv.index("-m")] if argv[:1] == [sys.executable] and "-m" in argv else None
+    if flags is None or set(flags) - {"-s"} or len(argv) <= argv.index("-m") + 1:
+        return None
+    at = argv.index("-m")
+    return argv[at + 1], argv[at + 2:]
 
 LABEL_NAME = "kubetitan.io/name"
 LABEL_JOB_NAME = "batch.kubernetes.io/job-name"
@@ -499,9 +514,10 @@ class Kubelet:
             argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}",
                     f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--", *argv]
         hosts = (pp.dir / "hosts", spec.get("hostname") or pp.name) if NAMESPACES else None
-        if ids is None and len(argv) > 2 and argv[:2] == [sys.executable, "-m"]:
-            # python -m MODULE: forked from a warm parent that imported torch once (tests/support/warm.py)
-            pp.proc = warm.popen(argv[2], argv[3:], env, pp.dir / "container.log", cwd=pp.dir, new_session=True,
+        if ids is None and (module := _module_call(argv)) is not None:
+            # python [-s] -m MODULE: forked from a warm parent that imported torch once (tests/support/warm.py); the
+            # parent's site is set up already, and the pod's PYTHONNOUSERSITE reaches every Python the child starts
+            pp.proc = warm.popen(module[0], module[1], env, pp.dir / "container.log", cwd=pp.dir, new_session=True,
                                  namespaces=hosts)
         else:
             if hosts is not None:
@@ -578,7 +594,8 @@ class Kubelet:
                                     (spec.get("securityContext") or {}).get("fsGroupChangePolicy", "Always"))
             elif "emptyDir" not in v:
                 raise ValueError(f"volume {m['name']}: only configMap, hostPath, persistentVolumeClaim and emptyDir are supported")
-        argv = [sys.executable if x == "python" else x for x in c.get("command") or []]
+        command = list(c.get("command") or [])
+        argv = [sys.executable if i == 0 and x in INTERPRETERS else x for i, x in enumerate(command)]
         rdzv = next((a.split("=", 1)[1] for a in c.get("args") or [] if a.startswith("--rdzv-id=")), pp.name)
         for a in c.get("args") or []:
             if a.startswith("--master-port="):  # see the module docstring

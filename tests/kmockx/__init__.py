@@ -18,6 +18,8 @@ subclass fills exactly the gaps kubetitan's tests hit; each one is marked ``GAP:
   decoder refuses, answers 400 ``BadRequest`` as the API server does, instead of being stored.
 - GAP tables: ``Accept: ...;as=Table`` (kubectl get) renders ``additionalPrinterColumns`` like the API
   server does, so printer columns can be asserted with the real kubectl.
+- GAP request size: a body up to the API server's 3 MiB (``MAX_REQUEST_BODY_BYTES``) is read (aiohttp's own default
+  is 1 MiB); a larger one answers 413 ``RequestEntityTooLarge`` as the API server does.
 
 Opt-in (``graceful_pod_deletion=True``, used by tests/e2e's process-running kubelet): deleting a Pod that is
 bound to a node and not finished only sets ``deletionTimestamp``/``deletionGracePeriodSeconds`` (from the
@@ -331,6 +333,10 @@ def _pod_spec_comparable(spec: dict[str, Any], old: dict[str, Any]) -> dict[str,
     return spec
 
 
+MAX_REQUEST_BODY_BYTES = 3 * 1024 * 1024
+"""kube-apiserver's ``MaxRequestBodyBytes``."""
+
+
 @attrs.define(kw_only=True)
 class KubeEmulator(kmock.KubernetesEmulator):
     hooks: list[Hook] = attrs.field(factory=list)
@@ -513,6 +519,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
             return "watch" if watch else ("get" if request.name else "list")
         return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(
             method, "delete" if request.name else "deletecollection")
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # GAP request size: the API server's limit, not aiohttp's 1 MiB default
+        if (raw_request.content_length or 0) > MAX_REQUEST_BODY_BYTES:
+            return _status(413, "RequestEntityTooLarge",
+                           f"Request entity too large: limit is {MAX_REQUEST_BODY_BYTES}")
+        return await super().__call__(raw_request.clone(client_max_size=MAX_REQUEST_BODY_BYTES + 1))
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         path = request.url.path

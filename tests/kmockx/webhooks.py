@@ -14,7 +14,9 @@
   ``admission webhook "NAME" denied the request: ...``; a call that fails (refused connection, timeout, bad
   certificate, malformed answer) answers 500 ``Internal error occurred: failed calling webhook "NAME": ...`` under
   ``failurePolicy: Fail`` (the default) and is skipped under ``Ignore``. Warnings come back to the client as
-  ``Warning: 299 - "..."`` headers (kubectl prints ``Warning: ...``).
+  ``Warning: 299 - "..."`` headers (kubectl prints ``Warning: ...``). With ``state(k)["client_cert"] = (certfile,
+keyfile)`` every call presents that client certificate, as an API server whose AdmissionConfiguration gives it
+one for the webhook's host (``kubeConfigFile``) does.
 
 Who asks is per request (``requesting``: set by ``KubeEmulator._handle`` from the bearer token / port identity);
 in-process writes (``Cluster.apply``) ask as the cluster admin.
@@ -210,11 +212,14 @@ def _target(k: Any, w: dict[str, Any]) -> tuple[str, str, str]:
 
 def _context(k: Any, ca_bundle: str) -> ssl.SSLContext:
     cache = state(k)["contexts"]
-    if ca_bundle not in cache:
+    client = state(k).get("client_cert")
+    if (ca_bundle, client) not in cache:
         pem = base64.b64decode(ca_bundle).decode() if ca_bundle else None
         ctx = ssl.create_default_context(cadata=pem) if pem else ssl.create_default_context()
-        cache[ca_bundle] = ctx
-    return cache[ca_bundle]
+        if client is not None:
+            ctx.load_cert_chain(*client)
+        cache[(ca_bundle, client)] = ctx
+    return cache[(ca_bundle, client)]
 
 
 async def _session(k: Any) -> aiohttp.ClientSession:

@@ -8,7 +8,9 @@ kubectl prints what a user sees.
   same error lines (path: message) when the webhook refuses, the same warnings; a sample goes through kubectl;
 - a tenant bound only to "create LlamaPretrain" cannot reference a Secret, claim or service account she could not
   use herself; the admin's ``off`` lets it pass; the SubjectAccessReviews carry the request's uid and extra, and
-  their cached answers expire (a revoked grant is honoured until the allowed TTL ends, on a fake clock);
+  their cached answers expire (a revoked grant is honoured until the allowed TTL ends, on a fake clock); a tenant
+  editing an admin's run is checked for each reference whose use is new, and for all of them when the edit
+  changes the image, env or mounts;
 - a world-size edit of a started run: a warning on synthetic data, the operator's refusal on hub-streamed data;
 - a webhook that is down: ``Fail`` refuses with the API server's "failed calling webhook", ``Ignore`` admits.
 """
@@ -21,11 +23,13 @@ import copy
 import dataclasses
 import io
 import json
+import logging
 import os
 import re
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,10 +41,11 @@ import yaml
 from kmockx import kubeconfig, rbac, webhooks
 from kmockx.harness import LPT, NS, ApiError, Cluster, Operator, free_port, wait_for
 from support.specs import lpt
-from kubetitan import admission, cli
+from kubetitan import admission, cli, webhook_guard
 from kubetitan.access_cache import CacheConfig
 from kubetitan.policy import Policy
-from kubetitan.webhook import WebhookOptions
+from kubetitan.webhook import WEBHOOK_ID, WebhookOptions
+from kubetitan.webhook_guard import RateConfig
 
 pytestmark = pytest.mark.xdist_group("operator-kmock")
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
@@ -147,6 +152,9 @@ class FakeClock:
 
 
 CACHE = CacheConfig(allowed_seconds=30, denied_seconds=5)
+RATE = RateConfig(user_burst=100_000, source_burst=100_000)
+"""The module's other tests are not about the callers' budget (the fake clock never refills it):
+test_a_caller_gets_a_bounded_number_of_subject_access_reviews sets the defaults."""
 
 
 @dataclasses.dataclass
@@ -211,7 +219,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         op.options.webhook = WebhookOptions(port=port, addr="127.0.0.1", cert_file=str(tmp / "mount" / "tls.crt"),
                                             key_file=str(tmp / "mount" / "tls.key"),
                                             requester=admission.Requester.REFERENCES, cert_check_seconds=0.2,
-                                            access_cache=CACHE, clock=clock)
+                                            access_cache=CACHE, clock=clock, rate=RATE)
         with op:
             wait_for(lambda: _listening(port), 20, "the operator's webhook port")
             yield Env(c, op, port, vwc, clock)
@@ -373,6 +381,41 @@ def test_a_revoked_grant_is_honoured_until_the_allowed_ttl_ends_and_reviews_carr
         env.cluster.delete(LPT, NS, name)
 
 
+def test_a_tenant_editing_an_admins_run_is_checked_for_every_new_use_and_for_all_when_the_code_changes(
+        env: Env) -> None:
+    """The edit bypass: an admin's run uses Secret db-creds as an image pull secret (only the kubelet reads it); a
+    tenant who may patch LlamaPretrains but not read db-creds moves it into ``env`` and swaps the image. The same
+    Secret under a new use, and an image change, are checked as if she created the run: refused, naming the field
+    and the access she lacks. A live-field edit of the same run checks nothing and passes."""
+    carol = env.user("carol", [{"apiGroups": ["kubetitan.io"], "resources": ["llamapretrains"],
+                                "verbs": ["create", "get", "patch", "update"]}])
+    doc = _tenant_spec("admins-run", imagePullSecrets=["db-creds"])
+    doc["spec"]["runPolicy"] = {"suspend": True}  # not started: its tokenizer may still change
+    env.cluster.apply(doc)  # as the cluster admin
+    try:
+        patch = {"spec": {"resources": {"image": "tenant.example/mine:1", "env": [
+            {"name": "DB_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "db-creds", "key": "password"}}}]}}}
+        out = kubectl(carol, "patch", "lpt", "admins-run", "-n", NS, "--type", "merge", "-p", json.dumps(patch))
+        assert out.returncode != 0, out.stdout
+        assert ("this update changes spec.resources.image, spec.resources.env, so every reference is checked as if "
+                "she created the run as it now stands") in out.stderr, out.stderr
+        assert ("spec.resources.env[0].valueFrom.secretKeyRef.name: Secret db-creds is used by the pods the operator "
+                "creates, and the requesting user may not get secrets 'db-creds' in namespace ml") in out.stderr
+        # the same Secret moved into the tokenizer, image and env untouched: a new use, checked
+        patch = {"spec": {"tokenizer": {"tokenSecretRef": {"name": "db-creds", "key": "password"}}}}
+        out = kubectl(carol, "patch", "lpt", "admins-run", "-n", NS, "--type", "merge", "-p", json.dumps(patch))
+        assert ("spec.tokenizer.tokenSecretRef.name: Secret db-creds is used by the pods the operator creates, and "
+                "the requesting user may not get secrets 'db-creds' in namespace ml") in out.stderr, out.stderr
+        stored = env.cluster.get(LPT, NS, "admins-run")
+        assert "env" not in stored["spec"]["resources"] and "tokenSecretRef" not in stored["spec"]["tokenizer"]
+        # a live field: no reference is used anew, nothing to check
+        out = kubectl(carol, "patch", "lpt", "admins-run", "-n", NS, "--type", "merge", "-p",
+                      json.dumps({"spec": {"training": {"steps": 150}}}))
+        assert out.returncode == 0, out.stderr
+    finally:
+        env.cluster.delete(LPT, NS, "admins-run")
+
+
 def test_the_code_loading_env_is_refused_by_the_policy_at_admission(env: Env) -> None:
     doc = _tenant_spec("ld", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/evil.so"}])
     r = _post(env, doc)
@@ -425,6 +468,136 @@ def test_a_world_size_edit_of_a_started_run_is_answered_as_the_operator_gates_it
 
 
 # ------------------------------------------------------------------ a webhook that is down
+# ------------------------------------------------------------------ size, access-check cap, callers
+def test_a_2_5_mb_object_is_created_and_suspended_through_the_webhook(env: Env) -> None:
+    """An UPDATE's review carries the object and the old object: 2 x 2.5 MB is read (the limit is sized from the
+    API server's 3 MiB body), where aiohttp's default 1 MiB answered 413 and the API server failed the call."""
+    doc = _tenant_spec("big", env=[{"name": f"V{i}", "value": "x" * 8000} for i in range(320)])
+    doc["metadata"]["namespace"] = CORPUS_NS
+    assert 2_500_000 < len(json.dumps(doc)) < webhook_guard.API_SERVER_MAX_BODY_BYTES
+    calls = webhooks.state(env.cluster.k)["calls"]
+    seen = len(calls)
+    r = _post(env, doc)
+    assert r.status_code == 201, r.text[:500]
+    try:
+        url = f"{env.cluster.url}/apis/kubetitan.io/v1alpha1/namespaces/{CORPUS_NS}/llamapretrains/big"
+        r = requests.patch(url, json={"spec": {"runPolicy": {"suspend": True}}}, timeout=60, headers={
+            "Authorization": "Bearer kmock", "Content-Type": "application/merge-patch+json"})
+        assert r.status_code == 200, r.text[:500]
+        assert r.json()["spec"]["runPolicy"]["suspend"] is True
+        assert [c.outcome for c in calls[seen:]] == ["allowed", "allowed"]  # both answered by the webhook
+    finally:
+        env.cluster.delete(LPT, CORPUS_NS, "big")
+
+
+GVK = {"group": "kubetitan.io", "version": "v1alpha1", "kind": "LlamaPretrain"}
+
+
+def _review(env: Env, doc: dict[str, Any], user: str) -> tuple[dict[str, Any], float]:
+    """POST an AdmissionReview straight to the webhook's port, as any pod that reaches it can (no API server, a
+    made-up ``userInfo``): the webhook's ``response`` and the seconds it took."""
+    body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": os.urandom(8).hex(), "kind": GVK,
+        "resource": {"group": "kubetitan.io", "version": "v1alpha1", "resource": "llamapretrains"},
+        "namespace": doc["metadata"]["namespace"], "name": doc["metadata"]["name"], "operation": "CREATE",
+        "userInfo": {"username": user, "groups": ["system:authenticated"]}, "object": doc, "oldObject": None}}
+    started = time.perf_counter()
+    r = requests.post(f"https://127.0.0.1:{env.port}/{WEBHOOK_ID}", json=body, verify=False, timeout=60)
+    assert r.status_code == 200, r.text[:300]
+    return r.json()["response"], time.perf_counter() - started
+
+
+def _secret_refs(prefix: str, n: int) -> list[dict[str, Any]]:
+    return [{"name": f"S{i}", "valueFrom": {"secretKeyRef": {"name": f"{prefix}-{i}", "key": "k"}}} for i in range(n)]
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_5000_references_are_refused_fast_without_asking_a_subject_access_review(env: Env) -> None:
+    """One review naming 5,000 distinct Secrets made the operator ask 5,000 SubjectAccessReviews (19 s): a spec
+    needing more than 64 is refused before any is asked, from the API server as from a caller posting directly."""
+    sars = webhooks.state(env.cluster.k)["sars"]
+    asked = len(sars)
+    doc = _tenant_spec("many-refs", env=_secret_refs("probe", 5000))
+    resp, seconds = _review(env, doc, "mallory")
+    assert resp["allowed"] is False and resp["status"]["code"] == 422
+    assert ("spec: the requester checks need 5001 SubjectAccessReviews for the distinct Secrets, ConfigMaps, claims, "
+            "service account and priority class this spec references, more than the 64 one request may ask; "
+            "reference fewer objects (one Secret or ConfigMap can hold many keys)") in resp["status"]["message"]
+    assert len(sars) == asked  # not one
+    assert seconds < 10, seconds
+    alice = env.user("alice", TENANT_RULES)  # through the API server, as a tenant: the same answer
+    out = kubectl(alice, "create", "-f", "-", stdin=json.dumps(doc))
+    assert "more than the 64 one request may ask" in out.stderr, out.stderr
+    assert len(sars) == asked
+    # at the cap: asked, 64 at most
+    resp, _ = _review(env, _tenant_spec("at-cap", env=_secret_refs("cap", 63)), "mallory")
+    assert resp["allowed"] is False and "may not get secrets 'cap-0'" in resp["status"]["message"]
+    assert 0 < len(sars) - asked <= admission.MAX_ACCESS_CHECKS
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_a_caller_gets_a_bounded_number_of_subject_access_reviews(env: Env) -> None:
+    """Direct reviews under ever new usernames from one address: the source's budget (512 SubjectAccessReviews,
+    on the test's still clock) is spent, then every review is refused with 429 and the wait, asking nothing; one
+    username alone gets its own smaller budget (128). Cached answers cost nothing."""
+    env.set(rate=RateConfig())  # the defaults, fresh buckets
+    sars = webhooks.state(env.cluster.k)["sars"]
+    asked = len(sars)
+    answers = []
+    for i in range(12):
+        resp, _ = _review(env, _tenant_spec(f"probe-{i}", env=_secret_refs(f"p{i}", 59)), f"user-{i}")
+        answers.append(resp["status"]["code"])
+    # 60 checks a review (59 Secrets and the claim): 8 fit 512, the 9th would overdraw the source's bucket
+    assert answers == [403] * 8 + [429] * 4, answers
+    assert len(sars) - asked == 8 * 60 <= RateConfig().source_burst
+    refused, _ = _review(env, _tenant_spec("probe-x", env=_secret_refs("px", 59)), "user-x")
+    assert refused["status"]["message"].startswith(
+        "the admission webhook answers the requester checks of this request later: source 127.0.0.1 may have 50 "
+        "SubjectAccessReviews a second asked for it (bursts of 512); retry in "), refused["status"]["message"]
+    again, _ = _review(env, _tenant_spec("probe-0", env=_secret_refs("p0", 59)), "user-0")
+    assert again["status"]["code"] == 403  # every answer cached: nothing charged
+    env.clock.now += 600  # the buckets refill; one user alone: 2 reviews of 60 fit her 128, the third does not
+    codes = [_review(env, _tenant_spec(f"one-{i}", env=_secret_refs(f"o{i}", 59)), "eve")[0]["status"]["code"]
+             for i in range(3)]
+    assert codes == [403, 403, 429], codes
+    env.set(rate=RATE)
+    env.clock.now += 600
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_garbage_is_a_400_without_a_traceback_and_refusals_are_logged_once_per_window(
+        env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    """Bodies that are not an AdmissionReview got kopf's 500 and an aiohttp ERROR traceback each; now 400 with the
+    reason, one WARNING per window for all of them. A burst of refused reviews is one INFO line per window, the
+    rest counted into the next line (the fake clock moves the window)."""
+    caplog.set_level(logging.INFO)
+    env.clock.now += 3600  # a new window for both logs
+    url = f"https://127.0.0.1:{env.port}/{WEBHOOK_ID}"
+    garbage = {b"not json": "the body is not JSON", b"[]": "the body is a JSON list, not an AdmissionReview object",
+               b'{"request": "x"}': "request is missing or not an object",
+               b'{"request": {}}': "request.uid is missing or not a string",
+               b'{"request": {"uid": "u", "operation": "CREATE", "userInfo": {}, "kind": {}, "resource": {}, '
+               b'"object": 5}}': "request.object and request.oldObject must be objects or null"}
+    for body, why in garbage.items():
+        r = requests.post(url, data=body, verify=False, timeout=10, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and why in r.reason, (body, r.status_code, r.reason)
+    for i in range(20):
+        resp, _ = _review(env, _tenant_spec(f"noisy-{i}", env=[{"name": "LD_PRELOAD", "value": "/x.so"}]), "mallory")
+        assert resp["status"]["code"] == 403
+    env.clock.now += webhook_guard.LOG_EVERY_SECONDS
+    _review(env, _tenant_spec("noisy-last", env=[{"name": "LD_PRELOAD", "value": "/x.so"}]), "mallory")
+    requests.post(url, data=b"[]", verify=False, timeout=10)
+    mine = [r for r in caplog.records if r.name.startswith(("kubetitan", "kopf", "aiohttp"))]
+    assert not [r for r in mine if r.exc_info or r.levelno >= logging.ERROR], \
+        [(r.name, r.getMessage()[:200]) for r in mine if r.exc_info or r.levelno >= logging.ERROR]
+    malformed = [r.getMessage() for r in mine if "that is not an AdmissionReview" in r.getMessage()]
+    assert len(malformed) == 2 and malformed[1].endswith("(and 4 more like it in the 10 s before)"), malformed
+    refused = [r.getMessage() for r in mine if r.getMessage().startswith("Refused CREATE of LlamaPretrain ml/noisy")]
+    assert len(refused) == 2, refused
+    assert refused[0].startswith("Refused CREATE of LlamaPretrain ml/noisy-0 by mallory: spec.resources.env[0].name")
+    assert refused[1].endswith("(and 19 more like it in the 10 s before)"), refused[1]
+
+
 def _replace_vwc(env: Env, webhooks_: list[dict[str, Any]]) -> None:
     """PUT the configuration with other webhooks (as an admin's kubectl replace)."""
     c = env.cluster
@@ -561,6 +734,90 @@ def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
         c.call(webhooks.close(c.k))
 
 
+def _client_certs(tmp: Path) -> dict[str, tuple[str, str]]:
+    """A client CA and certificates it signs (common names ``kube-apiserver`` and ``intruder``), and one of
+    ``kube-apiserver`` that another CA signs: {name: (certfile, keyfile)}; the CA is ``tmp/client-ca.crt``."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = dt.datetime.now(dt.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def ca(cn: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(name(cn)).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(hours=1))
+                .not_valid_after(now + dt.timedelta(days=1))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True).sign(key, hashes.SHA256()))
+        return cert, key
+
+    def client(cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey], file: str) -> tuple[str, str]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(issuer[0].subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=1))
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(issuer[1], hashes.SHA256()))
+        (tmp / f"{file}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (tmp / f"{file}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                            serialization.PrivateFormat.PKCS8,
+                                                            serialization.NoEncryption()))
+        return str(tmp / f"{file}.crt"), str(tmp / f"{file}.key")
+
+    trusted, other = ca("apiserver client CA"), ca("some other CA")
+    (tmp / "client-ca.crt").write_bytes(trusted[0].public_bytes(serialization.Encoding.PEM))
+    return {"kube-apiserver": client("kube-apiserver", trusted, "apiserver"),
+            "intruder": client("intruder", trusted, "intruder"),
+            "other-ca": client("kube-apiserver", other, "other-ca")}
+
+
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
+def test_with_a_client_ca_only_the_api_servers_certificate_gets_a_review_answered(tmp_path: Path) -> None:
+    """``--webhook-client-ca-file`` and ``--webhook-client-names``: the API server presenting its client certificate
+    (its AdmissionConfiguration's kubeConfigFile) is answered; no certificate, another CA's, or another name of
+    the same CA is turned away before a review is read, so the API server reports a failed call and a pod posting
+    straight to the port gets nothing."""
+    from kmockx.harness import OperatorProcess
+
+    docs = rbac.render_chart(HELM)
+    mount_secret(tmp_path, docs)
+    certs_ = _client_certs(tmp_path)
+    vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
+    with Cluster() as c:
+        c.call(c.k.put(webhooks.VWC, vwc))
+        port = free_port()
+        webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", port)
+        with OperatorProcess(c.kubeconfig, "--namespace", NS, "--webhook-port", str(port),
+                             "--webhook-addr", "127.0.0.1", "--webhook-cert-file", str(tmp_path / "mount" / "tls.crt"),
+                             "--webhook-key-file", str(tmp_path / "mount" / "tls.key"),
+                             "--webhook-client-ca-file", str(tmp_path / "client-ca.crt"),
+                             "--webhook-client-names", "kube-apiserver"):
+            wait_for(lambda: _listening(port), 20, "the webhook port")
+            bad = _tenant_spec("cc-bad", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}])
+
+            def apply_as(who: str | None) -> str:
+                webhooks.state(c.k)["client_cert"] = certs_[who] if who else None
+                with pytest.raises(ApiError) as e:
+                    c.apply(bad)
+                return str(e.value.status)
+
+            assert 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request' in \
+                apply_as("kube-apiserver")
+            for who, why in ((None, "failed to call webhook: Post"), ("other-ca", "failed to call webhook: Post"),
+                             ("intruder", "the server responded with the status code 403")):
+                got = apply_as(who)
+                assert 'failed calling webhook "validate.llamapretrains.kubetitan.io"' in got and why in got, (who, got)
+            with pytest.raises(requests.exceptions.ConnectionError):  # SSLError: the handshake wants a certificate
+                requests.post(f"https://127.0.0.1:{port}/{WEBHOOK_ID}", json={}, verify=False, timeout=10)
+        c.call(webhooks.close(c.k))
+
+
 def test_the_webhook_flags() -> None:
     from kubetitan import runner
 
@@ -583,6 +840,15 @@ def test_the_webhook_flags() -> None:
     got = opts(*full, "--webhook-cert-dir", "/run/w")
     assert got.cert_file == "/run/w/current/tls.crt" and got.certificates.dns_names[0] == "kt-webhook.kt.svc"
     assert opts("--requester-cache-allowed-seconds", "0").access_cache.allowed_seconds == 0
+    assert opts().rate == RateConfig() and opts().client_ca_file is None
+    assert opts("--webhook-rate-user-per-second", "2", "--webhook-rate-source-burst", "64").rate == RateConfig(
+        user_per_second=2, source_burst=64)
+    with pytest.raises(SystemExit, match="--webhook-rate-user-burst must be at least 64"):
+        opts("--webhook-rate-user-burst", "8")
+    with pytest.raises(SystemExit, match="--webhook-client-names needs --webhook-client-ca-file"):
+        opts("--webhook-client-names", "kube-apiserver")
+    got = opts("--webhook-client-ca-file", "/ca.crt", "--webhook-client-names", "kube-apiserver, front-proxy")
+    assert (got.client_ca_file, got.client_names) == ("/ca.crt", ("kube-apiserver", "front-proxy"))
 
 
 # ------------------------------------------------------------------ the operator's own certificates

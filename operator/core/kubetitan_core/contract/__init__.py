@@ -8,8 +8,10 @@ failure report). Pure, torch-free.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -72,6 +74,11 @@ ENV_RESTART_FAILURE = "KUBETITAN_RESTART_FAILURE"
 """JSON ``{"exit_code", "node_rank", "local_rank", "time"}`` of the worker failure that started this generation
 (the earliest one any rank's launcher reported); unset in generation 0."""
 
+ENV_NO_USER_SITE = "PYTHONNOUSERSITE"
+"""Set to ``1`` by the operator on every training pod (and reserved): no Python process of the pod adds the user
+site directory (``~/.local/lib/pythonX.Y/site-packages``), whose ``.pth`` files would run code from wherever the
+home directory is, e.g. a writable claim. The launcher itself also runs with ``-s`` (:data:`TRAINER_COMMAND`)."""
+
 # ---- environment a spec may not set (spec.resources.env): the operator's and the launchers' own variables.
 # A user value would silently break the run (the attempt number, the rendezvous, torchrun's per-process ranks).
 # Other operator defaults (NCCL_DEBUG, FI_*, TORCH_NCCL_*) may be replaced by a same-named spec variable.
@@ -80,13 +87,14 @@ RESERVED_ENV_PREFIXES = ("KUBETITAN_", "TORCHELASTIC_", "PET_")
 RESERVED_ENV_NAMES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK",
     "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME",
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", ENV_NO_USER_SITE,
 )
 """Exact reserved names: the rendezvous address and the per-process ranks and sizes torchrun sets on its
 workers, the launcher's switch for the in-place rendezvous store, and the GPU selection: the device plugin
 gives the pod its GPUs (with its default envvar strategy through NVIDIA_VISIBLE_DEVICES, so a pod setting
 NVIDIA_VISIBLE_DEVICES=all could reach every GPU of the node) and torchrun maps LOCAL_RANK onto them
-(CUDA_VISIBLE_DEVICES would hide some from the workers)."""
+(CUDA_VISIBLE_DEVICES would hide some from the workers), and the operator's switch that keeps Python's user site
+off (:data:`ENV_NO_USER_SITE`)."""
 SECRET_ENV_TOKEN = "HF_TOKEN"
 """Set from ``spec.tokenizer.tokenSecretRef`` (a Secret); a plain spec variable of this name is refused then."""
 
@@ -94,6 +102,103 @@ SECRET_ENV_TOKEN = "HF_TOKEN"
 def env_reserved(name: str) -> bool:
     """Whether ``spec.resources.env`` may not set ``name``."""
     return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
+
+
+# ---- the trainer's process
+TRAINER_PYTHON = "/opt/conda/bin/python"
+"""The interpreter every training pod runs, by absolute path: the trainer image's Python (the PyTorch base image's
+conda Python, which ``images/trainer.Dockerfile`` installs into and checks). Never ``python`` looked up through
+``PATH``, which a spec's environment could point at a writable claim. A custom trainer image provides its
+interpreter at this path (a symbolic link is enough)."""
+TRAINER_COMMAND = (TRAINER_PYTHON, "-s", "-m", "kubetitan_trainer.launch")
+"""The training container's ``command``: the launcher, with the user site directory disabled (``-s``)."""
+
+
+@dataclass(frozen=True)
+class CodeLoadingEnv:
+    """Environment variables (one pattern) that make a process of the trainer image load or run code the spec names
+    rather than the image: pointed at a writable claim, they run whatever a spec author put there."""
+
+    pattern: str
+    """A name, or a shell-style pattern (``LD_*``, ``NCCL_*_PLUGIN``)."""
+    loads: str
+    """What it makes the trainer load or run (docs/api.md, "Code-loading environment")."""
+    examples: tuple[str, ...] = ()
+    """Names it matches (each one tested; the pattern itself when it is a plain name)."""
+
+    def matches(self, name: str) -> bool:
+        return fnmatch.fnmatchcase(name, self.pattern)
+
+    def names(self) -> tuple[str, ...]:
+        return self.examples or (self.pattern,)
+
+
+CODE_LOADING_ENV: tuple[CodeLoadingEnv, ...] = (
+    CodeLoadingEnv("LD_*", "the dynamic loader's preloaded and audit libraries and its search path: every "
+                   "process loads them", ("LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH")),
+    CodeLoadingEnv("GCONV_PATH", "glibc's character-set conversion modules"),
+    CodeLoadingEnv("PATH", "where every program named without a path is found (the launcher's helpers, compilers, "
+                   "`ldconfig`)"),
+    CodeLoadingEnv("HOME", "the home directory: Python's user site (`.pth` files run code), `~/.nccl.conf`, the "
+                   "Triton and CUDA kernel caches, `~/.aws/config`"),
+    CodeLoadingEnv("XDG_*", "the cache and configuration directories (torch hub, pip, Triton)",
+                   ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME")),
+    CodeLoadingEnv("TMPDIR", "the temporary directory: torch.compile's default cache of compiled shared objects"),
+    CodeLoadingEnv("PYTHON*", "Python's module path, home, start-up file, user site, platform library directory, "
+                   "bytecode cache and the modules its breakpoint and warning hooks import",
+                   ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONPYCACHEPREFIX",
+                    "PYTHONBREAKPOINT", "PYTHONWARNINGS", "PYTHONPLATLIBDIR")),
+    CodeLoadingEnv("BASH_ENV", "a non-interactive bash's start-up file"),
+    CodeLoadingEnv("ENV", "a POSIX shell's start-up file"),
+    CodeLoadingEnv("NCCL_*_PLUGIN", "NCCL's network, tuner, profiler and environment plugins (shared objects "
+                   "loaded by name or path)", ("NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "NCCL_PROFILER_PLUGIN",
+                                               "NCCL_ENV_PLUGIN")),
+    CodeLoadingEnv("NCCL_CONF_FILE", "a file of NCCL settings, a plugin among them"),
+    CodeLoadingEnv("TORCHINDUCTOR_*", "torch.compile's compiled-kernel cache, its remote caches and its compiler "
+                   "settings", ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE",
+                                "TORCHINDUCTOR_REDIS_HOST")),
+    CodeLoadingEnv("TRITON_*", "Triton's kernel cache and overrides, and the `ptxas`, `cuobjdump` and `libcuda` it "
+                   "runs or loads", ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_PTXAS_PATH", "TRITON_LIBCUDA_PATH",
+                                     "TRITON_OVERRIDE_DIR")),
+    CodeLoadingEnv("TORCH_EXTENSIONS_DIR", "torch's JIT-built C++/CUDA extensions"),
+    CodeLoadingEnv("TORCH_HOME", "torch hub's code and weights"),
+    CodeLoadingEnv("PYTORCH_KERNEL_CACHE_PATH", "PyTorch's cache of compiled CUDA kernels"),
+    CodeLoadingEnv("CUDA_CACHE_PATH", "the CUDA driver's cache of JIT-compiled kernels"),
+    CodeLoadingEnv("CUDA_INJECTION*_PATH", "a library the CUDA driver injects into the process (profilers)",
+                   ("CUDA_INJECTION64_PATH", "CUDA_INJECTION32_PATH")),
+    CodeLoadingEnv("CUDA_HOME", "the CUDA toolkit torch and Triton compile with"),
+    CodeLoadingEnv("CUDA_PATH", "the CUDA toolkit torch and Triton compile with"),
+    CodeLoadingEnv("CC", "the C compiler Triton and torch.compile run"),
+    CodeLoadingEnv("CXX", "the C++ compiler torch.compile runs"),
+    CodeLoadingEnv("*_INCLUDE_PATH", "the headers compiled kernels include", ("C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH")),
+    CodeLoadingEnv("CPATH", "the headers compiled kernels include"),
+    CodeLoadingEnv("LIBRARY_PATH", "the libraries compiled kernels link"),
+    CodeLoadingEnv("HF_MODULES_CACHE", "the Hugging Face libraries' cache of remote code modules"),
+    CodeLoadingEnv("OPENSSL_*", "OpenSSL's configuration (it can load engines and providers), modules and engines",
+                   ("OPENSSL_CONF", "OPENSSL_MODULES", "OPENSSL_ENGINES")),
+    CodeLoadingEnv("FI_PROVIDER_PATH", "libfabric's provider libraries"),
+    CodeLoadingEnv("OMP_TOOL_LIBRARIES", "OpenMP tool libraries"),
+    CodeLoadingEnv("AWS_CONFIG_FILE", "the AWS configuration, whose `credential_process` is a program the S3 client "
+                   "runs"),
+    CodeLoadingEnv("AWS_SHARED_CREDENTIALS_FILE", "the AWS credentials file, read like `AWS_CONFIG_FILE`"),
+)
+"""Code-loading environment: refused in ``spec.resources.env`` unless the admin policy lists the name
+(``policy.codeLoadingEnv``). A deny-list by pattern, wide on purpose: a whole family (``PYTHON*``, ``TRITON_*``)
+rather than the members known today. :data:`TUNING_ENV` names the few members that only tune."""
+TUNING_ENV: frozenset[str] = frozenset({
+    "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING",
+    "PYTHONUTF8", "PYTHONTRACEMALLOC", "PYTHONPROFILEIMPORTTIME", "PYTHONMALLOC",
+})
+"""Names a :data:`CODE_LOADING_ENV` pattern matches that load nothing: output buffering, fault handler, hash seed,
+bytecode writing, I/O encoding (codecs of the image's own library), UTF-8 mode, allocation tracing, import timing,
+the allocator. Allowed without the policy."""
+
+
+def code_loading_env(name: str) -> CodeLoadingEnv | None:
+    """The :data:`CODE_LOADING_ENV` entry ``name`` matches (None: it loads no code, or is in :data:`TUNING_ENV`)."""
+    if name in TUNING_ENV:
+        return None
+    return next((e for e in CODE_LOADING_ENV if e.matches(name)), None)
 
 
 PER_RANK_DATA_SOURCES = frozenset({"huggingface"})
