@@ -163,11 +163,6 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
-LEASE_TICKET = -1
-"""The ticket of the leader Lease's calls (get, create, renew): smaller than any call's, so the next free request slot
-is theirs."""
-
-
 class Slots:
     """The client's request slots: at most ``n`` requests in flight, granted oldest call first.
 
@@ -299,7 +294,8 @@ class Client:
     creation from crowding them out (and a 429 from APF is the server saying the share is too big), while at a
     real API server's ~10-30 ms per create 16 in flight still make 500 or more creates a second. A request
     waiting out a retry's backoff or ``Retry-After`` holds no slot, and when it is due it is sent ahead of the
-    calls that started after it (:class:`Slots`: oldest call first).
+    calls that started after it (:class:`Slots`: oldest call first). The leader Lease's calls take no slot (one at a
+    time, and a renewal must not wait behind slow writes).
     """
 
     def __init__(self, cfg: kubernetes.client.Configuration, concurrency: int = 16,
@@ -310,7 +306,8 @@ class Client:
         """Sent with every request (the API server's audit log and the test double's request log show it)."""
         self.fence = fence
         """The leader fence (``leader.LeaderElector``): every write calls ``fence.check()`` before it is sent (and
-        before each retry), and its timeout is cut to ``fence.write_timeout()``. None: no election."""
+        before each retry) and is awaited through ``fence.hold()`` (abandoned if the Lease could expire while it is in
+        flight). None: no election."""
         self.retry = retry or RetryPolicy()
         self.timeout_seconds = timeout_seconds
         self.retries: dict[str, int] = {}
@@ -358,7 +355,7 @@ class Client:
             await self.session.close()
             self.session = None
 
-    # long: one request's whole error policy in one place (fence, deadline, retry with Retry-After, classification)
+    # long: one request's whole error policy in one place (fence, slots, retry with Retry-After, classification)
     async def _call(self, group: str, resource: str, verb: str, method: str, path: str,
                     body: Any = None, query: list[tuple[str, Any]] | None = None,
                     content_type: str = "application/json", fenced: bool = True, retries: bool = True,
@@ -387,27 +384,25 @@ class Client:
         refreshed = False
         n = 0
         attempts = self.retry.attempts if retries else 1
-        # kept by every attempt: a retry is sent ahead of the calls started after it; the leader Lease's calls ahead
-        # of every queued call (a renewal queued behind a gang's creates and their retries could miss its deadline
-        # and cost this replica the Lease mid-reconcile)
-        place = LEASE_TICKET if group == "coordination.k8s.io" and resource == "leases" else self.limit.ticket()
+        seconds = self.timeout_seconds if timeout is None else timeout
+        # the leader Lease's calls take no request slot: a renewal must never wait behind a gang's creates (16 slow
+        # ones hold every slot for as long as an admission webhook takes) or it misses its deadline mid-reconcile
+        lease = group == "coordination.k8s.io" and resource == "leases"
+        place = self.limit.ticket()  # kept by every attempt: a retry is sent ahead of the calls started after it
         while True:
             headers = {"Content-Type": content_type, "Accept": "application/json", "User-Agent": self.user_agent,
                        **self._auth()}
             try:
-                async with self.limit.slot(place):
+                async with contextlib.nullcontext() if lease else self.limit.slot(place):
                     if self.closed:  # closed while this call waited for a slot or a retry's backoff
                         raise ClientClosed(f"{method} {path}: the client is closed (the operator is stopping)")
-                    limit = timeout
                     if write and self.fence is not None:
                         self.fence.check()  # raises NotLeader: nothing is sent
-                        left = self.fence.write_timeout()
-                        limit = left if limit is None or left is not None and left < limit else limit
-                    req_timeout = aiohttp.ClientTimeout(total=limit) if limit is not None else None
-                    async with self.session.request(method, self.host + path, params=query or None, data=data,
-                                                    headers=headers, **({"timeout": req_timeout} if req_timeout
-                                                                        else {})) as r:
-                        status, raw, retry_after = r.status, await r.read(), _retry_after(r.headers)
+                        # started within the fence, it may run for its whole timeout while the Lease is renewed
+                        status, raw, retry_after = await self.fence.hold(
+                            self._send(method, path, query, data, headers, seconds))
+                    else:
+                        status, raw, retry_after = await self._send(method, path, query, data, headers, seconds)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
                 if n + 1 >= attempts:
                     raise
@@ -432,6 +427,15 @@ class Client:
         if not 200 <= status < 300:
             raise ApiError(status, method, path, raw, retry_after)
         return json.loads(raw) if raw else {}
+
+    async def _send(self, method: str, path: str, query: list[tuple[str, Any]] | None, data: str | None,
+                    headers: dict[str, str], seconds: float) -> tuple[int, bytes, float | None]:
+        """One request: its status, body and ``Retry-After`` (``TimeoutError`` when no answer came in time)."""
+        import aiohttp
+
+        async with self.session.request(method, self.host + path, params=query or None, data=data, headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=seconds)) as r:
+            return r.status, await r.read(), _retry_after(r.headers)
 
     # ---- helpers (paths follow the API conventions)
     @staticmethod

@@ -16,15 +16,24 @@ The protocol is client-go's ``tools/leaderelection`` (``LeaseLock``), rewritten 
 What client-go leaves out (its doc.go: "does not guarantee that only one client is acting as a leader"),
 this module adds:
 
-- A *fence*. A write is allowed only before ``sent + renew_deadline``, where ``sent`` is the moment the last
-  successful renewal was sent (any other replica starts counting the lease duration no earlier than it
-  stored that renewal), and every write must reach the server before ``sent + lease_duration`` (its request
-  timeout is cut to that). So a replica whose renewals fail stops writing ``lease_duration -
-  renew_deadline`` seconds (5 s by default) before another may take over, whatever its renew loop is doing:
-  the check reads the clock, not a flag. ``check()`` raises :class:`NotLeader`; the operator's client
-  (``kube.Client``) and kopf's session (``kube.Client.kopf_session``) call it before every write. The
-  margin also absorbs clock-rate differences (client-go's doc.go: the tolerated ratio of clock rates is
-  about lease duration / renew deadline).
+- A *fence*. A write may be *started* only before ``sent + renew_deadline``, where ``sent`` is the moment
+  the last successful renewal was sent (any other replica starts counting the lease duration no earlier
+  than it stored that renewal). ``check()`` raises :class:`NotLeader`; the operator's client
+  (``kube.Client``) and kopf's session (``kube.Client.kopf_session``) call it before every write. The check
+  reads the clock, not a flag, so a replica whose renew loop is stuck stops too. The margin between the
+  deadline and the lease duration (5 s by default) also absorbs clock-rate differences (client-go's
+  doc.go: the tolerated ratio of clock rates is about lease duration / renew deadline).
+- *Writes in flight* (``hold()``). A write may take longer than the renew deadline (a slow admission
+  webhook on a pod create: 20 s and more); renewals go on meanwhile (the election runs in its own task, and
+  the Lease's calls never wait for one of the client's request slots), and every successful renewal moves
+  the expiry on. A write in flight is abandoned - its request cancelled, :class:`NotLeader` raised - only
+  when the Lease could expire: ``sent + lease_duration`` of the last renewal sent passes with no renewal
+  since (the moment a standby may take over, at the earliest), or at once when this replica steps down.
+  Otherwise it runs under the client's own request timeout. So a long write is never cut short while
+  this replica keeps its Lease, and never outlives the Lease on this side of the connection. What remains
+  is the limitation no client can remove (the Kubernetes API has no fencing token): a request the client
+  gave up on may still be stored by the server (one that had passed admission before the connection
+  closed); the next leader reads the cluster before it acts, so it finds that write.
 - *A Lease that disappears.* A replica that finds no Lease and creates it holds the record at once (the
   others see a holder and stand by) but does not act - ``leading`` stays False, no write passes the fence
   - until a full lease duration after it first found the Lease absent. A holder whose Lease was deleted
@@ -35,7 +44,7 @@ this module adds:
   created from one deleted, so the first leader of a new install waits too (15 s by default); an operator
   that stops releases the Lease (it is not deleted), so a restart or a rolling update does not.
 - *A holder that finds its Lease gone* (404 on a renewal, or a read that finds no Lease or another holder)
-  steps down at once: its fence closes, whatever its deadline says.
+  steps down at once: its fence closes and its writes in flight are abandoned, whatever its deadline says.
   It then campaigns like any other replica (and waits out the lease duration if it creates the Lease).
 
 ``term`` counts the acquisitions of this replica: the operator's per-run loops compare it with the term
@@ -59,11 +68,12 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger("kubetitan.leader")
+T = TypeVar("T")
 
 JITTER_FACTOR = 1.2
 """client-go's ``JitterFactor``: a candidate waits ``retry_period`` to ``retry_period * 2.2`` between tries, and
@@ -137,8 +147,8 @@ class AlwaysLeader:
     def check(self) -> None:
         return None
 
-    def write_timeout(self) -> float | None:
-        return None
+    async def hold(self, write: Awaitable[T]) -> T:
+        return await write
 
     async def wait(self) -> int:
         return self.term
@@ -180,6 +190,8 @@ class LeaderElector:
         self._observed_raw: str | None = None
         self._observed_at = float("-inf")
         self._observed_duration = config.lease_duration
+        self._in_flight: dict[asyncio.Future[str], asyncio.Future[Any]] = {}
+        """Writes in flight (``hold``): the signal that abandons each, and its request."""
 
     # ---------------------------------------------------------------- the fence
     @property
@@ -192,9 +204,33 @@ class LeaderElector:
             raise NotLeader(f"{self.identity} does not hold the leader Lease "
                             f"{self.config.namespace}/{self.config.name}: the write was not sent")
 
-    def write_timeout(self) -> float:
-        """Seconds a write sent now may take: it must reach the server before the Lease could expire."""
-        return max(0.0, self._expires_at - self.clock())
+    async def hold(self, write: Awaitable[T]) -> T:
+        """Await ``write`` (a request :meth:`check` allowed, sent now) while the Lease stays this replica's.
+
+        It may outlast the renew deadline while renewals succeed (each moves the expiry on); it is abandoned - the
+        request cancelled, :class:`NotLeader` raised - once the last renewal sent is ``lease_duration`` old (a standby
+        may take over from then on), or at once when this replica steps down.
+        """
+        stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(write)
+        self._in_flight[stop] = task
+        try:
+            while not stop.done() and (left := self._expires_at - self.clock()) > 0:
+                await asyncio.wait((task, stop), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    return task.result()
+        finally:
+            del self._in_flight[stop]
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
+            if not task.cancelled():
+                task.exception()  # retrieved: a request abandoned as it failed is not "never retrieved"
+        why = stop.result() if stop.done() else \
+            f"no renewal for {self.config.lease_duration:g} s: a standby may take the Lease over"
+        raise NotLeader(f"{self.identity} abandoned a write in flight ({why}; leader Lease "
+                        f"{self.config.namespace}/{self.config.name}): whether the API stored it is not known, and the "
+                        "next leader reads the cluster before it acts")
 
     async def wait(self) -> int:
         """Return (the current term) once this replica leads."""
@@ -211,9 +247,12 @@ class LeaderElector:
             and self.clock() < self._valid_until
 
     def _close(self, why: str) -> None:
-        """Stop writing at once: the fence closes."""
+        """Stop writing at once: the fence closes and every write in flight is abandoned."""
         self._valid_until = self._expires_at = float("-inf")
         self._lost = self._lost or why
+        for stop in self._in_flight:
+            if not stop.done():
+                stop.set_result(self._lost)
 
     # ---------------------------------------------------------------- the loop
     async def run(self) -> None:
@@ -377,12 +416,18 @@ class LeaderElector:
         return self._won(lease, sent)
 
     async def release(self) -> None:
-        """Step down (operator shutdown): stop writing first, then hand the Lease over (empty holder, 1 s)."""
+        """Step down (operator shutdown): stop writing first (writes in flight abandoned), then hand the Lease over
+        (empty holder, 1 s)."""
         if self._lease is None or (self._lease.get("spec") or {}).get("holderIdentity") != self.identity:
             return
         held = self._holds()
         self._close("the operator is stopping")
         self._leading.clear()
+        requests = list(self._in_flight.values())
+        for r in requests:
+            r.cancel()
+        if requests:
+            await asyncio.wait(requests)
         if not held:
             return
         spec = {**(self._lease.get("spec") or {}), "holderIdentity": "", "leaseDurationSeconds": 1,

@@ -4,7 +4,9 @@ resourceVersion preconditions and a manual clock (no sleeps: each test drives ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import time
 from typing import Any
 
 import pytest
@@ -143,6 +145,48 @@ def test_a_deleted_lease_the_holder_steps_down_and_the_new_creator_waits(holder_
     assert not b.leading  # 1016.0 (or 1016.5): still inside the 15 s since b found no Lease at 1002.0 (or 1002.5)
     clock.t += 1.0
     assert b.leading and not a.leading
+
+
+@pytest.mark.parametrize("ending", ["renewals-fail", "lease-deleted"])
+def test_a_write_in_flight_outlasts_the_renew_deadline_while_renewed_and_is_abandoned_when_the_lease_may_go(
+        ending: str) -> None:
+    """``hold``: a write sent within the fence runs on while renewals succeed (1 s against a 0.4 s lease: a slow
+    admission webhook), each renewal moving the expiry on. Once the renewals fail, the write in flight is abandoned
+    (``NotLeader``) by the expiry of the last renewal sent at the latest; once the Lease is found deleted, at the next
+    renewal. Real time (the elector's own loop runs): terms 0.4/0.25/0.05 s."""
+    api = LeaseApi()
+    _released(api)
+    e = LeaderElector(LeaseConfig(namespace="kt", name="lock", identity="a", lease_duration=0.4, renew_deadline=0.25,
+                                  retry_period=0.05), api)
+
+    async def main() -> None:
+        election = asyncio.create_task(e.run())
+        try:
+            await e.wait()
+            e.check()
+            rv = api.rv
+            assert await e.hold(asyncio.sleep(1.0, "stored")) == "stored"
+            assert api.rv - rv >= 5, "renewed while the write was in flight"
+            e.check()
+            in_flight = asyncio.create_task(e.hold(asyncio.sleep(30)))
+            await asyncio.sleep(0)
+            if ending == "renewals-fail":
+                api.fail.add("a")
+                t0, want, limit = time.monotonic(), "no renewal succeeded for 0.25 s", 0.4
+            else:
+                api.obj = None
+                t0, want, limit = time.monotonic(), "the Lease was deleted", 0.05 * 2
+            with pytest.raises(NotLeader, match="abandoned a write in flight") as err:
+                await in_flight
+            assert want in str(err.value)
+            assert time.monotonic() - t0 < limit + 0.3  # (scheduling slack on a loaded machine)
+            assert not e.leading
+        finally:
+            election.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await election
+
+    asyncio.run(main())
 
 
 def test_takeover_after_expiry_counts_a_transition_and_fences_the_old_leader() -> None:

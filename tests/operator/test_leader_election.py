@@ -245,3 +245,29 @@ def test_deleting_the_lease_under_two_replicas_never_gives_two_writers(cluster: 
                                      f"the order of terms: {blocks[:40]}"
     assert len(blocks) >= ROUNDS + 1, blocks  # one term per hand-over, each with its writes
 
+
+# ------------------------------------------------------------------ a write slower than the Lease
+def test_a_pod_create_slower_than_the_lease_succeeds_under_leader_election(cluster: Cluster) -> None:
+    """Every pod create takes 20 s (a slow admission webhook: the double holds each pod POST 20 s before it stores it)
+    under leader election with 3/2/0.5 s terms. The create is sent within the fence and runs on while the operator
+    keeps renewing its Lease: one POST, answered 201, the pod counted as created (no FailedCreate, ChildrenCreated
+    True), and the Lease never changed hands. (Cutting each write's timeout to the Lease's remaining seconds sent the
+    create again and again and never saw one succeed.)"""
+    from kmockx.harness import Operator
+    from kubetitan.leader import LeaseConfig
+
+    slow = cluster.k.inject(code=0, delay=20.0, resource="pods", verbs={"create"})
+    lease = LeaseConfig(namespace=RELEASE_NS, name=LEASE, identity="replica-a", lease_duration=DURATION,
+                        renew_deadline=DEADLINE, retry_period=RETRY)
+    with Operator(cluster, namespaces=(NS,), leader=lease):
+        cluster.apply(lpt("slow", cpu_spec(nodes=1)))
+        wait_for(lambda: (cluster.condition(NS, "slow", "ChildrenCreated") or {}).get("status") == "True"
+                 and "Creating" not in str(cluster.status(NS, "slow").get("conditions")), 45,
+                 "the pod created (a 20 s create) and the status saying so")
+        renewals_during = [e for e in list(cluster.k.log) if e.verb == "update" and "/leases/" in e.path]
+        held = _lease(cluster)
+    posts = [e for e in list(cluster.k.log) if e.verb == "create" and e.path.endswith("/pods")]
+    assert [e.code for e in posts] == [201] and slow.hits == 1, [str(e) for e in posts]
+    assert len(renewals_during) >= int(20 / RETRY) // 2, "the Lease was renewed while the create was in flight"
+    assert held.get("holderIdentity") == "replica-a" and held.get("leaseTransitions") == 0, held
+    assert ("Warning", "FailedCreate") not in _events(cluster, "slow"), _events(cluster, "slow")
