@@ -46,6 +46,22 @@ class ClientClosed(RuntimeError):
     """A call made after :meth:`Client.aclose` (the operator is stopping): nothing was sent."""
 
 
+class RequestTimeout(TimeoutError):
+    """The API did not answer a request within the client's timeout (on its last attempt): the API server, or an
+    admission webhook it calls, is slow or unreachable. A write may still have been stored (the server may finish
+    what the client gave up on)."""
+
+    def __init__(self, method: str, path: str, seconds: float, attempts: int = 1) -> None:
+        self.method, self.path, self.seconds, self.attempts = method, path, seconds, attempts
+        super().__init__(f"{method} {path}: no answer within {seconds:g} s")
+
+    def explain(self) -> str:
+        """What the status and Events say: how long, how often, and where to look."""
+        tries = f" on each of {self.attempts} attempts" if self.attempts > 1 else ""
+        return (f"no answer within {self.seconds:g} s{tries} (the API server, or an admission webhook it calls, is "
+                "slow or unreachable; the API server's and webhooks' logs say which)")
+
+
 # ------------------------------------------------------------------ the one error policy
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 """Answers that say "not now": retried with capped exponential backoff (429 honours Retry-After)."""
@@ -86,10 +102,12 @@ class NameConflict(ApiError):
 
 
 def classify(e: BaseException) -> str:
-    """The condition reason for an error the API gave on a create: Forbidden, Invalid, NameConflict or
-    APIUnavailable (5xx, 429, timeouts, connection errors after the retries)."""
+    """The condition reason for an error the API gave on a create: Forbidden, Invalid, NameConflict, APITimeout (no
+    answer in time) or APIUnavailable (5xx, 429, connection errors after the retries)."""
     if isinstance(e, NameConflict):
         return "NameConflict"
+    if isinstance(e, RequestTimeout):
+        return "APITimeout"
     if isinstance(e, ApiException):
         if e.status == 403:
             return "Forbidden"
@@ -109,9 +127,11 @@ def transient(e: BaseException) -> bool:
 
 
 def message_of(e: BaseException) -> str:
-    """The API's own message (what was wrong), for conditions and Events."""
+    """The API's own message (what was wrong), for conditions and Events; for a timeout, how long it waited."""
     if isinstance(e, ApiError):
         return e.api_message or str(e)
+    if isinstance(e, RequestTimeout):
+        return e.explain()
     return f"{e.__class__.__name__}: {e}"
 
 
@@ -405,6 +425,8 @@ class Client:
                         status, raw, retry_after = await self._send(method, path, query, data, headers, seconds)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
                 if n + 1 >= attempts:
+                    if isinstance(e, RequestTimeout):
+                        e.attempts = n + 1
                     raise
                 self.retries[type(e).__name__] = self.retries.get(type(e).__name__, 0) + 1
                 log.debug("Retrying %s %s (attempt %d of %d) after %s", method, path, n + 2, attempts,
@@ -430,12 +452,15 @@ class Client:
 
     async def _send(self, method: str, path: str, query: list[tuple[str, Any]] | None, data: str | None,
                     headers: dict[str, str], seconds: float) -> tuple[int, bytes, float | None]:
-        """One request: its status, body and ``Retry-After`` (``TimeoutError`` when no answer came in time)."""
+        """One request: its status, body and ``Retry-After``; :class:`RequestTimeout` when no answer came in time."""
         import aiohttp
 
-        async with self.session.request(method, self.host + path, params=query or None, data=data, headers=headers,
-                                        timeout=aiohttp.ClientTimeout(total=seconds)) as r:
-            return r.status, await r.read(), _retry_after(r.headers)
+        try:
+            async with self.session.request(method, self.host + path, params=query or None, data=data, headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=seconds)) as r:
+                return r.status, await r.read(), _retry_after(r.headers)
+        except TimeoutError as e:
+            raise RequestTimeout(method, path, seconds) from e
 
     # ---- helpers (paths follow the API conventions)
     @staticmethod

@@ -482,8 +482,8 @@ def _children_condition(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Deci
     if obs.child_errors and d.action == Action.CREATE:
         e = obs.child_errors[0]
         more = f" (+{len(obs.child_errors) - 1} more)" if len(obs.child_errors) > 1 else ""
-        cond(C.CHILDREN_CREATED, "False", e.reason, f"{len(present)}/{nodes} pods of attempt {attempt} exist: the "
-             f"API refused {e.kind} {e.name}: {e.message}{more}; retrying with backoff")
+        cond(C.CHILDREN_CREATED, "False", e.reason, f"{len(present)}/{nodes} pods of attempt {attempt} exist: "
+             f"{e.account()}{more}; retrying with backoff")
     elif len(present) >= nodes:
         cond(C.CHILDREN_CREATED, "True", C.CHILDREN_OK, f"all {nodes} pods of attempt {attempt} exist")
     else:

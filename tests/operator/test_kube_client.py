@@ -204,6 +204,40 @@ def test_connection_errors_are_retried_then_raised() -> None:
     asyncio.run(main())
 
 
+def test_a_write_the_api_does_not_answer_in_time_raises_a_timeout_that_says_how_long() -> None:
+    """No answer within the client's timeout, on every attempt: a ``RequestTimeout`` naming the request, the seconds
+    and the attempts (a timeout, not a refusal: reason ``APITimeout``), never a bare ``TimeoutError:``."""
+    from kubetitan.kube import RequestTimeout, RetryPolicy, classify, message_of
+
+    seen: list[str] = []
+    done = asyncio.Event()
+
+    async def slow(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        seen.append(request.method)
+        await done.wait()  # answered only after the test (so the server's clean-up does not wait for it)
+        return aiohttp.web.json_response({"kind": "Pod"}, status=201)
+
+    async def main() -> None:
+        runner, host = await _listen("/{tail:.*}", slow)
+        client = Client(kubernetes.client.Configuration(host=host), timeout_seconds=0.2,
+                        retry=RetryPolicy(attempts=2, base_seconds=0.01, cap_seconds=0.01))
+        try:
+            with pytest.raises(RequestTimeout) as e:
+                await client.create(POD)
+        finally:
+            done.set()
+            await client.aclose()
+            await runner.cleanup()
+        assert (e.value.seconds, e.value.attempts) == (0.2, 2)
+        assert str(e.value) == "POST /api/v1/namespaces/ml/pods: no answer within 0.2 s"
+        assert message_of(e.value).startswith("no answer within 0.2 s on each of 2 attempts (the API server, or an "
+                                              "admission webhook it calls, is slow or unreachable")
+        assert classify(e.value) == "APITimeout"
+
+    asyncio.run(main())
+    assert seen == ["POST", "POST"]
+
+
 @pytest.mark.parametrize(("n", "retry_after", "low", "high"), [
     (0, None, 0.0, 0.2), (3, None, 0.0, 1.6), (20, None, 0.0, 10.0), (0, 2.5, 2.5, 2.5), (3, 0.4, 0.4, 0.4),
     (4, 0.0, 0.0, 0.0), (0, 99.0, 10.0, 10.0),
