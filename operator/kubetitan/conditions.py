@@ -121,6 +121,9 @@ FORBIDDEN = "Forbidden"
 INVALID = "Invalid"
 NAME_CONFLICT = "NameConflict"
 API_UNAVAILABLE = "APIUnavailable"
+API_TIMEOUT = "APITimeout"
+"""A create the API did not answer within the client's timeout, on every attempt (a slow admission webhook, an
+overloaded API server): not a refusal; it may even have been stored (the next cycle finds the pod)."""
 CHECKPOINT_VOLUME = "CheckpointVolume"
 CHECKPOINTS_DISABLED = "CheckpointsDisabled"
 NO_CHECKPOINT_VOLUME = warning_rules.RULE_BY_ID["checkpoint.no-volume"].reason

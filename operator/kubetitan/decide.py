@@ -148,8 +148,17 @@ class ChildError:
     kind: str
     name: str
     reason: str
-    """conditions.FORBIDDEN / INVALID / NAME_CONFLICT / API_UNAVAILABLE."""
+    """conditions.FORBIDDEN / INVALID / NAME_CONFLICT / API_TIMEOUT / API_UNAVAILABLE."""
     message: str
+
+    def account(self, reason: bool = False) -> str:
+        """What happened to the create (with ``reason`` before the message: the ``FailedCreate`` Event), for the status
+        and the Event: a refusal is the API's answer, a timeout is no answer (``message`` says for how long), never
+        "refused"."""
+        said = f"{self.reason}: {self.message}" if reason else self.message
+        if self.reason == C.API_TIMEOUT:
+            return f"the create of {self.kind} {self.name} timed out: {said}"
+        return f"the API refused {self.kind} {self.name}: {said}"
 
 
 @dataclass(frozen=True)
@@ -571,7 +580,7 @@ def _create(f: Facts, message: str) -> Decision:
     if errs:
         e = errs[0]
         more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
-        message = f"{message}; the API refused {e.kind} {e.name}: {e.message}{more}; retrying"
+        message = f"{message}; {e.account()}{more}; retrying"
     n = f.nodes if f.current else attempt_size(f)  # missing ranks of a live attempt: its own size
     return Decision(Action.CREATE, C.CREATING, message, avoid_nodes=nodes_to_avoid(f.status.restarts), nodes=n)
 

@@ -46,6 +46,22 @@ class ClientClosed(RuntimeError):
     """A call made after :meth:`Client.aclose` (the operator is stopping): nothing was sent."""
 
 
+class RequestTimeout(TimeoutError):
+    """The API did not answer a request within the client's timeout (on its last attempt): the API server, or an
+    admission webhook it calls, is slow or unreachable. A write may still have been stored (the server may finish
+    what the client gave up on)."""
+
+    def __init__(self, method: str, path: str, seconds: float, attempts: int = 1) -> None:
+        self.method, self.path, self.seconds, self.attempts = method, path, seconds, attempts
+        super().__init__(f"{method} {path}: no answer within {seconds:g} s")
+
+    def explain(self) -> str:
+        """What the status and Events say: how long, how often, and where to look."""
+        tries = f" on each of {self.attempts} attempts" if self.attempts > 1 else ""
+        return (f"no answer within {self.seconds:g} s{tries} (the API server, or an admission webhook it calls, is "
+                "slow or unreachable; the API server's and webhooks' logs say which)")
+
+
 # ------------------------------------------------------------------ the one error policy
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 """Answers that say "not now": retried with capped exponential backoff (429 honours Retry-After)."""
@@ -86,10 +102,12 @@ class NameConflict(ApiError):
 
 
 def classify(e: BaseException) -> str:
-    """The condition reason for an error the API gave on a create: Forbidden, Invalid, NameConflict or
-    APIUnavailable (5xx, 429, timeouts, connection errors after the retries)."""
+    """The condition reason for an error the API gave on a create: Forbidden, Invalid, NameConflict, APITimeout (no
+    answer in time) or APIUnavailable (5xx, 429, connection errors after the retries)."""
     if isinstance(e, NameConflict):
         return "NameConflict"
+    if isinstance(e, RequestTimeout):
+        return "APITimeout"
     if isinstance(e, ApiException):
         if e.status == 403:
             return "Forbidden"
@@ -109,9 +127,11 @@ def transient(e: BaseException) -> bool:
 
 
 def message_of(e: BaseException) -> str:
-    """The API's own message (what was wrong), for conditions and Events."""
+    """The API's own message (what was wrong), for conditions and Events; for a timeout, how long it waited."""
     if isinstance(e, ApiError):
         return e.api_message or str(e)
+    if isinstance(e, RequestTimeout):
+        return e.explain()
     return f"{e.__class__.__name__}: {e}"
 
 
@@ -161,11 +181,6 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     if when.tzinfo is None:  # RFC 9110: an HTTP-date is always GMT
         when = when.replace(tzinfo=datetime.timezone.utc)
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
-
-
-LEASE_TICKET = -1
-"""The ticket of the leader Lease's calls (get, create, renew): smaller than any call's, so the next free request slot
-is theirs."""
 
 
 class Slots:
@@ -299,7 +314,8 @@ class Client:
     creation from crowding them out (and a 429 from APF is the server saying the share is too big), while at a
     real API server's ~10-30 ms per create 16 in flight still make 500 or more creates a second. A request
     waiting out a retry's backoff or ``Retry-After`` holds no slot, and when it is due it is sent ahead of the
-    calls that started after it (:class:`Slots`: oldest call first).
+    calls that started after it (:class:`Slots`: oldest call first). The leader Lease's calls take no slot (one at a
+    time, and a renewal must not wait behind slow writes).
     """
 
     def __init__(self, cfg: kubernetes.client.Configuration, concurrency: int = 16,
@@ -310,7 +326,8 @@ class Client:
         """Sent with every request (the API server's audit log and the test double's request log show it)."""
         self.fence = fence
         """The leader fence (``leader.LeaderElector``): every write calls ``fence.check()`` before it is sent (and
-        before each retry), and its timeout is cut to ``fence.write_timeout()``. None: no election."""
+        before each retry) and is awaited through ``fence.hold()`` (abandoned if the Lease could expire while it is in
+        flight). None: no election."""
         self.retry = retry or RetryPolicy()
         self.timeout_seconds = timeout_seconds
         self.retries: dict[str, int] = {}
@@ -358,7 +375,7 @@ class Client:
             await self.session.close()
             self.session = None
 
-    # long: one request's whole error policy in one place (fence, deadline, retry with Retry-After, classification)
+    # long: one request's whole error policy in one place (fence, slots, retry with Retry-After, classification)
     async def _call(self, group: str, resource: str, verb: str, method: str, path: str,
                     body: Any = None, query: list[tuple[str, Any]] | None = None,
                     content_type: str = "application/json", fenced: bool = True, retries: bool = True,
@@ -387,29 +404,29 @@ class Client:
         refreshed = False
         n = 0
         attempts = self.retry.attempts if retries else 1
-        # kept by every attempt: a retry is sent ahead of the calls started after it; the leader Lease's calls ahead
-        # of every queued call (a renewal queued behind a gang's creates and their retries could miss its deadline
-        # and cost this replica the Lease mid-reconcile)
-        place = LEASE_TICKET if group == "coordination.k8s.io" and resource == "leases" else self.limit.ticket()
+        seconds = self.timeout_seconds if timeout is None else timeout
+        # the leader Lease's calls take no request slot: a renewal must never wait behind a gang's creates (16 slow
+        # ones hold every slot for as long as an admission webhook takes) or it misses its deadline mid-reconcile
+        lease = group == "coordination.k8s.io" and resource == "leases"
+        place = self.limit.ticket()  # kept by every attempt: a retry is sent ahead of the calls started after it
         while True:
             headers = {"Content-Type": content_type, "Accept": "application/json", "User-Agent": self.user_agent,
                        **self._auth()}
             try:
-                async with self.limit.slot(place):
+                async with contextlib.nullcontext() if lease else self.limit.slot(place):
                     if self.closed:  # closed while this call waited for a slot or a retry's backoff
                         raise ClientClosed(f"{method} {path}: the client is closed (the operator is stopping)")
-                    limit = timeout
                     if write and self.fence is not None:
                         self.fence.check()  # raises NotLeader: nothing is sent
-                        left = self.fence.write_timeout()
-                        limit = left if limit is None or left is not None and left < limit else limit
-                    req_timeout = aiohttp.ClientTimeout(total=limit) if limit is not None else None
-                    async with self.session.request(method, self.host + path, params=query or None, data=data,
-                                                    headers=headers, **({"timeout": req_timeout} if req_timeout
-                                                                        else {})) as r:
-                        status, raw, retry_after = r.status, await r.read(), _retry_after(r.headers)
+                        # started within the fence, it may run for its whole timeout while the Lease is renewed
+                        status, raw, retry_after = await self.fence.hold(
+                            self._send(method, path, query, data, headers, seconds))
+                    else:
+                        status, raw, retry_after = await self._send(method, path, query, data, headers, seconds)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
                 if n + 1 >= attempts:
+                    if isinstance(e, RequestTimeout):
+                        e.attempts = n + 1
                     raise
                 self.retries[type(e).__name__] = self.retries.get(type(e).__name__, 0) + 1
                 log.debug("Retrying %s %s (attempt %d of %d) after %s", method, path, n + 2, attempts,
@@ -432,6 +449,18 @@ class Client:
         if not 200 <= status < 300:
             raise ApiError(status, method, path, raw, retry_after)
         return json.loads(raw) if raw else {}
+
+    async def _send(self, method: str, path: str, query: list[tuple[str, Any]] | None, data: str | None,
+                    headers: dict[str, str], seconds: float) -> tuple[int, bytes, float | None]:
+        """One request: its status, body and ``Retry-After``; :class:`RequestTimeout` when no answer came in time."""
+        import aiohttp
+
+        try:
+            async with self.session.request(method, self.host + path, params=query or None, data=data, headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=seconds)) as r:
+                return r.status, await r.read(), _retry_after(r.headers)
+        except TimeoutError as e:
+            raise RequestTimeout(method, path, seconds) from e
 
     # ---- helpers (paths follow the API conventions)
     @staticmethod

@@ -219,21 +219,52 @@ def startup_phases(m: Mapping[str, float]) -> StartupPhases | None:
     return StartupPhases(generation=_int(m, contract.M_RESTART_GENERATION), total_seconds=round(total, 3), **phases)
 
 
+LIVE_TRAINING_FIELDS = ("tokens_per_second", "tokens_per_second_per_gpu", "tflops_per_gpu", "mfu", "eta")
+"""``status.training`` numbers that describe workers training now (the pace, and the ETA from it): unknown while no
+worker trains (an attempt ended, workers that have not completed a step of their own yet), never an older
+attempt's. The step, its loss, checkpoints, eval and goodput describe what was reached and stay."""
+
+
+def _trained(m: Mapping[str, float]) -> bool:
+    """The workers that answered completed an optimizer step of their own (their first-step time, else their
+    heartbeat, is set; an exporter with neither counts every step it reports)."""
+    first = _num(m, contract.M_FIRST_STEP_TIMESTAMP)
+    if first is not None:
+        return first > 0
+    beat = _num(m, contract.M_LAST_STEP_TIMESTAMP)
+    return beat is None or beat > 0
+
+
+def _idle(t: TrainingStatus) -> None:
+    """No worker trains now: the pace and the ETA are unknown (:data:`LIVE_TRAINING_FIELDS`)."""
+    for attr in LIVE_TRAINING_FIELDS:
+        setattr(t, attr, None)
+
+
 def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
                     old: TrainingStatus | None) -> TrainingStatus:
-    """``status.training`` from rank 0's metrics (metric names in ``contract.M_*``)."""
+    """``status.training`` from rank 0's metrics (metric names in ``contract.M_*``).
+
+    Workers that have not completed a step of their own yet (loading, or just loaded, a checkpoint) report no pace: the
+    live numbers are unknown, and the step is the one they resumed from once they have loaded it (before that, the
+    step shown stays: a fresh exporter's 0 is not a step), with no loss (it was an older step's)."""
     t = old.model_copy() if old is not None else TrainingStatus()
-    step = _int(m, contract.M_STEP)
-    if step is not None:
+    step, trained = _int(m, contract.M_STEP), _trained(m)
+    resumed = _int(m, contract.M_RESUMED_FROM_STEP)
+    if not trained:
+        _idle(t)
+        if step is not None and resumed is not None and resumed >= 0 and step != t.step:
+            t.step, t.loss = step, None
+    elif step is not None:
         t.step = step
-    for attr, key in (("loss", contract.M_LOSS), ("tokens_per_second", contract.M_TOKENS_PER_SECOND),
-                      ("tokens_per_second_per_gpu", contract.M_TOKENS_PER_SECOND_PER_GPU),
-                      ("mfu", contract.M_MFU)):
+    names = (("loss", contract.M_LOSS), ("tokens_per_second", contract.M_TOKENS_PER_SECOND),
+             ("tokens_per_second_per_gpu", contract.M_TOKENS_PER_SECOND_PER_GPU), ("mfu", contract.M_MFU))
+    for attr, key in names if trained else ():
         v = _num(m, key)
         if v is not None:
             setattr(t, attr, round(v, 6))
     flops = _num(m, contract.M_FLOPS_PER_GPU)
-    if flops is not None:
+    if flops is not None and trained:
         t.tflops_per_gpu = round(flops / 1e12, 3)
     ck = _int(m, contract.M_LAST_CHECKPOINT_STEP)
     if ck is not None:
@@ -250,7 +281,7 @@ def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
     if prod is not None and start is not None and now > start:
         t.goodput = round(min(1.0, max(0.0, prod / (now - start))), 4)
     dur = _num(m, contract.M_STEP_DURATION)
-    if t.step is not None and dur is not None and dur > 0:
+    if trained and t.step is not None and dur is not None and dur > 0:
         t.eta = iso(now + max(0, spec.training.steps - t.step) * dur)
     t.progress = f"{t.step if t.step is not None else 0}/{spec.training.steps}"
     t.startup = startup_phases(m)  # absent until the running workers' first step (never an older generation's)
@@ -368,19 +399,23 @@ def _advance_attempt(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, status: Ll
             s.restart_count += 1
         s.restarts = [*s.restarts, rec][-MAX_RESTART_RECORDS:]
         s.attempt = attempt + 1
-        s.training.step = None
+        if s.training.step != rec.resumed_from_step:  # the steps after the newest checkpoint are trained again
+            s.training.step, s.training.loss = rec.resumed_from_step, None  # (the loss was a lost step's)
     if d.action == Action.SUSPEND and d.ends_attempt:
         s.attempt = attempt + 1  # the stopped gang's names are used up; resume makes a new attempt
     if d.action == Action.CONTINUE:
         s.attempt = attempt + 1  # the finished gang's names are used up; no restart record (nothing failed)
     if s.attempt != attempt:
         s.observation = AttemptObservation(attempt=s.attempt)  # the new attempt's timers start from nothing
+        _idle(s.training)  # its workers have not trained yet: no pace, no ETA, never the old attempt's
     if d.action in (Action.FAIL, Action.SUCCEED) and s.completion_time is None:
         s.completion_time = now
     if d.action == Action.SUCCEED:
         # the workers finished their count: the last scrape may have come a few steps before the end (or never)
         trained = obs.attempt_steps if obs.attempt_steps is not None else spec.training.steps
         s.training.step = trained if s.training.step is None else max(s.training.step, trained)
+    if d.action in (Action.FAIL, Action.SUCCEED, Action.FINISHED):
+        s.training.eta = None  # a finished run has no ETA (its pace, the last one measured, stays)
     step = s.training.step  # after the lines above: a succeeded run shows the step it reached
     s.training.progress = f"{step if step is not None else 0}/{spec.training.steps}"
 
@@ -482,8 +517,8 @@ def _children_condition(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Deci
     if obs.child_errors and d.action == Action.CREATE:
         e = obs.child_errors[0]
         more = f" (+{len(obs.child_errors) - 1} more)" if len(obs.child_errors) > 1 else ""
-        cond(C.CHILDREN_CREATED, "False", e.reason, f"{len(present)}/{nodes} pods of attempt {attempt} exist: the "
-             f"API refused {e.kind} {e.name}: {e.message}{more}; retrying with backoff")
+        cond(C.CHILDREN_CREATED, "False", e.reason, f"{len(present)}/{nodes} pods of attempt {attempt} exist: "
+             f"{e.account()}{more}; retrying with backoff")
     elif len(present) >= nodes:
         cond(C.CHILDREN_CREATED, "True", C.CHILDREN_OK, f"all {nodes} pods of attempt {attempt} exist")
     else:

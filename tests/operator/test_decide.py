@@ -796,6 +796,42 @@ def test_child_refused_sets_children_created_false_without_flapping() -> None:
         C.find(new.conditions, C.CHILDREN_CREATED).last_transition_time
 
 
+def _timed_out() -> ChildError:
+    """The ChildError a pod create that got no answer leaves (built as ``reconcile.apply`` builds it)."""
+    from kubetitan.kube import RequestTimeout, classify, message_of
+
+    e = RequestTimeout("POST", "/api/v1/namespaces/ml/pods", 30.0, attempts=6)
+    return ChildError("Pod", "j-a0-1", classify(e), message_of(e))
+
+
+@pytest.mark.parametrize(("case", "reason", "want", "never"), [
+    ("refused", "Forbidden", 'the API refused Pod j-a0-1: pods "j-a0-1" is forbidden: exceeded quota', "timed out"),
+    ("timed-out", "APITimeout",
+     "the create of Pod j-a0-1 timed out: no answer within 30 s on each of 6 attempts (the API server, or an "
+     "admission webhook it calls, is slow or unreachable", "refused"),
+], ids=["refused", "timed-out"])
+def test_a_create_error_is_told_as_what_it_was_in_the_status_the_decision_and_the_event(
+        case: str, reason: str, want: str, never: str) -> None:
+    """A refusal is the API's answer; a timeout is no answer, said with its seconds: the ChildrenCreated condition,
+    the decision's message and the FailedCreate Event's all tell it the same way."""
+    from kubetitan.reconcile.report import refusal_summary
+
+    err = _timed_out() if case == "timed-out" else \
+        ChildError("Pod", "j-a0-1", C.FORBIDDEN, 'pods "j-a0-1" is forbidden: exceeded quota')
+    s, st = spec(), status()
+    o = S.track(None, 0, NOW, pods=gang()[:1])
+    obs = S.observed(o, pods=gang()[:1], nodes=ok_nodes, now=NOW, child_errors=(err,))
+    d = decide(s, st, obs)
+    cond = C.find(S.next_status(s, st, d, obs).conditions, C.CHILDREN_CREATED)
+    event = refusal_summary([err], 1, 0, 0)
+    assert (cond.status, cond.reason) == ("False", reason)
+    for text in (cond.message, d.message):
+        assert want in text and never not in text, text
+    told, said = want.split(": ", 1)  # the Event puts the reason before the message
+    assert event.startswith(f"1 pod(s) of attempt 0 are not created: {told}: {reason}: {said}") and never not in event, \
+        event
+
+
 def test_in_place_restart_is_tracked_recorded_and_settled_per_generation() -> None:
     """Rank 0's metrics move to worker generation 1 (rank 1's worker was SIGKILLed at step 14, the new workers
     resumed from checkpoint 10): the steps go back, the hang timer restarts with the generation, the status gets

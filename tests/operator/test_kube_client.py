@@ -204,6 +204,40 @@ def test_connection_errors_are_retried_then_raised() -> None:
     asyncio.run(main())
 
 
+def test_a_write_the_api_does_not_answer_in_time_raises_a_timeout_that_says_how_long() -> None:
+    """No answer within the client's timeout, on every attempt: a ``RequestTimeout`` naming the request, the seconds
+    and the attempts (a timeout, not a refusal: reason ``APITimeout``), never a bare ``TimeoutError:``."""
+    from kubetitan.kube import RequestTimeout, RetryPolicy, classify, message_of
+
+    seen: list[str] = []
+    done = asyncio.Event()
+
+    async def slow(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        seen.append(request.method)
+        await done.wait()  # answered only after the test (so the server's clean-up does not wait for it)
+        return aiohttp.web.json_response({"kind": "Pod"}, status=201)
+
+    async def main() -> None:
+        runner, host = await _listen("/{tail:.*}", slow)
+        client = Client(kubernetes.client.Configuration(host=host), timeout_seconds=0.2,
+                        retry=RetryPolicy(attempts=2, base_seconds=0.01, cap_seconds=0.01))
+        try:
+            with pytest.raises(RequestTimeout) as e:
+                await client.create(POD)
+        finally:
+            done.set()
+            await client.aclose()
+            await runner.cleanup()
+        assert (e.value.seconds, e.value.attempts) == (0.2, 2)
+        assert str(e.value) == "POST /api/v1/namespaces/ml/pods: no answer within 0.2 s"
+        assert message_of(e.value).startswith("no answer within 0.2 s on each of 2 attempts (the API server, or an "
+                                              "admission webhook it calls, is slow or unreachable")
+        assert classify(e.value) == "APITimeout"
+
+    asyncio.run(main())
+    assert seen == ["POST", "POST"]
+
+
 @pytest.mark.parametrize(("n", "retry_after", "low", "high"), [
     (0, None, 0.0, 0.2), (3, None, 0.0, 1.6), (20, None, 0.0, 10.0), (0, 2.5, 2.5, 2.5), (3, 0.4, 0.4, 0.4),
     (4, 0.0, 0.0, 0.0), (0, 99.0, 10.0, 10.0),
@@ -430,10 +464,11 @@ def test_a_retry_after_its_retry_after_is_sent_before_first_time_requests_queued
     assert seen == ["POST pods", "GET busy", "POST pods", "GET later-0", "GET later-1", "GET later-2"], seen
 
 
-def test_a_lease_renewal_is_sent_before_every_call_queued_for_a_slot() -> None:
-    """The leader Lease's calls (``kube.LEASE_TICKET``) take the next free slot ahead of the calls already queued: a
-    renewal behind a 1,024-pod gang's creates could miss its deadline and cost the replica the Lease. With the
-    client's only slot held and three GETs queued, the renewal (queued last) is sent first after the holder."""
+def test_a_lease_renewal_is_sent_while_every_request_slot_is_held() -> None:
+    """The leader Lease's calls take no request slot: with the client's only slot held by a request that does not end
+    (a pod create behind a slow admission webhook) and three GETs queued for it, a renewal is sent and answered at
+    once. Queued for a slot, it would miss its renew deadline for as long as the slow writes take, and the fence
+    would then abandon them all."""
     seen: list[str] = []
     release = asyncio.Event()
 
@@ -454,11 +489,12 @@ def test_a_lease_renewal_is_sent_before_every_call_queued_for_a_slot() -> None:
                 await asyncio.sleep(0.01)
             queued = [asyncio.create_task(client.get("pods", "ml", f"q{i}")) for i in range(3)]
             await asyncio.sleep(0)
-            renew = asyncio.create_task(client.update_lease("ml", "kubetitan", {"metadata": {"name": "kubetitan"}}))
-            await asyncio.sleep(0)
-            assert client.limit.waiting == 4
+            assert client.limit.waiting == 3
+            renewed = await asyncio.wait_for(
+                client.update_lease("ml", "kubetitan", {"metadata": {"name": "kubetitan"}}), 5)
+            assert renewed["kind"] == "Lease" and client.limit.waiting == 3 and not holder.done()
             release.set()
-            await asyncio.gather(holder, renew, *queued)
+            await asyncio.gather(holder, *queued)
         finally:
             await client.aclose()
             await runner.cleanup()

@@ -4,7 +4,9 @@ resourceVersion preconditions and a manual clock (no sleeps: each test drives ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import time
 from typing import Any
 
 import pytest
@@ -80,18 +82,116 @@ def test_lease_config_problems(kw: dict[str, Any], want: list[str]) -> None:
     assert len(problems) == len(want) and all(w in p for w, p in zip(want, problems, strict=True)), problems
 
 
-def test_first_candidate_creates_the_lease_and_the_second_stands_by() -> None:
+def _released(api: LeaseApi) -> None:
+    """The Lease as a stopped operator leaves it (empty holder, 1 s): the next candidate takes it at once."""
+    asyncio.run(api.create_lease("kt", {"metadata": {"name": "lock"}, "spec": {
+        "holderIdentity": "", "leaseDurationSeconds": 1, "leaseTransitions": 3}}))
+
+
+def test_first_candidate_takes_a_released_lease_at_once_and_the_second_stands_by() -> None:
     api, clock = LeaseApi(), Clock()
+    _released(api)
     a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
     assert _try(a) and a.leading and api.obj["spec"]["holderIdentity"] == "a"
-    assert api.obj["spec"]["leaseTransitions"] == 0 and api.obj["spec"]["leaseDurationSeconds"] == 15
+    assert api.obj["spec"]["leaseTransitions"] == 4 and api.obj["spec"]["leaseDurationSeconds"] == 15
     assert not _try(b) and not b.leading
     clock.t += 14.9  # not yet expired by b's own clock (it first saw the record at 1000)
     assert not _try(b)
 
 
+def test_a_candidate_that_creates_the_lease_acts_a_lease_duration_after_it_found_none() -> None:
+    """No Lease: a creates it and holds it (b stands by), but writes nothing until 15 s after it found none (a holder
+    whose Lease was deleted may be inside its fence until then); a renews meanwhile."""
+    api, clock = LeaseApi(), Clock()
+    a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
+    assert _try(a) and api.obj["spec"]["holderIdentity"] == "a" and api.obj["spec"]["leaseTransitions"] == 0
+    assert not a.leading
+    with pytest.raises(NotLeader):
+        a.check()
+    assert not _try(b) and not b.leading
+    clock.t += 8.0
+    assert _try(a) and not a.leading  # renewed on the fast path, still waiting
+    clock.t += 6.9
+    assert not a.leading
+    clock.t += 0.1  # 15 s after a found no Lease
+    assert a.leading
+
+
+@pytest.mark.parametrize("holder_notices_first", [True, False], ids=["renewal-gets-404", "reads-the-new-holder"])
+def test_a_deleted_lease_the_holder_steps_down_and_the_new_creator_waits(holder_notices_first: bool) -> None:
+    """The Lease is deleted under its holder a. Whoever creates it next acts only 15 s after it found it absent; a
+    steps down as soon as it finds its Lease gone (404 on its renewal) or held by another (b created it first),
+    however far its renew deadline is."""
+    api, clock = LeaseApi(), Clock()
+    _released(api)
+    a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
+    assert _try(a) and a.leading and not _try(b)
+    clock.t += 2.0
+    api.obj = None  # kubectl delete lease
+    if holder_notices_first:
+        assert not _try(a) and not a.leading  # the renewal's 404: a stepped down at once (its deadline is 8 s away)
+        with pytest.raises(NotLeader):
+            a.check()
+        clock.t += 0.5
+        assert _try(b) and not b.leading  # b found no Lease and created it: waits until 1017.0
+    else:
+        assert _try(b) and not b.leading  # b found no Lease (at 1002.0) and created it
+        assert a.leading  # a has not noticed yet: its fence (opened by its renewal at 1000) bounds it
+        assert not _try(a) and not a.leading  # its renewal's 409, then the read names b: stepped down at once
+    assert api.obj["spec"]["holderIdentity"] == "b"
+    for _ in range(7):
+        clock.t += 2.0
+        assert _try(b) and not a.leading and not _try(a)
+    assert not b.leading  # 1016.0 (or 1016.5): still inside the 15 s since b found no Lease at 1002.0 (or 1002.5)
+    clock.t += 1.0
+    assert b.leading and not a.leading
+
+
+@pytest.mark.parametrize("ending", ["renewals-fail", "lease-deleted"])
+def test_a_write_in_flight_outlasts_the_renew_deadline_while_renewed_and_is_abandoned_when_the_lease_may_go(
+        ending: str) -> None:
+    """``hold``: a write sent within the fence runs on while renewals succeed (1 s against a 0.4 s lease: a slow
+    admission webhook), each renewal moving the expiry on. Once the renewals fail, the write in flight is abandoned
+    (``NotLeader``) by the expiry of the last renewal sent at the latest; once the Lease is found deleted, at the next
+    renewal. Real time (the elector's own loop runs): terms 0.4/0.25/0.05 s."""
+    api = LeaseApi()
+    _released(api)
+    e = LeaderElector(LeaseConfig(namespace="kt", name="lock", identity="a", lease_duration=0.4, renew_deadline=0.25,
+                                  retry_period=0.05), api)
+
+    async def main() -> None:
+        election = asyncio.create_task(e.run())
+        try:
+            await e.wait()
+            e.check()
+            rv = api.rv
+            assert await e.hold(asyncio.sleep(1.0, "stored")) == "stored"
+            assert api.rv - rv >= 5, "renewed while the write was in flight"
+            e.check()
+            in_flight = asyncio.create_task(e.hold(asyncio.sleep(30)))
+            await asyncio.sleep(0)
+            if ending == "renewals-fail":
+                api.fail.add("a")
+                t0, want, limit = time.monotonic(), "no renewal succeeded for 0.25 s", 0.4
+            else:
+                api.obj = None
+                t0, want, limit = time.monotonic(), "the Lease was deleted", 0.05 * 2
+            with pytest.raises(NotLeader, match="abandoned a write in flight") as err:
+                await in_flight
+            assert want in str(err.value)
+            assert time.monotonic() - t0 < limit + 0.3  # (scheduling slack on a loaded machine)
+            assert not e.leading
+        finally:
+            election.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await election
+
+    asyncio.run(main())
+
+
 def test_takeover_after_expiry_counts_a_transition_and_fences_the_old_leader() -> None:
     api, clock = LeaseApi(), Clock()
+    _released(api)
     a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
     assert _try(a)
     assert not _try(b)  # b observes a's record now
@@ -106,8 +206,7 @@ def test_takeover_after_expiry_counts_a_transition_and_fences_the_old_leader() -
     assert not _try(b)  # 10.1 s < 15 s since b saw the record change
     clock.t += 5.0
     assert _try(b) and b.leading
-    assert api.obj["spec"]["holderIdentity"] == "b" and api.obj["spec"]["leaseTransitions"] == 1
-    assert b.write_timeout() == pytest.approx(15.0)
+    assert api.obj["spec"]["holderIdentity"] == "b" and api.obj["spec"]["leaseTransitions"] == 5
 
 
 def test_a_renewal_keeps_acquire_time_and_transitions_and_moves_the_fence() -> None:

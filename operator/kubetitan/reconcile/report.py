@@ -122,8 +122,8 @@ async def create_round(ctx: Context, snap: Snapshot, memory: RunMemory, status: 
         errors = list(outcome.errors)
         await event(ctx, snap.body, "Warning", "FailedCreate",
                     refusal_summary(errors, outcome.not_created, outcome.unsent, attempt))
-        log.warning("Creating attempt %s of LlamaPretrain %s/%s: the API refused %d object(s): %s %s: %s",
-                    attempt, ns, name, len(errors), errors[0].kind, errors[0].name, errors[0].message)
+        log.warning("Creating attempt %s of LlamaPretrain %s/%s: %d object(s) not created: %s", attempt, ns, name,
+                    len(errors), errors[0].account())
         return
     if outcome.only is not None:
         await event(ctx, snap.body, "Normal", "RecreatedChildren", f"Created {', '.join(outcome.only)} again "
@@ -149,7 +149,6 @@ def refusal_summary(errors: list[ChildError], not_created: int, unsent: int, att
     also = f" (also refused: {', '.join(kinds)})" if kinds else ""
     if e.kind == "Pod":
         held = f"; {unsent} more not sent this round (slow start stops at a refused batch)" if unsent else ""
-        return (f"{not_created} pod(s) of attempt {attempt} are not created: the API refused {e.name}: {e.reason}: "
-                f"{e.message}{also}{held}; retrying with backoff")
-    return (f"the pods of attempt {attempt} wait: the API refused {e.kind} {e.name}: {e.reason}: {e.message}"
-            f"{also}; retrying with backoff")
+        return (f"{not_created} pod(s) of attempt {attempt} are not created: {e.account(reason=True)}{also}{held}; "
+                "retrying with backoff")
+    return f"the pods of attempt {attempt} wait: {e.account(reason=True)}{also}; retrying with backoff"
