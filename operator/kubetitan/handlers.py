@@ -107,6 +107,7 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
     if isinstance(ctx.leader, LeaderElector):
         ctx.leader_task = asyncio.create_task(ctx.leader.run(), name="leader election")
     ctx.cert_task = webhook_mod.configure(settings, ctx.options.webhook, ctx.client)
+    await ctx.pod_group_api.check(ctx.client)  # logs whether attempts get PodGroups (read again now and then)
 
 
 @kopf.on.cleanup()

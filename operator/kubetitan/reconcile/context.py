@@ -12,6 +12,7 @@ from kubetitan import policy
 from kubetitan import webhook as webhook_mod
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+from kubetitan.discovery import PodGroupApi
 from kubetitan.events import Recorder
 from kubetitan.kube import Client
 from kubetitan.leader import AlwaysLeader, LeaseConfig
@@ -76,6 +77,8 @@ class Context:
     """aiohttp sessions handed to kopf (``_login``): closed when the operator has stopped."""
     cert_task: asyncio.Task[None] | None = None
     """Keeps the webhook's own certificates (``--webhook-certificates operator``; kubetitan.certsync)."""
+    pod_group_api: PodGroupApi = field(default_factory=PodGroupApi)
+    """Whether the API server serves Kubernetes PodGroups (API discovery, re-read now and then)."""
     access_cache: Any = None
     """The admission webhook's SubjectAccessReview answers (``kubetitan.access_cache.AccessCache``, made on first
     use)."""
