@@ -514,7 +514,7 @@ class SchedulingSpec(_Base):
     pod_group: Literal["Auto", "Disabled"] = "Auto"
     """`Auto`: where the API server serves Kubernetes PodGroups (`scheduling.k8s.io/v1beta1`, Kubernetes 1.37+ with
     the `GenericWorkload` feature gate), each attempt gets a PodGroup `<name>-a<attempt>` whose gang policy's
-    `minCount` is the attempt's node count, and every pod of the attempt names it in `spec.schedulingGroup`: the
+    `minCount` is the attempt's node count, and every pod of the attempt names it (its `schedulingGroup`): the
     default scheduler binds all pods of the attempt or none. Not served, or with `queueName` or another
     `schedulerName`: no PodGroup. `Disabled`: never a PodGroup. Applies from the next attempt."""
 
