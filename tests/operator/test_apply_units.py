@@ -123,7 +123,7 @@ def test_create_attempt_renders_and_sends_only_the_children_not_known_to_exist(
     monkeypatch.setattr(plan, "pod", lambda lpt_, attempt, rank, *a, **kw: rendered.append(rank) or real_pod(
         lpt_, attempt, rank, *a, **kw))
     client = Recorder()
-    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0),
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0, pod_groups="auto"),
                           pod_group_api=PodGroupApi(served=False, checked_at=float("inf")))
     status = snap.status.model_copy(update={"attempt": 0})
     done = asyncio.run(create_attempt(ctx, snap, memory, status, ()))  # type: ignore[arg-type]
@@ -174,7 +174,7 @@ def test_create_attempt_sends_the_pod_group_before_the_pods_and_a_live_gang_keep
                                                        pod_group=g) for r, g in shown),
                                children_shown=frozenset({"r"}) if shown else frozenset())
     client = Served(resources)
-    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0),
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0, pod_groups="auto"),
                           pod_group_api=PodGroupApi())
     status = snap.status.model_copy(update={"attempt": 0})
     done = asyncio.run(create_attempt(ctx, snap, memory, status, ()))  # type: ignore[arg-type]
@@ -190,8 +190,18 @@ def test_a_refused_pod_group_holds_the_pods_back_and_discovery_is_asked_again() 
     snap = read_run(memory, lpt("r", cpu_spec(nodes=2), uid="u-1"), 1000.0, None)
     client = Served(GROUP, refuse={"r-a0"})
     api = PodGroupApi()
-    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0), pod_group_api=api)
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0, pod_groups="auto"), pod_group_api=api)
     done = asyncio.run(create_attempt(ctx, snap, memory, snap.status.model_copy(update={"attempt": 0}), ()))
     assert [(e.kind, e.name) for e in done.errors] == [("PodGroup", "r-a0")] and done.not_created == 2
     assert not any(n.startswith("r-a0-") for _, n in client.calls)
     assert api.served is True and api.checked_at == float("-inf")  # read again before the next round
+
+
+def test_the_admins_switch_off_sends_no_pod_group_and_asks_nothing() -> None:
+    memory = RunMemory()
+    snap = read_run(memory, lpt("r", cpu_spec(nodes=2), uid="u-1"), 1000.0, None)
+    client = Served(GROUP)
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0, pod_groups="disabled"),
+                          pod_group_api=PodGroupApi())
+    asyncio.run(create_attempt(ctx, snap, memory, snap.status.model_copy(update={"attempt": 0}), ()))
+    assert [n for _, n in client.calls] == ["r-config", "r", "r-a0-0", "r-a0-1"] and client.discovered == 0

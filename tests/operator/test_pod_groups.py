@@ -84,6 +84,18 @@ def test_served_but_not_for_this_spec_no_pod_group() -> None:
         assert {p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for p in c.pods(NS, "kq")} == {"kq-a0"}
 
 
+def test_the_admins_switch_turns_them_off_on_a_server_that_serves_them() -> None:
+    """``--pod-groups=disabled`` (chart: ``operator.podGroups``): no PodGroup, whatever the server serves."""
+    with Cluster(pod_groups=True) as c:
+        op = Operator(c)
+        op.options.pod_groups = "disabled"
+        with op:
+            c.apply(lpt("adm", cpu_spec()))
+            wait_for(lambda: len(c.pod_names(NS, "adm")) == 2, 20, "pods")
+            assert not c.list(PODGROUPS, NS)
+            assert all("schedulingGroup" not in p["spec"] for p in c.pods(NS, "adm"))
+
+
 def test_not_served_the_children_are_todays() -> None:
     with Cluster() as c, Operator(c):
         c.apply(lpt("np", cpu_spec()))

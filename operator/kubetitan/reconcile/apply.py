@@ -154,10 +154,12 @@ async def create_attempt(ctx: Context, snap: Snapshot, memory: RunMemory, status
 async def _in_pod_group(ctx: Context, snap: Snapshot, lpt: Any, started: bool) -> bool:
     """Whether the attempt's pods name a PodGroup: as its pods already do once the attempt has started (a rank
     created again joins the gang it belongs to, whatever the server or the spec say now), else
-    ``plan.uses_pod_group`` with the server's answer (``discovery``; asked only when the spec allows a PodGroup)."""
+    ``plan.uses_pod_group`` with the server's answer (``discovery``; asked only when ``--pod-groups`` and the spec
+    allow a PodGroup)."""
     if started:
         return any(p.pod_group for p in snap.current)
-    return plan.uses_pod_group(lpt.spec, True) and await ctx.pod_group_api.check(ctx.client)
+    return ctx.options.pod_groups == "auto" and plan.uses_pod_group(lpt.spec, True) and \
+        await ctx.pod_group_api.check(ctx.client)
 
 
 async def _delete_pod_group(client: Client, memory: RunMemory, ns: str, name: str) -> None:

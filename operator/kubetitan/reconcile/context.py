@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kubetitan import policy
 from kubetitan import webhook as webhook_mod
@@ -49,6 +49,9 @@ class Options:
     """The floor of ``runPolicy.hangTimeoutPolicy: Auto`` (``--hang-floor-seconds``)."""
     resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
     """The least time between two resizes of an elastic run (``--resize-min-interval-seconds``)."""
+    pod_groups: Literal["auto", "disabled"] = "auto"
+    """``--pod-groups``: ``disabled`` gives no attempt a PodGroup whatever the server serves and the specs say (the
+    cluster admin's switch; ``discovery`` is then never asked)."""
     clock: Callable[[], float] = time.time
     """Source of 'now' for every decision; tests pass a faster clock instead of lowering API minimums."""
     policy: policy.Policy = field(default_factory=policy.Policy)
