@@ -62,10 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the least time between two resizes (Shrink/Grow) of a run with runPolicy.elastic: the "
                    f"cluster admin's cap on how often a gang is re-created for its size "
                    f"(default {DEFAULT_RESIZE_MIN_INTERVAL_SECONDS:g})")
-    p.add_argument("--pod-groups", choices=["auto", "disabled"], default="auto",
-                   help="auto: where the API server serves Kubernetes PodGroups (scheduling.k8s.io/v1beta1), give "
-                   "each attempt of a run that allows it (spec.scheduling.podGroup) a gang PodGroup; disabled: never "
-                   "(the cluster admin's switch; default auto)")
+    _add_pod_group_flag(p)
     le = p.add_argument_group("leader election", "one writing replica: a coordination.k8s.io/v1 Lease with fencing "
                               "(docs/operator.md, HA)")
     le.add_argument("--leader-elect", action="store_true",
@@ -91,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_flags(p)
     webhook_mod.add_flags(p)
     return p
+
+
+def _add_pod_group_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pod-groups", choices=["auto", "disabled"], default="auto",
+                   help="auto: where the API server serves Kubernetes PodGroups (scheduling.k8s.io/v1beta1), give "
+                   "each attempt of a run that allows it (spec.scheduling.podGroup) a gang PodGroup; disabled: never "
+                   "(the cluster admin's switch; default auto)")
 
 
 def options_from_args(a: argparse.Namespace) -> Options:
