@@ -3,6 +3,7 @@
     kubetitan validate FILE...          check LlamaPretrains; exit 1 listing every error
               [--policy POLICY]         ... and against the cluster admin's policy (kubetitan.policy)
     kubetitan render FILE [--attempt N] print the child objects of one attempt as YAML
+              [--pod-groups]            ... as on a cluster that serves Kubernetes PodGroups
     kubetitan crd                       print the CustomResourceDefinition
     kubetitan run FILE                  train locally (CPU with gloo, or local GPUs)
     kubetitan prepare-data ...          tokenize a corpus into training shards
@@ -130,7 +131,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from kubetitan.plan import attempt_children
+    from kubetitan.plan import attempt_children, uses_pod_group
 
     lpt, errors = load_one(args.file)
     if errors or lpt is None:
@@ -141,7 +142,7 @@ def cmd_render(args: argparse.Namespace) -> int:
                          "metadata.name to render the children")
     if args.namespace:
         lpt.metadata.namespace = args.namespace
-    objs = attempt_children(lpt, args.attempt)
+    objs = attempt_children(lpt, args.attempt, pod_groups=uses_pod_group(lpt.spec, served=args.pod_groups))
     print(f"# kubetitan {__version__}: children of LlamaPretrain {lpt.metadata.name}, attempt {args.attempt}.")
     print("# The operator adds owner references (they need the object's uid) when it creates them.")
     sys.stdout.write(yaml.safe_dump_all(objs, sort_keys=False))
@@ -215,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file", metavar="FILE")
     r.add_argument("--attempt", type=int, default=0, help="attempt number (default 0)")
     r.add_argument("--namespace", "-n", help="namespace to render into (default: the file's, else default)")
+    r.add_argument("--pod-groups", action="store_true",
+                   help="render as on a cluster that serves Kubernetes PodGroups (scheduling.k8s.io/v1beta1): the "
+                        "attempt's PodGroup and the pods' schedulingGroup, unless spec.scheduling keeps them out")
     r.set_defaults(func=cmd_render)
 
     c = sub.add_parser("crd", help="print the LlamaPretrain CustomResourceDefinition")

@@ -75,6 +75,8 @@ class PodObs:
     finished_at: float | None = None
     """The container's ``state.terminated.finishedAt`` (epoch seconds; the API gives whole seconds), if it ended."""
     deleting: bool = False
+    pod_group: str | None = None
+    """The PodGroup the pod names in ``spec.schedulingGroup`` (None: none; ``plan.uses_pod_group``)."""
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,9 @@ class Decision:
     """A grow planned this cycle: (the size, the checkpoint step a newer complete checkpoint must follow)."""
     cancel_grow: bool = False
     """A planned grow no longer fits the nodes: forget it."""
+    delete_pod_groups: tuple[str, ...] = ()
+    """PodGroups of ended attempts to delete (``attempt_pod_groups``): an earlier attempt's, and the current one's
+    when the decision ends it."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -1040,7 +1045,21 @@ def decide(spec: LlamaPretrainSpec, status: LlamaPretrainStatus, obs: Observed,
     # a ConfigMap/Service deleted by hand while the attempt goes on is created again at once (no restart); a
     # decision that creates the attempt's children creates it anyway, one that ends the attempt needs none
     recreate = obs.missing_children if f.current and d.action in (Action.KEEP, Action.WAIT) else ()
-    return replace(d, delete=delete, force_delete=force, recreate=recreate, rule=rule.__name__)
+    return replace(d, delete=delete, force_delete=force, recreate=recreate, rule=rule.__name__,
+                   delete_pod_groups=attempt_pod_groups(f, d))
+
+
+ENDS_ATTEMPT = frozenset({Action.RESTART, Action.FAIL, Action.SUCCEED, Action.SUSPEND, Action.FINISHED,
+                          Action.CONTINUE})
+"""Decisions after which the current attempt's pods are never scheduled again (a new attempt, or none)."""
+
+
+def attempt_pod_groups(f: Facts, d: Decision) -> tuple[str, ...]:
+    """The PodGroups of ended attempts, deleted with their pods: those the pods of earlier attempts name, and the
+    current attempt's when ``d`` ends it (its pods may be gone before the next cycle sees them as an earlier
+    attempt's). Never the PodGroup of an attempt that goes on: a rank created again would wait for it forever."""
+    ended = [*f.previous, *(f.current if d.action in ENDS_ATTEMPT or d.ends_attempt else ())]
+    return tuple(dict.fromkeys(p.pod_group for p in ended if p.pod_group))
 
 
 def restart_event(d: Decision, attempt: int, blocked: str | None = None) -> tuple[str, str, str] | None:
@@ -1059,7 +1078,7 @@ def restart_event(d: Decision, attempt: int, blocked: str | None = None) -> tupl
 
 
 __all__ = [
-    "RULES", "Action", "Capacity", "ChildError", "Decision", "Facts", "NodeObs", "Observed", "PodObs", "Progress",
-    "backoff_seconds", "classify_pod", "decide", "facts", "hang_timeout", "in_place_record", "made_progress",
-    "nodes_to_avoid", "replace", "restart_record",
+    "ENDS_ATTEMPT", "RULES", "Action", "Capacity", "ChildError", "Decision", "Facts", "NodeObs", "Observed", "PodObs",
+    "Progress", "attempt_pod_groups", "backoff_seconds", "classify_pod", "decide", "facts", "hang_timeout",
+    "in_place_record", "made_progress", "nodes_to_avoid", "replace", "restart_record",
 ]

@@ -107,6 +107,10 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
     if isinstance(ctx.leader, LeaderElector):
         ctx.leader_task = asyncio.create_task(ctx.leader.run(), name="leader election")
     ctx.cert_task = webhook_mod.configure(settings, ctx.options.webhook, ctx.client)
+    if ctx.options.pod_groups == "auto":
+        await ctx.pod_group_api.check(ctx.client)  # logs whether attempts get PodGroups (read again now and then)
+    else:
+        log.info("PodGroups are disabled (--pod-groups=disabled): attempts get none")
 
 
 @kopf.on.cleanup()

@@ -31,11 +31,20 @@ from kubernetes.client.exceptions import ApiException
 
 from kubetitan_core import GROUP, PLURAL, VERSION
 from kubetitan import __version__, rbac
+from kubetitan.plan import POD_GROUP_API_VERSION
 
 log = logging.getLogger("kubetitan.kube")
 
 
 AUTH_REFRESH_SECONDS = 30.0
+
+
+POD_GROUP_GROUP = POD_GROUP_API_VERSION.partition("/")[0]
+CHILD_KINDS: dict[str, tuple[str, str]] = {
+    "Pod": ("", "pods"), "ConfigMap": ("", "configmaps"), "Service": ("", "services"), "Event": ("", "events"),
+    "PodGroup": (POD_GROUP_GROUP, "podgroups"),
+}
+"""The kinds :meth:`Client.create` creates: kind -> (API group, resource)."""
 
 
 class NotAllowed(RuntimeError):
@@ -385,13 +394,15 @@ class Client:
         429, 5xx, timeouts and connection errors are retried (``self.retry``; ``retries=False``: sent once);
         401 refreshes the credentials once; anything else raises :class:`ApiError` with the server's reason and
         message. A write (``fenced``, the default; only the leader Lease's own calls are not) is refused with
-        ``leader.NotLeader`` before each attempt while this replica may not write.
+        ``leader.NotLeader`` before each attempt while this replica may not write. ``resource`` empty: API discovery
+        (``verb`` get), which every authenticated user may read (the ``system:discovery`` role), no RBAC row.
         """
         import aiohttp
 
         write = verb in WRITE_VERBS and fenced
 
-        if not rbac.allowed(group, resource, verb):
+        if not (resource == "" and verb == "get" and path.startswith("/apis/")) and \
+                not rbac.allowed(group, resource, verb):
             raise NotAllowed(f"{verb} {group or 'core'}/{resource} is not in kubetitan.rbac.RULES")
         self.calls[(group, resource, verb)] = self.calls.get((group, resource, verb), 0) + 1
         if self.closed:
@@ -468,24 +479,34 @@ class Client:
         p = f"/api/v1/namespaces/{ns}/{resource}" if ns else f"/api/v1/{resource}"
         return f"{p}/{name}" if name else p
 
+    @staticmethod
+    def _path(api_version: str, ns: str | None, resource: str, name: str | None = None) -> str:
+        """The REST path of a namespaced resource of any group (``v1``: the core group)."""
+        if api_version == "v1":
+            return Client._core(ns, resource, name)
+        p = f"/apis/{api_version}/namespaces/{ns}/{resource}"
+        return f"{p}/{name}" if name else p
+
     async def create(self, obj: dict[str, Any]) -> bool:
-        """Create a core/v1 child: True when created, False when it already exists *and is ours*.
+        """Create a child (``CHILD_KINDS``): True when created, False when it already exists *and is ours*.
 
         On 409 the existing object is read: if its owner references do not name the owner ``obj`` names,
         :class:`NameConflict` is raised and the object is left alone.
         """
-        resource = {"Pod": "pods", "ConfigMap": "configmaps", "Service": "services", "Event": "events"}[obj["kind"]]
+        group, resource = CHILD_KINDS[obj["kind"]]
+        api_version = obj.get("apiVersion") or "v1"
         meta = obj["metadata"]
         ns = meta["namespace"]
+        path = self._path(api_version, ns, resource)
         try:
-            await self._call("", resource, "create", "POST", self._core(ns, resource), obj)
+            await self._call(group, resource, "create", "POST", path, obj)
             return True
         except ApiError as e:
             if e.status != 409:
                 raise
-        existing = await self.get(resource, ns, meta["name"])
+        existing = await self._call(group, resource, "get", "GET", self._path(api_version, ns, resource, meta["name"]))
         if existing is None:  # gone again in between: one more create
-            await self._call("", resource, "create", "POST", self._core(ns, resource), obj)
+            await self._call(group, resource, "create", "POST", path, obj)
             return True
         want = {r.get("uid") for r in meta.get("ownerReferences") or []}
         have = [r for r in (existing.get("metadata") or {}).get("ownerReferences") or []]
@@ -505,6 +526,21 @@ class Client:
         if grace_seconds is not None:
             body["gracePeriodSeconds"] = grace_seconds
         return await self._call("", "pods", "delete", "DELETE", self._core(ns, "pods", name), body) is not None
+
+    async def delete_pod_group(self, ns: str, name: str) -> bool:
+        """Delete an attempt's PodGroup (``plan.pod_group``); False when it was gone already. The API server's
+        PodGroup protection keeps it until its pods have terminated."""
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        path = self._path(POD_GROUP_API_VERSION, ns, "podgroups", name)
+        return await self._call(POD_GROUP_GROUP, "podgroups", "delete", "DELETE", path, body) is not None
+
+    async def api_resources(self, api_version: str) -> frozenset[str] | None:
+        """The resource names the server serves in ``api_version`` (a group's ``group/version``), from API discovery;
+        None when it serves no such group version (404)."""
+        out = await self._call("", "", "get", "GET", f"/apis/{api_version}", retries=False)
+        if out is None:
+            return None
+        return frozenset(str(r.get("name")) for r in out.get("resources") or [] if isinstance(r, dict))
 
     async def patch_status(self, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any] | None:
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}/status"

@@ -72,6 +72,7 @@ def pod_obs(pod: Mapping[str, Any]) -> PodObs | None:
         running_since=_ts(running.get("startedAt")) if running else None,
         finished_at=_ts(term.get("finishedAt")) if term else None,
         deleting=bool(meta.get("deletionTimestamp")),
+        pod_group=((pod.get("spec") or {}).get("schedulingGroup") or {}).get("podGroupName"),
     )
 
 

@@ -7,7 +7,9 @@ an earlier attempt stuck terminating on a dead node never blocks the next one.
 One attempt = one gang:
 - a ConfigMap ``<name>-config`` with ``trainer.toml`` (shared by all attempts; pods record its hash),
 - a headless Service ``<name>`` giving every pod a stable DNS name (rendezvous + metrics),
-- ``resources.nodes`` Pods ``<name>-a<attempt>-<rank>``, each running torchrun for one node.
+- ``resources.nodes`` Pods ``<name>-a<attempt>-<rank>``, each running torchrun for one node,
+- where the cluster serves Kubernetes PodGroups and the spec lets it (:func:`uses_pod_group`), a PodGroup
+  ``<name>-a<attempt>`` with a gang policy of the attempt's size, which every pod names in ``spec.schedulingGroup``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
 KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+POD_GROUP_API_VERSION = "scheduling.k8s.io/v1beta1"
+"""Kubernetes' own PodGroup API (KEP-4671; beta in 1.37 behind the ``GenericWorkload`` feature gate)."""
+DEFAULT_SCHEDULER = "default-scheduler"
 
 
 def config_map_name(name: str) -> str:
@@ -61,6 +66,11 @@ def service_name(name: str) -> str:
 
 def pod_name(name: str, attempt: int, rank: int) -> str:
     return f"{name}-a{attempt}-{rank}"
+
+
+def pod_group_name(name: str, attempt: int) -> str:
+    """The attempt's PodGroup (the name Kueue's pod-group label of the attempt carries too)."""
+    return f"{name}-a{attempt}"
 
 
 def master_address(lpt: LlamaPretrain, attempt: int) -> str:
@@ -379,6 +389,34 @@ def _scheduling(lpt: LlamaPretrain, attempt: int, avoid_nodes: Sequence[str]) ->
     return {k: v for k, v in fields.items() if v}
 
 
+def uses_pod_group(spec: LlamaPretrainSpec, served: bool) -> bool:
+    """Whether an attempt of ``spec`` gets a Kubernetes PodGroup: the API server serves them (``served``: the
+    operator's API discovery, an input here), ``scheduling.podGroup`` is ``Auto``, and no other gang integration is
+    asked for (a Kueue ``queueName``, or a ``schedulerName`` other than the default scheduler's, which would not read
+    the PodGroup)."""
+    sch = spec.scheduling
+    return (served and sch.pod_group == "Auto" and sch.queue_name is None
+            and sch.scheduler_name in (None, DEFAULT_SCHEDULER))
+
+
+def pod_group(lpt: LlamaPretrain, attempt: int) -> dict[str, Any]:
+    """The attempt's PodGroup: gang scheduling with ``minCount`` = the attempt's pods (``lpt`` sized to the
+    attempt), so the scheduler binds all of them or none; the pods' priority class, so the gang is preempted and
+    preempts as its pods would. Only ``gang.minCount`` of its spec may change after creation; the operator never
+    changes it (an attempt of another size is another attempt, with its own PodGroup)."""
+    meta = lpt.metadata
+    labels = {**job_labels(lpt), LABEL_ATTEMPT: str(attempt)}
+    spec: dict[str, Any] = {"schedulingPolicy": {"gang": {"minCount": lpt.spec.resources.nodes}}}
+    if lpt.spec.resources.priority_class_name:
+        spec["priorityClassName"] = lpt.spec.resources.priority_class_name
+    return {
+        "apiVersion": POD_GROUP_API_VERSION,
+        "kind": "PodGroup",
+        "metadata": _meta(lpt, pod_group_name(meta.name, attempt), labels),
+        "spec": spec,
+    }
+
+
 def pod(
     lpt: LlamaPretrain,
     attempt: int,
@@ -387,16 +425,18 @@ def pod(
     avoid_nodes: Sequence[str] = (),
     config_hash: str | None = None,
     hang_floor_seconds: float = hang.AUTO_HANG_FLOOR_SECONDS,
+    in_pod_group: bool = False,
 ) -> dict[str, Any]:
     """The pod of node ``rank`` in ``attempt`` (``hang_floor_seconds``: the operator's ``--hang-floor-seconds``,
-    passed on to the launcher's hang watchdog)."""
+    passed on to the launcher's hang watchdog; ``in_pod_group``: the pod names the attempt's PodGroup in
+    ``spec.schedulingGroup``)."""
     s, meta = lpt.spec, lpt.metadata
     name = pod_name(meta.name, attempt, rank)
     labels = {**job_labels(lpt), LABEL_ATTEMPT: str(attempt), LABEL_RANK: str(rank)}
     annotations = {ANNOTATION_CONFIG_HASH: config_hash or _hash(trainer_toml(lpt))}
     if s.scheduling.queue_name:
         labels[KUEUE_QUEUE_LABEL] = s.scheduling.queue_name
-        labels[KUEUE_GROUP_LABEL] = f"{meta.name}-a{attempt}"
+        labels[KUEUE_GROUP_LABEL] = pod_group_name(meta.name, attempt)
         annotations[KUEUE_GROUP_COUNT] = str(s.resources.nodes)
     mounts, volumes = _volumes(lpt)
     spec: dict[str, Any] = {
@@ -410,6 +450,8 @@ def pod(
         "volumes": volumes,
         **_scheduling(lpt, attempt, avoid_nodes),
     }
+    if in_pod_group:
+        spec["schedulingGroup"] = {"podGroupName": pod_group_name(meta.name, attempt)}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -437,21 +479,24 @@ def attempt_children(
     hang_floor_seconds: float = hang.AUTO_HANG_FLOOR_SECONDS,
     nodes: int | None = None,
     ranks: Collection[int] | None = None,
+    pod_groups: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every child object of ``attempt``: ConfigMap, Service, then the pods by rank. ``nodes``: the attempt's gang
-    size when it is not ``resources.nodes`` (``runPolicy.elastic``: ``status.nodes``): pods, ``--nnodes`` and the
-    trainer config follow it, and the global batch stays the spec's (``kubetitan_core.api.at_size``). ``ranks``:
-    render only these pods (each pod depends on its rank alone, so they are the full list's pods of those ranks)."""
+    """Every child object of ``attempt``: ConfigMap, Service, the PodGroup (``pod_groups``), then the pods by rank.
+    ``nodes``: the attempt's gang size when it is not ``resources.nodes`` (``runPolicy.elastic``: ``status.nodes``):
+    pods, ``--nnodes``, the trainer config and the PodGroup's ``minCount`` follow it, and the global batch stays the
+    spec's (``kubetitan_core.api.at_size``). ``ranks``: render only these pods (each pod depends on its rank alone, so
+    they are the full list's pods of those ranks). ``pod_groups``: the attempt is gang-scheduled through a Kubernetes
+    PodGroup (the operator's answer to :func:`uses_pod_group` when the attempt started; pure: no discovery here)."""
     if attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {attempt}")
     lpt = sized(lpt, nodes)
     cm = config_map(lpt)
     digest = _hash(cm["data"][contract.CONFIG_KEY])
     pods = [
-        pod(lpt, attempt, rank, job_start_time, avoid_nodes, digest, hang_floor_seconds)
+        pod(lpt, attempt, rank, job_start_time, avoid_nodes, digest, hang_floor_seconds, in_pod_group=pod_groups)
         for rank in range(lpt.spec.resources.nodes) if ranks is None or rank in ranks
     ]
-    return [cm, service(lpt), *pods]
+    return [cm, service(lpt), *([pod_group(lpt, attempt)] if pod_groups else []), *pods]
 
 
 def attempt_pod_names(lpt: LlamaPretrain, attempt: int, nodes: int | None = None) -> list[str]:

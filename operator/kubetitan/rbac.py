@@ -31,6 +31,9 @@ RULES: tuple[Rule, ...] = (
          "trainer.toml of the run; an index (a watch), so one deleted by hand is recreated at once"),
     Rule("", "services", ("get", "list", "watch", "create"),
          "headless service for rendezvous and DNS; an index (a watch), like the config map"),
+    Rule("scheduling.k8s.io", "podgroups", ("get", "create", "delete"),
+         "one gang PodGroup per attempt where the server serves them: create (get: whose is a name taken), "
+         "delete when the attempt ends"),
     Rule("", "nodes", ("get", "list", "watch"), "health of the nodes running the gang: an index (cluster-scoped)"),
     Rule("", "events", ("get", "create", "patch"),
          "restart/fail/succeed events, aggregated: a repeat is counted on the same Event (kubetitan.events)"),

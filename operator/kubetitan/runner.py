@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the least time between two resizes (Shrink/Grow) of a run with runPolicy.elastic: the "
                    f"cluster admin's cap on how often a gang is re-created for its size "
                    f"(default {DEFAULT_RESIZE_MIN_INTERVAL_SECONDS:g})")
+    _add_pod_group_flag(p)
     le = p.add_argument_group("leader election", "one writing replica: a coordination.k8s.io/v1 Lease with fencing "
                               "(docs/operator.md, HA)")
     le.add_argument("--leader-elect", action="store_true",
@@ -89,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_pod_group_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pod-groups", choices=["auto", "disabled"], default="auto",
+                   help="auto: where the API server serves Kubernetes PodGroups (scheduling.k8s.io/v1beta1), give "
+                   "each attempt of a run that allows it (spec.scheduling.podGroup) a gang PodGroup; disabled: never "
+                   "(the cluster admin's switch; default auto)")
+
+
 def options_from_args(a: argparse.Namespace) -> Options:
     return Options(namespaces=list(a.namespace), all_namespaces=a.all_namespaces, peering=a.peering,
                    priority=a.priority, metrics_port=a.metrics_port or None, liveness=a.liveness,
@@ -96,7 +104,7 @@ def options_from_args(a: argparse.Namespace) -> Options:
                    scrape_timeout=a.scrape_timeout, scrape_max_bytes=a.scrape_max_bytes,
                    scrape_concurrency=a.scrape_concurrency,
                    hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a), leader=lease_from_args(a),
-                   resize_min_interval_seconds=a.resize_min_interval_seconds,
+                   resize_min_interval_seconds=a.resize_min_interval_seconds, pod_groups=a.pod_groups,
                    webhook=webhook_mod.from_args(a))
 
 

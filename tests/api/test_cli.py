@@ -66,6 +66,16 @@ def test_render_prints_the_children_of_an_attempt():
     assert objs[2]["metadata"]["name"] == "llama3-8b-p5-4node-a2-0"
 
 
+def test_render_with_pod_groups_shows_the_attempts_pod_group():
+    r = kt("render", "examples/llama3-8b-p5-4node.yaml", "--attempt", "2", "--pod-groups")
+    assert r.returncode == 0, r.stderr
+    objs = [o for o in yaml.safe_load_all(r.stdout) if o]
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "PodGroup", "Pod", "Pod", "Pod", "Pod"]
+    assert objs[2]["metadata"]["name"] == "llama3-8b-p5-4node-a2"
+    assert objs[2]["spec"]["schedulingPolicy"] == {"gang": {"minCount": 4}}
+    assert {o["spec"]["schedulingGroup"]["podGroupName"] for o in objs[3:]} == {"llama3-8b-p5-4node-a2"}
+
+
 def test_render_refuses_invalid_spec(tmp_path):
     f = tmp_path / "x.yaml"
     f.write_text("apiVersion: kubetitan.io/v1alpha1\nkind: LlamaPretrain\nmetadata: {name: p}\n"

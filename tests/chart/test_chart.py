@@ -424,6 +424,20 @@ def test_the_scrape_bounds_reach_the_operator_and_nonsense_is_refused():
         render([], ["operator.scrape.maxBytes=0"])
 
 
+def test_the_pod_group_switch_reaches_the_operator_and_nonsense_is_refused():
+    """operator.podGroups becomes --pod-groups (default auto)."""
+    from kubetitan import runner
+
+    def parsed(sets):
+        (c,) = by_kind(render([], sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+        return runner.options_from_args(runner.build_parser().parse_args(c["args"]))
+
+    assert parsed([]).pod_groups == "auto"
+    assert parsed(["operator.podGroups=disabled"]).pod_groups == "disabled"
+    with pytest.raises(AssertionError, match=r"(?s)failed:.*podGroups"):
+        render([], ["operator.podGroups=off"])
+
+
 def test_the_resize_interval_reaches_the_operator_and_nonsense_is_refused():
     """operator.resizeMinIntervalSeconds becomes --resize-min-interval-seconds (the default is the operator's own)."""
     from kubetitan import decide, runner

@@ -349,6 +349,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     authorizer: Any = None  # kmockx.rbac.Authorizer; None: every authenticated user may do everything
     webhook_state: dict[str, Any] = attrs.field(factory=dict)  # kmockx.webhooks.state
     types: dict[Any, TypeInfo] = attrs.field(factory=dict)
+    k8s_version: str = validation.K8S_VERSION  # the OpenAPI schemas built-in objects are checked against
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_rv: int = attrs.field(default=0, init=False)
     _history: Any = attrs.field(factory=lambda: collections.deque(maxlen=20000), init=False)
@@ -389,6 +390,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition",
                      namespaced=False, status=True, shortnames=("crd", "crds"), builtin=True)
         webhooks.declare(self)  # ValidatingWebhookConfiguration, SubjectAccessReview (kmockx.webhooks)
+
+    def serve_pod_groups(self) -> None:
+        """Play a Kubernetes 1.37 server with the ``GenericWorkload`` gate on and ``scheduling.k8s.io/v1beta1``
+        served: PodGroups (checked against 1.37's schema, as every built-in from then on, so a pod may carry
+        ``spec.schedulingGroup``). No scheduler reads them here; tests/cluster's real scheduler does."""
+        self.k8s_version = "1.37.0"
+        self.declare("scheduling.k8s.io/v1beta1/podgroups", "PodGroup", status=True, builtin=True)
 
     def _register_crd(self, crd: dict[str, Any]) -> None:
         spec = crd["spec"]
@@ -739,7 +747,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         elif t.builtin:
             obj.setdefault("apiVersion", f"{t.group}/{t.res.version}" if t.group else t.res.version)
             obj.setdefault("kind", t.kind)
-            more, unknown = validation.builtin_errors(obj)
+            more, unknown = validation.builtin_errors(obj, self.k8s_version)
             causes += [c for c in more if not (c.reason == "FieldValueRequired" and c.field.startswith("status"))]
         if unknown:
             what = ", ".join(f'unknown field "{u}"' for u in unknown)

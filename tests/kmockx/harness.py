@@ -76,9 +76,11 @@ class Cluster:
     watch modes (``operator_kubeconfig`` gives the exact rules of one mode), ``admin_kubeconfig`` as a cluster
     admin (a user running kubectl). In-process helpers (``apply``, ``patch``, ...) act as an admin."""
 
-    def __init__(self, namespaces: tuple[str, ...] = (), rbac: bool = True, profile: str | None = None) -> None:
+    def __init__(self, namespaces: tuple[str, ...] = (), rbac: bool = True, profile: str | None = None,
+                 pod_groups: bool = False) -> None:
         self.namespaces = ("default", NS, RELEASE_NS, *namespaces)  # RELEASE_NS: the operator's own (its Lease)
         self.rbac = rbac
+        self.pod_groups = pod_groups  # serve scheduling.k8s.io/v1beta1 PodGroups (KubeEmulator.serve_pod_groups)
         self.profile = profile  # a file: cProfile of the server's thread (its event loop), written when it stops
         self._kubeconfigs: list[str] = []
         self._stack: contextlib.AsyncExitStack | None = None
@@ -123,6 +125,8 @@ class Cluster:
             self.k, self._stack = k, stack
             self.url = str(srv.url).rstrip("/")
             k.declare_builtins()
+            if self.pod_groups:
+                k.serve_pod_groups()
             # kopf's peering CRDs (HA), as kopf ships them: any keys kept, no status subresource (keep-alives in .status)
             free = StructuralSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
             k.declare(PEERINGS, "KopfPeering", schema=free)

@@ -182,39 +182,39 @@ def meta_errors(plural: str, meta: dict[str, Any]) -> list[Cause]:
 
 # ---------------------------------------------------------------------------------------------- built-ins
 @functools.lru_cache(maxsize=None)
-def _builtin_schema(kind: str, api_version: str) -> tuple[dict[str, Any], Any]:
+def _builtin_schema(kind: str, api_version: str, version: str = K8S_VERSION) -> tuple[dict[str, Any], Any]:
     """One built-in kind's schema (kubernetes-validate's strict schemas) and the ``referencing`` registry its
     ``$ref``s resolve in, loaded once."""
     import kubernetes_validate.utils as kv
     from referencing import Registry, Resource
 
-    group, _, version = api_version.rpartition("/")
+    group, _, gv_version = api_version.rpartition("/")
     group = group.split(".")[0] if group else ""
-    base = f"kubernetes-json-schema/v{K8S_VERSION}-local-strict/"
-    suffix = f"{kind.lower()}-{group + '-' if group else ''}{version}.json"
-    schema = kv.schema_contents(base + suffix, K8S_VERSION)
-    defs = kv.schema_contents(base + "_definitions.json", K8S_VERSION)
+    base = f"kubernetes-json-schema/v{version}-local-strict/"
+    suffix = f"{kind.lower()}-{group + '-' if group else ''}{gv_version}.json"
+    schema = kv.schema_contents(base + suffix, version)
+    defs = kv.schema_contents(base + "_definitions.json", version)
     registry = Resource.from_contents(defs) @ (Resource.from_contents(schema) @ Registry())
     return schema, registry.with_resource("_definitions.json", Resource.from_contents(defs))
 
 
 @functools.lru_cache(maxsize=None)
-def _builtin_validator(kind: str, api_version: str) -> Any:
-    """A compiled jsonschema validator for one built-in kind, cached."""
+def _builtin_validator(kind: str, api_version: str, version: str = K8S_VERSION) -> Any:
+    """A compiled jsonschema validator for one built-in kind (of Kubernetes ``version``), cached."""
     import jsonschema
 
-    schema, registry = _builtin_schema(kind, api_version)
+    schema, registry = _builtin_schema(kind, api_version, version)
     return jsonschema.validators.Draft202012Validator(schema, registry=registry)
 
 
 @functools.lru_cache(maxsize=None)
-def _builtin_check(kind: str, api_version: str) -> Any:
+def _builtin_check(kind: str, api_version: str, version: str = K8S_VERSION) -> Any:
     """``_builtin_validator(kind, api_version).is_valid`` compiled to one function (``kmockx.schemacheck``), cached
     like it; None when the schema holds a keyword the compiler does not model (then jsonschema alone decides)."""
     from kmockx import schemacheck
 
-    schema, registry = _builtin_schema(kind, api_version)
-    validator = _builtin_validator(kind, api_version)
+    schema, registry = _builtin_schema(kind, api_version, version)
+    validator = _builtin_validator(kind, api_version, version)
     try:
         return schemacheck.compile_check(schema, registry, type(validator), validator.format_checker)
     except schemacheck.Unsupported:
@@ -228,13 +228,13 @@ def _jpath(parts: Any) -> str:
     return out
 
 
-def builtin_errors(obj: dict[str, Any]) -> tuple[list[Cause], list[str]]:
-    """(422 causes, unknown fields) of a built-in object against its OpenAPI schema."""
+def builtin_errors(obj: dict[str, Any], version: str = K8S_VERSION) -> tuple[list[Cause], list[str]]:
+    """(422 causes, unknown fields) of a built-in object against its OpenAPI schema of Kubernetes ``version``."""
     try:
-        validator = _builtin_validator(obj.get("kind", ""), obj.get("apiVersion", ""))
+        validator = _builtin_validator(obj.get("kind", ""), obj.get("apiVersion", ""), version)
     except Exception:  # noqa: BLE001 - a kind kubernetes-validate has no schema for is not checked
         return [], []
-    check = _builtin_check(obj.get("kind", ""), obj.get("apiVersion", ""))
+    check = _builtin_check(obj.get("kind", ""), obj.get("apiVersion", ""), version)
     if check is not None and check(obj):
         return [], []  # valid, as jsonschema would find it (kmockx.schemacheck): its errors are needed only when not
     causes, unknown = [], []

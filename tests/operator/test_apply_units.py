@@ -14,6 +14,7 @@ import pytest
 
 from kubetitan import plan
 from kubetitan.decide import PodObs
+from kubetitan.discovery import PodGroupApi
 from kubetitan.kube import ApiError
 from kubetitan.reconcile.apply import create_attempt, create_children
 from kubetitan.reconcile.memory import RunMemory
@@ -119,10 +120,11 @@ def test_create_attempt_renders_and_sends_only_the_children_not_known_to_exist(
                                                   for r in shown), children_shown=frozenset(children_shown))
     rendered: list[int] = []
     real_pod = plan.pod
-    monkeypatch.setattr(plan, "pod", lambda lpt_, attempt, rank, *a: rendered.append(rank) or real_pod(
-        lpt_, attempt, rank, *a))
+    monkeypatch.setattr(plan, "pod", lambda lpt_, attempt, rank, *a, **kw: rendered.append(rank) or real_pod(
+        lpt_, attempt, rank, *a, **kw))
     client = Recorder()
-    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0))
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0, pod_groups="auto"),
+                          pod_group_api=PodGroupApi(served=False, checked_at=float("inf")))
     status = snap.status.model_copy(update={"attempt": 0})
     done = asyncio.run(create_attempt(ctx, snap, memory, status, ()))  # type: ignore[arg-type]
     sent = tuple(name for verb, name in client.calls if verb == "create")
@@ -131,3 +133,75 @@ def test_create_attempt_renders_and_sends_only_the_children_not_known_to_exist(
     full = {c["metadata"]["name"]: c for c in plan.attempt_children(snap.lpt, 0, hang_floor_seconds=120.0)}
     assert all(client.objects[n] == full[n] for n in sent if n.startswith("r-a0-"))
     assert all(memory.expected.in_flight(n, memory.expected.now()) for n in want)
+
+
+# ------------------------------------------------------------------ create_attempt: the attempt's PodGroup
+class Served(Recorder):
+    """``Recorder`` on a server whose discovery answers ``resources`` for scheduling.k8s.io/v1beta1."""
+
+    def __init__(self, resources: frozenset[str] | None, **kw) -> None:
+        super().__init__(**kw)
+        self.resources, self.discovered = resources, 0
+
+    async def api_resources(self, api_version: str) -> frozenset[str] | None:
+        self.discovered += 1
+        return self.resources
+
+
+GROUP = frozenset({"podgroups", "podgroups/status"})
+PG_ROUNDS = [
+    # (id, discovery's answer, the spec's scheduling, pods the index shows (their PodGroup), the creates sent, asked)
+    ("served-new-attempt", GROUP, {}, (), ("r-config", "r", "r-a0", "r-a0-0", "r-a0-1", "r-a0-2"), 1),
+    ("not-served", None, {}, (), ("r-config", "r", "r-a0-0", "r-a0-1", "r-a0-2"), 1),
+    ("opted-out-not-even-asked", GROUP, {"podGroup": "Disabled"}, (), ("r-config", "r", "r-a0-0", "r-a0-1",
+                                                                        "r-a0-2"), 0),
+    ("kueue-not-even-asked", GROUP, {"queueName": "q"}, (), ("r-config", "r", "r-a0-0", "r-a0-1", "r-a0-2"), 0),
+    ("a-rank-of-a-grouped-gang-joins-it", GROUP, {}, ((0, "r-a0"), (2, "r-a0")), ("r-config", "r-a0", "r-a0-1"), 0),
+    ("a-rank-of-an-ungrouped-gang-stays-out", GROUP, {}, ((0, None), (2, None)), ("r-config", "r-a0-1"), 0),
+]
+
+
+@pytest.mark.parametrize(("resources", "scheduling", "shown", "want", "asked"), [r[1:] for r in PG_ROUNDS],
+                         ids=[r[0] for r in PG_ROUNDS])
+def test_create_attempt_sends_the_pod_group_before_the_pods_and_a_live_gang_keeps_its_own(
+        resources, scheduling, shown, want, asked) -> None:
+    """A new attempt asks discovery (only when its spec allows a PodGroup) and sends the PodGroup before the pods; a
+    rank created again in a live attempt follows the pods already there (the PodGroup they name is sent again with
+    it), whatever the server says now: a pod naming a PodGroup that does not exist is never scheduled."""
+    memory = RunMemory()
+    snap = read_run(memory, lpt("r", {**cpu_spec(nodes=3), "scheduling": scheduling}, uid="u-1"), 1000.0, None)
+    snap = dataclasses.replace(snap, pods=tuple(PodObs(name=f"r-a0-{r}", attempt=0, rank=r, phase="Running",
+                                                       pod_group=g) for r, g in shown),
+                               children_shown=frozenset({"r"}) if shown else frozenset())
+    client = Served(resources)
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0, pod_groups="auto"),
+                          pod_group_api=PodGroupApi())
+    status = snap.status.model_copy(update={"attempt": 0})
+    done = asyncio.run(create_attempt(ctx, snap, memory, status, ()))  # type: ignore[arg-type]
+    assert tuple(name for verb, name in client.calls if verb == "create") == want and done.errors == ()
+    assert client.discovered == asked
+    grouped = "r-a0" in want
+    for name in (n for n in want if n.startswith("r-a0-")):
+        assert ("schedulingGroup" in client.objects[name]["spec"]) is grouped
+
+
+def test_a_refused_pod_group_holds_the_pods_back_and_discovery_is_asked_again() -> None:
+    memory = RunMemory()
+    snap = read_run(memory, lpt("r", cpu_spec(nodes=2), uid="u-1"), 1000.0, None)
+    client = Served(GROUP, refuse={"r-a0"})
+    api = PodGroupApi()
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0, pod_groups="auto"), pod_group_api=api)
+    done = asyncio.run(create_attempt(ctx, snap, memory, snap.status.model_copy(update={"attempt": 0}), ()))
+    assert [(e.kind, e.name) for e in done.errors] == [("PodGroup", "r-a0")] and done.not_created == 2
+    assert not any(n.startswith("r-a0-") for _, n in client.calls)
+    assert api.served is True and api.checked_at == float("-inf")  # read again before the next round
+
+
+def test_the_admins_switch_off_sends_no_pod_group_and_asks_nothing() -> None:
+    memory = RunMemory()
+    snap = read_run(memory, lpt("r", cpu_spec(nodes=2), uid="u-1"), 1000.0, None)
+    client = Served(GROUP)
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0, pod_groups="disabled"),
+                          pod_group_api=PodGroupApi())
+    asyncio.run(create_attempt(ctx, snap, memory, snap.status.model_copy(update={"attempt": 0}), ()))
+    assert [n for _, n in client.calls] == ["r-config", "r", "r-a0-0", "r-a0-1"] and client.discovered == 0

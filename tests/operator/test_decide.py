@@ -950,3 +950,39 @@ def test_raised_steps_start_the_next_attempt_without_a_restart() -> None:
     d3 = decide(s, new, obs3)
     assert d3.action == Action.SUCCEED and "reached step 150" in d3.message
     assert S.next_status(s, new, d3, obs3).phase == "Succeeded"
+
+
+# ---- the PodGroups of ended attempts (plan.uses_pod_group): deleted with their pods, never a live attempt's
+def grouped(attempt: int = 0, over: dict[int, dict[str, Any]] | None = None) -> tuple[PodObs, ...]:
+    """``gang`` whose pods name their attempt's PodGroup ``j-a<attempt>``."""
+    return tuple(replace(p, pod_group=f"j-a{attempt}") for p in gang(attempt, over))
+
+
+POD_GROUP_CASES = [
+    ("training", spec(), status(), Observed(pods=grouped(), nodes=ok_nodes, progress=TRAINING, ranks_seen=SEEN,
+                                             now=NOW), ()),
+    ("restart", spec(), status(), Observed(pods=grouped(over={1: {"phase": "Failed", "exit_code": 1}}),
+                                           nodes=ok_nodes, progress=TRAINING, now=NOW), ("j-a0",)),
+    ("earlier-attempt", spec(), status(attempt=1, restarts=[rec(0, ago=99)]),
+     Observed(pods=grouped(0) + grouped(1), nodes=ok_nodes, progress=TRAINING, ranks_seen=SEEN, now=NOW), ("j-a0",)),
+    ("earlier-attempt-terminating", spec(), status(attempt=1, restarts=[rec(0, ago=99)]),
+     Observed(pods=tuple(replace(p, deleting=True) for p in grouped(0)) + grouped(1), nodes=ok_nodes,
+              progress=TRAINING, ranks_seen=SEEN, now=NOW), ("j-a0",)),
+    ("suspend", spec(suspend=True), status(), Observed(pods=grouped(), nodes=ok_nodes, now=NOW), ("j-a0",)),
+    ("failed-run", spec(activeDeadlineSeconds=50), status(), Observed(pods=grouped(), nodes=ok_nodes, now=NOW),
+     ("j-a0",)),
+    ("one-rank-lost-the-gang-waits", spec(nodeFailureGraceSeconds=60), status(),
+     Observed(pods=grouped(), nodes={"n0": NodeObs("n0"), "n1": NodeObs("n1", ready=None, not_ready_since=NOW - 10)},
+              progress=TRAINING, ranks_seen=SEEN, now=NOW), ()),
+    ("no-pod-group", spec(), status(), Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 1}}),
+                                                nodes=ok_nodes, progress=TRAINING, now=NOW), ()),
+]
+
+
+@pytest.mark.parametrize(("spec_", "status_", "obs", "want"), [c[1:] for c in POD_GROUP_CASES],
+                         ids=[c[0] for c in POD_GROUP_CASES])
+def test_the_pod_groups_of_ended_attempts_are_deleted(spec_, status_, obs, want) -> None:
+    """A PodGroup goes when its attempt ends (restart, suspension, the run's end) or is an earlier attempt's, and
+    never while its attempt goes on: a rank created again would name a PodGroup that is gone and never be
+    scheduled."""
+    assert decide(spec_, status_, obs).delete_pod_groups == want

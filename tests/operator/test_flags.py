@@ -35,6 +35,14 @@ def test_the_admins_resize_interval_defaults_to_10_minutes_and_reaches_the_decis
     assert _opts("--resize-min-interval-seconds=1800").resize_min_interval_seconds == 1800.0
 
 
+def test_the_admins_pod_group_switch_defaults_to_auto(capsys) -> None:
+    assert _opts().pod_groups == "auto"
+    assert _opts("--pod-groups=disabled").pod_groups == "disabled"
+    with pytest.raises(SystemExit):
+        _opts("--pod-groups=off")
+    assert "--pod-groups" in capsys.readouterr().err
+
+
 def test_a_resize_interval_that_is_not_positive_seconds_is_refused_with_the_fix(capsys) -> None:
     with pytest.raises(SystemExit):
         _opts("--resize-min-interval-seconds=0")

@@ -507,9 +507,16 @@ class SchedulingSpec(_Base):
     """Gang scheduling integrations; all optional."""
 
     queue_name: str | None = None
-    """Kueue LocalQueue; the pods of an attempt form one Kueue pod group."""
+    """Kueue LocalQueue; the pods of an attempt form one Kueue pod group (and get no Kubernetes PodGroup)."""
     scheduler_name: str | None = None
-    """Scheduler for the pods, e.g. `volcano`; unset means the default scheduler."""
+    """Scheduler for the pods, e.g. `volcano`; unset means the default scheduler. Another scheduler than
+    `default-scheduler` keeps its own gang integration: the pods get no Kubernetes PodGroup."""
+    pod_group: Literal["Auto", "Disabled"] = "Auto"
+    """`Auto`: where the API server serves Kubernetes PodGroups (`scheduling.k8s.io/v1beta1`, Kubernetes 1.37+ with
+    the `GenericWorkload` feature gate), each attempt gets a PodGroup `<name>-a<attempt>` whose gang policy's
+    `minCount` is the attempt's node count, and every pod of the attempt names it (its `schedulingGroup`): the
+    default scheduler binds all pods of the attempt or none. Not served, or with `queueName` or another
+    `schedulerName`: no PodGroup. `Disabled`: never a PodGroup. Applies from the next attempt."""
 
 
 class MonitoringSpec(_Base):

@@ -3,8 +3,9 @@
 - deletes: the pods the decision lists (graceful, or forced for a pod on a lost node); a DELETE sent moments ago is
   not sent again while the index still shows the pod (``Expectations.to_delete``);
 - creates: every child of the current attempt that is not known to exist (:func:`create_attempt`), sent by
-  :func:`create_children` (the one fan-out: ConfigMap, Service, then the pods in slow-start batches); ``AlreadyExists``
-  is success, and children created moments ago count as existing (``Expectations``);
+  :func:`create_children` (the one fan-out: ConfigMap, Service and PodGroup, then the pods in slow-start batches);
+  ``AlreadyExists`` is success, and children created moments ago count as existing (``Expectations``);
+- the PodGroups of ended attempts (``Decision.delete_pod_groups``), each deleted once;
 - the run itself, deleted when its TTL after finishing has passed.
 
 A live attempt's pods are rendered only from the spec the attempt was created from (the ConfigMap's applied-spec
@@ -14,6 +15,7 @@ annotation): an edit never changes or adds to a running gang.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,8 @@ from kubetitan.kube import RETRY_WAIT, Client, classify, message_of
 from kubetitan.reconcile.context import ANNOTATION_APPLIED_SPEC, Context
 from kubetitan.reconcile.memory import RunMemory
 from kubetitan.reconcile.snapshot import Snapshot
+
+log = logging.getLogger("kubetitan.operator")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ async def act(ctx: Context, snap: Snapshot, memory: RunMemory, d: Decision, new:
     ns, exp = snap.namespace, memory.expected
     deletes = [client.delete_pod(ns, n) for n in exp.to_delete(d.delete, d.force_delete, None)]
     deletes += [client.delete_pod(ns, n, grace_seconds=0) for n in exp.to_delete(d.force_delete, (), 0)]
+    deletes += [_delete_pod_group(client, memory, ns, n) for n in exp.pod_groups_to_delete(d.delete_pod_groups)]
     if deletes:
         await fanout.gather(*deletes)
     requeue, created = d.requeue_after, None
@@ -115,15 +120,21 @@ async def create_attempt(ctx: Context, snap: Snapshot, memory: RunMemory, status
     # finds every pod in flight and renders none (rendering 1,024 pods took ~0.2 s).
     ranks = set() if only is not None else \
         {r for r, name in enumerate(plan.attempt_pod_names(lpt, attempt, status.nodes)) if needed(name)}
+    groups = bool(ranks) and await _in_pod_group(ctx, snap, lpt, started)
     children = plan.attempt_children(lpt, attempt, job_start_time=parse_time(status.start_time), avoid_nodes=avoid,
                                      hang_floor_seconds=ctx.options.hang_floor_seconds, nodes=status.nodes,
-                                     ranks=ranks)
+                                     ranks=ranks, pod_groups=groups)
     cm = next(c for c in children if c["kind"] == "ConfigMap")
     cm["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_SPEC] = json.dumps(
         spec_of_attempt, sort_keys=True, separators=(",", ":"))
     pods = [c for c in children if c["kind"] == "Pod"]
-    objects = [c for c in children if c["kind"] in ("ConfigMap", "Service") and needed(c["metadata"]["name"])]
+    # the PodGroup goes with every round that sends pods (unless created moments ago): created before them, and
+    # created again if it was deleted while the attempt goes on (a pod naming a missing PodGroup is never scheduled)
+    objects = [c for c in children
+               if c["kind"] in ("ConfigMap", "Service", "PodGroup") and needed(c["metadata"]["name"])]
     done = await create_children(ctx.client, objects + pods)
+    if any(e.kind == "PodGroup" for e in done.errors):
+        ctx.pod_group_api.forget()  # refused (404: no longer served?): ask the server again before the next round
     # Stamped when the round ends: the index lags behind these creates from then on, and a 1,024-pod round can take
     # longer than the expectations' lifetime (stamped at its start, the next cycle sent pods again: 409s).
     exp.expect_created(done.created, exp.now())
@@ -138,6 +149,29 @@ async def create_attempt(ctx: Context, snap: Snapshot, memory: RunMemory, status
     if only is not None:
         exp.recreated(only, mono)  # shown gone; now created again: not "missing" until the index has shown it
     return Created(attempt, created_pods=made, only=only)
+
+
+async def _in_pod_group(ctx: Context, snap: Snapshot, lpt: Any, started: bool) -> bool:
+    """Whether the attempt's pods name a PodGroup: as its pods already do once the attempt has started (a rank
+    created again joins the gang it belongs to, whatever the server or the spec say now), else
+    ``plan.uses_pod_group`` with the server's answer (``discovery``; asked only when ``--pod-groups`` and the spec
+    allow a PodGroup)."""
+    if started:
+        return any(p.pod_group for p in snap.current)
+    return ctx.options.pod_groups == "auto" and plan.uses_pod_group(lpt.spec, True) and \
+        await ctx.pod_group_api.check(ctx.client)
+
+
+async def _delete_pod_group(client: Client, memory: RunMemory, ns: str, name: str) -> None:
+    """Delete an ended attempt's PodGroup; a refusal is logged and the next cycle tries again (it never holds up
+    the run: the PodGroup goes with the run anyway, through its owner reference)."""
+    try:
+        await client.delete_pod_group(ns, name)
+    except (ApiException, *aiohttp_errors()) as e:
+        log.warning("Deleting PodGroup %s/%s of an ended attempt failed (the next cycle tries again): %s", ns, name,
+                    message_of(e))
+        return
+    memory.expected.pod_group_deleted(name)
 
 
 def _needed(memory: RunMemory, config_map: str, present: set[str], only: tuple[str, ...] | None,
@@ -167,7 +201,7 @@ def _spec_of_attempt(snap: Snapshot, memory: RunMemory, live: bool) -> tuple[Any
 
 async def create_children(client: Client, objects: list[dict[str, Any]]) -> Round:
     """Create ``objects`` (children of one run): the ConfigMap first (ours and existing: brought up to date), then
-    the Services together, then the Pods in slow start (``fanout.slow_start``: 1, 2, 4, ... as Kubernetes'
+    the Services and the PodGroup together, then the Pods in slow start (``fanout.slow_start``: 1, 2, 4, ... as Kubernetes'
     ReplicaSet controller does, each accepted create admitting two more, with no barrier between rounds, so a
     create waiting out a Retry-After holds back only itself, and lends its place to the next create meanwhile).
     The client's request slots (``kube.Slots``) bound the requests in flight.

@@ -6,12 +6,13 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kubetitan import policy
 from kubetitan import webhook as webhook_mod
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
 from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+from kubetitan.discovery import PodGroupApi
 from kubetitan.events import Recorder
 from kubetitan.kube import Client
 from kubetitan.leader import AlwaysLeader, LeaseConfig
@@ -48,6 +49,9 @@ class Options:
     """The floor of ``runPolicy.hangTimeoutPolicy: Auto`` (``--hang-floor-seconds``)."""
     resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
     """The least time between two resizes of an elastic run (``--resize-min-interval-seconds``)."""
+    pod_groups: Literal["auto", "disabled"] = "auto"
+    """``--pod-groups``: ``disabled`` gives no attempt a PodGroup whatever the server serves and the specs say (the
+    cluster admin's switch; ``discovery`` is then never asked)."""
     clock: Callable[[], float] = time.time
     """Source of 'now' for every decision; tests pass a faster clock instead of lowering API minimums."""
     policy: policy.Policy = field(default_factory=policy.Policy)
@@ -76,6 +80,8 @@ class Context:
     """aiohttp sessions handed to kopf (``_login``): closed when the operator has stopped."""
     cert_task: asyncio.Task[None] | None = None
     """Keeps the webhook's own certificates (``--webhook-certificates operator``; kubetitan.certsync)."""
+    pod_group_api: PodGroupApi = field(default_factory=PodGroupApi)
+    """Whether the API server serves Kubernetes PodGroups (API discovery, re-read now and then)."""
     access_cache: Any = None
     """The admission webhook's SubjectAccessReview answers (``kubetitan.access_cache.AccessCache``, made on first
     use)."""

@@ -44,6 +44,9 @@ class Expectations:
     """The run's ConfigMap/Service names the indexes have shown (for ``attempt``)."""
     deleted: dict[str, tuple[float, int | None]] = field(default_factory=dict)
     """Pods this replica sent a DELETE for: name -> (monotonic time, grace seconds or None)."""
+    pod_groups_deleted: set[str] = field(default_factory=set)
+    """PodGroups of ended attempts the API has deleted (or found gone) on this replica's DELETE: not sent again while
+    the decision still lists them (their pods are still terminating)."""
 
     def now(self) -> float:
         return self.clock()
@@ -51,6 +54,7 @@ class Expectations:
     def forget(self) -> None:
         """Drop every expectation (after a fail-over the run is read from the API again)."""
         self.attempt, self.created, self.seen, self.deleted = -1, {}, set(), {}
+        self.pod_groups_deleted = set()
 
     # ------------------------------------------------------------------ creates
     def creating(self, attempt: int) -> None:
@@ -107,3 +111,14 @@ class Expectations:
             if now - at >= self.ttl:
                 del self.deleted[n]
         return out
+
+    def pod_groups_to_delete(self, names: Iterable[str]) -> list[str]:
+        """Of ``names`` (the decision's PodGroups of ended attempts), those not deleted yet; forgets the deletions of
+        PodGroups no longer listed (their pods are gone: the set stays as small as the decision's list)."""
+        listed = list(dict.fromkeys(names))
+        self.pod_groups_deleted &= set(listed)
+        return [n for n in listed if n not in self.pod_groups_deleted]
+
+    def pod_group_deleted(self, name: str) -> None:
+        """The API deleted PodGroup ``name`` (or it was gone)."""
+        self.pod_groups_deleted.add(name)
