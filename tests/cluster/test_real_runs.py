@@ -5,6 +5,8 @@ Lease), the controller-manager garbage-collects, counts quota and turns a silent
 - children pass PodSecurity ``restricted`` in an enforcing namespace and are garbage-collected through their
   ownerReferences when the run is deleted;
 - a ResourceQuota refusing the gang's second pod gives one aggregated Warning Event;
+- gang scheduling by the cluster: a 4-pod gang with room for 3 gets its PodGroup and kube-scheduler binds none of
+  its pods (the same run with ``scheduling.podGroup: Disabled`` gets 3 of 4 bound), and all 4 once a node joins;
 - one CPU run: start -> a rank's container killed -> the gang re-created -> its node stops renewing its Lease
   (NotReady after the controller-manager's grace period) -> NodeFailure restart on the other nodes -> etcd
   compacted and kube-apiserver restarted (every watch expires) -> no further restart -> Succeeded.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ pytestmark = [pytest.mark.xdist_group("real-cluster"), pytest.mark.timeout(900)]
 OPERATOR_FLAGS = ("--scan-interval=0.2", "--scrape-interval=0.5")
 """Quicker cycles than the chart's defaults (10 s / 15 s), as the e2e suite on the double runs them."""
 START = 300.0
+ZONE = "topology.kubernetes.io/zone"
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +188,78 @@ def test_a_cpu_run_survives_a_killed_rank_and_a_lost_node_then_succeeds(
         assert status["training"]["step"] == 400 and len(status["restarts"]) == 2, status
         k.restore_node(lost)
     assert not k.errors, k.errors
+
+
+@contextlib.contextmanager
+def _ready_nodes(kube: KubeCluster, names: list[str]) -> Iterator[list[str]]:
+    """Nodes that register and renew their Leases but run nothing (scheduling tests need no containers); ``names``
+    may grow while it runs. Deleted at the end."""
+    stop = threading.Event()
+    for n in names:
+        kube.add_node(n)
+
+    def beat() -> None:
+        while not stop.wait(1.0):
+            for n in list(names):
+                kube.renew_node(n)
+
+    t = threading.Thread(target=beat, daemon=True, name="node-leases")
+    t.start()
+    try:
+        yield names
+    finally:
+        stop.set()
+        t.join(10)
+        for n in names:
+            kube.delete(NODES, None, n)
+
+
+def _whole_node_spec(nodes: int, zone: str) -> dict[str, Any]:
+    """``nodes`` pods of 8 GPUs each (a p5.48xlarge apiece: one pod per node), on the nodes labelled ``zone``."""
+    spec = cpu_spec(nodes=nodes)
+    spec["resources"].update(gpusPerNode=8, nodeSelector={ZONE: zone})
+    spec["resources"].pop("processesPerNode")
+    spec["parallelism"] = {"dataParallelShardDegree": -1}
+    return spec
+
+
+def _pod_scheduled(p: dict[str, Any]) -> str | None:
+    return next((c["status"] for c in p.get("status", {}).get("conditions") or [] if c["type"] == "PodScheduled"),
+                None)
+
+
+def test_a_gang_with_room_for_three_of_four_binds_none_then_all_once_a_node_joins(
+        kube: KubeCluster, control_plane: ControlPlane, fast_operator: OperatorProcess, namespace: str,
+        tmp_path: Path) -> None:
+    _claim(control_plane, namespace, "ckpt", tmp_path)  # cpu_spec's claim: a pod naming a missing one never binds
+    gang_zone, plain_zone = f"{namespace}-a", f"{namespace}-b"
+    nodes = [f"{gang_zone}{i}" for i in range(3)] + [f"{plain_zone}{i}" for i in range(3)]
+    with _ready_nodes(kube, nodes):
+        for n in nodes:
+            kube.patch(NODES, None, n, {"metadata": {"labels": {ZONE: n[:-1]}}})
+        # without a PodGroup (the opt-out): kube-scheduler binds what fits, 3 of 4
+        plain = _whole_node_spec(4, plain_zone)
+        plain["scheduling"] = {"podGroup": "Disabled"}
+        kube.apply(lpt("plain", plain, namespace=namespace))
+        wait_for(lambda: sum(bool(p["spec"].get("nodeName")) for p in kube.pods(namespace, "plain")) == 3
+                 and any(_pod_scheduled(p) == "False" for p in kube.pods(namespace, "plain")), 60,
+                 "without a PodGroup: 3 of 4 pods bound, the 4th unschedulable")
+        assert kube.get("scheduling.k8s.io/v1beta1/podgroups", namespace, "plain-a0") is None
+        # with the attempt's PodGroup (the default where the server serves them): all or nothing
+        kube.apply(lpt("gang", _whole_node_spec(4, gang_zone), namespace=namespace))
+        pg = wait_for(lambda: kube.get("scheduling.k8s.io/v1beta1/podgroups", namespace, "gang-a0"), 30,
+                      "the attempt's PodGroup")
+        assert pg["spec"]["schedulingPolicy"]["gang"]["minCount"] == 4, pg
+        wait_for(lambda: len(kube.pods(namespace, "gang")) == 4 and all(
+            _pod_scheduled(p) == "False" for p in kube.pods(namespace, "gang")), 60,
+            "every pod of the gang tried by kube-scheduler and left unscheduled")
+        pods = kube.pods(namespace, "gang")
+        assert [p["spec"].get("nodeName") for p in pods] == [None] * 4, pods
+        assert {p["spec"]["schedulingGroup"]["podGroupName"] for p in pods} == {"gang-a0"}
+        joined = f"{gang_zone}3"
+        nodes.append(joined)
+        kube.add_node(joined)
+        kube.patch(NODES, None, joined, {"metadata": {"labels": {ZONE: gang_zone}}})
+        wait_for(lambda: all(p["spec"].get("nodeName") for p in kube.pods(namespace, "gang")), 60,
+                 "all 4 pods of the gang bound once a fourth node joined")
+        assert len({p["spec"]["nodeName"] for p in kube.pods(namespace, "gang")}) == 4
