@@ -152,7 +152,7 @@ def test_a_cpu_run_survives_a_killed_rank_and_a_lost_node_then_succeeds(
         wait_for(lambda: kube.status(namespace, "cpu").get("training", {}).get("step", 0) >= 12, START,
                  "attempt 0 past its first checkpoint")
         a0 = _attempt_pods(kube, namespace, "cpu", 0)
-        assert len({p["spec"]["nodeName"] for p in a0}) == 2  # one pod per node, placed by kube-scheduler
+        assert {p["spec"]["nodeName"] for p in a0} <= set(k.nodes)  # placed by kube-scheduler (a CPU gang may share)
         k.kill(namespace, sorted(p["metadata"]["name"] for p in a0)[1], signal.SIGKILL)
         wait_for(lambda: len(kube.status(namespace, "cpu").get("restarts") or []) >= 1, 120, "the first restart")
         first = kube.status(namespace, "cpu")["restarts"][0]

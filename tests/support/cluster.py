@@ -69,6 +69,7 @@ RUNTIME_CONFIG = ("scheduling.k8s.io/v1beta1=true",)
 SERVICE_CIDR = "10.96.0.0/16"
 """Service ClusterIPs are allocated from it; nothing routes to them (no kube-proxy): the tests reach pods directly."""
 ISSUER = "https://kubernetes.default.svc.cluster.local"
+AUDITED_VERBS = ["create", "update", "patch", "delete", "deletecollection"]
 STARTS_KEY = pytest.StashKey[list]()
 """Where a test session without xdist keeps the control plane's start line (tests/conftest.py prints it)."""
 
@@ -305,6 +306,8 @@ class ControlPlane:
     controllers: str = "*"
     scheduler: bool = True
     feature_gates: dict[str, bool] = field(default_factory=lambda: dict(FEATURE_GATES))
+    audit: bool = True
+    """Write an audit log of every write (Metadata level: who, what, the answer), read by :meth:`audit_events`."""
     components: dict[str, Component] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     _own_dir: bool = False
@@ -438,8 +441,32 @@ class ControlPlane:
     def _gates(self) -> str:
         return ",".join(f"{k}={str(v).lower()}" for k, v in sorted(self.feature_gates.items()))
 
+    def _audit_flags(self) -> list[str]:
+        if not self.audit:
+            return []
+        assert self.workdir is not None
+        policy = self.workdir / "audit-policy.yaml"
+        policy.write_text(json.dumps({"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": [
+            "RequestReceived"], "rules": [{"level": "Metadata", "verbs": AUDITED_VERBS}, {"level": "None"}]}))
+        self.audit_log = self.workdir / "audit.log"
+        return [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-mode=blocking",
+                "--audit-log-maxsize=0"]
+
+    def audit_events(self, resource: str | None = None, namespace: str | None = None) -> list[dict[str, Any]]:
+        """The audit log's events of writes (each: user with its credential id, verb, objectRef, responseStatus,
+        stageTimestamp), optionally of one resource (plural) and namespace."""
+        out = []
+        with open(self.audit_log) as f:
+            for line in f:
+                e = json.loads(line)
+                ref = e.get("objectRef") or {}
+                if (resource is None or ref.get("resource") == resource) and (
+                        namespace is None or ref.get("namespace") == namespace):
+                    out.append(e)
+        return out
+
     def _start_apiserver(self, serving: tuple[Path, Path]) -> None:
-        c = self._spawn("kube-apiserver", [
+        c = self._spawn("kube-apiserver", [*self._audit_flags(), 
             f"--etcd-servers={self.etcd_url}", "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
             f"--secure-port={self.port}", f"--tls-cert-file={serving[0]}", f"--tls-private-key-file={serving[1]}",
             f"--client-ca-file={self.pki.ca_file}", f"--service-account-issuer={ISSUER}",

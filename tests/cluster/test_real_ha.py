@@ -1,0 +1,121 @@
+"""Two operator replicas with Lease election on the real API server: the standby takes over when the leader is
+killed, and deleting the Lease under two replicas never gives two writers.
+
+Who wrote what comes from the API server's audit log: each replica authenticates with a token of its own (two
+TokenRequests for the chart's ServiceAccount), and every audited write carries its token's id
+(``authentication.kubernetes.io/credential-id``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kmockx.harness import OperatorProcess, free_port, wait_for
+from support.cluster import LEASES, ControlPlane, KubeCluster
+from support.release import Release
+from support.specs import cpu_spec, lpt
+
+pytestmark = [pytest.mark.xdist_group("real-cluster"), pytest.mark.timeout(600)]
+LEASE = ("--leader-elect-lease-duration=3", "--leader-elect-renew-deadline=2", "--leader-elect-retry-period=0.5")
+"""Short terms (the chart's 15/10/2 s scaled down 5x) so a take-over takes seconds."""
+FLAGS = ("--scan-interval=0.2", "--scrape-interval=0.5", *LEASE)
+ROUNDS = 6
+
+
+def _jti(kubeconfig: Path) -> str:
+    """The token id of the kubeconfig's ServiceAccount token (its JWT payload's ``jti``)."""
+    token = json.loads(kubeconfig.read_text())["users"][0]["user"]["token"]
+    payload = token.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["jti"]
+
+
+class Replica:
+    def __init__(self, release: Release, name: str, tmp: Path, webhook_port: int | None = None) -> None:
+        self.name = name
+        kc = release.operator_kubeconfig()  # a TokenRequest of its own: its writes carry its own credential id
+        self.credential = f"JTI={_jti(kc)}"
+        extra = [*FLAGS, f"--leader-elect-identity={name}"]
+        if webhook_port is not None:  # one host: a replica that is not the URL's listens elsewhere
+            extra.append(f"--webhook-port={webhook_port}")
+        cert_dir = tmp / f"webhook-{name}"
+        cert_dir.mkdir()
+        self.proc = OperatorProcess(str(kc), *release.operator_args(cert_dir=str(cert_dir), extra=tuple(extra)))
+
+
+@pytest.fixture
+def replicas(release: Release, tmp_path: Path) -> Iterator[list[Replica]]:
+    started: list[Replica] = []
+    yield started
+    for r in started:
+        if r.proc.proc is not None and r.proc.proc.poll() is None:
+            r.proc.stop()
+
+
+def _holder(kube: KubeCluster, release: Release) -> str | None:
+    lease = kube.get(LEASES, release.namespace, release.fullname)
+    return (lease or {}).get("spec", {}).get("holderIdentity") or None
+
+
+def _pod_writers(cp: ControlPlane, ns: str) -> list[tuple[str, str, int]]:
+    """(credential id, verb, HTTP code) of every write to pods in ``ns``, in the order the server answered."""
+    out = []
+    for e in cp.audit_events("pods", ns):
+        if e.get("stage") != "ResponseComplete":
+            continue
+        cred = ((e.get("user") or {}).get("extra") or {}).get("authentication.kubernetes.io/credential-id") or ["-"]
+        out.append((cred[0], e["verb"], (e.get("responseStatus") or {}).get("code", 0)))
+    return out
+
+
+def _run_in_own_namespace(kube: KubeCluster, cp: ControlPlane, name: str) -> str:
+    cp.admin.ensure_namespace(name)
+    spec = cpu_spec(nodes=2)
+    kube.apply(lpt("r", spec, namespace=name))
+    wait_for(lambda: len(kube.pods(name, "r")) == 2, 60, f"the 2 pods of {name}")
+    return name
+
+
+def test_the_standby_takes_over_a_killed_leader_and_a_deleted_lease_never_gives_two_writers(
+        kube: KubeCluster, control_plane: ControlPlane, release: Release, replicas: list[Replica],
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    prefix = "ha" + str(abs(hash(request.node.nodeid)) % 10000)
+    # b starts first and leads (it listens for webhooks on a port of its own); a serves the chart's webhook URL
+    b = Replica(release, "replica-b", tmp_path, webhook_port=free_port())
+    replicas.append(b)
+    b.proc.start()
+    wait_for(lambda: _holder(kube, release) == "replica-b", 60, "replica-b holds the Lease")
+    a = Replica(release, "replica-a", tmp_path)
+    replicas.append(a)
+    a.proc.start()
+    ns0 = _run_in_own_namespace(kube, control_plane, f"{prefix}-0")
+    assert {w for w, verb, _ in _pod_writers(control_plane, ns0) if verb == "create"} == {b.credential}
+    # the leader is killed: a takes over once the Lease expires, and reconciles the next run
+    b.proc.kill()
+    wait_for(lambda: _holder(kube, release) == "replica-a", 30, "replica-a takes the Lease over")
+    ns1 = _run_in_own_namespace(kube, control_plane, f"{prefix}-1")
+    assert {w for w, verb, _ in _pod_writers(control_plane, ns1) if verb == "create"} == {a.credential}
+    # two replicas again; the Lease deleted under them, round after round
+    b2 = Replica(release, "replica-b2", tmp_path, webhook_port=free_port())
+    replicas.append(b2)
+    b2.proc.start()
+    namespaces = []
+    holders = []
+    for i in range(ROUNDS):
+        before = kube.get(LEASES, release.namespace, release.fullname)
+        kube.delete(LEASES, release.namespace, release.fullname)
+        wait_for(lambda: (lease := kube.get(LEASES, release.namespace, release.fullname)) is not None
+                 and lease["metadata"]["uid"] != before["metadata"]["uid"], 30, f"round {i}: a new Lease")
+        namespaces.append(_run_in_own_namespace(kube, control_plane, f"{prefix}-r{i}"))
+        holders.append(_holder(kube, release))
+    for ns in namespaces:
+        writes = _pod_writers(control_plane, ns)
+        creates = [(w, code) for w, verb, code in writes if verb == "create"]
+        assert len({w for w, _ in creates}) == 1, (ns, writes)  # one writer per run's gang
+        assert [code for _, code in creates] == [201, 201], (ns, writes)  # no duplicate (409) and no retry
+    print(f"{ROUNDS} Lease deletions under two replicas: holders {holders}, every gang created by one replica")
