@@ -10,6 +10,7 @@ import pytest
 from support.cluster import STARTS_KEY
 
 _SLOWEST_FIRST = (
+    "tests/cluster/",
     "tests/e2e/",
     "tests/operator/",
     "tests/trainer/test_train.py",
