@@ -1,6 +1,7 @@
-"""Operator benchmark against kmockx (prints numbers; asserts no timing).
+"""Operator benchmark against kmockx or the real control plane (prints numbers; asserts no timing).
 
     .venv/bin/python bench/operator_bench.py [--nodes 1024] [--runs 2000] [--repeat 3] [--profile DIR]
+                                             [--server double|real]
                                              [--only gang|faults|recovery|many ...] [--fault-share 0.2]
                                              [--retry-after 1] [--operator-src DIR]
 
@@ -117,6 +118,46 @@ class Server:
                             "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]}})
 
 
+class RealServer:
+    """A real control plane instead (``--server real``: tests/support/cluster.py, the binaries ``make cluster``
+    builds): etcd, kube-apiserver and kube-controller-manager (its ServiceAccount controller gives the namespace its
+    ``default`` ServiceAccount, which pod admission needs); no scheduler and no nodes, so pods stay Pending, as on
+    the double. The CRD from crds/; the operator authenticates as the admin. ``kcpu`` is kube-apiserver's CPU."""
+
+    def __init__(self, *args: str, profile: str | None = None) -> None:
+        from support.cluster import ControlPlane
+
+        if args or profile:
+            raise SystemExit("--server real: faults and --profile are the double's (kmockx's) features")
+        self.cp = ControlPlane(scheduler=False, audit=False)
+        self.cp.start()
+        self.url, self.http, self.stats = self.cp.server, self.cp.admin.s, {}
+        self.kubeconfig = str(self.cp.admin_kubeconfig)
+        self.proc = self.cp.components["kube-apiserver"].proc
+        self.http.post(self.url + "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", timeout=30,
+                       json=__import__("yaml").safe_load((ROOT / "crds/kubetitan.io_llamapretrains.yaml").read_text()))
+        self.cp.admin.ensure_namespace(NS)
+        wait_for(lambda: self.cp.admin.get("v1/serviceaccounts", NS, "default") is not None
+                 and self.http.get(self.url + LPT_PATH, timeout=5).status_code == 200, 60, "namespace and CRD ready")
+
+    def close(self) -> None:
+        self.cp.stop()
+
+    def __enter__(self) -> RealServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def create(self, path: str, obj: dict[str, Any]) -> None:
+        r = self.http.post(self.url + path, json=obj, timeout=30)
+        assert r.status_code == 201, r.text
+
+
+SERVER: type = Server
+"""--server: kmockx (the double, default) or the real control plane."""
+
+
 class Watch:
     """A watch stream in a thread; ``seen(pred)`` counts distinct object names whose latest event matches."""
 
@@ -124,7 +165,7 @@ class Watch:
         self.latest: dict[str, tuple[str, dict[str, Any]]] = {}
         self.lock = threading.Lock()
         params = {"watch": "true", **({"labelSelector": selector} if selector else {})}
-        self.resp = requests.get(server.url + path, params=params, stream=True, timeout=(5, None))
+        self.resp = server.http.get(server.url + path, params=params, stream=True, timeout=(5, None))
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
@@ -179,7 +220,7 @@ def fault_args(share: float, retry_after: int, seed: int) -> list[str]:
 
 def gang(profile: str | None, nodes: int = 64, server_args: tuple[str, ...] = (), scenario: str = "gang"
          ) -> dict[str, Any]:
-    s = Server(*server_args, profile=_kprof(profile, scenario))
+    s = SERVER(*server_args, profile=_kprof(profile, scenario))
     with s, operator(s, profile, scenario, "--scan-interval", "5") as op:
         w = Watch(s, POD_PATH, "kubetitan.io/name=big")
         time.sleep(1.0)  # let the operator finish its initial listing
@@ -217,7 +258,7 @@ def recovery(profile: str | None, nodes: int = 8) -> dict[str, float]:
 
 
 def many(profile: str | None, n: int) -> dict[str, float]:
-    with Server(profile=_kprof(profile, "many")) as s, operator(s, profile, "many", "--scan-interval", "10") as op:
+    with SERVER(profile=_kprof(profile, "many")) as s, operator(s, profile, "many", "--scan-interval", "10") as op:
         pods, runs = Watch(s, POD_PATH), Watch(s, LPT_PATH)
         time.sleep(2.0)
         idle = op.memory_mb()["VmRSS"]
@@ -266,21 +307,30 @@ def main() -> int:
     p.add_argument("--profile", metavar="DIR")
     p.add_argument("--only", choices=["gang", "faults", "recovery", "many"], action="append",
                    help="run only this scenario (repeatable)")
+    p.add_argument("--server", choices=["double", "real"], default="double",
+                   help="the API server: kmockx (default) or the real control plane of tests/support/cluster.py "
+                        "(gang and many only)")
     p.add_argument("--operator-src", metavar="DIR",
                    help="run the operator from DIR/kubetitan instead (A/B against an older commit: "
                         "git archive COMMIT operator/kubetitan | tar -x -C /tmp/old; DIR=/tmp/old/operator)")
     a = p.parse_args()
-    global OPERATOR_SRC
+    global OPERATOR_SRC, SERVER
     OPERATOR_SRC = a.operator_src
     only = set(a.only or ("gang", "faults", "recovery", "many"))
-    print(f"machine: {os.cpu_count()} CPUs, {_load()} at start; operator, kmockx and this driver are separate "
+    if a.server == "real":
+        SERVER = RealServer
+        if only - {"gang", "many"}:
+            p.error(f"--server real runs gang and many only (faults are injected by kmockx; recovery plays the "
+                    f"kubelet on the double): add --only gang --only many, not {sorted(only - {'gang', 'many'})}")
+    api = "kube-apiserver + etcd (real)" if a.server == "real" else "kmockx"
+    print(f"machine: {os.cpu_count()} CPUs, {_load()} at start; operator, {api} and this driver are separate "
           "processes", flush=True)
     if "gang" in only:
         rs = []
         for i in range(a.repeat):
             rs.append(r := gang(a.profile, a.nodes))
             print(f"  gang run {i + 1}: {r['seconds']:.3f} s, CPU: operator {r['cpu']:.2f} s, "
-                  f"kmockx {r['kcpu']:.2f} s; "
+                  f"API server {r['kcpu']:.2f} s; "
                   f"pod creates answered {r['stats'].get('pod_creates')} ({_load()})", flush=True)
         print(f"apply -> all {a.nodes} pods created ({a.nodes}-node gang): median {_med(rs, 'seconds'):.3f} s of "
               f"{a.repeat} (operator CPU {_med(rs, 'cpu'):.2f} s; target < 2 s for 1024 nodes)", flush=True)
@@ -313,7 +363,7 @@ def main() -> int:
             r = many(a.profile, a.runs)
             print(f"{a.runs} LlamaPretrains (run {i + 1}): applied in {r['applied']:.2f} s; all pods after "
                   f"{r['pods']:.2f} s; all Starting after {r['total']:.2f} s (CPU: operator {r['cpu']:.1f} s, "
-                  f"kmockx {r['kcpu']:.1f} s)", flush=True)
+                  f"API server {r['kcpu']:.1f} s)", flush=True)
             print(f"operator RSS: idle {r['idle']:.0f} MiB, peak {r['peak']:.0f} MiB, settled {r['settled']:.0f} MiB "
                   f"with {a.runs} runs  (target < 300 MiB for 2000) ({_load()})", flush=True)
     print(f"{_load()} at end")

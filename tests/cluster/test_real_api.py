@@ -153,3 +153,76 @@ def test_server_side_apply_of_a_run_tracks_its_field_managers(control_plane: Con
     assert out.returncode != 0 and "conflict" in out.stderr.lower(), out.stderr
     kubectl("apply", "--server-side", "--field-manager=bob", "--force-conflicts", "-f", str(f), kubeconfig=kc)
     assert control_plane.admin.get(LPT, namespace, "ssa")["spec"]["training"]["steps"] == 300
+
+
+def _tenant(control_plane: ControlPlane, namespace: str, name: str) -> Path:
+    """A tenant who may create and read LlamaPretrains in ``namespace`` and read the team's checkpoint claim (and
+    nothing else): a client certificate and a Role the server's RBAC authorizer judges."""
+    _, kubeconfig = control_plane.user(name, ("tenants",), namespace=namespace)
+    control_plane.admin.create("rbac.authorization.k8s.io/v1/roles", namespace, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": f"{name}-runs"},
+        "rules": [{"apiGroups": ["kubetitan.io"], "resources": ["llamapretrains"],
+                   "verbs": ["create", "get", "list", "watch", "patch", "update"]},
+                  {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"],
+                   "resourceNames": ["ckpt"]}]})  # the team's checkpoint claim
+    control_plane.admin.create("rbac.authorization.k8s.io/v1/rolebindings", namespace, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": f"{name}-runs"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{name}-runs"},
+        "subjects": [{"kind": "User", "name": name, "apiGroup": "rbac.authorization.k8s.io"}]})
+    return kubeconfig
+
+
+def test_requester_checks_are_answered_by_the_servers_authorizer(
+        control_plane: ControlPlane, operator: Any, namespace: str, tmp_path: Path) -> None:
+    """A tenant may not make the operator mount a Secret she could not read herself: the webhook's
+    SubjectAccessReview is answered by the real RBAC authorizer, and a grant (a Role on that one Secret) lets the
+    same spec through."""
+    alice = _tenant(control_plane, namespace, "alice")
+    f = tmp_path / "run.yaml"
+
+    def create(name: str, secret: str) -> subprocess.CompletedProcess[str]:
+        spec = cpu_spec()
+        spec["runPolicy"]["suspend"] = True
+        spec["resources"]["env"] = [{"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret,
+                                                                                             "key": "k"}}}]
+        f.write_text(yaml.safe_dump(lpt(name, spec, namespace=namespace)))
+        return kubectl("create", "-f", str(f), kubeconfig=alice, check=False)
+
+    out = create("denied", "admin-creds")
+    assert out.returncode != 0 and DENIED in out.stderr, out.stderr
+    assert "spec.resources.env[0].valueFrom.secretKeyRef.name: Secret admin-creds" in out.stderr, out.stderr
+    assert "may not get secrets 'admin-creds'" in out.stderr, out.stderr
+    control_plane.admin.create("rbac.authorization.k8s.io/v1/roles", namespace, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "alice-team-creds"},
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["team-creds"]}]})
+    control_plane.admin.create("rbac.authorization.k8s.io/v1/rolebindings", namespace, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "alice-team-creds"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "alice-team-creds"},
+        "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]})
+    out = create("granted", "team-creds")
+    assert out.returncode == 0, out.stderr
+    # what she may not do herself, the server refuses her directly too (her Role has no delete)
+    out = kubectl("delete", "lpt", "granted", "-n", namespace, kubeconfig=alice, check=False)
+    assert out.returncode != 0 and "forbidden" in out.stderr.lower(), out.stderr
+
+
+def test_a_tenant_cannot_move_an_admins_secret_into_her_code_by_editing_the_run(
+        control_plane: ControlPlane, operator: Any, namespace: str) -> None:
+    """Two users through real kubectl: the admin's run uses Secret db-creds as an image pull secret (only the kubelet
+    reads it); alice, who may patch runs but not read db-creds, moves it into ``env`` and swaps the image. The edit
+    is checked as if she created the run as it now stands: refused, naming the field and the access she lacks."""
+    alice = _tenant(control_plane, namespace, "alice")
+    spec = cpu_spec()
+    spec["runPolicy"]["suspend"] = True
+    spec["resources"]["imagePullSecrets"] = ["db-creds"]
+    control_plane.admin.create(LPT, namespace, lpt("admins-run", spec, namespace=namespace))
+    patch = {"spec": {"resources": {"image": "tenant.example/mine:1", "env": [
+        {"name": "DB_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "db-creds", "key": "password"}}}]}}}
+    out = kubectl("patch", "lpt", "admins-run", "-n", namespace, "--type", "merge", "-p", json.dumps(patch),
+                  kubeconfig=alice, check=False)
+    assert out.returncode != 0 and DENIED in out.stderr, out.stderr
+    assert "spec.resources.env[0].valueFrom.secretKeyRef.name: Secret db-creds" in out.stderr, out.stderr
+    assert "may not get secrets 'db-creds'" in out.stderr, out.stderr
+    stored = control_plane.admin.get(LPT, namespace, "admins-run")
+    assert "env" not in stored["spec"]["resources"], stored["spec"]["resources"]
+    assert stored["spec"]["resources"]["image"] == "kubetitan/trainer:0.1.0"  # the default, unchanged
