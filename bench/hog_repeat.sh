@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Reliability under load: run `pytest tests/operator tests/e2e` N times in a row while two CPU hogs
+# Reliability under load: run `pytest tests/operator tests/e2e tests/cluster` (the operator against the double, the
+# end-to-end faults, and the real control plane's lane) N times in a row while two CPU hogs
 # (`yes > /dev/null`, one per core) compete for the machine. Prints pass/fail and wall time per run and a
 # summary; exits non-zero if any run failed. The hogs are started and stopped by their PIDs.
 #
@@ -25,7 +26,7 @@ echo "hogs: ${HOGS[*]} (2 x yes > /dev/null); runs: $N; $(nproc) CPUs"
 passed=0
 for i in $(seq 1 "$N"); do
   start=$(date +%s.%N)
-  if python -m pytest -q -p no:cacheprovider tests/operator tests/e2e "$@" > "/tmp/hog_repeat_run_$i.log" 2>&1; then
+  if python -m pytest -q -p no:cacheprovider tests/operator tests/e2e tests/cluster "$@" > "/tmp/hog_repeat_run_$i.log" 2>&1; then
     result=pass; passed=$((passed + 1))
   else
     result=FAIL

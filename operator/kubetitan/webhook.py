@@ -73,13 +73,8 @@ class WebhookOptions:
     Secret, mounted)."""
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--webhook-port", type=int, default=None, metavar="PORT",
-                   help="serve the validating admission webhook over HTTPS on this port (default: no webhook; the "
-                        "chart sets 9443)")
-    p.add_argument("--webhook-addr", default="0.0.0.0", metavar="ADDR", help="address the webhook listens on")
-    p.add_argument("--webhook-cert-file", metavar="FILE", help="the webhook's serving certificate (PEM)")
-    p.add_argument("--webhook-key-file", metavar="FILE", help="its private key (PEM)")
+def _add_certificate_flags(p: argparse.ArgumentParser) -> None:
+    """Who issues the serving certificate and where the API server dials (Service or URL)."""
     p.add_argument("--webhook-certificates", choices=["files", "operator"], default="files",
                    help="files (default): serve --webhook-cert-file/--webhook-key-file (helm's or cert-manager's "
                         "Secret, mounted); operator: issue a self-signed CA and serving certificate into "
@@ -105,6 +100,16 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--webhook-cert-check-seconds", type=float, default=60.0, metavar="S",
                    help="re-read the certificate files this often and serve a renewed pair without a restart "
                         "(default 60)")
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--webhook-port", type=int, default=None, metavar="PORT",
+                   help="serve the validating admission webhook over HTTPS on this port (default: no webhook; the "
+                        "chart sets 9443)")
+    p.add_argument("--webhook-addr", default="0.0.0.0", metavar="ADDR", help="address the webhook listens on")
+    p.add_argument("--webhook-cert-file", metavar="FILE", help="the webhook's serving certificate (PEM)")
+    p.add_argument("--webhook-key-file", metavar="FILE", help="its private key (PEM)")
+    _add_certificate_flags(p)
     p.add_argument("--requester-checks", choices=[m.value for m in admission.Requester],
                    default=admission.Requester.REFERENCES.value,
                    help="what the requesting user must be allowed herself for the Secrets, ConfigMaps, claims, "

@@ -48,7 +48,7 @@ def operator(release: Release, control_plane: ControlPlane) -> Iterator[Operator
     calls; ready once the configuration carries the operator's CA (the webhook answers from then on)."""
     with tempfile.TemporaryDirectory(prefix="kubetitan-webhook-") as d, OperatorProcess(
             str(release.operator_kubeconfig()), *release.operator_args(cert_dir=d), log_format="json") as op:
-        wait_for(lambda: release.webhook_ready(), 60, "the webhook's caBundle", every=0.1)
+        wait_for(lambda: release.webhook_ready() and release.webhook_serving(), 60, "the webhook served", every=0.1)
         yield op
 
 

@@ -93,6 +93,7 @@ def test_the_standby_takes_over_a_killed_leader_and_a_deleted_lease_never_gives_
     a = Replica(release, "replica-a", tmp_path)
     replicas.append(a)
     a.proc.start()
+    wait_for(release.webhook_serving, 60, "replica-a serving the chart's webhook URL", every=0.1)
     ns0 = _run_in_own_namespace(kube, control_plane, f"{prefix}-0")
     assert {w for w, verb, _ in _pod_writers(control_plane, ns0) if verb == "create"} == {b.credential}
     # the leader is killed: a takes over once the Lease expires, and reconciles the next run

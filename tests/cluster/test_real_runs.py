@@ -45,6 +45,7 @@ def fast_operator(release: Release, control_plane: ControlPlane, tmp_path_factor
     d = tmp_path_factory.mktemp("webhook")
     with OperatorProcess(str(release.operator_kubeconfig()),
                          *release.operator_args(cert_dir=str(d), extra=OPERATOR_FLAGS)) as op:
+        wait_for(release.webhook_serving, 60, "the webhook served", every=0.1)
         yield op
 
 

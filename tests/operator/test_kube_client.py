@@ -235,7 +235,9 @@ def test_a_write_the_api_does_not_answer_in_time_raises_a_timeout_that_says_how_
         assert classify(e.value) == "APITimeout"
 
     asyncio.run(main())
-    assert seen == ["POST", "POST"]
+    # The client's two attempts are in the error (above). The server may have read fewer: on a loaded machine an
+    # attempt's 0.2 s can run out before this handler is scheduled (seen in a make test next to other suites).
+    assert seen in (["POST"], ["POST", "POST"]), seen
 
 
 @pytest.mark.parametrize(("n", "retry_after", "low", "high"), [

@@ -81,6 +81,19 @@ class Release:
         vwc = self.cp.admin.get("admissionregistration.k8s.io/v1/validatingwebhookconfigurations", None, self.fullname)
         return bool(vwc and vwc["webhooks"][0]["clientConfig"].get("caBundle"))
 
+    def webhook_serving(self) -> bool:
+        """The API server reaches the webhook: a dry-run create in ``default`` gets the webhook's answer (admitted or
+        refused), not 'failed calling webhook' (no replica listening on the URL's port yet)."""
+        from support.cluster import LPT, ApiError, resource_path
+
+        probe = {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+                 "metadata": {"name": "webhook-probe", "namespace": "default"}, "spec": {}}
+        try:
+            self.cp.admin.request("POST", resource_path(LPT, "default"), probe, params={"dryRun": "All"})
+        except ApiError as e:
+            return "failed calling webhook" not in str(e)
+        return True
+
     def deployment(self) -> dict[str, Any]:
         return next(d for d in self.manifest if d["kind"] == "Deployment")
 
