@@ -256,13 +256,14 @@ def test_bad_shards_exit_2_naming_the_file_and_the_fix(good_shards: Path, tmp_pa
     assert want in r.stderr and "Fix:" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("case", ["truncated", "vocab", "flipped-bit"])
+@pytest.mark.parametrize("case", ["truncated", "vocab", "flipped-bit", "other-tokenizer"])
 def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards: Path, tmp_path: Path,
                                                                        case: str) -> None:
     """The trainer's own start (kubetitan_trainer.main, as torchrun starts a worker): the shards re-check opens the
     ShardSet, so a cut shard or a model vocabulary smaller than the shards' is exit code 2 (not retried) naming the
     file, not a crash-loop or a silent run on 10% of the data. A flipped bit (same size, ids still in the
-    vocabulary) is found when the first step reads the chunk, before the step uses it."""
+    vocabulary) is found when the first step reads the chunk, before the step uses it; shards whose index records
+    another tokenizer.json than the run's are refused before the first step."""
     import shutil
 
     from tests.trainer.helpers import lpt, write_config
@@ -277,13 +278,17 @@ def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards
     elif case == "vocab":  # shards written with a 4096-token tokenizer, a model of 2048 (the builtin tokenizer's 644 fit it)
         (d / INDEX_FILE).write_text(json.dumps({**index, "vocab_size": 4096}))
         want = "tokenizer of 4096 tokens (builtin), more than the model's vocabulary of 2048"
-    else:  # a flipped bit in the first shard, which the first step reads (sequential order)
+    elif case == "flipped-bit":  # the first shard, which the first step reads (sequential order)
         shard = d / index["files"][0]["name"]
         data = bytearray(shard.read_bytes())
         data[100] ^= 0x01
         shard.write_bytes(bytes(data))
         assert max(np.frombuffer(bytes(data), dtype="<u2")) < index["vocab_size"]
         want = f"shard {shard} is corrupt: bytes 0-"
+    else:  # the same vocabulary size, another tokenizer.json
+        index["tokenizer"] = {"name": "/data/tokenizers/other", "sha256": "12" * 32, "vocab_size": 644}
+        (d / INDEX_FILE).write_text(json.dumps(index))
+        want = "the shards' is /data/tokenizers/other (tokenizer.json sha256 1212121212121212…"
     obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": vocab}},
                "data": {"source": "shards", "order": "sequential", "shards": {"path": str(d)}},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1},

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kubetitan_trainer.errors import ConfigError
-from kubetitan_trainer.shards import INDEX_FILE, ShardSet, ShardWriter, make_index
+from kubetitan_trainer.shards import INDEX_FILE, ShardSet, ShardWriter, TokenizerIdentity, make_index
 
 
 def write_set(d: Path, docs_per_shard: list[list[list[int]]], vocab: int = 1000, dtype: str = "uint16",
@@ -206,6 +206,25 @@ def test_verify_checksum_checks_the_chunks_too(tmp_path: Path) -> None:
     (d / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(ConfigError, match=r"is corrupt: bytes 0-64 \(chunk 0\)"):
         ShardSet.open(d, verify="checksum")
+
+
+def test_shards_of_another_tokenizer_are_refused_naming_both_and_the_fix(tmp_path: Path) -> None:
+    """The identity is the sha256 of tokenizer.json: the same hash under another name or path is the same
+    tokenizer; another hash is refused whatever the vocabulary."""
+    d = tmp_path / "s"
+    write_set(d, [[[1, 10, 2]]])  # the index records {"name": "test", "sha256": "000..."}
+    ShardSet.open(d, tokenizer=TokenizerIdentity("/elsewhere/copy", "0" * 64))  # same file, other path: fine
+    with pytest.raises(ConfigError) as e:
+        ShardSet.open(d, vocab_size=1000, tokenizer=TokenizerIdentity("builtin", "ab" * 32))
+    msg = str(e.value)
+    assert "prepared with another tokenizer than this run's" in msg, msg
+    assert "the shards' is test (tokenizer.json sha256 0000000000000000…" in msg, msg
+    assert "the run's is builtin (sha256 abababababababab…" in msg, msg
+    assert "Fix: re-run `kubetitan prepare-data --tokenizer" in msg and "point spec.tokenizer at" in msg, msg
+    index = json.loads((d / INDEX_FILE).read_text())
+    del index["tokenizer"]["sha256"]
+    (d / INDEX_FILE).write_text(json.dumps(index))
+    ShardSet.open(d, tokenizer=TokenizerIdentity("builtin", "ab" * 32))  # nothing recorded: nothing to compare
 
 
 def test_vocabulary_checks(tmp_path: Path) -> None:

@@ -107,15 +107,20 @@ class SyntheticSource:
 def open_shards(path: str, field: str, dtype: str = "auto", vocab_size: int | None = None,
                 job_config: JobConfig | None = None) -> ShardSet:
     """The checked shards at ``path`` (:class:`~kubetitan_trainer.shards.ShardSet`: sizes at open; every read's bytes
-    against their CRC-32s before use, each chunk once, and its ids against the model's vocabulary); a bad directory
-    is a ConfigError naming ``field``, the file and the fix.
+    against their CRC-32s before use, each chunk once, and its ids against the model's vocabulary; with
+    ``job_config``, the index's tokenizer against the run's); a bad directory is a ConfigError naming ``field``, the
+    file and the fix.
     ``s3://bucket/prefix`` is first staged to node-local disk with every CRC-32 verified
     (:mod:`kubetitan_trainer.s3shards`, settings from ``job_config``'s ``[kubetitan.data_s3]``)."""
+    tokenizer = None
     if job_config is not None:
         from kubetitan_trainer.s3shards import local_path
+        from kubetitan_trainer.tokenizer import run_tokenizer_identity
 
         path = local_path(path, job_config, field)
-    return ShardSet.open(path, vocab_size=vocab_size, verify="lazy", dtype=dtype, field_name=field)
+        tokenizer = run_tokenizer_identity(job_config)
+    return ShardSet.open(path, vocab_size=vocab_size, verify="lazy", dtype=dtype, field_name=field,
+                         tokenizer=tokenizer)
 
 
 class WindowSource:

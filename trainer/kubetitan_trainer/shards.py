@@ -26,6 +26,8 @@ This module imports neither torch nor torchtitan (``kubetitan prepare-data`` use
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -71,6 +73,37 @@ def crc32_file(path: str | os.PathLike, chunk: int = READ_CHUNK) -> str:
 
 def crc32_bytes(data: bytes | memoryview) -> str:
     return f"{zlib.crc32(data):08x}"
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What makes two tokenizers the same for shards: the sha256 of their ``tokenizer.json`` (the vocabulary, the
+    merges, the pre-tokenizer and normaliser: everything that maps text to ids). The path, the repository name and
+    ``tokenizer_config.json`` are not part of it: a copy of the same file elsewhere is the same tokenizer, and the
+    BOS/EOS ids the shards hold are recorded apart (``bos_id``, ``eos_id``). ``name`` only labels it in messages."""
+
+    name: str
+    sha256: str
+
+
+@functools.lru_cache(maxsize=8)
+def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(READ_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_identity(folder: str | os.PathLike, name: str) -> TokenizerIdentity | None:
+    """The identity of the tokenizer in ``folder`` (None when it holds no ``tokenizer.json``); hashed once per file
+    version in a process."""
+    tj = Path(folder) / "tokenizer.json"
+    try:
+        st = tj.stat()
+    except OSError:
+        return None
+    return TokenizerIdentity(name, _file_sha256(str(tj), st.st_mtime_ns, st.st_size))
 
 
 def shard_name(unit: int) -> str:
@@ -163,14 +196,15 @@ class ShardSet:
     # ------------------------------------------------------------------------------------------------ opening
     @classmethod
     def open(cls, path: str | os.PathLike, *, vocab_size: int | None = None, verify: Verify = "size",
-             dtype: str = "auto", field_name: str = SHARDS_FIELD) -> ShardSet:
+             dtype: str = "auto", field_name: str = SHARDS_FIELD, tokenizer: TokenizerIdentity | None = None) -> ShardSet:
         """Open and check a shards directory.
 
         ``vocab_size``: the model's vocabulary; an index whose tokenizer has a larger one is refused, and every
         :meth:`read` refuses ids at or above it. ``verify``: ``size`` checks every file's size against the index
         (a ``stat`` each), ``checksum`` also reads every file for its CRC-32 now, ``lazy`` checks a shard's CRC-32
         on the first read that touches it, ``none`` checks nothing. ``dtype``: ``auto`` or the dtype the
-        configuration expects. Raises ConfigError naming the file and the fix.
+        configuration expects. ``tokenizer``: the run's tokenizer; an index that records another one (another
+        ``tokenizer.json`` sha256) is refused. Raises ConfigError naming the file and the fix.
         """
         d = Path(path)
         if not str(path):
@@ -203,6 +237,8 @@ class ShardSet:
                         "train with the tokenizer the shards were prepared with (spec.tokenizer) and a model whose "
                         "vocabulary holds it, or re-run `kubetitan prepare-data --tokenizer` with the model's tokenizer",
                         field_name)
+        if tokenizer is not None:
+            ss.check_tokenizer(tokenizer)
         if verify != "none":
             ss._check_sizes()
         if verify == "checksum":
@@ -334,6 +370,21 @@ class ShardSet:
         return str(self.tokenizer.get("sha256", ""))
 
     # -------------------------------------------------------------------------------------------------- checks
+    def check_tokenizer(self, run: TokenizerIdentity) -> None:
+        """Refuse shards prepared with another tokenizer than the run's (:class:`TokenizerIdentity`: the sha256 of
+        ``tokenizer.json``): their ids would mean other text, silently, whenever the vocabulary fits. A version-1
+        index records no hash: it is let through (its warning already says to re-run prepare-data)."""
+        want = self.tokenizer_sha256
+        if not want or want == run.sha256:
+            return
+        theirs = self.tokenizer_name or "unknown"
+        raise _fail(f"{self.path} was prepared with another tokenizer than this run's: the shards' is {theirs} "
+                    f"(tokenizer.json sha256 {want[:16]}…, {INDEX_FILE}), the run's is {run.name} (sha256 "
+                    f"{run.sha256[:16]}…), so its token ids would stand for other text",
+                    f"re-run `kubetitan prepare-data --tokenizer <the run's tokenizer>` into a new directory and "
+                    f"train on that, or point spec.tokenizer at the tokenizer the shards were prepared with ({theirs}, "
+                    "the same tokenizer.json)", self.field_name)
+
     def _corrupt(self, name: str, got: str, want: str | None, what: str = "", fix: str = "") -> ConfigError:
         return _fail(f"shard {self.path / name} is corrupt: {what}its CRC-32 is {got}, {INDEX_FILE} says {want}",
                      fix or "copy the shard again from where prepare-data wrote it, or " + RERUN, self.field_name)
