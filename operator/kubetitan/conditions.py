@@ -122,6 +122,8 @@ INVALID = "Invalid"
 NAME_CONFLICT = "NameConflict"
 API_UNAVAILABLE = "APIUnavailable"
 CHECKPOINT_VOLUME = "CheckpointVolume"
+CHECKPOINT_OBJECT_STORE = "CheckpointObjectStore"
+"""``CheckpointsDurable=True`` for checkpoints in S3 (``checkpoint.storage.s3``): no volume, and none needed."""
 CHECKPOINTS_DISABLED = "CheckpointsDisabled"
 NO_CHECKPOINT_VOLUME = warning_rules.RULE_BY_ID["checkpoint.no-volume"].reason
 """``NoCheckpointVolume``: the warning rule's own reason (its Event has the same)."""
@@ -174,6 +176,8 @@ def checkpoints_durable(spec: LlamaPretrainSpec) -> tuple[str, str, str]:
         return "False", CHECKPOINTS_DISABLED, "checkpoint.enabled is false: nothing is saved, a failure ends the run"
     if (warned := warning_rules.no_checkpoint_volume(spec)) is not None:
         return "False", NO_CHECKPOINT_VOLUME, warned
+    if ck.storage.s3 is not None:
+        return "True", CHECKPOINT_OBJECT_STORE, f"checkpoints are saved to {ck.storage.s3.uri}"
     if ck.storage.persistent_volume_claim is not None:
         return "True", CHECKPOINT_VOLUME, (f"checkpoints are saved to PersistentVolumeClaim "
                                            f"{ck.storage.persistent_volume_claim.claim_name}")
