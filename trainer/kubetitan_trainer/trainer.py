@@ -41,7 +41,7 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import (ENV_STOP_FILE, anatomy, aot_precompile, compat, data, heartbeat, inprocess, netcheck,
+from kubetitan_trainer import (ALREADY_COMPLETE, ENV_STOP_FILE, anatomy, aot_precompile, compat, data, heartbeat, inprocess, netcheck,
                                restore_tier, s3shards, storage)
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
@@ -223,6 +223,11 @@ class KubetitanTrainer(Trainer):
             # The checkpoint this attempt resumed from is its newest complete one until it saves another:
             # the operator's restart record (resumedFromStep, lostSteps) reads it if the attempt dies first.
             ex.ckpt_step.set(self.step)
+        steps = self.job_config.training.steps
+        if self.step >= steps and self._rank_world()[0] == 0:
+            logger.warning(f"{ALREADY_COMPLETE} {self.step} (training.steps is {steps}): nothing to train. To train "
+                           "further, raise spec.training.steps (or --steps); to train again from scratch, use a new "
+                           "run name or output directory")
 
     def should_continue_training(self) -> bool:
         return not self._stopping and super().should_continue_training()
