@@ -371,21 +371,23 @@ def storage_failure(e: BaseException) -> str | None:
 
 def retry(fn: Callable[[], Any], *, what: str, transient: Callable[[BaseException], bool], attempts: int = 0,
           seconds: float = 0.0, first_wait: float = 1.0, max_wait: float = 30.0,
-          sleep: Callable[[float], None] = time.sleep) -> Any:
+          sleep: Callable[[float], None] = time.sleep, say: bool = True) -> Any:
     """``fn()``, tried again while it raises an exception ``transient`` accepts, for at most ``attempts`` tries or
     ``seconds`` (exponential waits from ``first_wait`` to ``max_wait`` s, no jitter: ranks retrying a collective
-    save stay in step), each failure logged in one line; the last exception is re-raised. The one retry loop of the
-    storage layer (tenacity)."""
+    save stay in step), each failure logged in one line (``say``: on this rank); the last exception is re-raised. The
+    one retry loop of the storage layer (tenacity)."""
     from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
-    def say(state) -> None:
+    def said(state) -> None:
+        if not say:
+            return
         e = state.outcome.exception()
         log.warning(f"{what} failed ({storage_failure(e) or type(e).__name__}), try {state.attempt_number}; trying "
                     f"again in {state.next_action.sleep:.0f} s")
 
     stop = stop_after_attempt(attempts) if attempts else stop_after_delay(seconds)
     return Retrying(stop=stop, wait=wait_exponential(multiplier=first_wait, max=max_wait), sleep=sleep,
-                    retry=retry_if_exception(transient), before_sleep=say, reraise=True)(fn)
+                    retry=retry_if_exception(transient), before_sleep=said, reraise=True)(fn)
 
 
 def _marker(dump_folder: str) -> str:
@@ -486,7 +488,7 @@ class SaveBudget:
         try:
             if last:
                 retry(fn, what=what, transient=lambda e: storage_failure(e) is not None, attempts=self.budget,
-                      first_wait=5.0, max_wait=60.0, sleep=self.sleep)
+                      first_wait=5.0, max_wait=60.0, sleep=self.sleep, say=self.say)
             else:
                 fn()
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException

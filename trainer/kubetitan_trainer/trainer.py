@@ -41,8 +41,8 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import (ALREADY_COMPLETE, ENV_STOP_FILE, anatomy, aot_precompile, compat, data, heartbeat, inprocess, netcheck,
-                               restore_tier, s3shards, storage)
+from kubetitan_trainer import (ALREADY_COMPLETE, ENV_STOP_FILE, anatomy, aot_precompile, compat, data, heartbeat,
+                               inprocess, netcheck, restore_tier, s3shards, storage)
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
