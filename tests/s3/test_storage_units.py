@@ -266,3 +266,40 @@ def test_the_last_save_is_tried_budget_times_then_ends_the_run():
 
     again = storage.SaveBudget(3, "s3://b/run", interval=2, sleep=lambda s: None)
     assert again.attempt(once_then_ok, 20, last=True)
+
+
+@pytest.mark.parametrize("where", ["open", "close"])
+def test_a_write_error_on_any_writer_thread_fails_the_save_without_a_thread_traceback(tmp_path, capfd, where):
+    """compat._raise_stream_errors on a DCP writer with 3 threads: the data objects fail to open (or to close: the
+    upload's last part), on every thread; the save fails with that error (DCP's CheckpointException, which
+    SaveBudget counts) and nothing is printed. Without it an error on an extra thread printed a thread
+    traceback, and DCP went on without that file's results."""
+    import contextlib
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from kubetitan_trainer import compat
+
+    writer = dcp.FileSystemWriter(str(tmp_path / "ck"), thread_count=3)
+    real = writer.fs.create_stream
+
+    @contextlib.contextmanager
+    def flaky(path, mode):
+        bad = mode == "wb" and str(path).endswith(".distcp")  # every data file: each writer thread meets one
+        if bad and where == "open":
+            raise S3Exception(REFUSED)
+        with real(path, mode) as stream:
+            yield stream
+            if bad:
+                raise S3Exception("Client error: AWS_IO_SOCKET_CLOSED, socket is closed.")
+
+    writer.fs.create_stream = flaky
+    compat._raise_stream_errors(writer)
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(9)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(state, storage_writer=writer, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert storage.storage_failure(e.value).startswith("S3Exception: "), e.value
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err

@@ -806,6 +806,28 @@ def s3_storage_writer(checkpoint_id: str, settings, config) -> Any:
     return w
 
 
+class _Discard:
+    """A write stream that keeps nothing (:func:`_raise_stream_errors`: a file whose object could not be opened is
+    written here, then the save fails with the open's error); ``tell`` is what DCP's writer records offsets with."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self.position += n
+        return n
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @_shim(Upstream("torch.distributed.checkpoint.filesystem:_write_files_from_queue",
                 contains=('with create_stream(file_name, "wb") as stream:', "result_queue.put(write_results)")),
        Upstream("torch.distributed.checkpoint.filesystem:_FileSystemWriter._write_data",
@@ -828,13 +850,17 @@ def _raise_stream_errors(writer) -> None:
 
     @contextlib.contextmanager
     def recording_create_stream(path, mode):
+        entered = False
         try:
             with create_stream(path, mode) as stream:
+                entered = True
                 yield stream
         except Exception as e:  # noqa: BLE001 - kept for write_data, which raises it on the calling thread
             if mode != "wb":
                 raise
             errors.append(e)
+            if not entered:  # the object could not even be opened: the thread writes this file into nothing
+                yield _Discard()
 
     def checked_write_data(plan, planner):
         errors.clear()
