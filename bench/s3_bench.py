@@ -149,6 +149,31 @@ def stall(t: Target, sd, tag: str, interval: int, intervals: int, step_size: int
 
 
 REQ = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP')
+STATUS = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP/[\d.]+"? (\d{3})')
+
+
+def attempt(what: str, fn, say):
+    """``fn()``, or None after one line saying why it failed: a failure is a result too, the bench goes on. DCP's
+    ``CheckpointException`` is a ``BaseException`` (an ``except Exception`` let it end the bench with a traceback
+    of every rank's error); its storage error is said in one line (``storage.storage_failure``)."""
+    try:
+        return fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - see the docstring
+        said = storage.storage_failure(e) or f"{type(e).__name__}: {' '.join(str(e).split())[-300:]}"
+        say(f"{what} FAILED: {said}")
+        return None
+
+
+def server_errors(log_path: Path, mark: int) -> str:
+    """The S3 server's answers that were not 2xx since line ``mark`` of its log, counted by method and status."""
+    bad: collections.Counter = collections.Counter()
+    for line in log_path.read_text(errors="replace").splitlines()[mark:]:
+        m = STATUS.search(re.sub(r"\x1b\[[0-9;]*m", "", line))
+        if m and not m.group(3).startswith("2"):
+            bad[f"{m.group(1)} {m.group(3)}"] += 1
+    return "           server answers that were not 2xx: " + (", ".join(f"{k} x{v}" for k, v in bad.items()) or "none")
 
 
 def request_kinds(lines: list[str]) -> collections.Counter:
@@ -233,21 +258,20 @@ def main() -> int:
                 saves, loads = [], []
                 for r in range(a.reps):
                     mark = len(log_path.read_text().splitlines()) if t.store else 0
-                    try:
-                        saves.append(timed_save(t, sd, f"{name}-{r}"))
-                    except Exception as e:  # a failure is a result too: print it, measure the rest
-                        say(f"{t.name:10s} save FAILED: {type(e).__name__}: {str(e)[-300:]}")
+                    took = attempt(f"{t.name:10s} save", lambda: timed_save(t, sd, f"{name}-{r}"), say)
+                    if took is None:
+                        if t.store:
+                            say(server_errors(log_path, mark))
                         continue
+                    saves.append(took)
                     if t.store and r == 0:
                         kinds = request_kinds(log_path.read_text().splitlines()[mark:])
                         objs = len(s3.list_keys(f"{name}-0"))
                         say(f"{t.name:10s} requests of one save: {sum(kinds.values())} "
                             f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}); objects {objs}")
-                    try:
-                        loads.append(timed_load(t, sd, f"{name}-{r}"))
-                    except Exception as e:
-                        cause = e.__cause__ or e.__context__ or e
-                        say(f"{t.name:10s} load FAILED: {type(e).__name__} ({str(cause)[-300:]})")
+                    took = attempt(f"{t.name:10s} load", lambda: timed_load(t, sd, f"{name}-{r}"), say)
+                    if took is not None:
+                        loads.append(took)
 
                 def rate(xs: list[float]) -> str:
                     if not xs:
@@ -256,16 +280,16 @@ def main() -> int:
                             f"{' '.join(f'{x:.2f}' for x in xs)})")
 
                 say(f"{t.name:10s} save {rate(saves)}   load {rate(loads)}")
-                try:
-                    # an interval the write fits in: 1.5 x this target's synchronous save, in CPU steps
-                    sync = min(saves) if saves else 10.0
-                    steps = a.interval or max(5, int(1.5 * sync / step_seconds(a.step_size)) + 1)
-                    blocked, staging, wall, step_s = stall(t, sd, name, steps, a.intervals, a.step_size)
+                # an interval the write fits in: 1.5 x this target's synchronous save, in CPU steps
+                sync = min(saves) if saves else 10.0
+                steps = a.interval or max(5, int(1.5 * sync / step_seconds(a.step_size)) + 1)
+                got = attempt(f"{t.name:10s} async save stall",
+                              lambda: stall(t, sd, name, steps, a.intervals, a.step_size), say)
+                if got is not None:
+                    blocked, staging, wall, step_s = got
                     say(f"{t.name:10s} async save stall {blocked:.2f} s per checkpoint interval of {steps} steps "
                         f"({wall:.2f} s wall, {step_s * 1000:.0f} ms/step alone): {100 * blocked / wall:.1f}% of the "
                         f"interval (staging in async_save {staging:.2f} s, the rest waiting for the previous write)")
-                except Exception as e:
-                    say(f"{t.name:10s} async save stall FAILED: {type(e).__name__}: {str(e)[-300:]}")
             for key, _size in s3.list_keys():  # the server spools objects to its disk: free it per state
                 s3._client.delete_object(bucket, s3._key(key))
             shutil.rmtree(work / "local", ignore_errors=True)

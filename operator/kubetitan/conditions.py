@@ -125,6 +125,8 @@ API_TIMEOUT = "APITimeout"
 """A create the API did not answer within the client's timeout, on every attempt (a slow admission webhook, an
 overloaded API server): not a refusal; it may even have been stored (the next cycle finds the pod)."""
 CHECKPOINT_VOLUME = "CheckpointVolume"
+CHECKPOINT_OBJECT_STORE = "CheckpointObjectStore"
+"""``CheckpointsDurable=True`` for checkpoints in S3 (``checkpoint.storage.s3``): no volume, and none needed."""
 CHECKPOINTS_DISABLED = "CheckpointsDisabled"
 NO_CHECKPOINT_VOLUME = warning_rules.RULE_BY_ID["checkpoint.no-volume"].reason
 """``NoCheckpointVolume``: the warning rule's own reason (its Event has the same)."""
@@ -177,6 +179,8 @@ def checkpoints_durable(spec: LlamaPretrainSpec) -> tuple[str, str, str]:
         return "False", CHECKPOINTS_DISABLED, "checkpoint.enabled is false: nothing is saved, a failure ends the run"
     if (warned := warning_rules.no_checkpoint_volume(spec)) is not None:
         return "False", NO_CHECKPOINT_VOLUME, warned
+    if ck.storage.s3 is not None:
+        return "True", CHECKPOINT_OBJECT_STORE, f"checkpoints are saved to {ck.storage.s3.uri}"
     if ck.storage.persistent_volume_claim is not None:
         return "True", CHECKPOINT_VOLUME, (f"checkpoints are saved to PersistentVolumeClaim "
                                            f"{ck.storage.persistent_volume_claim.claim_name}")

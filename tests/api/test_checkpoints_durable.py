@@ -19,6 +19,7 @@ def _warnings(lpt):
     return [(w, warning_rules.RULE_BY_ID[w.rule].reason) for w in warning_rules.warnings_for(lpt) if w.rule in SHOWN]
 
 PVC = {"persistentVolumeClaim": {"claimName": "ck"}}
+S3 = {"s3": {"uri": "s3://my-bucket/run-1", "region": "us-west-2"}}
 
 
 def _spec(checkpoint=None, resources=None, run_policy=None):
@@ -45,6 +46,8 @@ CASES = [
     ("checkpoints-off", {"checkpoint": {"enabled": False}, "run_policy": {"maxRestarts": 0}}, [],
      ("False", "CheckpointsDisabled")),
     ("multi-node-pvc", {"resources": {"nodes": 2}}, [], ("True", "CheckpointVolume")),
+    ("single-node-s3", {"checkpoint": {"storage": S3}}, [], ("True", "CheckpointObjectStore")),
+    ("multi-node-s3", {"checkpoint": {"storage": S3}, "resources": {"nodes": 2}}, [], ("True", "CheckpointObjectStore")),
     ("unknown-instance-type", {"resources": {"instanceType": "x9.fake"}},
      [("resources.unknown-instance-type", "UnknownInstanceType", "spec.resources.instanceType")],
      ("True", "CheckpointVolume")),
@@ -96,3 +99,21 @@ def test_validate_prints_the_warning_and_still_accepts_the_run(tmp_path):
                        timeout=60)
     assert r.returncode == 0 and "is valid" in r.stdout, r
     assert f"{run}: warning [checkpoint.no-volume] spec.checkpoint.storage: checkpoints are saved into the pod's own filesystem at /checkpoints" in r.stderr
+
+
+def test_validate_does_not_warn_about_the_pods_filesystem_for_checkpoints_in_s3(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump({"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+                                   "metadata": {"name": "run"}, "spec": {"model": {"flavor": "debug"},
+                                   "training": {"steps": 100, "warmupSteps": 10}, "data": {"source": "synthetic"},
+                                   "tokenizer": {"source": "builtin"}, "resources": {"gpusPerNode": 0},
+                                   "checkpoint": {"storage": S3}}}))
+    r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", str(run)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "is valid" in r.stdout, r
+    assert "checkpoint.no-volume" not in r.stderr and "pod's own filesystem" not in r.stderr, r.stderr

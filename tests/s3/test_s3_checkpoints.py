@@ -185,3 +185,65 @@ def test_keep_latest_k_and_discovery_on_the_server(s3_server, bucket, s3_env):
     assert store.entries() == [("step-10", False), ("step-6", True), ("step-8", True)]
     assert store.step_bytes(6) == 30
     assert store.purge(2) == []
+
+
+def _wait_for(pred, what: str, proc, cfg: Path, timeout: float = 300, detail=lambda: "") -> None:
+    """Wait until ``pred()`` holds (the run's log or step log has said something), failing early if the run ends."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert proc.poll() is None, f"the run ended before {what}: {detail()} {_log(cfg)[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s: {detail()} {_log(cfg)[-4000:]}"
+        time.sleep(0.05)
+
+
+def test_an_s3_server_killed_mid_save_and_restarted_later_leaves_the_run_training_to_success(s3_env, fault_proxy,
+                                                                                           tmp_path):
+    """The S3 server (a moto of this test's own, behind the fault proxy) is SIGKILLed while the step-4 save's first
+    PUT is in flight, and started again only once the run has said that save failed and trained on: every failed
+    save is one log line, training goes on, a later save succeeds, and the run ends with exit 0, its last checkpoint
+    complete in the bucket and no traceback in its log. (moto keeps objects in memory: the restarted server is empty,
+    so the test creates the bucket again, as a server with a disk would still have it.)"""
+    from support.s3server import start_server
+
+    port, moto_log = free_port(), tmp_path / "moto.log"
+    server_proc, server = start_server(port, moto_log)
+    try:
+        bucket = server.create_bucket()
+        fault_proxy.upstream = server.endpoint
+        uri, steps = f"s3://{bucket}/outage", 14
+        obj = lpt({"training": {"steps": steps}, "data": {"source": "synthetic"},
+                   "checkpoint": {"intervalSteps": 2, "asyncMode": "async", "keepLatestK": 0,
+                                  "storage": _s3(fault_proxy.endpoint, uri)}})
+        cfg = write_config(tmp_path / "outage.toml", obj, tmp_path / "outage", {"kubetitan": {"metrics_port": 0}})
+        import tomllib
+
+        import tomli_w
+
+        table = tomllib.loads(cfg.read_text())  # each request gives up after 2 tries; 6 failed saves in a row allowed
+        table["kubetitan"]["checkpoint_storage"].update(max_attempts=2, max_failed_saves=6)
+        cfg.write_text(tomli_w.dumps(table))
+        pause = fault_proxy.inject("pause", "PUT", 1, path_contains="/step-4/")
+        proc = _launch(cfg, s3_env)
+        _wait_for(pause.held.is_set, "a PUT of step 4", proc, cfg, detail=lambda: fault_proxy.requests[-30:])
+        server_proc.kill()  # SIGKILL, mid-save: the step-4 PUT is held in the proxy, the others wait behind it
+        server_proc.wait(timeout=30)
+        pause.release.set()
+        failed = f"Checkpoint save of step 4 to {uri} failed"
+        _wait_for(lambda: failed in _log(cfg), "step 4's failed save", proc, cfg)
+        trained_while_down = max(_losses(tmp_path / "outage"))
+        server_proc, server = start_server(port, moto_log)  # the same endpoint, a fresh (empty) server
+        server.create_bucket(bucket)
+        assert proc.wait(timeout=400) == 0, _log(cfg)[-4000:]
+        assert _complete(_store(server.endpoint, uri))[-1] == steps  # the last save is complete in the bucket
+    finally:
+        server_proc.kill()
+        server_proc.wait(timeout=30)
+    log = _log(cfg)
+    assert trained_while_down > 4, log[-4000:]  # steps after the cut-off save trained while the server was down
+    assert "Traceback" not in log, log[-6000:]
+    lines = [line for line in log.splitlines() if "Checkpoint save of step" in line and "failed" in line]
+    steps_said = [int(line.split("Checkpoint save of step ")[1].split()[0]) for line in lines]
+    assert steps_said and steps_said[0] == 4 and len(set(steps_said)) == len(steps_said), lines  # one line a save
+    assert all(len(line) < 1000 and f"to {uri} failed" in line for line in lines), lines
+    assert "after" in log and "failed save(s)" in log, log[-4000:]  # a later save succeeded, and says so
+    assert sorted(_losses(tmp_path / "outage")) == list(range(1, steps + 1))

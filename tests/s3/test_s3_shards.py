@@ -110,7 +110,7 @@ def test_processes_of_a_node_staging_at_once_download_each_object_once(s3_server
     assert len(got) == 3 and len(set(got)) == 1
     gets = [p for m, p, _s in fault_proxy.requests if m == "GET" and "/shard-" in p]
     assert gets and len(gets) == len(set(gets)), "an object was downloaded twice"
-    assert len(set(gets)) == 2 * len(json.loads((shards_dir / "index.json").read_text())["files"])
+    assert len(set(gets)) == 3 * len(json.loads((shards_dir / "index.json").read_text())["files"])  # .bin .idx .crc
 
 
 def test_parts_are_parallel_ranged_gets(s3_server, fault_proxy, bucket, s3_env, tmp_path):

@@ -105,3 +105,201 @@ def test_access_errors_name_the_bucket_and_the_fix(text, problem, fix):
     field, got_problem, got_fix = storage.describe_access_error(S, "ck", RuntimeError(text))
     assert field == "spec.checkpoint.storage.s3.uri" and problem in got_problem and fix in got_fix
     assert "Fix:" in str(ConfigError(field, got_problem, got_fix))
+
+
+# ---------------------------------------------------------------------------------------------- outages
+class S3Exception(Exception):
+    """Stands for s3torchconnectorclient's S3Exception (storage.storage_failure knows it by its name)."""
+
+
+REFUSED = "Client error: Failed to construct request: Connection refused (os error 111)"
+
+
+class FlakyList:
+    """A client whose LIST fails ``fails`` times (``error``), then answers."""
+
+    def __init__(self, fails: int, error: str = REFUSED) -> None:
+        self.fails, self.error, self.calls = fails, error, 0
+
+    def list_objects(self, bucket, prefix, max_keys=1000):
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise S3Exception(self.error)
+        return iter([object()])
+
+
+def _store(monkeypatch, client) -> storage.S3Store:
+    from kubetitan_trainer import compat
+
+    monkeypatch.setattr(compat, "s3_client", lambda settings, config: client)
+    return storage.S3Store(storage.S3Settings(uri="s3://b/run", endpoint="http://127.0.0.1:9"))
+
+
+def test_an_unreachable_store_on_the_first_start_is_a_config_error(monkeypatch, tmp_path):
+    """Never reached by this run: a wrong endpoint, exit code 2 at once (one LIST, no retry)."""
+    client = FlakyList(fails=99)
+    with pytest.raises(ConfigError, match="cannot list s3://b at http://127.0.0.1:9") as e:
+        storage.preflight(_store(monkeypatch, client), str(tmp_path), sleep=lambda s: None)
+    assert e.value.exit_code == 2 and client.calls == 1
+
+
+def test_a_store_reached_before_is_retried_through_an_outage_and_marks_itself(monkeypatch, tmp_path, caplog):
+    """An in-place restart (the marker the first start wrote) whose LIST is refused twice: retried, then fine."""
+    store = _store(monkeypatch, FlakyList(fails=0))
+    storage.preflight(store, str(tmp_path))  # the first start: reached, the marker written
+    assert storage.reached_before(store, str(tmp_path), env={})
+    client = FlakyList(fails=2)
+    waits: list[float] = []
+    storage.preflight(_store(monkeypatch, client), str(tmp_path), sleep=waits.append)
+    assert client.calls == 3 and waits == [2.0, 4.0]
+    said = [r.getMessage() for r in caplog.records if "Listing the checkpoint store s3://b/run failed" in r.getMessage()]
+    assert len(said) == 2 and "Connection refused" in said[0], said
+
+
+def test_a_store_reached_before_that_stays_down_is_retryable_not_a_config_error(monkeypatch, tmp_path):
+    from kubetitan_trainer.errors import TransientError
+
+    client = FlakyList(fails=99)
+    store = _store(monkeypatch, client)
+    assert storage.reached_before(store, str(tmp_path), env={contract.ENV_ATTEMPT: "1"})  # a later attempt
+    waits: list[float] = []
+    with pytest.raises(TransientError) as e:
+        store.preflight(reached_before=True, sleep=waits.append)
+    assert e.value.exit_code == 6 and client.calls == storage.PREFLIGHT_ATTEMPTS
+    assert waits == [2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+    msg = str(e.value)
+    assert "did not answer 8 LISTs" in msg and "Connection refused" in msg and "exit code 6" in msg, msg
+    assert "\n" not in msg and "Traceback" not in msg
+    # a denied LIST is still a configuration error, reached before or not
+    with pytest.raises(ConfigError, match="access to s3://b was denied"):
+        _store(monkeypatch, FlakyList(fails=9, error="Client error: AccessDenied")).preflight(reached_before=True)
+
+
+def test_the_marker_of_another_store_does_not_count(monkeypatch, tmp_path):
+    storage.preflight(_store(monkeypatch, FlakyList(fails=0)), str(tmp_path))
+    other = storage.S3Store(storage.S3Settings(uri="s3://b/other", endpoint="http://127.0.0.1:9"))
+    assert not storage.reached_before(other, str(tmp_path), env={})
+
+
+def _checkpoint_exception(inner: BaseException) -> BaseException:
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException("write", {1: (inner, traceback.StackSummary())})
+
+
+@pytest.mark.parametrize("make, want", [
+    (lambda: S3Exception(REFUSED + "\n  more"), "S3Exception: " + REFUSED + " more"),
+    (lambda: ConnectionRefusedError(111, "Connection refused"), "ConnectionRefusedError: [Errno 111] Connection refused"),
+    (lambda: _checkpoint_exception(S3Exception(REFUSED)), "S3Exception: " + REFUSED),
+    (lambda: ValueError("a bug"), None),
+    (lambda: _checkpoint_exception(KeyError("model.w")), None),
+], ids=["s3", "oserror", "inside-dcp", "bug", "bug-inside-dcp"])
+def test_storage_failure_is_one_line_or_none(make, want):
+    assert storage.storage_failure(make()) == want
+
+
+def test_failed_saves_are_counted_in_a_row_and_the_budget_ends_the_run(caplog):
+    from kubetitan_trainer.errors import TransientError
+
+    budget = storage.SaveBudget(3, "s3://b/run", interval=2)
+
+    def fail():
+        raise _checkpoint_exception(S3Exception(REFUSED))
+
+    assert not budget.attempt(fail, 4)
+    budget.check()  # 1 of 3: training goes on
+    assert budget.attempt(lambda: None, 6)
+    budget.written(6, background=False)
+    assert budget.in_a_row == 0  # a save that worked: the count starts again
+    for step in (8, 10):
+        assert not budget.attempt(fail, step)
+        budget.check()
+    said = [r.getMessage() for r in caplog.records if "Checkpoint save of step 8" in r.getMessage()]
+    assert said == ["Checkpoint save of step 8 to s3://b/run failed (S3Exception: " + REFUSED + "); training goes on "
+                    "and saves again at step 10 (1 failed in a row; 3 end the run: [kubetitan.checkpoint_storage] "
+                    "max_failed_saves)"]
+    assert not budget.attempt(fail, 12)
+    with pytest.raises(TransientError) as e:
+        budget.check()
+    assert e.value.exit_code == 6 and "3 checkpoint saves in a row to s3://b/run failed (steps 8, 10, 12" in str(e.value)
+    with pytest.raises(ValueError, match="a bug"):  # not a storage failure: not counted, raised
+        budget.attempt(lambda: (_ for _ in ()).throw(ValueError("a bug")), 14)
+
+
+def test_a_background_write_counts_when_the_next_save_waits_for_it():
+    from concurrent.futures import Future
+
+    budget = storage.SaveBudget(2, "s3://b/run", interval=2)
+    write: Future = Future()
+    budget.written(4, background=True)
+    write.set_exception(_checkpoint_exception(S3Exception(REFUSED)))
+    assert budget.settle(write) is True and budget.in_a_row == 1 and budget.failed_steps == [4]
+    ok: Future = Future()
+    budget.written(6, background=True)
+    ok.set_result(None)
+    assert budget.settle(ok) is False and budget.in_a_row == 0
+
+
+def test_the_last_save_is_tried_budget_times_then_ends_the_run():
+    from kubetitan_trainer.errors import TransientError
+
+    tries: list[int] = []
+    waits: list[float] = []
+    budget = storage.SaveBudget(3, "s3://b/run", interval=2, sleep=waits.append)
+
+    def fail():
+        tries.append(1)
+        raise S3Exception(REFUSED)
+
+    assert not budget.attempt(fail, 20, last=True)
+    assert len(tries) == 3 and waits == [5.0, 10.0]
+    with pytest.raises(TransientError):
+        budget.check()
+    flaky = iter([S3Exception(REFUSED), None])
+
+    def once_then_ok():
+        e = next(flaky)
+        if e is not None:
+            raise e
+
+    again = storage.SaveBudget(3, "s3://b/run", interval=2, sleep=lambda s: None)
+    assert again.attempt(once_then_ok, 20, last=True)
+
+
+@pytest.mark.parametrize("where", ["open", "close"])
+def test_a_write_error_on_any_writer_thread_fails_the_save_without_a_thread_traceback(tmp_path, capfd, where):
+    """compat._raise_stream_errors on a DCP writer with 3 threads: the data objects fail to open (or to close: the
+    upload's last part), on every thread; the save fails with that error (DCP's CheckpointException, which
+    SaveBudget counts) and nothing is printed. Without it an error on an extra thread printed a thread
+    traceback, and DCP went on without that file's results."""
+    import contextlib
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from kubetitan_trainer import compat
+
+    writer = dcp.FileSystemWriter(str(tmp_path / "ck"), thread_count=3)
+    real = writer.fs.create_stream
+
+    @contextlib.contextmanager
+    def flaky(path, mode):
+        bad = mode == "wb" and str(path).endswith(".distcp")  # every data file: each writer thread meets one
+        if bad and where == "open":
+            raise S3Exception(REFUSED)
+        with real(path, mode) as stream:
+            yield stream
+            if bad:
+                raise S3Exception("Client error: AWS_IO_SOCKET_CLOSED, socket is closed.")
+
+    writer.fs.create_stream = flaky
+    compat._raise_stream_errors(writer)
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(9)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(state, storage_writer=writer, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert storage.storage_failure(e.value).startswith("S3Exception: "), e.value
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err

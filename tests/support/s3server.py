@@ -69,17 +69,26 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"moto_server did not answer {url} within {timeout} s")
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
-    """moto's S3 server on 127.0.0.1 (a port from the tests' allocator); killed by its PID at the end."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with open(log, "wb") as out:
+def start_server(port: int, log: Path) -> tuple[subprocess.Popen, S3Server]:
+    """Start moto's S3 server on 127.0.0.1:``port`` (its output appended to ``log``) and wait until it answers."""
+    with open(log, "ab") as out:
         proc = subprocess.Popen([_moto_server(), "-H", "127.0.0.1", "-p", str(port)], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_ready(f"http://127.0.0.1:{port}/moto-api/", proc, timeout=60)
-        yield S3Server(endpoint=f"http://127.0.0.1:{port}", pid=proc.pid, log=log)
+    except BaseException:
+        proc.kill()
+        proc.wait(timeout=30)
+        raise
+    return proc, S3Server(endpoint=f"http://127.0.0.1:{port}", pid=proc.pid, log=log)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1 (a port from the tests' allocator); killed by its PID at the end."""
+    proc, server = start_server(free_port(), tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        yield server
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -103,8 +112,11 @@ def bucket(s3_server) -> str:
 class Fault:
     """Answer the first ``count`` requests matching ``method`` (and ``path_contains``) with ``kind``:
     ``"503"`` (S3's SlowDown), ``"reset"`` (the connection is dropped without an answer), ``"slow"`` (the
-    answer is held back ``delay`` seconds, then forwarded) or ``"hold"`` (never forwarded: ``held`` is set and the
-    request waits until the proxy is closed, as a save stuck in a network partition)."""
+    answer is held back ``delay`` seconds, then forwarded), ``"hold"`` (never forwarded: ``held`` is set and the
+    request waits until the proxy is closed, as a save stuck in a network partition) or ``"pause"`` (``held`` is set
+    and the request waits until ``release`` is set, then goes on as any other: a test acts while a request is in
+    flight). A request the upstream server does not accept (it is down) has its connection dropped, as the server's
+    own would be."""
 
     kind: str
     method: str
@@ -113,6 +125,7 @@ class Fault:
     delay: float = 0.0
     hits: int = 0
     held: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -123,11 +136,14 @@ class FaultProxy:
     requests: list[tuple[str, str, int]] = field(default_factory=list)
     """(method, path, status or -1 for a reset) of every request that reached the proxy."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    injected: list[Fault] = field(default_factory=list)
+    """Every fault ever injected (a paused request is released when the proxy closes)."""
 
     def inject(self, kind: str, method: str, count: int, path_contains: str = "", delay: float = 0.0) -> Fault:
         f = Fault(kind, method, count, path_contains, delay)
         with self.lock:
             self.faults.append(f)
+            self.injected.append(f)
         return f
 
     def clear(self) -> None:
@@ -168,6 +184,9 @@ def fault_proxy(s3_server):
             fault.held.set()
             await state["closing"].wait()
             return web.Response(status=503, body=SLOW_DOWN, content_type="application/xml")
+        if fault is not None and fault.kind == "pause":
+            fault.held.set()
+            await asyncio.get_running_loop().run_in_executor(None, fault.release.wait)
         if fault is not None and fault.kind == "reset":
             proxy.requests.append((request.method, request.path, -1))
             request.transport.abort()  # RST: the client sees the connection drop mid-request
@@ -176,9 +195,16 @@ def fault_proxy(s3_server):
             proxy.requests.append((request.method, request.path, 503))
             return web.Response(status=503, body=SLOW_DOWN, content_type="application/xml")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        async with state["session"].request(request.method, URL(proxy.upstream + request.raw_path, encoded=True),
-                                            headers=headers, data=body or None, allow_redirects=False,
-                                            auto_decompress=False) as up:
+        try:
+            up_cm = state["session"].request(request.method, URL(proxy.upstream + request.raw_path, encoded=True),
+                                             headers=headers, data=body or None, allow_redirects=False,
+                                             auto_decompress=False)
+            up = await up_cm.__aenter__()
+        except aiohttp.ClientConnectionError:  # the server is down: the client sees its connection dropped
+            proxy.requests.append((request.method, request.path, -1))
+            request.transport.abort()
+            raise ConnectionResetError("upstream down") from None
+        try:
             payload = await up.read()
             if fault is not None and fault.kind == "slow":
                 await asyncio.sleep(fault.delay)
@@ -189,6 +215,8 @@ def fault_proxy(s3_server):
                 return resp
             out.pop("Content-Length", None)
             return web.Response(status=up.status, headers=out, body=payload)
+        finally:
+            await up_cm.__aexit__(None, None, None)
 
     def run() -> None:
         async def serve() -> None:
@@ -215,6 +243,8 @@ def fault_proxy(s3_server):
     assert started.wait(30), "fault proxy did not start"
     proxy.endpoint = f"http://127.0.0.1:{port}"
     yield proxy
+    for f in proxy.injected:
+        f.release.set()
     state["loop"].call_soon_threadsafe(state["closing"].set)
     state["loop"].call_soon_threadsafe(state["stop"].set)
     t.join(timeout=30)

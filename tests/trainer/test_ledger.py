@@ -199,3 +199,36 @@ def test_the_jobs_tokens_are_split_over_the_resuming_ranks_and_an_older_checkpoi
     assert (t.step, t.ntokens_seen, t.productive_seconds) == (3, 576, 1.5)
     assert caplog.text.count(f"has no train_state.{GLOBAL_TOKENS_KEY}") == 1
     assert GLOBAL_TOKENS_KEY in t.state_dict()  # its next save carries the job's count
+
+
+def test_new_mixture_weights_at_a_resume_hold_from_the_next_step_within_half_a_sample(corpus, tmp_path):
+    """70/30 for 4 steps, then the same run resumed with 50/50: from the resume's first sample on, every prefix of
+    the stream holds 50/50 within half a sample (every step 3 and 3); before, the schedule caught up on the
+    cumulative shares and gave the 30% source the next samples in a row. The trainer's log says the weights
+    changed."""
+    def mixture(a: int, b: int) -> dict[str, Any]:
+        return {"source": "mixture", "mixture": [{"shards": {"path": str(corpus["code-a"])}, "weight": a},
+                                                 {"shards": {"path": str(corpus["code-b"])}, "weight": b}]}
+
+    dump = tmp_path / "reweighted"
+    run(tmp_path, dump, 2, 4, mixture(7, 3))
+    obj = lpt({"training": {"steps": 8, "seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
+                            "warmupSteps": 1},
+               "parallelism": {"dataParallelShardDegree": 2},
+               "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2},
+               "data": mixture(1, 1), "checkpoint": {"intervalSteps": 1000}})
+    rc, out = launch(ledger_config(obj, dump, tmp_path / "reweighted-50-50.toml"), 2, "ledger")
+    assert rc == 0, out[-4000:]
+    assert "The mixture's weights changed at global sample 24: code-a 70.0%, code-b 30.0% before, code-a 50.0%, " \
+           "code-b 50.0% from here on" in out, out[-4000:]
+    rows = ledger(dump)
+    assert [r[1] for r in rows] == list(range(8 * GLOBAL_BATCH))
+    before = [r for r in rows if r[0] <= 4]
+    assert collections.Counter(r[2] for r in before) == {0: 17, 1: 7}  # 70/30 of 24, within one sample
+    after = [r for r in rows if r[0] > 4]
+    ones = 0
+    for n, r in enumerate(after, 1):
+        ones += r[2]
+        assert abs(ones - n / 2) <= 0.5, [r[2] for r in after]
+    for step in range(5, 9):
+        assert collections.Counter(r[2] for r in after if r[0] == step) == {0: 3, 1: 3}

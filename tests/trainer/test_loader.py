@@ -4,6 +4,7 @@ loader and the eval metrics. No torch distributed, no training: the ledger test 
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -192,6 +193,57 @@ def test_a_resume_with_changed_sources_replays_the_new_mixture_to_the_saved_posi
     other = GlobalStream([source("a", 37), source("c", 23)], [1.0, 1.0], seed=11, shuffled=True)
     GlobalDataLoader(other, dp_rank=0, dp_world_size=1, local_batch=5).load_state_dict(state)
     assert other.position == 10 and other.schedule.counts == [5, 5]
+
+
+@pytest.mark.parametrize("old, new", [([7.0, 3.0], [1.0, 1.0]), ([7.0, 3.0], [1.0, 4.0]), ([1.0, 1.0, 1.0], [5.0, 3.0, 2.0])],
+                         ids=["70/30->50/50", "70/30->20/80", "thirds->50/30/20"])
+def test_new_mixture_weights_hold_from_the_resume_on_within_half_a_sample(old, new, caplog):
+    """Weights changed at a resume apply from the resume's position on: over every prefix after it each source has
+    its new share within half a sample (a fresh schedule's guarantee), with no burst of the source the old weights
+    starved (the schedule used to catch up on the cumulative shares: 70/30 -> 50/50 after 400 samples gave the
+    30% source the next 160 samples in a row). Each source's draws continue where they were."""
+    names = [chr(ord("a") + i) for i in range(len(old))]
+    before = GlobalStream([source(n, 50) for n in names], old, seed=3, shuffled=True)
+    ld = GlobalDataLoader(before, dp_rank=0, dp_world_size=1, local_batch=8)
+    it = iter(ld)
+    for _ in range(50):  # 400 samples at the old weights
+        next(it)
+    state = ld.state_dict()
+    saved = data.json.loads(state[data._STATE_KEY])
+    after = GlobalStream([source(n, 50) for n in names], new, seed=3, shuffled=True)
+    with caplog.at_level("WARNING"):
+        GlobalDataLoader(after, dp_rank=0, dp_world_size=1, local_batch=8).load_state_dict(state)
+    assert "The mixture's weights changed at global sample 400" in caplog.text, caplog.text
+    got = after.take(600)
+    assert [x.position for x in got] == list(range(400, 1000))
+    shares = [w / sum(new) for w in new]
+    counts = [0] * len(new)
+    bound = 0.5 if len(new) == 2 else 1.0  # two sources: within half a sample; more: the schedule's one sample
+    for n, x in enumerate(got, 1):
+        counts[x.source] += 1
+        assert all(abs(c - n * w) <= bound + 1e-9 for c, w in zip(counts, shares)), (n, counts)
+    longest = max(len(list(run)) for _, run in itertools.groupby(x.source for x in got))
+    assert longest <= max(new) / min(new) + 1, longest  # no burst: runs as long as the new weights make them
+    # each source's draws continue: its next window is its (draws + 1)-th
+    for i in range(len(new)):
+        first = next(x for x in got if x.source == i)
+        order = data._Order(50, 3, i, True)
+        assert (first.window, first.epoch) == order(saved["source_draws"][i])
+    # and the new weights' base travels in the next checkpoint: a resume with them unchanged does not re-base
+    again = GlobalStream([source(n, 50) for n in names], new, seed=3, shuffled=True)
+    again.restore(after.state())
+    assert again.schedule.base_g == 400 and again.take(50) == after.take(50)
+
+
+def test_a_checkpoint_from_before_the_weights_were_saved_resumes_as_before():
+    """A state without ``weights`` (older checkpoints): the same weights are assumed, the schedule goes on from 0."""
+    f = _factory()
+    s = f()
+    s.take(30)
+    state = {k: v for k, v in s.state().items() if k in ("consumed_samples", "source_draws", "sources")}
+    t = f()
+    assert t.restore(state) is None and t.schedule.base_g == 0
+    assert t.take(20) == s.take(20)
 
 
 def test_a_per_rank_checkpoint_state_is_a_config_error():

@@ -21,7 +21,7 @@ from kubetitan_core import contract
 from kubetitan_core.api import LlamaPretrain
 from kubetitan_core.contract import ExitCode
 
-from support.specs import TINY
+from support.specs import TINY, make_lpt
 
 PY = sys.executable
 
@@ -198,3 +198,60 @@ def test_a_clean_stop_is_not_logged_as_a_worker_failure():
     assert "exitcode: 2" in formatted and "Traceback" not in formatted
     formatted = logging.Formatter().format(raised)  # a crash: the worker's traceback is kept, the only one there is
     assert "exitcode: 1" in formatted and "CUDA out of memory" in formatted
+
+
+def _run_local(tmp_path: Path, name: str, spec: dict, out: Path) -> subprocess.CompletedProcess:
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(yaml.safe_dump(make_lpt(spec, name=name, namespace="t")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([PY, "-m", "kubetitan_trainer.local", str(f), "--output-dir", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_a_local_run_shows_its_eval_loss_a_rerun_says_it_is_complete_and_a_failure_is_one_line(tmp_path):
+    """`kubetitan run` on the console: the held-out loss (a line per evaluation and one in the summary); the same
+    command again says the run is already complete at its last step; a run that fails prints the worker's error in
+    one line (not the log's last 15 lines)."""
+    spec = {**TINY, "training": {**TINY["training"], "steps": 4},
+            "data": {"source": "synthetic", "eval": {"intervalSteps": 2, "samples": 8}},
+            "resources": {**TINY["resources"], "processesPerNode": 1}, "parallelism": {"dataParallelShardDegree": 1}}
+    out = tmp_path / "out"
+    first = _run_local(tmp_path, "evals", spec, out)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    evals = [line for line in (out / "kubetitan" / "evals.jsonl").read_text().splitlines() if line]
+    last = yaml.safe_load(evals[-1])
+    assert f"Eval loss:   {last['eval_loss']:.4f} at step {last['step']}" in first.stdout, first.stdout
+    assert "already complete" not in first.stdout
+
+    again = _run_local(tmp_path, "evals", spec, out)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    said = [line for line in again.stdout.splitlines() if "already complete" in line]
+    assert said == ["The run is already complete at step 4 (training.steps is 4): nothing to train. To train further, "
+                    "raise spec.training.steps (or --steps); to train again from scratch, use a new run name or "
+                    "output directory"], again.stdout
+
+    bad = {**spec, "data": {"source": "shards", "shards": {"path": str(tmp_path / "no-shards-here")}}}
+    failed = _run_local(tmp_path, "bad", bad, tmp_path / "bad")
+    assert failed.returncode == ExitCode.CONFIG_ERROR, failed.stdout[-3000:] + failed.stderr[-3000:]
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "does not exist" in errors[0] and "Fix:" in errors[0], failed.stderr
+    assert "[titan]" not in failed.stdout + failed.stderr and "[kubetitan]" not in failed.stdout + failed.stderr, (
+        failed.stdout + failed.stderr)  # no log lines on the console: the one error, and where the log is
+
+
+def test_failure_message_is_the_first_failed_workers_error():
+    from kubetitan_trainer.local import failure_message
+
+    log = ("[titan] 2026-12-06 16:41:13,850 - root - ERROR - Config error: kubetitan.data.shards_path: x. Fix: y\n"
+           "E1206 16:41:13.940000 18759 api.py:835] failed (exitcode: 2) local_rank: 0 (pid: 1) of fn: run_worker\n"
+           "[kubetitan] 2026-12-06 16:41:13,942 ERROR Worker rank 0 failed first with exit code 2: ConfigError: "
+           "kubetitan.data.shards_path: x. Fix: y\n"
+           "[kubetitan] 2026-12-06 16:41:13,945 INFO Exiting with code 2\n")
+    assert failure_message(log) == "ConfigError: kubetitan.data.shards_path: x. Fix: y"
+    # no launcher summary (a worker that ended before torch elastic recorded a message): the last ERROR line
+    assert failure_message(log.splitlines()[0] + "\n") == "Config error: kubetitan.data.shards_path: x. Fix: y"
+    assert failure_message("[titan] 2026 INFO - nothing wrong\n") is None
+    # a worker that exited 2 by itself: torch elastic recorded no message, the worker's own ERROR line says it
+    placeholder = (log.splitlines()[0] + "\n[kubetitan] 2026-12-06 16:41:13,942 ERROR Worker rank 0 failed first with "
+                   "exit code 2: To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n")
+    assert failure_message(placeholder) == "Config error: kubetitan.data.shards_path: x. Fix: y"

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -227,7 +228,12 @@ def _break(d: Path, case: str) -> tuple[list[str], str]:
         data = bytearray(shard.read_bytes())
         data[10:12] = (60000).to_bytes(2, "little")
         shard.write_bytes(bytes(data))
-        index["files"][1]["checksum"] = prepare.S.crc32_file(shard)  # a consistent file with a foreign id
+        entry = index["files"][1]  # a consistent file with a foreign id: its checksums written anew
+        entry["checksum"] = prepare.S.crc32_file(shard)
+        cb = entry["chunk_bytes"]
+        table = np.asarray([zlib.crc32(data[k:k + cb]) for k in range(0, len(data), cb)], dtype="<u4").tobytes()
+        (d / entry["chunk_index"]).write_bytes(table)
+        entry["chunk_index_checksum"] = prepare.S.crc32_bytes(table)
         (d / INDEX_FILE).write_text(json.dumps(index))
         return [], f"{shard} holds token id 60000 at token offset 5, outside the tokenizer's (index.json) vocabulary"
     raise AssertionError(case)
@@ -250,12 +256,14 @@ def test_bad_shards_exit_2_naming_the_file_and_the_fix(good_shards: Path, tmp_pa
     assert want in r.stderr and "Fix:" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("case", ["truncated", "vocab"])
+@pytest.mark.parametrize("case", ["truncated", "vocab", "flipped-bit", "other-tokenizer"])
 def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards: Path, tmp_path: Path,
                                                                        case: str) -> None:
     """The trainer's own start (kubetitan_trainer.main, as torchrun starts a worker): the shards re-check opens the
     ShardSet, so a cut shard or a model vocabulary smaller than the shards' is exit code 2 (not retried) naming the
-    file, not a crash-loop or a silent run on 10% of the data."""
+    file, not a crash-loop or a silent run on 10% of the data. A flipped bit (same size, ids still in the
+    vocabulary) is found when the first step reads the chunk, before the step uses it; shards whose index records
+    another tokenizer.json than the run's are refused before the first step."""
     import shutil
 
     from tests.trainer.helpers import lpt, write_config
@@ -263,29 +271,47 @@ def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards
     d = tmp_path / "s"
     shutil.copytree(good_shards, d)
     vocab = 2048
+    index = json.loads((d / INDEX_FILE).read_text())
     if case == "truncated":
         _break(d, "truncated")
         want = "is truncated"
-    else:  # shards written with a 4096-token tokenizer, a model of 2048 (the builtin tokenizer's 644 fit it)
-        index = json.loads((d / INDEX_FILE).read_text())
+    elif case == "vocab":  # shards written with a 4096-token tokenizer, a model of 2048 (the builtin tokenizer's 644 fit it)
         (d / INDEX_FILE).write_text(json.dumps({**index, "vocab_size": 4096}))
         want = "tokenizer of 4096 tokens (builtin), more than the model's vocabulary of 2048"
+    elif case == "flipped-bit":  # the first shard, which the first step reads (sequential order)
+        shard = d / index["files"][0]["name"]
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 0x01
+        shard.write_bytes(bytes(data))
+        assert max(np.frombuffer(bytes(data), dtype="<u2")) < index["vocab_size"]
+        want = f"shard {shard} is corrupt: bytes 0-"
+    else:  # the same vocabulary size, another tokenizer.json
+        index["tokenizer"] = {"name": "/data/tokenizers/other", "sha256": "12" * 32, "vocab_size": 644}
+        (d / INDEX_FILE).write_text(json.dumps(index))
+        want = "the shards' is /data/tokenizers/other (tokenizer.json sha256 1212121212121212…"
     obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": vocab}},
-               "data": {"source": "shards", "shards": {"path": str(d)}},
+               "data": {"source": "shards", "order": "sequential", "shards": {"path": str(d)}},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1},
                "parallelism": {"dataParallelShardDegree": 1}})
     cfg = write_config(tmp_path / "trainer.toml", obj, tmp_path / "dump")
-    # ``python -m kubetitan_trainer.main``, forked from the tests' warm parent (support.warm: torch imported once)
-    from support import warm
-    from support.paths import REPO
+    if case in ("truncated", "vocab"):  # caught by the checks before any process group: the worker alone
+        from support import warm
+        from support.paths import REPO
 
-    log = tmp_path / "trainer.log"
-    proc = warm.popen("kubetitan_trainer.main", ["--job.config_file", str(cfg)],
-                      {**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}, log, cwd=REPO)
-    code = warm.wait_all([proc], timeout=300)[0]
-    out = log.read_text(errors="replace")  # its stdout and stderr
+        log = tmp_path / "trainer.log"
+        proc = warm.popen("kubetitan_trainer.main", ["--job.config_file", str(cfg)],
+                          {**os.environ, "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}, log, cwd=REPO)
+        code = warm.wait_all([proc], timeout=300)[0]
+        out = log.read_text(errors="replace")  # its stdout and stderr
+    else:  # the pod's launcher with one worker, as a run starts it
+        from support.trainer import launch
+
+        code, out = launch(cfg, 1, f"bad-shards-{case}")
     assert code == 2, out[-3000:]
     assert want in out and "spec.data.shards.path" in out and "Fix:" in out and "Traceback" not in out, out[-3000:]
+    said = [line for line in out.splitlines() if want in line and "Config error:" in line]
+    assert len(said) == 1, out[-3000:]  # the worker says it once, on one line
+    assert "step:" not in out, out[-3000:]  # no step trained
 
 
 def _long_text() -> str:

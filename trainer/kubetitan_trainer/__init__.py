@@ -15,5 +15,8 @@ BUILTIN_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer"
 """The shipped tokenizer's folder (``spec.tokenizer.source: builtin``), read by ``tokenizer``, ``checks`` and
 ``prepare`` (which does not import torch)."""
 
+ALREADY_COMPLETE = "The run is already complete at step"
+"""How the trainer's log says that it resumed at ``training.steps`` (nothing to train); ``local`` shows that line."""
+
 ENV_STOP_FILE = "KUBETITAN_STOP_FILE"
 """Set by the launcher for its workers: the file whose existence asks them to checkpoint and stop."""

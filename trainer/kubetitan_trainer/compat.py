@@ -204,6 +204,17 @@ def pending_write(checkpointer):
     return getattr(checkpointer, "save_future", None)
 
 
+@_shim(Upstream(f"{_CKPT}.__init__", sets=("save_future",)),
+       Upstream(f"{_CKPT}._async_wait", contains=("self.save_future.result()",)))
+def clear_pending_write(checkpointer) -> None:
+    """Forget the newest async save's background write once kubetitan has waited for it and counted its failure
+    (``kubetitan_trainer.storage.SaveBudget``).
+
+    ``_async_wait`` (called first by every ``save``) re-raises a failed write's exception from ``save_future`` and,
+    in pinned-memory mode, never clears it: one failed write would fail every later save. No public call clears it."""
+    checkpointer.save_future = None
+
+
 @_shim(Upstream(f"{_CKPT}.__init__", sets=("last_save_model_only",)),
        Upstream(f"{_CKPT}._save_last_step", contains=("self.last_save_model_only",)))
 def force_full_last_save(checkpointer) -> None:
@@ -782,14 +793,84 @@ def s3_storage_writer(checkpoint_id: str, settings, config) -> Any:
     """A DCP ``S3StorageWriter`` for ``checkpoint_id`` whose file system uses :func:`s3_client` (the endpoint).
 
     ``S3StorageWriter`` builds its ``S3FileSystem`` (attribute ``fs``) in ``__init__`` from a region and
-    config only; the file system is replaced before any request is made (the client connects lazily)."""
+    config only; the file system is replaced before any request is made (the client connects lazily).
+
+    Its write errors are made the save's (:func:`_raise_stream_errors`)."""
     from s3torchconnector.dcp import S3StorageWriter
 
     w = S3StorageWriter(settings.region, checkpoint_id, s3client_config=config, thread_count=settings.thread_count)
     fs = _s3_file_system(settings, config)
     _rebind(w, "fs", fs)
     _rebind(w, "path", fs.init_path(checkpoint_id))
+    _raise_stream_errors(w)
     return w
+
+
+class _Discard:
+    """A write stream that keeps nothing (:func:`_raise_stream_errors`: a file whose object could not be opened is
+    written here, then the save fails with the open's error); ``tell`` is what DCP's writer records offsets with."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self.position += n
+        return n
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@_shim(Upstream("torch.distributed.checkpoint.filesystem:_write_files_from_queue",
+                contains=('with create_stream(file_name, "wb") as stream:', "result_queue.put(write_results)")),
+       Upstream("torch.distributed.checkpoint.filesystem:_FileSystemWriter._write_data",
+                contains=("threading.Thread(", "target=_write_files_from_queue", "t.join()")),
+       Upstream("torch.distributed.checkpoint.filesystem:_FileSystemWriter.write_data", params=("self", "plan", "planner")),
+       Upstream(f"{_S3FS}:S3FileSystem.create_stream", params=("self", "path", "mode")))
+def _raise_stream_errors(writer) -> None:
+    """Make a failed object write fail the DCP save on this rank, whichever writer thread it happened in.
+
+    DCP's filesystem writer writes files on ``thread_count`` threads (``_write_data``): the extra threads run
+    ``_write_files_from_queue`` bare, so an S3 error there (an outage mid-save) escapes as a thread traceback on
+    stderr and the save goes on without that file's write results, as if it had succeeded (only an error on the
+    calling thread fails it). Here every stream's error is caught where ``create_stream`` is used (the thread
+    moves on) and ``write_data`` raises the first one after the threads end, so DCP fails the save on every rank
+    (``CheckpointException``) and nothing is printed."""
+    import contextlib
+
+    errors: list[BaseException] = []
+    create_stream, write_data = writer.fs.create_stream, writer.write_data
+
+    @contextlib.contextmanager
+    def recording_create_stream(path, mode):
+        entered = False
+        try:
+            with create_stream(path, mode) as stream:
+                entered = True
+                yield stream
+        except Exception as e:  # noqa: BLE001 - kept for write_data, which raises it on the calling thread
+            if mode != "wb":
+                raise
+            errors.append(e)
+            if not entered:  # the object could not even be opened: the thread writes this file into nothing
+                yield _Discard()
+
+    def checked_write_data(plan, planner):
+        errors.clear()
+        result = write_data(plan, planner)
+        if errors:
+            raise errors[0]
+        return result
+
+    _rebind(writer.fs, "create_stream", recording_create_stream)
+    _rebind(writer, "write_data", checked_write_data)
 
 
 @_shim(Upstream(f"{_S3FS}:S3StorageReader.__init__",

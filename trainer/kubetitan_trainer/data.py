@@ -106,15 +106,21 @@ class SyntheticSource:
 
 def open_shards(path: str, field: str, dtype: str = "auto", vocab_size: int | None = None,
                 job_config: JobConfig | None = None) -> ShardSet:
-    """The checked shards at ``path`` (:class:`~kubetitan_trainer.shards.ShardSet`: sizes at open, every read's ids
-    against the model's vocabulary); a bad directory is a ConfigError naming ``field``, the file and the fix.
+    """The checked shards at ``path`` (:class:`~kubetitan_trainer.shards.ShardSet`: sizes at open; every read's bytes
+    against their CRC-32s before use, each chunk once, and its ids against the model's vocabulary; with
+    ``job_config``, the index's tokenizer against the run's); a bad directory is a ConfigError naming ``field``, the
+    file and the fix.
     ``s3://bucket/prefix`` is first staged to node-local disk with every CRC-32 verified
     (:mod:`kubetitan_trainer.s3shards`, settings from ``job_config``'s ``[kubetitan.data_s3]``)."""
+    tokenizer = None
     if job_config is not None:
         from kubetitan_trainer.s3shards import local_path
+        from kubetitan_trainer.tokenizer import run_tokenizer_identity
 
         path = local_path(path, job_config, field)
-    return ShardSet.open(path, vocab_size=vocab_size, verify="size", dtype=dtype, field_name=field)
+        tokenizer = run_tokenizer_identity(job_config)
+    return ShardSet.open(path, vocab_size=vocab_size, verify="lazy", dtype=dtype, field_name=field,
+                         tokenizer=tokenizer)
 
 
 class WindowSource:
@@ -182,25 +188,33 @@ def integer_weights(weights: list[float]) -> list[int]:
 
 class MixSchedule:
     """Smooth weighted round robin over sources: global sample ``g`` goes to the source with the largest deficit
-    ``w_i*(g+1) - c_i*S`` (``c_i``: its samples so far, ``S``: the sum of the integer weights; ties to the lower
-    index). After any ``n`` samples ``|c_i - n*w_i/S| < 1``: the weights hold exactly over every window of the
-    stream, not just on average. The state is (g, counts): it travels in the checkpoint."""
+    ``w_i*(g+1-g0) - (c_i-b_i)*S`` (``c_i``: its samples so far, ``S``: the sum of the integer weights; ties to the
+    lower index), counted from the *base* ``(g0, b)``: the start, or the position where the weights last changed
+    (:meth:`rebase`). After any ``n`` samples from the base ``|c_i - b_i - n*w_i/S| < 1``: the weights hold over
+    every window of the stream, not just on average, and new weights hold from the sample they start at (no
+    catching up on the old weights' cumulative shares). The state is (g, counts, base): it travels in the
+    checkpoint."""
 
     def __init__(self, weights: list[float]) -> None:
         self.w = integer_weights(weights)
         self.total = sum(self.w)
         self.g = 0
         self.counts = [0] * len(self.w)
+        self.base_g, self.base_counts = 0, [0] * len(self.w)
+
+    def rebase(self) -> None:
+        """Count the weights from the current position on (they changed here)."""
+        self.base_g, self.base_counts = self.g, list(self.counts)
 
     def next(self) -> int:
-        g1 = self.g + 1
+        n = self.g + 1 - self.base_g
         best, best_deficit = 0, None
         for i, w in enumerate(self.w):
-            d = w * g1 - self.counts[i] * self.total
+            d = w * n - (self.counts[i] - self.base_counts[i]) * self.total
             if best_deficit is None or d > best_deficit:
                 best, best_deficit = i, d
         self.counts[best] += 1
-        self.g = g1
+        self.g += 1
         return best
 
 
@@ -245,21 +259,39 @@ class GlobalStream:
         return [s for s in self.sources if getattr(s, "per_rank", False)]
 
     def state(self) -> dict[str, Any]:
-        return {"consumed_samples": self.schedule.g, "source_draws": list(self.schedule.counts),
-                "sources": [s.name for s in self.sources]}
+        sch = self.schedule
+        return {"consumed_samples": sch.g, "source_draws": list(sch.counts), "sources": [s.name for s in self.sources],
+                "weights": list(sch.w), "base_position": sch.base_g, "base_draws": list(sch.base_counts)}
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any]) -> str | None:
+        """Continue at the checkpoint's position; a line to log when the mixture's weights changed there (they
+        apply from this position on), else None."""
         g = int(state["consumed_samples"])
         draws = [int(c) for c in state.get("source_draws", [])]
         if state.get("sources") == [s.name for s in self.sources] and len(draws) == len(self.sources) and sum(draws) == g:
-            self.schedule.g, self.schedule.counts = g, draws
-            return
+            sch = self.schedule
+            sch.g, sch.counts = g, draws
+            saved_w = state.get("weights")  # absent in checkpoints written before it: the same weights assumed
+            if saved_w is None or [int(w) for w in saved_w] == sch.w:
+                base = [int(c) for c in state.get("base_draws", [])]
+                if len(base) == len(draws):
+                    sch.base_g, sch.base_counts = int(state.get("base_position", 0)), base
+                return None
+            sch.rebase()
+            return (f"The mixture's weights changed at global sample {g}: {shares(saved_w, self.sources)} before, "
+                    f"{shares(sch.w, self.sources)} from here on (each source's draws continue where they were)")
         # The sources changed between the save and this run: replay the new schedule to the saved position.
         logger.warning(f"The data sources changed since the checkpoint ({state.get('sources')} -> "
                        f"{[s.name for s in self.sources]}): continuing at global sample {g} of the new mixture")
         self.schedule = MixSchedule(self.schedule.w)
         for _ in range(g):
             self.schedule.next()
+
+
+def shares(weights: list[float], sources: list[Any]) -> str:
+    """``name 70.0%, other 30.0%``: each source's share of the samples under ``weights``."""
+    total = sum(weights)
+    return ", ".join(f"{s.name} {100 * w / total:.1f}%" for s, w in zip(sources, weights))
 
 
 def rank_slice(consumed: int, micro_batch: int, dp_rank: int, dp_world_size: int, local_batch: int) -> range:
@@ -305,7 +337,9 @@ class GlobalDataLoader(BaseDataLoader):
             return
         if _STATE_KEY not in state_dict:
             raise per_rank_checkpoint_error()
-        self.stream.restore(json.loads(state_dict[_STATE_KEY]))
+        changed = self.stream.restore(json.loads(state_dict[_STATE_KEY]))
+        if changed and self.dp_rank == 0:
+            logger.warning(changed)
         hub = self.stream.per_rank_sources()
         if not hub:
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from pathlib import Path
 import tomli_w
 
 from kubetitan_core import contract, render
+from kubetitan_trainer import ALREADY_COMPLETE
 from kubetitan_core.api import LlamaPretrain
 from kubetitan_core.contract.launcher import LauncherArgs, launcher_args, monitor_interval_seconds
 
@@ -55,9 +57,17 @@ def bar_postfix(m: dict[str, float]) -> dict[str, str]:
     if contract.M_LOSS not in m:
         return {}
     post = {"loss": f"{m[contract.M_LOSS]:.4f}"}
+    if contract.M_EVAL_LOSS in m:
+        post["eval"] = f"{m[contract.M_EVAL_LOSS]:.4f}"
     if contract.M_TOKENS_PER_SECOND in m:
         post["tok/s"] = f"{m[contract.M_TOKENS_PER_SECOND]:,.0f}"
     return post
+
+
+def eval_line(m: dict[str, float]) -> str:
+    """The console line of an evaluation, from the trainer's metrics (its eval series exist once one ran)."""
+    return (f"step {int(m[contract.M_EVAL_STEP])}: eval loss {m[contract.M_EVAL_LOSS]:.4f}, perplexity "
+            f"{m.get(contract.M_EVAL_PERPLEXITY, float('nan')):.2f}")
 
 
 def kill_tree(root_pid: int, timeout: float = 30.0) -> list[int]:
@@ -218,6 +228,7 @@ def _follow(proc: subprocess.Popen, name: str, total: int, metrics_port: int) ->
     bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
     interrupts = 0
     resumed = False
+    eval_step = -1.0
 
     def on_sigint(signum, frame) -> None:
         nonlocal interrupts
@@ -243,6 +254,9 @@ def _follow(proc: subprocess.Popen, name: str, total: int, metrics_port: int) ->
             if contract.M_STEP in m:
                 bar.update(max(0, int(m[contract.M_STEP]) - bar.n))
                 bar.set_postfix(bar_postfix(m), refresh=True)
+            if contract.M_EVAL_LOSS in m and m.get(contract.M_EVAL_STEP, -1.0) != eval_step:
+                eval_step = m.get(contract.M_EVAL_STEP, -1.0)
+                bar.write(eval_line(m))  # above the bar, kept on the console
             time.sleep(0.5)
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -254,6 +268,13 @@ def _follow(proc: subprocess.Popen, name: str, total: int, metrics_port: int) ->
 def _summary(lpt: LlamaPretrain, out: Path, log_path: Path, metrics_port: int, code: int) -> None:
     """What the run left and where: exit code, metrics, TensorBoard, checkpoints, and the log's tail on a failure."""
     ck = out / contract.CHECKPOINT_SUBDIR
+    text = log_path.read_text(errors="replace")
+    complete = next((line for line in text.splitlines() if ALREADY_COMPLETE in line), None)
+    if code == 0 and complete is not None:
+        print(complete[complete.index(ALREADY_COMPLETE):])
+    if (last := last_eval(out / "kubetitan" / "evals.jsonl")) is not None:
+        print(f"Eval loss:   {last['eval_loss']:.4f} at step {last['step']} (perplexity "
+              f"{last.get('eval_perplexity', float('nan')):.2f}); every evaluation: {out / 'kubetitan' / 'evals.jsonl'}")
     if code == contract.ExitCode.TERMINATED_CHECKPOINTED:
         print(f"Stopped with a checkpoint (exit code {code}); the same command resumes from it")
     else:
@@ -263,8 +284,44 @@ def _summary(lpt: LlamaPretrain, out: Path, log_path: Path, metrics_port: int, c
         print(f"TensorBoard: {out / 'tb'}  (tensorboard --logdir {out / 'tb'})")
     print(f"Checkpoints: {ck}")
     if code not in (0, contract.ExitCode.TERMINATED_CHECKPOINTED):
-        tail = log_path.read_text(errors="replace").splitlines()[-15:]
-        print("\n".join(tail))
+        said = failure_message(text)
+        print(f"error: {said}" if said else "\n".join(text.splitlines()[-15:]), file=sys.stderr)
+
+
+def last_eval(path: Path) -> dict | None:
+    """The last record of the trainer's ``evals.jsonl`` (None without one)."""
+    import json
+
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        return json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return None
+
+
+_FAILED_FIRST = re.compile(r"Worker rank \d+ failed first with exit code -?\d+: (.+)$")
+_ERROR_LINE = re.compile(r"^\[titan\] \S+ \S+ - \S+ - ERROR - (.+)$|^\[kubetitan\] \S+ \S+ ERROR (.+)$")
+
+
+def failure_message(log_text: str) -> str | None:
+    """The one line that says why a run failed, from its log: the launcher's ``Worker rank N failed first with exit
+    code C: <the worker's error>`` (a configuration error's field, problem and fix; a crash's exception), else the
+    last ERROR line a worker or the launcher logged; None when the log holds neither (then the caller shows its
+    tail)."""
+    last_error = None
+    for line in log_text.splitlines():
+        if m := _FAILED_FIRST.search(line):
+            msg = m.group(1).strip()
+            if msg and not msg.startswith(_NO_MESSAGE):
+                return msg
+        elif m := _ERROR_LINE.match(line):
+            last_error = (m.group(1) or m.group(2)).strip()
+    return last_error
+
+
+_NO_MESSAGE = "To enable traceback see"
+"""torch elastic's message for a worker that exited with a code and no recorded exception (one that logged its own
+error line, e.g. the config checks' exit 2): the worker's ERROR line says more."""
 
 
 def main(argv: list[str] | None = None) -> int:

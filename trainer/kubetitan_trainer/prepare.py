@@ -187,8 +187,9 @@ def load_tokenizer_info(spec: str) -> TokenizerInfo:
         raise _fix(f"--tokenizer: {tok_dir} names no EOS token in its vocabulary (tokenizer_config.json eos_token)",
                    "use a tokenizer whose tokenizer_config.json has an eos_token: every document ends with it")
     bos = tok.token_to_id(bos_tok) if bos_tok else None
-    return TokenizerInfo(str(tj), "builtin" if spec == "builtin" else str(tok_dir.resolve()),
-                         hashlib.sha256(tj.read_bytes()).hexdigest(), tok.get_vocab_size(), bos, eos)
+    ident = S.tokenizer_identity(tok_dir, "builtin" if spec == "builtin" else str(tok_dir.resolve()))
+    assert ident is not None  # tokenizer.json was just loaded
+    return TokenizerInfo(str(tj), ident.name, ident.sha256, tok.get_vocab_size(), bos, eos)
 
 
 # ---------------------------------------------------------------------------------------------------------- plan

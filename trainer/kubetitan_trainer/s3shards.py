@@ -293,14 +293,8 @@ class Stager:
             and m.get("mtime_ns") == st.st_mtime_ns
 
     def _wanted(self, ss: ShardSet) -> list[tuple[str, int, str | None]]:
-        """(name, size, CRC-32) of every file the index lists."""
-        item = 2 if ss.dtype == "uint16" else 4
-        out: list[tuple[str, int, str | None]] = []
-        for s in ss.shards:
-            out.append((s.name, s.tokens * item, s.checksum))
-            if s.doc_index is not None:
-                out.append((s.doc_index, (int(s.documents or 0) + 1) * 8, s.doc_index_checksum))
-        return out
+        """(name, size, CRC-32) of every file the index lists (:meth:`ShardSet.files`)."""
+        return [(name, size, crc) for name, size, crc, _what in ss.files()]
 
     def _check_listing(self, wanted: list[tuple[str, int, str | None]], objects: dict[str, Any]) -> None:
         for name, size, _crc in wanted:

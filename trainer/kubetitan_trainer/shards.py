@@ -6,14 +6,16 @@ A shards directory (format version 2, docs/data.md "Format") holds::
     shard-000000.bin        tokens, flat little-endian uint16 (vocabulary <= 65536) or uint32
     shard-000000.idx        document boundaries: little-endian uint64, documents + 1 offsets into the .bin
                             (token units; first 0, last = the shard's token count)
+    shard-000000.crc        chunk checksums: little-endian uint32, the CRC-32 of each CHUNK_BYTES of the .bin
     ...
 
 Every document is stored as ``BOS, its ids, EOS`` (the same sequence torchtitan's Hugging Face path feeds the
 model: ``encode(text, add_bos=True, add_eos=True)``), and never spans two shards. ``index.json`` lists every
-shard with its token and document counts and a CRC-32 (zlib) of the ``.bin`` and the ``.idx``.
+shard with its token and document counts and a CRC-32 (zlib) of the ``.bin``, the ``.idx`` and the ``.crc``.
 
 :class:`ShardSet` opens such a directory and checks it before any training step: sizes at open (a ``stat`` per
-file), CRC-32s at open or lazily on first read of a shard, token ids against the model's vocabulary on every read.
+file), CRC-32s at open or lazily before a read uses the bytes (per chunk of ``CHUNK_BYTES`` where the ``.crc``
+exists, else the whole shard on its first read), token ids against the model's vocabulary on every read.
 Anything wrong is a :class:`~kubetitan_trainer.errors.ConfigError` (exit code 2, not retried) naming the file and
 the fix: bad data must stop a run, not crash-loop it. Version 1 directories (the index before checksums: EOS only,
 no ``.idx``) are still read, with a warning that says what they lack.
@@ -24,6 +26,8 @@ This module imports neither torch nor torchtitan (``kubetitan prepare-data`` use
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -47,6 +51,11 @@ CONVENTION = "bos+text+eos"
 """Each document is BOS (when the tokenizer has one), its ids (no special tokens of the tokenizer's own), EOS."""
 SHARDS_FIELD = "kubetitan.data.shards_path (spec.data.shards.path)"
 READ_CHUNK = 16 << 20
+CHUNK_BYTES = 64 << 10
+"""Bytes of ``.bin`` per chunk checksum (the ``.crc`` file: 4 bytes per 64 KiB, 0.006 %). A lazy reader verifies the
+chunks a read touches before it returns them, each once: a window of ``seqLen + 1`` tokens (16-32 KiB at 8192)
+costs at most two chunks on its first touch, about what the kernel's readahead (128 KiB) reads from disk anyway,
+so a rank verifies what it trains on without reading whole shards it samples a few windows of."""
 
 log = logging.getLogger("kubetitan.shards")
 
@@ -66,12 +75,47 @@ def crc32_bytes(data: bytes | memoryview) -> str:
     return f"{zlib.crc32(data):08x}"
 
 
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What makes two tokenizers the same for shards: the sha256 of their ``tokenizer.json`` (the vocabulary, the
+    merges, the pre-tokenizer and normaliser: everything that maps text to ids). The path, the repository name and
+    ``tokenizer_config.json`` are not part of it: a copy of the same file elsewhere is the same tokenizer, and the
+    BOS/EOS ids the shards hold are recorded apart (``bos_id``, ``eos_id``). ``name`` only labels it in messages."""
+
+    name: str
+    sha256: str
+
+
+@functools.lru_cache(maxsize=8)
+def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(READ_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_identity(folder: str | os.PathLike, name: str) -> TokenizerIdentity | None:
+    """The identity of the tokenizer in ``folder`` (None when it holds no ``tokenizer.json``); hashed once per file
+    version in a process."""
+    tj = Path(folder) / "tokenizer.json"
+    try:
+        st = tj.stat()
+    except OSError:
+        return None
+    return TokenizerIdentity(name, _file_sha256(str(tj), st.st_mtime_ns, st.st_size))
+
+
 def shard_name(unit: int) -> str:
     return f"shard-{unit:06d}.bin"
 
 
 def doc_index_name(bin_name: str) -> str:
     return bin_name[:-4] + ".idx" if bin_name.endswith(".bin") else bin_name + ".idx"
+
+
+def chunk_index_name(bin_name: str) -> str:
+    return bin_name[:-4] + ".crc" if bin_name.endswith(".bin") else bin_name + ".crc"
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -91,6 +135,10 @@ class Shard:
     checksum: str | None = None
     doc_index: str | None = None
     doc_index_checksum: str | None = None
+    chunk_index: str | None = None
+    """The ``.crc`` file (CRC-32 per ``chunk_bytes`` of the ``.bin``); None in directories written before it."""
+    chunk_index_checksum: str | None = None
+    chunk_bytes: int = 0
     verified: bool = False
 
 
@@ -109,6 +157,15 @@ def _fail(problem: str, fix: str, field_name: str = SHARDS_FIELD) -> ConfigError
 
 
 RERUN = "re-run `kubetitan prepare-data` into an empty directory (or copy the whole directory it wrote again)"
+
+
+def _chunk_fields(s: Shard, need: Any, fail: Any) -> None:
+    """A version-2 ``files`` entry's chunk index (``chunk_index``, ``chunk_index_checksum``, ``chunk_bytes``) into
+    ``s``; ``need(key, type)`` reads a key, ``fail(problem)`` makes the error."""
+    s.chunk_index, s.chunk_index_checksum = need("chunk_index", str), need("chunk_index_checksum", str)
+    s.chunk_bytes = need("chunk_bytes", int)
+    if s.chunk_bytes <= 0 or "/" in str(s.chunk_index) or str(s.chunk_index).startswith("."):
+        raise fail(f"a bad chunk index ({s.chunk_index!r}, {s.chunk_bytes} bytes a chunk)")
 
 
 @dataclass
@@ -130,19 +187,24 @@ class ShardSet:
     field_name: str = SHARDS_FIELD
     index: dict[str, Any] = field(default_factory=dict)
     _arrays: list[np.memmap | None] = field(default_factory=list, repr=False)
+    _chunk_crcs: list[np.ndarray | None] = field(default_factory=list, repr=False)
+    _chunk_ok: list[np.ndarray | None] = field(default_factory=list, repr=False)
+    """Per shard: which chunks a lazy reader has verified (None until its first read)."""
+    _chunks_left: list[int] = field(default_factory=list, repr=False)
     _starts: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64), repr=False)
 
     # ------------------------------------------------------------------------------------------------ opening
     @classmethod
     def open(cls, path: str | os.PathLike, *, vocab_size: int | None = None, verify: Verify = "size",
-             dtype: str = "auto", field_name: str = SHARDS_FIELD) -> ShardSet:
+             dtype: str = "auto", field_name: str = SHARDS_FIELD, tokenizer: TokenizerIdentity | None = None) -> ShardSet:
         """Open and check a shards directory.
 
         ``vocab_size``: the model's vocabulary; an index whose tokenizer has a larger one is refused, and every
         :meth:`read` refuses ids at or above it. ``verify``: ``size`` checks every file's size against the index
         (a ``stat`` each), ``checksum`` also reads every file for its CRC-32 now, ``lazy`` checks a shard's CRC-32
         on the first read that touches it, ``none`` checks nothing. ``dtype``: ``auto`` or the dtype the
-        configuration expects. Raises ConfigError naming the file and the fix.
+        configuration expects. ``tokenizer``: the run's tokenizer; an index that records another one (another
+        ``tokenizer.json`` sha256) is refused. Raises ConfigError naming the file and the fix.
         """
         d = Path(path)
         if not str(path):
@@ -175,9 +237,10 @@ class ShardSet:
                         "train with the tokenizer the shards were prepared with (spec.tokenizer) and a model whose "
                         "vocabulary holds it, or re-run `kubetitan prepare-data --tokenizer` with the model's tokenizer",
                         field_name)
+        if tokenizer is not None:
+            ss.check_tokenizer(tokenizer)
         if verify != "none":
             ss._check_sizes()
-        ss._arrays = [None] * len(ss.shards)
         if verify == "checksum":
             ss.verify_checksums()
         return ss
@@ -218,6 +281,9 @@ class ShardSet:
                 docs = need("documents", int, f, f"files[{i}].")
                 s = Shard(name, tokens, docs, start, need("checksum", str, f, f"files[{i}]."),
                           need("doc_index", str, f, f"files[{i}]."), need("doc_index_checksum", str, f, f"files[{i}]."))
+                if "chunk_index" in f:  # optional: directories written before chunk checksums have none
+                    _chunk_fields(s, lambda key, kind: need(key, kind, f, f"files[{i}]."),
+                                  lambda p: _fail(f"{where}: files[{i}] has {p}", RERUN, field_name))
             else:
                 s = Shard(name, tokens, None, start)
             shards.append(s)
@@ -234,45 +300,53 @@ class ShardSet:
                  shards=shards, tokenizer=tokenizer, convention=index.get("convention", "text+eos"),
                  field_name=field_name, index=index)
         ss._starts = np.asarray([s.start for s in shards] + [start], dtype=np.int64)
+        ss._arrays, ss._chunk_crcs, ss._chunk_ok = [None] * len(shards), [None] * len(shards), [None] * len(shards)
+        ss._chunks_left = [0] * len(shards)
         if ss.total_tokens == 0:
             raise _fail(f"{d} holds no tokens ({where} lists {len(shards)} shard(s), all empty)",
                         "prepare-data found no text: check its inputs (and --text-field), then re-run it", field_name)
         return ss
 
-    def _check_sizes(self) -> None:
+    def files(self) -> list[tuple[str, int, str | None, str]]:
+        """(name, size in bytes, CRC-32 or None, what) of every file the index lists, in stream order: each shard's
+        ``.bin`` (what ``shard``), its ``.idx`` (``document index``) and its ``.crc`` (``chunk index``)."""
         item = np.dtype(self.dtype).itemsize
+        out: list[tuple[str, int, str | None, str]] = []
         for s in self.shards:
-            p = self.path / s.name
+            out.append((s.name, s.tokens * item, s.checksum, "shard"))
+            if s.doc_index is not None:
+                out.append((s.doc_index, (int(s.documents or 0) + 1) * 8, s.doc_index_checksum, "document index"))
+            if s.chunk_index is not None:
+                out.append((s.chunk_index, 4 * -(-s.tokens * item // s.chunk_bytes), s.chunk_index_checksum,
+                            "chunk index"))
+        return out
+
+    def _check_sizes(self) -> None:
+        for name, want, _crc, what in self.files():
+            p = self.path / name
             try:
                 size = p.stat().st_size
             except FileNotFoundError:
-                raise _fail(f"{INDEX_FILE} lists {s.name}, which is missing from {self.path}",
+                raise _fail(f"{INDEX_FILE} lists {name}, which is missing from {self.path}",
                             "copy the whole directory written by `kubetitan prepare-data`, or re-run it",
                             self.field_name) from None
-            want = s.tokens * item
-            if size != want:
-                if size == 0:
-                    what = "is empty"
-                elif size % item:
-                    what = f"has {size} bytes, not a whole number of {self.dtype} tokens"
-                elif size < want:
-                    what = f"is truncated: {size} bytes where {INDEX_FILE} says {want} ({s.tokens} {self.dtype} tokens)"
-                else:
-                    what = f"has {size} bytes where {INDEX_FILE} says {want} ({s.tokens} {self.dtype} tokens)"
-                raise _fail(f"shard {p} {what}", "copy the shard again from where prepare-data wrote it, or " + RERUN,
-                            self.field_name)
-            if s.doc_index is not None:
-                q = self.path / s.doc_index
-                want_idx = (s.documents + 1) * 8
-                try:
-                    got = q.stat().st_size
-                except FileNotFoundError:
-                    raise _fail(f"{INDEX_FILE} lists {s.doc_index}, which is missing from {self.path}",
-                                "copy the whole directory written by `kubetitan prepare-data`, or re-run it",
-                                self.field_name) from None
-                if got != want_idx:
-                    raise _fail(f"document index {q} has {got} bytes where {INDEX_FILE} says {want_idx} "
-                                f"({s.documents} documents)", "copy it again, or " + RERUN, self.field_name)
+            if size == want:
+                continue
+            if what != "shard":
+                raise _fail(f"{what} {p} has {size} bytes where {INDEX_FILE} says {want}",
+                            "copy it again, or " + RERUN, self.field_name)
+            item = np.dtype(self.dtype).itemsize
+            tokens = want // item
+            if size == 0:
+                problem = "is empty"
+            elif size % item:
+                problem = f"has {size} bytes, not a whole number of {self.dtype} tokens"
+            elif size < want:
+                problem = f"is truncated: {size} bytes where {INDEX_FILE} says {want} ({tokens} {self.dtype} tokens)"
+            else:
+                problem = f"has {size} bytes where {INDEX_FILE} says {want} ({tokens} {self.dtype} tokens)"
+            raise _fail(f"shard {p} {problem}", "copy the shard again from where prepare-data wrote it, or " + RERUN,
+                        self.field_name)
 
     # ---------------------------------------------------------------------------------------------- properties
     @property
@@ -296,25 +370,95 @@ class ShardSet:
         return str(self.tokenizer.get("sha256", ""))
 
     # -------------------------------------------------------------------------------------------------- checks
+    def check_tokenizer(self, run: TokenizerIdentity) -> None:
+        """Refuse shards prepared with another tokenizer than the run's (:class:`TokenizerIdentity`: the sha256 of
+        ``tokenizer.json``): their ids would mean other text, silently, whenever the vocabulary fits. A version-1
+        index records no hash: it is let through (its warning already says to re-run prepare-data)."""
+        want = self.tokenizer_sha256
+        if not want or want == run.sha256:
+            return
+        theirs = self.tokenizer_name or "unknown"
+        raise _fail(f"{self.path} was prepared with another tokenizer than this run's: the shards' is {theirs} "
+                    f"(tokenizer.json sha256 {want[:16]}…, {INDEX_FILE}), the run's is {run.name} (sha256 "
+                    f"{run.sha256[:16]}…), so its token ids would stand for other text",
+                    f"re-run `kubetitan prepare-data --tokenizer <the run's tokenizer>` into a new directory and "
+                    f"train on that, or point spec.tokenizer at the tokenizer the shards were prepared with ({theirs}, "
+                    "the same tokenizer.json)", self.field_name)
+
+    def _corrupt(self, name: str, got: str, want: str | None, what: str = "", fix: str = "") -> ConfigError:
+        return _fail(f"shard {self.path / name} is corrupt: {what}its CRC-32 is {got}, {INDEX_FILE} says {want}",
+                     fix or "copy the shard again from where prepare-data wrote it, or " + RERUN, self.field_name)
+
     def _verify_shard(self, i: int) -> None:
+        """The whole shard ``i``'s CRC-32s (``.bin``, ``.idx``, ``.crc``) against the index, once."""
         s = self.shards[i]
         if s.verified or s.checksum is None:
             return
-        p = self.path / s.name
-        got = crc32_file(p)
+        got = crc32_file(self.path / s.name)
         if got != s.checksum:
-            raise _fail(f"shard {p} is corrupt: its CRC-32 is {got}, {INDEX_FILE} says {s.checksum}",
-                        "copy the shard again from where prepare-data wrote it, or " + RERUN, self.field_name)
-        if s.doc_index is not None:
-            q = self.path / s.doc_index
-            got = crc32_file(q)
-            if got != s.doc_index_checksum:
-                raise _fail(f"document index {q} is corrupt: its CRC-32 is {got}, {INDEX_FILE} says "
-                            f"{s.doc_index_checksum}", "copy it again, or " + RERUN, self.field_name)
+            raise self._corrupt(s.name, got, s.checksum)
+        for name, want, what in ((s.doc_index, s.doc_index_checksum, "document index"),
+                                 (s.chunk_index, s.chunk_index_checksum, "chunk index")):
+            if name is not None and (got := crc32_file(self.path / name)) != want:
+                raise _fail(f"{what} {self.path / name} is corrupt: its CRC-32 is {got}, {INDEX_FILE} says {want}",
+                            "copy it again, or " + RERUN, self.field_name)
+        if s.chunk_index is not None:
+            self._check_chunks(i, 0, self._chunk_table(i).size)  # the .bin agrees with its own chunk index
         s.verified = True
 
+    def _chunk_table(self, i: int) -> np.ndarray:
+        """Shard ``i``'s chunk CRC-32s (its ``.crc``, itself checked against the index once)."""
+        t = self._chunk_crcs[i]
+        if t is None:
+            s = self.shards[i]
+            q = self.path / str(s.chunk_index)
+            raw = q.read_bytes()
+            if (got := crc32_bytes(raw)) != s.chunk_index_checksum:
+                raise _fail(f"chunk index {q} is corrupt: its CRC-32 is {got}, {INDEX_FILE} says "
+                            f"{s.chunk_index_checksum}", "copy it again, or " + RERUN, self.field_name)
+            t = self._chunk_crcs[i] = np.frombuffer(raw, dtype="<u4")
+            self._chunk_ok[i], self._chunks_left[i] = np.zeros(t.size, dtype=bool), t.size
+        return t
+
+    def _check_chunks(self, i: int, first: int, end: int) -> None:
+        """Chunks ``[first, end)`` of shard ``i`` against its chunk index, each once."""
+        s, table = self.shards[i], self._chunk_table(i)
+        ok = self._chunk_ok[i]
+        assert ok is not None
+        raw = self._array(i).view(np.uint8)
+        cb = s.chunk_bytes
+        for c in np.flatnonzero(~ok[first:end]) + first:
+            c = int(c)
+            got = zlib.crc32(raw[c * cb:(c + 1) * cb])
+            if got != int(table[c]):
+                end_byte = min((c + 1) * cb, raw.size)
+                raise self._corrupt(s.name, f"{got:08x}", f"{int(table[c]):08x}",
+                                    f"bytes {c * cb}-{end_byte} (chunk {c}) changed since prepare-data wrote them: ")
+            ok[c] = True
+            self._chunks_left[i] -= 1
+        if self._chunks_left[i] == 0:
+            s.verified = True
+
+    def _verify_span(self, i: int, off: int, n: int) -> None:
+        """Before tokens ``[off, off + n)`` of shard ``i`` are used (``verify="lazy"``): the chunks holding them
+        against the chunk index, or, for a shard without one, the whole shard on its first read."""
+        s = self.shards[i]
+        if s.verified or s.checksum is None or n <= 0:
+            return
+        if s.chunk_index is None:
+            self._verify_shard(i)
+            return
+        self._chunk_table(i)
+        item = np.dtype(self.dtype).itemsize
+        first, end = off * item // s.chunk_bytes, ((off + n) * item - 1) // s.chunk_bytes + 1
+        ok = self._chunk_ok[i]
+        assert ok is not None
+        if not ok[first:end].all():
+            self._check_chunks(i, first, end)
+
     def verify_checksums(self) -> None:
-        """Read every shard once and compare its CRC-32 with the index (version 2; version 1 has none)."""
+        """Read every shard once and compare its CRC-32s with the index, chunk by chunk too where it has a chunk
+        index (version 2; version 1 has none)."""
         for i in range(len(self.shards)):
             self._verify_shard(i)
 
@@ -344,12 +488,8 @@ class ShardSet:
 
     # --------------------------------------------------------------------------------------------------- reading
     def _array(self, i: int) -> np.memmap:
-        a = self._arrays[i] if self._arrays else None
+        a = self._arrays[i]
         if a is None:
-            if not self._arrays:
-                self._arrays = [None] * len(self.shards)
-            if self.verify == "lazy":
-                self._verify_shard(i)
             p = self.path / self.shards[i].name
             try:
                 a = np.memmap(p, dtype=np.dtype(self.dtype).newbyteorder("<"), mode="r",
@@ -372,6 +512,8 @@ class ShardSet:
             i, off = self.locate(pos)
             a = self._array(i)
             take = min(n - done, len(a) - off)
+            if self.verify == "lazy":
+                self._verify_span(i, off, take)
             out[done:done + take] = a[off:off + take]
             pos, done = pos + take, done + take
         self.check_range(out, offset)
@@ -382,8 +524,12 @@ class ShardSet:
         s = self.shards[i]
         if s.doc_index is None:
             raise ValueError(f"{self.path} is a version-1 shards directory: it records no document boundaries")
-        offs = np.fromfile(self.path / s.doc_index, dtype="<u8").astype(np.int64)
-        return offs + s.start
+        q = self.path / s.doc_index
+        raw = q.read_bytes()
+        if s.doc_index_checksum is not None and (got := crc32_bytes(raw)) != s.doc_index_checksum:
+            raise _fail(f"document index {q} is corrupt: its CRC-32 is {got}, {INDEX_FILE} says {s.doc_index_checksum}",
+                        "copy it again, or " + RERUN, self.field_name)
+        return np.frombuffer(raw, dtype="<u8").astype(np.int64) + s.start
 
 
 # ------------------------------------------------------------------------------------------------------- writing
@@ -409,16 +555,22 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 class ShardWriter:
     """Writes one shard: documents appended in order to ``<name>.bin`` (tokens) and ``<name>.idx`` (offsets),
-    both under temporary names until :meth:`close` renames them, so a crash never leaves a half shard under its
-    real name. Memory stays bounded: tokens go to the file as they come, CRC-32s are computed on the way."""
+    and ``<name>.crc`` (a CRC-32 per ``chunk_bytes`` of the ``.bin``), under temporary names until :meth:`close`
+    renames them, so a crash never leaves a half shard under its real name. Memory stays bounded: tokens go to the
+    file as they come, CRC-32s are computed on the way."""
 
-    def __init__(self, directory: Path, name: str, dtype: str) -> None:
+    def __init__(self, directory: Path, name: str, dtype: str, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.dir, self.name, self.dtype = Path(directory), name, np.dtype(dtype).newbyteorder("<")
         self.idx_name = doc_index_name(name)
+        self.crc_name = chunk_index_name(name)
         self._tmp_bin = self.dir / f".{name}.tmp"
         self._tmp_idx = self.dir / f".{self.idx_name}.tmp"
+        self._tmp_crc = self.dir / f".{self.crc_name}.tmp"
         self._bin = open(self._tmp_bin, "wb")
         self._crc = 0
+        self.chunk_bytes = chunk_bytes
+        self._chunk_crcs: list[int] = []
+        self._chunk_crc, self._chunk_fill = 0, 0
         self.tokens = 0
         self._ends: list[np.ndarray] = []
         self.documents = 0
@@ -428,6 +580,15 @@ class ShardWriter:
         data = np.ascontiguousarray(flat, dtype=self.dtype).tobytes()
         self._bin.write(data)
         self._crc = zlib.crc32(data, self._crc)
+        view, pos = memoryview(data), 0
+        while pos < len(view):
+            take = min(len(view) - pos, self.chunk_bytes - self._chunk_fill)
+            self._chunk_crc = zlib.crc32(view[pos:pos + take], self._chunk_crc)
+            self._chunk_fill += take
+            pos += take
+            if self._chunk_fill == self.chunk_bytes:
+                self._chunk_crcs.append(self._chunk_crc)
+                self._chunk_crc, self._chunk_fill = 0, 0
         self._ends.append(self.tokens + np.cumsum(lengths, dtype=np.int64))
         self.tokens += int(flat.size)
         self.documents += int(lengths.size)
@@ -438,18 +599,25 @@ class ShardWriter:
         os.fsync(self._bin.fileno())
         self._bin.close()
         offsets = np.concatenate([np.zeros(1, dtype=np.int64), *self._ends]).astype("<u8").tobytes()
-        with open(self._tmp_idx, "wb") as f:
-            f.write(offsets)
-            f.flush()
-            os.fsync(f.fileno())
+        if self._chunk_fill:
+            self._chunk_crcs.append(self._chunk_crc)
+        chunks = np.asarray(self._chunk_crcs, dtype="<u4").tobytes()
+        for tmp, data in ((self._tmp_idx, offsets), (self._tmp_crc, chunks)):
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(self._tmp_idx, self.dir / self.idx_name)
+        os.replace(self._tmp_crc, self.dir / self.crc_name)
         os.replace(self._tmp_bin, self.dir / self.name)
         return {"name": self.name, "tokens": self.tokens, "documents": self.documents,
-                "checksum": f"{self._crc:08x}", "doc_index": self.idx_name, "doc_index_checksum": crc32_bytes(offsets)}
+                "checksum": f"{self._crc:08x}", "doc_index": self.idx_name, "doc_index_checksum": crc32_bytes(offsets),
+                "chunk_index": self.crc_name, "chunk_index_checksum": crc32_bytes(chunks),
+                "chunk_bytes": self.chunk_bytes}
 
     def abort(self) -> None:
         self._bin.close()
-        for p in (self._tmp_bin, self._tmp_idx):
+        for p in (self._tmp_bin, self._tmp_idx, self._tmp_crc):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
 

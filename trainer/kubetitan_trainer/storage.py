@@ -12,8 +12,14 @@ Every module that needs the checkpoint store goes through a :class:`CheckpointSt
 - **What a checkpoint holds** (:meth:`CheckpointStore.saved_keys`): the flattened state-dict keys of its DCP
   metadata, so a load can leave out what an older trainer did not save.
 - **Keep-latest-K** (:meth:`CheckpointStore.purge`): the K newest complete steps stay, everything older goes.
-- **Pre-flight** (:meth:`CheckpointStore.preflight`): a bucket that does not exist or denies access is a
-  configuration error (exit code 2) that names the bucket and the fix, found before the model is built.
+- **Pre-flight** (:func:`preflight`): a bucket that does not exist or denies access is a configuration error (exit
+  code 2) that names the bucket and the fix, found before the model is built. An endpoint that does not answer is
+  one too on the run's first start (a wrong endpoint), but not once the run has reached the store before (a marker
+  in ``job.dump_folder``, or an attempt after the first): then it is an outage, retried
+  (:data:`PREFLIGHT_ATTEMPTS`) and then exit code 6 (retryable), never 2.
+- **Failed saves** (:class:`SaveBudget`): a save that fails with a storage error is logged in one line and training
+  goes on; the next interval saves again; ``max_failed_saves`` failures in a row end the run with exit code 6.
+  :func:`retry` (tenacity) is the one retry loop of both.
 
 With checkpoints in S3, everything else the trainer writes stays in ``job.dump_folder`` on the pod's local
 filesystem (the pod's scratch ``emptyDir``, or the checkpoint PVC when one is mounted too): the torch.compile
@@ -23,14 +29,18 @@ None of them must outlive the pod for a resume: the checkpoint alone carries the
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import contextlib
+import dataclasses
+import json
+import logging
 import os
 import queue
 import re
 import shutil
 import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kubetitan_core import contract
@@ -179,6 +189,9 @@ class S3Store(CheckpointStore):
         from kubetitan_trainer import compat
 
         self.settings = settings
+        # s3torchconnector logs every failed object write at INFO ("Exception occurred before closing stream"); a
+        # failed save is said once, by SaveBudget
+        logging.getLogger("s3torchconnector.s3writer").setLevel(logging.WARNING)
         self.root = settings.uri.rstrip("/")
         self.bucket, self.prefix = parse_s3_uri(self.root)
         self._config = compat.s3_client_config(settings)
@@ -216,13 +229,30 @@ class S3Store(CheckpointStore):
         for k in keys:
             self._client.delete_object(self.bucket, self._key(k))
 
-    def preflight(self) -> None:
-        from kubetitan_trainer.errors import ConfigError
+    def preflight(self, reached_before: bool = False, sleep: Callable[[float], None] = time.sleep) -> None:
+        """One LIST of the prefix. A bucket that does not exist or denies access is a ConfigError (exit 2); so is an
+        endpoint that does not answer, unless the run has ``reached_before`` this store: then the LIST is tried
+        :data:`PREFLIGHT_ATTEMPTS` times and a store still unreachable is a TransientError (exit 6: an outage)."""
+        from kubetitan_trainer.errors import ConfigError, TransientError
 
-        try:
+        def list_one() -> None:
             for _page in self._client.list_objects(self.bucket, self._key() + "/" if self.prefix else "", max_keys=1):
                 break
+
+        def outage(e: BaseException) -> bool:
+            return reached_before and isinstance(e, Exception) and access_error_kind(e) is None
+
+        try:
+            retry(list_one, what=f"Listing the checkpoint store {self.root}", transient=outage,
+                  attempts=PREFLIGHT_ATTEMPTS if reached_before else 1, first_wait=2.0, sleep=sleep)
         except Exception as e:  # S3Exception: the message is all the client gives
+            if outage(e):
+                where = f" at {self.settings.endpoint}" if self.settings.endpoint else ""
+                raise TransientError(f"The checkpoint store {self.root}{where} did not answer {PREFLIGHT_ATTEMPTS} "
+                                     f"LISTs over about two minutes ({' '.join(str(e).split())[:300]}); this run "
+                                     "reached it before, so it is taken for an outage: the run is restarted (exit code "
+                                     "6). If it lasts, check that the endpoint is up and reachable from the pods "
+                                     "(spec.checkpoint.storage.s3)") from None
             raise ConfigError(*describe_access_error(self.settings, self.bucket, e)) from e
 
     # ---- DCP
@@ -301,6 +331,201 @@ def from_config(job_config: Any) -> CheckpointStore:
 def open_store(location: str | CheckpointStore) -> CheckpointStore:
     """A store from a folder path (a :class:`CheckpointStore` passes through)."""
     return location if isinstance(location, CheckpointStore) else LocalStore(location)
+
+
+# ------------------------------------------------------------------------------------------ outages and retries
+PREFLIGHT_ATTEMPTS = 8
+"""Tries of the pre-flight LIST of a store the run has reached before, before exit code 6: waits of 2, 4, 8, 16, 30,
+30 and 30 s between them, about two minutes (:func:`retry`), on top of the client's own retries of each LIST."""
+REACHED_MARKER = "checkpoint-store.json"
+"""Under ``<dump_folder>/kubetitan/``: the store (root and endpoint) this pod's run listed successfully."""
+
+
+def _inner_errors(e: BaseException):
+    """``e``, its causes and contexts, and every rank's exception inside DCP's ``CheckpointException``."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [x.__cause__, x.__context__]
+
+
+def storage_failure(e: BaseException) -> str | None:
+    """One line saying what failed, when ``e`` (from a checkpoint save) is a storage failure: an S3 error
+    (s3torchconnector's ``S3Exception``: connection refused or reset, timeouts, 5xx after the client's own retries,
+    access refused), an ``OSError`` (a volume's EIO, a stale NFS handle), alone or inside DCP's
+    ``CheckpointException`` on any rank; None for anything else (a bug: the caller re-raises it)."""
+    for x in _inner_errors(e):
+        if type(x).__name__ == "S3Exception" or isinstance(x, OSError):
+            text = " ".join(str(x).split())
+            return f"{type(x).__name__}: {text[:300]}"
+    return None
+
+
+def retry(fn: Callable[[], Any], *, what: str, transient: Callable[[BaseException], bool], attempts: int = 0,
+          seconds: float = 0.0, first_wait: float = 1.0, max_wait: float = 30.0,
+          sleep: Callable[[float], None] = time.sleep, say: bool = True) -> Any:
+    """``fn()``, tried again while it raises an exception ``transient`` accepts, for at most ``attempts`` tries or
+    ``seconds`` (exponential waits from ``first_wait`` to ``max_wait`` s, no jitter: ranks retrying a collective
+    save stay in step), each failure logged in one line (``say``: on this rank); the last exception is re-raised. The
+    one retry loop of the storage layer (tenacity)."""
+    from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
+
+    def said(state) -> None:
+        if not say:
+            return
+        e = state.outcome.exception()
+        log.warning(f"{what} failed ({storage_failure(e) or type(e).__name__}), try {state.attempt_number}; trying "
+                    f"again in {state.next_action.sleep:.0f} s")
+
+    stop = stop_after_attempt(attempts) if attempts else stop_after_delay(seconds)
+    return Retrying(stop=stop, wait=wait_exponential(multiplier=first_wait, max=max_wait), sleep=sleep,
+                    retry=retry_if_exception(transient), before_sleep=said, reraise=True)(fn)
+
+
+def _marker(dump_folder: str) -> str:
+    return os.path.join(dump_folder, "kubetitan", REACHED_MARKER)
+
+
+def _identity(store: "S3Store") -> dict[str, str]:
+    return {"root": store.root, "endpoint": store.settings.endpoint}
+
+
+def reached_before(store: CheckpointStore, dump_folder: str, env: dict[str, str] | None = None) -> bool:
+    """Whether this run has used ``store`` before: this pod listed it (the marker under ``dump_folder``: an in-place
+    restart), or an earlier attempt of the run started (``KUBETITAN_ATTEMPT`` above 0: it ran this pre-flight first,
+    and a store it could not reach would have ended the run with exit code 2, so it reached it)."""
+    env = os.environ if env is None else env
+    if int(env.get(contract.ENV_ATTEMPT, "0") or 0) > 0:
+        return True
+    try:
+        with open(_marker(dump_folder)) as f:
+            return json.load(f) == _identity(store)  # type: ignore[arg-type]
+    except (OSError, ValueError):
+        return False
+
+
+def preflight(store: CheckpointStore, dump_folder: str, sleep: Callable[[float], None] = time.sleep) -> None:
+    """The store's pre-flight (:meth:`CheckpointStore.preflight`), retried as an outage when the run has reached it
+    before (:func:`reached_before`); on success the marker says so for the next start in this pod."""
+    if not store.remote:
+        return
+    assert isinstance(store, S3Store)
+    store.preflight(reached_before=reached_before(store, dump_folder), sleep=sleep)
+    from kubetitan_trainer.shards import atomic_write_text
+
+    marker = Path(_marker(dump_folder))
+    with contextlib.suppress(OSError):  # the marker is a hint: a read-only dump folder only loses it
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(marker, json.dumps(_identity(store)))
+
+
+class SaveBudget:
+    """Checkpoint saves that fail with a storage error (:func:`storage_failure`), against
+    ``[kubetitan.checkpoint_storage] max_failed_saves``: a failed save is one line in the log and training goes on
+    (the next interval saves again); the failure that makes ``budget`` in a row raises
+    :class:`~kubetitan_trainer.errors.TransientError` (exit code 6). The last step's save is tried ``budget`` times
+    (:func:`retry`) before the same error. An async save's write fails or succeeds in the background: it counts
+    when the next save waits for it (:meth:`settle`). Every rank counts the same failures (DCP ends a save alike on
+    every rank); :meth:`check` agrees on the count anyway (``agree``: a MAX over the ranks)."""
+
+    def __init__(self, budget: int, where: str, interval: int, agree: Callable[[float], float] | None = None,
+                 sleep: Callable[[float], None] = time.sleep, rank: int = 0) -> None:
+        self.budget, self.where, self.interval = max(1, int(budget)), where, max(1, int(interval))
+        self.agree, self.sleep = agree, sleep
+        self.say = rank == 0
+        """Rank 0 logs (every rank fails the same saves: one line per failed save, not one per rank)."""
+        self.in_a_row = 0
+        self.failed_steps: list[int] = []
+        self.last_error = ""
+        self.pending_step: int | None = None
+        """The step whose async write is in flight (counted when it ends)."""
+
+    def failed(self, step: int, what: str) -> None:
+        self.in_a_row += 1
+        self.failed_steps.append(step)
+        self.last_error = what
+        if self.say:
+            log.warning(f"Checkpoint save of step {step} to {self.where} failed ({what}); training goes on and saves "
+                        f"again at step {step + self.interval} ({self.in_a_row} failed in a row; {self.budget} end "
+                        "the run: [kubetitan.checkpoint_storage] max_failed_saves)")
+
+    def succeeded(self, step: int) -> None:
+        if self.in_a_row and self.say:
+            log.info(f"Checkpoint saved to {self.where} at step {step} after {self.in_a_row} failed save(s) "
+                     f"(steps {', '.join(map(str, self.failed_steps))})")
+        self.in_a_row, self.failed_steps = 0, []
+
+    def settle(self, write: Any) -> bool:
+        """Wait for the in-flight async write ``write`` (a Future, or None) and count its outcome; True when there
+        was one and it failed (the caller forgets it: ``compat.clear_pending_write``)."""
+        step, self.pending_step = self.pending_step, None
+        if write is None or step is None:
+            return False
+        try:
+            write.result()
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            what = storage_failure(e)
+            if what is None:
+                raise
+            self.failed(step, what)
+            return True
+        self.succeeded(step)
+        return False
+
+    def attempt(self, fn: Callable[[], Any], step: int, *, last: bool = False) -> bool:
+        """Run the save ``fn``: True when it returned (then :meth:`written`), False when it failed with a storage
+        error (counted and logged). ``last``: the run's last save, tried ``budget`` times (:func:`retry`); its
+        failure fills the budget (nothing is left to train: :meth:`check` raises)."""
+        what = f"The last checkpoint save (step {step}) to {self.where}"
+        try:
+            if last:
+                retry(fn, what=what, transient=lambda e: storage_failure(e) is not None, attempts=self.budget,
+                      first_wait=5.0, max_wait=60.0, sleep=self.sleep, say=self.say)
+            else:
+                fn()
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            failure = storage_failure(e)
+            if failure is None:
+                raise
+            if last:
+                if self.say:
+                    log.warning(f"{what} failed {self.budget} times ({failure})")
+                self.in_a_row, self.last_error = max(self.in_a_row + 1, self.budget), failure
+                self.failed_steps.append(step)
+            else:
+                self.failed(step, failure)
+            return False
+        return True
+
+    def written(self, step: int, background: bool) -> None:
+        """The save of ``step`` returned: complete, or (``background``) its write goes on (:meth:`settle`)."""
+        if background:
+            self.pending_step = step
+        else:
+            self.succeeded(step)
+
+    def check(self) -> None:
+        """Raise TransientError (exit 6) once ``budget`` saves in a row failed on any rank (collective when
+        ``agree`` is set: every rank calls it after every save)."""
+        n = int(self.agree(float(self.in_a_row))) if self.agree is not None else self.in_a_row
+        if n < self.budget:
+            return
+        from kubetitan_trainer.errors import TransientError
+
+        steps = ", ".join(map(str, self.failed_steps)) or "on another rank"
+        raise TransientError(f"{n} checkpoint saves in a row to {self.where} failed (steps {steps}; the last: "
+                             f"{self.last_error or 'see another rank'}), the budget of [kubetitan.checkpoint_storage] "
+                             "max_failed_saves. The run is restarted (exit code 6) and resumes from the newest complete "
+                             "checkpoint; if this repeats, check that the store is reachable from the pods and accepts "
+                             "writes (spec.checkpoint.storage)")
 
 
 class Purger:

@@ -14,6 +14,7 @@ from torchtitan.tools.logging import logger
 from kubetitan_trainer import BUILTIN_TOKENIZER
 from kubetitan_trainer.checks import vocab_error
 from kubetitan_trainer.errors import ConfigError
+from kubetitan_trainer.shards import TokenizerIdentity, tokenizer_identity
 
 _FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
@@ -37,7 +38,7 @@ def tokenizer_dir(job_config: JobConfig) -> str:
                               "set it to a hub repository such as meta-llama/Meta-Llama-3.1-8B")
         from kubetitan_trainer import downloads
 
-        dest = os.path.join(job_config.job.dump_folder, "tokenizer", t.repo.replace("/", "--"))
+        dest = hub_tokenizer_dir(job_config)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         what = f"Downloading the tokenizer of {t.repo} to {dest}"
         if local_rank == 0:
@@ -50,6 +51,24 @@ def tokenizer_dir(job_config: JobConfig) -> str:
         return dest
     raise ConfigError("kubetitan.tokenizer.source (spec.tokenizer.source)", f"unknown source {t.source!r}",
                       "use builtin, path or huggingface")
+
+
+def hub_tokenizer_dir(job_config: JobConfig) -> str:
+    """Where a ``huggingface`` tokenizer is downloaded to (``<dump_folder>/tokenizer/<org>--<name>``)."""
+    return os.path.join(job_config.job.dump_folder, "tokenizer", job_config.kubetitan.tokenizer.repo.replace("/", "--"))
+
+
+def run_tokenizer_identity(job_config: JobConfig) -> TokenizerIdentity | None:
+    """The run's tokenizer (spec.tokenizer) as a shards index records one (``shards.TokenizerIdentity``: the sha256
+    of its tokenizer.json); None while it is not on disk (a hub tokenizer before ``build_tokenizer`` downloaded it)."""
+    t = job_config.kubetitan.tokenizer
+    if t.source == "builtin":
+        return tokenizer_identity(BUILTIN_TOKENIZER, "builtin")
+    if t.source == "path" and t.path:
+        return tokenizer_identity(t.path, str(Path(t.path).resolve()))
+    if t.source == "huggingface" and t.repo:
+        return tokenizer_identity(hub_tokenizer_dir(job_config), t.repo)
+    return None
 
 
 def build_tokenizer(job_config: JobConfig) -> HuggingFaceTokenizer:

@@ -41,8 +41,8 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import (ENV_STOP_FILE, anatomy, aot_precompile, compat, data, heartbeat, inprocess, netcheck,
-                               restore_tier, s3shards, storage)
+from kubetitan_trainer import (ALREADY_COMPLETE, ENV_STOP_FILE, anatomy, aot_precompile, compat, data, heartbeat,
+                               inprocess, netcheck, restore_tier, s3shards, storage)
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.staging import ensure_reusable_stager
 
@@ -102,8 +102,11 @@ class KubetitanTrainer(Trainer):
         self._heartbeat = heartbeat.Writer.from_env(job_config.training.steps, ck.enable, ck.interval)
         self._store = storage.from_config(job_config)
         self._purger: storage.Purger | None = None
-        if ck.enable:
-            self._store.preflight()  # a bucket that cannot be listed: exit 2 now, not after building the model
+        self._saves = storage.SaveBudget(job_config.kubetitan.checkpoint_storage.max_failed_saves, self._store.root,
+                                         ck.interval, agree=self._max_across_ranks,
+                                         rank=int(os.environ.get("RANK", "0")))
+        if ck.enable:  # a bucket that cannot be listed: exit 2 now, not after building the model (an outage: 6)
+            storage.preflight(self._store, job_config.job.dump_folder)
         s3shards.stage_all(job_config)  # s3:// shards to node-local disk, verified, before anything is built
         super().__init__(job_config)
         self._log_float8_notes()
@@ -220,6 +223,11 @@ class KubetitanTrainer(Trainer):
             # The checkpoint this attempt resumed from is its newest complete one until it saves another:
             # the operator's restart record (resumedFromStep, lostSteps) reads it if the attempt dies first.
             ex.ckpt_step.set(self.step)
+        steps = self.job_config.training.steps
+        if self.step >= steps and self._rank_world()[0] == 0:
+            logger.warning(f"{ALREADY_COMPLETE} {self.step} (training.steps is {steps}): nothing to train. To train "
+                           "further, raise spec.training.steps (or --steps); to train again from scratch, use a new "
+                           "run name or output directory")
 
     def should_continue_training(self) -> bool:
         return not self._stopping and super().should_continue_training()
@@ -332,58 +340,78 @@ class KubetitanTrainer(Trainer):
             dcp_load=lambda dcp_load: functools.partial(self._tier_or_dcp_load, dcp_load))
 
     def _timed_save(self, save: Callable, curr_step: int, last_step: bool = False) -> None:
-        """torchtitan's save, with the free-space check, the restore tier, the save's metrics, keep-latest-K, and a
-        stop's full synchronous save and exit code."""
+        """torchtitan's save, with the free-space check, the restore tier, the save's metrics, keep-latest-K, a
+        stop's full synchronous save and exit code, and the failed-saves budget (a storage failure is one log line
+        and training goes on: storage.SaveBudget)."""
         ckpt = self.checkpointer
         if self._stopping:
             # A stop save must be complete and resumable: full state, synchronous.
             last_step = True
             compat.force_full_last_save(ckpt)
         will_save = compat.will_save(ckpt, curr_step, last_step)
-        if will_save:
-            self._sum_tokens_seen()
-        earlier_write = compat.pending_write(ckpt) if will_save else None
-        if will_save and not self._store.remote:  # object storage has no volume to fill
+        if not will_save:
+            save(curr_step, last_step=last_step)
+            self._after_stop_save(False, curr_step)
+            return
+        self._sum_tokens_seen()
+        if self._saves.settle(compat.pending_write(ckpt)):  # the last save's background write failed: counted
+            compat.clear_pending_write(ckpt)
+        earlier_write = compat.pending_write(ckpt)
+        if not self._store.remote:  # object storage has no volume to fill
             check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
-        if will_save and not last_step:
+        if not last_step:
             # torch 2.11's DefaultStager stages once (see staging.py); the staged copy goes into the staging arena
             # in the restore tier's folder when there is one (kubetitan_trainer.arena).
             ensure_reusable_stager(ckpt, arena_folder=self._tier, rank=self._rank_world()[0])
-        tier = will_save and not last_step and bool(self._tier)
+        tier = not last_step and bool(self._tier)
         staged_saves = compat.stages_in_background(ckpt)
         if tier and not staged_saves:
             # Before DCP's save: a failure during that save (a cut-off step-N, never loaded) still finds step N
             # in every rank's tier (restore_tier.agreed_newer_step), so an in-place restart loses no step.
             self._save_tier(curr_step)
         begin = time.perf_counter()
-        save(curr_step, last_step=last_step)
-        if tier and staged_saves:
-            stager = compat.checkpoint_stager(ckpt)
-            staged = getattr(stager, "last_staged", None)  # a staging.ReusableStager's
-            if staged is not None:  # pinned async saves: write the tier from the staged copy, in the background
-                stager.last_staged = None
-                stager.before_stage = self._tier_writer.wait
-                rank, world = self._rank_world()
-                self._tier_writer.start(staged, self._tier, arena=getattr(stager, "arena", None), step=curr_step,
-                                        rank=rank, world_size=world,
-                                        checkpoint_folder=ckpt.folder)
-            else:
-                self._save_tier(curr_step)
-        if will_save:
+        saved = self._saves.attempt(lambda: save(curr_step, last_step=last_step), curr_step,
+                                    last=last_step and not self._stopping)  # a stop save has no time for retries
+        if saved and tier and staged_saves:
+            self._tier_from_staged(curr_step)
+        if saved:
             # An async save leaves its background write in save_future (a new one; a synchronous save,
             # the last step's included, leaves the earlier one or None): it is complete when that ends.
             write = compat.pending_write(ckpt)
             write = write if write is not earlier_write else None
+            self._saves.written(curr_step, background=write is not None)
             self.metrics_processor.exporter.checkpoint_saved(curr_step, time.perf_counter() - begin, write)
             if self._purger is not None:
                 self._purger.request()  # keep-latest-K over the complete steps (an in-flight one is kept)
-        if self._stopping:
-            if will_save:
-                KubetitanTrainer.exit_code = ExitCode.TERMINATED_CHECKPOINTED
-                logger.info(f"Saved the stop checkpoint at step {curr_step}")
-            else:
-                KubetitanTrainer.exit_code = contract.EXIT_SIGTERM
-                logger.warning("Stopping without a checkpoint: checkpoint.enable is false")
+        if not self._stopping:
+            self._saves.check()  # collective: every rank saves at the same steps
+        self._after_stop_save(saved, curr_step)
+
+    def _tier_from_staged(self, step: int) -> None:
+        """Pinned async saves: write the restore tier from the staged copy, in the background."""
+        ckpt = self.checkpointer
+        stager = compat.checkpoint_stager(ckpt)
+        staged = getattr(stager, "last_staged", None)  # a staging.ReusableStager's
+        if staged is None:
+            self._save_tier(step)
+            return
+        stager.last_staged = None
+        stager.before_stage = self._tier_writer.wait
+        rank, world = self._rank_world()
+        self._tier_writer.start(staged, self._tier, arena=getattr(stager, "arena", None), step=step, rank=rank,
+                                world_size=world, checkpoint_folder=ckpt.folder)
+
+    def _after_stop_save(self, saved: bool, step: int) -> None:
+        """A stop's exit code: 75 when its checkpoint was saved, 143 (SIGTERM) without one."""
+        if not self._stopping:
+            return
+        if saved:
+            KubetitanTrainer.exit_code = ExitCode.TERMINATED_CHECKPOINTED
+            logger.info(f"Saved the stop checkpoint at step {step}")
+            return
+        KubetitanTrainer.exit_code = contract.EXIT_SIGTERM
+        logger.warning("Stopping without a checkpoint: " + ("checkpoint.enable is false" if not self.checkpointer.enable
+                                                           else f"the stop save of step {step} failed (above)"))
 
     def _load_then_publish(self, load: Callable, step: int = -1) -> bool:
         """torchtitan's load (or the restore tier's, or the object store's), timed for the start-up anatomy."""

@@ -164,7 +164,7 @@ def no_checkpoint_volume(spec: LlamaPretrainSpec) -> str | None:
     condition reports the same; a multi-node run without storage is an error, rule checkpoint.storage-required)."""
     ck, r = spec.checkpoint, spec.resources
     if not (ck.enabled and ck.storage.persistent_volume_claim is None and ck.storage.host_path is None
-            and r.nodes == 1):
+            and ck.storage.s3 is None and r.nodes == 1):
         return None
     restarts = f" (runPolicy.maxRestarts is {spec.run_policy.max_restarts})" if spec.run_policy.max_restarts else ""
     return (f"checkpoints are saved into the pod's own filesystem at {ck.mount_path}: they survive an in-place "

@@ -137,6 +137,11 @@ class KubetitanCheckpointStorage:
     connection resets and timeouts)."""
     thread_count: int = 4
     """DCP writer threads per rank; each writes its own object, so a save writes ranks x this objects."""
+    max_failed_saves: int = 3
+    """Checkpoint saves in a row that may fail with a storage error (the store unreachable, a write refused) while
+    training goes on: each failure is logged in one line and the next interval saves again; the save that makes this
+    many in a row ends the run with exit code 6 (retryable). The last step's save is tried this many times before
+    that. Any store: S3 or a mounted volume."""
 
 
 @dataclass
