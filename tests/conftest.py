@@ -7,6 +7,7 @@ import signal
 
 import pytest
 
+from support import xdist_groups
 from support.cluster import STARTS_KEY
 
 _SLOWEST_FIRST = (
@@ -34,7 +35,8 @@ def _rank(item: pytest.Item) -> tuple[int, bool]:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    xdist_groups.in_node_ids(config, items)
     items.sort(key=_rank)  # stable: within a rank, collection order stays
 
 

@@ -12,6 +12,7 @@ used to fail. ``bench/collect_pairs.py`` collects every pair of test directories
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -172,3 +173,22 @@ def test_the_static_checks_parse_safely_while_a_collection_runs_a_finaliser_that
     assert gc.isenabled()
     if sys.version_info < (3, 12):  # the bug's interpreters: the check reproduces it, so it tests the guard
         assert isinstance(results["ast.parse"], SystemError), results["ast.parse"]
+
+
+def test_an_xdist_group_runs_on_one_worker(tmp_path: Path) -> None:
+    """Canary of support.xdist_groups: under ``--dist loadgroup`` (make test) every test of one ``xdist_group`` runs
+    on the same worker. With pytest 9.2 and pytest-xdist 3.8 alone they were spread over all workers."""
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\nfrom support import xdist_groups\n\n"
+        "@pytest.hookimpl(trylast=True)\ndef pytest_collection_modifyitems(config, items):\n"
+        "    xdist_groups.in_node_ids(config, items)\n")
+    (tmp_path / "test_grouped.py").write_text(
+        "import os, pytest\npytestmark = pytest.mark.xdist_group('g')\n\n"
+        "@pytest.mark.parametrize('i', range(6))\ndef test_a(i):\n"
+        "    with open('workers.txt', 'a') as f:\n        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "3", "--dist", "loadgroup",
+                          "-q", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    workers = (tmp_path / "workers.txt").read_text().split()
+    assert len(workers) == 6 and len(set(workers)) == 1, workers

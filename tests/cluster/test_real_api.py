@@ -130,7 +130,7 @@ def test_a_refusal_and_a_warning_through_real_kubectl(control_plane: ControlPlan
     assert "Warning: [checkpoint.interval-beyond-run]" in out.stderr, out.stderr
 
 
-def test_server_side_apply_of_a_run_tracks_its_field_managers(control_plane: ControlPlane, release: Release,
+def test_server_side_apply_of_a_run_tracks_its_field_managers(control_plane: ControlPlane, operator: Any,
                                                                 namespace: str, tmp_path: Path) -> None:
     """``kubectl apply --server-side`` creates and updates a run (the double answered NotFound), and a second
     manager's conflicting change is refused until forced."""
