@@ -7,6 +7,8 @@ Lease), the controller-manager garbage-collects, counts quota and turns a silent
 - a ResourceQuota refusing the gang's second pod gives one aggregated Warning Event;
 - gang scheduling by the cluster: a 4-pod gang with room for 3 gets its PodGroup and kube-scheduler binds none of
   its pods (the same run with ``scheduling.podGroup: Disabled`` gets 3 of 4 bound), and all 4 once a node joins;
+- an elastic run: a node lost with no replacement shrinks the gang 3 -> 2 (kube-scheduler places attempt 1 on
+  the two Ready nodes), and the node's return grows it back 3 at a checkpoint, then Succeeded;
 - one CPU run: start -> a rank's container killed -> the gang re-created -> its node stops renewing its Lease
   (NotReady after the controller-manager's grace period) -> NodeFailure restart on the other nodes -> etcd
   compacted and kube-apiserver restarted (every watch expires) -> no further restart -> Succeeded.
@@ -30,11 +32,12 @@ from kubelet import Kubelet  # noqa: E402
 from kmockx.harness import OperatorProcess, free_port, wait_for  # noqa: E402
 from support.cluster import LPT, NODES, PODS, ApiError, ControlPlane, KubeCluster  # noqa: E402
 from support.release import Release  # noqa: E402
-from support.specs import CLAIM, cpu_spec, e2e_spec, lpt  # noqa: E402
+from support.specs import CLAIM, cpu_spec, e2e_elastic_spec, e2e_spec, lpt  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("real-cluster"), pytest.mark.timeout(900)]
-OPERATOR_FLAGS = ("--scan-interval=0.2", "--scrape-interval=0.5")
-"""Quicker cycles than the chart's defaults (10 s / 15 s), as the e2e suite on the double runs them."""
+OPERATOR_FLAGS = ("--scan-interval=0.2", "--scrape-interval=0.5", "--resize-min-interval-seconds=1")
+"""Quicker cycles than the chart's defaults (10 s / 15 s, a resize at most every 600 s), as the e2e suite on the
+double runs them."""
 START = 300.0
 ZONE = "topology.kubernetes.io/zone"
 
@@ -264,3 +267,36 @@ def test_a_gang_with_room_for_three_of_four_binds_none_then_all_once_a_node_join
         wait_for(lambda: all(p["spec"].get("nodeName") for p in kube.pods(namespace, "gang")), 60,
                  "all 4 pods of the gang bound once a fourth node joined")
         assert len({p["spec"]["nodeName"] for p in kube.pods(namespace, "gang")}) == 4
+
+
+def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(
+        kube: KubeCluster, control_plane: ControlPlane, fast_operator: OperatorProcess, namespace: str,
+        tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _claim(control_plane, namespace, CLAIM, ckpt)
+    spec = e2e_elastic_spec(ckpt, 160, 5, free_port(), 6, {"shrinkAfterSeconds": 2, "growCheckSeconds": 2})
+    st = lambda: kube.status(namespace, "el")  # noqa: E731
+    with Kubelet(kube, tmp_path / "kubelet", nodes=3, claims={CLAIM: ckpt}, node_prefix=f"{namespace}-n") as k, \
+            _explained(lambda: _diagnosis(kube, k, namespace, "el")):
+        kube.apply(lpt("el", spec, namespace=namespace))
+        wait_for(lambda: st().get("training", {}).get("step", 0) >= 6, START, "attempt 0 past its first checkpoint")
+        a0 = _attempt_pods(kube, namespace, "el", 0)
+        assert len({p["spec"]["nodeName"] for p in a0}) == 3  # elastic: one pod per node (anti-affinity)
+        lost = next(p["spec"]["nodeName"] for p in a0 if p["metadata"]["name"].endswith("-2"))
+        k.fail_node(lost)
+        wait_for(lambda: st().get("resizeCount") == 1, 120, "the shrink once the node is NotReady")
+        wait_for(lambda: len(_attempt_pods(kube, namespace, "el", 1)) == 2 and all(
+            p["spec"].get("nodeName") for p in _attempt_pods(kube, namespace, "el", 1)), 60, "attempt 1 bound")
+        assert lost not in {p["spec"]["nodeName"] for p in _attempt_pods(kube, namespace, "el", 1)}
+        wait_for(lambda: st().get("attempt") == 1 and st().get("training", {}).get("step", 0) > 6, START,
+                 "attempt 1 training on 2 nodes")
+        k.restore_node(lost)
+        wait_for(lambda: st().get("resizeCount") == 2, 120, "the grow once the node is back")
+        wait_for(lambda: len({p["spec"].get("nodeName") for p in _attempt_pods(kube, namespace, "el", 2)} - {None})
+                 == 3, 60, "attempt 2 bound on 3 nodes")
+        wait_for(lambda: st().get("phase") == "Succeeded", START, "Succeeded")
+        shrink, grow = st()["restarts"]
+        assert (shrink["cause"], shrink["fromNodes"], shrink["toNodes"]) == ("Shrink", 3, 2), shrink
+        assert (grow["cause"], grow["fromNodes"], grow["toNodes"]) == ("Grow", 2, 3), grow
+    assert not k.errors, k.errors
