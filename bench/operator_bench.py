@@ -62,7 +62,27 @@ OPERATOR_SRC: str | None = None
 """--operator-src: a directory holding another ``kubetitan`` package (e.g. an older commit's) to compare."""
 
 
-class Server:
+class _Api:
+    """What the driver does as the user (``url``, ``http`` and ``close`` come from the subclass)."""
+
+    url: str
+    http: requests.Session
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> _Api:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def create(self, path: str, obj: dict[str, Any]) -> None:
+        r = self.http.post(self.url + path, json=obj, timeout=30)
+        assert r.status_code == 201, r.text
+
+
+class Server(_Api):
     """kmockx in its own process."""
 
     def __init__(self, *args: str, profile: str | None = None) -> None:
@@ -89,17 +109,7 @@ class Server:
         self.proc.wait(20)
         os.unlink(self.kubeconfig)
 
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # ---- as a user / kubelet
-    def create(self, path: str, obj: dict[str, Any]) -> None:
-        r = self.http.post(self.url + path, json=obj, timeout=30)
-        assert r.status_code == 201, r.text
-
+    # ---- as a kubelet
     def patch(self, path: str, patch: dict[str, Any]) -> None:
         r = self.http.patch(self.url + path, data=json.dumps(patch), timeout=30,
                             headers={"Content-Type": "application/merge-patch+json"})
@@ -118,7 +128,7 @@ class Server:
                             "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]}})
 
 
-class RealServer:
+class RealServer(_Api):
     """A real control plane instead (``--server real``: tests/support/cluster.py, the binaries ``make cluster``
     builds): etcd, kube-apiserver and kube-controller-manager (its ServiceAccount controller gives the namespace its
     ``default`` ServiceAccount, which pod admission needs); no scheduler and no nodes, so pods stay Pending, as on
@@ -142,16 +152,6 @@ class RealServer:
 
     def close(self) -> None:
         self.cp.stop()
-
-    def __enter__(self) -> RealServer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def create(self, path: str, obj: dict[str, Any]) -> None:
-        r = self.http.post(self.url + path, json=obj, timeout=30)
-        assert r.status_code == 201, r.text
 
 
 SERVER: type = Server

@@ -77,6 +77,14 @@ def _explained(diagnosis: Callable[[], str]) -> Iterator[None]:
         raise AssertionError(f"{e}\n--- diagnosis ---\n{diagnosis()}") from None
 
 
+def _checkpoint_claim(cp: ControlPlane, ns: str, tmp_path: Path) -> Path:
+    """The e2e specs' checkpoint claim, bound to a folder of the test's own."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _claim(cp, ns, CLAIM, ckpt)
+    return ckpt
+
+
 def _events(kube: KubeCluster, ns: str, name: str, reason: str | None = None) -> list[dict[str, Any]]:
     return [e for e in kube.list("v1/events", ns) if e["involvedObject"].get("name") == name
             and (reason is None or e["reason"] == reason)]
@@ -145,9 +153,7 @@ def _attempt_pods(kube: KubeCluster, ns: str, name: str, attempt: int) -> list[d
 def test_a_cpu_run_survives_a_killed_rank_and_a_lost_node_then_succeeds(
         kube: KubeCluster, control_plane: ControlPlane, fast_operator: OperatorProcess, namespace: str,
         tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    _claim(control_plane, namespace, CLAIM, ckpt)
+    ckpt = _checkpoint_claim(control_plane, namespace, tmp_path)
     spec = e2e_spec(ckpt, steps=400, interval=10, metrics_port=free_port(), maxInPlaceRestarts=0)
     with Kubelet(kube, tmp_path / "kubelet", nodes=3, claims={CLAIM: ckpt}, node_prefix=f"{namespace}-n") as k, \
             _explained(lambda: _diagnosis(kube, k, namespace, "cpu")):
@@ -272,9 +278,7 @@ def test_a_gang_with_room_for_three_of_four_binds_none_then_all_once_a_node_join
 def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_it_returns(
         kube: KubeCluster, control_plane: ControlPlane, fast_operator: OperatorProcess, namespace: str,
         tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    _claim(control_plane, namespace, CLAIM, ckpt)
+    ckpt = _checkpoint_claim(control_plane, namespace, tmp_path)
     spec = e2e_elastic_spec(ckpt, 160, 5, free_port(), 6, {"shrinkAfterSeconds": 2, "growCheckSeconds": 2})
     st = lambda: kube.status(namespace, "el")  # noqa: E731
     with Kubelet(kube, tmp_path / "kubelet", nodes=3, claims={CLAIM: ckpt}, node_prefix=f"{namespace}-n") as k, \

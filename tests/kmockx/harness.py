@@ -35,6 +35,7 @@ from kmockx import ApiError, KubeEmulator, kubeconfig, rbac  # noqa: F401 - ApiE
 from kmockx.validation import StructuralSchema
 from kubetitan_core import contract
 from kubetitan.runner import Options, run
+from support.runs import RunQueries
 from support.specs import NS, cpu_spec, lpt  # noqa: F401 - cpu_spec, lpt re-exported for tests written before tests/support
 
 LPT = "kubetitan.io/v1alpha1/llamapretrains"
@@ -70,7 +71,7 @@ def wait_for(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condit
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
-class Cluster:
+class Cluster(RunQueries):
     """kmockx with the built-ins declared, the CRD applied from crds/ and (``rbac=True``, the default) the chart's
     RBAC enforced: ``kubeconfig`` authenticates as the operator's ServiceAccount with the chart's rules for both
     watch modes (``operator_kubeconfig`` gives the exact rules of one mode), ``admin_kubeconfig`` as a cluster
@@ -245,9 +246,6 @@ class Cluster:
     def set_node_ready(self, name: str, ready: bool, when: str | None = None) -> None:
         self.patch(NODES, None, name, {"status": {"conditions": [self._ready_cond(ready, when)]}}, "status")
 
-    def pods(self, ns: str, name: str) -> list[dict[str, Any]]:
-        return sorted(self.list(PODS, ns, f"kubetitan.io/name={name}"), key=lambda p: p["metadata"]["name"])
-
     # ---- the node-agent interface the e2e kubelet uses (support.cluster.KubeCluster is the real cluster's)
     schedules = False
     """The double has no scheduler: the e2e kubelet binds pods itself."""
@@ -277,9 +275,6 @@ class Cluster:
 
         self.call(go())
 
-    def pod_names(self, ns: str, name: str) -> list[str]:
-        return [p["metadata"]["name"] for p in self.pods(ns, name)]
-
     def run_pod(self, ns: str, pod: str, node: str, ip: str = "127.0.0.1") -> None:
         if self.get(NODES, None, node) is None:
             self.add_node(node)
@@ -300,15 +295,6 @@ class Cluster:
         self.patch(PODS, ns, pod, {"status": {"phase": "Pending", "containerStatuses": [
             {"name": "trainer", "ready": False, "state": {"waiting": {"reason": reason, "message": message}}}]}},
             "status")
-
-    def lpt(self, ns: str, name: str) -> dict[str, Any] | None:
-        return self.get(LPT, ns, name)
-
-    def status(self, ns: str, name: str) -> dict[str, Any]:
-        return (self.lpt(ns, name) or {}).get("status") or {}
-
-    def condition(self, ns: str, name: str, type_: str) -> dict[str, Any] | None:
-        return next((c for c in self.status(ns, name).get("conditions", []) if c["type"] == type_), None)
 
 
 class Operator:

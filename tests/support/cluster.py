@@ -58,6 +58,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from support.paths import REPO
+from support.runs import RunQueries
 
 BIN = REPO / ".tools" / "bin"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
@@ -557,7 +558,7 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class KubeCluster:
+class KubeCluster(RunQueries):
     """The API double's test-helper interface (``kmockx.harness.Cluster``) over the real control plane, for the e2e
     kubelet and the scenarios: reads and a test's own writes as the admin, a node agent's writes (its Node, its
     Lease, its pods' status and final delete) as that node (``system:node:<name>``: the Node authorizer and
@@ -587,21 +588,6 @@ class KubeCluster:
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         return self.api.create(LPT, obj["metadata"].get("namespace", "default"), obj)
-
-    def lpt(self, ns: str, name: str) -> dict[str, Any] | None:
-        return self.get(LPT, ns, name)
-
-    def status(self, ns: str, name: str) -> dict[str, Any]:
-        return (self.lpt(ns, name) or {}).get("status") or {}
-
-    def condition(self, ns: str, name: str, type_: str) -> dict[str, Any] | None:
-        return next((c for c in self.status(ns, name).get("conditions", []) if c["type"] == type_), None)
-
-    def pods(self, ns: str, name: str) -> list[dict[str, Any]]:
-        return sorted(self.list(PODS, ns, f"kubetitan.io/name={name}"), key=lambda p: p["metadata"]["name"])
-
-    def pod_names(self, ns: str, name: str) -> list[str]:
-        return [p["metadata"]["name"] for p in self.pods(ns, name)]
 
     def force_delete(self, ns: str, name: str) -> None:
         """``kubectl delete pod --grace-period=0 --force``."""
