@@ -40,6 +40,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=_rank)  # stable: within a rank, collection order stays
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:  # noqa: ARG001
+    """No garbage collection while pytest formats a test's report: it parses the failing source with ``ast.parse``,
+    and a finaliser run by a collection in the middle (an event loop a test left, reported to the unraisable hook,
+    whose traceback parses source too) broke Python 3.11's parser with 'SystemError: AST constructor recursion depth
+    mismatch': the worker died with INTERNALERROR and the failure it was reporting was lost (a make test on this
+    machine). The collection runs after the report."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     gc.disable()  # collection imports torch and torchtitan: as the trainer does (kubetitan_trainer.main.imports_without_gc)
