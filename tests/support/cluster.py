@@ -310,6 +310,7 @@ class ControlPlane:
     audit: bool = True
     """Write an audit log of every write (Metadata level: who, what, the answer), read by :meth:`audit_events`."""
     components: dict[str, Component] = field(default_factory=dict)
+    _tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     _own_dir: bool = False
 
@@ -391,8 +392,11 @@ class ControlPlane:
         return r["status"]["token"]
 
     def service_account_kubeconfig(self, namespace: str, service_account: str) -> Path:
+        """A kubeconfig with a new token of the ServiceAccount, in a file of its own (a client re-reads its file:
+        two replicas must never share one, or one would authenticate with the other's token)."""
         assert self.workdir is not None
-        return write_kubeconfig(self.workdir / f"sa-{namespace}-{service_account}.kubeconfig", self.server,
+        self._tokens += 1
+        return write_kubeconfig(self.workdir / f"sa-{namespace}-{service_account}-{self._tokens}.kubeconfig", self.server,
                                 self.pki.ca_file, f"system:serviceaccount:{namespace}:{service_account}",
                                 token=self.token(namespace, service_account), namespace=namespace)
 
