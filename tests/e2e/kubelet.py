@@ -118,6 +118,12 @@ def _now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _api_away(e: BaseException) -> bool:
+    """The API server is restarting or gone for a moment (refused connections, its 503 'apiserver is shutting down'):
+    a kubelet tries again at its next sync, as the double does."""
+    return isinstance(e, requests.ConnectionError) or getattr(e, "status", 0) in (502, 503, 504)
+
+
 def _children_map() -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
@@ -332,10 +338,9 @@ class Kubelet:
         while not self._stop.is_set():
             try:
                 self.sync()
-            except requests.ConnectionError:
-                pass  # the API server is away (a test restarts it): a kubelet tries again, as here at the next poll
             except Exception as e:  # noqa: BLE001 - surfaced to the test through .errors
-                self.errors.append(e)
+                if not _api_away(e):
+                    self.errors.append(e)
             self._stop.wait(self.poll)
 
     def _heartbeats(self) -> None:
@@ -347,10 +352,9 @@ class Kubelet:
                     continue
                 try:
                     self.c.renew_node(n)
-                except requests.ConnectionError:
-                    pass  # the API server is away: the next beat tries again
                 except Exception as e:  # noqa: BLE001 - surfaced to the test through .errors
-                    self.errors.append(e)
+                    if not _api_away(e):
+                        self.errors.append(e)
 
     def sync(self) -> None:
         pods = {(p["metadata"].get("namespace"), p["metadata"]["name"]): p for p in self.c.list(PODS)

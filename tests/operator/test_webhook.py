@@ -587,7 +587,9 @@ def test_garbage_is_a_400_without_a_traceback_and_refusals_are_logged_once_per_w
     env.clock.now += webhook_guard.LOG_EVERY_SECONDS
     _review(env, _tenant_spec("noisy-last", env=[{"name": "LD_PRELOAD", "value": "/x.so"}]), "mallory")
     requests.post(url, data=b"[]", verify=False, timeout=10)
-    mine = [r for r in caplog.records if r.name.startswith(("kubetitan", "kopf", "aiohttp"))]
+    # the webhook's own loggers: the module's operator also reconciles other tests' runs meanwhile (t-sa's reconcile
+    # errors landed in this window in a make test), which is not what this test is about
+    mine = [r for r in caplog.records if r.name.startswith(("kubetitan.webhook", "kopf", "aiohttp"))]
     assert not [r for r in mine if r.exc_info or r.levelno >= logging.ERROR], \
         [(r.name, r.getMessage()[:200]) for r in mine if r.exc_info or r.levelno >= logging.ERROR]
     malformed = [r.getMessage() for r in mine if "that is not an AdmissionReview" in r.getMessage()]
