@@ -6,6 +6,7 @@
 set -euo pipefail
 out=$(realpath -m "${1:?usage: build.sh OUT_DIR}")
 cd "$(dirname "$0")"
+command -v go >/dev/null || PATH="$PATH:/usr/local/go/bin"  # the toolchain's default place, when PATH lacks it
 command -v go >/dev/null || { echo "error: no 'go' on PATH: install the Go toolchain (go.mod names the version)" >&2; exit 2; }
 v=$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3}' go.mod)
 minor=${v#v1.}; minor=${minor%%.*}
