@@ -36,6 +36,7 @@ and writes DIR/<scenario>.prof, and kmockx's server thread too (DIR/kmockx_<scen
 from __future__ import annotations
 
 import argparse
+from abc import ABC, abstractmethod
 import json
 import os
 import statistics
@@ -62,14 +63,15 @@ OPERATOR_SRC: str | None = None
 """--operator-src: a directory holding another ``kubetitan`` package (e.g. an older commit's) to compare."""
 
 
-class _Api:
+class _Api(ABC):
     """What the driver does as the user (``url``, ``http`` and ``close`` come from the subclass)."""
 
     url: str
     http: requests.Session
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Stop the API server (and its process)."""
 
     def __enter__(self) -> _Api:
         return self

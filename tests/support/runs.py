@@ -3,20 +3,23 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 LPT = "kubetitan.io/v1alpha1/llamapretrains"
 PODS = "v1/pods"
 
 
-class RunQueries:
-    """A run, its status and conditions, its pods by name."""
+class RunQueries(ABC):
+    """A run, its status and conditions, its pods by name (over the subclass's ``get`` and ``list``)."""
 
+    @abstractmethod
     def get(self, resource: str, ns: str | None, name: str) -> dict[str, Any] | None:
-        raise NotImplementedError
+        """One object, or None."""
 
+    @abstractmethod
     def list(self, resource: str, ns: str | None = None, selector: str | None = None) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """The objects of a kind, optionally of one namespace and label selector."""
 
     def lpt(self, ns: str, name: str) -> dict[str, Any] | None:
         return self.get(LPT, ns, name)
