@@ -225,32 +225,6 @@ def test_garbage_collection_and_finalizers(c: Cluster) -> None:
     assert call(c, "GET", f"{cms}/held").status_code == 404
 
 
-# ------------------------------------------------------------------------------------------------ Pod Security
-def test_pod_security_admission_by_namespace_label(c: Cluster) -> None:
-    for ns, level in (("psa-r", "restricted"), ("psa-b", "baseline")):
-        call(c, "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
-            "name": ns, "labels": {"pod-security.kubernetes.io/enforce": level}}})
-    plain = pod("plain")
-    r = call(c, "POST", "/api/v1/namespaces/psa-r/pods", {**plain, "metadata": {"name": "plain"}})
-    assert r.status_code == 403 and r.json()["reason"] == "Forbidden"
-    assert r.json()["message"] == (
-        'pods "plain" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != false '
-        '(container "c" must set securityContext.allowPrivilegeEscalation=false), unrestricted capabilities '
-        '(container "c" must set securityContext.capabilities.drop=["ALL"]), runAsNonRoot != true (pod or '
-        'container "c" must set securityContext.runAsNonRoot=true), seccompProfile (pod or container "c" must set '
-        'securityContext.seccompProfile.type to "RuntimeDefault" or "Localhost")')
-    assert call(c, "POST", "/api/v1/namespaces/psa-b/pods", {**plain, "metadata": {"name": "plain"}}).status_code == 201
-    host = pod("host", hostNetwork=True, volumes=[{"name": "h", "hostPath": {"path": "/"}}])
-    r = call(c, "POST", "/api/v1/namespaces/psa-b/pods", {**host, "metadata": {"name": "host"}})
-    assert r.status_code == 403 and r.json()["message"] == (
-        'pods "host" is forbidden: violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true), '
-        'hostPath volumes (volume "h")')
-    good = pod("good", securityContext={"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}})
-    good["spec"]["containers"][0]["securityContext"] = {"allowPrivilegeEscalation": False,
-                                                        "capabilities": {"drop": ["ALL"]}}
-    assert call(c, "POST", "/api/v1/namespaces/psa-r/pods", {**good, "metadata": {"name": "good"}}).status_code == 201
-
-
 # ------------------------------------------------------------------------------------------------ RBAC
 def test_rbac_refuses_what_the_chart_does_not_grant(c: Cluster) -> None:
     url = _server(c.operator_kubeconfig((NS,)))

@@ -10,6 +10,7 @@ difference found and what changed.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,11 @@ import pytest
 import yaml
 
 from kmockx.harness import wait_for
+from kubetitan import plan
 from kubetitan_core import crd as crdmod
 from kubetitan_core.validation import CEL_RULES, parse
 from support.cluster import LPT, PODS, ApiError, ControlPlane, KubeCluster, kubernetes_version, resource_path
-from support.paths import EXAMPLES, REPO
+from support.paths import EXAMPLES, REPO, load_example
 from support.release import Release, kubectl
 from support.specs import cpu_spec, lpt, make_lpt
 
@@ -226,3 +228,96 @@ def test_a_tenant_cannot_move_an_admins_secret_into_her_code_by_editing_the_run(
     stored = control_plane.admin.get(LPT, namespace, "admins-run")
     assert "env" not in stored["spec"]["resources"], stored["spec"]["resources"]
     assert stored["spec"]["resources"]["image"] == "kubetitan/trainer:0.1.0"  # the default, unchanged
+
+
+# ------------------------------------------------------------------------------------------------ Pod Security
+HOSTPATH_ALLOWANCE = {'restricted volume types (volume "checkpoints" uses restricted volume type "hostPath")'}
+"""The one documented allowance (docs/install.md, "Admin policy"): the single-node examples' hostPath checkpoint
+volume, which Pod Security forbids from ``baseline`` up (``restricted``'s volume-type check supersedes baseline's
+hostPath check, so the server names only the former)."""
+
+
+def _rendered_pods(doc: dict[str, Any], namespace: str) -> tuple[Any, list[dict[str, Any]]]:
+    doc["metadata"].update(namespace=namespace, uid="6f1c2d1e-0000-4000-8000-000000000001")
+    run, errors = parse(doc)
+    assert not errors, errors
+    return run, [c for c in plan.attempt_children(run, attempt=1, avoid_nodes=["n1"]) if c["kind"] == "Pod"]
+
+
+def _pod_security_violations(api: Any, namespace: str, pod: dict[str, Any]) -> set[str]:
+    """What the server's PodSecurity admission says of ``pod`` in ``namespace`` (a dry-run create: nothing is
+    stored); an empty set when it is admitted."""
+    pod = {**pod, "metadata": {**pod["metadata"], "namespace": namespace, "ownerReferences": []}}
+    try:
+        api.create(PODS, namespace, pod, dryRun="All")
+    except ApiError as e:
+        message = e.body.get("message", "") if isinstance(e.body, dict) else str(e.body)
+        assert e.status == 403 and 'violates PodSecurity "restricted:latest": ' in message, (e.status, message)
+        return set(re.split(r", (?=[a-zA-Z][^(]* \()", message.split('restricted:latest": ', 1)[1]))
+    return set()
+
+
+@pytest.fixture
+def restricted(control_plane: ControlPlane, namespace: str) -> str:
+    """The test's namespace, enforcing Pod Security ``restricted``."""
+    api = control_plane.admin
+    api.patch("v1/namespaces", None, namespace, {"metadata": {"labels": {
+        "pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}}})
+    return namespace
+
+
+def test_every_examples_pods_and_the_prepare_job_pass_pod_security_restricted(
+        control_plane: ControlPlane, restricted: str) -> None:
+    """The server's own PodSecurity admission (``restricted:latest``) judges every example's rendered pods and the
+    prepare-data Job's pod: admitted, except the documented hostPath allowance of the single-node examples."""
+    api = control_plane.admin
+    accounts: set[str] = set()
+    for path in EXAMPLES:
+        run, pods = _rendered_pods(load_example(path), restricted)
+        assert pods, path
+        for pod in pods:
+            sa = pod["spec"].get("serviceAccountName")
+            if sa and sa not in accounts:  # the ServiceAccount admission plugin wants it to exist
+                api.create("v1/serviceaccounts", restricted, {"apiVersion": "v1", "kind": "ServiceAccount",
+                                                               "metadata": {"name": sa}})
+                accounts.add(sa)
+            pc = pod["spec"].get("priorityClassName")
+            if pc and api.get("scheduling.k8s.io/v1/priorityclasses", None, pc) is None:  # Priority admission too
+                api.create("scheduling.k8s.io/v1/priorityclasses", None, {
+                    "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": pc},
+                    "value": 1000})
+            found = _pod_security_violations(api, restricted, pod)
+            want = HOSTPATH_ALLOWANCE if run.spec.checkpoint.storage.host_path else set()
+            assert found == want, (path.name, found)
+    job = yaml.safe_load(subprocess.run(
+        [sys.executable, "-m", "kubetitan.cli", "prepare-data", "--render-job", "/data/in", "-o", "/data/shards",
+         "--parts", "2", "--job-name", "prep", "--job-namespace", restricted, "--job-image", "trainer:test",
+         "--job-claim", "corpus", "--job-mount-path", "/data"], capture_output=True, text=True, check=True).stdout)
+    template = job["spec"]["template"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {**template.get("metadata", {}), "name": "prep-0"},
+           "spec": template["spec"]}
+    assert _pod_security_violations(api, restricted, pod) == set()
+
+
+def test_the_hostpath_examples_are_exactly_the_documented_single_node_ones() -> None:
+    """The allowance above is not a blanket one: docs/install.md names these examples."""
+    host_path = {p.stem for p in EXAMPLES if parse(load_example(p))[0].spec.checkpoint.storage.host_path}
+    assert host_path == {"debug-cpu", "llama3-1b-h200", "llama3-3b-h200"}
+    install = (REPO / "docs" / "install.md").read_text()
+    for stem in host_path:
+        assert f"examples/{stem}.yaml" in install
+
+
+def test_a_pod_without_the_security_context_is_refused_restricted(control_plane: ControlPlane,
+                                                                    restricted: str) -> None:
+    """The check is real: the same pod without its security contexts breaks four of ``restricted``'s rules."""
+    _, pods = _rendered_pods(make_lpt({"resources": {"instanceType": "p5.48xlarge", "platform": "eks"},
+                                       "checkpoint": {"storage": {"persistentVolumeClaim": {"claimName": "ck"}}}}),
+                             restricted)
+    pod = pods[0]
+    pod["spec"].pop("serviceAccountName", None)
+    assert _pod_security_violations(control_plane.admin, restricted, pod) == set()
+    del pod["spec"]["securityContext"], pod["spec"]["containers"][0]["securityContext"]
+    titles = {v.split(" (")[0] for v in _pod_security_violations(control_plane.admin, restricted, pod)}
+    assert titles == {"allowPrivilegeEscalation != false", "unrestricted capabilities", "runAsNonRoot != true",
+                      "seccompProfile"}

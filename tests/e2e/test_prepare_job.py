@@ -1,5 +1,6 @@
 """``kubetitan prepare-data --render-job``: the Indexed Job is valid for every supported Kubernetes version, is
-admitted by the strict API double (schema of 1.32, Pod Security ``restricted``), and its pods, run as processes by
+admitted by the strict API double (schema of 1.32; its pod passes Pod Security ``restricted`` on the real API
+server, tests/cluster/test_real_api.py), and its pods, run as processes by
 the e2e kubelet with this test playing the Job controller (one pod per completion index, created from the template
 with the labels, annotation and ``JOB_COMPLETION_INDEX`` env the controller adds), write the same shards and
 ``index.json`` as a one-machine run. A bad input line fails its pod with exit code 2 and FILE:LINE in the
@@ -101,7 +102,7 @@ def run_job(c: Cluster, k: Kubelet, job: dict[str, Any]) -> list[tuple[int, str]
     created = c.call(c.k.put(JOBS, job))  # admission: the Job against Kubernetes' own schema, strict
     pods = [job_pod(created, i) for i in range(job["spec"]["completions"])]
     for p in pods:
-        c.call(c.k.put(PODS, p))  # admission: schema and Pod Security restricted
+        c.call(c.k.put(PODS, p))  # admission: the schema
     names = [p["metadata"]["name"] for p in pods]
     wait_for(lambda: all(((c.get(PODS, NS, n).get("status") or {}).get("phase") in ("Succeeded", "Failed")) for n in names),
              timeout=240, what="the Job's pods to exit")
@@ -117,7 +118,6 @@ def cluster(tmp_path: Path):
     root = tmp_path / "vol"
     root.mkdir()
     with Cluster() as c:
-        c.patch("v1/namespaces", None, NS, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
         with Kubelet(c, tmp_path / "kubelet", nodes=2, claims={CLAIM: root}) as k:
             yield c, k, root
             assert not k.errors, k.errors

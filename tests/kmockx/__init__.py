@@ -54,7 +54,7 @@ import kmock
 from kmock._internal import dicts as kdicts
 from kmock._internal import parsing, rendering
 
-from kmockx import psa, validation, webhooks
+from kmockx import validation, webhooks
 from kmockx.validation import StructuralSchema
 
 Hook = Callable[[Any], Awaitable[None]]
@@ -757,15 +757,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                                     f"strict decoding error: {what}"}
         if old is not None:
             causes += self._immutable(t, obj, old)
-        if old is None and t.res.plural == "pods" and self._psa is not None:
-            denied = self._psa(self, obj)
-            if denied:
-                return 403, {"reason": "Forbidden", "message": f'pods "{name}" is forbidden: {denied}'}
         if causes:
             return 422, validation.invalid_status(t.kind_group, name, causes, t.group, t.kind)
         return None
-
-    _psa: Any = staticmethod(psa.admit)  # Pod Security admission: (emulator, pod) -> denial message or None
 
     def _immutable(self, t: TypeInfo, new: dict[str, Any], old: dict[str, Any]) -> list[validation.Cause]:
         if t.res.plural == "pods" and _pod_spec_comparable(new.get("spec"), old.get("spec")) != \
