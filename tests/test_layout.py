@@ -15,6 +15,7 @@ import ast
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from support.paths import REPO
@@ -192,3 +193,23 @@ def test_an_xdist_group_runs_on_one_worker(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     workers = (tmp_path / "workers.txt").read_text().split()
     assert len(workers) == 6 and len(set(workers)) == 1, workers
+
+
+def test_a_helper_process_ends_with_the_test_process_that_started_it() -> None:
+    """support.procs.die_with_parent (the control plane, the S3 server, operators, Prometheus): when the test process
+    is killed outright (a CI timeout, SIGKILL), its long-lived helpers end too instead of running on as orphans."""
+    code = ("import subprocess, sys, time; sys.path.insert(0, 'tests'); from support.procs import die_with_parent; "
+            "p = subprocess.Popen(['sleep', '60'], start_new_session=True, preexec_fn=die_with_parent); "
+            "print(p.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # ended, waiting to be reaped by init
+                break
+        time.sleep(0.01)
+    else:
+        assert not os.path.exists(f"/proc/{child}"), "the helper outlived the killed test process"

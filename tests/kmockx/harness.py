@@ -35,6 +35,7 @@ from kmockx import ApiError, KubeEmulator, kubeconfig, rbac  # noqa: F401 - ApiE
 from kmockx.validation import StructuralSchema
 from kubetitan_core import contract
 from kubetitan.runner import Options, run
+from support.procs import die_with_parent
 from support.runs import RunQueries
 from support.specs import NS, cpu_spec, lpt  # noqa: F401 - cpu_spec, lpt re-exported for tests written before tests/support
 
@@ -430,7 +431,8 @@ class OperatorProcess:
 
     def start(self, timeout: float = 30.0) -> OperatorProcess:
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         preexec_fn=die_with_parent)
         wait_for(self.alive, timeout, f"the operator's liveness endpoint {self.liveness}", every=0.1)
         return self
 

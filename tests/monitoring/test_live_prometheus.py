@@ -39,6 +39,7 @@ from kubetitan_core import contract
 from kubetitan_core.api import LlamaPretrain, TrainingStatus
 from kubetitan.monitoring import dashboards, queries
 from kubetitan.monitoring.config import DEFAULT
+from support.procs import die_with_parent
 from support.trainer import step_records
 from support.windows import slack
 
@@ -248,7 +249,7 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(tmp_path):
         prom = subprocess.Popen(
             [binary("prometheus"), f"--config.file={cfg_path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{prom_port}", "--storage.tsdb.retention.time=1h"],
-            stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=f, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
     api = f"http://127.0.0.1:{prom_port}/api/v1"
     try:
         wait_for("prometheus ready", lambda: http_text(f"http://127.0.0.1:{prom_port}/-/ready").strip(), 60, prom, prom_log)

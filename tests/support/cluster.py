@@ -58,6 +58,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from support.paths import REPO
+from support.procs import die_with_parent
 from support.runs import RunQueries
 
 BIN = REPO / ".tools" / "bin"
@@ -406,7 +407,7 @@ class ControlPlane:
         log = self.workdir / f"{name}.log"
         f = open(log, "ab")  # noqa: SIM115 - the child keeps it
         proc = subprocess.Popen([str(self.bin_dir / name), *args], stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
         f.close()
         c = self.components[name] = Component(name, proc, log, time.monotonic(), list(args))
         return c

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from kmockx.harness import free_port  # the tests' one port allocator
+from support.procs import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]  # tests/support/s3server.py -> the repository
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
@@ -73,7 +74,7 @@ def start_server(port: int, log: Path) -> tuple[subprocess.Popen, S3Server]:
     """Start moto's S3 server on 127.0.0.1:``port`` (its output appended to ``log``) and wait until it answers."""
     with open(log, "ab") as out:
         proc = subprocess.Popen([_moto_server(), "-H", "127.0.0.1", "-p", str(port)], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
     try:
         _wait_ready(f"http://127.0.0.1:{port}/moto-api/", proc, timeout=60)
     except BaseException:
