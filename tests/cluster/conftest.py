@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kmockx.harness import OperatorProcess, free_port, wait_for
-from support.cluster import STARTS_KEY, ControlPlane, KubeCluster, kubernetes_version
+from kmockx.harness import OperatorProcess, free_port
+from support.cluster import STARTS_KEY, ControlPlane, KubeCluster, kubernetes_version, wait_for
 from support.release import Release
 
 

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import yaml
 
-from kmockx.harness import wait_for
 from kubetitan import plan
 from kubetitan_core import crd as crdmod
 from kubetitan_core.validation import CEL_RULES, parse

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from kmockx.harness import OperatorProcess, free_port, wait_for
-from support.cluster import LEASES, ControlPlane, KubeCluster
+from kmockx.harness import OperatorProcess, free_port
+from support.cluster import LEASES, ControlPlane, KubeCluster, wait_for
 from support.release import Release
 from support.specs import cpu_spec, lpt
 

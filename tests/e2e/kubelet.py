@@ -321,6 +321,20 @@ class Kubelet:
             self.dead.discard(node)
         self.c.set_node_ready(node, True)
 
+    def replace_node(self, node: str) -> str:
+        """The failed machine is replaced, as the cluster autoscaler or HyperPod's node recovery does: its processes
+        are gone (SIGKILL), its Node object is deleted, and a new node (the next free ``<prefix><n>`` name) registers
+        in its place. Returns the new node's name."""
+        self.crash_node_processes(node)
+        prefix = node.rstrip("0123456789")
+        with self.lock:
+            new = f"{prefix}{max(int(n[len(prefix):]) for n in [*self.nodes, node] if n.startswith(prefix)) + 1}"
+            self.nodes = [n for n in self.nodes if n != node] + [new]
+            self.dead.add(node)
+        self.c.delete("v1/nodes", None, node)
+        self.c.add_node(new)
+        return new
+
     def force_delete(self, ns: str, name: str) -> None:
         """``kubectl delete pod --grace-period=0 --force``."""
         self.c.force_delete(ns, name)

@@ -57,6 +57,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kmockx import harness
 from support.paths import REPO
 from support.procs import die_with_parent
 from support.runs import RunQueries
@@ -74,6 +75,17 @@ ISSUER = "https://kubernetes.default.svc.cluster.local"
 AUDITED_VERBS = ["create", "update", "patch", "delete", "deletecollection"]
 STARTS_KEY = pytest.StashKey[list]()
 """Where a test session without xdist keeps the control plane's start line (tests/conftest.py prints it)."""
+
+
+POLL_SECONDS = 0.2
+"""How often a real-cluster test re-reads what it waits for: each read is a request to the API server, and the
+events waited for take seconds (the double's tests poll every 20 ms, which here cost more API server CPU than the
+scenario itself)."""
+
+
+def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition", every: float = POLL_SECONDS) -> Any:
+    """:func:`kmockx.harness.wait_for` at the real cluster's pace."""
+    return harness.wait_for(pred, timeout, what, every)
 
 
 def kubernetes_version() -> str:
