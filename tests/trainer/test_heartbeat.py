@@ -15,8 +15,9 @@ import pytest
 
 from kubetitan_core.contract import ExitCode
 from kubetitan_core.contract.failure import FailureReport
-from kubetitan_trainer import heartbeat, launch
-from kubetitan_trainer.heartbeat import Rule, stalled
+from kubetitan_trainer.launch import launcher as launch
+from kubetitan_trainer.recovery import heartbeat
+from kubetitan_trainer.recovery.heartbeat import Rule, stalled
 
 NOW = 1_000_000.0
 AUTO = Rule(policy="Auto", timeout_seconds=900, floor_seconds=30, save_timeout_seconds=120)

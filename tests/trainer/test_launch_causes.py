@@ -12,7 +12,7 @@ import pytest
 from kubetitan.decide import PodObs, classify_pod
 from kubetitan_core import causes
 from kubetitan_core.contract import ExitCode
-from kubetitan_trainer import launch
+from kubetitan_trainer.launch import launcher as launch
 
 XID_79_KERNEL = "NVRM: Xid (PCI:0000:c6:00): 79, pid=1101234, name=python, GPU has fallen off the bus."
 

@@ -3,7 +3,7 @@
 A shards path ``s3://bucket/prefix`` (``spec.data.shards.path``, a mixture source's, the held-out set's) names the
 objects ``aws s3 sync`` made of a ``kubetitan prepare-data`` output directory: ``<prefix>/index.json`` and the
 ``shard-*.bin``/``.idx`` it lists. :func:`stage` copies them to ``<stage_dir>/<bucket>/<prefix>/`` and returns that
-directory, which :class:`~kubetitan_trainer.shards.ShardSet` then opens like any other.
+directory, which :class:`~kubetitan_trainer.data.shards.ShardSet` then opens like any other.
 
 **Why staging, not ranged reads with a cache.** The loader reads a seeded permutation of windows: with a cache
 smaller than the data nearly every read misses, so training would pay an S3 round trip (tens of ms) per sample and
@@ -51,8 +51,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kubetitan_trainer.data.shards import INDEX_FILE, RERUN, ShardSet, atomic_write_bytes, crc32_bytes, crc32_file
 from kubetitan_trainer.errors import ConfigError, TransientError
-from kubetitan_trainer.shards import INDEX_FILE, RERUN, ShardSet, atomic_write_bytes, crc32_bytes, crc32_file
 from kubetitan_trainer.storage import S3Settings, access_error_kind, describe_access_error, is_remote, parse_s3_uri
 
 log = logging.getLogger("kubetitan.s3shards")

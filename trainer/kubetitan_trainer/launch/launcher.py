@@ -64,8 +64,9 @@ from kubetitan_core.contract import EXIT_SIGTERM, ExitCode
 from kubetitan_core.contract.failure import FailureReport
 from kubetitan_core.contract.launcher import LauncherArgs
 
-from kubetitan_trainer import ENV_STOP_FILE, anatomy, compat, heartbeat
+from kubetitan_trainer import ENV_STOP_FILE, compat
 from kubetitan_trainer import main as worker_main
+from kubetitan_trainer.recovery import anatomy, heartbeat
 
 log = logging.getLogger("kubetitan.launch")
 
@@ -181,7 +182,7 @@ def failure_cause(failure: Any, report: str = "") -> causes.WorkerCause:
 
 ENV_LAUNCHER_STATE = anatomy.ENV_LAUNCHER_STATE
 """Path of the launcher's JSON state file (in-place restarts so far, the failures and when they were detected,
-the launcher's start and warm-import seconds), read by workers (:mod:`kubetitan_trainer.anatomy`)."""
+the launcher's start and warm-import seconds), read by workers (:mod:`kubetitan_trainer.recovery.anatomy`)."""
 
 WARM_MODULES = ("torchtitan.train", "kubetitan_trainer.train_spec", "kubetitan_trainer.trainer",
                 "kubetitan_trainer.main")
@@ -248,7 +249,7 @@ def torchrun_argv(a: LauncherArgs) -> list[str]:
 
 def restore_tier_folder(a: LauncherArgs, env: dict) -> str:
     """The restore tier's folder for this launcher ('' = off); the pod's KUBETITAN_RESTORE_TIER wins."""
-    from kubetitan_trainer.restore_tier import ENV_RESTORE_TIER
+    from kubetitan_trainer.recovery.restore_tier import ENV_RESTORE_TIER
 
     if ENV_RESTORE_TIER in env:
         return env[ENV_RESTORE_TIER]
@@ -576,7 +577,7 @@ def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requ
                  nnodes: int = 1, hang_rule: heartbeat.Rule | None = None, beat_dir: str = "") -> None:
     """``torch.distributed.launcher.api.launch_agent`` with an agent that records failures, refuses restarts that
     cannot help (see :func:`restartable`) and, with ``beat_dir``, stops workers whose step stands still past
-    ``hang_rule`` (:mod:`kubetitan_trainer.heartbeat`): every rank's workers then restart in place, cause Hang.
+    ``hang_rule`` (:mod:`kubetitan_trainer.recovery.heartbeat`): every rank's workers then restart in place, cause Hang.
     Raises ChildFailedError when the workers fail."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -811,8 +812,8 @@ def main(argv: list[str] | None = None) -> int:
         from torch.distributed.run import config_from_args
         from torch.distributed.run import parse_args as torchrun_parse
 
-    from kubetitan_trainer import compile_cache
-    from kubetitan_trainer.restore_tier import ENV_RESTORE_TIER
+    from kubetitan_trainer.compile import compile_cache
+    from kubetitan_trainer.recovery.restore_tier import ENV_RESTORE_TIER
 
     cache = compile_cache.configure(a.config)  # before any worker starts: they inherit the variables
     if cache:
