@@ -53,7 +53,7 @@ def test_origin_is_the_detected_failure_for_an_in_place_generation_else_the_laun
 def test_launcher_state_records_where_each_restart_began(tmp_path):
     from types import SimpleNamespace
 
-    from kubetitan_trainer.launch.launcher import LauncherState
+    from kubetitan_trainer.launch.state import LauncherState
 
     st = LauncherState(str(tmp_path / "s.json"), started=5.0)
     st.failed({0: SimpleNamespace(timestamp=10, exitcode=-9)}, restarting=True, detected=10.25)
@@ -382,7 +382,7 @@ def test_agents_rejoin_the_same_gang_through_one_counter_and_time_out_without_a_
 
     from torch.distributed import HashStore
 
-    from kubetitan_trainer.launch.launcher import REJOIN_KEY, rejoin
+    from kubetitan_trainer.launch.store import REJOIN_KEY, rejoin
 
     store = HashStore()
     assert not store.check([REJOIN_KEY.format(generation=1)])

@@ -317,7 +317,7 @@ def _failure(code, ts):
     ids=["self-exit-beats-killed-on-tie", "earliest-wins", "all-checkpointed", "signal-to-shell-code", "none"],
 )
 def test_launcher_takes_the_failing_workers_exit_code(failures, want):
-    from kubetitan_trainer.launch.launcher import exit_code_of
+    from kubetitan_trainer.launch.failures import exit_code_of
 
     assert exit_code_of(failures) == want
 
@@ -328,7 +328,7 @@ def test_launcher_takes_the_failing_workers_exit_code(failures, want):
     ("Signal 9 (SIGKILL) received by PID 12", "Signal 9 (SIGKILL) received by PID 12"),
 ], ids=["error-file-without-its-call-stack", "plain-message"])
 def test_launcher_logs_a_failed_workers_message_without_the_call_stack(message, want):
-    from kubetitan_trainer.launch.launcher import failure_summary
+    from kubetitan_trainer.launch.failures import failure_summary
 
     assert failure_summary(message) == want
 
@@ -454,7 +454,7 @@ def test_local_run_gives_the_trainer_the_specs_plain_env_values():
     ids=["killed-worker", "crashed-worker", "config-error", "stop-checkpointed", "sigterm-stop-requested"],
 )
 def test_in_place_restart_only_for_failures_a_restart_can_cure(codes, stop, want):
-    from kubetitan_trainer.launch.launcher import restartable
+    from kubetitan_trainer.launch.failures import restartable
 
     assert restartable({r: _failure(c, 10) for r, c in codes.items()}, stop) is want
 
@@ -476,7 +476,7 @@ def test_the_posted_worker_failure_that_is_not_collateral_begins_the_next_genera
     generation: not the generic exit 1 of a peer whose collective broke, even when that was posted first."""
     from torch.distributed import HashStore
 
-    from kubetitan_trainer.launch.launcher import earliest_failure, post_failure
+    from kubetitan_trainer.launch.store import earliest_failure, post_failure
 
     store = HashStore()
     assert earliest_failure(store, 0, 2) is None

@@ -669,7 +669,7 @@ def wrap_num_nodes_waiting(handler, wrap: Callable) -> None:
     """Wrap a rendezvous handler's ``num_nodes_waiting`` (``wrap`` takes the original and returns the new one).
 
     ``SimpleElasticAgent._invoke_run`` restarts healthy workers when it returns > 0; a peer's in-place restart
-    announced outside torch's rendezvous (``launch.rejoin``) must count, and the agent takes no other signal."""
+    announced outside torch's rendezvous (``launch.store.rejoin``) must count, and the agent takes no other signal."""
     _rebind(handler, "num_nodes_waiting", wrap(handler.num_nodes_waiting))
 
 
@@ -702,12 +702,12 @@ ELASTIC_AGENT_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_restart_workers": ("self", "worker_group"),
     "_rendezvous": ("self", "worker_group"),
 }
-"""Private ``LocalElasticAgent``/``SimpleElasticAgent`` methods ``launch.InPlaceAgent`` overrides (declared with
+"""Private ``LocalElasticAgent``/``SimpleElasticAgent`` methods ``launch.agent.InPlaceAgent`` overrides (declared with
 :func:`overrides`): recording failures, refusing restarts that cannot help, and skipping torch's rendezvous
 round for the same gang need them; torchrun's agent has no hooks."""
 
 _declare(
-    "ELASTIC_AGENT_OVERRIDES", "Private elastic-agent methods launch's InPlaceAgent overrides (declared with "
+    "ELASTIC_AGENT_OVERRIDES", "Private elastic-agent methods launch.agent.InPlaceAgent overrides (declared with "
     "compat.overrides; torchrun's agent has no hooks).",
     *(Upstream(f"{_AGENT}.{name}", params=params) for name, params in ELASTIC_AGENT_OVERRIDES.items()),
     Upstream("torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent._monitor_workers",

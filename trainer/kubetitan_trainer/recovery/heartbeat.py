@@ -6,7 +6,7 @@ clock for people, and ``CLOCK_MONOTONIC``, which the launcher compares: the same
 machine, and a wall-clock step never looks like a hang), the median of its recent step times, how many steps
 this worker trained and whether a save may follow the step (a checkpoint step, the last step, or a SIGTERM stop,
 whose full save every rank takes at whatever step it is).
-The launcher's watchdog (``launch.InPlaceAgent``) reads them every monitor interval and applies the hang rule
+The launcher's watchdog (``launch.agent.InPlaceAgent``) reads them every monitor interval and applies the hang rule
 (:mod:`kubetitan_core.hang`, the operator's too): a worker whose step stood still past the limit is stopped
 and every rank's workers restart in place (cause ``Hang``). The watchdog needs no /metrics and no API: a frozen
 rank 0 (whose /metrics freezes with it) is caught the same way.
