@@ -56,9 +56,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kubetitan_trainer import compat, knobs
+from kubetitan_trainer import atomic, compat, knobs
 from kubetitan_trainer.compile import compile_cache
-from kubetitan_trainer.data import shards
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +96,9 @@ def _unlink(*paths: Path) -> bool:
 
 
 def _write(path: Path, body: bytes) -> None:
-    """``body`` into ``path`` (its folder made if need be) as :func:`kubetitan_trainer.data.shards.atomic_write_bytes`
-    writes: whole or not at all, no temporary file left by a failed write."""
+    """``body`` into ``path`` (its folder made if need be), atomically (:mod:`kubetitan_trainer.atomic`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    shards.atomic_write_bytes(path, body)
+    atomic.write_bytes(path, body)
 
 
 def enabled(env: Mapping[str, str] | None = None) -> bool:

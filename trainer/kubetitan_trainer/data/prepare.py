@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from kubetitan_core.contract import ExitCode
-from kubetitan_trainer import BUILTIN_TOKENIZER, knobs
+from kubetitan_trainer import BUILTIN_TOKENIZER, atomic, knobs
 from kubetitan_trainer.data import shards as S
 PLAN_FILE = "plan.json"
 PARTS_DIR = "parts"
@@ -535,7 +535,7 @@ class _Unit:
         rec = {"plan_id": j.pid, "unit": j.unit, "bytes": sum(p[3] for p in j.pieces), "tokens": self.tokens,
                "documents": self.documents, "files": self.files}
         (self.out / PARTS_DIR).mkdir(exist_ok=True)
-        S.atomic_write_text(part_file(self.out, j.unit), json.dumps(rec) + "\n")
+        atomic.write_text(part_file(self.out, j.unit), json.dumps(rec) + "\n")
         return rec
 
 
@@ -611,7 +611,7 @@ def merge(out: Path, pid: str, plan: dict[str, Any], tok: dict[str, Any], dtype:
     index = S.make_index(files, dtype=dtype, vocab_size=tok["vocab_size"], bos_id=bos, eos_id=eos, tokenizer=tok,
                          extra={"plan_id": pid, "input_files": len(plan["inputs"]),
                                 "input_bytes": sum(i["bytes"] for i in plan["inputs"]), "units": len(recs)})
-    S.atomic_write_text(out / S.INDEX_FILE, json.dumps(index, indent=1) + "\n")
+    atomic.write_text(out / S.INDEX_FILE, json.dumps(index, indent=1) + "\n")
     return index
 
 

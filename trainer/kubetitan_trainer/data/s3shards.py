@@ -51,7 +51,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kubetitan_trainer.data.shards import INDEX_FILE, RERUN, ShardSet, atomic_write_bytes, crc32_bytes, crc32_file
+from kubetitan_trainer import atomic
+from kubetitan_trainer.data.shards import INDEX_FILE, RERUN, ShardSet, crc32_bytes, crc32_file
 from kubetitan_trainer.errors import ConfigError, TransientError
 from kubetitan_trainer.storage import S3Settings, access_error_kind, describe_access_error, is_remote, parse_s3_uri
 
@@ -363,7 +364,7 @@ class Stager:
                 _first_failure([files.submit(one, *t) for t in todo], abort, (files, parts))
             finally:
                 _write_json(self.dest / MANIFEST, manifest)  # what was verified survives a failure of the rest
-        atomic_write_bytes(self.dest / INDEX_FILE, raw_index)
+        atomic.write_bytes(self.dest / INDEX_FILE, raw_index)
         if todo:
             secs = time.monotonic() - progress.start
             log.info("Staged %s to %s: %.1f MB in %.1f s (%.1f MB/s), every CRC-32 verified (index %s)", self.uri,
@@ -394,7 +395,7 @@ def _first_failure(futures: list[cf.Future[None]], abort: threading.Event, pools
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+    atomic.write_json(path, obj, indent=1, sort_keys=True)
 
 
 def stage(uri: str, settings: StageSettings, field: str) -> Path:

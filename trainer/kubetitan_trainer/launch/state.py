@@ -5,11 +5,11 @@ kernel's state of its worker processes (a stopped one is the hung one). Torch-fr
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import time
 
+from kubetitan_trainer import atomic
 from kubetitan_trainer.launch.failures import exit_code, failure_cause, first_failure
 
 
@@ -48,10 +48,7 @@ class LauncherState:
         self.write()
 
     def write(self) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f)
-        os.replace(tmp, self.path)
+        atomic.write_json(self.path, self.data, fsync=False)  # read by this pod's workers only
 
 
 class StoppedInRendezvous(Exception):

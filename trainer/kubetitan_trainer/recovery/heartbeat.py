@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from kubetitan_core import contract, hang
+from kubetitan_trainer import atomic
 
 log = logging.getLogger("kubetitan.heartbeat")
 
@@ -70,11 +71,8 @@ class Writer:
                 "median_step_seconds": statistics.median(self._recent), "steps_trained": self._count,
                 "save_window": saving or hang.save_window(step, self.last_step, self.checkpoint_enabled,
                                                           self.interval_steps)}
-        tmp = self.file + ".tmp"
         try:
-            with open(tmp, "w") as f:
-                json.dump(beat, f)
-            os.replace(tmp, self.file)
+            atomic.write_json(self.file, beat, fsync=False)  # read by the launcher on this node only
         except OSError as e:
             if not self._failed:
                 self._failed = True

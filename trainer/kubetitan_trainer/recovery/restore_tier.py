@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from kubetitan_trainer import compat, knobs, storage
+from kubetitan_trainer import atomic, compat, knobs, storage
 
 ENV_RESTORE_TIER = "KUBETITAN_RESTORE_TIER"
 """Folder of the restore tier (set by the launcher; unset or empty: off)."""
@@ -367,9 +367,7 @@ def _present(folder: str | Path, rank: int, meta: dict) -> bool:
 
 
 def _write_meta(meta: Path, **fields: Any) -> None:
-    tmp = meta.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(fields))
-    os.replace(tmp, meta)
+    atomic.write_json(meta, fields, fsync=False)  # in the tier's memory-backed folder
 
 
 def save_from_arena(staged: dict[str, Any], folder: str | Path, arena: Any, *, step: int, rank: int,
