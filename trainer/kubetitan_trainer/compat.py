@@ -778,6 +778,16 @@ def s3_client(settings, config) -> Any:
     return S3Client(settings.region, endpoint=settings.endpoint or None, s3client_config=config)
 
 
+@_shim(Upstream("s3torchconnector:S3ReaderConstructor.range_based", params=("buffer_size",)))
+def s3_range_reader() -> Any:
+    """s3torchconnector's range-based object reader without its own buffer (``buffer_size=0``): each ``readinto``
+    after a ``seek`` is one ranged GET of exactly the bytes asked for (the staging of ``s3://`` shards reads parts
+    of known size, :mod:`kubetitan_trainer.data.s3shards`)."""
+    from s3torchconnector import S3ReaderConstructor
+
+    return S3ReaderConstructor.range_based(buffer_size=0)
+
+
 def _s3_file_system(settings, config, reader_constructor=None) -> Any:
     from s3torchconnector.dcp import S3FileSystem
 

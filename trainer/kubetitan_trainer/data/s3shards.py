@@ -221,14 +221,14 @@ class Stager:
     # ---------------------------------------------------------------------------------------------- transfer
     def _get(self, name: str, info: Any, start: int, end: int) -> bytearray:
         """Bytes ``[start, end)`` of an object: one ranged GET (retried ``PART_ATTEMPTS`` times)."""
-        from s3torchconnector import S3ReaderConstructor
+        from kubetitan_trainer import compat
 
         buf = bytearray(end - start)
         err: BaseException | None = None
         for attempt in range(PART_ATTEMPTS):
             try:
                 reader = self._client.get_object(self.bucket, _key(self.prefix, name), object_info=info,
-                                                 reader_constructor=S3ReaderConstructor.range_based(buffer_size=0))
+                                                 reader_constructor=compat.s3_range_reader())
                 reader.seek(start)
                 got = reader.readinto(buf) if buf else 0
                 if got == len(buf):
