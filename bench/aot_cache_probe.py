@@ -1,4 +1,4 @@
-"""Warm start of compiled FP8 blocks with and without kubetitan_trainer.aot_cache (issue 29, item 3).
+"""Warm start of compiled FP8 blocks with and without kubetitan_trainer.compile.aot_cache (issue 29, item 3).
 
 Each run is a fresh process (as a restarted worker is): the debug Llama 3 model's blocks in FP8 (torchao,
 tensorwise), each compiled with Inductor (fullgraph, as torchtitan does), one forward and backward. Per mode
@@ -28,7 +28,7 @@ import json, sys, time
 import torch
 mode, device = sys.argv[1], sys.argv[2]
 if mode == "enabled":
-    from kubetitan_trainer import aot_cache
+    from kubetitan_trainer.compile import aot_cache
     aot_cache.enable()
 import torch._dynamo.utils as dutils
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training

@@ -31,7 +31,7 @@ from pathlib import Path
 CHILD = r"""
 import sys, time, torch
 from torch.distributed.checkpoint.staging import StagingOptions
-from kubetitan_trainer.staging import ReusableStager
+from kubetitan_trainer.recovery.staging import ReusableStager
 gib, folder, stages = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 cuda = torch.cuda.is_available()
 n = int(gib * 2**30) // 8 // 4

@@ -97,7 +97,7 @@ def raw_rate(tokenizer_json: str, corpus: Path, limit: int) -> dict:
 
 
 def run_prepare(inputs: list[str], out: Path, workers: int, tokenizer: str, sample_rss: bool = False) -> dict:
-    cmd = [sys.executable, "-m", "kubetitan_trainer.prepare", *inputs, "-o", str(out), "--workers", str(workers),
+    cmd = [sys.executable, "-m", "kubetitan_trainer.data.prepare", *inputs, "-o", str(out), "--workers", str(workers),
            "--tokenizer", tokenizer, "--no-progress"]
     t0 = time.monotonic()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -129,7 +129,7 @@ def run_prepare(inputs: list[str], out: Path, workers: int, tokenizer: str, samp
 
 def reader_rate(shards: Path, seq_len: int, seconds: float = 5.0) -> dict:
     sys.path.insert(0, str(REPO / "trainer"))
-    from kubetitan_trainer.shards import ShardSet
+    from kubetitan_trainer.data.shards import ShardSet
 
     ss = ShardSet.open(shards, verify="size")
     t0 = time.perf_counter()
@@ -168,7 +168,7 @@ def main() -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "trainer"), str(REPO / "operator" / "core"),
                                                 os.environ.get("PYTHONPATH", "")])
     sys.path.insert(0, str(REPO / "trainer"))
-    from kubetitan_trainer.prepare import BUILTIN_TOKENIZER
+    from kubetitan_trainer.data.prepare import BUILTIN_TOKENIZER
 
     tok_json = str((BUILTIN_TOKENIZER if a.tokenizer == "builtin" else Path(a.tokenizer)) / "tokenizer.json")
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="data-bench-"))

@@ -172,7 +172,7 @@ def register() -> None:
         ts.register_train_spec(SPEC_NAME, build_spec())
         atexit.register(_print_peak_memory)
     if KTDATA_SPEC_NAME not in ts._extra_train_specs:
-        from kubetitan_trainer.data import build_dataloader as kubetitan_dataloader
+        from kubetitan_trainer.data.loaders import build_dataloader as kubetitan_dataloader
 
         ts.register_train_spec(KTDATA_SPEC_NAME, dataclasses.replace(build_spec(), build_dataloader_fn=kubetitan_dataloader))
     if FAST_SPEC_NAME not in ts._extra_train_specs and os.environ.get("GPUBENCH_NO_FAST") != "1":

@@ -1,4 +1,4 @@
-"""In-process restart (``kubetitan_trainer.inprocess``): fault → next trained step, per phase, on a real gang.
+"""In-process restart (``kubetitan_trainer.recovery.inprocess``): fault → next trained step, per phase, on a real gang.
 
 Runs ``tests/support/gang.py`` (a small model, Adam, gradients all-reduced over the iteration's process group, the
 restore tier every 2 steps) with an injected fault at step 5, ``--repeats`` times per kind, and prints for each rank

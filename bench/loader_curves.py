@@ -74,8 +74,8 @@ def run(a: argparse.Namespace) -> None:
 
     from kubetitan_core import render
     from kubetitan_core.api import LlamaPretrain
+    from kubetitan_trainer.data.prepare import main as prepare
     from kubetitan_trainer.local import free_port
-    from kubetitan_trainer.prepare import main as prepare
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

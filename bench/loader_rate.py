@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from kubetitan_trainer.data import GlobalDataLoader, GlobalStream, WindowSource, open_shards
+from kubetitan_trainer.data.loaders import GlobalDataLoader, GlobalStream, WindowSource, open_shards
 
 RECIPE_TOKENS_PER_S = 29_146
 

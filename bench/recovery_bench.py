@@ -17,7 +17,7 @@ one 40 GiB DCP checkpoint, so before such a generation the bench deletes every D
 load is from the tier) and after its kill the one it was writing.
 
 Per generation it reports the trainer's start-up anatomy (``<dump>/kubetitan/startup.jsonl``,
-:mod:`kubetitan_trainer.anatomy`) and the bench's own clock: SIGKILL -> the end of the first trained step.
+:mod:`kubetitan_trainer.recovery.anatomy`) and the bench's own clock: SIGKILL -> the end of the first trained step.
 Every event is printed and appended to ``<out>/events.jsonl`` as it happens (a cut-off run keeps its part).
 
     python3 bench/recovery_bench.py --out DIR [--lpt examples/llama3-3b-h200.yaml] [--plan warm_tier,warm_dcp]
@@ -111,7 +111,7 @@ def startup_records(dump: Path) -> list[dict]:
 
 
 def cache_dir(env: dict) -> Path | None:
-    from kubetitan_trainer import compile_cache
+    from kubetitan_trainer.compile import compile_cache
 
     return compile_cache.root(env)
 
@@ -142,7 +142,7 @@ def run(a: argparse.Namespace) -> int:
     assert not (a.tier_only and any(p.endswith("_dcp") for p in plan)), "--tier-only: a plan without *_dcp items"
     env = {**os.environ, **spec_env(lpt), contract.ENV_ATTEMPT: "0", contract.ENV_JOB_NAME: "recovery-bench",
            contract.ENV_JOB_NAMESPACE: "bench", contract.ENV_JOB_START_TIME: str(int(time.time()))}
-    from kubetitan_trainer import compile_cache
+    from kubetitan_trainer.compile import compile_cache
 
     compile_cache.configure(str(config), env)  # what the launcher will set (setdefault): the bench can move it
     if a.precompile:
@@ -335,7 +335,7 @@ def steady_throughput(steps_log: Path, interval: int) -> dict | None:
 
 
 def table(rows: list[dict]) -> str:
-    from kubetitan_trainer.anatomy import PHASES
+    from kubetitan_trainer.recovery.anatomy import PHASES
 
     head = ["gen", "start", "killed worker had saved", "loaded from", "kill -> first step end", "kill -> detected"] \
         + list(PHASES) + ["sum"]

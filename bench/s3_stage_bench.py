@@ -1,5 +1,5 @@
 """S3 shards staging bench: MB/s of staging a shards directory from an S3-compatible server to local disk
-(kubetitan_trainer.s3shards: ranged GETs, CRC-32 of every file), by GETs in flight, against a local copy.
+(kubetitan_trainer.data.s3shards: ranged GETs, CRC-32 of every file), by GETs in flight, against a local copy.
 
     python bench/s3_stage_bench.py [--shards 4] [--shard-mb 32] [--threads 1,4,8] [--out bench/results/s3/NAME.txt]
 
@@ -31,8 +31,9 @@ sys.path[:0] = [str(REPO / "trainer"), str(REPO / "operator" / "core"), str(REPO
 
 import numpy as np  # noqa: E402
 
-from kubetitan_trainer import compat, s3shards, storage  # noqa: E402
-from kubetitan_trainer.shards import ShardWriter, crc32_file, make_index  # noqa: E402
+from kubetitan_trainer import compat, storage  # noqa: E402
+from kubetitan_trainer.data import s3shards
+from kubetitan_trainer.data.shards import ShardWriter, crc32_file, make_index  # noqa: E402
 
 
 def make_shards(out: Path, n: int, mb: int) -> int:

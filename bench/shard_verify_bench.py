@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kubetitan_trainer.shards import CHUNK_BYTES, INDEX_FILE, ShardSet, ShardWriter, crc32_file, make_index
+from kubetitan_trainer.data.shards import CHUNK_BYTES, INDEX_FILE, ShardSet, ShardWriter, crc32_file, make_index
 
 SHARD_TOKENS = 100_000_000
 

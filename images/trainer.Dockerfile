@@ -62,13 +62,13 @@ COPY operator/core/ ./operator/core/
 COPY trainer/ ./trainer/
 # The pins are the project's own (trainer/pyproject.toml, constraints.txt); tests/chart checks
 # that these lines agree with them. The planner runs the launcher by the interpreter's absolute path
-# (kubetitan_core.contract.TRAINER_PYTHON, never `python` through PATH): the last line fails the build when
-# that path is not the Python the packages went into.
+# (kubetitan_core.contract.TRAINER_PYTHON, never `python` through PATH): the last line runs it as the pod does and
+# fails the build when that path is not the Python the packages went into.
 RUN python -m pip install -c constraints.txt \
       torch==2.11.0 torchtitan==0.2.2 torchao==0.17.0 \
       ./operator/core ./trainer \
  && python -c "import torch, torchtitan, torchao; assert torch.__version__.startswith('2.11.0'), torch.__version__" \
- && /opt/conda/bin/python -s -c "import kubetitan_trainer.launch"
+ && /opt/conda/bin/python -s -m kubetitan_trainer.launch --help >/dev/null
 
 # Non-root by default (uid 10001); build with TRAINER_UID=0 where the node setup needs root.
 ARG TRAINER_UID=10001

@@ -1,8 +1,9 @@
 """The product packages' structure, re-measured on every run (pure ``ast``, no imports; well under a second):
-no new import cycle, counting the imports inside functions, and no new function over 60 lines without a
-``# long: <why>`` comment. Both allow-lists hold what was there when the check came in and may only shrink:
-an entry that is no longer true fails too, so fixing a cycle or splitting a function removes its entry.
-``python bench/code_structure.py`` prints the same facts (and regenerates the module map in docs/architecture.md)."""
+no new import cycle, counting the imports inside functions, no new function over 60 lines without a
+``# long: <why>`` comment, and no import that breaks the layer table (``support.codemap.LAYERS``). Both allow-lists
+hold what was there when the check came in and may only shrink: an entry that is no longer true fails too, so fixing
+a cycle or splitting a function removes its entry. ``python bench/code_structure.py`` prints the same facts (and
+``--write`` regenerates docs/architecture.md's structure facts, layer table and module map, which a test compares)."""
 
 from __future__ import annotations
 
@@ -64,8 +65,39 @@ def test_the_import_scan_sees_function_level_imports_and_relative_ones(tmp_path,
         ("pkg.c.long", 71, True), ("pkg.c.longer", 71, False)]
 
 
-def test_the_module_map_in_docs_architecture_is_current():
+def test_no_import_breaks_the_layer_table():
+    broken = codemap.layer_violations()
+    assert not broken, ("imports that break the layer table (tests/support/codemap.py LAYERS): move the code to the "
+                        "layer it belongs to, or pass what it needs in from above:\n  " + "\n  ".join(broken))
+
+
+def test_the_layer_table_sees_imports_inside_functions_and_of_outside_packages(tmp_path, monkeypatch):
+    """The check above can fail: a data module that imports recovery inside a function, and a module outside the
+    storage seam that imports s3torchconnector, each break their row; an exempt module and a TYPE_CHECKING import
+    do not."""
+    pkg = tmp_path / "kubetitan_trainer"
+    for sub in ("data", "recovery"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text('"""A package."""\n')
+    (pkg / "__init__.py").write_text('"""The package."""\n')
+    (pkg / "recovery" / "tier.py").write_text("X = 1\n")
+    (pkg / "data" / "loaders.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                              "    from kubetitan_trainer.recovery import tier\n"
+                                              "def f():\n    from kubetitan_trainer.recovery.tier import X\n    return X\n")
+    (pkg / "data" / "s3.py").write_text("import s3torchconnector.dcp\n")
+    (pkg / "storage.py").write_text("from s3torchconnector import S3ClientConfig\n")
+    monkeypatch.setattr(codemap, "PACKAGES", {"kubetitan_trainer": pkg})
+    rules = tuple(r for r in codemap.LAYERS if r.modules != ("kubetitan_core",) and r.modules != ("kubetitan",))
+    assert codemap.layer_violations(rules) == [
+        "kubetitan_trainer.data.loaders imports kubetitan_trainer.recovery.tier (line 5, in a function): data never "
+        "imports recovery, compile, the launcher or the training loop",
+        "kubetitan_trainer.data.s3 imports s3torchconnector.dcp (line 1): only the storage seam and compat import "
+        "s3torchconnector"]
+
+
+def test_docs_architecture_is_what_the_code_structure_script_writes():
     doc = REPO / "docs" / "architecture.md"
     text = doc.read_text()
-    assert codemap.replace_map(text, codemap.module_map()) == text, \
-        "docs/architecture.md's module map is out of date: regenerate it with `python bench/code_structure.py --write`"
+    assert codemap.regenerate(text) == text, \
+        "docs/architecture.md's structure facts, layer table or module map are out of date: regenerate them with " \
+        "`python bench/code_structure.py --write`"

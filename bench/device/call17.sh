@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 17 (issue 29, item 4): in-process restart (kubetitan_trainer.inprocess) on NCCL, fault -> end of the
+# Device call 17 (issue 29, item 4): in-process restart (kubetitan_trainer.recovery.inprocess) on NCCL, fault -> end of the
 # next trained step, per phase (caught, process group torn down, ranks agreed, new process group, state reloaded from
 # the restore tier, first step). NOT RUN YET: written in a session without a device.
 #

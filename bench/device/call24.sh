@@ -2,8 +2,8 @@
 # Device call 24 (issue 29, session 19): on ONE machine, in one call, two halves of bench/device/call20.sh (no
 # probes, no caching precompile), each planning 3 kills of workers that had saved and a cold one:
 #   1. the defaults of session 19: the deferred copy's 64 MiB chunks (restore_tier.DEFER_BOUNCE_BUDGET) and the CUDA
-#      context made on a side thread (KUBETITAN_EARLY_CUDA_CONTEXT=1, kubetitan_trainer.cuda_context);
-#   2. the same with KUBETITAN_AOT_PRECOMPILE=1 (kubetitan_trainer.aot_precompile): generation 0 makes the blocks'
+#      context made on a side thread (KUBETITAN_EARLY_CUDA_CONTEXT=1, kubetitan_trainer.recovery.cuda_context);
+#   2. the same with KUBETITAN_AOT_PRECOMPILE=1 (kubetitan_trainer.compile.aot_precompile): generation 0 makes the blocks'
 #      ahead-of-time artefact after its first step; each restarted worker loads it on a side thread instead of
 #      tracing and compiling the blocks. The start-up lines ("Start-up of ...", in launcher_grep.txt of each half)
 #      say "AOT blocks: loaded in X s, N calls served, M compiled as usual".

@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FORWARDED = {"operator": ("kubetitan.runner", "main")}
-TRAINER_COMMANDS = {"prepare-data": "kubetitan_trainer.prepare"}
+TRAINER_COMMANDS = {"prepare-data": "kubetitan_trainer.data.prepare"}
 
 
 def main(argv: list[str] | None = None) -> int:

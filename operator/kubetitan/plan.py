@@ -331,7 +331,7 @@ def _volumes(lpt: LlamaPretrain) -> tuple[list[dict[str, Any]], list[dict[str, A
         # checkpoints go to S3; the dump folder is the pod's local scratch (compile cache, step log, tokenizer)
         mounts.append({"name": "checkpoints", "mountPath": ck.mount_path})
         volumes.append({"name": "checkpoints", "emptyDir": {}})
-    if reads_s3_shards(s):  # node-local disk the s3:// shards are staged to (kubetitan_trainer.s3shards)
+    if reads_s3_shards(s):  # node-local disk the s3:// shards are staged to (kubetitan_trainer.data.s3shards)
         mounts.append({"name": "data-stage", "mountPath": contract.DATA_STAGE_MOUNT})
         volumes.append({"name": "data-stage", "emptyDir": {}})
     if data.volume is not None:

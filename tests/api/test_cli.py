@@ -104,7 +104,7 @@ class _Exec(Exception):
 @pytest.mark.parametrize(("argv", "handed"), [
     (["run", "{f}", "--steps", "3"], ["-m", "kubetitan_trainer.local", "{f}", "--steps", "3"]),
     (["run", "{f}", "--output-dir", "/tmp/o"], ["-m", "kubetitan_trainer.local", "{f}", "--output-dir", "/tmp/o"]),
-    (["prepare-data", "a.txt", "-o", "out"], ["-m", "kubetitan_trainer.prepare", "a.txt", "-o", "out"]),
+    (["prepare-data", "a.txt", "-o", "out"], ["-m", "kubetitan_trainer.data.prepare", "a.txt", "-o", "out"]),
 ], ids=["run-steps", "run-output-dir", "prepare-data"])
 def test_trainer_commands_hand_the_process_over_to_the_trainer_without_importing_it(monkeypatch, argv, handed):
     """`kubetitan run` / `prepare-data` exec `python -m kubetitan_trainer...`: the operator package never imports

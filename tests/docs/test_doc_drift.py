@@ -203,10 +203,11 @@ def _help_flags(parse_args) -> set[str]:
 
 @cache
 def cli() -> dict[str, frozenset[str]]:
-    """Subcommand -> its flags; '' = the top-level parser; 'launch' = kubetitan_trainer.launch."""
+    """Subcommand -> its flags; '' = the top-level parser; 'launch' = kubetitan_trainer.launch.launcher."""
     from kubetitan import cli as kcli
     from kubetitan import runner
-    from kubetitan_trainer import launch, prepare
+    from kubetitan_trainer.data import prepare
+    from kubetitan_trainer.launch import launcher as launch
 
     top = kcli.build_parser()
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))

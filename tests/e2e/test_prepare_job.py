@@ -136,7 +136,7 @@ def test_the_indexed_job_writes_what_one_machine_writes(cluster, tmp_path: Path)
     assert index["units"] >= 3 and index["documents"] == 450
 
     local = tmp_path / "local"
-    r = subprocess.run([sys.executable, "-m", "kubetitan_trainer.prepare", *inputs, "-o", str(local), "--unit-mb",
+    r = subprocess.run([sys.executable, "-m", "kubetitan_trainer.data.prepare", *inputs, "-o", str(local), "--unit-mb",
                         "0.02", "--workers", "2", "--no-progress"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads((local / "index.json").read_text()) == index

@@ -171,7 +171,7 @@ ELASTIC_CASES = [
 ]
 XID_79 = ("[kubetitan] GPUXidError: Xid 79 (GPU has fallen off the bus) (worker local rank 3, exit code 1); not "
           "restarted in place: RuntimeError: CUDA error: unknown error")
-"""The termination message a launcher writes for a worker whose failure report showed Xid 79 (``launch.report_detected``;
+"""The termination message a launcher writes for a worker whose failure report showed Xid 79 (``launch.failures.report_detected``;
 tests/trainer/test_launch_causes.py checks that the launcher writes this shape)."""
 CASES = [
     # (id, spec, status, observed, want action, want reason, want cause, the rest of the decision)

@@ -1,6 +1,6 @@
 """Token shards read from ``s3://`` against a real S3-compatible server (moto's server mode, tests/s3/conftest.py):
 shards written by ``kubetitan prepare-data`` are uploaded as ``aws s3 sync`` would, staged to local disk with every
-CRC-32 checked (kubetitan_trainer.s3shards), and a CPU run from the bucket trains exactly the samples and losses of
+CRC-32 checked (kubetitan_trainer.data.s3shards), and a CPU run from the bucket trains exactly the samples and losses of
 the same run from the local directory, through 503 SlowDown and connection resets. A corrupt or truncated object and
 a missing bucket are the configuration exit code naming the object or the bucket, never a traceback."""
 
@@ -17,7 +17,8 @@ import pytest
 
 from kubetitan_core import render
 from kubetitan_core.contract import ExitCode
-from kubetitan_trainer import compat, s3shards, storage
+from kubetitan_trainer import compat, storage
+from kubetitan_trainer.data import s3shards
 from kubetitan_trainer.errors import ConfigError
 from support.specs import tiny_lpt
 from support.trainer import launch, ledger_config
@@ -28,8 +29,8 @@ pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def shards_dir(tmp_path_factory) -> Path:
     """A prepare-data directory of the trainer's builtin corpus, in shards of about 40 KB (several files)."""
-    from kubetitan_trainer.data import BUILTIN_CORPUS
-    from kubetitan_trainer.prepare import main
+    from kubetitan_trainer.data.loaders import BUILTIN_CORPUS
+    from kubetitan_trainer.data.prepare import main
 
     out = tmp_path_factory.mktemp("prepared") / "corpus"
     assert main([str(BUILTIN_CORPUS), "-o", str(out), "--shard-tokens", "20000"]) == 0
@@ -116,7 +117,7 @@ def test_processes_of_a_node_staging_at_once_download_each_object_once(s3_server
 def test_parts_are_parallel_ranged_gets(s3_server, fault_proxy, bucket, s3_env, tmp_path):
     """A file larger than the part size comes in ranged GETs, each retried on its own (a reset on one part)."""
     big = tmp_path / "big"
-    from kubetitan_trainer.shards import ShardWriter, make_index
+    from kubetitan_trainer.data.shards import ShardWriter, make_index
 
     import numpy as np
 
@@ -215,7 +216,7 @@ def _many_shards(d: Path, files: int, size: int) -> list[str]:
     """A shards directory of ``files`` .bin files of ``size`` bytes each (and their small .idx); the .bin names."""
     import numpy as np
 
-    from kubetitan_trainer.shards import ShardWriter, make_index
+    from kubetitan_trainer.data.shards import ShardWriter, make_index
 
     d.mkdir()
     entries = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,3 +240,164 @@ def module_map() -> str:
 def replace_map(text: str, new_map: str) -> str:
     start, end = text.index(MAP_BEGIN), text.index(MAP_END) + len(MAP_END)
     return text[:start] + new_map + text[end:]
+
+
+# ------------------------------------------------------------------------------------------------- the layer table
+@dataclass(frozen=True)
+class Layer:
+    """One rule of the layer table: no module under ``modules`` (prefixes; ``except_`` taken out) imports anything
+    under ``never`` (product modules or outside packages such as torch, by prefix), at top level or in a function."""
+
+    modules: tuple[str, ...]
+    never: tuple[str, ...]
+    why: str
+    except_: tuple[str, ...] = ()
+
+    def covers(self, module: str) -> bool:
+        return _under(module, self.modules) and not _under(module, self.except_)
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+KT = "kubetitan_trainer"
+TRAINING_LOOP = (f"{KT}.trainer", f"{KT}.train_spec", f"{KT}.main", f"{KT}.evaluation", f"{KT}.metrics")
+BASE = (f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.compat", f"{KT}.flavours", f"{KT}.storage",
+        f"{KT}.job_config", f"{KT}.netcheck", f"{KT}.cpu_bridge")
+TORCH = ("torch", "torchtitan", "torchao")
+
+LAYERS: tuple[Layer, ...] = (
+    Layer(("kubetitan_core",), ("kubetitan", KT, *TORCH, "kopf", "kubernetes"),
+          "the shared core is torch-free and Kubernetes-free; the operator and the trainer both import it"),
+    Layer(("kubetitan",), (KT, *TORCH), "the operator never imports the trainer, nor torch"),
+    Layer(BASE, (f"{KT}.data", f"{KT}.recovery", f"{KT}.compile", f"{KT}.launch", f"{KT}.checks", f"{KT}.local",
+                 *TRAINING_LOOP),
+          "the trainer's base modules (errors, knobs, atomic writes, compat, storage, ...) import no concern above them"),
+    Layer((f"{KT}.data",), (f"{KT}.recovery", f"{KT}.compile", f"{KT}.launch", *TRAINING_LOOP),
+          "data never imports recovery, compile, the launcher or the training loop"),
+    Layer((f"{KT}.recovery",), (f"{KT}.data", f"{KT}.compile", f"{KT}.launch", *TRAINING_LOOP),
+          "recovery never imports data, compile, the launcher or the training loop"),
+    Layer((f"{KT}.compile",), (f"{KT}.data", f"{KT}.recovery", f"{KT}.launch", *TRAINING_LOOP),
+          "compile never imports data, recovery, the launcher or the training loop"),
+    Layer((KT,), (f"{KT}.launch",), "nothing imports the launcher (the pod's entry point) but the launcher",
+          except_=(f"{KT}.launch",)),
+    Layer((KT,), ("s3torchconnector",), "only the storage seam and compat import s3torchconnector",
+          except_=(f"{KT}.storage", f"{KT}.compat")),
+    Layer((f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.job_config", f"{KT}.launch.store",
+           f"{KT}.launch.failures", f"{KT}.launch.state", f"{KT}.recovery.heartbeat", f"{KT}.data.shards",
+           f"{KT}.data.prepare", f"{KT}.data.prepare_job"), TORCH,
+          "torch-free trainer modules: the launchers' store protocol, failures and state, heartbeats, the shard "
+          "format and prepare-data are tested and run without torch"),
+)
+"""The layer table: which modules may not import which. tests/test_structure.py fails on an import that breaks a
+row; docs/architecture.md shows the table (``python bench/code_structure.py --write``)."""
+
+
+def external_imports(mods: dict[str, Module] | None = None) -> list[Import]:
+    """Every import of an outside package (its top-level name as the target: ``torch``, ``s3torchconnector``), with
+    where it sits; imports under ``if TYPE_CHECKING`` are left out."""
+    mods = mods or modules()
+    out: list[Import] = []
+
+    def visit(node: ast.AST, source: str, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    visit(sub, source, in_function)
+                continue
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and not child.level and child.module:
+                names = [child.module]
+            else:
+                names = []
+            out.extend(Import(source, n, child.lineno, in_function) for n in names if n.split(".")[0] not in PACKAGES)
+            visit(child, source, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    for m in mods.values():
+        visit(_parsed(m.path)[1], m.name, False)
+    return out
+
+
+def layer_violations(layers: tuple[Layer, ...] = LAYERS, mods: dict[str, Module] | None = None) -> list[str]:
+    """Every import that breaks a row of ``layers``: '<module> imports <target> (line N[, in a function]): <why>'."""
+    mods = mods or modules()
+    found = []
+    for e in imports(mods) + external_imports(mods):
+        for rule in layers:
+            if rule.covers(e.source) and _under(e.target, rule.never):
+                found.append(f"{e.source} imports {e.target} (line {e.line}{', in a function' if e.in_function else ''})"
+                             f": {rule.why}")
+    return sorted(set(found))
+
+
+LAYERS_BEGIN = "<!-- layer table: generated by `python bench/code_structure.py --write`; do not edit by hand -->"
+LAYERS_END = "<!-- end of layer table -->"
+
+
+def layer_table() -> str:
+    """The layer table as markdown (docs/architecture.md)."""
+    def names(xs: tuple[str, ...]) -> str:
+        return ", ".join(f"`{x}`" for x in xs)
+
+    out = [LAYERS_BEGIN, "", "| Modules | Never import | Why |", "|---|---|---|"]
+    for rule in LAYERS:
+        who = names(rule.modules) + (f" (but {names(rule.except_)})" if rule.except_ else "")
+        out.append(f"| {who} | {names(rule.never)} | {rule.why} |")
+    out += ["", LAYERS_END]
+    return "\n".join(out)
+
+
+STRUCTURE_BEGIN = "<!-- structure facts: generated by `python bench/code_structure.py --write`; do not edit by hand -->"
+STRUCTURE_END = "<!-- end of structure facts -->"
+
+
+BIG_MODULE_LINES = 400
+"""Modules longer than this are named in the report (only crossing it changes the report, not every edit)."""
+
+
+def report() -> str:
+    """What ``python bench/code_structure.py`` prints: modules per package and the long ones, import cycles (counting the imports inside functions),
+    functions over :data:`LONG_FUNCTION_LINES` lines, and the layer table's violations."""
+    mods = modules()
+    edges = imports(mods)
+    lines = [f"{len(mods)} modules in {', '.join(PACKAGES)}; {len(edges)} imports between them "
+             f"({sum(e.in_function for e in edges)} inside functions)"]
+    for package in PACKAGES:
+        mine = sorted((m for n, m in mods.items() if n == package or n.startswith(package + ".")), key=lambda m: m.name)
+        big = [m.name for m in mine if m.lines > BIG_MODULE_LINES]
+        lines.append(f"  {package}: {len(mine)} modules, {len(big)} over {BIG_MODULE_LINES} lines" + (":" if big else ""))
+        lines += textwrap.wrap(", ".join(big), 112, initial_indent="      ", subsequent_indent="      ")
+    found = cycles(edges)
+    lines.append(f"\nimport cycles (strongly connected components, imports inside functions included): {len(found)}")
+    for c in found:
+        lines.append("  " + " <-> ".join(c))
+        lines += [f"      {e.source} -> {e.target}  line {e.line}{'  (in a function)' if e.in_function else ''}"
+                  for e in cycle_edges(edges, c)]
+    lines.append(f"  of which at module top level only: {len(cycles([e for e in edges if not e.in_function]))}")
+    long = long_functions()
+    lines.append(f"\nfunctions over {LONG_FUNCTION_LINES} lines: {len(long)} "
+                 f"({sum(f.explained for f in long)} with a `# long:` comment)")
+    lines += [f"  {f.lines:4d}  {f.name}{'  (explained)' if f.explained else ''}" for f in long]
+    broken = layer_violations(mods=mods)
+    lines.append(f"\nlayer table: {len(LAYERS)} rules, {len(broken)} imports break them")
+    lines += [f"  {b}" for b in broken]
+    return "\n".join(lines)
+
+
+def structure_facts() -> str:
+    """The structure facts block of docs/architecture.md: :func:`report` in a code block."""
+    return "\n".join([STRUCTURE_BEGIN, "", "```", report(), "```", "", STRUCTURE_END])
+
+
+def replace_between(text: str, begin: str, end: str, new: str) -> str:
+    start, stop = text.index(begin), text.index(end) + len(end)
+    return text[:start] + new + text[stop:]
+
+
+def regenerate(text: str) -> str:
+    """docs/architecture.md with its generated parts (structure facts, layer table, module map) current."""
+    text = replace_between(text, STRUCTURE_BEGIN, STRUCTURE_END, structure_facts())
+    text = replace_between(text, LAYERS_BEGIN, LAYERS_END, layer_table())
+    return replace_map(text, module_map())

@@ -1,12 +1,12 @@
-"""A small real training gang for the in-process restart tests and bench (``kubetitan_trainer.inprocess``).
+"""A small real training gang for the in-process restart tests and bench (``kubetitan_trainer.recovery.inprocess``).
 
 ``python -m support.gang --rank R --world W --port P --out DIR`` is one rank: a two-layer model and Adam, data fixed
 by (step, rank), gradients all-reduced over the iteration's gloo process group, the state saved into the restore
-tier (``kubetitan_trainer.restore_tier``) every ``--save-every`` steps and reloaded from it after a restart. Rank 0
+tier (``kubetitan_trainer.recovery.restore_tier``) every ``--save-every`` steps and reloaded from it after a restart. Rank 0
 hosts the TCPStore the ranks share (the launcher's store in a real run). The model and optimizer are built once per
 process: a restart reloads their state in place. Each rank writes ``DIR/rank-R.json``: its pid per iteration, the
 loss of every step it trained, its final parameters and its recoveries (``InProcessRestart.recoveries``); the
-exit code is 0, or :class:`~kubetitan_trainer.inprocess.GangGaveUp`'s.
+exit code is 0, or :class:`~kubetitan_trainer.recovery.inprocess.GangGaveUp`'s.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:  # long: one rank's whole life, 
     import torch
     import torch.distributed as dist
 
-    from kubetitan_trainer import inprocess, restore_tier
+    from kubetitan_trainer.recovery import inprocess, restore_tier
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@ could not answer): it then starts the workers as new processes (spawn) instead o
 
 import sys
 
-from kubetitan_trainer import launch
+from kubetitan_trainer.launch import launcher as launch
 
 launch.cuda_initialised = lambda: True
 launch.worker_main.exit_now(launch.main(sys.argv[1:]))

@@ -1,5 +1,5 @@
-"""Start-up anatomy accounting (kubetitan_trainer.anatomy) and the node-local restore tier
-(kubetitan_trainer.restore_tier) against DCP, in one process on CPU."""
+"""Start-up anatomy accounting (kubetitan_trainer.recovery.anatomy) and the node-local restore tier
+(kubetitan_trainer.recovery.restore_tier) against DCP, in one process on CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from kubetitan_trainer import anatomy, restore_tier
+from kubetitan_trainer.recovery import anatomy, restore_tier
 
 
 # ------------------------------------------------------------------ anatomy
@@ -53,7 +53,7 @@ def test_origin_is_the_detected_failure_for_an_in_place_generation_else_the_laun
 def test_launcher_state_records_where_each_restart_began(tmp_path):
     from types import SimpleNamespace
 
-    from kubetitan_trainer.launch import LauncherState
+    from kubetitan_trainer.launch.state import LauncherState
 
     st = LauncherState(str(tmp_path / "s.json"), started=5.0)
     st.failed({0: SimpleNamespace(timestamp=10, exitcode=-9)}, restarting=True, detected=10.25)
@@ -265,7 +265,7 @@ def test_the_tier_is_skipped_and_the_old_one_dropped_when_the_folder_lacks_room(
 
 
 def test_launcher_turns_the_tier_on_for_in_place_restarts_only():
-    from kubetitan_trainer.launch import parse_args, restore_tier_folder
+    from kubetitan_trainer.launch.launcher import parse_args, restore_tier_folder
 
     base = ["--config=x", "--rdzv-id=ml-run-a0", "--node-rank=1"]
     assert restore_tier_folder(parse_args([*base, "--max-restarts=0"]), {}) == ""
@@ -281,7 +281,7 @@ def test_in_place_launcher_keeps_cuda_uninitialised_before_torchrun_s_config(tmp
     CUDA runtime in the launcher, and every forked worker dies ("Cannot re-initialize CUDA in forked subprocess")."""
     import torch.distributed.run as tdr
 
-    from kubetitan_trainer import launch
+    from kubetitan_trainer.launch import launcher as launch
 
     seen = {}
 
@@ -304,7 +304,7 @@ def test_compile_cache_folder_is_the_same_for_every_attempt_of_a_run(tmp_path):
     the previous attempt wrote: the rendered configs of two attempts give one folder."""
     from kubetitan_core import contract
     from kubetitan import plan
-    from kubetitan_trainer import compile_cache
+    from kubetitan_trainer.compile import compile_cache
 
     from support.specs import tiny_lpt as lpt
 
@@ -325,7 +325,7 @@ def test_the_tier_is_written_in_the_background_from_the_staged_copy_and_the_next
 
     import torch.distributed.checkpoint as dcp
 
-    from kubetitan_trainer.staging import ReusableStager
+    from kubetitan_trainer.recovery.staging import ReusableStager
     from torch.distributed.checkpoint.staging import StagingOptions
 
     src = _trained(seed=1)
@@ -382,7 +382,7 @@ def test_agents_rejoin_the_same_gang_through_one_counter_and_time_out_without_a_
 
     from torch.distributed import HashStore
 
-    from kubetitan_trainer.launch import REJOIN_KEY, rejoin
+    from kubetitan_trainer.launch.store import REJOIN_KEY, rejoin
 
     store = HashStore()
     assert not store.check([REJOIN_KEY.format(generation=1)])
@@ -405,7 +405,7 @@ def test_each_worker_generation_gets_its_own_prefix_in_the_agents_store(monkeypa
 
     from torch.distributed import TCPStore
 
-    from kubetitan_trainer.launch import generation_scoped_agent_store
+    from kubetitan_trainer.launch.launcher import generation_scoped_agent_store
 
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     monkeypatch.setattr(rdzv, "_create_c10d_store", rdzv._create_c10d_store)  # restored after the test
@@ -423,7 +423,7 @@ def test_each_worker_generation_gets_its_own_prefix_in_the_agents_store(monkeypa
 def test_a_warm_launcher_parses_the_config_once_for_every_forked_worker(tmp_path, monkeypatch):
     from torchtitan.config import ConfigManager
 
-    from kubetitan_trainer.launch import memoize_config_parse
+    from kubetitan_trainer.launch.launcher import memoize_config_parse
 
     monkeypatch.setattr(ConfigManager, "parse_args", ConfigManager.parse_args)  # restored after the test
     calls = []

@@ -1,9 +1,9 @@
-"""The AOTAutograd cache serves the recipe's graphs (kubetitan_trainer.aot_cache, issue 29 item 3).
+"""The AOTAutograd cache serves the recipe's graphs (kubetitan_trainer.compile.aot_cache, issue 29 item 3).
 
 A fresh interpreter captures one FP8 TransformerBlock of the debug model with Dynamo (a backend that only
 inspects the graph: no Inductor, ~seconds) and applies the AOTAutograd cache's own node check
 (``check_cacheable``) plus the pickling by reference that its key needs, first as torch 2.11 ships, then after
-:func:`kubetitan_trainer.aot_cache.enable`. Without it the graph is refused (so every restart traces the joint
+:func:`kubetitan_trainer.compile.aot_cache.enable`. Without it the graph is refused (so every restart traces the joint
 graph again); with it nothing is. The full round trip (a second process hitting the cache) is
 ``bench/aot_cache_probe.py``; it compiles with Inductor and takes minutes on CPU.
 """
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 
-from kubetitan_trainer import aot_cache
+from kubetitan_trainer.compile import aot_cache
 
 PROBE = textwrap.dedent('''
     import json, pickle, torch
@@ -49,7 +49,7 @@ PROBE = textwrap.dedent('''
         return seen
 
     before = capture()
-    from kubetitan_trainer import aot_cache
+    from kubetitan_trainer.compile import aot_cache
     aot_cache.enable()
     aot_cache.enable()  # idempotent
     after = capture()
@@ -79,7 +79,7 @@ def test_every_marked_name_is_keyed_by_the_versions_of_its_package() -> None:
 
 STAND_INS = textwrap.dedent('''
     import json, torch
-    from kubetitan_trainer import aot_cache
+    from kubetitan_trainer.compile import aot_cache
     aot_cache.enable()
 
     def make(scale):
@@ -124,7 +124,7 @@ def test_stand_ins_never_run_another_class_and_dynamo_traces_them_again() -> Non
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["2.0"] == [2.0] * 3 and got["3.0"] == [3.0] * 3
-    assert got["stand_in"] == "kubetitan_trainer.aot_cache" and got["retraced"] == [6.0] * 3
+    assert got["stand_in"] == "kubetitan_trainer.compile.aot_cache" and got["retraced"] == [6.0] * 3
 
 
 def test_a_functions_key_holds_the_versions_and_its_source() -> None:

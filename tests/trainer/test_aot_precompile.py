@@ -1,4 +1,4 @@
-"""Ahead-of-time compiled blocks (kubetitan_trainer.aot_precompile) on CPU: rank 0 makes the artefact after its first
+"""Ahead-of-time compiled blocks (kubetitan_trainer.compile.aot_precompile) on CPU: rank 0 makes the artefact after its first
 step; a fresh process loads it and its blocks run it without a Dynamo trace, with the eager model's numbers; what
 its guards do not cover falls back to the block's own compile; a worker that died using it makes the next one
 delete it."""
@@ -17,13 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubetitan_trainer import anatomy, aot_precompile, compat, compile_cache
+from kubetitan_trainer import compat
+from kubetitan_trainer.compile import aot_precompile, compile_cache
+from kubetitan_trainer.recovery import anatomy
 
 PROBE = textwrap.dedent("""
     import json, os
     import torch
     import torch._inductor.cpu_vec_isa as cpu_vec_isa
-    from kubetitan_trainer import aot_precompile, compat
+    from kubetitan_trainer import compat
+    from kubetitan_trainer.compile import aot_precompile
 
     cpu_vec_isa.valid_vec_isa_list = list  # scalar C++ kernels: no per-process gcc probes of the CPU (~9 s each)
 

@@ -1,4 +1,4 @@
-"""The staging arena (kubetitan_trainer.arena): DCP's staged copy in a file of the restore tier's folder that outlives
+"""The staging arena (kubetitan_trainer.recovery.arena): DCP's staged copy in a file of the restore tier's folder that outlives
 the worker, the stager that stages into it, and the restore tier that points into it (issue 29), on CPU."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.staging import StagingOptions
 
-from kubetitan_trainer import arena, restore_tier
-from kubetitan_trainer.staging import ReusableStager
+from kubetitan_trainer.recovery import arena, restore_tier
+from kubetitan_trainer.recovery.staging import ReusableStager
 
 from .test_anatomy_restore import _loads_match_dcp, _trained
 
@@ -174,8 +174,8 @@ def test_the_tier_json_is_gone_while_a_stage_is_in_flight(tmp_path):
 CHILD_STAGES = """
 import os, sys, torch
 from torch.distributed.checkpoint.staging import StagingOptions
-from kubetitan_trainer import restore_tier
-from kubetitan_trainer.staging import ReusableStager
+from kubetitan_trainer.recovery import restore_tier
+from kubetitan_trainer.recovery.staging import ReusableStager
 state = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64), "b": torch.arange(7, dtype=torch.bfloat16),
          "extra": {"step": 11, "m": [torch.full((3,), 2.5)]}}
 stager = ReusableStager(StagingOptions(False, True, False, False), arena_folder=sys.argv[1], rank=0)

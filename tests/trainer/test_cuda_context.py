@@ -1,4 +1,4 @@
-"""The worker's CUDA context made on a side thread at start-up (kubetitan_trainer.cuda_context), with a stand-in
+"""The worker's CUDA context made on a side thread at start-up (kubetitan_trainer.recovery.cuda_context), with a stand-in
 driver: the calls, the device, the start not waiting for them, the knob, the errors, the start-up record."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kubetitan_trainer import anatomy, cuda_context
+from kubetitan_trainer.recovery import anatomy, cuda_context
 
 ON = cuda_context.ENV
 

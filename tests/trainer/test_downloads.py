@@ -1,4 +1,4 @@
-"""Hub downloads (kubetitan_trainer.downloads): once per pod, retried when transient, exit 2 only for config errors.
+"""Hub downloads (kubetitan_trainer.data.downloads): once per pod, retried when transient, exit 2 only for config errors.
 
 Every test talks HTTP to a stand-in hub on 127.0.0.1 (tests/trainer/fakehub.py) through the real
 ``huggingface_hub.snapshot_download``; the hub's request log says what was really asked.
@@ -16,9 +16,9 @@ import httpx2
 import pytest
 
 from kubetitan_core.contract import ExitCode
-from kubetitan_trainer import downloads
+from kubetitan_trainer.data import downloads
+from kubetitan_trainer.data.tokenizer import BUILTIN_TOKENIZER
 from kubetitan_trainer.errors import ConfigError, TransientError
-from kubetitan_trainer.tokenizer import BUILTIN_TOKENIZER
 
 from .fakehub import FakeHub, tokenizer_files
 
@@ -93,7 +93,7 @@ def test_a_waiting_rank_times_out_with_a_clear_error(tmp_path):
 
 WORKER = """
 import sys, json
-from kubetitan_trainer import downloads
+from kubetitan_trainer.data import downloads
 rank, dest, endpoint = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 fetch = downloads.hub_snapshot("org/tok", ["tokenizer.json", "tokenizer_config.json"], None, endpoint=endpoint)
 print("ready", flush=True)
@@ -124,7 +124,8 @@ def test_one_download_per_pod_the_other_ranks_wait_for_the_marker(tmp_path):
 MAIN = """
 import sys
 sys.argv = ["kubetitan_trainer.main", "--job.config_file", sys.argv[1]]  # as torchrun starts a worker
-from kubetitan_trainer import downloads, main
+from kubetitan_trainer import main
+from kubetitan_trainer.data import downloads
 downloads.RETRIES, downloads.BACKOFF_BASE_SECONDS = 2, 0.01  # keep the exhausted-retries case short
 sys.exit(main.main())
 """

@@ -15,8 +15,12 @@ import pytest
 
 from kubetitan_core.contract import ExitCode
 from kubetitan_core.contract.failure import FailureReport
-from kubetitan_trainer import heartbeat, launch
-from kubetitan_trainer.heartbeat import Rule, stalled
+from kubetitan_trainer.launch import launcher as launch
+from kubetitan_trainer.launch import state as launch_state
+from kubetitan_trainer.launch import store as rdzv_store
+from kubetitan_trainer.recovery import heartbeat
+from kubetitan_trainer.recovery.heartbeat import Rule, stalled
+from support.memstore import MemStore
 
 NOW = 1_000_000.0
 AUTO = Rule(policy="Auto", timeout_seconds=900, floor_seconds=30, save_timeout_seconds=120)
@@ -111,7 +115,7 @@ def fail(code: int, t: float, stopped: bool = False) -> FailureReport:
 ], ids=["generic-1-last", "stopped-hang-first", "earliest-hang", "stopped-hang-over-earlier-kill",
         "stopped-hang-over-nccl-abort", "hang-then-nccl-abort", "crash-then-waiting-hang", "hang-over-generic-1"])
 def test_the_failure_that_began_a_generation(posted, first) -> None:
-    assert min(posted, key=launch.failure_order).node_rank == first
+    assert min(posted, key=rdzv_store.failure_order).node_rank == first
 
 
 def hang(time: float, stopped: bool) -> FailureReport:
@@ -119,34 +123,18 @@ def hang(time: float, stopped: bool) -> FailureReport:
     return FailureReport(exit_code=ExitCode.HANG, node_rank=0, time=time, local_rank=0, stopped=stopped)
 
 
-class Store:
-    """The rendezvous store's set/get/check, in memory."""
-
-    def __init__(self) -> None:
-        self.kv: dict[str, bytes] = {}
-
-    def set(self, k: str, v: str) -> None:
-        self.kv[k] = v.encode()
-
-    def get(self, k: str) -> bytes:
-        return self.kv[k]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.kv for k in keys)
-
-
 def test_a_hang_names_its_node_only_when_a_worker_was_stopped() -> None:
     """Every rank's step stands still together in a gang: a hang no stopped worker explains names no node (rank -1;
     the launcher that saw it is kept), so the operator's "same node twice in a row" escalation never counts it."""
-    store = Store()
-    launch.post_failure(store, 3, 0, {}, hang(time=1.0, stopped=False))
-    launch.post_failure(store, 3, 1, {}, hang(time=2.0, stopped=True))
-    got = launch.earliest_failure(store, 3, 2)
+    store = MemStore()
+    rdzv_store.post_failure(store, 3, 0, {}, hang(time=1.0, stopped=False))
+    rdzv_store.post_failure(store, 3, 1, {}, hang(time=2.0, stopped=True))
+    got = rdzv_store.earliest_failure(store, 3, 2)
     assert (got.node_rank, got.seen_by) == (1, 1)
-    store = Store()
-    launch.post_failure(store, 4, 0, {}, hang(time=1.0, stopped=False))
-    launch.post_failure(store, 4, 1, {}, hang(time=1.1, stopped=False))
-    got = launch.earliest_failure(store, 4, 2)
+    store = MemStore()
+    rdzv_store.post_failure(store, 4, 0, {}, hang(time=1.0, stopped=False))
+    rdzv_store.post_failure(store, 4, 1, {}, hang(time=1.1, stopped=False))
+    got = rdzv_store.earliest_failure(store, 4, 2)
     assert (got.exit_code, got.node_rank, got.seen_by) == (7, -1, 0)
 
 
@@ -155,12 +143,12 @@ def test_process_state_sees_a_stopped_process_and_kill_workers_ends_it() -> None
     try:
         os.kill(p.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while launch.process_state(p.pid) not in ("T", "t") and time.monotonic() < deadline:
+        while launch_state.process_state(p.pid) not in ("T", "t") and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert launch.process_state(p.pid) in ("T", "t")
-        launch.kill_workers([p.pid])  # SIGKILL reaches a stopped process; SIGTERM would wait for SIGCONT
+        assert launch_state.process_state(p.pid) in ("T", "t")
+        launch_state.kill_workers([p.pid])  # SIGKILL reaches a stopped process; SIGTERM would wait for SIGCONT
         assert p.wait(10) == -signal.SIGKILL
-        assert launch.process_state(p.pid) == ""
+        assert launch_state.process_state(p.pid) == ""
     finally:
         if p.poll() is None:
             p.kill()

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from kubetitan_core.contract import ExitCode
-from kubetitan_trainer import downloads
+from kubetitan_trainer.data import downloads
 from kubetitan_trainer.errors import ConfigError, TransientError
 
 from .fakehub import FakeHub
@@ -26,7 +26,8 @@ PY = sys.executable
 MAIN = """
 import sys, time, types
 sys.argv = ["kubetitan_trainer.main", "--job.config_file", sys.argv[1]]  # as torchrun starts a worker
-from kubetitan_trainer import downloads, main
+from kubetitan_trainer import main
+from kubetitan_trainer.data import downloads
 downloads.RETRIES, downloads.BACKOFF_BASE_SECONDS = 2, 0.01  # kubetitan's policy: 3 tries, short waits
 # huggingface_hub retries one metadata request 5 times itself (waits 1, 2, 4, 8, 8 s) inside each of kubetitan's
 # tries; its waits are cut to 0 here so that the test takes seconds (the number of requests is unchanged)
@@ -127,8 +128,8 @@ def test_classify_dataset(monkeypatch, make, offline, want):
 def _dataset(tmp_path):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    from kubetitan_trainer.data import HubSpec, KubetitanHFTextDataset
-    from kubetitan_trainer.tokenizer import BUILTIN_TOKENIZER
+    from kubetitan_trainer.data.loaders import HubSpec, KubetitanHFTextDataset
+    from kubetitan_trainer.data.tokenizer import BUILTIN_TOKENIZER
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " * 4}) + "\n" for i in range(50)))

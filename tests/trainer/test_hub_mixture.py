@@ -27,8 +27,8 @@ GLOBAL_BATCH = 4
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict[str, Path]:
-    from kubetitan_trainer.data import BUILTIN_CORPUS
-    from kubetitan_trainer.prepare import main
+    from kubetitan_trainer.data.loaders import BUILTIN_CORPUS
+    from kubetitan_trainer.data.prepare import main
 
     out = tmp_path_factory.mktemp("corpus")
     assert main([str(BUILTIN_CORPUS), "-o", str(out / "shards")]) == 0

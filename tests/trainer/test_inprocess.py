@@ -1,4 +1,4 @@
-"""In-process restart (kubetitan_trainer.inprocess): the pure rules, then a real 2-rank gloo gang (support.gang) with
+"""In-process restart (kubetitan_trainer.recovery.inprocess): the pure rules, then a real 2-rank gloo gang (support.gang) with
 an injected exception, an injected hang and a fault the causes table does not restart in place."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import time
 import pytest
 
 from kubetitan_core.contract import ExitCode
-from kubetitan_trainer import errors, inprocess
-from kubetitan_trainer.inprocess import Fault, classify, decide
+from kubetitan_trainer import errors
+from kubetitan_trainer.recovery import inprocess
+from kubetitan_trainer.recovery.inprocess import Fault, classify, decide
 
 
 def fault(rank=1, cause="ContainerFailed", step=5, in_place=True, code=1) -> Fault:

@@ -14,7 +14,7 @@ import pytest
 import tomli_w
 import tomllib
 
-from kubetitan_trainer import inprocess
+from kubetitan_trainer.recovery import inprocess
 from support.trainer import launch, ledger_config
 from tests.trainer.helpers import lpt
 

@@ -12,7 +12,7 @@ import pytest
 from kubetitan.decide import PodObs, classify_pod
 from kubetitan_core import causes
 from kubetitan_core.contract import ExitCode
-from kubetitan_trainer import launch
+from kubetitan_trainer.launch import failures as launch_failures
 
 XID_79_KERNEL = "NVRM: Xid (PCI:0000:c6:00): 79, pid=1101234, name=python, GPU has fallen off the bus."
 
@@ -35,8 +35,8 @@ def raised(text: str) -> dict:
 ], ids=["1", "3-nan", "6-retryable", "7-hang", "sigkill", "sigabrt", "2-config", "4-storage", "5-not-efa",
         "75-stopped"])
 def test_exit_codes_restart_in_place_as_the_table_says(code, in_place) -> None:
-    assert launch.restartable({0: failure(code)}, stop_requested=False) is in_place
-    assert launch.restartable({0: failure(code)}, stop_requested=True) is False  # the pod is going away
+    assert launch_failures.restartable({0: failure(code)}, stop_requested=False) is in_place
+    assert launch_failures.restartable({0: failure(code)}, stop_requested=True) is False  # the pod is going away
 
 
 def test_a_worker_that_reports_xid_79_is_not_restarted_in_place_and_the_operator_reads_why(tmp_path) -> None:
@@ -46,12 +46,12 @@ def test_a_worker_that_reports_xid_79_is_not_restarted_in_place_and_the_operator
     failures = {3: failure(1, raised(f"RuntimeError: CUDA error: unknown error\n{XID_79_KERNEL}"), timestamp=100),
                 0: failure(1, raised("torch.distributed.DistBackendError: NCCL error"), timestamp=101),
                 1: failure(-6, timestamp=101)}
-    assert launch.restartable(failures, stop_requested=False) is False
-    assert launch.restartable({0: failures[0], 1: failures[1]}, stop_requested=False) is True  # the collateral alone
+    assert launch_failures.restartable(failures, stop_requested=False) is False
+    assert launch_failures.restartable({0: failures[0], 1: failures[1]}, stop_requested=False) is True  # the collateral alone
 
     term = tmp_path / "termination-log"
     term.write_text("")  # the kubelet creates it; the launcher writes only where it exists
-    line = launch.report_detected(failures, path=str(term))
+    line = launch_failures.report_detected(failures, path=str(term))
     assert line is not None and term.read_text() == line
     assert line.startswith("GPUXidError: Xid 79 (GPU has fallen off the bus) (worker local rank 3, exit code 1)")
 
@@ -65,32 +65,32 @@ def test_a_worker_that_reports_xid_79_is_not_restarted_in_place_and_the_operator
 def test_nothing_is_written_for_a_failure_known_by_its_exit_code(tmp_path) -> None:
     term = tmp_path / "termination-log"
     term.write_text("")
-    assert launch.report_detected({0: failure(1, raised("ValueError: boom"))}, path=str(term)) is None
+    assert launch_failures.report_detected({0: failure(1, raised("ValueError: boom"))}, path=str(term)) is None
     assert term.read_text() == ""  # the log's tail stays the termination message (FallbackToLogsOnError)
-    assert launch.report_detected({0: failure(1, raised(XID_79_KERNEL))}, path=str(tmp_path / "absent")) is not None
+    assert launch_failures.report_detected({0: failure(1, raised(XID_79_KERNEL))}, path=str(tmp_path / "absent")) is not None
     assert not (tmp_path / "absent").exists()  # outside a pod: logged only
 
 
 def test_an_application_xid_is_restarted_in_place() -> None:
     app = failure(1, raised("RuntimeError: CUDA error: an illegal memory access was encountered\n"
                             "NVRM: Xid (PCI:0000:c6:00): 31, pid=77, name=python, Ch 00000008, MMU Fault"))
-    assert launch.restartable({0: app}, stop_requested=False) is True
-    assert launch.failure_cause(app).cause.id == causes.CONTAINER_FAILED
+    assert launch_failures.restartable({0: app}, stop_requested=False) is True
+    assert launch_failures.failure_cause(app).cause.id == causes.CONTAINER_FAILED
 
 
 def test_the_xid_report_file_is_read_only_when_written_after_the_launcher_started(tmp_path) -> None:
     """A worker killed by NCCL's watchdog (SIGABRT) leaves no error file; the node's Xid report names the fault."""
     report = tmp_path / "xid.log"
     report.write_text("kernel: something else\n" + XID_79_KERNEL + "\n")
-    env = {launch.ENV_XID_REPORT: str(report)}
+    env = {launch_failures.ENV_XID_REPORT: str(report)}
     mtime = report.stat().st_mtime
-    assert launch.xid_report(env, since=mtime + 60) == ""  # an old line must not blame this run's GPU
-    text = launch.xid_report(env, since=mtime - 1)
+    assert launch_failures.xid_report(env, since=mtime + 60) == ""  # an old line must not blame this run's GPU
+    text = launch_failures.xid_report(env, since=mtime - 1)
     assert XID_79_KERNEL in text
     aborted = failure(-6)
-    assert launch.restartable({0: aborted}, stop_requested=False, report=text) is False
-    assert launch.failure_cause(aborted, text).seen == "Xid 79 (GPU has fallen off the bus)"
-    assert launch.xid_report({}, since=0) == "" and launch.xid_report({launch.ENV_XID_REPORT: str(tmp_path / "no")}) == ""
+    assert launch_failures.restartable({0: aborted}, stop_requested=False, report=text) is False
+    assert launch_failures.failure_cause(aborted, text).seen == "Xid 79 (GPU has fallen off the bus)"
+    assert launch_failures.xid_report({}, since=0) == "" and launch_failures.xid_report({launch_failures.ENV_XID_REPORT: str(tmp_path / "no")}) == ""
 
 
 def test_adding_the_gpu_cause_is_one_row_and_its_detector() -> None:
@@ -120,6 +120,6 @@ def test_torch_elastic_records_what_a_worker_raised_where_the_launcher_reads_it(
                           logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)), start_method="fork")
     result = ctx.wait()
     assert result is not None and result.is_failed()
-    assert launch.restartable(result.failures, stop_requested=False) is False
-    found = launch.failure_cause(result.failures[0])
+    assert launch_failures.restartable(result.failures, stop_requested=False) is False
+    found = launch_failures.failure_cause(result.failures[0])
     assert (found.cause.id, found.seen, found.by_text) == ("GPUXidError", "Xid 79 (GPU has fallen off the bus)", True)

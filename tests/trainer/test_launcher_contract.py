@@ -8,7 +8,8 @@ import pytest
 
 from kubetitan import plan
 from kubetitan_core.contract.launcher import LauncherArgs
-from kubetitan_trainer import launch, local
+from kubetitan_trainer import local
+from kubetitan_trainer.launch import launcher as launch
 
 from support.specs import tiny_lpt
 

@@ -36,7 +36,7 @@ STEPS = LEGS[-1][1]
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict[str, Path]:
     """Two shards directories from the standard library's modules (alternate files, sorted by name: deterministic)."""
-    from kubetitan_trainer.prepare import main
+    from kubetitan_trainer.data.prepare import main
 
     out = tmp_path_factory.mktemp("corpus")
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:24]
@@ -77,7 +77,7 @@ def stream_oracle(job_data: dict[str, Any], n: int) -> list[tuple[int, int, int,
     """The first ``n`` samples of the configured global stream, computed in-process by the loader's own schedule."""
     from torchtitan.config import ConfigManager
 
-    from kubetitan_trainer import data
+    from kubetitan_trainer.data import loaders as data
 
     obj = lpt({"training": {"seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH}, "data": job_data,
                "parallelism": {"dataParallelShardDegree": 1}, "resources": {"nodes": 1, "gpusPerNode": 0,

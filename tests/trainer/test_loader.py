@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kubetitan_trainer import data
-from kubetitan_trainer.data import (EvalLoader, GlobalDataLoader, GlobalStream, MixSchedule, WindowSource,
+from kubetitan_trainer.data import loaders as data
+from kubetitan_trainer.data.loaders import (EvalLoader, GlobalDataLoader, GlobalStream, MixSchedule, WindowSource,
                                     epoch_permutation, integer_weights, rank_slice)
 from kubetitan_trainer.errors import ConfigError
 
@@ -60,7 +60,7 @@ def test_a_shuffled_source_visits_every_window_once_per_epoch_and_reshuffles():
 
 
 def test_the_synthetic_source_is_never_permuted():
-    from kubetitan_trainer.data import SyntheticSource
+    from kubetitan_trainer.data.loaders import SyntheticSource
 
     syn = SyntheticSource(2048, SEQ, seed=3)
     got = GlobalStream([syn], [1.0], seed=3, shuffled=True).take(5)  # a permutation of 2**40 windows would not fit
@@ -312,7 +312,7 @@ def test_a_streamed_dataset_resumed_at_another_dp_degree_is_a_config_error_not_a
 
     from torch.utils.data import IterableDataset
 
-    from kubetitan_trainer.data import LocalDataLoader
+    from kubetitan_trainer.data.loaders import LocalDataLoader
 
     class Empty(IterableDataset):
         def __iter__(self):
@@ -332,7 +332,7 @@ def _hub_source(tmp_path, name="stream"):
 
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    from kubetitan_trainer.tokenizer import BUILTIN_TOKENIZER
+    from kubetitan_trainer.data.tokenizer import BUILTIN_TOKENIZER
 
     corpus = tmp_path / f"{name}.jsonl"
     if not corpus.exists():

@@ -173,7 +173,7 @@ def test_an_unwritable_output_dir_is_one_line_and_a_config_error(tmp_path, monke
 def test_a_clean_stop_is_not_logged_as_a_worker_failure():
     import logging
 
-    from kubetitan_trainer.launch import CleanStopLogFilter
+    from kubetitan_trainer.launch.launcher import CleanStopLogFilter
 
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 

@@ -106,7 +106,7 @@ def test_operator_fails_the_run_on_exit_5_without_restart():
 def test_launcher_does_not_restart_exit_5_in_place():
     from types import SimpleNamespace
 
-    from kubetitan_trainer.launch import restartable
+    from kubetitan_trainer.launch.failures import restartable
 
     for code in (ExitCode.NETWORK_NOT_EFA, ExitCode.STORAGE_FULL):
         assert not restartable({0: SimpleNamespace(exitcode=int(code), timestamp=1, message="<NONE>")}, False)

@@ -1,4 +1,4 @@
-"""``kubetitan prepare-data`` (kubetitan_trainer.prepare): shards that do not depend on the worker count, one BOS/EOS
+"""``kubetitan prepare-data`` (kubetitan_trainer.data.prepare): shards that do not depend on the worker count, one BOS/EOS
 convention for every input type, resume by work unit, and bad input or bad shards ending with exit code 2 and a
 message naming the file (and line) and the fix, never a traceback (each case run as a subprocess)."""
 
@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kubetitan_trainer import prepare
-from kubetitan_trainer.shards import INDEX_FILE, ShardSet
+from kubetitan_trainer.data import prepare
+from kubetitan_trainer.data.shards import INDEX_FILE, ShardSet
 
 TOKENIZER = prepare.BUILTIN_TOKENIZER / "tokenizer.json"
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kubetitan_trainer.prepare", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kubetitan_trainer.data.prepare", *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **(env or {})})
 
 

@@ -1,4 +1,4 @@
-"""The shard format and its reader (kubetitan_trainer.shards): what it reads, and every way a directory can be bad
+"""The shard format and its reader (kubetitan_trainer.data.shards): what it reads, and every way a directory can be bad
 raising a ConfigError that names the file and the fix. The subprocess cases (exit code 2, no traceback) are in
 test_prepare.py."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kubetitan_trainer.data.shards import INDEX_FILE, ShardSet, ShardWriter, TokenizerIdentity, make_index
 from kubetitan_trainer.errors import ConfigError
-from kubetitan_trainer.shards import INDEX_FILE, ShardSet, ShardWriter, TokenizerIdentity, make_index
 
 
 def write_set(d: Path, docs_per_shard: list[list[list[int]]], vocab: int = 1000, dtype: str = "uint16",
@@ -200,7 +200,7 @@ def test_verify_checksum_checks_the_chunks_too(tmp_path: Path) -> None:
     data[0] ^= 1
     crc.write_bytes(bytes(data))
     index = json.loads((d / INDEX_FILE).read_text())
-    from kubetitan_trainer.shards import crc32_bytes
+    from kubetitan_trainer.data.shards import crc32_bytes
 
     index["files"][0]["chunk_index_checksum"] = crc32_bytes(bytes(data))
     (d / INDEX_FILE).write_text(json.dumps(index))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kubetitan_trainer import restore_tier
+from kubetitan_trainer.recovery import restore_tier
 from kubetitan_trainer.trainer import KubetitanTrainer as Trainer
 
 from .test_anatomy_restore import _flat, _same, _trained

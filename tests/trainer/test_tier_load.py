@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kubetitan_trainer import restore_tier
+from kubetitan_trainer.recovery import restore_tier
 
 
 def _tensors() -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ import pytest
 
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
-from kubetitan_trainer import anatomy
+from kubetitan_trainer.recovery import anatomy
 from kmockx.harness import free_port  # the tests' one port allocator (no bind-0 races between tests)
 from kubetitan_trainer.local import scrape
 

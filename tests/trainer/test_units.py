@@ -81,7 +81,7 @@ def test_custom_flavour_takes_dims_from_the_kubetitan_table(tmp_path):
 
 # ----------------------------------------------------------------------------- data sources
 def test_synthetic_windows_are_a_function_of_seed_and_index():
-    from kubetitan_trainer.data import SyntheticSource
+    from kubetitan_trainer.data.loaders import SyntheticSource
 
     a, b = SyntheticSource(2048, 32, seed=1), SyntheticSource(2048, 32, seed=1)
     assert np.array_equal(a.window(5), b.window(5)) and a.window(5).shape == (33,)
@@ -95,7 +95,7 @@ def shards(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("shards")
     src = out / "docs.jsonl"
     src.write_text("".join(json.dumps({"body": f"Doc {i}: Ada has a red fox near the river. " * 3}) + "\n" for i in range(200)))
-    from kubetitan_trainer.prepare import main
+    from kubetitan_trainer.data.prepare import main
 
     assert main([str(src), "-o", str(out / "s"), "--text-field", "body", "--shard-tokens", "1000"]) == 0
     return out / "s"
@@ -113,7 +113,7 @@ def test_prepare_data_writes_shards_and_index(shards):
 
 
 def test_shard_windows_read_the_concatenated_stream_across_files(shards):
-    from kubetitan_trainer.data import WindowSource, open_shards
+    from kubetitan_trainer.data.loaders import WindowSource, open_shards
 
     index = json.loads((shards / "index.json").read_text())
     stream = np.concatenate([np.fromfile(shards / f["name"], dtype=np.uint16) for f in index["files"]]).astype(np.int64)
@@ -124,7 +124,7 @@ def test_shard_windows_read_the_concatenated_stream_across_files(shards):
 
 
 def test_shards_dtype_mismatch_is_a_config_error(shards):
-    from kubetitan_trainer.data import open_shards
+    from kubetitan_trainer.data.loaders import open_shards
     from kubetitan_trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="uint16"):
@@ -132,9 +132,9 @@ def test_shards_dtype_mismatch_is_a_config_error(shards):
 
 
 def test_huggingface_source_reads_a_local_jsonl_and_resumes(tmp_path):
-    from kubetitan_trainer.data import KubetitanHFTextDataset
+    from kubetitan_trainer.data.loaders import KubetitanHFTextDataset
+    from kubetitan_trainer.data.tokenizer import BUILTIN_TOKENIZER
     from kubetitan_trainer.job_config import KubetitanData
-    from kubetitan_trainer.tokenizer import BUILTIN_TOKENIZER
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     src = tmp_path / "c.jsonl"
@@ -193,7 +193,7 @@ def test_exported_metrics_pass_promtool():
     ex.data_loading.observe(0.001)
     ex.data_tokens({"code": 4096, "web": 1024})  # per-source series appear with the first micro-batch
     ex.eval_done(3, 2.7)  # the eval series with the first evaluation
-    from kubetitan_trainer.anatomy import Recorder
+    from kubetitan_trainer.recovery.anatomy import Recorder
 
     ex.startup(Recorder({"restarts": 0, "failures": [], "started": 1.0}, now=2.0).first_step_ends(4, 2, t=3.0))
     text = generate_latest(ex.registry).decode()
@@ -247,7 +247,7 @@ def _cpu_staging():
 
 
 def test_torch_default_stager_still_stages_only_once():
-    """Canary for kubetitan_trainer/staging.py: when the pinned torch can stage twice with one
+    """Canary for kubetitan_trainer/recovery/staging.py: when the pinned torch can stage twice with one
     DefaultStager (pytorch PR 183424), this fails; then delete the shim and this test."""
     import torch
     from torch.distributed.checkpoint.staging import DefaultStager
@@ -267,7 +267,7 @@ def test_reusable_stager_stages_every_save_and_keeps_its_buffers(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    from kubetitan_trainer.staging import ReusableStager
+    from kubetitan_trainer.recovery.staging import ReusableStager
 
     stager = ReusableStager(_cpu_staging())
     w = torch.zeros(1000)
@@ -291,7 +291,7 @@ def test_pinned_checkpoints_get_the_reusable_stager_once():
     from torch.distributed.checkpoint.staging import DefaultStager
     from torchtitan.components.checkpoint import AsyncMode
 
-    from kubetitan_trainer.staging import ReusableStager, ensure_reusable_stager
+    from kubetitan_trainer.recovery.staging import ReusableStager, ensure_reusable_stager
 
     pinned = SimpleNamespace(async_mode=AsyncMode.ASYNC_WITH_PINNED_MEM, stager=None)
     ensure_reusable_stager(pinned, _cpu_staging())
@@ -317,7 +317,7 @@ def _failure(code, ts):
     ids=["self-exit-beats-killed-on-tie", "earliest-wins", "all-checkpointed", "signal-to-shell-code", "none"],
 )
 def test_launcher_takes_the_failing_workers_exit_code(failures, want):
-    from kubetitan_trainer.launch import exit_code_of
+    from kubetitan_trainer.launch.failures import exit_code_of
 
     assert exit_code_of(failures) == want
 
@@ -328,13 +328,13 @@ def test_launcher_takes_the_failing_workers_exit_code(failures, want):
     ("Signal 9 (SIGKILL) received by PID 12", "Signal 9 (SIGKILL) received by PID 12"),
 ], ids=["error-file-without-its-call-stack", "plain-message"])
 def test_launcher_logs_a_failed_workers_message_without_the_call_stack(message, want):
-    from kubetitan_trainer.launch import failure_summary
+    from kubetitan_trainer.launch.failures import failure_summary
 
     assert failure_summary(message) == want
 
 
 def test_launcher_waits_for_dns_then_gives_up():
-    from kubetitan_trainer.launch import wait_for_dns
+    from kubetitan_trainer.launch.launcher import wait_for_dns
 
     calls = []
 
@@ -454,13 +454,13 @@ def test_local_run_gives_the_trainer_the_specs_plain_env_values():
     ids=["killed-worker", "crashed-worker", "config-error", "stop-checkpointed", "sigterm-stop-requested"],
 )
 def test_in_place_restart_only_for_failures_a_restart_can_cure(codes, stop, want):
-    from kubetitan_trainer.launch import restartable
+    from kubetitan_trainer.launch.failures import restartable
 
     assert restartable({r: _failure(c, 10) for r, c in codes.items()}, stop) is want
 
 
 def test_in_place_launcher_uses_a_c10d_rendezvous_hosted_by_node_rank_0_and_forks_workers():
-    from kubetitan_trainer.launch import parse_args, torchrun_argv
+    from kubetitan_trainer.launch.launcher import parse_args, torchrun_argv
 
     base = ["--config=c.toml", "--nnodes=2", "--master-addr=m.svc", "--master-port=29500", "--rdzv-id=r"]
     static = torchrun_argv(parse_args([*base, "--max-restarts=0"]))
@@ -476,7 +476,7 @@ def test_the_posted_worker_failure_that_is_not_collateral_begins_the_next_genera
     generation: not the generic exit 1 of a peer whose collective broke, even when that was posted first."""
     from torch.distributed import HashStore
 
-    from kubetitan_trainer.launch import earliest_failure, post_failure
+    from kubetitan_trainer.launch.store import earliest_failure, post_failure
 
     store = HashStore()
     assert earliest_failure(store, 0, 2) is None
@@ -493,7 +493,7 @@ def test_the_posted_worker_failure_that_is_not_collateral_begins_the_next_genera
 def test_rendezvous_timeout_from_the_operator_reaches_torchrun():
     """The operator's --rdzv-timeout (its scheduling wait + start-up allowance) becomes torchrun's rendezvous
     timeout on both launcher paths, so rank 0 outwaits a partly scheduled gang; without it torch's default."""
-    from kubetitan_trainer.launch import parse_args, torchrun_argv
+    from kubetitan_trainer.launch.launcher import parse_args, torchrun_argv
 
     base = ["--config=c.toml", "--nnodes=2", "--master-addr=m.svc", "--max-restarts=0", "--rdzv-timeout=2700"]
     assert "--rdzv-conf=timeout=2700" in torchrun_argv(parse_args(base))
@@ -504,7 +504,7 @@ def test_rendezvous_timeout_from_the_operator_reaches_torchrun():
 def test_compile_cache_lives_under_the_dump_folder_keyed_by_versions_gpu_and_config(tmp_path):
     import tomli_w
 
-    from kubetitan_trainer import compile_cache
+    from kubetitan_trainer.compile import compile_cache
 
     def cfg(name, **tables):
         p = tmp_path / name
@@ -530,7 +530,7 @@ def test_compile_cache_lives_under_the_dump_folder_keyed_by_versions_gpu_and_con
 
 
 def test_compile_cache_reads_gpu_models_from_the_driver_without_cuda(tmp_path):
-    from kubetitan_trainer.compile_cache import gpu_models
+    from kubetitan_trainer.compile.compile_cache import gpu_models
 
     (tmp_path / "0000:01:00.0").mkdir()
     (tmp_path / "0000:01:00.0" / "information").write_text("Model: \t\t NVIDIA H200\nIRQ: 1\n")

@@ -5,8 +5,10 @@
   model args, which ``checks``, ``data`` and ``tokenizer`` read without the TrainSpec
 - ``trainer``: a thin Trainer subclass (stop/non-finite checks at step boundaries, goodput state)
 - ``main``: the worker entry point; ``launch``: the pod entry point (torchrun in-process)
-- ``local``: ``kubetitan run``; ``prepare``: ``kubetitan prepare-data``
+- ``local``: ``kubetitan run``; ``data.prepare``: ``kubetitan prepare-data``
 - ``cpu_bridge``: the four places torchtitan assumes CUDA, bridged only without a GPU
+- subpackages by concern: ``launch`` (the pod's launcher), ``recovery`` (restore tier, staging, in-process restart,
+  heartbeats, start-up anatomy), ``compile`` (compile cache, AOT), ``data`` (sources, loaders, shards, preparation)
 """
 
 from pathlib import Path

@@ -270,7 +270,7 @@ def finish_model_load(checkpointer, state_dict: dict) -> None:
         checkpointer.states[MODEL].load_state_dict(state_dict)
 
 
-# ====================================================================== DCP staging (kubetitan_trainer.staging)
+# ====================================================================== DCP staging (kubetitan_trainer.recovery.staging)
 @_shim(
     Upstream("torch.distributed.checkpoint._state_dict_stager:StateDictStager",
              params=("pin_memory", "share_memory", "pin_memory_min_bytes")),
@@ -311,7 +311,7 @@ STATE_DICT_STAGER_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_stage_untyped_storage": ("self", "storage", "non_blocking"),
 }
 """Private ``StateDictStager`` methods ``staging._KeepOpenStateDictStager`` overrides (declared with
-:func:`overrides`): the staging arena (kubetitan_trainer.arena) hands out the staged storages; torch allocates
+:func:`overrides`): the staging arena (kubetitan_trainer.recovery.arena) hands out the staged storages; torch allocates
 one shared, pinned storage per tensor there and has no allocator hook."""
 
 _declare(
@@ -564,7 +564,7 @@ def abort_process_group(*, keep_bookkeeping: bool = False) -> None:
     (``destroy_process_group`` would wait for the stuck collective). ``keep_bookkeeping``: only call each group's
     ``abort()`` and leave the world to the main thread (the in-process monitor thread's case: the main thread may be
     inside a collective of those groups). Gloo groups are left alone: their collectives end by the peer's closed
-    sockets or the group's timeout (``kubetitan_trainer.inprocess``)."""
+    sockets or the group's timeout (``kubetitan_trainer.recovery.inprocess``)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -669,7 +669,7 @@ def wrap_num_nodes_waiting(handler, wrap: Callable) -> None:
     """Wrap a rendezvous handler's ``num_nodes_waiting`` (``wrap`` takes the original and returns the new one).
 
     ``SimpleElasticAgent._invoke_run`` restarts healthy workers when it returns > 0; a peer's in-place restart
-    announced outside torch's rendezvous (``launch.rejoin``) must count, and the agent takes no other signal."""
+    announced outside torch's rendezvous (``launch.store.rejoin``) must count, and the agent takes no other signal."""
     _rebind(handler, "num_nodes_waiting", wrap(handler.num_nodes_waiting))
 
 
@@ -702,12 +702,12 @@ ELASTIC_AGENT_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_restart_workers": ("self", "worker_group"),
     "_rendezvous": ("self", "worker_group"),
 }
-"""Private ``LocalElasticAgent``/``SimpleElasticAgent`` methods ``launch.InPlaceAgent`` overrides (declared with
+"""Private ``LocalElasticAgent``/``SimpleElasticAgent`` methods ``launch.agent.InPlaceAgent`` overrides (declared with
 :func:`overrides`): recording failures, refusing restarts that cannot help, and skipping torch's rendezvous
 round for the same gang need them; torchrun's agent has no hooks."""
 
 _declare(
-    "ELASTIC_AGENT_OVERRIDES", "Private elastic-agent methods launch's InPlaceAgent overrides (declared with "
+    "ELASTIC_AGENT_OVERRIDES", "Private elastic-agent methods launch.agent.InPlaceAgent overrides (declared with "
     "compat.overrides; torchrun's agent has no hooks).",
     *(Upstream(f"{_AGENT}.{name}", params=params) for name, params in ELASTIC_AGENT_OVERRIDES.items()),
     Upstream("torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent._monitor_workers",
@@ -776,6 +776,16 @@ def s3_client(settings, config) -> Any:
     from s3torchconnector._s3client import S3Client
 
     return S3Client(settings.region, endpoint=settings.endpoint or None, s3client_config=config)
+
+
+@_shim(Upstream("s3torchconnector:S3ReaderConstructor.range_based", params=("buffer_size",)))
+def s3_range_reader() -> Any:
+    """s3torchconnector's range-based object reader without its own buffer (``buffer_size=0``): each ``readinto``
+    after a ``seek`` is one ranged GET of exactly the bytes asked for (the staging of ``s3://`` shards reads parts
+    of known size, :mod:`kubetitan_trainer.data.s3shards`)."""
+    from s3torchconnector import S3ReaderConstructor
+
+    return S3ReaderConstructor.range_based(buffer_size=0)
 
 
 def _s3_file_system(settings, config, reader_constructor=None) -> Any:
@@ -962,7 +972,7 @@ def checkpoint_keep_latest_k(checkpointer) -> int:
     return int(getattr(checkpointer, "keep_latest_k", 0))
 
 
-# ====================================================================== DTensor shards (kubetitan_trainer.restore_tier)
+# ====================================================================== DTensor shards (kubetitan_trainer.recovery.restore_tier)
 @_shim(Upstream("torch.distributed.tensor:DTensor._local_tensor"))
 def local_tensor(t):
     """A DTensor's shard on this rank (the tensor itself when it is not a DTensor), sharing its storage.
@@ -972,7 +982,7 @@ def local_tensor(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-# ====================================================================== the AOTAutograd cache (kubetitan_trainer.aot_cache)
+# ====================================================================== the AOTAutograd cache (kubetitan_trainer.compile.aot_cache)
 @_shim(Upstream("torch._functorch._aot_autograd.autograd_cache:check_node_safe", params=("node",),
                 contains=("unsafe_marked_cacheable_functions",)),
        Upstream("torch._inductor.config:unsafe_marked_cacheable_functions"))
@@ -1042,7 +1052,7 @@ def name_autograd_trampolines(namespace: Any, on_new: Callable[[str, type], None
     return produce
 
 
-# ====================================================================== compile time (kubetitan_trainer.anatomy)
+# ====================================================================== compile time (kubetitan_trainer.recovery.anatomy)
 @_shim(Upstream("torch._dynamo.utils:calculate_time_spent", params=(), contains=('"total_wall_time"',)))
 def compile_time_parts() -> dict[str, float]:
     """Seconds this process has spent in each part of torch.compile so far ({} when torch._dynamo is not loaded, or
@@ -1086,7 +1096,7 @@ def compile_counts() -> dict[str, int]:
         return {}
 
 
-# ====================================================================== AOT-precompiled blocks (kubetitan_trainer.aot_precompile)
+# ====================================================================== AOT-precompiled blocks (kubetitan_trainer.compile.aot_precompile)
 @_shim(Upstream("torch._dynamo.eval_frame:OptimizedModule.__init__", params=("self", "mod", "dynamo_ctx"),
                 sets=("_orig_mod", "dynamo_ctx")),
        Upstream("torch._dynamo.eval_frame:OptimizedModule._initialize", sets=("forward",)))

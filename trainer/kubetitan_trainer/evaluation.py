@@ -1,7 +1,7 @@
 """Held-out evaluation: torchtitan 0.2.2's ``Validator`` (its loop, loss and all-reduce) on kubetitan's held-out data.
 
 torchtitan's ``Validator.__init__`` builds its data with ``build_text_validation_dataloader`` (its fixed dataset
-registry); :class:`KubetitanValidator` sets the same attributes with :func:`kubetitan_trainer.data.build_eval_loader`
+registry); :class:`KubetitanValidator` sets the same attributes with :func:`kubetitan_trainer.data.loaders.build_eval_loader`
 instead (``compat.init_validator``) and inherits ``validate`` and ``should_validate`` (step 1 and every
 ``[validation] freq`` steps). The loader is finite and equal on every rank, so ``[validation] steps = -1`` (the
 whole held-out set) cannot hang. The loss reaches ``MetricsProcessor.log_validation``, which kubetitan's processor
@@ -15,11 +15,11 @@ import time
 from torchtitan.components.validate import Validator
 
 from kubetitan_trainer import compat
-from kubetitan_trainer.data import build_eval_loader
+from kubetitan_trainer.data.loaders import build_eval_loader
 
 
 class KubetitanValidator(Validator):
-    """torchtitan's Validator over :func:`~kubetitan_trainer.data.build_eval_loader`'s held-out samples."""
+    """torchtitan's Validator over :func:`~kubetitan_trainer.data.loaders.build_eval_loader`'s held-out samples."""
 
     def __init__(self, job_config, dp_world_size: int, dp_rank: int, tokenizer, parallel_dims, loss_fn,
                  validation_context, maybe_enable_amp, metrics_processor, pp_schedule=None, pp_has_first_stage=None,

@@ -97,10 +97,10 @@ def check_config(argv: list[str], world_size: int) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from kubetitan_trainer import anatomy
+    from kubetitan_trainer.recovery import anatomy
 
-    anatomy.begin()  # the start-up anatomy's "main" mark (kubetitan_trainer.anatomy)
-    from kubetitan_trainer import cuda_context
+    anatomy.begin()  # the start-up anatomy's "main" mark (kubetitan_trainer.recovery.anatomy)
+    from kubetitan_trainer.recovery import cuda_context
 
     cuda_context.begin()  # opt-in (KUBETITAN_EARLY_CUDA_CONTEXT=1): the GPU's context made on a side thread
     with imports_without_gc():
@@ -119,7 +119,7 @@ def _main(argv: list[str]) -> int:
 
     from kubetitan_trainer.errors import (ConfigError, NetworkNotEfaError, NonFiniteLossError, StorageFullError,
                                          TransientError)
-    from kubetitan_trainer.inprocess import GangGaveUp
+    from kubetitan_trainer.recovery.inprocess import GangGaveUp
 
     code = check_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
     if code is not None:

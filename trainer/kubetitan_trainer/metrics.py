@@ -220,7 +220,7 @@ class Exporter:
         self.restart_previous_step.set(failure.previous_step if failure and failure.previous_step is not None else -1)
 
     def startup(self, record: dict) -> None:
-        """The start-up anatomy of this worker generation (:mod:`kubetitan_trainer.anatomy`)."""
+        """The start-up anatomy of this worker generation (:mod:`kubetitan_trainer.recovery.anatomy`)."""
         for phase, seconds in record["phases"].items():
             self.startup_phase.labels(phase=phase).set(seconds)
         self.startup_total.set(record["total_seconds"])

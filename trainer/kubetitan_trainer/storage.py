@@ -419,12 +419,12 @@ def preflight(store: CheckpointStore, dump_folder: str, sleep: Callable[[float],
         return
     assert isinstance(store, S3Store)
     store.preflight(reached_before=reached_before(store, dump_folder), sleep=sleep)
-    from kubetitan_trainer.shards import atomic_write_text
+    from kubetitan_trainer import atomic
 
     marker = Path(_marker(dump_folder))
     with contextlib.suppress(OSError):  # the marker is a hint: a read-only dump folder only loses it
         marker.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(marker, json.dumps(_identity(store)))
+        atomic.write_json(marker, _identity(store))
 
 
 class SaveBudget:

@@ -26,12 +26,13 @@ from torchtitan.tools.logging import logger
 
 from kubetitan_core.render import TRAIN_SPEC_NAME
 
-from kubetitan_trainer import aot_cache, aot_precompile, compat, cpu_bridge
-from kubetitan_trainer.data import build_dataloader
+from kubetitan_trainer import compat, cpu_bridge
+from kubetitan_trainer.compile import aot_cache, aot_precompile
+from kubetitan_trainer.data.loaders import build_dataloader
+from kubetitan_trainer.data.tokenizer import build_tokenizer
 from kubetitan_trainer.evaluation import build_validator
 from kubetitan_trainer.flavours import model_args
 from kubetitan_trainer.metrics import build_metrics_processor
-from kubetitan_trainer.tokenizer import build_tokenizer
 
 
 def compile_fp8_head(model: torch.nn.Module, job_config: JobConfig) -> bool:
@@ -59,8 +60,8 @@ def compile_fp8_head(model: torch.nn.Module, job_config: JobConfig) -> bool:
 
 def wrap_parallelize(parallelize_fn: Callable) -> Callable:
     """torchtitan's parallelize (with the CPU bridge), then :func:`compile_fp8_head`; with compile on, the
-    AOTAutograd cache is made to serve the recipe's graphs first (:mod:`kubetitan_trainer.aot_cache`), and the
-    compiled blocks get their ahead-of-time artefact when it is on (:mod:`kubetitan_trainer.aot_precompile`)."""
+    AOTAutograd cache is made to serve the recipe's graphs first (:mod:`kubetitan_trainer.compile.aot_cache`), and the
+    compiled blocks get their ahead-of-time artefact when it is on (:mod:`kubetitan_trainer.compile.aot_precompile`)."""
     parallelize_fn = cpu_bridge.wrap_parallelize(parallelize_fn)
 
     @functools.wraps(parallelize_fn)

@@ -17,7 +17,7 @@ Everything else comes through the TrainSpec. The subclass adds, and only adds:
 - **Tokens trained, at any world size**: the checkpoint's ``train_state`` also carries the job's tokens (the sum of
   every rank's ``ntokens_seen``, one all-reduce before each save); a resume splits it into per-rank shares over
   however many data-parallel ranks it has, so the cumulative count continues exactly after a resize.
-- **Start-up anatomy** (:mod:`kubetitan_trainer.anatomy`): process-group init, checkpoint load and the first
+- **Start-up anatomy** (:mod:`kubetitan_trainer.recovery.anatomy`): process-group init, checkpoint load and the first
   step (its compile time apart) are marked; after the first step the phases are exported and logged.
 - **Step metrics**: step time, heartbeat, data-loading time, the time a checkpoint save blocked
   training, and the newest *complete* checkpoint (an async save counts once its background write ends).
@@ -41,10 +41,12 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import (ALREADY_COMPLETE, ENV_STOP_FILE, anatomy, aot_precompile, compat, data, heartbeat,
-                               inprocess, netcheck, restore_tier, s3shards, storage)
+from kubetitan_trainer import ALREADY_COMPLETE, ENV_STOP_FILE, compat, netcheck, storage
+from kubetitan_trainer.compile import aot_precompile
+from kubetitan_trainer.data import loaders as data, s3shards
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
-from kubetitan_trainer.staging import ensure_reusable_stager
+from kubetitan_trainer.recovery import anatomy, heartbeat, inprocess, restore_tier
+from kubetitan_trainer.recovery.staging import ensure_reusable_stager
 
 
 def checkpoint_entries(folder: str | storage.CheckpointStore) -> list[tuple[str, bool]]:
@@ -184,7 +186,7 @@ class KubetitanTrainer(Trainer):
         return result
 
     def _in_process_restart(self) -> inprocess.InProcessRestart | None:
-        """The in-process restarter when ``[kubetitan] inprocess_restarts`` is on (kubetitan_trainer.inprocess)."""
+        """The in-process restarter when ``[kubetitan] inprocess_restarts`` is on (kubetitan_trainer.recovery.inprocess)."""
         kt = self.job_config.kubetitan
         if kt.inprocess_restarts <= 0 or not dist.is_initialized():
             return None
@@ -361,7 +363,7 @@ class KubetitanTrainer(Trainer):
             check_free_space(ckpt.folder, self._checkpoint_bytes_estimate(), self._max_across_ranks)
         if not last_step:
             # torch 2.11's DefaultStager stages once (see staging.py); the staged copy goes into the staging arena
-            # in the restore tier's folder when there is one (kubetitan_trainer.arena).
+            # in the restore tier's folder when there is one (kubetitan_trainer.recovery.arena).
             ensure_reusable_stager(ckpt, arena_folder=self._tier, rank=self._rank_world()[0])
         tier = not last_step and bool(self._tier)
         staged_saves = compat.stages_in_background(ckpt)
@@ -485,7 +487,7 @@ class KubetitanTrainer(Trainer):
         logger.info(f"Finished loading the checkpoint in {time.monotonic() - begin:.2f} seconds.")
         return True
 
-    # ------------------------------------------------------------------ restore tier (kubetitan_trainer.restore_tier)
+    # ------------------------------------------------------------------ restore tier (kubetitan_trainer.recovery.restore_tier)
     @property
     def _tier(self) -> str:
         return os.environ.get(restore_tier.ENV_RESTORE_TIER, "") if self.checkpointer.enable else ""

@@ -7,7 +7,7 @@ and where the runbook explains it (docs/runbook.md). Everything else reads this 
 
 - ``kubetitan.decide.classify_pod`` (a failed pod: which row, in its fixed order of evidence) and
   ``nodes_to_avoid`` (rows that blame the node);
-- ``kubetitan_trainer.launch.restartable`` (may the launchers restart a failed worker in place?:
+- ``kubetitan_trainer.launch.launcher.restartable`` (may the launchers restart a failed worker in place?:
   :func:`worker_cause`);
 - the CRD's enum of ``status.restarts[].cause`` (``kubetitan_core.api.RestartCause``), the cause table of
   docs/api.md (``kubetitan.apidoc``), the per-cause sections of docs/runbook.md (checked by tests/docs) and the

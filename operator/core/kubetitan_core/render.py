@@ -216,7 +216,7 @@ def _model(s: LlamaPretrainSpec) -> KubetitanModel:
 def _storage(s: LlamaPretrainSpec) -> tuple[KubetitanCheckpointStorage, KubetitanDataS3]:
     """``[kubetitan.checkpoint_storage]`` (checkpoints in S3; ``job.dump_folder`` stays the pod's local scratch,
     kubetitan_trainer.storage) and ``[kubetitan.data_s3]`` (s3:// shards staged to the pod's staging emptyDir,
-    kubetitan_trainer.s3shards); each the defaults when not used."""
+    kubetitan_trainer.data.s3shards); each the defaults when not used."""
     ck_s3 = s.checkpoint.storage.s3
     checkpoints = KubetitanCheckpointStorage()
     if s.checkpoint.enabled and ck_s3 is not None:

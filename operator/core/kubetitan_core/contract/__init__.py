@@ -244,7 +244,7 @@ CONFIG_KEY = "trainer.toml"  # ConfigMap key, and file name under CONFIG_MOUNT
 CONFIG_MOUNT = "/etc/kubetitan"
 SHM_MOUNT = "/dev/shm"  # memory-backed emptyDir of every trainer pod
 DATA_STAGE_MOUNT = "/var/cache/kubetitan/data"
-"""Node-local emptyDir that ``s3://`` shards are staged to at start (kubetitan_trainer.s3shards); only in pods whose
+"""Node-local emptyDir that ``s3://`` shards are staged to at start (kubetitan_trainer.data.s3shards); only in pods whose
 spec reads such a path."""
 CHECKPOINT_SUBDIR = "checkpoint"  # torchtitan's checkpoint.folder under job.dump_folder
 DCP_METADATA_FILE = ".metadata"  # written last by torch.distributed.checkpoint
@@ -280,7 +280,7 @@ M_JOB_START_TIMESTAMP = "kubetitan_trainer_job_start_timestamp_seconds"
 M_STARTUP_PHASE_SECONDS = "kubetitan_trainer_startup_phase_seconds"  # label phase: one of STARTUP_PHASES
 STARTUP_PHASES = ("process_start", "imports", "process_group_init", "model_init", "checkpoint_load",
                   "first_step_compile", "first_step")
-"""The trainer's start-up phases, in order (kubetitan_trainer.anatomy; status.restarts[].startup)."""
+"""The trainer's start-up phases, in order (kubetitan_trainer.recovery.anatomy; status.restarts[].startup)."""
 M_STARTUP_SECONDS = "kubetitan_trainer_startup_seconds"
 M_RESTART_GENERATION = "kubetitan_trainer_restart_generation"  # ENV_RESTART_GENERATION
 M_RESTART_EXIT_CODE = "kubetitan_trainer_restart_exit_code"  # of the failure that began this generation

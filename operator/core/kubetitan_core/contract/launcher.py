@@ -79,7 +79,7 @@ class LauncherArgs:
     max_restarts: int = _spec_flag("run_policy.max_in_place_restarts",
                                    "in-place worker restarts of the whole gang before the launcher exits (0: none, "
                                    "the static launcher; the operator re-creates the gang)")
-    restore_tier: str = _flag("auto", "folder of the node-local restore tier (kubetitan_trainer.restore_tier) for "
+    restore_tier: str = _flag("auto", "folder of the node-local restore tier (kubetitan_trainer.recovery.restore_tier) for "
                                       "in-place restarts: 'auto' = /dev/shm/kubetitan-restore-<rdzv-id> with "
                                       "--max-restarts > 0, 'off' = none")
     monitor_interval: float = _flag(monitor_interval_seconds(1),

@@ -147,7 +147,7 @@ class KubetitanCheckpointStorage:
 @dataclass
 class KubetitanDataS3:
     """``[kubetitan.data_s3]``: how the data's `s3://` shards paths are reached, and where they are staged
-    (kubetitan_trainer.s3shards)."""
+    (kubetitan_trainer.data.s3shards)."""
 
     region: str = ""
     """The buckets' AWS region (empty: `us-east-1`)."""
@@ -196,7 +196,7 @@ class Kubetitan:
     requested_precompute_float8_scale: bool = field(default=False, metadata=ALWAYS)
     """The spec asked for precomputed FP8 scales (same rule as above)."""
     inprocess_restarts: int = 0
-    """In-process restarts per worker process (`kubetitan_trainer.inprocess`): after a fault that leaves the
+    """In-process restarts per worker process (`kubetitan_trainer.recovery.inprocess`): after a fault that leaves the
     process alive (an exception in a step, a non-finite loss, a collective error or timeout) every rank restarts
     its training loop in the same process, on a new process group, from the newest saved state; a fault the causes
     table does not restart in place, one that repeats at the same step, or more than this many end the worker as

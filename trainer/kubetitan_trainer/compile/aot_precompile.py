@@ -56,7 +56,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kubetitan_trainer import compat, compile_cache, knobs, shards
+from kubetitan_trainer import atomic, compat, knobs
+from kubetitan_trainer.compile import compile_cache
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +96,9 @@ def _unlink(*paths: Path) -> bool:
 
 
 def _write(path: Path, body: bytes) -> None:
-    """``body`` into ``path`` (its folder made if need be) as :func:`kubetitan_trainer.shards.atomic_write_bytes`
-    writes: whole or not at all, no temporary file left by a failed write."""
+    """``body`` into ``path`` (its folder made if need be), atomically (:mod:`kubetitan_trainer.atomic`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    shards.atomic_write_bytes(path, body)
+    atomic.write_bytes(path, body)
 
 
 def enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -106,7 +106,7 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 def folder(env: Mapping[str, str] | None = None) -> Path | None:
-    """``<compile cache>/aot`` (:func:`kubetitan_trainer.compile_cache.root`); None without a cache folder."""
+    """``<compile cache>/aot`` (:func:`kubetitan_trainer.compile.compile_cache.root`); None without a cache folder."""
     cache = compile_cache.root(env)
     return cache / SUBDIR if cache is not None else None
 

@@ -1,6 +1,6 @@
 """The TrainSpec's ``build_tokenizer_fn``: builtin, a local path, or a hub repository.
 
-A hub repository is downloaded once per pod, with retries (:mod:`kubetitan_trainer.downloads`)."""
+A hub repository is downloaded once per pod, with retries (:mod:`kubetitan_trainer.data.downloads`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torchtitan.tools.logging import logger
 
 from kubetitan_trainer import BUILTIN_TOKENIZER
 from kubetitan_trainer.checks import vocab_error
+from kubetitan_trainer.data.shards import TokenizerIdentity, tokenizer_identity
 from kubetitan_trainer.errors import ConfigError
-from kubetitan_trainer.shards import TokenizerIdentity, tokenizer_identity
 
 _FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
@@ -36,7 +36,7 @@ def tokenizer_dir(job_config: JobConfig) -> str:
         if not t.repo:
             raise ConfigError("kubetitan.tokenizer.repo (spec.tokenizer.repo)", "is empty",
                               "set it to a hub repository such as meta-llama/Meta-Llama-3.1-8B")
-        from kubetitan_trainer import downloads
+        from kubetitan_trainer.data import downloads
 
         dest = hub_tokenizer_dir(job_config)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

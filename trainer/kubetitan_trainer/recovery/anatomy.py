@@ -172,7 +172,7 @@ class Recorder:
                        "total_seconds": sum(phases.values()), "time": self.marks["first_step_end"],
                        "compile_parts": {k: v for k, v in spent.items() if k != "total_wall_time"},
                        "compile_counts": counts_spent(self._counts_before, compile_counts())}
-        from kubetitan_trainer import cuda_context  # torch-free
+        from kubetitan_trainer.recovery import cuda_context  # torch-free
 
         early = cuda_context.settled()
         if early is not None:
@@ -213,7 +213,7 @@ def describe(record: dict) -> str:
 
 
 def aot_note(aot: dict | None) -> str:
-    """The ahead-of-time compiled blocks' use (:mod:`kubetitan_trainer.aot_precompile`)."""
+    """The ahead-of-time compiled blocks' use (:mod:`kubetitan_trainer.compile.aot_precompile`)."""
     if not aot:
         return ""
     loaded = f"loaded in {aot['load_seconds']:.2f} s" if aot.get("loaded") else \
@@ -225,7 +225,7 @@ def aot_note(aot: dict | None) -> str:
 
 
 def context_note(early: dict | None) -> str:
-    """The CUDA context made on a side thread at the start (:mod:`kubetitan_trainer.cuda_context`)."""
+    """The CUDA context made on a side thread at the start (:mod:`kubetitan_trainer.recovery.cuda_context`)."""
     if not early:
         return ""
     return (f"; CUDA context on a side thread: {early['seconds']:.2f} s" if not early["rc"] else

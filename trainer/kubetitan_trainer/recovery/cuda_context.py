@@ -11,7 +11,7 @@ The device is ``LOCAL_RANK``'s, the one torchtitan's trainer selects (``cuda:<LO
 ``CUDA_VISIBLE_DEVICES``). Nothing happens unless ``KUBETITAN_EARLY_CUDA_CONTEXT=1`` (opt-in: no gain measured
 yet), without the driver library (CPU nodes, CI), or when the driver answers an error (logged; torch then meets
 the same error its own way). The seconds the side thread took go into the start-up record
-(:mod:`kubetitan_trainer.anatomy`, ``cuda_context``).
+(:mod:`kubetitan_trainer.recovery.anatomy`, ``cuda_context``).
 """
 
 from __future__ import annotations

@@ -533,26 +533,6 @@ class ShardSet:
 
 
 # ------------------------------------------------------------------------------------------------------- writing
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write a file so that a reader sees the old one or the whole new one (temp file in the same dir, fsync,
-    rename); a write that fails (a full disk) leaves no temp file behind."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
-    atomic_write_bytes(path, text.encode())
-
-
 class ShardWriter:
     """Writes one shard: documents appended in order to ``<name>.bin`` (tokens) and ``<name>.idx`` (offsets),
     and ``<name>.crc`` (a CRC-32 per ``chunk_bytes`` of the ``.bin``), under temporary names until :meth:`close`

@@ -1,7 +1,7 @@
 """``kubetitan prepare-data --render-job``: the Kubernetes Indexed Job that prepares a corpus too big for one machine.
 
 Pod ``i`` of ``--parts N`` (``completionMode: Indexed``; Kubernetes sets ``JOB_COMPLETION_INDEX`` in it) runs
-``python -m kubetitan_trainer.prepare INPUTS -o OUT --parts N`` on the shared claim: it computes the same plan as
+``python -m kubetitan_trainer.data.prepare INPUTS -o OUT --parts N`` on the shared claim: it computes the same plan as
 every other pod (a pure function of the input list and options; the first pod writes ``plan.json``, the others
 check theirs against it), tokenizes the contiguous block of work units that is part ``i``, and records each unit
 as it finishes. The merge is the last step of every pod: the one that finds every unit done writes ``index.json``
@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from kubetitan_trainer.shards import DataError
-from kubetitan_trainer.shards import data_error as _fix
+from kubetitan_trainer.data.shards import DataError
+from kubetitan_trainer.data.shards import data_error as _fix
 
 UID = 10001
 CONTAINER = "prepare"
@@ -85,7 +85,7 @@ def render_job(a: argparse.Namespace) -> dict[str, Any]:
                     "containers": [{
                         "name": CONTAINER,
                         "image": a.job_image,
-                        "command": ["python", "-m", "kubetitan_trainer.prepare"],
+                        "command": ["python", "-m", "kubetitan_trainer.data.prepare"],
                         "args": args,
                         "resources": {"requests": {"cpu": str(a.job_cpus), "memory": memory},
                                       "limits": {"memory": memory}},

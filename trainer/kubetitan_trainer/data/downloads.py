@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kubetitan_trainer import atomic
 from kubetitan_trainer.errors import ConfigError, TransientError
 
 DONE_MARKER = ".kubetitan-download-complete"
@@ -194,9 +195,7 @@ def fetch_once(dest: str | Path, fetch: Callable[[str], Any], *, local_rank: int
         for f in part.iterdir():
             if f.is_file():
                 os.replace(f, dest / f.name)  # atomic per file: a peer on a shared volume may do the same
-        tmp = dest / f"{DONE_MARKER}.{socket.gethostname()}-{os.getpid()}"
-        tmp.write_text(f"{what}\n")
-        os.replace(tmp, marker)
+        atomic.write_text(marker, f"{what}\n", fsync=False)
     finally:
         shutil.rmtree(part, ignore_errors=True)
     log(f"{what}: done ({dest})")

@@ -5,7 +5,7 @@ input: byte ranges of text/JSONL files (a line belongs to the range its first by
 files, whole gzip files. Each unit is tokenized by one worker process into its own shard(s) and recorded as done
 in ``parts/unit-NNNNNN.json`` once its shards are complete (rename, then the record: atomic). The shards and their
 order depend only on the inputs and the options, never on the number of workers; a re-run with the same inputs
-and options skips finished units; the last step writes ``index.json`` (format: :mod:`kubetitan_trainer.shards`).
+and options skips finished units; the last step writes ``index.json`` (format: :mod:`kubetitan_trainer.data.shards`).
 
 ``--parts N --part I`` does the units of part I of N only (an Indexed Job's pod: I is read from
 ``JOB_COMPLETION_INDEX`` when not given); whichever part finishes last writes ``index.json``; ``--merge`` writes it
@@ -37,8 +37,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from kubetitan_core.contract import ExitCode
-from kubetitan_trainer import BUILTIN_TOKENIZER, knobs
-from kubetitan_trainer import shards as S
+from kubetitan_trainer import BUILTIN_TOKENIZER, atomic, knobs
+from kubetitan_trainer.data import shards as S
 PLAN_FILE = "plan.json"
 PARTS_DIR = "parts"
 SUFFIXES = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
@@ -535,7 +535,7 @@ class _Unit:
         rec = {"plan_id": j.pid, "unit": j.unit, "bytes": sum(p[3] for p in j.pieces), "tokens": self.tokens,
                "documents": self.documents, "files": self.files}
         (self.out / PARTS_DIR).mkdir(exist_ok=True)
-        S.atomic_write_text(part_file(self.out, j.unit), json.dumps(rec) + "\n")
+        atomic.write_text(part_file(self.out, j.unit), json.dumps(rec) + "\n")
         return rec
 
 
@@ -611,7 +611,7 @@ def merge(out: Path, pid: str, plan: dict[str, Any], tok: dict[str, Any], dtype:
     index = S.make_index(files, dtype=dtype, vocab_size=tok["vocab_size"], bos_id=bos, eos_id=eos, tokenizer=tok,
                          extra={"plan_id": pid, "input_files": len(plan["inputs"]),
                                 "input_bytes": sum(i["bytes"] for i in plan["inputs"]), "units": len(recs)})
-    S.atomic_write_text(out / S.INDEX_FILE, json.dumps(index, indent=1) + "\n")
+    atomic.write_text(out / S.INDEX_FILE, json.dumps(index, indent=1) + "\n")
     return index
 
 
@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if a.render_job:
-            from kubetitan_trainer.prepare_job import render_job_yaml
+            from kubetitan_trainer.data.prepare_job import render_job_yaml
 
             sys.stdout.write(render_job_yaml(a))
             return 0

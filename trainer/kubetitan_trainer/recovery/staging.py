@@ -13,7 +13,7 @@ calls 7 and 8, and gone with this module in call 9 (docs/benchmarks.md, "Checkpo
 closes), which is what the upstream fix does. It also keeps the pinned host buffers across saves, as
 the DCP staging design intends: they are allocated and registered once, at the first save.
 With the restore tier's folder (in-place restarts), the staged copy lives in the staging arena
-(:mod:`kubetitan_trainer.arena`): files that outlive the worker, so that a worker's
+(:mod:`kubetitan_trainer.recovery.arena`): files that outlive the worker, so that a worker's
 death frees none of those pages and the next generation's first save finds them there; the restore tier then
 points into it. Remove the per-stage ``close`` workaround when the pinned torch has the fix (the canary test in
 ``tests/trainer/test_units.py`` fails then). The torch internals it touches are in :mod:`kubetitan_trainer.compat`.
@@ -28,8 +28,9 @@ import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torchtitan.components.checkpoint import AsyncMode
 
-from kubetitan_trainer import arena as arena_mod
-from kubetitan_trainer import compat, restore_tier
+from kubetitan_trainer import compat
+from kubetitan_trainer.recovery import arena as arena_mod
+from kubetitan_trainer.recovery import restore_tier
 
 log = logging.getLogger("kubetitan.staging")
 
@@ -40,7 +41,7 @@ PINNED_STAGING = StagingOptions(True, True, True, True)
 @compat.overrides(*compat.STATE_DICT_STAGER_OVERRIDES)
 class _KeepOpenStateDictStager(compat.state_dict_stager_class()):
     arena: arena_mod.Arena | None = None
-    """Where new staged storages go (kubetitan_trainer.arena); None: torch's one shared, pinned storage each."""
+    """Where new staged storages go (kubetitan_trainer.recovery.arena); None: torch's one shared, pinned storage each."""
 
     def close(self) -> None:
         """Called by torch 2.11's ``DefaultStager._stage`` after every stage: keep the dispatch and cache."""
@@ -51,7 +52,7 @@ class _KeepOpenStateDictStager(compat.state_dict_stager_class()):
     def _stage_untyped_storage(self, storage: torch.UntypedStorage, non_blocking: bool = False):
         """torch's, except that a storage staged for the first time gets its copy from the arena (a file of the
         tier's folder, registered with CUDA when torch would pin), cached as torch caches its own. In the arena's
-        ``pwrite`` mode every stage writes the file (:meth:`kubetitan_trainer.arena.Arena.write`), never the
+        ``pwrite`` mode every stage writes the file (:meth:`kubetitan_trainer.recovery.arena.Arena.write`), never the
         mapping."""
         cache = compat.staged_storage_cache(self)
         new = None
@@ -126,7 +127,7 @@ def ensure_reusable_stager(checkpointer: Any, config: StagingOptions = PINNED_ST
     torchtitan creates its stager lazily (``if self.stager is None``) in ``save``; setting it first
     makes torchtitan use this one. Call it on the main thread, right before a save (the stager creates
     its staging stream there, after the default stream is in use, as torch asks). ``arena_folder``: the restore
-    tier's folder, where the staged copy goes (kubetitan_trainer.arena); "" stages as torch does."""
+    tier's folder, where the staged copy goes (kubetitan_trainer.recovery.arena); "" stages as torch does."""
     if (compat.checkpoint_async_mode(checkpointer) == AsyncMode.ASYNC_WITH_PINNED_MEM
             and compat.checkpoint_stager(checkpointer) is None):
         compat.set_checkpoint_stager(checkpointer, ReusableStager(config, arena_folder, rank))

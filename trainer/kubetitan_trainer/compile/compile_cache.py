@@ -26,7 +26,7 @@ KEY_TABLES = ("model", "parallelism", "compile", "training", "quantize")
 SUBDIR = "compile-cache"
 KEY_ENV = "KUBETITAN_COMPILE_CACHE_KEY"
 """Set by :func:`configure` to the key (also when the pod's env chose the cache folders): artefacts kept beside the
-caches put it in their names (:mod:`kubetitan_trainer.aot_precompile`)."""
+caches put it in their names (:mod:`kubetitan_trainer.compile.aot_precompile`)."""
 
 
 def _version(dist: str) -> str:

@@ -18,7 +18,7 @@ A worker's death unmaps the files but frees none of their pages, and the next ge
 same state in the same order, finds every file with the right size and its pages already there (a file of another
 size is re-created). With CUDA each file is registered with ``cudaHostRegister`` as torch registers its own
 storages. Because the staged copy is in files that outlive the worker, the restore tier points into them
-(:func:`kubetitan_trainer.restore_tier.save_from_arena` writes only the tier's JSON).
+(:func:`kubetitan_trainer.recovery.restore_tier.save_from_arena` writes only the tier's JSON).
 
 Without a tier folder, when the folder lacks room for the state, or when torch shares tensors by file name rather
 than file descriptor, there is no arena (:func:`open_arena` warns and returns None) and staging is torch's.

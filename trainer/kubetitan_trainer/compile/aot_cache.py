@@ -5,7 +5,7 @@ With a warm compile cache, a new worker process still traces every compiled regi
 AOTAutograd cache for the joint forward/backward graph. torch 2.11 refuses to cache a graph that calls any
 function outside its allow-list, and the recipe's blocks call several, so the cache is bypassed and every
 restart traces and partitions the joint graph again (on this project's CPU probe, 1.5-2 s of a debug block's
-warm start; on the GPU the compile-time parts in the start-up record, :mod:`kubetitan_trainer.anatomy`, show it):
+warm start; on the GPU the compile-time parts in the start-up record, :mod:`kubetitan_trainer.recovery.anatomy`, show it):
 
 - torch's own SDPA backend selection, which torchtitan's attention enters around every call
   (``sdpa_kernel(..., set_priority=True)``): ``torch.nn.attention._sdpa_kernel`` and ``_backend_from_string``;
@@ -16,7 +16,7 @@ warm start; on the GPU the compile-time parts in the start-up record, :mod:`kube
 
 :func:`enable` marks them all cacheable, each keyed by the versions of the package that defines it (so an
 upgrade of torch or torchao makes new keys; the compile cache's folder is keyed by both too,
-:mod:`kubetitan_trainer.compile_cache`); a Function's key also holds a hash of its class's source, so an edited
+:mod:`kubetitan_trainer.compile.compile_cache`); a Function's key also holds a hash of its class's source, so an edited
 Function (an editable or development install under the same version) makes a new key. All of them are traced
 into the cached joint graph (AOTAutograd runs them while it traces: the SDPA backend chosen, the configs' values,
 the Functions' forward and backward), which is why their versions, and a Function's source, are in the key; the

@@ -52,12 +52,13 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 from torchtitan.tools.logging import logger
 
 from kubetitan_core import contract
-from kubetitan_trainer import compat, downloads
+from kubetitan_trainer import compat
+from kubetitan_trainer.data import downloads
+from kubetitan_trainer.data.shards import ShardSet
 from kubetitan_trainer.errors import ConfigError, TransientError
 from kubetitan_trainer.flavours import model_args_for
-from kubetitan_trainer.shards import ShardSet
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_CORPUS = ASSETS / "corpus.jsonl"
 PHRASES = 1024
 PHRASE_LEN = 16
@@ -106,16 +107,16 @@ class SyntheticSource:
 
 def open_shards(path: str, field: str, dtype: str = "auto", vocab_size: int | None = None,
                 job_config: JobConfig | None = None) -> ShardSet:
-    """The checked shards at ``path`` (:class:`~kubetitan_trainer.shards.ShardSet`: sizes at open; every read's bytes
+    """The checked shards at ``path`` (:class:`~kubetitan_trainer.data.shards.ShardSet`: sizes at open; every read's bytes
     against their CRC-32s before use, each chunk once, and its ids against the model's vocabulary; with
     ``job_config``, the index's tokenizer against the run's); a bad directory is a ConfigError naming ``field``, the
     file and the fix.
     ``s3://bucket/prefix`` is first staged to node-local disk with every CRC-32 verified
-    (:mod:`kubetitan_trainer.s3shards`, settings from ``job_config``'s ``[kubetitan.data_s3]``)."""
+    (:mod:`kubetitan_trainer.data.s3shards`, settings from ``job_config``'s ``[kubetitan.data_s3]``)."""
     tokenizer = None
     if job_config is not None:
-        from kubetitan_trainer.s3shards import local_path
-        from kubetitan_trainer.tokenizer import run_tokenizer_identity
+        from kubetitan_trainer.data.s3shards import local_path
+        from kubetitan_trainer.data.tokenizer import run_tokenizer_identity
 
         path = local_path(path, job_config, field)
         tokenizer = run_tokenizer_identity(job_config)

@@ -3,7 +3,7 @@
 A shards path ``s3://bucket/prefix`` (``spec.data.shards.path``, a mixture source's, the held-out set's) names the
 objects ``aws s3 sync`` made of a ``kubetitan prepare-data`` output directory: ``<prefix>/index.json`` and the
 ``shard-*.bin``/``.idx`` it lists. :func:`stage` copies them to ``<stage_dir>/<bucket>/<prefix>/`` and returns that
-directory, which :class:`~kubetitan_trainer.shards.ShardSet` then opens like any other.
+directory, which :class:`~kubetitan_trainer.data.shards.ShardSet` then opens like any other.
 
 **Why staging, not ranged reads with a cache.** The loader reads a seeded permutation of windows: with a cache
 smaller than the data nearly every read misses, so training would pay an S3 round trip (tens of ms) per sample and
@@ -51,8 +51,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kubetitan_trainer import atomic
+from kubetitan_trainer.data.shards import INDEX_FILE, RERUN, ShardSet, crc32_bytes, crc32_file
 from kubetitan_trainer.errors import ConfigError, TransientError
-from kubetitan_trainer.shards import INDEX_FILE, RERUN, ShardSet, atomic_write_bytes, crc32_bytes, crc32_file
 from kubetitan_trainer.storage import S3Settings, access_error_kind, describe_access_error, is_remote, parse_s3_uri
 
 log = logging.getLogger("kubetitan.s3shards")
@@ -220,14 +221,14 @@ class Stager:
     # ---------------------------------------------------------------------------------------------- transfer
     def _get(self, name: str, info: Any, start: int, end: int) -> bytearray:
         """Bytes ``[start, end)`` of an object: one ranged GET (retried ``PART_ATTEMPTS`` times)."""
-        from s3torchconnector import S3ReaderConstructor
+        from kubetitan_trainer import compat
 
         buf = bytearray(end - start)
         err: BaseException | None = None
         for attempt in range(PART_ATTEMPTS):
             try:
                 reader = self._client.get_object(self.bucket, _key(self.prefix, name), object_info=info,
-                                                 reader_constructor=S3ReaderConstructor.range_based(buffer_size=0))
+                                                 reader_constructor=compat.s3_range_reader())
                 reader.seek(start)
                 got = reader.readinto(buf) if buf else 0
                 if got == len(buf):
@@ -363,7 +364,7 @@ class Stager:
                 _first_failure([files.submit(one, *t) for t in todo], abort, (files, parts))
             finally:
                 _write_json(self.dest / MANIFEST, manifest)  # what was verified survives a failure of the rest
-        atomic_write_bytes(self.dest / INDEX_FILE, raw_index)
+        atomic.write_bytes(self.dest / INDEX_FILE, raw_index)
         if todo:
             secs = time.monotonic() - progress.start
             log.info("Staged %s to %s: %.1f MB in %.1f s (%.1f MB/s), every CRC-32 verified (index %s)", self.uri,
@@ -394,7 +395,7 @@ def _first_failure(futures: list[cf.Future[None]], abort: threading.Event, pools
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+    atomic.write_json(path, obj, indent=1, sort_keys=True)
 
 
 def stage(uri: str, settings: StageSettings, field: str) -> Path:

@@ -19,7 +19,7 @@ load is collective, so a mix would hang). Loading mirrors ``dcp.load``: the stat
 objects are filled in place, then each one's ``load_state_dict`` runs. A stale or missing tier is ignored
 (DCP then), and a tier that fails while loading is deleted before the error ends the worker.
 
-With pinned async saves and the staging arena (:mod:`kubetitan_trainer.arena`), DCP's staged copy already lies in
+With pinned async saves and the staging arena (:mod:`kubetitan_trainer.recovery.arena`), DCP's staged copy already lies in
 files of this folder that outlive the worker (``staging-rank-<r>/<k>.bin``): the tier is then only ``rank-<r>.json``,
 whose layout entries name those files (``"file"``, ``"offset"``; :func:`save_from_arena`), and the stager removes the JSON
 before each stage writes the arena, so a stage cut off midway leaves no usable, torn tier.
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from kubetitan_trainer import compat, knobs, storage
+from kubetitan_trainer import atomic, compat, knobs, storage
 
 ENV_RESTORE_TIER = "KUBETITAN_RESTORE_TIER"
 """Folder of the restore tier (set by the launcher; unset or empty: off)."""
@@ -356,7 +356,7 @@ def invalidate(folder: str | Path, rank: int) -> None:
 
 
 def _arena_of(folder: str | Path, meta: dict) -> Path | None:
-    """The staging arena folder the tier's layout points into (kubetitan_trainer.arena), or None (``rank-<r>.bin``)."""
+    """The staging arena folder the tier's layout points into (kubetitan_trainer.recovery.arena), or None (``rank-<r>.bin``)."""
     name = meta.get("arena")
     return Path(folder) / name if isinstance(name, str) and name and "/" not in name else None
 
@@ -367,14 +367,12 @@ def _present(folder: str | Path, rank: int, meta: dict) -> bool:
 
 
 def _write_meta(meta: Path, **fields: Any) -> None:
-    tmp = meta.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(fields))
-    os.replace(tmp, meta)
+    atomic.write_json(meta, fields, fsync=False)  # in the tier's memory-backed folder
 
 
 def save_from_arena(staged: dict[str, Any], folder: str | Path, arena: Any, *, step: int, rank: int,
                     world_size: int, checkpoint_folder: str) -> int | None:
-    """Make the staged copy in ``arena`` (kubetitan_trainer.arena) this rank's tier for ``step``: only the JSON is
+    """Make the staged copy in ``arena`` (kubetitan_trainer.recovery.arena) this rank's tier for ``step``: only the JSON is
     written, each layout entry naming its staging file and offset. None when a staged tensor with bytes is not a
     contiguous run of one staging file (then the caller copies, :func:`save`); else the bytes the tier holds.
 
@@ -730,7 +728,7 @@ class BackgroundWriter:
         self._thread = None
 
     def start(self, staged: Any, folder: str, arena: Any = None, **kw) -> None:
-        """``arena``: the staging arena the copy is in (kubetitan_trainer.arena): the tier is then only its JSON
+        """``arena``: the staging arena the copy is in (kubetitan_trainer.recovery.arena): the tier is then only its JSON
         (:func:`save_from_arena`), unless a staged tensor lies outside it (then the copy, as without one)."""
         import threading
         import time as _time

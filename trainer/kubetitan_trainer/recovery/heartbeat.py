@@ -6,7 +6,7 @@ clock for people, and ``CLOCK_MONOTONIC``, which the launcher compares: the same
 machine, and a wall-clock step never looks like a hang), the median of its recent step times, how many steps
 this worker trained and whether a save may follow the step (a checkpoint step, the last step, or a SIGTERM stop,
 whose full save every rank takes at whatever step it is).
-The launcher's watchdog (``launch.InPlaceAgent``) reads them every monitor interval and applies the hang rule
+The launcher's watchdog (``launch.agent.InPlaceAgent``) reads them every monitor interval and applies the hang rule
 (:mod:`kubetitan_core.hang`, the operator's too): a worker whose step stood still past the limit is stopped
 and every rank's workers restart in place (cause ``Hang``). The watchdog needs no /metrics and no API: a frozen
 rank 0 (whose /metrics freezes with it) is caught the same way.
@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from kubetitan_core import contract, hang
+from kubetitan_trainer import atomic
 
 log = logging.getLogger("kubetitan.heartbeat")
 
@@ -70,11 +71,8 @@ class Writer:
                 "median_step_seconds": statistics.median(self._recent), "steps_trained": self._count,
                 "save_window": saving or hang.save_window(step, self.last_step, self.checkpoint_enabled,
                                                           self.interval_steps)}
-        tmp = self.file + ".tmp"
         try:
-            with open(tmp, "w") as f:
-                json.dump(beat, f)
-            os.replace(tmp, self.file)
+            atomic.write_json(self.file, beat, fsync=False)  # read by the launcher on this node only
         except OSError as e:
             if not self._failed:
                 self._failed = True
