@@ -56,6 +56,8 @@ WORKER_FAILURES = [
     ("stop-75", int(ExitCode.TERMINATED_CHECKPOINTED), "", "Preempted", False),
     ("config", int(ExitCode.CONFIG_ERROR), "", "ConfigError", False),
     ("config-with-an-xid-stays-config", int(ExitCode.CONFIG_ERROR), "Xid 79", "ConfigError", False),
+    ("preflight-failed", int(ExitCode.PREFLIGHT_FAILED), "PreflightFailed: node n1 failed the pre-flight gate: nvml",
+     "PreflightFailed", False),
     ("gpu-fault-in-report", 1, "CUDA error: unknown error\nNVRM: Xid (PCI:0000:c6:00): 79, pid=1", "GPUXidError", False),
     ("gpu-fault-beats-sigabrt", 134, "uncorrectable ECC error encountered", "GPUXidError", False),
 ]
@@ -72,10 +74,11 @@ def test_worker_cause(code: int, text: str, cause: str, in_place: bool) -> None:
     ([("a", "NodeFailure")], ()),
     ([("a", "NodeFailure"), ("a", "NodeFailure")], ("a",)),
     ([("a", "GPUXidError")], ("a",)),
+    ([("a", "PreflightFailed")], ("a",)),
     ([("a", "ContainerFailed"), ("a", "OOMKilled"), ("a", "Hang")], ()),
     ([(None, "GPUXidError"), ("b", "NodeFailure")], ()),
     ([("a", "NodeFailure"), ("b", "GPUXidError"), ("c", "NodeFailure"), ("c", "NodeFailure")], ("b", "c")),
-], ids=["node-once", "node-twice", "gpu-once", "crashes-never", "no-node", "mixed"])
+], ids=["node-once", "node-twice", "gpu-once", "preflight-once", "crashes-never", "no-node", "mixed"])
 def test_avoided_nodes(blamed, want) -> None:
     assert causes.avoided_nodes(blamed) == want
 

@@ -88,6 +88,23 @@ def test_the_kubetitan_table_leaves_out_defaults_and_refuses_unknown_keys():
         from_table(Kubetitan, {"data": {"hf_datset": "c4"}})
 
 
+def _kubetitan(spec: dict) -> dict:
+    return render.trainer_config(LlamaPretrain.model_validate(make_lpt(spec)))["kubetitan"]
+
+
+def test_the_preflight_table_carries_the_pod_s_gpus_and_the_spec_s_opt_out():
+    """[kubetitan.preflight] (kubetitan_trainer.preflight): the GPUs each pod requests, and `enabled = false` only
+    when runPolicy.preflight is Disabled; the tests-only `inject` key is never rendered from a spec."""
+    p5 = _kubetitan({"resources": {"gpusPerNode": 8, "instanceType": "p5.48xlarge", "platform": "eks"}})
+    assert p5["preflight"] == {"gpus": 8} and (p5["instance_type"], p5["efa_per_node"]) == ("p5.48xlarge", 32)
+    off = _kubetitan({"resources": {"gpusPerNode": 8}, "runPolicy": {"preflight": "Disabled"}})
+    assert off["preflight"] == {"enabled": False, "gpus": 8}
+    assert "preflight" not in _kubetitan({"resources": {"gpusPerNode": 0}})  # a CPU pod's gate: the defaults
+    assert LlamaPretrainSpec().run_policy.preflight == "Enabled"
+    with pytest.raises(ValueError, match="Enabled"):
+        LlamaPretrain.model_validate(make_lpt({"runPolicy": {"preflight": "Off"}}))
+
+
 def test_launcher_args_wait_out_the_scheduling_wait_and_round_trip():
     spec = LlamaPretrain.model_validate(make_lpt({
         "resources": {"nodes": 8, "gpusPerNode": 8},

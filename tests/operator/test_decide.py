@@ -173,6 +173,10 @@ XID_79 = ("[kubetitan] GPUXidError: Xid 79 (GPU has fallen off the bus) (worker 
           "restarted in place: RuntimeError: CUDA error: unknown error")
 """The termination message a launcher writes for a worker whose failure report showed Xid 79 (``launch.failures.report_detected``;
 tests/trainer/test_launch_causes.py checks that the launcher writes this shape)."""
+PREFLIGHT_N1 = ("PreflightFailed: node n1 failed the pre-flight gate: matmul_tflops: cuda:3 301.5 TF/s < 495 TF/s, the "
+                "H100 floor (50% of its 989.4 TF/s dense bf16 peak)")
+"""The termination message a launcher writes when its pod's pre-flight gate failed (``launch.gate.finish``;
+tests/trainer/test_preflight.py checks that the launcher writes this shape)."""
 CASES = [
     # (id, spec, status, observed, want action, want reason, want cause, the rest of the decision)
     ("fresh-run-creates", spec(), LlamaPretrainStatus(), Observed(now=NOW), Action.CREATE, C.CREATING, None,
@@ -277,6 +281,20 @@ CASES = [
               nodes=ok_nodes, now=NOW), Action.FAIL, C.CONFIG_ERROR, None, {"delete": ("j-a0-1",), "node_name": "n0"}),
     ("gpu-fault-once-avoids-the-node", spec(), status(restarts=[rec(0, "GPUXidError", ago=99, node="gpu-bad")],
                                                       attempt=1), Observed(now=NOW),
+     Action.CREATE, C.CREATING, None, {"avoid_nodes": ("gpu-bad",)}),
+    # PreflightFailed (kubetitan_core.causes): a pod's launcher found its node unfit before any worker started (exit 8,
+    # the termination message naming the node and the check); the gang is re-created without the node at once
+    ("preflight-failed-8-recreates-blaming-the-node", spec(), status(),
+     Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 8, "termination_message": PREFLIGHT_N1}}),
+              nodes=ok_nodes, ranks_seen=SEEN, now=NOW),
+     Action.RESTART, C.RESTARTED, "PreflightFailed", {**RESTART_ALL, "node_name": "n1", "rule": "pod_failed",
+                                                      "message_has": "(pre-flight gate failed): PreflightFailed: node "
+                                                                     "n1 failed the pre-flight gate: matmul_tflops"}),
+    ("preflight-failed-is-not-restarted-in-place", spec(maxInPlaceRestarts=3), status(),
+     Observed(pods=gang(over={0: {"phase": "Failed", "exit_code": 8}}), nodes=ok_nodes, ranks_seen=SEEN, now=NOW),
+     Action.RESTART, C.RESTARTED, "PreflightFailed", {**RESTART_ALL, "node_name": "n0", "rule": "pod_failed"}),
+    ("preflight-failure-once-avoids-the-node", spec(),
+     status(restarts=[rec(0, "PreflightFailed", ago=99, node="gpu-bad")], attempt=1), Observed(now=NOW),
      Action.CREATE, C.CREATING, None, {"avoid_nodes": ("gpu-bad",)}),
     ("create-refused-reports-and-retries-no-restart", spec(), status(),
      Observed(pods=gang()[:1], nodes=ok_nodes, ranks_seen=frozenset({0}), now=NOW,
@@ -593,6 +611,21 @@ def test_a_gpu_fault_avoids_its_node_at_once_and_counts_with_node_failures() -> 
     assert nodes_to_avoid([rec(0, "GPUXidError", node="g"), rec(1, "NodeFailure", node="n")]) == ("g",)
     # a node that failed as a node once and then lost a GPU: the GPU fault's own limit (1) applies
     assert nodes_to_avoid([rec(0, "NodeFailure", node="n"), rec(1, "GPUXidError", node="n")]) == ("n",)
+
+
+def test_a_failed_pre_flight_gate_restarts_the_gang_and_the_next_attempt_avoids_the_node() -> None:
+    """decide -> the status it leads to -> decide again after the backoff: the restart record blames the node, and
+    the next attempt's pods are created with that node avoided."""
+    s = spec()
+    obs = Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 8, "termination_message": PREFLIGHT_N1}}),
+                   nodes=ok_nodes, ranks_seen=SEEN, now=NOW)
+    d = decide(s, status(), obs)
+    new = next_status(s, status(), d, obs)
+    r = new.restarts[0]
+    assert (r.cause, r.node_name, new.attempt) == ("PreflightFailed", "n1", 1) and PREFLIGHT_N1 in r.message
+    later = Observed(now=NOW + 3600)
+    create = decide(s, new, later)
+    assert (create.action, create.avoid_nodes) == (Action.CREATE, ("n1",))
 
 
 @pytest.mark.parametrize(("p", "want"), [

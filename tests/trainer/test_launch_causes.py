@@ -31,9 +31,9 @@ def raised(text: str) -> dict:
     (int(ExitCode.FAILED), True), (int(ExitCode.NON_FINITE_LOSS), True), (int(ExitCode.RETRYABLE), True),
     (int(ExitCode.HANG), True), (-9, True), (-6, True),
     (int(ExitCode.CONFIG_ERROR), False), (int(ExitCode.STORAGE_FULL), False), (int(ExitCode.NETWORK_NOT_EFA), False),
-    (int(ExitCode.TERMINATED_CHECKPOINTED), False),
+    (int(ExitCode.PREFLIGHT_FAILED), False), (int(ExitCode.TERMINATED_CHECKPOINTED), False),
 ], ids=["1", "3-nan", "6-retryable", "7-hang", "sigkill", "sigabrt", "2-config", "4-storage", "5-not-efa",
-        "75-stopped"])
+        "8-preflight", "75-stopped"])
 def test_exit_codes_restart_in_place_as_the_table_says(code, in_place) -> None:
     assert launch_failures.restartable({0: failure(code)}, stop_requested=False) is in_place
     assert launch_failures.restartable({0: failure(code)}, stop_requested=True) is False  # the pod is going away

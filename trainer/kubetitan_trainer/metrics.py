@@ -45,7 +45,7 @@ from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
 from kubetitan_core import contract
-from kubetitan_core.catalog import ACCELERATORS, accelerator_for
+from kubetitan_core.catalog import ACCELERATORS, accelerator_for, product_of
 from kubetitan_core.contract.failure import FailureReport
 
 from kubetitan_trainer import compat, cpu_bridge
@@ -64,11 +64,8 @@ CKPT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 def peak_flops_for(device_name: str | None, gpu_product: str = "", instance_type: str = "") -> float | None:
     """Dense bf16 peak FLOP/s of one GPU, or None when unknown (CPU, unlisted GPU)."""
-    if device_name:
-        # Longest product names first so that e.g. "H200" is never taken for "H20".
-        for key in sorted(ACCELERATORS, key=len, reverse=True):
-            if key in device_name:
-                return ACCELERATORS[key].peak_bf16_tflops * 1e12
+    if (key := product_of(device_name)) is not None:
+        return ACCELERATORS[key].peak_bf16_tflops * 1e12
     acc = accelerator_for(instance_type or None, gpu_product or None)
     return acc.peak_bf16_tflops * 1e12 if acc else None
 

@@ -501,6 +501,15 @@ class RunPolicySpec(_Base):
     elastic: ElasticSpec | None = None
     """Shrink the gang when a node is lost and no replacement comes; grow it back at a checkpoint when capacity
     returns. Unset: the run always trains on `resources.nodes` nodes."""
+    preflight: Literal["Enabled", "Disabled"] = "Enabled"
+    """`Enabled`: before an attempt's first workers start, each pod's launcher checks its node in seconds: the GPU
+    count (`resources.gpusPerNode`) and model (`resources.gpuProduct` or the instance type's), ECC and row-remapping
+    state through NVML, a matrix product against its known result and its speed against the card's floor, an
+    all-reduce across the pod's GPUs, and the EFA devices the pod requested. A failed check ends the pod with exit
+    code 8 (cause `PreflightFailed`, its termination message naming the node and the check): the gang is re-created
+    without that node. Its seconds are the `preflight` phase of the start-up (`status.training.startup`). On a CPU
+    pod only the matrix product and a one-rank all-reduce run. `Disabled`: no gate. The launchers read it when their
+    pods are created: a change reaches them with the next re-created attempt."""
 
 
 class SchedulingSpec(_Base):
@@ -595,7 +604,12 @@ class StartupPhases(_Base):
     total_seconds: float | None = None
     """Sum of the phases: the start-up as the workers saw it."""
     process_start_seconds: float | None = None
-    """Launcher start (or restart: stop, rendezvous, fork) until the worker's main() runs."""
+    """Launcher start (or restart: stop, rendezvous, fork) until the worker's main() runs, less the launcher's wait
+    for the pre-flight gate (`preflightSeconds`) and its warm imports (in `importsSeconds`)."""
+    preflight_seconds: float | None = None
+    """The launcher's wait for its pod's pre-flight gate (`runPolicy.preflight`) beyond its own warm imports, which
+    the gate overlaps on a GPU pod; 0 for an in-place restart's workers (the gate runs once per attempt) and with the
+    gate off."""
     imports_seconds: float | None = None
     """torch/torchtitan/trainer imports and the config check (about 0 for a warm, forked worker)."""
     process_group_init_seconds: float | None = None

@@ -204,10 +204,26 @@ def instance_type_warning(spec: Any) -> str | None:
                                          processes_per_node(spec), r.cpu, r.memory)
 
 
+def product_of(device_name: str | None) -> str | None:
+    """The :data:`ACCELERATORS` key a CUDA device name (``NVIDIA H100 80GB HBM3``) names, or None; longest keys
+    first, so that ``NVIDIA L40S`` is never taken for an ``L4`` nor an ``H200`` for an ``H20``."""
+    if device_name:
+        for key in sorted(ACCELERATORS, key=len, reverse=True):
+            if key in device_name:
+                return key
+    return None
+
+
+def expected_product(instance_type: str | None, gpu_product: str | None) -> str | None:
+    """The :data:`ACCELERATORS` key the spec names: ``gpuProduct``, else the catalog instance type's GPU."""
+    if gpu_product:
+        return gpu_product if gpu_product in ACCELERATORS else None
+    if instance_type and instance_type in INSTANCE_TYPES:
+        return INSTANCE_TYPES[instance_type].gpu
+    return None
+
+
 def accelerator_for(instance_type: str | None, gpu_product: str | None) -> Accelerator | None:
     """The accelerator of a node: the explicit GPU product wins over the instance type."""
-    if gpu_product:
-        return ACCELERATORS.get(gpu_product)
-    if instance_type and instance_type in INSTANCE_TYPES:
-        return ACCELERATORS[INSTANCE_TYPES[instance_type].gpu]
-    return None
+    key = expected_product(instance_type, gpu_product)
+    return ACCELERATORS[key] if key else None

@@ -186,6 +186,16 @@ CAUSES: tuple[Cause, ...] = (
           fix="the gang is re-created without this node; drain it and have its GPU checked (nvidia-smi -q, DCGM "
           "diagnostics) or replaced", message_patterns=(_XID, *_CUDA_FAULTS), avoid_node_after=1,
           alert="KubeTitanGPUXidError"),
+    Cause("PreflightFailed", "A pod's pre-flight gate (`runPolicy.preflight`) found its node unfit before the "
+          "attempt's workers started (exit code 8): fewer GPUs than `resources.gpusPerNode`, another GPU model than "
+          "the spec names, uncorrectable ECC errors or a pending or failed row remap (NVML), a matrix product with a "
+          "wrong result or below the card's floor, a failed local all-reduce, or fewer EFA devices than requested. "
+          "The termination message names the node and each failed check. The gang is re-created and the node is "
+          "kept out of the run's later attempts at once.", in_place=False, recreate=True,
+          observed=" (pre-flight gate failed)",
+          fix="the gang is re-created without this node; drain it and have it checked (nvidia-smi -q, DCGM "
+          "diagnostics, the EFA devices), or turn the gate off with runPolicy.preflight: Disabled",
+          exit_codes=frozenset({int(ExitCode.PREFLIGHT_FAILED)}), avoid_node_after=1),
     Cause("Hang", "The step did not advance for the hang limit (`runPolicy.hangTimeoutSeconds` / "
           "`hangTimeoutPolicy`): a launcher stopped its workers (exit code 7; in place while `maxInPlaceRestarts` "
           "last), or, when no launcher did, the operator re-created the gang.", in_place=True, recreate=True,

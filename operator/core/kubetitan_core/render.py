@@ -20,7 +20,8 @@ from kubetitan_core.api import (HuggingFaceDataSpec, LlamaPretrain, LlamaPretrai
                                 reads_s3_shards, resolved_dp_shard)
 from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES
 from kubetitan_core.contract.trainer_toml import (Kubetitan, KubetitanCheckpointStorage, KubetitanData,
-                                                  KubetitanDataS3, KubetitanModel, KubetitanTokenizer, to_table)
+                                                  KubetitanDataS3, KubetitanModel, KubetitanPreflight, KubetitanTokenizer,
+                                                  to_table)
 
 TRAIN_SPEC_NAME = "kubetitan_llama3"
 """The torchtitan TrainSpec the trainer registers (Llama 3 + kubetitan's data and metrics)."""
@@ -252,6 +253,7 @@ def kubetitan_table(lpt: LlamaPretrain) -> Kubetitan:
         model=_model(s),
         checkpoint_storage=checkpoint_storage,
         data_s3=data_s3,
+        preflight=KubetitanPreflight(enabled=s.run_policy.preflight == "Enabled", gpus=s.resources.gpus_per_node),
     )
 
 

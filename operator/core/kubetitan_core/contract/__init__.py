@@ -52,6 +52,12 @@ class ExitCode(IntEnum):
     """A launcher's watchdog stopped its workers: a step stood still for the hang limit (`runPolicy.hangTimeoutSeconds`,
     `hangTimeoutPolicy`). With in-place restarts on, every rank's workers restart in place (cause `Hang`); once those
     are used up the launcher exits with this code and the gang is re-created (cause `Hang`)."""
+    PREFLIGHT_FAILED = 8
+    """The pod's pre-flight gate (`spec.runPolicy.preflight`) found its node unfit before any worker started: fewer
+    GPUs than `resources.gpusPerNode`, another GPU model than the spec names, uncorrectable ECC errors or a row remap
+    pending or failed (NVML), a matrix product with a wrong result or below the card's floor, a failed local
+    all-reduce, or fewer EFA devices than requested. The termination message names the node and the checks. The gang
+    is re-created without that node (cause `PreflightFailed`)."""
     TERMINATED_CHECKPOINTED = 75
     """SIGTERM received (suspend, preemption, node drain); a full checkpoint was saved. Resumable."""
 

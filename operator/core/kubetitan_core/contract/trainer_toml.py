@@ -168,6 +168,21 @@ class KubetitanDataS3:
 
 
 @dataclass
+class KubetitanPreflight:
+    """``[kubetitan.preflight]``: the pod's pre-flight gate (kubetitan_trainer.preflight), run by each pod's launcher
+    before the attempt's first workers start. The GPU model and the EFA devices it expects are ``[kubetitan]``'s
+    `gpu_product`/`instance_type` and `efa_per_node`."""
+
+    enabled: bool = True
+    """`spec.runPolicy.preflight` is `Enabled`: run the gate; a failed check ends the pod with exit code 8."""
+    gpus: int = 0
+    """GPUs the pod must see (`spec.resources.gpusPerNode`); 0: a CPU pod (the GPU checks are skipped, saying so)."""
+    inject: str = ""
+    """Tests only (never rendered from a spec): the name of a check that is reported failed after it ran, to drive
+    the failure path (exit code 8, the termination message) on a healthy node."""
+
+
+@dataclass
 class Kubetitan:
     """``[kubetitan]``: what torchtitan's own sections cannot say."""
 
@@ -215,6 +230,8 @@ class Kubetitan:
     """Where checkpoints go when not in `job.dump_folder` (S3)."""
     data_s3: KubetitanDataS3 = field(default_factory=KubetitanDataS3)
     """How `s3://` shards paths of `data` are reached and staged."""
+    preflight: KubetitanPreflight = field(default_factory=KubetitanPreflight)
+    """The pod's pre-flight gate."""
 
 
 @dataclass
