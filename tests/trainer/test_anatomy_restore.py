@@ -18,7 +18,7 @@ def test_phases_partition_origin_to_first_step_end():
              "load_end": 110.0, "first_step_end": 125.0}
     p = anatomy.split(marks, compile_in_first_step=12.0)
     assert list(p) == list(anatomy.PHASES)
-    assert p == {"process_start": 1.5, "imports": 1.5, "process_group_init": 0.25, "model_init": 2.75,
+    assert p == {"process_start": 1.5, "preflight": 0.0, "imports": 1.5, "process_group_init": 0.25, "model_init": 2.75,
                  "checkpoint_load": 4.0, "first_step_compile": 12.0, "first_step": 3.0}
     assert sum(p.values()) == pytest.approx(25.0)
 
@@ -31,6 +31,11 @@ def test_warm_launcher_imports_move_from_process_start_to_imports_and_compile_is
     assert p["checkpoint_load"] == 0 and p["model_init"] == 0
     assert p["first_step_compile"] == pytest.approx(3.0) and p["first_step"] == 0
     assert sum(p.values()) == pytest.approx(14.0)
+    # the launcher's wait for the pre-flight gate moves out of process_start too, capped by what is left of it
+    g = anatomy.split(marks, compile_in_first_step=0.0, warm_import_seconds=8.0, preflight_seconds=1.5)
+    assert (g["process_start"], g["preflight"], g["imports"]) == pytest.approx((0.5, 1.5, 8.5))
+    g = anatomy.split(marks, compile_in_first_step=0.0, warm_import_seconds=8.0, preflight_seconds=30.0)
+    assert (g["process_start"], g["preflight"]) == pytest.approx((0.0, 2.0)) and sum(g.values()) == pytest.approx(14.0)
     # a mark out of order (a clock step) never makes a negative phase
     q = anatomy.split({"origin": 5.0, "main": 4.0, "first_step_end": 6.0}, 0.0)
     assert min(q.values()) >= 0 and sum(q.values()) == pytest.approx(1.0)
@@ -91,9 +96,28 @@ def test_recorder_gives_generation_0_the_warm_imports_and_closes_once(monkeypatc
     assert rec.first_step_ends(step=12, attempt=2, t=30.0) is r
     assert "generation 0" in anatomy.describe(r) and "checkpoint: restore_tier" in anatomy.describe(r)
     # an in-place generation has no warm imports: its worker was forked from an already warm launcher
-    gen1 = anatomy.Recorder({"restarts": 1, "started": 10.0, "warm_import_seconds": 3.0,
+    gen1 = anatomy.Recorder({"restarts": 1, "started": 10.0, "warm_import_seconds": 3.0, "preflight": GATE,
                              "failures": [{"detected": 40.0, "restarted": True}]}, now=41.0)
     assert gen1.warm_import_seconds == 0 and gen1.marks["origin"] == 40.0 and gen1.generation == 1
+    assert gen1.preflight == {}  # the gate ran once, before generation 0
+
+
+GATE = {"status": "passed", "waited": 0.75, "node": "n1", "seconds": 2.5, "rows": [
+    {"check": "matmul", "status": "passed", "detail": "right", "seconds": 0.5},
+    {"check": "efa", "status": "skipped", "detail": "no EFA requested", "seconds": 0.0}]}
+"""A launcher state's pre-flight record (``kubetitan_trainer.launch.gate.finish``)."""
+
+
+def test_generation_0_s_record_has_the_gate_s_wait_as_its_preflight_phase_and_its_rows():
+    rec = anatomy.Recorder({"restarts": 0, "failures": [], "started": 10.0, "warm_import_seconds": 3.0,
+                            "preflight": GATE}, now=15.0)
+    r = rec.first_step_ends(step=1, attempt=0, t=16.0)
+    assert r["phases"]["process_start"] == pytest.approx(1.25) and r["phases"]["preflight"] == pytest.approx(0.75)
+    assert r["total_seconds"] == pytest.approx(6.0) and r["preflight"] == GATE
+    assert anatomy.describe(r).endswith("; pre-flight gate: passed in 2.50 s (waited 0.75 s), skipped: efa")
+    off = anatomy.Recorder({"started": 10.0, "preflight": {"status": "disabled", "waited": 0.0}}, now=15.0)
+    r = off.first_step_ends(step=1, attempt=0, t=16.0)
+    assert r["phases"]["preflight"] == 0 and anatomy.describe(r).endswith("; pre-flight gate: off")
 
 
 def test_compile_counts_count_the_graphs_torch_compile_traces():

@@ -25,6 +25,12 @@ class LauncherState:
         self.data["warm_import_seconds"] = seconds
         self.write()
 
+    def gate_ended(self, record: dict) -> None:
+        """The pre-flight gate's record (:func:`kubetitan_trainer.launch.gate.finish`): its rows, its own seconds
+        and ``waited``, what it added to the start-up (generation 0's ``preflight`` phase)."""
+        self.data["preflight"] = record
+        self.write()
+
     def failed(self, failures: dict, restarting: bool, detected: float | None = None, report: str = "") -> None:
         """``detected``: when the agent saw the failure (the origin of the next generation's start-up anatomy;
         ``ProcessFailure.timestamp`` is whole seconds); ``report``: the Xid report's text (:func:`~kubetitan_trainer.launch.failures.xid_report`)."""

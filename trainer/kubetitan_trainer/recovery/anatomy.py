@@ -10,7 +10,13 @@ phase                         from -> to
                               the origin is the moment this pod's agent began the restart (it detected its own
                               worker's failure, or a peer waiting in the rendezvous): then the stop of the other
                               local workers, the rendezvous and the fork. Else the launcher process's start
-                              (interpreter, torchrun, worker spawn).
+                              (interpreter, torchrun, worker spawn), less the two phases below that the launcher
+                              spends in that span.
+``preflight``                 generation 0: the launcher's wait for the pod's pre-flight gate
+                              (:mod:`kubetitan_trainer.preflight`) beyond its warm imports, which a GPU pod's gate
+                              overlaps (moved here out of ``process_start``); 0 for in-place generations and with the
+                              gate off. The record's ``preflight`` entry keeps every check's row and the gate's own
+                              seconds.
 ``imports``                   ``main()`` -> process-group init begins: torch/torchtitan/trainer imports, config
                               check, plus the launcher's one-time warm imports for generation 0 of a warm
                               launcher (moved here out of ``process_start``). About 0 for a forked warm worker.
@@ -114,10 +120,12 @@ def counts_spent(before: dict[str, int], after: dict[str, int]) -> dict[str, int
     return {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v > before.get(k, 0)}
 
 
-def split(marks: dict[str, float], compile_in_first_step: float, warm_import_seconds: float = 0.0) -> dict[str, float]:
+def split(marks: dict[str, float], compile_in_first_step: float, warm_import_seconds: float = 0.0,
+          preflight_seconds: float = 0.0) -> dict[str, float]:
     """Contiguous phase seconds from the marks (unix times): ``origin``, ``main``, ``pg_begin``, ``pg_end``,
     ``load_begin``, ``load_end``, ``first_step_end``. A missing mark takes the previous one's time (a phase of 0);
-    negative spans (clock steps, a mark out of order) count 0."""
+    negative spans (clock steps, a mark out of order) count 0. The launcher's warm imports and its wait for the
+    pre-flight gate, both spent before ``main``, are carved out of ``process_start`` (at most what it holds)."""
     order = ("origin", "main", "pg_begin", "pg_end", "load_begin", "load_end", "first_step_end")
     t: dict[str, float] = {}
     last = marks["origin"]
@@ -126,9 +134,11 @@ def split(marks: dict[str, float], compile_in_first_step: float, warm_import_sec
         t[name] = last
     first = t["first_step_end"] - t["load_end"]
     warm = min(max(0.0, warm_import_seconds), t["main"] - t["origin"])
+    gate = min(max(0.0, preflight_seconds), t["main"] - t["origin"] - warm)
     compiled = min(max(0.0, compile_in_first_step), first)
     return {
-        "process_start": t["main"] - t["origin"] - warm,
+        "process_start": t["main"] - t["origin"] - warm - gate,
+        "preflight": gate,
         "imports": t["pg_begin"] - t["main"] + warm,
         "process_group_init": t["pg_end"] - t["pg_begin"],
         "model_init": t["load_begin"] - t["pg_end"],
@@ -148,6 +158,8 @@ class Recorder:
         self.marks: dict[str, float] = {"origin": min(origin, now), "main": now}
         # A warm launcher's one-time imports belong to generation 0's imports, not to its process start.
         self.warm_import_seconds = float(self.state.get("warm_import_seconds", 0.0) or 0.0) if self.generation == 0 else 0.0
+        # The launcher's pre-flight gate ran before generation 0 only (once per attempt).
+        self.preflight = dict(self.state.get("preflight") or {}) if self.generation == 0 else {}
         self.load_source = "none"
         self._compile_before: dict[str, float] = {}
         self._counts_before: dict[str, int] = {}
@@ -166,7 +178,8 @@ class Recorder:
             return self.result
         self.mark("first_step_end", t)
         spent = parts_spent(self._compile_before, compile_parts())
-        phases = split(self.marks, spent.get("total_wall_time", 0.0), self.warm_import_seconds)
+        phases = split(self.marks, spent.get("total_wall_time", 0.0), self.warm_import_seconds,
+                       float(self.preflight.get("waited", 0.0) or 0.0))
         self.result = {"attempt": attempt, "generation": self.generation, "origin": self.origin_kind,
                        "first_step": step, "checkpoint_source": self.load_source, "phases": phases,
                        "total_seconds": sum(phases.values()), "time": self.marks["first_step_end"],
@@ -174,6 +187,8 @@ class Recorder:
                        "compile_counts": counts_spent(self._counts_before, compile_counts())}
         from kubetitan_trainer.recovery import cuda_context  # torch-free
 
+        if self.preflight:
+            self.result["preflight"] = self.preflight
         early = cuda_context.settled()
         if early is not None:
             self.result["cuda_context"] = {k: early[k] for k in ("seconds", "device", "rc")}
@@ -209,7 +224,20 @@ def describe(record: dict) -> str:
             f"to the end of step {record['first_step']}: {record['total_seconds']:.1f} s = "
             + ", ".join(f"{k} {p[k]:.1f}" for k in PHASES) + f" (checkpoint: {record['checkpoint_source']})"
             + compile_note(record.get("compile_parts") or {}) + counts_note(record.get("compile_counts") or {})
-            + context_note(record.get("cuda_context")) + aot_note(record.get("aot_precompile")))
+            + context_note(record.get("cuda_context")) + aot_note(record.get("aot_precompile"))
+            + gate_note(record.get("preflight")))
+
+
+def gate_note(gate: dict | None) -> str:
+    """The pod's pre-flight gate (:mod:`kubetitan_trainer.preflight`): off, or its outcome and seconds."""
+    if not gate:
+        return ""
+    if gate.get("status") == "disabled":
+        return "; pre-flight gate: off"
+    rows = gate.get("rows") or []
+    skipped = [r["check"] for r in rows if r.get("status") == "skipped"]
+    return (f"; pre-flight gate: {gate.get('status')} in {float(gate.get('seconds', 0.0)):.2f} s (waited "
+            f"{float(gate.get('waited', 0.0)):.2f} s)" + (f", skipped: {', '.join(skipped)}" if skipped else ""))
 
 
 def aot_note(aot: dict | None) -> str:

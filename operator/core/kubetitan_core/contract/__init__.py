@@ -284,7 +284,7 @@ M_FIRST_STEP_TIMESTAMP = "kubetitan_trainer_first_step_timestamp_seconds"  # thi
 M_PRODUCTIVE_SECONDS = "kubetitan_trainer_productive_step_seconds_total"
 M_JOB_START_TIMESTAMP = "kubetitan_trainer_job_start_timestamp_seconds"
 M_STARTUP_PHASE_SECONDS = "kubetitan_trainer_startup_phase_seconds"  # label phase: one of STARTUP_PHASES
-STARTUP_PHASES = ("process_start", "imports", "process_group_init", "model_init", "checkpoint_load",
+STARTUP_PHASES = ("process_start", "preflight", "imports", "process_group_init", "model_init", "checkpoint_load",
                   "first_step_compile", "first_step")
 """The trainer's start-up phases, in order (kubetitan_trainer.recovery.anatomy; status.restarts[].startup)."""
 M_STARTUP_SECONDS = "kubetitan_trainer_startup_seconds"
