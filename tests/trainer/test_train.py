@@ -280,4 +280,11 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
         assert list(s["phases"]) == list(anatomy.PHASES) and min(s["phases"].values()) >= 0
         assert sum(s["phases"].values()) == pytest.approx(s["total_seconds"])
     assert starts[0]["phases"]["imports"] > starts[1]["phases"]["imports"]  # generation 1's workers were forked warm
+    # the pod's pre-flight gate ran once, before generation 0 (on CPU: the product and a one-rank gloo all-reduce)
+    gate = starts[0]["preflight"]
+    assert gate["status"] == "passed" and starts[0]["phases"]["preflight"] > 0
+    assert {r["check"]: r["status"] for r in gate["rows"]} == {
+        "gpu_count": "skipped", "gpu_model": "skipped", "nvml": "skipped", "matmul": "passed",
+        "matmul_tflops": "skipped", "allreduce": "passed", "efa": "skipped"}
+    assert all("preflight" not in s and s["phases"]["preflight"] == 0 for s in starts[1:])
     assert starts[1]["phases"]["checkpoint_load"] > 0

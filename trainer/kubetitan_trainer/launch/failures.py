@@ -111,13 +111,22 @@ def report_detected(failures: dict, report: str = "", path: str = TERMINATION_ME
     line = (f"{cause.id}: {seen} (worker local rank {rank}, exit code {exit_code_of({rank: f})}); not restarted in "
             f"place: {failure_summary(f.message)[:1000]}")
     log.error("%s", line)
-    if os.path.exists(path):
-        try:
-            with open(path, "w") as out:
-                out.write(line[:4000])  # the kubelet reads at most 4096 bytes
-        except OSError as e:
-            log.warning("Could not write the termination message %s: %s", path, e)
+    write_termination_message(line, path)
     return line
+
+
+def write_termination_message(line: str, path: str = TERMINATION_MESSAGE_PATH) -> bool:
+    """Write ``line`` as the pod's termination message when ``path`` exists (in a pod it does; elsewhere the line is
+    only logged); whether it was written."""
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path, "w") as out:
+            out.write(line[:4000])  # the kubelet reads at most 4096 bytes
+    except OSError as e:
+        log.warning("Could not write the termination message %s: %s", path, e)
+        return False
+    return True
 
 
 def workers_exit_code(failures: dict) -> int:

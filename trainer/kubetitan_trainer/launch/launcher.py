@@ -8,12 +8,16 @@ the operator's pods and ``kubetitan run`` build them from the spec with ``launch
 2. Checks that the config file exists. The config itself is checked by each worker
    (``kubetitan_trainer.main.check_config``) before any process group exists: a bad one ends every
    rank with exit 2 (the field and the fix in the log), which this launcher passes on.
-3. Runs torchrun **in-process** through ``torch.distributed.run``'s own argument parser and
+3. Runs the pod's **pre-flight gate** (:mod:`kubetitan_trainer.launch.gate`, :mod:`kubetitan_trainer.preflight`;
+   ``spec.runPolicy.preflight``) before the first workers start: on a GPU pod a process of its own, begun as the
+   launcher starts so that it overlaps the waits and imports below; a failed check exits with code 8
+   (``PreflightFailed``, the termination message naming the node and the check) and no worker starts.
+4. Runs torchrun **in-process** through ``torch.distributed.run``'s own argument parser and
    ``elastic_launch``: static rendezvous at ``master-addr:master-port``, ``max_restarts=0``
    (the operator restarts whole gangs), workers forked from the launcher (see "Warm workers" below).
    With ``--max-restarts=N`` (N > 0) the launcher restarts the workers **in place** instead (see
    "In-place restarts" below).
-4. Exits with the **failing worker's own exit code** (the earliest failure; a worker that
+5. Exits with the **failing worker's own exit code** (the earliest failure; a worker that
    exited by itself wins a tie over one torchrun killed) instead of torchrun's blanket 1.
 
 SIGTERM (pod deletion, suspend, preemption, node drain): torchrun's agent would forward it to
@@ -51,8 +55,9 @@ from kubetitan_core import contract
 from kubetitan_core.contract import EXIT_SIGTERM, ExitCode
 from kubetitan_core.contract.launcher import LauncherArgs
 
-from kubetitan_trainer import ENV_STOP_FILE, compat
+from kubetitan_trainer import ENV_STOP_FILE, compat, preflight
 from kubetitan_trainer import main as worker_main
+from kubetitan_trainer.launch import gate
 from kubetitan_trainer.launch.failures import report_detected, workers_exit_code, xid_report
 from kubetitan_trainer.launch.state import IN_RENDEZVOUS, LauncherState, StoppedInRendezvous
 from kubetitan_trainer.recovery import anatomy, heartbeat
@@ -276,7 +281,7 @@ def memoize_config_parse(worker_argv: list[str]) -> None:
         log.info("Config not pre-parsed in the launcher (%s); each worker parses it", e)
 
 
-def preflight(a: LauncherArgs) -> int | None:
+def startable(a: LauncherArgs) -> int | None:
     """The exit code when the launcher cannot start (rank 0's address does not resolve, the config is missing);
     None when it can."""
     if not wait_for_dns(a.master_addr, a.master_port, a.dns_timeout):
@@ -305,9 +310,11 @@ def stop_on_sigterm(stop_file: str) -> dict:
 
 
 def launch_workers(a: LauncherArgs, config, cmd, cmd_args, state: LauncherState, stopped: dict,
-                   stop_dir: str) -> None:
+                   stop_dir: str, pending_gate: preflight.Pending | None = None) -> int | None:
     """Run this node's workers until they end: in place (``--max-restarts`` > 0), forked from this warm launcher,
-    or as new processes when CUDA was initialised here. Raises ChildFailedError when they fail."""
+    or as new processes when CUDA was initialised here. Raises ChildFailedError when they fail. First the warm imports
+    and the pod's pre-flight gate (:mod:`kubetitan_trainer.launch.gate`): its exit code when it failed (no worker
+    started), else None."""
     from torch.distributed.launcher.api import elastic_launch
 
     from kubetitan_trainer.launch.agent import run_in_place
@@ -316,6 +323,8 @@ def launch_workers(a: LauncherArgs, config, cmd, cmd_args, state: LauncherState,
     # in run_worker); they are forked from this process after it imported torch and torchtitan once.
     seconds = warm_up(["--job.config_file", a.config])
     state.warmed(seconds)
+    if (code := gate.finish(pending_gate, state)) is not None:
+        return code
     if a.max_restarts > 0:
         log.info("In-place restarts on (up to %d); warm workers: imported torch/torchtitan once in %.1f s",
                  a.max_restarts, seconds)
@@ -333,6 +342,7 @@ def launch_workers(a: LauncherArgs, config, cmd, cmd_args, state: LauncherState,
     else:
         log.info("Warm workers: imported torch/torchtitan once in %.1f s", seconds)
         elastic_launch(config=config, entrypoint=run_worker)("--job.config_file", a.config)
+    return None
 
 
 def stopped_exit_code(code: int) -> int:
@@ -348,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[kubetitan] %(asctime)s %(levelname)s %(message)s")
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(CleanStopLogFilter())
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    if (code := preflight(a)) is not None:
+    pending_gate = gate.start(a)  # a GPU pod's gate process runs beside the waits and imports below
+    if (code := startable(a)) is not None:
+        if pending_gate is not None:
+            pending_gate.cancel()
         return code
     # Forked workers need a launcher that never initialised CUDA. torch.cuda.is_available() without this asks the
     # CUDA runtime (which poisons fork), and torchrun's LaunchConfig calls it (numa defaults) before warm_up runs:
@@ -382,8 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     log.info("Starting %d worker(s) on node %d of %d, master %s:%d", a.nproc_per_node, a.node_rank, a.nnodes, a.master_addr, a.master_port)
     try:
-        launch_workers(a, config, cmd, cmd_args, state, stopped, stop_dir)
-        code = ExitCode.OK
+        code = launch_workers(a, config, cmd, cmd_args, state, stopped, stop_dir, pending_gate) or ExitCode.OK
     except StoppedInRendezvous:
         log.warning("Stopped by SIGTERM while waiting for the other pods' launchers (no worker was running)")
         code = EXIT_SIGTERM
