@@ -71,7 +71,7 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
         model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
         compile_fp8_head(model, job_config)
         if job_config.compile.enable and "model" in job_config.compile.components:
-            aot_precompile.install(model)  # opt-in: KUBETITAN_AOT_PRECOMPILE=1
+            aot_precompile.install(model)  # opt-in: spec.runtime.aotCompile
         return model
 
     return parallelize

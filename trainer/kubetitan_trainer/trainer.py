@@ -297,7 +297,7 @@ class KubetitanTrainer(Trainer):
 
     _network_message: str = ""
     _tier_pending: restore_tier.Pending | None = None
-    """The restore tier's copies still running in the background (restore_tier.ENV_DEFER)."""
+    """The restore tier's copies still running in the background (restore_tier.defer_keys)."""
     _tier_hooks: list = []
     """The optimizers' step pre-hooks that wait for them (never mutated in place: replaced per load)."""
 
