@@ -263,8 +263,8 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 KT = "kubetitan_trainer"
 TRAINING_LOOP = (f"{KT}.trainer", f"{KT}.train_spec", f"{KT}.main", f"{KT}.evaluation", f"{KT}.metrics")
-BASE = (f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.compat", f"{KT}.flavours", f"{KT}.storage",
-        f"{KT}.job_config", f"{KT}.netcheck", f"{KT}.cpu_bridge")
+BASE = (f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.runtime", f"{KT}.compat", f"{KT}.flavours",
+        f"{KT}.storage", f"{KT}.job_config", f"{KT}.netcheck", f"{KT}.cpu_bridge")
 TORCH = ("torch", "torchtitan", "torchao")
 
 LAYERS: tuple[Layer, ...] = (
@@ -284,7 +284,7 @@ LAYERS: tuple[Layer, ...] = (
           except_=(f"{KT}.launch",)),
     Layer((KT,), ("s3torchconnector",), "only the storage seam and compat import s3torchconnector",
           except_=(f"{KT}.storage", f"{KT}.compat")),
-    Layer((f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.job_config", f"{KT}.launch.store",
+    Layer((f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.runtime", f"{KT}.job_config", f"{KT}.launch.store",
            f"{KT}.launch.failures", f"{KT}.launch.state", f"{KT}.recovery.heartbeat", f"{KT}.data.shards",
            f"{KT}.data.prepare", f"{KT}.data.prepare_job"), TORCH,
           "torch-free trainer modules: the launchers' store protocol, failures and state, heartbeats, the shard "

@@ -9,6 +9,8 @@ from collections import namedtuple
 import pytest
 import torch
 
+from kubetitan_core.contract.trainer_toml import KubetitanRuntime
+from kubetitan_trainer import runtime
 from kubetitan_trainer.recovery import anatomy, restore_tier
 
 
@@ -202,10 +204,10 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("read", ["map", "pread"])
 def test_tier_load_gives_the_same_state_as_a_dcp_load(tmp_path, monkeypatch, read):
-    """Through either read of the tier's file (restore_tier.ENV_READ)."""
+    """Through either read of the tier's file (``restore_tier_read``)."""
     import torch.distributed.checkpoint as dcp
 
-    monkeypatch.setenv(restore_tier.ENV_READ, read)
+    monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(restore_tier_read=read))
 
     src = _trained(seed=1)
     tier, ckpt = tmp_path / "tier", tmp_path / "ckpt"

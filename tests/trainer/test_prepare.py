@@ -115,7 +115,7 @@ def test_a_rerun_skips_finished_units_and_redoes_only_what_is_missing(corpus: Pa
 
 
 def test_help_does_not_import_torch() -> None:
-    code = ("import sys\nfrom kubetitan_trainer import prepare\ntry:\n    prepare.main(['--help'])\n"
+    code = ("import sys\nfrom kubetitan_trainer.data import prepare\ntry:\n    prepare.main(['--help'])\n"
             "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch was imported'\n"
             "assert 'torchtitan' not in sys.modules, 'torchtitan was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

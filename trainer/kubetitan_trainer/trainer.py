@@ -41,12 +41,21 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import ALREADY_COMPLETE, ENV_STOP_FILE, compat, netcheck, storage
-from kubetitan_trainer.compile import aot_precompile
+from kubetitan_trainer import ALREADY_COMPLETE, ENV_STOP_FILE, compat, netcheck, runtime, storage
 from kubetitan_trainer.data import loaders as data, s3shards
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.recovery import anatomy, heartbeat, inprocess, restore_tier
 from kubetitan_trainer.recovery.staging import ensure_reusable_stager
+
+
+def aot_blocks() -> Any:
+    """The ahead-of-time blocks' module (:mod:`kubetitan_trainer.compile.aot_precompile`) when ``[kubetitan.runtime]
+    aot_compile`` is on, imported only then; None when off (the default)."""
+    if not runtime.settings().aot_compile:
+        return None
+    from kubetitan_trainer.compile import aot_precompile
+
+    return aot_precompile
 
 
 def checkpoint_entries(folder: str | storage.CheckpointStore) -> list[tuple[str, bool]]:
@@ -182,7 +191,8 @@ class KubetitanTrainer(Trainer):
             result = super().train()
         else:
             result = self._inprocess.run(self._train_iteration, process_group_ready=True)
-        aot_precompile.training_ended()  # a clean end: the AOT artefact's crash marker goes
+        if (aot := aot_blocks()) is not None:
+            aot.training_ended()  # a clean end: the AOT artefact's crash marker goes
         return result
 
     def _in_process_restart(self) -> inprocess.InProcessRestart | None:
@@ -278,7 +288,8 @@ class KubetitanTrainer(Trainer):
         self._heartbeat.step_done(self.step, seconds, saving=stop)
         if first:
             self._publish_startup(rec)
-        aot_precompile.step_ended()  # the artefact's crash marker goes after the second step
+        if (aot := aot_blocks()) is not None:
+            aot.step_ended()  # the artefact's crash marker goes after the second step
         if self._inprocess is not None and self._inprocess.restarts:
             self._inprocess.mark("first_step")  # once per restart (the first mark of a phase is kept)
         if stop:
@@ -287,9 +298,10 @@ class KubetitanTrainer(Trainer):
 
     def _publish_startup(self, rec: anatomy.Recorder) -> None:
         record = rec.first_step_ends(self.step, self.metrics_processor.attempt)
-        aot = aot_precompile.after_first_step()  # after the mark: rank 0's one-off precompile is not start-up
-        if aot is not None:
-            record["aot_precompile"] = aot
+        aot = aot_blocks()
+        made = aot.after_first_step() if aot is not None else None  # after the mark: rank 0's one-off precompile
+        if made is not None:  # is not start-up
+            record["aot_precompile"] = made
         self.metrics_processor.exporter.startup(record)
         if self.metrics_processor.rank == 0:
             logger.info(anatomy.describe(record))
@@ -297,7 +309,7 @@ class KubetitanTrainer(Trainer):
 
     _network_message: str = ""
     _tier_pending: restore_tier.Pending | None = None
-    """The restore tier's copies still running in the background (restore_tier.ENV_DEFER)."""
+    """The restore tier's copies still running in the background (restore_tier.defer_keys)."""
     _tier_hooks: list = []
     """The optimizers' step pre-hooks that wait for them (never mutated in place: replaced per load)."""
 

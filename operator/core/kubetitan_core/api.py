@@ -20,6 +20,7 @@ from pydantic.alias_generators import to_camel
 
 from kubetitan_core import API_VERSION, KIND
 from kubetitan_core.causes import RESIZE_CAUSES, RESTART_CAUSES  # noqa: F401 - RESIZE_CAUSES re-exported
+from kubetitan_core.contract.trainer_toml import StagingWrite, TierRead
 
 
 class _Base(BaseModel):
@@ -530,6 +531,43 @@ class MonitoringSpec(_Base):
     """Write TensorBoard event files under the checkpoint mount (`tb/`)."""
 
 
+class RuntimeSpec(_Base):
+    """Tuning of the trainer's recovery and compile internals, rendered into `trainer.toml`'s `[kubetitan.runtime]`
+    and read by every worker process as it starts. The defaults are the settings measured best
+    (docs/reliability.md); change one to measure it on your hardware. A change reaches the pods with the next
+    attempt."""
+
+    restore_tier_read: TierRead = "pread"
+    """How an in-place restart's load from the node-local restore tier reads its files: `pread` (straight into the
+    loader threads' pinned buffers: no mapping, no page faults) or `map` (a read-only mapping, copied through pinned
+    buffers)."""
+    restore_tier_load_threads: int = Field(default=0, ge=0, le=256)
+    """Threads that copy the restore tier into the training state; 0: automatic (`pread`: the pod's CPUs over its
+    workers, 2 to 16; `map`: 1 when torch's own copies are parallel, else 4)."""
+    defer_optimizer_load: bool = True
+    """Load the optimizer's part of a restore-tier load in the background while the first step's forward and
+    backward run (the step waits for it before the optimizer's update); false: all of it before the first step."""
+    defer_threads: int = Field(default=4, ge=1, le=64)
+    """Threads of the background part of a restore-tier load (more copy faster but slow the first step's compile,
+    which shares the interpreter with them)."""
+    defer_switch_interval_ms: int = Field(default=0, ge=0, le=1000)
+    """Python's thread switch interval in milliseconds while the background part is copied; 0: Python's own
+    (5 ms). Shorter hands the interpreter to the copy threads sooner."""
+    staging_write: StagingWrite = "pwrite"
+    """How the checkpoint stager writes its staged copy into the restore tier's files: `pwrite` (threads write them;
+    the worker never maps them) or `map` (copies into a mapping of the files)."""
+    staging_write_threads: int = Field(default=8, ge=1, le=64)
+    """Threads that write the staged copy in the `pwrite` mode."""
+    early_cuda_context: bool = False
+    """Create each worker's CUDA context on a side thread as it starts, instead of on torch's first CUDA call
+    (no gain measured yet)."""
+    aot_compile: bool = False
+    """Compile ahead of time: compiled transformer blocks get an artefact that a restarted worker loads instead of
+    compiling (single-process runs only; rank 0 makes it once, in the compile cache's folder), and the AOTAutograd
+    cache may serve the recipe's graphs (their functions are marked cacheable, keyed by their packages' versions
+    and sources). Off: the blocks compile as torch does. Needs `precision.compile`."""
+
+
 class LlamaPretrainSpec(_Base):
     """Desired state of a Llama 3 pre-training run."""
 
@@ -555,6 +593,8 @@ class LlamaPretrainSpec(_Base):
     """Queueing and gang scheduling."""
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     """Metrics and TensorBoard."""
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    """Tuning of the trainer's recovery and compile internals."""
 
 
 # -------------------------------------------------------------------------- status

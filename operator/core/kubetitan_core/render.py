@@ -20,7 +20,8 @@ from kubetitan_core.api import (HuggingFaceDataSpec, LlamaPretrain, LlamaPretrai
                                 reads_s3_shards, resolved_dp_shard)
 from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES
 from kubetitan_core.contract.trainer_toml import (Kubetitan, KubetitanCheckpointStorage, KubetitanData,
-                                                  KubetitanDataS3, KubetitanModel, KubetitanTokenizer, to_table)
+                                                  KubetitanDataS3, KubetitanModel, KubetitanRuntime, KubetitanTokenizer,
+                                                  to_table)
 
 TRAIN_SPEC_NAME = "kubetitan_llama3"
 """The torchtitan TrainSpec the trainer registers (Llama 3 + kubetitan's data and metrics)."""
@@ -230,6 +231,11 @@ def _storage(s: LlamaPretrainSpec) -> tuple[KubetitanCheckpointStorage, Kubetita
     return checkpoints, data
 
 
+def _runtime(s: LlamaPretrainSpec) -> KubetitanRuntime:
+    """``[kubetitan.runtime]``: ``spec.runtime``, field for field."""
+    return KubetitanRuntime(**s.runtime.model_dump())
+
+
 def kubetitan_table(lpt: LlamaPretrain) -> Kubetitan:
     """The ``[kubetitan]`` table of ``lpt``, typed (:mod:`kubetitan_core.contract.trainer_toml`): what torchtitan's
     own sections cannot say."""
@@ -252,6 +258,7 @@ def kubetitan_table(lpt: LlamaPretrain) -> Kubetitan:
         model=_model(s),
         checkpoint_storage=checkpoint_storage,
         data_s3=data_s3,
+        runtime=_runtime(s),
     )
 
 

@@ -167,6 +167,44 @@ class KubetitanDataS3:
     """Bytes per ranged GET (each in-flight GET holds one part in memory)."""
 
 
+TierRead = Literal["pread", "map"]
+"""How a restore-tier load reads the tier's files (``[kubetitan.runtime] restore_tier_read``)."""
+StagingWrite = Literal["pwrite", "map"]
+"""How the checkpoint stager writes its arena (``[kubetitan.runtime] staging_write``)."""
+
+
+@dataclass
+class KubetitanRuntime:
+    """``[kubetitan.runtime]``: tuning of the trainer's recovery and compile internals (``spec.runtime``). The
+    defaults are the settings measured best; the trainer reads the table once as each worker process starts."""
+
+    restore_tier_read: TierRead = "pread"
+    """How a load from the node-local restore tier reads its files: `pread` (straight into the loader threads'
+    pinned buffers) or `map` (a read-only mapping, copied through pinned buffers)."""
+    restore_tier_load_threads: int = 0
+    """Threads that copy the restore tier into the training state at a load; 0: automatic (`pread`: the pod's CPUs
+    over its workers, 2 to 16; `map`: 1 when torch's own copies are parallel, else 4)."""
+    defer_optimizer_load: bool = True
+    """Load the optimizer's part of a restore-tier load in the background, while the first step's forward and
+    backward run (the step waits for it before the optimizer's update); false: all of it at once."""
+    defer_threads: int = 4
+    """Threads of the background (deferred) part of a restore-tier load."""
+    defer_switch_interval_ms: int = 0
+    """Python's thread switch interval, in milliseconds, while the deferred part is copied; 0: Python's own (5 ms)."""
+    staging_write: StagingWrite = "pwrite"
+    """How the checkpoint stager writes its staged copy into the restore tier's arena: `pwrite` (threads write the
+    files; the worker never maps them) or `map` (copies into a mapping of the files)."""
+    staging_write_threads: int = 8
+    """Threads that write the arena in the `pwrite` mode."""
+    early_cuda_context: bool = False
+    """Create the worker's CUDA context on a side thread as the worker starts, instead of on torch's first CUDA
+    call."""
+    aot_compile: bool = False
+    """Ahead-of-time compiled transformer blocks (single-process runs; rank 0 makes the artefact once, restarts
+    load it instead of compiling) and the AOTAutograd cache's allow-list of the recipe's functions (compiled
+    runs: a restart loads the joint graphs from the cache). Off: compiled blocks compile as torch does."""
+
+
 @dataclass
 class Kubetitan:
     """``[kubetitan]``: what torchtitan's own sections cannot say."""
@@ -215,6 +253,8 @@ class Kubetitan:
     """Where checkpoints go when not in `job.dump_folder` (S3)."""
     data_s3: KubetitanDataS3 = field(default_factory=KubetitanDataS3)
     """How `s3://` shards paths of `data` are reached and staged."""
+    runtime: KubetitanRuntime = field(default_factory=KubetitanRuntime)
+    """Tuning of the recovery and compile internals."""
 
 
 @dataclass
