@@ -211,9 +211,6 @@ with a configuration error). Every other source (``synthetic``, ``shards``, ``mi
 reads one global sample stream whose position is the same on every rank (``kubetitan_trainer.data``): it resumes at
 any world size and DP degree, and DCP reshards the model and optimizer, unless a mixture entry is ``huggingface``
 (such an entry keeps a per-rank stream position too: :func:`per_rank_sources`). The trainer picks its loader by
-this set.""".replace("""mixture``, whose entries are shards)""","""mixture``)""") if False else """reads one global sample stream whose position is the same on every rank (``kubetitan_trainer.data``): it resumes at
-any world size and DP degree, and DCP reshards the model and optimizer, unless a mixture entry is ``huggingface``
-(such an entry keeps a per-rank stream position too: :func:`per_rank_sources`). The trainer picks its loader by
 this set."""
 
 
