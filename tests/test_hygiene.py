@@ -2,6 +2,8 @@
 
 - every module-level statement that is only an expression is a docstring (a string literal) or a call, so an edit
   that left a computed string where a docstring should be is seen;
+- a ``# long: <why>`` marker opens its comment block (a marker spliced into the middle of a sentence explains
+  nothing).
 """
 
 from __future__ import annotations
@@ -34,10 +36,27 @@ def odd_expressions(tree: ast.Module) -> list[int]:
     return out
 
 
+def spliced_long_marks(text: str) -> list[int]:
+    """Lines whose comment holds a ``# long:`` marker that is not the first line of its comment block."""
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if codemap.LONG_MARK.search(line) and line.lstrip().startswith("#") and i > 0 \
+                and lines[i - 1].lstrip().startswith("#"):
+            out.append(i + 1)
+    return out
+
+
 def test_module_level_expressions_are_docstrings_or_calls():
     found = {name: lines for name, (_text, tree) in _module_texts().items() if (lines := odd_expressions(tree))}
     assert not found, ("expression statements that are neither a docstring nor a call (an edit left a computed "
                        f"value where a docstring should be; write the docstring as one string literal): {found}")
+
+
+def test_long_markers_open_their_comment():
+    found = {name: lines for name, (text, _tree) in _module_texts().items() if (lines := spliced_long_marks(text))}
+    assert not found, ("`# long:` markers inside a comment block (write `# long: <why>` as the comment's first "
+                       f"line): {found}")
 
 
 @pytest.mark.parametrize(("source", "want"), [
@@ -47,3 +66,11 @@ def test_module_level_expressions_are_docstrings_or_calls():
 ], ids=["docstring-and-call", "computed-docstring", "class-level-arithmetic"])
 def test_odd_expressions_are_seen(source, want):
     assert odd_expressions(ast.parse(source)) == want
+
+
+@pytest.mark.parametrize(("source", "want"), [
+    ("# long: a table of rules\ndef f():\n    pass\n", []),
+    ("# The agent subclass (imported here, as all of the\n# long: launcher) closes over state\ndef f():\n", [2]),
+], ids=["opens-the-comment", "spliced"])
+def test_spliced_long_marks_are_seen(source, want):
+    assert spliced_long_marks(source) == want

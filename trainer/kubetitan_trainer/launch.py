@@ -570,8 +570,8 @@ def in_place_rendezvous_handler(config, nnodes: int, agents: list):
     return handler
 
 
-# The agent subclass of torch's LocalElasticAgent (imported here, lazily, as all of torch's elastic code in the
-# long: launcher) closes over this run's state, stop flag, node rank and hang rule; each of its methods is short
+# long: the agent subclass of torch's LocalElasticAgent (imported here, lazily, as all of torch's elastic code in
+# the launcher) closes over this run's state, stop flag, node rank and hang rule; each of its methods is short
 def run_in_place(config, entrypoint, args: list, state: LauncherState, stop_requested, node_rank: int = 0,
                  nnodes: int = 1, hang_rule: heartbeat.Rule | None = None, beat_dir: str = "") -> None:
     """``torch.distributed.launcher.api.launch_agent`` with an agent that records failures, refuses restarts that
