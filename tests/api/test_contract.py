@@ -120,3 +120,28 @@ def test_failure_report_reads_nothing_from_no_report_and_ignores_unknown_keys():
     newer = json.dumps({**json.loads(REPORT.to_json()), "xid": 79})  # a newer launcher's extra key
     assert FailureReport.from_json(newer) == REPORT
     assert "seen_by" not in json.loads(REPORT.to_json())  # unset optional fields are left out
+
+
+def test_the_contracts_closed_choices_are_the_apis_own():
+    """Every ``Literal`` field of the ``[kubetitan]`` table and of the launcher's arguments is a named choice of
+    ``kubetitan_core.api`` (the spec field it is rendered from has the same one), and the contract modules write no
+    ``Literal[...]`` of their own: a value added to the API is one the trainer reads."""
+    import ast
+    import inspect
+    import typing
+
+    from kubetitan_core import api
+    from kubetitan_core.contract import launcher, trainer_toml
+
+    named = {name: v for name, v in vars(api).items() if typing.get_origin(v) is typing.Literal}
+    tables = [c for c in vars(trainer_toml).values() if dataclasses.is_dataclass(c)] + [LauncherArgs]
+    used = {f"{cls.__name__}.{name}": next((n for n, v in named.items() if v is hint), None)
+            for cls in tables for name, hint in typing.get_type_hints(cls).items()
+            if typing.get_origin(hint) is typing.Literal}
+    assert used and all(used.values()), {k: v for k, v in used.items() if not v}
+    for module in (trainer_toml, launcher):
+        written = [n.lineno for n in ast.walk(ast.parse(inspect.getsource(module)))
+                   if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == "Literal"]
+        assert not written, f"{module.__name__} writes its own Literal[...] at lines {written}: import it from api"
+    assert typing.get_type_hints(api.DataSpec)["source"] is api.DataSource
+    assert typing.get_type_hints(api.ResourcesSpec)["platform"] is api.Platform

@@ -22,6 +22,17 @@ from kubetitan_core import API_VERSION, KIND
 from kubetitan_core.causes import RESIZE_CAUSES, RESTART_CAUSES  # noqa: F401 - RESIZE_CAUSES re-exported
 
 
+# The closed choices the trainer's TOML table (kubetitan_core.contract.trainer_toml) and the launcher's arguments
+# (kubetitan_core.contract.launcher) carry too: defined here once, imported there.
+DataSource = Literal["synthetic", "huggingface", "shards", "mixture"]
+DataOrder = Literal["shuffled", "sequential"]
+ShardsDtype = Literal["auto", "uint16", "uint32"]
+TokenizerSource = Literal["builtin", "path", "huggingface"]
+Platform = Literal["generic", "eks", "hyperpod"]
+NetworkFallback = Literal["Fail", "AllowSockets"]
+HangTimeoutPolicy = Literal["Auto", "Fixed"]
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
@@ -225,7 +236,7 @@ class ShardsDataSpec(_Base):
     """Directory holding `*.bin` token shards (and their `index.json`) inside the pod, or `s3://bucket/prefix`
     holding a copy of one (`aws s3 sync` of the `prepare-data` output): it is copied to the node's local disk at
     start with every checksum verified, reached as `data.s3` says (docs/data.md)."""
-    dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    dtype: ShardsDtype = "auto"
     """Token dtype of the shards; `auto` reads it from `index.json`."""
 
 
@@ -268,7 +279,7 @@ class EvalSpec(_Base):
 class DataSpec(_Base):
     """Where the training tokens come from, in which order, and what is held out."""
 
-    source: Literal["synthetic", "huggingface", "shards", "mixture"] = "synthetic"
+    source: DataSource = "synthetic"
     """`synthetic`: random tokens (benchmarks); `huggingface`: a streamed text dataset
     tokenized on the fly; `shards`: pre-tokenized files on a volume; `mixture`: several sources (shards
     directories or streamed datasets) mixed by weight (`mixture`)."""
@@ -278,7 +289,7 @@ class DataSpec(_Base):
     """Settings for `source: shards` (required there)."""
     mixture: list[MixtureSourceSpec] = Field(default_factory=list, max_length=64)
     """The sources of `source: mixture` (required there, and only there), each with its weight."""
-    order: Literal["shuffled", "sequential"] = "shuffled"
+    order: DataOrder = "shuffled"
     """Order of the sequences of `shards` sources (alone or in a mixture): `shuffled` (a permutation of all sequences
     per epoch, seeded by `training.seed`, the same for any number of GPUs) or `sequential` (corpus order).
     A streamed `huggingface` dataset is read in its own order."""
@@ -306,7 +317,7 @@ class SecretKeyRef(_Base):
 class TokenizerSpec(_Base):
     """The tokenizer. Tokens and secrets are never written into the resource itself."""
 
-    source: Literal["builtin", "path", "huggingface"] = "builtin"
+    source: TokenizerSource = "builtin"
     """`builtin`: the small byte-level tokenizer shipped with the trainer (debug runs);
     `path`: a directory with `tokenizer.json` inside the image or a volume;
     `huggingface`: downloaded from the hub at start (Llama 3 needs a token)."""
@@ -375,7 +386,7 @@ class ResourcesSpec(_Base):
     processes_per_node: int | None = Field(default=None, ge=1, le=64)
     """Training processes per pod (torchrun `--nproc-per-node`). Unset means one per GPU,
     or 1 on CPU."""
-    platform: Literal["generic", "eks", "hyperpod"] = "generic"
+    platform: Platform = "generic"
     """Cluster flavour. `eks` adds EFA settings; `hyperpod` also requires nodes whose
     SageMaker HyperPod health label says they are schedulable."""
     instance_type: str | None = None
@@ -392,7 +403,7 @@ class ResourcesSpec(_Base):
     efa_per_node: int | None = Field(default=None, ge=0, le=64)
     """EFA interfaces per pod (`vpc.amazonaws.com/efa`). Unset means all of the instance
     type's interfaces on `eks`/`hyperpod`, none elsewhere."""
-    network_fallback: Literal["Fail", "AllowSockets"] = "Fail"
+    network_fallback: NetworkFallback = "Fail"
     """What the trainer does when EFA was requested on `eks`/`hyperpod` but NCCL is not on it after
     the first step (no aws-ofi-nccl plugin in the image, or not its `efa` provider): `Fail` ends the
     run with exit code 5; `AllowSockets` logs a warning and trains over TCP sockets (a fraction of
@@ -470,7 +481,7 @@ class RunPolicySpec(_Base):
     re-creates the gang only if none did within 30 s more (a frozen launcher or pod). The launchers take this and
     `hangTimeoutPolicy` when their pods are created: a change reaches them with the next re-created attempt (the
     operator's own rule applies it at once)."""
-    hang_timeout_policy: Literal["Auto", "Fixed"] = "Auto"
+    hang_timeout_policy: HangTimeoutPolicy = "Auto"
     """`Fixed`: the hang timeout is `hangTimeoutSeconds`. `Auto`: it is 10 x the median step time the trainer
     reports (at least 30 s, or the operator's `--hang-floor-seconds`; at most `hangTimeoutSeconds`) once 5 steps of the current workers are seen, and
     `hangTimeoutSeconds` before that; a checkpoint step adds `checkpoint.saveTimeoutSeconds` in both."""
