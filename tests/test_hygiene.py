@@ -3,7 +3,9 @@
 - every module-level statement that is only an expression is a docstring (a string literal) or a call, so an edit
   that left a computed string where a docstring should be is seen;
 - a ``# long: <why>`` marker opens its comment block (a marker spliced into the middle of a sentence explains
-  nothing).
+  nothing);
+- one module defines each named string constant (a label, a resource, a reason): no two product modules assign the
+  same string to an upper-case module-level name.
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ def spliced_long_marks(text: str) -> list[int]:
     return out
 
 
+def string_constants(tree: ast.Module) -> dict[str, str]:
+    """Module-level ``NAME = "text"`` assignments (upper-case names, strings of four characters or more): text -> name."""
+    out = {}
+    for stmt in tree.body:
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else \
+            stmt.target if isinstance(stmt, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id.isupper() and isinstance(stmt.value, ast.Constant) \
+                and isinstance(stmt.value.value, str) and len(stmt.value.value) > 3:
+            out[stmt.value.value] = target.id
+    return out
+
+
 def test_module_level_expressions_are_docstrings_or_calls():
     found = {name: lines for name, (_text, tree) in _module_texts().items() if (lines := odd_expressions(tree))}
     assert not found, ("expression statements that are neither a docstring nor a call (an edit left a computed "
@@ -57,6 +71,20 @@ def test_long_markers_open_their_comment():
     found = {name: lines for name, (text, _tree) in _module_texts().items() if (lines := spliced_long_marks(text))}
     assert not found, ("`# long:` markers inside a comment block (write `# long: <why>` as the comment's first "
                        f"line): {found}")
+
+
+def test_each_named_string_constant_is_defined_in_one_module():
+    where: dict[str, list[str]] = {}
+    for name, (_text, tree) in _module_texts().items():
+        for text, const in string_constants(tree).items():
+            where.setdefault(text, []).append(f"{name}.{const}")
+    twice = {text: places for text, places in where.items() if len(places) > 1}
+    assert not twice, f"string constants defined in more than one module (import the one definition): {twice}"
+
+
+def test_string_constants_are_read():
+    tree = ast.parse('GPU = "nvidia.com/gpu"\nX: str = "abcd"\nlower = "ignored"\nN = 3\nS = "ab"\n')
+    assert string_constants(tree) == {"nvidia.com/gpu": "GPU", "abcd": "X"}
 
 
 @pytest.mark.parametrize(("source", "want"), [

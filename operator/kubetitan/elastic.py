@@ -21,9 +21,8 @@ from typing import Any
 
 from kubetitan import plan
 from kubetitan.decide import Capacity, NodeObs
+from kubetitan_core.catalog import GPU_RESOURCE, HOSTNAME_LABEL
 
-HOSTNAME_LABEL = "kubernetes.io/hostname"
-GPU_RESOURCE = "nvidia.com/gpu"
 BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
 """Taint effects that keep a pod off a node unless it tolerates them (``PreferNoSchedule`` only discourages)."""
 

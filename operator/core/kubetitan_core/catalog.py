@@ -1,4 +1,6 @@
-"""Facts the validator, the planner and the trainer share: model flavours and accelerators.
+"""Facts the validator, the planner and the trainer share: model flavours, accelerators, instance types.
+
+The Kubernetes label and resource names of the nodes and pods these run on are defined here too.
 
 Pure data, no I/O. The model dimensions are torchtitan 0.2.2's Llama 3 flavours
 (``torchtitan/models/llama3/__init__.py``); a test checks them against the installed
@@ -9,6 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
+
+# ---- Kubernetes names of the nodes and the pods: defined here once (the planner, the elastic capacity, the node
+# observation, the validator and the admin policy read them)
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from kubetitan_core.api import (
     resolved_dp_shard,
     world_size,
 )
-from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES, InstanceType, ModelDims, accelerator_for
+from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPE_LABEL, INSTANCE_TYPES, InstanceType, ModelDims, accelerator_for
 from kubetitan_core.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, DATA_STAGE_MOUNT, SHM_MOUNT
 
 
@@ -681,7 +681,7 @@ def _resources_platform(f: Facts) -> Problems:
 @check("resources.instance-type-selector")
 def _resources_instance_type_selector(f: Facts) -> Problems:
     r = f.spec.resources
-    for label in ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type"):
+    for label in (INSTANCE_TYPE_LABEL, "beta.kubernetes.io/instance-type"):
         chosen = r.node_selector.get(label)
         if r.instance_type and chosen is not None and chosen != r.instance_type:
             yield f"spec.resources.nodeSelector[{label}]", (
