@@ -145,3 +145,49 @@ def test_the_contracts_closed_choices_are_the_apis_own():
         assert not written, f"{module.__name__} writes its own Literal[...] at lines {written}: import it from api"
     assert typing.get_type_hints(api.DataSpec)["source"] is api.DataSource
     assert typing.get_type_hints(api.ResourcesSpec)["platform"] is api.Platform
+
+
+@pytest.mark.parametrize("uri, want", [
+    ("s3://bucket/a/b/", ("bucket", "a/b")), ("s3://bucket", ("bucket", "")), ("s3://b/x", ("b", "x"))])
+def test_split_s3_uri(uri, want):
+    from kubetitan_core.contract import is_s3_uri, split_s3_uri
+
+    assert is_s3_uri(uri) and split_s3_uri(uri) == want
+
+
+@pytest.mark.parametrize("text", ["/ckpt", "s3:///x", "S3://b/x"])
+def test_split_s3_uri_refuses_what_is_no_s3_uri(text):
+    from kubetitan_core.contract import split_s3_uri
+
+    with pytest.raises(ValueError):
+        split_s3_uri(text)
+
+
+SHARDS = {"path": "/data/a"}
+SHARDS_CASES = [
+    ("shards", {"source": "shards", "shards": SHARDS},
+     [("data.shards.path", "kubetitan.data.shards_path", "/data/a", False)]),
+    ("shards-and-eval-set", {"source": "shards", "shards": SHARDS, "eval": {"samples": 8, "shards": {"path": "s3://b/e"}}},
+     [("data.shards.path", "kubetitan.data.shards_path", "/data/a", False),
+      ("data.eval.shards.path", "kubetitan.data.eval_shards_path", "s3://b/e", True)]),
+    ("mixture-with-a-hub-entry", {"source": "mixture", "mixture": [
+        {"shards": SHARDS, "weight": 1}, {"huggingface": {"dataset": "allenai/c4"}, "weight": 1},
+        {"shards": {"path": "s3://b/m"}, "weight": 2}]},
+     [("data.mixture[0].shards.path", "kubetitan.data.mixture_paths[0]", "/data/a", False),
+      ("data.mixture[2].shards.path", "kubetitan.data.mixture_paths[2]", "s3://b/m", False)]),
+    ("synthetic-reads-no-shards", {"source": "synthetic", "shards": SHARDS}, []),
+]
+
+
+@pytest.mark.parametrize(("data", "want"), [c[1:] for c in SHARDS_CASES], ids=[c[0] for c in SHARDS_CASES])
+def test_the_spec_and_its_rendered_table_read_the_same_shards_paths(data, want):
+    """One rule (``api.shards_paths``) for the validator's side (the spec) and the trainer's (its rendered
+    ``[kubetitan.data]`` table): the same paths under the same two names, a stray ``data.shards`` of another source
+    read by neither."""
+    from kubetitan_core.api import spec_shards_paths
+    from kubetitan_core.contract.trainer_toml import table_shards_paths
+
+    lpt = LlamaPretrain.model_validate(make_lpt({"data": data}))
+    got = [(p.spec_field, p.table_field, p.path, p.held_out) for p in spec_shards_paths(lpt.spec)]
+    assert got == want
+    assert table_shards_paths(render.kubetitan_table(lpt).data) == spec_shards_paths(lpt.spec)

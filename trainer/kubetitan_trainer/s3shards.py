@@ -51,9 +51,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kubetitan_core.contract import is_s3_uri, split_s3_uri
+from kubetitan_core.contract.trainer_toml import table_shards_paths
 from kubetitan_trainer.errors import ConfigError, TransientError
 from kubetitan_trainer.shards import INDEX_FILE, RERUN, ShardSet, atomic_write_bytes, crc32_bytes, crc32_file
-from kubetitan_trainer.storage import S3Settings, access_error_kind, describe_access_error, is_remote, parse_s3_uri
+from kubetitan_trainer.storage import S3Settings, access_error_kind, describe_access_error
 
 log = logging.getLogger("kubetitan.s3shards")
 
@@ -94,35 +96,20 @@ _STAGED: dict[str, str] = {}
 
 def local_path(path: str, job_config: Any, field: str) -> str:
     """``path`` itself for a directory in the pod; for ``s3://...`` the local directory it was staged to."""
-    if not is_remote(path):
+    if not is_s3_uri(path):
         return path
     if path not in _STAGED:
         _STAGED[path] = str(stage(path, settings_from(job_config, path), field))
     return _STAGED[path]
 
 
-EVAL_FIELD = "kubetitan.data.eval_shards_path (spec.data.eval.shards.path)"
-
-
-def shards_paths(d: Any) -> list[tuple[str, str]]:
-    """(field, path) of every shards path a ``[kubetitan.data]`` table reads: the source's or the mixture's, then
-    the held-out set's (empty paths left out)."""
-    paths = [("kubetitan.data.shards_path (spec.data.shards.path)", d.shards_path if d.source == "shards" else "")]
-    if d.source == "mixture":
-        kinds = list(d.mixture_kinds) or ["shards"] * len(d.mixture_paths)  # a huggingface entry reads no shards
-        paths += [(f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].shards.path)", p)
-                  for i, (p, kind) in enumerate(zip(d.mixture_paths, kinds, strict=True)) if kind == "shards"]
-    paths.append((EVAL_FIELD, d.eval_shards_path))
-    return [(f, p) for f, p in paths if p]
-
-
 def stage_all(job_config: Any) -> None:
     """Stage every ``s3://`` shards path the config reads (source, mixture, eval) now: the trainer calls it before
     torchtitan builds anything, so a bad bucket or object ends the process with exit code 2 and its message alone."""
     d = job_config.kubetitan.data
-    for field, path in shards_paths(d):
-        if field != EVAL_FIELD or d.eval_samples > 0:
-            local_path(path, job_config, field)
+    for p in table_shards_paths(d):
+        if not p.held_out or d.eval_samples > 0:
+            local_path(p.path, job_config, p.field)
 
 
 class _Uri(str):
@@ -165,7 +152,7 @@ class Stager:
         from kubetitan_trainer import compat
 
         self.uri, self.settings, self.field = uri.rstrip("/"), settings, field
-        self.bucket, self.prefix = parse_s3_uri(self.uri)
+        self.bucket, self.prefix = split_s3_uri(self.uri)
         self.dest = Path(settings.stage_dir) / self.bucket / self.prefix
         self._client = compat.s3_client(settings.s3, compat.s3_client_config(settings.s3))
 

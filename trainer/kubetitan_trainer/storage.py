@@ -44,31 +44,16 @@ from pathlib import Path
 from typing import Any
 
 from kubetitan_core import contract
+from kubetitan_core.contract import is_s3_uri, split_s3_uri
 
 log = logging.getLogger(__name__)
 
-S3_SCHEME = "s3://"
 _STEP = re.compile(r"^step-(\d+)$")
-
-
-def is_remote(path: str) -> bool:
-    """Whether a checkpoint location is an object-store URI (``s3://...``) rather than a filesystem path."""
-    return str(path).startswith(S3_SCHEME)
 
 
 def folder_key(path: str) -> str:
     """A stable identity of a checkpoint location (an absolute path, or the URI itself)."""
-    return str(path).rstrip("/") if is_remote(path) else os.path.abspath(path)
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (no leading or trailing slash)."""
-    if not is_remote(uri):
-        raise ValueError(f"not an s3:// URI: {uri!r}")
-    bucket, _, prefix = uri[len(S3_SCHEME):].partition("/")
-    if not bucket:
-        raise ValueError(f"no bucket in {uri!r}")
-    return bucket, prefix.strip("/")
+    return str(path).rstrip("/") if is_s3_uri(path) else os.path.abspath(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +178,7 @@ class S3Store(CheckpointStore):
         # failed save is said once, by SaveBudget
         logging.getLogger("s3torchconnector.s3writer").setLevel(logging.WARNING)
         self.root = settings.uri.rstrip("/")
-        self.bucket, self.prefix = parse_s3_uri(self.root)
+        self.bucket, self.prefix = split_s3_uri(self.root)
         self._config = compat.s3_client_config(settings)
         self._client = compat.s3_client(settings, self._config)
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from kubetitan_core import API_VERSION, KIND
+from kubetitan_core.contract import is_s3_uri
 from kubetitan_core.causes import RESIZE_CAUSES, RESTART_CAUSES  # noqa: F401 - RESIZE_CAUSES re-exported
 
 
@@ -815,15 +818,50 @@ class LlamaPretrain(_Base):
 
 
 # ------------------------------------------------------------------ derived values
+@dataclass(frozen=True)
+class ShardsPath:
+    """One shards directory a run reads: where the spec names it, where the trainer's ``[kubetitan.data]`` table
+    carries it, and the path (a directory in the pod or ``s3://bucket/prefix``)."""
+
+    spec_field: str
+    """The wire field without ``spec.``, e.g. ``data.mixture[1].shards.path``."""
+    table_field: str
+    """The trainer's key, e.g. ``kubetitan.data.mixture_paths[1]``."""
+    path: str
+    held_out: bool = False
+    """The held-out evaluation set (read only when evaluation is on)."""
+
+    @property
+    def field(self) -> str:
+        """Both names, as the trainer's errors give them."""
+        return f"{self.table_field} (spec.{self.spec_field})"
+
+
+def shards_paths(source: str, shards_path: str, mixture: Sequence[str | None], eval_shards_path: str
+                 ) -> list[ShardsPath]:
+    """Every shards path a run reads, the one rule for the spec (:func:`spec_shards_paths`) and for the trainer's
+    table (``kubetitan_core.contract.trainer_toml.table_shards_paths``): the source's with ``source: shards``, each
+    mixture entry that is a shards directory with ``source: mixture`` (None: a hub dataset), then the held-out set's;
+    empty paths left out."""
+    out = [ShardsPath("data.shards.path", "kubetitan.data.shards_path", shards_path)] if source == "shards" else []
+    if source == "mixture":
+        out += [ShardsPath(f"data.mixture[{i}].shards.path", f"kubetitan.data.mixture_paths[{i}]", p)
+                for i, p in enumerate(mixture) if p is not None]
+    out.append(ShardsPath("data.eval.shards.path", "kubetitan.data.eval_shards_path", eval_shards_path, held_out=True))
+    return [p for p in out if p.path]
+
+
+def spec_shards_paths(s: LlamaPretrainSpec) -> list[ShardsPath]:
+    """:func:`shards_paths` of a spec."""
+    d = s.data
+    return shards_paths(d.source, d.shards.path if d.shards is not None else "",
+                        [m.shards.path if m.shards is not None else None for m in d.mixture],
+                        d.eval.shards.path if d.eval is not None and d.eval.shards is not None else "")
+
+
 def reads_s3_shards(s: LlamaPretrainSpec) -> bool:
     """Whether any shards path the trainer reads is ``s3://`` (then the pod stages them: plan and render)."""
-    d = s.data
-    used = [m.shards.path for m in d.mixture if m.shards is not None] if d.source == "mixture" else []
-    if d.source == "shards" and d.shards is not None:
-        used.append(d.shards.path)
-    if d.eval is not None and d.eval.shards is not None:
-        used.append(d.eval.shards.path)
-    return any(v.startswith("s3://") for v in used)
+    return any(is_s3_uri(p.path) for p in spec_shards_paths(s))
 
 
 def elastic_sizes(spec: LlamaPretrainSpec) -> range:

@@ -106,6 +106,27 @@ def env_reserved(name: str) -> bool:
     return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
 
 
+# ---- object-store locations (checkpoints, shards): s3://bucket[/prefix]
+S3_SCHEME = "s3://"
+
+
+def is_s3_uri(path: str) -> bool:
+    """Whether a checkpoint or shards location is an object-store URI (``s3://...``) rather than a filesystem path."""
+    return str(path).startswith(S3_SCHEME)
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (no leading or trailing slash); ValueError for a
+    string that is not an ``s3://`` URI or names no bucket. Whether the bucket and prefix are usable is
+    ``kubetitan_core.validation.s3_uri_error``."""
+    if not is_s3_uri(uri):
+        raise ValueError(f"not an s3:// URI: {uri!r}")
+    bucket, _, prefix = uri[len(S3_SCHEME):].partition("/")
+    if not bucket:
+        raise ValueError(f"no bucket in {uri!r}")
+    return bucket, prefix.strip("/")
+
+
 # ---- the trainer's process
 TRAINER_PYTHON = "/opt/conda/bin/python"
 """The interpreter every training pod runs, by absolute path: the trainer image's Python (the PyTorch base image's

@@ -18,7 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubetitan_core.api import DataOrder, DataSource, NetworkFallback, Platform, ShardsDtype, TokenizerSource
+from kubetitan_core.api import (DataOrder, DataSource, NetworkFallback, Platform, ShardsDtype, ShardsPath, TokenizerSource,
+                                shards_paths)
 
 ALWAYS = {"always": True}
 """Field metadata: written whatever the value (see the module docstring)."""
@@ -84,6 +85,13 @@ class KubetitanData:
     """Debugging: each rank appends the global samples it trains (step, position, source, window, epoch) to
     `<dump_folder>/kubetitan/ledger/rank-<r>-of-<W>.txt`."""
 
+
+def table_shards_paths(d: KubetitanData) -> list[ShardsPath]:
+    """``kubetitan_core.api.shards_paths`` of a ``[kubetitan.data]`` table (the trainer's side of the one rule)."""
+    kinds = list(d.mixture_kinds) or ["shards"] * len(d.mixture_paths)  # a huggingface entry reads no shards
+    return shards_paths(d.source, d.shards_path,
+                        [p if kind == "shards" else None for p, kind in zip(d.mixture_paths, kinds, strict=True)],
+                        d.eval_shards_path)
 
 @dataclass
 class KubetitanTokenizer:
