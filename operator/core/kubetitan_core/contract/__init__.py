@@ -307,6 +307,26 @@ M_RESTART_TIMESTAMP = "kubetitan_trainer_restart_timestamp_seconds"  # when a la
 M_RESTART_PREVIOUS_STEP = "kubetitan_trainer_restart_previous_step"  # the last step the previous generation trained
 M_STEP_DURATION_MEDIAN = "kubetitan_trainer_step_duration_median_seconds"  # recent steps of this generation
 
+# ---- metrics the operator exports (kubetitan.operator_metrics), which its dashboards and alerts query
+# (kubetitan.monitoring): one definition for both
+OP_BUILD_INFO = "kubetitan_build_info"
+OP_LLAMAPRETRAINS = "kubetitan_operator_llamapretrains"
+OP_RESTARTS = "kubetitan_operator_restarts_total"
+OP_RECONCILE_DURATION = "kubetitan_operator_reconcile_duration_seconds"
+OP_RUN_CYCLES = "kubetitan_operator_run_cycles_total"
+OP_RECONCILE_ERRORS = "kubetitan_operator_reconcile_errors_total"
+OP_API_UNAVAILABLE_CYCLES = "kubetitan_operator_api_unavailable_cycles_total"
+OP_LEADER = "kubetitan_operator_leader"
+OP_RECOVERY_DURATION = "kubetitan_operator_recovery_duration_seconds"
+OP_SCRAPE_FAILURES = "kubetitan_operator_scrape_failures_total"
+OP_SCRAPED_VALUES_REFUSED = "kubetitan_operator_scraped_values_refused_total"
+OP_JOB_STEP = "kubetitan_operator_job_step"
+OP_JOB_TOKENS_PER_SECOND = "kubetitan_operator_job_tokens_per_second"
+OP_JOB_MFU = "kubetitan_operator_job_mfu_ratio"
+OP_JOB_GOODPUT = "kubetitan_operator_job_goodput_ratio"
+OP_JOB_RESTARTS = "kubetitan_operator_job_restarts"
+OP_JOB_PHASE_INFO = "kubetitan_operator_job_phase_info"
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
