@@ -54,6 +54,7 @@ from typing import Any
 from kubetitan_core.contract import is_s3_uri, split_s3_uri
 from kubetitan_core.contract.trainer_toml import table_shards_paths
 from kubetitan_trainer.errors import ConfigError, TransientError
+from kubetitan_trainer.retry import retry
 from kubetitan_trainer.shards import INDEX_FILE, RERUN, ShardSet, atomic_write_bytes, crc32_bytes, crc32_file
 from kubetitan_trainer.storage import S3Settings, access_error_kind, describe_access_error
 
@@ -206,26 +207,27 @@ class Stager:
 
     # ---------------------------------------------------------------------------------------------- transfer
     def _get(self, name: str, info: Any, start: int, end: int) -> bytearray:
-        """Bytes ``[start, end)`` of an object: one ranged GET (retried ``PART_ATTEMPTS`` times)."""
+        """Bytes ``[start, end)`` of an object: one ranged GET (tried ``PART_ATTEMPTS`` times, kubetitan_trainer.retry;
+        access denied or no bucket is not retried)."""
         from s3torchconnector import S3ReaderConstructor
 
         buf = bytearray(end - start)
-        err: BaseException | None = None
-        for attempt in range(PART_ATTEMPTS):
-            try:
-                reader = self._client.get_object(self.bucket, _key(self.prefix, name), object_info=info,
-                                                 reader_constructor=S3ReaderConstructor.range_based(buffer_size=0))
-                reader.seek(start)
-                got = reader.readinto(buf) if buf else 0
-                if got == len(buf):
-                    return buf
-                err = OSError(f"short read: {got} of {len(buf)} bytes at offset {start}")
-            except Exception as e:  # S3Exception after the client's own retries, or a dropped body
-                err = e
-                if access_error_kind(e) is not None:
-                    break  # access denied or no bucket: retrying cannot help
-            time.sleep(min(2.0 ** attempt * 0.5, 8.0))  # backoff between attempts of a part
-        raise self._request_error(err or OSError("no data"), f"GET s3://{self.bucket}/{_key(self.prefix, name)}")
+        what = f"GET s3://{self.bucket}/{_key(self.prefix, name)}"
+
+        def get() -> bytearray:
+            reader = self._client.get_object(self.bucket, _key(self.prefix, name), object_info=info,
+                                             reader_constructor=S3ReaderConstructor.range_based(buffer_size=0))
+            reader.seek(start)
+            got = reader.readinto(buf) if buf else 0
+            if got != len(buf):
+                raise OSError(f"short read: {got} of {len(buf)} bytes at offset {start}")
+            return buf
+
+        try:  # S3Exception after the client's own retries, or a dropped body
+            return retry(get, what=what, transient=lambda e: isinstance(e, Exception) and access_error_kind(e) is None,
+                         attempts=PART_ATTEMPTS, first_wait=0.5, max_wait=8.0)
+        except Exception as e:  # noqa: BLE001 - the request's error says what failed and what to do
+            raise self._request_error(e, what) from None
 
     def _download(self, name: str, info: Any, progress: _Progress, pool: cf.Executor, abort: threading.Event) -> None:
         """The object into ``.<name>.part`` by parallel ranged GETs (parts written at their offsets). A part not
