@@ -260,7 +260,7 @@ class Faults:
 
         res = request.resource
         method = request.method.value if request.method else ""
-        if res is None or res.plural in ("namespaces", "kopfpeerings", "clusterkopfpeerings"):
+        if res is None or res.plural == "namespaces":
             return
         if res.plural == "pods" and method == "POST":
             self.pod_creates.append(((request.data or {}).get("metadata") or {}).get("name", ""))

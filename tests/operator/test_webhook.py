@@ -701,10 +701,10 @@ def test_a_certificate_the_ca_bundle_does_not_vouch_for_is_a_failed_call(env: En
         _replace_vwc(env, env.vwc["webhooks"])
 
 
-def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
-    """Two replicas peering, as the chart runs them: the paused one answers admission requests as well (the
-    Service sends them to any ready replica)."""
-    from kmockx.harness import OperatorProcess
+def test_a_standby_replica_serves_the_webhook_too(tmp_path: Path) -> None:
+    """Two replicas with leader election, as the chart runs them: the standby (it never holds the Lease, so it
+    writes nothing) answers admission requests as well (the Service sends them to any ready replica)."""
+    from kmockx.harness import RELEASE_NS, OperatorProcess
 
     docs = rbac.render_chart(HELM)
     secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
@@ -712,27 +712,31 @@ def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
         (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
     with Cluster() as c:
-        c.add_peering("kubetitan")
         c.call(c.k.put(webhooks.VWC, vwc))
         ports = [free_port(), free_port()]
 
-        def replica(port: int, priority: str) -> OperatorProcess:
-            return OperatorProcess(c.kubeconfig, "--namespace", NS, "--peering", "kubetitan", "--priority", priority,
+        def replica(port: int, identity: str) -> OperatorProcess:
+            return OperatorProcess(c.kubeconfig, "--namespace", NS, "--leader-elect", "--leader-elect-identity",
+                                   identity, "--leader-elect-resource-namespace", RELEASE_NS,
                                    "--webhook-port", str(port), "--webhook-addr", "127.0.0.1",
                                    "--webhook-cert-file", str(tmp_path / "tls.crt"),
                                    "--webhook-key-file", str(tmp_path / "tls.key"))
 
-        with replica(ports[0], "100") as a, replica(ports[1], "50") as b:
-            wait_for(lambda: len(c.peers("kubetitan")) == 2, 20, "both keep-alives")
-            wait_for(lambda: "Resuming operations" in a.log_text(), 20, "replica A active")
-            assert "Resuming operations" not in b.log_text()
-            wait_for(lambda: _listening(ports[1]), 20, "replica B's webhook port")
-            webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", ports[1])
-            bad = _tenant_spec("ha-bad", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}])
-            with pytest.raises(ApiError) as e:
-                c.apply(bad)
-            assert 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request' in str(e.value.status)
-            assert "Resuming operations" not in b.log_text()  # it answered while paused
+        def holder() -> str:
+            lease = c.get("coordination.k8s.io/v1/leases", RELEASE_NS, "kubetitan") or {}
+            return (lease.get("spec") or {}).get("holderIdentity") or ""
+
+        with replica(ports[0], "replica-a"):
+            wait_for(lambda: holder() == "replica-a", 20, "replica A holds the Lease")
+            with replica(ports[1], "replica-b"):
+                wait_for(lambda: _listening(ports[1]), 20, "replica B's webhook port")
+                webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", ports[1])
+                bad = _tenant_spec("ha-bad", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}])
+                with pytest.raises(ApiError) as e:
+                    c.apply(bad)
+                assert 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request' in \
+                    str(e.value.status)
+                assert holder() == "replica-a"  # B answered as the standby
         c.call(webhooks.close(c.k))
 
 
