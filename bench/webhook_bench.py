@@ -134,7 +134,7 @@ def main() -> int:
                         "in the shared machine's load falls on every mode alike (default %(default)s)")
     p.add_argument("--tag", default="", help="appended to the result files' names (e.g. the session, s13)")
     a = p.parse_args()
-    docs = rbac.render_chart("webhook.certificates=helm")  # the bench mounts the pair helm generates
+    docs = rbac.render_chart_with_certificates()  # the bench mounts a pair as cert-manager issues it
     secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -56,9 +56,6 @@ CORPUS_NS = "corpus"
 the chart's cluster mode does) answers, and no reconcile of the created objects adds noise."""
 POLICY = Policy(priority_classes=("training",), service_accounts=("default", "s3-writer"))
 """The admin policy both sides use (a spec naming another priority class is refused by policy)."""
-HELM = "webhook.certificates=helm"
-"""These tests mount the pair helm generates into the chart's Secret (the operator's own certificates:
-test_operator_certificates_...)."""
 POLICY_FILE = {"priorityClasses": list(POLICY.priority_classes), "serviceAccounts": list(POLICY.service_accounts)}
 
 
@@ -206,7 +203,7 @@ def _listening(port: int) -> bool:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     tmp = tmp_path_factory.mktemp("webhook")
-    docs = rbac.render_chart(HELM)  # helm template with the defaults: the webhook Secret and configuration
+    docs = rbac.render_chart_with_certificates()  # the chart with cert-manager's Secret and caBundle filled in
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
     mount_secret(tmp, docs)
     port = free_port()
@@ -673,9 +670,9 @@ def test_a_webhook_that_hangs_is_cut_off_at_its_timeout(env: Env) -> None:
 
 
 def test_a_renewed_certificate_is_served_without_a_restart(env: Env) -> None:
-    """The Secret is renewed (cert-manager, or a new helm pair) and the configuration's caBundle with it: once the
-    kubelet swaps the mounted files, the operator serves the new pair (kopf re-reads the files)."""
-    renewed = rbac.render_chart(HELM, "webhook.timeoutSeconds=7")  # another render: another CA and certificate
+    """The Secret is renewed (by cert-manager) and the configuration's caBundle with it: once the kubelet swaps the
+    mounted files, the operator serves the new pair (kopf re-reads the files)."""
+    renewed = rbac.render_chart_with_certificates("webhook.timeoutSeconds=7")  # another CA and certificate
     mount = Path(env.op.options.webhook.cert_file).parent
     try:
         _replace_vwc(env, next(d for d in renewed if d["kind"] == "ValidatingWebhookConfiguration")["webhooks"])
@@ -684,15 +681,15 @@ def test_a_renewed_certificate_is_served_without_a_restart(env: Env) -> None:
         wait_for(lambda: _post(env, _tenant_spec("renew")).status_code == 201, 20, "the renewed certificate served")
         env.cluster.delete(LPT, NS, "renew")
     finally:
-        mount_secret(mount.parent, rbac.render_chart(HELM))
+        mount_secret(mount.parent, rbac.render_chart_with_certificates())
         _replace_vwc(env, env.vwc["webhooks"])
         wait_for(lambda: _post(env, _tenant_spec("renew-back")).status_code == 201, 20, "the first pair again")
         env.cluster.delete(LPT, NS, "renew-back")
 
 
 def test_a_certificate_the_ca_bundle_does_not_vouch_for_is_a_failed_call(env: Env) -> None:
-    other = next(d for d in rbac.render_chart(HELM, "webhook.timeoutSeconds=6")
-                 if d["kind"] == "ValidatingWebhookConfiguration")  # another render: another CA
+    other = next(d for d in rbac.render_chart_with_certificates("webhook.timeoutSeconds=6")
+                 if d["kind"] == "ValidatingWebhookConfiguration")  # another CA
     try:
         _replace_vwc(env, other["webhooks"])
         r = _post(env, _tenant_spec("badca"))
@@ -706,7 +703,7 @@ def test_a_standby_replica_serves_the_webhook_too(tmp_path: Path) -> None:
     writes nothing) answers admission requests as well (the Service sends them to any ready replica)."""
     from kmockx.harness import RELEASE_NS, OperatorProcess
 
-    docs = rbac.render_chart(HELM)
+    docs = rbac.render_chart_with_certificates()
     secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
     for key in ("tls.crt", "tls.key"):
         (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
@@ -791,7 +788,7 @@ def test_with_a_client_ca_only_the_api_servers_certificate_gets_a_review_answere
     straight to the port gets nothing."""
     from kmockx.harness import OperatorProcess
 
-    docs = rbac.render_chart(HELM)
+    docs = rbac.render_chart_with_certificates()
     mount_secret(tmp_path, docs)
     certs_ = _client_certs(tmp_path)
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
