@@ -523,14 +523,6 @@ def _world_size_fields(a: dict[str, Any], d: dict[str, Any]) -> list[tuple[str, 
     return out
 
 
-def world_size_change(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> str | None:
-    """What an edit from ``applied`` (the running attempt's spec) to ``desired`` does to the world size or the
-    data-parallel degree, as one phrase naming the fields and the numbers; None when neither changes (an edit of
-    ``parallelism`` that keeps both, e.g. none, is no world-size change)."""
-    edit = world_size_edit(applied, desired)
-    return edit.change if edit is not None else None
-
-
 @dataclass(frozen=True)
 class WorldSizeEdit:
     """A spec edit of a started run that changes its world size or data-parallel degree, and what becomes of it:

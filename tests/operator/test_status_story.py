@@ -6,7 +6,7 @@
   succeeded with its metrics never answering (``PROGRESS 0/100``), ``Ready=True`` next to
   ``MetricsAvailable=False``, ``Starting`` while pods are missing, waiting messages with running counters
   (a status rewritten every scan);
-- the world-size predicate, the data's capability and the spec gate (``plan.world_size_change``,
+- the world-size predicate, the data's capability and the spec gate (``plan.world_size_edit``,
   ``contract.resumes_at_another_dp_degree``, ``status.spec_gate``): deferred on shards/synthetic, refused on hub data;
 - the Events a status change carries (``status.pendingEvents``), each once.
 """
@@ -211,7 +211,8 @@ def test_backoff_is_an_instant_not_a_countdown() -> None:
 ], ids=["same", "nodes", "gpus-per-node", "tensor-parallel-keeps-world-changes-dp", "same-degree-spelled-otherwise",
         "not-a-world-size-field"])
 def test_world_size_change(before, after, want) -> None:
-    got = plan.world_size_change(_spec(**before), _spec(**after))
+    edit = plan.world_size_edit(_spec(**before), _spec(**after))
+    got = edit.change if edit is not None else None
     if want is None:
         assert got is None
     else:
