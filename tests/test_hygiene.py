@@ -5,7 +5,9 @@
 - a ``# long: <why>`` marker opens its comment block (a marker spliced into the middle of a sentence explains
   nothing);
 - one module defines each named string constant (a label, a resource, a reason): no two product modules assign the
-  same string to an upper-case module-level name.
+  same string to an upper-case module-level name;
+- no two test modules carry the same helper (a top-level function or class, not a test, of the same text): shared
+  helpers live in tests/support (or a folder's conftest.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import ast
 import pytest
 
 from support import codemap
+from support.paths import REPO
+from support.pyparse import parse
 
 
 def _module_texts() -> dict[str, tuple[str, ast.Module]]:
@@ -61,6 +65,18 @@ def string_constants(tree: ast.Module) -> dict[str, str]:
     return out
 
 
+def copied_helpers(sources: dict[str, str]) -> list[list[str]]:
+    """Groups of ``file:line name`` whose top-level helper (def or class, not ``test_*``) has the same text."""
+    by_text: dict[str, list[str]] = {}
+    for path, text in sources.items():
+        for node in parse(text, path).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                    and not node.name.startswith("test_"):
+                seg = ast.get_source_segment(text, node) or ""
+                by_text.setdefault(seg, []).append(f"{path}:{node.lineno} {node.name}")
+    return [places for places in by_text.values() if len(places) > 1]
+
+
 def test_module_level_expressions_are_docstrings_or_calls():
     found = {name: lines for name, (_text, tree) in _module_texts().items() if (lines := odd_expressions(tree))}
     assert not found, ("expression statements that are neither a docstring nor a call (an edit left a computed "
@@ -80,6 +96,18 @@ def test_each_named_string_constant_is_defined_in_one_module():
             where.setdefault(text, []).append(f"{name}.{const}")
     twice = {text: places for text, places in where.items() if len(places) > 1}
     assert not twice, f"string constants defined in more than one module (import the one definition): {twice}"
+
+
+def test_no_test_helper_is_copied_between_modules():
+    sources = {str(p.relative_to(REPO)): p.read_text() for p in sorted((REPO / "tests").rglob("*.py"))}
+    copies = copied_helpers(sources)
+    assert not copies, f"the same helper in several test modules (move it to tests/support): {copies}"
+
+
+def test_copied_helpers_are_seen():
+    helper = "def _events(c, name):\n    return sorted(c.list(name))\n"
+    got = copied_helpers({"a.py": helper + "def test_a():\n    pass\n", "b.py": helper, "c.py": "def _other():\n    pass\n"})
+    assert got == [["a.py:1 _events", "b.py:1 _events"]]
 
 
 def test_string_constants_are_read():

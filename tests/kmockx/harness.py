@@ -317,6 +317,10 @@ class Operator:
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         return self.registry.get_sample_value(name, labels or {})
 
+    def run_cycles(self, name: str, ns: str = NS) -> float:
+        """Reconcile cycles the operator ran for one run (``kubetitan_operator_run_cycles_total``)."""
+        return self.metric(contract.OP_RUN_CYCLES, {"namespace": ns, "name": name}) or 0.0
+
 
 PORT_BLOCK = 1000
 """Ports :func:`free_port` hands out per test process (an xdist worker, or a bench), below the ephemeral range."""

@@ -31,11 +31,6 @@ def _created(op: OperatorProcess, name: str) -> bool:
                for r in op.log_records())
 
 
-def _events(c: Cluster, name: str) -> list[tuple[str, str]]:
-    return sorted((e.get("type", ""), e.get("reason", "")) for e in c.list("v1/events", NS)
-                  if (e.get("involvedObject") or {}).get("name") == name)
-
-
 @pytest.mark.parametrize(
     ("scope", "kwargs", "served", "ignored"),
     [
@@ -96,7 +91,7 @@ def test_liveness_and_json_logs(cluster: Cluster) -> None:
     assert not [r for r in records if "/healthz" in r["message"]], "no access log for probes"
     at_shutdown = [r for r in records[mark:] if isinstance(r.get("object"), dict) or "lg" in r["message"].split()]
     assert not at_shutdown, f"per-run records at shutdown: {at_shutdown}"
-    assert ("Warning", "InvalidSpec") in _events(cluster, "bad")
+    assert ("Warning", "InvalidSpec") in cluster.events(NS, "bad")
 
 
 def test_info_logs_do_not_follow_pod_events(cluster: Cluster) -> None:

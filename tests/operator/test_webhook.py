@@ -40,6 +40,7 @@ import yaml
 
 from kmockx import kubeconfig, rbac, webhooks
 from kmockx.harness import LPT, NS, ApiError, Cluster, Operator, free_port, wait_for
+from support.fakes import FakeClock
 from support.specs import lpt
 from kubetitan import admission, cli, webhook_guard
 from kubetitan.access_cache import CacheConfig
@@ -138,16 +139,6 @@ def _warning_texts(header_values: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------ the cluster, the operator, the webhook
-class FakeClock:
-    """The webhook's SubjectAccessReview cache clock: still unless a test moves it (no sleeping for TTLs)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 CACHE = CacheConfig(allowed_seconds=30, denied_seconds=5)
 RATE = RateConfig(user_burst=100_000, source_burst=100_000)
 """The module's other tests are not about the callers' budget (the fake clock never refills it):
