@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 5 (session 2): the >= 1.10x attempts on 3B FP8 tensorwise at batch 4 (plain path, so that
+# the >= 1.10x attempts on 3B FP8 tensorwise at batch 4 (plain path, so that
 # only the model/loss differ), then the checkpoint stall with async_with_pinned_mem.
 #   plain batch 4                       predicted 27,960 tok/s (+2.3% vs plain batch 3: per-step fixed costs amortised)
 #   spec=rope   (real-valued RoPE)      predicted +2% vs plain batch 4 (the ~13 ms/2 samples of unfused complex kernels)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 10 (session 5, issue 18): the >= 1.10x table in one call. Predictions, written before the
+# the >= 1.10x table in one call. Predictions, written before the
 # run, are in docs/benchmarks.md ("Call 10: predictions"). Alternating rounds on one H200:
 #   B2 = plain torchtitan, FP8 tensorwise, batch 2 (its best reference mode)
 #   B4 = plain torchtitan, FP8 tensorwise, batch 4 (the recipe's batch)

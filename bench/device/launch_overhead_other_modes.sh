@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 6 (session 2): the overhead check (kubetitan launch path / plain torchtitan, alternating,
+# the overhead check (kubetitan launch path / plain torchtitan, alternating,
 # back to back) in the modes call 4 did not reach: 3B compile, 3B eager, 3B FP8 rowwise, 1B eager.
 source bench/device/setup.sh
 python3 bench/gpu_bench.py run --out "$OUT/r" --path alt --deadline 560 --case-timeout 150 --cases \

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 18 (issue 29, the last must-show): loss parity on REAL TEXT, one H200. NOT RUN YET on the device.
+# loss parity on REAL TEXT, one H200. NOT RUN YET on the device.
 # 1. corpus: the text files of the machine (no network): bench/text_corpus.py (the Python standard library's .py,
 #    /usr/share/doc and common-licenses, man pages, the installed packages' .py/.md/.rst/.txt; one JSONL document a
 #    file); a 32,768-token byte-level BPE learnt from it (TOKENIZER=bpe, the default: kubetitan's builtin tokenizer,
@@ -29,13 +29,13 @@
 # Expected: ~1.5 min set-up (wheels, corpus, prepare-data), a)+b) ~2.5-3 min, c) ~1.5-2 min: ~6-7 min in all.
 #
 # On a card of less than ~127 GiB (an H100) the three runs go one after another (SERIAL=1, ~60 GiB each).
-# Usage (device tool, carry [".whl"], timeout_s 600): bash bench/device/call18.sh
+# Usage (device tool, carry [".whl"], timeout_s 600): bash bench/device/loss_parity_real_text.sh
 # Knobs (env): STEPS (300), BATCH (2), SEQ (2048), SEED_A (42), SEED_B (1234), CORPUS_MB (64), TOKENIZER (bpe or
 # builtin), VOCAB (32768), END_S (540: no run goes past this many seconds of the script), PAIR_S (the limit of the
 # a)+b) pair; default END_S - 130 - the set-up's seconds).
 # CPU dry run on the development machine (the same path: debug model, eager, seq 128, 10 steps, learning-rate warm-up
 # 2, an 8 MB corpus):
-#   DRY=1 OUT=bench/results/parity/cpu_dryrun_s15 bash bench/device/call18.sh
+#   DRY=1 OUT=bench/results/parity/cpu_dryrun_s15 bash bench/device/loss_parity_real_text.sh
 export R=${R:-/tmp/r18}
 DRY=${DRY:-0}
 rm -rf "$R"

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 7 (session 2): the overhead check for 1B compile and 1B FP8 tensorwise; the steady-state
+# the overhead check for 1B compile and 1B FP8 tensorwise; the steady-state
 # checkpoint stall with async_with_pinned_mem (full 3B saves at steps 100 and 200: the first one also
 # allocates the pinned staging buffers, the second reuses them; ~58 s of disk write fits in 100 steps);
 # kubetitan's 3B H200 recipe (batch 4) through the kubetitan path; FP8 output projection at batch 3

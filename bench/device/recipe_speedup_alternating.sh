@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 13 (session 7, issue 18): the >= 1.10x table in one call, alternating plain and kubetitan runs.
+# the >= 1.10x table in one call, alternating plain and kubetitan runs.
 # Predictions, written before the run: docs/benchmarks.md ("Session 7 ... call 13"). One H200:
 #   P2 = plain torchtitan FP8 tensorwise batch 2 (its best reference mode), twice (rounds 1 and 2)
 #   K1 = candidate recipe through `kubetitan run`: batch 4, FP8 output projection (filterFqns: []) whose

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 20 (session 15, issue 29): recovery anatomy of the 3B recipe for kills of workers that HAD SAVED
+# recovery anatomy of the 3B recipe for kills of workers that HAD SAVED
 # (their pinned DCP staging allocated, as in every worker of a real run): bench/recovery_bench.py --tier-only with
 # the plan saved:warm_tier x3 then saved:cold_tier, checkpoints every 20 steps; every load from the restore tier
 # (now read on KUBETITAN_TIER_LOAD_THREADS threads, default 4); TORCH_CACHING_PRECOMPILE=1 (torch 2.11's Dynamo
@@ -8,12 +8,12 @@
 # Then, with >= 45 s left (PROBE_S=55 are kept for it), bench/teardown_probe.py times 40 GiB tier reads: pread on
 # 1-16 threads into pinned buffers and a fresh mapping through pinned buffers (today's load) -> tier_read.txt;
 # with >= 50 s still left, the kill probe of a 40 GiB arena registered (today) or only mapped -> teardown.txt.
-# PROBES=0: no probes (bench/device/call21.sh). PLAN=...: another plan (recovery_bench.py --plan).
+# PROBES=0: no probes (bench/device/recovery_knobs_vs_baseline.sh). PLAN=...: another plan (recovery_bench.py --plan).
 # Raw output in $OUT: recovery.txt, events.jsonl, results.json, launcher.log (tail), logs.tgz.
 # On a card of less than ~127 GiB (an H100: the recipe's 116 GiB at seq 8192, batch 4 does not fit) the bench runs the
 # same recipe at seq 2048, batch 2 (~56 GiB; the state, and so the tier and the staging, is the same ~40 GiB):
 # /tmp/llama3-3b-80gb.yaml, copied into $R. Its step and compile times are not the H200 recipe's.
-# Usage (device tool, carry [".whl"]): [PRECOMPILE=0] bash bench/device/call20.sh [SECONDS=540]
+# Usage (device tool, carry [".whl"]): [PRECOMPILE=0] bash bench/device/recovery_anatomy.sh [SECONDS=540]
 export R=/tmp/r
 source bench/device/setup.sh
 END=${1:-540}

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 9 (session 4): pinned saves through kubetitan's path with kubetitan_trainer/staging.py
+# pinned saves through kubetitan's path with kubetitan_trainer/staging.py
 # (the reusable DCP stager). Calls 7 (plain torchtitan) and 8 (kubetitan) showed that on torch 2.11.0
 # every async_with_pinned_mem save after the first fails in the background (KeyError: <class 'type'>;
 # pytorch issue 183413) and the run dies at the save after it. The session had 452 s of device time left

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 14 (session 7, issue 18), after call 13 measured the recipe at 1.107x (K1: FP8 output projection
+# After recipe_speedup_alternating.sh measured the recipe at 1.107x (K1: FP8 output projection
 # compiled by kubetitan's TrainSpec + expandable segments, batch 4):
 # 1. loss parity, 300 steps, the recipe's numerics (kubetitan run, FP8 head) vs plain torchtitan (bf16 head)
 #    on the same tokens (kubetitan's synthetic source, seed 42) and initial weights; 3B at seq 2048, batch 1,

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 3: checkpoint stall for the 3B-class model (compile + FP8 tensorwise, batch 2), one full
+# checkpoint stall for the 3B-class model (compile + FP8 tensorwise, batch 2), one full
 # save (43 GB: fp32 weights + AdamW states + data/train state) at step 12, sync vs async (DCP async_save).
 # The save after step 12 lands in step 13's logged time; the last step saves model-only (not timed).
 source bench/device/setup.sh

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 15 (session 12, issue 25): the data plane's throughput on the H200 host's 16 idle cores, where the
+# the data plane's throughput on the H200 host's 16 idle cores, where the
 # 2-core development VM (loaded by the session's other work) could not show the 1 -> 2 worker scaling:
 # bench/data_bench.py with 1, 2, 4 and 8 workers on 48 MB of real text (/usr/share/doc and Python sources there),
 # peak RSS on a 1 GB input of real text (the base corpus repeated), and the shard reader's rate.

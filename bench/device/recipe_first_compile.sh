@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 12 (session 5, issue 18), ~4 min of device time left to this helper. Call 10's recipe runs
+# recipe_speedup_table.sh's recipe runs
 # never reached step 1: with Inductor's coordinate-descent tuning the first compile took > 130 s (both
 # at batch 4 and 3, cut by the 150 s case limit). This call drops that knob and measures, in one call:
 #   B2 = plain torchtitan FP8 tensorwise batch 2 (best reference mode), R = kubetitan's recipe (batch 4,

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 16 (session 13): two launcher changes checked on the H200 with CUDA in the workers.
+# two launcher changes checked on the H200 with CUDA in the workers.
 #   1. The static mode (--max-restarts 0) now forks warm workers after importing torch/torchtitan once (it spawned
 #      fresh interpreters before).
 #   2. Trainer processes end through main.exit_now: Python's exit steps, then os._exit.

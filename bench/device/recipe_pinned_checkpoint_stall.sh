@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 8 (session 3): kubetitan's 3B H200 recipe (FP8 tensorwise, compile, batch 4) through the
+# kubetitan's 3B H200 recipe (FP8 tensorwise, compile, batch 4) through the
 # kubetitan path with its own checkpoint setting, async_with_pinned_mem, every 100 steps: the stall of the
 # first save (pinning) and of a steady one (step 200) measured on kubetitan's path (call 7 measured them on
 # plain torchtitan), and the trainer's newest-complete-checkpoint gauge scraped every 2 s: it must move to

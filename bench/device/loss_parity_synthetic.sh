@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 11 (session 5, issue 18): loss parity, 300 steps, kubetitan's recipe numerics vs plain
+# loss parity, 300 steps, kubetitan's recipe numerics vs plain
 # torchtitan on the same tokens (kubetitan's synthetic source, seed 42) and the same initial weights:
 #   kubetitan: `kubetitan run`, FP8 tensorwise with the output projection in FP8 (compiled head)
 #   plain:     torchtitan 0.2.2's TrainSpec, FP8 tensorwise with the output projection in bf16

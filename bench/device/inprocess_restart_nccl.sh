@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 17 (issue 29, item 4): in-process restart (kubetitan_trainer.inprocess) on NCCL, fault -> end of the
+# in-process restart (kubetitan_trainer.inprocess) on NCCL, fault -> end of the
 # next trained step, per phase (caught, process group torn down, ranks agreed, new process group, state reloaded from
 # the restore tier, first step). NOT RUN YET: written in a session without a device.
 #
@@ -17,7 +17,7 @@
 #      grepped into d_3b.txt; fault -> "step: N" is the number (target <= 2 s, issue 29).
 # NCCL's own watchdog must not end the process first (nvidia-resiliency-ext requires the same): async error
 # handling off; the collective timeout (--timeout) stays above the progress timeout.
-# Usage (device tool, kind nvidia-h200-x2, carry [".whl"]): bash bench/device/call17.sh
+# Usage (device tool, kind nvidia-h200-x2, carry [".whl"]): bash bench/device/inprocess_restart_nccl.sh
 export R=/tmp/r
 source bench/device/setup.sh
 export PYTHONPATH=$PYTHONPATH:$PWD/tests TORCH_NCCL_ASYNC_ERROR_HANDLING=0

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call 2: kubetitan launch path vs plain torchtitan (3B FP8 tensorwise, alternating in one run);
+# kubetitan launch path vs plain torchtitan (3B FP8 tensorwise, alternating in one run);
 # the fast TrainSpec variant (real RoPE + fused chunked loss) at batch 2 and 4; issue 3's device run
 # (1B compile + FP8 tensorwise, 50 steps through `kubetitan run`, /metrics scraped, checkpoint saved,
 # then resumed to step 60); plain batch 4 for attribution.
