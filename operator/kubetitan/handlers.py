@@ -139,7 +139,7 @@ async def _login(memo: Any, **_: Any) -> Any:
 
 # The indexers and event handlers below are ``async def`` although they never await: kopf runs a plain ``def`` handler
 # in its thread pool (one hop per handler per watch event, with a task and a context copy each), which cost CPU and
-# kept 6 threads, each with its own malloc arena; on the loop they are direct calls (docs/benchmarks.md, session 16).
+# kept 6 threads, each with its own malloc arena; on the loop they are direct calls (bench/results/RECORDS.md, where the operator's memory goes).
 @kopf.index("pods", labels={plan.LABEL_UID: kopf.PRESENT})
 async def lpt_pods(body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
     """Pods by their run's uid (only the fields the decision reads)."""

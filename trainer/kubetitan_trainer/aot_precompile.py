@@ -1,13 +1,13 @@
-"""Transformer blocks compiled ahead of time: a restarted worker loads them instead of compiling (issue 29, item 3).
+"""Transformer blocks compiled ahead of time: a restarted worker loads them instead of compiling.
 
-With a warm compile cache a new worker still spends ~2 s of its first step in torch.compile (an H100, device calls
-21-22): Dynamo traces each compiled region again (~0.85 s), then the caches hand back the graphs and their kernels.
+With a warm compile cache a new worker still spends ~2 s of its first step in torch.compile (an H100,
+bench/device/recovery_deferred_copy.sh): Dynamo traces each compiled region again (~0.85 s), then the caches hand back the graphs and their kernels.
 torch 2.11 can compile a ``fullgraph`` region ahead of time into bytes that hold its guards, its bytecode and its
 compiled forward and backward (``torch._dynamo.aot_compile``, experimental). Loading them needs no trace, and
 needs no module either, so it runs on a thread of its own while the worker builds its model and loads its
 checkpoint.
 
-Opt-in (``KUBETITAN_AOT_PRECOMPILE=1``). On an H100 (device calls 26-28, docs/reliability.md) every block call of a
+Opt-in (``KUBETITAN_AOT_PRECOMPILE=1``). On an H100 (docs/reliability.md, "The recovery path's levers") every block call of a
 restarted worker ran the artefact, and the first step's compile took 0.55-0.80 s instead of 2.2-3.0 s; it stays
 opt-in until the H200 recipe has run with it. With compile on:
 

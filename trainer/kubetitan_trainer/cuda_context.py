@@ -1,6 +1,6 @@
-"""Create the worker's CUDA context on a side thread as the worker starts (issue 29: recovery in under 5 s).
+"""Create the worker's CUDA context on a side thread as the worker starts (part of a recovery in under 5 s).
 
-A worker's first CUDA allocation creates its context: ~0.4 s on the H200 machine (issue 29's measurement), inside
+A worker's first CUDA allocation creates its context: ~0.4 s on the H200 machine (bench/teardown_probe.py), inside
 the start-up anatomy's ``model_init``, on the training thread, after the config check, the process group and the
 model's build on the meta device, none of which need the GPU. :func:`start` retains the device's primary context
 (the one the CUDA runtime, and so torch, uses) through the driver API from a thread of its own, as ``main()``
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 ENV = "KUBETITAN_EARLY_CUDA_CONTEXT"
 """``1``: retain the CUDA context on a side thread at the worker's start; ``0`` (default): torch creates it on its
-first CUDA call. Opt-in: on an H100 (device calls 23-25, session 19) the side thread took 0.16-0.39 s, but the
+first CUDA call. Opt-in: on an H100 (docs/reliability.md) the side thread took 0.16-0.39 s, but the
 model init was 1.0-1.3 s with it and 0.8-1.2 s without, kill -> first step end no shorter (docs/reliability.md)."""
 
 DRIVER = "libcuda.so.1"
