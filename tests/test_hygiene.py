@@ -7,12 +7,19 @@
 - one module defines each named string constant (a label, a resource, a reason): no two product modules assign the
   same string to an upper-case module-level name;
 - no two test modules carry the same helper (a top-level function or class, not a test, of the same text): shared
-  helpers live in tests/support (or a folder's conftest.py).
+  helpers live in tests/support (or a folder's conftest.py);
+- the repository reads as a product: product code and docs name no call, session, issue or work item of the work that
+  made them (upstream trackers such as "pytorch issue N" excepted), the device scripts are named by what they
+  measure, and bench/results holds exactly the raw results that a doc, a test or a bench script cites (every cited
+  path exists, nothing uncited is kept; bench/results/RECORDS.md is the dated history).
 """
 
 from __future__ import annotations
 
 import ast
+import fnmatch
+import re
+from pathlib import Path
 
 import pytest
 
@@ -77,6 +84,48 @@ def copied_helpers(sources: dict[str, str]) -> list[list[str]]:
     return [places for places in by_text.values() if len(places) > 1]
 
 
+NUMBERED = re.compile(r"\b(?:(?:device )?[Cc]alls? \d+|[Ss]essions? \d+|[Ss]ession-\d+|(?<!pytorch )(?<!torchtitan )"
+                      r"(?<!upstream )[Ii]ssues? #?\d+|[Ww]ork[- ]items?)\b")
+"""A reference to the work that made something rather than to what it is (``call 13``, ``session 7``, ``issue 29``)."""
+RESULT_PATH = re.compile(r"bench/results/[A-Za-z0-9_./{},*-]*")
+
+
+def numbered_references(text: str) -> list[str]:
+    """Each numbered work reference in ``text`` outside a ``bench/results/...`` path (raw data keeps its names)."""
+    return [m.group(0) for m in NUMBERED.finditer(" ".join(RESULT_PATH.sub("", text).split()))]
+
+
+def _product_texts() -> dict[str, str]:
+    roots = [REPO / "docs", REPO / "operator", REPO / "trainer", REPO / "charts", REPO / "examples"]
+    paths = [REPO / "README.md"] + [p for r in roots for p in r.rglob("*")
+                                    if p.is_file() and p.suffix in (".md", ".py", ".yaml", ".json", ".txt", ".tpl")]
+    return {str(p.relative_to(REPO)): p.read_text(errors="replace") for p in paths}
+
+
+def _expand(pattern: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [x for alt in m.group(1).split(",") for x in _expand(pattern[:m.start()] + alt + pattern[m.end():])]
+
+
+def cited_results(texts: dict[str, str], files: list[str]) -> tuple[set[str], list[str]]:
+    """(the files of ``files`` that a text cites, the cited paths that match no file): a citation is a path, a
+    folder (``.../``), a glob or a brace list, with or without trailing punctuation."""
+    cited: set[str] = set()
+    dangling = []
+    for text in texts.values():
+        for m in RESULT_PATH.finditer(text):
+            for pattern in _expand(m.group(0).rstrip(".,;:)`'\"")):
+                hits = {f for f in files if f == pattern or f.startswith(pattern.rstrip("/") + "/")
+                        or ("*" in pattern and fnmatch.fnmatch(f, pattern + ("" if "." in pattern.rsplit("/", 1)[-1]
+                                                                             else "*")))}
+                if not hits and pattern.rstrip("/") != "bench/results":
+                    dangling.append(pattern)
+                cited |= hits
+    return cited, dangling
+
+
 def test_module_level_expressions_are_docstrings_or_calls():
     found = {name: lines for name, (_text, tree) in _module_texts().items() if (lines := odd_expressions(tree))}
     assert not found, ("expression statements that are neither a docstring nor a call (an edit left a computed "
@@ -108,6 +157,47 @@ def test_copied_helpers_are_seen():
     helper = "def _events(c, name):\n    return sorted(c.list(name))\n"
     got = copied_helpers({"a.py": helper + "def test_a():\n    pass\n", "b.py": helper, "c.py": "def _other():\n    pass\n"})
     assert got == [["a.py:1 _events", "b.py:1 _events"]]
+
+
+def test_product_code_and_docs_name_no_call_session_or_issue():
+    found = {path: refs for path, text in _product_texts().items() if (refs := numbered_references(text))}
+    assert not found, ("numbered references to the work that made the code (say what it is or which script measured "
+                       f"it; dated history goes to bench/results/RECORDS.md): {found}")
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("measured in call 13 (session 7, issue 18)", ["call 13", "session 7", "issue 18"]),
+    ("the session-12 run; a work item", ["session-12", "work item"]),
+    ("pytorch\nissue 183413 and torchtitan issue 3476; bench/results/gpu/x_call3_s11/ raw", []),
+], ids=["call-session-issue", "hyphen-and-work-item", "upstream-and-paths"])
+def test_numbered_references_are_seen(text, want):
+    assert numbered_references(text) == want
+
+
+def test_device_scripts_are_named_by_what_they_measure():
+    numbered = sorted(p.name for p in (REPO / "bench" / "device").glob("*.sh")
+                      if re.search(r"(?:^|_)(?:call|session|issue)\d", p.stem) or p.stem.isdigit())
+    assert not numbered, f"device scripts named by a number, not by what they measure: {numbered}"
+
+
+def test_bench_results_hold_exactly_what_is_cited():
+    results = REPO / "bench" / "results"
+    files = sorted(str(p.relative_to(REPO)) for p in results.rglob("*") if p.is_file())
+    roots = [REPO / "docs", REPO / "tests", REPO / "bench", REPO / "operator", REPO / "trainer", REPO / "examples"]
+    texts = {str(p): p.read_text(errors="replace") for r in roots for p in r.rglob("*")
+             if p.is_file() and p.suffix in (".md", ".py", ".sh", ".yaml") and results not in p.parents
+             and p != Path(__file__)}
+    texts["README.md"] = (REPO / "README.md").read_text()
+    cited, dangling = cited_results(texts, files)
+    assert not dangling, f"cited results that do not exist (moved, compressed to .xz, or dropped?): {sorted(set(dangling))}"
+    uncited = sorted(set(files) - cited - {"bench/results/RECORDS.md"})
+    assert not uncited, f"raw results no doc, test or bench script cites (drop them, or cite them): {uncited[:20]}"
+
+
+def test_citations_are_read():
+    files = ["bench/results/a/x.txt", "bench/results/a/y.txt", "bench/results/b/run_1.log", "bench/results/c/z.json"]
+    texts = {"d.md": "raw in `bench/results/a/` and bench/results/b/run_{1,2}.log; bench/results/c/*.json."}
+    assert cited_results(texts, files) == (set(files), ["bench/results/b/run_2.log"])
 
 
 def test_string_constants_are_read():

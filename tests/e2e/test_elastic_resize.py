@@ -35,7 +35,7 @@ STEPS, INTERVAL, GLOBAL_BATCH = 60, 5, 6
 """rank 2's node fails at attempt 0's first checkpoint (step 5, seen in the checkpoint folder) with 55 steps left;
 attempt 1 resumes there and must still train when the node's return is planned as a grow (growCheckSeconds, the
 operator's 1 s resize interval, then its next checkpoint): 55 steps of 2 ranks with 3 micro-batches each, ~5 s here
-(the windows each run prints: bench/results/suite/s16_windows_e2e_s3.txt); a checkpoint every 5 steps, 12 saves."""
+(the windows each run prints: bench/results/suite/s16_windows_e2e_s3.txt.xz); a checkpoint every 5 steps, 12 saves."""
 SHRINK_AFTER, GROW_CHECK = 2, 2
 START = 300.0  # seconds allowed for a gang to reach its first step (torch imports on two busy cores)
 

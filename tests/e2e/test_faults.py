@@ -51,7 +51,7 @@ STEPS, INTERVAL = 120, 20
 (about 10 steps of the test model late): the freeze at step >= 21 (seen by step ~31); attempt 1 resumes from step 20,
 and its operator restart (a 1 s pause and a new operator's first scrape) and node failure take ~15 steps; attempt 2
 resumes from step 20 or 40 and is suspended at step ~22-52, with 70-100 steps (4-5 s here) left (the windows each run
-prints: bench/results/suite/s16_windows_e2e_s3.txt). A checkpoint every 20 steps: the first scrape past step 21
+prints: bench/results/suite/s16_windows_e2e_s3.txt.xz). A checkpoint every 20 steps: the first scrape past step 21
 cannot have seen the second checkpoint (step 40) yet, and 6 saves, not 30."""
 OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5}
 """Quicker than the operator's defaults (10 s / 15 s), slower than the harness's (0.1 s / 0.05 s): the operator's

@@ -169,7 +169,7 @@ def test_seed_recipe_features_on_cpu(name, precision, log_lines, tmp_path):
     torch.compile runs with the ``aot_eager`` backend here: Dynamo captures and AOTAutograd splits the same forward
     and backward graphs of every TransformerBlock that Inductor gets on a GPU (tests/fast/test_compiled_head.py does
     the same), without Inductor's C++ code generation for CPU kernels, which no GPU run uses and which cost ~45 s of
-    CPU here (bench/results/suite/)."""
+    CPU here (docs/testing.md, "The test model")."""
     obj = tiny_lpt({
         "training": {"steps": 2, "seqLen": 32, "localBatchSize": 2},
         "precision": {"activationCheckpointing": "none", "mixedPrecisionParam": "float32", **precision},
