@@ -97,8 +97,9 @@ class NodeObs:
     labels: tuple[tuple[str, str], ...] = ()
     taints: tuple[tuple[str, str, str], ...] = ()
     """(key, value, effect) of each taint."""
-    gpus: int | None = None
-    """Allocatable ``nvidia.com/gpu`` (None: the node lists none)."""
+    allocatable: tuple[tuple[str, str], ...] = ()
+    """``status.allocatable`` but cpu, memory, ephemeral-storage and pods: (resource, quantity) of each extended
+    resource and huge page size the node offers (``nvidia.com/gpu``, ``vpc.amazonaws.com/efa``, ``hugepages-2Mi``)."""
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,6 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
     # and kopf then waits for it); only glob patterns ("team-*") need it.
     settings.scanning.disabled = not ctx.options.all_namespaces and not any(
         ch in ns for ns in ctx.options.namespaces for ch in "*?[!")
-    settings.peering.name = ctx.options.peering or settings.peering.name
-    settings.peering.priority = ctx.options.priority
     client_of(ctx)
     ctx.session = aiohttp.ClientSession()
     ctx.scraper = Scraper(ScrapeLimits(max_bytes=ctx.options.scrape_max_bytes, timeout=ctx.options.scrape_timeout,
@@ -141,7 +139,7 @@ async def _login(memo: Any, **_: Any) -> Any:
 
 # The indexers and event handlers below are ``async def`` although they never await: kopf runs a plain ``def`` handler
 # in its thread pool (one hop per handler per watch event, with a task and a context copy each), which cost CPU and
-# kept 6 threads, each with its own malloc arena; on the loop they are direct calls (docs/benchmarks.md, session 16).
+# kept 6 threads, each with its own malloc arena; on the loop they are direct calls (bench/results/RECORDS.md, where the operator's memory goes).
 @kopf.index("pods", labels={plan.LABEL_UID: kopf.PRESENT})
 async def lpt_pods(body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
     """Pods by their run's uid (only the fields the decision reads)."""
@@ -200,9 +198,8 @@ async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, l
                       lpt_nodes: kopf.Index, lpt_configmaps: kopf.Index, lpt_services: kopf.Index, **_: Any) -> None:
     """Reconcile the run: a cycle at once, then every scan interval, or as soon as its spec or a child changes.
 
-    kopf starts this daemon for each run when it first sees it (created, or found at operator start), and again
-    when a peering replica resumes (kopf stops daemons while paused). With ``--leader-elect`` the daemon of a
-    standby waits for the Lease. Whenever this replica starts a new term (and at the first cycle), the run is read
+    kopf starts this daemon for each run when it first sees it (created, or found at operator start). With
+    ``--leader-elect`` the daemon of a standby waits for the Lease. Whenever this replica starts a new term (and at the first cycle), the run is read
     from the API, not from memory (``reconcile.observe.rebuild``). A cycle whose write the fence refuses is abandoned. The daemon
     ends once the run is finished and nothing is left to clean up or to time (TTL).
     """
@@ -211,7 +208,7 @@ async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, l
     ns, name = meta.get("namespace"), meta["name"]
     job = ctx.job(meta["uid"])
     job.generation = meta.get("generation")
-    term = -1  # a (re)started daemon reads its run from the API first (after a peering pause, too)
+    term = -1  # a (re)started daemon reads its run from the API first
     pods: tuple[Any, ...] | None = None
     while not stopped:
         job.wake.clear()

@@ -294,19 +294,6 @@ def load_config(kubeconfig: str | None = None, context: str | None = None) -> ku
     return cfg
 
 
-def connection_info(cfg: kubernetes.client.Configuration, kopf: Any) -> Any:
-    """The same credentials for kopf's own API calls (``@kopf.on.login``)."""
-    token = None
-    auth = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
-    if auth:
-        token = auth.split(" ", 1)[1] if auth.lower().startswith("bearer ") else auth
-    return kopf.ConnectionInfo(
-        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
-        scheme="Bearer" if token else None, token=token,
-        certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
-    )
-
-
 class Client:
     """Async calls the operator makes. ``calls`` counts them by (group, resource, verb) for the RBAC test.
 

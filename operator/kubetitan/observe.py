@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubetitan import conditions as C
 from kubetitan import plan
 from kubetitan.decide import NodeObs, PodObs
+from kubetitan.elastic import NOT_EXTENDED
 from kubetitan.status import training_status  # noqa: F401 - re-exported: observation's numbers for the status
 
 
@@ -81,11 +82,11 @@ def node_obs(name: str, node: Mapping[str, Any] | None) -> NodeObs:
     if node is None:
         return NodeObs(name=name, exists=False, ready=False, not_ready_since=None)
     spec, status = node.get("spec") or {}, node.get("status") or {}
-    gpus = (status.get("allocatable") or {}).get(plan.GPU_RESOURCE)
     place = {"unschedulable": bool(spec.get("unschedulable")),
              "labels": tuple(sorted(((node.get("metadata") or {}).get("labels") or {}).items())),
              "taints": tuple((t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in spec.get("taints") or []),
-             "gpus": int(gpus) if isinstance(gpus, (int, str)) and str(gpus).isdigit() else None}
+             "allocatable": tuple(sorted((k, str(v)) for k, v in (status.get("allocatable") or {}).items()
+                                         if k not in NOT_EXTENDED))}
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
     if ready is None:
         return NodeObs(name=name, ready=None, **place)

@@ -23,7 +23,9 @@ from typing import Any
 from kubetitan_core import API_VERSION, KIND, contract
 from kubetitan_core.api import (LlamaPretrain, LlamaPretrainSpec, at_size, elastic_sizes, processes_per_node,
                                 reads_s3_shards, resolved_dp_shard, world_size)
-from kubetitan_core.catalog import INSTANCE_TYPES, pod_resources
+from kubetitan_core.catalog import (EFA_RESOURCE, GPU_RESOURCE, HOSTNAME_LABEL, HUGEPAGES_RESOURCE,
+                                    INSTANCE_TYPE_LABEL, INSTANCE_TYPES, KUEUE_GROUP_COUNT, KUEUE_GROUP_LABEL,
+                                    KUEUE_QUEUE_LABEL, pod_resources)
 from kubetitan_core import hang, render
 from kubetitan_core.contract import launcher as contract_launcher
 from kubetitan_core.contract.launcher import RENDEZVOUS_PORT, LauncherArgs
@@ -42,15 +44,7 @@ TRAINER_UID = 10001
 """The trainer image's user and group (``ARG TRAINER_UID`` in images/trainer.Dockerfile; a test keeps them equal).
 The pods run as it whatever the image says, and it is the ``fsGroup`` that makes fresh volume roots writable."""
 
-GPU_RESOURCE = "nvidia.com/gpu"
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
-HUGEPAGES_RESOURCE = "hugepages-2Mi"
-INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
-HOSTNAME_LABEL = "kubernetes.io/hostname"
 HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
-KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 POD_GROUP_API_VERSION = "scheduling.k8s.io/v1beta1"
 """Kubernetes' own PodGroup API (KEP-4671; beta in 1.37 behind the ``GenericWorkload`` feature gate)."""
 DEFAULT_SCHEDULER = "default-scheduler"
@@ -527,14 +521,6 @@ def _world_size_fields(a: dict[str, Any], d: dict[str, Any]) -> list[tuple[str, 
         else:
             out.append((path, x, y))
     return out
-
-
-def world_size_change(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> str | None:
-    """What an edit from ``applied`` (the running attempt's spec) to ``desired`` does to the world size or the
-    data-parallel degree, as one phrase naming the fields and the numbers; None when neither changes (an edit of
-    ``parallelism`` that keeps both, e.g. none, is no world-size change)."""
-    edit = world_size_edit(applied, desired)
-    return edit.change if edit is not None else None
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
                        help="watch this namespace (repeatable; globs like 'team-*' work)")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (cluster-wide)")
-    p.add_argument("--peering", metavar="NAME",
-                   help="HA: coordinate replicas through the KopfPeering NAME; only the highest-priority one acts")
-    p.add_argument("--priority", type=int, default=0, help="peering priority of this replica (default 0)")
     p.add_argument("--metrics-port", type=int, default=8080, help="port of the operator's /metrics (0: off)")
     p.add_argument("--liveness", metavar="URL", default=None,
                    help="liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
@@ -67,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "(docs/operator.md, HA)")
     le.add_argument("--leader-elect", action="store_true",
                     help="elect one replica through a Lease; the others watch and take over when it stops or cannot "
-                    "renew (exclusive with --peering)")
+                    "renew (the one HA mode: needed for more than one replica)")
     le.add_argument("--leader-elect-resource-name", default="kubetitan", metavar="NAME",
                     help="name of the Lease (default kubetitan)")
     le.add_argument("--leader-elect-resource-namespace", default=None, metavar="NS",
@@ -98,8 +95,8 @@ def _add_pod_group_flag(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(a: argparse.Namespace) -> Options:
-    return Options(namespaces=list(a.namespace), all_namespaces=a.all_namespaces, peering=a.peering,
-                   priority=a.priority, metrics_port=a.metrics_port or None, liveness=a.liveness,
+    return Options(namespaces=list(a.namespace), all_namespaces=a.all_namespaces,
+                   metrics_port=a.metrics_port or None, liveness=a.liveness,
                    kubeconfig=a.kubeconfig, scan_interval=a.scan_interval, scrape_interval=a.scrape_interval,
                    scrape_timeout=a.scrape_timeout, scrape_max_bytes=a.scrape_max_bytes,
                    scrape_concurrency=a.scrape_concurrency,
@@ -151,9 +148,6 @@ def run(options: Options, stop_flag: Any = None, ready_flag: Any = None,
     """Run the operator until ``stop_flag`` is set (blocking); returns its metrics (for tests)."""
     if not options.namespaces and not options.all_namespaces:
         raise SystemExit("error: say which namespaces to watch: --namespace NS (repeatable) or --all-namespaces")
-    if options.leader is not None and options.peering is not None:
-        raise SystemExit("error: --leader-elect and --peering are exclusive: the leader Lease (with fencing) replaces "
-                         "kopf peering; drop --peering")
     if options.leader is not None and (problems := options.leader.problems()):
         raise SystemExit("error: leader election: " + "; ".join(problems))
     cfg = load_config(options.kubeconfig)
@@ -175,7 +169,7 @@ def run(options: Options, stop_flag: Any = None, ready_flag: Any = None,
         try:
             await kopf.operator(
                 clusterwide=options.all_namespaces, namespaces=options.namespaces,
-                standalone=options.peering is None, peering_name=options.peering, priority=options.priority,
+                standalone=True,  # one writer is the leader Lease's job (--leader-elect), never kopf peering
                 liveness_endpoint=options.liveness, stop_flag=stop_flag, ready_flag=ready_flag,
                 memo=kopf.Memo(ctx=ctx),
             )
@@ -199,8 +193,6 @@ def main(argv: list[str]) -> int:
         policy.from_flags(a)
     except policy.PolicyError as e:
         p.error(str(e))
-    if a.leader_elect and a.peering:
-        p.error("--leader-elect and --peering are exclusive: the leader Lease (with fencing) replaces kopf peering")
     lease = lease_from_args(a)
     if lease is not None and (problems := lease.problems()):
         p.error("leader election: " + "; ".join(problems))

@@ -14,7 +14,7 @@ asked, the reviews the cache cannot answer are charged to the caller's budget (p
 (source, username); over it: 429), and with ``--webhook-client-ca-file`` only a caller presenting a certificate
 of that CA (the API server's) gets past the TLS handshake.
 
-Certificates: the files given (helm's or cert-manager's Secret, mounted), or with ``--webhook-certificates
+Certificates: the files given (cert-manager's Secret, mounted), or with ``--webhook-certificates
 operator`` the operator's own, issued, rotated and served by :mod:`kubetitan.certsync`.
 
 Without ``--webhook-port`` no server runs (kopf is given one that never listens), and the operator's reconcile
@@ -55,8 +55,8 @@ class WebhookOptions:
     key_file: str | None = None
     requester: admission.Requester = admission.Requester.REFERENCES
     cert_check_seconds: float = 60.0
-    """How often the certificate files are re-read: a renewed pair (cert-manager, or a new helm Secret, which the
-    kubelet swaps into the mount) is served from then on without a restart (kopf restarts its server)."""
+    """How often the certificate files are re-read: a renewed pair (cert-manager renews the Secret, the kubelet swaps
+    it into the mount) is served from then on without a restart (kopf restarts its server)."""
     access_cache: CacheConfig = CacheConfig()
     """How long the requester checks' SubjectAccessReview answers are reused (kubetitan.access_cache)."""
     clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
@@ -69,15 +69,15 @@ class WebhookOptions:
     """With ``client_ca_file``: the certificate's common or DNS name must be one of these (none: any)."""
     certificates: certsync.CertSync | None = None
     """``--webhook-certificates operator``: the operator issues, rotates and serves its own pair (kubetitan.certsync;
-    ``cert_file``/``key_file`` are then the files it writes). None: serve the files given (helm's or cert-manager's
-    Secret, mounted)."""
+    ``cert_file``/``key_file`` are then the files it writes). None: serve the files given (cert-manager's Secret,
+    mounted)."""
 
 
 def _add_certificate_flags(p: argparse.ArgumentParser) -> None:
     """Who issues the serving certificate and where the API server dials (Service or URL)."""
     p.add_argument("--webhook-certificates", choices=["files", "operator"], default="files",
-                   help="files (default): serve --webhook-cert-file/--webhook-key-file (helm's or cert-manager's "
-                        "Secret, mounted); operator: issue a self-signed CA and serving certificate into "
+                   help="files (default): serve --webhook-cert-file/--webhook-key-file (cert-manager's Secret, "
+                        "mounted); operator: issue a self-signed CA and serving certificate into "
                         "--webhook-secret, keep --webhook-configuration's caBundle, rotate both before they expire")
     p.add_argument("--webhook-secret", metavar="NS/NAME",
                    help="operator certificates: the Secret holding the CA and pair (the chart ships it empty)")

@@ -60,10 +60,6 @@ def _gang(c: Cluster, name: str) -> dict[str, tuple[str, str, list[str]]]:
                                     p["spec"]["containers"][0]["args"]) for p in c.pods(NS, name)}
 
 
-def _cycles(op: Operator, name: str) -> float:
-    return op.metric("kubetitan_operator_run_cycles_total", {"namespace": NS, "name": name}) or 0.0
-
-
 HUB = {"source": "huggingface", "huggingface": {"dataset": "builtin", "streaming": False}}
 
 
@@ -99,8 +95,8 @@ def test_nodes_2_to_3_mid_run_never_touches_the_live_gang(cluster: Cluster, rank
             assert len(ev) == 1 and ev[0]["type"] == "Warning" and "resources.nodes 2 -> 3" in ev[0]["message"], ev
         else:
             assert "applied when the next attempt starts" in cond["message"], cond
-        base = _cycles(op, "ws")
-        wait_for(lambda: _cycles(op, "ws") >= base + 20, 30, "20 more cycles of the run")
+        base = op.run_cycles("ws")
+        wait_for(lambda: op.run_cycles("ws") >= base + 20, 30, "20 more cycles of the run")
         assert _gang(cluster, "ws") == before, "a pod of the live attempt was changed or added"
         assert not [r for r in list(cluster.k) if r.method.value == "POST" and r.resource and r.resource.plural == "pods"
                     and (r.data or {}).get("metadata", {}).get("name") == "ws-a0-2"], "a create of ws-a0-2 was sent"

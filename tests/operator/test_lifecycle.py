@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from kmockx.harness import CMS, LPT, PODS, SVCS, Cluster, Operator, ScaledClock, wait_for
+from kmockx.harness import CMS, LPT, PODS, SVCS, Cluster, Operator, ScaledClock, free_port, wait_for
 from support.specs import NS, cpu_spec, lpt
 from kubetitan_core import validation
 from kubetitan import plan
@@ -260,7 +260,7 @@ class Faults:
 
         res = request.resource
         method = request.method.value if request.method else ""
-        if res is None or res.plural in ("namespaces", "kopfpeerings", "clusterkopfpeerings"):
+        if res is None or res.plural == "namespaces":
             return
         if res.plural == "pods" and method == "POST":
             self.pod_creates.append(((request.data or {}).get("metadata") or {}).get("name", ""))
@@ -329,12 +329,6 @@ def test_api_faults_no_restart_no_duplicates(cluster: Cluster, rank0) -> None:
     assert set(phases) <= {"Pending", "Starting", "Running", "Succeeded"}, phases  # never Restarting or Failed
 
 
-def _closed_port() -> int:
-    from kmockx.harness import free_port
-
-    return free_port()  # bound and closed again: nothing listens there, every scrape is refused
-
-
 def test_metrics_unreachable_for_a_whole_run_succeeds_without_restart(cluster: Cluster) -> None:
     """rank 0's /metrics never answers (the trainer binds elsewhere / a NetworkPolicy drops the scrape) and the
     clock runs 300x, far past startupTimeoutSeconds and hangTimeoutSeconds: no restart, MetricsAvailable=False,
@@ -343,7 +337,7 @@ def test_metrics_unreachable_for_a_whole_run_succeeds_without_restart(cluster: C
     clock = ScaledClock(rate=1.0)  # real time until the pods run: pod timestamps come from the server's clock
     spec = cpu_spec(startupTimeoutSeconds=10, hangTimeoutSeconds=10)
     with Operator(cluster, clock=clock):
-        cluster.apply(lpt("mu", spec, metrics_port=_closed_port()))
+        cluster.apply(lpt("mu", spec, metrics_port=free_port()))  # nothing listens there: every scrape is refused
         wait_for(lambda: len(cluster.pod_names(NS, "mu")) == 2, 20, "pods")
         _running(cluster, "mu", 0)
         c = wait_for(lambda: (m := cluster.condition(NS, "mu", "MetricsAvailable")) and m["status"] == "False" and m,
@@ -486,18 +480,14 @@ def test_raising_steps_mid_run_trains_on_in_a_new_attempt(cluster: Cluster, rank
         "attempt 0 (trained to the old 100 steps) was written as Succeeded"
 
 
-def _cycles(op: Operator, name: str) -> float:
-    return op.metric("kubetitan_operator_run_cycles_total", {"namespace": NS, "name": name}) or 0.0
-
-
 def _still_while_busy(op: Operator, name: str) -> float:
     """``name``'s cycle count, checked not to move while the run "busy" (pods never scheduled: its daemon loops every
     scan interval, 0.1 s) cycles 30 more times: the operator's own cycles are the clock, not a sleep."""
-    base = _cycles(op, "busy")
-    wait_for(lambda: _cycles(op, "busy") >= base + 10, 30, "10 cycles of the busy run")
-    before = _cycles(op, name)
-    wait_for(lambda: _cycles(op, "busy") >= base + 40, 30, "30 more cycles of the busy run")
-    assert _cycles(op, name) == before, f"{name} cycled {_cycles(op, name) - before} times after it finished"
+    base = op.run_cycles("busy")
+    wait_for(lambda: op.run_cycles("busy") >= base + 10, 30, "10 cycles of the busy run")
+    before = op.run_cycles(name)
+    wait_for(lambda: op.run_cycles("busy") >= base + 40, 30, "30 more cycles of the busy run")
+    assert op.run_cycles(name) == before, f"{name} cycled {op.run_cycles(name) - before} times after it finished"
     return before
 
 
@@ -542,8 +532,8 @@ def test_lowering_steps_mid_run_succeeds_at_the_first_checkpoint_past_it(cluster
         # daemon may also end at once, with nothing left to do (with a fast API it often had before the pods were
         # seen gone, and "one more cycle of sl" never came), so another run's cycles are the clock, not sl's.
         wait_for(lambda: cluster.pod_names(NS, "sl") == [], 20, "both pods deleted")
-        base = _cycles(op, "busy-sl")
-        wait_for(lambda: _cycles(op, "busy-sl") >= base + 20, 30, "20 more cycles of another run")
+        base = op.run_cycles("busy-sl")
+        wait_for(lambda: op.run_cycles("busy-sl") >= base + 20, 30, "20 more cycles of another run")
     st = cluster.status(NS, "sl")
     assert st["restartCount"] == 0 and st["attempt"] == 0
     assert "lowered while the attempt ran with 100" in cluster.condition(NS, "sl", "Succeeded")["message"]

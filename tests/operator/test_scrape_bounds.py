@@ -360,10 +360,7 @@ def test_huge_and_never_ending_bodies_neither_bloat_nor_stall_the_operator(rank0
 
 
 def test_the_scrape_flags_parse_and_nonsense_is_refused_with_the_fix(capsys) -> None:
-    from kubetitan import runner
-
-    def opts(*argv: str) -> runner.Options:
-        return runner.options_from_args(runner.build_parser().parse_args(["-A", *argv]))
+    from support.fakes import operator_options as opts
 
     d = opts()
     assert (d.scrape_max_bytes, d.scrape_timeout, d.scrape_concurrency) == (4 * 2**20, 3.0, 8)

@@ -52,7 +52,8 @@ class Function:
     line: int
     lines: int
     explained: bool
-    """A ``# long: <why>`` comment from the line above the def (or its decorators) to the first body line."""
+    """A ``# long: <why>`` comment in the comment block right above the def (or its decorators), or on the lines down
+    to the first body line."""
 
     @property
     def name(self) -> str:
@@ -196,7 +197,10 @@ def functions(mods: dict[str, Module] | None = None) -> list[Function]:
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     qual = f"{prefix}{child.name}"
                     first = min([child.lineno] + [d.lineno for d in child.decorator_list])
-                    head = lines[max(first - 2, 0): child.body[0].lineno]
+                    start = first - 1  # the comment block right above the def (or its decorators), whole
+                    while start > 0 and lines[start - 1].lstrip().startswith("#"):
+                        start -= 1
+                    head = lines[start: child.body[0].lineno]
                     out.append(Function(module, qual, child.lineno, child.end_lineno - child.lineno + 1,
                                         any(LONG_MARK.search(line) for line in head)))
                     visit(child, f"{qual}.<locals>.")

@@ -308,9 +308,9 @@ def test_compile_cache_folder_is_the_same_for_every_attempt_of_a_run(tmp_path):
     from kubetitan import plan
     from kubetitan_trainer.compile import compile_cache
 
-    from support.specs import tiny_lpt as lpt
+    from support.specs import tiny_lpt
 
-    obj = lpt({"precision": {"compile": True, "activationCheckpointing": "none", "mixedPrecisionParam": "float32"}})
+    obj = tiny_lpt({"precision": {"compile": True, "activationCheckpointing": "none", "mixedPrecisionParam": "float32"}})
     folders = set()
     for attempt in (0, 1, 7):
         cm, _svc, pod = plan.attempt_children(obj, attempt)

@@ -22,7 +22,7 @@ import tomli_w
 
 from kubetitan_core import render
 from support.trainer import launch, ledger_config
-from tests.trainer.helpers import lpt
+from support.specs import tiny_lpt
 
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(1200)]
 
@@ -50,7 +50,7 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
 
 
 def run(tmp: Path, dump: Path, dp: int, steps: int, data: dict[str, Any]) -> None:
-    obj = lpt({"training": {"steps": steps, "seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
+    obj = tiny_lpt({"training": {"steps": steps, "seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
                             "warmupSteps": 1},
                "parallelism": {"dataParallelShardDegree": dp},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": dp},
@@ -79,7 +79,7 @@ def stream_oracle(job_data: dict[str, Any], n: int) -> list[tuple[int, int, int,
 
     from kubetitan_trainer.data import loaders as data
 
-    obj = lpt({"training": {"seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH}, "data": job_data,
+    obj = tiny_lpt({"training": {"seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH}, "data": job_data,
                "parallelism": {"dataParallelShardDegree": 1}, "resources": {"nodes": 1, "gpusPerNode": 0,
                                                                              "processesPerNode": 1}})
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"oracle-{os.getpid()}.toml"
@@ -212,7 +212,7 @@ def test_new_mixture_weights_at_a_resume_hold_from_the_next_step_within_half_a_s
 
     dump = tmp_path / "reweighted"
     run(tmp_path, dump, 2, 4, mixture(7, 3))
-    obj = lpt({"training": {"steps": 8, "seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
+    obj = tiny_lpt({"training": {"steps": 8, "seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
                             "warmupSteps": 1},
                "parallelism": {"dataParallelShardDegree": 2},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2},

@@ -266,7 +266,7 @@ def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards
     another tokenizer.json than the run's are refused before the first step."""
     import shutil
 
-    from tests.trainer.helpers import lpt, write_config
+    from support.specs import tiny_lpt, write_config
 
     d = tmp_path / "s"
     shutil.copytree(good_shards, d)
@@ -289,7 +289,7 @@ def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards
         index["tokenizer"] = {"name": "/data/tokenizers/other", "sha256": "12" * 32, "vocab_size": 644}
         (d / INDEX_FILE).write_text(json.dumps(index))
         want = "the shards' is /data/tokenizers/other (tokenizer.json sha256 1212121212121212…"
-    obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": vocab}},
+    obj = tiny_lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": vocab}},
                "data": {"source": "shards", "order": "sequential", "shards": {"path": str(d)}},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1},
                "parallelism": {"dataParallelShardDegree": 1}})

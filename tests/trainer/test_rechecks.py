@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kubetitan_core.validation import RULES, Rule
-from support.specs import tiny_lpt as lpt, write_config
+from support.specs import tiny_lpt, write_config
 
 FLAGGED = [r.id for r in RULES if r.trainer]
 
@@ -36,7 +36,7 @@ CASES: dict[str, tuple[dict[str, dict[str, Any]], int, bool]] = {
 def _config(tmp_path: Path, patch: dict[str, dict[str, Any]]):
     from kubetitan_trainer.main import load_config
 
-    obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": 2048}}})
+    obj = tiny_lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": 2048}}})
     path = write_config(tmp_path / "trainer.toml", obj, tmp_path)
     import tomllib
 

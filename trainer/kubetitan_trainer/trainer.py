@@ -639,7 +639,7 @@ class KubetitanTrainer(Trainer):
         params = sum(p.numel() for m in self.model_parts for p in m.parameters())
         if dist.is_initialized() and dist.get_world_size() > 1:  # each rank holds its shard: the numel is local
             # On the training device: NCCL has no CPU tensors ("No backend type associated with device type
-            # cpu" at the first save of every GPU run, H200 call 13).
+            # cpu" at the first save of every GPU run, on the H200).
             t = torch.tensor([params], dtype=torch.int64, device=self.device)
             dist.all_reduce(t)
             params = int(t.item())

@@ -13,14 +13,28 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from kubetitan_core import API_VERSION, KIND
+from kubetitan_core.contract import is_s3_uri
 from kubetitan_core.causes import RESIZE_CAUSES, RESTART_CAUSES  # noqa: F401 - RESIZE_CAUSES re-exported
 from kubetitan_core.contract.trainer_toml import StagingWrite, TierRead
+
+
+# The closed choices the trainer's TOML table (kubetitan_core.contract.trainer_toml) and the launcher's arguments
+# (kubetitan_core.contract.launcher) carry too: defined here once, imported there.
+DataSource = Literal["synthetic", "huggingface", "shards", "mixture"]
+DataOrder = Literal["shuffled", "sequential"]
+ShardsDtype = Literal["auto", "uint16", "uint32"]
+TokenizerSource = Literal["builtin", "path", "huggingface"]
+Platform = Literal["generic", "eks", "hyperpod"]
+NetworkFallback = Literal["Fail", "AllowSockets"]
+HangTimeoutPolicy = Literal["Auto", "Fixed"]
 
 
 class _Base(BaseModel):
@@ -226,7 +240,7 @@ class ShardsDataSpec(_Base):
     """Directory holding `*.bin` token shards (and their `index.json`) inside the pod, or `s3://bucket/prefix`
     holding a copy of one (`aws s3 sync` of the `prepare-data` output): it is copied to the node's local disk at
     start with every checksum verified, reached as `data.s3` says (docs/data.md)."""
-    dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    dtype: ShardsDtype = "auto"
     """Token dtype of the shards; `auto` reads it from `index.json`."""
 
 
@@ -269,7 +283,7 @@ class EvalSpec(_Base):
 class DataSpec(_Base):
     """Where the training tokens come from, in which order, and what is held out."""
 
-    source: Literal["synthetic", "huggingface", "shards", "mixture"] = "synthetic"
+    source: DataSource = "synthetic"
     """`synthetic`: random tokens (benchmarks); `huggingface`: a streamed text dataset
     tokenized on the fly; `shards`: pre-tokenized files on a volume; `mixture`: several sources (shards
     directories or streamed datasets) mixed by weight (`mixture`)."""
@@ -279,7 +293,7 @@ class DataSpec(_Base):
     """Settings for `source: shards` (required there)."""
     mixture: list[MixtureSourceSpec] = Field(default_factory=list, max_length=64)
     """The sources of `source: mixture` (required there, and only there), each with its weight."""
-    order: Literal["shuffled", "sequential"] = "shuffled"
+    order: DataOrder = "shuffled"
     """Order of the sequences of `shards` sources (alone or in a mixture): `shuffled` (a permutation of all sequences
     per epoch, seeded by `training.seed`, the same for any number of GPUs) or `sequential` (corpus order).
     A streamed `huggingface` dataset is read in its own order."""
@@ -307,7 +321,7 @@ class SecretKeyRef(_Base):
 class TokenizerSpec(_Base):
     """The tokenizer. Tokens and secrets are never written into the resource itself."""
 
-    source: Literal["builtin", "path", "huggingface"] = "builtin"
+    source: TokenizerSource = "builtin"
     """`builtin`: the small byte-level tokenizer shipped with the trainer (debug runs);
     `path`: a directory with `tokenizer.json` inside the image or a volume;
     `huggingface`: downloaded from the hub at start (Llama 3 needs a token)."""
@@ -376,7 +390,7 @@ class ResourcesSpec(_Base):
     processes_per_node: int | None = Field(default=None, ge=1, le=64)
     """Training processes per pod (torchrun `--nproc-per-node`). Unset means one per GPU,
     or 1 on CPU."""
-    platform: Literal["generic", "eks", "hyperpod"] = "generic"
+    platform: Platform = "generic"
     """Cluster flavour. `eks` adds EFA settings; `hyperpod` also requires nodes whose
     SageMaker HyperPod health label says they are schedulable."""
     instance_type: str | None = None
@@ -393,7 +407,7 @@ class ResourcesSpec(_Base):
     efa_per_node: int | None = Field(default=None, ge=0, le=64)
     """EFA interfaces per pod (`vpc.amazonaws.com/efa`). Unset means all of the instance
     type's interfaces on `eks`/`hyperpod`, none elsewhere."""
-    network_fallback: Literal["Fail", "AllowSockets"] = "Fail"
+    network_fallback: NetworkFallback = "Fail"
     """What the trainer does when EFA was requested on `eks`/`hyperpod` but NCCL is not on it after
     the first step (no aws-ofi-nccl plugin in the image, or not its `efa` provider): `Fail` ends the
     run with exit code 5; `AllowSockets` logs a warning and trains over TCP sockets (a fraction of
@@ -471,7 +485,7 @@ class RunPolicySpec(_Base):
     re-creates the gang only if none did within 30 s more (a frozen launcher or pod). The launchers take this and
     `hangTimeoutPolicy` when their pods are created: a change reaches them with the next re-created attempt (the
     operator's own rule applies it at once)."""
-    hang_timeout_policy: Literal["Auto", "Fixed"] = "Auto"
+    hang_timeout_policy: HangTimeoutPolicy = "Auto"
     """`Fixed`: the hang timeout is `hangTimeoutSeconds`. `Auto`: it is 10 x the median step time the trainer
     reports (at least 30 s, or the operator's `--hang-floor-seconds`; at most `hangTimeoutSeconds`) once 5 steps of the current workers are seen, and
     `hangTimeoutSeconds` before that; a checkpoint step adds `checkpoint.saveTimeoutSeconds` in both."""
@@ -844,15 +858,50 @@ class LlamaPretrain(_Base):
 
 
 # ------------------------------------------------------------------ derived values
+@dataclass(frozen=True)
+class ShardsPath:
+    """One shards directory a run reads: where the spec names it, where the trainer's ``[kubetitan.data]`` table
+    carries it, and the path (a directory in the pod or ``s3://bucket/prefix``)."""
+
+    spec_field: str
+    """The wire field without ``spec.``, e.g. ``data.mixture[1].shards.path``."""
+    table_field: str
+    """The trainer's key, e.g. ``kubetitan.data.mixture_paths[1]``."""
+    path: str
+    held_out: bool = False
+    """The held-out evaluation set (read only when evaluation is on)."""
+
+    @property
+    def field(self) -> str:
+        """Both names, as the trainer's errors give them."""
+        return f"{self.table_field} (spec.{self.spec_field})"
+
+
+def shards_paths(source: str, shards_path: str, mixture: Sequence[str | None], eval_shards_path: str
+                 ) -> list[ShardsPath]:
+    """Every shards path a run reads, the one rule for the spec (:func:`spec_shards_paths`) and for the trainer's
+    table (``kubetitan_core.contract.trainer_toml.table_shards_paths``): the source's with ``source: shards``, each
+    mixture entry that is a shards directory with ``source: mixture`` (None: a hub dataset), then the held-out set's;
+    empty paths left out."""
+    out = [ShardsPath("data.shards.path", "kubetitan.data.shards_path", shards_path)] if source == "shards" else []
+    if source == "mixture":
+        out += [ShardsPath(f"data.mixture[{i}].shards.path", f"kubetitan.data.mixture_paths[{i}]", p)
+                for i, p in enumerate(mixture) if p is not None]
+    out.append(ShardsPath("data.eval.shards.path", "kubetitan.data.eval_shards_path", eval_shards_path, held_out=True))
+    return [p for p in out if p.path]
+
+
+def spec_shards_paths(s: LlamaPretrainSpec) -> list[ShardsPath]:
+    """:func:`shards_paths` of a spec."""
+    d = s.data
+    return shards_paths(d.source, d.shards.path if d.shards is not None else "",
+                        [m.shards.path if m.shards is not None else None for m in d.mixture],
+                        d.eval.shards.path if d.eval is not None and d.eval.shards is not None else "")
+
+
 def reads_s3_shards(s: LlamaPretrainSpec) -> bool:
     """Whether any shards path the trainer reads is ``s3://`` (then the pod stages them: plan and render)."""
-    d = s.data
-    used = [m.shards.path for m in d.mixture if m.shards is not None] if d.source == "mixture" else []
-    if d.source == "shards" and d.shards is not None:
-        used.append(d.shards.path)
-    if d.eval is not None and d.eval.shards is not None:
-        used.append(d.eval.shards.path)
-    return any(v.startswith("s3://") for v in used)
+    return any(is_s3_uri(p.path) for p in spec_shards_paths(s))
 
 
 def elastic_sizes(spec: LlamaPretrainSpec) -> range:

@@ -39,10 +39,11 @@ from kubetitan_core.api import (
     processes_per_node,
     reads_s3_shards,
     resolved_dp_shard,
+    spec_shards_paths,
     world_size,
 )
-from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES, InstanceType, ModelDims, accelerator_for
-from kubetitan_core.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, DATA_STAGE_MOUNT, SHM_MOUNT
+from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPE_LABEL, INSTANCE_TYPES, InstanceType, ModelDims, accelerator_for
+from kubetitan_core.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, DATA_STAGE_MOUNT, S3_SCHEME, SHM_MOUNT, is_s3_uri
 
 
 @dataclass(frozen=True)
@@ -681,7 +682,7 @@ def _resources_platform(f: Facts) -> Problems:
 @check("resources.instance-type-selector")
 def _resources_instance_type_selector(f: Facts) -> Problems:
     r = f.spec.resources
-    for label in ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type"):
+    for label in (INSTANCE_TYPE_LABEL, "beta.kubernetes.io/instance-type"):
         chosen = r.node_selector.get(label)
         if r.instance_type and chosen is not None and chosen != r.instance_type:
             yield f"spec.resources.nodeSelector[{label}]", (
@@ -901,24 +902,11 @@ def _checkpoint_s3_endpoint(f: Facts) -> Problems:
         yield "spec.checkpoint.storage.s3.endpoint", msg
 
 
-def shards_paths(s: LlamaPretrainSpec) -> list[tuple[str, str]]:
-    """(wire field path without ``spec.``, value) of every shards path the spec reads: source, mixture, eval."""
-    paths = []
-    if s.data.shards is not None:
-        paths.append(("data.shards.path", s.data.shards.path))
-    for i, m in enumerate(s.data.mixture or []):
-        if m.shards is not None:  # (a huggingface entry reads no shards)
-            paths.append((f"data.mixture[{i}].shards.path", m.shards.path))
-    if s.data.eval is not None and s.data.eval.shards is not None:
-        paths.append(("data.eval.shards.path", s.data.eval.shards.path))
-    return paths
-
-
 @check("data.s3-uri")
 def _data_s3_uri(f: Facts) -> Problems:
-    for path, value in shards_paths(f.spec):
-        if value.startswith("s3://") and (msg := s3_uri_error(value)) is not None:
-            yield f"spec.{path}", msg
+    for p in spec_shards_paths(f.spec):
+        if is_s3_uri(p.path) and (msg := s3_uri_error(p.path)) is not None:
+            yield f"spec.{p.spec_field}", msg
 
 
 @check("data.s3-endpoint")
@@ -1046,7 +1034,7 @@ def _path_no_dot_dot(f: Facts) -> Problems:
     s = f.spec
     paths = [("checkpoint.mountPath", s.checkpoint.mount_path), ("data.mountPath", s.data.mount_path),
              ("checkpoint.storage.hostPath", s.checkpoint.storage.host_path), ("tokenizer.path", s.tokenizer.path)]
-    paths += [(p, v) for p, v in shards_paths(s) if not v.startswith("s3://")]  # s3:// paths: data.s3-uri
+    paths += [(p.spec_field, p.path) for p in spec_shards_paths(s) if not is_s3_uri(p.path)]  # s3://: data.s3-uri
     for path, value in paths:
         if value is not None and ".." in value.split("/"):
             yield f"spec.{path}", f"{value!r} contains a '..' component; give the absolute path without it"
@@ -1179,9 +1167,9 @@ _IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
 
 def s3_uri_error(uri: str) -> str | None:
     """Why ``uri`` is not a usable ``s3://bucket[/prefix]`` location of checkpoints or shards (None when it is)."""
-    if not uri.startswith("s3://"):
+    if not is_s3_uri(uri):
         return f"{uri!r} is not an s3:// URI; use the form s3://bucket/prefix"
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    bucket, _, prefix = uri[len(S3_SCHEME):].partition("/")
     if not _BUCKET.match(bucket) or ".." in bucket or _IPV4.match(bucket) or bucket.startswith("xn--"):
         return (f"{bucket!r} is not an S3 bucket name: 3-63 characters of lowercase letters, digits, '.' and '-', "
                 "starting and ending with a letter or digit, no '..', not an IP address; use the bucket's real name")

@@ -247,8 +247,8 @@ def _checkpoint_and_restart_panels(cfg: MonitoringConfig) -> list[Panel]:
 
 def operator_panels(cfg: MonitoringConfig = DEFAULT) -> list[Panel]:
     return [
-        Panel("Operator replicas up", "Operator pods Prometheus can scrape (one is active, the others "
-              "stand by through kopf peering).", [Target(q.operator_up(cfg), "up")], width=6, kind="stat"),
+        Panel("Operator replicas up", "Operator pods Prometheus can scrape (with leader election one holds the "
+              "Lease and writes, the others stand by).", [Target(q.operator_up(cfg), "up")], width=6, kind="stat"),
         Panel("Operator version", "`kubetitan_build_info` of the running operators.",
               [Target(q.build_info(cfg), "{{version}}")], width=6, kind="stat"),
         Panel("LlamaPretrains by phase", "Number of LlamaPretrain resources in each phase.",

@@ -30,8 +30,6 @@ ANNOTATION_APPLIED_SPEC = "kubetitan.io/applied-spec"
 class Options:
     namespaces: list[str] = field(default_factory=list)
     all_namespaces: bool = False
-    peering: str | None = None
-    priority: int = 0
     metrics_port: int | None = 8080
     metrics_addr: str = "0.0.0.0"
     liveness: str | None = None
@@ -58,7 +56,7 @@ class Options:
     """The cluster admin's policy (``--policy-*`` flags): a valid spec outside it is refused like an invalid one."""
     leader: LeaseConfig | None = None
     """Leader election (``--leader-elect``): only the holder of this Lease writes. None: this replica always writes
-    (alone, or under kopf peering)."""
+    (it runs alone)."""
     webhook: webhook_mod.WebhookOptions | None = None
     """The validating admission webhook (``--webhook-*``, ``--requester-checks``; kubetitan.webhook); None: none."""
 

@@ -1,4 +1,4 @@
-"""Let torch's AOTAutograd cache serve the recipe's compiled graphs (issue 29, item 3: warm start without
+"""Let torch's AOTAutograd cache serve the recipe's compiled graphs (a warm start without
 compilation).
 
 With a warm compile cache, a new worker process still traces every compiled region with Dynamo, then asks the

@@ -1,7 +1,7 @@
-"""Transformer blocks compiled ahead of time: a restarted worker loads them instead of compiling (issue 29, item 3).
+"""Transformer blocks compiled ahead of time: a restarted worker loads them instead of compiling.
 
-With a warm compile cache a new worker still spends ~2 s of its first step in torch.compile (an H100, device calls
-21-22): Dynamo traces each compiled region again (~0.85 s), then the caches hand back the graphs and their kernels.
+With a warm compile cache a new worker still spends ~2 s of its first step in torch.compile (an H100,
+bench/device/recovery_deferred_copy.sh): Dynamo traces each compiled region again (~0.85 s), then the caches hand back the graphs and their kernels.
 torch 2.11 can compile a ``fullgraph`` region ahead of time into bytes that hold its guards, its bytecode and its
 compiled forward and backward (``torch._dynamo.aot_compile``, experimental). Loading them needs no trace, and
 needs no module either, so it runs on a thread of its own while the worker builds its model and loads its

@@ -106,10 +106,6 @@ def tokenizer_identity(folder: str | os.PathLike, name: str) -> TokenizerIdentit
     return TokenizerIdentity(name, _file_sha256(str(tj), st.st_mtime_ns, st.st_size))
 
 
-def shard_name(unit: int) -> str:
-    return f"shard-{unit:06d}.bin"
-
-
 def doc_index_name(bin_name: str) -> str:
     return bin_name[:-4] + ".idx" if bin_name.endswith(".bin") else bin_name + ".idx"
 

@@ -1,4 +1,4 @@
-"""A staging arena: DCP's staged copy of the training state in files of the restore tier's folder (issue 29).
+"""A staging arena: DCP's staged copy of the training state in files of the restore tier's folder.
 
 torch 2.11's ``StateDictStager`` stages every tensor into its own fresh shared-memory storage and, with CUDA,
 ``cudaHostRegister``s each one. Those pages belong to the worker: when it dies the kernel frees them all before
@@ -29,7 +29,7 @@ the mapping; each storage goes through a few small pinned bounce buffers and ``o
 death has only its GPU memory and small buffers to free. ``map``: the stager copies each tensor into the file's
 mapping, registered with CUDA (device-to-host DMA straight into it); a worker that did so has every page of the
 ~40 GiB mapped and registered, and its death must unmap and unregister them all before it is seen dead. On an H100
-with the 3B state (device call 21, docs/reliability.md) a killed worker was seen dead 0.25-0.36 s after the kill
+with the 3B state (docs/reliability.md) a killed worker was seen dead 0.25-0.36 s after the kill
 with ``pwrite`` and 1.89-2.02 s with ``map``, at the same training throughput. The file's pages are the same
 either way (DCP's checkpoint process maps and reads them as before); the tier's default ``pread`` load
 (``restore_tier_read``) does not map them into the next worker either.

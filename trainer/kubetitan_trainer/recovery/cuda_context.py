@@ -1,6 +1,6 @@
-"""Create the worker's CUDA context on a side thread as the worker starts (issue 29: recovery in under 5 s).
+"""Create the worker's CUDA context on a side thread as the worker starts (part of a recovery in under 5 s).
 
-A worker's first CUDA allocation creates its context: ~0.4 s on the H200 machine (issue 29's measurement), inside
+A worker's first CUDA allocation creates its context: ~0.4 s on the H200 machine (bench/teardown_probe.py), inside
 the start-up anatomy's ``model_init``, on the training thread, after the config check, the process group and the
 model's build on the meta device, none of which need the GPU. :func:`start` retains the device's primary context
 (the one the CUDA runtime, and so torch, uses) through the driver API from a thread of its own, as ``main()``

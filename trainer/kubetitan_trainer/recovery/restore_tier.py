@@ -63,11 +63,11 @@ DEFAULT_LOAD_THREADS = 4
 """``map`` mode: loader threads when torch's CPU copies run on one thread each (``OMP_NUM_THREADS=1``, which
 torchrun sets when a node runs several workers). With more intra-op threads one loader thread is fastest there: on
 the H200 machine (16 of them), 40 GiB through one thread's pinned bounce buffers ran at 47.7 GB/s, through 4
-threads at 29.7 and through 8 at 27.7 (bench/teardown_probe.py, device call of session 15, docs/reliability.md)."""
+threads at 29.7 and through 8 at 27.7 (bench/teardown_probe.py, docs/reliability.md)."""
 PREAD_THREADS = (2, 16)
 """``pread`` mode: the node's CPUs shared among its workers (``LOCAL_WORLD_SIZE``), within these bounds. Each
 thread's ``preadv`` is the kernel's copy from the page cache: on the H100 machine 40 GiB read in 8.2-8.9 s on 1
-thread, 2.5-2.7 s on 4, 1.7 s on 8 and 1.47 s on 16 (probe, session 17)."""
+thread, 2.5-2.7 s on 4, 1.7 s on 8 and 1.47 s on 16 (the same probe)."""
 
 READ_MODES = ("pread", "map")
 """How a load reads the tier's files (``[kubetitan.runtime] restore_tier_read``): ``pread`` (default: ``os.preadv``
@@ -199,7 +199,7 @@ def _whole(src: torch.Tensor | FileSpan) -> torch.Tensor:
 
 
 class _ParallelLoad:
-    """Copies the tier's bytes into the state's tensors on several threads (issue 29: the load at memory speed).
+    """Copies the tier's bytes into the state's tensors on several threads (the load at memory speed).
 
     A load through one thread and one pair of pinned bounce buffers runs at the speed of one ``memcpy`` from the
     mapping (~9-13 GB/s on the H200 machine), far below the host-to-device link. Here each thread owns two bounce
@@ -216,7 +216,7 @@ class _ParallelLoad:
     CHUNK = 64 << 20
     BOUNCE_BUDGET = 256 << 20
     """Pinned bounce memory of all threads together (two buffers a thread). A fresh worker pins it before its
-    first copy, and pinning from scratch cost ~0.75 s a GiB on the H200 machine (40 GiB in 30 s, issue 29): 16
+    first copy, and pinning from scratch cost ~0.75 s a GiB on the H200 machine (40 GiB in 30 s): 16
     threads of 2 x 64 MiB would pin 2 GiB. Whether that is why the 16-thread ``pread`` load ran slower in a
     training run (2.6-3.4 s) than in the probe (1.47 s) is not measured (docs/reliability.md)."""
 
@@ -581,7 +581,7 @@ DEFER_MIN_BYTES = 1 << 20
 
 DEFERRED = ("optimizer",)
 """With ``defer_optimizer_load`` (the default): the trainer loads the optimizer's moments from the tier in the background, while the first step's
-forward and backward run, and waits for them before the optimizer's step (issue 29 item 2); ``0``: at once. On an
+forward and backward run, and waits for them before the optimizer's step; off: at once. On an
 H100 with the 3B state it took kill -> first step end from p50 9.2 s to 6.5-6.7 s together with the ``pread`` load
 and the arena's ``pwrite`` (the copy's own times: :data:`DEFAULT_DEFER_THREADS`)."""
 
@@ -589,10 +589,10 @@ and the arena's ``pwrite`` (the copy's own times: :data:`DEFAULT_DEFER_THREADS`)
 DEFAULT_DEFER_THREADS = 4
 """The deferred copy runs while the training thread compiles its first step, and every chunk a loader thread copies
 takes the GIL a few times between its system calls, so the two slow each other down. On an H100 with the 3B state
-(device calls 21 and 22, docs/reliability.md): on 16 threads the optimizer's 26.9 GiB came in 1.9-2.3 s and the warm
+(docs/reliability.md): on 16 threads the optimizer's 26.9 GiB came in 1.9-2.3 s and the warm
 compile took 3.4-3.9 s (2.0-2.2 s with no copy running); on 4 threads the compile took 2.2-2.8 s and the copy 4.0-5.4
-s, the step waiting 0.8-1.6 s for it. Kill -> first step end was the same (p50 6.7 s on 16 threads, 6.5 s on 4 over
-call 22's second half); 4 uses a quarter of the threads, which counts on a node of 8 workers."""
+s, the step waiting 0.8-1.6 s for it. Kill -> first step end was the same (p50 6.7 s on 16 threads, 6.5 s on 4 in
+bench/device/recovery_deferred_copy.sh); 4 uses a quarter of the threads, which counts on a node of 8 workers."""
 
 
 DEFER_BOUNCE_BUDGET = 512 << 20
@@ -600,11 +600,11 @@ DEFER_BOUNCE_BUDGET = 512 << 20
 immediate part's :data:`_ParallelLoad.BOUNCE_BUDGET` gives them 32 MiB. While the first step compiles, a copy
 thread gets the GIL back after each chunk's system calls only when the compiling thread lets it go (at the latest
 after Python's switch interval), so the copy moves about one chunk per switch: ~150-180 chunks a second at the
-default 5 ms on the CPU probe (``bench/gil_convoy_probe.py``, bench/results/recovery/gil_convoy_cpu_s19.txt), and
-6-7 GB/s for 32 MiB chunks on an H100 (device call 22). Twice the chunk is twice the bytes a switch, for the same
+default 5 ms on the CPU probe (``bench/gil_convoy_probe.py``, bench/results/recovery/gil_convoy_cpu.txt), and
+6-7 GB/s for 32 MiB chunks on an H100 (bench/device/recovery_deferred_copy.sh). Twice the chunk is twice the bytes a switch, for the same
 number of switches taken from the compile; the 256 MiB more that are pinned cost ~0.2 s in the background. On an
-H100 (device calls 23-25, session 19) the first step waited 0.28-0.72 s for the copy, against 0.76-1.60 s with
-32 MiB chunks in call 22."""
+H100 (bench/device/recovery_defer_chunks_and_aot.sh) the first step waited 0.28-0.72 s for the copy, against
+0.76-1.60 s with 32 MiB chunks."""
 
 
 def defer_threads(s: KubetitanRuntime | None = None) -> int:

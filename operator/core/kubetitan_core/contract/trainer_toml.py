@@ -16,7 +16,10 @@ checks ``is_dataclass(field.type)`` to recurse into nested tables, which fails o
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
+
+from kubetitan_core.api import (DataOrder, DataSource, NetworkFallback, Platform, ShardsDtype, ShardsPath, TokenizerSource,
+                                shards_paths)
 
 ALWAYS = {"always": True}
 """Field metadata: written whatever the value (see the module docstring)."""
@@ -26,12 +29,12 @@ ALWAYS = {"always": True}
 class KubetitanData:
     """``[kubetitan.data]``: where the training tokens come from."""
 
-    source: Literal["synthetic", "huggingface", "shards", "mixture"] = field(default="synthetic", metadata=ALWAYS)
+    source: DataSource = field(default="synthetic", metadata=ALWAYS)
     """`synthetic`: deterministic random tokens (benchmarks); `huggingface`: a text dataset
     tokenized on the fly, read the way torchtitan reads c4; `shards`: pre-tokenized `.bin` files;
     `mixture`: several sources (shards directories, streamed datasets) mixed by weight (`mixture_paths`,
     `mixture_weights`, `mixture_kinds`)."""
-    order: Literal["shuffled", "sequential"] = field(default="shuffled", metadata=ALWAYS)
+    order: DataOrder = field(default="shuffled", metadata=ALWAYS)
     """Order of the windows of `shards` and `mixture` sources: `shuffled` (a seeded permutation per epoch, the
     seed being `debug.seed`) or `sequential` (corpus order)."""
     hf_dataset: str = "allenai/c4"
@@ -48,7 +51,7 @@ class KubetitanData:
     shards_path: str = ""
     """Directory with `*.bin` token shards and `index.json` (written by `kubetitan prepare-data`), or
     `s3://bucket/prefix` holding a copy of one (staged to local disk at start: `[kubetitan.data_s3]`)."""
-    shards_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    shards_dtype: ShardsDtype = "auto"
     """Token dtype of the shards; `auto` reads it from `index.json`."""
     mixture_paths: list[str] = field(default_factory=list)
     """The sources of a `mixture`, one entry each: a shards directory (or an `s3://bucket/prefix` copy of one), or
@@ -83,11 +86,18 @@ class KubetitanData:
     `<dump_folder>/kubetitan/ledger/rank-<r>-of-<W>.txt`."""
 
 
+def table_shards_paths(d: KubetitanData) -> list[ShardsPath]:
+    """``kubetitan_core.api.shards_paths`` of a ``[kubetitan.data]`` table (the trainer's side of the one rule)."""
+    kinds = list(d.mixture_kinds) or ["shards"] * len(d.mixture_paths)  # a huggingface entry reads no shards
+    return shards_paths(d.source, d.shards_path,
+                        [p if kind == "shards" else None for p, kind in zip(d.mixture_paths, kinds, strict=True)],
+                        d.eval_shards_path)
+
 @dataclass
 class KubetitanTokenizer:
     """``[kubetitan.tokenizer]``: which tokenizer to load."""
 
-    source: Literal["builtin", "path", "huggingface"] = field(default="builtin", metadata=ALWAYS)
+    source: TokenizerSource = field(default="builtin", metadata=ALWAYS)
     """`builtin`: the byte-level BPE shipped with the trainer (vocabulary below 2048);
     `path`: a directory holding `tokenizer.json`; `huggingface`: downloaded from the hub at start
     (uses `HF_TOKEN` from the environment)."""
@@ -222,11 +232,11 @@ class Kubetitan:
     """GPU model from the spec (H100, H200, ...); the MFU peak when the device name does not say."""
     instance_type: str = field(default="", metadata=ALWAYS)
     """Node instance type from the spec (informational; also tells the GPU model)."""
-    platform: Literal["generic", "eks", "hyperpod"] = field(default="generic", metadata=ALWAYS)
+    platform: Platform = field(default="generic", metadata=ALWAYS)
     """Cluster flavour from the spec; on `eks`/`hyperpod` with EFA the NCCL network is enforced."""
     efa_per_node: int = field(default=0, metadata=ALWAYS)
     """EFA interfaces the pod requested; above 0 the trainer checks that NCCL runs on EFA."""
-    network_fallback: Literal["Fail", "AllowSockets"] = field(default="Fail", metadata=ALWAYS)
+    network_fallback: NetworkFallback = field(default="Fail", metadata=ALWAYS)
     """EFA requested on eks/hyperpod but NCCL not on it: `Fail` exits 5, `AllowSockets` warns and goes on."""
     requested_fsdp_float8_all_gather: bool = field(default=False, metadata=ALWAYS)
     """The spec asked for FSDP FP8 all-gather (the renderer turns it off when dp_shard is 1;
