@@ -23,7 +23,6 @@ from pydantic.alias_generators import to_camel
 from kubetitan_core import API_VERSION, KIND
 from kubetitan_core.contract import is_s3_uri
 from kubetitan_core.causes import RESIZE_CAUSES, RESTART_CAUSES  # noqa: F401 - RESIZE_CAUSES re-exported
-from kubetitan_core.contract.trainer_toml import StagingWrite, TierRead
 
 
 # The closed choices the trainer's TOML table (kubetitan_core.contract.trainer_toml) and the launcher's arguments
@@ -34,6 +33,10 @@ ShardsDtype = Literal["auto", "uint16", "uint32"]
 TokenizerSource = Literal["builtin", "path", "huggingface"]
 Platform = Literal["generic", "eks", "hyperpod"]
 NetworkFallback = Literal["Fail", "AllowSockets"]
+TierRead = Literal["pread", "map"]
+"""How a restore-tier load reads the tier's files (``[kubetitan.runtime] restore_tier_read``)."""
+StagingWrite = Literal["pwrite", "map"]
+"""How the checkpoint stager writes its arena (``[kubetitan.runtime] staging_write``)."""
 HangTimeoutPolicy = Literal["Auto", "Fixed"]
 
 

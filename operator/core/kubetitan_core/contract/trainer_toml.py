@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubetitan_core.api import (DataOrder, DataSource, NetworkFallback, Platform, ShardsDtype, ShardsPath, TokenizerSource,
-                                shards_paths)
+from kubetitan_core.api import (DataOrder, DataSource, NetworkFallback, Platform, ShardsDtype, ShardsPath, StagingWrite,
+                                TierRead, TokenizerSource, shards_paths)
 
 ALWAYS = {"always": True}
 """Field metadata: written whatever the value (see the module docstring)."""
@@ -177,10 +177,6 @@ class KubetitanDataS3:
     """Bytes per ranged GET (each in-flight GET holds one part in memory)."""
 
 
-TierRead = Literal["pread", "map"]
-"""How a restore-tier load reads the tier's files (``[kubetitan.runtime] restore_tier_read``)."""
-StagingWrite = Literal["pwrite", "map"]
-"""How the checkpoint stager writes its arena (``[kubetitan.runtime] staging_write``)."""
 
 
 @dataclass
