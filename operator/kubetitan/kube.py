@@ -487,11 +487,12 @@ class Client:
         p = f"/apis/{api_version}/namespaces/{ns}/{resource}"
         return f"{p}/{name}" if name else p
 
-    async def create(self, obj: dict[str, Any]) -> bool:
+    async def create(self, obj: dict[str, Any], fenced: bool = True) -> bool:
         """Create a child (``CHILD_KINDS``): True when created, False when it already exists *and is ours*.
 
         On 409 the existing object is read: if its owner references do not name the owner ``obj`` names,
-        :class:`NameConflict` is raised and the object is left alone.
+        :class:`NameConflict` is raised and the object is left alone. ``fenced=False``: sent whether or not this
+        replica leads (an Event about the webhook configuration, which every replica keeps).
         """
         group, resource = CHILD_KINDS[obj["kind"]]
         api_version = obj.get("apiVersion") or "v1"
@@ -499,14 +500,14 @@ class Client:
         ns = meta["namespace"]
         path = self._path(api_version, ns, resource)
         try:
-            await self._call(group, resource, "create", "POST", path, obj)
+            await self._call(group, resource, "create", "POST", path, obj, fenced=fenced)
             return True
         except ApiError as e:
             if e.status != 409:
                 raise
         existing = await self._call(group, resource, "get", "GET", self._path(api_version, ns, resource, meta["name"]))
         if existing is None:  # gone again in between: one more create
-            await self._call(group, resource, "create", "POST", path, obj)
+            await self._call(group, resource, "create", "POST", path, obj, fenced=fenced)
             return True
         want = {r.get("uid") for r in meta.get("ownerReferences") or []}
         have = [r for r in (existing.get("metadata") or {}).get("ownerReferences") or []]
@@ -517,9 +518,10 @@ class Client:
     async def get(self, resource: str, ns: str | None, name: str) -> dict[str, Any] | None:
         return await self._call("", resource, "get", "GET", self._core(ns, resource, name))
 
-    async def patch(self, resource: str, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+    async def patch(self, resource: str, ns: str, name: str, patch: dict[str, Any], fenced: bool = True
+                    ) -> dict[str, Any] | None:
         return await self._call("", resource, "patch", "PATCH", self._core(ns, resource, name), patch,
-                                content_type="application/merge-patch+json")
+                                content_type="application/merge-patch+json", fenced=fenced)
 
     async def delete_pod(self, ns: str, name: str, grace_seconds: int | None = None) -> bool:
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
