@@ -317,7 +317,9 @@ def _volumes(lpt: LlamaPretrain) -> tuple[list[dict[str, Any]], list[dict[str, A
         {"name": "dshm", "mountPath": contract.SHM_MOUNT},
     ]
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": config_map_name(lpt.metadata.name)}},
+        # only the trainer config: the ConfigMap also keeps the spec the attempt was created from (for the operator)
+        {"name": "config", "configMap": {"name": config_map_name(lpt.metadata.name),
+                                         "items": [{"key": contract.CONFIG_KEY, "path": contract.CONFIG_KEY}]}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": s.resources.shm_size}},
     ]
     if ck.enabled and (st.persistent_volume_claim or st.host_path):

@@ -205,3 +205,40 @@ def test_the_admins_switch_off_sends_no_pod_group_and_asks_nothing() -> None:
                           pod_group_api=PodGroupApi())
     asyncio.run(create_attempt(ctx, snap, memory, snap.status.model_copy(update={"attempt": 0}), ()))
     assert [n for _, n in client.calls] == ["r-config", "r", "r-a0-0", "r-a0-1"] and client.discovered == 0
+
+
+# ------------------------------------------------------------------ a large spec
+ANNOTATIONS_LIMIT = 256 * 1024
+"""The API server's limit on all annotations of an object together (bytes, ValidateAnnotationsSize)."""
+CONFIG_MAP_LIMIT = 1024 * 1024
+"""The API server's limit on a ConfigMap's data and binaryData together (bytes, ValidateConfigMap)."""
+
+
+def test_a_363_kb_spec_fits_its_config_map_and_its_attempt_spec_is_read_back() -> None:
+    """A valid spec of ~363 KB (360 env variables of 1 KB): the spec the attempt is created from goes into the
+    ConfigMap's data (1 MiB), not into an annotation (256 KiB for all of them: such a ConfigMap was refused on
+    every round), the pods mount only trainer.toml of it, and a new cycle reads the spec back from the
+    ConfigMap; an older operator's annotation is still read, and dropped at the next write."""
+    from kubetitan.reconcile.observe import applied_spec_of
+
+    spec = cpu_spec(nodes=2)
+    spec["resources"]["env"] = [{"name": f"BIG_{i}", "value": "x" * 1000} for i in range(360)]
+    memory = RunMemory()
+    snap = read_run(memory, lpt("r", spec, uid="u-1"), 1000.0, None)
+    assert len(json.dumps(snap.desired)) > 360_000
+    client = Recorder(existing={"r-config"})  # an older attempt's ConfigMap: brought up to date (a patch)
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0, pod_groups="auto"),
+                          pod_group_api=PodGroupApi(served=False, checked_at=float("inf")))
+    done = asyncio.run(create_attempt(ctx, snap, memory, snap.status.model_copy(update={"attempt": 0}), ()))
+    assert done.errors == () and done.created_pods == 2
+    for name, obj in client.objects.items():
+        annotations = (obj["metadata"].get("annotations") or {}).items()
+        assert sum(len(k.encode()) + len(v.encode()) for k, v in annotations) <= ANNOTATIONS_LIMIT, name
+    cm = client.objects["r-config"]
+    assert sum(len(v.encode()) for v in cm["data"].values()) <= CONFIG_MAP_LIMIT
+    assert applied_spec_of(cm) == snap.desired and memory.applied_spec == snap.desired
+    (config,) = [v for v in client.objects["r-a0-0"]["spec"]["volumes"] if v["name"] == "config"]
+    assert config["configMap"]["items"] == [{"key": "trainer.toml", "path": "trainer.toml"}]
+    assert ("patch", "r-config") in client.calls
+    legacy = {"metadata": {"annotations": {"kubetitan.io/applied-spec": json.dumps({"training": {"steps": 5}})}}}
+    assert applied_spec_of(legacy) == {"training": {"steps": 5}}

@@ -22,8 +22,12 @@ from kubetitan.observe import (
 from kubetitan.operator_metrics import OperatorMetrics
 from kubetitan.reconcile.memory import RunMemory
 
-ANNOTATION_APPLIED_SPEC = "kubetitan.io/applied-spec"
-"""On the run's ConfigMap: the spec (JSON) the current attempt was created from."""
+APPLIED_SPEC_KEY = "applied-spec.json"
+"""Key of the run's ConfigMap holding the spec (JSON) the current attempt was created from. In ``data``, not in an
+annotation: a ConfigMap's data may hold 1 MiB, its annotations only 256 KiB together, and a spec of a few hundred
+KiB (a long ``env``) is valid. The pods mount only the trainer config key of the ConfigMap (``plan``)."""
+LEGACY_ANNOTATION_APPLIED_SPEC = "kubetitan.io/applied-spec"
+"""Where an older operator kept it (read for an attempt it created; removed at the next attempt's write)."""
 
 
 @dataclass

@@ -165,7 +165,7 @@ class RunMemory:
     """The status as just read from the API (a new term, or a stale status): the next cycle starts from it, not
     from the watched one, which may be older."""
     applied_spec: dict[str, Any] | None = None
-    """The spec the current attempt was created from: the ConfigMap's applied-spec annotation, read once per
+    """The spec the current attempt was created from: the ConfigMap's ``applied-spec.json``, read once per
     attempt (one GET, not one per cycle) or as this replica wrote it."""
     applied_loaded: bool = False
     """Whether ``applied_spec`` was read or written (None may be the answer: an attempt from an older operator)."""

@@ -20,7 +20,7 @@ from kubetitan import elastic, plan, policy, scraped
 from kubetitan.decide import NodeObs, nodes_to_avoid
 from kubetitan import status as status_mod
 from kubetitan.observe import node_obs, pod_obs, spec_changes
-from kubetitan.reconcile.context import ANNOTATION_APPLIED_SPEC, Context
+from kubetitan.reconcile.context import APPLIED_SPEC_KEY, LEGACY_ANNOTATION_APPLIED_SPEC, Context
 from kubetitan.reconcile.memory import Packed, RunMemory, spec_digest
 from kubetitan.reconcile.snapshot import Scrape, Snapshot, all_nodes, child_names, children_of, nodes_of, pods_of
 
@@ -61,13 +61,19 @@ async def observe(ctx: Context, memory: RunMemory, body: Mapping[str, Any], *, p
     if current and not memory.applied_loaded:
         assert ctx.client is not None
         cm = await ctx.client.get("configmaps", snap.namespace, plan.config_map_name(snap.name))
-        raw = ((cm or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_APPLIED_SPEC)
-        memory.applied_spec, memory.applied_loaded = (json.loads(raw) if raw else None), True
+        memory.applied_spec, memory.applied_loaded = applied_spec_of(cm), True
     missing = ()
     if current and snap.children_shown is not None:
         missing = memory.expected.missing(snap.attempt, {c: c in snap.children_shown for c in child_names(snap.name)})
     return dataclasses.replace(snap, scrape=scrape, applied_spec=memory.applied_spec, gate=_gate(memory, snap),
                                missing=missing, child_errors=memory.refusals.of(snap.attempt))
+
+
+def applied_spec_of(cm: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The spec the attempt was created from, as its ConfigMap holds it (None: none there)."""
+    raw = ((cm or {}).get("data") or {}).get(APPLIED_SPEC_KEY) or \
+        (((cm or {}).get("metadata") or {}).get("annotations") or {}).get(LEGACY_ANNOTATION_APPLIED_SPEC)
+    return json.loads(raw) if raw else None
 
 
 async def confirm_missing(nodes: Mapping[str, NodeObs], get: Callable[..., Awaitable[Any]]) -> Mapping[str, NodeObs]:
