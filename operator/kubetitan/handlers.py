@@ -103,6 +103,7 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
     client_of(ctx)
     ctx.session = aiohttp.ClientSession()
     ctx.scraper = Scraper(ScrapeLimits(max_bytes=ctx.options.scrape_max_bytes, timeout=ctx.options.scrape_timeout,
+                                       max_series=ctx.options.scrape_max_series,
                                        concurrency=ctx.options.scrape_concurrency))
     if isinstance(ctx.leader, LeaderElector):
         ctx.leader_task = asyncio.create_task(ctx.leader.run(), name="leader election")
@@ -188,6 +189,8 @@ async def _run_changed(type: str | None, body: kopf.Body, memo: Any, **_: Any) -
     if type == "DELETED":
         ctx.metrics.forget(meta.get("namespace", ""), meta.get("name", ""))
         ctx.jobs.pop(meta.get("uid", ""), None)
+        if ctx.scraper is not None:
+            ctx.scraper.forget(meta.get("uid", ""))
         return
     job = ctx.jobs.get(meta.get("uid", ""))
     if job is not None and job.generation != meta.get("generation"):

@@ -49,7 +49,17 @@ class OperatorMetrics:
         self.values_refused = Counter("kubetitan_operator_scraped_values_refused_total",
                                       "Values scraped from rank 0 that broke a rule of kubetitan.scraped.RULES and "
                                       "were not stored, by metric and check: finite, integer, range, future, "
-                                      "regression (count).", ["metric", "check"], registry=r)
+                                      "regression, spec (above what the run's spec makes possible) (count).",
+                                      ["metric", "check"], registry=r)
+        self._run_series(r)
+        self._phases: dict[tuple[str, str], str] = {}
+        self._infos: dict[tuple[str, str], tuple[str, str]] = {}
+        self._causes: dict[tuple[str, str], set[tuple[str, str]]] = {}
+        for p in PHASES:
+            self.phase.labels(p).set(0)
+
+    def _run_series(self, r: CollectorRegistry) -> None:
+        """The per-run series: the training gauges and the phase info."""
         labels = ["namespace", "name"]
         self.step = Gauge("kubetitan_operator_job_step", "Last step of a LlamaPretrain (steps).", labels, registry=r)
         self.tokens = Gauge("kubetitan_operator_job_tokens_per_second",
@@ -67,11 +77,6 @@ class OperatorMetrics:
                                 "Phase of a LlamaPretrain and the reason that goes with it (the terminal "
                                 "condition's for Succeeded/Failed, Ready's otherwise); always 1 (info).",
                                 ["namespace", "name", "phase", "reason"], registry=r)
-        self._phases: dict[tuple[str, str], str] = {}
-        self._infos: dict[tuple[str, str], tuple[str, str]] = {}
-        self._causes: dict[tuple[str, str], set[tuple[str, str]]] = {}
-        for p in PHASES:
-            self.phase.labels(p).set(0)
 
     def set_phase(self, ns: str, name: str, phase: str | None, reason: str = "") -> None:
         key = (ns, name)

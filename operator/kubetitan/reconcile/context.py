@@ -17,7 +17,8 @@ from kubetitan.events import Recorder
 from kubetitan.kube import Client
 from kubetitan.leader import AlwaysLeader, LeaseConfig
 from kubetitan.observe import (
-    DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_TIMEOUT_SECONDS, Scraper,
+    DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_MAX_SERIES, DEFAULT_SCRAPE_TIMEOUT_SECONDS,
+    Scraper,
 )
 from kubetitan.operator_metrics import OperatorMetrics
 from kubetitan.reconcile.memory import RunMemory
@@ -49,6 +50,8 @@ class Options:
     """The most bytes of one /metrics body the operator reads (``--scrape-max-bytes``)."""
     scrape_concurrency: int = DEFAULT_SCRAPE_CONCURRENCY
     """Scrapes in flight at once across all runs (``--scrape-concurrency``)."""
+    scrape_max_series: int = DEFAULT_SCRAPE_MAX_SERIES
+    """The most series of one /metrics body the operator parses (``--scrape-max-series``)."""
     hang_floor_seconds: float = float(AUTO_HANG_FLOOR_SECONDS)
     """The floor of ``runPolicy.hangTimeoutPolicy: Auto`` (``--hang-floor-seconds``)."""
     resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS

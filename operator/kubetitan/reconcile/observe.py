@@ -56,12 +56,12 @@ async def observe(ctx: Context, memory: RunMemory, body: Mapping[str, Any], *, p
     if snap.lpt.spec.run_policy.elastic is not None:  # the nodes that fit one pod of the gang (only then: a walk)
         snap = dataclasses.replace(snap, capacity=elastic.run_capacity(
             snap.lpt, snap.attempt, nodes_to_avoid(snap.status.restarts), all_nodes(nodes_index), snap.now))
-    scrape = await _scrape(ctx, memory, snap)
     current = snap.current
-    if current and not memory.applied_loaded:
+    if current and not memory.applied_loaded:  # before the scrape: the attempt's spec bounds its values too
         assert ctx.client is not None
         cm = await ctx.client.get("configmaps", snap.namespace, plan.config_map_name(snap.name))
         memory.applied_spec, memory.applied_loaded = applied_spec_of(cm), True
+    scrape = await _scrape(ctx, memory, snap)
     missing = ()
     if current and snap.children_shown is not None:
         missing = memory.expected.missing(snap.attempt, {c: c in snap.children_shown for c in child_names(snap.name)})
@@ -130,13 +130,14 @@ async def _scrape(ctx: Context, memory: RunMemory, snap: Snapshot) -> Scrape:
     if rank0 is None or rank0.phase != "Running" or not rank0.pod_ip or ctx.scraper is None or \
             snap.now - memory.reported.last_scrape < ctx.options.scrape_interval * ctx.clock_rate():
         return Scrape()
-    got = await ctx.scraper.scrape(ctx.session, rank0.pod_ip, snap.lpt.spec.monitoring.metrics_port)
+    got = await ctx.scraper.scrape(ctx.session, rank0.pod_ip, snap.lpt.spec.monitoring.metrics_port, key=snap.uid)
     memory.reported.last_scrape = snap.now
     if got.reason is not None:
         ctx.metrics.scrape_failures.labels(got.reason).inc()
     if got.metrics is None:
         return Scrape(error=got.error, reason=got.reason)
-    metrics, refused = scraped.check(got.metrics, attempt=snap.attempt, prev=snap.status.observation, now=snap.now)
+    metrics, refused = scraped.check(got.metrics, attempt=snap.attempt, prev=snap.status.observation, now=snap.now,
+                                     bounds=scraped.SpecBounds.of(snap.lpt.spec, memory.applied_spec))
     return Scrape(metrics=metrics, error=got.error, reason=got.reason, refused=tuple(refused))
 
 
