@@ -10,6 +10,10 @@ duplicated).
 Two ways to send:
 
 - :meth:`Recorder.record` — aggregated (``FailedCreate``, ``UnknownInstanceType``, ...): count +1 per occurrence.
+  With ``known=True`` (a state reported once per change: a spec warning, refused scraped values) an Event this
+  process has not counted yet but that exists already (409: sent before an operator restart, or by another
+  replica, about the same state) is left as it is: the restarted operator sees the same state again, which is not
+  a new occurrence.
 - :meth:`Recorder.send_once` — an Event that belongs to a status change (``status.pendingEvents``: a restart
   record, the end of the run, a refused edit): created once by its derived name; 409 means it was already sent
   (by this operator before it was killed, or by another replica), so it is never counted twice.
@@ -109,8 +113,10 @@ class Recorder:
         """Event API writes made (creates and patches), for tests and logs."""
 
     async def record(self, involved: Mapping[str, Any], type_: str, reason: str, message: str,
-                     action: str = "") -> None:
-        """One more occurrence of (object, type, reason, message): create the Event, or count on the existing one."""
+                     action: str = "", known: bool = False) -> None:
+        """One more occurrence of (object, type, reason, message): create the Event, or count on the existing one.
+        ``known``: the occurrence is a state this process may have reported before it (re)started: an Event found
+        already there is taken as its report, not counted again (a repeat within this process is counted)."""
         key = key_of(involved, type_, reason, message)
         name = event_name(involved, key)
         ns = (involved.get("metadata") or {}).get("namespace") or "default"
@@ -125,6 +131,9 @@ class Recorder:
                     return
                 existing = await self.client.get("events", ns, name) or {}  # sent before a restart, or by a peer
                 count = int(existing.get("count") or 1)
+                if known and existing:
+                    self._remember(key, count)
+                    return
             self.sent += 1
             try:
                 await self.client.patch("events", ns, name, repeat_patch(count + 1, now), **self._unfenced())

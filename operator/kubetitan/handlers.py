@@ -4,7 +4,8 @@ The reconcile itself is ``kubetitan.reconcile``: one *cycle* of one LlamaPretrai
 snapshot, calls the pure policy (``decide``) and status builder, writes the status once, applies the decision's
 creates and deletes idempotently (with expectations), and sends each Event once (``reconcile.cycle``). This module
 gives it the watches' indexes (pods by run uid, nodes by name, the runs' ConfigMaps and Services), wakes a run's
-daemon when the run's spec or one of its children changes, and runs the daemons. Running the operator (its flags, options and kopf's main loop) is ``kubetitan.runner``.
+daemon when the run's spec or one of its children changes (and, when its last create was refused, when a
+ResourceQuota of its namespace changes), and runs the daemons. Running the operator (its flags, options and kopf's main loop) is ``kubetitan.runner``.
 
 Cycles run from one daemon per LlamaPretrain, which kopf starts when it first sees the run (created, or
 found at operator start) and which loops every ``--scan-interval`` seconds or as soon as the run's spec
@@ -195,7 +196,17 @@ async def _run_changed(type: str | None, body: kopf.Body, memo: Any, **_: Any) -
     job = ctx.jobs.get(meta.get("uid", ""))
     if job is not None and job.generation != meta.get("generation"):
         job.generation = meta.get("generation")
+        job.refusals.retry_now()  # an edited spec is a new create round, not a wait for the last one's backoff
         job.wake.set()
+
+
+@kopf.on.event("resourcequotas")
+async def _quota_changed(namespace: str | None, memo: Any, **_: Any) -> None:
+    """A ResourceQuota of a namespace changed (raised, removed, or its usage went down as pods ended): every run
+    there whose last create round the API refused tries again at once, not after its backoff (up to 60 s)."""
+    for job in _ctx(memo).jobs.values():
+        if job.refusals.namespace == namespace and job.refusals.retry_now():
+            job.wake.set()
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=1.0, cancellation_timeout=2.0)

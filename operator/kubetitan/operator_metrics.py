@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kubetitan import __version__
@@ -103,13 +105,16 @@ class OperatorMetrics:
         self._causes.setdefault((ns, name), set()).add((cause, mode))
 
     def set_training(self, ns: str, name: str, t: TrainingStatus | None, restart_count: int) -> None:
+        """The run's training gauges as its status shows them: a number the status no longer has (the pace while no
+        worker trains: a restart, a new attempt's start) is removed, never left at the old attempt's value."""
         self.job_restarts.labels(ns, name).set(restart_count)
-        if t is None:
-            return
-        for gauge, value in ((self.step, t.step), (self.tokens, t.tokens_per_second), (self.mfu, t.mfu),
-                             (self.goodput, t.goodput)):
+        for gauge, value in ((self.step, t and t.step), (self.tokens, t and t.tokens_per_second),
+                             (self.mfu, t and t.mfu), (self.goodput, t and t.goodput)):
             if value is not None:
                 gauge.labels(ns, name).set(value)
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(ns, name)
 
     def forget_all(self) -> None:
         """Drop every run's series (this replica stopped leading: the new leader exports them)."""

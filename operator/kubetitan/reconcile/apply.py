@@ -139,7 +139,7 @@ async def create_attempt(ctx: Context, snap: Snapshot, memory: RunMemory, status
     exp.expect_created(done.created, exp.now())
     if cm["metadata"]["name"] in done.created:
         memory.applied_spec, memory.applied_loaded = spec_of_attempt, True
-    memory.refusals.attempt, memory.refusals.errors = attempt, done.errors
+    memory.refusals.attempt, memory.refusals.errors, memory.refusals.namespace = attempt, done.errors, snap.namespace
     made = len({p["metadata"]["name"] for p in pods} & set(done.created))
     if done.errors:
         return Created(attempt, done.errors, not_created=len(pods) - made, unsent=done.unsent,
