@@ -31,7 +31,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kubetitan_core import GROUP, PLURAL, VERSION
 from kubetitan import __version__, rbac
-from kubetitan.plan import POD_GROUP_API_VERSION
+from kubetitan.plan import POD_GROUP_API_VERSION, Prepared
 
 log = logging.getLogger("kubetitan.kube")
 
@@ -388,8 +388,9 @@ class Client:
     async def _call(self, group: str, resource: str, verb: str, method: str, path: str,
                     body: Any = None, query: list[tuple[str, Any]] | None = None,
                     content_type: str = "application/json", fenced: bool = True, retries: bool = True,
-                    timeout: float | None = None) -> dict[str, Any] | None:
-        """One API call under the error policy; the JSON body, or None for 404 (get/delete).
+                    timeout: float | None = None, decode: bool = True) -> dict[str, Any] | None:
+        """One API call under the error policy; the JSON body (``decode=False``: ``{}``, the answer unread), or None
+        for 404 (get/delete). A ``plan.Prepared`` body is sent as its own text (serialised once for the gang).
 
         429, 5xx, timeouts and connection errors are retried (``self.retry``; ``retries=False``: sent once);
         401 refreshes the credentials once; anything else raises :class:`ApiError` with the server's reason and
@@ -411,7 +412,8 @@ class Client:
             self.session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=0),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_seconds), proxy=self.cfg.proxy or None)
-        data = None if body is None else json.dumps(body, separators=(",", ":"))
+        data = None if body is None else body.text if isinstance(body, Prepared) else \
+            json.dumps(body, separators=(",", ":"))
         refreshed = False
         n = 0
         attempts = self.retry.attempts if retries else 1
@@ -459,7 +461,7 @@ class Client:
             return None
         if not 200 <= status < 300:
             raise ApiError(status, method, path, raw, retry_after)
-        return json.loads(raw) if raw else {}
+        return json.loads(raw) if raw and decode else {}
 
     async def _send(self, method: str, path: str, query: list[tuple[str, Any]] | None, data: str | None,
                     headers: dict[str, str], seconds: float) -> tuple[int, bytes, float | None]:
@@ -499,15 +501,15 @@ class Client:
         meta = obj["metadata"]
         ns = meta["namespace"]
         path = self._path(api_version, ns, resource)
-        try:
-            await self._call(group, resource, "create", "POST", path, obj, fenced=fenced)
+        try:  # the created object comes back whole (~3 KiB for a pod): not decoded, nothing reads it
+            await self._call(group, resource, "create", "POST", path, obj, fenced=fenced, decode=False)
             return True
         except ApiError as e:
             if e.status != 409:
                 raise
         existing = await self._call(group, resource, "get", "GET", self._path(api_version, ns, resource, meta["name"]))
         if existing is None:  # gone again in between: one more create
-            await self._call(group, resource, "create", "POST", path, obj, fenced=fenced)
+            await self._call(group, resource, "create", "POST", path, obj, fenced=fenced, decode=False)
             return True
         want = {r.get("uid") for r in meta.get("ownerReferences") or []}
         have = [r for r in (existing.get("metadata") or {}).get("ownerReferences") or []]

@@ -111,7 +111,8 @@ def test_create_attempt_renders_and_sends_only_the_children_not_known_to_exist(
         monkeypatch: pytest.MonkeyPatch, shown: tuple[int, ...], in_flight: tuple[str, ...],
         children_shown: tuple[str, ...], want: tuple[str, ...]) -> None:
     """A cycle woken while the pod index lags behind the gang it just created renders no pod at all; otherwise the
-    pods rendered are exactly those sent, and each is the full render's pod of that rank."""
+    pods sent are rendered from at most two renders of ranks being sent (rank 0, and the gang's template), and each is
+    the full render's pod of that rank."""
     memory = RunMemory()
     memory.expected.creating(0)
     memory.expected.expect_created(in_flight, memory.expected.now())
@@ -129,7 +130,9 @@ def test_create_attempt_renders_and_sends_only_the_children_not_known_to_exist(
     done = asyncio.run(create_attempt(ctx, snap, memory, status, ()))  # type: ignore[arg-type]
     sent = tuple(name for verb, name in client.calls if verb == "create")
     assert sent == want and done.errors == ()
-    assert [plan.pod_name("r", 0, r) for r in rendered] == [n for n in want if n.startswith("r-a0-")]
+    sent_pods = [n for n in want if n.startswith("r-a0-")]
+    assert {plan.pod_name("r", 0, r) for r in rendered} <= set(sent_pods) and len(rendered) <= 2
+    assert bool(rendered) == bool(sent_pods)
     full = {c["metadata"]["name"]: c for c in plan.attempt_children(snap.lpt, 0, hang_floor_seconds=120.0)}
     assert all(client.objects[n] == full[n] for n in sent if n.startswith("r-a0-"))
     assert all(memory.expected.in_flight(n, memory.expected.now()) for n in want)

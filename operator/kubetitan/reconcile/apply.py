@@ -123,7 +123,7 @@ async def create_attempt(ctx: Context, snap: Snapshot, memory: RunMemory, status
     groups = bool(ranks) and await _in_pod_group(ctx, snap, lpt, started)
     children = plan.attempt_children(lpt, attempt, job_start_time=parse_time(status.start_time), avoid_nodes=avoid,
                                      hang_floor_seconds=ctx.options.hang_floor_seconds, nodes=status.nodes,
-                                     ranks=ranks, pod_groups=groups)
+                                     ranks=ranks, pod_groups=groups, prepared=True)
     cm = next(c for c in children if c["kind"] == "ConfigMap")
     cm["data"][APPLIED_SPEC_KEY] = json.dumps(spec_of_attempt, sort_keys=True, separators=(",", ":"))
     pods = [c for c in children if c["kind"] == "Pod"]
