@@ -3,6 +3,8 @@ contract's ``OP_*`` constants, which the dashboards and alerts query (kubetitan.
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kubetitan import __version__
@@ -51,7 +53,17 @@ class OperatorMetrics:
         self.values_refused = Counter(c.OP_SCRAPED_VALUES_REFUSED,
                                       "Values scraped from rank 0 that broke a rule of kubetitan.scraped.RULES and "
                                       "were not stored, by metric and check: finite, integer, range, future, "
-                                      "regression (count).", ["metric", "check"], registry=r)
+                                      "regression, spec (above what the run's spec makes possible) (count).",
+                                      ["metric", "check"], registry=r)
+        self._run_series(r)
+        self._phases: dict[tuple[str, str], str] = {}
+        self._infos: dict[tuple[str, str], tuple[str, str]] = {}
+        self._causes: dict[tuple[str, str], set[tuple[str, str]]] = {}
+        for p in PHASES:
+            self.phase.labels(p).set(0)
+
+    def _run_series(self, r: CollectorRegistry) -> None:
+        """The per-run series: the training gauges and the phase info."""
         labels = ["namespace", "name"]
         self.step = Gauge(c.OP_JOB_STEP, "Last step of a LlamaPretrain (steps).", labels, registry=r)
         self.tokens = Gauge(c.OP_JOB_TOKENS_PER_SECOND,
@@ -69,11 +81,6 @@ class OperatorMetrics:
                                 "Phase of a LlamaPretrain and the reason that goes with it (the terminal "
                                 "condition's for Succeeded/Failed, Ready's otherwise); always 1 (info).",
                                 ["namespace", "name", "phase", "reason"], registry=r)
-        self._phases: dict[tuple[str, str], str] = {}
-        self._infos: dict[tuple[str, str], tuple[str, str]] = {}
-        self._causes: dict[tuple[str, str], set[tuple[str, str]]] = {}
-        for p in PHASES:
-            self.phase.labels(p).set(0)
 
     def set_phase(self, ns: str, name: str, phase: str | None, reason: str = "") -> None:
         key = (ns, name)
@@ -100,13 +107,16 @@ class OperatorMetrics:
         self._causes.setdefault((ns, name), set()).add((cause, mode))
 
     def set_training(self, ns: str, name: str, t: TrainingStatus | None, restart_count: int) -> None:
+        """The run's training gauges as its status shows them: a number the status no longer has (the pace while no
+        worker trains: a restart, a new attempt's start) is removed, never left at the old attempt's value."""
         self.job_restarts.labels(ns, name).set(restart_count)
-        if t is None:
-            return
-        for gauge, value in ((self.step, t.step), (self.tokens, t.tokens_per_second), (self.mfu, t.mfu),
-                             (self.goodput, t.goodput)):
+        for gauge, value in ((self.step, t and t.step), (self.tokens, t and t.tokens_per_second),
+                             (self.mfu, t and t.mfu), (self.goodput, t and t.goodput)):
             if value is not None:
                 gauge.labels(ns, name).set(value)
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(ns, name)
 
     def forget_all(self) -> None:
         """Drop every run's series (this replica stopped leading: the new leader exports them)."""

@@ -35,6 +35,8 @@ RULES: tuple[Rule, ...] = (
          "one gang PodGroup per attempt where the server serves them: create (get: whose is a name taken), "
          "delete when the attempt ends"),
     Rule("", "nodes", ("get", "list", "watch"), "health of the nodes running the gang: an index (cluster-scoped)"),
+    Rule("", "resourcequotas", ("get", "list", "watch"),
+         "a quota changed in a namespace (raised, or usage freed): retry at once the creates it refused there"),
     Rule("", "events", ("get", "create", "patch"),
          "restart/fail/succeed events, aggregated: a repeat is counted on the same Event (kubetitan.events)"),
     Rule("events.k8s.io", "events", ("create", "patch"), "the same through the newer events API"),

@@ -34,7 +34,7 @@ from typing import Any
 
 import kopf
 
-from kubetitan import admission, certs, certsync, webhook_guard
+from kubetitan import admission, certs, certsync, webhook_config, webhook_guard
 from kubetitan.access_cache import AccessCache, Answer, CacheConfig, key
 from kubetitan.webhook_guard import RateConfig, RateLimiter
 from kubetitan_core import GROUP, PLURAL, VERSION
@@ -83,6 +83,9 @@ def _add_certificate_flags(p: argparse.ArgumentParser) -> None:
                    help="operator certificates: the Secret holding the CA and pair (the chart ships it empty)")
     p.add_argument("--webhook-configuration", metavar="NAME",
                    help="operator certificates: the ValidatingWebhookConfiguration whose caBundle the operator keeps")
+    p.add_argument("--webhook-configuration-webhooks", metavar="JSON",
+                   help="operator certificates: the configuration's webhooks as the chart renders them (a JSON list); "
+                        "every field but caBundle is restored to these when it drifts, with a Warning Event")
     p.add_argument("--webhook-service", metavar="NS/NAME",
                    help="operator certificates: the webhook's Service (the certificate's DNS names)")
     p.add_argument("--webhook-url", metavar="URL",
@@ -169,12 +172,20 @@ def _cert_sync(a: argparse.Namespace) -> certsync.CertSync:
     names = _server_names(a)
     if not a.webhook_configuration:
         raise SystemExit("error: --webhook-certificates operator needs --webhook-configuration NAME (the chart sets it)")
+    if not a.webhook_configuration_webhooks:
+        raise SystemExit("error: --webhook-certificates operator needs --webhook-configuration-webhooks JSON (the "
+                         "chart sets it: the webhooks it renders into the configuration, which the operator keeps)")
+    try:
+        hooks = webhook_config.parse(a.webhook_configuration_webhooks)
+    except ValueError as e:
+        raise SystemExit(f"error: --webhook-configuration-webhooks {e} (the chart renders it; re-install or upgrade "
+                         "the release)") from None
     policy = certs.CertPolicy(cert_days=a.webhook_cert_days, ca_days=a.webhook_ca_days)
     if problems := policy.problems():
         raise SystemExit("error: " + "; ".join(problems))
     cert_dir = a.webhook_cert_dir or tempfile.mkdtemp(prefix="kubetitan-webhook-")
     return certsync.CertSync(secret_ns, secret, a.webhook_configuration, names,
-                             cert_dir, policy, interval=a.webhook_cert_check_seconds)
+                             cert_dir, policy, interval=a.webhook_cert_check_seconds, webhooks=hooks)
 
 
 def from_args(a: argparse.Namespace) -> WebhookOptions:
@@ -229,7 +240,8 @@ def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None,
     The chart ships the ValidatingWebhookConfiguration itself, so kopf manages none (``settings.admission.managed``
     unset): kopf's managed mode rewrites the whole configuration from the handlers (no matchConditions, its own
     names) and each replica would write its own self-signed certificate into it, while every replica here serves
-    one pair from the Secret; the operator only keeps the caBundle."""
+    one pair from the Secret; the operator keeps the caBundle, and restores the chart's webhooks
+    (``kubetitan.webhook_config``)."""
     logging.getLogger("kopf.objects").addFilter(_REFUSAL_FILTER)  # a set: adding it again is a no-op
     if options is None or options.port is None:
         settings.admission.server = _no_server

@@ -149,7 +149,8 @@ def _table(exclude: set[str]) -> set[tuple[str, str, str]]:
 LEASE_ROWS = set(rbac.LEADER_ELECTION) | set(rbac.WEBHOOK_CERTIFICATES)
 """Granted by objects of their own: the Lease by a Role in the release namespace (``*-leader-election``), the
 webhook's certificates by a Role and a ClusterRole limited to the chart's Secret and configuration
-(``*-webhook-certificates``; test_webhook_chart)."""
+(``*-webhook-certificates``), and in namespaced mode the Events about that configuration by a Role in ``default``
+(``*-webhook-events``; test_webhook_chart)."""
 
 
 @pytest.mark.parametrize(
@@ -166,7 +167,8 @@ webhook's certificates by a Role and a ClusterRole limited to the chart's Secret
     ids=["cluster", "namespaced", "namespaced-release-namespace"],
 )
 def test_rbac_grants_exactly_the_declared_table(sets, role_namespaces, want_cluster, want_role):
-    docs = [d for d in render([], sets) if not d["metadata"]["name"].endswith("-webhook-certificates")]
+    docs = [d for d in render([], sets) if not d["metadata"]["name"].endswith(("-webhook-certificates",
+                                                                               "-webhook-events"))]
     (cluster_role,) = by_kind(docs, "ClusterRole")
     assert _triples(cluster_role["rules"]) == want_cluster
     roles = by_kind(docs, "Role")

@@ -182,6 +182,8 @@ def test_operator_certificates_are_the_default_with_rbac_on_exactly_the_secret_a
         secret["metadata"]["namespace"], secret["metadata"]["name"], fullname)
     assert sync.dns_names[0] == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
     assert (sync.policy.cert_days, sync.policy.ca_days, sync.interval) == (90, 365, 60)
+    # the webhooks it restores when they drift are exactly those the chart puts into the configuration
+    assert list(sync.webhooks) == _one(docs, "ValidatingWebhookConfiguration")["webhooks"]
     mount = next(m for m in c["volumeMounts"] if m["name"] == "webhook-tls")
     assert opts.cert_file == f"{mount['mountPath']}/current/tls.crt" and not mount["readOnly"]
     vol = next(v for v in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["volumes"]
@@ -190,7 +192,30 @@ def test_operator_certificates_are_the_default_with_rbac_on_exactly_the_secret_a
     # the other modes grant none of it
     for mode in ("certManager",):
         assert not [d for d in render(sets=[f"webhook.certificates={mode}"])
-                    if d["metadata"]["name"].endswith("-webhook-certificates")]
+                    if d["metadata"]["name"].endswith(("-webhook-certificates", "-webhook-events"))]
+        assert "--webhook-configuration-webhooks" not in " ".join(_container(render(
+            sets=[f"webhook.certificates={mode}"]))["args"])
+
+
+@pytest.mark.parametrize(("sets", "events_role"), [
+    ([], False),  # cluster mode: the ClusterRole's Events row covers namespace default
+    (["watch.mode=namespaced", "watch.namespaces={ml}"], True),
+    (["watch.mode=namespaced", "watch.namespaces={ml,default}"], False),  # default's Role has the row
+], ids=["cluster", "namespaced", "namespaced-watching-default"])
+def test_the_configurations_events_may_be_sent_to_namespace_default(sets: list[str], events_role: bool) -> None:
+    """A restored configuration's Warning Event is about a cluster-scoped object, so it goes to namespace default:
+    in namespaced mode a Role there grants the Events row alone (create/get/patch, no resourceNames: Event names
+    are generated); the restored webhooks are the namespaced ones (their namespaceSelector)."""
+    docs = render(sets=sets)
+    roles = [d for d in by_kind(docs, "Role") if d["metadata"]["name"].endswith("-webhook-events")]
+    assert len(roles) == int(events_role)
+    if events_role:
+        assert roles[0]["metadata"]["namespace"] == "default"
+        assert roles[0]["rules"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["get", "create", "patch"]}]
+        (b,) = [d for d in by_kind(docs, "RoleBinding") if d["metadata"]["name"].endswith("-webhook-events")]
+        assert b["metadata"]["namespace"] == "default" and b["roleRef"]["name"] == roles[0]["metadata"]["name"]
+    sync = runner.options_from_args(runner.build_parser().parse_args(_container(docs)["args"])).webhook.certificates
+    assert list(sync.webhooks) == _one(docs, "ValidatingWebhookConfiguration")["webhooks"]
 
 
 def test_the_requester_cache_values_become_flags():

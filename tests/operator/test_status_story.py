@@ -167,6 +167,46 @@ def test_starting_only_once_every_pod_of_the_attempt_exists(pods, phase, childre
     assert (st.phase, condition(st, C.CHILDREN_CREATED)) == (phase, children)
 
 
+UNANSWERED = Progress(metrics_available=False, metrics_error="GET http://10.0.0.1:9090/metrics failed: refused")
+ELASTIC = {"elastic": {"minNodes": 1, "shrinkAfterSeconds": 300}}
+
+
+def _elastic_lost_node() -> Observed:
+    """Attempt 0 of an elastic 2-node run trains; node n1 is gone and nothing else fits rank 1 (capacity 1)."""
+    from kubetitan.decide import Capacity
+
+    return Observed(pods=_pods(), nodes={"n0": NodeObs("n0"), "n1": NodeObs("n1", ready=False,
+                                                                           not_ready_since=NOW - 20)},
+                    progress=TRAINING, now=NOW, ranks_seen=frozenset({0, 1}),
+                    capacity=Capacity(schedulable=1, stable=1))
+
+
+@pytest.mark.parametrize(("policy", "obs", "phase", "ready"), [
+    # the whole gang exists but cannot be placed: waiting for nodes, not starting
+    ({"unschedulableTimeoutSeconds": 600},
+     Observed(pods=tuple(replace(p, phase="Pending", node_name=None, unschedulable_message="0/4 nodes are available")
+                         for p in _pods()), now=NOW), "Pending", ("False", C.WAITING_FOR_NODES)),
+    ({"unschedulableTimeoutSeconds": 10},
+     Observed(pods=tuple(replace(p, phase="Pending", node_name=None, unschedulable_message="0/4 nodes are available")
+                         for p in _pods()), now=NOW), "Pending", ("False", C.PODS_UNSCHEDULABLE)),
+    # an elastic run whose node is lost waits shrinkAfterSeconds for a replacement: Pending, not Starting
+    (ELASTIC, _elastic_lost_node(), "Pending", ("False", C.WAITING_FOR_REPLACEMENT)),
+    # every pod runs, /metrics never answered: within startupTimeoutSeconds the workers may still be starting ...
+    ({"startupTimeoutSeconds": 600}, Observed(pods=_pods(), nodes=NODES, progress=UNANSWERED, now=NOW,
+                                              ranks_seen=frozenset({0, 1})), "Starting", ("False", C.METRICS_UNAVAILABLE)),
+    # ... past it, whether they train is unknown: Running (the pods run), never Starting for life
+    ({"startupTimeoutSeconds": 30}, Observed(pods=_pods(), nodes=NODES, progress=UNANSWERED, now=NOW,
+                                             ranks_seen=frozenset({0, 1})), "Running", ("Unknown", C.PROGRESS_UNKNOWN)),
+], ids=["unschedulable-within-its-timeout", "unschedulable-past-its-timeout", "elastic-waiting-for-a-node",
+        "metrics-never-answered-while-starting", "metrics-never-answered-past-the-startup-timeout"])
+def test_a_run_waiting_for_nodes_or_for_its_metrics_does_not_show_starting(policy, obs, phase, ready) -> None:
+    spec = _spec(runPolicy=policy)
+    st = _step(spec, _status(), obs)
+    assert (st.phase, _cond(st, C.READY)) == (phase, ready), C.find(st.conditions, C.READY)
+    if ready[1] in (C.METRICS_UNAVAILABLE, C.PROGRESS_UNKNOWN):
+        assert "refused" in (st.message or "")  # the scrape's own error, so the user can fix it
+
+
 @pytest.mark.parametrize("obs", [
     Observed(pods=tuple(replace(p, phase="Pending", node_name=None, unschedulable_message="0/4 nodes are available")
                         for p in _pods()), now=NOW),

@@ -827,12 +827,18 @@ def test_the_webhook_flags() -> None:
     own = ("--webhook-port", "9443", "--webhook-certificates", "operator")
     with pytest.raises(SystemExit, match="needs --webhook-secret NAMESPACE/NAME"):
         opts(*own)
+    with pytest.raises(SystemExit, match="needs --webhook-configuration-webhooks JSON"):
+        opts(*own, "--webhook-secret", "kt/kt-webhook-tls", "--webhook-service", "kt/kt-webhook",
+             "--webhook-configuration", "kt")
     full = (*own, "--webhook-secret", "kt/kt-webhook-tls", "--webhook-service", "kt/kt-webhook",
-            "--webhook-configuration", "kt")
+            "--webhook-configuration", "kt", "--webhook-configuration-webhooks", '[{"name": "w"}]')
+    with pytest.raises(SystemExit, match="--webhook-configuration-webhooks must be a non-empty JSON list"):
+        opts(*full[:-1], "[]")
     with pytest.raises(SystemExit, match="must be at least the serving certificate's"):
         opts(*full, "--webhook-ca-days", "30")
     got = opts(*full, "--webhook-cert-dir", "/run/w")
     assert got.cert_file == "/run/w/current/tls.crt" and got.certificates.dns_names[0] == "kt-webhook.kt.svc"
+    assert got.certificates.webhooks == ({"name": "w"},)
     assert opts("--requester-cache-allowed-seconds", "0").access_cache.allowed_seconds == 0
     assert opts().rate == RateConfig() and opts().client_ca_file is None
     assert opts("--webhook-rate-user-per-second", "2", "--webhook-rate-source-burst", "64").rate == RateConfig(
