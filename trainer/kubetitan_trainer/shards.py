@@ -573,11 +573,27 @@ class ShardWriter:
         self._chunk_crc, self._chunk_fill = 0, 0
         self.tokens = 0
         self._ends: list[np.ndarray] = []
+        self._doc_end = 0
         self.documents = 0
 
     def add(self, flat: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents given as their tokens concatenated (``flat``) and their lengths."""
-        data = np.ascontiguousarray(flat, dtype=self.dtype).tobytes()
+        self.write(flat)
+        self.end_documents(lengths)
+
+    def end_documents(self, lengths: np.ndarray) -> None:
+        """Record documents of these lengths, written since the last recorded one (:meth:`write`), as complete."""
+        ends = self._doc_end + np.cumsum(lengths, dtype=np.int64)
+        if ends.size:
+            assert int(ends[-1]) <= self.tokens, "documents end past the tokens written"
+            self._doc_end = int(ends[-1])
+        self._ends.append(ends)
+        self.documents += int(lengths.size)
+
+    def write(self, flat: np.ndarray) -> None:
+        """Append tokens (a document's or a part of one: :meth:`end_documents` records where documents end)."""
+        arr = np.ascontiguousarray(flat, dtype=self.dtype)
+        data = arr.tobytes()
         self._bin.write(data)
         self._crc = zlib.crc32(data, self._crc)
         view, pos = memoryview(data), 0
@@ -589,12 +605,11 @@ class ShardWriter:
             if self._chunk_fill == self.chunk_bytes:
                 self._chunk_crcs.append(self._chunk_crc)
                 self._chunk_crc, self._chunk_fill = 0, 0
-        self._ends.append(self.tokens + np.cumsum(lengths, dtype=np.int64))
-        self.tokens += int(flat.size)
-        self.documents += int(lengths.size)
+        self.tokens += int(arr.size)
 
     def close(self) -> dict[str, Any]:
         """Flush, fsync and rename; returns the shard's ``files`` entry for index.json."""
+        assert self._doc_end == self.tokens, "the last document was not recorded (end_documents)"
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
