@@ -120,3 +120,23 @@ def test_failure_report_reads_nothing_from_no_report_and_ignores_unknown_keys():
     newer = json.dumps({**json.loads(REPORT.to_json()), "xid": 79})  # a newer launcher's extra key
     assert FailureReport.from_json(newer) == REPORT
     assert "seen_by" not in json.loads(REPORT.to_json())  # unset optional fields are left out
+
+
+def test_a_weight_schedule_renders_as_flat_points_with_percentages_resolved():
+    """Each source's schedule reaches the trainer as points (source, step, weight), a percentage of training.steps
+    turned into the nearest step; the trainer reads the same schedules back (kubetitan_core.weights.from_lists)."""
+    from kubetitan_core import weights
+    from kubetitan_core.api import weight_schedules
+
+    obj = LlamaPretrain.model_validate(make_lpt({"training": {"steps": 1000}, "data": {"source": "mixture", "mixture": [
+        {"shards": {"path": "/data/web"}, "weight": 9},
+        {"shards": {"path": "/data/math"}, "weight": 0,
+         "schedule": {"points": [{"percent": 90, "weight": 0}, {"step": 1000, "weight": 3}]}}]}}))
+    d = render.kubetitan_table(obj).data
+    assert (d.mixture_weights, d.mixture_schedule_interpolations) == ([9, 0], ["", "linear"])
+    assert (d.mixture_schedule_sources, d.mixture_schedule_steps, d.mixture_schedule_weights) == ([1, 1], [900, 1000], [0, 3])
+    back = weights.from_lists(d.mixture_weights, d.mixture_schedule_interpolations, d.mixture_schedule_sources,
+                              d.mixture_schedule_steps, d.mixture_schedule_weights)
+    assert back == weight_schedules(obj.spec)
+    assert [float(back[1].at(s)) for s in (1, 900, 950, 1000)] == [0.0, 0.0, 1.5, 3.0]
+    assert weights.percent_step(12.5, 10) == 1 and weights.percent_step(15, 10) == 2  # nearest, halves up

@@ -155,6 +155,9 @@ class Exporter:
                                          "source) gave the job's global stream, carried across attempts through the "
                                          "checkpoint's data position (tokens).", ["source"], registry=r)
         self._data_tokens: dict[str, int] = {}
+        self.data_weight = Gauge(contract.M_DATA_WEIGHT, "Share of the samples of the current step each data source "
+                                 "(label source) gives, from the mixture's weights at that step: constant, or as its "
+                                 "weight schedule says (ratio 0-1).", ["source"], registry=r)
         # Registered at the first evaluation (eval_done): before it there is no eval loss, and a 0 would be read as one.
         self.eval_loss = Gauge(contract.M_EVAL_LOSS, "Loss on the held-out samples at the last evaluation, averaged "
                                "over their tokens (nats per token).", registry=None)
@@ -256,6 +259,11 @@ class Exporter:
             if total > seen:
                 self.data_tokens_total.labels(source=source).inc(total - seen)
                 self._data_tokens[source] = total
+
+    def data_weights(self, shares: dict[str, float]) -> None:
+        """Each source's share of the current step's samples."""
+        for source, share in shares.items():
+            self.data_weight.labels(source=source).set(share)
 
     def eval_done(self, step: int, loss: float) -> None:
         """A held-out evaluation at ``step``; the eval series appear on /metrics with the first one."""

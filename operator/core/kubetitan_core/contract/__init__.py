@@ -261,6 +261,7 @@ M_MFU = "kubetitan_trainer_mfu_ratio"
 M_STEP_DURATION = "kubetitan_trainer_step_duration_seconds"
 M_DATA_LOADING_DURATION = "kubetitan_trainer_data_loading_duration_seconds"
 M_DATA_TOKENS = "kubetitan_trainer_data_tokens_total"  # label source: tokens each data source gave the job
+M_DATA_WEIGHT = "kubetitan_trainer_data_weight_ratio"  # label source: its share of the current step's samples
 M_EVAL_LOSS = "kubetitan_trainer_eval_loss"  # held-out loss at M_EVAL_STEP; absent before the first evaluation
 M_EVAL_PERPLEXITY = "kubetitan_trainer_eval_perplexity"  # exp(eval loss)
 M_EVAL_STEP = "kubetitan_trainer_eval_step"  # step of the last evaluation
