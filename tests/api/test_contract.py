@@ -140,3 +140,18 @@ def test_a_weight_schedule_renders_as_flat_points_with_percentages_resolved():
     assert back == weight_schedules(obj.spec)
     assert [float(back[1].at(s)) for s in (1, 900, 950, 1000)] == [0.0, 0.0, 1.5, 3.0]
     assert weights.percent_step(12.5, 10) == 1 and weights.percent_step(15, 10) == 2  # nearest, halves up
+
+
+@pytest.mark.parametrize("spec_ledger, cli_ledger, want", [(False, False, False), (True, False, True),
+                                                           (False, True, True)], ids=["off", "spec", "cli"])
+def test_the_sample_ledger_is_switched_on_from_the_spec_or_the_command_line(tmp_path, spec_ledger, cli_ledger, want):
+    """spec.data.ledger renders [kubetitan.data] ledger (what the pods read); `kubetitan run --ledger` turns it on for
+    a local run whatever the spec says."""
+    import tomllib
+
+    from kubetitan_trainer.local import write_config
+
+    obj = LlamaPretrain.model_validate(make_lpt({"data": {"source": "synthetic", "ledger": spec_ledger}}))
+    assert render.kubetitan_table(obj).data.ledger is spec_ledger
+    cfg = tomllib.loads(write_config(obj, tmp_path, None, 9999, ledger=cli_ledger).read_text())
+    assert cfg["kubetitan"]["data"].get("ledger", False) is want

@@ -313,6 +313,10 @@ class DataSpec(_Base):
     A streamed `huggingface` dataset is read in its own order."""
     eval: EvalSpec | None = None
     """Held-out evaluation (loss and perplexity in metrics, status and the dashboard); unset means none."""
+    ledger: bool = False
+    """Audits: every rank appends the global samples it trains (step, position, source, window, epoch) to
+    `<checkpoint.mountPath>/kubetitan/ledger/rank-<r>-of-<W>.txt` (docs/data.md, "The sample ledger"); a line per
+    sample. `kubetitan run --ledger` turns it on for a local run."""
     volume: VolumeClaim | None = None
     """A claim mounted at `mountPath` that holds data (shards or a dataset copy)."""
     mount_path: str = Field(default="/data", pattern=r"^/")
