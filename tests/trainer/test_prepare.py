@@ -454,4 +454,11 @@ def test_filters_skip_documents_and_count_them_in_the_index(tmp_path: Path) -> N
     assert index["documents"] == 3
     assert index["skipped"] == {"empty": 1, "short": 1, "long": 1, "binary": 2}
     assert index["filters"] == {"min_chars": 10, "max_chars": 200, "drop_binary": True}
+    # the dataset card: the source's sha256, the filters and what they left out, the counts, the tokenizer
+    import hashlib
+
+    card = (tmp_path / "out" / prepare.CARD_FILE).read_text()
+    assert f"| `{f}` | {f.stat().st_size:,} | `{hashlib.sha256(f.read_bytes()).hexdigest()}` |" in card
+    assert "| 10 | 200 | yes | 1 | 1 | 1 | 2 |" in card
+    assert f"| {index['total_tokens']:,} | 3 | 1 | uint16 |" in card and index["tokenizer"]["sha256"] in card
     assert prepare.looks_binary("text\ufffd" * 3) and not prepare.looks_binary("page one\fpage two\ttab\r\n")

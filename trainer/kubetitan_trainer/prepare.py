@@ -743,7 +743,64 @@ def merge(out: Path, pid: str, plan: dict[str, Any], tok: dict[str, Any], dtype:
                                 "long_documents": sum(r.get("long_documents", 0) for r in recs),
                                 "hard_cuts": sum(r.get("hard_cuts", 0) for r in recs)})
     S.atomic_write_text(out / S.INDEX_FILE, json.dumps(index, indent=1) + "\n")
+    S.atomic_write_text(out / CARD_FILE, dataset_card(out, index, plan))
     return index
+
+
+CARD_FILE = "dataset_card.md"
+"""What prepare-data writes beside index.json for people: the sources and their hashes, the filters, the counts and
+the tokenizer (:func:`dataset_card`)."""
+
+
+def input_sha256(path: str, planned: dict[str, Any]) -> str:
+    """The sha256 of an input file, or why there is none (gone, or changed since it was planned)."""
+    try:
+        st = os.stat(path)
+        if (st.st_size, st.st_mtime_ns) != (planned["bytes"], planned["mtime_ns"]):
+            return "(changed since it was tokenized)"
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as e:
+        return f"({e.strerror or e})"
+
+
+def dataset_card(out: Path, index: dict[str, Any], plan: dict[str, Any]) -> str:
+    """The dataset card (Markdown): the sources with their bytes and sha256 (hashed here, at the merge: about a
+    second per GB), the filters and what they kept out, the token and document counts, the tokenizer's identity."""
+    tok, f, sk = index["tokenizer"], index.get("filters", {}), index.get("skipped", {})
+    rows = "\n".join(f"| `{i['path']}` | {i['bytes']:,} | `{input_sha256(i['path'], i)}` |" for i in plan["inputs"])
+    return f"""# Dataset card: {out.name}
+
+Written by `kubetitan prepare-data` with `index.json` (plan `{index['plan_id']}`); the shards' own checksums are
+in `index.json`.
+
+## Counts
+
+| tokens | documents | shards | dtype | input files | input bytes | long documents (in pieces) | hard cuts |
+|---|---|---|---|---|---|---|---|
+| {index['total_tokens']:,} | {index['documents']:,} | {len(index['files'])} | {index['dtype']} | \
+{index['input_files']} | {index['input_bytes']:,} | {index.get('long_documents', 0)} | {index.get('hard_cuts', 0)} |
+
+## Tokenizer
+
+`{tok['name']}`: `tokenizer.json` sha256 `{tok['sha256']}`, {tok['vocab_size']:,} tokens; documents stored as
+{index['convention']} (BOS id {index['bos_id']}, EOS id {index['eos_id']}).
+
+## Filters
+
+| --min-chars | --max-chars | --drop-binary | left out: empty | short | long | binary |
+|---|---|---|---|---|---|---|
+| {f.get('min_chars') or 'none'} | {f.get('max_chars') or 'none'} | {'yes' if f.get('drop_binary') else 'no'} | \
+{sk.get('empty', 0):,} | {sk.get('short', 0):,} | {sk.get('long', 0):,} | {sk.get('binary', 0):,} |
+
+## Sources
+
+Text field `{plan['options'].get('text_field', 'text')}`.
+
+| file | bytes | sha256 |
+|---|---|---|
+{rows}
+"""
 
 
 def _claim_plan(out: Path, plan: dict[str, Any]) -> str:
