@@ -424,7 +424,8 @@ def _hub_loader(tmp_path, W, r, b=2):
     stream = GlobalStream([source("a", 40), hub], [3.0, 1.0], seed=5, shuffled=True)
     counted: list[dict] = []
     counters = data._Counters(stream)
-    counters.exporter = SimpleNamespace(data_tokens=counted.append, data_weights=lambda shares: None)
+    counters.exporter = SimpleNamespace(data_tokens=counted.append, data_weights=lambda shares: None,
+                                         data_epochs=lambda epochs: None)
     return GlobalDataLoader(stream, dp_rank=r, dp_world_size=W, local_batch=b, on_batch=counters), counted
 
 

@@ -67,6 +67,11 @@ SYNTHETIC_WINDOWS = 1 << 40
 LEDGER_DIR = "ledger"
 """Under ``<dump_folder>/kubetitan/``: with ``[kubetitan.data] ledger = true`` each rank appends the global samples
 it trains to ``rank-<r>.txt``, one line ``step position source window epoch`` per sample."""
+SOURCE_KEY = "kubetitan_sources"
+"""Input-dict key of each sample's source index (a mixture's per-source losses); popped before the model sees it."""
+SEGMENT_KEY = "kubetitan_segments"
+"""Input-dict key of each input token's document within its sample (``attention_mask = "document"``), read by the
+model's attention masks (:mod:`kubetitan_trainer.doc_mask`)."""
 _MASK64 = (1 << 64) - 1
 _STATE_KEY = "kubetitan_global_position"
 _RANK_STATE_KEY = "kubetitan_stream_position_dp_rank_{}"
@@ -148,6 +153,15 @@ class WindowSource:
 
     def held_out(self, k: int) -> np.ndarray:
         return self.window(self.windows + k)
+
+    def segments(self, k: int) -> np.ndarray:
+        """Which document of window ``k`` each of its tokens belongs to (from the ``.idx``: document masking)."""
+        try:
+            return self.shards.segments(k * self.size, self.size)
+        except ValueError as e:  # a version-1 directory records no boundaries
+            raise ConfigError("kubetitan.data.attention_mask (spec.data.attentionMask)", str(e),
+                              "re-run kubetitan prepare-data (format version 2 stores the boundaries), or set "
+                              "attentionMask to causal") from None
 
 
 def epoch_permutation(n: int, seed: int, source: int, epoch: int) -> np.ndarray:
@@ -383,6 +397,19 @@ class GlobalStream:
         src = self.sources[s.source]
         return src.next_window() if getattr(src, "per_rank", False) else src.window(s.window)
 
+    def segments(self, s: Sample) -> np.ndarray:
+        """The document of each token of sample ``s`` (a source without boundaries: one document)."""
+        src = self.sources[s.source]
+        seg = getattr(src, "segments", None)
+        return seg(s.window) if seg is not None else np.zeros(src.seq_len + 1, dtype=np.int32)
+
+    def report(self) -> dict[str, dict[str, float]]:
+        """Per source: the tokens it has given the job and its epochs (draws over its training windows: 1.5 is half
+        way through its second pass; a small source repeats long before a large one)."""
+        size = self.sources[0].seq_len + 1
+        return {s.name: {"tokens": c * size, "epochs": c / s.windows}
+                for s, c in zip(self.sources, self.schedule.counts)}
+
     def per_rank_sources(self) -> list[Any]:
         """The sources whose position is one per rank (streamed datasets, :class:`HubSource`)."""
         return [s for s in self.sources if getattr(s, "per_rank", False)]
@@ -437,9 +464,13 @@ class GlobalDataLoader(BaseDataLoader):
     yielded the same micro-batches."""
 
     def __init__(self, stream: GlobalStream, *, dp_rank: int, dp_world_size: int, local_batch: int,
-                 on_batch: Callable[[list[Sample]], None] | None = None) -> None:
+                 on_batch: Callable[[list[Sample]], None] | None = None, tag_sources: bool = False,
+                 segments: bool = False) -> None:
         self.stream, self.dp_rank, self.dp_world_size, self.local_batch = stream, dp_rank, dp_world_size, local_batch
         self.on_batch = on_batch
+        self.tag_sources, self.segments = tag_sources, segments
+        """Also yield each sample's source (``SOURCE_KEY``: per-source losses) and its tokens' documents
+        (``SEGMENT_KEY``: document masking)."""
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         b, r = self.local_batch, self.dp_rank
@@ -455,7 +486,12 @@ class GlobalDataLoader(BaseDataLoader):
             x = torch.from_numpy(np.stack([self.stream.tokens(s) for s in mine]))
             if self.on_batch is not None:
                 self.on_batch(mine)
-            yield {"input": x[:, :-1]}, x[:, 1:]
+            inputs = {"input": x[:, :-1]}
+            if self.tag_sources:
+                inputs[SOURCE_KEY] = torch.tensor([s.source for s in mine], dtype=torch.int64)
+            if self.segments:
+                inputs[SEGMENT_KEY] = torch.from_numpy(np.stack([self.stream.segments(s)[:-1] for s in mine]))
+            yield inputs, x[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
         # A string: DCP saves it once (every rank's is the same) and hands it back to every rank, any world size.
@@ -531,15 +567,24 @@ class EvalLoader(BaseDataLoader):
     ``W*b``), rank ``r`` reading its ``b`` of every ``W*b``. Finite, equal on every rank; no checkpoint state."""
 
     def __init__(self, read: Callable[[int], np.ndarray], samples: int, *, dp_rank: int, dp_world_size: int,
-                 local_batch: int) -> None:
+                 local_batch: int, source_of: Callable[[int], int] | None = None,
+                 segments: Callable[[int], np.ndarray] | None = None) -> None:
         self.read, self.dp_rank, self.dp_world_size, self.local_batch = read, dp_rank, dp_world_size, local_batch
         self.batches = samples // (dp_world_size * local_batch)
+        self.source_of, self.segments = source_of, segments
+        """Tag each sample with its source (per-source eval loss) and its tokens' documents (document masking)."""
 
     def __iter__(self):
         b, w, r = self.local_batch, self.dp_world_size, self.dp_rank
         for k in range(self.batches):
-            x = torch.from_numpy(np.stack([self.read(p) for p in rank_slice(0, k, r, w, b)]))
-            yield {"input": x[:, :-1]}, x[:, 1:]
+            slots = rank_slice(0, k, r, w, b)
+            x = torch.from_numpy(np.stack([self.read(p) for p in slots]))
+            inputs = {"input": x[:, :-1]}
+            if self.source_of is not None:
+                inputs[SOURCE_KEY] = torch.tensor([self.source_of(p) for p in slots], dtype=torch.int64)
+            if self.segments is not None:
+                inputs[SEGMENT_KEY] = torch.from_numpy(np.stack([self.segments(p)[:-1] for p in slots]))
+            yield inputs, x[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -850,6 +895,7 @@ class _Counters:
             self.exporter.data_tokens({s.name: c * size for s, c in zip(self.stream.sources, sch.counts)})
             step = step_of(max(0, sch.g - 1), getattr(sch, "samples_per_step", 1))
             self.exporter.data_weights({s.name: x for s, x in zip(self.stream.sources, sch.shares_at(step))})
+            self.exporter.data_epochs({name: r["epochs"] for name, r in self.stream.report().items()})
         if self.ledger is not None:
             self.ledger(mine)
 
@@ -874,7 +920,8 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer 
     stream = GlobalStream(sources, weights, data_seed(job_config), shuffled=cfg.order == "shuffled", mix=mix)
     counters = _Counters(stream)
     loader = GlobalDataLoader(stream, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch=t.local_batch_size,
-                              on_batch=counters)
+                              on_batch=counters, tag_sources=len(sources) > 1,
+                              segments=cfg.attention_mask == "document")
     loader.counters = counters  # type: ignore[attr-defined]  # the trainer attaches the exporter and the ledger
     return loader
 
@@ -900,7 +947,7 @@ def build_eval_loader(job_config: JobConfig, dp_world_size: int, dp_rank: int) -
         src = WindowSource("eval", open_shards(cfg.eval_shards_path, field, "auto", model_vocab_size(job_config),
                                                job_config), seq_len, path=cfg.eval_shards_path, field=field)
         sources, weights, reads = [src], [1.0], [src.window]
-        sizes = [src.windows]
+        sizes, segs = [src.windows], [src.segments]
     else:
         sources, weights = build_sources(job_config)
         schedules = weight_schedules(job_config)
@@ -909,12 +956,14 @@ def build_eval_loader(job_config: JobConfig, dp_world_size: int, dp_rank: int) -
         if cfg.source == "synthetic":
             evals = SyntheticSource(sources[0].vocab_size, seq_len, _mix(data_seed(job_config), 0xE7A1))
             reads, sizes = [evals.window], [SYNTHETIC_WINDOWS]
+            segs = [lambda k: np.zeros(seq_len + 1, dtype=np.int32)]
         elif any(getattr(s, "per_rank", False) for s in sources):
             raise ConfigError("kubetitan.data.eval_shards_path (spec.data.eval.shards)",
                               "is required with a huggingface mixture source: a streamed dataset has no held-out split",
                               "prepare a held-out set with `kubetitan prepare-data` and set spec.data.eval.shards")
         else:
             reads, sizes = [s.held_out for s in sources], [s.held_out_windows for s in sources]
+            segs = [lambda k, s=s: s.segments(s.windows + k) for s in sources]
     if not all(sizes):
         raise ConfigError("kubetitan.data.held_out_percent (spec.data.eval.heldOutPercent)",
                           "is 0, so there is no held-out data to evaluate",
@@ -927,8 +976,12 @@ def build_eval_loader(job_config: JobConfig, dp_world_size: int, dp_rank: int) -
     if any(schedule.counts[i] > sizes[i] for i in range(len(sizes))):
         logger.warning(f"The held-out set has fewer windows than eval_samples ({cfg.eval_samples}) asks of it "
                        f"({sizes}); some are evaluated twice")
+    per_source = len(sources) > 1 and not cfg.eval_shards_path
     loader = EvalLoader(lambda p: reads[plan[p][0]](plan[p][1]), cfg.eval_samples, dp_rank=dp_rank,
-                        dp_world_size=dp_world_size, local_batch=job_config.training.local_batch_size)
+                        dp_world_size=dp_world_size, local_batch=job_config.training.local_batch_size,
+                        source_of=(lambda p: plan[p][0]) if per_source else None,
+                        segments=(lambda p: segs[plan[p][0]](plan[p][1])) if cfg.attention_mask == "document" else None)
+    loader.source_names = [s.name for s in sources] if per_source else []  # type: ignore[attr-defined]
     if loader.batches < 1:
         raise ConfigError("kubetitan.data.eval_samples (spec.data.eval.samples)",
                           f"{cfg.eval_samples} is fewer than one batch of local batch x data-parallel degree "

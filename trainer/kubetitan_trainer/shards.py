@@ -192,6 +192,8 @@ class ShardSet:
     """Per shard: which chunks a lazy reader has verified (None until its first read)."""
     _chunks_left: list[int] = field(default_factory=list, repr=False)
     _starts: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64), repr=False)
+    _doc_starts: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    """Per shard read so far: its document offsets (the ``.idx``, CRC-checked once, memory-mapped)."""
 
     # ------------------------------------------------------------------------------------------------ opening
     @classmethod
@@ -518,6 +520,32 @@ class ShardSet:
             pos, done = pos + take, done + take
         self.check_range(out, offset)
         return out
+
+    def segments(self, offset: int, n: int) -> np.ndarray:
+        """For tokens ``[offset, offset + n)``: which document of the span each belongs to (int32, 0 for the first,
+        +1 at every document start after it; a shard's start is a document's), from the ``.idx`` files (each
+        CRC-checked on its first use here, then memory-mapped: a window costs two binary searches per shard)."""
+        out = np.zeros(n, dtype=np.int32)
+        end, pos = offset + n, offset
+        while pos < end:
+            i, off = self.locate(pos)
+            starts = self._shard_doc_starts(i)  # local offsets, the shard's end last
+            upto = min(end, int(self._starts[i + 1]))
+            lo = int(np.searchsorted(starts, off, side="right"))
+            hi = int(np.searchsorted(starts, upto - int(self._starts[i]), side="left"))
+            out[starts[lo:hi].astype(np.int64) + (int(self._starts[i]) - offset)] += 1  # documents starting inside
+            if upto < end:  # the next shard starts a document
+                out[upto - offset] += 1
+            pos = upto
+        return np.cumsum(out, dtype=np.int32)
+
+    def _shard_doc_starts(self, i: int) -> np.ndarray:
+        got = self._doc_starts.get(i)
+        if got is None:
+            s = self.shards[i]
+            self.document_offsets(i)  # checks it exists and its CRC-32 (a version-1 directory has none)
+            got = self._doc_starts[i] = np.memmap(self.path / s.doc_index, dtype="<u8", mode="r")  # type: ignore[operator]
+        return got
 
     def document_offsets(self, i: int) -> np.ndarray:
         """Document start offsets (plus the end) of shard ``i`` in global token units; version 2 only."""

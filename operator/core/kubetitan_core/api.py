@@ -313,6 +313,11 @@ class DataSpec(_Base):
     A streamed `huggingface` dataset is read in its own order."""
     eval: EvalSpec | None = None
     """Held-out evaluation (loss and perplexity in metrics, status and the dashboard); unset means none."""
+    attention_mask: Literal["causal", "document"] = "causal"
+    """`causal`: each token attends to every earlier token of its sequence, across the documents packed into it;
+    `document`: only to the earlier tokens of its own document (block-causal attention at the document boundaries the
+    shards' `.idx` files store, through torchtitan's flex attention; docs/data.md, "Document masking"). `document`
+    needs shards sources (`shards`, or a mixture of shards) and no context parallelism."""
     ledger: bool = False
     """Audits: every rank appends the global samples it trains (step, position, source, window, epoch) to
     `<checkpoint.mountPath>/kubetitan/ledger/rank-<r>-of-<W>.txt` (docs/data.md, "The sample ledger"); a line per
@@ -678,6 +683,17 @@ class RestartRecord(_Base):
     """`Shrink`/`Grow`: the gang's size (nodes) of the next attempt."""
 
 
+class SourceLossStatus(_Base):
+    """One data source of a mixture: its losses (nats per token)."""
+
+    name: str
+    """The source's name (`spec.data.mixture[].name`, else its directory's or dataset's)."""
+    loss: float | None = None
+    """Its training loss at the step of the status's training loss."""
+    eval_loss: float | None = None
+    """Its held-out loss at the newest evaluation."""
+
+
 class TrainingStatus(_Base):
     """Training progress scraped from rank 0's metrics."""
 
@@ -703,6 +719,8 @@ class TrainingStatus(_Base):
     """Perplexity on the held-out samples at `evalStep` (exp of `evalLoss`)."""
     eval_step: int | None = None
     """Step of the newest held-out evaluation."""
+    sources: list[SourceLossStatus] = Field(default_factory=list, max_length=64)
+    """A mixture's losses by data source (training loss at `step`, held-out loss at `evalStep`), sorted by name."""
     last_checkpoint_step: int | None = None
     """Step of the newest complete checkpoint."""
     eta: str | None = None

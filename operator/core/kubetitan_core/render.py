@@ -196,7 +196,7 @@ def _mixture(s: LlamaPretrainSpec) -> dict[str, Any]:
 def _data(s: LlamaPretrainSpec) -> KubetitanData:
     """``[kubetitan.data]``: the source and its settings, the read order, the held-out evaluation."""
     d = s.data
-    keys: dict[str, Any] = {"source": d.source, "order": d.order, "ledger": d.ledger}
+    keys: dict[str, Any] = {"source": d.source, "order": d.order, "ledger": d.ledger, "attention_mask": d.attention_mask}
     if d.source == "huggingface":
         hf = d.huggingface or HuggingFaceDataSpec()
         keys.update(hf_dataset=hf.dataset, hf_config=hf.config or "", hf_split=hf.split, hf_streaming=hf.streaming,

@@ -205,6 +205,14 @@ RULES: tuple[Rule, ...] = (
     Rule("data.mixture-schedule", "spec.data.mixture[].schedule", "points in increasing step order within "
          "training.steps; a weight of 0 only with a schedule that raises it; some source's weight above 0 at every "
          "step", "kubetitan.data.mixture_schedule_* (weights by step)"),
+    Rule("data.attention-mask", "spec.data.attentionMask", "document needs shards sources (the .idx boundaries) and "
+         "no context parallelism",
+         cel=Cel(
+             "self.data.attentionMask != 'document' || ((self.data.source == 'shards' || (self.data.source == "
+             "'mixture' && (!has(self.data.mixture) || self.data.mixture.all(m, !has(m.huggingface))))) && "
+             "self.parallelism.contextParallelDegree == 1)",
+             "data.attentionMask document needs shards sources and no context parallelism",
+             ".data.attentionMask")),
     Rule("data.eval-held-out", "spec.data.eval", "eval.shards set when data.source is huggingface or a mixture source "
          "is (a stream has no held-out split)",
          cel=Cel(
@@ -822,6 +830,22 @@ def _data_mixture_schedule(f: Facts) -> Problems:
     for i, msg in weights.problems(weight_schedules(f.spec), f.spec.training.steps):
         yield ("spec.data.mixture" if i is None else f"spec.data.mixture[{i}]"
                + (".schedule" if d.mixture[i].schedule else ".weight")), msg
+
+
+@check("data.attention-mask")
+def _data_attention_mask(f: Facts) -> Problems:
+    d = f.spec.data
+    if d.attention_mask != "document":
+        return
+    if d.source not in ("shards", "mixture") or any(m.huggingface for m in d.mixture or []):
+        yield "spec.data.attentionMask", ("document needs the document boundaries of shards (written by `kubetitan "
+                                          f"prepare-data`), and data.source {d.source} "
+                                          + ("has a huggingface source" if d.source == "mixture" else "has none")
+                                          + ": prepare the data into shards, or set attentionMask to causal")
+    if f.spec.parallelism.context_parallel_degree > 1:
+        yield "spec.data.attentionMask", ("document is not supported with context parallelism (the sequence is split "
+                                          "over ranks): set parallelism.contextParallelDegree to 1, or attentionMask "
+                                          "to causal")
 
 
 @check("data.eval-held-out")

@@ -89,6 +89,9 @@ class KubetitanData:
     eval_shards_path: str = ""
     """A separate held-out shards directory (or `s3://bucket/prefix`) to evaluate; empty: hold out part of the
     training data."""
+    attention_mask: Literal["causal", "document"] = "causal"
+    """`causal`: every token attends to every earlier token of its sample; `document`: only to the earlier tokens of
+    its own document (block-causal, from the shards' `.idx` boundaries, through torchtitan's flex attention)."""
     ledger: bool = False
     """Debugging: each rank appends the global samples it trains (step, position, source, window, epoch) to
     `<dump_folder>/kubetitan/ledger/rank-<r>-of-<W>.txt`."""
