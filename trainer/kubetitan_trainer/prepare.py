@@ -567,6 +567,7 @@ class _Unit:
         self.bytes = self.tokens = self.documents = 0
         self.skipped = dict.fromkeys(SKIP_REASONS, 0)
         self.stats = {"long_documents": 0, "hard_cuts": 0}
+        self._cpu0 = time.process_time()
 
     def _writer(self) -> S.ShardWriter:
         if self.writer is None:
@@ -653,7 +654,8 @@ class _Unit:
             self.files.append(self.writer.close())
             self.writer = None
         rec = {"plan_id": j.pid, "unit": j.unit, "bytes": sum(p[3] for p in j.pieces), "tokens": self.tokens,
-               "documents": self.documents, "skipped": self.skipped, **self.stats, "files": self.files}
+               "documents": self.documents, "skipped": self.skipped, **self.stats, "files": self.files,
+               "cpu_seconds": round(time.process_time() - self._cpu0, 3)}
         (self.out / PARTS_DIR).mkdir(exist_ok=True)
         S.atomic_write_text(part_file(self.out, j.unit), json.dumps(rec) + "\n")
         return rec
