@@ -94,6 +94,8 @@ RULES: tuple[Rule, ...] = (
     Rule(contract.M_FLOPS_PER_GPU),
     Rule(contract.M_MFU, high=1.0),
     Rule(contract.M_EVAL_LOSS),
+    Rule(contract.M_SOURCE_LOSS),
+    Rule(contract.M_SOURCE_EVAL_LOSS),
     Rule(contract.M_EVAL_PERPLEXITY),
     Rule(contract.M_EVAL_STEP, high=MAX_STEP, integer=True, monotonic="generation"),
     Rule(contract.M_STEP_DURATION, high=MAX_STEP_SECONDS),
@@ -105,6 +107,16 @@ RULES: tuple[Rule, ...] = (
 """One row per sample the status reads (``kubetitan.status`` reads no other)."""
 
 BY_METRIC: dict[str, Rule] = {r.metric: r for r in RULES}
+PER_SOURCE = (contract.M_SOURCE_LOSS, contract.M_SOURCE_EVAL_LOSS)
+"""Metrics read per ``source`` label (``name/<source>``), each source under the metric's row."""
+
+
+def rule_for(name: str) -> Rule | None:
+    """The row of a sample as ``observe.parse_metrics`` keys it (a per-source one under its metric's row)."""
+    rule = BY_METRIC.get(name)
+    if rule is None and "/" in name and (base := name.split("/", 1)[0]) in PER_SOURCE:
+        rule = BY_METRIC[base]
+    return rule
 
 Check = Literal["finite", "integer", "range", "future", "regression", "spec"]
 
@@ -210,7 +222,7 @@ def check(metrics: Mapping[str, float], *, attempt: int, prev: AttemptObservatio
     kept: dict[str, float] = {}
     refused: list[Refusal] = []
     for name, v in metrics.items():
-        rule = BY_METRIC.get(name)
+        rule = rule_for(name)
         if rule is None:
             continue
         r = _value_refusal(rule, float(v), now) or _spec_refusal(name, float(v), bounds)
@@ -222,8 +234,9 @@ def check(metrics: Mapping[str, float], *, attempt: int, prev: AttemptObservatio
     history = prev if prev is not None and prev.attempt == attempt and (own is None or own == attempt) else None
     gen = kept.get(contract.M_RESTART_GENERATION)
     same_generation = history is not None and (gen is None or gen <= (history.generation or 0))
-    for name in [n for n in kept if BY_METRIC[n].monotonic]:
-        rule, v = BY_METRIC[name], kept[name]
+    for name in [n for n in kept if rule_for(n).monotonic]:  # type: ignore[union-attr]
+        rule, v = rule_for(name), kept[name]
+        assert rule is not None
         before = _previous(rule, history, same_generation)
         if before is None or v >= before:
             continue

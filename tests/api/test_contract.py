@@ -191,3 +191,36 @@ def test_the_spec_and_its_rendered_table_read_the_same_shards_paths(data, want):
     got = [(p.spec_field, p.table_field, p.path, p.held_out) for p in spec_shards_paths(lpt.spec)]
     assert got == want
     assert table_shards_paths(render.kubetitan_table(lpt).data) == spec_shards_paths(lpt.spec)
+def test_a_weight_schedule_renders_as_flat_points_with_percentages_resolved():
+    """Each source's schedule reaches the trainer as points (source, step, weight), a percentage of training.steps
+    turned into the nearest step; the trainer reads the same schedules back (kubetitan_core.weights.from_lists)."""
+    from kubetitan_core import weights
+    from kubetitan_core.api import weight_schedules
+
+    obj = LlamaPretrain.model_validate(make_lpt({"training": {"steps": 1000}, "data": {"source": "mixture", "mixture": [
+        {"shards": {"path": "/data/web"}, "weight": 9},
+        {"shards": {"path": "/data/math"}, "weight": 0,
+         "schedule": {"points": [{"percent": 90, "weight": 0}, {"step": 1000, "weight": 3}]}}]}}))
+    d = render.kubetitan_table(obj).data
+    assert (d.mixture_weights, d.mixture_schedule_interpolations) == ([9, 0], ["", "linear"])
+    assert (d.mixture_schedule_sources, d.mixture_schedule_steps, d.mixture_schedule_weights) == ([1, 1], [900, 1000], [0, 3])
+    back = weights.from_lists(d.mixture_weights, d.mixture_schedule_interpolations, d.mixture_schedule_sources,
+                              d.mixture_schedule_steps, d.mixture_schedule_weights)
+    assert back == weight_schedules(obj.spec)
+    assert [float(back[1].at(s)) for s in (1, 900, 950, 1000)] == [0.0, 0.0, 1.5, 3.0]
+    assert weights.percent_step(12.5, 10) == 1 and weights.percent_step(15, 10) == 2  # nearest, halves up
+
+
+@pytest.mark.parametrize("spec_ledger, cli_ledger, want", [(False, False, False), (True, False, True),
+                                                           (False, True, True)], ids=["off", "spec", "cli"])
+def test_the_sample_ledger_is_switched_on_from_the_spec_or_the_command_line(tmp_path, spec_ledger, cli_ledger, want):
+    """spec.data.ledger renders [kubetitan.data] ledger (what the pods read); `kubetitan run --ledger` turns it on for
+    a local run whatever the spec says."""
+    import tomllib
+
+    from kubetitan_trainer.local import write_config
+
+    obj = LlamaPretrain.model_validate(make_lpt({"data": {"source": "synthetic", "ledger": spec_ledger}}))
+    assert render.kubetitan_table(obj).data.ledger is spec_ledger
+    cfg = tomllib.loads(write_config(obj, tmp_path, None, 9999, ledger=cli_ledger).read_text())
+    assert cfg["kubetitan"]["data"].get("ledger", False) is want

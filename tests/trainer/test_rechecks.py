@@ -29,6 +29,10 @@ CASES: dict[str, tuple[dict[str, dict[str, Any]], int, bool]] = {
     "tokenizer.path-required": ({"kubetitan": {"tokenizer": {"source": "path", "path": "{tmp}/no-tokenizer"}}}, 2, False),
     "data.s3-uri": ({"kubetitan": {"data": {"source": "mixture", "mixture_paths": ["s3://ok-bucket/a", "s3://b//x"],
                                             "mixture_weights": [1, 1]}}}, 2, False),
+    "data.mixture-schedule": ({"kubetitan": {"data": {
+        "source": "mixture", "mixture_paths": ["/data/a", "/data/b"], "mixture_weights": [1, 1],
+        "mixture_schedule_interpolations": ["", "step"], "mixture_schedule_sources": [1, 1],
+        "mixture_schedule_steps": [5, 3], "mixture_schedule_weights": [2, 3]}}}, 2, False),  # steps out of order
     "checkpoint.s3-uri": ({"kubetitan": {"checkpoint_storage": {"s3_uri": "s3://Bad_Bucket/x"}}}, 2, False),
 }
 

@@ -84,7 +84,7 @@ class Client:
 
 def stager(client: Client):
     pytest.importorskip("s3torchconnector")
-    from kubetitan_trainer import s3shards
+    from kubetitan_trainer.data import s3shards
     from kubetitan_trainer.storage import S3Settings
 
     st = object.__new__(s3shards.Stager)

@@ -192,6 +192,10 @@ def test_exported_metrics_pass_promtool():
     ex.checkpoint_saved(3, 1.2)
     ex.data_loading.observe(0.001)
     ex.data_tokens({"code": 4096, "web": 1024})  # per-source series appear with the first micro-batch
+    ex.data_weights({"code": 0.75, "web": 0.25})
+    ex.data_epochs({"code": 1.5, "web": 0.25})
+    ex.source_losses({"code": 2.25, "web": 2.75})  # a mixture's per-source losses with the first logged step
+    ex.source_eval_losses({"code": 2.5, "web": 3.0})
     ex.eval_done(3, 2.7)  # the eval series with the first evaluation
     from kubetitan_trainer.recovery.anatomy import Recorder
 

@@ -177,6 +177,25 @@ def _float8_all_gather_recipe(job_config: JobConfig, world_size: int, cuda: bool
         )
 
 
+@recheck("data.mixture-schedule")
+def _mixture_schedule(job_config: JobConfig, world_size: int, cuda: bool) -> None:
+    from kubetitan_core import weights
+
+    d = job_config.kubetitan.data
+    if d.source != "mixture":
+        return
+    field = "kubetitan.data.mixture_schedule_* (spec.data.mixture[].schedule)"
+    try:
+        schedules = weights.from_lists(d.mixture_weights, d.mixture_schedule_interpolations, d.mixture_schedule_sources,
+                                       d.mixture_schedule_steps, d.mixture_schedule_weights)
+    except ValueError as e:
+        raise ConfigError(field, str(e), "render trainer.toml from the spec (kubetitan render)",
+                          "data.mixture-schedule") from None
+    for i, msg in weights.problems(schedules, job_config.training.steps):
+        where = "the mixture" if i is None else f"source {i}"
+        raise ConfigError(field, f"{where}: {msg}", "fix the schedule in spec.data.mixture", "data.mixture-schedule")
+
+
 @recheck("data.shards-required")
 def _shards_required(job_config: JobConfig, world_size: int, cuda: bool) -> None:
     d = job_config.kubetitan.data

@@ -3,7 +3,7 @@ transient, with capped exponential waits (full jitter when asked), each failure 
 
 Its callers keep only their policy: which exceptions are transient, how many tries, what the last failure becomes.
 The checkpoint store (``kubetitan_trainer.storage``: the pre-flight LIST, the last save), the S3 staging of shards
-(``kubetitan_trainer.s3shards``: each ranged GET) and the hub (``kubetitan_trainer.downloads.with_retries``: the
+(``kubetitan_trainer.data.s3shards``: each ranged GET) and the hub (``kubetitan_trainer.data.downloads.with_retries``: the
 tokenizer download, a hub dataset's opening).
 """
 

@@ -29,9 +29,11 @@ from kubetitan_core.render import TRAIN_SPEC_NAME
 from kubetitan_trainer import compat, cpu_bridge, runtime
 from kubetitan_trainer.data.loaders import build_dataloader
 from kubetitan_trainer.data.tokenizer import build_tokenizer
+from kubetitan_trainer.doc_mask import DocumentMaskedTransformer
 from kubetitan_trainer.evaluation import build_validator
 from kubetitan_trainer.flavours import model_args
 from kubetitan_trainer.metrics import build_metrics_processor
+from kubetitan_trainer.source_loss import build_loss
 
 
 def compile_fp8_head(model: torch.nn.Module, job_config: JobConfig) -> bool:
@@ -88,7 +90,9 @@ def build_train_spec() -> TrainSpec:
     base = llama3_train_spec()
     return dataclasses.replace(
         base,
+        model_cls=DocumentMaskedTransformer,
         model_args=model_args(),
+        build_loss_fn=build_loss,
         parallelize_fn=wrap_parallelize(base.parallelize_fn),
         build_dataloader_fn=build_dataloader,
         build_tokenizer_fn=build_tokenizer,

@@ -41,7 +41,7 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import ALREADY_COMPLETE, ENV_STOP_FILE, compat, netcheck, runtime, storage
+from kubetitan_trainer import ALREADY_COMPLETE, ENV_STOP_FILE, compat, netcheck, runtime, source_loss, storage
 from kubetitan_trainer.data import loaders as data, s3shards
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.recovery import anatomy, heartbeat, inprocess, restore_tier
@@ -120,6 +120,7 @@ class KubetitanTrainer(Trainer):
             storage.preflight(self._store, job_config.job.dump_folder)
         s3shards.stage_all(job_config)  # s3:// shards to node-local disk, verified, before anything is built
         super().__init__(job_config)
+        self._source_stats = self._per_source_losses()
         self._log_float8_notes()
         if ck.enable and self._store.remote:
             self._route_checkpoints_to_store()
@@ -252,6 +253,32 @@ class KubetitanTrainer(Trainer):
                 observe(times[-1])
             yield item
 
+    def _per_source_losses(self) -> source_loss.SourceStats | None:
+        """A mixture's per-source training losses (:mod:`kubetitan_trainer.source_loss`): the stats the loss fills and
+        the report the metrics processor adds to a logged step (tokens and epochs of every source, and its loss)."""
+        names = source_loss.source_names(self.dataloader, self.parallel_dims)
+        stats = source_loss.SourceStats(names) if names else None
+        stream = getattr(self.dataloader, "stream", None)
+        if stream is not None:
+            group = source_loss.loss_group(self.parallel_dims)
+
+            def report() -> dict[str, dict[str, float]]:
+                rep = stream.report()
+                if stats is not None:  # every rank logs the same steps: the all-reduce is collective
+                    for name, v in stats.losses(group, self.device).items():
+                        rep[name].update(v)
+                return rep
+
+            self.metrics_processor.report_sources(train=report)
+        return stats
+
+    def post_dataloading_process(self, input_dict, labels):
+        """The loader's source tags go to the loss (the model never sees them)."""
+        sources = input_dict.pop(data.SOURCE_KEY, None)
+        if self._source_stats is not None and isinstance(self.loss_fn, source_loss.SourceLoss):
+            self.loss_fn.tag(sources, self._source_stats if sources is not None else None)
+        return super().post_dataloading_process(input_dict, labels)
+
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
         if self._inprocess is not None:
@@ -269,6 +296,8 @@ class KubetitanTrainer(Trainer):
             rec.mark("load_end")
             rec.first_step_begins()
         self._local_loss = None
+        if self._source_stats is not None:
+            self._source_stats.reset()
         if self._inprocess is not None:
             self._inprocess.step = self.step
         super().train_step(data_iterator)

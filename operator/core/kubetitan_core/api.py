@@ -23,6 +23,7 @@ from pydantic.alias_generators import to_camel
 from kubetitan_core import API_VERSION, KIND
 from kubetitan_core.contract import is_s3_uri
 from kubetitan_core.causes import RESIZE_CAUSES, RESTART_CAUSES  # noqa: F401 - RESIZE_CAUSES re-exported
+from kubetitan_core.weights import WeightSchedule, percent_step
 
 
 # The closed choices the trainer's TOML table (kubetitan_core.contract.trainer_toml) and the launcher's arguments
@@ -33,6 +34,9 @@ ShardsDtype = Literal["auto", "uint16", "uint32"]
 TokenizerSource = Literal["builtin", "path", "huggingface"]
 Platform = Literal["generic", "eks", "hyperpod"]
 NetworkFallback = Literal["Fail", "AllowSockets"]
+AttentionMask = Literal["causal", "document"]
+"""Which tokens a token attends to: every earlier one in its sample (``causal``) or only those of its own document
+(``document``: block-causal at the document boundaries the shards store)."""
 TierRead = Literal["pread", "map"]
 """How a restore-tier load reads the tier's files (``[kubetitan.runtime] restore_tier_read``)."""
 StagingWrite = Literal["pwrite", "map"]
@@ -247,6 +251,30 @@ class ShardsDataSpec(_Base):
     """Token dtype of the shards; `auto` reads it from `index.json`."""
 
 
+class WeightPoint(_Base):
+    """One point of a weight schedule: the weight a source has at a step. Set exactly one of `step` and `percent`."""
+
+    step: int | None = Field(default=None, ge=0, le=1_000_000_000)
+    """Training step of this point (0 is the start; at most `training.steps`)."""
+    percent: float | None = Field(default=None, ge=0, le=100)
+    """Where this point is as a percentage of `training.steps` (the nearest step, halves up), instead of `step`."""
+    weight: float = Field(ge=0, le=1_000_000)
+    """The source's weight at this point, relative to the other sources' weights at the same step (0: none of the
+    samples of that step come from it)."""
+
+
+class WeightScheduleSpec(_Base):
+    """How a mixture source's weight changes over training: from `weight` at step 0 through `points` (docs/data.md,
+    "Weight schedules"), e.g. a source annealed in over the last 10% of the steps."""
+
+    interpolation: Literal["linear", "step"] = "linear"
+    """`linear`: the weight changes step by step in a straight line from one point to the next (from `weight` at step
+    0 to the first point); `step`: each point's weight holds from its step on. After the last point its weight
+    holds."""
+    points: list[WeightPoint] = Field(min_length=1, max_length=64)
+    """The points, in increasing step order."""
+
+
 class MixtureSourceSpec(_Base):
     """One dataset of a weighted mixture, `shards` or `huggingface` (exactly one), and its share of the samples."""
 
@@ -257,10 +285,14 @@ class MixtureSourceSpec(_Base):
     """A Hugging Face text dataset streamed and tokenized on the fly, each data-parallel rank reading its own part
     of it in the dataset's order. A run with one cannot resume at another data-parallel degree (a stream has one
     position per rank): prepare it into shards with `kubetitan prepare-data` for that."""
-    weight: float = Field(gt=0, le=1_000_000)
+    weight: float = Field(ge=0, le=1_000_000)
     """Share of the training samples (and so of the tokens) drawn from this source, relative to the other
     sources' weights: 3 and 1 mean 75% and 25%. Realised exactly: after any n samples each source has had
-    its share of n, give or take less than one sample."""
+    its share of n, give or take less than one sample. With `schedule`, its weight at step 0 (0 allowed: a source
+    scheduled in later)."""
+    schedule: WeightScheduleSpec | None = None
+    """The weight as a function of the step (annealing); unset: `weight` throughout. Resumable at any number of GPUs
+    like the rest of the sample stream."""
     name: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
     """Name of the source in metrics (the `source` label of `kubetitan_trainer_data_tokens_total`); unset means
     the shards directory's name, or the dataset's name after its last `/`."""
@@ -302,6 +334,15 @@ class DataSpec(_Base):
     A streamed `huggingface` dataset is read in its own order."""
     eval: EvalSpec | None = None
     """Held-out evaluation (loss and perplexity in metrics, status and the dashboard); unset means none."""
+    attention_mask: AttentionMask = "causal"
+    """`causal`: each token attends to every earlier token of its sequence, across the documents packed into it;
+    `document`: only to the earlier tokens of its own document (block-causal attention at the document boundaries the
+    shards' `.idx` files store, through torchtitan's flex attention; docs/data.md, "Document masking"). `document`
+    needs shards sources (`shards`, or a mixture of shards) and no context parallelism."""
+    ledger: bool = False
+    """Audits: every rank appends the global samples it trains (step, position, source, window, epoch) to
+    `<checkpoint.mountPath>/kubetitan/ledger/rank-<r>-of-<W>.txt` (docs/data.md, "The sample ledger"); a line per
+    sample. `kubetitan run --ledger` turns it on for a local run."""
     volume: VolumeClaim | None = None
     """A claim mounted at `mountPath` that holds data (shards or a dataset copy)."""
     mount_path: str = Field(default="/data", pattern=r"^/")
@@ -702,6 +743,17 @@ class RestartRecord(_Base):
     """`Shrink`/`Grow`: the gang's size (nodes) of the next attempt."""
 
 
+class SourceLossStatus(_Base):
+    """One data source of a mixture: its losses (nats per token)."""
+
+    name: str
+    """The source's name (`spec.data.mixture[].name`, else its directory's or dataset's)."""
+    loss: float | None = None
+    """Its training loss at the step of the status's training loss."""
+    eval_loss: float | None = None
+    """Its held-out loss at the newest evaluation."""
+
+
 class TrainingStatus(_Base):
     """Training progress scraped from rank 0's metrics."""
 
@@ -727,6 +779,8 @@ class TrainingStatus(_Base):
     """Perplexity on the held-out samples at `evalStep` (exp of `evalLoss`)."""
     eval_step: int | None = None
     """Step of the newest held-out evaluation."""
+    sources: list[SourceLossStatus] = Field(default_factory=list, max_length=64)
+    """A mixture's losses by data source (training loss at `step`, held-out loss at `evalStep`), sorted by name."""
     last_checkpoint_step: int | None = None
     """Step of the newest complete checkpoint."""
     eta: str | None = None
@@ -900,6 +954,16 @@ def spec_shards_paths(s: LlamaPretrainSpec) -> list[ShardsPath]:
     return shards_paths(d.source, d.shards.path if d.shards is not None else "",
                         [m.shards.path if m.shards is not None else None for m in d.mixture],
                         d.eval.shards.path if d.eval is not None and d.eval.shards is not None else "")
+def weight_schedules(s: LlamaPretrainSpec) -> list[WeightSchedule]:
+    """Each mixture source's weight schedule (:mod:`kubetitan_core.weights`), percentages resolved against
+    `training.steps`; a point that sets neither `step` nor `percent` is at step 0 (validation refuses it)."""
+    out = []
+    for m in s.data.mixture or []:
+        sch = m.schedule
+        points = tuple((p.step if p.step is not None else percent_step(p.percent, s.training.steps)
+                        if p.percent is not None else 0, p.weight) for p in (sch.points if sch else []))
+        out.append(WeightSchedule(m.weight, sch.interpolation if sch else "linear", points))
+    return out
 
 
 def reads_s3_shards(s: LlamaPretrainSpec) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kubetitan_core import API_VERSION, KIND, contract, k8sfields
+from kubetitan_core import API_VERSION, KIND, contract, k8sfields, weights
 from kubetitan_core.api import (
     LlamaPretrain,
     at_size,
@@ -40,6 +40,7 @@ from kubetitan_core.api import (
     reads_s3_shards,
     resolved_dp_shard,
     spec_shards_paths,
+    weight_schedules,
     world_size,
 )
 from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPE_LABEL, INSTANCE_TYPES, InstanceType, ModelDims, accelerator_for
@@ -195,6 +196,24 @@ RULES: tuple[Rule, ...] = (
              "!has(self.data.mixture) || self.data.mixture.all(m, has(m.shards) != has(m.huggingface))",
              "each data.mixture source sets exactly one of shards and huggingface",
              ".data.mixture")),
+    Rule("data.mixture-schedule-point", "spec.data.mixture[].schedule.points[]", "each point sets exactly one of "
+         "step and percent",
+         cel=Cel(
+             "!has(self.data.mixture) || self.data.mixture.all(m, !has(m.schedule) || "
+             "m.schedule.points.all(p, has(p.step) != has(p.percent)))",
+             "each data.mixture[].schedule point sets exactly one of step and percent",
+             ".data.mixture")),
+    Rule("data.mixture-schedule", "spec.data.mixture[].schedule", "points in increasing step order within "
+         "training.steps; a weight of 0 only with a schedule that raises it; some source's weight above 0 at every "
+         "step", "kubetitan.data.mixture_schedule_* (weights by step)"),
+    Rule("data.attention-mask", "spec.data.attentionMask", "document needs shards sources (the .idx boundaries) and "
+         "no context parallelism",
+         cel=Cel(
+             "self.data.attentionMask != 'document' || ((self.data.source == 'shards' || (self.data.source == "
+             "'mixture' && (!has(self.data.mixture) || self.data.mixture.all(m, !has(m.huggingface))))) && "
+             "self.parallelism.contextParallelDegree == 1)",
+             "data.attentionMask document needs shards sources and no context parallelism",
+             ".data.attentionMask")),
     Rule("data.eval-held-out", "spec.data.eval", "eval.shards set when data.source is huggingface or a mixture source "
          "is (a stream has no held-out split)",
          cel=Cel(
@@ -793,6 +812,41 @@ def _data_mixture_source(f: Facts) -> Problems:
         if (m.shards is None) == (m.huggingface is None):
             yield f"spec.data.mixture[{i}]", ("sets " + ("both shards and huggingface" if m.shards else "neither shards "
                                               "nor huggingface") + ": give each source exactly one of them")
+
+
+@check("data.mixture-schedule-point")
+def _data_mixture_schedule_point(f: Facts) -> Problems:
+    for i, m in enumerate(f.spec.data.mixture or []):
+        for k, p in enumerate(m.schedule.points if m.schedule else []):
+            if (p.step is None) == (p.percent is None):
+                yield f"spec.data.mixture[{i}].schedule.points[{k}]", ("sets " + ("both step and percent" if p.step
+                      is not None else "neither step nor percent") + ": give each point exactly one of them")
+
+
+@check("data.mixture-schedule")
+def _data_mixture_schedule(f: Facts) -> Problems:
+    d = f.spec.data
+    if d.source != "mixture" or not d.mixture:
+        return
+    for i, msg in weights.problems(weight_schedules(f.spec), f.spec.training.steps):
+        yield ("spec.data.mixture" if i is None else f"spec.data.mixture[{i}]"
+               + (".schedule" if d.mixture[i].schedule else ".weight")), msg
+
+
+@check("data.attention-mask")
+def _data_attention_mask(f: Facts) -> Problems:
+    d = f.spec.data
+    if d.attention_mask != "document":
+        return
+    if d.source not in ("shards", "mixture") or any(m.huggingface for m in d.mixture or []):
+        yield "spec.data.attentionMask", ("document needs the document boundaries of shards (written by `kubetitan "
+                                          f"prepare-data`), and data.source {d.source} "
+                                          + ("has a huggingface source" if d.source == "mixture" else "has none")
+                                          + ": prepare the data into shards, or set attentionMask to causal")
+    if f.spec.parallelism.context_parallel_degree > 1:
+        yield "spec.data.attentionMask", ("document is not supported with context parallelism (the sequence is split "
+                                          "over ranks): set parallelism.contextParallelDegree to 1, or attentionMask "
+                                          "to causal")
 
 
 @check("data.eval-held-out")

@@ -67,6 +67,21 @@ def data_tokens_rate_by_source(cfg: MonitoringConfig) -> str:
     return f"max by (source) (rate({c.M_DATA_TOKENS}{{{run_selector(cfg)}}}[{RATE}]))"
 
 
+def source_loss(cfg: MonitoringConfig) -> str:
+    """A mixture's training loss by data source at the last logged step."""
+    return f"max by (source) ({c.M_SOURCE_LOSS}{{{run_selector(cfg)}}})"
+
+
+def source_eval_loss(cfg: MonitoringConfig) -> str:
+    """A mixture's held-out loss by data source at the newest evaluation."""
+    return f"max by (source) ({c.M_SOURCE_EVAL_LOSS}{{{run_selector(cfg)}}})"
+
+
+def data_epochs(cfg: MonitoringConfig) -> str:
+    """Passes over each data source so far (above 1: it repeats)."""
+    return f"max by (source) ({c.M_DATA_EPOCHS}{{{run_selector(cfg)}}})"
+
+
 def grad_norm(cfg: MonitoringConfig) -> str:
     return f"max({c.M_GRAD_NORM}{{{run_selector(cfg)}}})"
 

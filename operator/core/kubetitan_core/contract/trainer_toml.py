@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubetitan_core.api import (DataOrder, DataSource, NetworkFallback, Platform, ShardsDtype, ShardsPath, StagingWrite,
-                                TierRead, TokenizerSource, shards_paths)
+from kubetitan_core.api import (AttentionMask, DataOrder, DataSource, NetworkFallback, Platform, ShardsDtype, ShardsPath,
+                                StagingWrite, TierRead, TokenizerSource, shards_paths)
 
 ALWAYS = {"always": True}
 """Field metadata: written whatever the value (see the module docstring)."""
@@ -67,7 +67,18 @@ class KubetitanData:
     mixture_hf_streaming: list[bool] = field(default_factory=list)
     """Per mixture source: stream a `huggingface` one (as `hf_streaming`); empty: true."""
     mixture_weights: list[float] = field(default_factory=list)
-    """Weight of each `mixture_paths` entry (any positive numbers; normalised): its share of the samples (and tokens)."""
+    """Weight of each `mixture_paths` entry (0 or more, normalised; 0 only with a schedule that raises it): its share
+    of the samples (and tokens); with a schedule, its weight at step 0."""
+    mixture_schedule_interpolations: list[str] = field(default_factory=list)
+    """Per mixture source: how its weight changes between its schedule points, `linear` or `step`; empty (for all,
+    or for one source): no schedule, its weight holds (kubetitan_core.weights)."""
+    mixture_schedule_sources: list[int] = field(default_factory=list)
+    """The weight schedules' points, one entry each: the index of the source (in `mixture_paths`) it belongs to; with
+    `mixture_schedule_steps` and `mixture_schedule_weights`, its points in increasing step order."""
+    mixture_schedule_steps: list[int] = field(default_factory=list)
+    """Per schedule point: its training step (0 is the start, where the source's weight is `mixture_weights`)."""
+    mixture_schedule_weights: list[float] = field(default_factory=list)
+    """Per schedule point: the source's weight at that step (0 or more)."""
     mixture_dtypes: list[str] = field(default_factory=list)
     """Token dtype of each mixture source (`auto`, `uint16`, `uint32`); empty: `auto` for all."""
     mixture_names: list[str] = field(default_factory=list)
@@ -81,6 +92,9 @@ class KubetitanData:
     eval_shards_path: str = ""
     """A separate held-out shards directory (or `s3://bucket/prefix`) to evaluate; empty: hold out part of the
     training data."""
+    attention_mask: AttentionMask = "causal"
+    """`causal`: every token attends to every earlier token of its sample; `document`: only to the earlier tokens of
+    its own document (block-causal, from the shards' `.idx` boundaries, through torchtitan's flex attention)."""
     ledger: bool = False
     """Debugging: each rank appends the global samples it trains (step, position, source, window, epoch) to
     `<dump_folder>/kubetitan/ledger/rank-<r>-of-<W>.txt`."""
