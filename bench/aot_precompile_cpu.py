@@ -40,12 +40,13 @@ def main() -> int:
                                   "compile": True, **args.precision},
                     "data": {"source": "synthetic"}, "checkpoint": {"enabled": False},
                     "parallelism": {"dataParallelShardDegree": 1},
-                    "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1}})
+                    "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1},
+                    "runtime": {"aotCompile": True}})
     failed = False
     for run in (1, 2):
         cfg = write_config(args.work / f"run{run}.toml", obj, args.work / "dump", {"kubetitan": {"metrics_port": 0}})
         begin = time.time()
-        rc, out = trainer.launch(cfg, 1, f"aot{run}", env={"KUBETITAN_AOT_PRECOMPILE": "1"}, timeout=900)
+        rc, out = trainer.launch(cfg, 1, f"aot{run}", timeout=900)
         print(f"=== run {run}: exit {rc} in {time.time() - begin:.1f} s")
         for line in out.splitlines():
             if "AOT precompile" in line or "Start-up of" in line:

@@ -4,7 +4,9 @@ Prints:
 
 1. the tokenizer's raw ``encode_batch_fast`` rate on one core (MB/s, tokens/s): the ceiling of one worker;
 2. ``kubetitan prepare-data`` MB/s and tokens/s with 1, 2, ... workers (``--workers``), as it reports its tokenizing
-   phase, and its wall time including start-up; targets: >= 0.8x the raw rate per worker, >= 1.7x from 1 to 2;
+   phase, its wall time including start-up, its CPU time and its peak RSS; targets: >= 0.8x the raw rate per worker,
+   >= 1.8x from 1 to 2, peak RSS < 1 GiB (``--long-docs N``: the corpus also holds a text file of N single-line
+   documents of ``--long-mb`` MB each, the base corpus's text with its newlines made spaces);
 3. peak RSS of ``prepare-data`` (the main process plus its workers, sampled; and the largest single process) on a
    large input (``--large-mb``, default 1024: the base corpus repeated); target < 1 GiB for a 1 GB input;
 4. the shard reader's tokens/s on one core (``ShardSet.read`` of ``seq_len + 1`` windows at random offsets, as a
@@ -15,6 +17,7 @@ The corpus is real text found on the machine, no download: every readable text f
 ones decompressed) and Python sources of the interpreter's library, one JSONL document per file, up to ``--base-mb``.
 
     python bench/data_bench.py [--base-mb 24] [--large-mb 1024] [--workers 1,2] [--tokenizer builtin|DIR]
+                               [--long-docs 2 --long-mb 9.4]
 """
 
 from __future__ import annotations
@@ -90,6 +93,42 @@ print(json.dumps({"bytes": total, "tokens": tokens, "seconds": dt, "cpu_seconds"
 """
 
 
+def write_long_docs(base: Path, out: Path, n: int, mb: float) -> int:
+    """``n`` single-line documents of ``mb`` MB each (a ``.txt`` file: one document per line), made of the base
+    corpus's text with newlines turned into spaces; returns the file's bytes."""
+    text = " ".join(json.loads(line)["text"].replace("\n", " ").replace("\r", " ") for line in open(base, encoding="utf-8"))
+    size = int(mb * 1e6)
+    with open(out, "w", encoding="utf-8") as f:
+        for i in range(n):
+            start = (i * size) % max(1, len(text) - size) if len(text) > size else 0
+            doc = text[start:start + size]
+            while len(doc.encode()) < size:
+                doc += " " + text[:size - len(doc)]
+            f.write(doc + "\n")
+    return out.stat().st_size
+
+
+def schedule(costs: list[float], order: list[int], workers: int) -> float:
+    """The makespan of handing units out in ``order`` to the first free of ``workers`` (what the pool does)."""
+    free = [0.0] * workers
+    for u in order:
+        i = free.index(min(free))
+        free[i] += costs[u]
+    return max(free)
+
+
+def balance(out: Path, workers: int) -> str:
+    """The speed-up ``workers`` idle cores would give, from each unit's CPU seconds (parts/unit-N.json of a run):
+    units handed out largest first (prepare-data's order) against unit order (before), total over makespan."""
+    recs = sorted((json.loads(p.read_text()) for p in (out / "parts").glob("unit-*.json")), key=lambda r: r["unit"])
+    costs = [r["cpu_seconds"] for r in recs]
+    largest = sorted(range(len(recs)), key=lambda u: (-recs[u]["bytes"], u))
+    total = sum(costs)
+    return (f"load balance over {workers} idle cores, from the 1-worker run's {len(costs)} units' CPU seconds "
+            f"(total {total:.1f} s, largest unit {max(costs):.1f} s): largest first {total / schedule(costs, largest, workers):.2f}x, "
+            f"in unit order {total / schedule(costs, list(range(len(costs))), workers):.2f}x")
+
+
 def raw_rate(tokenizer_json: str, corpus: Path, limit: int) -> dict:
     r = subprocess.run([sys.executable, "-c", RAW, tokenizer_json, str(corpus), str(limit)], capture_output=True,
                        text=True, check=True)
@@ -161,6 +200,8 @@ def main() -> int:
                     help="also a JSONL input of this size whose lines carry each base document twice, once in a "
                          "'meta' key that is parsed but not tokenized and once cut to 256 characters as 'text': "
                          "the streaming reader's memory on a large file, at a fraction of the tokenizing time")
+    ap.add_argument("--long-docs", type=int, default=0, help="also single-line documents in a .txt input")
+    ap.add_argument("--long-mb", type=float, default=9.4, help="size of each --long-docs document")
     ap.add_argument("--tokenizer", default="builtin")
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--workdir", default="", help="where the corpus and shards go (default: a temp dir)")
@@ -188,19 +229,30 @@ def main() -> int:
           f"CPU/wall {raw['cpu_seconds'] / raw['seconds']:.2f}: {raw['bytes'] / raw['cpu_seconds'] / 1e6:.2f} MB "
           f"per CPU-second)")
 
+    inputs = [str(base)]
+    if a.long_docs:
+        long_bytes = write_long_docs(base, work / "long.txt", a.long_docs, a.long_mb)
+        inputs.append(str(work / "long.txt"))
+        print(f"long documents: {a.long_docs} single-line documents of {a.long_mb} MB in long.txt "
+              f"({long_bytes / 1e6:.1f} MB)")
     results = []
     for w in [int(x) for x in a.workers.split(",")]:
-        r = run_prepare([str(base)], work / f"out-w{w}", w, a.tokenizer)
+        r = run_prepare(inputs, work / f"out-w{w}", w, a.tokenizer, sample_rss=True)
         results.append(r)
         print(f"prepare-data --workers {w}: {r['MB_per_s']:.2f} MB/s, {r['tokens_per_s']:,.0f} tokens/s "
               f"({r['MB']:.1f} MB in {r['tokenize_seconds']:.1f} s; wall with start-up {r['wall_seconds']:.1f} s); "
               f"per worker {r['MB_per_s'] / w / raw_mbs:.2f}x the raw rate (target >= 0.8); "
-              f"{r['MB_per_cpu_s']:.2f} MB per CPU-second of the whole command")
+              f"{r['MB_per_cpu_s']:.2f} MB per CPU-second of the whole command "
+              f"({r['MB_per_cpu_s'] / (raw['bytes'] / raw['cpu_seconds'] / 1e6):.2f}x the raw rate per CPU-second); "
+              f"peak RSS {r['peak_rss_sum_bytes'] / 2**20:,.0f} MiB together, largest process "
+              f"{r['peak_rss_largest_process_bytes'] / 2**20:,.0f} MiB (target < 1024)")
     if len(results) > 1:
         one = results[0]
         for r in results[1:]:
             print(f"speed-up {one['workers']} -> {r['workers']} workers: {r['MB_per_s'] / one['MB_per_s']:.2f}x "
-                  f"(target for 1 -> 2: >= 1.7)")
+                  f"(target for 1 -> 2: >= 1.8); load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if a.long_docs:
+        print(balance(work / f"out-w{results[0]['workers']}", 2))
     same = len({(work / f"out-w{r['workers']}" / "index.json").read_text() for r in results}) == 1
     print(f"index.json identical for every worker count: {same}")
 

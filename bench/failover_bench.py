@@ -1,12 +1,14 @@
 """Leader fail-over against kmockx (prints numbers; asserts no timing).
 
     .venv/bin/python bench/failover_bench.py [--lease 15] [--deadline 10] [--retry 2] [--rounds 2]
+                                             [--mode release|crash|partition ...]
 
 Two ``kubetitan operator --leader-elect`` processes (the CLI code path, the chart's default terms unless given)
 and one run of one pod. Each round:
 
 - ``release``: the leader gets SIGTERM (it releases the Lease): seconds until the standby holds the Lease, and
-  until its first write of the run (a status patch after a pod event);
+  until its first write of the run (a status patch after a pod event), until the old leader's last Lease update
+  (its release) and until its process ended (the hand-off is timed from the signal, not from the exit);
 - ``crash``: the leader gets SIGKILL (no release): the same two times; the standby waits out the lease duration
   after the record last changed, so this is about ``lease`` + up to ``retry`` x 2.2;
 - ``partition``: the leader's Lease updates get 503 (it keeps running): seconds until its last write (its fence
@@ -18,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,8 +51,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--deadline", type=float, default=10.0)
     p.add_argument("--retry", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--mode", choices=["release", "crash", "partition"], action="append",
+                   help="run only this kind of round (repeatable; default all three)")
     a = p.parse_args(argv)
-    out: dict[str, list[dict[str, float]]] = {"release": [], "crash": [], "partition": []}
+    out: dict[str, list[dict[str, float]]] = {m: [] for m in a.mode or ("release", "crash", "partition")}
     wait = 3 * a.lease + 10
 
     def args(ident: str) -> tuple[str, ...]:
@@ -68,8 +74,12 @@ def main(argv: list[str]) -> int:
                     wait_for(lambda: c.pod_names(NS, "fo") == ["fo-a0-0"], 30, "the pod")
                     time.sleep(a.retry)  # a renewal or two in between
                     t0 = time.monotonic()
+                    exited: list[float] = []
                     if mode == "release":
-                        ops[leader].stop()
+                        proc = ops[leader].proc
+                        proc.send_signal(signal.SIGTERM)  # not stop(): that waits for the exit
+                        threading.Thread(target=lambda p=proc: (p.wait(), exited.append(time.monotonic())),
+                                         daemon=True).start()
                     elif mode == "crash":
                         ops[leader].kill()
                     else:
@@ -79,6 +89,12 @@ def main(argv: list[str]) -> int:
                     c.run_pod(NS, "fo-a0-0", "node-0")  # something to write about
                     first = _first_write(c, standby, t0, 30) - t0
                     row = {"takeover_s": round(took, 2), "standby_first_write_s": round(first, 2)}
+                    if mode == "release":
+                        wait_for(lambda: exited, 30, "the old leader's exit")
+                        row["leader_exit_s"] = round(exited[0] - t0, 2)
+                        released = [e.time for e in list(c.k.log) if e.time > t0 and f"({leader})" in e.agent
+                                    and e.verb == "update" and "/leases" in e.path]
+                        row["lease_released_s"] = round(released[-1] - t0, 2) if released else None
                     if mode == "partition":
                         last = max((e.time for e in list(c.k.log) if f"({leader})" in e.agent and e.verb in (
                             "create", "update", "patch", "delete") and "/leases" not in e.path), default=t0)

@@ -11,7 +11,7 @@ not a fork. Each piece is a drop-in for torchtitan's and is checked against it i
 - :func:`apply_rotary_emb_real` / :class:`FastAttention`: RoPE on real numbers (cos/sin pairs).
   torchtitan's ``apply_rotary_emb`` goes through ``view_as_complex``; inductor cannot generate
   code for complex tensors, so every block runs those multiplies as separate eager kernels
-  (seen in the H200 profile, ``bench/results/gpu_call1``). The real form is the same arithmetic
+  (seen in the H200 profile, ``bench/results/gpu/plain_torchtitan_reference``). The real form is the same arithmetic
   (the complex product written out) and fuses into the neighbouring kernels. The cache holds the
   same numbers: ``view_as_real`` of torchtitan's ``freqs_cis``.
 - :func:`fused_linear_cross_entropy`: the output projection and the cross-entropy over the

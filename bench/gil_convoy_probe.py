@@ -1,5 +1,5 @@
 """The GIL convoy between a compiling thread and a background tier copy, on CPU (issue 29; restore_tier's
-``KUBETITAN_TIER_DEFER_SWITCH_MS``).
+``defer_switch_interval_ms``, ``spec.runtime.deferSwitchIntervalMs``).
 
 On an H100 (device calls 21-22, docs/reliability.md) the optimizer's part of a tier load, copied in the background
 on 4 threads while the first step compiled, ran at 5-7 GB/s against 16 GB/s alone. Each chunk a copy thread moves

@@ -8,7 +8,7 @@ new process group ready, the state reloaded from the restore tier, and the end o
 
     python bench/inprocess_bench.py [--repeats 3] [--backend gloo|nccl] [--dim 64] [--out bench/results/inprocess]
 
-CPU (gloo, 2 ranks) by default; ``--backend nccl`` puts rank r on ``cuda:r`` (bench/device/call17.sh).
+CPU (gloo, 2 ranks) by default; ``--backend nccl`` puts rank r on ``cuda:r`` (bench/device/inprocess_restart_nccl.sh).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """S3 checkpoint bench: DCP save/load MB/s and the async save stall, an S3-compatible server vs local disk, one run.
 
-    python bench/s3_bench.py [--out bench/results/s3/NAME.txt] [--states debug,1b] [--reps 2]
+    python bench/s3_bench.py [--out FILE.txt] [--states debug,1b] [--reps 2]
 
 Two states: the debug model's training state (torchtitan's Llama 3 `debugmodel`: parameters plus AdamW's two
 moments, fp32) and a ~1B-parameter state (15 x 8192 x 8192 bf16 tensors = 1.007 B parameters, 2.0 GB: a 1B model's

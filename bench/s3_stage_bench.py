@@ -1,7 +1,7 @@
 """S3 shards staging bench: MB/s of staging a shards directory from an S3-compatible server to local disk
 (kubetitan_trainer.data.s3shards: ranged GETs, CRC-32 of every file), by GETs in flight, against a local copy.
 
-    python bench/s3_stage_bench.py [--shards 4] [--shard-mb 32] [--threads 1,4,8] [--out bench/results/s3/NAME.txt]
+    python bench/s3_stage_bench.py [--shards 4] [--shard-mb 32] [--threads 1,4,8] [--out FILE.txt]
 
 The shards are synthetic (random uint16 tokens, one document per shard) written by the trainer's own ShardWriter,
 uploaded to moto's S3 server (its own venv, started here on 127.0.0.1), then staged afresh once per ``--threads``

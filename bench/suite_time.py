@@ -3,7 +3,7 @@ each xdist group (``@pytest.mark.xdist_group``, read from the test files with ``
 "ungrouped") and of each test file. With ``-n 2 --dist loadgroup`` a group runs on one worker, so the largest group
 bounds the wall time, and the sum over two workers bounds it from below: sum / 2.
 
-    python bench/suite_time.py bench/results/suite/make_test_s14_<commit>.txt [--files 25]
+    python bench/suite_time.py PYTEST_OUTPUT.txt [--files 25]
 
 Summed test time is less sensitive to other load on the machine than wall time, but not immune (CPU-bound tests
 slow down, waits do not).

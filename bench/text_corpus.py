@@ -2,7 +2,7 @@
 
     python bench/text_corpus.py --out corpus.jsonl [--max-mb 64] [--summary corpus_summary.json]
 
-For the loss-parity call on real text (bench/device/call18.sh): the device has no network, so the text is what a
+For the loss-parity call on real text (bench/device/loss_parity_real_text.sh): the device has no network, so the text is what a
 stock Python image holds. Sources, in this order, each up to its share of ``--max-mb`` (what one leaves unused
 goes to the next):
 

@@ -33,9 +33,9 @@ def _yaml(data: Any) -> str:
     return yaml.safe_dump(data, sort_keys=False, width=120, allow_unicode=True)
 
 
-# Rows of kubetitan.rbac.RULES that only one watch mode needs: kopf uses ClusterKopfPeering and
-# discovers namespaces only with --all-namespaces, and a KopfPeering per namespace otherwise.
-MODE_ONLY = {"clusterkopfpeerings": "cluster", "namespaces": "cluster", "kopfpeerings": "namespaced"}
+# Rows of kubetitan.rbac.RULES that only watching all namespaces needs: kopf discovers namespaces only with
+# --all-namespaces.
+CLUSTER_MODE_ONLY = {"namespaces"}
 
 
 def rbac_file() -> dict[str, list[dict[str, Any]]]:
@@ -43,26 +43,23 @@ def rbac_file() -> dict[str, list[dict[str, Any]]]:
 
     One PolicyRule per row, in table order: ``namespaced`` rows go into a Role per watched
     namespace (or the ClusterRole in cluster mode), ``cluster`` rows (cluster-scoped resources)
-    always into the ClusterRole, the ``*ModeOnly`` lists only into that mode's objects, and
+    always into the ClusterRole, ``clusterModeOnly`` only into cluster mode's ClusterRole, and
     ``leaderElection`` (the Lease) into a Role in the release namespace when leader election is on, and
     ``webhookCertificates`` (limited by the template to the objects the chart names) only when the operator keeps
     the webhook's certificates.
     """
     from kubetitan import rbac
 
-    out: dict[str, list[dict[str, Any]]] = {"namespaced": [], "cluster": [], "clusterModeOnly": [], "namespacedModeOnly": [],
+    out: dict[str, list[dict[str, Any]]] = {"namespaced": [], "cluster": [], "clusterModeOnly": [],
                                             "leaderElection": [], "webhookCertificates": []}
     for row in rbac.RULES:
         rule = {"apiGroups": [row.api_group], "resources": [row.resource], "verbs": list(row.verbs)}
-        mode = MODE_ONLY.get(row.resource)
         if row.resource in rbac.LEADER_ELECTION:
             out["leaderElection"].append(rule)
         elif row.resource in rbac.WEBHOOK_CERTIFICATES:
             out["webhookCertificates"].append(rule)
-        elif mode == "cluster":
+        elif row.resource in CLUSTER_MODE_ONLY:
             out["clusterModeOnly"].append(rule)
-        elif mode == "namespaced":
-            out["namespacedModeOnly"].append(rule)
         elif row.resource in rbac.CLUSTER_SCOPED:
             out["cluster"].append(rule)
         else:

@@ -23,9 +23,10 @@ _SLOWEST_FIRST = (
     "tests/trainer/",
     "tests/fast/",
 )
-"""Where the time goes (``--durations``, bench/results/suite/), longest first. xdist (``make test``: ``-n 3
---dist loadgroup --no-loadscope-reorder``) hands work out in collection order, so the long xdist groups and the
-slow tests start first and the many short tests fill the gaps at the end (longest-processing-time-first)."""
+"""Where the time goes (``--durations``; bench/results/suite/make_test_final_60a654a.txt), longest first. xdist
+(``make test``: ``-n 3 --dist loadgroup --no-loadscope-reorder``) hands work out in collection order, so the long
+xdist groups and the slow tests start first and the many short tests fill the gaps at the end
+(longest-processing-time-first)."""
 
 
 def _rank(item: pytest.Item) -> tuple[int, bool]:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device call "recovery" (session 7, issue 17): failure -> next first trained step of the 3B recipe
+# failure -> next first trained step of the 3B recipe
 # (examples/llama3-3b-h200.yaml) through kubetitan's pod entry point (kubetitan_trainer.launch, --max-restarts)
 # with checkpoints every 10 steps and the restore tier, on one H200 (bench/recovery_bench.py):
 #   generation 0: cold start (empty compile cache, no checkpoint), saves step 10 (DCP + tier), SIGKILLed at step 12

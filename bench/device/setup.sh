@@ -1,6 +1,6 @@
 # Sourced by every device script: carried wheels -> /tmp/site, kubetitan packages on PYTHONPATH, environment facts.
 # Wheels: .whl/ (ignored via .git/info/exclude), made as /work/.library/device/README.md says; see docs/benchmarks.md.
-# DRY=1 (a script's CPU dry run on the development machine, e.g. call18.sh): no wheels, the project's venv.
+# DRY=1 (a script's CPU dry run on the development machine, e.g. loss_parity_real_text.sh): no wheels, the project's venv.
 set -u
 if [ "${DRY:-0}" = 1 ]; then
   export PYTHONPATH=$PWD/bench:$PWD/trainer:$PWD/operator:$PWD/operator/core

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Two halves of bench/device/call20.sh (no probes, no caching precompile) on ONE machine in one call: the device is
+# Two halves of bench/device/recovery_anatomy.sh (no probes, no caching precompile) on ONE machine in one call: the device is
 # given back 30 s after a call, so two calls may land on two machines and their timings would not compare. Each half
 # gets the variables given for it and half of the seconds (the second what is left); its $OUT folder is
 # /tmp/TAG/NAME, its printed events and anatomy table are copied to $OUT/NAME_recovery.txt, and both folders go into
@@ -12,7 +12,7 @@ rm -rf "/tmp/$TAG" && mkdir -p "/tmp/$TAG/$3" "/tmp/$TAG/$5"
 half() {  # NAME "VARS" SECONDS
   echo "=== $1 half, $3 s, $(date -u +%T)"
   # shellcheck disable=SC2086 - VARS is a list of VAR=VALUE words
-  env OUT="/tmp/$TAG/$1" PRECOMPILE=0 PROBE_S=0 PROBES=0 $2 bash bench/device/call20.sh "$3" 2>&1 \
+  env OUT="/tmp/$TAG/$1" PRECOMPILE=0 PROBE_S=0 PROBES=0 $2 bash bench/device/recovery_anatomy.sh "$3" 2>&1 \
     | grep -v "^{\"t\"" | tail -30
   cp "/tmp/$TAG/$1/recovery.txt" "$FINAL/$1_recovery.txt" 2>/dev/null
 }

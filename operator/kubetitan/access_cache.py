@@ -8,18 +8,21 @@ those that arrive while it is in flight). The price is staleness, bounded and do
 be refused for ``denied_seconds``. A review that failed (API error, timeout) is never cached.
 
 The key is everything a SubjectAccessReview's answer depends on: the user (name, groups, uid, extra) and the
-resource attributes (verb, group, resource, namespace, name). Entries are bounded (``max_entries``, least recently
-used dropped first); the clock is injectable, so expiry is tested without sleeping.
+resource attributes (verb, group, resource, namespace, name). The entries are a ``cachetools.TLRUCache``: each
+answer expires after its own TTL (allowed or denied), at most ``max_entries`` are kept (the least recently used
+dropped first, expired ones before any); the clock is injectable, so expiry is tested without sleeping. What is
+ours is the key, the two TTLs and the sharing of a review in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from cachetools import TLRUCache
 
 from kubetitan.admission import Access
 
@@ -51,34 +54,27 @@ class AccessCache:
     def __init__(self, config: CacheConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or CacheConfig()
         self.clock = clock
-        self._entries: OrderedDict[tuple[Hashable, ...], tuple[Answer, float]] = OrderedDict()
+        self._entries: TLRUCache | None = (
+            TLRUCache(self.config.max_entries, self._expiry, timer=clock) if self.config.max_entries > 0 else None)
         self._inflight: dict[tuple[Hashable, ...], asyncio.Future[Answer]] = {}
         self.hits = 0
         self.misses = 0
 
+    def _expiry(self, _key: tuple[Hashable, ...], answer: Answer, now: float) -> float:
+        return now + (self.config.allowed_seconds if answer is True else self.config.denied_seconds)
+
     def __len__(self) -> int:
-        return len(self._entries)
+        return 0 if self._entries is None else len(self._entries)
 
     def lookup(self, k: tuple[Hashable, ...]) -> Answer | None:
-        """The cached answer, or None (missing or expired: an expired entry is dropped)."""
-        found = self._entries.get(k)
-        if found is None:
-            return None
-        answer, expires = found
-        if self.clock() >= expires:
-            del self._entries[k]
-            return None
-        self._entries.move_to_end(k)
-        return answer
+        """The cached answer, or None (missing or expired)."""
+        return None if self._entries is None else self._entries.get(k)
 
     def store(self, k: tuple[Hashable, ...], answer: Answer, cacheable: bool = True) -> None:
-        ttl = self.config.allowed_seconds if answer is True else self.config.denied_seconds
-        if not cacheable or ttl <= 0 or self.config.max_entries <= 0:
-            return
-        self._entries[k] = (answer, self.clock() + ttl)
-        self._entries.move_to_end(k)
-        while len(self._entries) > self.config.max_entries:
-            self._entries.popitem(last=False)
+        """Keep ``answer`` for its TTL (not at all when not ``cacheable``, or with a TTL of 0: an entry that expires
+        at once is not stored)."""
+        if cacheable and self._entries is not None:
+            self._entries[k] = answer
 
     async def get(self, check: Access, user: Mapping[str, Any],
                   ask: Callable[[], Awaitable[tuple[Answer, bool]]]) -> Answer:

@@ -63,6 +63,10 @@ role), which ``create serviceaccounts/token`` grants directly; a priority class 
 creation, so the check is the verb ``use`` on it (granted explicitly, like PodSecurityPolicy's ``use``)."""
 
 
+DEFAULT_SERVICE_ACCOUNT = "default"
+"""The service account a pod runs as when it names none: naming it gives the same pod as leaving it out, so it is
+no reference to check (every pod a user may have created in the namespace runs as it)."""
+
 MAX_ACCESS_CHECKS = 64
 """The most SubjectAccessReviews one request may need (distinct objects a spec references, in ``references``
 mode): a spec needing more is refused before any is asked, so no request, from the API server or from anyone
@@ -172,7 +176,7 @@ def references(spec: Mapping[str, Any], base: str = "spec") -> Iterator[Referenc
     if vol.get("claimName"):
         yield Reference("PersistentVolumeClaim", vol["claimName"], f"{base}.data.volume.claimName",
                         f"data volume at {data.get('mountPath')}" + (" read-only" if vol.get("readOnly") else ""))
-    if res.get("serviceAccountName"):
+    if res.get("serviceAccountName") and res["serviceAccountName"] != DEFAULT_SERVICE_ACCOUNT:
         yield Reference("ServiceAccount", res["serviceAccountName"], f"{base}.resources.serviceAccountName",
                         "pod service account")
     if res.get("priorityClassName"):

@@ -7,13 +7,17 @@ Every replica runs :func:`run`: each ``interval`` it reads the Secret, and
    caBundle, then writes the Secret with the ``resourceVersion`` it read (a replica that wrote meanwhile wins: 409
    Conflict, and this one takes the winner's material on its next read, at once);
 2. keeps the ValidatingWebhookConfiguration's caBundle to :func:`kubetitan.certs.vwc_bundle` (restored within one
-   interval if an apply of the chart or a person removed it);
+   interval if an apply of the chart or a person removed it), and every other field of its webhooks to the chart's
+   (``--webhook-configuration-webhooks``, :mod:`kubetitan.webhook_config`): a drift (a rule added, the scope widened,
+   ``failurePolicy`` flipped, ``clientConfig`` pointed elsewhere) is put back within one interval, with a Warning
+   Event ``WebhookConfigurationRestored`` naming what was restored;
 3. writes the serving pair to ``cert_dir`` when it changed (a new directory, then one symbolic-link swap: kopf
    never reads a certificate with another's key) and kopf's server, which re-reads the files every
    ``--webhook-cert-check-seconds``, serves it.
 
 The webhook server starts once the first pair is on disk (``ready``). The chart ships the Secret empty and grants
-exactly get/update on it and on the configuration (by name); any replica may write, and they agree through the
+exactly get/update on it and on the configuration (by name: RBAC cannot narrow an update to one field, hence the
+restoring of the other fields); any replica may write, and they agree through the
 Secret's resourceVersion: the first writer wins, the others read its material.
 """
 
@@ -30,11 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubetitan import certs
+from kubetitan import certs, webhook_config
+from kubetitan.events import Recorder
 
 log = logging.getLogger("kubetitan.certsync")
 
 VWC_PATH = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
+RESTORED = "WebhookConfigurationRestored"
+"""Reason of the Warning Event sent when the configuration's webhooks drifted from the chart's and were put back."""
 
 
 def utcnow() -> dt.datetime:
@@ -52,6 +59,9 @@ class CertSync:
     cert_dir: str
     policy: certs.CertPolicy = certs.CertPolicy()
     interval: float = 60.0
+    webhooks: tuple[dict[str, Any], ...] = ()
+    """The configuration's webhooks as the chart renders them (``--webhook-configuration-webhooks``): every field
+    but ``caBundle`` is restored to these. Empty: only the caBundle is kept (tests of the certificates alone)."""
     now: Callable[[], dt.datetime] = field(default=utcnow, compare=False, repr=False)
     """Wall clock for the decisions (tests move a fake one)."""
 
@@ -105,11 +115,36 @@ def write_pair(cert_dir: str, m: certs.Material) -> bool:
     return True
 
 
-async def _sync_bundle(client: Any, s: CertSync, bundle: bytes) -> bool:
-    """The configuration's caBundle made :func:`certs.vwc_bundle`; True when it was changed. A concurrent write
-    (another replica adding its CA) is a 409: read again and merge with it."""
+def _involved(vwc: dict[str, Any]) -> dict[str, Any]:
+    """The configuration as the object of an Event (cluster-scoped: the Event goes to namespace ``default``)."""
+    meta = vwc.get("metadata") or {}
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": meta.get("name"), "uid": meta.get("uid")}}
+
+
+def _with_bundle(vwc: dict[str, Any], s: CertSync, bundle: bytes) -> tuple[list[str], bool]:
+    """Put the chart's webhooks back into ``vwc`` (in place) and each caBundle to :func:`certs.vwc_bundle`: (what
+    drifted, whether anything changed)."""
     import base64
 
+    live = vwc.get("webhooks") or []
+    drifted = webhook_config.drift(live, s.webhooks) if s.webhooks else []
+    if drifted:
+        vwc["webhooks"] = webhook_config.restored(live, s.webhooks)
+    changed = bool(drifted)
+    for w in vwc.get("webhooks") or []:
+        cc = w.setdefault("clientConfig", {})
+        now = base64.b64decode(cc.get("caBundle") or "")
+        want = certs.vwc_bundle(now, bundle, s.now())
+        if want != now:
+            cc["caBundle"] = base64.b64encode(want).decode()
+            changed = True
+    return drifted, changed
+
+
+async def _sync_bundle(client: Any, s: CertSync, bundle: bytes) -> bool:
+    """The configuration's caBundle made :func:`certs.vwc_bundle` and its other fields the chart's; True when it was
+    changed. A concurrent write (another replica adding its CA) is a 409: read again and merge with it."""
     from kubetitan.kube import ApiError
 
     path = f"{VWC_PATH}/{s.configuration}"
@@ -119,14 +154,7 @@ async def _sync_bundle(client: Any, s: CertSync, bundle: bytes) -> bool:
         if vwc is None:
             raise LookupError(f"ValidatingWebhookConfiguration {s.configuration} not found: the chart ships it "
                               "(webhook.enabled); re-install or upgrade the release")
-        changed = False
-        for w in vwc.get("webhooks") or []:
-            cc = w.setdefault("clientConfig", {})
-            now = base64.b64decode(cc.get("caBundle") or "")
-            want = certs.vwc_bundle(now, bundle, s.now())
-            if want != now:
-                cc["caBundle"] = base64.b64encode(want).decode()
-                changed = True
+        drifted, changed = _with_bundle(vwc, s, bundle)
         if not changed:
             return False
         try:
@@ -136,7 +164,17 @@ async def _sync_bundle(client: Any, s: CertSync, bundle: bytes) -> bool:
             if e.status == 409:
                 continue
             raise
-        log.info("Updated the caBundle of ValidatingWebhookConfiguration %s", s.configuration)
+        if drifted:
+            what = "; ".join(drifted)
+            log.warning("Restored ValidatingWebhookConfiguration %s to the chart's webhooks (%s)", s.configuration,
+                        what)
+            # every replica keeps the configuration (a standby too): its Event is not fenced either
+            await Recorder(client, fenced=False).record(
+                _involved(vwc), "Warning", RESTORED, f"Restored to the webhooks the chart renders (only caBundle is "
+                f"the operator's to change): {what}. Whoever changed it holds write access to this configuration: "
+                "check who (the API server's audit log) and change the chart's values instead")
+        else:
+            log.info("Updated the caBundle of ValidatingWebhookConfiguration %s", s.configuration)
         return True
     raise RuntimeError(f"ValidatingWebhookConfiguration {s.configuration} kept changing under this replica "
                        "(5 conflicts in a row)")

@@ -166,7 +166,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _print_errors(args.file, lpt.metadata.name if lpt else "", errors)
         return EXIT_INVALID
     argv = [args.file] + (["--output-dir", args.output_dir] if args.output_dir else []) + (
-        ["--steps", str(args.steps)] if args.steps is not None else [])
+        ["--steps", str(args.steps)] if args.steps is not None else []) + (["--ledger"] if args.ledger else [])
     return _exec_trainer("kubetitan_trainer.local", argv, "run")
 
 
@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("file", metavar="FILE")
     run.add_argument("--output-dir", help="where checkpoints, logs and metrics go (default ./runs/<name>)")
     run.add_argument("--steps", type=int, help="override spec.training.steps")
+    run.add_argument("--ledger", action="store_true", help="write the sample ledger (every global sample each rank "
+                     "trains, OUTPUT/kubetitan/ledger/) whatever spec.data.ledger says")
     run.set_defaults(func=cmd_run)
 
     # These two forward their arguments untouched to their own parsers (prepare-data: in the trainer's process).

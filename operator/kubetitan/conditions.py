@@ -68,7 +68,13 @@ on shards or synthetic data such an edit is deferred to the next attempt instead
 RESTART_BLOCKED = "RestartBlocked"
 """The next attempt cannot start: the spec holds a change it must not pick up (``SpecAccepted`` says which)."""
 PROGRESS_UNKNOWN = "ProgressUnknown"
-"""Every pod of the attempt runs, but rank 0's /metrics does not answer: whether it trains is not known."""
+"""Every pod of the attempt runs, but rank 0's /metrics does not answer: whether it trains is not known (a step was
+seen before, or the pods have run longer than ``startupTimeoutSeconds`` without /metrics ever answering)."""
+METRICS_UNAVAILABLE = "MetricsUnavailable"
+"""Every pod of the attempt runs and no step was seen yet, because rank 0's /metrics does not answer (the workers may
+still be starting: within ``startupTimeoutSeconds`` of the last pod starting)."""
+WAITING_FOR_NODES = "WaitingForNodes"
+"""Pods of the attempt exist but cannot be scheduled yet (within ``unschedulableTimeoutSeconds``)."""
 RESIZING = "Resizing"
 """An elastic run ends its attempt to re-create the gang at another size (restart cause ``Shrink`` or ``Grow``)."""
 WAITING_FOR_REPLACEMENT = "WaitingForReplacement"
@@ -196,6 +202,11 @@ def phase_reason(conditions: Sequence[Condition], phase: str | None) -> str:
     return c.reason if c is not None else ""
 
 
+WAITING_FOR_NODE_REASONS = (WAITING_FOR_NODES, WAITING_FOR_REPLACEMENT, PODS_UNSCHEDULABLE)
+"""Ready reasons of an attempt whose pods exist but some wait for a node (unscheduled, or on a node that is gone):
+the phase is ``Pending``, not ``Starting``."""
+
+
 def _has(conditions: Sequence[Condition], type_: str, status: str, reason: str | None = None) -> bool:
     c = find(conditions, type_)
     return c is not None and c.status == status and (reason is None or c.reason == reason)
@@ -208,12 +219,13 @@ PHASE_RULES: tuple[tuple[Phase, Callable[[Sequence[Condition]], bool]], ...] = (
     ("Blocked", lambda cs: _has(cs, RESTARTING, "True", RESTART_BLOCKED)),
     ("Restarting", lambda cs: is_true(cs, RESTARTING)),
     ("Running", lambda cs: is_true(cs, READY) or _has(cs, READY, "Unknown", PROGRESS_UNKNOWN)),
+    ("Pending", lambda cs: any(_has(cs, READY, "False", r) for r in WAITING_FOR_NODE_REASONS)),
     ("Starting", lambda cs: is_true(cs, CHILDREN_CREATED)),
     ("Pending", lambda cs: True),
 )
 """The one rule from conditions to the displayed phase: the first row that holds wins. ``Running`` also while the
-pods run and only the progress is unknown (``Ready=Unknown``); ``Starting`` only once every pod of the attempt
-exists."""
+pods run and only the progress is unknown (``Ready=Unknown``); ``Pending`` while pods wait for nodes, even though
+they all exist; ``Starting`` only once every pod of the attempt exists and none waits for a node."""
 
 
 def derive_phase(conditions: Sequence[Condition]) -> Phase:

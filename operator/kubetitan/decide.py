@@ -97,8 +97,9 @@ class NodeObs:
     labels: tuple[tuple[str, str], ...] = ()
     taints: tuple[tuple[str, str, str], ...] = ()
     """(key, value, effect) of each taint."""
-    gpus: int | None = None
-    """Allocatable ``nvidia.com/gpu`` (None: the node lists none)."""
+    allocatable: tuple[tuple[str, str], ...] = ()
+    """``status.allocatable`` but cpu, memory, ephemeral-storage and pods: (resource, quantity) of each extended
+    resource and huge page size the node offers (``nvidia.com/gpu``, ``vpc.amazonaws.com/efa``, ``hugepages-2Mi``)."""
 
 
 @dataclass(frozen=True)
@@ -793,7 +794,7 @@ def unschedulable(f: Facts) -> Decision | None:
             return Decision(Action.FAIL, C.UNSCHEDULABLE_TIMEOUT, msg + " (runPolicy.unschedulableAction=Fail)",
                             delete=_cleanup(f.spec, f.current), unschedulable=True)
         return Decision(Action.WAIT, C.PODS_UNSCHEDULABLE, msg, unschedulable=True)
-    return Decision(Action.WAIT, C.WAITING_FOR_PODS, msg, requeue_after=f.rp.unschedulable_timeout_seconds - waited)
+    return Decision(Action.WAIT, C.WAITING_FOR_NODES, msg, requeue_after=f.rp.unschedulable_timeout_seconds - waited)
 
 
 def node_grace(f: Facts) -> Decision | None:
@@ -892,10 +893,30 @@ def startup_timed_out(f: Facts) -> Decision | None:
                                       f"(runPolicy.startupTimeoutSeconds={f.rp.startup_timeout_seconds})", "", None))
 
 
+def _metrics_unanswered(f: Facts) -> Decision:
+    """Every pod runs, no step was ever seen, and rank 0's /metrics does not answer: within ``startupTimeoutSeconds``
+    of the last pod starting the workers may still be starting (their exporter is not up yet); after it, whether they
+    train is unknown (``ProgressUnknown``, phase Running), never ``Starting`` for life. Neither restarts the run."""
+    pr, limit = f.obs.progress, f.rp.startup_timeout_seconds
+    since = max((p.running_since or f.now) for p in f.current)
+    if pr.generation_start_time is not None:  # restarted in place: these workers started then
+        since = max(since, pr.generation_start_time)
+    why = f"rank 0's /metrics does not answer ({pr.metrics_error})"
+    if f.now - since < limit:
+        return Decision(Action.KEEP, C.METRICS_UNAVAILABLE, f"all pods of attempt {f.attempt} run; {why}: the workers "
+                        f"may still be starting (no step seen yet; runPolicy.startupTimeoutSeconds={limit})",
+                        requeue_after=since + limit - f.now)
+    return Decision(Action.KEEP, C.PROGRESS_UNKNOWN, f"every pod of attempt {f.attempt} has run since {iso(since)}, "
+                    f"longer than runPolicy.startupTimeoutSeconds={limit}, but {why} and no step was ever seen: "
+                    "whether it trains is unknown; this alone never restarts the run")
+
+
 def running(f: Facts) -> Decision | None:
     """Nothing wrong: training, waiting for the first step, or for the other pods to run."""
     pr = f.obs.progress
     if _all_running(f):
+        if pr.step is None and pr.metrics_available is False:
+            return _metrics_unanswered(f)
         if pr.step is not None and pr.metrics_available is False:
             return Decision(Action.KEEP, C.PROGRESS_UNKNOWN, f"every pod of attempt {f.attempt} runs, but whether it "
                             f"trains is unknown: rank 0's /metrics does not answer (last known step {pr.step}); this "

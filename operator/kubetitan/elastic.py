@@ -3,8 +3,9 @@
 How many nodes could hold one pod of a run's gang right now, and how many have done so for
 ``growCheckSeconds``: nodes that exist, are Ready, are not cordoned, carry the labels of the pod's
 ``nodeSelector``, match its required node affinity (which carries the nodes the run avoids,
-``decide.nodes_to_avoid``), have no ``NoSchedule``/``NoExecute`` taint the pod does not tolerate and, for a
-GPU pod, list enough allocatable GPUs. An elastic gang has one pod per
+``decide.nodes_to_avoid``), have no ``NoSchedule``/``NoExecute`` taint the pod does not tolerate and list enough
+allocatable of every extended resource and huge page size the pod requests (GPUs; on ``eks``/``hyperpod`` also EFA
+interfaces and ``hugepages-2Mi``). An elastic gang has one pod per
 node (the planner's pod anti-affinity), so this count is the largest gang the nodes fit. Other workloads'
 requests are not counted: the scheduler has the last word, and a grown gang it cannot place shrinks again
 (``decide.shrink``), at most once per the operator's ``--resize-min-interval-seconds``.
@@ -17,13 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from kubetitan import plan
 from kubetitan.decide import Capacity, NodeObs
+from kubetitan_core.catalog import HOSTNAME_LABEL
 
-HOSTNAME_LABEL = "kubernetes.io/hostname"
-GPU_RESOURCE = "nvidia.com/gpu"
+NOT_EXTENDED = frozenset({"cpu", "memory", "ephemeral-storage", "pods"})
+"""Resources a node offers that are not counted: other workloads' requests of them are not known here (the
+scheduler has the last word); every other one (extended resources, huge pages) a pod requests is."""
 BLOCKING_EFFECTS = frozenset({"NoSchedule", "NoExecute"})
 """Taint effects that keep a pod off a node unless it tolerates them (``PreferNoSchedule`` only discourages)."""
 
@@ -36,7 +40,9 @@ class Placement:
     terms: tuple[tuple[Mapping[str, Any], ...], ...] = ()
     """Required node affinity: the node must match every expression of at least one term (none: any node)."""
     tolerations: tuple[Mapping[str, Any], ...] = ()
-    gpus: int = 0
+    requests: tuple[tuple[str, str], ...] = ()
+    """(resource, quantity) of every resource the trainer container requests but :data:`NOT_EXTENDED` (a limit
+    without a request is its request, as the API server defaults it)."""
 
 
 def placement(pod: Mapping[str, Any]) -> Placement:
@@ -46,9 +52,21 @@ def placement(pod: Mapping[str, Any]) -> Placement:
            .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
     terms = tuple(tuple(t.get("matchExpressions") or ()) + tuple(
         {**f, "field": True} for f in t.get("matchFields") or ()) for t in req.get("nodeSelectorTerms") or ())
-    limits = ((spec.get("containers") or [{}])[0].get("resources") or {}).get("limits") or {}
+    res = (spec.get("containers") or [{}])[0].get("resources") or {}
+    asked = {**(res.get("limits") or {}), **(res.get("requests") or {})}
     return Placement(node_selector=tuple(sorted((spec.get("nodeSelector") or {}).items())), terms=terms,
-                     tolerations=tuple(spec.get("tolerations") or ()), gpus=int(limits.get(GPU_RESOURCE, 0) or 0))
+                     tolerations=tuple(spec.get("tolerations") or ()),
+                     requests=tuple(sorted((k, str(v)) for k, v in asked.items() if k not in NOT_EXTENDED)))
+
+
+def quantity(text: str) -> Decimal:
+    """A Kubernetes quantity (``8``, ``5120Mi``, ``2Gi``) as a number; an unreadable one as 0."""
+    from kubernetes.utils.quantity import parse_quantity  # the client's own parser (imported on first use)
+
+    try:
+        return parse_quantity(text)
+    except ValueError:
+        return Decimal(0)
 
 
 def _expression(e: Mapping[str, Any], labels: Mapping[str, str], name: str) -> bool:
@@ -86,7 +104,8 @@ def _tolerated(taint: tuple[str, str, str], tolerations: Sequence[Mapping[str, A
 
 
 def fits(node: NodeObs, p: Placement) -> bool:
-    """Whether one pod with placement ``p`` may run on ``node`` (Ready, not cordoned, selected, tolerated, GPUs)."""
+    """Whether one pod with placement ``p`` may run on ``node`` (Ready, not cordoned, selected, tolerated, and
+    enough allocatable of each extended resource it requests)."""
     if not node.exists or node.ready is not True or node.unschedulable:
         return False
     labels = {HOSTNAME_LABEL: node.name, **dict(node.labels)}
@@ -96,7 +115,8 @@ def fits(node: NodeObs, p: Placement) -> bool:
         return False
     if any(eff in BLOCKING_EFFECTS and not _tolerated((k, v, eff), p.tolerations) for k, v, eff in node.taints):
         return False
-    return p.gpus <= 0 or (node.gpus or 0) >= p.gpus
+    offered = dict(node.allocatable)
+    return all(quantity(offered.get(name, "0")) >= quantity(want) for name, want in p.requests)
 
 
 def capacity(nodes: Iterable[NodeObs], p: Placement, now: float, stable_seconds: float) -> Capacity:

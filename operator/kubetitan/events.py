@@ -10,6 +10,10 @@ duplicated).
 Two ways to send:
 
 - :meth:`Recorder.record` — aggregated (``FailedCreate``, ``UnknownInstanceType``, ...): count +1 per occurrence.
+  With ``known=True`` (a state reported once per change: a spec warning, refused scraped values) an Event this
+  process has not counted yet but that exists already (409: sent before an operator restart, or by another
+  replica, about the same state) is left as it is: the restarted operator sees the same state again, which is not
+  a new occurrence.
 - :meth:`Recorder.send_once` — an Event that belongs to a status change (``status.pendingEvents``: a restart
   record, the end of the run, a refused edit): created once by its derived name; 409 means it was already sent
   (by this operator before it was killed, or by another replica), so it is never counted twice.
@@ -65,14 +69,15 @@ def event_name(involved: Mapping[str, Any], key: str) -> str:
 
 def event_body(involved: Mapping[str, Any], name: str, type_: str, reason: str, message: str, now: float,
                instance: str, action: str) -> dict[str, Any]:
-    """A core/v1 Event (count 1) about ``involved`` (pure)."""
+    """A core/v1 Event (count 1) about ``involved`` (pure). A cluster-scoped object (no namespace) has its Events in
+    namespace ``default`` and no ``involvedObject.namespace`` (the API server refuses one there)."""
     meta = involved.get("metadata") or {}
+    ref = {"apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"), "name": meta.get("name"),
+           "namespace": meta.get("namespace"), "uid": meta.get("uid")}
     return {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"name": name, "namespace": meta.get("namespace") or "default"},
-        "involvedObject": {"apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
-                           "name": meta.get("name"), "namespace": meta.get("namespace") or "default",
-                           "uid": meta.get("uid")},
+        "involvedObject": {k: v for k, v in ref.items() if v is not None},
         "type": type_, "reason": reason, "message": message[:1024], "action": action or reason,
         "source": {"component": COMPONENT},
         "reportingComponent": COMPONENT, "reportingInstance": instance[:128],
@@ -94,8 +99,12 @@ def default_instance() -> str:
 class Recorder:
     """Sends Events through ``client`` (a :class:`kubetitan.kube.Client`): aggregated or exactly once."""
 
-    def __init__(self, client: Any, instance: str | None = None, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, client: Any, instance: str | None = None, clock: Callable[[], float] | None = None,
+                 fenced: bool = True) -> None:
         self.client = client
+        self.fenced = fenced
+        """False: the Events are sent whether or not this replica holds the leader Lease (the webhook configuration's,
+        which every replica keeps)."""
         self.instance = instance or default_instance()
         self.clock = clock or time.time
         self.counts: OrderedDict[str, int] = OrderedDict()
@@ -104,8 +113,10 @@ class Recorder:
         """Event API writes made (creates and patches), for tests and logs."""
 
     async def record(self, involved: Mapping[str, Any], type_: str, reason: str, message: str,
-                     action: str = "") -> None:
-        """One more occurrence of (object, type, reason, message): create the Event, or count on the existing one."""
+                     action: str = "", known: bool = False) -> None:
+        """One more occurrence of (object, type, reason, message): create the Event, or count on the existing one.
+        ``known``: the occurrence is a state this process may have reported before it (re)started: an Event found
+        already there is taken as its report, not counted again (a repeat within this process is counted)."""
         key = key_of(involved, type_, reason, message)
         name = event_name(involved, key)
         ns = (involved.get("metadata") or {}).get("namespace") or "default"
@@ -115,24 +126,30 @@ class Recorder:
             count = self.counts.get(key)
             if count is None:
                 self.sent += 1
-                if await self.client.create(body):
+                if await self.client.create(body, **self._unfenced()):
                     self._remember(key, 1)
                     return
                 existing = await self.client.get("events", ns, name) or {}  # sent before a restart, or by a peer
                 count = int(existing.get("count") or 1)
+                if known and existing:
+                    self._remember(key, count)
+                    return
             self.sent += 1
             try:
-                await self.client.patch("events", ns, name, repeat_patch(count + 1, now))
+                await self.client.patch("events", ns, name, repeat_patch(count + 1, now), **self._unfenced())
             except ApiException as e:
                 if e.status != 404:
                     raise
-                await self.client.create(body)  # expired meanwhile (the API server keeps Events for an hour)
+                await self.client.create(body, **self._unfenced())  # expired meanwhile (the API server keeps Events for an hour)
                 count = 0
             self._remember(key, count + 1)
         except Exception as e:  # noqa: BLE001 - an Event is best effort: a refused one never fails a cycle
             self.counts.pop(key, None)
             log.warning("Sending Event %s %s for %s/%s failed: %s", type_, reason, ns,
                         (involved.get("metadata") or {}).get("name"), e)
+
+    def _unfenced(self) -> dict[str, Any]:
+        return {} if self.fenced else {"fenced": False}
 
     def _remember(self, key: str, count: int) -> None:
         self.counts[key] = count

@@ -4,7 +4,8 @@ The reconcile itself is ``kubetitan.reconcile``: one *cycle* of one LlamaPretrai
 snapshot, calls the pure policy (``decide``) and status builder, writes the status once, applies the decision's
 creates and deletes idempotently (with expectations), and sends each Event once (``reconcile.cycle``). This module
 gives it the watches' indexes (pods by run uid, nodes by name, the runs' ConfigMaps and Services), wakes a run's
-daemon when the run's spec or one of its children changes, and runs the daemons. Running the operator (its flags, options and kopf's main loop) is ``kubetitan.runner``.
+daemon when the run's spec or one of its children changes (and, when its last create was refused, when a
+ResourceQuota of its namespace changes), and runs the daemons. Running the operator (its flags, options and kopf's main loop) is ``kubetitan.runner``.
 
 Cycles run from one daemon per LlamaPretrain, which kopf starts when it first sees the run (created, or
 found at operator start) and which loops every ``--scan-interval`` seconds or as soon as the run's spec
@@ -43,7 +44,7 @@ from kubetitan.reconcile.cycle import cycle
 from kubetitan.reconcile.memory import RunMemory
 from kubetitan.reconcile.observe import rebuild
 
-__all__ = ["FINALIZER", "RUNNING", "client_of", "leadership_changed"]
+__all__ = ["FINALIZER", "RUNNING", "NoEssence", "client_of", "leadership_changed"]
 
 log = logging.getLogger("kubetitan.operator")
 FINALIZER = "kubetitan.io/finalizer"
@@ -78,6 +79,20 @@ def leadership_changed(ctx: Context, leading: bool) -> None:
 
 
 # ------------------------------------------------------------------ kopf wiring
+class NoEssence(kopf.StatusDiffBaseStorage):
+    """kopf's diff-base storage, less the per-event essence nobody reads.
+
+    On every watch event of every watched object (each pod of a 1,024-pod gang, each ConfigMap, Service and run)
+    kopf deep-copies the object into its "essence" and deep-copies that again, to diff it against the last handled
+    one for change handlers (``on.create``/``on.update``/``on.field``). The operator registers none
+    (``tests/operator/test_kopf_storage.py`` checks it), so the diff is only read as "anything changed" for
+    daemons' and timers' idle countdowns, which the operator does not use either: the essence is empty, and the two
+    deep copies (a third of the operator's CPU per pod create, cProfile of ``bench/operator_bench.py``) are gone."""
+
+    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+        return {}
+
+
 @kopf.on.startup()
 async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     import aiohttp
@@ -88,8 +103,7 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
     # annotations fill the API's 256 KiB limit is still reconciled and deleted. The diff-base (only used if a
     # change handler is ever added) leaves annotations out.
     settings.persistence.progress_storage = kopf.StatusProgressStorage(name="kopf")
-    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
-        name="kopf", ignored_fields=["metadata.annotations"])
+    settings.persistence.diffbase_storage = NoEssence(name="kopf", ignored_fields=["metadata.annotations"])
     # Only the operator's explicit Events (``_event``, fenced) are posted; kopf does not turn log lines into Events.
     settings.posting.loggers = False
     settings.posting.level = logging.WARNING
@@ -98,11 +112,10 @@ async def _startup(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None
     # and kopf then waits for it); only glob patterns ("team-*") need it.
     settings.scanning.disabled = not ctx.options.all_namespaces and not any(
         ch in ns for ns in ctx.options.namespaces for ch in "*?[!")
-    settings.peering.name = ctx.options.peering or settings.peering.name
-    settings.peering.priority = ctx.options.priority
     client_of(ctx)
     ctx.session = aiohttp.ClientSession()
     ctx.scraper = Scraper(ScrapeLimits(max_bytes=ctx.options.scrape_max_bytes, timeout=ctx.options.scrape_timeout,
+                                       max_series=ctx.options.scrape_max_series,
                                        concurrency=ctx.options.scrape_concurrency))
     if isinstance(ctx.leader, LeaderElector):
         ctx.leader_task = asyncio.create_task(ctx.leader.run(), name="leader election")
@@ -141,7 +154,7 @@ async def _login(memo: Any, **_: Any) -> Any:
 
 # The indexers and event handlers below are ``async def`` although they never await: kopf runs a plain ``def`` handler
 # in its thread pool (one hop per handler per watch event, with a task and a context copy each), which cost CPU and
-# kept 6 threads, each with its own malloc arena; on the loop they are direct calls (docs/benchmarks.md, session 16).
+# kept 6 threads, each with its own malloc arena; on the loop they are direct calls (bench/results/RECORDS.md, where the operator's memory goes).
 @kopf.index("pods", labels={plan.LABEL_UID: kopf.PRESENT})
 async def lpt_pods(body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict[str, Any]:
     """Pods by their run's uid (only the fields the decision reads)."""
@@ -188,11 +201,23 @@ async def _run_changed(type: str | None, body: kopf.Body, memo: Any, **_: Any) -
     if type == "DELETED":
         ctx.metrics.forget(meta.get("namespace", ""), meta.get("name", ""))
         ctx.jobs.pop(meta.get("uid", ""), None)
+        if ctx.scraper is not None:
+            ctx.scraper.forget(meta.get("uid", ""))
         return
     job = ctx.jobs.get(meta.get("uid", ""))
     if job is not None and job.generation != meta.get("generation"):
         job.generation = meta.get("generation")
+        job.refusals.retry_now()  # an edited spec is a new create round, not a wait for the last one's backoff
         job.wake.set()
+
+
+@kopf.on.event("resourcequotas")
+async def _quota_changed(namespace: str | None, memo: Any, **_: Any) -> None:
+    """A ResourceQuota of a namespace changed (raised, removed, or its usage went down as pods ended): every run
+    there whose last create round the API refused tries again at once, not after its backoff (up to 60 s)."""
+    for job in _ctx(memo).jobs.values():
+        if job.refusals.namespace == namespace and job.refusals.retry_now():
+            job.wake.set()
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_backoff=1.0, cancellation_timeout=2.0)
@@ -200,9 +225,8 @@ async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, l
                       lpt_nodes: kopf.Index, lpt_configmaps: kopf.Index, lpt_services: kopf.Index, **_: Any) -> None:
     """Reconcile the run: a cycle at once, then every scan interval, or as soon as its spec or a child changes.
 
-    kopf starts this daemon for each run when it first sees it (created, or found at operator start), and again
-    when a peering replica resumes (kopf stops daemons while paused). With ``--leader-elect`` the daemon of a
-    standby waits for the Lease. Whenever this replica starts a new term (and at the first cycle), the run is read
+    kopf starts this daemon for each run when it first sees it (created, or found at operator start). With
+    ``--leader-elect`` the daemon of a standby waits for the Lease. Whenever this replica starts a new term (and at the first cycle), the run is read
     from the API, not from memory (``reconcile.observe.rebuild``). A cycle whose write the fence refuses is abandoned. The daemon
     ends once the run is finished and nothing is left to clean up or to time (TTL).
     """
@@ -211,7 +235,7 @@ async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, l
     ns, name = meta.get("namespace"), meta["name"]
     job = ctx.job(meta["uid"])
     job.generation = meta.get("generation")
-    term = -1  # a (re)started daemon reads its run from the API first (after a peering pause, too)
+    term = -1  # a (re)started daemon reads its run from the API first
     pods: tuple[Any, ...] | None = None
     while not stopped:
         job.wake.clear()

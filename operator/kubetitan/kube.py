@@ -31,7 +31,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kubetitan_core import GROUP, PLURAL, VERSION
 from kubetitan import __version__, rbac
-from kubetitan.plan import POD_GROUP_API_VERSION
+from kubetitan.plan import POD_GROUP_API_VERSION, Prepared
 
 log = logging.getLogger("kubetitan.kube")
 
@@ -294,19 +294,6 @@ def load_config(kubeconfig: str | None = None, context: str | None = None) -> ku
     return cfg
 
 
-def connection_info(cfg: kubernetes.client.Configuration, kopf: Any) -> Any:
-    """The same credentials for kopf's own API calls (``@kopf.on.login``)."""
-    token = None
-    auth = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
-    if auth:
-        token = auth.split(" ", 1)[1] if auth.lower().startswith("bearer ") else auth
-    return kopf.ConnectionInfo(
-        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
-        scheme="Bearer" if token else None, token=token,
-        certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
-    )
-
-
 class Client:
     """Async calls the operator makes. ``calls`` counts them by (group, resource, verb) for the RBAC test.
 
@@ -388,8 +375,9 @@ class Client:
     async def _call(self, group: str, resource: str, verb: str, method: str, path: str,
                     body: Any = None, query: list[tuple[str, Any]] | None = None,
                     content_type: str = "application/json", fenced: bool = True, retries: bool = True,
-                    timeout: float | None = None) -> dict[str, Any] | None:
-        """One API call under the error policy; the JSON body, or None for 404 (get/delete).
+                    timeout: float | None = None, decode: bool = True) -> dict[str, Any] | None:
+        """One API call under the error policy; the JSON body (``decode=False``: ``{}``, the answer unread), or None
+        for 404 (get/delete). A ``plan.Prepared`` body is sent as its own text (serialised once for the gang).
 
         429, 5xx, timeouts and connection errors are retried (``self.retry``; ``retries=False``: sent once);
         401 refreshes the credentials once; anything else raises :class:`ApiError` with the server's reason and
@@ -411,7 +399,8 @@ class Client:
             self.session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=0),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_seconds), proxy=self.cfg.proxy or None)
-        data = None if body is None else json.dumps(body, separators=(",", ":"))
+        data = None if body is None else body.text if isinstance(body, Prepared) else \
+            json.dumps(body, separators=(",", ":"))
         refreshed = False
         n = 0
         attempts = self.retry.attempts if retries else 1
@@ -459,7 +448,7 @@ class Client:
             return None
         if not 200 <= status < 300:
             raise ApiError(status, method, path, raw, retry_after)
-        return json.loads(raw) if raw else {}
+        return json.loads(raw) if raw and decode else {}
 
     async def _send(self, method: str, path: str, query: list[tuple[str, Any]] | None, data: str | None,
                     headers: dict[str, str], seconds: float) -> tuple[int, bytes, float | None]:
@@ -487,26 +476,27 @@ class Client:
         p = f"/apis/{api_version}/namespaces/{ns}/{resource}"
         return f"{p}/{name}" if name else p
 
-    async def create(self, obj: dict[str, Any]) -> bool:
+    async def create(self, obj: dict[str, Any], fenced: bool = True) -> bool:
         """Create a child (``CHILD_KINDS``): True when created, False when it already exists *and is ours*.
 
         On 409 the existing object is read: if its owner references do not name the owner ``obj`` names,
-        :class:`NameConflict` is raised and the object is left alone.
+        :class:`NameConflict` is raised and the object is left alone. ``fenced=False``: sent whether or not this
+        replica leads (an Event about the webhook configuration, which every replica keeps).
         """
         group, resource = CHILD_KINDS[obj["kind"]]
         api_version = obj.get("apiVersion") or "v1"
         meta = obj["metadata"]
         ns = meta["namespace"]
         path = self._path(api_version, ns, resource)
-        try:
-            await self._call(group, resource, "create", "POST", path, obj)
+        try:  # the created object comes back whole (~3 KiB for a pod): not decoded, nothing reads it
+            await self._call(group, resource, "create", "POST", path, obj, fenced=fenced, decode=False)
             return True
         except ApiError as e:
             if e.status != 409:
                 raise
         existing = await self._call(group, resource, "get", "GET", self._path(api_version, ns, resource, meta["name"]))
         if existing is None:  # gone again in between: one more create
-            await self._call(group, resource, "create", "POST", path, obj)
+            await self._call(group, resource, "create", "POST", path, obj, fenced=fenced, decode=False)
             return True
         want = {r.get("uid") for r in meta.get("ownerReferences") or []}
         have = [r for r in (existing.get("metadata") or {}).get("ownerReferences") or []]
@@ -517,9 +507,10 @@ class Client:
     async def get(self, resource: str, ns: str | None, name: str) -> dict[str, Any] | None:
         return await self._call("", resource, "get", "GET", self._core(ns, resource, name))
 
-    async def patch(self, resource: str, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+    async def patch(self, resource: str, ns: str, name: str, patch: dict[str, Any], fenced: bool = True
+                    ) -> dict[str, Any] | None:
         return await self._call("", resource, "patch", "PATCH", self._core(ns, resource, name), patch,
-                                content_type="application/merge-patch+json")
+                                content_type="application/merge-patch+json", fenced=fenced)
 
     async def delete_pod(self, ns: str, name: str, grace_seconds: int | None = None) -> bool:
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}

@@ -134,7 +134,7 @@ def _micro(t: float) -> str:
 
 
 class AlwaysLeader:
-    """No election (one replica, or kopf peering): every write is allowed, and there is one term."""
+    """No election (one replica): every write is allowed, and there is one term."""
 
     term = 1
     identity = ""

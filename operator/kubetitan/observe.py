@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime as dt
+import heapq
+import itertools
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 import ipaddress
@@ -20,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubetitan import conditions as C
 from kubetitan import plan
 from kubetitan.decide import NodeObs, PodObs
+from kubetitan.elastic import NOT_EXTENDED
 from kubetitan.status import training_status  # noqa: F401 - re-exported: observation's numbers for the status
 
 
@@ -81,11 +85,11 @@ def node_obs(name: str, node: Mapping[str, Any] | None) -> NodeObs:
     if node is None:
         return NodeObs(name=name, exists=False, ready=False, not_ready_since=None)
     spec, status = node.get("spec") or {}, node.get("status") or {}
-    gpus = (status.get("allocatable") or {}).get(plan.GPU_RESOURCE)
     place = {"unschedulable": bool(spec.get("unschedulable")),
              "labels": tuple(sorted(((node.get("metadata") or {}).get("labels") or {}).items())),
              "taints": tuple((t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in spec.get("taints") or []),
-             "gpus": int(gpus) if isinstance(gpus, (int, str)) and str(gpus).isdigit() else None}
+             "allocatable": tuple(sorted((k, str(v)) for k, v in (status.get("allocatable") or {}).items()
+                                         if k not in NOT_EXTENDED))}
     ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
     if ready is None:
         return NodeObs(name=name, ready=None, **place)
@@ -97,13 +101,13 @@ def node_obs(name: str, node: Mapping[str, Any] | None) -> NodeObs:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Samples of rank 0's exposition by sample name (first sample wins); a sample labelled only with ``phase``
-    (the start-up anatomy) also as ``<name>/<phase>``."""
+    (the start-up anatomy) or only with ``source`` (a mixture's per-source losses) also as ``<name>/<label value>``."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             out.setdefault(s.name, float(s.value))
-            if set(s.labels) == {"phase"}:
-                out.setdefault(f"{s.name}/{s.labels['phase']}", float(s.value))
+            if set(s.labels) in ({"phase"}, {"source"}):
+                out.setdefault(f"{s.name}/{next(iter(s.labels.values()))}", float(s.value))
     return out
 
 
@@ -154,7 +158,11 @@ def metrics_url(ip: str, port: int) -> str:
 # ------------------------------------------------------------------ the bounded scrape
 DEFAULT_SCRAPE_MAX_BYTES = 4 * 1024 * 1024
 """The most bytes of rank 0's /metrics body the operator reads (``--scrape-max-bytes``); the trainer's own
-exposition is about 10 KiB, and prometheus-client parses 4 MiB in about 2 s of one core."""
+exposition is about 11 KiB."""
+DEFAULT_SCRAPE_MAX_SERIES = 5000
+"""The most series (sample lines) of one body the operator parses (``--scrape-max-series``): the trainer's own
+exposition has about 75; prometheus-client parses about 60,000 a second on one core, so a body at the cap costs
+under 0.1 s, where 4 MiB of short lines (~240,000 series) cost 4 s and ~100 MB of sample objects."""
 DEFAULT_SCRAPE_TIMEOUT_SECONDS = 3.0
 """The most one scrape may take, connect to last byte (``--scrape-timeout``)."""
 DEFAULT_SCRAPE_CONCURRENCY = 8
@@ -171,6 +179,7 @@ class ScrapeLimits:
     max_bytes: int = DEFAULT_SCRAPE_MAX_BYTES
     timeout: float = DEFAULT_SCRAPE_TIMEOUT_SECONDS
     concurrency: int = DEFAULT_SCRAPE_CONCURRENCY
+    max_series: int = DEFAULT_SCRAPE_MAX_SERIES
 
 
 @dataclass(frozen=True)
@@ -183,26 +192,83 @@ class Scraped:
     error: str | None = None
 
 
+class TooManySeries(ValueError):
+    """A body with more series than the operator parses (counted before any is parsed)."""
+
+    def __init__(self, series: int, cap: int) -> None:
+        self.series, self.cap = series, cap
+        super().__init__(f"{series} series, more than the operator parses ({cap}, --scrape-max-series); the "
+                         "trainer's own /metrics has about 75")
+
+
+class FairSlots:
+    """At most ``n`` scrapes at once, shared by every run: a free slot goes to the waiting run whose last scrape
+    cost the least (seconds it held a slot), the oldest waiter first among equals.
+
+    A run whose rank 0 serves a huge or slow body holds a slot for up to a whole timeout each time; with first come
+    first served, a few such runs queued ahead of a cheap one made it wait their timeouts and give up (nothing
+    learnt that cycle, its status a scrape interval behind, and the next). Here the cheap run's scrape goes first
+    when a slot frees: it waits at most for one slot to free (one timeout), never behind the expensive runs' queue.
+    A run's cost is forgotten with the run (:meth:`forget`)."""
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._waiting: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+        self.cost: dict[str, float] = {}
+        """Seconds the last scrape of each run held its slot."""
+
+    async def acquire(self, key: str) -> None:
+        if self._free > 0:
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (self.cost.get(key, 0.0), next(self._seq), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # handed a slot just as it gave up: pass it on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            fut = heapq.heappop(self._waiting)[2]
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._free += 1
+
+    def forget(self, key: str) -> None:
+        self.cost.pop(key, None)
+
+
 class Scraper:
     """Bounded scrapes of rank 0's /metrics, shared by every run of one operator.
 
     A body is read in chunks and abandoned past ``max_bytes`` (``MetricsTooLarge``, a declared Content-Length
     too: nothing read); connect, headers and body together get ``timeout`` (``MetricsTimeout``: a slow or
-    never-ending body); the text is parsed in a small thread pool (``MetricsMalformed`` when it is not UTF-8
-    Prometheus text), so one tenant's pod can neither fill the operator's memory nor hold the event loop that
-    every other run's cycle needs. At most ``concurrency`` scrapes run at once.
+    never-ending body); its series are counted (two byte scans) and a body with more than ``max_series`` is
+    refused unparsed (``MetricsTooLarge``); the text is parsed in a small thread pool (``MetricsMalformed`` when it
+    is not UTF-8 Prometheus text), so one tenant's pod can neither fill the operator's memory nor hold the event
+    loop that every other run's cycle needs. At most ``concurrency`` scrapes run at once, cheapest run first
+    (:class:`FairSlots`).
     """
 
     def __init__(self, limits: ScrapeLimits | None = None) -> None:
         self.limits = limits or ScrapeLimits()
-        self._slots = asyncio.Semaphore(self.limits.concurrency)
+        self._slots = FairSlots(self.limits.concurrency)
         self._pool = concurrent.futures.ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="kubetitan-parse")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def scrape(self, session: Any, ip: str, port: int) -> Scraped:
-        """GET and parse rank 0's /metrics within the limits.
+    def forget(self, key: str) -> None:
+        """Drop what is kept of a deleted run (its scrape cost)."""
+        self._slots.forget(key)
+
+    async def scrape(self, session: Any, ip: str, port: int, key: str = "") -> Scraped:
+        """GET and parse rank 0's /metrics within the limits; ``key`` names the run (its share of the slots).
 
         A failed scrape is an observation failure, never a training failure: the caller reports it in the
         ``MetricsAvailable`` condition and keeps the last known progress.
@@ -210,20 +276,25 @@ class Scraper:
         timeout = self.limits.timeout
         try:
             async with asyncio.timeout(timeout):
-                await self._slots.acquire()
+                await self._slots.acquire(key)
         except TimeoutError:
-            return Scraped()  # every slot busy for a whole timeout: try again next cycle, nothing learnt
+            return Scraped()  # no slot for a whole timeout: try again next cycle, nothing learnt
+        t0 = time.monotonic()
         try:
             body, reason, error = await fetch(session, metrics_url(ip, port), self.limits)
             if body is None:
                 return Scraped(reason=reason, error=error)
             loop = asyncio.get_running_loop()
             try:
-                return Scraped(metrics=await loop.run_in_executor(self._pool, _decode_and_parse, body))
+                return Scraped(metrics=await loop.run_in_executor(self._pool, _decode_and_parse, body,
+                                                                  self.limits.max_series))
+            except TooManySeries as e:
+                return Scraped(reason=C.METRICS_TOO_LARGE, error=f"GET {metrics_url(ip, port)}: {e}")
             except (ValueError, TypeError, IndexError, KeyError) as e:  # what the text parser raises on bad input
                 return Scraped(reason=C.METRICS_MALFORMED, error=f"rank 0's /metrics ({metrics_url(ip, port)}) "
                                f"is not Prometheus text: {_short(e)}")
         finally:
+            self._slots.cost[key] = time.monotonic() - t0
             self._slots.release()
 
 
@@ -232,7 +303,15 @@ def _short(e: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _decode_and_parse(body: bytes) -> dict[str, float]:
+def series_count(body: bytes) -> int:
+    """Sample lines of a Prometheus text body: its lines less its comments (``#`` first), counted in C."""
+    lines = body.count(b"\n") + (0 if body.endswith(b"\n") or not body else 1)
+    return lines - body.count(b"\n#") - (1 if body.startswith(b"#") else 0) - body.count(b"\n\n")
+
+
+def _decode_and_parse(body: bytes, max_series: int = DEFAULT_SCRAPE_MAX_SERIES) -> dict[str, float]:
+    if (n := series_count(body)) > max_series:  # counted before a single sample object is made
+        raise TooManySeries(n, max_series)
     return parse_metrics(body.decode("utf-8"))  # UnicodeDecodeError is a ValueError
 
 

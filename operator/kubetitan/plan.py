@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,9 @@ from typing import Any
 from kubetitan_core import API_VERSION, KIND, contract
 from kubetitan_core.api import (LlamaPretrain, LlamaPretrainSpec, at_size, elastic_sizes, processes_per_node,
                                 reads_s3_shards, resolved_dp_shard, world_size)
-from kubetitan_core.catalog import INSTANCE_TYPES, pod_resources
+from kubetitan_core.catalog import (EFA_RESOURCE, GPU_RESOURCE, HOSTNAME_LABEL, HUGEPAGES_RESOURCE,
+                                    INSTANCE_TYPE_LABEL, INSTANCE_TYPES, KUEUE_GROUP_COUNT, KUEUE_GROUP_LABEL,
+                                    KUEUE_QUEUE_LABEL, pod_resources)
 from kubetitan_core import hang, render
 from kubetitan_core.contract import launcher as contract_launcher
 from kubetitan_core.contract.launcher import RENDEZVOUS_PORT, LauncherArgs
@@ -42,15 +45,7 @@ TRAINER_UID = 10001
 """The trainer image's user and group (``ARG TRAINER_UID`` in images/trainer.Dockerfile; a test keeps them equal).
 The pods run as it whatever the image says, and it is the ``fsGroup`` that makes fresh volume roots writable."""
 
-GPU_RESOURCE = "nvidia.com/gpu"
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
-HUGEPAGES_RESOURCE = "hugepages-2Mi"
-INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
-HOSTNAME_LABEL = "kubernetes.io/hostname"
 HYPERPOD_HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
-KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 POD_GROUP_API_VERSION = "scheduling.k8s.io/v1beta1"
 """Kubernetes' own PodGroup API (KEP-4671; beta in 1.37 behind the ``GenericWorkload`` feature gate)."""
 DEFAULT_SCHEDULER = "default-scheduler"
@@ -317,7 +312,9 @@ def _volumes(lpt: LlamaPretrain) -> tuple[list[dict[str, Any]], list[dict[str, A
         {"name": "dshm", "mountPath": contract.SHM_MOUNT},
     ]
     volumes: list[dict[str, Any]] = [
-        {"name": "config", "configMap": {"name": config_map_name(lpt.metadata.name)}},
+        # only the trainer config: the ConfigMap also keeps the spec the attempt was created from (for the operator)
+        {"name": "config", "configMap": {"name": config_map_name(lpt.metadata.name),
+                                         "items": [{"key": contract.CONFIG_KEY, "path": contract.CONFIG_KEY}]}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": s.resources.shm_size}},
     ]
     if ck.enabled and (st.persistent_volume_claim or st.host_path):
@@ -480,23 +477,79 @@ def attempt_children(
     nodes: int | None = None,
     ranks: Collection[int] | None = None,
     pod_groups: bool = False,
+    prepared: bool = False,
 ) -> list[dict[str, Any]]:
     """Every child object of ``attempt``: ConfigMap, Service, the PodGroup (``pod_groups``), then the pods by rank.
     ``nodes``: the attempt's gang size when it is not ``resources.nodes`` (``runPolicy.elastic``: ``status.nodes``):
     pods, ``--nnodes``, the trainer config and the PodGroup's ``minCount`` follow it, and the global batch stays the
     spec's (``kubetitan_core.api.at_size``). ``ranks``: render only these pods (each pod depends on its rank alone, so
     they are the full list's pods of those ranks). ``pod_groups``: the attempt is gang-scheduled through a Kubernetes
-    PodGroup (the operator's answer to :func:`uses_pod_group` when the attempt started; pure: no discovery here)."""
+    PodGroup (the operator's answer to :func:`uses_pod_group` when the attempt started; pure: no discovery here).
+    ``prepared``: the pods as :class:`Prepared`, each with its JSON text (what the operator sends); else plain dicts."""
     if attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {attempt}")
     lpt = sized(lpt, nodes)
     cm = config_map(lpt)
     digest = _hash(cm["data"][contract.CONFIG_KEY])
-    pods = [
-        pod(lpt, attempt, rank, job_start_time, avoid_nodes, digest, hang_floor_seconds, in_pod_group=pod_groups)
-        for rank in range(lpt.spec.resources.nodes) if ranks is None or rank in ranks
-    ]
+    wanted = [r for r in range(lpt.spec.resources.nodes) if ranks is None or r in ranks]
+    pods = gang_pods(lambda rank: pod(lpt, attempt, rank, job_start_time, avoid_nodes, digest, hang_floor_seconds,
+                                      in_pod_group=pod_groups), lpt.metadata.name, attempt, wanted, prepared)
     return [cm, service(lpt), *([pod_group(lpt, attempt)] if pod_groups else []), *pods]
+
+
+class Prepared(dict):  # type: ignore[type-arg]
+    """A child object together with its JSON text, made once: ``kube.Client`` sends ``text`` as the request body
+    instead of serialising the object again. Read-only: pods of one gang share their nested parts."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, obj: dict[str, Any], text: str | None = None) -> None:
+        super().__init__(obj)
+        self.text = text if text is not None else json.dumps(obj, separators=(",", ":"))
+
+
+_NAME_TOKEN = "\x01kubetitan-pod-name\x01"
+_RANK_TOKEN = "\x01kubetitan-rank\x01"
+"""Placeholders of a rank's own values in the gang's pod template; JSON escapes the control characters, so the text
+holds them as ``\\u0001...\\u0001`` (a template whose text holds them more often than placed, because a spec's own
+string held one, is not used: each pod is serialised on its own then)."""
+
+
+def _as_rank(t: dict[str, Any], node_rank_arg: int, name: str, rank: str) -> dict[str, Any]:
+    """Rank ``rank``'s pod from the gang's template ``t`` (another rank's pod): new dicts only where they differ (the
+    name, the hostname, the rank label, ``--node-rank``); every other part is ``t``'s own object."""
+    container = dict(t["spec"]["containers"][0])
+    container["args"] = [*container["args"][:node_rank_arg], f"--node-rank={rank}", *container["args"][node_rank_arg + 1:]]
+    meta = {**t["metadata"], "name": name, "labels": {**t["metadata"]["labels"], LABEL_RANK: rank}}
+    return {**t, "metadata": meta, "spec": {**t["spec"], "hostname": name, "containers": [container]}}
+
+
+def gang_pods(render_rank: Any, name: str, attempt: int, ranks: Sequence[int], prepared: bool = True
+              ) -> list[dict[str, Any]]:
+    """The pods of ``ranks``, each equal to ``render_rank(rank)`` (:func:`pod`), at a fraction of the cost: rank 0 is
+    rendered on its own (its rendezvous port), every other rank is a copy of one rendered rank that differs only in
+    its name, hostname, rank label and ``--node-rank``, and (``prepared``) its JSON text is filled into the
+    template's text (a 1,024-pod gang: two renders and two serialisations, not 1,024 of each; tests/api/test_plan.py
+    compares every rank with :func:`pod`)."""
+    out: list[dict[str, Any]] = []
+    if 0 in ranks:
+        out.append(Prepared(render_rank(0)) if prepared else render_rank(0))
+    others = [r for r in ranks if r != 0]
+    if not others:
+        return out
+    t = render_rank(others[0])
+    first = str(others[0])
+    node_rank_arg = t["spec"]["containers"][0]["args"].index(f"--node-rank={first}")
+    if not prepared:
+        return out + [_as_rank(t, node_rank_arg, pod_name(name, attempt, r), str(r)) for r in others]
+    text = json.dumps(_as_rank(t, node_rank_arg, _NAME_TOKEN, _RANK_TOKEN), separators=(",", ":"))
+    name_in, rank_in = json.dumps(_NAME_TOKEN)[1:-1], json.dumps(_RANK_TOKEN)[1:-1]
+    usable = text.count(name_in) == 2 and text.count(rank_in) == 2  # name + hostname; label + --node-rank
+    for r in others:
+        pod_name_ = pod_name(name, attempt, r)
+        obj = _as_rank(t, node_rank_arg, pod_name_, str(r))
+        out.append(Prepared(obj, text.replace(name_in, pod_name_).replace(rank_in, str(r)) if usable else None))
+    return out
 
 
 def attempt_pod_names(lpt: LlamaPretrain, attempt: int, nodes: int | None = None) -> list[str]:
@@ -527,14 +580,6 @@ def _world_size_fields(a: dict[str, Any], d: dict[str, Any]) -> list[tuple[str, 
         else:
             out.append((path, x, y))
     return out
-
-
-def world_size_change(applied: LlamaPretrainSpec, desired: LlamaPretrainSpec) -> str | None:
-    """What an edit from ``applied`` (the running attempt's spec) to ``desired`` does to the world size or the
-    data-parallel degree, as one phrase naming the fields and the numbers; None when neither changes (an edit of
-    ``parallelism`` that keeps both, e.g. none, is no world-size change)."""
-    edit = world_size_edit(applied, desired)
-    return edit.change if edit is not None else None
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ from typing import Any
 
 from kubetitan_core import contract
 from kubetitan_core.api import LlamaPretrain
-from kubetitan.plan import INSTANCE_TYPE_LABEL
+from kubetitan.conditions import POLICY_VIOLATION
+from kubetitan_core.catalog import INSTANCE_TYPE_LABEL
 
 ANY = "*"
-REASON = "PolicyViolation"
+REASON = POLICY_VIOLATION
 """Condition reason and Event reason of a spec the policy refuses."""
 
 NodeLabels = tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...]

@@ -1,7 +1,7 @@
 """The exact Kubernetes API access the operator needs: one table, used by the code and the chart.
 
 ``kube.Client`` refuses any call that is not listed here (so the table cannot drift from the code),
-kopf's own calls (watching, finalizers, events, peering) are listed too, and the Helm chart renders
+kopf's own calls (watching, finalizers, events) are listed too, and the Helm chart renders
 the Role/ClusterRole from ``rules()``. A test compares the table with the calls the operator makes.
 """
 
@@ -35,11 +35,11 @@ RULES: tuple[Rule, ...] = (
          "one gang PodGroup per attempt where the server serves them: create (get: whose is a name taken), "
          "delete when the attempt ends"),
     Rule("", "nodes", ("get", "list", "watch"), "health of the nodes running the gang: an index (cluster-scoped)"),
+    Rule("", "resourcequotas", ("get", "list", "watch"),
+         "a quota changed in a namespace (raised, or usage freed): retry at once the creates it refused there"),
     Rule("", "events", ("get", "create", "patch"),
          "restart/fail/succeed events, aggregated: a repeat is counted on the same Event (kubetitan.events)"),
     Rule("events.k8s.io", "events", ("create", "patch"), "the same through the newer events API"),
-    Rule("kopf.dev", "kopfpeerings", ("get", "list", "watch", "patch"), "HA peering (--peering), namespaced"),
-    Rule("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"), "HA peering, cluster-wide"),
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch"),
          "kopf resource discovery"),
     Rule("", "namespaces", ("get", "list", "watch"), "kopf namespace discovery with --all-namespaces"),
@@ -60,8 +60,7 @@ WEBHOOK_CERTIFICATES = frozenset({"secrets", "validatingwebhookconfigurations"})
 """Rows granted only with the operator's own webhook certificates, each on the one object the chart names
 (``resourceNames``): the Secret in the release namespace (a Role), the configuration (a ClusterRole)."""
 
-CLUSTER_SCOPED = frozenset({"nodes", "clusterkopfpeerings", "customresourcedefinitions", "namespaces",
-                            "subjectaccessreviews"})
+CLUSTER_SCOPED = frozenset({"nodes", "customresourcedefinitions", "namespaces", "subjectaccessreviews"})
 
 
 def allowed(api_group: str, resource: str, verb: str) -> bool:

@@ -19,7 +19,9 @@ from kubetitan import webhook as webhook_mod
 from kubetitan.handlers import RUNNING, client_of, leadership_changed
 from kubetitan.kube import load_config
 from kubetitan.leader import LeaderElector, LeaseConfig
-from kubetitan.observe import DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_TIMEOUT_SECONDS
+from kubetitan.observe import (
+    DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_MAX_SERIES, DEFAULT_SCRAPE_TIMEOUT_SECONDS,
+)
 from kubetitan.operator_metrics import OperatorMetrics
 from kubetitan.reconcile.context import Context, Options
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
@@ -36,24 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
                        help="watch this namespace (repeatable; globs like 'team-*' work)")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (cluster-wide)")
-    p.add_argument("--peering", metavar="NAME",
-                   help="HA: coordinate replicas through the KopfPeering NAME; only the highest-priority one acts")
-    p.add_argument("--priority", type=int, default=0, help="peering priority of this replica (default 0)")
     p.add_argument("--metrics-port", type=int, default=8080, help="port of the operator's /metrics (0: off)")
     p.add_argument("--liveness", metavar="URL", default=None,
                    help="liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     p.add_argument("--scan-interval", type=float, default=10.0, help="seconds between cycles of a run (default 10)")
-    p.add_argument("--scrape-interval", type=float, default=15.0,
-                   help="seconds between scrapes of rank 0's /metrics (default 15)")
-    p.add_argument("--scrape-timeout", type=_positive_seconds, default=DEFAULT_SCRAPE_TIMEOUT_SECONDS, metavar="S",
-                   help=f"the most one scrape of rank 0's /metrics may take, connect to last byte; slower: "
-                   f"MetricsAvailable=False/MetricsTimeout (default {DEFAULT_SCRAPE_TIMEOUT_SECONDS:g})")
-    p.add_argument("--scrape-max-bytes", type=_positive_int, default=DEFAULT_SCRAPE_MAX_BYTES, metavar="N",
-                   help=f"the most bytes of one /metrics body the operator reads; larger: "
-                   f"MetricsAvailable=False/MetricsTooLarge (default {DEFAULT_SCRAPE_MAX_BYTES}, 4 MiB)")
-    p.add_argument("--scrape-concurrency", type=_positive_int, default=DEFAULT_SCRAPE_CONCURRENCY, metavar="N",
-                   help=f"scrapes in flight at once across all runs (default {DEFAULT_SCRAPE_CONCURRENCY})")
+    _add_scrape_flags(p)
     p.add_argument("--hang-floor-seconds", type=_positive_seconds, default=float(AUTO_HANG_FLOOR_SECONDS),
                    metavar="S", help=f"the least the Auto hang timeout waits for a step, whatever the step time "
                    f"(default {AUTO_HANG_FLOOR_SECONDS}; runPolicy.hangTimeoutPolicy)")
@@ -67,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "(docs/operator.md, HA)")
     le.add_argument("--leader-elect", action="store_true",
                     help="elect one replica through a Lease; the others watch and take over when it stops or cannot "
-                    "renew (exclusive with --peering)")
+                    "renew (the one HA mode: needed for more than one replica)")
     le.add_argument("--leader-elect-resource-name", default="kubetitan", metavar="NAME",
                     help="name of the Lease (default kubetitan)")
     le.add_argument("--leader-elect-resource-namespace", default=None, metavar="NS",
@@ -97,12 +87,30 @@ def _add_pod_group_flag(p: argparse.ArgumentParser) -> None:
                    "(the cluster admin's switch; default auto)")
 
 
+def _add_scrape_flags(p: argparse.ArgumentParser) -> None:
+    """How often and how much of rank 0's /metrics the operator reads (docs/monitoring.md)."""
+    p.add_argument("--scrape-interval", type=float, default=15.0,
+                   help="seconds between scrapes of rank 0's /metrics (default 15)")
+    p.add_argument("--scrape-timeout", type=_positive_seconds, default=DEFAULT_SCRAPE_TIMEOUT_SECONDS, metavar="S",
+                   help=f"the most one scrape of rank 0's /metrics may take, connect to last byte; slower: "
+                   f"MetricsAvailable=False/MetricsTimeout (default {DEFAULT_SCRAPE_TIMEOUT_SECONDS:g})")
+    p.add_argument("--scrape-max-bytes", type=_positive_int, default=DEFAULT_SCRAPE_MAX_BYTES, metavar="N",
+                   help=f"the most bytes of one /metrics body the operator reads; larger: "
+                   f"MetricsAvailable=False/MetricsTooLarge (default {DEFAULT_SCRAPE_MAX_BYTES}, 4 MiB)")
+    p.add_argument("--scrape-max-series", type=_positive_int, default=DEFAULT_SCRAPE_MAX_SERIES, metavar="N",
+                   help=f"the most series (sample lines) of one /metrics body the operator parses, counted before "
+                   f"parsing; more: MetricsAvailable=False/MetricsTooLarge (default {DEFAULT_SCRAPE_MAX_SERIES}; the "
+                   f"trainer's own has about 75)")
+    p.add_argument("--scrape-concurrency", type=_positive_int, default=DEFAULT_SCRAPE_CONCURRENCY, metavar="N",
+                   help=f"scrapes in flight at once across all runs (default {DEFAULT_SCRAPE_CONCURRENCY})")
+
+
 def options_from_args(a: argparse.Namespace) -> Options:
-    return Options(namespaces=list(a.namespace), all_namespaces=a.all_namespaces, peering=a.peering,
-                   priority=a.priority, metrics_port=a.metrics_port or None, liveness=a.liveness,
+    return Options(namespaces=list(a.namespace), all_namespaces=a.all_namespaces,
+                   metrics_port=a.metrics_port or None, liveness=a.liveness,
                    kubeconfig=a.kubeconfig, scan_interval=a.scan_interval, scrape_interval=a.scrape_interval,
                    scrape_timeout=a.scrape_timeout, scrape_max_bytes=a.scrape_max_bytes,
-                   scrape_concurrency=a.scrape_concurrency,
+                   scrape_concurrency=a.scrape_concurrency, scrape_max_series=a.scrape_max_series,
                    hang_floor_seconds=a.hang_floor_seconds, policy=policy.from_flags(a), leader=lease_from_args(a),
                    resize_min_interval_seconds=a.resize_min_interval_seconds, pod_groups=a.pod_groups,
                    webhook=webhook_mod.from_args(a))
@@ -151,9 +159,6 @@ def run(options: Options, stop_flag: Any = None, ready_flag: Any = None,
     """Run the operator until ``stop_flag`` is set (blocking); returns its metrics (for tests)."""
     if not options.namespaces and not options.all_namespaces:
         raise SystemExit("error: say which namespaces to watch: --namespace NS (repeatable) or --all-namespaces")
-    if options.leader is not None and options.peering is not None:
-        raise SystemExit("error: --leader-elect and --peering are exclusive: the leader Lease (with fencing) replaces "
-                         "kopf peering; drop --peering")
     if options.leader is not None and (problems := options.leader.problems()):
         raise SystemExit("error: leader election: " + "; ".join(problems))
     cfg = load_config(options.kubeconfig)
@@ -175,7 +180,7 @@ def run(options: Options, stop_flag: Any = None, ready_flag: Any = None,
         try:
             await kopf.operator(
                 clusterwide=options.all_namespaces, namespaces=options.namespaces,
-                standalone=options.peering is None, peering_name=options.peering, priority=options.priority,
+                standalone=True,  # one writer is the leader Lease's job (--leader-elect), never kopf peering
                 liveness_endpoint=options.liveness, stop_flag=stop_flag, ready_flag=ready_flag,
                 memo=kopf.Memo(ctx=ctx),
             )
@@ -199,8 +204,6 @@ def main(argv: list[str]) -> int:
         policy.from_flags(a)
     except policy.PolicyError as e:
         p.error(str(e))
-    if a.leader_elect and a.peering:
-        p.error("--leader-elect and --peering are exclusive: the leader Lease (with fencing) replaces kopf peering")
     lease = lease_from_args(a)
     if lease is not None and (problems := lease.problems()):
         p.error("leader election: " + "; ".join(problems))

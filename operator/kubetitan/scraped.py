@@ -10,6 +10,11 @@ reads them.
 
 JSON cannot hold NaN or ±Infinity (the API server refuses a body with one), and integers above 2^53 - 1 lose
 exactness in every JSON reader; hence "finite" for every row and :data:`MAX_STEP` for steps.
+
+Finite is not enough (``step 9007199254740991 of 100``, ``loss 1e308``): :class:`SpecBounds` tightens the rows by
+what the run's spec makes possible (check ``spec``): a step at most the steps the run trains (+
+:data:`STEP_SLACK`), a loss at most :data:`MAX_LOSS`, a throughput at most the run's processes x
+:data:`MAX_TOKENS_PER_SECOND_PER_PROCESS`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kubetitan_core import contract
-from kubetitan_core.api import AttemptObservation
+from kubetitan_core.api import AttemptObservation, LlamaPretrainSpec, elastic_sizes, processes_per_node
 
 MAX_STEP = 2**53 - 1
 """The largest step (or count) stored: the largest integer every JSON reader keeps exact."""
@@ -31,6 +36,16 @@ detection off."""
 CLOCK_SKEW_SECONDS = 600.0
 """How far ahead of the operator's clock a pod's Unix time may be (a clock further ahead would hold the hang
 timer off for as long)."""
+
+STEP_SLACK = 10
+"""Steps past the run's ``training.steps`` still believed: a trainer stops at its count (the launcher's last
+log line and a scrape racing a steps edit come within one step); more is a made-up number."""
+MAX_LOSS = 1000.0
+"""The largest training or eval loss believed (nats per token). A model guessing uniformly over a 128k
+vocabulary has ln(128256) = 11.8; a diverged run reaches tens to a few hundred before it turns NaN."""
+MAX_TOKENS_PER_SECOND_PER_PROCESS = 1.0e8
+"""The fastest throughput believed per training process (tokens per second): about a hundred times what a
+debug-size model reaches on an H100; the run's bound is this times its processes (``SpecBounds.processes``)."""
 
 Scope = Literal["", "attempt", "generation"]
 
@@ -79,6 +94,8 @@ RULES: tuple[Rule, ...] = (
     Rule(contract.M_FLOPS_PER_GPU),
     Rule(contract.M_MFU, high=1.0),
     Rule(contract.M_EVAL_LOSS),
+    Rule(contract.M_SOURCE_LOSS),
+    Rule(contract.M_SOURCE_EVAL_LOSS),
     Rule(contract.M_EVAL_PERPLEXITY),
     Rule(contract.M_EVAL_STEP, high=MAX_STEP, integer=True, monotonic="generation"),
     Rule(contract.M_STEP_DURATION, high=MAX_STEP_SECONDS),
@@ -90,8 +107,60 @@ RULES: tuple[Rule, ...] = (
 """One row per sample the status reads (``kubetitan.status`` reads no other)."""
 
 BY_METRIC: dict[str, Rule] = {r.metric: r for r in RULES}
+PER_SOURCE = (contract.M_SOURCE_LOSS, contract.M_SOURCE_EVAL_LOSS)
+"""Metrics read per ``source`` label (``name/<source>``), each source under the metric's row."""
 
-Check = Literal["finite", "integer", "range", "future", "regression"]
+
+def rule_for(name: str) -> Rule | None:
+    """The row of a sample as ``observe.parse_metrics`` keys it (a per-source one under its metric's row)."""
+    rule = BY_METRIC.get(name)
+    if rule is None and "/" in name and (base := name.split("/", 1)[0]) in PER_SOURCE:
+        rule = BY_METRIC[base]
+    return rule
+
+Check = Literal["finite", "integer", "range", "future", "regression", "spec"]
+
+STEP_METRICS = (contract.M_STEP, contract.M_LAST_CHECKPOINT_STEP, contract.M_EVAL_STEP, contract.M_RESUMED_FROM_STEP,
+                contract.M_RESTART_PREVIOUS_STEP)
+"""Steps: at most the steps the run trains (+ ``STEP_SLACK``)."""
+
+
+@dataclass(frozen=True)
+class SpecBounds:
+    """What the run's spec makes possible, tightening :data:`RULES` (check ``spec``)."""
+
+    steps: int
+    """The most steps an attempt of the run trains: ``training.steps`` of the spec and of the spec the current
+    attempt was created from (an edit lowering it reaches the trainer only with the next attempt)."""
+    processes: int
+    """The most training processes of the run: its largest gang (``maxNodes`` of an elastic run) x processes per
+    node, of either spec."""
+
+    @classmethod
+    def of(cls, spec: LlamaPretrainSpec, applied: Mapping[str, object] | None = None) -> SpecBounds:
+        steps = spec.training.steps
+        processes = (elastic_sizes(spec).stop - 1) * processes_per_node(spec)
+        if applied:  # the attempt's own spec, in wire form (read, not validated again: only two numbers)
+            t, r = applied.get("training"), applied.get("resources")
+            if isinstance(t, Mapping) and isinstance(t.get("steps"), int):
+                steps = max(steps, t["steps"])
+            if isinstance(r, Mapping) and isinstance(r.get("nodes"), int):
+                per = r.get("processesPerNode") or r.get("gpusPerNode") or 1
+                processes = max(processes, r["nodes"] * (per if isinstance(per, int) and per > 0 else 1))
+        return cls(steps=steps, processes=processes)
+
+    def high(self, metric: str) -> tuple[float, str] | None:
+        """The spec's bound of ``metric`` and what it is, or None when the spec bounds it no tighter."""
+        if metric in STEP_METRICS:
+            return float(self.steps + STEP_SLACK), f"the run trains {self.steps} steps (+{STEP_SLACK})"
+        if metric in (contract.M_LOSS, contract.M_EVAL_LOSS):
+            return MAX_LOSS, f"a loss above {MAX_LOSS:g} nats per token"
+        if metric == contract.M_TOKENS_PER_SECOND:
+            return (self.processes * MAX_TOKENS_PER_SECOND_PER_PROCESS,
+                    f"{self.processes} processes x {MAX_TOKENS_PER_SECOND_PER_PROCESS:g} tokens/s")
+        if metric == contract.M_TOKENS_PER_SECOND_PER_GPU:
+            return MAX_TOKENS_PER_SECOND_PER_PROCESS, f"{MAX_TOKENS_PER_SECOND_PER_PROCESS:g} tokens/s per process"
+        return None
 
 
 @dataclass(frozen=True)
@@ -134,21 +203,29 @@ def _previous(rule: Rule, prev: AttemptObservation | None, same_generation: bool
             contract.M_RESTART_GENERATION: prev.generation}.get(rule.metric)
 
 
+def _spec_refusal(metric: str, v: float, bounds: SpecBounds | None) -> Refusal | None:
+    limit = bounds.high(metric) if bounds is not None else None
+    if limit is not None and v > limit[0]:
+        return Refusal(metric, v, "spec", f"above {limit[0]:g}: {limit[1]}")
+    return None
+
+
 def check(metrics: Mapping[str, float], *, attempt: int, prev: AttemptObservation | None,
-          now: float) -> tuple[dict[str, float], list[Refusal]]:
+          now: float, bounds: SpecBounds | None = None) -> tuple[dict[str, float], list[Refusal]]:
     """(the samples that may be stored, the refused ones) of one scrape of rank 0.
 
     ``attempt``: the run's current attempt; ``prev``: its observation so far (another attempt's does not bind);
-    ``now``: the operator's clock. A scrape whose own attempt gauge names another attempt is not compared with
-    this one's history (``status.track`` refuses it whole).
+    ``now``: the operator's clock; ``bounds``: what the run's spec makes possible (None: the rows alone). A scrape
+    whose own attempt gauge names another attempt is not compared with this one's history (``status.track``
+    refuses it whole).
     """
     kept: dict[str, float] = {}
     refused: list[Refusal] = []
     for name, v in metrics.items():
-        rule = BY_METRIC.get(name)
+        rule = rule_for(name)
         if rule is None:
             continue
-        r = _value_refusal(rule, float(v), now)
+        r = _value_refusal(rule, float(v), now) or _spec_refusal(name, float(v), bounds)
         if r is not None:
             refused.append(r)
         else:
@@ -157,8 +234,9 @@ def check(metrics: Mapping[str, float], *, attempt: int, prev: AttemptObservatio
     history = prev if prev is not None and prev.attempt == attempt and (own is None or own == attempt) else None
     gen = kept.get(contract.M_RESTART_GENERATION)
     same_generation = history is not None and (gen is None or gen <= (history.generation or 0))
-    for name in [n for n in kept if BY_METRIC[n].monotonic]:
-        rule, v = BY_METRIC[name], kept[name]
+    for name in [n for n in kept if rule_for(n).monotonic]:  # type: ignore[union-attr]
+        rule, v = rule_for(name), kept[name]
+        assert rule is not None
         before = _previous(rule, history, same_generation)
         if before is None or v >= before:
             continue
@@ -181,5 +259,6 @@ def signature(refused: list[Refusal]) -> frozenset[tuple[str, str]]:
     return frozenset((r.metric, r.check) for r in refused)
 
 
-__all__ = ["BY_METRIC", "CLOCK_SKEW_SECONDS", "MAX_STEP", "MAX_STEP_SECONDS", "RULES", "Refusal", "Rule", "check",
+__all__ = ["BY_METRIC", "CLOCK_SKEW_SECONDS", "MAX_LOSS", "MAX_STEP", "MAX_STEP_SECONDS",
+           "MAX_TOKENS_PER_SECOND_PER_PROCESS", "RULES", "Refusal", "Rule", "STEP_SLACK", "SpecBounds", "check",
            "signature", "summary"]

@@ -24,8 +24,8 @@ from kubetitan import conditions as C
 from kubetitan import plan
 from kubetitan_core import contract
 from kubetitan_core.api import (
-    RESIZE_CAUSES, AttemptObservation, Condition, DataSpec, LlamaPretrainSpec, LlamaPretrainStatus, StartupPhases,
-    StatusEvent, TrainingStatus, elastic_sizes,
+    RESIZE_CAUSES, AttemptObservation, Condition, DataSpec, LlamaPretrainSpec, LlamaPretrainStatus, SourceLossStatus,
+    StartupPhases, StatusEvent, TrainingStatus, elastic_sizes,
 )
 from kubetitan.decide import (
     AUTO_HANG_FLOOR_SECONDS, DEFAULT_RESIZE_MIN_INTERVAL_SECONDS, MAX_RESTART_RECORDS, Action, Capacity, ChildError,
@@ -209,6 +209,23 @@ def spec_gate(applied: Mapping[str, Any] | None, spec: LlamaPretrainSpec,
     return None, None, None
 
 
+def source_losses(spec: LlamaPretrainSpec, m: Mapping[str, float],
+                  old: list[SourceLossStatus]) -> list[SourceLossStatus]:
+    """A mixture's per-source losses (``status.training.sources``) from rank 0's per-source samples, at most one per
+    mixture source (a pod cannot grow the status past the spec's sources); each loss keeps its last value until a
+    new one comes (the eval loss between evaluations)."""
+    by_name = {s.name: s.model_copy() for s in old}
+    for metric, attr in ((contract.M_SOURCE_LOSS, "loss"), (contract.M_SOURCE_EVAL_LOSS, "eval_loss")):
+        prefix = metric + "/"
+        for key in sorted(k for k in m if k.startswith(prefix)):
+            name = key[len(prefix):]
+            if name not in by_name and len(by_name) >= len(spec.data.mixture or []):
+                continue
+            if (v := _num(m, key)) is not None and abs(v) != float("inf"):
+                setattr(by_name.setdefault(name, SourceLossStatus(name=name)), attr, round(v, 6))
+    return sorted(by_name.values(), key=lambda s: s.name)
+
+
 def startup_phases(m: Mapping[str, float]) -> StartupPhases | None:
     """The running workers' start-up anatomy from rank 0's metrics; None before their first step."""
     total = _num(m, contract.M_STARTUP_SECONDS)
@@ -275,6 +292,8 @@ def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
     for attr, key in (("eval_loss", contract.M_EVAL_LOSS), ("eval_perplexity", contract.M_EVAL_PERPLEXITY)):
         if (v := _num(m, key)) is not None and abs(v) != float("inf"):
             setattr(t, attr, round(v, 6))
+    if trained and (sources := source_losses(spec, m, t.sources)):
+        t.sources = sources
     t.total_steps = spec.training.steps
     # goodput = productive step seconds / wall seconds since the run started
     prod, start = _num(m, contract.M_PRODUCTIVE_SECONDS), _num(m, contract.M_JOB_START_TIMESTAMP)

@@ -14,7 +14,7 @@ asked, the reviews the cache cannot answer are charged to the caller's budget (p
 (source, username); over it: 429), and with ``--webhook-client-ca-file`` only a caller presenting a certificate
 of that CA (the API server's) gets past the TLS handshake.
 
-Certificates: the files given (helm's or cert-manager's Secret, mounted), or with ``--webhook-certificates
+Certificates: the files given (cert-manager's Secret, mounted), or with ``--webhook-certificates
 operator`` the operator's own, issued, rotated and served by :mod:`kubetitan.certsync`.
 
 Without ``--webhook-port`` no server runs (kopf is given one that never listens), and the operator's reconcile
@@ -34,7 +34,7 @@ from typing import Any
 
 import kopf
 
-from kubetitan import admission, certs, certsync, webhook_guard
+from kubetitan import admission, certs, certsync, webhook_config, webhook_guard
 from kubetitan.access_cache import AccessCache, Answer, CacheConfig, key
 from kubetitan.webhook_guard import RateConfig, RateLimiter
 from kubetitan_core import GROUP, PLURAL, VERSION
@@ -55,8 +55,8 @@ class WebhookOptions:
     key_file: str | None = None
     requester: admission.Requester = admission.Requester.REFERENCES
     cert_check_seconds: float = 60.0
-    """How often the certificate files are re-read: a renewed pair (cert-manager, or a new helm Secret, which the
-    kubelet swaps into the mount) is served from then on without a restart (kopf restarts its server)."""
+    """How often the certificate files are re-read: a renewed pair (cert-manager renews the Secret, the kubelet swaps
+    it into the mount) is served from then on without a restart (kopf restarts its server)."""
     access_cache: CacheConfig = CacheConfig()
     """How long the requester checks' SubjectAccessReview answers are reused (kubetitan.access_cache)."""
     clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
@@ -69,20 +69,23 @@ class WebhookOptions:
     """With ``client_ca_file``: the certificate's common or DNS name must be one of these (none: any)."""
     certificates: certsync.CertSync | None = None
     """``--webhook-certificates operator``: the operator issues, rotates and serves its own pair (kubetitan.certsync;
-    ``cert_file``/``key_file`` are then the files it writes). None: serve the files given (helm's or cert-manager's
-    Secret, mounted)."""
+    ``cert_file``/``key_file`` are then the files it writes). None: serve the files given (cert-manager's Secret,
+    mounted)."""
 
 
 def _add_certificate_flags(p: argparse.ArgumentParser) -> None:
     """Who issues the serving certificate and where the API server dials (Service or URL)."""
     p.add_argument("--webhook-certificates", choices=["files", "operator"], default="files",
-                   help="files (default): serve --webhook-cert-file/--webhook-key-file (helm's or cert-manager's "
-                        "Secret, mounted); operator: issue a self-signed CA and serving certificate into "
+                   help="files (default): serve --webhook-cert-file/--webhook-key-file (cert-manager's Secret, "
+                        "mounted); operator: issue a self-signed CA and serving certificate into "
                         "--webhook-secret, keep --webhook-configuration's caBundle, rotate both before they expire")
     p.add_argument("--webhook-secret", metavar="NS/NAME",
                    help="operator certificates: the Secret holding the CA and pair (the chart ships it empty)")
     p.add_argument("--webhook-configuration", metavar="NAME",
                    help="operator certificates: the ValidatingWebhookConfiguration whose caBundle the operator keeps")
+    p.add_argument("--webhook-configuration-webhooks", metavar="JSON",
+                   help="operator certificates: the configuration's webhooks as the chart renders them (a JSON list); "
+                        "every field but caBundle is restored to these when it drifts, with a Warning Event")
     p.add_argument("--webhook-service", metavar="NS/NAME",
                    help="operator certificates: the webhook's Service (the certificate's DNS names)")
     p.add_argument("--webhook-url", metavar="URL",
@@ -169,12 +172,20 @@ def _cert_sync(a: argparse.Namespace) -> certsync.CertSync:
     names = _server_names(a)
     if not a.webhook_configuration:
         raise SystemExit("error: --webhook-certificates operator needs --webhook-configuration NAME (the chart sets it)")
+    if not a.webhook_configuration_webhooks:
+        raise SystemExit("error: --webhook-certificates operator needs --webhook-configuration-webhooks JSON (the "
+                         "chart sets it: the webhooks it renders into the configuration, which the operator keeps)")
+    try:
+        hooks = webhook_config.parse(a.webhook_configuration_webhooks)
+    except ValueError as e:
+        raise SystemExit(f"error: --webhook-configuration-webhooks {e} (the chart renders it; re-install or upgrade "
+                         "the release)") from None
     policy = certs.CertPolicy(cert_days=a.webhook_cert_days, ca_days=a.webhook_ca_days)
     if problems := policy.problems():
         raise SystemExit("error: " + "; ".join(problems))
     cert_dir = a.webhook_cert_dir or tempfile.mkdtemp(prefix="kubetitan-webhook-")
     return certsync.CertSync(secret_ns, secret, a.webhook_configuration, names,
-                             cert_dir, policy, interval=a.webhook_cert_check_seconds)
+                             cert_dir, policy, interval=a.webhook_cert_check_seconds, webhooks=hooks)
 
 
 def from_args(a: argparse.Namespace) -> WebhookOptions:
@@ -229,7 +240,8 @@ def configure(settings: kopf.OperatorSettings, options: WebhookOptions | None,
     The chart ships the ValidatingWebhookConfiguration itself, so kopf manages none (``settings.admission.managed``
     unset): kopf's managed mode rewrites the whole configuration from the handlers (no matchConditions, its own
     names) and each replica would write its own self-signed certificate into it, while every replica here serves
-    one pair from the Secret; the operator only keeps the caBundle."""
+    one pair from the Secret; the operator keeps the caBundle, and restores the chart's webhooks
+    (``kubetitan.webhook_config``)."""
     logging.getLogger("kopf.objects").addFilter(_REFUSAL_FILTER)  # a set: adding it again is a no-op
     if options is None or options.port is None:
         settings.admission.server = _no_server

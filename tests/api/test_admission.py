@@ -228,6 +228,22 @@ def test_access_checks_per_mode() -> None:
         "spec.tokenizer.tokenSecretRef.name"]
 
 
+def test_naming_the_default_service_account_is_the_same_as_leaving_it_out() -> None:
+    """``serviceAccountName: default`` gives the pod that leaving it out gives: no requester check for it (a tenant
+    without ``create serviceaccounts/token`` was refused for writing what the defaults mean), and the same pods."""
+    named, omitted = obj(resources={"serviceAccountName": "default"}), obj()
+    for mode in (Requester.REFERENCES, Requester.POD_CREATE):
+        assert access_checks(named, None, "CREATE", mode) == access_checks(omitted, None, "CREATE", mode)
+    checks = access_checks(named, None, "CREATE", Requester.REFERENCES)
+    assert [c.resource for c in checks] == ["persistentvolumeclaims"]  # the checkpoint claim only
+    v = review(named, None, "CREATE", Policy(), Requester.REFERENCES, {c: True for c in checks})
+    assert v.allowed, v.message
+    assert Access("create", "", "serviceaccounts/token", "ml", "s3") in access_checks(
+        obj(resources={"serviceAccountName": "s3"}), None, "CREATE", Requester.REFERENCES)  # any other is checked
+    pods = [plan.attempt_children(parse(copy.deepcopy(o))[0], 0)[-1]["spec"] for o in (named, omitted)]
+    assert pods[0].get("serviceAccountName", "default") == pods[1].get("serviceAccountName", "default")
+
+
 def test_the_subject_access_review_carries_the_requests_user() -> None:
     user = {"username": "alice", "uid": "u1", "groups": ["team-a", "system:authenticated"],
             "extra": {"scopes": ["x"]}}

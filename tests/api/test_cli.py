@@ -104,8 +104,9 @@ class _Exec(Exception):
 @pytest.mark.parametrize(("argv", "handed"), [
     (["run", "{f}", "--steps", "3"], ["-m", "kubetitan_trainer.local", "{f}", "--steps", "3"]),
     (["run", "{f}", "--output-dir", "/tmp/o"], ["-m", "kubetitan_trainer.local", "{f}", "--output-dir", "/tmp/o"]),
+    (["run", "{f}", "--ledger"], ["-m", "kubetitan_trainer.local", "{f}", "--ledger"]),
     (["prepare-data", "a.txt", "-o", "out"], ["-m", "kubetitan_trainer.data.prepare", "a.txt", "-o", "out"]),
-], ids=["run-steps", "run-output-dir", "prepare-data"])
+], ids=["run-steps", "run-output-dir", "run-ledger", "prepare-data"])
 def test_trainer_commands_hand_the_process_over_to_the_trainer_without_importing_it(monkeypatch, argv, handed):
     """`kubetitan run` / `prepare-data` exec `python -m kubetitan_trainer...`: the operator package never imports
     the trainer's (tests/api/test_pure_core.py); the trainer's own process then owns Ctrl-C and the exit code."""

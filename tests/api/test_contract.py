@@ -137,3 +137,107 @@ def test_failure_report_reads_nothing_from_no_report_and_ignores_unknown_keys():
     newer = json.dumps({**json.loads(REPORT.to_json()), "xid": 79})  # a newer launcher's extra key
     assert FailureReport.from_json(newer) == REPORT
     assert "seen_by" not in json.loads(REPORT.to_json())  # unset optional fields are left out
+
+
+def test_the_contracts_closed_choices_are_the_apis_own():
+    """Every ``Literal`` field of the ``[kubetitan]`` table and of the launcher's arguments is a named choice of
+    ``kubetitan_core.api`` (the spec field it is rendered from has the same one), and the contract modules write no
+    ``Literal[...]`` of their own: a value added to the API is one the trainer reads."""
+    import ast
+    import inspect
+    import typing
+
+    from kubetitan_core import api
+    from kubetitan_core.contract import launcher, trainer_toml
+
+    named = {name: v for name, v in vars(api).items() if typing.get_origin(v) is typing.Literal}
+    tables = [c for c in vars(trainer_toml).values() if dataclasses.is_dataclass(c)] + [LauncherArgs]
+    used = {f"{cls.__name__}.{name}": next((n for n, v in named.items() if v is hint), None)
+            for cls in tables for name, hint in typing.get_type_hints(cls).items()
+            if typing.get_origin(hint) is typing.Literal}
+    assert used and all(used.values()), {k: v for k, v in used.items() if not v}
+    for module in (trainer_toml, launcher):
+        written = [n.lineno for n in ast.walk(ast.parse(inspect.getsource(module)))
+                   if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == "Literal"]
+        assert not written, f"{module.__name__} writes its own Literal[...] at lines {written}: import it from api"
+    assert typing.get_type_hints(api.DataSpec)["source"] is api.DataSource
+    assert typing.get_type_hints(api.ResourcesSpec)["platform"] is api.Platform
+
+
+@pytest.mark.parametrize("uri, want", [
+    ("s3://bucket/a/b/", ("bucket", "a/b")), ("s3://bucket", ("bucket", "")), ("s3://b/x", ("b", "x"))])
+def test_split_s3_uri(uri, want):
+    from kubetitan_core.contract import is_s3_uri, split_s3_uri
+
+    assert is_s3_uri(uri) and split_s3_uri(uri) == want
+
+
+@pytest.mark.parametrize("text", ["/ckpt", "s3:///x", "S3://b/x"])
+def test_split_s3_uri_refuses_what_is_no_s3_uri(text):
+    from kubetitan_core.contract import split_s3_uri
+
+    with pytest.raises(ValueError):
+        split_s3_uri(text)
+
+
+SHARDS = {"path": "/data/a"}
+SHARDS_CASES = [
+    ("shards", {"source": "shards", "shards": SHARDS},
+     [("data.shards.path", "kubetitan.data.shards_path", "/data/a", False)]),
+    ("shards-and-eval-set", {"source": "shards", "shards": SHARDS, "eval": {"samples": 8, "shards": {"path": "s3://b/e"}}},
+     [("data.shards.path", "kubetitan.data.shards_path", "/data/a", False),
+      ("data.eval.shards.path", "kubetitan.data.eval_shards_path", "s3://b/e", True)]),
+    ("mixture-with-a-hub-entry", {"source": "mixture", "mixture": [
+        {"shards": SHARDS, "weight": 1}, {"huggingface": {"dataset": "allenai/c4"}, "weight": 1},
+        {"shards": {"path": "s3://b/m"}, "weight": 2}]},
+     [("data.mixture[0].shards.path", "kubetitan.data.mixture_paths[0]", "/data/a", False),
+      ("data.mixture[2].shards.path", "kubetitan.data.mixture_paths[2]", "s3://b/m", False)]),
+    ("synthetic-reads-no-shards", {"source": "synthetic", "shards": SHARDS}, []),
+]
+
+
+@pytest.mark.parametrize(("data", "want"), [c[1:] for c in SHARDS_CASES], ids=[c[0] for c in SHARDS_CASES])
+def test_the_spec_and_its_rendered_table_read_the_same_shards_paths(data, want):
+    """One rule (``api.shards_paths``) for the validator's side (the spec) and the trainer's (its rendered
+    ``[kubetitan.data]`` table): the same paths under the same two names, a stray ``data.shards`` of another source
+    read by neither."""
+    from kubetitan_core.api import spec_shards_paths
+    from kubetitan_core.contract.trainer_toml import table_shards_paths
+
+    lpt = LlamaPretrain.model_validate(make_lpt({"data": data}))
+    got = [(p.spec_field, p.table_field, p.path, p.held_out) for p in spec_shards_paths(lpt.spec)]
+    assert got == want
+    assert table_shards_paths(render.kubetitan_table(lpt).data) == spec_shards_paths(lpt.spec)
+def test_a_weight_schedule_renders_as_flat_points_with_percentages_resolved():
+    """Each source's schedule reaches the trainer as points (source, step, weight), a percentage of training.steps
+    turned into the nearest step; the trainer reads the same schedules back (kubetitan_core.weights.from_lists)."""
+    from kubetitan_core import weights
+    from kubetitan_core.api import weight_schedules
+
+    obj = LlamaPretrain.model_validate(make_lpt({"training": {"steps": 1000}, "data": {"source": "mixture", "mixture": [
+        {"shards": {"path": "/data/web"}, "weight": 9},
+        {"shards": {"path": "/data/math"}, "weight": 0,
+         "schedule": {"points": [{"percent": 90, "weight": 0}, {"step": 1000, "weight": 3}]}}]}}))
+    d = render.kubetitan_table(obj).data
+    assert (d.mixture_weights, d.mixture_schedule_interpolations) == ([9, 0], ["", "linear"])
+    assert (d.mixture_schedule_sources, d.mixture_schedule_steps, d.mixture_schedule_weights) == ([1, 1], [900, 1000], [0, 3])
+    back = weights.from_lists(d.mixture_weights, d.mixture_schedule_interpolations, d.mixture_schedule_sources,
+                              d.mixture_schedule_steps, d.mixture_schedule_weights)
+    assert back == weight_schedules(obj.spec)
+    assert [float(back[1].at(s)) for s in (1, 900, 950, 1000)] == [0.0, 0.0, 1.5, 3.0]
+    assert weights.percent_step(12.5, 10) == 1 and weights.percent_step(15, 10) == 2  # nearest, halves up
+
+
+@pytest.mark.parametrize("spec_ledger, cli_ledger, want", [(False, False, False), (True, False, True),
+                                                           (False, True, True)], ids=["off", "spec", "cli"])
+def test_the_sample_ledger_is_switched_on_from_the_spec_or_the_command_line(tmp_path, spec_ledger, cli_ledger, want):
+    """spec.data.ledger renders [kubetitan.data] ledger (what the pods read); `kubetitan run --ledger` turns it on for
+    a local run whatever the spec says."""
+    import tomllib
+
+    from kubetitan_trainer.local import write_config
+
+    obj = LlamaPretrain.model_validate(make_lpt({"data": {"source": "synthetic", "ledger": spec_ledger}}))
+    assert render.kubetitan_table(obj).data.ledger is spec_ledger
+    cfg = tomllib.loads(write_config(obj, tmp_path, None, 9999, ledger=cli_ledger).read_text())
+    assert cfg["kubetitan"]["data"].get("ledger", False) is want

@@ -96,7 +96,7 @@ def test_h100_recipe_fits_80gb_by_checkpointing_every_7th_block_with_the_fp8_hea
 
 
 def test_parity_cases_feed_both_paths_the_same_shards_seed_and_schedule():
-    """bench/device/call18.sh's loss parity: the recipe through ``kubetitan run`` and plain torchtitan read the same
+    """bench/device/loss_parity_real_text.sh's loss parity: the recipe through ``kubetitan run`` and plain torchtitan read the same
     shards in the same shuffled order (``[kubetitan.data]``), with the same seed (initial weights and data order),
     batch, sequence, steps, learning rate and warm-up; the recipe's precision differs only in its output projection."""
     from kubetitan_core.render import trainer_config

@@ -204,3 +204,42 @@ def test_negative_attempt_is_refused():
     lpt, _ = parse(make_lpt({}))
     with pytest.raises(ValueError, match="attempt"):
         attempt_children(lpt, -1)
+
+
+@pytest.mark.parametrize("example", [p.name for p in __import__("support.paths", fromlist=["EXAMPLES"]).EXAMPLES])
+@pytest.mark.parametrize("kw", [{}, {"ranks": {1, 3}}, {"ranks": {0}}, {"pod_groups": True, "avoid_nodes": ("n7",)},
+                                {"stray": True}],
+                         ids=["every-rank", "some-ranks", "rank-0", "pod-group-and-avoid", "a-spec-holding-a-placeholder"])
+def test_each_pod_of_the_gang_template_is_the_pod_of_its_rank(example: str, kw: dict) -> None:
+    """A gang's pods come from one template (plan.gang_pods): each is exactly ``plan.pod`` of its rank, and its
+    prepared JSON text is that pod, for every example (GPUs, EFA, Kueue, S3...), rank 0 included."""
+    kw = dict(kw)
+    import json
+
+    import yaml
+
+    from kubetitan import plan as plan_mod
+    from support.paths import EXAMPLES
+
+    doc = yaml.safe_load(next(p for p in EXAMPLES if p.name == example).read_text())
+    doc["metadata"]["uid"] = "uid-1"
+    spec = doc["spec"]
+    spec.setdefault("resources", {})["nodes"] = max(4, spec["resources"].get("nodes", 1))
+    if kw.pop("stray", False):  # the template's placeholder in the spec itself: each pod serialised on its own
+        spec["resources"].setdefault("env", []).append({"name": "X", "value": "\x01kubetitan-rank\x01"})
+    if "hostPath" in (spec.get("checkpoint") or {}).get("storage", {}):  # single-node only: a claim for 4 nodes
+        spec["checkpoint"]["storage"] = {"persistentVolumeClaim": {"claimName": "ckpt"}}
+    spec.setdefault("parallelism", {})["dataParallelShardDegree"] = -1  # whatever the 4 nodes' world is
+    lpt, errors = parse(doc)
+    assert lpt is not None and errors == [], errors
+    objs = attempt_children(lpt, 2, job_start_time=1000.0, prepared=True, **kw)
+    pods = [o for o in objs if o["kind"] == "Pod"]
+    digest = plan_mod._hash(objs[0]["data"][contract.CONFIG_KEY])
+    ranks = sorted(kw.get("ranks", range(lpt.spec.resources.nodes)))
+    assert [p["metadata"]["name"] for p in pods] == [pod_name(lpt.metadata.name, 2, r) for r in ranks]
+    for r, p in zip(ranks, pods):
+        want = plan_mod.pod(lpt, 2, r, 1000.0, kw.get("avoid_nodes", ()), digest,
+                            in_pod_group=kw.get("pod_groups", False))
+        assert p == want and json.loads(p.text) == want, r
+    plain = [o for o in attempt_children(lpt, 2, job_start_time=1000.0, **kw) if o["kind"] == "Pod"]
+    assert plain == pods and all(type(o) is dict for o in plain)  # what `kubetitan render` dumps as YAML

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from support.specs import make_lpt
-from kubetitan_core.catalog import ACCELERATORS, INSTANCE_TYPES, instance_type_warning, pod_resources
+from kubetitan_core.catalog import ACCELERATORS, INSTANCE_TYPES, pod_resources
+from kubetitan_core.warning_rules import warnings_for
 from kubetitan.plan import attempt_children
 from kubetitan_core.validation import parse
 
@@ -93,11 +94,16 @@ def test_gpus_beyond_a_known_g_type_are_refused():
     assert "exceeds the 4 GPUs of g6.12xlarge" in errors[0].message
 
 
+def instance_type_warning(lpt) -> str | None:
+    """The message of the unknown-instance-type warning rule for a run (None: no such warning)."""
+    return next((w.message for w in warnings_for(lpt) if w.rule == "resources.unknown-instance-type"), None)
+
+
 def test_unknown_type_warning_says_what_is_assumed():
     lpt, errors = parse(make_lpt({"resources": {"instanceType": "p7.96xlarge", "gpusPerNode": 8, "platform": "eks"},
                                   "checkpoint": {"storage": {"persistentVolumeClaim": {"claimName": "c"}}}}))
     assert not errors
-    w = instance_type_warning(lpt.spec)
+    w = instance_type_warning(lpt)
     assert w == ("instance type p7.96xlarge is not in kubetitan's catalog (operator/core/kubetitan_core/catalog.py); assuming 8 "
                  "GPUs per node (spec.resources.gpusPerNode, not checked), no EFA interfaces (set "
                  "spec.resources.efaPerNode), an unknown GPU model (no FP8 hardware check, no MFU; set "
@@ -107,11 +113,11 @@ def test_unknown_type_warning_says_what_is_assumed():
     assert "vpc.amazonaws.com/efa" not in pod["spec"]["containers"][0]["resources"]["limits"]
     lpt2, _ = parse(make_lpt({"resources": {"instanceType": "p7.96xlarge", "efaPerNode": 16, "gpuProduct": "H200",
                                             "cpu": "100", "memory": "1Ti"}}))
-    w2 = instance_type_warning(lpt2.spec)
+    w2 = instance_type_warning(lpt2)
     assert "16 EFA interfaces (spec.resources.efaPerNode)" in w2 and "GPU model H200" in w2
     assert "cpu 100 and memory 1Ti per pod from the spec" in w2
     for known in ({"instanceType": "ml.g6e.12xlarge", "gpusPerNode": 4, "platform": "hyperpod"}, {}):
-        assert instance_type_warning(parse(make_lpt({"resources": known}))[0].spec) is None
+        assert instance_type_warning(parse(make_lpt({"resources": known}))[0]) is None
 
 
 def test_validate_prints_the_warning_and_still_exits_0(tmp_path):

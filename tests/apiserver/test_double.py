@@ -27,12 +27,6 @@ PODS = f"/api/v1/namespaces/{NS}/pods"
 pytestmark = pytest.mark.xdist_group("apiserver")
 
 
-@pytest.fixture(scope="module")
-def c():
-    with Cluster() as cluster:
-        yield cluster
-
-
 def call(c: Cluster, method: str, path: str, body: Any = None, url: str | None = None,
          ctype: str = "application/json", **params: str) -> requests.Response:
     data = None if body is None else json.dumps(body)

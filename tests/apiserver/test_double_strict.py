@@ -24,12 +24,6 @@ LPTS = f"/apis/kubetitan.io/v1alpha1/namespaces/{NS}/llamapretrains"
 pytestmark = pytest.mark.xdist_group("apiserver")
 
 
-@pytest.fixture(scope="module")
-def c():
-    with Cluster() as cluster:
-        yield cluster
-
-
 def send(c: Cluster, method: str, path: str, text: str, ctype: str = "application/json",
          **params: str) -> requests.Response:
     return requests.request(method, c.url + path, data=text.encode(), params=params,

@@ -21,7 +21,7 @@ RELEASE, NAMESPACE = "kt", "kubetitan-system"
 MATRIX = [
     ("defaults", [], []),
     ("namespaced", [], ["watch.mode=namespaced", "watch.namespaces={ml,research}"]),
-    ("namespaced-release-ns", [], ["watch.mode=namespaced", "replicaCount=1", "peering.enabled=false"]),
+    ("namespaced-release-ns", [], ["watch.mode=namespaced", "replicaCount=1"]),
     ("monitoring", [], ["monitoring.serviceMonitor.enabled=true", "monitoring.podMonitor.enabled=true",
                         "monitoring.rules.enabled=true", "monitoring.dashboards.enabled=true"]),
     ("eks-p5", ["values-eks-p5.yaml"], []),

@@ -2,8 +2,7 @@
 
 Every rendered object of a values matrix is validated for the oldest and newest supported
 Kubernetes versions; the kinds kubernetes-validate does not know are validated against
-their own schemas (kopf's peering CRDs shipped in the chart, the Prometheus Operator's CRD
-models), never skipped.
+their own schemas (the Prometheus Operator's CRD models), never skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ KUBE_VERSIONS = ["1.27", "1.35"]
 PROM_OPERATOR_KINDS = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
 """Checked against cloudcoil's models of the prometheus-operator CRDs (imported on first use: 1.2 s, in every xdist
 worker when imported at collection)."""
-KOPF_CRDS = {d["spec"]["names"]["kind"]: d for d in yaml.safe_load_all((CHART / "crds" / "kopf.dev_peerings.yaml").read_text())}
 
 
 def _dropped(sent: Any, kept: Any, path: str = "") -> list[str]:
@@ -61,14 +59,6 @@ def validate_object(doc: dict[str, Any], kube: str) -> str:
         kept = model.model_dump(by_alias=True, exclude_unset=True, mode="json")
         assert not _dropped(doc, kept), f"{kind}: unknown fields {_dropped(doc, kept)}"
         return "prometheus-operator-schema"
-    if kind in KOPF_CRDS:
-        crd = KOPF_CRDS[kind]
-        version = crd["spec"]["versions"][0]
-        assert doc["apiVersion"] == f"{crd['spec']['group']}/{version['name']}"
-        assert ("namespace" in doc["metadata"]) == (crd["spec"]["scope"] == "Namespaced"), f"{kind}: scope"
-        jsonschema.validate({k: v for k, v in doc.items() if k not in ("apiVersion", "kind", "metadata")},
-                            version["schema"]["openAPIV3Schema"])
-        return "kopf-crd-schema"
     if kind == "CustomResourceDefinition" and doc["metadata"]["name"] == "llamapretrains.kubetitan.io" and kube == "1.27":
         # 1.27's ValidationRule has no fieldPath/reason (added in 1.28): the chart's CRD is the
         # 1.28+ one; on 1.27 install the variant `kubetitan crd --kubernetes-version 1.27` gives
@@ -159,24 +149,26 @@ def _table(exclude: set[str]) -> set[tuple[str, str, str]]:
 LEASE_ROWS = set(rbac.LEADER_ELECTION) | set(rbac.WEBHOOK_CERTIFICATES)
 """Granted by objects of their own: the Lease by a Role in the release namespace (``*-leader-election``), the
 webhook's certificates by a Role and a ClusterRole limited to the chart's Secret and configuration
-(``*-webhook-certificates``; test_webhook_chart)."""
+(``*-webhook-certificates``), and in namespaced mode the Events about that configuration by a Role in ``default``
+(``*-webhook-events``; test_webhook_chart)."""
 
 
 @pytest.mark.parametrize(
     "sets, role_namespaces, want_cluster, want_role",
     [
-        ([], [], _table({"kopfpeerings"} | LEASE_ROWS), set()),
+        ([], [], _table(LEASE_ROWS), set()),
         (["watch.mode=namespaced", "watch.namespaces={ml,research}"], ["ml", "research"],
-         _table({"kopfpeerings", "clusterkopfpeerings", "namespaces"} | (set() ^ {r.resource for r in rbac.RULES if r.resource not in rbac.CLUSTER_SCOPED})),
+         _table({"namespaces"} | {r.resource for r in rbac.RULES if r.resource not in rbac.CLUSTER_SCOPED}),
          _table(set(rbac.CLUSTER_SCOPED) | LEASE_ROWS)),
         (["watch.mode=namespaced"], [NAMESPACE],
-         _table({"kopfpeerings", "clusterkopfpeerings", "namespaces"} | {r.resource for r in rbac.RULES if r.resource not in rbac.CLUSTER_SCOPED}),
+         _table({"namespaces"} | {r.resource for r in rbac.RULES if r.resource not in rbac.CLUSTER_SCOPED}),
          _table(set(rbac.CLUSTER_SCOPED) | LEASE_ROWS)),
     ],
     ids=["cluster", "namespaced", "namespaced-release-namespace"],
 )
 def test_rbac_grants_exactly_the_declared_table(sets, role_namespaces, want_cluster, want_role):
-    docs = [d for d in render([], sets) if not d["metadata"]["name"].endswith("-webhook-certificates")]
+    docs = [d for d in render([], sets) if not d["metadata"]["name"].endswith(("-webhook-certificates",
+                                                                               "-webhook-events"))]
     (cluster_role,) = by_kind(docs, "ClusterRole")
     assert _triples(cluster_role["rules"]) == want_cluster
     roles = by_kind(docs, "Role")
@@ -192,7 +184,7 @@ def test_rbac_grants_exactly_the_declared_table(sets, role_namespaces, want_clus
     assert len(bindings) == len(roles) + 2  # + the ClusterRoleBinding and the Lease's RoleBinding
     for b in bindings:
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": "kt-kubetitan", "namespace": NAMESPACE}]
-    # Together the objects grant the whole table, less the other mode's peering kind.
+    # Together the objects grant the whole table (less namespace discovery in namespaced mode).
     assert _triples(cluster_role["rules"]) | want_role | _triples(lease_role["rules"]) <= _table(set())
 
 
@@ -221,36 +213,29 @@ def test_operator_pod_is_hardened_and_probed(files, sets):
     assert f"--metrics-port={ports['metrics']}" in c["args"]
     assert c["resources"]["requests"] and c["resources"]["limits"]
     replicas = dep["spec"]["replicas"]
-    assert replicas == 1 or any(a.startswith(("--peering=", "--leader-elect")) for a in c["args"]), \
-        "HA needs the leader Lease (or kopf peering)"
+    assert replicas == 1 or "--leader-elect" in c["args"], "HA needs the leader Lease"
 
 
 @pytest.mark.parametrize(
-    "sets, want_args, want_peerings",
+    "sets, want_args",
     [
         ([], ["--all-namespaces", "--leader-elect", "--leader-elect-resource-name=kt-kubetitan",
               f"--leader-elect-resource-namespace={NAMESPACE}", "--leader-elect-lease-duration=15",
-              "--leader-elect-renew-deadline=10", "--leader-elect-retry-period=2"], []),
+              "--leader-elect-renew-deadline=10", "--leader-elect-retry-period=2"]),
         (["watch.mode=namespaced", "watch.namespaces={a,b}", "leaderElection.leaseName=kt-lock",
           "leaderElection.leaseDurationSeconds=30", "leaderElection.renewDeadlineSeconds=20"],
          ["--namespace=a", "--namespace=b", "--leader-elect", "--leader-elect-resource-name=kt-lock",
           f"--leader-elect-resource-namespace={NAMESPACE}", "--leader-elect-lease-duration=30",
-          "--leader-elect-renew-deadline=20", "--leader-elect-retry-period=2"], []),
-        (["leaderElection.enabled=false", "peering.enabled=true"], ["--all-namespaces", "--peering=kubetitan"],
-         [("ClusterKopfPeering", None)]),
-        (["leaderElection.enabled=false", "peering.enabled=true", "watch.mode=namespaced", "watch.namespaces={a,b}"],
-         ["--namespace=a", "--namespace=b", "--peering=kubetitan"], [("KopfPeering", "a"), ("KopfPeering", "b")]),
-        (["replicaCount=1", "leaderElection.enabled=false"], ["--all-namespaces"], []),
+          "--leader-elect-renew-deadline=20", "--leader-elect-retry-period=2"]),
+        (["replicaCount=1", "leaderElection.enabled=false"], ["--all-namespaces"]),
     ],
-    ids=["cluster", "namespaced", "peering-cluster", "peering-namespaced", "standalone"],
+    ids=["cluster", "namespaced", "standalone"],
 )
-def test_watch_mode_and_peering(sets, want_args, want_peerings):
+def test_watch_mode_and_leader_election(sets, want_args):
     docs = render([], sets)
     args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert [a for a in args if a.startswith(("--all-namespaces", "--namespace", "--peering", "--leader-elect"))] \
-        == want_args
-    got = [(d["kind"], d["metadata"].get("namespace")) for d in docs if d["kind"].endswith("KopfPeering")]
-    assert got == want_peerings
+    assert [a for a in args if a.startswith(("--all-namespaces", "--namespace", "--leader-elect"))] == want_args
+    assert not [d for d in docs if "kopf.dev" in d.get("apiVersion", "")]
 
 
 # -------------------------------------------------------------------------- values schema
@@ -295,7 +280,7 @@ def test_replicas_without_leader_election_fail_with_a_fix():
     proc = helm("template", "kt", str(CHART), "--set", "leaderElection.enabled=false", check=False)
     assert proc.returncode != 0 and "replicaCount > 1 needs leaderElection.enabled=true" in proc.stderr
     proc = helm("template", "kt", str(CHART), "--set", "peering.enabled=true", check=False)
-    assert proc.returncode != 0 and "leaderElection.enabled and peering.enabled are exclusive" in proc.stderr
+    assert proc.returncode != 0 and "peering was removed" in proc.stderr and "leaderElection.enabled" in proc.stderr
 
 
 def _schema_paths(schema: dict[str, Any], defs: dict[str, Any], value: Any, path: str) -> list[str]:
@@ -372,43 +357,28 @@ def test_notes_tell_what_to_run_next(tmp_path, sets, expect):
 @pytest.mark.parametrize(
     "sets, want",
     [
-        ([], {"all_namespaces": True, "namespaces": [], "peering": None, "leader_elect": True}),
-        (["watch.mode=namespaced", "watch.namespaces={a,b}", "peering.name=kt", "peering.enabled=true",
-          "leaderElection.enabled=false"],
-         {"all_namespaces": False, "namespaces": ["a", "b"], "peering": "kt", "leader_elect": False}),
+        ([], {"all_namespaces": True, "namespaces": [], "leader_elect": True}),
+        (["watch.mode=namespaced", "watch.namespaces={a,b}"],
+         {"all_namespaces": False, "namespaces": ["a", "b"], "leader_elect": True}),
         (["replicaCount=1", "leaderElection.enabled=false", "operator.verbose=true"],
-         {"all_namespaces": True, "namespaces": [], "peering": None, "leader_elect": False}),
+         {"all_namespaces": True, "namespaces": [], "leader_elect": False}),
     ],
-    ids=["cluster", "namespaced-peering", "standalone"],
+    ids=["cluster", "namespaced", "standalone"],
 )
 def test_the_operator_accepts_the_rendered_command_line(sets, want):
-    """The container's command runs through /bin/sh as rendered, and the operator's own argument
-    parser accepts the result; peered replicas get distinct priorities from their pod names."""
+    """The container runs ``kubetitan operator`` with the rendered arguments, and the operator's own argument parser
+    accepts them."""
     from kubetitan import runner
 
     (c,) = by_kind(render([], sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
-    argvs = []
-    for hostname in ("kt-kubetitan-7d9f-abcde", "kt-kubetitan-7d9f-fghij"):
-        if c["command"][:2] == ["/bin/sh", "-c"]:
-            # Run the real shell line with `kubetitan` replaced by a printer of its argv.
-            script = c["command"][2].replace("exec kubetitan operator", "printf '%s\\n'")
-            out = subprocess.run(["/bin/sh", "-c", script, *c["command"][3:], *c["args"]], capture_output=True,
-                                 text=True, env={"HOSTNAME": hostname, "PATH": "/usr/bin:/bin"}, check=True).stdout
-            argvs.append(out.splitlines())
-        else:
-            assert c["command"] == ["kubetitan", "operator"]
-            argvs.append(c["args"])
-    parsed = [runner.build_parser().parse_args(a) for a in argvs]
-    p = parsed[0]
-    assert {"all_namespaces": p.all_namespaces, "namespaces": p.namespace, "peering": p.peering,
-            "leader_elect": p.leader_elect} == want
+    assert c["command"] == ["kubetitan", "operator"]
+    p = runner.build_parser().parse_args(c["args"])
+    assert {"all_namespaces": p.all_namespaces, "namespaces": p.namespace, "leader_elect": p.leader_elect} == want
     if p.leader_elect:  # the rendered Lease settings pass the operator's own check (client-go's rules)
         assert runner.lease_from_args(p).problems() == []
     assert p.metrics_port == 8080 and p.liveness == "http://0.0.0.0:8081/healthz" and p.log_format == "json"
     assert (p.scrape_max_bytes, p.scrape_timeout, p.scrape_concurrency) == (4194304, 3.0, 8)  # values.yaml's
-    if want["peering"]:
-        assert parsed[0].priority != parsed[1].priority and parsed[0].priority > 0
-    elif not want["leader_elect"]:
+    if not want["leader_elect"]:
         assert p.verbose is True
 
 

@@ -1,4 +1,4 @@
-"""The chart's admission webhook: ValidatingWebhookConfiguration, Service, certificates (the operator's, helm's or
+"""The chart's admission webhook: ValidatingWebhookConfiguration, Service, certificates (the operator's or
 cert-manager's),
 NetworkPolicy, the operator's flags and RBAC, rendered by the real helm. tests/operator/test_webhook.py runs the
 operator with this very Secret and configuration against kmockx (certificate verified for the Service's name)."""
@@ -28,8 +28,8 @@ def _container(docs):
     return c
 
 
-def test_defaults_ship_a_fail_closed_webhook_served_by_every_replica(tmp_path):
-    docs = render(sets=["webhook.certificates=helm"])
+def test_defaults_ship_a_fail_closed_webhook_served_by_every_replica():
+    docs = render()
     vwc = _one(docs, "ValidatingWebhookConfiguration")
     (w,) = vwc["webhooks"]
     assert w["failurePolicy"] == "Fail" and w["timeoutSeconds"] == 5 and w["sideEffects"] == "None"
@@ -47,22 +47,30 @@ def test_defaults_ship_a_fail_closed_webhook_served_by_every_replica(tmp_path):
     c = _container(docs)
     assert {"name": "webhook", "containerPort": 9443, "protocol": "TCP"} in c["ports"]
     assert svc["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
-    # the operator parses its flags into a webhook on 9443 with the mounted certificate, references checks
+    # the operator parses its flags into a webhook on 9443 with references checks
     opts = runner.options_from_args(runner.build_parser().parse_args(c["args"])).webhook
     assert opts.port == 9443 and opts.requester == admission.Requester.REFERENCES
+
+
+def test_with_cert_manager_the_operator_serves_the_mounted_secret():
+    """cert-manager (or whoever fills the Secret the Certificate names) provides the pair: the operator serves the
+    mounted files and re-reads them; tests/operator/test_webhook.py serves such a pair to the API double."""
+    docs = render(sets=["webhook.certificates=certManager"])
+    c = _container(docs)
+    opts = runner.options_from_args(runner.build_parser().parse_args(c["args"])).webhook
+    assert opts.certificates is None
     mount = next(m for m in c["volumeMounts"] if m["name"] == "webhook-tls")
     assert opts.cert_file == f"{mount['mountPath']}/tls.crt" and opts.key_file == f"{mount['mountPath']}/tls.key"
-    secret = _one(docs, "Secret", "-webhook-tls")
-    vol = next(v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook-tls")
-    assert vol["secret"]["secretName"] == secret["metadata"]["name"]
-    # caBundle is the Secret's CA, and that CA signed a certificate for the Service's DNS name
-    assert w["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
-    for key in ("ca.crt", "tls.crt"):
-        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
-    dns = f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
-    out = subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), "-verify_hostname", dns,
-                          str(tmp_path / "tls.crt")], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+    vol = next(v for v in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["volumes"]
+               if v["name"] == "webhook-tls")
+    assert vol["secret"]["secretName"] == _one(docs, "Certificate")["spec"]["secretName"]
+
+
+def test_helm_generated_certificates_are_not_offered():
+    """Two ways remain: the operator's own (the default) and cert-manager's (any issuer, a corporate CA too)."""
+    out = helm("template", "kt", str(CHART), "--set", "webhook.certificates=helm", check=False)
+    assert out.returncode != 0 and "webhook.certificates" in out.stderr
+    assert "operator" in out.stderr and "certManager" in out.stderr, out.stderr
 
 
 def test_the_network_policy_lets_the_api_server_reach_the_webhook_and_keeps_metrics_open():
@@ -174,15 +182,40 @@ def test_operator_certificates_are_the_default_with_rbac_on_exactly_the_secret_a
         secret["metadata"]["namespace"], secret["metadata"]["name"], fullname)
     assert sync.dns_names[0] == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
     assert (sync.policy.cert_days, sync.policy.ca_days, sync.interval) == (90, 365, 60)
+    # the webhooks it restores when they drift are exactly those the chart puts into the configuration
+    assert list(sync.webhooks) == _one(docs, "ValidatingWebhookConfiguration")["webhooks"]
     mount = next(m for m in c["volumeMounts"] if m["name"] == "webhook-tls")
     assert opts.cert_file == f"{mount['mountPath']}/current/tls.crt" and not mount["readOnly"]
     vol = next(v for v in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["volumes"]
                if v["name"] == "webhook-tls")
     assert vol["emptyDir"]["medium"] == "Memory"
     # the other modes grant none of it
-    for mode in ("helm", "certManager"):
+    for mode in ("certManager",):
         assert not [d for d in render(sets=[f"webhook.certificates={mode}"])
-                    if d["metadata"]["name"].endswith("-webhook-certificates")]
+                    if d["metadata"]["name"].endswith(("-webhook-certificates", "-webhook-events"))]
+        assert "--webhook-configuration-webhooks" not in " ".join(_container(render(
+            sets=[f"webhook.certificates={mode}"]))["args"])
+
+
+@pytest.mark.parametrize(("sets", "events_role"), [
+    ([], False),  # cluster mode: the ClusterRole's Events row covers namespace default
+    (["watch.mode=namespaced", "watch.namespaces={ml}"], True),
+    (["watch.mode=namespaced", "watch.namespaces={ml,default}"], False),  # default's Role has the row
+], ids=["cluster", "namespaced", "namespaced-watching-default"])
+def test_the_configurations_events_may_be_sent_to_namespace_default(sets: list[str], events_role: bool) -> None:
+    """A restored configuration's Warning Event is about a cluster-scoped object, so it goes to namespace default:
+    in namespaced mode a Role there grants the Events row alone (create/get/patch, no resourceNames: Event names
+    are generated); the restored webhooks are the namespaced ones (their namespaceSelector)."""
+    docs = render(sets=sets)
+    roles = [d for d in by_kind(docs, "Role") if d["metadata"]["name"].endswith("-webhook-events")]
+    assert len(roles) == int(events_role)
+    if events_role:
+        assert roles[0]["metadata"]["namespace"] == "default"
+        assert roles[0]["rules"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["get", "create", "patch"]}]
+        (b,) = [d for d in by_kind(docs, "RoleBinding") if d["metadata"]["name"].endswith("-webhook-events")]
+        assert b["metadata"]["namespace"] == "default" and b["roleRef"]["name"] == roles[0]["metadata"]["name"]
+    sync = runner.options_from_args(runner.build_parser().parse_args(_container(docs)["args"])).webhook.certificates
+    assert list(sync.webhooks) == _one(docs, "ValidatingWebhookConfiguration")["webhooks"]
 
 
 def test_the_requester_cache_values_become_flags():

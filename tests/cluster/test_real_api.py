@@ -320,3 +320,46 @@ def test_a_pod_without_the_security_context_is_refused_restricted(control_plane:
     titles = {v.split(" (")[0] for v in _pod_security_violations(control_plane.admin, restricted, pod)}
     assert titles == {"allowPrivilegeEscalation != false", "unrestricted capabilities", "runAsNonRoot != true",
                       "seccompProfile"}
+
+
+# ------------------------------------------------------------------------------------------------ webhook configuration
+VWCS = "admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
+
+
+def test_a_drifted_webhook_configuration_is_restored_with_the_operators_own_rbac(
+        control_plane: ControlPlane, release: Release, operator: Any, tmp_path: Path) -> None:
+    """The configuration as the server stores it (its defaults filled in) is no drift; a ``secrets`` rule added and
+    failurePolicy flipped by an admin are put back by one certificate round run with the release's ServiceAccount
+    (update on its own configuration by name, the Event in namespace default: the server accepts both), and the
+    Warning Event is stored about the configuration."""
+    import asyncio
+
+    from kubetitan import certsync, kube, runner
+
+    opts = runner.options_from_args(runner.build_parser().parse_args(release.operator_args(cert_dir=str(tmp_path))))
+    sync = opts.webhook.certificates
+    client = kube.Client(kube.load_config(str(release.operator_kubeconfig())))
+
+    async def one_round() -> None:
+        try:
+            await certsync.sync_once(client, sync)
+        finally:
+            await client.aclose()
+
+    before = control_plane.admin.get(VWCS, None, release.fullname)
+    asyncio.run(one_round())
+    assert control_plane.admin.get(VWCS, None, release.fullname)["metadata"]["resourceVersion"] == \
+        before["metadata"]["resourceVersion"]  # the stored defaults are no drift: nothing written
+    drifted = control_plane.admin.get(VWCS, None, release.fullname)
+    drifted["webhooks"][0]["rules"].append({"apiGroups": [""], "apiVersions": ["v1"], "resources": ["secrets"],
+                                            "operations": ["CREATE"]})
+    drifted["webhooks"][0]["failurePolicy"] = "Ignore"
+    control_plane.admin.request("PUT", f"/apis/{VWCS}/{release.fullname}", drifted)
+    client = kube.Client(kube.load_config(str(release.operator_kubeconfig())))
+    asyncio.run(one_round())
+    (w,) = control_plane.admin.get(VWCS, None, release.fullname)["webhooks"]
+    assert [r["resources"] for r in w["rules"]] == [["llamapretrains"]] and w["failurePolicy"] == "Fail", w
+    assert w["clientConfig"]["caBundle"] == before["webhooks"][0]["clientConfig"]["caBundle"]
+    events = [e for e in control_plane.admin.list("v1/events", "default")
+              if e.get("reason") == certsync.RESTORED and e["involvedObject"]["name"] == release.fullname]
+    assert events and events[0]["type"] == "Warning" and "failurePolicy, rules" in events[0]["message"], events

@@ -181,6 +181,8 @@ def metric_names() -> frozenset[str]:
     trainer = Exporter(peak_flops=989e12, total_steps=100, attempt=1, job_start=1.7e9, checkpoint_interval=10)
     trainer.set_loss(2.5)  # the loss metric is registered at the first logged step
     trainer.eval_done(10, 2.7)  # the eval metrics at the first held-out evaluation
+    trainer.source_losses({"a": 2.5})  # a mixture's per-source losses at its first logged step and evaluation
+    trainer.source_eval_losses({"a": 2.7})
     return frozenset(_registry_names(trainer.registry) | _registry_names(OperatorMetrics().registry))
 
 

@@ -51,7 +51,7 @@ STEPS, INTERVAL = 120, 20
 (about 10 steps of the test model late): the freeze at step >= 21 (seen by step ~31); attempt 1 resumes from step 20,
 and its operator restart (a 1 s pause and a new operator's first scrape) and node failure take ~15 steps; attempt 2
 resumes from step 20 or 40 and is suspended at step ~22-52, with 70-100 steps (4-5 s here) left (the windows each run
-prints: bench/results/suite/s16_windows_e2e_s3.txt). A checkpoint every 20 steps: the first scrape past step 21
+prints: bench/results/suite/s16_windows_e2e_s3.txt.xz). A checkpoint every 20 steps: the first scrape past step 21
 cannot have seen the second checkpoint (step 40) yet, and 6 saves, not 30."""
 OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5}
 """Quicker than the operator's defaults (10 s / 15 s), slower than the harness's (0.1 s / 0.05 s): the operator's
@@ -59,32 +59,24 @@ loop then costs little of the two cores the trainers run on. Downtime is exact a
 START = 300.0  # seconds allowed for a gang to reach its first step (four torch imports on two busy cores)
 
 
-def _st(c, name: str) -> dict:
-    return c.status(NS, name)
-
-
-def _step(c, name: str) -> int:
-    return (_st(c, name).get("training") or {}).get("step") or 0
-
-
 def _wait_attempt_step(c, name: str, attempt: int, step: int, timeout: float = START) -> None:
     try:
-        wait_for(lambda: _st(c, name).get("attempt") == attempt and _step(c, name) >= step, timeout,
+        wait_for(lambda: c.status(NS, name).get("attempt") == attempt and c.step(NS, name) >= step, timeout,
                  f"attempt {attempt} of {name} at step >= {step}")
     except AssertionError as e:
         pods = [(p["metadata"]["name"], (p.get("status") or {}).get("phase"), p["metadata"].get("deletionTimestamp"))
                 for p in c.pods(NS, name)]
-        raise AssertionError(f"{e}; status: {_st(c, name)}; pods: {pods}") from None
+        raise AssertionError(f"{e}; status: {c.status(NS, name)}; pods: {pods}") from None
 
 
 def _wait_restarts(c, name: str, count: int, timeout: float, what: str) -> None:
     """Wait for restartCount == ``count``; on a time-out say what the status and the pods were."""
     try:
-        wait_for(lambda: _st(c, name).get("restartCount") == count, timeout, what)
+        wait_for(lambda: c.status(NS, name).get("restartCount") == count, timeout, what)
     except AssertionError as e:
         pods = [(p["metadata"]["name"], (p.get("status") or {}).get("phase"), p["metadata"].get("deletionTimestamp"))
                 for p in c.pods(NS, name)]
-        raise AssertionError(f"{e}; status: {_st(c, name)}; pods: {pods}") from None
+        raise AssertionError(f"{e}; status: {c.status(NS, name)}; pods: {pods}") from None
 
 
 def _pods(c, name: str) -> list[str]:
@@ -103,10 +95,10 @@ def _settled(c, name: str, index: int) -> dict:
     """Restart record ``index`` once the next attempt has trained its first step: only then does the operator
     know the step that attempt really resumed from (its first guess is the newest checkpoint it scraped, which
     misses a save that completed between its last scrape and the failure)."""
-    wait_for(lambda: len(_st(c, name).get("restarts") or []) > index
-             and _st(c, name)["restarts"][index].get("downtimeSeconds") is not None, START,
+    wait_for(lambda: len(c.status(NS, name).get("restarts") or []) > index
+             and c.status(NS, name)["restarts"][index].get("downtimeSeconds") is not None, START,
              f"restart {index} settled (the next attempt's first step)")
-    return _st(c, name)["restarts"][index]
+    return c.status(NS, name)["restarts"][index]
 
 
 def test_one_run_through_every_fault(e2e) -> None:
@@ -120,7 +112,7 @@ def test_one_run_through_every_fault(e2e) -> None:
 
         # ---- attempt 0: Running, status.training filled from rank 0's real metrics
         _wait_attempt_step(c, name, 0, INTERVAL + 1)
-        st = _st(c, name)
+        st = c.status(NS, name)
         tr = st["training"]
         assert st["phase"] == "Running"
         assert tr["totalSteps"] == STEPS and tr["loss"] > 0 and tr["tokensPerSecond"] > 0
@@ -147,14 +139,14 @@ def test_one_run_through_every_fault(e2e) -> None:
         # ---- restart the operator itself mid-run: no duplicate pods, the restart count kept, the run carries on
         slack("operator restart (attempt 1)", step_log(e2e.ckpt), STEPS, attempt=1)
         op.stop()
-        step_then = _step(c, name)
+        step_then = c.step(NS, name)
         time.sleep(1.0)
         op = Operator(c, **OPERATOR).__enter__()
         _wait_attempt_step(c, name, 1, step_then + 2, 120)
         # one gang: attempt 0's pods may still be terminating (the frozen worker waits out its grace period)
         live = sorted(p["metadata"]["name"] for p in c.pods(NS, name) if not p["metadata"].get("deletionTimestamp"))
         assert live == [f"{name}-a1-0", f"{name}-a1-1"], _pods(c, name)
-        assert _st(c, name)["restartCount"] == 1
+        assert c.status(NS, name)["restartCount"] == 1
 
         # ---- node NotReady, its pod left terminating -> force delete and restart
         victim = f"{name}-a1-1"
@@ -162,7 +154,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         k.fail_node(node)
         slack("node failure (attempt 1)", step_log(e2e.ckpt), STEPS, attempt=1)
         _wait_restarts(c, name, 2, 60, "node failure restart")
-        rec = _st(c, name)["restarts"][1]
+        rec = c.status(NS, name)["restarts"][1]
         assert rec["cause"] == "NodeFailure" and rec["nodeName"] == node, rec
         # The dead node's kubelet never finishes a graceful deletion: only a grace-0 delete removes the pod.
         wait_for(lambda: c.get(PODS, NS, victim) is None, 30, "the dead node's pod force-deleted")
@@ -180,9 +172,9 @@ def test_one_run_through_every_fault(e2e) -> None:
         # or 75 with the final checkpoint) and the run is Suspended with nothing left to train.
         c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": True}}})
         slack("suspend (attempt 2)", step_log(e2e.ckpt), STEPS, attempt=2)
-        wait_for(lambda: _st(c, name).get("phase") in ("Suspended", "Succeeded") and not _pods(c, name), 120,
+        wait_for(lambda: c.status(NS, name).get("phase") in ("Suspended", "Succeeded") and not _pods(c, name), 120,
                  "suspended (or done first)")
-        finished_first = _st(c, name)["phase"] == "Succeeded"
+        finished_first = c.status(NS, name)["phase"] == "Succeeded"
         stopped_at = step_log(e2e.ckpt)[-1]["step"]
         exits = {k.exits[(NS, f"{name}-a2-{r}")] for r in (0, 1)}
         if finished_first:
@@ -192,14 +184,14 @@ def test_one_run_through_every_fault(e2e) -> None:
             assert exits <= stopped, (exits, stopped_at)
             assert max(complete_checkpoints(e2e.ckpt)) == stopped_at, "no checkpoint at the stop step"
             time.sleep(1.0)
-            assert _st(c, name)["restartCount"] == 2  # a suspension is not a restart
+            assert c.status(NS, name)["restartCount"] == 2  # a suspension is not a restart
 
             # ---- resume: continues from that step, then succeeds with the final checkpoint
             c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": False}}})
-            wait_for(lambda: _st(c, name).get("phase") == "Succeeded", START + 240, "succeeded")
+            wait_for(lambda: c.status(NS, name).get("phase") == "Succeeded", START + 240, "succeeded")
     finally:
         op.stop()
-    st = _st(c, name)
+    st = c.status(NS, name)
     log = step_log(e2e.ckpt)
     segs = attempts_in_log(log)
     after = [r for r in log if r["attempt"] == 3]  # stop at S, resume at S + 1: one unbroken run of steps
@@ -327,7 +319,7 @@ def test_api_faults_on_every_request_leave_the_run_untouched(e2e) -> None:
             _kubectl(c, "describe", "lpt", name, "-n", NS)), 60, "the FailedCreate Event in kubectl describe", every=0.5)
         cond = _described_condition(described, "ChildrenCreated")
         assert cond["Status"] == "False" and cond["Reason"] == "Forbidden" and "exceeded quota" in cond["Message"], cond
-        assert not _pods(c, name) and _st(c, name)["phase"] == "Pending"  # Starting: once every pod exists
+        assert not _pods(c, name) and c.status(NS, name)["phase"] == "Pending"  # Starting: once every pod exists
         # ---- then refused by Pod Security (422) for a while
         wait_for(lambda: quota.hits >= 2, 60, "the refused pod create retried")  # a burst, not one refusal
         psa = c.k.inject(verbs={"create"}, resource="pods", code=422, message=PSA, user=user)
@@ -343,7 +335,7 @@ def test_api_faults_on_every_request_leave_the_run_untouched(e2e) -> None:
 
         # ---- every watch dropped, then expired (410 Gone: a re-list), while the gang starts
         wait_for(lambda: all((p.get("status") or {}).get("phase") == "Running" for p in c.pods(NS, name))
-                 and _st(c, name).get("phase") in ("Starting", "Running"), START, "both pods running")
+                 and c.status(NS, name).get("phase") in ("Starting", "Running"), START, "both pods running")
         for cut in (c.k.drop_watches, c.k.expire_watches):
             mark = len(c.k.log)
             cut()
@@ -351,12 +343,12 @@ def test_api_faults_on_every_request_leave_the_run_untouched(e2e) -> None:
             for plural in ("pods", "llamapretrains", "configmaps", "services", "nodes"):
                 wait_for(lambda plural=plural: _watches_since(c, user, mark, plural), 60,
                          f"the operator watching {plural} again after {cut.__name__}")
-        assert _st(c, name).get("restartCount", 0) == 0
+        assert c.status(NS, name).get("restartCount", 0) == 0
 
-        wait_for(lambda: _st(c, name).get("phase") == "Succeeded", START + 120, "Succeeded despite the faults")
+        wait_for(lambda: c.status(NS, name).get("phase") == "Succeeded", START + 120, "Succeeded despite the faults")
         c.k.clear_faults()
         described = _kubectl(c, "describe", "lpt", name, "-n", NS)
-    st = _st(c, name)
+    st = c.status(NS, name)
     assert st["restartCount"] == 0 and not st.get("restarts") and st["attempt"] == 0, st
     assert st["training"]["step"] == steps
     log = step_log(e2e.ckpt)

@@ -43,14 +43,6 @@ HANG_TIMEOUT = 120
 START = 300.0  # seconds allowed for a gang to reach its first step (torch imports on two busy cores)
 
 
-def _st(c, name: str) -> dict:
-    return c.status(NS, name)
-
-
-def _step(c, name: str) -> int:
-    return (_st(c, name).get("training") or {}).get("step") or 0
-
-
 def _uids(c, name: str) -> dict[str, str]:
     """Name -> uid of the run's live pods: a re-created attempt's pods may still be terminating (a rank stopping
     on SIGTERM waits for its gang's checkpoint save) when the next attempt has trained its first step."""
@@ -66,10 +58,10 @@ def _log_reaches(ckpt, attempt: int, generation: int, step: int, timeout: float 
 
 def _settled(c, name: str, index: int) -> dict:
     """Restart record ``index`` once the next attempt or generation trained its first step."""
-    wait_for(lambda: len(_st(c, name).get("restarts") or []) > index
-             and _st(c, name)["restarts"][index].get("downtimeSeconds") is not None, START,
+    wait_for(lambda: len(c.status(NS, name).get("restarts") or []) > index
+             and c.status(NS, name)["restarts"][index].get("downtimeSeconds") is not None, START,
              f"restart {index} settled (the first step after it)")
-    return _st(c, name)["restarts"][index]
+    return c.status(NS, name)["restarts"][index]
 
 
 @pytest.mark.e2e_nodes(4)  # spare nodes: attempt 2's ranks land on two nodes while the lost one is down and attempt
@@ -81,7 +73,7 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         c.apply(lpt(name, e2e_spec(e2e.ckpt, STEPS, INTERVAL, free_port(), maxInPlaceRestarts=3,
                                     hangTimeoutSeconds=HANG_TIMEOUT)))
         _log_reaches(e2e.ckpt, 0, 0, INTERVAL + 1)
-        wait_for(lambda: _step(c, name) >= INTERVAL + 1, 60, "the operator saw the first checkpoint interval")
+        wait_for(lambda: c.step(NS, name) >= INTERVAL + 1, 60, "the operator saw the first checkpoint interval")
         pods = _uids(c, name)
         assert sorted(pods) == [f"{name}-a0-0", f"{name}-a0-1"]
         node1 = c.get(PODS, NS, f"{name}-a0-1")["spec"]["nodeName"]
@@ -93,7 +85,7 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         rec = _settled(c, name, 0)
         assert rec["mode"] == "InPlace" and rec["attempt"] == 0 and rec["generation"] == 1, rec
         assert rec["cause"] == "ContainerFailed" and "signal 9" in rec["message"] and rec["nodeName"] == node1, rec
-        st = _st(c, name)
+        st = c.status(NS, name)
         assert st["attempt"] == 0 and st["restartCount"] == 1
         assert _uids(c, name) == pods, "the pods were re-created: an in-place restart keeps them"
         deletes = [str(x) for x in c.k.log if x.verb == "delete" and "/pods" in x.path]
@@ -119,8 +111,8 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         _log_reaches(e2e.ckpt, 0, 1, rec["resumedFromStep"] + 2)
         assert k.kill_workers(NS, f"{name}-a0-1")
         slack("worker kill (attempt 0, generation 1)", step_log(e2e.ckpt), STEPS, attempt=0)
-        wait_for(lambda: _st(c, name).get("restartCount") == 2, START, "the second failure recorded")
-        rec2 = _st(c, name)["restarts"][1]
+        wait_for(lambda: c.status(NS, name).get("restartCount") == 2, START, "the second failure recorded")
+        rec2 = c.status(NS, name)["restarts"][1]
         assert rec2["mode"] == "Recreate" and rec2["attempt"] == 0 and "failed in place twice in a row" in rec2["message"], rec2
         assert rec2["cause"] == "ContainerFailed"
         _settled(c, name, 1)
@@ -132,8 +124,8 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         node = c.get(PODS, NS, victim)["spec"]["nodeName"]
         k.fail_node(node)
         slack("node failure (attempt 1)", step_log(e2e.ckpt), STEPS, attempt=1)
-        wait_for(lambda: _st(c, name).get("restartCount") == 3, 60, "node failure restart")
-        rec3 = _st(c, name)["restarts"][2]
+        wait_for(lambda: c.status(NS, name).get("restartCount") == 3, 60, "node failure restart")
+        rec3 = c.status(NS, name)["restarts"][2]
         assert rec3["mode"] == "Recreate" and rec3["cause"] == "NodeFailure" and rec3["nodeName"] == node, rec3
         wait_for(lambda: c.get(PODS, NS, victim) is None, 30, "the dead node's pod force-deleted")
         k.crash_node_processes(node)
@@ -141,14 +133,14 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         k.restore_node(node)
         assert sorted(_uids(c, name)) == [f"{name}-a2-0", f"{name}-a2-1"]
         assert node not in {c.get(PODS, NS, p)["spec"]["nodeName"] for p in _uids(c, name)}
-        assert [r["mode"] for r in _st(c, name)["restarts"]] == ["InPlace", "Recreate", "Recreate"]
+        assert [r["mode"] for r in c.status(NS, name)["restarts"]] == ["InPlace", "Recreate", "Recreate"]
 
         # ---- a frozen worker: its launcher's watchdog applies the Auto hang rule to its step heartbeats (max(10 x
         # median step, the 5 s floor) long before hangTimeoutSeconds) and every rank's workers restart in place
         pods2 = _uids(c, name)
         node_of = {p: c.get(PODS, NS, p)["spec"]["nodeName"] for p in pods2}
         assert len(set(node_of.values())) == 2, node_of  # else the second hang is its node's second: escalation
-        _log_reaches(e2e.ckpt, 2, 0, _st(c, name)["restarts"][2]["resumedFromStep"] + 6)  # Auto needs 5 steps
+        _log_reaches(e2e.ckpt, 2, 0, c.status(NS, name)["restarts"][2]["resumedFromStep"] + 6)  # Auto needs 5 steps
         assert k.freeze(NS, f"{name}-a2-1"), "no worker process to freeze"
         slack("rank 1 frozen (attempt 2)", step_log(e2e.ckpt), STEPS, attempt=2)
         rec4 = _settled(c, name, 3)
@@ -165,7 +157,7 @@ def test_worker_failure_restarts_in_place_then_escalates_and_a_lost_node_recreat
         assert (rec5["mode"], rec5["cause"], rec5["attempt"], rec5.get("generation")) == ("InPlace", "Hang", 2, 2), rec5
         assert rec5["nodeName"] == node_of[f"{name}-a2-0"], rec5
         assert _uids(c, name) == pods2
-        assert [r["cause"] for r in _st(c, name)["restarts"]] == ["ContainerFailed", "ContainerFailed", "NodeFailure",
+        assert [r["cause"] for r in c.status(NS, name)["restarts"]] == ["ContainerFailed", "ContainerFailed", "NodeFailure",
                                                                  "Hang", "Hang"], "a false Hang before a freeze"
         _log_reaches(e2e.ckpt, 2, 2, rec5["resumedFromStep"] + 2)
 

@@ -385,6 +385,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.declare("v1/secrets", "Secret", builtin=True)  # the webhook's certificates (kubetitan.certsync)
         self.declare("v1/services", "Service", status=True, shortnames=("svc",), builtin=True, categories=("all",))
         self.declare("v1/events", "Event", shortnames=("ev",), builtin=True)
+        self.declare("v1/resourcequotas", "ResourceQuota", status=True, shortnames=("quota",), builtin=True)
         self.declare("events.k8s.io/v1/events", "Event", shortnames=("ev",), builtin=True)
         self.declare("coordination.k8s.io/v1/leases", "Lease", builtin=True)
         self.declare("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition",

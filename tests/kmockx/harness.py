@@ -32,7 +32,6 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 import yaml
 
 from kmockx import ApiError, KubeEmulator, kubeconfig, rbac  # noqa: F401 - ApiError re-exported for tests
-from kmockx.validation import StructuralSchema
 from kubetitan_core import contract
 from kubetitan.runner import Options, run
 from support.procs import die_with_parent
@@ -44,7 +43,6 @@ PODS, NODES, CMS, SVCS, EVENTS = "v1/pods", "v1/nodes", "v1/configmaps", "v1/ser
 RELEASE_NS = rbac.RELEASE_NS
 CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
 CRD_FILE = rbac.REPO / "crds" / "kubetitan.io_llamapretrains.yaml"
-PEERINGS, CLUSTER_PEERINGS = "kopf.dev/v1/kopfpeerings", "kopf.dev/v1/clusterkopfpeerings"
 
 
 class ScaledClock:
@@ -129,10 +127,6 @@ class Cluster(RunQueries):
             k.declare_builtins()
             if self.pod_groups:
                 k.serve_pod_groups()
-            # kopf's peering CRDs (HA), as kopf ships them: any keys kept, no status subresource (keep-alives in .status)
-            free = StructuralSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
-            k.declare(PEERINGS, "KopfPeering", schema=free)
-            k.declare(CLUSTER_PEERINGS, "ClusterKopfPeering", namespaced=False, schema=free)
             for ns in dict.fromkeys(self.namespaces):  # kopf only watches namespaces that exist
                 await k.put("v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
             await k.put(CRDS, yaml.safe_load(CRD_FILE.read_text()))  # the CRD as `kubectl apply -f crds/` does
@@ -219,19 +213,6 @@ class Cluster(RunQueries):
     def delete(self, resource: str, ns: str | None, name: str) -> None:
         assert self.k is not None
         self.call(self.k.remove(resource, ns, name))
-
-    def add_peering(self, name: str, ns: str | None = NS) -> None:
-        """The KopfPeering (namespaced) or ClusterKopfPeering (ns None) object HA replicas coordinate through."""
-        kind = "KopfPeering" if ns else "ClusterKopfPeering"
-        meta = {"name": name, **({"namespace": ns} if ns else {})}
-        assert self.k is not None
-        self.call(self.k.put(PEERINGS if ns else CLUSTER_PEERINGS,
-                             {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": meta}))
-
-    def peers(self, name: str, ns: str | None = NS) -> dict[str, Any]:
-        """The live keep-alives in a peering object's status (kopf writes one key per replica)."""
-        obj = self.get(PEERINGS if ns else CLUSTER_PEERINGS, ns, name) or {}
-        return {k: v for k, v in (obj.get("status") or {}).items() if v}
 
     def add_node(self, name: str, ready: bool = True) -> None:
         assert self.k is not None
@@ -337,6 +318,10 @@ class Operator:
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         return self.registry.get_sample_value(name, labels or {})
 
+    def run_cycles(self, name: str, ns: str = NS) -> float:
+        """Reconcile cycles the operator ran for one run (``kubetitan_operator_run_cycles_total``)."""
+        return self.metric(contract.OP_RUN_CYCLES, {"namespace": ns, "name": name}) or 0.0
+
 
 PORT_BLOCK = 1000
 """Ports :func:`free_port` hands out per test process (an xdist worker, or a bench), below the ephemeral range."""
@@ -410,7 +395,7 @@ def proc_memory_mb(pid: int) -> dict[str, float]:
 class OperatorProcess:
     """``kubetitan operator`` as its own process (the CLI code path), JSON logs to a file, liveness on.
 
-    ``stop()`` sends SIGTERM (kopf's graceful stop: a peering replica says goodbye), ``kill()`` SIGKILL.
+    ``stop()`` sends SIGTERM (kopf's graceful stop: a leader releases its Lease), ``kill()`` SIGKILL.
     """
 
     def __init__(self, kubeconfig: str, *args: str, log_format: str = "json", env: dict[str, str] | None = None

@@ -33,6 +33,32 @@ def render_chart(*sets: str, release: str = RELEASE) -> tuple[dict[str, Any], ..
     return tuple(d for d in yaml.safe_load_all(out) if d)
 
 
+@functools.lru_cache(maxsize=None)
+def render_chart_with_certificates(*sets: str, release: str = RELEASE) -> tuple[dict[str, Any], ...]:
+    """:func:`render_chart` with ``webhook.certificates=certManager``, then what cert-manager does with it: a CA and
+    a serving certificate for the Certificate's DNS names in the Secret it names (``kubernetes.io/tls``, with
+    ``ca.crt``), and that CA in the configuration's ``caBundle`` (its CA injector). Each ``sets`` list gets a CA of
+    its own (a renewal in a test: render with another, harmless ``--set``)."""
+    import base64
+    import copy
+    import datetime as dt
+
+    from kubetitan import certs
+
+    docs = [copy.deepcopy(d) for d in render_chart("webhook.certificates=certManager", *sets, release=release)]
+    cert = next(d for d in docs if d["kind"] == "Certificate")
+    m = certs.issue(None, certs.Action.ISSUE_CA, dt.datetime.now(dt.timezone.utc), tuple(cert["spec"]["dnsNames"]),
+                    certs.CertPolicy(), common_name="cert-manager test CA")
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+              "metadata": {"name": cert["spec"]["secretName"], "namespace": cert["metadata"]["namespace"]},
+              "data": {"ca.crt": base64.b64encode(m.ca_bundle).decode(), "tls.crt": base64.b64encode(m.cert).decode(),
+                       "tls.key": base64.b64encode(m.key).decode()}}
+    for d in docs:
+        if d["kind"] == "ValidatingWebhookConfiguration":
+            for w in d["webhooks"]:
+                w["clientConfig"]["caBundle"] = secret["data"]["ca.crt"]
+    return tuple(d for d in docs if d["kind"] not in ("Certificate", "Issuer")) + (secret,)
+
 def _matches(values: list[str], value: str) -> bool:
     return "*" in values or value in values
 

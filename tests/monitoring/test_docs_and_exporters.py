@@ -72,3 +72,16 @@ def test_every_panel_is_documented(build):
     rows = re.findall(r"^\| ([^|]+?) \|", section, re.M)
     documented = [r for r in rows[1:] if not set(r) <= {"-", " "}]  # skip the header and the rule
     assert documented == [p["title"] for p in dash["panels"]]
+
+
+def test_the_operator_exports_exactly_the_contracts_metric_names(operator_registry):
+    """One list of the operator's metric names (``kubetitan_core.contract.OP_*``): operator_metrics.py registers
+    each of them and nothing else, and the queries of the dashboards and alerts take theirs from it."""
+    from kubetitan_core import contract
+    from kubetitan.monitoring import queries
+
+    names = {v for k, v in vars(contract).items() if k.startswith("OP_")}
+    assert metric_names(operator_registry) == names
+    used = {v for k, v in vars(queries).items() if k.startswith("OP_")}
+    assert used and used <= names and all(getattr(queries, k) is getattr(contract, k) for k in vars(queries)
+                                          if k.startswith("OP_"))

@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import tomllib
 import urllib.parse
@@ -150,8 +151,18 @@ def start_trainer(tmp: Path, metrics_port: int):
     cfg["training"]["local_batch_size"] = 2
     cfg["checkpoint"]["interval"] = 2
     cfg["metrics"]["log_freq"] = 1
-    # Synthetic data with a held-out evaluation every 2 steps: the eval and per-source token panels get series.
-    cfg["kubetitan"]["data"] = {"source": "synthetic", "eval_samples": 4}
+    # A two-source mixture (the shipped corpus prepared twice) with a held-out evaluation every 2 steps: the eval and
+    # per-source token, loss and epoch panels get series.
+    from kubetitan_trainer.data.loaders import BUILTIN_CORPUS
+
+    paths = []
+    for name in ("web", "code"):
+        r = subprocess.run([sys.executable, "-m", "kubetitan_trainer.data.prepare", str(BUILTIN_CORPUS), "-o",
+                            str(tmp / name), "--workers", "1", "--no-progress"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        paths.append(str(tmp / name))
+    cfg["kubetitan"]["data"] = {"source": "mixture", "mixture_paths": paths, "mixture_weights": [3, 1],
+                                "mixture_names": ["web", "code"], "eval_samples": 4, "held_out_percent": 5}
     cfg["validation"] = {"enable": True, "freq": 2, "steps": -1}
     config.write_text(tomli_w.dumps(cfg))
     log = out / "train.log"

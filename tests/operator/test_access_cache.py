@@ -14,19 +14,12 @@ import pytest
 from kubetitan import webhook
 from kubetitan.access_cache import AccessCache, CacheConfig, key
 from kubetitan.admission import Access
+from support.fakes import FakeClock
 
 SECRET = Access("get", "", "secrets", "ml", "wandb")
 PVC = Access("get", "", "persistentvolumeclaims", "ml", "ckpt")
 ALICE = {"username": "alice", "groups": ["system:authenticated", "team-a"], "uid": "u-1",
          "extra": {"scopes": ["training"]}}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeApi:
@@ -68,8 +61,8 @@ class Ctx:
     access_cache: Any = None
 
 
-def _setup(**config: Any) -> tuple[Ctx, webhook.WebhookOptions, Clock]:
-    clock = Clock()
+def _setup(**config: Any) -> tuple[Ctx, webhook.WebhookOptions, FakeClock]:
+    clock = FakeClock(1000.0)
     opts = webhook.WebhookOptions(access_cache=CacheConfig(**config), clock=clock)
     return Ctx(FakeApi()), opts, clock
 
@@ -124,7 +117,7 @@ def test_a_failed_review_refuses_and_is_never_cached() -> None:
 
 
 def test_the_cache_is_bounded_and_drops_the_least_recently_used_first() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     cache = AccessCache(CacheConfig(max_entries=3), clock)
     keys = [key(Access("get", "", "secrets", "ml", f"s{i}"), ALICE) for i in range(4)]
     for k in keys[:3]:

@@ -111,7 +111,8 @@ def test_create_attempt_renders_and_sends_only_the_children_not_known_to_exist(
         monkeypatch: pytest.MonkeyPatch, shown: tuple[int, ...], in_flight: tuple[str, ...],
         children_shown: tuple[str, ...], want: tuple[str, ...]) -> None:
     """A cycle woken while the pod index lags behind the gang it just created renders no pod at all; otherwise the
-    pods rendered are exactly those sent, and each is the full render's pod of that rank."""
+    pods sent are rendered from at most two renders of ranks being sent (rank 0, and the gang's template), and each is
+    the full render's pod of that rank."""
     memory = RunMemory()
     memory.expected.creating(0)
     memory.expected.expect_created(in_flight, memory.expected.now())
@@ -129,7 +130,9 @@ def test_create_attempt_renders_and_sends_only_the_children_not_known_to_exist(
     done = asyncio.run(create_attempt(ctx, snap, memory, status, ()))  # type: ignore[arg-type]
     sent = tuple(name for verb, name in client.calls if verb == "create")
     assert sent == want and done.errors == ()
-    assert [plan.pod_name("r", 0, r) for r in rendered] == [n for n in want if n.startswith("r-a0-")]
+    sent_pods = [n for n in want if n.startswith("r-a0-")]
+    assert {plan.pod_name("r", 0, r) for r in rendered} <= set(sent_pods) and len(rendered) <= 2
+    assert bool(rendered) == bool(sent_pods)
     full = {c["metadata"]["name"]: c for c in plan.attempt_children(snap.lpt, 0, hang_floor_seconds=120.0)}
     assert all(client.objects[n] == full[n] for n in sent if n.startswith("r-a0-"))
     assert all(memory.expected.in_flight(n, memory.expected.now()) for n in want)
@@ -205,3 +208,40 @@ def test_the_admins_switch_off_sends_no_pod_group_and_asks_nothing() -> None:
                           pod_group_api=PodGroupApi())
     asyncio.run(create_attempt(ctx, snap, memory, snap.status.model_copy(update={"attempt": 0}), ()))
     assert [n for _, n in client.calls] == ["r-config", "r", "r-a0-0", "r-a0-1"] and client.discovered == 0
+
+
+# ------------------------------------------------------------------ a large spec
+ANNOTATIONS_LIMIT = 256 * 1024
+"""The API server's limit on all annotations of an object together (bytes, ValidateAnnotationsSize)."""
+CONFIG_MAP_LIMIT = 1024 * 1024
+"""The API server's limit on a ConfigMap's data and binaryData together (bytes, ValidateConfigMap)."""
+
+
+def test_a_363_kb_spec_fits_its_config_map_and_its_attempt_spec_is_read_back() -> None:
+    """A valid spec of ~363 KB (360 env variables of 1 KB): the spec the attempt is created from goes into the
+    ConfigMap's data (1 MiB), not into an annotation (256 KiB for all of them: such a ConfigMap was refused on
+    every round), the pods mount only trainer.toml of it, and a new cycle reads the spec back from the
+    ConfigMap; an older operator's annotation is still read, and dropped at the next write."""
+    from kubetitan.reconcile.observe import applied_spec_of
+
+    spec = cpu_spec(nodes=2)
+    spec["resources"]["env"] = [{"name": f"BIG_{i}", "value": "x" * 1000} for i in range(360)]
+    memory = RunMemory()
+    snap = read_run(memory, lpt("r", spec, uid="u-1"), 1000.0, None)
+    assert len(json.dumps(snap.desired)) > 360_000
+    client = Recorder(existing={"r-config"})  # an older attempt's ConfigMap: brought up to date (a patch)
+    ctx = SimpleNamespace(client=client, options=SimpleNamespace(hang_floor_seconds=120.0, pod_groups="auto"),
+                          pod_group_api=PodGroupApi(served=False, checked_at=float("inf")))
+    done = asyncio.run(create_attempt(ctx, snap, memory, snap.status.model_copy(update={"attempt": 0}), ()))
+    assert done.errors == () and done.created_pods == 2
+    for name, obj in client.objects.items():
+        annotations = (obj["metadata"].get("annotations") or {}).items()
+        assert sum(len(k.encode()) + len(v.encode()) for k, v in annotations) <= ANNOTATIONS_LIMIT, name
+    cm = client.objects["r-config"]
+    assert sum(len(v.encode()) for v in cm["data"].values()) <= CONFIG_MAP_LIMIT
+    assert applied_spec_of(cm) == snap.desired and memory.applied_spec == snap.desired
+    (config,) = [v for v in client.objects["r-a0-0"]["spec"]["volumes"] if v["name"] == "config"]
+    assert config["configMap"]["items"] == [{"key": "trainer.toml", "path": "trainer.toml"}]
+    assert ("patch", "r-config") in client.calls
+    legacy = {"metadata": {"annotations": {"kubetitan.io/applied-spec": json.dumps({"training": {"steps": 5}})}}}
+    assert applied_spec_of(legacy) == {"training": {"steps": 5}}

@@ -249,3 +249,104 @@ def test_a_removed_ca_bundle_is_restored_and_a_missing_secret_says_how_to_fix_it
     del store[s.secret_path()]
     with pytest.raises(LookupError, match="the chart ships it empty .* re-install or upgrade the release"):
         asyncio.run(certsync.sync_once(api, s))
+
+
+# ------------------------------------------------------------------ the configuration's other fields (drift)
+CHART_WEBHOOK = {
+    "name": "validate.llamapretrains.kubetitan.io", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+    "failurePolicy": "Fail", "timeoutSeconds": 5, "matchPolicy": "Equivalent",
+    "matchConditions": [{"name": "creates-or-changes-spec",
+                         "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"}],
+    "rules": [{"apiGroups": ["kubetitan.io"], "apiVersions": ["v1alpha1"], "resources": ["llamapretrains"],
+               "operations": ["CREATE", "UPDATE"], "scope": "Namespaced"}],
+    "clientConfig": {"service": {"name": "kt-webhook", "namespace": "kubetitan-system",
+                                 "path": "/validate-llamapretrain", "port": 443}},
+}
+SECRETS_RULE = {"apiGroups": [""], "apiVersions": ["v1"], "resources": ["secrets"], "operations": ["CREATE"]}
+
+
+def _stored(w: dict) -> dict:
+    """``w`` as the API server stores it: its defaults filled in, a caBundle."""
+    import copy
+
+    out = copy.deepcopy(w)
+    out.setdefault("namespaceSelector", {})
+    out.setdefault("objectSelector", {})
+    out["clientConfig"]["caBundle"] = "Q0E="
+    return out
+
+
+@pytest.mark.parametrize(("change", "want"), [
+    ({}, []),
+    ({"failurePolicy": "Ignore"}, ["webhook validate.llamapretrains.kubetitan.io: failurePolicy"]),
+    ({"rules": CHART_WEBHOOK["rules"] + [SECRETS_RULE]}, ["webhook validate.llamapretrains.kubetitan.io: rules"]),
+    ({"namespaceSelector": {"matchLabels": {"x": "y"}}, "matchConditions": []},
+     ["webhook validate.llamapretrains.kubetitan.io: namespaceSelector, matchConditions"]),
+    ({"clientConfig": {"url": "https://evil.example/validate", "caBundle": "Q0E="}},
+     ["webhook validate.llamapretrains.kubetitan.io: clientConfig"]),
+    ({"timeoutSeconds": 30, "sideEffects": "Some"},
+     ["webhook validate.llamapretrains.kubetitan.io: sideEffects, timeoutSeconds"]),
+], ids=["defaults-and-ca-bundle-are-no-drift", "failure-policy", "a-secrets-rule", "scope", "client-config",
+        "timeout-side-effects"])
+def test_drift_is_every_field_but_the_ca_bundle_and_the_servers_defaults(change: dict, want: list[str]) -> None:
+    from kubetitan import webhook_config
+
+    assert webhook_config.drift([{**_stored(CHART_WEBHOOK), **change}], [CHART_WEBHOOK]) == want
+
+
+def test_an_added_or_removed_webhook_is_drift() -> None:
+    from kubetitan import webhook_config
+
+    extra = {**_stored(CHART_WEBHOOK), "name": "secrets.example.com", "rules": [SECRETS_RULE]}
+    assert webhook_config.drift([_stored(CHART_WEBHOOK), extra], [CHART_WEBHOOK]) == \
+        ["webhook secrets.example.com added"]
+    assert webhook_config.drift([], [CHART_WEBHOOK]) == ["webhook validate.llamapretrains.kubetitan.io removed"]
+    with pytest.raises(ValueError, match="non-empty JSON list"):
+        webhook_config.parse("{}")
+
+
+class EventsApi(FakeApi):
+    """FakeApi with core/v1 Events (the Recorder's create, get and patch)."""
+
+    def __init__(self, store: dict[str, dict]) -> None:
+        super().__init__(store)
+        self.events: list[tuple[dict, bool]] = []
+
+    async def create(self, obj, fenced=True):
+        self.events.append((obj, fenced))
+        return True
+
+
+def test_a_drifted_configuration_is_restored_with_a_warning_event(tmp_path):
+    """A ``secrets`` rule added and failurePolicy flipped to Ignore (what anyone holding the operator's update on its
+    configuration can do): the next round puts the chart's webhook back, keeps the caBundle, and sends one Warning
+    Event about the configuration naming both (unfenced: every replica keeps the configuration); a round with
+    nothing drifted writes nothing."""
+    import asyncio
+
+    s = certsync.CertSync("kubetitan-system", "kt-webhook-tls", "kt", NAMES, str(tmp_path / "w"), now=lambda: NOW,
+                          webhooks=(CHART_WEBHOOK,))
+    store = _store(s)
+    vwc_path = f"{certsync.VWC_PATH}/kt"
+    store[vwc_path]["webhooks"] = [_stored(CHART_WEBHOOK)]
+    store[vwc_path]["metadata"]["uid"] = "vwc-uid"
+    api = EventsApi(store)
+    asyncio.run(certsync.sync_once(api, s))
+    bundle = store[vwc_path]["webhooks"][0]["clientConfig"]["caBundle"]
+    assert not api.events and base64.b64decode(bundle)  # the first round: only the caBundle
+    puts = len(api.puts)
+    asyncio.run(certsync.sync_once(api, s))
+    assert len(api.puts) == puts  # nothing drifted: nothing written
+    drifted = store[vwc_path]["webhooks"][0]
+    drifted["rules"].append(SECRETS_RULE)
+    drifted["failurePolicy"] = "Ignore"
+    asyncio.run(certsync.sync_once(api, s))
+    (w,) = store[vwc_path]["webhooks"]
+    assert w["rules"] == CHART_WEBHOOK["rules"] and w["failurePolicy"] == "Fail"
+    assert w["clientConfig"]["caBundle"] == bundle
+    ((ev, fenced),) = api.events
+    assert ev["type"] == "Warning" and ev["reason"] == certsync.RESTORED and fenced is False
+    assert "webhook validate.llamapretrains.kubetitan.io: failurePolicy, rules" in ev["message"]
+    assert ev["metadata"]["namespace"] == "default" and ev["involvedObject"] == {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration", "name": "kt",
+        "uid": "vwc-uid"}  # cluster-scoped: no involvedObject.namespace (the API server refuses one)

@@ -20,6 +20,7 @@ from kubetitan.decide import (
     iso, iso_ms, nodes_to_avoid,
 )
 from kubetitan.status import next_status
+from support.runs import condition
 
 NOW = 1_000_000.0
 
@@ -302,7 +303,7 @@ CASES = [
      Action.CREATE, C.CREATING, None, {"message_has": "exceeded quota: gpu", "rule": "ranks_missing"}),
     ("unschedulable-within-limit-waits", spec(unschedulableTimeoutSeconds=100), status(),
      Observed(pods=gang(over={0: {"phase": "Pending", "unschedulable_message": "0/4 nodes", "node_name": None}}),
-              now=NOW), Action.WAIT, C.WAITING_FOR_PODS, None, {"requeue_after": 50.0, "rule": "unschedulable"}),
+              now=NOW), Action.WAIT, C.WAITING_FOR_NODES, None, {"requeue_after": 50.0, "rule": "unschedulable"}),
     ("unschedulable-timeout-wait", spec(unschedulableTimeoutSeconds=10), status(),
      Observed(pods=gang(over={0: {"phase": "Pending", "unschedulable_message": "0/4 nodes"}}), now=NOW),
      Action.WAIT, C.PODS_UNSCHEDULABLE, None, {"unschedulable": True}),
@@ -326,7 +327,10 @@ CASES = [
      "StartupTimeout", {**RESTART_ALL, "rule": "startup_timed_out"}),
     ("no-startup-timeout-while-metrics-unreachable", spec(startupTimeoutSeconds=30), status(),
      Observed(pods=gang(), nodes=ok_nodes, progress=UNREACHABLE, ranks_seen=SEEN, now=NOW),
-     Action.KEEP, C.WAITING_FOR_FIRST_STEP, None, {}),
+     Action.KEEP, C.PROGRESS_UNKNOWN, None, {"ready": False}),  # 40 s running, never answered: not "Starting"
+    ("metrics-unreachable-within-the-startup-timeout", spec(startupTimeoutSeconds=100), status(),
+     Observed(pods=gang(), nodes=ok_nodes, progress=UNREACHABLE, ranks_seen=SEEN, now=NOW),
+     Action.KEEP, C.METRICS_UNAVAILABLE, None, {"requeue_after": 60.0}),
     ("no-startup-timeout-before-any-scrape", spec(startupTimeoutSeconds=30), status(),
      Observed(pods=gang(), nodes=ok_nodes, ranks_seen=SEEN, now=NOW), Action.KEEP, C.WAITING_FOR_FIRST_STEP, None, {}),
     ("pending-on-a-node-reports-kubelet-reason", spec(startupTimeoutSeconds=100), status(),
@@ -368,7 +372,7 @@ CASES = [
      Observed(pods=gang(over={1: {"phase": "Pending", "node_name": None,
                                   "unschedulable_message": "0/3 nodes are available"}}),
               nodes=ok_nodes, ranks_seen=SEEN, now=NOW, missing_children=("j",)),
-     Action.WAIT, C.WAITING_FOR_PODS, None, {"recreate": ("j",), "requeue_after": 850.0, "rule": "unschedulable"}),
+     Action.WAIT, C.WAITING_FOR_NODES, None, {"recreate": ("j",), "requeue_after": 850.0, "rule": "unschedulable"}),
     ("missing-children-not-recreated-for-an-attempt-that-ends", spec(), status(),
      Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 1}}), nodes=ok_nodes, ranks_seen=SEEN, now=NOW,
               missing_children=("j-config",)), Action.RESTART, C.RESTARTED, "ContainerFailed",
@@ -764,12 +768,6 @@ def test_derive_phase(conds, phase) -> None:
 from kubetitan import status as S  # noqa: E402
 
 
-def _cond(st: LlamaPretrainStatus, type_: str) -> tuple[str, str]:
-    c = C.find(st.conditions, type_)
-    assert c is not None, type_
-    return c.status, c.reason
-
-
 @pytest.mark.parametrize(("scrape", "want"), [
     ({}, ("Unknown", C.NOT_SCRAPED)),
     ({"metrics": {contract.M_STEP: 3.0}}, ("True", C.SCRAPED)),
@@ -780,7 +778,7 @@ def test_metrics_available_condition(scrape, want) -> None:
     o = S.track(None, 0, NOW, pods=gang(), **scrape)
     obs = S.observed(o, pods=gang(), nodes=ok_nodes, now=NOW)
     new = S.next_status(s, st, decide(s, st, obs), obs)
-    assert _cond(new, C.METRICS_AVAILABLE) == want
+    assert condition(new, C.METRICS_AVAILABLE) == want
     assert new.restart_count == 0 and new.observation == o
 
 
@@ -821,7 +819,7 @@ def test_child_refused_sets_children_created_false_without_flapping() -> None:
     o = S.track(None, 0, NOW, pods=gang()[:1])
     obs = S.observed(o, pods=gang()[:1], nodes=ok_nodes, now=NOW, child_errors=err)
     new = S.next_status(s, st, decide(s, st, obs), obs)
-    assert _cond(new, C.CHILDREN_CREATED) == ("False", C.FORBIDDEN)
+    assert condition(new, C.CHILDREN_CREATED) == ("False", C.FORBIDDEN)
     assert "exceeded quota" in C.find(new.conditions, C.CHILDREN_CREATED).message
     again = S.next_status(s, new, decide(s, new, obs), replace(obs, now=NOW + 30))
     assert again.phase == new.phase == "Pending" and again.restart_count == 0  # Starting: every pod exists
@@ -969,7 +967,7 @@ def test_raised_steps_start_the_next_attempt_without_a_restart() -> None:
     d = decide(s, st, obs)
     new = S.next_status(s, st, d, obs)
     assert d.action == Action.CONTINUE and new.attempt == 1 and new.restart_count == 0 and not new.restarts
-    assert _cond(new, C.READY) == ("False", C.STEPS_RAISED) and _cond(new, C.SUCCEEDED) == ("False", C.NOT_FINISHED)
+    assert condition(new, C.READY) == ("False", C.STEPS_RAISED) and condition(new, C.SUCCEEDED) == ("False", C.NOT_FINISHED)
     assert new.phase == "Pending" and new.completion_time is None and new.observation.attempt == 1
     assert new.training.progress == "100/150"
     # the next cycle: attempt 0's pods still go, attempt 1 is created now (no backoff: no restart record)

@@ -25,14 +25,28 @@ def run(**resources) -> LlamaPretrain:
         "runPolicy": {"elastic": {"minNodes": 2, "growCheckSeconds": 120}}}, uid="u1"))
 
 
-GPU_NODE = NodeObs("n", labels=(("node.kubernetes.io/instance-type", "p5.48xlarge"),), gpus=8, ready_since=NOW - 500)
+GPU_NODE = NodeObs("n", labels=(("node.kubernetes.io/instance-type", "p5.48xlarge"),),
+                   allocatable=(("nvidia.com/gpu", "8"),), ready_since=NOW - 500)
+P5 = (("hugepages-2Mi", "5120Mi"), ("nvidia.com/gpu", "8"), ("vpc.amazonaws.com/efa", "32"))
+"""What a p5.48xlarge offers with the EFA device plugin and huge pages set up (an EKS node)."""
+EKS = {"platform": "eks"}
+"""The planner then requests 32 EFA interfaces and 5120Mi of hugepages-2Mi with the 8 GPUs (tests/api/test_plan.py)."""
 
 FITS = [
     ("ready-gpu-node", {}, {}, True),
     ("not-ready", {}, {"ready": None}, False),
     ("missing", {}, {"exists": False}, False),
     ("cordoned", {}, {"unschedulable": True}, False),
-    ("too-few-gpus", {}, {"gpus": 4}, False),
+    ("too-few-gpus", {}, {"allocatable": (("nvidia.com/gpu", "4"),)}, False),
+    ("no-gpus-listed", {}, {"allocatable": ()}, False),
+    ("eks-node-with-efa-and-huge-pages", EKS, {"allocatable": P5}, True),
+    ("eks-node-without-efa", EKS, {"allocatable": (("hugepages-2Mi", "5120Mi"), ("nvidia.com/gpu", "8"))}, False),
+    ("eks-node-with-too-few-efa", EKS, {"allocatable": P5[:2] + (("vpc.amazonaws.com/efa", "16"),)}, False),
+    ("eks-node-without-huge-pages", EKS, {"allocatable": P5[1:]}, False),
+    ("eks-node-with-too-few-huge-pages", EKS, {"allocatable": (("hugepages-2Mi", "2Gi"),) + P5[1:]}, False),
+    ("eks-node-offering-more", EKS, {"allocatable": (("hugepages-2Mi", "8Gi"), ("nvidia.com/gpu", "8"),
+                                                     ("vpc.amazonaws.com/efa", "64"))}, True),
+    ("generic-pod-asks-no-efa", {}, {"allocatable": (("nvidia.com/gpu", "8"),)}, True),
     ("other-instance-type", {}, {"labels": (("node.kubernetes.io/instance-type", "p4d.24xlarge"),)}, False),
     ("untolerated-taint", {}, {"taints": (("dedicated", "team-b", "NoSchedule"),)}, False),
     ("tolerated-taint", {"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "team-a",

@@ -46,3 +46,26 @@ def test_the_last_evaluation_stays_between_evaluations_and_an_overflowing_perple
     t = S.training_status(LlamaPretrainSpec(), m, NOW, None)
     assert t.eval_loss == 800.0 and t.eval_perplexity is None
     t.model_dump_json()  # the status stays serialisable (no inf)
+
+
+def test_a_mixtures_per_source_losses_reach_status_training_one_per_mixture_source():
+    """status.training.sources: each source's training loss and held-out loss (the latter kept between evaluations);
+    at most one entry per spec.data.mixture source, whatever names the pod exports."""
+    spec = LlamaPretrainSpec.model_validate({"data": {"source": "mixture", "mixture": [
+        {"name": "web", "shards": {"path": "/d/web"}, "weight": 3}, {"name": "code", "shards": {"path": "/d/code"},
+                                                                     "weight": 1}]}})
+
+    def scrape(train: dict[str, float], held_out: dict[str, float]) -> dict[str, float]:
+        lines = [f"# TYPE {contract.M_STEP} gauge", f"{contract.M_STEP} 7", f"# TYPE {contract.M_SOURCE_LOSS} gauge"]
+        lines += [f'{contract.M_SOURCE_LOSS}{{source="{k}"}} {v}' for k, v in train.items()]
+        lines += [f"# TYPE {contract.M_SOURCE_EVAL_LOSS} gauge"]
+        lines += [f'{contract.M_SOURCE_EVAL_LOSS}{{source="{k}"}} {v}' for k, v in held_out.items()]
+        return parse_metrics("\n".join(lines) + "\n")
+
+    t = S.training_status(spec, scrape({"web": 2.5, "code": 1.25}, {"web": 2.75, "code": 1.5}), NOW, None)
+    assert [s.dump() for s in t.sources] == [{"name": "code", "loss": 1.25, "evalLoss": 1.5},
+                                             {"name": "web", "loss": 2.5, "evalLoss": 2.75}]
+    later = S.training_status(spec, scrape({"web": 2.0, "code": 1.0, "x1": 9.0, "x2": 9.0}, {}), NOW + 5, t)
+    assert [s.dump() for s in later.sources] == [{"name": "code", "loss": 1.0, "evalLoss": 1.5},
+                                                 {"name": "web", "loss": 2.0, "evalLoss": 2.75}]
+    assert S.training_status(LlamaPretrainSpec(), scrape({"a": 1.0}, {}), NOW, None).sources == []  # no mixture

@@ -60,10 +60,6 @@ def _gang(c: Cluster, name: str) -> dict[str, tuple[str, str, list[str]]]:
                                     p["spec"]["containers"][0]["args"]) for p in c.pods(NS, name)}
 
 
-def _cycles(op: Operator, name: str) -> float:
-    return op.metric("kubetitan_operator_run_cycles_total", {"namespace": NS, "name": name}) or 0.0
-
-
 HUB = {"source": "huggingface", "huggingface": {"dataset": "builtin", "streaming": False}}
 
 
@@ -99,8 +95,8 @@ def test_nodes_2_to_3_mid_run_never_touches_the_live_gang(cluster: Cluster, rank
             assert len(ev) == 1 and ev[0]["type"] == "Warning" and "resources.nodes 2 -> 3" in ev[0]["message"], ev
         else:
             assert "applied when the next attempt starts" in cond["message"], cond
-        base = _cycles(op, "ws")
-        wait_for(lambda: _cycles(op, "ws") >= base + 20, 30, "20 more cycles of the run")
+        base = op.run_cycles("ws")
+        wait_for(lambda: op.run_cycles("ws") >= base + 20, 30, "20 more cycles of the run")
         assert _gang(cluster, "ws") == before, "a pod of the live attempt was changed or added"
         assert not [r for r in list(cluster.k) if r.method.value == "POST" and r.resource and r.resource.plural == "pods"
                     and (r.data or {}).get("metadata", {}).get("name") == "ws-a0-2"], "a create of ws-a0-2 was sent"
@@ -169,6 +165,31 @@ def test_a_quota_refusing_a_256_pod_gang_is_one_counted_event(cluster: Cluster) 
     posts = [r for r in list(cluster.k) if r.method.value == "POST" and r.resource and r.resource.plural == "pods"]
     # slow start: a refused batch of 1 ends the round, so one refused create per round, not 256
     assert len(posts) == fault.hits and rounds <= fault.hits <= ev[0]["count"] + 2, (len(posts), fault.hits)
+
+
+def test_a_lifted_quota_is_noticed_at_its_watch_event_not_after_the_backoff(cluster: Cluster, monkeypatch) -> None:
+    """A quota refuses the 2-pod gang; the create backoff is then 15-30 s (stretched here from 0.25-0.5 s, the
+    first refusal's, so that only the watch can explain a prompt create). The quota is raised: its watch event ends
+    the backoff and the pods are created within a few seconds, not after it."""
+    import time
+
+    from kubetitan.reconcile import memory
+
+    assert cluster.k is not None
+    monkeypatch.setattr(memory, "CREATE_RETRY_BASE_SECONDS", 30.0)
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "team-quota", "namespace": NS},
+             "spec": {"hard": {"pods": "0"}}}
+    cluster.call(cluster.k.put("v1/resourcequotas", quota))
+    cluster.k.inject(code=403, verbs="create", resource="pods", namespace=NS, message=QUOTA)
+    with Operator(cluster):
+        cluster.apply(lpt("ql", cpu_spec(nodes=2)))
+        wait_for(lambda: _events(cluster, "ql", "FailedCreate"), 20, "the refused round's Event")
+        cluster.k.clear_faults()  # the admin raises the quota
+        t0 = time.monotonic()
+        cluster.patch("v1/resourcequotas", NS, "team-quota", {"spec": {"hard": {"pods": "10"}}})
+        wait_for(lambda: cluster.pod_names(NS, "ql") == ["ql-a0-0", "ql-a0-1"], 10, "the 2 pods, before the backoff")
+        took = time.monotonic() - t0
+    assert took < 10, took  # the backoff was at least 15 s
 
 
 def test_pod_creates_answered_429_wait_their_retry_after_and_the_gang_ends_complete_without_duplicates(
@@ -300,3 +321,28 @@ def test_the_recorder_counts_a_repeat_on_the_same_event_also_after_a_restart() -
     assert counted["firstTimestamp"] < counted["lastTimestamp"] and counted["reportingComponent"] == "kubetitan-operator"
     assert by_msg["1 pod(s) of attempt 0 are not created: quota"]["count"] == 1
     assert by_msg["Attempt 0 ended"]["count"] == 1
+
+
+def test_a_warning_about_a_state_is_not_counted_again_after_a_restart() -> None:
+    """A spec warning (``UnknownInstanceType``) is sent once per change: a restarted operator sees the same spec, finds
+    the Event it sent before and leaves its count alone (it was counted once per restart); within one process, a
+    warning that went away and came back counts, and a new state is a new Event."""
+    from kubetitan.events import Recorder
+
+    run = {"apiVersion": "kubetitan.io/v1alpha1", "kind": "LlamaPretrain",
+           "metadata": {"name": "r", "namespace": NS, "uid": "u-1"}}
+    api, msg = _EventsApi(), "resources.instanceType p9.mega is not in the catalog"
+
+    async def scenario() -> None:
+        await Recorder(api, instance="op-1").record(run, "Warning", "UnknownInstanceType", msg, known=True)
+        for restart in range(3):  # each restart reports the state it finds, once
+            await Recorder(api, instance=f"op-{restart + 2}").record(run, "Warning", "UnknownInstanceType", msg,
+                                                                     known=True)
+        again = Recorder(api, instance="op-9")
+        await again.record(run, "Warning", "UnknownInstanceType", msg, known=True)
+        assert [e["count"] for e in api.events.values()] == [1]
+        await again.record(run, "Warning", "UnknownInstanceType", msg, known=True)  # gone and back, this process
+        await again.record(run, "Warning", "UnknownInstanceType", "another warning", known=True)
+
+    asyncio.run(scenario())
+    assert sorted(e["count"] for e in api.events.values()) == [1, 2]

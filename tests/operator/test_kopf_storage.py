@@ -46,3 +46,18 @@ def test_a_run_with_255_kib_of_annotations_reconciles_and_deletes(cluster: Clust
         wait_for(lambda: cluster.lpt(NS, "big") is None, 15, "the run deleted (its finalizer removed)")
     refused = [str(e) for e in cluster.k.log if e.code == 422]
     assert not refused, refused
+
+
+def test_no_handler_reads_kopfs_essence_so_none_is_built() -> None:
+    """``handlers.NoEssence`` builds an empty essence instead of two deep copies of every watched object per watch
+    event: valid only while the operator registers no change handler (the essence's only reader) and no idle timer
+    or daemon (whose idle countdown the diff resets). A new one must take NoEssence out."""
+    import kopf
+
+    from kubetitan import handlers
+
+    registry = kopf.get_default_registry()
+    assert not registry._changing.get_all_handlers(), "a change handler needs kopf's real essence: drop NoEssence"
+    for h in [*registry._spawning.get_all_handlers()]:
+        assert not getattr(h, "idle", None), f"{h.id} counts idle time from kopf's diff: drop NoEssence"
+    assert handlers.NoEssence(name="kopf").build(body={"spec": {"a": 1}}) == {}

@@ -137,6 +137,34 @@ def test_retryable_answers_are_retried_then_succeed(script, want_retries) -> Non
     assert len(seen) == sum(want_retries.values()) + 1
 
 
+def test_a_prepared_body_is_sent_as_its_text_and_a_create_answer_is_not_decoded(monkeypatch) -> None:
+    """A gang's pods come with their JSON text made once (``plan.Prepared``): the client sends that text, and does not
+    decode the created object the server sends back (nothing reads it); other calls' answers are decoded."""
+    import json
+
+    from kubetitan import kube, plan
+
+    bodies: list[bytes] = []
+    decoded: list[str] = []
+    real_loads = json.loads
+    monkeypatch.setattr(kube.json, "loads", lambda raw, *a, **kw: decoded.append(raw) or real_loads(raw, *a, **kw))
+    prepared = plan.Prepared(POD, text=json.dumps({**POD, "marker": "the prepared text"}))
+
+    async def handler(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        bodies.append(await request.read())
+        return aiohttp.web.json_response({**POD, "status": {"phase": "Pending"}}, status=201)
+
+    async def body(client: Client) -> None:
+        assert await client.create(prepared) is True
+        assert await client.create(dict(POD)) is True
+        assert not decoded  # the created objects sent back
+        assert (await client.get("pods", "ml", "r-a0-0"))["status"]["phase"] == "Pending"
+        assert len(decoded) == 1  # the GET's answer
+
+    asyncio.run(_with_server(handler, body))
+    assert real_loads(bodies[0])["marker"] == "the prepared text" and real_loads(bodies[1]) == POD
+
+
 def test_retries_are_capped_then_the_error_says_what_the_server_said() -> None:
     seen: list = []
 

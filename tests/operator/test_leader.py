@@ -13,14 +13,7 @@ import pytest
 
 from kubetitan.kube import ApiError
 from kubetitan.leader import LeaderElector, LeaseConfig, NotLeader
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from support.fakes import FakeClock
 
 
 class LeaseApi:
@@ -59,7 +52,7 @@ class LeaseApi:
 CFG = dict(namespace="kt", name="lock", lease_duration=15.0, renew_deadline=10.0, retry_period=2.0)
 
 
-def _elector(api: LeaseApi, clock: Clock, identity: str) -> LeaderElector:
+def _elector(api: LeaseApi, clock: FakeClock, identity: str) -> LeaderElector:
     return LeaderElector(LeaseConfig(identity=identity, **CFG), api, clock=clock, wall=lambda: 1.7e9)
 
 
@@ -89,31 +82,31 @@ def _released(api: LeaseApi) -> None:
 
 
 def test_first_candidate_takes_a_released_lease_at_once_and_the_second_stands_by() -> None:
-    api, clock = LeaseApi(), Clock()
+    api, clock = LeaseApi(), FakeClock(1000.0)
     _released(api)
     a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
     assert _try(a) and a.leading and api.obj["spec"]["holderIdentity"] == "a"
     assert api.obj["spec"]["leaseTransitions"] == 4 and api.obj["spec"]["leaseDurationSeconds"] == 15
     assert not _try(b) and not b.leading
-    clock.t += 14.9  # not yet expired by b's own clock (it first saw the record at 1000)
+    clock.now += 14.9  # not yet expired by b's own clock (it first saw the record at 1000)
     assert not _try(b)
 
 
 def test_a_candidate_that_creates_the_lease_acts_a_lease_duration_after_it_found_none() -> None:
     """No Lease: a creates it and holds it (b stands by), but writes nothing until 15 s after it found none (a holder
     whose Lease was deleted may be inside its fence until then); a renews meanwhile."""
-    api, clock = LeaseApi(), Clock()
+    api, clock = LeaseApi(), FakeClock(1000.0)
     a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
     assert _try(a) and api.obj["spec"]["holderIdentity"] == "a" and api.obj["spec"]["leaseTransitions"] == 0
     assert not a.leading
     with pytest.raises(NotLeader):
         a.check()
     assert not _try(b) and not b.leading
-    clock.t += 8.0
+    clock.now += 8.0
     assert _try(a) and not a.leading  # renewed on the fast path, still waiting
-    clock.t += 6.9
+    clock.now += 6.9
     assert not a.leading
-    clock.t += 0.1  # 15 s after a found no Lease
+    clock.now += 0.1  # 15 s after a found no Lease
     assert a.leading
 
 
@@ -122,17 +115,17 @@ def test_a_deleted_lease_the_holder_steps_down_and_the_new_creator_waits(holder_
     """The Lease is deleted under its holder a. Whoever creates it next acts only 15 s after it found it absent; a
     steps down as soon as it finds its Lease gone (404 on its renewal) or held by another (b created it first),
     however far its renew deadline is."""
-    api, clock = LeaseApi(), Clock()
+    api, clock = LeaseApi(), FakeClock(1000.0)
     _released(api)
     a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
     assert _try(a) and a.leading and not _try(b)
-    clock.t += 2.0
+    clock.now += 2.0
     api.obj = None  # kubectl delete lease
     if holder_notices_first:
         assert not _try(a) and not a.leading  # the renewal's 404: a stepped down at once (its deadline is 8 s away)
         with pytest.raises(NotLeader):
             a.check()
-        clock.t += 0.5
+        clock.now += 0.5
         assert _try(b) and not b.leading  # b found no Lease and created it: waits until 1017.0
     else:
         assert _try(b) and not b.leading  # b found no Lease (at 1002.0) and created it
@@ -140,10 +133,10 @@ def test_a_deleted_lease_the_holder_steps_down_and_the_new_creator_waits(holder_
         assert not _try(a) and not a.leading  # its renewal's 409, then the read names b: stepped down at once
     assert api.obj["spec"]["holderIdentity"] == "b"
     for _ in range(7):
-        clock.t += 2.0
+        clock.now += 2.0
         assert _try(b) and not a.leading and not _try(a)
     assert not b.leading  # 1016.0 (or 1016.5): still inside the 15 s since b found no Lease at 1002.0 (or 1002.5)
-    clock.t += 1.0
+    clock.now += 1.0
     assert b.leading and not a.leading
 
 
@@ -190,43 +183,43 @@ def test_a_write_in_flight_outlasts_the_renew_deadline_while_renewed_and_is_aban
 
 
 def test_takeover_after_expiry_counts_a_transition_and_fences_the_old_leader() -> None:
-    api, clock = LeaseApi(), Clock()
+    api, clock = LeaseApi(), FakeClock(1000.0)
     _released(api)
     a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
     assert _try(a)
     assert not _try(b)  # b observes a's record now
     api.fail.add("a")  # a's renewals fail from here on
-    clock.t += 9.9
+    clock.now += 9.9
     assert a.leading and not _try(a)  # the renewal fails, but a may still write until its deadline
     a.check()
-    clock.t += 0.2  # 10.1 s after a's last good renewal was sent: its fence is closed
+    clock.now += 0.2  # 10.1 s after a's last good renewal was sent: its fence is closed
     assert not a.leading
     with pytest.raises(NotLeader):
         a.check()
     assert not _try(b)  # 10.1 s < 15 s since b saw the record change
-    clock.t += 5.0
+    clock.now += 5.0
     assert _try(b) and b.leading
     assert api.obj["spec"]["holderIdentity"] == "b" and api.obj["spec"]["leaseTransitions"] == 5
 
 
 def test_a_renewal_keeps_acquire_time_and_transitions_and_moves_the_fence() -> None:
-    api, clock = LeaseApi(), Clock()
+    api, clock = LeaseApi(), FakeClock(1000.0)
     a = _elector(api, clock, "a")
     assert _try(a)
     acquired = api.obj["spec"]["acquireTime"]
-    clock.t += 8.0
+    clock.now += 8.0
     assert _try(a)  # the fast path: one PUT on the resourceVersion it wrote
     assert api.obj["spec"]["acquireTime"] == acquired and api.obj["spec"]["leaseTransitions"] == 0
-    clock.t += 9.0  # 17 s after the first renewal, 9 s after the second
+    clock.now += 9.0  # 17 s after the first renewal, 9 s after the second
     assert a.leading
 
 
 def test_two_candidates_racing_for_an_expired_lease_one_wins_by_resource_version() -> None:
-    api, clock = LeaseApi(), Clock()
+    api, clock = LeaseApi(), FakeClock(1000.0)
     old, b, c = _elector(api, clock, "old"), _elector(api, clock, "b"), _elector(api, clock, "c")
     assert _try(old)
     assert not _try(b) and not _try(c)
-    clock.t += 16.0
+    clock.now += 16.0
     lease_b, lease_c = asyncio.run(api.get_lease("kt", "lock")), asyncio.run(api.get_lease("kt", "lock"))
     assert lease_b == lease_c
     assert _try(b)
@@ -240,7 +233,7 @@ def test_two_candidates_racing_for_an_expired_lease_one_wins_by_resource_version
 
 
 def test_release_empties_the_holder_so_a_standby_takes_over_at_once() -> None:
-    api, clock = LeaseApi(), Clock()
+    api, clock = LeaseApi(), FakeClock(1000.0)
     a, b = _elector(api, clock, "a"), _elector(api, clock, "b")
     assert _try(a) and not _try(b)
     asyncio.run(a.release())

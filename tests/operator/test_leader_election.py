@@ -61,11 +61,6 @@ def _pod_creates(c: Cluster) -> list[str]:
             and r.resource.plural == "pods"]
 
 
-def _events(c: Cluster, name: str) -> list[tuple[str, str]]:
-    return sorted((e.get("type", ""), e.get("reason", "")) for e in c.list("v1/events", NS)
-                  if (e.get("involvedObject") or {}).get("name") == name)
-
-
 def test_a_replica_that_cannot_renew_stops_writing_and_the_other_acts_once(cluster: Cluster) -> None:
     logs: list[OperatorProcess] = []
     try:
@@ -101,7 +96,7 @@ def _split_brain_then_hand_back(cluster: Cluster, logs: list[OperatorProcess]) -
             # one pod failure: B restarts the gang once (A, still running and watching, does nothing)
             cluster.terminate_pod(NS, "ha-a0-1", 1)
             wait_for(lambda: cluster.pod_names(NS, "ha") == ["ha-a1-0", "ha-a1-1"], 20, "B restarted to attempt 1")
-            wait_for(lambda: ("Warning", "RestartContainerFailed") in _events(cluster, "ha"), 10, "the restart Event")
+            wait_for(lambda: ("Warning", "RestartContainerFailed") in cluster.events(NS, "ha"), 10, "the restart Event")
             for r in range(2):
                 cluster.run_pod(NS, f"ha-a1-{r}", f"node-{r}")
             wait_for(lambda: (cluster.status(NS, "ha").get("observation") or {}).get("ranksSeen") == [0, 1]
@@ -119,15 +114,15 @@ def _split_brain_then_hand_back(cluster: Cluster, logs: list[OperatorProcess]) -
         cluster.terminate_pod(NS, "ha-a1-1", 0, "Completed")
         cluster.terminate_pod(NS, "ha-a1-0", 0, "Completed")
         wait_for(lambda: cluster.status(NS, "ha").get("phase") == "Succeeded", 20, "Succeeded under A")
-        wait_for(lambda: ("Normal", "Completed") in _events(cluster, "ha"), 10, "the Completed Event")
+        wait_for(lambda: ("Normal", "Completed") in cluster.events(NS, "ha"), 10, "the Completed Event")
 
     # every pod created once and deleted at most once, the restart by B, the attempt-1 pods never deleted
     assert sorted(_pod_creates(cluster)) == ["ha-a0-0", "ha-a0-1", "ha-a1-0", "ha-a1-1"]
     deleted = _requests(cluster, "delete", "pods")
     assert sorted(deleted) == sorted(set(deleted)) and not [n for n in deleted if n.startswith("ha-a1-")], deleted
     assert {n for n in deleted} <= set(_requests(cluster, "delete", "pods", "replica-b")), deleted
-    assert _events(cluster, "ha") == [("Normal", "Completed"), ("Warning", "RestartContainerFailed")], \
-        _events(cluster, "ha")
+    assert cluster.events(NS, "ha") == [("Normal", "Completed"), ("Warning", "RestartContainerFailed")], \
+        cluster.events(NS, "ha")
     st = cluster.status(NS, "ha")
     assert (st["restartCount"], st["attempt"]) == (1, 1)
 
@@ -270,4 +265,4 @@ def test_a_pod_create_slower_than_the_lease_succeeds_under_leader_election(clust
     assert [e.code for e in posts] == [201] and slow.hits == 1, [str(e) for e in posts]
     assert len(renewals_during) >= int(20 / RETRY) // 2, "the Lease was renewed while the create was in flight"
     assert held.get("holderIdentity") == "replica-a" and held.get("leaseTransitions") == 0, held
-    assert ("Warning", "FailedCreate") not in _events(cluster, "slow"), _events(cluster, "slow")
+    assert ("Warning", "FailedCreate") not in cluster.events(NS, "slow"), cluster.events(NS, "slow")

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from kmockx.harness import CMS, LPT, PODS, SVCS, Cluster, Operator, ScaledClock, wait_for
+from kmockx.harness import CMS, LPT, PODS, SVCS, Cluster, Operator, ScaledClock, free_port, wait_for
 from support.specs import NS, cpu_spec, lpt
 from kubetitan_core import validation
 from kubetitan import plan
@@ -44,8 +44,10 @@ def test_apply_creates_children_as_rendered(cluster: Cluster) -> None:
             assert got is not None, child["metadata"]["name"]
             assert got["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
             assert got["metadata"]["labels"] == child["metadata"]["labels"]
-            if child["kind"] == "ConfigMap":
-                assert got["data"] == child["data"]
+            if child["kind"] == "ConfigMap":  # the rendered trainer config, and the spec the attempt came from
+                assert got["data"] == {**child["data"], "applied-spec.json": json.dumps(
+                    parsed.spec.model_dump(by_alias=True, exclude_none=True, mode="json"), sort_keys=True,
+                    separators=(",", ":"))}
             else:  # the whole rendered spec, exactly
                 assert got["spec"] == child["spec"]
         assert cluster.pod_names(NS, "r1") == ["r1-a0-0", "r1-a0-1", "r1-a0-2"]
@@ -260,7 +262,7 @@ class Faults:
 
         res = request.resource
         method = request.method.value if request.method else ""
-        if res is None or res.plural in ("namespaces", "kopfpeerings", "clusterkopfpeerings"):
+        if res is None or res.plural == "namespaces":
             return
         if res.plural == "pods" and method == "POST":
             self.pod_creates.append(((request.data or {}).get("metadata") or {}).get("name", ""))
@@ -329,12 +331,6 @@ def test_api_faults_no_restart_no_duplicates(cluster: Cluster, rank0) -> None:
     assert set(phases) <= {"Pending", "Starting", "Running", "Succeeded"}, phases  # never Restarting or Failed
 
 
-def _closed_port() -> int:
-    from kmockx.harness import free_port
-
-    return free_port()  # bound and closed again: nothing listens there, every scrape is refused
-
-
 def test_metrics_unreachable_for_a_whole_run_succeeds_without_restart(cluster: Cluster) -> None:
     """rank 0's /metrics never answers (the trainer binds elsewhere / a NetworkPolicy drops the scrape) and the
     clock runs 300x, far past startupTimeoutSeconds and hangTimeoutSeconds: no restart, MetricsAvailable=False,
@@ -343,7 +339,7 @@ def test_metrics_unreachable_for_a_whole_run_succeeds_without_restart(cluster: C
     clock = ScaledClock(rate=1.0)  # real time until the pods run: pod timestamps come from the server's clock
     spec = cpu_spec(startupTimeoutSeconds=10, hangTimeoutSeconds=10)
     with Operator(cluster, clock=clock):
-        cluster.apply(lpt("mu", spec, metrics_port=_closed_port()))
+        cluster.apply(lpt("mu", spec, metrics_port=free_port()))  # nothing listens there: every scrape is refused
         wait_for(lambda: len(cluster.pod_names(NS, "mu")) == 2, 20, "pods")
         _running(cluster, "mu", 0)
         c = wait_for(lambda: (m := cluster.condition(NS, "mu", "MetricsAvailable")) and m["status"] == "False" and m,
@@ -373,12 +369,13 @@ def _requests(c: Cluster, verb: str, path_part: str) -> list[str]:
 def test_children_deleted_by_hand_are_recreated_within_one_cycle_without_a_restart(cluster: Cluster) -> None:
     """The ConfigMap and the Service of a running attempt deleted by hand: the deletion's watch event wakes the
     run (scan interval 1 h: no periodic cycle comes), both are created again from the attempt's spec, and the
-    gang goes on (same pods, attempt 0, no restart, no pod deleted). Its pods run, waiting for the first step."""
+    gang goes on (same pods, attempt 0, no restart, no pod deleted). Its pods run, waiting for the first step (no
+    rank 0 answers here: MetricsUnavailable)."""
     with Operator(cluster, scan_interval=3600.0):
         cluster.apply(lpt("rc", cpu_spec()))
         wait_for(lambda: len(cluster.pod_names(NS, "rc")) == 2, 20, "pods")
         _running(cluster, "rc", 0)
-        wait_for(lambda: (cluster.condition(NS, "rc", "Ready") or {}).get("reason") == "WaitingForFirstStep", 20,
+        wait_for(lambda: (cluster.condition(NS, "rc", "Ready") or {}).get("reason") in ("WaitingForFirstStep", "MetricsUnavailable"), 20,
                  "both pods seen running")
         cm, svc = cluster.get(CMS, NS, "rc-config"), cluster.get(SVCS, NS, "rc")
         cluster.delete(CMS, NS, "rc-config")
@@ -390,7 +387,7 @@ def test_children_deleted_by_hand_are_recreated_within_one_cycle_without_a_resta
 
         cm2 = wait_for(lambda: again(CMS, "rc-config", cm), 20, "the ConfigMap created again")
         svc2 = wait_for(lambda: again(SVCS, "rc", svc), 20, "the Service created again")
-        assert cm2["data"] == cm["data"] and cm2["metadata"]["annotations"] == cm["metadata"]["annotations"]
+        assert cm2["data"] == cm["data"] and cm2["metadata"].get("annotations") == cm["metadata"].get("annotations")
         assert svc2["spec"]["ports"] == svc["spec"]["ports"]
         assert cm2["metadata"]["ownerReferences"] == cm["metadata"]["ownerReferences"]
         wait_for(lambda: [e for e in cluster.list("v1/events", NS) if e.get("reason") == "RecreatedChildren"], 20,
@@ -450,7 +447,7 @@ def _status_writes(c: Cluster, name: str) -> list[dict]:
 def test_raising_steps_mid_run_trains_on_in_a_new_attempt(cluster: Cluster, rank0) -> None:
     """spec.training.steps raised from 100 to 150 while attempt 0 trains: its trainer (created with 100) exits 0
     at step 100, and the run is NOT Succeeded there: attempt 1 is created from the raised spec (its ConfigMap's
-    trainer config and applied-spec annotation say 150) with no restart counted, a Normal Event StepsRaised says
+    trainer config and applied-spec.json say 150) with no restart counted, a Normal Event StepsRaised says
     why, and only attempt 1's exit 0 at step 150 ends the run."""
     with Operator(cluster):
         cluster.apply(lpt("sr", cpu_spec(), metrics_port=rank0.port))
@@ -468,8 +465,8 @@ def test_raising_steps_mid_run_trains_on_in_a_new_attempt(cluster: Cluster, rank
         st = cluster.status(NS, "sr")
         assert st["phase"] != "Succeeded" and st["attempt"] == 1 and st["restartCount"] == 0 and not st.get("restarts")
         cm = cluster.get(CMS, NS, "sr-config")
-        applied = json.loads(cm["metadata"]["annotations"]["kubetitan.io/applied-spec"])
-        assert applied["training"]["steps"] == 150 and "steps = 150" in next(iter(cm["data"].values()))
+        applied = json.loads(cm["data"]["applied-spec.json"])
+        assert applied["training"]["steps"] == 150 and "steps = 150" in cm["data"]["trainer.toml"]
         events = [e for e in cluster.list("v1/events", NS) if e.get("reason") == "StepsRaised"]
         assert len(events) == 1 and events[0]["type"] == "Normal" and "raised to 150" in events[0]["message"], events
         _running(cluster, "sr", 1)
@@ -486,18 +483,14 @@ def test_raising_steps_mid_run_trains_on_in_a_new_attempt(cluster: Cluster, rank
         "attempt 0 (trained to the old 100 steps) was written as Succeeded"
 
 
-def _cycles(op: Operator, name: str) -> float:
-    return op.metric("kubetitan_operator_run_cycles_total", {"namespace": NS, "name": name}) or 0.0
-
-
 def _still_while_busy(op: Operator, name: str) -> float:
     """``name``'s cycle count, checked not to move while the run "busy" (pods never scheduled: its daemon loops every
     scan interval, 0.1 s) cycles 30 more times: the operator's own cycles are the clock, not a sleep."""
-    base = _cycles(op, "busy")
-    wait_for(lambda: _cycles(op, "busy") >= base + 10, 30, "10 cycles of the busy run")
-    before = _cycles(op, name)
-    wait_for(lambda: _cycles(op, "busy") >= base + 40, 30, "30 more cycles of the busy run")
-    assert _cycles(op, name) == before, f"{name} cycled {_cycles(op, name) - before} times after it finished"
+    base = op.run_cycles("busy")
+    wait_for(lambda: op.run_cycles("busy") >= base + 10, 30, "10 cycles of the busy run")
+    before = op.run_cycles(name)
+    wait_for(lambda: op.run_cycles("busy") >= base + 40, 30, "30 more cycles of the busy run")
+    assert op.run_cycles(name) == before, f"{name} cycled {op.run_cycles(name) - before} times after it finished"
     return before
 
 
@@ -542,8 +535,8 @@ def test_lowering_steps_mid_run_succeeds_at_the_first_checkpoint_past_it(cluster
         # daemon may also end at once, with nothing left to do (with a fast API it often had before the pods were
         # seen gone, and "one more cycle of sl" never came), so another run's cycles are the clock, not sl's.
         wait_for(lambda: cluster.pod_names(NS, "sl") == [], 20, "both pods deleted")
-        base = _cycles(op, "busy-sl")
-        wait_for(lambda: _cycles(op, "busy-sl") >= base + 20, 30, "20 more cycles of another run")
+        base = op.run_cycles("busy-sl")
+        wait_for(lambda: op.run_cycles("busy-sl") >= base + 20, 30, "20 more cycles of another run")
     st = cluster.status(NS, "sl")
     assert st["restartCount"] == 0 and st["attempt"] == 0
     assert "lowered while the attempt ran with 100" in cluster.condition(NS, "sl", "Succeeded")["message"]

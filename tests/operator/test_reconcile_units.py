@@ -19,21 +19,14 @@ from kubetitan.reconcile.expectations import ENSURED_SECONDS, Expectations
 from kubetitan.reconcile.memory import CREATE_RETRY_CAP_SECONDS, CreateRefusals, Packed, RunMemory
 from kubetitan.reconcile.observe import parse, read_run
 from kubetitan.reconcile.snapshot import Scrape, Snapshot, children_of, decision_inputs, nodes_of, pods_of
+from support.fakes import FakeClock
 from support.specs import cpu_spec, lpt
 
 UID = "u-1"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _exp() -> tuple[Expectations, Clock]:
-    clock = Clock()
+def _exp() -> tuple[Expectations, FakeClock]:
+    clock = FakeClock(100.0)
     return Expectations(clock=clock), clock
 
 
@@ -48,7 +41,7 @@ def test_a_delete_already_sent_is_not_sent_again_while_the_index_lags() -> None:
     assert exp.to_delete(("b",), (), 0) == ["b"]  # its node died: forced out all the same
     assert exp.to_delete(("b",), (), 0) == []
     assert exp.to_delete(("b",), (), None) == []  # forced moments ago: a graceful delete adds nothing
-    clock.t += ENSURED_SECONDS
+    clock.now += ENSURED_SECONDS
     assert exp.to_delete(("a", "b"), ("b",), None) == ["a"]  # b is in the force list this cycle
     assert set(exp.deleted) == {"a"}  # b's expired record is dropped
 
@@ -62,7 +55,7 @@ def test_a_create_counts_as_existing_until_it_expires(after: float, shown: bool,
     exp, clock = _exp()
     exp.creating(3)
     exp.expect_created(["r-a3-0", "r-config"], clock())
-    clock.t += after
+    clock.now += after
     assert exp.in_flight("r-a3-0", clock()) is want_in_flight
     assert exp.ever_created("r-config")
     assert exp.missing(3, {"r-config": shown}) == (() if want_in_flight else ("r-config",))
@@ -88,7 +81,7 @@ def test_a_child_shown_and_then_gone_is_missing_at_once_and_not_after_it_is_crea
     assert exp.missing(0, {"r-config": False, "r": True}) == ("r-config",)  # shown once, now gone: deleted by hand
     exp.recreated(["r-config"], clock())
     assert exp.missing(0, {"r-config": False, "r": True}) == ()  # created again: not missing until shown
-    clock.t += ENSURED_SECONDS
+    clock.now += ENSURED_SECONDS
     assert exp.missing(0, {"r-config": False, "r": True}) == ("r-config",)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kmockx.harness import EVENTS, NS, Cluster, Operator, OperatorProcess, cpu_spec, free_port, lpt, wait_for
+from kmockx.harness import EVENTS, LPT, NS, Cluster, Operator, OperatorProcess, cpu_spec, free_port, lpt, wait_for
 from kubetitan import conditions as C
 from kubetitan import observe, scraped
 from kubetitan_core import contract
@@ -94,6 +94,47 @@ def test_every_scraped_value_is_checked_by_its_rule(scrape, prev, kept, refused)
     assert [(r.metric, r.check) for r in why] == refused, [str(r) for r in why]
 
 
+BOUNDS = scraped.SpecBounds(steps=100, processes=4)
+SPEC_CASES = [
+    # (id, scraped samples, kept, refused as (metric, check))
+    ("absurd-step-of-100", {M.M_STEP: float(2**53 - 1)}, {}, [(M.M_STEP, "spec")]),
+    ("step-at-the-count-plus-slack-kept", {M.M_STEP: 110.0}, {M.M_STEP: 110.0}, []),
+    ("step-past-the-slack-refused", {M.M_STEP: 111.0, M.M_LAST_CHECKPOINT_STEP: 500.0}, {},
+     [(M.M_STEP, "spec"), (M.M_LAST_CHECKPOINT_STEP, "spec")]),
+    ("loss-1e308-refused", {M.M_LOSS: 1e308, M.M_EVAL_LOSS: 2000.0}, {}, [(M.M_LOSS, "spec"), (M.M_EVAL_LOSS, "spec")]),
+    ("a-diverged-loss-kept", {M.M_LOSS: 250.0}, {M.M_LOSS: 250.0}, []),
+    ("throughput-beyond-the-world-refused", {M.M_TOKENS_PER_SECOND: 4.1e8, M.M_TOKENS_PER_SECOND_PER_GPU: 2e8}, {},
+     [(M.M_TOKENS_PER_SECOND, "spec"), (M.M_TOKENS_PER_SECOND_PER_GPU, "spec")]),
+    ("a-fast-run-kept", {M.M_TOKENS_PER_SECOND: 4e8}, {M.M_TOKENS_PER_SECOND: 4e8}, []),
+]
+
+
+@pytest.mark.parametrize(("scrape", "kept", "refused"), [c[1:] for c in SPEC_CASES], ids=[c[0] for c in SPEC_CASES])
+def test_finite_values_beyond_what_the_spec_makes_possible_are_refused(scrape, kept, refused) -> None:
+    """``step 9007199254740991 of 100`` and ``loss 1e308`` are finite: the run's spec bounds them (steps + 10, a
+    loss of 1000 nats per token, 1e8 tokens/s per process)."""
+    got, why = scraped.check(scrape, attempt=0, prev=None, now=NOW, bounds=BOUNDS)
+    assert got == kept
+    assert [(r.metric, r.check) for r in why] == refused, [str(r) for r in why]
+    assert scraped.check(scrape, attempt=0, prev=None, now=NOW)[0] == scrape  # the rows alone let them through
+
+
+def test_the_spec_bounds_come_from_the_spec_and_the_attempts_own_spec() -> None:
+    """The larger of the two (a lowered steps count reaches the trainer with the next attempt); an elastic run's
+    largest gang; processes per node, else GPUs per node, else one."""
+    from kubetitan_core.api import LlamaPretrainSpec
+    from support.specs import cpu_spec
+
+    spec = LlamaPretrainSpec.model_validate({**cpu_spec(nodes=2), "training": {**cpu_spec()["training"],
+                                                                               "steps": 50}})
+    assert scraped.SpecBounds.of(spec) == scraped.SpecBounds(steps=50, processes=2 * (
+        spec.resources.processes_per_node or 1))
+    applied = {"training": {"steps": 80}, "resources": {"nodes": 6, "gpusPerNode": 8}}
+    assert scraped.SpecBounds.of(spec, applied) == scraped.SpecBounds(steps=80, processes=48)
+    _, why = scraped.check({M.M_STEP: 85.0}, attempt=0, prev=None, now=NOW, bounds=scraped.SpecBounds.of(spec))
+    assert str(why[0]) == "kubetitan_trainer_step=85 (above 60: the run trains 50 steps (+10))"
+
+
 def test_every_sample_the_status_reads_has_exactly_one_rule() -> None:
     """A new ``contract.M_*`` read in status.py without a row here would enter the status unchecked."""
     src = (Path(scraped.__file__).parent / "status.py").read_text()
@@ -119,13 +160,17 @@ def test_the_refusal_message_names_metric_value_and_rule() -> None:
 # ------------------------------------------------------------------------------------------- a hostile rank 0
 GOOD = (f"# TYPE {M.M_STEP} gauge\n{M.M_STEP} 7.0\n# TYPE {M.M_LOSS} gauge\n{M.M_LOSS} 2.5\n").encode()
 LINE = b'kubetitan_trainer_padding{rank="0"} 1.0\n'
+SERIES_BODY = b"".join(b'p{i="%d"} 1\n' % i for i in range(400_000))[:4 * 2**20 - 64 - len(GOOD)]
+SERIES_BODY = GOOD + SERIES_BODY[:SERIES_BODY.rfind(b"\n") + 1]
+"""Just under 4 MiB, ~290,000 series."""
 
 
 class Rank0Server:
     """A rank 0 that misbehaves on 127.0.0.1: ``mode`` is one of
 
     good, big (a 300 MB chunked body), declared (Content-Length 300 MB), endless (chunks forever, fast),
-    slow (one line every 0.2 s, forever), garbage (not Prometheus text), binary (not UTF-8), error (HTTP 500).
+    slow (one line every 0.2 s, forever), garbage (not Prometheus text), binary (not UTF-8), error (HTTP 500),
+    series (just under 4 MiB of short sample lines: ~240,000 series).
     """
 
     SIZE = 300 * 1000 * 1000
@@ -165,7 +210,8 @@ class Rank0Server:
             h.send_header("Content-Length", "0")
             h.end_headers()
             return
-        body = {"good": GOOD, "garbage": b"this is {not prometheus text\n", "binary": b"\xff\xfe\x00bad"}.get(mode)
+        body = {"good": GOOD, "garbage": b"this is {not prometheus text\n", "binary": b"\xff\xfe\x00bad",
+                "series": SERIES_BODY}.get(mode)
         h.send_response(200)
         h.send_header("Content-Type", "text/plain; version=0.0.4")
         if body is not None:
@@ -278,6 +324,78 @@ async def test_scrapes_in_flight_are_bounded_and_a_waiter_gives_up_after_one_tim
         assert slow.request_times[1] - slow.request_times[0] >= 0.9, slow.request_times
 
 
+@pytest.mark.parametrize(("body", "series"), [
+    (b"", 0), (GOOD, 2), (b"# HELP a x\n# TYPE a gauge\na 1\n\na{b=\"1\"} 2", 2), (b"a 1\nb 2\n", 2),
+], ids=["empty", "the-trainers-kind", "comments-blank-line-no-final-newline", "plain"])
+def test_series_are_counted_without_parsing(body: bytes, series: int) -> None:
+    assert observe.series_count(body) == series
+
+
+@pytest.mark.asyncio
+async def test_a_body_of_too_many_series_is_refused_unparsed_and_its_memory_returns(rank0_server, monkeypatch
+                                                                                      ) -> None:
+    """Just under 4 MiB of short lines (~240,000 series) is within the byte cap: its series are counted and it is
+    refused before a single sample object is made (MetricsTooLarge; parsing it took ~4 s of one core and ~100 MB),
+    the scrape's allocations peak at a few copies of the body, and none of it is kept afterwards."""
+    import tracemalloc
+
+    parsed: list[int] = []
+    real = observe.parse_metrics
+    monkeypatch.setattr(observe, "parse_metrics", lambda text: parsed.append(len(text)) or real(text))
+    server = rank0_server("series")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        got = await _scrape(server, max_bytes=4 * 2**20)
+        after, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got.metrics is None and got.reason == C.METRICS_TOO_LARGE, got
+    assert "series, more than the operator parses (5000, --scrape-max-series)" in (got.error or ""), got
+    assert not parsed
+    assert peak - before < 3 * len(SERIES_BODY) + (2 << 20), (peak - before, len(SERIES_BODY))
+    assert after - before < 1 << 20, after - before
+
+
+@pytest.mark.asyncio
+async def test_a_free_scrape_slot_goes_to_the_run_whose_scrapes_cost_least() -> None:
+    """Two runs whose rank 0 held a slot for whole timeouts queue before a cheap run: the slot freed next goes to
+    the cheap run, then to the expensive ones in the order they asked (first come first served made the cheap run
+    wait for both, past its own timeout: no scrape, its status a scrape interval behind)."""
+    slots = observe.FairSlots(1)
+    slots.cost.update({"hostile-1": 3.0, "hostile-2": 3.0, "cheap": 0.002})
+    await slots.acquire("holder")
+    order: list[str] = []
+
+    async def scrape(key: str) -> None:
+        await slots.acquire(key)
+        order.append(key)
+        slots.release()
+
+    tasks = []
+    for key in ("hostile-1", "hostile-2", "cheap", "new-run"):
+        tasks.append(asyncio.create_task(scrape(key)))
+        await asyncio.sleep(0)  # each is waiting before the next asks
+    slots.release()
+    await asyncio.gather(*tasks)
+    assert order == ["new-run", "cheap", "hostile-1", "hostile-2"]  # a run never scraped costs nothing yet
+    slots.forget("cheap")
+    assert "cheap" not in slots.cost
+
+
+@pytest.mark.asyncio
+async def test_the_scraper_records_each_runs_cost(rank0_server) -> None:
+    scraper = observe.Scraper(observe.ScrapeLimits(timeout=2.0))
+    try:
+        async with aiohttp.ClientSession() as session:
+            got = await scraper.scrape(session, "127.0.0.1", rank0_server("good").port, key="run-uid")
+    finally:
+        scraper.close()
+    assert got.metrics and 0 < scraper._slots.cost["run-uid"] < 2.0
+    scraper.forget("run-uid")
+    assert "run-uid" not in scraper._slots.cost
+
+
 # ------------------------------------------------------------------------------------------- the real operator
 def _events(c: Cluster, ns: str, name: str, reason: str) -> list[dict[str, Any]]:
     return [e for e in c.list(EVENTS, ns) if e.get("reason") == reason
@@ -314,14 +432,16 @@ def test_refused_values_never_reach_the_status(cluster: Cluster, rank0) -> None:
 
 OTHER_NS = "team-b"
 HOSTILE = {"big": C.METRICS_TOO_LARGE, "declared": C.METRICS_TOO_LARGE, "endless": C.METRICS_TOO_LARGE,
-           "slow": C.METRICS_TIMEOUT}
+           "slow": C.METRICS_TIMEOUT, "series": C.METRICS_TOO_LARGE}
 
 
 def test_huge_and_never_ending_bodies_neither_bloat_nor_stall_the_operator(rank0_server, rank0) -> None:
-    """Four runs whose rank 0 serves a 300 MB body, a 300 MB Content-Length, an endless fast stream and an endless
-    trickle, scraped every 0.5 s by the real operator process (default 4 MiB cap, 3 s timeout): each shows
-    MetricsAvailable=False with its reason, the operator's peak RSS stays under 300 MiB, and a healthy run in
-    another namespace has every new step in its status within a few of its cycles, all the while."""
+    """Five runs whose rank 0 serves a 300 MB body, a 300 MB Content-Length, an endless fast stream, an endless
+    trickle and ~290,000 series just under the 4 MiB cap, scraped every 0.5 s by the real operator process (default
+    4 MiB and 5,000-series caps, 3 s timeout): each shows MetricsAvailable=False with its reason, the operator's
+    peak RSS stays under 300 MiB, a healthy run in another namespace has every new step in its status within a few
+    of its cycles all the while, and once the hostile runs are deleted the operator's RSS is back near where it
+    was before they ran."""
     servers = {mode: rank0_server(mode) for mode in HOSTILE}
     with Cluster(namespaces=(OTHER_NS,)) as c, \
             OperatorProcess(c.kubeconfig, "--namespace", NS, "--namespace", OTHER_NS, "--scan-interval", "0.5",
@@ -332,6 +452,7 @@ def test_huge_and_never_ending_bodies_neither_bloat_nor_stall_the_operator(rank0
         healthy["metadata"]["namespace"] = OTHER_NS
         c.apply(healthy)
         wait_for(lambda: all(c.pod_names(NS, m) for m in HOSTILE) and c.pod_names(OTHER_NS, "healthy"), 30, "pods")
+        before = op.memory_mb()["VmRSS"]  # every run reconciled once, none scraped yet
         rank0.step(1)
         for mode in HOSTILE:
             c.run_pod(NS, f"{mode}-a0-0", "node-0")
@@ -352,18 +473,22 @@ def test_huge_and_never_ending_bodies_neither_bloat_nor_stall_the_operator(rank0
                             30, f"MetricsAvailable=False for {mode}")
             assert cond["reason"] == reason, (mode, cond)
         mem = op.memory_mb()
-        print(f"\noperator peak RSS {mem['VmHWM']:.0f} MiB (now {mem['VmRSS']:.0f}); healthy run's step reached "
-              f"its status after {', '.join(f'{x:.2f}' for x in latencies)} s; bytes served per hostile run: "
+        assert c.condition(OTHER_NS, "healthy", "MetricsAvailable")["status"] == "True"
+        for mode in HOSTILE:
+            c.delete(LPT, NS, mode)
+        wait_for(lambda: not any(c.lpt(NS, m) for m in HOSTILE), 30, "the hostile runs deleted")
+        after = op.memory_mb()["VmRSS"]
+        print(f"\noperator peak RSS {mem['VmHWM']:.0f} MiB (before the scrapes {before:.0f}, during {mem['VmRSS']:.0f}, "
+              f"after the deletion {after:.0f}); healthy run's step reached its status after "
+              f"{', '.join(f'{x:.2f}' for x in latencies)} s; bytes served per hostile run: "
               + ", ".join(f"{m} {s.sent / 2**20:.0f} MiB/{s.requests} scrapes" for m, s in servers.items()))
         assert mem["VmHWM"] < 300, mem
-        assert c.condition(OTHER_NS, "healthy", "MetricsAvailable")["status"] == "True"
+        assert after - before < 40, (before, after)
+        assert sorted(latencies)[len(latencies) // 2] < 2.0, latencies  # a scrape interval (0.5 s) and a cycle
 
 
 def test_the_scrape_flags_parse_and_nonsense_is_refused_with_the_fix(capsys) -> None:
-    from kubetitan import runner
-
-    def opts(*argv: str) -> runner.Options:
-        return runner.options_from_args(runner.build_parser().parse_args(["-A", *argv]))
+    from support.fakes import operator_options as opts
 
     d = opts()
     assert (d.scrape_max_bytes, d.scrape_timeout, d.scrape_concurrency) == (4 * 2**20, 3.0, 8)

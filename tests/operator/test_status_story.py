@@ -6,7 +6,7 @@
   succeeded with its metrics never answering (``PROGRESS 0/100``), ``Ready=True`` next to
   ``MetricsAvailable=False``, ``Starting`` while pods are missing, waiting messages with running counters
   (a status rewritten every scan);
-- the world-size predicate, the data's capability and the spec gate (``plan.world_size_change``,
+- the world-size predicate, the data's capability and the spec gate (``plan.world_size_edit``,
   ``contract.resumes_at_another_dp_degree``, ``status.spec_gate``): deferred on shards/synthetic, refused on hub data;
 - the Events a status change carries (``status.pendingEvents``), each once.
 """
@@ -25,6 +25,7 @@ from kubetitan_core import contract
 from kubetitan_core.api import Condition, LlamaPretrainSpec, LlamaPretrainStatus, RestartRecord
 from kubetitan.decide import Action, NodeObs, Observed, PodObs, Progress, decide, iso
 from kubetitan.observe import spec_changes
+from support.runs import condition
 
 NOW = 2_000_000.0
 NODES = {"n0": NodeObs("n0"), "n1": NodeObs("n1")}
@@ -45,12 +46,6 @@ def _pods(attempt: int = 0, n: int = 2, **kw: Any) -> tuple[PodObs, ...]:
 
 def _status(attempt: int = 0, **kw: Any) -> LlamaPretrainStatus:
     return LlamaPretrainStatus(attempt=attempt, start_time=iso(NOW - 100), **kw)
-
-
-def _cond(st: LlamaPretrainStatus, type_: str) -> tuple[str, str]:
-    c = C.find(st.conditions, type_)
-    assert c is not None, type_
-    return c.status, c.reason
 
 
 def _step(spec: LlamaPretrainSpec, st: LlamaPretrainStatus, obs: Observed) -> LlamaPretrainStatus:
@@ -114,10 +109,10 @@ def test_a_restart_blocked_by_a_spec_change_is_blocked_not_restarting() -> None:
     later = Observed(pods=(), nodes=NODES, now=NOW + 5, spec_block=block, spec_block_reason=C.IMMUTABLE_FIELD_CHANGED)
     st2 = _step(spec, st, later)
     assert st2.phase == "Blocked"
-    assert _cond(st2, C.RESTARTING) == ("True", C.RESTART_BLOCKED) and _cond(st2, C.READY)[1] == C.RESTART_BLOCKED
-    assert _cond(st2, C.CHILDREN_CREATED) == ("False", C.RESTART_BLOCKED)
+    assert condition(st2, C.RESTARTING) == ("True", C.RESTART_BLOCKED) and condition(st2, C.READY)[1] == C.RESTART_BLOCKED
+    assert condition(st2, C.CHILDREN_CREATED) == ("False", C.RESTART_BLOCKED)
     assert C.find(st2.conditions, C.CHILDREN_CREATED).message == "0/2 pods of attempt 1 exist"
-    assert _cond(st2, C.SPEC_ACCEPTED) == ("False", C.IMMUTABLE_FIELD_CHANGED)
+    assert condition(st2, C.SPEC_ACCEPTED) == ("False", C.IMMUTABLE_FIELD_CHANGED)
     assert [e.reason for e in st2.pending_events] == [C.RESTART_BLOCKED]
     assert block in st2.pending_events[0].message
     # the next scans: nothing new to say, so nothing to write and no Event again
@@ -152,13 +147,13 @@ def test_ready_follows_the_metrics_it_rests_on() -> None:
     spec, st = _spec(), _status()
     ok = Observed(pods=_pods(), nodes=NODES, progress=TRAINING, now=NOW, ranks_seen=frozenset({0, 1}))
     st = _step(spec, st, ok)
-    assert (st.phase, _cond(st, C.READY), _cond(st, C.METRICS_AVAILABLE)[0]) == ("Running", ("True", C.TRAINING), "True")
+    assert (st.phase, condition(st, C.READY), condition(st, C.METRICS_AVAILABLE)[0]) == ("Running", ("True", C.TRAINING), "True")
     down = replace(ok, now=NOW + 15, progress=replace(TRAINING, metrics_available=False, metrics_error="timed out"))
     st = _step(spec, st, down)
-    assert (st.phase, _cond(st, C.READY), _cond(st, C.METRICS_AVAILABLE)[0]) == \
+    assert (st.phase, condition(st, C.READY), condition(st, C.METRICS_AVAILABLE)[0]) == \
         ("Running", ("Unknown", C.PROGRESS_UNKNOWN), "False")
     st = _step(spec, st, replace(ok, now=NOW + 30))
-    assert _cond(st, C.READY) == ("True", C.TRAINING)
+    assert condition(st, C.READY) == ("True", C.TRAINING)
 
 
 @pytest.mark.parametrize(("pods", "phase", "children"), [
@@ -169,7 +164,47 @@ def test_ready_follows_the_metrics_it_rests_on() -> None:
 def test_starting_only_once_every_pod_of_the_attempt_exists(pods, phase, children) -> None:
     spec = _spec()
     st = _step(spec, _status(), Observed(pods=pods, nodes=NODES, now=NOW, ranks_seen=frozenset(p.rank for p in pods)))
-    assert (st.phase, _cond(st, C.CHILDREN_CREATED)) == (phase, children)
+    assert (st.phase, condition(st, C.CHILDREN_CREATED)) == (phase, children)
+
+
+UNANSWERED = Progress(metrics_available=False, metrics_error="GET http://10.0.0.1:9090/metrics failed: refused")
+ELASTIC = {"elastic": {"minNodes": 1, "shrinkAfterSeconds": 300}}
+
+
+def _elastic_lost_node() -> Observed:
+    """Attempt 0 of an elastic 2-node run trains; node n1 is gone and nothing else fits rank 1 (capacity 1)."""
+    from kubetitan.decide import Capacity
+
+    return Observed(pods=_pods(), nodes={"n0": NodeObs("n0"), "n1": NodeObs("n1", ready=False,
+                                                                           not_ready_since=NOW - 20)},
+                    progress=TRAINING, now=NOW, ranks_seen=frozenset({0, 1}),
+                    capacity=Capacity(schedulable=1, stable=1))
+
+
+@pytest.mark.parametrize(("policy", "obs", "phase", "ready"), [
+    # the whole gang exists but cannot be placed: waiting for nodes, not starting
+    ({"unschedulableTimeoutSeconds": 600},
+     Observed(pods=tuple(replace(p, phase="Pending", node_name=None, unschedulable_message="0/4 nodes are available")
+                         for p in _pods()), now=NOW), "Pending", ("False", C.WAITING_FOR_NODES)),
+    ({"unschedulableTimeoutSeconds": 10},
+     Observed(pods=tuple(replace(p, phase="Pending", node_name=None, unschedulable_message="0/4 nodes are available")
+                         for p in _pods()), now=NOW), "Pending", ("False", C.PODS_UNSCHEDULABLE)),
+    # an elastic run whose node is lost waits shrinkAfterSeconds for a replacement: Pending, not Starting
+    (ELASTIC, _elastic_lost_node(), "Pending", ("False", C.WAITING_FOR_REPLACEMENT)),
+    # every pod runs, /metrics never answered: within startupTimeoutSeconds the workers may still be starting ...
+    ({"startupTimeoutSeconds": 600}, Observed(pods=_pods(), nodes=NODES, progress=UNANSWERED, now=NOW,
+                                              ranks_seen=frozenset({0, 1})), "Starting", ("False", C.METRICS_UNAVAILABLE)),
+    # ... past it, whether they train is unknown: Running (the pods run), never Starting for life
+    ({"startupTimeoutSeconds": 30}, Observed(pods=_pods(), nodes=NODES, progress=UNANSWERED, now=NOW,
+                                             ranks_seen=frozenset({0, 1})), "Running", ("Unknown", C.PROGRESS_UNKNOWN)),
+], ids=["unschedulable-within-its-timeout", "unschedulable-past-its-timeout", "elastic-waiting-for-a-node",
+        "metrics-never-answered-while-starting", "metrics-never-answered-past-the-startup-timeout"])
+def test_a_run_waiting_for_nodes_or_for_its_metrics_does_not_show_starting(policy, obs, phase, ready) -> None:
+    spec = _spec(runPolicy=policy)
+    st = _step(spec, _status(), obs)
+    assert (st.phase, _cond(st, C.READY)) == (phase, ready), C.find(st.conditions, C.READY)
+    if ready[1] in (C.METRICS_UNAVAILABLE, C.PROGRESS_UNKNOWN):
+        assert "refused" in (st.message or "")  # the scrape's own error, so the user can fix it
 
 
 @pytest.mark.parametrize("obs", [
@@ -211,7 +246,8 @@ def test_backoff_is_an_instant_not_a_countdown() -> None:
 ], ids=["same", "nodes", "gpus-per-node", "tensor-parallel-keeps-world-changes-dp", "same-degree-spelled-otherwise",
         "not-a-world-size-field"])
 def test_world_size_change(before, after, want) -> None:
-    got = plan.world_size_change(_spec(**before), _spec(**after))
+    edit = plan.world_size_edit(_spec(**before), _spec(**after))
+    got = edit.change if edit is not None else None
     if want is None:
         assert got is None
     else:
@@ -329,6 +365,6 @@ def test_status_events_are_carried_once_per_change() -> None:
                    spec_block="resources.nodes 2 -> 3 ...: the edit is refused", spec_block_reason=C.WORLD_SIZE_CHANGE_REFUSED)
     st = _step(spec, _status(), obs)
     assert [(e.type, e.reason) for e in st.pending_events] == [("Warning", C.WORLD_SIZE_CHANGE_REFUSED)]
-    assert st.phase == "Running" and _cond(st, C.READY) == ("True", C.TRAINING)  # the live attempt goes on
+    assert st.phase == "Running" and condition(st, C.READY) == ("True", C.TRAINING)  # the live attempt goes on
     again = _step(spec, st.model_copy(update={"pending_events": []}), replace(obs, now=NOW + 10))
     assert again.pending_events == []

@@ -106,3 +106,24 @@ def test_the_training_columns_across_a_restart_and_the_end_of_the_run(
     assert d.action == action, d
     t = S.next_status(spec, st, d, obs).training
     assert t is not None and {k: getattr(t, k) for k in want} == want
+
+
+def test_the_operators_gauges_follow_the_columns_across_a_restart() -> None:
+    """``kubetitan_operator_job_tokens_per_second`` and ``_mfu_ratio`` are cleared while no worker trains, as the
+    status columns are (they kept the old attempt's pace through a restart); the step stays."""
+    from kubetitan.operator_metrics import OperatorMetrics
+
+    m = OperatorMetrics()
+
+    def sample(name: str) -> float | None:
+        return m.registry.get_sample_value(name, {"namespace": "ml", "name": "r"})
+
+    m.set_training("ml", "r", TRAINED_AT_40, restart_count=0)
+    assert sample("kubetitan_operator_job_tokens_per_second") == 8192.0 and sample("kubetitan_operator_job_mfu_ratio")
+    restarting = TRAINED_AT_40.model_copy(update={**LIVE, "step": 30, "loss": None})  # what next_status writes
+    m.set_training("ml", "r", restarting, restart_count=1)
+    assert sample("kubetitan_operator_job_tokens_per_second") is None
+    assert sample("kubetitan_operator_job_mfu_ratio") is None
+    assert sample("kubetitan_operator_job_step") == 30 and sample("kubetitan_operator_job_restarts") == 1
+    m.set_training("ml", "r", TRAINED_AT_40, restart_count=1)  # training again: back
+    assert sample("kubetitan_operator_job_tokens_per_second") == 8192.0

@@ -40,6 +40,7 @@ import yaml
 
 from kmockx import kubeconfig, rbac, webhooks
 from kmockx.harness import LPT, NS, ApiError, Cluster, Operator, free_port, wait_for
+from support.fakes import FakeClock
 from support.specs import lpt
 from kubetitan import admission, cli, webhook_guard
 from kubetitan.access_cache import CacheConfig
@@ -56,9 +57,6 @@ CORPUS_NS = "corpus"
 the chart's cluster mode does) answers, and no reconcile of the created objects adds noise."""
 POLICY = Policy(priority_classes=("training",), service_accounts=("default", "s3-writer"))
 """The admin policy both sides use (a spec naming another priority class is refused by policy)."""
-HELM = "webhook.certificates=helm"
-"""These tests mount the pair helm generates into the chart's Secret (the operator's own certificates:
-test_operator_certificates_...)."""
 POLICY_FILE = {"priorityClasses": list(POLICY.priority_classes), "serviceAccounts": list(POLICY.service_accounts)}
 
 
@@ -141,16 +139,6 @@ def _warning_texts(header_values: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------ the cluster, the operator, the webhook
-class FakeClock:
-    """The webhook's SubjectAccessReview cache clock: still unless a test moves it (no sleeping for TTLs)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 CACHE = CacheConfig(allowed_seconds=30, denied_seconds=5)
 RATE = RateConfig(user_burst=100_000, source_burst=100_000)
 """The module's other tests are not about the callers' budget (the fake clock never refills it):
@@ -206,7 +194,7 @@ def _listening(port: int) -> bool:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     tmp = tmp_path_factory.mktemp("webhook")
-    docs = rbac.render_chart(HELM)  # helm template with the defaults: the webhook Secret and configuration
+    docs = rbac.render_chart_with_certificates()  # the chart with cert-manager's Secret and caBundle filled in
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
     mount_secret(tmp, docs)
     port = free_port()
@@ -673,9 +661,9 @@ def test_a_webhook_that_hangs_is_cut_off_at_its_timeout(env: Env) -> None:
 
 
 def test_a_renewed_certificate_is_served_without_a_restart(env: Env) -> None:
-    """The Secret is renewed (cert-manager, or a new helm pair) and the configuration's caBundle with it: once the
-    kubelet swaps the mounted files, the operator serves the new pair (kopf re-reads the files)."""
-    renewed = rbac.render_chart(HELM, "webhook.timeoutSeconds=7")  # another render: another CA and certificate
+    """The Secret is renewed (by cert-manager) and the configuration's caBundle with it: once the kubelet swaps the
+    mounted files, the operator serves the new pair (kopf re-reads the files)."""
+    renewed = rbac.render_chart_with_certificates("webhook.timeoutSeconds=7")  # another CA and certificate
     mount = Path(env.op.options.webhook.cert_file).parent
     try:
         _replace_vwc(env, next(d for d in renewed if d["kind"] == "ValidatingWebhookConfiguration")["webhooks"])
@@ -684,15 +672,15 @@ def test_a_renewed_certificate_is_served_without_a_restart(env: Env) -> None:
         wait_for(lambda: _post(env, _tenant_spec("renew")).status_code == 201, 20, "the renewed certificate served")
         env.cluster.delete(LPT, NS, "renew")
     finally:
-        mount_secret(mount.parent, rbac.render_chart(HELM))
+        mount_secret(mount.parent, rbac.render_chart_with_certificates())
         _replace_vwc(env, env.vwc["webhooks"])
         wait_for(lambda: _post(env, _tenant_spec("renew-back")).status_code == 201, 20, "the first pair again")
         env.cluster.delete(LPT, NS, "renew-back")
 
 
 def test_a_certificate_the_ca_bundle_does_not_vouch_for_is_a_failed_call(env: Env) -> None:
-    other = next(d for d in rbac.render_chart(HELM, "webhook.timeoutSeconds=6")
-                 if d["kind"] == "ValidatingWebhookConfiguration")  # another render: another CA
+    other = next(d for d in rbac.render_chart_with_certificates("webhook.timeoutSeconds=6")
+                 if d["kind"] == "ValidatingWebhookConfiguration")  # another CA
     try:
         _replace_vwc(env, other["webhooks"])
         r = _post(env, _tenant_spec("badca"))
@@ -701,38 +689,42 @@ def test_a_certificate_the_ca_bundle_does_not_vouch_for_is_a_failed_call(env: En
         _replace_vwc(env, env.vwc["webhooks"])
 
 
-def test_a_paused_ha_replica_serves_the_webhook_too(tmp_path: Path) -> None:
-    """Two replicas peering, as the chart runs them: the paused one answers admission requests as well (the
-    Service sends them to any ready replica)."""
-    from kmockx.harness import OperatorProcess
+def test_a_standby_replica_serves_the_webhook_too(tmp_path: Path) -> None:
+    """Two replicas with leader election, as the chart runs them: the standby (it never holds the Lease, so it
+    writes nothing) answers admission requests as well (the Service sends them to any ready replica)."""
+    from kmockx.harness import RELEASE_NS, OperatorProcess
 
-    docs = rbac.render_chart(HELM)
+    docs = rbac.render_chart_with_certificates()
     secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))
     for key in ("tls.crt", "tls.key"):
         (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
     with Cluster() as c:
-        c.add_peering("kubetitan")
         c.call(c.k.put(webhooks.VWC, vwc))
         ports = [free_port(), free_port()]
 
-        def replica(port: int, priority: str) -> OperatorProcess:
-            return OperatorProcess(c.kubeconfig, "--namespace", NS, "--peering", "kubetitan", "--priority", priority,
+        def replica(port: int, identity: str) -> OperatorProcess:
+            return OperatorProcess(c.kubeconfig, "--namespace", NS, "--leader-elect", "--leader-elect-identity",
+                                   identity, "--leader-elect-resource-namespace", RELEASE_NS,
                                    "--webhook-port", str(port), "--webhook-addr", "127.0.0.1",
                                    "--webhook-cert-file", str(tmp_path / "tls.crt"),
                                    "--webhook-key-file", str(tmp_path / "tls.key"))
 
-        with replica(ports[0], "100") as a, replica(ports[1], "50") as b:
-            wait_for(lambda: len(c.peers("kubetitan")) == 2, 20, "both keep-alives")
-            wait_for(lambda: "Resuming operations" in a.log_text(), 20, "replica A active")
-            assert "Resuming operations" not in b.log_text()
-            wait_for(lambda: _listening(ports[1]), 20, "replica B's webhook port")
-            webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", ports[1])
-            bad = _tenant_spec("ha-bad", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}])
-            with pytest.raises(ApiError) as e:
-                c.apply(bad)
-            assert 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request' in str(e.value.status)
-            assert "Resuming operations" not in b.log_text()  # it answered while paused
+        def holder() -> str:
+            lease = c.get("coordination.k8s.io/v1/leases", RELEASE_NS, "kubetitan") or {}
+            return (lease.get("spec") or {}).get("holderIdentity") or ""
+
+        with replica(ports[0], "replica-a"):
+            wait_for(lambda: holder() == "replica-a", 20, "replica A holds the Lease")
+            with replica(ports[1], "replica-b"):
+                wait_for(lambda: _listening(ports[1]), 20, "replica B's webhook port")
+                webhooks.state(c.k)["endpoints"][SVC] = ("127.0.0.1", ports[1])
+                bad = _tenant_spec("ha-bad", env=[{"name": "LD_PRELOAD", "value": "/checkpoints/x.so"}])
+                with pytest.raises(ApiError) as e:
+                    c.apply(bad)
+                assert 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request' in \
+                    str(e.value.status)
+                assert holder() == "replica-a"  # B answered as the standby
         c.call(webhooks.close(c.k))
 
 
@@ -787,7 +779,7 @@ def test_with_a_client_ca_only_the_api_servers_certificate_gets_a_review_answere
     straight to the port gets nothing."""
     from kmockx.harness import OperatorProcess
 
-    docs = rbac.render_chart(HELM)
+    docs = rbac.render_chart_with_certificates()
     mount_secret(tmp_path, docs)
     certs_ = _client_certs(tmp_path)
     vwc = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")
@@ -835,12 +827,18 @@ def test_the_webhook_flags() -> None:
     own = ("--webhook-port", "9443", "--webhook-certificates", "operator")
     with pytest.raises(SystemExit, match="needs --webhook-secret NAMESPACE/NAME"):
         opts(*own)
+    with pytest.raises(SystemExit, match="needs --webhook-configuration-webhooks JSON"):
+        opts(*own, "--webhook-secret", "kt/kt-webhook-tls", "--webhook-service", "kt/kt-webhook",
+             "--webhook-configuration", "kt")
     full = (*own, "--webhook-secret", "kt/kt-webhook-tls", "--webhook-service", "kt/kt-webhook",
-            "--webhook-configuration", "kt")
+            "--webhook-configuration", "kt", "--webhook-configuration-webhooks", '[{"name": "w"}]')
+    with pytest.raises(SystemExit, match="--webhook-configuration-webhooks must be a non-empty JSON list"):
+        opts(*full[:-1], "[]")
     with pytest.raises(SystemExit, match="must be at least the serving certificate's"):
         opts(*full, "--webhook-ca-days", "30")
     got = opts(*full, "--webhook-cert-dir", "/run/w")
     assert got.cert_file == "/run/w/current/tls.crt" and got.certificates.dns_names[0] == "kt-webhook.kt.svc"
+    assert got.certificates.webhooks == ({"name": "w"},)
     assert opts("--requester-cache-allowed-seconds", "0").access_cache.allowed_seconds == 0
     assert opts().rate == RateConfig() and opts().client_ca_file is None
     assert opts("--webhook-rate-user-per-second", "2", "--webhook-rate-source-burst", "64").rate == RateConfig(

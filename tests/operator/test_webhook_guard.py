@@ -5,20 +5,13 @@ the API server, reviews posted straight to the port): tests/operator/test_webhoo
 from __future__ import annotations
 
 from kubetitan import admission
+from support.fakes import FakeClock
 from kubetitan.webhook_guard import (API_SERVER_MAX_BODY_BYTES, MAX_REVIEW_BYTES, RateConfig, RateLimiter,
                                      cert_names)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_caller_over_its_budget_is_refused_until_its_bucket_refills() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     rl = RateLimiter(RateConfig(user_per_second=10, user_burst=100, source_per_second=50, source_burst=500), clock)
     assert rl.charge("10.0.0.9", "eve", 64) is None
     refusal = rl.charge("10.0.0.9", "eve", 64)  # 36 left of her 100
@@ -39,7 +32,7 @@ def test_a_caller_over_its_budget_is_refused_until_its_bucket_refills() -> None:
 
 
 def test_the_buckets_are_bounded() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     rl = RateLimiter(RateConfig(max_callers=50), clock)
     for i in range(10_000):
         rl.charge(f"10.0.0.{i % 40}", f"user-{i}", 1)

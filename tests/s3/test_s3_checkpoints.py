@@ -19,7 +19,7 @@ from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 from kubetitan_trainer import storage
 from support import warm
-from tests.trainer.helpers import lpt, write_config
+from support.specs import tiny_lpt, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(600)]
@@ -30,7 +30,7 @@ def _s3(endpoint: str, uri: str) -> dict:
 
 
 def _config(tmp_path: Path, name: str, endpoint: str, uri: str, steps: int, **checkpoint) -> Path:
-    obj = lpt({"training": {"steps": steps}, "data": {"source": "synthetic"},
+    obj = tiny_lpt({"training": {"steps": steps}, "data": {"source": "synthetic"},
                "checkpoint": {"intervalSteps": 2, "asyncMode": "async", "keepLatestK": 0, **checkpoint,
                               "storage": _s3(endpoint, uri)}})
     return write_config(tmp_path / f"{name}.toml", obj, tmp_path / name, {"kubetitan": {"metrics_port": 0}})
@@ -211,7 +211,7 @@ def test_an_s3_server_killed_mid_save_and_restarted_later_leaves_the_run_trainin
         bucket = server.create_bucket()
         fault_proxy.upstream = server.endpoint
         uri, steps = f"s3://{bucket}/outage", 14
-        obj = lpt({"training": {"steps": steps}, "data": {"source": "synthetic"},
+        obj = tiny_lpt({"training": {"steps": steps}, "data": {"source": "synthetic"},
                    "checkpoint": {"intervalSteps": 2, "asyncMode": "async", "keepLatestK": 0,
                                   "storage": _s3(fault_proxy.endpoint, uri)}})
         cfg = write_config(tmp_path / "outage.toml", obj, tmp_path / "outage", {"kubetitan": {"metrics_port": 0}})

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
 STEPS, INTERVAL = 80, 10
 """rank 1 is killed once the operator has scraped attempt 0's first checkpoint (0.5 s scrapes: up to ~10 steps of the
 test model late, seen here at step 10-20), with 60-70 steps (3 s or more here, and the S3 saves) left: the kill lands
-while the run trains (the windows each run prints: bench/results/suite/s16_windows_e2e_s3.txt)."""
+while the run trains (the windows each run prints: bench/results/suite/s16_windows_e2e_s3.txt.xz)."""
 START = 300.0
 
 

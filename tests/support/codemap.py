@@ -52,7 +52,8 @@ class Function:
     line: int
     lines: int
     explained: bool
-    """A ``# long: <why>`` comment from the line above the def (or its decorators) to the first body line."""
+    """A ``# long: <why>`` comment in the comment block right above the def (or its decorators), or on the lines down
+    to the first body line."""
 
     @property
     def name(self) -> str:
@@ -196,7 +197,10 @@ def functions(mods: dict[str, Module] | None = None) -> list[Function]:
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     qual = f"{prefix}{child.name}"
                     first = min([child.lineno] + [d.lineno for d in child.decorator_list])
-                    head = lines[max(first - 2, 0): child.body[0].lineno]
+                    start = first - 1  # the comment block right above the def (or its decorators), whole
+                    while start > 0 and lines[start - 1].lstrip().startswith("#"):
+                        start -= 1
+                    head = lines[start: child.body[0].lineno]
                     out.append(Function(module, qual, child.lineno, child.end_lineno - child.lineno + 1,
                                         any(LONG_MARK.search(line) for line in head)))
                     visit(child, f"{qual}.<locals>.")
@@ -263,8 +267,8 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 KT = "kubetitan_trainer"
 TRAINING_LOOP = (f"{KT}.trainer", f"{KT}.train_spec", f"{KT}.main", f"{KT}.evaluation", f"{KT}.metrics")
-BASE = (f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.compat", f"{KT}.flavours", f"{KT}.storage",
-        f"{KT}.job_config", f"{KT}.netcheck", f"{KT}.cpu_bridge")
+BASE = (f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.runtime", f"{KT}.compat", f"{KT}.flavours",
+        f"{KT}.storage", f"{KT}.job_config", f"{KT}.netcheck", f"{KT}.cpu_bridge")
 TORCH = ("torch", "torchtitan", "torchao")
 
 LAYERS: tuple[Layer, ...] = (
@@ -284,7 +288,7 @@ LAYERS: tuple[Layer, ...] = (
           except_=(f"{KT}.launch",)),
     Layer((KT,), ("s3torchconnector",), "only the storage seam and compat import s3torchconnector",
           except_=(f"{KT}.storage", f"{KT}.compat")),
-    Layer((f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.job_config", f"{KT}.launch.store",
+    Layer((f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.runtime", f"{KT}.job_config", f"{KT}.launch.store",
            f"{KT}.launch.failures", f"{KT}.launch.state", f"{KT}.recovery.heartbeat", f"{KT}.data.shards",
            f"{KT}.data.prepare", f"{KT}.data.prepare_job"), TORCH,
           "torch-free trainer modules: the launchers' store protocol, failures and state, heartbeats, the shard "

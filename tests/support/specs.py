@@ -21,8 +21,9 @@ TEST_MODEL: dict[str, Any] = {"flavor": "custom", "custom": {"dim": 64, "nLayers
                                                           "multipleOf": 64}}
 """The model every test that trains runs: torchtitan's Llama 3 at 2 blocks of width 64 (~0.4 M parameters) with the
 builtin tokenizer's 2,048-token vocabulary. Every code path (FSDP per block, checkpoints, FP8 layers) is the debug
-flavour's, at a quarter of its CPU per step (bench/results/suite/: 0.053 against 0.228 s a step, 2 ranks); the
-``debug`` flavour itself runs in ``make demo`` (examples/debug-cpu.yaml) and its dimensions are checked against
+flavour's, at a quarter of its CPU per step (0.053 against 0.228 s a step, 2 ranks:
+bench/results/suite/s16_test_model_step_cost.txt); the ``debug`` flavour itself runs in ``make demo``
+(examples/debug-cpu.yaml) and its dimensions are checked against
 torchtitan's (tests/trainer/test_units.py). A model this small takes a larger learning rate (0.01 on the builtin text,
 0.02 on the synthetic phrases) to show within a few steps that it learns, as the tests that check the loss ask."""
 

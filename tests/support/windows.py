@@ -4,8 +4,8 @@ An end-to-end scenario waits for the run to reach some point (a scraped status, 
 and then acts on it (kills, freezes, fails a node, patches the spec). The action tests what it says only while the
 run still trains when it lands; a test that widens its window with more steps reports here how wide it was: the
 steps rank 0 had left before the window closes (the run's last step, or whatever else ends it), and what they take at
-the step time rank 0 logged so far in that attempt. Printed (``pytest -s`` shows it; bench/results/suite/
-s16_windows_e2e_s3.txt keeps runs of it), never asserted: a number of seconds is a timing, not a pass/fail check.
+the step time rank 0 logged so far in that attempt. Printed (``pytest -s`` shows it;
+bench/results/suite/s16_windows_e2e_s3.txt.xz keeps runs of it), never asserted: a number of seconds is a timing, not a pass/fail check.
 """
 
 from __future__ import annotations

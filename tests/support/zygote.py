@@ -34,7 +34,8 @@ PRELOAD = (
     "torch.nn.attention.flex_attention", "torch._dynamo", "torch._inductor.compile_fx", "functorch.compile",
     "torch.utils.tensorboard", "datasets", "tyro", "numpy",
 )
-"""torch and the libraries torchtitan imports (about 80% of a launcher's import time, bench/results/suite/)."""
+"""torch and the libraries torchtitan imports (about 80% of a launcher's import time:
+bench/results/suite/process_overhead_s13_quiet.txt)."""
 
 
 def _enter_namespaces(hosts: str, hostname: str) -> None:

@@ -9,6 +9,8 @@ from collections import namedtuple
 import pytest
 import torch
 
+from kubetitan_core.contract.trainer_toml import KubetitanRuntime
+from kubetitan_trainer import runtime
 from kubetitan_trainer.recovery import anatomy, restore_tier
 
 
@@ -226,10 +228,10 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("read", ["map", "pread"])
 def test_tier_load_gives_the_same_state_as_a_dcp_load(tmp_path, monkeypatch, read):
-    """Through either read of the tier's file (restore_tier.ENV_READ)."""
+    """Through either read of the tier's file (``restore_tier_read``)."""
     import torch.distributed.checkpoint as dcp
 
-    monkeypatch.setenv(restore_tier.ENV_READ, read)
+    monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(restore_tier_read=read))
 
     src = _trained(seed=1)
     tier, ckpt = tmp_path / "tier", tmp_path / "ckpt"
@@ -330,9 +332,9 @@ def test_compile_cache_folder_is_the_same_for_every_attempt_of_a_run(tmp_path):
     from kubetitan import plan
     from kubetitan_trainer.compile import compile_cache
 
-    from support.specs import tiny_lpt as lpt
+    from support.specs import tiny_lpt
 
-    obj = lpt({"precision": {"compile": True, "activationCheckpointing": "none", "mixedPrecisionParam": "float32"}})
+    obj = tiny_lpt({"precision": {"compile": True, "activationCheckpointing": "none", "mixedPrecisionParam": "float32"}})
     folders = set()
     for attempt in (0, 1, 7):
         cm, _svc, pod = plan.attempt_children(obj, attempt)

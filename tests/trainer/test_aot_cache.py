@@ -15,6 +15,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+
+import kubetitan_trainer.compile
+from kubetitan_trainer import compat
 from kubetitan_trainer.compile import aot_cache
 
 PROBE = textwrap.dedent('''
@@ -135,3 +140,79 @@ def test_a_functions_key_holds_the_versions_and_its_source() -> None:
     key = aot_cache.function_key(matmul_with_hp_or_float8_args)
     assert key.startswith(f"torch {metadata.version('torch')}, torchao {metadata.version('torchao')}, source ")
     assert "source unknown" not in key
+
+
+KERNEL = '''import torch
+
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * {factor}
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * {factor}
+'''
+
+
+def test_a_changed_kernel_source_makes_a_new_cache_key(tmp_path, monkeypatch) -> None:
+    """The key a Function's stand-in is marked with in torch's ``unsafe_marked_cacheable_functions`` holds a hash of
+    its source: an edited kernel under the same package versions (an editable install) is a new key, so the cache
+    never serves the graph traced from the old one; the same source keeps its key."""
+    import importlib
+
+    marked: dict[str, str] = {}
+    monkeypatch.setattr(compat, "mark_cacheable", marked.update)
+    source = tmp_path / "kt_kernel_probe.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source.write_text(KERNEL.format(factor=2))
+    module = importlib.import_module("kt_kernel_probe")
+    aot_cache._trampoline_named("trampoline_probe", module.Scale)
+    first = marked["kubetitan_trainer.compile.aot_cache.trampoline_probe"]
+    assert aot_cache.function_key(module.Scale) == first and "source unknown" not in first
+    source.write_text(KERNEL.format(factor=2.5))  # the kernel changed (and the file's size: linecache sees it)
+    module = importlib.reload(module)
+    aot_cache._trampoline_named("trampoline_probe", module.Scale)
+    second = marked["kubetitan_trainer.compile.aot_cache.trampoline_probe"]
+    assert second != first and second.split(", source ")[0] == first.split(", source ")[0]  # same versions
+    source.write_text(KERNEL.format(factor=2))
+    assert aot_cache.function_key(importlib.reload(module).Scale) == first
+
+
+class _Compile:
+    enable, components, backend = True, ["model"], "inductor"
+
+
+class _JobConfig:
+    compile = _Compile()
+
+
+def test_the_aot_modules_are_imported_and_torch_marked_only_with_the_runtime_switch(monkeypatch) -> None:
+    """A default compiled run (``[kubetitan.runtime] aot_compile`` off) neither imports ``compile.aot_cache`` and
+    ``compile.aot_precompile`` (made unimportable here: an import would raise) nor marks anything in torch's
+    ``unsafe_marked_cacheable_functions``; with the switch on the TrainSpec's parallelize imports them and marks the
+    recipe's functions. In-process (a second once torchtitan is loaded, as it is in the suite)."""
+    import torch._inductor.config as inductor_config
+
+    from kubetitan_core.contract.trainer_toml import KubetitanRuntime
+    from kubetitan_trainer import runtime, train_spec, trainer
+
+    parallelize = train_spec.wrap_parallelize(lambda model, dims, job_config: model)
+    model = torch.nn.Module()
+    with inductor_config.patch(unsafe_marked_cacheable_functions={}):
+        for name in ("aot_cache", "aot_precompile"):  # importing either now raises ImportError
+            monkeypatch.setitem(sys.modules, f"kubetitan_trainer.compile.{name}", None)
+            monkeypatch.delattr(kubetitan_trainer.compile, name, raising=False)
+        monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime())
+        assert parallelize(model, None, _JobConfig()) is model and trainer.aot_blocks() is None
+        assert inductor_config.unsafe_marked_cacheable_functions == {}
+        monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(aot_compile=True))
+        with pytest.raises(ImportError, match="aot_cache"):
+            parallelize(model, None, _JobConfig())
+        monkeypatch.undo()
+        monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(aot_compile=True))
+        monkeypatch.setattr(compat, "name_autograd_trampolines", lambda namespace, on_new: lambda fn_cls: None)
+        assert parallelize(model, None, _JobConfig()) is model  # no compiled blocks: no artefact, as before
+        assert set(aot_cache.cacheable_names()) <= set(inductor_config.unsafe_marked_cacheable_functions)
+        assert trainer.aot_blocks() is not None

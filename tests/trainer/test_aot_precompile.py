@@ -17,17 +17,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubetitan_trainer import compat
+from kubetitan_core.contract.trainer_toml import KubetitanRuntime
+from kubetitan_trainer import compat, runtime
 from kubetitan_trainer.compile import aot_precompile, compile_cache
 from kubetitan_trainer.recovery import anatomy
+
+@pytest.fixture(autouse=True)
+def _aot_compile_on(monkeypatch):
+    """``[kubetitan.runtime] aot_compile = true`` in this process (a test of the off switch sets it back)."""
+    monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(aot_compile=True))
+
 
 PROBE = textwrap.dedent("""
     import json, os
     import torch
     import torch._inductor.cpu_vec_isa as cpu_vec_isa
-    from kubetitan_trainer import compat
+    from kubetitan_core.contract.trainer_toml import KubetitanRuntime
+    from kubetitan_trainer import compat, runtime
     from kubetitan_trainer.compile import aot_precompile
 
+    runtime.use(KubetitanRuntime(aot_compile=True))  # [kubetitan.runtime] aot_compile = true
     cpu_vec_isa.valid_vec_isa_list = list  # scalar C++ kernels: no per-process gcc probes of the CPU (~9 s each)
 
     torch.set_num_threads(1)
@@ -88,7 +97,7 @@ PROBE = textwrap.dedent("""
 
 def _probe(cache, env=None):
     e = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
-         aot_precompile.ENV: "1", **(env or {})}
+         **(env or {})}
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=e)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -122,7 +131,7 @@ def _compiled_holder(backend: str = "inductor"):
 
 
 def test_a_worker_that_died_using_the_artefact_makes_the_next_one_delete_it(tmp_path, monkeypatch):
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     monkeypatch.setattr(compat, "aot_deserialize", lambda data: None)
     first = aot_precompile.install(_compiled_holder(), rank=1, env=env)
     assert first.artefact is None and not first.capture  # no artefact, and rank 1 does not make one
@@ -151,12 +160,12 @@ def test_a_worker_that_died_using_the_artefact_makes_the_next_one_delete_it(tmp_
 
 
 def test_several_ranks_compile_as_usual(tmp_path):
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "WORLD_SIZE": "2"}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "WORLD_SIZE": "2"}
     assert aot_precompile.install(_compiled_holder(), rank=0, env=env) is None
 
 
 def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compile(tmp_path, monkeypatch):
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     (tmp_path / aot_precompile.SUBDIR).mkdir()
     holder = _compiled_holder()
     inner = compat.compiled_module_parts(holder.layers["0"])[0]
@@ -185,7 +194,7 @@ def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compil
 
 
 def test_blocks_sharded_over_several_ranks_are_not_made_ahead_of_time(tmp_path, monkeypatch):
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     holder = _compiled_holder()
     gathered = []
     for block in holder.layers.values():
@@ -201,9 +210,10 @@ def test_blocks_sharded_over_several_ranks_are_not_made_ahead_of_time(tmp_path, 
     assert "not made (the blocks are sharded" in anatomy.aot_note(summary)
 
 
-@pytest.mark.parametrize("env", [{}, {aot_precompile.ENV: "0"}, {aot_precompile.ENV: "1"}])
-def test_off_by_default_and_nothing_without_a_cache_folder(env):
-    assert aot_precompile.install(_compiled_holder(), rank=0, env=env) is None
+@pytest.mark.parametrize("on", [False, True])
+def test_off_by_default_and_nothing_without_a_cache_folder(on, monkeypatch):
+    monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(aot_compile=on))
+    assert aot_precompile.install(_compiled_holder(), rank=0, env={}) is None
 
 
 CANARY = ("import pickle; from torch._dynamo.source import DefaultsSource, GlobalSource; "
@@ -240,7 +250,7 @@ def test_a_block_with_hooks_is_never_served_nor_made_into_an_artefact_and_keeps_
     """The artefact holds the graph traced without hooks, and Dynamo does not guard on them: a block with a hook on
     it, on a module inside it, or on every module runs its own compile (a pre-hook that doubles the input of the
     block's linear must double it), rank 0 makes no artefact of it, and an artefact already there is not blamed."""
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     holder = torch.nn.Module()
     holder.layers = torch.nn.ModuleDict({str(i): torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)),
                                                                fullgraph=True, backend="eager") for i in range(2)})
@@ -280,7 +290,7 @@ def test_a_block_with_hooks_is_never_served_nor_made_into_an_artefact_and_keeps_
 
 @pytest.mark.parametrize("err", [errno.EROFS, errno.ENOSPC], ids=["read-only", "full"])
 def test_a_cache_folder_that_cannot_be_written_never_stops_the_run(tmp_path, monkeypatch, err):
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     holder, _, path = _with_artefact(tmp_path, env)
 
     def refuse(p, body):
@@ -309,7 +319,7 @@ def test_the_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
 
 def test_a_worker_that_died_making_the_artefact_stops_the_next_ones_from_trying(tmp_path, monkeypatch):
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     made = []
 
     def compile_module(wrapper, args, kwargs, contexts):
@@ -332,7 +342,7 @@ def test_a_worker_that_died_making_the_artefact_stops_the_next_ones_from_trying(
 
 @pytest.mark.parametrize("why", ["load-error", "refused-every-call"])
 def test_an_artefact_that_cannot_serve_is_replaced_by_rank_0(tmp_path, monkeypatch, why):
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     holder, _, path = _with_artefact(tmp_path, env, body=b"stale")
 
     def load(data):
@@ -377,7 +387,7 @@ def _next_process(monkeypatch):
 def test_an_artefact_that_kills_every_worker_running_it_is_made_again_once_then_never(tmp_path, monkeypatch):
     """A deterministic fault in the artefact: each crash deletes it and rank 0 would make the same one again after
     its first step, for a crash every other restart. After MAX_CRASHES deletions in a row nobody makes it."""
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     monkeypatch.setattr(compat, "aot_deserialize", lambda data: "compiled")
     monkeypatch.setattr(compat, "aot_compile_module", lambda *a: "compiled")
     monkeypatch.setattr(compat, "aot_serialize", lambda compiled: b"artefact")
@@ -399,7 +409,7 @@ def test_an_artefact_that_kills_every_worker_running_it_is_made_again_once_then_
 
 def test_an_artefact_that_serves_past_the_second_step_resets_the_count_and_a_clean_end_removes_the_marker(
         tmp_path, monkeypatch):
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     holder, _, path = _with_artefact(tmp_path, env)
     monkeypatch.setattr(compat, "aot_deserialize", lambda data: "compiled")
     monkeypatch.setattr(compat, "aot_run", lambda *a: (True, torch.zeros(1)))
@@ -426,7 +436,7 @@ def test_an_artefact_that_serves_past_the_second_step_resets_the_count_and_a_cle
 
 def test_a_crashed_artefact_in_a_read_only_folder_is_not_run(tmp_path, monkeypatch):
     """It cannot be deleted, nor a marker written: the worker compiles as usual and nothing raises."""
-    env = {aot_precompile.ENV: "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     holder, _, path = _with_artefact(tmp_path, env)
     marker = path.with_name(path.name + ".trying-rank0")
     marker.write_text("999999-0123456789ab")  # a worker died running it

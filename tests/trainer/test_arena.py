@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.staging import StagingOptions
 
+from kubetitan_core.contract.trainer_toml import KubetitanRuntime
+from kubetitan_trainer import runtime
 from kubetitan_trainer.recovery import arena, restore_tier
 from kubetitan_trainer.recovery.staging import ReusableStager
 
@@ -37,7 +39,7 @@ def _inside(t: torch.Tensor, a: arena.Arena) -> bool:
 def test_an_arena_is_reused_across_processes_with_its_bytes_and_re_created_at_another_size(tmp_path):
     state = "{'a': torch.zeros(75, dtype=torch.int32), 'b': [torch.zeros(10, 10)]}"
     child = _child(
-        "import torch\nfrom kubetitan_trainer import arena\n"
+        "import torch\nfrom kubetitan_trainer.recovery import arena\n"
         f"a = arena.open_arena({str(tmp_path)!r}, 3, {state})\nassert a.count == 2\n"
         "s = a.storage(300); s.copy_(torch.arange(300, dtype=torch.int16).to(torch.uint8).untyped_storage())\n"
         "a.storage(400)\nprint((a.folder / '0.bin').stat().st_ino, a.created, a.reused)\n")
@@ -89,7 +91,7 @@ def _resident_kib(folder) -> int:
 def test_the_stager_stages_into_the_arena_and_reuses_its_storages(tmp_path, monkeypatch, write):
     """Both ways of writing the arena give the same staged copy; ``pwrite`` never brings the files' pages into this
     process's page tables (so its death has none to tear down), ``map`` does."""
-    monkeypatch.setenv(arena.ENV_WRITE, write)
+    monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(staging_write=write))
     monkeypatch.setattr(arena, "CHUNK", 4096)  # several chunks, and several writer threads, per storage
     src = _trained(seed=1)
     stager = ReusableStager(CPU_STAGING, arena_folder=str(tmp_path), rank=0)
@@ -123,8 +125,7 @@ def test_the_stager_stages_into_the_arena_and_reuses_its_storages(tmp_path, monk
 def test_a_tier_from_the_arena_loads_the_same_state_as_a_dcp_load(tmp_path, monkeypatch, write, read):
     import torch.distributed.checkpoint as dcp
 
-    monkeypatch.setenv(restore_tier.ENV_READ, read)
-    monkeypatch.setenv(arena.ENV_WRITE, write)
+    monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(restore_tier_read=read, staging_write=write))
 
     src = _trained(seed=1)
     tier, ckpt = tmp_path / "tier", tmp_path / "ckpt"
@@ -267,14 +268,10 @@ def test_pinned_style_async_saves_through_dcp_s_checkpoint_process_keep_the_stag
     stager.close()
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, "pwrite"), ("pwrite", "pwrite"), (" PWRITE", "pwrite"), ("map", "map"),
-                                           ("mmap", "pwrite")])
-def test_write_mode_knob(raw, want, caplog) -> None:
-    env = {} if raw is None else {arena.ENV_WRITE: raw}
-    with caplog.at_level("WARNING", logger="kubetitan.arena"):
-        assert arena.write_mode(env) == want
-    assert ("is not one of pwrite, map; staging with pwrite" in caplog.text) == (raw == "mmap")
-    assert arena.write_threads({arena.ENV_WRITE_THREADS: "3"}) == 3 and arena.write_threads({}) == arena.WRITE_THREADS
+def test_the_arena_writes_as_the_runtime_table_says() -> None:
+    assert (arena.write_mode(), arena.write_threads()) == ("pwrite", arena.WRITE_THREADS)  # the defaults
+    assert (arena.write_mode(KubetitanRuntime(staging_write="map")),
+            arena.write_threads(KubetitanRuntime(staging_write_threads=3))) == ("map", 3)
 
 
 def test_a_failed_write_returns_only_after_every_write_of_the_storage_ended(tmp_path, monkeypatch):
@@ -311,7 +308,7 @@ def test_a_failed_write_returns_only_after_every_write_of_the_storage_ended(tmp_
 
 
 def test_a_replaced_staging_file_is_not_written(tmp_path, monkeypatch):
-    monkeypatch.setenv(arena.ENV_WRITE, "pwrite")
+    monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(staging_write="pwrite"))
     a = arena.open_arena(tmp_path, 0, {"x": torch.zeros(64)})
     dst = a.storage(256)
     (a.folder / "0.bin").unlink()

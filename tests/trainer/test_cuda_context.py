@@ -11,7 +11,6 @@ import pytest
 
 from kubetitan_trainer.recovery import anatomy, cuda_context
 
-ON = cuda_context.ENV
 
 
 class Driver:
@@ -46,7 +45,7 @@ def no_early(monkeypatch):
 def test_the_context_of_the_local_ranks_device_is_retained_on_a_side_thread_and_start_does_not_wait():
     gate = threading.Event()
     driver = Driver(gate=gate)
-    early = cuda_context.start({"LOCAL_RANK": "3", ON: "1"}, driver=lambda: driver)
+    early = cuda_context.start({"LOCAL_RANK": "3"}, driver=lambda: driver, on=True)
     assert early is not None and early.wait(0.05) is None  # start returned while the retain is held
     gate.set()
     result = early.wait(10)
@@ -55,10 +54,11 @@ def test_the_context_of_the_local_ranks_device_is_retained_on_a_side_thread_and_
     assert result["rc"] == 0 and result["device"] == 3 and result["failed_call"] is None and result["seconds"] >= 0
 
 
-@pytest.mark.parametrize("env", [{}, {ON: "0"}, {"LOCAL_RANK": "x", ON: "1"}])
-def test_off_by_default_or_no_device_index_starts_nothing(env):
+@pytest.mark.parametrize(("env", "on"), [({}, None), ({}, False), ({"LOCAL_RANK": "x"}, True)])
+def test_off_by_default_or_no_device_index_starts_nothing(env, on):
+    """Off unless ``[kubetitan.runtime] early_cuda_context`` (None: this process's setting, off by default)."""
     driver = Driver()
-    assert cuda_context.start(env, driver=lambda: driver) is None
+    assert cuda_context.start(env, driver=lambda: driver, on=on) is None
     assert driver.calls == []
 
 
@@ -66,24 +66,24 @@ def test_no_driver_library_starts_nothing():
     def missing():
         raise OSError("libcuda.so.1: cannot open shared object file")
 
-    assert cuda_context.start({ON: "1"}, driver=missing) is None
+    assert cuda_context.start({}, driver=missing, on=True) is None
 
 
 def test_a_driver_error_stops_at_that_call_and_is_warned_about_once(caplog, monkeypatch):
     driver = Driver(rc={"cuDeviceGet": 101})
-    monkeypatch.setattr(cuda_context, "EARLY", cuda_context.start({"LOCAL_RANK": "1", ON: "1"}, driver=lambda: driver))
+    monkeypatch.setattr(cuda_context, "EARLY", cuda_context.start({"LOCAL_RANK": "1"}, driver=lambda: driver, on=True))
     with caplog.at_level(logging.WARNING, logger=cuda_context.log.name):
         first = cuda_context.settled(10)
         cuda_context.settled(10)
     assert [c[0] for c in driver.calls] == ["cuInit", "cuDeviceGet"]
     assert first["rc"] == 101 and first["failed_call"] == "cuDeviceGet"
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1 and "cuDeviceGet" in warned[0] and cuda_context.ENV in warned[0]
+    assert len(warned) == 1 and "cuDeviceGet" in warned[0] and cuda_context.SETTING in warned[0]
 
 
 def test_no_visible_gpu_is_not_warned_about(caplog, monkeypatch):
     driver = Driver(rc={"cuInit": cuda_context.NO_DEVICE})
-    monkeypatch.setattr(cuda_context, "EARLY", cuda_context.start({ON: "1"}, driver=lambda: driver))
+    monkeypatch.setattr(cuda_context, "EARLY", cuda_context.start({}, driver=lambda: driver, on=True))
     with caplog.at_level(logging.WARNING, logger=cuda_context.log.name):
         assert cuda_context.settled(10)["rc"] == cuda_context.NO_DEVICE
     assert not caplog.records
@@ -98,7 +98,7 @@ def test_begin_starts_once_a_process(monkeypatch):
 
 def test_the_start_up_record_carries_the_early_context(monkeypatch):
     driver = Driver()
-    monkeypatch.setattr(cuda_context, "EARLY", cuda_context.start({"LOCAL_RANK": "0", ON: "1"}, driver=lambda: driver))
+    monkeypatch.setattr(cuda_context, "EARLY", cuda_context.start({"LOCAL_RANK": "0"}, driver=lambda: driver, on=True))
     cuda_context.EARLY.wait(10)
     record = anatomy.Recorder({"restarts": 0, "failures": [], "started": 1.0}, now=2.0).first_step_ends(4, 0, t=3.0)
     assert record["cuda_context"]["rc"] == 0 and record["cuda_context"]["device"] == 0

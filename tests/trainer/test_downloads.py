@@ -138,9 +138,9 @@ def test_the_trainer_exits_2_for_a_missing_repo_and_6_when_the_hub_stays_down(tm
     (exit 2, asked once), a hub that keeps answering 503 is exit 6 after its retries (3 tries)."""
     from kmockx.harness import free_port
 
-    from support.specs import tiny_lpt as lpt, write_config
+    from support.specs import tiny_lpt, write_config
 
-    obj = lpt({"tokenizer": {"source": "huggingface", "repo": REPO}, "parallelism": {"dataParallelShardDegree": 1},
+    obj = tiny_lpt({"tokenizer": {"source": "huggingface", "repo": REPO}, "parallelism": {"dataParallelShardDegree": 1},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1}})
     cfg = write_config(tmp_path / "t.toml", obj, tmp_path / "dump")
     with FakeHub(REPO, {}) as hub:

@@ -27,11 +27,11 @@ from kmockx.harness import free_port
 
 from support import warm
 from support.paths import REPO
-from support.specs import tiny_lpt as lpt, write_config
+from support.specs import tiny_lpt, write_config
 
 
 def _observe(tmp_path: Path, all_gather: bool) -> dict:
-    obj = lpt({"training": {"steps": 1, "seqLen": 16, "localBatchSize": 1},
+    obj = tiny_lpt({"training": {"steps": 1, "seqLen": 16, "localBatchSize": 1},
                "precision": {"compile": False, "activationCheckpointing": "none", "mixedPrecisionParam": "bfloat16",
                              "float8": {"enabled": True, "recipe": "tensorwise", "emulate": True,
                                         "fsdpFloat8AllGather": all_gather}},

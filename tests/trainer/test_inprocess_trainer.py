@@ -16,14 +16,14 @@ import tomllib
 
 from kubetitan_trainer.recovery import inprocess
 from support.trainer import launch, ledger_config
-from tests.trainer.helpers import lpt
+from support.specs import tiny_lpt
 
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(900)]
 STEPS, BATCH = 6, 2
 
 
 def run(tmp: Path, fault: str = "") -> str:
-    obj = lpt({"training": {"steps": STEPS, "seqLen": 32, "localBatchSize": 1, "globalBatchSize": BATCH},
+    obj = tiny_lpt({"training": {"steps": STEPS, "seqLen": 32, "localBatchSize": 1, "globalBatchSize": BATCH},
                "parallelism": {"dataParallelShardDegree": 2},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2},
                "data": {"source": "synthetic"}, "checkpoint": {"intervalSteps": 2}})

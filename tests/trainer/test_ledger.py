@@ -22,7 +22,7 @@ import tomli_w
 
 from kubetitan_core import render
 from support.trainer import launch, ledger_config
-from tests.trainer.helpers import lpt
+from support.specs import tiny_lpt
 
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(1200)]
 
@@ -50,7 +50,7 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
 
 
 def run(tmp: Path, dump: Path, dp: int, steps: int, data: dict[str, Any]) -> None:
-    obj = lpt({"training": {"steps": steps, "seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
+    obj = tiny_lpt({"training": {"steps": steps, "seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
                             "warmupSteps": 1},
                "parallelism": {"dataParallelShardDegree": dp},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": dp},
@@ -79,7 +79,7 @@ def stream_oracle(job_data: dict[str, Any], n: int) -> list[tuple[int, int, int,
 
     from kubetitan_trainer.data import loaders as data
 
-    obj = lpt({"training": {"seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH}, "data": job_data,
+    obj = tiny_lpt({"training": {"seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH}, "data": job_data,
                "parallelism": {"dataParallelShardDegree": 1}, "resources": {"nodes": 1, "gpusPerNode": 0,
                                                                              "processesPerNode": 1}})
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"oracle-{os.getpid()}.toml"
@@ -135,6 +135,21 @@ def test_resume_at_dp_2_1_3_trains_the_uninterrupted_global_stream(case, corpus,
         # the held-out set was evaluated at step 1 and every 3 steps, in each leg that reached such a step (all three)
         evals = [json.loads(line) for line in (chain / "kubetitan" / "evals.jsonl").read_text().splitlines()]
         assert [e["step"] for e in evals] == [1, 3, 6] and all(0 < e["eval_loss"] < 20 for e in evals)
+        # per-source losses (summed over the ranks of each leg), tokens and epochs, and per-source eval losses
+        steps = [json.loads(line) for line in (chain / "kubetitan" / "steps.jsonl").read_text().splitlines()]
+        for rec in steps:
+            src = rec["sources"]
+            trained = collections.Counter(r[2] for r in got if r[0] <= rec["step"])
+            this_step = collections.Counter(r[2] for r in got if r[0] == rec["step"])
+            for i, name in enumerate(("code-a", "code-b")):
+                assert src[name]["tokens"] == trained[i] * (SEQ_LEN + 1), (rec["step"], src)
+                assert src[name]["loss_tokens"] == this_step[i] * SEQ_LEN and 0 < src[name]["loss"] < 20, src
+                assert 0 < src[name]["epochs"] < 1
+            # the step's loss is the token-weighted mean of the sources' losses
+            mean = sum(v["loss"] * v["loss_tokens"] for v in src.values()) / (GLOBAL_BATCH * SEQ_LEN)
+            assert abs(mean - rec["loss"]) < 1e-4 * rec["loss"], (mean, rec["loss"])
+        assert all(set(e["sources"]) == {"code-a", "code-b"} and all(0 < v["eval_loss"] < 20 for v in
+                                                                     e["sources"].values()) for e in evals)
     else:
         assert len({(r[3], r[4]) for r in got}) == n  # one source: n distinct windows
         assert [r[3] for r in got] != sorted(r[3] for r in got)  # shuffled, not corpus order
@@ -212,7 +227,7 @@ def test_new_mixture_weights_at_a_resume_hold_from_the_next_step_within_half_a_s
 
     dump = tmp_path / "reweighted"
     run(tmp_path, dump, 2, 4, mixture(7, 3))
-    obj = lpt({"training": {"steps": 8, "seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
+    obj = tiny_lpt({"training": {"steps": 8, "seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH,
                             "warmupSteps": 1},
                "parallelism": {"dataParallelShardDegree": 2},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 2},

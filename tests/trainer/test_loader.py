@@ -16,6 +16,7 @@ from kubetitan_trainer.data import loaders as data
 from kubetitan_trainer.data.loaders import (EvalLoader, GlobalDataLoader, GlobalStream, MixSchedule, WindowSource,
                                     epoch_permutation, integer_weights, rank_slice)
 from kubetitan_trainer.errors import ConfigError
+from kubetitan_core.weights import WeightSchedule
 
 
 class ArangeShards:
@@ -169,9 +170,19 @@ RESUMES = [  # a chain of (W, b, A) legs with the same global batch B = 12, each
 ]
 
 
+def _scheduled_factory(shuffled=True):
+    """a: 2 until step 2, then linearly down to 0.5 at step 6; b: 1, then 3 from step 5 (global batch 12)."""
+    schedules = [WeightSchedule(2.0, "linear", ((2, 2.0), (6, 0.5))), WeightSchedule(1.0, "step", ((5, 3.0),))]
+    return lambda: GlobalStream([source("a", 37), source("b", 23)], [2.0, 1.0], seed=11, shuffled=shuffled,
+                                mix=data.ScheduledMix(schedules, 12))
+
+
 @pytest.mark.parametrize("legs", RESUMES, ids=["->".join(f"W{w}b{b}A{a}" for w, b, a in legs) for legs in RESUMES])
-def test_a_resume_at_another_world_size_continues_the_same_stream(legs):
-    f = _factory()
+@pytest.mark.parametrize("mix", ["constant", "scheduled"])
+def test_a_resume_at_another_world_size_continues_the_same_stream(legs, mix):
+    """DP 2 -> 1 -> 3 (and other chains) with the same global batch continue one global stream, with constant
+    weights and with a weight schedule (whose shares change at steps 3-6 and 5, inside the legs)."""
+    f = _factory() if mix == "constant" else _scheduled_factory()
     B = 12
     total = 3 * len(legs)
     want = [f().tokens(x)[0] for x in f().take(total * B)]
@@ -233,6 +244,73 @@ def test_new_mixture_weights_hold_from_the_resume_on_within_half_a_sample(old, n
     again = GlobalStream([source(n, 50) for n in names], new, seed=3, shuffled=True)
     again.restore(after.state())
     assert again.schedule.base_g == 400 and again.take(50) == after.take(50)
+
+
+SCHEDULES = {  # name -> (schedules, samples per step, steps)
+    "anneal-in-last-25pct": ([WeightSchedule(1.0), WeightSchedule(0.0, "linear", ((30, 0.0), (40, 1.0)))], 8, 40),
+    "step-70/30-to-50/50": ([WeightSchedule(7.0, "step", ((10, 5.0),)), WeightSchedule(3.0, "step", ((10, 5.0),))], 6, 20),
+    "three-linear": ([WeightSchedule(5.0, "linear", ((20, 1.0),)), WeightSchedule(3.0), WeightSchedule(0.5, "linear",
+                                                                                                   ((10, 4.0),))], 7, 25),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_a_weight_schedule_gives_each_step_its_weights_with_no_catching_up(name):
+    """Every prefix of the stream holds each source's cumulative scheduled share within half a sample (two sources)
+    or one (three); each step's samples follow that step's weights (a source at weight 0 gets none); a change of
+    weights is not followed by a burst of the source the old weights starved."""
+    schedules, B, steps = SCHEDULES[name]
+    mix = data.ScheduledMix(schedules, B)
+    picks = [mix.next() for _ in range(B * steps)]
+    bound = 0.5 if len(schedules) == 2 else 1.0
+    expected = [0.0] * len(schedules)
+    counts = [0] * len(schedules)
+    for g, i in enumerate(picks):
+        ws = [float(sch.at(g // B + 1)) for sch in schedules]
+        expected = [e + w / sum(ws) for e, w in zip(expected, ws)]
+        counts[i] += 1
+        assert all(abs(c - e) <= bound + 1e-9 for c, e in zip(counts, expected)), (g, counts, expected)
+    for step in range(1, steps + 1):
+        got = [picks[(step - 1) * B:step * B].count(i) for i in range(len(schedules))]
+        ws = [float(sch.at(step)) for sch in schedules]
+        assert all(abs(c - B * w / sum(ws)) < 2 for c, w in zip(got, ws)), (step, got, ws)
+        assert all(c == 0 for c, w in zip(got, ws) if w == 0)
+    if name == "step-70/30-to-50/50":  # from step 10 on: 3 and 3 every step, no catching up on the old 70/30
+        assert all(picks[(s - 1) * B:s * B].count(1) == 3 for s in range(10, steps + 1))
+
+
+def test_a_changed_schedule_at_a_resume_applies_from_there_and_is_logged(caplog):
+    """The checkpoint keeps the schedule; a resume with another one (or from constant weights to a schedule) re-bases
+    there, says so, and the new schedule's shares hold from the resume on."""
+    f = _factory()
+    ld = GlobalDataLoader(f(), dp_rank=0, dp_world_size=1, local_batch=12)
+    it = iter(ld)
+    for _ in range(3):
+        next(it)
+    state = ld.state_dict()
+    after = _scheduled_factory()()
+    with caplog.at_level("WARNING"):
+        GlobalDataLoader(after, dp_rank=0, dp_world_size=1, local_batch=12).load_state_dict(state)
+    assert "The mixture's weights changed at global sample 36: a 66.7%, b 33.3% before, scheduled (a linear: 2 at " \
+           "step 0, 2 at step 2, 0.5 at step 6; b step: 1 at step 0, 3 at step 5) from here on" in caplog.text
+    assert after.schedule.base_g == 36
+    again = _scheduled_factory()()
+    again.restore(after.state())  # the same schedule: no re-base, the same continuation
+    assert again.schedule.base_g == 36 and again.take(40) == after.take(40)
+
+
+def test_the_weights_are_logged_where_the_schedule_changes_them(caplog):
+    ld = GlobalDataLoader(_scheduled_factory()(), dp_rank=0, dp_world_size=2, local_batch=3)
+    it = iter(ld)
+    with caplog.at_level("INFO"):
+        for _ in range(2 * 7):  # 7 steps of 2 micro-batches
+            next(it)
+    lines = [r.getMessage() for r in caplog.records if "The mixture's weights at step" in r.getMessage()]
+    assert lines == [
+        "The mixture's weights at step 1: a 66.7%, b 33.3%; the next schedule point is at step 2",
+        "The mixture's weights at step 2: a 66.7%, b 33.3%; the next schedule point is at step 5",
+        "The mixture's weights at step 5: a 22.6%, b 77.4%; the next schedule point is at step 6",
+        "The mixture's weights at step 6: a 14.3%, b 85.7%; no schedule point after it"], lines
 
 
 def test_a_checkpoint_from_before_the_weights_were_saved_resumes_as_before():
@@ -346,7 +424,8 @@ def _hub_loader(tmp_path, W, r, b=2):
     stream = GlobalStream([source("a", 40), hub], [3.0, 1.0], seed=5, shuffled=True)
     counted: list[dict] = []
     counters = data._Counters(stream)
-    counters.exporter = SimpleNamespace(data_tokens=counted.append)
+    counters.exporter = SimpleNamespace(data_tokens=counted.append, data_weights=lambda shares: None,
+                                         data_epochs=lambda epochs: None)
     return GlobalDataLoader(stream, dp_rank=r, dp_world_size=W, local_batch=b, on_batch=counters), counted
 
 

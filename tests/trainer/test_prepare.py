@@ -115,7 +115,7 @@ def test_a_rerun_skips_finished_units_and_redoes_only_what_is_missing(corpus: Pa
 
 
 def test_help_does_not_import_torch() -> None:
-    code = ("import sys\nfrom kubetitan_trainer import prepare\ntry:\n    prepare.main(['--help'])\n"
+    code = ("import sys\nfrom kubetitan_trainer.data import prepare\ntry:\n    prepare.main(['--help'])\n"
             "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch was imported'\n"
             "assert 'torchtitan' not in sys.modules, 'torchtitan was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -266,7 +266,7 @@ def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards
     another tokenizer.json than the run's are refused before the first step."""
     import shutil
 
-    from tests.trainer.helpers import lpt, write_config
+    from support.specs import tiny_lpt, write_config
 
     d = tmp_path / "s"
     shutil.copytree(good_shards, d)
@@ -289,7 +289,7 @@ def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards
         index["tokenizer"] = {"name": "/data/tokenizers/other", "sha256": "12" * 32, "vocab_size": 644}
         (d / INDEX_FILE).write_text(json.dumps(index))
         want = "the shards' is /data/tokenizers/other (tokenizer.json sha256 1212121212121212…"
-    obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": vocab}},
+    obj = tiny_lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": vocab}},
                "data": {"source": "shards", "order": "sequential", "shards": {"path": str(d)}},
                "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1},
                "parallelism": {"dataParallelShardDegree": 1}})
@@ -314,11 +314,11 @@ def test_the_trainer_stops_on_bad_shards_with_exit_2_before_training(good_shards
     assert "step:" not in out, out[-3000:]  # no step trained
 
 
-def _long_text() -> str:
-    """~340 KiB of lines that stress the pre-tokenizers: indentation, tabs, blank lines, punctuation before newlines,
+def _long_text(n: int = 5000) -> str:
+    """~140 KiB of lines that stress the pre-tokenizers: indentation, tabs, blank lines, punctuation before newlines,
     digit runs, contractions, CRLF, non-ASCII."""
     parts = []
-    for i in range(12000):
+    for i in range(n):
         parts.append([f"def f{i}(x):\n    return x * {i * 7919}\n", f"\tTab line {i}; it's done.\n\n",
                       f"Ünïcode {i}… «quoted» — dash\r\n", f"{i}{i}{i} digits,\n.\n", f"  \n   spaces then text {i}\n",
                       f"'{i}' starts with a quote\n"][i % 6])
@@ -327,8 +327,9 @@ def _long_text() -> str:
 
 @pytest.mark.parametrize("pre", ["gpt2-bytelevel", "llama3-split"])
 def test_long_documents_in_pieces_give_the_same_ids(pre: str, tmp_path: Path) -> None:
-    """Memory: a document over LONG_CHARS is tokenized in pieces cut after a newline before a non-space character;
-    for the two pre-tokenizers piece_safe accepts, that is exactly the whole document's ids."""
+    """Memory: a long document is tokenized in pieces cut after a newline before a non-space character, or before a
+    single space between two non-space characters; for the two pre-tokenizers piece_safe accepts, that is exactly the
+    whole document's ids, with newlines and on one line (no newline at all: cut at spaces only)."""
     from tokenizers import Tokenizer
 
     spec = json.loads(TOKENIZER.read_text())
@@ -340,11 +341,25 @@ def test_long_documents_in_pieces_give_the_same_ids(pre: str, tmp_path: Path) ->
     f = tmp_path / "tokenizer.json"
     f.write_text(json.dumps(spec))
     prepare._init_worker(str(f), None)
-    text = _long_text()
-    pieces = prepare.text_pieces(text)
-    assert len(text) > prepare.LONG_CHARS and len(pieces) > 4 and "".join(pieces) == text
-    whole = Tokenizer.from_file(str(f)).encode(text, add_special_tokens=False).ids
-    assert prepare.encode_texts(["short one", text])[1] == whole
+    whole = Tokenizer.from_file(str(f))
+    lines = _long_text()
+    for text in (lines, lines.replace("\n", " ")):
+        stats: dict[str, int] = {}
+        pieces = list(prepare.text_pieces(text, prepare.PIECE_CHARS, stats))
+        assert len(pieces) > 1 and "".join(pieces) == text and not stats
+        assert [i for ids in prepare.encode_pieces(text) for i in ids] == whole.encode(text, add_special_tokens=False).ids
+
+
+def test_text_without_whitespace_is_cut_at_the_piece_size() -> None:
+    """No whitespace to cut at within a piece's size: a hard cut at exactly ``size`` characters, counted; pieces never
+    exceed twice the size, and they join to the text."""
+    text = "x" * 1000 + " y" + "z" * 2500 + "\nend"
+    stats: dict[str, int] = {}
+    pieces = list(prepare.text_pieces(text, 400, stats))
+    assert "".join(pieces) == text
+    # a hard cut at 400; before " y" (found within 800..1200); hard cuts at 1400 ... 3000; after the newline
+    assert [len(p) for p in pieces] == [400, 600, 400, 400, 400, 400, 400, 503, 3]
+    assert pieces[2].startswith(" y") and pieces[-1] == "end" and stats == {"hard_cuts": 6}
 
 
 def test_tokenizers_that_may_not_be_cut_are_tokenized_whole() -> None:
@@ -356,3 +371,94 @@ def test_tokenizers_that_may_not_be_cut_are_tokenized_whole() -> None:
         {"type": "Split", "pattern": {"Regex": r"\S+|\s+"}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}
     assert not prepare.piece_safe({**spec, "pre_tokenizer": other})
+
+
+# ---------------------------------------------------------------------------------------------- long documents
+PEAK_RSS = r"""
+import resource, subprocess, sys
+r = subprocess.run([sys.executable, "-m", "kubetitan_trainer.data.prepare", *sys.argv[1:]], capture_output=True, text=True)
+sys.stderr.write(r.stderr)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)  # KiB: the largest of prepare-data and its workers
+sys.exit(r.returncode)
+"""
+
+
+def test_a_10_mb_single_line_document_is_prepared_under_1_gib(tmp_path: Path) -> None:
+    """One 10 MB document without a newline (a .txt line) in well under 1 GiB: it is tokenized and written piece by
+    piece, and stays one document (BOS ... EOS): 270 MB here, where tokenizing it whole took 1.3 GB. A word-level
+    tokenizer keeps this test to about 3 CPU-seconds (the builtin byte-level BPE tokenizes about 2 MB a CPU-second:
+    bench/data_bench.py measures that one, 10 MB in 100 MB); it is not piece-safe, so this is the coarse (1 MiB) cut."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "a , b . c ; 1 2 x y z ada fox by it".split()  # 2.4 characters a token: 4.2 M tokens
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<s>", "</s>", "<unk>", *words, "short", "first",
+                                                                   "document"])}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    sentence = " ".join(words)
+    repeats = 10_000_000 // (len(sentence) + 1)
+    line = " ".join([sentence] * repeats)  # 10.0 MB, no newline
+    (tmp_path / "one.txt").write_text("a short first document\n" + line + "\n")
+    r = subprocess.run([sys.executable, "-c", PEAK_RSS, str(tmp_path / "one.txt"), "-o", str(tmp_path / "out"),
+                        "--tokenizer", str(tmp_path / "tok"), "--workers", "1", "--no-progress"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    peak_mib = int(r.stdout.split()[-1]) / 1024
+    assert peak_mib < 1024, f"peak RSS {peak_mib:.0f} MiB"
+    index = json.loads((tmp_path / "out" / INDEX_FILE).read_text())
+    assert index["documents"] == 2 and index["long_documents"] == 1 and index["hard_cuts"] == 0
+    ss = ShardSet.open(tmp_path / "out", verify="checksum")
+    offsets = ss.document_offsets(0)
+    n = len(words) * repeats
+    assert offsets.tolist() == [0, 6, 6 + n + 2]  # <s> a short first document </s>, then <s> the line </s>
+    ids = ss.read(6, n + 2)
+    assert ids[0] == 0 and ids[-1] == 1  # BOS and EOS once: one document
+    assert (ids[1:-1].reshape(repeats, len(words)) == [tok.token_to_id(w) for w in words]).all()  # every id, in order
+
+
+def test_units_are_whole_lines_and_balanced_by_bytes(tmp_path: Path) -> None:
+    """A unit ends at a line start, so a long line makes its unit as big as the work in it; the Indexed Job's parts
+    split the units by bytes, and the workers get the largest units first."""
+    f = tmp_path / "in.txt"
+    short = "a short line of text\n"
+    f.write_text(short * 50 + "x" * 5000 + "\n" + short * 400)
+    plan = prepare.make_plan([f], 1000, {"text_field": "text"})
+    sizes = prepare.unit_sizes(plan)
+    assert sum(sizes) == f.stat().st_size
+    data = f.read_bytes()
+    assert all(data[p[1] - 1:p[1]] == b"\n" for u in plan["units"] for p in u if p[1] > 0)  # ranges start at lines
+    assert max(sizes) > 5000 and sorted(sizes)[-2] <= 1000 + len(short)  # the long line's unit alone is big
+    big = sizes.index(max(sizes))
+    parts = [prepare.part_units(sizes, 2, p) for p in range(2)]
+    assert list(parts[0]) + list(parts[1]) == list(range(len(sizes)))
+    shares = [sum(sizes[u] for u in p) for p in parts]
+    assert abs(shares[0] - shares[1]) <= max(sizes), shares  # by count it would be 2 units against 9: 6.3 kB to 4.5 kB
+    jobs = [prepare.UnitJob(u, unit, [str(f)], "", "", "text", "uint16", 0, 1, 10, 10)
+            for u, unit in enumerate(plan["units"])]
+    order = [j.unit for j in prepare.dispatch_order(jobs)]
+    assert order[0] == big and sorted(order) == list(range(len(sizes)))
+
+
+def test_filters_skip_documents_and_count_them_in_the_index(tmp_path: Path) -> None:
+    """--min-chars, --max-chars and --drop-binary (control characters, or a line that is not UTF-8) skip documents;
+    index.json counts each reason, empty lines included, and records the filters."""
+    f = tmp_path / "in.txt"
+    f.write_bytes(b"tiny\n" + b"a normal line of text here\n" * 3 + b"\n" + b"x" * 300 + b"\n"
+                  + b"\x00\x01\x02\x03 binary junk \x04\x05\x06\n" + b"caf\xe9 au lait\n")
+    r = run(str(f), "-o", str(tmp_path / "out"), "--min-chars", "10", "--max-chars", "200", "--drop-binary",
+            "--workers", "1")
+    assert r.returncode == 0, r.stderr
+    index = json.loads((tmp_path / "out" / INDEX_FILE).read_text())
+    assert index["documents"] == 3
+    assert index["skipped"] == {"empty": 1, "short": 1, "long": 1, "binary": 2}
+    assert index["filters"] == {"min_chars": 10, "max_chars": 200, "drop_binary": True}
+    # the dataset card: the source's sha256, the filters and what they left out, the counts, the tokenizer
+    import hashlib
+
+    card = (tmp_path / "out" / prepare.CARD_FILE).read_text()
+    assert f"| `{f}` | {f.stat().st_size:,} | `{hashlib.sha256(f.read_bytes()).hexdigest()}` |" in card
+    assert "| 10 | 200 | yes | 1 | 1 | 1 | 2 |" in card
+    assert f"| {index['total_tokens']:,} | 3 | 1 | uint16 |" in card and index["tokenizer"]["sha256"] in card
+    assert prepare.looks_binary("text\ufffd" * 3) and not prepare.looks_binary("page one\fpage two\ttab\r\n")

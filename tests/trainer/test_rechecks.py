@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kubetitan_core.validation import RULES, Rule
-from support.specs import tiny_lpt as lpt, write_config
+from support.specs import tiny_lpt, write_config
 
 FLAGGED = [r.id for r in RULES if r.trainer]
 
@@ -29,6 +29,10 @@ CASES: dict[str, tuple[dict[str, dict[str, Any]], int, bool]] = {
     "tokenizer.path-required": ({"kubetitan": {"tokenizer": {"source": "path", "path": "{tmp}/no-tokenizer"}}}, 2, False),
     "data.s3-uri": ({"kubetitan": {"data": {"source": "mixture", "mixture_paths": ["s3://ok-bucket/a", "s3://b//x"],
                                             "mixture_weights": [1, 1]}}}, 2, False),
+    "data.mixture-schedule": ({"kubetitan": {"data": {
+        "source": "mixture", "mixture_paths": ["/data/a", "/data/b"], "mixture_weights": [1, 1],
+        "mixture_schedule_interpolations": ["", "step"], "mixture_schedule_sources": [1, 1],
+        "mixture_schedule_steps": [5, 3], "mixture_schedule_weights": [2, 3]}}}, 2, False),  # steps out of order
     "checkpoint.s3-uri": ({"kubetitan": {"checkpoint_storage": {"s3_uri": "s3://Bad_Bucket/x"}}}, 2, False),
 }
 
@@ -36,7 +40,7 @@ CASES: dict[str, tuple[dict[str, dict[str, Any]], int, bool]] = {
 def _config(tmp_path: Path, patch: dict[str, dict[str, Any]]):
     from kubetitan_trainer.main import load_config
 
-    obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": 2048}}})
+    obj = tiny_lpt({"model": {"flavor": "custom", "custom": {"dim": 64, "nLayers": 2, "nHeads": 4, "vocabSize": 2048}}})
     path = write_config(tmp_path / "trainer.toml", obj, tmp_path)
     import tomllib
 

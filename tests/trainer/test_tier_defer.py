@@ -1,4 +1,4 @@
-"""The optimizer's part of a restore-tier load, deferred to a background thread (restore_tier.ENV_DEFER, issue 29
+"""The optimizer's part of a restore-tier load, deferred to a background thread (``defer_optimizer_load``, issue 29
 item 2): the load returns before the optimizer's moments are copied, the optimizer's next step waits for them, the
 result is the state a load at once gives, and an optimizer that does not keep the tensors it was given, or a copy
 that fails, is handled as a load at once / a failed load."""
@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kubetitan_core.contract.trainer_toml import KubetitanRuntime
+from kubetitan_trainer import runtime
 from kubetitan_trainer.recovery import restore_tier
 from kubetitan_trainer.trainer import KubetitanTrainer as Trainer
 
@@ -133,18 +135,14 @@ def test_a_failed_deferred_copy_fails_the_step_and_deletes_the_tier(tmp_path, mo
     assert not (tmp_path / "rank-0.json").exists()
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, ("optimizer",)), ("1", ("optimizer",)), ("0", ()), (" 0 ", ()),
-                                           ("yes", ("optimizer",))])
-def test_defer_knob(raw, want, caplog) -> None:
-    with caplog.at_level("WARNING", logger="kubetitan.restore_tier"):
-        assert restore_tier.defer_keys({} if raw is None else {restore_tier.ENV_DEFER: raw}) == want
-    assert ("is not one of 1, 0; deferring the optimizer's part" in caplog.text) == (raw == "yes")
-
-
-@pytest.mark.parametrize(("raw", "want"), [(None, restore_tier.DEFAULT_DEFER_THREADS), ("2", 2), ("0", 1),
-                                           ("many", restore_tier.DEFAULT_DEFER_THREADS)])
-def test_defer_threads_knob(raw, want) -> None:
-    assert restore_tier.defer_threads({} if raw is None else {restore_tier.ENV_DEFER_THREADS: raw}) == want
+def test_the_deferral_settings_come_from_the_runtime_table(monkeypatch) -> None:
+    assert restore_tier.defer_keys() == ("optimizer",) and restore_tier.defer_threads() == 4  # the defaults
+    assert restore_tier.defer_switch_interval() is None
+    s = KubetitanRuntime(defer_optimizer_load=False, defer_threads=2, defer_switch_interval_ms=1)
+    assert (restore_tier.defer_keys(s), restore_tier.defer_threads(s), restore_tier.defer_switch_interval(s)) == \
+        ((), 2, 0.001)
+    monkeypatch.setattr(runtime, "CURRENT", s)  # this process's settings (runtime.load at the worker's start)
+    assert (restore_tier.defer_keys(), restore_tier.defer_threads()) == ((), 2)
 
 
 def test_the_deferred_part_runs_on_its_own_threads_and_larger_chunks(tmp_path, monkeypatch, small_tensors_defer):
@@ -157,7 +155,7 @@ def test_the_deferred_part_runs_on_its_own_threads_and_larger_chunks(tmp_path, m
         chunks.append(self.chunk)
 
     monkeypatch.setattr(restore_tier._ParallelLoad, "__init__", init)
-    monkeypatch.setenv(restore_tier.ENV_DEFER_THREADS, "3")
+    monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(defer_threads=3))
     got = _trained(seed=3)
     prepared = restore_tier.prepare(got[2], tmp_path, rank=0)
     prepared.threads = 7
@@ -215,12 +213,6 @@ def test_a_failed_copy_settled_by_the_next_load_deletes_the_tier_but_fails_no_st
     Trainer._settle_tier_pending(host)  # nothing pending: a no-op
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, None), ("", None), ("1", 0.001), ("0", 0.001), ("soon", 0.005)])
-def test_defer_switch_knob(raw, want) -> None:
-    env = {} if raw is None else {restore_tier.ENV_DEFER_SWITCH_MS: raw}
-    assert restore_tier.defer_switch_interval(env) == want
-
-
 def test_the_switch_interval_is_short_while_the_deferred_copy_runs_and_put_back_after(tmp_path, monkeypatch,
                                                                                       small_tensors_defer):
     import sys
@@ -228,7 +220,7 @@ def test_the_switch_interval_is_short_while_the_deferred_copy_runs_and_put_back_
     _tier(tmp_path)
     got = _trained(seed=3)
     gate = _gate(monkeypatch)
-    monkeypatch.setenv(restore_tier.ENV_DEFER_SWITCH_MS, "1")
+    monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(defer_switch_interval_ms=1))
     before = sys.getswitchinterval()
     try:
         prepared = restore_tier.prepare(got[2], tmp_path, rank=0)

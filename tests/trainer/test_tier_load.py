@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from kubetitan_core.contract.trainer_toml import KubetitanRuntime
 from kubetitan_trainer.recovery import restore_tier
 
 
@@ -63,15 +64,12 @@ def test_a_failing_thread_fails_the_load(monkeypatch) -> None:
                                                                torch.ones(16, dtype=torch.uint8))])
 
 
-@pytest.mark.parametrize(("raw", "intra_op", "want"), [
-    (None, 1, 4), (None, 16, 1), ("8", 16, 8), ("0", 1, 1), ("many", 1, 4), ("many", 16, 1)])
-def test_load_threads_knob_when_mapped(raw, intra_op, want, caplog) -> None:
-    """``map`` mode, unset: one thread when torch's own copies are parallel (measured fastest on the H200), four
-    when torchrun gave each worker one intra-op thread; the variable wins; a bad value warns and keeps the default."""
-    env = {restore_tier.ENV_READ: "map"} | ({} if raw is None else {restore_tier.ENV_LOAD_THREADS: raw})
-    with caplog.at_level(logging.WARNING, logger="kubetitan.restore_tier"):
-        assert restore_tier.load_threads(env, intra_op_threads=intra_op) == want
-    assert ("is not a whole number" in caplog.text) == (raw == "many")
+@pytest.mark.parametrize(("threads", "intra_op", "want"), [(0, 1, 4), (0, 16, 1), (8, 16, 8), (1, 1, 1)])
+def test_load_threads_when_mapped(threads, intra_op, want) -> None:
+    """``map`` mode, 0 (automatic): one thread when torch's own copies are parallel (measured fastest on the H200),
+    four when torchrun gave each worker one intra-op thread; a number in the runtime table wins."""
+    s = KubetitanRuntime(restore_tier_read="map", restore_tier_load_threads=threads)
+    assert restore_tier.load_threads(intra_op_threads=intra_op, s=s) == want
 
 
 @pytest.mark.parametrize(("cpus", "workers", "want"), [(16, 1, 16), (64, 1, 16), (16, 8, 2), (192, 8, 16),
@@ -85,7 +83,7 @@ def test_pread_threads_read_local_world_size(monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert restore_tier.load_threads() == 8  # the default mode is pread: 32 CPUs over 4 workers
     assert restore_tier.load_threads({"LOCAL_WORLD_SIZE": "2"}) == 16  # a given environment is read, not the process's
-    assert restore_tier.load_threads({restore_tier.ENV_LOAD_THREADS: "3"}) == 3
+    assert restore_tier.load_threads(s=KubetitanRuntime(restore_tier_load_threads=3)) == 3
 
 
 @pytest.mark.parametrize(("affinity", "cpu_max", "want"), [
@@ -148,13 +146,9 @@ def test_a_short_file_fails_the_pread_load(tmp_path) -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize(("raw", "want"), [(None, "pread"), ("pread", "pread"), (" PREAD ", "pread"), ("map", "map"),
-                                           (" MAP", "map"), ("mmap", "pread")])
-def test_read_mode_knob(raw, want, caplog) -> None:
-    env = {} if raw is None else {restore_tier.ENV_READ: raw}
-    with caplog.at_level(logging.WARNING, logger="kubetitan.restore_tier"):
-        assert restore_tier.read_mode(env) == want
-    assert ("is not one of pread, map; reading the tier with pread" in caplog.text) == (raw == "mmap")
+def test_read_mode_comes_from_the_runtime_table() -> None:
+    assert restore_tier.read_mode() == "pread"  # the default
+    assert restore_tier.read_mode(KubetitanRuntime(restore_tier_read="map")) == "map"
 
 
 @pytest.mark.parametrize(("threads", "want_mib"), [(1, 64), (2, 64), (3, 32), (4, 32), (5, 16), (8, 16), (12, 8),

@@ -24,7 +24,7 @@ from kmockx.harness import free_port  # the tests' one port allocator (no bind-0
 from kubetitan_trainer.local import scrape
 
 from support import warm
-from support.specs import tiny_lpt as lpt, write_config
+from support.specs import tiny_lpt, write_config
 from support.trainer import step_records as records
 from support.windows import slack
 
@@ -78,7 +78,7 @@ def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
     port = free_port()
     a_dump = tmp_path / "a"
     # A saves asynchronously (the API's default), B synchronously: the losses must not tell them apart.
-    a_cfg = write_config(tmp_path / "a.toml", lpt({"training": {"steps": steps},
+    a_cfg = write_config(tmp_path / "a.toml", tiny_lpt({"training": {"steps": steps},
                                                    "checkpoint": {"asyncMode": "async", "intervalSteps": every}}),
                          a_dump, {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
     proc = launch(a_cfg)
@@ -118,7 +118,7 @@ def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
     # --- B: same config, SIGTERM once step >= 2 -> full checkpoint at that step, exit 75
     port = free_port()
     b_dump = tmp_path / "b"
-    b_obj = lpt({"training": {"steps": steps}, "checkpoint": {"intervalSteps": 2 * steps}})  # no periodic save
+    b_obj = tiny_lpt({"training": {"steps": steps}, "checkpoint": {"intervalSteps": 2 * steps}})  # no periodic save
     b_cfg = write_config(tmp_path / "b.toml", b_obj, b_dump,
                          {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
     proc = launch(b_cfg)
@@ -169,8 +169,8 @@ def test_seed_recipe_features_on_cpu(name, precision, log_lines, tmp_path):
     torch.compile runs with the ``aot_eager`` backend here: Dynamo captures and AOTAutograd splits the same forward
     and backward graphs of every TransformerBlock that Inductor gets on a GPU (tests/fast/test_compiled_head.py does
     the same), without Inductor's C++ code generation for CPU kernels, which no GPU run uses and which cost ~45 s of
-    CPU here (bench/results/suite/)."""
-    obj = lpt({
+    CPU here (docs/testing.md, "The test model")."""
+    obj = tiny_lpt({
         "training": {"steps": 2, "seqLen": 32, "localBatchSize": 2},
         "precision": {"activationCheckpointing": "none", "mixedPrecisionParam": "float32", **precision},
         "data": {"source": "synthetic"},
@@ -228,7 +228,7 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     steps, port = every + WINDOW, free_port()
     tier = tmp_path / "tier"
     dump = tmp_path / "ip"
-    cfg = write_config(tmp_path / "ip.toml", lpt({"training": {"steps": steps}, "data": {"source": "synthetic"},
+    cfg = write_config(tmp_path / "ip.toml", tiny_lpt({"training": {"steps": steps}, "data": {"source": "synthetic"},
                                                   "checkpoint": {"intervalSteps": every}}),
                        dump, {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"},
                               "checkpoint": {"enable_first_step_checkpoint": True}})

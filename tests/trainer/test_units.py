@@ -19,7 +19,7 @@ from kubetitan_core.catalog import ACCELERATORS, FLAVOURS
 
 from kmockx.harness import free_port
 from support.paths import EXAMPLES, load_example
-from support.specs import tiny_lpt as lpt, write_config
+from support.specs import tiny_lpt, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -71,7 +71,7 @@ def test_catalog_dims_match_registered_model_args(flavour):
 
 
 def test_custom_flavour_takes_dims_from_the_kubetitan_table(tmp_path):
-    obj = lpt({"model": {"flavor": "custom", "custom": {"dim": 128, "nLayers": 2, "nHeads": 4, "nKvHeads": 2, "vocabSize": 1024}}})
+    obj = tiny_lpt({"model": {"flavor": "custom", "custom": {"dim": 128, "nLayers": 2, "nHeads": 4, "nKvHeads": 2, "vocabSize": 1024}}})
     cfg = parse(write_config(tmp_path / "t.toml", obj, tmp_path))
     from kubetitan_trainer.flavours import model_args_for
 
@@ -192,6 +192,10 @@ def test_exported_metrics_pass_promtool():
     ex.checkpoint_saved(3, 1.2)
     ex.data_loading.observe(0.001)
     ex.data_tokens({"code": 4096, "web": 1024})  # per-source series appear with the first micro-batch
+    ex.data_weights({"code": 0.75, "web": 0.25})
+    ex.data_epochs({"code": 1.5, "web": 0.25})
+    ex.source_losses({"code": 2.25, "web": 2.75})  # a mixture's per-source losses with the first logged step
+    ex.source_eval_losses({"code": 2.5, "web": 3.0})
     ex.eval_done(3, 2.7)  # the eval series with the first evaluation
     from kubetitan_trainer.recovery.anatomy import Recorder
 
@@ -370,7 +374,7 @@ def _patched(tmp_path, patch):
 
     import tomli_w
 
-    path = write_config(tmp_path / "t.toml", lpt(), tmp_path / "dump")
+    path = write_config(tmp_path / "t.toml", tiny_lpt(), tmp_path / "dump")
     cfg = tomllib.loads(path.read_text())
     for section, values in patch.items():
         node = cfg
@@ -426,7 +430,7 @@ def test_launcher_exits_2_on_a_missing_config(tmp_path):
 @pytest.mark.parametrize(("recipe", "want"), [("tensorwise", None), ("rowwise", "rowwise")], ids=["tensorwise", "rowwise"])
 def test_float8_recipe_rendering_matches_torchtitan_paths(recipe, want, tmp_path):
     """tensorwise must render without recipe_name: torchtitan's recipe path rejects FP8 all-gather."""
-    obj = lpt({"precision": {"compile": False, "activationCheckpointing": "none", "mixedPrecisionParam": "float32",
+    obj = tiny_lpt({"precision": {"compile": False, "activationCheckpointing": "none", "mixedPrecisionParam": "float32",
                              "float8": {"enabled": True, "recipe": recipe, "emulate": True,
                                         "fsdpFloat8AllGather": recipe == "tensorwise"}}})
     cfg = parse(write_config(tmp_path / "t.toml", obj, tmp_path))
@@ -443,8 +447,8 @@ def test_local_run_gives_the_trainer_the_specs_plain_env_values():
 
     env = [{"name": "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "value": "1"},
            {"name": "FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
-    assert spec_env(lpt({"resources": {"env": env}})) == {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
-    assert spec_env(lpt()) == {}
+    assert spec_env(tiny_lpt({"resources": {"env": env}})) == {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
+    assert spec_env(tiny_lpt()) == {}
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,25 @@ def _float8_all_gather_recipe(job_config: JobConfig, world_size: int, cuda: bool
         )
 
 
+@recheck("data.mixture-schedule")
+def _mixture_schedule(job_config: JobConfig, world_size: int, cuda: bool) -> None:
+    from kubetitan_core import weights
+
+    d = job_config.kubetitan.data
+    if d.source != "mixture":
+        return
+    field = "kubetitan.data.mixture_schedule_* (spec.data.mixture[].schedule)"
+    try:
+        schedules = weights.from_lists(d.mixture_weights, d.mixture_schedule_interpolations, d.mixture_schedule_sources,
+                                       d.mixture_schedule_steps, d.mixture_schedule_weights)
+    except ValueError as e:
+        raise ConfigError(field, str(e), "render trainer.toml from the spec (kubetitan render)",
+                          "data.mixture-schedule") from None
+    for i, msg in weights.problems(schedules, job_config.training.steps):
+        where = "the mixture" if i is None else f"source {i}"
+        raise ConfigError(field, f"{where}: {msg}", "fix the schedule in spec.data.mixture", "data.mixture-schedule")
+
+
 @recheck("data.shards-required")
 def _shards_required(job_config: JobConfig, world_size: int, cuda: bool) -> None:
     d = job_config.kubetitan.data
@@ -185,10 +204,10 @@ def _shards_required(job_config: JobConfig, world_size: int, cuda: bool) -> None
     if not d.shards_path:
         raise ConfigError("kubetitan.data.shards_path (spec.data.shards.path)", "is empty",
                           "set it to a directory written by `kubetitan prepare-data`", "data.shards-required")
+    from kubetitan_core.contract import is_s3_uri
     from kubetitan_trainer.data.shards import ShardSet
-    from kubetitan_trainer.storage import is_remote
 
-    if is_remote(d.shards_path):  # staged and fully checked by the data loader (kubetitan_trainer.data.s3shards)
+    if is_s3_uri(d.shards_path):  # staged and fully checked by the data loader (kubetitan_trainer.data.s3shards)
         return
     # Sizes (a stat per file), the index, the dtype and the tokenizer's vocabulary against the model's: a bad
     # directory stops the run here with exit code 2, not as a crash in the data loader that would be retried.
@@ -197,12 +216,13 @@ def _shards_required(job_config: JobConfig, world_size: int, cuda: bool) -> None
 
 @recheck("data.s3-uri")
 def _data_s3_uri(job_config: JobConfig, world_size: int, cuda: bool) -> None:
+    from kubetitan_core.contract import is_s3_uri
+    from kubetitan_core.contract.trainer_toml import table_shards_paths
     from kubetitan_core.validation import s3_uri_error
-    from kubetitan_trainer.data.s3shards import shards_paths
 
-    for field, path in shards_paths(job_config.kubetitan.data):
-        if path.startswith("s3://") and (msg := s3_uri_error(path)) is not None:
-            raise ConfigError(field, msg, "write s3://bucket/prefix", "data.s3-uri")
+    for p in table_shards_paths(job_config.kubetitan.data):
+        if is_s3_uri(p.path) and (msg := s3_uri_error(p.path)) is not None:
+            raise ConfigError(p.field, msg, "write s3://bucket/prefix", "data.s3-uri")
 
 
 @recheck("checkpoint.s3-uri")

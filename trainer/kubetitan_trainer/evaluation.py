@@ -10,12 +10,15 @@ exports as ``kubetitan_trainer_eval_loss`` and ``kubetitan_trainer_eval_perplexi
 
 from __future__ import annotations
 
+import functools
 import time
 
 from torchtitan.components.validate import Validator
 
-from kubetitan_trainer import compat
-from kubetitan_trainer.data.loaders import build_eval_loader
+from torchtitan.tools import utils
+
+from kubetitan_trainer import compat, source_loss
+from kubetitan_trainer.data.loaders import SOURCE_KEY, build_eval_loader
 
 
 class KubetitanValidator(Validator):
@@ -30,15 +33,32 @@ class KubetitanValidator(Validator):
             validation_context=validation_context, maybe_enable_amp=maybe_enable_amp,
             metrics_processor=metrics_processor, pp_schedule=pp_schedule, pp_has_first_stage=pp_has_first_stage,
             pp_has_last_stage=pp_has_last_stage)
+        names = source_loss.source_names(self.validation_dataloader, parallel_dims)
+        self.source_stats = source_loss.SourceStats(names) if names else None
+        if self.source_stats is not None and hasattr(metrics_processor, "report_sources"):
+            stats, group = self.source_stats, source_loss.loss_group(parallel_dims)
+            metrics_processor.report_sources(held_out=functools.partial(stats.losses, group, utils.device_type))
+
+    def post_dataloading_process(self, input_dict, labels, model_parts):
+        """The loader's source tags go to the loss (per-source eval losses; the model never sees them)."""
+        sources = input_dict.pop(SOURCE_KEY, None)
+        if self.source_stats is not None and isinstance(self.loss_fn, source_loss.SourceLoss):
+            self.loss_fn.tag(sources, self.source_stats if sources is not None else None)
+        return super().post_dataloading_process(input_dict, labels, model_parts)
 
     def validate(self, model_parts, step: int) -> None:
         # torchtitan's loop adds the held-out tokens to the training throughput's counter and its time falls in the
         # training log interval: both are taken out again, so tokens/s and MFU stay training's own.
         mp = self.metrics_processor
-        tokens, begin = mp.ntokens_since_last_log, time.perf_counter()
+        tokens, last, begin = mp.ntokens_since_last_log, mp.time_last_log, time.perf_counter()
+        if self.source_stats is not None:
+            self.source_stats.reset()
         super().validate(model_parts, step)
+        # torchtitan's log_validation restarted both counters: the interval goes on from where it was, without the
+        # evaluation's time (adding that time to the restarted clock put it in the future: the next logged step's
+        # tokens/s came out negative)
         mp.ntokens_since_last_log = tokens
-        mp.time_last_log += time.perf_counter() - begin
+        mp.time_last_log = last + (time.perf_counter() - begin)
 
 
 def build_validator(job_config, dp_world_size: int, dp_rank: int, tokenizer, parallel_dims, loss_fn,

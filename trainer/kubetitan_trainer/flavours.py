@@ -20,7 +20,23 @@ from kubetitan_trainer.errors import ConfigError
 
 
 @dataclasses.dataclass
-class CustomTransformerModelArgs(TransformerModelArgs):
+class KubetitanModelArgs(TransformerModelArgs):
+    """A flavour's args; with document masking (``[kubetitan.data] attention_mask = "document"``) torchtitan's own
+    switch to block-causal flex attention (``attn_type``, ``attn_mask_type``: :mod:`kubetitan_trainer.doc_mask`)."""
+
+    def update_from_config(self, job_config: JobConfig, **kwargs) -> None:
+        super().update_from_config(job_config, **kwargs)
+        if job_config.kubetitan.data.attention_mask == "document":
+            self.attn_type, self.attn_mask_type = "flex", "block_causal"
+
+
+def kubetitan_args(args: TransformerModelArgs) -> KubetitanModelArgs:
+    """``args`` as :class:`KubetitanModelArgs` (the same values)."""
+    return KubetitanModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})
+
+
+@dataclasses.dataclass
+class CustomTransformerModelArgs(KubetitanModelArgs):
     """The ``custom`` flavour: Llama 3 dimensions read from ``[kubetitan.model]``."""
 
     def update_from_config(self, job_config: JobConfig, **kwargs) -> None:
@@ -52,9 +68,9 @@ def _llama32(dims) -> TransformerModelArgs:
 
 def model_args() -> dict[str, TransformerModelArgs]:
     """torchtitan's Llama 3 flavours, plus 1B, 3B (Llama 3.2) and ``custom`` (a new table each call)."""
-    args = dict(llama3_args)
+    args = {name: kubetitan_args(a) for name, a in llama3_args.items()}
     for name in ("1B", "3B"):
-        args[FLAVOURS[name][0]] = _llama32(FLAVOURS[name][1])
+        args[FLAVOURS[name][0]] = kubetitan_args(_llama32(FLAVOURS[name][1]))
     args["custom"] = CustomTransformerModelArgs()
     return args
 

@@ -1,22 +1,13 @@
-"""Worker environment knobs read the same way everywhere: a choice among names, or a whole number; a bad value is
+"""The worker's environment read the same way everywhere: a whole number (``LOCAL_WORLD_SIZE``); a bad value is
 warned about (naming the variable, the value and what happens instead) and the default is used. Also the CPUs a
-process may run on, which several defaults are sized by."""
+process may run on, which several defaults are sized by. Tuning is not read from the environment: it is
+``[kubetitan.runtime]`` (:mod:`kubetitan_trainer.runtime`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Mapping
-
-
-def choice(name: str, choices: tuple[str, ...], instead: str, log: logging.Logger,
-           env: Mapping[str, str] | None = None) -> str:
-    """``env[name]`` (stripped, lower case) when it is one of ``choices``; else ``choices[0]``, with a warning that
-    says ``instead`` when the variable was set to something else."""
-    raw = (os.environ if env is None else env).get(name, "").strip().lower()
-    if raw and raw not in choices:
-        log.warning("%s=%r is not one of %s; %s", name, raw, ", ".join(choices), instead)
-    return raw if raw in choices else choices[0]
 
 
 def whole_number(name: str, default: int, instead: str, log: logging.Logger,

@@ -162,12 +162,14 @@ def spec_env(lpt: LlamaPretrain) -> dict[str, str]:
     return {e["name"]: str(e["value"]) for e in lpt.spec.resources.env if "name" in e and "value" in e}
 
 
-def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port: int) -> Path:
+def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port: int, ledger: bool = False) -> Path:
     """The run's ``trainer.toml`` in ``out``: the operator's rendering, with its dump folder ``out``, the metrics
     endpoint on this machine's loopback at ``metrics_port``, and s3:// shards staged under ``out`` (no staging
     emptyDir here)."""
     kt = render.kubetitan_table(lpt)
     kt = dataclasses.replace(kt, metrics_port=metrics_port, metrics_host="127.0.0.1")
+    if ledger:
+        kt.data = dataclasses.replace(kt.data, ledger=True)
     if kt.data_s3.stage_dir:
         kt.data_s3 = dataclasses.replace(kt.data_s3, stage_dir=str(out / "kubetitan" / "data-cache"))
     cfg = render.trainer_config(lpt, dump_folder=str(out), kubetitan=kt)
@@ -186,8 +188,9 @@ def local_launcher_args(lpt: LlamaPretrain, config: Path, master_port: int) -> L
     return dataclasses.replace(args, nnodes=1, monitor_interval=monitor_interval_seconds(1))
 
 
-def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | None = None) -> int:
-    """Train ``lpt`` locally; returns the trainer's exit code (``kubetitan_core.contract.ExitCode``)."""
+def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | None = None, ledger: bool = False) -> int:
+    """Train ``lpt`` locally (``ledger``: with the sample ledger whatever ``spec.data.ledger`` says); returns the
+    trainer's exit code (``kubetitan_core.contract.ExitCode``)."""
     name = lpt.metadata.name
     short = gpu_shortfall(lpt, visible_gpus()) if lpt.spec.resources.gpus_per_node > 0 else None
     if short:
@@ -197,7 +200,7 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
     metrics_port, master_port = free_port(), free_port()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        config = write_config(lpt, out, steps, metrics_port)
+        config = write_config(lpt, out, steps, metrics_port, ledger)
         with open(out / "train.log", "ab"):
             pass
     except OSError as e:
@@ -324,8 +327,13 @@ _NO_MESSAGE = "To enable traceback see"
 error line, e.g. the config checks' exit 2): the worker's ERROR line says more."""
 
 
+LEDGER_HELP = ("write the sample ledger (every global sample each rank trains, OUTPUT/kubetitan/ledger/) whatever "
+               "spec.data.ledger says")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kubetitan_trainer.local FILE [--output-dir DIR] [--steps N]`` (what ``kubetitan run`` runs)."""
+    """``python -m kubetitan_trainer.local FILE [--output-dir DIR] [--steps N] [--ledger]`` (what ``kubetitan run``
+    runs)."""
     import argparse
 
     from kubetitan_core.strictyaml import YamlError, load_all
@@ -335,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--output-dir", help="where checkpoints, logs and metrics go (default ./runs/<name>)")
     p.add_argument("--steps", type=int, help="override spec.training.steps")
+    p.add_argument("--ledger", action="store_true", help=LEDGER_HELP)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         docs = [d for d in load_all(Path(a.file).read_bytes()) if d is not None]
@@ -347,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         for e in errors:
             print(f"  - {e}", file=sys.stderr)
         return 1
-    return run_local(lpt, output_dir=a.output_dir, steps=a.steps)
+    return run_local(lpt, output_dir=a.output_dir, steps=a.steps, ledger=a.ledger)
 
 
 if __name__ == "__main__":

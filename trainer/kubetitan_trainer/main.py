@@ -100,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     from kubetitan_trainer.recovery import anatomy
 
     anatomy.begin()  # the start-up anatomy's "main" mark (kubetitan_trainer.recovery.anatomy)
+    from kubetitan_trainer import runtime
     from kubetitan_trainer.recovery import cuda_context
 
-    cuda_context.begin()  # opt-in (KUBETITAN_EARLY_CUDA_CONTEXT=1): the GPU's context made on a side thread
+    runtime.load(argv)  # [kubetitan.runtime]: read once, before anything it tunes
+    cuda_context.begin()  # opt-in (spec.runtime.earlyCudaContext): the GPU's context made on a side thread
     with imports_without_gc():
         return _main(argv)
 

@@ -34,6 +34,7 @@ import statistics
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,6 +153,20 @@ class Exporter:
                                          "source) gave the job's global stream, carried across attempts through the "
                                          "checkpoint's data position (tokens).", ["source"], registry=r)
         self._data_tokens: dict[str, int] = {}
+        self.data_epochs_gauge = Gauge(contract.M_DATA_EPOCHS, "Passes over each data source's (label source) "
+                                       "training sequences so far: its samples over its sequences; above 1, a source "
+                                       "repeats (epochs).", ["source"], registry=r)
+        # Registered with their first value: before it there is no loss, and a 0 would be read as one.
+        self.source_loss = Gauge(contract.M_SOURCE_LOSS, "Training loss of each data source (label source) of a "
+                                 "mixture at the last logged step, averaged over that source's tokens of the step on "
+                                 "every rank (nats per token).", ["source"], registry=None)
+        self.source_eval_loss = Gauge(contract.M_SOURCE_EVAL_LOSS, "Held-out loss of each data source (label "
+                                      "source) of a mixture at the last evaluation, averaged over its held-out "
+                                      "tokens (nats per token).", ["source"], registry=None)
+        self._source_registered: set[str] = set()
+        self.data_weight = Gauge(contract.M_DATA_WEIGHT, "Share of the samples of the current step each data source "
+                                 "(label source) gives, from the mixture's weights at that step: constant, or as its "
+                                 "weight schedule says (ratio 0-1).", ["source"], registry=r)
         # Registered at the first evaluation (eval_done): before it there is no eval loss, and a 0 would be read as one.
         self.eval_loss = Gauge(contract.M_EVAL_LOSS, "Loss on the held-out samples at the last evaluation, averaged "
                                "over their tokens (nats per token).", registry=None)
@@ -253,6 +268,31 @@ class Exporter:
             if total > seen:
                 self.data_tokens_total.labels(source=source).inc(total - seen)
                 self._data_tokens[source] = total
+
+    def data_epochs(self, epochs: dict[str, float]) -> None:
+        """Each source's epochs so far (fractional)."""
+        for source, e in epochs.items():
+            self.data_epochs_gauge.labels(source=source).set(e)
+
+    def _per_source(self, name: str, gauge: Gauge, values: dict[str, float]) -> None:
+        for source, v in values.items():
+            gauge.labels(source=source).set(v)
+        if values and name not in self._source_registered:
+            self.registry.register(gauge)
+            self._source_registered.add(name)
+
+    def source_losses(self, losses: dict[str, float]) -> None:
+        """Each source's training loss at the last logged step; the series appear with the first one."""
+        self._per_source(contract.M_SOURCE_LOSS, self.source_loss, losses)
+
+    def source_eval_losses(self, losses: dict[str, float]) -> None:
+        """Each source's held-out loss at the last evaluation; the series appear with the first one."""
+        self._per_source(contract.M_SOURCE_EVAL_LOSS, self.source_eval_loss, losses)
+
+    def data_weights(self, shares: dict[str, float]) -> None:
+        """Each source's share of the current step's samples."""
+        for source, share in shares.items():
+            self.data_weight.labels(source=source).set(share)
 
     def eval_done(self, step: int, loss: float) -> None:
         """A held-out evaluation at ``step``; the eval series appear on /metrics with the first one."""
@@ -397,12 +437,25 @@ class KubetitanMetricsProcessor(MetricsProcessor):
             self.exporter.serve(kt.metrics_port, kt.metrics_host)
         else:
             self.exporter = NullExporter()
+        self.source_report: Callable[[], dict[str, dict[str, float]]] | None = None
+        """The trainer's, for a global-stream loader (:meth:`report_sources`): per source, its tokens and epochs (and,
+        in a mixture, its loss at the logged step); called on every rank at every logged step (it may all-reduce)."""
+        self.eval_source_report: Callable[[], dict[str, dict[str, float]]] | None = None
+        """The validator's, for a mixture's held-out split: per source, its held-out loss (every rank calls it)."""
         self.step_log: Path | None = None
         self.attempt = attempt
         self.generation = restart_generation()[0]
         if self.rank == 0:
             self.step_log = Path(job_config.job.dump_folder) / "kubetitan" / "steps.jsonl"
             self.step_log.parent.mkdir(parents=True, exist_ok=True)
+
+    def report_sources(self, train: Callable[[], dict[str, dict[str, float]]] | None = None,
+                       held_out: Callable[[], dict[str, dict[str, float]]] | None = None) -> None:
+        """Where logged steps (``train``) and evaluations (``held_out``) get their per-source numbers from."""
+        if train is not None:
+            self.source_report = train
+        if held_out is not None:
+            self.eval_source_report = held_out
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None) -> None:
@@ -429,11 +482,17 @@ class KubetitanMetricsProcessor(MetricsProcessor):
         ex.tokens_seen(global_tokens)
         if mfu is not None:
             extra["kubetitan/mfu_ratio"] = mfu
+        sources = self.source_report() if self.source_report is not None else None
+        if sources:
+            ex.source_losses({name: v["loss"] for name, v in sources.items() if "loss" in v})
+            extra.update({f"kubetitan/loss/{name}": v["loss"] for name, v in sources.items() if "loss" in v})
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         if self.step_log is not None:
             rec = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, "tokens_per_second_per_gpu": tps,
                    "flops_per_second_per_gpu": flops, "mfu_ratio": mfu, "tokens": global_tokens, "time": time.time(),
                    "attempt": self.attempt, "generation": self.generation}
+            if sources:
+                rec["sources"] = sources
             with open(self.step_log, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
@@ -442,11 +501,18 @@ class KubetitanMetricsProcessor(MetricsProcessor):
         """torchtitan's validation log line, plus the eval metrics and a line in ``kubetitan/evals.jsonl``."""
         loss = float(loss)
         self.exporter.eval_done(step, loss)
+        sources = self.eval_source_report() if self.eval_source_report is not None else None
         extra = {**(extra_metrics or {}), "validation_metrics/perplexity": eval_perplexity(loss)}
+        if sources:
+            self.exporter.source_eval_losses({name: v["loss"] for name, v in sources.items() if "loss" in v})
+            extra.update({f"validation_metrics/loss/{name}": v["loss"] for name, v in sources.items() if "loss" in v})
         super().log_validation(loss, step, extra_metrics=extra)
         if self.step_log is not None:
             rec = {"step": step, "eval_loss": loss, "eval_perplexity": eval_perplexity(loss), "time": time.time(),
                    "attempt": self.attempt, "generation": self.generation}
+            if sources:
+                rec["sources"] = {name: {"eval_loss": v["loss"], "eval_tokens": v["loss_tokens"]}
+                                  for name, v in sources.items() if "loss" in v}
             with open(self.step_log.with_name("evals.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")
 

@@ -19,7 +19,7 @@ Every module that needs the checkpoint store goes through a :class:`CheckpointSt
   (:data:`PREFLIGHT_ATTEMPTS`) and then exit code 6 (retryable), never 2.
 - **Failed saves** (:class:`SaveBudget`): a save that fails with a storage error is logged in one line and training
   goes on; the next interval saves again; ``max_failed_saves`` failures in a row end the run with exit code 6.
-  :func:`retry` (tenacity) is the one retry loop of both.
+  Both retry through ``kubetitan_trainer.retry`` (tenacity), the trainer's one retry loop.
 
 With checkpoints in S3, everything else the trainer writes stays in ``job.dump_folder`` on the pod's local
 filesystem (the pod's scratch ``emptyDir``, or the checkpoint PVC when one is mounted too): the torch.compile
@@ -44,31 +44,17 @@ from pathlib import Path
 from typing import Any
 
 from kubetitan_core import contract
+from kubetitan_core.contract import is_s3_uri, split_s3_uri
+from kubetitan_trainer.retry import retry
 
 log = logging.getLogger(__name__)
 
-S3_SCHEME = "s3://"
 _STEP = re.compile(r"^step-(\d+)$")
-
-
-def is_remote(path: str) -> bool:
-    """Whether a checkpoint location is an object-store URI (``s3://...``) rather than a filesystem path."""
-    return str(path).startswith(S3_SCHEME)
 
 
 def folder_key(path: str) -> str:
     """A stable identity of a checkpoint location (an absolute path, or the URI itself)."""
-    return str(path).rstrip("/") if is_remote(path) else os.path.abspath(path)
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (no leading or trailing slash)."""
-    if not is_remote(uri):
-        raise ValueError(f"not an s3:// URI: {uri!r}")
-    bucket, _, prefix = uri[len(S3_SCHEME):].partition("/")
-    if not bucket:
-        raise ValueError(f"no bucket in {uri!r}")
-    return bucket, prefix.strip("/")
+    return str(path).rstrip("/") if is_s3_uri(path) else os.path.abspath(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +179,7 @@ class S3Store(CheckpointStore):
         # failed save is said once, by SaveBudget
         logging.getLogger("s3torchconnector.s3writer").setLevel(logging.WARNING)
         self.root = settings.uri.rstrip("/")
-        self.bucket, self.prefix = parse_s3_uri(self.root)
+        self.bucket, self.prefix = split_s3_uri(self.root)
         self._config = compat.s3_client_config(settings)
         self._client = compat.s3_client(settings, self._config)
 
@@ -244,7 +230,8 @@ class S3Store(CheckpointStore):
 
         try:
             retry(list_one, what=f"Listing the checkpoint store {self.root}", transient=outage,
-                  attempts=PREFLIGHT_ATTEMPTS if reached_before else 1, first_wait=2.0, sleep=sleep)
+                  attempts=PREFLIGHT_ATTEMPTS if reached_before else 1, first_wait=2.0, sleep=sleep, say=log.warning,
+                  describe=_failure_line)
         except Exception as e:  # S3Exception: the message is all the client gives
             if outage(e):
                 where = f" at {self.settings.endpoint}" if self.settings.endpoint else ""
@@ -336,7 +323,8 @@ def open_store(location: str | CheckpointStore) -> CheckpointStore:
 # ------------------------------------------------------------------------------------------ outages and retries
 PREFLIGHT_ATTEMPTS = 8
 """Tries of the pre-flight LIST of a store the run has reached before, before exit code 6: waits of 2, 4, 8, 16, 30,
-30 and 30 s between them, about two minutes (:func:`retry`), on top of the client's own retries of each LIST."""
+30 and 30 s between them, about two minutes (kubetitan_trainer.retry), on top of the client's own retries of each
+LIST."""
 REACHED_MARKER = "checkpoint-store.json"
 """Under ``<dump_folder>/kubetitan/``: the store (root and endpoint) this pod's run listed successfully."""
 
@@ -357,6 +345,10 @@ def _inner_errors(e: BaseException):
         todo += [x.__cause__, x.__context__]
 
 
+def _failure_line(e: BaseException) -> str:
+    return storage_failure(e) or type(e).__name__
+
+
 def storage_failure(e: BaseException) -> str | None:
     """One line saying what failed, when ``e`` (from a checkpoint save) is a storage failure: an S3 error
     (s3torchconnector's ``S3Exception``: connection refused or reset, timeouts, 5xx after the client's own retries,
@@ -367,27 +359,6 @@ def storage_failure(e: BaseException) -> str | None:
             text = " ".join(str(x).split())
             return f"{type(x).__name__}: {text[:300]}"
     return None
-
-
-def retry(fn: Callable[[], Any], *, what: str, transient: Callable[[BaseException], bool], attempts: int = 0,
-          seconds: float = 0.0, first_wait: float = 1.0, max_wait: float = 30.0,
-          sleep: Callable[[float], None] = time.sleep, say: bool = True) -> Any:
-    """``fn()``, tried again while it raises an exception ``transient`` accepts, for at most ``attempts`` tries or
-    ``seconds`` (exponential waits from ``first_wait`` to ``max_wait`` s, no jitter: ranks retrying a collective
-    save stay in step), each failure logged in one line (``say``: on this rank); the last exception is re-raised. The
-    one retry loop of the storage layer (tenacity)."""
-    from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
-
-    def said(state) -> None:
-        if not say:
-            return
-        e = state.outcome.exception()
-        log.warning(f"{what} failed ({storage_failure(e) or type(e).__name__}), try {state.attempt_number}; trying "
-                    f"again in {state.next_action.sleep:.0f} s")
-
-    stop = stop_after_attempt(attempts) if attempts else stop_after_delay(seconds)
-    return Retrying(stop=stop, wait=wait_exponential(multiplier=first_wait, max=max_wait), sleep=sleep,
-                    retry=retry_if_exception(transient), before_sleep=said, reraise=True)(fn)
 
 
 def _marker(dump_folder: str) -> str:
@@ -432,9 +403,9 @@ class SaveBudget:
     ``[kubetitan.checkpoint_storage] max_failed_saves``: a failed save is one line in the log and training goes on
     (the next interval saves again); the failure that makes ``budget`` in a row raises
     :class:`~kubetitan_trainer.errors.TransientError` (exit code 6). The last step's save is tried ``budget`` times
-    (:func:`retry`) before the same error. An async save's write fails or succeeds in the background: it counts
-    when the next save waits for it (:meth:`settle`). Every rank counts the same failures (DCP ends a save alike on
-    every rank); :meth:`check` agrees on the count anyway (``agree``: a MAX over the ranks)."""
+    (kubetitan_trainer.retry) before the same error. An async save's write fails or succeeds in the background: it
+    counts when the next save waits for it (:meth:`settle`). Every rank counts the same failures (DCP ends a save
+    alike on every rank); :meth:`check` agrees on the count anyway (``agree``: a MAX over the ranks)."""
 
     def __init__(self, budget: int, where: str, interval: int, agree: Callable[[float], float] | None = None,
                  sleep: Callable[[float], None] = time.sleep, rank: int = 0) -> None:
@@ -482,13 +453,14 @@ class SaveBudget:
 
     def attempt(self, fn: Callable[[], Any], step: int, *, last: bool = False) -> bool:
         """Run the save ``fn``: True when it returned (then :meth:`written`), False when it failed with a storage
-        error (counted and logged). ``last``: the run's last save, tried ``budget`` times (:func:`retry`); its
+        error (counted and logged). ``last``: the run's last save, tried ``budget`` times (kubetitan_trainer.retry); its
         failure fills the budget (nothing is left to train: :meth:`check` raises)."""
         what = f"The last checkpoint save (step {step}) to {self.where}"
         try:
             if last:
                 retry(fn, what=what, transient=lambda e: storage_failure(e) is not None, attempts=self.budget,
-                      first_wait=5.0, max_wait=60.0, sleep=self.sleep, say=self.say)
+                      first_wait=5.0, max_wait=60.0, sleep=self.sleep, say=log.warning if self.say else None,
+                      describe=_failure_line)
             else:
                 fn()
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException

@@ -26,13 +26,14 @@ from torchtitan.tools.logging import logger
 
 from kubetitan_core.render import TRAIN_SPEC_NAME
 
-from kubetitan_trainer import compat, cpu_bridge
-from kubetitan_trainer.compile import aot_cache, aot_precompile
+from kubetitan_trainer import compat, cpu_bridge, runtime
 from kubetitan_trainer.data.loaders import build_dataloader
 from kubetitan_trainer.data.tokenizer import build_tokenizer
+from kubetitan_trainer.doc_mask import DocumentMaskedTransformer
 from kubetitan_trainer.evaluation import build_validator
 from kubetitan_trainer.flavours import model_args
 from kubetitan_trainer.metrics import build_metrics_processor
+from kubetitan_trainer.source_loss import build_loss
 
 
 def compile_fp8_head(model: torch.nn.Module, job_config: JobConfig) -> bool:
@@ -59,19 +60,27 @@ def compile_fp8_head(model: torch.nn.Module, job_config: JobConfig) -> bool:
 
 
 def wrap_parallelize(parallelize_fn: Callable) -> Callable:
-    """torchtitan's parallelize (with the CPU bridge), then :func:`compile_fp8_head`; with compile on, the
-    AOTAutograd cache is made to serve the recipe's graphs first (:mod:`kubetitan_trainer.compile.aot_cache`), and the
-    compiled blocks get their ahead-of-time artefact when it is on (:mod:`kubetitan_trainer.compile.aot_precompile`)."""
+    """torchtitan's parallelize (with the CPU bridge), then :func:`compile_fp8_head`. With compile on and
+    ``[kubetitan.runtime] aot_compile`` (``spec.runtime.aotCompile``; off by default), the AOTAutograd cache is made
+    to serve the recipe's graphs first (:mod:`kubetitan_trainer.compile.aot_cache`: it marks functions in torch's
+    ``unsafe_marked_cacheable_functions``, where a wrong key would be a silently wrong graph) and the compiled blocks
+    get their ahead-of-time artefact (:mod:`kubetitan_trainer.compile.aot_precompile`); off, neither module is even
+    imported."""
     parallelize_fn = cpu_bridge.wrap_parallelize(parallelize_fn)
 
     @functools.wraps(parallelize_fn)
     def parallelize(model, parallel_dims, job_config, *args, **kwargs):
-        if job_config.compile.enable:
+        aot = job_config.compile.enable and runtime.settings().aot_compile
+        if aot:
+            from kubetitan_trainer.compile import aot_cache
+
             aot_cache.enable()  # before anything is compiled: restarts then load the joint graphs from the cache
         model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
         compile_fp8_head(model, job_config)
-        if job_config.compile.enable and "model" in job_config.compile.components:
-            aot_precompile.install(model)  # opt-in: KUBETITAN_AOT_PRECOMPILE=1
+        if aot and "model" in job_config.compile.components:
+            from kubetitan_trainer.compile import aot_precompile
+
+            aot_precompile.install(model)
         return model
 
     return parallelize
@@ -81,7 +90,9 @@ def build_train_spec() -> TrainSpec:
     base = llama3_train_spec()
     return dataclasses.replace(
         base,
+        model_cls=DocumentMaskedTransformer,
         model_args=model_args(),
+        build_loss_fn=build_loss,
         parallelize_fn=wrap_parallelize(base.parallelize_fn),
         build_dataloader_fn=build_dataloader,
         build_tokenizer_fn=build_tokenizer,

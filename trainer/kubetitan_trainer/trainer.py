@@ -41,12 +41,21 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import ALREADY_COMPLETE, ENV_STOP_FILE, compat, netcheck, storage
-from kubetitan_trainer.compile import aot_precompile
+from kubetitan_trainer import ALREADY_COMPLETE, ENV_STOP_FILE, compat, netcheck, runtime, source_loss, storage
 from kubetitan_trainer.data import loaders as data, s3shards
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.recovery import anatomy, heartbeat, inprocess, restore_tier
 from kubetitan_trainer.recovery.staging import ensure_reusable_stager
+
+
+def aot_blocks() -> Any:
+    """The ahead-of-time blocks' module (:mod:`kubetitan_trainer.compile.aot_precompile`) when ``[kubetitan.runtime]
+    aot_compile`` is on, imported only then; None when off (the default)."""
+    if not runtime.settings().aot_compile:
+        return None
+    from kubetitan_trainer.compile import aot_precompile
+
+    return aot_precompile
 
 
 def checkpoint_entries(folder: str | storage.CheckpointStore) -> list[tuple[str, bool]]:
@@ -111,6 +120,7 @@ class KubetitanTrainer(Trainer):
             storage.preflight(self._store, job_config.job.dump_folder)
         s3shards.stage_all(job_config)  # s3:// shards to node-local disk, verified, before anything is built
         super().__init__(job_config)
+        self._source_stats = self._per_source_losses()
         self._log_float8_notes()
         if ck.enable and self._store.remote:
             self._route_checkpoints_to_store()
@@ -182,7 +192,8 @@ class KubetitanTrainer(Trainer):
             result = super().train()
         else:
             result = self._inprocess.run(self._train_iteration, process_group_ready=True)
-        aot_precompile.training_ended()  # a clean end: the AOT artefact's crash marker goes
+        if (aot := aot_blocks()) is not None:
+            aot.training_ended()  # a clean end: the AOT artefact's crash marker goes
         return result
 
     def _in_process_restart(self) -> inprocess.InProcessRestart | None:
@@ -242,6 +253,32 @@ class KubetitanTrainer(Trainer):
                 observe(times[-1])
             yield item
 
+    def _per_source_losses(self) -> source_loss.SourceStats | None:
+        """A mixture's per-source training losses (:mod:`kubetitan_trainer.source_loss`): the stats the loss fills and
+        the report the metrics processor adds to a logged step (tokens and epochs of every source, and its loss)."""
+        names = source_loss.source_names(self.dataloader, self.parallel_dims)
+        stats = source_loss.SourceStats(names) if names else None
+        stream = getattr(self.dataloader, "stream", None)
+        if stream is not None:
+            group = source_loss.loss_group(self.parallel_dims)
+
+            def report() -> dict[str, dict[str, float]]:
+                rep = stream.report()
+                if stats is not None:  # every rank logs the same steps: the all-reduce is collective
+                    for name, v in stats.losses(group, self.device).items():
+                        rep[name].update(v)
+                return rep
+
+            self.metrics_processor.report_sources(train=report)
+        return stats
+
+    def post_dataloading_process(self, input_dict, labels):
+        """The loader's source tags go to the loss (the model never sees them)."""
+        sources = input_dict.pop(data.SOURCE_KEY, None)
+        if self._source_stats is not None and isinstance(self.loss_fn, source_loss.SourceLoss):
+            self.loss_fn.tag(sources, self._source_stats if sources is not None else None)
+        return super().post_dataloading_process(input_dict, labels)
+
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
         if self._inprocess is not None:
@@ -259,6 +296,8 @@ class KubetitanTrainer(Trainer):
             rec.mark("load_end")
             rec.first_step_begins()
         self._local_loss = None
+        if self._source_stats is not None:
+            self._source_stats.reset()
         if self._inprocess is not None:
             self._inprocess.step = self.step
         super().train_step(data_iterator)
@@ -278,7 +317,8 @@ class KubetitanTrainer(Trainer):
         self._heartbeat.step_done(self.step, seconds, saving=stop)
         if first:
             self._publish_startup(rec)
-        aot_precompile.step_ended()  # the artefact's crash marker goes after the second step
+        if (aot := aot_blocks()) is not None:
+            aot.step_ended()  # the artefact's crash marker goes after the second step
         if self._inprocess is not None and self._inprocess.restarts:
             self._inprocess.mark("first_step")  # once per restart (the first mark of a phase is kept)
         if stop:
@@ -287,9 +327,10 @@ class KubetitanTrainer(Trainer):
 
     def _publish_startup(self, rec: anatomy.Recorder) -> None:
         record = rec.first_step_ends(self.step, self.metrics_processor.attempt)
-        aot = aot_precompile.after_first_step()  # after the mark: rank 0's one-off precompile is not start-up
-        if aot is not None:
-            record["aot_precompile"] = aot
+        aot = aot_blocks()
+        made = aot.after_first_step() if aot is not None else None  # after the mark: rank 0's one-off precompile
+        if made is not None:  # is not start-up
+            record["aot_precompile"] = made
         self.metrics_processor.exporter.startup(record)
         if self.metrics_processor.rank == 0:
             logger.info(anatomy.describe(record))
@@ -297,7 +338,7 @@ class KubetitanTrainer(Trainer):
 
     _network_message: str = ""
     _tier_pending: restore_tier.Pending | None = None
-    """The restore tier's copies still running in the background (restore_tier.ENV_DEFER)."""
+    """The restore tier's copies still running in the background (restore_tier.defer_keys)."""
     _tier_hooks: list = []
     """The optimizers' step pre-hooks that wait for them (never mutated in place: replaced per load)."""
 
@@ -627,7 +668,7 @@ class KubetitanTrainer(Trainer):
         params = sum(p.numel() for m in self.model_parts for p in m.parameters())
         if dist.is_initialized() and dist.get_world_size() > 1:  # each rank holds its shard: the numel is local
             # On the training device: NCCL has no CPU tensors ("No backend type associated with device type
-            # cpu" at the first save of every GPU run, H200 call 13).
+            # cpu" at the first save of every GPU run, on the H200).
             t = torch.tensor([params], dtype=torch.int64, device=self.device)
             dist.all_reduce(t)
             params = int(t.item())

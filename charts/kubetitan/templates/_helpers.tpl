@@ -55,3 +55,55 @@ app.kubernetes.io/part-of: kubetitan
 {{- define "kubetitan.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
+
+{{/*
+The ValidatingWebhookConfiguration's webhooks (templates/webhook.yaml). The same text goes to the operator as
+--webhook-configuration-webhooks (templates/deployment.yaml): with webhook.certificates=operator it may update the
+configuration (for its caBundle), and it restores every other field to this whenever they drift
+(kubetitan.webhook_config). Called with (dict "root" .); caBundle is never rendered (the operator or cert-manager's
+CA injector fills it).
+*/}}
+{{- define "kubetitan.webhooks" -}}
+{{- $ := .root }}
+{{- $fullname := include "kubetitan.fullname" $ -}}
+- name: validate.llamapretrains.kubetitan.io
+  admissionReviewVersions: ["v1"]
+  sideEffects: None
+  # Fail: while no replica answers, LlamaPretrains cannot be created or changed (deletes, status writes and
+  # everything else go on); Ignore: they are admitted unchecked and the operator's reconcile still refuses an
+  # invalid or policy-violating spec, but the requester checks are skipped (docs/operator.md).
+  failurePolicy: {{ $.Values.webhook.failurePolicy }}
+  timeoutSeconds: {{ $.Values.webhook.timeoutSeconds }}
+  matchPolicy: Equivalent
+  {{- if eq $.Values.watch.mode "namespaced" }}
+  namespaceSelector:
+    matchExpressions:
+      - key: kubernetes.io/metadata.name
+        operator: In
+        values:
+          {{- toYaml (include "kubetitan.watchNamespaces" $ | fromJsonArray) | nindent 10 }}
+  {{- end }}
+  {{- if semverCompare ">=1.28-0" $.Capabilities.KubeVersion.Version }}
+  # Only requests that create a run or change its spec reach the webhook: kopf's finalizer and annotation
+  # patches, label edits and a finalizer removed by hand while no replica runs never depend on it (1.28+).
+  matchConditions:
+    - name: creates-or-changes-spec
+      expression: "request.operation == 'CREATE' || object.spec != oldObject.spec"
+  {{- end }}
+  rules:
+    - apiGroups: ["kubetitan.io"]
+      apiVersions: ["v1alpha1"]
+      resources: ["llamapretrains"]
+      operations: ["CREATE", "UPDATE"]
+      scope: Namespaced
+  clientConfig:
+    {{- if $.Values.webhook.url }}
+    url: {{ printf "%s/validate-llamapretrain" $.Values.webhook.url | quote }}
+    {{- else }}
+    service:
+      name: {{ $fullname }}-webhook
+      namespace: {{ $.Release.Namespace }}
+      path: /validate-llamapretrain
+      port: 443
+    {{- end }}
+{{- end }}

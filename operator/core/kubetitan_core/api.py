@@ -13,13 +13,35 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from kubetitan_core import API_VERSION, KIND
+from kubetitan_core.contract import is_s3_uri
 from kubetitan_core.causes import RESIZE_CAUSES, RESTART_CAUSES  # noqa: F401 - RESIZE_CAUSES re-exported
+from kubetitan_core.weights import WeightSchedule, percent_step
+
+
+# The closed choices the trainer's TOML table (kubetitan_core.contract.trainer_toml) and the launcher's arguments
+# (kubetitan_core.contract.launcher) carry too: defined here once, imported there.
+DataSource = Literal["synthetic", "huggingface", "shards", "mixture"]
+DataOrder = Literal["shuffled", "sequential"]
+ShardsDtype = Literal["auto", "uint16", "uint32"]
+TokenizerSource = Literal["builtin", "path", "huggingface"]
+Platform = Literal["generic", "eks", "hyperpod"]
+NetworkFallback = Literal["Fail", "AllowSockets"]
+AttentionMask = Literal["causal", "document"]
+"""Which tokens a token attends to: every earlier one in its sample (``causal``) or only those of its own document
+(``document``: block-causal at the document boundaries the shards store)."""
+TierRead = Literal["pread", "map"]
+"""How a restore-tier load reads the tier's files (``[kubetitan.runtime] restore_tier_read``)."""
+StagingWrite = Literal["pwrite", "map"]
+"""How the checkpoint stager writes its arena (``[kubetitan.runtime] staging_write``)."""
+HangTimeoutPolicy = Literal["Auto", "Fixed"]
 
 
 class _Base(BaseModel):
@@ -225,8 +247,32 @@ class ShardsDataSpec(_Base):
     """Directory holding `*.bin` token shards (and their `index.json`) inside the pod, or `s3://bucket/prefix`
     holding a copy of one (`aws s3 sync` of the `prepare-data` output): it is copied to the node's local disk at
     start with every checksum verified, reached as `data.s3` says (docs/data.md)."""
-    dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    dtype: ShardsDtype = "auto"
     """Token dtype of the shards; `auto` reads it from `index.json`."""
+
+
+class WeightPoint(_Base):
+    """One point of a weight schedule: the weight a source has at a step. Set exactly one of `step` and `percent`."""
+
+    step: int | None = Field(default=None, ge=0, le=1_000_000_000)
+    """Training step of this point (0 is the start; at most `training.steps`)."""
+    percent: float | None = Field(default=None, ge=0, le=100)
+    """Where this point is as a percentage of `training.steps` (the nearest step, halves up), instead of `step`."""
+    weight: float = Field(ge=0, le=1_000_000)
+    """The source's weight at this point, relative to the other sources' weights at the same step (0: none of the
+    samples of that step come from it)."""
+
+
+class WeightScheduleSpec(_Base):
+    """How a mixture source's weight changes over training: from `weight` at step 0 through `points` (docs/data.md,
+    "Weight schedules"), e.g. a source annealed in over the last 10% of the steps."""
+
+    interpolation: Literal["linear", "step"] = "linear"
+    """`linear`: the weight changes step by step in a straight line from one point to the next (from `weight` at step
+    0 to the first point); `step`: each point's weight holds from its step on. After the last point its weight
+    holds."""
+    points: list[WeightPoint] = Field(min_length=1, max_length=64)
+    """The points, in increasing step order."""
 
 
 class MixtureSourceSpec(_Base):
@@ -239,10 +285,14 @@ class MixtureSourceSpec(_Base):
     """A Hugging Face text dataset streamed and tokenized on the fly, each data-parallel rank reading its own part
     of it in the dataset's order. A run with one cannot resume at another data-parallel degree (a stream has one
     position per rank): prepare it into shards with `kubetitan prepare-data` for that."""
-    weight: float = Field(gt=0, le=1_000_000)
+    weight: float = Field(ge=0, le=1_000_000)
     """Share of the training samples (and so of the tokens) drawn from this source, relative to the other
     sources' weights: 3 and 1 mean 75% and 25%. Realised exactly: after any n samples each source has had
-    its share of n, give or take less than one sample."""
+    its share of n, give or take less than one sample. With `schedule`, its weight at step 0 (0 allowed: a source
+    scheduled in later)."""
+    schedule: WeightScheduleSpec | None = None
+    """The weight as a function of the step (annealing); unset: `weight` throughout. Resumable at any number of GPUs
+    like the rest of the sample stream."""
     name: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
     """Name of the source in metrics (the `source` label of `kubetitan_trainer_data_tokens_total`); unset means
     the shards directory's name, or the dataset's name after its last `/`."""
@@ -268,7 +318,7 @@ class EvalSpec(_Base):
 class DataSpec(_Base):
     """Where the training tokens come from, in which order, and what is held out."""
 
-    source: Literal["synthetic", "huggingface", "shards", "mixture"] = "synthetic"
+    source: DataSource = "synthetic"
     """`synthetic`: random tokens (benchmarks); `huggingface`: a streamed text dataset
     tokenized on the fly; `shards`: pre-tokenized files on a volume; `mixture`: several sources (shards
     directories or streamed datasets) mixed by weight (`mixture`)."""
@@ -278,12 +328,21 @@ class DataSpec(_Base):
     """Settings for `source: shards` (required there)."""
     mixture: list[MixtureSourceSpec] = Field(default_factory=list, max_length=64)
     """The sources of `source: mixture` (required there, and only there), each with its weight."""
-    order: Literal["shuffled", "sequential"] = "shuffled"
+    order: DataOrder = "shuffled"
     """Order of the sequences of `shards` sources (alone or in a mixture): `shuffled` (a permutation of all sequences
     per epoch, seeded by `training.seed`, the same for any number of GPUs) or `sequential` (corpus order).
     A streamed `huggingface` dataset is read in its own order."""
     eval: EvalSpec | None = None
     """Held-out evaluation (loss and perplexity in metrics, status and the dashboard); unset means none."""
+    attention_mask: AttentionMask = "causal"
+    """`causal`: each token attends to every earlier token of its sequence, across the documents packed into it;
+    `document`: only to the earlier tokens of its own document (block-causal attention at the document boundaries the
+    shards' `.idx` files store, through torchtitan's flex attention; docs/data.md, "Document masking"). `document`
+    needs shards sources (`shards`, or a mixture of shards) and no context parallelism."""
+    ledger: bool = False
+    """Audits: every rank appends the global samples it trains (step, position, source, window, epoch) to
+    `<checkpoint.mountPath>/kubetitan/ledger/rank-<r>-of-<W>.txt` (docs/data.md, "The sample ledger"); a line per
+    sample. `kubetitan run --ledger` turns it on for a local run."""
     volume: VolumeClaim | None = None
     """A claim mounted at `mountPath` that holds data (shards or a dataset copy)."""
     mount_path: str = Field(default="/data", pattern=r"^/")
@@ -306,7 +365,7 @@ class SecretKeyRef(_Base):
 class TokenizerSpec(_Base):
     """The tokenizer. Tokens and secrets are never written into the resource itself."""
 
-    source: Literal["builtin", "path", "huggingface"] = "builtin"
+    source: TokenizerSource = "builtin"
     """`builtin`: the small byte-level tokenizer shipped with the trainer (debug runs);
     `path`: a directory with `tokenizer.json` inside the image or a volume;
     `huggingface`: downloaded from the hub at start (Llama 3 needs a token)."""
@@ -375,7 +434,7 @@ class ResourcesSpec(_Base):
     processes_per_node: int | None = Field(default=None, ge=1, le=64)
     """Training processes per pod (torchrun `--nproc-per-node`). Unset means one per GPU,
     or 1 on CPU."""
-    platform: Literal["generic", "eks", "hyperpod"] = "generic"
+    platform: Platform = "generic"
     """Cluster flavour. `eks` adds EFA settings; `hyperpod` also requires nodes whose
     SageMaker HyperPod health label says they are schedulable."""
     instance_type: str | None = None
@@ -392,7 +451,7 @@ class ResourcesSpec(_Base):
     efa_per_node: int | None = Field(default=None, ge=0, le=64)
     """EFA interfaces per pod (`vpc.amazonaws.com/efa`). Unset means all of the instance
     type's interfaces on `eks`/`hyperpod`, none elsewhere."""
-    network_fallback: Literal["Fail", "AllowSockets"] = "Fail"
+    network_fallback: NetworkFallback = "Fail"
     """What the trainer does when EFA was requested on `eks`/`hyperpod` but NCCL is not on it after
     the first step (no aws-ofi-nccl plugin in the image, or not its `efa` provider): `Fail` ends the
     run with exit code 5; `AllowSockets` logs a warning and trains over TCP sockets (a fraction of
@@ -470,7 +529,7 @@ class RunPolicySpec(_Base):
     re-creates the gang only if none did within 30 s more (a frozen launcher or pod). The launchers take this and
     `hangTimeoutPolicy` when their pods are created: a change reaches them with the next re-created attempt (the
     operator's own rule applies it at once)."""
-    hang_timeout_policy: Literal["Auto", "Fixed"] = "Auto"
+    hang_timeout_policy: HangTimeoutPolicy = "Auto"
     """`Fixed`: the hang timeout is `hangTimeoutSeconds`. `Auto`: it is 10 x the median step time the trainer
     reports (at least 30 s, or the operator's `--hang-floor-seconds`; at most `hangTimeoutSeconds`) once 5 steps of the current workers are seen, and
     `hangTimeoutSeconds` before that; a checkpoint step adds `checkpoint.saveTimeoutSeconds` in both."""
@@ -539,6 +598,43 @@ class MonitoringSpec(_Base):
     """Write TensorBoard event files under the checkpoint mount (`tb/`)."""
 
 
+class RuntimeSpec(_Base):
+    """Tuning of the trainer's recovery and compile internals, rendered into `trainer.toml`'s `[kubetitan.runtime]`
+    and read by every worker process as it starts. The defaults are the settings measured best
+    (docs/reliability.md); change one to measure it on your hardware. A change reaches the pods with the next
+    attempt."""
+
+    restore_tier_read: TierRead = "pread"
+    """How an in-place restart's load from the node-local restore tier reads its files: `pread` (straight into the
+    loader threads' pinned buffers: no mapping, no page faults) or `map` (a read-only mapping, copied through pinned
+    buffers)."""
+    restore_tier_load_threads: int = Field(default=0, ge=0, le=256)
+    """Threads that copy the restore tier into the training state; 0: automatic (`pread`: the pod's CPUs over its
+    workers, 2 to 16; `map`: 1 when torch's own copies are parallel, else 4)."""
+    defer_optimizer_load: bool = True
+    """Load the optimizer's part of a restore-tier load in the background while the first step's forward and
+    backward run (the step waits for it before the optimizer's update); false: all of it before the first step."""
+    defer_threads: int = Field(default=4, ge=1, le=64)
+    """Threads of the background part of a restore-tier load (more copy faster but slow the first step's compile,
+    which shares the interpreter with them)."""
+    defer_switch_interval_ms: int = Field(default=0, ge=0, le=1000)
+    """Python's thread switch interval in milliseconds while the background part is copied; 0: Python's own
+    (5 ms). Shorter hands the interpreter to the copy threads sooner."""
+    staging_write: StagingWrite = "pwrite"
+    """How the checkpoint stager writes its staged copy into the restore tier's files: `pwrite` (threads write them;
+    the worker never maps them) or `map` (copies into a mapping of the files)."""
+    staging_write_threads: int = Field(default=8, ge=1, le=64)
+    """Threads that write the staged copy in the `pwrite` mode."""
+    early_cuda_context: bool = False
+    """Create each worker's CUDA context on a side thread as it starts, instead of on torch's first CUDA call
+    (no gain measured yet)."""
+    aot_compile: bool = False
+    """Compile ahead of time: compiled transformer blocks get an artefact that a restarted worker loads instead of
+    compiling (single-process runs only; rank 0 makes it once, in the compile cache's folder), and the AOTAutograd
+    cache may serve the recipe's graphs (their functions are marked cacheable, keyed by their packages' versions
+    and sources). Off: the blocks compile as torch does. Needs `precision.compile`."""
+
+
 class LlamaPretrainSpec(_Base):
     """Desired state of a Llama 3 pre-training run."""
 
@@ -564,6 +660,8 @@ class LlamaPretrainSpec(_Base):
     """Queueing and gang scheduling."""
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     """Metrics and TensorBoard."""
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    """Tuning of the trainer's recovery and compile internals."""
 
 
 # -------------------------------------------------------------------------- status
@@ -659,6 +757,17 @@ class RestartRecord(_Base):
     """`Shrink`/`Grow`: the gang's size (nodes) of the next attempt."""
 
 
+class SourceLossStatus(_Base):
+    """One data source of a mixture: its losses (nats per token)."""
+
+    name: str
+    """The source's name (`spec.data.mixture[].name`, else its directory's or dataset's)."""
+    loss: float | None = None
+    """Its training loss at the step of the status's training loss."""
+    eval_loss: float | None = None
+    """Its held-out loss at the newest evaluation."""
+
+
 class TrainingStatus(_Base):
     """Training progress scraped from rank 0's metrics."""
 
@@ -684,6 +793,8 @@ class TrainingStatus(_Base):
     """Perplexity on the held-out samples at `evalStep` (exp of `evalLoss`)."""
     eval_step: int | None = None
     """Step of the newest held-out evaluation."""
+    sources: list[SourceLossStatus] = Field(default_factory=list, max_length=64)
+    """A mixture's losses by data source (training loss at `step`, held-out loss at `evalStep`), sorted by name."""
     last_checkpoint_step: int | None = None
     """Step of the newest complete checkpoint."""
     eta: str | None = None
@@ -818,15 +929,60 @@ class LlamaPretrain(_Base):
 
 
 # ------------------------------------------------------------------ derived values
+@dataclass(frozen=True)
+class ShardsPath:
+    """One shards directory a run reads: where the spec names it, where the trainer's ``[kubetitan.data]`` table
+    carries it, and the path (a directory in the pod or ``s3://bucket/prefix``)."""
+
+    spec_field: str
+    """The wire field without ``spec.``, e.g. ``data.mixture[1].shards.path``."""
+    table_field: str
+    """The trainer's key, e.g. ``kubetitan.data.mixture_paths[1]``."""
+    path: str
+    held_out: bool = False
+    """The held-out evaluation set (read only when evaluation is on)."""
+
+    @property
+    def field(self) -> str:
+        """Both names, as the trainer's errors give them."""
+        return f"{self.table_field} (spec.{self.spec_field})"
+
+
+def shards_paths(source: str, shards_path: str, mixture: Sequence[str | None], eval_shards_path: str
+                 ) -> list[ShardsPath]:
+    """Every shards path a run reads, the one rule for the spec (:func:`spec_shards_paths`) and for the trainer's
+    table (``kubetitan_core.contract.trainer_toml.table_shards_paths``): the source's with ``source: shards``, each
+    mixture entry that is a shards directory with ``source: mixture`` (None: a hub dataset), then the held-out set's;
+    empty paths left out."""
+    out = [ShardsPath("data.shards.path", "kubetitan.data.shards_path", shards_path)] if source == "shards" else []
+    if source == "mixture":
+        out += [ShardsPath(f"data.mixture[{i}].shards.path", f"kubetitan.data.mixture_paths[{i}]", p)
+                for i, p in enumerate(mixture) if p is not None]
+    out.append(ShardsPath("data.eval.shards.path", "kubetitan.data.eval_shards_path", eval_shards_path, held_out=True))
+    return [p for p in out if p.path]
+
+
+def spec_shards_paths(s: LlamaPretrainSpec) -> list[ShardsPath]:
+    """:func:`shards_paths` of a spec."""
+    d = s.data
+    return shards_paths(d.source, d.shards.path if d.shards is not None else "",
+                        [m.shards.path if m.shards is not None else None for m in d.mixture],
+                        d.eval.shards.path if d.eval is not None and d.eval.shards is not None else "")
+def weight_schedules(s: LlamaPretrainSpec) -> list[WeightSchedule]:
+    """Each mixture source's weight schedule (:mod:`kubetitan_core.weights`), percentages resolved against
+    `training.steps`; a point that sets neither `step` nor `percent` is at step 0 (validation refuses it)."""
+    out = []
+    for m in s.data.mixture or []:
+        sch = m.schedule
+        points = tuple((p.step if p.step is not None else percent_step(p.percent, s.training.steps)
+                        if p.percent is not None else 0, p.weight) for p in (sch.points if sch else []))
+        out.append(WeightSchedule(m.weight, sch.interpolation if sch else "linear", points))
+    return out
+
+
 def reads_s3_shards(s: LlamaPretrainSpec) -> bool:
     """Whether any shards path the trainer reads is ``s3://`` (then the pod stages them: plan and render)."""
-    d = s.data
-    used = [m.shards.path for m in d.mixture if m.shards is not None] if d.source == "mixture" else []
-    if d.source == "shards" and d.shards is not None:
-        used.append(d.shards.path)
-    if d.eval is not None and d.eval.shards is not None:
-        used.append(d.eval.shards.path)
-    return any(v.startswith("s3://") for v in used)
+    return any(is_s3_uri(p.path) for p in spec_shards_paths(s))
 
 
 def elastic_sizes(spec: LlamaPretrainSpec) -> range:

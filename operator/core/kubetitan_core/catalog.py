@@ -1,4 +1,6 @@
-"""Facts the validator, the planner and the trainer share: model flavours and accelerators.
+"""Facts the validator, the planner and the trainer share: model flavours, accelerators, instance types.
+
+The Kubernetes label and resource names of the nodes and pods these run on are defined here too.
 
 Pure data, no I/O. The model dimensions are torchtitan 0.2.2's Llama 3 flavours
 (``torchtitan/models/llama3/__init__.py``); a test checks them against the installed
@@ -8,7 +10,17 @@ torchtitan so that the two cannot drift.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+
+# ---- Kubernetes names of the nodes and the pods: defined here once (the planner, the elastic capacity, the node
+# observation, the validator and the admin policy read them)
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 
 
 @dataclass(frozen=True)
@@ -192,16 +204,6 @@ def unknown_instance_type_warning(instance_type: str | None, gpus_per_node: int,
     return (f"instance type {instance_type} is not in kubetitan's catalog (operator/core/kubetitan_core/catalog.py); "
             f"assuming {gpus_per_node} GPUs per node (spec.resources.gpusPerNode, not checked), {efa}, {gpu}, "
             f"and {mem}")
-
-
-def instance_type_warning(spec: Any) -> str | None:
-    """:func:`unknown_instance_type_warning` of a ``LlamaPretrainSpec`` (the CLI prints it, the operator sends
-    it as a Warning Event ``UnknownInstanceType``: it is a row of ``kubetitan_core.warning_rules``)."""
-    from kubetitan_core.api import processes_per_node  # lazy: importing the catalog needs no pydantic
-
-    r = spec.resources
-    return unknown_instance_type_warning(r.instance_type, r.gpus_per_node, r.efa_per_node, r.gpu_product,
-                                         processes_per_node(spec), r.cpu, r.memory)
 
 
 def product_of(device_name: str | None) -> str | None:

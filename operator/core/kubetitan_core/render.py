@@ -16,12 +16,12 @@ from typing import Any
 import tomli_w
 
 from kubetitan_core import contract
-from kubetitan_core.api import (HuggingFaceDataSpec, LlamaPretrain, LlamaPretrainSpec, MixtureSourceSpec, S3Access,
-                                reads_s3_shards, resolved_dp_shard)
+from kubetitan_core.api import (HuggingFaceDataSpec, LlamaPretrain, LlamaPretrainSpec, S3Access, reads_s3_shards,
+                                resolved_dp_shard, weight_schedules)
 from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES
 from kubetitan_core.contract.trainer_toml import (Kubetitan, KubetitanCheckpointStorage, KubetitanData,
-                                                  KubetitanDataS3, KubetitanModel, KubetitanPreflight, KubetitanTokenizer,
-                                                  to_table)
+                                                  KubetitanDataS3, KubetitanModel, KubetitanPreflight, KubetitanRuntime,
+                                                  KubetitanTokenizer, to_table)
 
 TRAIN_SPEC_NAME = "kubetitan_llama3"
 """The torchtitan TrainSpec the trainer registers (Llama 3 + kubetitan's data and metrics)."""
@@ -164,9 +164,12 @@ def efa_per_node(s: LlamaPretrainSpec) -> int:
     return 0
 
 
-def _mixture(mixture: list[MixtureSourceSpec]) -> dict[str, Any]:
+def _mixture(s: LlamaPretrainSpec) -> dict[str, Any]:
     """A mixture as parallel lists (one entry per source): a shards source's path and dtype, a hub source's dataset
-    in ``mixture_paths`` and its settings in the ``mixture_hf_*`` lists (set only when a hub source is there)."""
+    in ``mixture_paths`` and its settings in the ``mixture_hf_*`` lists (set only when a hub source is there); weight
+    schedules as flat lists of points (``mixture_schedule_*``, set only when a source has one; percentages resolved
+    to steps)."""
+    mixture = s.data.mixture
     hub = [m.huggingface for m in mixture]
     keys: dict[str, Any] = {
         "mixture_paths": [m.shards.path if m.shards else h.dataset for m, h in zip(mixture, hub)],  # type: ignore[union-attr]
@@ -180,13 +183,21 @@ def _mixture(mixture: list[MixtureSourceSpec]) -> dict[str, Any]:
                      "mixture_hf_splits": [h.split if h else "" for h in hub],
                      "mixture_hf_text_fields": [h.text_field if h else "" for h in hub],
                      "mixture_hf_streaming": [h.streaming if h else True for h in hub]})
+    if any(m.schedule for m in mixture):
+        schedules = weight_schedules(s)
+        points = [(i, step, w) for i, sch in enumerate(schedules) for step, w in sch.points]
+        keys.update({"mixture_schedule_interpolations": [sch.interpolation if m.schedule else ""
+                                                         for m, sch in zip(mixture, schedules)],
+                     "mixture_schedule_sources": [p[0] for p in points],
+                     "mixture_schedule_steps": [p[1] for p in points],
+                     "mixture_schedule_weights": [p[2] for p in points]})
     return keys
 
 
 def _data(s: LlamaPretrainSpec) -> KubetitanData:
     """``[kubetitan.data]``: the source and its settings, the read order, the held-out evaluation."""
     d = s.data
-    keys: dict[str, Any] = {"source": d.source, "order": d.order}
+    keys: dict[str, Any] = {"source": d.source, "order": d.order, "ledger": d.ledger, "attention_mask": d.attention_mask}
     if d.source == "huggingface":
         hf = d.huggingface or HuggingFaceDataSpec()
         keys.update(hf_dataset=hf.dataset, hf_config=hf.config or "", hf_split=hf.split, hf_streaming=hf.streaming,
@@ -194,7 +205,7 @@ def _data(s: LlamaPretrainSpec) -> KubetitanData:
     if d.source == "shards" and d.shards is not None:
         keys.update(shards_path=d.shards.path, shards_dtype=d.shards.dtype)
     if d.source == "mixture" and d.mixture:
-        keys.update(_mixture(d.mixture))
+        keys.update(_mixture(s))
     if d.eval is not None:
         keys["eval_samples"] = d.eval.samples
         if d.eval.shards is not None:
@@ -231,6 +242,11 @@ def _storage(s: LlamaPretrainSpec) -> tuple[KubetitanCheckpointStorage, Kubetita
     return checkpoints, data
 
 
+def _runtime(s: LlamaPretrainSpec) -> KubetitanRuntime:
+    """``[kubetitan.runtime]``: ``spec.runtime``, field for field."""
+    return KubetitanRuntime(**s.runtime.model_dump())
+
+
 def kubetitan_table(lpt: LlamaPretrain) -> Kubetitan:
     """The ``[kubetitan]`` table of ``lpt``, typed (:mod:`kubetitan_core.contract.trainer_toml`): what torchtitan's
     own sections cannot say."""
@@ -254,6 +270,7 @@ def kubetitan_table(lpt: LlamaPretrain) -> Kubetitan:
         checkpoint_storage=checkpoint_storage,
         data_s3=data_s3,
         preflight=KubetitanPreflight(enabled=s.run_policy.preflight == "Enabled", gpus=s.resources.gpus_per_node),
+        runtime=_runtime(s),
     )
 
 

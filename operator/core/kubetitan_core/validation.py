@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kubetitan_core import API_VERSION, KIND, contract, k8sfields
+from kubetitan_core import API_VERSION, KIND, contract, k8sfields, weights
 from kubetitan_core.api import (
     LlamaPretrain,
     at_size,
@@ -39,10 +39,12 @@ from kubetitan_core.api import (
     processes_per_node,
     reads_s3_shards,
     resolved_dp_shard,
+    spec_shards_paths,
+    weight_schedules,
     world_size,
 )
-from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPES, InstanceType, ModelDims, accelerator_for
-from kubetitan_core.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, DATA_STAGE_MOUNT, SHM_MOUNT
+from kubetitan_core.catalog import FLAVOURS, INSTANCE_TYPE_LABEL, INSTANCE_TYPES, InstanceType, ModelDims, accelerator_for
+from kubetitan_core.contract import BUILTIN_TOKENIZER_VOCAB, CONFIG_MOUNT, DATA_STAGE_MOUNT, S3_SCHEME, SHM_MOUNT, is_s3_uri
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,24 @@ RULES: tuple[Rule, ...] = (
              "!has(self.data.mixture) || self.data.mixture.all(m, has(m.shards) != has(m.huggingface))",
              "each data.mixture source sets exactly one of shards and huggingface",
              ".data.mixture")),
+    Rule("data.mixture-schedule-point", "spec.data.mixture[].schedule.points[]", "each point sets exactly one of "
+         "step and percent",
+         cel=Cel(
+             "!has(self.data.mixture) || self.data.mixture.all(m, !has(m.schedule) || "
+             "m.schedule.points.all(p, has(p.step) != has(p.percent)))",
+             "each data.mixture[].schedule point sets exactly one of step and percent",
+             ".data.mixture")),
+    Rule("data.mixture-schedule", "spec.data.mixture[].schedule", "points in increasing step order within "
+         "training.steps; a weight of 0 only with a schedule that raises it; some source's weight above 0 at every "
+         "step", "kubetitan.data.mixture_schedule_* (weights by step)"),
+    Rule("data.attention-mask", "spec.data.attentionMask", "document needs shards sources (the .idx boundaries) and "
+         "no context parallelism",
+         cel=Cel(
+             "self.data.attentionMask != 'document' || ((self.data.source == 'shards' || (self.data.source == "
+             "'mixture' && (!has(self.data.mixture) || self.data.mixture.all(m, !has(m.huggingface))))) && "
+             "self.parallelism.contextParallelDegree == 1)",
+             "data.attentionMask document needs shards sources and no context parallelism",
+             ".data.attentionMask")),
     Rule("data.eval-held-out", "spec.data.eval", "eval.shards set when data.source is huggingface or a mixture source "
          "is (a stream has no held-out split)",
          cel=Cel(
@@ -681,7 +701,7 @@ def _resources_platform(f: Facts) -> Problems:
 @check("resources.instance-type-selector")
 def _resources_instance_type_selector(f: Facts) -> Problems:
     r = f.spec.resources
-    for label in ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type"):
+    for label in (INSTANCE_TYPE_LABEL, "beta.kubernetes.io/instance-type"):
         chosen = r.node_selector.get(label)
         if r.instance_type and chosen is not None and chosen != r.instance_type:
             yield f"spec.resources.nodeSelector[{label}]", (
@@ -794,6 +814,41 @@ def _data_mixture_source(f: Facts) -> Problems:
                                               "nor huggingface") + ": give each source exactly one of them")
 
 
+@check("data.mixture-schedule-point")
+def _data_mixture_schedule_point(f: Facts) -> Problems:
+    for i, m in enumerate(f.spec.data.mixture or []):
+        for k, p in enumerate(m.schedule.points if m.schedule else []):
+            if (p.step is None) == (p.percent is None):
+                yield f"spec.data.mixture[{i}].schedule.points[{k}]", ("sets " + ("both step and percent" if p.step
+                      is not None else "neither step nor percent") + ": give each point exactly one of them")
+
+
+@check("data.mixture-schedule")
+def _data_mixture_schedule(f: Facts) -> Problems:
+    d = f.spec.data
+    if d.source != "mixture" or not d.mixture:
+        return
+    for i, msg in weights.problems(weight_schedules(f.spec), f.spec.training.steps):
+        yield ("spec.data.mixture" if i is None else f"spec.data.mixture[{i}]"
+               + (".schedule" if d.mixture[i].schedule else ".weight")), msg
+
+
+@check("data.attention-mask")
+def _data_attention_mask(f: Facts) -> Problems:
+    d = f.spec.data
+    if d.attention_mask != "document":
+        return
+    if d.source not in ("shards", "mixture") or any(m.huggingface for m in d.mixture or []):
+        yield "spec.data.attentionMask", ("document needs the document boundaries of shards (written by `kubetitan "
+                                          f"prepare-data`), and data.source {d.source} "
+                                          + ("has a huggingface source" if d.source == "mixture" else "has none")
+                                          + ": prepare the data into shards, or set attentionMask to causal")
+    if f.spec.parallelism.context_parallel_degree > 1:
+        yield "spec.data.attentionMask", ("document is not supported with context parallelism (the sequence is split "
+                                          "over ranks): set parallelism.contextParallelDegree to 1, or attentionMask "
+                                          "to causal")
+
+
 @check("data.eval-held-out")
 def _data_eval_held_out(f: Facts) -> Problems:
     d = f.spec.data
@@ -901,24 +956,11 @@ def _checkpoint_s3_endpoint(f: Facts) -> Problems:
         yield "spec.checkpoint.storage.s3.endpoint", msg
 
 
-def shards_paths(s: LlamaPretrainSpec) -> list[tuple[str, str]]:
-    """(wire field path without ``spec.``, value) of every shards path the spec reads: source, mixture, eval."""
-    paths = []
-    if s.data.shards is not None:
-        paths.append(("data.shards.path", s.data.shards.path))
-    for i, m in enumerate(s.data.mixture or []):
-        if m.shards is not None:  # (a huggingface entry reads no shards)
-            paths.append((f"data.mixture[{i}].shards.path", m.shards.path))
-    if s.data.eval is not None and s.data.eval.shards is not None:
-        paths.append(("data.eval.shards.path", s.data.eval.shards.path))
-    return paths
-
-
 @check("data.s3-uri")
 def _data_s3_uri(f: Facts) -> Problems:
-    for path, value in shards_paths(f.spec):
-        if value.startswith("s3://") and (msg := s3_uri_error(value)) is not None:
-            yield f"spec.{path}", msg
+    for p in spec_shards_paths(f.spec):
+        if is_s3_uri(p.path) and (msg := s3_uri_error(p.path)) is not None:
+            yield f"spec.{p.spec_field}", msg
 
 
 @check("data.s3-endpoint")
@@ -1046,7 +1088,7 @@ def _path_no_dot_dot(f: Facts) -> Problems:
     s = f.spec
     paths = [("checkpoint.mountPath", s.checkpoint.mount_path), ("data.mountPath", s.data.mount_path),
              ("checkpoint.storage.hostPath", s.checkpoint.storage.host_path), ("tokenizer.path", s.tokenizer.path)]
-    paths += [(p, v) for p, v in shards_paths(s) if not v.startswith("s3://")]  # s3:// paths: data.s3-uri
+    paths += [(p.spec_field, p.path) for p in spec_shards_paths(s) if not is_s3_uri(p.path)]  # s3://: data.s3-uri
     for path, value in paths:
         if value is not None and ".." in value.split("/"):
             yield f"spec.{path}", f"{value!r} contains a '..' component; give the absolute path without it"
@@ -1179,9 +1221,9 @@ _IPV4 = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
 
 def s3_uri_error(uri: str) -> str | None:
     """Why ``uri`` is not a usable ``s3://bucket[/prefix]`` location of checkpoints or shards (None when it is)."""
-    if not uri.startswith("s3://"):
+    if not is_s3_uri(uri):
         return f"{uri!r} is not an s3:// URI; use the form s3://bucket/prefix"
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    bucket, _, prefix = uri[len(S3_SCHEME):].partition("/")
     if not _BUCKET.match(bucket) or ".." in bucket or _IPV4.match(bucket) or bucket.startswith("xn--"):
         return (f"{bucket!r} is not an S3 bucket name: 3-63 characters of lowercase letters, digits, '.' and '-', "
                 "starting and ending with a letter or digit, no '..', not an IP address; use the bucket's real name")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kubetitan_core.api import LlamaPretrain, LlamaPretrainSpec
-from kubetitan_core.catalog import unknown_instance_type_warning
+from kubetitan_core.catalog import KUEUE_QUEUE_LABEL, unknown_instance_type_warning
 from kubetitan_core.validation import Facts, known_tokenizer_vocab
 
 
@@ -357,16 +357,15 @@ def _image_unpinned(f: Facts) -> Iterator[tuple[str, str]]:
             "pin a version tag or a digest (image@sha256:...)")
 
 
-_KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
 @warns("metadata.kueue-label")
 def _kueue_label(f: Facts) -> Iterator[tuple[str, str]]:
     labels = f.obj.metadata.labels or {}
-    if _KUEUE_LABEL in labels:
-        yield f"metadata.labels.{_KUEUE_LABEL}", (
+    if KUEUE_QUEUE_LABEL in labels:
+        yield f"metadata.labels.{KUEUE_QUEUE_LABEL}", (
             "is read by Kueue on pods and Jobs, not on a LlamaPretrain: the run is not queued by it; set "
-            f"spec.scheduling.queueName: {labels[_KUEUE_LABEL]} (the operator labels the pods)")
+            f"spec.scheduling.queueName: {labels[KUEUE_QUEUE_LABEL]} (the operator labels the pods)")
 
 
 @warns("file.duplicate-name")

@@ -179,6 +179,13 @@ def _progress_panels(cfg: MonitoringConfig) -> list[Panel]:
         Panel("Tokens by data source", "Tokens/s each data source feeds the run (`spec.data.mixture` weights; "
               "one series for a single source).", [Target(q.data_tokens_rate_by_source(cfg), "{{source}}")],
               width=6),
+        Panel("Loss by data source", "A mixture's training loss by data source at the last logged step, and its "
+              "held-out loss by source at the newest evaluation (with `spec.data.eval` on the training sources' "
+              "held-out split).", [Target(q.source_loss(cfg), "train {{source}}"),
+                                   Target(q.source_eval_loss(cfg), "eval {{source}}")]),
+        Panel("Epochs by data source", "Passes over each data source's training sequences so far; above 1 the source "
+              "repeats (a small source of a mixture first).", [Target(q.data_epochs(cfg), "{{source}}")],
+              unit="none", width=6),
         Panel("Eval perplexity", "Perplexity on the held-out samples at the newest evaluation (exp of the eval "
               "loss).", [Target(q.eval_perplexity(cfg), "perplexity")], width=6, kind="stat"),
         Panel("Gradient norm", "Total gradient norm before clipping (`training.maxNorm`).",
@@ -247,8 +254,8 @@ def _checkpoint_and_restart_panels(cfg: MonitoringConfig) -> list[Panel]:
 
 def operator_panels(cfg: MonitoringConfig = DEFAULT) -> list[Panel]:
     return [
-        Panel("Operator replicas up", "Operator pods Prometheus can scrape (one is active, the others "
-              "stand by through kopf peering).", [Target(q.operator_up(cfg), "up")], width=6, kind="stat"),
+        Panel("Operator replicas up", "Operator pods Prometheus can scrape (with leader election one holds the "
+              "Lease and writes, the others stand by).", [Target(q.operator_up(cfg), "up")], width=6, kind="stat"),
         Panel("Operator version", "`kubetitan_build_info` of the running operators.",
               [Target(q.build_info(cfg), "{{version}}")], width=6, kind="stat"),
         Panel("LlamaPretrains by phase", "Number of LlamaPretrain resources in each phase.",

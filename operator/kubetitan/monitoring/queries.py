@@ -8,21 +8,13 @@ the live test can run each query against a real Prometheus. Dashboard variables 
 from __future__ import annotations
 
 from kubetitan_core import contract as c
+# The operator's own metrics, named in the contract (operator_metrics.py exports them by the same names); the alerts
+# and dashboards read them as q.OP_*.
+from kubetitan_core.contract import (OP_BUILD_INFO, OP_JOB_GOODPUT, OP_JOB_MFU, OP_JOB_PHASE_INFO,  # noqa: F401
+                                     OP_JOB_RESTARTS, OP_JOB_STEP, OP_JOB_TOKENS_PER_SECOND, OP_LLAMAPRETRAINS,
+                                     OP_RECONCILE_DURATION, OP_RECONCILE_ERRORS, OP_RECOVERY_DURATION, OP_RESTARTS)
 from kubetitan.monitoring.config import MonitoringConfig
 
-# ---- the operator's own metrics (operator/kubetitan/operator_metrics.py exports them)
-OP_LLAMAPRETRAINS = "kubetitan_operator_llamapretrains"
-OP_RESTARTS = "kubetitan_operator_restarts_total"
-OP_RECONCILE_DURATION = "kubetitan_operator_reconcile_duration_seconds"
-OP_RECONCILE_ERRORS = "kubetitan_operator_reconcile_errors_total"
-OP_RECOVERY_DURATION = "kubetitan_operator_recovery_duration_seconds"
-OP_JOB_STEP = "kubetitan_operator_job_step"
-OP_JOB_TOKENS_PER_SECOND = "kubetitan_operator_job_tokens_per_second"
-OP_JOB_MFU = "kubetitan_operator_job_mfu_ratio"
-OP_JOB_GOODPUT = "kubetitan_operator_job_goodput_ratio"
-OP_JOB_RESTARTS = "kubetitan_operator_job_restarts"
-OP_JOB_PHASE_INFO = "kubetitan_operator_job_phase_info"
-BUILD_INFO = "kubetitan_build_info"
 # Trainer metric the alerts need beyond contract.M_* (the trainer exports it; see docs/monitoring.md).
 # The alert falls back to config.checkpoint_interval_steps_default while the trainer does not export it.
 M_CHECKPOINT_INTERVAL_STEPS = c.M_CHECKPOINT_INTERVAL
@@ -73,6 +65,21 @@ def eval_perplexity(cfg: MonitoringConfig) -> str:
 def data_tokens_rate_by_source(cfg: MonitoringConfig) -> str:
     """Tokens/s each data source feeds the job (every pod counts the whole global stream: max, not sum)."""
     return f"max by (source) (rate({c.M_DATA_TOKENS}{{{run_selector(cfg)}}}[{RATE}]))"
+
+
+def source_loss(cfg: MonitoringConfig) -> str:
+    """A mixture's training loss by data source at the last logged step."""
+    return f"max by (source) ({c.M_SOURCE_LOSS}{{{run_selector(cfg)}}})"
+
+
+def source_eval_loss(cfg: MonitoringConfig) -> str:
+    """A mixture's held-out loss by data source at the newest evaluation."""
+    return f"max by (source) ({c.M_SOURCE_EVAL_LOSS}{{{run_selector(cfg)}}})"
+
+
+def data_epochs(cfg: MonitoringConfig) -> str:
+    """Passes over each data source so far (above 1: it repeats)."""
+    return f"max by (source) ({c.M_DATA_EPOCHS}{{{run_selector(cfg)}}})"
 
 
 def grad_norm(cfg: MonitoringConfig) -> str:
@@ -272,4 +279,4 @@ def jobs_table(cfg: MonitoringConfig, metric: str) -> str:
 
 
 def build_info(cfg: MonitoringConfig) -> str:
-    return f"max by (version) ({BUILD_INFO}{{{cfg.operator}}})"
+    return f"max by (version) ({OP_BUILD_INFO}{{{cfg.operator}}})"

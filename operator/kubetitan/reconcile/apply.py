@@ -8,8 +8,8 @@
 - the PodGroups of ended attempts (``Decision.delete_pod_groups``), each deleted once;
 - the run itself, deleted when its TTL after finishing has passed.
 
-A live attempt's pods are rendered only from the spec the attempt was created from (the ConfigMap's applied-spec
-annotation): an edit never changes or adds to a running gang.
+A live attempt's pods are rendered only from the spec the attempt was created from (the ConfigMap's
+``applied-spec.json``): an edit never changes or adds to a running gang.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan import fanout, plan
 from kubetitan.decide import Action, ChildError, Decision, parse_time
 from kubetitan.kube import RETRY_WAIT, Client, classify, message_of
-from kubetitan.reconcile.context import ANNOTATION_APPLIED_SPEC, Context
+from kubetitan.reconcile.context import APPLIED_SPEC_KEY, LEGACY_ANNOTATION_APPLIED_SPEC, Context
 from kubetitan.reconcile.memory import RunMemory
 from kubetitan.reconcile.snapshot import Snapshot
 
@@ -123,10 +123,9 @@ async def create_attempt(ctx: Context, snap: Snapshot, memory: RunMemory, status
     groups = bool(ranks) and await _in_pod_group(ctx, snap, lpt, started)
     children = plan.attempt_children(lpt, attempt, job_start_time=parse_time(status.start_time), avoid_nodes=avoid,
                                      hang_floor_seconds=ctx.options.hang_floor_seconds, nodes=status.nodes,
-                                     ranks=ranks, pod_groups=groups)
+                                     ranks=ranks, pod_groups=groups, prepared=True)
     cm = next(c for c in children if c["kind"] == "ConfigMap")
-    cm["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_SPEC] = json.dumps(
-        spec_of_attempt, sort_keys=True, separators=(",", ":"))
+    cm["data"][APPLIED_SPEC_KEY] = json.dumps(spec_of_attempt, sort_keys=True, separators=(",", ":"))
     pods = [c for c in children if c["kind"] == "Pod"]
     # the PodGroup goes with every round that sends pods (unless created moments ago): created before them, and
     # created again if it was deleted while the attempt goes on (a pod naming a missing PodGroup is never scheduled)
@@ -140,7 +139,7 @@ async def create_attempt(ctx: Context, snap: Snapshot, memory: RunMemory, status
     exp.expect_created(done.created, exp.now())
     if cm["metadata"]["name"] in done.created:
         memory.applied_spec, memory.applied_loaded = spec_of_attempt, True
-    memory.refusals.attempt, memory.refusals.errors = attempt, done.errors
+    memory.refusals.attempt, memory.refusals.errors, memory.refusals.namespace = attempt, done.errors, snap.namespace
     made = len({p["metadata"]["name"] for p in pods} & set(done.created))
     if done.errors:
         return Created(attempt, done.errors, not_created=len(pods) - made, unsent=done.unsent,
@@ -224,7 +223,8 @@ async def create_children(client: Client, objects: list[dict[str, Any]]) -> Roun
     for cm in (o for o in objects if o["kind"] == "ConfigMap"):
         if not await one(cm) and not errors:  # ours, shared by all attempts: bring it up to date
             await client.patch("configmaps", cm["metadata"]["namespace"], cm["metadata"]["name"],
-                               {"metadata": {"annotations": cm["metadata"]["annotations"]}, "data": cm["data"]})
+                               {"metadata": {"annotations": {LEGACY_ANNOTATION_APPLIED_SPEC: None}},
+                                "data": cm["data"]})
         created += [cm["metadata"]["name"]] if not refused(cm) else []
     others = [o for o in objects if o["kind"] not in ("ConfigMap", "Pod")]
     await fanout.gather(*(one(o) for o in others))

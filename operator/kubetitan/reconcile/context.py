@@ -17,21 +17,24 @@ from kubetitan.events import Recorder
 from kubetitan.kube import Client
 from kubetitan.leader import AlwaysLeader, LeaseConfig
 from kubetitan.observe import (
-    DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_TIMEOUT_SECONDS, Scraper,
+    DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_MAX_SERIES, DEFAULT_SCRAPE_TIMEOUT_SECONDS,
+    Scraper,
 )
 from kubetitan.operator_metrics import OperatorMetrics
 from kubetitan.reconcile.memory import RunMemory
 
-ANNOTATION_APPLIED_SPEC = "kubetitan.io/applied-spec"
-"""On the run's ConfigMap: the spec (JSON) the current attempt was created from."""
+APPLIED_SPEC_KEY = "applied-spec.json"
+"""Key of the run's ConfigMap holding the spec (JSON) the current attempt was created from. In ``data``, not in an
+annotation: a ConfigMap's data may hold 1 MiB, its annotations only 256 KiB together, and a spec of a few hundred
+KiB (a long ``env``) is valid. The pods mount only the trainer config key of the ConfigMap (``plan``)."""
+LEGACY_ANNOTATION_APPLIED_SPEC = "kubetitan.io/applied-spec"
+"""Where an older operator kept it (read for an attempt it created; removed at the next attempt's write)."""
 
 
 @dataclass
 class Options:
     namespaces: list[str] = field(default_factory=list)
     all_namespaces: bool = False
-    peering: str | None = None
-    priority: int = 0
     metrics_port: int | None = 8080
     metrics_addr: str = "0.0.0.0"
     liveness: str | None = None
@@ -45,6 +48,8 @@ class Options:
     """The most bytes of one /metrics body the operator reads (``--scrape-max-bytes``)."""
     scrape_concurrency: int = DEFAULT_SCRAPE_CONCURRENCY
     """Scrapes in flight at once across all runs (``--scrape-concurrency``)."""
+    scrape_max_series: int = DEFAULT_SCRAPE_MAX_SERIES
+    """The most series of one /metrics body the operator parses (``--scrape-max-series``)."""
     hang_floor_seconds: float = float(AUTO_HANG_FLOOR_SECONDS)
     """The floor of ``runPolicy.hangTimeoutPolicy: Auto`` (``--hang-floor-seconds``)."""
     resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
@@ -58,7 +63,7 @@ class Options:
     """The cluster admin's policy (``--policy-*`` flags): a valid spec outside it is refused like an invalid one."""
     leader: LeaseConfig | None = None
     """Leader election (``--leader-elect``): only the holder of this Lease writes. None: this replica always writes
-    (alone, or under kopf peering)."""
+    (it runs alone)."""
     webhook: webhook_mod.WebhookOptions | None = None
     """The validating admission webhook (``--webhook-*``, ``--requester-checks``; kubetitan.webhook); None: none."""
 

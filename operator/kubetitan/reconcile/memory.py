@@ -90,6 +90,8 @@ class CreateRefusals:
 
     attempt: int = -1
     """The attempt whose children ``errors`` are about."""
+    namespace: str = ""
+    """The run's namespace (a ResourceQuota change there ends the backoff: ``retry_now``)."""
     errors: tuple[ChildError, ...] = ()
     """Children the API refused on the last create of ``attempt`` (fed to the next decision)."""
     failures: int = 0
@@ -115,6 +117,14 @@ class CreateRefusals:
 
     def succeeded(self) -> None:
         self.failures, self.retry_at = 0, float("-inf")
+
+    def retry_now(self) -> bool:
+        """What refused the last round may have changed (a ResourceQuota of the namespace, the run's spec): the next
+        cycle sends the round at once instead of waiting out the backoff (refused again, the backoff goes on
+        doubling). True when a backoff was cut short."""
+        waiting = bool(self.errors) and self.backoff_left() > 0
+        self.retry_at = float("-inf")
+        return waiting
 
 
 @dataclass
@@ -165,7 +175,7 @@ class RunMemory:
     """The status as just read from the API (a new term, or a stale status): the next cycle starts from it, not
     from the watched one, which may be older."""
     applied_spec: dict[str, Any] | None = None
-    """The spec the current attempt was created from: the ConfigMap's applied-spec annotation, read once per
+    """The spec the current attempt was created from: the ConfigMap's ``applied-spec.json``, read once per
     attempt (one GET, not one per cycle) or as this replica wrote it."""
     applied_loaded: bool = False
     """Whether ``applied_spec`` was read or written (None may be the answer: an attempt from an older operator)."""

@@ -20,7 +20,7 @@ from kubetitan import elastic, plan, policy, scraped
 from kubetitan.decide import NodeObs, nodes_to_avoid
 from kubetitan import status as status_mod
 from kubetitan.observe import node_obs, pod_obs, spec_changes
-from kubetitan.reconcile.context import ANNOTATION_APPLIED_SPEC, Context
+from kubetitan.reconcile.context import APPLIED_SPEC_KEY, LEGACY_ANNOTATION_APPLIED_SPEC, Context
 from kubetitan.reconcile.memory import Packed, RunMemory, spec_digest
 from kubetitan.reconcile.snapshot import Scrape, Snapshot, all_nodes, child_names, children_of, nodes_of, pods_of
 
@@ -56,18 +56,24 @@ async def observe(ctx: Context, memory: RunMemory, body: Mapping[str, Any], *, p
     if snap.lpt.spec.run_policy.elastic is not None:  # the nodes that fit one pod of the gang (only then: a walk)
         snap = dataclasses.replace(snap, capacity=elastic.run_capacity(
             snap.lpt, snap.attempt, nodes_to_avoid(snap.status.restarts), all_nodes(nodes_index), snap.now))
-    scrape = await _scrape(ctx, memory, snap)
     current = snap.current
-    if current and not memory.applied_loaded:
+    if current and not memory.applied_loaded:  # before the scrape: the attempt's spec bounds its values too
         assert ctx.client is not None
         cm = await ctx.client.get("configmaps", snap.namespace, plan.config_map_name(snap.name))
-        raw = ((cm or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_APPLIED_SPEC)
-        memory.applied_spec, memory.applied_loaded = (json.loads(raw) if raw else None), True
+        memory.applied_spec, memory.applied_loaded = applied_spec_of(cm), True
+    scrape = await _scrape(ctx, memory, snap)
     missing = ()
     if current and snap.children_shown is not None:
         missing = memory.expected.missing(snap.attempt, {c: c in snap.children_shown for c in child_names(snap.name)})
     return dataclasses.replace(snap, scrape=scrape, applied_spec=memory.applied_spec, gate=_gate(memory, snap),
                                missing=missing, child_errors=memory.refusals.of(snap.attempt))
+
+
+def applied_spec_of(cm: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The spec the attempt was created from, as its ConfigMap holds it (None: none there)."""
+    raw = ((cm or {}).get("data") or {}).get(APPLIED_SPEC_KEY) or \
+        (((cm or {}).get("metadata") or {}).get("annotations") or {}).get(LEGACY_ANNOTATION_APPLIED_SPEC)
+    return json.loads(raw) if raw else None
 
 
 async def confirm_missing(nodes: Mapping[str, NodeObs], get: Callable[..., Awaitable[Any]]) -> Mapping[str, NodeObs]:
@@ -124,13 +130,14 @@ async def _scrape(ctx: Context, memory: RunMemory, snap: Snapshot) -> Scrape:
     if rank0 is None or rank0.phase != "Running" or not rank0.pod_ip or ctx.scraper is None or \
             snap.now - memory.reported.last_scrape < ctx.options.scrape_interval * ctx.clock_rate():
         return Scrape()
-    got = await ctx.scraper.scrape(ctx.session, rank0.pod_ip, snap.lpt.spec.monitoring.metrics_port)
+    got = await ctx.scraper.scrape(ctx.session, rank0.pod_ip, snap.lpt.spec.monitoring.metrics_port, key=snap.uid)
     memory.reported.last_scrape = snap.now
     if got.reason is not None:
         ctx.metrics.scrape_failures.labels(got.reason).inc()
     if got.metrics is None:
         return Scrape(error=got.error, reason=got.reason)
-    metrics, refused = scraped.check(got.metrics, attempt=snap.attempt, prev=snap.status.observation, now=snap.now)
+    metrics, refused = scraped.check(got.metrics, attempt=snap.attempt, prev=snap.status.observation, now=snap.now,
+                                     bounds=scraped.SpecBounds.of(snap.lpt.spec, memory.applied_spec))
     return Scrape(metrics=metrics, error=got.error, reason=got.reason, refused=tuple(refused))
 
 

@@ -46,9 +46,11 @@ def merge_patch(old: Any, new: Any) -> Any:
     return out
 
 
-async def event(ctx: Context, body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-    """A Kubernetes Event on the run, aggregated: a repeat counts on the same Event (``kubetitan.events``)."""
-    await ctx.recorder.record(body, type_, reason, message)
+async def event(ctx: Context, body: Mapping[str, Any], type_: str, reason: str, message: str,
+                known: bool = False) -> None:
+    """A Kubernetes Event on the run, aggregated: a repeat counts on the same Event (``kubetitan.events``).
+    ``known``: a state reported once per change (``Recorder.record``): not counted again after a restart."""
+    await ctx.recorder.record(body, type_, reason, message, known=known)
 
 
 async def status(ctx: Context, snap: Snapshot, memory: RunMemory, d: Decision, new: LlamaPretrainStatus) -> None:
@@ -78,14 +80,15 @@ async def invalid(ctx: Context, snap: Snapshot, memory: RunMemory) -> None:
     memory.written = new
     ctx.metrics.set_phase(snap.namespace, snap.name, new.phase, C.phase_reason(new.conditions, new.phase))  # first
     if new.dump() != old_raw and new.message != old.message:  # one Warning Event per new refusal
-        await event(ctx, snap.body, "Warning", C.POLICY_VIOLATION if refused else C.INVALID_SPEC, new.message or "")
+        await event(ctx, snap.body, "Warning", C.POLICY_VIOLATION if refused else C.INVALID_SPEC, new.message or "",
+                    known=True)
 
 
 async def observation(ctx: Context, snap: Snapshot, memory: RunMemory) -> None:
     """The snapshot's own Warnings, once per change: the spec's warnings, and scraped values refused."""
     reported = memory.reported
     for rule, message in sorted(snap.warnings - reported.warned):
-        await event(ctx, snap.body, "Warning", warning_rules.RULE_BY_ID[rule].reason, message)
+        await event(ctx, snap.body, "Warning", warning_rules.RULE_BY_ID[rule].reason, message, known=True)
     reported.warned = snap.warnings
     if snap.scrape.metrics is None:
         return  # no values were checked this cycle
@@ -96,7 +99,7 @@ async def observation(ctx: Context, snap: Snapshot, memory: RunMemory) -> None:
     if sig != reported.refused_values and refused:
         log.warning("Refused scraped values of LlamaPretrain %s/%s: %s", snap.namespace, snap.name,
                     "; ".join(map(str, refused)))
-        await event(ctx, snap.body, "Warning", C.METRICS_VALUE_REFUSED, scraped.summary(refused))
+        await event(ctx, snap.body, "Warning", C.METRICS_VALUE_REFUSED, scraped.summary(refused), known=True)
     reported.refused_values = sig
 
 

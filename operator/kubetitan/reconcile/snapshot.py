@@ -73,7 +73,7 @@ class Snapshot:
     missing: tuple[str, ...] = ()
     """The run's ConfigMap/Service that are gone while the attempt runs (``Expectations.missing``)."""
     applied_spec: Mapping[str, Any] | None = None
-    """The spec the current attempt was created from (its ConfigMap's applied-spec annotation)."""
+    """The spec the current attempt was created from (its ConfigMap's ``applied-spec.json``)."""
     gate: tuple[str | None, str | None, str | None] = (None, None, None)
     """``status.spec_gate`` of the desired spec against ``applied_spec``: (block, its reason, deferred)."""
     child_errors: tuple[ChildError, ...] = ()

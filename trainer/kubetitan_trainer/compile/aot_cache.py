@@ -1,4 +1,4 @@
-"""Let torch's AOTAutograd cache serve the recipe's compiled graphs (issue 29, item 3: warm start without
+"""Let torch's AOTAutograd cache serve the recipe's compiled graphs (a warm start without
 compilation).
 
 With a warm compile cache, a new worker process still traces every compiled region with Dynamo, then asks the
@@ -23,7 +23,9 @@ the Functions' forward and backward), which is why their versions, and a Functio
 arguments they are called with are part of the traced graph that the key hashes. Torchao's float8 Functions get their stand-ins when
 :func:`enable` runs (when torchao's float8 modules are loaded), so the cache keys do not depend on the order in
 which regions compile; another allowed-in-graph Function gets one when Dynamo first meets it. Called by kubetitan's
-TrainSpec before it compiles anything (:func:`kubetitan_trainer.train_spec.wrap_parallelize`).
+TrainSpec before it compiles anything (:func:`kubetitan_trainer.train_spec.wrap_parallelize`), and only with
+``[kubetitan.runtime] aot_compile`` on (``spec.runtime.aotCompile``, off by default): a key that missed a change would
+serve a silently wrong graph, so this stays opt-in until shown safe; off, this module is never imported.
 """
 
 from __future__ import annotations

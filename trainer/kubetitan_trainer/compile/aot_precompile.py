@@ -1,15 +1,15 @@
-"""Transformer blocks compiled ahead of time: a restarted worker loads them instead of compiling (issue 29, item 3).
+"""Transformer blocks compiled ahead of time: a restarted worker loads them instead of compiling.
 
-With a warm compile cache a new worker still spends ~2 s of its first step in torch.compile (an H100, device calls
-21-22): Dynamo traces each compiled region again (~0.85 s), then the caches hand back the graphs and their kernels.
+With a warm compile cache a new worker still spends ~2 s of its first step in torch.compile (an H100,
+bench/device/recovery_deferred_copy.sh): Dynamo traces each compiled region again (~0.85 s), then the caches hand back the graphs and their kernels.
 torch 2.11 can compile a ``fullgraph`` region ahead of time into bytes that hold its guards, its bytecode and its
 compiled forward and backward (``torch._dynamo.aot_compile``, experimental). Loading them needs no trace, and
 needs no module either, so it runs on a thread of its own while the worker builds its model and loads its
 checkpoint.
 
-Opt-in (``KUBETITAN_AOT_PRECOMPILE=1``). On an H100 (device calls 26-28, docs/reliability.md) every block call of a
-restarted worker ran the artefact, and the first step's compile took 0.55-0.80 s instead of 2.2-3.0 s; it stays
-opt-in until the H200 recipe has run with it. With compile on:
+Opt-in (``spec.runtime.aotCompile``, ``[kubetitan.runtime] aot_compile``). On an H100 (docs/reliability.md) every
+block call of a restarted worker ran the artefact, and the first step's compile took 0.55-0.80 s instead of 2.2-3.0
+s; it stays opt-in until the H200 recipe has run with it. With compile on:
 
 - :func:`install` (kubetitan's TrainSpec, after torchtitan's parallelize) gives every compiled transformer block a
   :class:`Dispatch` forward. If the artefact for these blocks exists it starts loading it in the background.
@@ -56,13 +56,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kubetitan_trainer import atomic, compat, knobs
+from kubetitan_trainer import atomic, compat, runtime
 from kubetitan_trainer.compile import compile_cache
 
 log = logging.getLogger(__name__)
 
-ENV = "KUBETITAN_AOT_PRECOMPILE"
-"""``0`` (default): blocks compile as before; ``1``: blocks use (and rank 0 makes) an ahead-of-time artefact."""
 
 SUBDIR = "aot"
 """The artefacts' folder, beside the compile cache's ``inductor`` and ``triton`` folders (one cache key each)."""
@@ -101,8 +99,10 @@ def _write(path: Path, body: bytes) -> None:
     atomic.write_bytes(path, body)
 
 
-def enabled(env: Mapping[str, str] | None = None) -> bool:
-    return knobs.choice(ENV, ("0", "1"), "compiling the blocks as usual", log, env) == "1"
+def enabled() -> bool:
+    """``[kubetitan.runtime] aot_compile`` (``spec.runtime.aotCompile``): off (the default), blocks compile as torch
+    does; on, blocks use (and rank 0 makes) an ahead-of-time artefact."""
+    return runtime.settings().aot_compile
 
 
 def folder(env: Mapping[str, str] | None = None) -> Path | None:
@@ -442,7 +442,7 @@ def install(model: Any, rank: int | None = None, env: Mapping[str, str] | None =
     off, without a compile cache folder, or without compiled blocks."""
     global CURRENT
     env = os.environ if env is None else env
-    if not enabled(env):
+    if not enabled():
         return None
     world = int(env.get("WORLD_SIZE", "1") or 1)
     if world > 1:

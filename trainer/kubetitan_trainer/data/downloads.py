@@ -1,5 +1,6 @@
 """Hub downloads that survive a flaky network and run once per node, and the one retry policy of every hub access
-(:func:`with_retries`: the tokenizer download here, a hub dataset's opening in ``kubetitan_trainer.data``).
+(:func:`with_retries`, over ``kubetitan_trainer.retry``: the tokenizer download here, a hub dataset's opening in
+``kubetitan_trainer.data``).
 
 - **Once per node**: local rank 0 of each pod downloads into a private folder next to the destination, moves
   the files in (one atomic rename each) and then writes the done-marker :data:`DONE_MARKER`; the pod's other
@@ -30,6 +31,7 @@ from typing import Any
 
 from kubetitan_trainer import atomic
 from kubetitan_trainer.errors import ConfigError, TransientError
+from kubetitan_trainer.retry import first_line, retry
 
 DONE_MARKER = ".kubetitan-download-complete"
 RETRIES = 5
@@ -100,29 +102,24 @@ def with_retries(fn: Callable[[], Any], what: str, *, retries: int | None = None
                  kind: Callable[[BaseException], str | None] | None = None,
                  hint: str = "check the pod's network access to the hub (or HF_ENDPOINT)") -> Any:
     """``fn()``, retrying transient failures (``kind``, default :func:`classify`) with capped exponential backoff and
-    full jitter: the one retry policy of every hub access (the tokenizer download, a hub dataset's opening).
+    full jitter (``kubetitan_trainer.retry``): the hub's retry policy (the tokenizer download, a hub dataset's
+    opening).
 
     Raises :class:`TransientError` once ``retries`` retries failed too (its message ends with ``hint``); re-raises
     anything else at once. Unset knobs take :data:`RETRIES`, :data:`BACKOFF_BASE_SECONDS` and
     :data:`BACKOFF_CAP_SECONDS` (read at call time)."""
     kind = classify if kind is None else kind
     retries = RETRIES if retries is None else retries
-    base = BACKOFF_BASE_SECONDS if base is None else base
-    cap = BACKOFF_CAP_SECONDS if cap is None else cap
-    for attempt in range(retries + 1):
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - classified below; the rest re-raised
-            if kind(e) != TRANSIENT:
-                raise
-            if attempt == retries:
-                raise TransientError(f"{what}: still failing after {retries + 1} tries ({type(e).__name__}: "
-                                     f"{first_line(e)}). The run is restarted (exit code 6); if it keeps "
-                                     f"failing, {hint}") from e
-            delay = rand() * min(cap, base * 2**attempt)
-            log(f"{what}: {type(e).__name__}: {first_line(e)}; retry {attempt + 1}/{retries} in {delay:.1f} s")
-            sleep(delay)
-    raise AssertionError("unreachable")
+    try:
+        return retry(fn, what=what, transient=lambda e: kind(e) == TRANSIENT, attempts=retries + 1,
+                     first_wait=BACKOFF_BASE_SECONDS if base is None else base,
+                     max_wait=BACKOFF_CAP_SECONDS if cap is None else cap, jitter=rand, sleep=sleep, say=log)
+    except Exception as e:  # noqa: BLE001 - only the transient ones that outlasted the retries are turned
+        if kind(e) != TRANSIENT:
+            raise
+        raise TransientError(f"{what}: still failing after {retries + 1} tries ({type(e).__name__}: "
+                             f"{first_line(e)}). The run is restarted (exit code 6); if it keeps "
+                             f"failing, {hint}") from e
 
 
 _OFFLINE_KINDS: tuple[type[BaseException], ...] = (OSError,)
@@ -159,10 +156,6 @@ def classify_dataset(exc: BaseException) -> str | None:
         if isinstance(e, hf.LocalEntryNotFoundError):
             return TRANSIENT
     return classify(exc)
-
-
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
 
 
 def fetch_once(dest: str | Path, fetch: Callable[[str], Any], *, local_rank: int, what: str,

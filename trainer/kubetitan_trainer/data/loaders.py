@@ -52,6 +52,7 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 from torchtitan.tools.logging import logger
 
 from kubetitan_core import contract
+from kubetitan_core.weights import WeightSchedule, from_lists, step_of
 from kubetitan_trainer import compat
 from kubetitan_trainer.data import downloads
 from kubetitan_trainer.data.shards import ShardSet
@@ -67,6 +68,11 @@ SYNTHETIC_WINDOWS = 1 << 40
 LEDGER_DIR = "ledger"
 """Under ``<dump_folder>/kubetitan/``: with ``[kubetitan.data] ledger = true`` each rank appends the global samples
 it trains to ``rank-<r>.txt``, one line ``step position source window epoch`` per sample."""
+SOURCE_KEY = "kubetitan_sources"
+"""Input-dict key of each sample's source index (a mixture's per-source losses); popped before the model sees it."""
+SEGMENT_KEY = "kubetitan_segments"
+"""Input-dict key of each input token's document within its sample (``attention_mask = "document"``), read by the
+model's attention masks (:mod:`kubetitan_trainer.doc_mask`)."""
 _MASK64 = (1 << 64) - 1
 _STATE_KEY = "kubetitan_global_position"
 _RANK_STATE_KEY = "kubetitan_stream_position_dp_rank_{}"
@@ -149,6 +155,15 @@ class WindowSource:
     def held_out(self, k: int) -> np.ndarray:
         return self.window(self.windows + k)
 
+    def segments(self, k: int) -> np.ndarray:
+        """Which document of window ``k`` each of its tokens belongs to (from the ``.idx``: document masking)."""
+        try:
+            return self.shards.segments(k * self.size, self.size)
+        except ValueError as e:  # a version-1 directory records no boundaries
+            raise ConfigError("kubetitan.data.attention_mask (spec.data.attentionMask)", str(e),
+                              "re-run kubetitan prepare-data (format version 2 stores the boundaries), or set "
+                              "attentionMask to causal") from None
+
 
 def epoch_permutation(n: int, seed: int, source: int, epoch: int) -> np.ndarray:
     """A seeded permutation of ``range(n)`` for one source's epoch: numpy's ``Generator(PCG64)`` seeded with
@@ -207,6 +222,28 @@ class MixSchedule:
         """Count the weights from the current position on (they changed here)."""
         self.base_g, self.base_counts = self.g, list(self.counts)
 
+    def seek(self, g: int, counts: list[int], base_g: int | None = None, base_counts: list[int] | None = None) -> None:
+        """Continue at position ``g`` with ``counts`` samples per source, the weights counted from the base."""
+        self.g, self.counts = g, list(counts)
+        if base_g is not None and base_counts is not None:
+            self.base_g, self.base_counts = base_g, list(base_counts)
+
+    def fresh(self) -> MixSchedule:
+        """The same schedule at position 0."""
+        return MixSchedule(self.w)
+
+    def identity(self) -> Any:
+        """What a checkpoint keeps to tell whether a resumed run has the same weights (the integer weights)."""
+        return list(self.w)
+
+    def shares_at(self, step: int) -> list[float]:  # noqa: ARG002 - constant weights
+        """Each source's share of the samples of ``step`` (0-1)."""
+        return [w / self.total for w in self.w]
+
+    def announce(self, step: int, names: list[str], first: bool) -> str | None:  # noqa: ARG002 - nothing changes
+        """A line to log at the first micro-batch of ``step`` when the weights change there (None: they do not)."""
+        return None
+
     def next(self) -> int:
         n = self.g + 1 - self.base_g
         best, best_deficit = 0, None
@@ -217,6 +254,111 @@ class MixSchedule:
         self.counts[best] += 1
         self.g += 1
         return best
+
+
+SHARE_UNITS = 1 << 40
+"""A scheduled mixture's shares of a step are integers that sum to this: exact arithmetic, whose rounding moves a
+source's expected count by less than one sample in 2**40 samples."""
+
+
+class ScheduledMix(MixSchedule):
+    """Weights that change with the step (:class:`kubetitan_core.weights.WeightSchedule`, one per source): the samples
+    of step ``s`` (``[(s-1)*B, s*B)``, ``B`` the global batch in samples) are shared by the weights at ``s``. Global
+    sample ``g`` goes to the source with the largest deficit ``T_i(g+1) - (c_i - b_i) * D``, where ``T_i(n)`` sums
+    source ``i``'s share of each sample from the base to ``n`` (in units of ``D`` = :data:`SHARE_UNITS`; ties to the
+    lower index): the same rule as :class:`MixSchedule`, whose shares are constant. The deficit of every source stays
+    within one sample of its cumulative share (two sources: within half a sample), with no catching up when a
+    share changes: what a step's weights say is what that step gets. The position is a function of ``g`` alone, so
+    a resume at any world size continues it; :meth:`seek` recomputes ``T`` from the base, step by step."""
+
+    def __init__(self, schedules: list[WeightSchedule], samples_per_step: int) -> None:
+        self.schedules, self.samples_per_step = list(schedules), samples_per_step
+        n = len(self.schedules)
+        self.w = [0] * n  # no fixed weights; kept for the attribute's readers
+        self.total = SHARE_UNITS
+        self.g, self.counts = 0, [0] * n
+        self.base_g, self.base_counts = 0, [0] * n
+        self._acc = [0] * n
+        self._step, self._shares = -1, [0] * n
+
+    def shares(self, step: int) -> list[int]:
+        """The sources' shares of one sample of ``step``, integers summing to SHARE_UNITS (largest remainders)."""
+        if step != self._step:
+            ws = [sch.at(step) for sch in self.schedules]
+            tot = sum(ws)
+            if tot <= 0:
+                raise ConfigError("kubetitan.data.mixture_schedule_* (spec.data.mixture[].schedule)",
+                                  f"every source's weight is 0 at step {step}", "give some source a positive weight there")
+            exact = [w * SHARE_UNITS / tot for w in ws]
+            q = [math.floor(e) for e in exact]
+            for i in sorted(range(len(q)), key=lambda i: (q[i] - exact[i], i))[:SHARE_UNITS - sum(q)]:
+                q[i] += 1
+            self._step, self._shares = step, q
+        return self._shares
+
+    def shares_at(self, step: int) -> list[float]:
+        return [q / SHARE_UNITS for q in self.shares(step)]
+
+    def targets(self, start: int, end: int) -> list[int]:
+        """``T_i`` over samples ``[start, end)``: each step's share times its samples in the range."""
+        acc, g, b = [0] * len(self.schedules), start, self.samples_per_step
+        while g < end:
+            s = step_of(g, b)
+            upto = min(end, s * b)
+            acc = [a + (upto - g) * q for a, q in zip(acc, self.shares(s))]
+            g = upto
+        return acc
+
+    def rebase(self) -> None:
+        super().rebase()
+        self._acc = [0] * len(self.schedules)
+
+    def seek(self, g: int, counts: list[int], base_g: int | None = None, base_counts: list[int] | None = None) -> None:
+        super().seek(g, counts, base_g, base_counts)
+        self._acc = self.targets(self.base_g, self.g)
+
+    def fresh(self) -> ScheduledMix:
+        return ScheduledMix(self.schedules, self.samples_per_step)
+
+    def identity(self) -> Any:
+        return {"schedules": [[sch.start, sch.interpolation, [list(p) for p in sch.points]] for sch in self.schedules],
+                "samples_per_step": self.samples_per_step}
+
+    def announce(self, step: int, names: list[str], first: bool) -> str | None:
+        if not first and all(step != s for sch in self.schedules for s, _ in sch.points):
+            return None
+        later = [s for sch in self.schedules for s, _ in sch.points if s > step]
+        shares = ", ".join(f"{n} {100 * x:.1f}%" for n, x in zip(names, self.shares_at(step)))
+        return (f"The mixture's weights at step {step}: {shares}; "
+                + (f"the next schedule point is at step {min(later)}" if later else "no schedule point after it"))
+
+    def next(self) -> int:
+        q = self.shares(step_of(self.g, self.samples_per_step))
+        best, best_deficit = 0, None
+        for i in range(len(q)):
+            self._acc[i] += q[i]
+            d = self._acc[i] - (self.counts[i] - self.base_counts[i]) * SHARE_UNITS
+            if best_deficit is None or d > best_deficit:
+                best, best_deficit = i, d
+        self.counts[best] += 1
+        self.g += 1
+        return best
+
+
+def mix_for(weights_: list[float], schedules: list[WeightSchedule] | None, samples_per_step: int) -> MixSchedule:
+    """The mixture schedule: constant weights (:class:`MixSchedule`), or by step when a source has schedule points."""
+    if schedules and any(sch.points for sch in schedules):
+        return ScheduledMix(schedules, samples_per_step)
+    return MixSchedule(weights_)
+
+
+def describe_mix(identity: Any, names: list[str]) -> str:
+    """A checkpoint's mixture (:meth:`MixSchedule.identity`) in words."""
+    if isinstance(identity, dict):
+        return "scheduled (" + "; ".join(f"{n} {WeightSchedule(s, i, tuple(map(tuple, p))).describe()}"
+                                         for n, (s, i, p) in zip(names, identity["schedules"])) + ")"
+    total = sum(identity)
+    return ", ".join(f"{n} {100 * w / total:.1f}%" for n, w in zip(names, identity))
 
 
 @dataclass(frozen=True)
@@ -232,9 +374,10 @@ class Sample:
 class GlobalStream:
     """The global sample stream of a list of sources (see the module docstring); its state is the position."""
 
-    def __init__(self, sources: list[Any], weights: list[float], seed: int, shuffled: bool) -> None:
+    def __init__(self, sources: list[Any], weights: list[float], seed: int, shuffled: bool,
+                 mix: MixSchedule | None = None) -> None:
         self.sources = sources
-        self.schedule = MixSchedule(weights)
+        self.schedule = mix if mix is not None else MixSchedule(weights)
         self._orders = [_Order(s.windows, seed, i, shuffled and getattr(s, "shuffle", True))
                         for i, s in enumerate(sources)]
 
@@ -255,6 +398,19 @@ class GlobalStream:
         src = self.sources[s.source]
         return src.next_window() if getattr(src, "per_rank", False) else src.window(s.window)
 
+    def segments(self, s: Sample) -> np.ndarray:
+        """The document of each token of sample ``s`` (a source without boundaries: one document)."""
+        src = self.sources[s.source]
+        seg = getattr(src, "segments", None)
+        return seg(s.window) if seg is not None else np.zeros(src.seq_len + 1, dtype=np.int32)
+
+    def report(self) -> dict[str, dict[str, float]]:
+        """Per source: the tokens it has given the job and its epochs (draws over its training windows: 1.5 is half
+        way through its second pass; a small source repeats long before a large one)."""
+        size = self.sources[0].seq_len + 1
+        return {s.name: {"tokens": c * size, "epochs": c / s.windows}
+                for s, c in zip(self.sources, self.schedule.counts)}
+
     def per_rank_sources(self) -> list[Any]:
         """The sources whose position is one per rank (streamed datasets, :class:`HubSource`)."""
         return [s for s in self.sources if getattr(s, "per_rank", False)]
@@ -262,37 +418,35 @@ class GlobalStream:
     def state(self) -> dict[str, Any]:
         sch = self.schedule
         return {"consumed_samples": sch.g, "source_draws": list(sch.counts), "sources": [s.name for s in self.sources],
-                "weights": list(sch.w), "base_position": sch.base_g, "base_draws": list(sch.base_counts)}
+                "weights": sch.identity(), "base_position": sch.base_g, "base_draws": list(sch.base_counts)}
 
     def restore(self, state: dict[str, Any]) -> str | None:
         """Continue at the checkpoint's position; a line to log when the mixture's weights changed there (they
         apply from this position on), else None."""
         g = int(state["consumed_samples"])
         draws = [int(c) for c in state.get("source_draws", [])]
-        if state.get("sources") == [s.name for s in self.sources] and len(draws) == len(self.sources) and sum(draws) == g:
+        names = [s.name for s in self.sources]
+        if state.get("sources") == names and len(draws) == len(self.sources) and sum(draws) == g:
             sch = self.schedule
-            sch.g, sch.counts = g, draws
             saved_w = state.get("weights")  # absent in checkpoints written before it: the same weights assumed
-            if saved_w is None or [int(w) for w in saved_w] == sch.w:
+            if saved_w is None or saved_w == sch.identity():
                 base = [int(c) for c in state.get("base_draws", [])]
                 if len(base) == len(draws):
-                    sch.base_g, sch.base_counts = int(state.get("base_position", 0)), base
+                    sch.seek(g, draws, int(state.get("base_position", 0)), base)
+                else:
+                    sch.seek(g, draws)
                 return None
+            sch.seek(g, draws)
             sch.rebase()
-            return (f"The mixture's weights changed at global sample {g}: {shares(saved_w, self.sources)} before, "
-                    f"{shares(sch.w, self.sources)} from here on (each source's draws continue where they were)")
+            return (f"The mixture's weights changed at global sample {g}: {describe_mix(saved_w, names)} before, "
+                    f"{describe_mix(sch.identity(), names)} from here on (each source's draws continue where they "
+                    "were)")
         # The sources changed between the save and this run: replay the new schedule to the saved position.
         logger.warning(f"The data sources changed since the checkpoint ({state.get('sources')} -> "
                        f"{[s.name for s in self.sources]}): continuing at global sample {g} of the new mixture")
-        self.schedule = MixSchedule(self.schedule.w)
+        self.schedule = self.schedule.fresh()
         for _ in range(g):
             self.schedule.next()
-
-
-def shares(weights: list[float], sources: list[Any]) -> str:
-    """``name 70.0%, other 30.0%``: each source's share of the samples under ``weights``."""
-    total = sum(weights)
-    return ", ".join(f"{s.name} {100 * w / total:.1f}%" for s, w in zip(sources, weights))
 
 
 def rank_slice(consumed: int, micro_batch: int, dp_rank: int, dp_world_size: int, local_batch: int) -> range:
@@ -311,18 +465,34 @@ class GlobalDataLoader(BaseDataLoader):
     yielded the same micro-batches."""
 
     def __init__(self, stream: GlobalStream, *, dp_rank: int, dp_world_size: int, local_batch: int,
-                 on_batch: Callable[[list[Sample]], None] | None = None) -> None:
+                 on_batch: Callable[[list[Sample]], None] | None = None, tag_sources: bool = False,
+                 segments: bool = False) -> None:
         self.stream, self.dp_rank, self.dp_world_size, self.local_batch = stream, dp_rank, dp_world_size, local_batch
         self.on_batch = on_batch
+        self.tag_sources, self.segments = tag_sources, segments
+        """Also yield each sample's source (``SOURCE_KEY``: per-source losses) and its tokens' documents
+        (``SEGMENT_KEY``: document masking)."""
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         b, r = self.local_batch, self.dp_rank
+        names = [s.name for s in self.stream.sources]
+        step = None
         while True:
+            sch = self.stream.schedule
+            if r == 0 and step != (now := step_of(sch.g, getattr(sch, "samples_per_step", 1))):
+                if line := sch.announce(now, names, step is None):  # the weights change at this step
+                    logger.info(line)
+                step = now
             mine = self.stream.take(self.dp_world_size * b)[r * b : (r + 1) * b]
             x = torch.from_numpy(np.stack([self.stream.tokens(s) for s in mine]))
             if self.on_batch is not None:
                 self.on_batch(mine)
-            yield {"input": x[:, :-1]}, x[:, 1:]
+            inputs = {"input": x[:, :-1]}
+            if self.tag_sources:
+                inputs[SOURCE_KEY] = torch.tensor([s.source for s in mine], dtype=torch.int64)
+            if self.segments:
+                inputs[SEGMENT_KEY] = torch.from_numpy(np.stack([self.stream.segments(s)[:-1] for s in mine]))
+            yield inputs, x[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
         # A string: DCP saves it once (every rank's is the same) and hands it back to every rank, any world size.
@@ -398,15 +568,24 @@ class EvalLoader(BaseDataLoader):
     ``W*b``), rank ``r`` reading its ``b`` of every ``W*b``. Finite, equal on every rank; no checkpoint state."""
 
     def __init__(self, read: Callable[[int], np.ndarray], samples: int, *, dp_rank: int, dp_world_size: int,
-                 local_batch: int) -> None:
+                 local_batch: int, source_of: Callable[[int], int] | None = None,
+                 segments: Callable[[int], np.ndarray] | None = None) -> None:
         self.read, self.dp_rank, self.dp_world_size, self.local_batch = read, dp_rank, dp_world_size, local_batch
         self.batches = samples // (dp_world_size * local_batch)
+        self.source_of, self.segments = source_of, segments
+        """Tag each sample with its source (per-source eval loss) and its tokens' documents (document masking)."""
 
     def __iter__(self):
         b, w, r = self.local_batch, self.dp_world_size, self.dp_rank
         for k in range(self.batches):
-            x = torch.from_numpy(np.stack([self.read(p) for p in rank_slice(0, k, r, w, b)]))
-            yield {"input": x[:, :-1]}, x[:, 1:]
+            slots = rank_slice(0, k, r, w, b)
+            x = torch.from_numpy(np.stack([self.read(p) for p in slots]))
+            inputs = {"input": x[:, :-1]}
+            if self.source_of is not None:
+                inputs[SOURCE_KEY] = torch.tensor([self.source_of(p) for p in slots], dtype=torch.int64)
+            if self.segments is not None:
+                inputs[SEGMENT_KEY] = torch.from_numpy(np.stack([self.segments(p)[:-1] for p in slots]))
+            yield inputs, x[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -667,6 +846,25 @@ def build_sources(job_config: JobConfig, *, held_out_percent: float | None = Non
                       "use synthetic, shards, mixture or huggingface")
 
 
+def weight_schedules(job_config: JobConfig) -> list[WeightSchedule] | None:
+    """A mixture's weight schedules (``mixture_schedule_*``), or None when no source has one."""
+    cfg = job_config.kubetitan.data
+    if cfg.source != "mixture" or not cfg.mixture_schedule_sources:
+        return None
+    try:
+        return from_lists(cfg.mixture_weights, cfg.mixture_schedule_interpolations, cfg.mixture_schedule_sources,
+                          cfg.mixture_schedule_steps, cfg.mixture_schedule_weights)
+    except ValueError as e:
+        raise ConfigError("kubetitan.data.mixture_schedule_* (spec.data.mixture[].schedule)", str(e),
+                          "render trainer.toml from the spec (kubetitan render)") from None
+
+
+def samples_per_step(job_config: JobConfig, dp_world_size: int) -> int:
+    """The global batch in samples: what one optimizer step trains, whatever the world size."""
+    t = job_config.training
+    return t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_world_size
+
+
 def _ledger_writer(job_config: JobConfig, dp_rank: int, dp_world_size: int,
                    current_step: Callable[[], int]) -> Callable[[list[Sample]], None]:
     """Append each micro-batch's samples to this rank's ledger, with the step that trains them."""
@@ -693,8 +891,12 @@ class _Counters:
     def __call__(self, mine: list[Sample]) -> None:
         if self.exporter is not None:
             size = self.stream.sources[0].seq_len + 1
+            sch = self.stream.schedule
             # The global stream's draws per source, carried across resumes by the checkpoint: the job's tokens.
-            self.exporter.data_tokens({s.name: c * size for s, c in zip(self.stream.sources, self.stream.schedule.counts)})
+            self.exporter.data_tokens({s.name: c * size for s, c in zip(self.stream.sources, sch.counts)})
+            step = step_of(max(0, sch.g - 1), getattr(sch, "samples_per_step", 1))
+            self.exporter.data_weights({s.name: x for s, x in zip(self.stream.sources, sch.shares_at(step))})
+            self.exporter.data_epochs({name: r["epochs"] for name, r in self.stream.report().items()})
         if self.ledger is not None:
             self.ledger(mine)
 
@@ -715,10 +917,12 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer 
     for s in sources:
         if getattr(s, "per_rank", False):
             s.open(tokenizer, dp_rank, dp_world_size)
-    stream = GlobalStream(sources, weights, data_seed(job_config), shuffled=cfg.order == "shuffled")
+    mix = mix_for(weights, weight_schedules(job_config), samples_per_step(job_config, dp_world_size))
+    stream = GlobalStream(sources, weights, data_seed(job_config), shuffled=cfg.order == "shuffled", mix=mix)
     counters = _Counters(stream)
     loader = GlobalDataLoader(stream, dp_rank=dp_rank, dp_world_size=dp_world_size, local_batch=t.local_batch_size,
-                              on_batch=counters)
+                              on_batch=counters, tag_sources=len(sources) > 1,
+                              segments=cfg.attention_mask == "document")
     loader.counters = counters  # type: ignore[attr-defined]  # the trainer attaches the exporter and the ledger
     return loader
 
@@ -744,18 +948,23 @@ def build_eval_loader(job_config: JobConfig, dp_world_size: int, dp_rank: int) -
         src = WindowSource("eval", open_shards(cfg.eval_shards_path, field, "auto", model_vocab_size(job_config),
                                                job_config), seq_len, path=cfg.eval_shards_path, field=field)
         sources, weights, reads = [src], [1.0], [src.window]
-        sizes = [src.windows]
+        sizes, segs = [src.windows], [src.segments]
     else:
         sources, weights = build_sources(job_config)
+        schedules = weight_schedules(job_config)
+        if schedules:  # a scheduled source is evaluated at the largest weight it has in the run
+            weights = [max([sch.start, *(w for _, w in sch.points)]) for sch in schedules]
         if cfg.source == "synthetic":
             evals = SyntheticSource(sources[0].vocab_size, seq_len, _mix(data_seed(job_config), 0xE7A1))
             reads, sizes = [evals.window], [SYNTHETIC_WINDOWS]
+            segs = [lambda k: np.zeros(seq_len + 1, dtype=np.int32)]
         elif any(getattr(s, "per_rank", False) for s in sources):
             raise ConfigError("kubetitan.data.eval_shards_path (spec.data.eval.shards)",
                               "is required with a huggingface mixture source: a streamed dataset has no held-out split",
                               "prepare a held-out set with `kubetitan prepare-data` and set spec.data.eval.shards")
         else:
             reads, sizes = [s.held_out for s in sources], [s.held_out_windows for s in sources]
+            segs = [lambda k, s=s: s.segments(s.windows + k) for s in sources]
     if not all(sizes):
         raise ConfigError("kubetitan.data.held_out_percent (spec.data.eval.heldOutPercent)",
                           "is 0, so there is no held-out data to evaluate",
@@ -768,8 +977,12 @@ def build_eval_loader(job_config: JobConfig, dp_world_size: int, dp_rank: int) -
     if any(schedule.counts[i] > sizes[i] for i in range(len(sizes))):
         logger.warning(f"The held-out set has fewer windows than eval_samples ({cfg.eval_samples}) asks of it "
                        f"({sizes}); some are evaluated twice")
+    per_source = len(sources) > 1 and not cfg.eval_shards_path
     loader = EvalLoader(lambda p: reads[plan[p][0]](plan[p][1]), cfg.eval_samples, dp_rank=dp_rank,
-                        dp_world_size=dp_world_size, local_batch=job_config.training.local_batch_size)
+                        dp_world_size=dp_world_size, local_batch=job_config.training.local_batch_size,
+                        source_of=(lambda p: plan[p][0]) if per_source else None,
+                        segments=(lambda p: segs[plan[p][0]](plan[p][1])) if cfg.attention_mask == "document" else None)
+    loader.source_names = [s.name for s in sources] if per_source else []  # type: ignore[attr-defined]
     if loader.batches < 1:
         raise ConfigError("kubetitan.data.eval_samples (spec.data.eval.samples)",
                           f"{cfg.eval_samples} is fewer than one batch of local batch x data-parallel degree "

@@ -46,13 +46,26 @@ BATCH_BYTES = 256 << 10
 """A batch handed to ``encode_batch_fast`` holds at most this much text (or ``--batch-size`` documents): the
 tokenizer's encodings take about 200-300 bytes a token while they exist, so this bounds a worker's memory."""
 LONG_CHARS = 256 << 10
-"""Documents longer than this are tokenized in pieces of about :data:`PIECE_CHARS` (when that is exact, see
-:func:`piece_safe`), so that one huge document does not need gigabytes."""
+"""Documents longer than this are tokenized in pieces (:func:`text_pieces`) and written piece by piece, so that one
+huge document (a 10 MB line: 2 GB tokenized whole) needs one piece's memory, not the whole document's. The document
+stays one document (BOS, every piece's ids, EOS; one boundary in the ``.idx``)."""
 PIECE_CHARS = 64 << 10
-_PIECE_CUT = re.compile(r"\n(?=\S)")
+"""Piece size for tokenizers where a cut at whitespace is exact (:func:`piece_safe`)."""
+COARSE_PIECE_CHARS = 1 << 20
+"""Piece size for other tokenizers: a cut there may change the ids next to it, so it happens once per MiB only."""
+_PIECE_CUT = re.compile(r"\n(?=\S)|(?<=\S)(?= \S)")
+"""Where a piece may end: after a newline that precedes a non-space character, or before a single space between two
+non-space characters (in both patterns piece_safe accepts, a pre-token boundary)."""
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f\ufffd]")
+"""Characters text does not hold: C0 controls other than tab, newline, form feed and carriage return, DEL, and the
+replacement character a lossy decode of binary data leaves."""
+BINARY_SAMPLE_CHARS = 64 << 10
+BINARY_SHARE = 0.01
+"""``--drop-binary``: a document is binary when more than this share of its first BINARY_SAMPLE_CHARS characters are
+:data:`_CONTROL` characters (or, in a text or JSONL file, when its line is not UTF-8)."""
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 DataError = S.DataError
@@ -80,6 +93,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shard-tokens", type=int, default=100_000_000,
                    help="a unit's shard is closed after the document that brings it to this many tokens")
     p.add_argument("--batch-size", type=int, default=1024, help="documents per encode_batch call (at most 1 MiB)")
+    p.add_argument("--min-chars", type=int, default=0, help="skip documents of fewer characters (counted in index.json)")
+    p.add_argument("--max-chars", type=int, default=0,
+                   help="skip documents of more characters (counted in index.json; default 0: no limit, a long "
+                        "document is tokenized in pieces)")
+    p.add_argument("--drop-binary", action="store_true",
+                   help="skip binary documents instead of stopping on them: lines that are not UTF-8, and documents "
+                        f"whose first {BINARY_SAMPLE_CHARS >> 10} Ki characters are over {BINARY_SHARE * 100:.0f}%% control "
+                        "characters (counted in index.json)")
     p.add_argument("--parts", type=int, default=1, help="split the units into this many parts (an Indexed Job's "
                    "completions)")
     p.add_argument("--part", type=int, default=None,
@@ -206,11 +227,29 @@ def _parquet_row_groups(path: Path, field: str) -> list[int]:
     return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
 
 
-def make_plan(files: list[Path], unit_bytes: int, options: dict[str, Any]) -> dict[str, Any]:
-    """The work units: a pure function of the input list (paths, sizes, times), the unit size and the options.
+def line_start(path: Path, pos: int, size: int) -> int:
+    """The first byte at or after ``pos`` that starts a line (0, or just after a newline); ``size`` if none does."""
+    if pos <= 0:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(pos - 1)
+        at = pos - 1
+        while block := f.read(1 << 20):
+            i = block.find(b"\n")
+            if i >= 0:
+                return at + i + 1
+            at += len(block)
+    return size
 
-    A unit is a list of pieces ``[file, start, end, bytes]``: a byte range of a text/JSONL file, a range of row groups
-    of a Parquet file, or a whole gzip file (``[file, 0, 1, bytes]``). Units are filled in input order."""
+
+def make_plan(files: list[Path], unit_bytes: int, options: dict[str, Any]) -> dict[str, Any]:
+    """The work units: a pure function of the input list (paths, sizes, times, and where lines start), the unit size
+    and the options.
+
+    A unit is a list of pieces ``[file, start, end, bytes]``: a range of whole lines of a text/JSONL file (a range
+    ends at the first line start at or after the unit's size, so a long line makes its unit that much bigger: the
+    ``bytes`` are the work), a range of row groups of a Parquet file, or a whole gzip file (``[file, 0, 1, bytes]``,
+    its compressed size). Units are filled in input order."""
     inputs, units, cur, cur_bytes = [], [], [], 0
 
     def close() -> None:
@@ -242,9 +281,9 @@ def make_plan(files: list[Path], unit_bytes: int, options: dict[str, Any]) -> di
         else:
             pos = 0
             while pos < st.st_size:
-                take = min(st.st_size - pos, max(1, unit_bytes - cur_bytes))
-                add([i, pos, pos + take, take])
-                pos += take
+                end = line_start(f, min(st.st_size, pos + max(1, unit_bytes - cur_bytes)), st.st_size)
+                add([i, pos, end, end - pos])
+                pos = end
     close()
     return {"version": PLAN_VERSION, "inputs": inputs, "options": options, "unit_bytes": unit_bytes, "units": units}
 
@@ -264,9 +303,21 @@ def plan_id(plan: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def part_units(n_units: int, parts: int, part: int) -> range:
-    """The units of part ``part`` of ``parts``: a contiguous, balanced block."""
-    return range(part * n_units // parts, (part + 1) * n_units // parts)
+def part_units(unit_bytes: list[int], parts: int, part: int) -> range:
+    """The units of part ``part`` of ``parts``: a contiguous block, balanced by bytes (a unit goes to the part its
+    middle byte falls in), not by count."""
+    total = max(1, sum(unit_bytes))
+    mine, pos = [], 0
+    for u, b in enumerate(unit_bytes):
+        if min(parts - 1, (2 * pos + b) * parts // (2 * total)) == part:
+            mine.append(u)
+        pos += b
+    return range(mine[0], mine[-1] + 1) if mine else range(0)
+
+
+def unit_sizes(plan: dict[str, Any]) -> list[int]:
+    """Each work unit's input bytes."""
+    return [sum(p[3] for p in unit) for unit in plan["units"]]
 
 
 def part_file(out: Path, unit: int) -> Path:
@@ -291,13 +342,18 @@ _PIECES = False
 
 
 def piece_safe(tokenizer: dict[str, Any]) -> bool:
-    """Whether tokenizing a text in pieces cut right after a newline that precedes a non-space character gives the
-    same ids as tokenizing it whole: true for byte-level BPE without a normalizer and without a prefix space whose
-    pre-tokenizer is GPT-2's regex (``ByteLevel`` with ``use_regex``) or Llama 3's ``Split`` pattern. In both
-    patterns no pre-token holds a newline followed by a non-space character (a newline is never the optional
-    prefix of a word or number, and punctuation only takes newlines after it), so such a cut is a pre-token
-    boundary and BPE, which works inside pre-tokens, cannot see it. Any other tokenizer is tokenized whole."""
+    """Whether tokenizing a text in pieces cut at :data:`_PIECE_CUT` (after a newline that precedes a non-space
+    character, or before a single space between two non-space characters) gives the same ids as tokenizing it whole:
+    true for byte-level BPE without a normalizer and without a prefix space whose pre-tokenizer is GPT-2's regex
+    (``ByteLevel`` with ``use_regex``) or Llama 3's ``Split`` pattern, and whose added tokens hold no whitespace. In
+    both patterns no pre-token holds a newline followed by a non-space character (a newline is never the optional
+    prefix of a word or number, and punctuation only takes newlines after it), nor a non-space character followed by
+    a space (a space only ever starts a pre-token or is part of a run of whitespace), and no pattern looks behind,
+    so such a cut is a pre-token boundary and BPE, which works inside pre-tokens, cannot see it. Any other tokenizer
+    is cut less often (:data:`COARSE_PIECE_CHARS`), each cut possibly changing the ids next to it."""
     if tokenizer.get("normalizer") is not None:
+        return False
+    if any(re.search(r"\s", t.get("content", "")) for t in tokenizer.get("added_tokens") or []):
         return False
     pt = tokenizer.get("pre_tokenizer") or {}
 
@@ -311,17 +367,19 @@ def piece_safe(tokenizer: dict[str, Any]) -> bool:
             and seq[0].get("behavior") == "Isolated" and not seq[0].get("invert") and byte_level(seq[1], False))
 
 
-def text_pieces(text: str) -> list[str]:
-    """``text`` cut after newlines that precede a non-space character, into pieces of about PIECE_CHARS."""
-    out, start = [], 0
-    while len(text) - start > PIECE_CHARS:
-        m = _PIECE_CUT.search(text, start + PIECE_CHARS)
-        if m is None:
-            break
-        out.append(text[start:m.end()])
-        start = m.end()
-    out.append(text[start:])
-    return out
+def text_pieces(text: str, size: int = PIECE_CHARS, stats: dict[str, int] | None = None) -> Iterator[str]:
+    """``text`` in pieces of ``size`` to ``2 * size`` characters, each cut at the first :data:`_PIECE_CUT` after
+    ``size`` characters; where the next ``size`` characters hold no whitespace to cut at, at ``size`` characters (a
+    character boundary: counted in ``stats["hard_cuts"]``)."""
+    start, n = 0, len(text)
+    while n - start > size:
+        m = _PIECE_CUT.search(text, start + size, min(n, start + 2 * size))
+        cut = start + size if m is None else m.end()
+        if m is None and stats is not None:
+            stats["hard_cuts"] = stats.get("hard_cuts", 0) + 1
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def _init_worker(tokenizer_json: str, progress: Any) -> None:
@@ -341,18 +399,17 @@ def _init_worker(tokenizer_json: str, progress: Any) -> None:
 
 
 def encode_texts(texts: list[str]) -> list[list[int]]:
-    """The ids of each text without special tokens (``_TOK``, loaded by :func:`_init_worker`); long texts in pieces
-    when :func:`piece_safe` says the result is the same."""
+    """The ids of each text without special tokens (``_TOK``, loaded by :func:`_init_worker`), in one batch."""
     enc = _TOK.encode_batch_fast if hasattr(_TOK, "encode_batch_fast") else _TOK.encode_batch
-    long = {i for i, t in enumerate(texts) if _PIECES and len(t) > LONG_CHARS}
-    short = [i for i in range(len(texts)) if i not in long]
-    out: list[list[int]] = [[] for _ in texts]
-    for i, e in zip(short, enc([texts[i] for i in short], add_special_tokens=False)):
-        out[i] = e.ids
-    for i in sorted(long):
-        for piece in text_pieces(texts[i]):
-            out[i].extend(enc([piece], add_special_tokens=False)[0].ids)
-    return out
+    return [e.ids for e in enc(texts, add_special_tokens=False)]
+
+
+def encode_pieces(text: str, stats: dict[str, int] | None = None) -> Iterator[list[int]]:
+    """The ids of a long text, piece by piece (:func:`text_pieces`: :data:`PIECE_CHARS` where :func:`piece_safe`
+    says the cuts are exact, else :data:`COARSE_PIECE_CHARS`); together, for a piece-safe tokenizer, exactly the
+    whole text's ids when every cut is at whitespace."""
+    for piece in text_pieces(text, PIECE_CHARS if _PIECES else COARSE_PIECE_CHARS, stats):
+        yield encode_texts([piece])[0]
 
 
 def _line_number(path: Path, gz: bool, pos: int) -> int:
@@ -394,8 +451,10 @@ def _lines(path: Path, gz: bool, start: int, end: int) -> Iterator[tuple[int, by
             pos += len(line)
 
 
-def _documents(path: Path, kind: str, gz: bool, start: int, end: int, field: str) -> Iterator[tuple[int, str]]:
-    """(input bytes consumed, text) of the documents of one piece; DataError with FILE:LINE for bad input."""
+def _documents(path: Path, kind: str, gz: bool, start: int, end: int, field: str,
+               lossy: bool = False) -> Iterator[tuple[int, str | None]]:
+    """(input bytes consumed, text) of the documents of one piece; DataError with FILE:LINE for bad input. With
+    ``lossy`` a line that is not UTF-8 is a document ``None`` (binary: skipped and counted) instead of an error."""
     if kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -418,9 +477,12 @@ def _documents(path: Path, kind: str, gz: bool, start: int, end: int, field: str
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
+            if lossy:
+                yield size, None
+                continue
             raise _fix(f"{path}:{_line_number(path, gz, pos)}: is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
                        f"{e.start + 1})", "convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or leave it "
-                       "out") from None
+                       "out, or pass --drop-binary to skip such lines") from None
         if kind == "text":
             text = line.rstrip("\r\n")
             if text.strip():
@@ -462,6 +524,36 @@ class UnitJob:
     eos_id: int
     shard_tokens: int
     batch_size: int
+    min_chars: int = 0
+    max_chars: int = 0
+    drop_binary: bool = False
+
+
+def looks_binary(text: str) -> bool:
+    """``--drop-binary``'s detector: over :data:`BINARY_SHARE` of the first :data:`BINARY_SAMPLE_CHARS` characters
+    are control characters (:data:`_CONTROL`)."""
+    sample = text[:BINARY_SAMPLE_CHARS]
+    return len(_CONTROL.findall(sample)) > BINARY_SHARE * len(sample)
+
+
+SKIP_REASONS = ("empty", "short", "long", "binary")
+"""Why a document was not tokenized (index.json's ``skipped``): empty or whitespace only, under ``--min-chars``,
+over ``--max-chars``, binary (``--drop-binary``)."""
+
+
+def skip_reason(text: str | None, job: UnitJob) -> str | None:
+    """Which of :data:`SKIP_REASONS` keeps ``text`` (None: a line that is not UTF-8) out of the shards, or None."""
+    if text is None:
+        return "binary"
+    if not text:
+        return "empty"
+    if len(text) < job.min_chars:
+        return "short"
+    if job.max_chars and len(text) > job.max_chars:
+        return "long"
+    if job.drop_binary and looks_binary(text):
+        return "binary"
+    return None
 
 
 class _Unit:
@@ -473,7 +565,9 @@ class _Unit:
         self.files: list[dict[str, Any]] = []
         self.writer: S.ShardWriter | None = None
         self.bytes = self.tokens = self.documents = 0
-        self._reported = (0, 0)
+        self.skipped = dict.fromkeys(SKIP_REASONS, 0)
+        self.stats = {"long_documents": 0, "hard_cuts": 0}
+        self._cpu0 = time.process_time()
 
     def _writer(self) -> S.ShardWriter:
         if self.writer is None:
@@ -508,6 +602,26 @@ class _Unit:
         if _PROGRESS is not None:
             _PROGRESS.put((nbytes, int(lengths.sum()) if texts else 0))
 
+    def encode_long(self, text: str, nbytes: int) -> None:
+        """One document over :data:`LONG_CHARS`, written piece by piece into the current shard (:func:`encode_pieces`):
+        it takes one piece's memory, not the document's, and stays one document."""
+        j = self.job
+        w = self._writer()
+        n = 0
+        for ids in chain([[j.bos_id]] if j.bos_id is not None else [], encode_pieces(text, self.stats), [[j.eos_id]]):
+            w.write(ids)
+            n += len(ids)
+        w.end_documents(np.array([n], dtype=np.int64))
+        if w.tokens >= j.shard_tokens:
+            self.files.append(w.close())
+            self.writer = None
+        self.tokens += n
+        self.documents += 1
+        self.stats["long_documents"] += 1
+        self.bytes += nbytes
+        if _PROGRESS is not None:
+            _PROGRESS.put((nbytes, n))
+
     def run(self) -> dict[str, Any]:
         j = self.job
         texts: list[str] = []
@@ -517,13 +631,20 @@ class _Unit:
             kind, gz = kind_of(path)  # type: ignore[misc]
             piece_bytes = 0  # progress counts input bytes: line sizes of plain files, a share of the rest
             counts = kind != "parquet" and not gz
-            for size, text in _documents(path, kind, gz, start, end, j.text_field):
+            for size, text in _documents(path, kind, gz, start, end, j.text_field, j.drop_binary):
                 if counts:
                     nbytes += size
                     piece_bytes += size
-                if text:
-                    texts.append(text)
-                    tbytes += len(text)
+                why = skip_reason(text, j)
+                if why is not None:
+                    self.skipped[why] += 1
+                elif len(text) > LONG_CHARS:  # type: ignore[arg-type]
+                    self.encode(texts, nbytes - size)
+                    self.encode_long(text, size)  # type: ignore[arg-type]
+                    texts, tbytes, nbytes = [], 0, 0
+                else:
+                    texts.append(text)  # type: ignore[arg-type]
+                    tbytes += len(text)  # type: ignore[arg-type]
                 if len(texts) >= j.batch_size or tbytes >= BATCH_BYTES:
                     self.encode(texts, nbytes)
                     texts, tbytes, nbytes = [], 0, 0
@@ -533,7 +654,8 @@ class _Unit:
             self.files.append(self.writer.close())
             self.writer = None
         rec = {"plan_id": j.pid, "unit": j.unit, "bytes": sum(p[3] for p in j.pieces), "tokens": self.tokens,
-               "documents": self.documents, "files": self.files}
+               "documents": self.documents, "skipped": self.skipped, **self.stats, "files": self.files,
+               "cpu_seconds": round(time.process_time() - self._cpu0, 3)}
         (self.out / PARTS_DIR).mkdir(exist_ok=True)
         atomic.write_text(part_file(self.out, j.unit), json.dumps(rec) + "\n")
         return rec
@@ -555,6 +677,13 @@ def run_unit(job: UnitJob) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- the driver
+def dispatch_order(jobs: list[UnitJob]) -> list[UnitJob]:
+    """The order units are handed to the workers: the largest first (by input bytes; ties in unit order), so that a
+    big unit (a file of long lines) starts at once instead of running alone at the end while the other workers idle.
+    The output does not depend on it: each unit writes its own shards."""
+    return sorted(jobs, key=lambda j: (-sum(p[3] for p in j.pieces), j.unit))
+
+
 def _run_units(jobs: list[UnitJob], workers: int, tok: TokenizerInfo, total_bytes: int, progress: bool) -> None:
     import multiprocessing as mp
 
@@ -569,7 +698,7 @@ def _run_units(jobs: list[UnitJob], workers: int, tok: TokenizerInfo, total_byte
                disable=not progress, mininterval=0.5 if sys.stderr.isatty() else 30)
     tokens, t0 = 0, time.monotonic()
     try:
-        for j in jobs:
+        for j in dispatch_order(jobs):
             pool.apply_async(run_unit, (j,), callback=results.put, error_callback=results.put)
         done = 0
         while done < len(jobs):
@@ -608,11 +737,72 @@ def merge(out: Path, pid: str, plan: dict[str, Any], tok: dict[str, Any], dtype:
                    "run prepare-data again with the same inputs and options (it does only what is missing), or "
                    "let every part of the Job finish")
     files = [f for r in recs for f in r["files"]]
+    skipped = {k: sum(r.get("skipped", {}).get(k, 0) for r in recs) for k in SKIP_REASONS}
     index = S.make_index(files, dtype=dtype, vocab_size=tok["vocab_size"], bos_id=bos, eos_id=eos, tokenizer=tok,
                          extra={"plan_id": pid, "input_files": len(plan["inputs"]),
-                                "input_bytes": sum(i["bytes"] for i in plan["inputs"]), "units": len(recs)})
+                                "input_bytes": sum(i["bytes"] for i in plan["inputs"]), "units": len(recs),
+                                "filters": plan["options"].get("filters", {}), "skipped": skipped,
+                                "long_documents": sum(r.get("long_documents", 0) for r in recs),
+                                "hard_cuts": sum(r.get("hard_cuts", 0) for r in recs)})
     atomic.write_text(out / S.INDEX_FILE, json.dumps(index, indent=1) + "\n")
+    atomic.write_text(out / CARD_FILE, dataset_card(out, index, plan))
     return index
+
+
+CARD_FILE = "dataset_card.md"
+"""What prepare-data writes beside index.json for people: the sources and their hashes, the filters, the counts and
+the tokenizer (:func:`dataset_card`)."""
+
+
+def input_sha256(path: str, planned: dict[str, Any]) -> str:
+    """The sha256 of an input file, or why there is none (gone, or changed since it was planned)."""
+    try:
+        st = os.stat(path)
+        if (st.st_size, st.st_mtime_ns) != (planned["bytes"], planned["mtime_ns"]):
+            return "(changed since it was tokenized)"
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as e:
+        return f"({e.strerror or e})"
+
+
+def dataset_card(out: Path, index: dict[str, Any], plan: dict[str, Any]) -> str:
+    """The dataset card (Markdown): the sources with their bytes and sha256 (hashed here, at the merge: about a
+    second per GB), the filters and what they kept out, the token and document counts, the tokenizer's identity."""
+    tok, f, sk = index["tokenizer"], index.get("filters", {}), index.get("skipped", {})
+    rows = "\n".join(f"| `{i['path']}` | {i['bytes']:,} | `{input_sha256(i['path'], i)}` |" for i in plan["inputs"])
+    return f"""# Dataset card: {out.name}
+
+Written by `kubetitan prepare-data` with `index.json` (plan `{index['plan_id']}`); the shards' own checksums are
+in `index.json`.
+
+## Counts
+
+| tokens | documents | shards | dtype | input files | input bytes | long documents (in pieces) | hard cuts |
+|---|---|---|---|---|---|---|---|
+| {index['total_tokens']:,} | {index['documents']:,} | {len(index['files'])} | {index['dtype']} | \
+{index['input_files']} | {index['input_bytes']:,} | {index.get('long_documents', 0)} | {index.get('hard_cuts', 0)} |
+
+## Tokenizer
+
+`{tok['name']}`: `tokenizer.json` sha256 `{tok['sha256']}`, {tok['vocab_size']:,} tokens; documents stored as
+{index['convention']} (BOS id {index['bos_id']}, EOS id {index['eos_id']}).
+
+## Filters
+
+| --min-chars | --max-chars | --drop-binary | left out: empty | short | long | binary |
+|---|---|---|---|---|---|---|
+| {f.get('min_chars') or 'none'} | {f.get('max_chars') or 'none'} | {'yes' if f.get('drop_binary') else 'no'} | \
+{sk.get('empty', 0):,} | {sk.get('short', 0):,} | {sk.get('long', 0):,} | {sk.get('binary', 0):,} |
+
+## Sources
+
+Text field `{plan['options'].get('text_field', 'text')}`.
+
+| file | bytes | sha256 |
+|---|---|---|
+{rows}
+"""
 
 
 def _claim_plan(out: Path, plan: dict[str, Any]) -> str:
@@ -635,7 +825,8 @@ def _claim_plan(out: Path, plan: dict[str, Any]) -> str:
         raise _fix(f"{f} cannot be read ({e})", f"delete {out} and run again") from None
     if old != pid:
         raise _fix(f"{out} holds the output of prepare-data with other inputs or options (its {PLAN_FILE} differs: "
-                   "input files, their sizes or times, --tokenizer, --text-field, --dtype, --unit-mb or --shard-tokens)",
+                   "input files, their sizes or times, --tokenizer, --text-field, --dtype, --unit-mb, --shard-tokens, "
+                   "the filters; or another version of prepare-data planned it)",
                    f"use a new --output directory, or delete {out} to start over")
     return pid
 
@@ -661,6 +852,11 @@ def prepare(a: argparse.Namespace) -> int:
     for name in ("workers", "parts", "batch_size", "shard_tokens"):
         if getattr(a, name) < 1:
             raise _fix(f"--{name.replace('_', '-')} is {getattr(a, name)}", "use 1 or more")
+    for name in ("min_chars", "max_chars"):
+        if getattr(a, name) < 0:
+            raise _fix(f"--{name.replace('_', '-')} is {getattr(a, name)}", "use 0 (no limit) or more")
+    if a.max_chars and a.max_chars < a.min_chars:
+        raise _fix(f"--max-chars {a.max_chars} is below --min-chars {a.min_chars}", "raise --max-chars or lower --min-chars")
     if a.unit_mb < 0:
         raise _fix(f"--unit-mb is {a.unit_mb}", "use a positive size in MiB, or 0 for auto")
     part = a.part
@@ -679,18 +875,19 @@ def prepare(a: argparse.Namespace) -> int:
         raise _fix(f"--dtype uint16 cannot hold a vocabulary of {tok.vocab_size}", "use uint32 or auto")
     files = expand_inputs(a.inputs)
     options = {"tokenizer": tok.identity(), "text_field": a.text_field, "dtype": dtype, "bos_id": tok.bos_id,
-               "eos_id": tok.eos_id, "shard_tokens": a.shard_tokens, "convention": S.CONVENTION}
+               "eos_id": tok.eos_id, "shard_tokens": a.shard_tokens, "convention": S.CONVENTION,
+               "filters": {"min_chars": a.min_chars, "max_chars": a.max_chars, "drop_binary": a.drop_binary}}
     plan = make_plan(files, unit_bytes(a.unit_mb, sum(f.stat().st_size for f in files)), options)
     try:
         out.mkdir(parents=True, exist_ok=True)
         pid = _claim_plan(out, plan)
     except OSError as e:
         raise _fix(f"--output {out}: {e.strerror or e}", "use a directory you can write to") from None
-    mine = part_units(len(plan["units"]), a.parts, part)
+    mine = part_units(unit_sizes(plan), a.parts, part)
     todo = [u for u in mine if finished(out, u, pid) is None]
     inputs = [i["path"] for i in plan["inputs"]]
     jobs = [UnitJob(u, plan["units"][u], inputs, str(out), pid, a.text_field, dtype, tok.bos_id, tok.eos_id,
-                    a.shard_tokens, a.batch_size) for u in todo]
+                    a.shard_tokens, a.batch_size, a.min_chars, a.max_chars, a.drop_binary) for u in todo]
     todo_bytes = sum(p[3] for j in jobs for p in j.pieces)
     where = f"part {part} of {a.parts}: " if a.parts > 1 else ""
     print(f"{where}{len(mine)} work unit(s) of {len(plan['units'])}, {len(mine) - len(todo)} already done; "

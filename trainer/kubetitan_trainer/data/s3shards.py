@@ -51,10 +51,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kubetitan_core.contract import is_s3_uri, split_s3_uri
+from kubetitan_core.contract.trainer_toml import table_shards_paths
+from kubetitan_trainer.errors import ConfigError, TransientError
 from kubetitan_trainer import atomic
 from kubetitan_trainer.data.shards import INDEX_FILE, RERUN, ShardSet, crc32_bytes, crc32_file
-from kubetitan_trainer.errors import ConfigError, TransientError
-from kubetitan_trainer.storage import S3Settings, access_error_kind, describe_access_error, is_remote, parse_s3_uri
+from kubetitan_trainer.retry import retry
+from kubetitan_trainer.storage import S3Settings, access_error_kind, describe_access_error
 
 log = logging.getLogger("kubetitan.s3shards")
 
@@ -95,35 +98,20 @@ _STAGED: dict[str, str] = {}
 
 def local_path(path: str, job_config: Any, field: str) -> str:
     """``path`` itself for a directory in the pod; for ``s3://...`` the local directory it was staged to."""
-    if not is_remote(path):
+    if not is_s3_uri(path):
         return path
     if path not in _STAGED:
         _STAGED[path] = str(stage(path, settings_from(job_config, path), field))
     return _STAGED[path]
 
 
-EVAL_FIELD = "kubetitan.data.eval_shards_path (spec.data.eval.shards.path)"
-
-
-def shards_paths(d: Any) -> list[tuple[str, str]]:
-    """(field, path) of every shards path a ``[kubetitan.data]`` table reads: the source's or the mixture's, then
-    the held-out set's (empty paths left out)."""
-    paths = [("kubetitan.data.shards_path (spec.data.shards.path)", d.shards_path if d.source == "shards" else "")]
-    if d.source == "mixture":
-        kinds = list(d.mixture_kinds) or ["shards"] * len(d.mixture_paths)  # a huggingface entry reads no shards
-        paths += [(f"kubetitan.data.mixture_paths[{i}] (spec.data.mixture[{i}].shards.path)", p)
-                  for i, (p, kind) in enumerate(zip(d.mixture_paths, kinds, strict=True)) if kind == "shards"]
-    paths.append((EVAL_FIELD, d.eval_shards_path))
-    return [(f, p) for f, p in paths if p]
-
-
 def stage_all(job_config: Any) -> None:
     """Stage every ``s3://`` shards path the config reads (source, mixture, eval) now: the trainer calls it before
     torchtitan builds anything, so a bad bucket or object ends the process with exit code 2 and its message alone."""
     d = job_config.kubetitan.data
-    for field, path in shards_paths(d):
-        if field != EVAL_FIELD or d.eval_samples > 0:
-            local_path(path, job_config, field)
+    for p in table_shards_paths(d):
+        if not p.held_out or d.eval_samples > 0:
+            local_path(p.path, job_config, p.field)
 
 
 class _Uri(str):
@@ -166,7 +154,7 @@ class Stager:
         from kubetitan_trainer import compat
 
         self.uri, self.settings, self.field = uri.rstrip("/"), settings, field
-        self.bucket, self.prefix = parse_s3_uri(self.uri)
+        self.bucket, self.prefix = split_s3_uri(self.uri)
         self.dest = Path(settings.stage_dir) / self.bucket / self.prefix
         self._client = compat.s3_client(settings.s3, compat.s3_client_config(settings.s3))
 
@@ -220,26 +208,27 @@ class Stager:
 
     # ---------------------------------------------------------------------------------------------- transfer
     def _get(self, name: str, info: Any, start: int, end: int) -> bytearray:
-        """Bytes ``[start, end)`` of an object: one ranged GET (retried ``PART_ATTEMPTS`` times)."""
+        """Bytes ``[start, end)`` of an object: one ranged GET (tried ``PART_ATTEMPTS`` times, kubetitan_trainer.retry;
+        access denied or no bucket is not retried)."""
         from kubetitan_trainer import compat
 
         buf = bytearray(end - start)
-        err: BaseException | None = None
-        for attempt in range(PART_ATTEMPTS):
-            try:
-                reader = self._client.get_object(self.bucket, _key(self.prefix, name), object_info=info,
-                                                 reader_constructor=compat.s3_range_reader())
-                reader.seek(start)
-                got = reader.readinto(buf) if buf else 0
-                if got == len(buf):
-                    return buf
-                err = OSError(f"short read: {got} of {len(buf)} bytes at offset {start}")
-            except Exception as e:  # S3Exception after the client's own retries, or a dropped body
-                err = e
-                if access_error_kind(e) is not None:
-                    break  # access denied or no bucket: retrying cannot help
-            time.sleep(min(2.0 ** attempt * 0.5, 8.0))  # backoff between attempts of a part
-        raise self._request_error(err or OSError("no data"), f"GET s3://{self.bucket}/{_key(self.prefix, name)}")
+        what = f"GET s3://{self.bucket}/{_key(self.prefix, name)}"
+
+        def get() -> bytearray:
+            reader = self._client.get_object(self.bucket, _key(self.prefix, name), object_info=info,
+                                             reader_constructor=compat.s3_range_reader())
+            reader.seek(start)
+            got = reader.readinto(buf) if buf else 0
+            if got != len(buf):
+                raise OSError(f"short read: {got} of {len(buf)} bytes at offset {start}")
+            return buf
+
+        try:  # S3Exception after the client's own retries, or a dropped body
+            return retry(get, what=what, transient=lambda e: isinstance(e, Exception) and access_error_kind(e) is None,
+                         attempts=PART_ATTEMPTS, first_wait=0.5, max_wait=8.0)
+        except Exception as e:  # noqa: BLE001 - the request's error says what failed and what to do
+            raise self._request_error(e, what) from None
 
     def _download(self, name: str, info: Any, progress: _Progress, pool: cf.Executor, abort: threading.Event) -> None:
         """The object into ``.<name>.part`` by parallel ranged GETs (parts written at their offsets). A part not

@@ -106,10 +106,6 @@ def tokenizer_identity(folder: str | os.PathLike, name: str) -> TokenizerIdentit
     return TokenizerIdentity(name, _file_sha256(str(tj), st.st_mtime_ns, st.st_size))
 
 
-def shard_name(unit: int) -> str:
-    return f"shard-{unit:06d}.bin"
-
-
 def doc_index_name(bin_name: str) -> str:
     return bin_name[:-4] + ".idx" if bin_name.endswith(".bin") else bin_name + ".idx"
 
@@ -192,6 +188,8 @@ class ShardSet:
     """Per shard: which chunks a lazy reader has verified (None until its first read)."""
     _chunks_left: list[int] = field(default_factory=list, repr=False)
     _starts: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64), repr=False)
+    _doc_starts: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    """Per shard read so far: its document offsets (the ``.idx``, CRC-checked once, memory-mapped)."""
 
     # ------------------------------------------------------------------------------------------------ opening
     @classmethod
@@ -519,6 +517,32 @@ class ShardSet:
         self.check_range(out, offset)
         return out
 
+    def segments(self, offset: int, n: int) -> np.ndarray:
+        """For tokens ``[offset, offset + n)``: which document of the span each belongs to (int32, 0 for the first,
+        +1 at every document start after it; a shard's start is a document's), from the ``.idx`` files (each
+        CRC-checked on its first use here, then memory-mapped: a window costs two binary searches per shard)."""
+        out = np.zeros(n, dtype=np.int32)
+        end, pos = offset + n, offset
+        while pos < end:
+            i, off = self.locate(pos)
+            starts = self._shard_doc_starts(i)  # local offsets, the shard's end last
+            upto = min(end, int(self._starts[i + 1]))
+            lo = int(np.searchsorted(starts, off, side="right"))
+            hi = int(np.searchsorted(starts, upto - int(self._starts[i]), side="left"))
+            out[starts[lo:hi].astype(np.int64) + (int(self._starts[i]) - offset)] += 1  # documents starting inside
+            if upto < end:  # the next shard starts a document
+                out[upto - offset] += 1
+            pos = upto
+        return np.cumsum(out, dtype=np.int32)
+
+    def _shard_doc_starts(self, i: int) -> np.ndarray:
+        got = self._doc_starts.get(i)
+        if got is None:
+            s = self.shards[i]
+            self.document_offsets(i)  # checks it exists and its CRC-32 (a version-1 directory has none)
+            got = self._doc_starts[i] = np.memmap(self.path / s.doc_index, dtype="<u8", mode="r")  # type: ignore[operator]
+        return got
+
     def document_offsets(self, i: int) -> np.ndarray:
         """Document start offsets (plus the end) of shard ``i`` in global token units; version 2 only."""
         s = self.shards[i]
@@ -553,11 +577,27 @@ class ShardWriter:
         self._chunk_crc, self._chunk_fill = 0, 0
         self.tokens = 0
         self._ends: list[np.ndarray] = []
+        self._doc_end = 0
         self.documents = 0
 
     def add(self, flat: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents given as their tokens concatenated (``flat``) and their lengths."""
-        data = np.ascontiguousarray(flat, dtype=self.dtype).tobytes()
+        self.write(flat)
+        self.end_documents(lengths)
+
+    def end_documents(self, lengths: np.ndarray) -> None:
+        """Record documents of these lengths, written since the last recorded one (:meth:`write`), as complete."""
+        ends = self._doc_end + np.cumsum(lengths, dtype=np.int64)
+        if ends.size:
+            assert int(ends[-1]) <= self.tokens, "documents end past the tokens written"
+            self._doc_end = int(ends[-1])
+        self._ends.append(ends)
+        self.documents += int(lengths.size)
+
+    def write(self, flat: np.ndarray) -> None:
+        """Append tokens (a document's or a part of one: :meth:`end_documents` records where documents end)."""
+        arr = np.ascontiguousarray(flat, dtype=self.dtype)
+        data = arr.tobytes()
         self._bin.write(data)
         self._crc = zlib.crc32(data, self._crc)
         view, pos = memoryview(data), 0
@@ -569,12 +609,11 @@ class ShardWriter:
             if self._chunk_fill == self.chunk_bytes:
                 self._chunk_crcs.append(self._chunk_crc)
                 self._chunk_crc, self._chunk_fill = 0, 0
-        self._ends.append(self.tokens + np.cumsum(lengths, dtype=np.int64))
-        self.tokens += int(flat.size)
-        self.documents += int(lengths.size)
+        self.tokens += int(arr.size)
 
     def close(self) -> dict[str, Any]:
         """Flush, fsync and rename; returns the shard's ``files`` entry for index.json."""
+        assert self._doc_end == self.tokens, "the last document was not recorded (end_documents)"
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()

@@ -1,4 +1,4 @@
-"""A staging arena: DCP's staged copy of the training state in files of the restore tier's folder (issue 29).
+"""A staging arena: DCP's staged copy of the training state in files of the restore tier's folder.
 
 torch 2.11's ``StateDictStager`` stages every tensor into its own fresh shared-memory storage and, with CUDA,
 ``cudaHostRegister``s each one. Those pages belong to the worker: when it dies the kernel frees them all before
@@ -23,16 +23,16 @@ storages. Because the staged copy is in files that outlive the worker, the resto
 Without a tier folder, when the folder lacks room for the state, or when torch shares tensors by file name rather
 than file descriptor, there is no arena (:func:`open_arena` warns and returns None) and staging is torch's.
 
-**Writes** (``KUBETITAN_STAGING_WRITE``, :func:`write_mode`). ``pwrite`` (the default): the worker never touches
+**Writes** (``[kubetitan.runtime] staging_write``, :func:`write_mode`). ``pwrite`` (the default): the worker never touches
 the mapping; each storage goes through a few small pinned bounce buffers and ``os.pwrite`` into the file on
 :data:`WRITE_THREADS` threads (:meth:`Arena.write`), so the worker's page tables never hold the arena and its
 death has only its GPU memory and small buffers to free. ``map``: the stager copies each tensor into the file's
 mapping, registered with CUDA (device-to-host DMA straight into it); a worker that did so has every page of the
 ~40 GiB mapped and registered, and its death must unmap and unregister them all before it is seen dead. On an H100
-with the 3B state (device call 21, docs/reliability.md) a killed worker was seen dead 0.25-0.36 s after the kill
+with the 3B state (docs/reliability.md) a killed worker was seen dead 0.25-0.36 s after the kill
 with ``pwrite`` and 1.89-2.02 s with ``map``, at the same training throughput. The file's pages are the same
 either way (DCP's checkpoint process maps and reads them as before); the tier's default ``pread`` load
-(``KUBETITAN_TIER_READ``) does not map them into the next worker either.
+(``restore_tier_read``) does not map them into the next worker either.
 """
 
 from __future__ import annotations
@@ -46,15 +46,15 @@ from typing import Any
 
 import torch
 
-from kubetitan_trainer import compat, knobs
+from kubetitan_core.contract.trainer_toml import KubetitanRuntime
+from kubetitan_trainer import compat, runtime
 
 MARGIN = 1.02
 """The folder must have this much more free space than the arena needs (tmpfs metadata, the tier's JSON)."""
 
-ENV_WRITE = "KUBETITAN_STAGING_WRITE"
-"""How the stager writes the arena: ``pwrite`` (default) or ``map`` (see the module's docstring)."""
 WRITE_MODES = ("pwrite", "map")
-ENV_WRITE_THREADS = "KUBETITAN_STAGING_WRITE_THREADS"
+"""How the stager writes the arena (``[kubetitan.runtime] staging_write``): ``pwrite`` (default) or ``map`` (see the
+module's docstring)."""
 WRITE_THREADS = 8
 """Threads that ``pwrite`` the arena in the ``pwrite`` mode (each with two bounce buffers of :data:`CHUNK`)."""
 CHUNK = 16 << 20
@@ -62,13 +62,14 @@ CHUNK = 16 << 20
 log = logging.getLogger("kubetitan.arena")
 
 
-def write_mode(env: dict | None = None) -> str:
-    """``KUBETITAN_STAGING_WRITE``: ``pwrite`` or ``map``; unset or unknown: ``pwrite``."""
-    return knobs.choice(ENV_WRITE, WRITE_MODES, "staging with pwrite", log, env)
+def write_mode(s: KubetitanRuntime | None = None) -> str:
+    """``staging_write`` of ``s`` (this process's settings by default): :data:`WRITE_MODES`."""
+    return (runtime.settings() if s is None else s).staging_write
 
 
-def write_threads(env: dict | None = None) -> int:
-    return knobs.whole_number(ENV_WRITE_THREADS, WRITE_THREADS, f"writing on {WRITE_THREADS} threads", log, env)
+def write_threads(s: KubetitanRuntime | None = None) -> int:
+    """``staging_write_threads`` of ``s`` (this process's settings by default; :data:`WRITE_THREADS` is the default)."""
+    return (runtime.settings() if s is None else s).staging_write_threads
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -1,6 +1,6 @@
-"""Create the worker's CUDA context on a side thread as the worker starts (issue 29: recovery in under 5 s).
+"""Create the worker's CUDA context on a side thread as the worker starts (part of a recovery in under 5 s).
 
-A worker's first CUDA allocation creates its context: ~0.4 s on the H200 machine (issue 29's measurement), inside
+A worker's first CUDA allocation creates its context: ~0.4 s on the H200 machine (bench/teardown_probe.py), inside
 the start-up anatomy's ``model_init``, on the training thread, after the config check, the process group and the
 model's build on the meta device, none of which need the GPU. :func:`start` retains the device's primary context
 (the one the CUDA runtime, and so torch, uses) through the driver API from a thread of its own, as ``main()``
@@ -8,8 +8,8 @@ begins: ``ctypes`` lets go of the GIL during each driver call, so the training t
 and torch's own initialisation later finds the context made (the driver serialises the two if they meet).
 
 The device is ``LOCAL_RANK``'s, the one torchtitan's trainer selects (``cuda:<LOCAL_RANK>`` within
-``CUDA_VISIBLE_DEVICES``). Nothing happens unless ``KUBETITAN_EARLY_CUDA_CONTEXT=1`` (opt-in: no gain measured
-yet), without the driver library (CPU nodes, CI), or when the driver answers an error (logged; torch then meets
+``CUDA_VISIBLE_DEVICES``). Nothing happens unless ``[kubetitan.runtime] early_cuda_context`` is on
+(``spec.runtime.earlyCudaContext``; opt-in: no gain measured yet), without the driver library (CPU nodes, CI), or when the driver answers an error (logged; torch then meets
 the same error its own way). The seconds the side thread took go into the start-up record
 (:mod:`kubetitan_trainer.recovery.anatomy`, ``cuda_context``).
 """
@@ -24,14 +24,15 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kubetitan_trainer import knobs
+from kubetitan_trainer import runtime
 
 log = logging.getLogger(__name__)
 
-ENV = "KUBETITAN_EARLY_CUDA_CONTEXT"
-"""``1``: retain the CUDA context on a side thread at the worker's start; ``0`` (default): torch creates it on its
-first CUDA call. Opt-in: on an H100 (device calls 23-25, session 19) the side thread took 0.16-0.39 s, but the
-model init was 1.0-1.3 s with it and 0.8-1.2 s without, kill -> first step end no shorter (docs/reliability.md)."""
+SETTING = "spec.runtime.earlyCudaContext"
+"""Where the switch is (``[kubetitan.runtime] early_cuda_context``): on, retain the CUDA context on a side thread at
+the worker's start; off (the default), torch creates it on its first CUDA call. Opt-in: on an H100 the side thread
+took 0.16-0.39 s, but the model init was 1.0-1.3 s with it and 0.8-1.2 s without, kill -> first step end no shorter
+(docs/reliability.md)."""
 
 DRIVER = "libcuda.so.1"
 NO_DEVICE = 100
@@ -70,10 +71,12 @@ class Early:
         return self.result
 
 
-def start(env: Mapping[str, str] | None = None, driver: Callable[[], Any] = _driver) -> Early | None:
-    """Retain ``LOCAL_RANK``'s primary context on a side thread; None when off or there is no driver library."""
+def start(env: Mapping[str, str] | None = None, driver: Callable[[], Any] = _driver,
+          on: bool | None = None) -> Early | None:
+    """Retain ``LOCAL_RANK``'s primary context on a side thread; None when off (``on``, by default this process's
+    ``early_cuda_context`` setting) or there is no driver library."""
     env = os.environ if env is None else env
-    if knobs.choice(ENV, ("0", "1"), "leaving the CUDA context to torch", log, env) == "0":
+    if not (runtime.settings().early_cuda_context if on is None else on):
         return None
     try:
         ordinal = int(env.get("LOCAL_RANK", "0") or 0)
@@ -105,6 +108,6 @@ def settled(timeout: float = 0.0) -> dict[str, Any] | None:
     if result and result["rc"] not in (0, NO_DEVICE) and not result.get("logged"):
         result["logged"] = True
         log.warning("Creating the CUDA context early failed: %s returned CUDA error %s for device %s; torch creates "
-                    "it on its first CUDA call instead (%s=0 skips the early try)", result["failed_call"],
-                    result["rc"], result["device"], ENV)
+                    "it on its first CUDA call instead (%s: false skips the early try)", result["failed_call"],
+                    result["rc"], result["device"], SETTING)
     return result

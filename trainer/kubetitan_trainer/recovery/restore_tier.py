@@ -24,9 +24,10 @@ files of this folder that outlive the worker (``staging-rank-<r>/<k>.bin``): the
 whose layout entries name those files (``"file"``, ``"offset"``; :func:`save_from_arena`), and the stager removes the JSON
 before each stage writes the arena, so a stage cut off midway leaves no usable, torn tier.
 
-A load reads the files with ``os.preadv`` on several threads (:data:`ENV_READ`, :data:`ENV_LOAD_THREADS`), so no page
+A load reads the files with ``os.preadv`` on several threads (:func:`read_mode`, :func:`load_threads`), so no page
 of the tier is mapped into the worker, and copies the optimizer's part in the background while the first step
-runs (:data:`ENV_DEFER`); each is a knob with the other way as its alternative.
+runs (:func:`defer_keys`); each is a ``[kubetitan.runtime]`` setting (``spec.runtime``) with the other way as its
+alternative.
 
 The tier costs one device-to-host copy of the state per save (training waits for it) and host memory equal
 to the state (the pod's ``/dev/shm`` size limit must hold it; when the folder lacks the space the tier is
@@ -52,30 +53,28 @@ from typing import Any
 
 import torch
 
-from kubetitan_trainer import atomic, compat, knobs, storage
+from kubetitan_core.contract.trainer_toml import KubetitanRuntime
+from kubetitan_trainer import atomic, compat, knobs, runtime, storage
 
 ENV_RESTORE_TIER = "KUBETITAN_RESTORE_TIER"
 """Folder of the restore tier (set by the launcher; unset or empty: off)."""
 
-ENV_LOAD_THREADS = "KUBETITAN_TIER_LOAD_THREADS"
-"""Threads that copy the tier into the state at a load (default: :func:`default_load_threads`)."""
 DEFAULT_LOAD_THREADS = 4
 """``map`` mode: loader threads when torch's CPU copies run on one thread each (``OMP_NUM_THREADS=1``, which
 torchrun sets when a node runs several workers). With more intra-op threads one loader thread is fastest there: on
 the H200 machine (16 of them), 40 GiB through one thread's pinned bounce buffers ran at 47.7 GB/s, through 4
-threads at 29.7 and through 8 at 27.7 (bench/teardown_probe.py, device call of session 15, docs/reliability.md)."""
+threads at 29.7 and through 8 at 27.7 (bench/teardown_probe.py, docs/reliability.md)."""
 PREAD_THREADS = (2, 16)
 """``pread`` mode: the node's CPUs shared among its workers (``LOCAL_WORLD_SIZE``), within these bounds. Each
 thread's ``preadv`` is the kernel's copy from the page cache: on the H100 machine 40 GiB read in 8.2-8.9 s on 1
-thread, 2.5-2.7 s on 4, 1.7 s on 8 and 1.47 s on 16 (probe, session 17)."""
+thread, 2.5-2.7 s on 4, 1.7 s on 8 and 1.47 s on 16 (the same probe)."""
 
-ENV_READ = "KUBETITAN_TIER_READ"
-"""How a load reads the tier's files: ``pread`` (default: ``os.preadv`` straight into the loader threads' pinned
-buffers: no mapping, so no page fault and no page table to tear down; the kernel's copy runs on the loader's
-threads, :data:`ENV_LOAD_THREADS`) or ``map`` (a read-only mapping, copied through pinned buffers). On an H100 with
-the 3B state (device call 21, docs/reliability.md) ``pread`` on 16 threads with the optimizer deferred loaded in
-0.9-1.1 s, against 2.9-4.5 s mapped."""
 READ_MODES = ("pread", "map")
+"""How a load reads the tier's files (``[kubetitan.runtime] restore_tier_read``): ``pread`` (default: ``os.preadv``
+straight into the loader threads' pinned buffers: no mapping, so no page fault and no page table to tear down; the
+kernel's copy runs on the loader's threads, :func:`load_threads`) or ``map`` (a read-only mapping, copied through
+pinned buffers). On an H100 with the 3B state (docs/reliability.md) ``pread`` on 16 threads with the optimizer
+deferred loaded in 0.9-1.1 s, against 2.9-4.5 s mapped."""
 
 ALIGN = 64
 MARGIN = 1.05
@@ -200,7 +199,7 @@ def _whole(src: torch.Tensor | FileSpan) -> torch.Tensor:
 
 
 class _ParallelLoad:
-    """Copies the tier's bytes into the state's tensors on several threads (issue 29: the load at memory speed).
+    """Copies the tier's bytes into the state's tensors on several threads (the load at memory speed).
 
     A load through one thread and one pair of pinned bounce buffers runs at the speed of one ``memcpy`` from the
     mapping (~9-13 GB/s on the H200 machine), far below the host-to-device link. Here each thread owns two bounce
@@ -217,7 +216,7 @@ class _ParallelLoad:
     CHUNK = 64 << 20
     BOUNCE_BUDGET = 256 << 20
     """Pinned bounce memory of all threads together (two buffers a thread). A fresh worker pins it before its
-    first copy, and pinning from scratch cost ~0.75 s a GiB on the H200 machine (40 GiB in 30 s, issue 29): 16
+    first copy, and pinning from scratch cost ~0.75 s a GiB on the H200 machine (40 GiB in 30 s): 16
     threads of 2 x 64 MiB would pin 2 GiB. Whether that is why the 16-thread ``pread`` load ran slower in a
     training run (2.6-3.4 s) than in the probe (1.47 s) is not measured (docs/reliability.md)."""
 
@@ -322,17 +321,18 @@ def default_load_threads(intra_op_threads: int | None = None, *, mode: str = "pr
     return 1 if n > 1 else DEFAULT_LOAD_THREADS
 
 
-def load_threads(env: dict | None = None, intra_op_threads: int | None = None, mode: str | None = None) -> int:
-    """How many threads load the tier (``KUBETITAN_TIER_LOAD_THREADS``, else :func:`default_load_threads` for
-    ``mode``, the read mode by default)."""
-    mode = read_mode(env) if mode is None else mode
-    default = default_load_threads(intra_op_threads, mode=mode, env=env)
-    return knobs.whole_number(ENV_LOAD_THREADS, default, f"loading the tier on {default} thread(s)", log, env)
+def load_threads(env: dict | None = None, intra_op_threads: int | None = None, mode: str | None = None,
+                 s: KubetitanRuntime | None = None) -> int:
+    """How many threads load the tier (``restore_tier_load_threads`` of ``s``, this process's settings by default;
+    0: :func:`default_load_threads` for ``mode``, the read mode by default)."""
+    s = runtime.settings() if s is None else s
+    mode = read_mode(s) if mode is None else mode
+    return s.restore_tier_load_threads or default_load_threads(intra_op_threads, mode=mode, env=env)
 
 
-def read_mode(env: dict | None = None) -> str:
-    """How loads read the tier (``KUBETITAN_TIER_READ``: ``pread`` or ``map``; unset or unknown: ``pread``)."""
-    return knobs.choice(ENV_READ, READ_MODES, "reading the tier with pread", log, env)
+def read_mode(s: KubetitanRuntime | None = None) -> str:
+    """How loads read the tier (``restore_tier_read`` of ``s``, this process's settings by default; :data:`READ_MODES`)."""
+    return (runtime.settings() if s is None else s).restore_tier_read
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -579,22 +579,20 @@ DEFER_MIN_BYTES = 1 << 20
 """Smaller tensors of a deferred part are copied at once (an optimizer's step counters may be copied by its
 ``load_state_dict``; its moments are not)."""
 
-ENV_DEFER = "KUBETITAN_TIER_DEFER_OPTIMIZER"
-"""``1`` (default): the trainer loads the optimizer's moments from the tier in the background, while the first step's
-forward and backward run, and waits for them before the optimizer's step (issue 29 item 2); ``0``: at once. On an
+DEFERRED = ("optimizer",)
+"""With ``defer_optimizer_load`` (the default): the trainer loads the optimizer's moments from the tier in the background, while the first step's
+forward and backward run, and waits for them before the optimizer's step; off: at once. On an
 H100 with the 3B state it took kill -> first step end from p50 9.2 s to 6.5-6.7 s together with the ``pread`` load
-and the arena's ``pwrite`` (device calls 21 and 22; the copy's own times: :data:`DEFAULT_DEFER_THREADS`)."""
+and the arena's ``pwrite`` (the copy's own times: :data:`DEFAULT_DEFER_THREADS`)."""
 
 
-ENV_DEFER_THREADS = "KUBETITAN_TIER_DEFER_THREADS"
-"""Loader threads of the deferred (background) part of a load (default :data:`DEFAULT_DEFER_THREADS`)."""
 DEFAULT_DEFER_THREADS = 4
 """The deferred copy runs while the training thread compiles its first step, and every chunk a loader thread copies
 takes the GIL a few times between its system calls, so the two slow each other down. On an H100 with the 3B state
-(device calls 21 and 22, docs/reliability.md): on 16 threads the optimizer's 26.9 GiB came in 1.9-2.3 s and the warm
+(docs/reliability.md): on 16 threads the optimizer's 26.9 GiB came in 1.9-2.3 s and the warm
 compile took 3.4-3.9 s (2.0-2.2 s with no copy running); on 4 threads the compile took 2.2-2.8 s and the copy 4.0-5.4
-s, the step waiting 0.8-1.6 s for it. Kill -> first step end was the same (p50 6.7 s on 16 threads, 6.5 s on 4 over
-call 22's second half); 4 uses a quarter of the threads, which counts on a node of 8 workers."""
+s, the step waiting 0.8-1.6 s for it. Kill -> first step end was the same (p50 6.7 s on 16 threads, 6.5 s on 4 in
+bench/device/recovery_deferred_copy.sh); 4 uses a quarter of the threads, which counts on a node of 8 workers."""
 
 
 DEFER_BOUNCE_BUDGET = 512 << 20
@@ -602,38 +600,34 @@ DEFER_BOUNCE_BUDGET = 512 << 20
 immediate part's :data:`_ParallelLoad.BOUNCE_BUDGET` gives them 32 MiB. While the first step compiles, a copy
 thread gets the GIL back after each chunk's system calls only when the compiling thread lets it go (at the latest
 after Python's switch interval), so the copy moves about one chunk per switch: ~150-180 chunks a second at the
-default 5 ms on the CPU probe (``bench/gil_convoy_probe.py``, bench/results/recovery/gil_convoy_cpu_s19.txt), and
-6-7 GB/s for 32 MiB chunks on an H100 (device call 22). Twice the chunk is twice the bytes a switch, for the same
+default 5 ms on the CPU probe (``bench/gil_convoy_probe.py``, bench/results/recovery/gil_convoy_cpu.txt), and
+6-7 GB/s for 32 MiB chunks on an H100 (bench/device/recovery_deferred_copy.sh). Twice the chunk is twice the bytes a switch, for the same
 number of switches taken from the compile; the 256 MiB more that are pinned cost ~0.2 s in the background. On an
-H100 (device calls 23-25, session 19) the first step waited 0.28-0.72 s for the copy, against 0.76-1.60 s with
-32 MiB chunks in call 22."""
+H100 (bench/device/recovery_defer_chunks_and_aot.sh) the first step waited 0.28-0.72 s for the copy, against
+0.76-1.60 s with 32 MiB chunks."""
 
 
-def defer_threads(env: dict | None = None) -> int:
-    """How many threads copy a load's deferred part (:data:`ENV_DEFER_THREADS`)."""
-    return knobs.whole_number(ENV_DEFER_THREADS, DEFAULT_DEFER_THREADS,
-                              f"copying the deferred part on {DEFAULT_DEFER_THREADS} threads", log, env)
+def defer_threads(s: KubetitanRuntime | None = None) -> int:
+    """How many threads copy a load's deferred part (``defer_threads`` of ``s``, this process's settings by
+    default; :data:`DEFAULT_DEFER_THREADS` is the default)."""
+    return (runtime.settings() if s is None else s).defer_threads
 
 
-ENV_DEFER_SWITCH_MS = "KUBETITAN_TIER_DEFER_SWITCH_MS"
-"""Python's thread switch interval, in milliseconds, while the deferred copy runs (unset: Python's own, 5 ms). The
-copy's threads take the GIL a few times a chunk, between their system calls, while the training thread compiles
-its first step; a waiting thread gets the GIL only when the holder releases it or the interval runs out, so each of
-those takes up to the interval (the "convoy effect"). A shorter interval shortens every such wait, for a few more
-switches of the training thread. Opt-in, not yet measured on a GPU."""
+def defer_switch_interval(s: KubetitanRuntime | None = None) -> float | None:
+    """Seconds for ``sys.setswitchinterval`` during the deferred copy (``defer_switch_interval_ms`` of ``s``); None:
+    Python's own.
+
+    The copy's threads take the GIL a few times a chunk, between their system calls, while the training thread
+    compiles its first step; a waiting thread gets the GIL only when the holder releases it or the interval runs out,
+    so each of those takes up to the interval (the "convoy effect"). A shorter interval shortens every such wait, for
+    a few more switches of the training thread. Opt-in, not yet measured on a GPU."""
+    ms = (runtime.settings() if s is None else s).defer_switch_interval_ms
+    return ms / 1000 if ms else None
 
 
-def defer_switch_interval(env: dict | None = None) -> float | None:
-    """Seconds for ``sys.setswitchinterval`` during the deferred copy (:data:`ENV_DEFER_SWITCH_MS`); None: unset."""
-    if not (os.environ if env is None else env).get(ENV_DEFER_SWITCH_MS, "").strip():
-        return None
-    return knobs.whole_number(ENV_DEFER_SWITCH_MS, 5, "switching every 5 ms", log, env) / 1000
-
-
-def defer_keys(env: dict | None = None) -> tuple[str, ...]:
-    """The state keys a tier load defers (:data:`ENV_DEFER`: on unless ``0``; anything but ``0``/``1`` warns)."""
-    on = knobs.choice(ENV_DEFER, ("1", "0"), "deferring the optimizer's part", log, env) == "1"
-    return ("optimizer",) if on else ()
+def defer_keys(s: KubetitanRuntime | None = None) -> tuple[str, ...]:
+    """The state keys a tier load defers (:data:`DEFERRED` with ``defer_optimizer_load`` of ``s``, else none)."""
+    return DEFERRED if (runtime.settings() if s is None else s).defer_optimizer_load else ()
 
 
 def _held(states: dict[str, Any]) -> set[int]:
@@ -656,7 +650,7 @@ class Pending:
 
     def __init__(self, copy: Any, entries: list, nbytes: int, switch_interval: float | None = None) -> None:
         """``switch_interval``: seconds for ``sys.setswitchinterval`` while the copy runs (None: Python's own, 5 ms),
-        put back when it ends (:data:`ENV_DEFER_SWITCH_MS`)."""
+        put back when it ends (:func:`defer_switch_interval`)."""
         import time as _time
 
         self.nbytes, self.seconds = nbytes, None

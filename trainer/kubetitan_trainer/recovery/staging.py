@@ -5,8 +5,9 @@ issue 183413, a regression from the leak fix in PR 170431; fixed upstream by PR 
 ``close`` empties the stager's deepcopy dispatch table, so the *second* stage fails in the background
 with ``KeyError: <class 'type'>``. torchtitan 0.2.2 creates one ``DefaultStager`` for
 ``async_mode = "async_with_pinned_mem"`` and keeps it for the run, so every pinned save after the first
-fails and the run dies at the save after that (torchtitan issue 3476). Seen on the H200 in device
-calls 7 and 8, and gone with this module in call 9 (docs/benchmarks.md, "Checkpoint stall").
+fails and the run dies at the save after that (torchtitan issue 3476). Seen on the H200
+(bench/device/launch_overhead_1b_and_pinned_stall.sh, recipe_pinned_checkpoint_stall.sh), and gone with this module
+(reusable_stager_pinned_saves.sh; docs/benchmarks.md, "Checkpoint stall").
 
 :class:`ReusableStager` is a ``DefaultStager`` whose ``StateDictStager`` ignores that per-stage
 ``close`` and is released by the stager's own ``close`` (torchtitan calls it when the checkpointer

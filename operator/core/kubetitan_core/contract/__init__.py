@@ -112,6 +112,27 @@ def env_reserved(name: str) -> bool:
     return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
 
 
+# ---- object-store locations (checkpoints, shards): s3://bucket[/prefix]
+S3_SCHEME = "s3://"
+
+
+def is_s3_uri(path: str) -> bool:
+    """Whether a checkpoint or shards location is an object-store URI (``s3://...``) rather than a filesystem path."""
+    return str(path).startswith(S3_SCHEME)
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")`` (no leading or trailing slash); ValueError for a
+    string that is not an ``s3://`` URI or names no bucket. Whether the bucket and prefix are usable is
+    ``kubetitan_core.validation.s3_uri_error``."""
+    if not is_s3_uri(uri):
+        raise ValueError(f"not an s3:// URI: {uri!r}")
+    bucket, _, prefix = uri[len(S3_SCHEME):].partition("/")
+    if not bucket:
+        raise ValueError(f"no bucket in {uri!r}")
+    return bucket, prefix.strip("/")
+
+
 # ---- the trainer's process
 TRAINER_PYTHON = "/opt/conda/bin/python"
 """The interpreter every training pod runs, by absolute path: the trainer image's Python (the PyTorch base image's
@@ -217,9 +238,6 @@ with a configuration error). Every other source (``synthetic``, ``shards``, ``mi
 reads one global sample stream whose position is the same on every rank (``kubetitan_trainer.data``): it resumes at
 any world size and DP degree, and DCP reshards the model and optimizer, unless a mixture entry is ``huggingface``
 (such an entry keeps a per-rank stream position too: :func:`per_rank_sources`). The trainer picks its loader by
-this set.""".replace("""mixture``, whose entries are shards)""","""mixture``)""") if False else """reads one global sample stream whose position is the same on every rank (``kubetitan_trainer.data``): it resumes at
-any world size and DP degree, and DCP reshards the model and optimizer, unless a mixture entry is ``huggingface``
-(such an entry keeps a per-rank stream position too: :func:`per_rank_sources`). The trainer picks its loader by
 this set."""
 
 
@@ -267,6 +285,10 @@ M_MFU = "kubetitan_trainer_mfu_ratio"
 M_STEP_DURATION = "kubetitan_trainer_step_duration_seconds"
 M_DATA_LOADING_DURATION = "kubetitan_trainer_data_loading_duration_seconds"
 M_DATA_TOKENS = "kubetitan_trainer_data_tokens_total"  # label source: tokens each data source gave the job
+M_DATA_WEIGHT = "kubetitan_trainer_data_weight_ratio"  # label source: its share of the current step's samples
+M_DATA_EPOCHS = "kubetitan_trainer_data_epochs"  # label source: passes over its training sequences so far
+M_SOURCE_LOSS = "kubetitan_trainer_source_loss"  # label source: a mixture source's training loss at the last log
+M_SOURCE_EVAL_LOSS = "kubetitan_trainer_source_eval_loss"  # label source: its held-out loss at the last evaluation
 M_EVAL_LOSS = "kubetitan_trainer_eval_loss"  # held-out loss at M_EVAL_STEP; absent before the first evaluation
 M_EVAL_PERPLEXITY = "kubetitan_trainer_eval_perplexity"  # exp(eval loss)
 M_EVAL_STEP = "kubetitan_trainer_eval_step"  # step of the last evaluation
@@ -294,6 +316,26 @@ M_RESTART_NODE_RANK = "kubetitan_trainer_restart_node_rank"  # node rank (pod ra
 M_RESTART_TIMESTAMP = "kubetitan_trainer_restart_timestamp_seconds"  # when a launcher saw that failure
 M_RESTART_PREVIOUS_STEP = "kubetitan_trainer_restart_previous_step"  # the last step the previous generation trained
 M_STEP_DURATION_MEDIAN = "kubetitan_trainer_step_duration_median_seconds"  # recent steps of this generation
+
+# ---- metrics the operator exports (kubetitan.operator_metrics), which its dashboards and alerts query
+# (kubetitan.monitoring): one definition for both
+OP_BUILD_INFO = "kubetitan_build_info"
+OP_LLAMAPRETRAINS = "kubetitan_operator_llamapretrains"
+OP_RESTARTS = "kubetitan_operator_restarts_total"
+OP_RECONCILE_DURATION = "kubetitan_operator_reconcile_duration_seconds"
+OP_RUN_CYCLES = "kubetitan_operator_run_cycles_total"
+OP_RECONCILE_ERRORS = "kubetitan_operator_reconcile_errors_total"
+OP_API_UNAVAILABLE_CYCLES = "kubetitan_operator_api_unavailable_cycles_total"
+OP_LEADER = "kubetitan_operator_leader"
+OP_RECOVERY_DURATION = "kubetitan_operator_recovery_duration_seconds"
+OP_SCRAPE_FAILURES = "kubetitan_operator_scrape_failures_total"
+OP_SCRAPED_VALUES_REFUSED = "kubetitan_operator_scraped_values_refused_total"
+OP_JOB_STEP = "kubetitan_operator_job_step"
+OP_JOB_TOKENS_PER_SECOND = "kubetitan_operator_job_tokens_per_second"
+OP_JOB_MFU = "kubetitan_operator_job_mfu_ratio"
+OP_JOB_GOODPUT = "kubetitan_operator_job_goodput_ratio"
+OP_JOB_RESTARTS = "kubetitan_operator_job_restarts"
+OP_JOB_PHASE_INFO = "kubetitan_operator_job_phase_info"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic.alias_generators import to_camel
 
 from kubetitan_core import hang
-from kubetitan_core.api import LlamaPretrainSpec, processes_per_node
+from kubetitan_core.api import HangTimeoutPolicy, LlamaPretrainSpec, processes_per_node
 
 RENDEZVOUS_PORT = 29500
 """Port of rank 0's rendezvous (torchrun's static store, or the c10d store of in-place restarts)."""
@@ -92,7 +92,7 @@ class LauncherArgs:
                                            "scheduling wait")
     hang_timeout_seconds: float = _spec_flag("run_policy.hang_timeout_seconds",
                                              "for the in-place hang watchdog (kubetitan_core.hang)")
-    hang_timeout_policy: Literal["Auto", "Fixed"] = _spec_flag("run_policy.hang_timeout_policy",
+    hang_timeout_policy: HangTimeoutPolicy = _spec_flag("run_policy.hang_timeout_policy",
                                                                "for the in-place hang watchdog")
     hang_floor_seconds: float = _flag(float(hang.AUTO_HANG_FLOOR_SECONDS),
                                       "the operator's --hang-floor-seconds (Auto's floor), for the in-place hang "

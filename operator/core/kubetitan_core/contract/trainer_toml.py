@@ -16,7 +16,10 @@ checks ``is_dataclass(field.type)`` to recurse into nested tables, which fails o
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
+
+from kubetitan_core.api import (AttentionMask, DataOrder, DataSource, NetworkFallback, Platform, ShardsDtype, ShardsPath,
+                                StagingWrite, TierRead, TokenizerSource, shards_paths)
 
 ALWAYS = {"always": True}
 """Field metadata: written whatever the value (see the module docstring)."""
@@ -26,12 +29,12 @@ ALWAYS = {"always": True}
 class KubetitanData:
     """``[kubetitan.data]``: where the training tokens come from."""
 
-    source: Literal["synthetic", "huggingface", "shards", "mixture"] = field(default="synthetic", metadata=ALWAYS)
+    source: DataSource = field(default="synthetic", metadata=ALWAYS)
     """`synthetic`: deterministic random tokens (benchmarks); `huggingface`: a text dataset
     tokenized on the fly, read the way torchtitan reads c4; `shards`: pre-tokenized `.bin` files;
     `mixture`: several sources (shards directories, streamed datasets) mixed by weight (`mixture_paths`,
     `mixture_weights`, `mixture_kinds`)."""
-    order: Literal["shuffled", "sequential"] = field(default="shuffled", metadata=ALWAYS)
+    order: DataOrder = field(default="shuffled", metadata=ALWAYS)
     """Order of the windows of `shards` and `mixture` sources: `shuffled` (a seeded permutation per epoch, the
     seed being `debug.seed`) or `sequential` (corpus order)."""
     hf_dataset: str = "allenai/c4"
@@ -48,7 +51,7 @@ class KubetitanData:
     shards_path: str = ""
     """Directory with `*.bin` token shards and `index.json` (written by `kubetitan prepare-data`), or
     `s3://bucket/prefix` holding a copy of one (staged to local disk at start: `[kubetitan.data_s3]`)."""
-    shards_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    shards_dtype: ShardsDtype = "auto"
     """Token dtype of the shards; `auto` reads it from `index.json`."""
     mixture_paths: list[str] = field(default_factory=list)
     """The sources of a `mixture`, one entry each: a shards directory (or an `s3://bucket/prefix` copy of one), or
@@ -64,7 +67,18 @@ class KubetitanData:
     mixture_hf_streaming: list[bool] = field(default_factory=list)
     """Per mixture source: stream a `huggingface` one (as `hf_streaming`); empty: true."""
     mixture_weights: list[float] = field(default_factory=list)
-    """Weight of each `mixture_paths` entry (any positive numbers; normalised): its share of the samples (and tokens)."""
+    """Weight of each `mixture_paths` entry (0 or more, normalised; 0 only with a schedule that raises it): its share
+    of the samples (and tokens); with a schedule, its weight at step 0."""
+    mixture_schedule_interpolations: list[str] = field(default_factory=list)
+    """Per mixture source: how its weight changes between its schedule points, `linear` or `step`; empty (for all,
+    or for one source): no schedule, its weight holds (kubetitan_core.weights)."""
+    mixture_schedule_sources: list[int] = field(default_factory=list)
+    """The weight schedules' points, one entry each: the index of the source (in `mixture_paths`) it belongs to; with
+    `mixture_schedule_steps` and `mixture_schedule_weights`, its points in increasing step order."""
+    mixture_schedule_steps: list[int] = field(default_factory=list)
+    """Per schedule point: its training step (0 is the start, where the source's weight is `mixture_weights`)."""
+    mixture_schedule_weights: list[float] = field(default_factory=list)
+    """Per schedule point: the source's weight at that step (0 or more)."""
     mixture_dtypes: list[str] = field(default_factory=list)
     """Token dtype of each mixture source (`auto`, `uint16`, `uint32`); empty: `auto` for all."""
     mixture_names: list[str] = field(default_factory=list)
@@ -78,16 +92,26 @@ class KubetitanData:
     eval_shards_path: str = ""
     """A separate held-out shards directory (or `s3://bucket/prefix`) to evaluate; empty: hold out part of the
     training data."""
+    attention_mask: AttentionMask = "causal"
+    """`causal`: every token attends to every earlier token of its sample; `document`: only to the earlier tokens of
+    its own document (block-causal, from the shards' `.idx` boundaries, through torchtitan's flex attention)."""
     ledger: bool = False
     """Debugging: each rank appends the global samples it trains (step, position, source, window, epoch) to
     `<dump_folder>/kubetitan/ledger/rank-<r>-of-<W>.txt`."""
 
 
+def table_shards_paths(d: KubetitanData) -> list[ShardsPath]:
+    """``kubetitan_core.api.shards_paths`` of a ``[kubetitan.data]`` table (the trainer's side of the one rule)."""
+    kinds = list(d.mixture_kinds) or ["shards"] * len(d.mixture_paths)  # a huggingface entry reads no shards
+    return shards_paths(d.source, d.shards_path,
+                        [p if kind == "shards" else None for p, kind in zip(d.mixture_paths, kinds, strict=True)],
+                        d.eval_shards_path)
+
 @dataclass
 class KubetitanTokenizer:
     """``[kubetitan.tokenizer]``: which tokenizer to load."""
 
-    source: Literal["builtin", "path", "huggingface"] = field(default="builtin", metadata=ALWAYS)
+    source: TokenizerSource = field(default="builtin", metadata=ALWAYS)
     """`builtin`: the byte-level BPE shipped with the trainer (vocabulary below 2048);
     `path`: a directory holding `tokenizer.json`; `huggingface`: downloaded from the hub at start
     (uses `HF_TOKEN` from the environment)."""
@@ -167,6 +191,40 @@ class KubetitanDataS3:
     """Bytes per ranged GET (each in-flight GET holds one part in memory)."""
 
 
+
+
+@dataclass
+class KubetitanRuntime:
+    """``[kubetitan.runtime]``: tuning of the trainer's recovery and compile internals (``spec.runtime``). The
+    defaults are the settings measured best; the trainer reads the table once as each worker process starts."""
+
+    restore_tier_read: TierRead = "pread"
+    """How a load from the node-local restore tier reads its files: `pread` (straight into the loader threads'
+    pinned buffers) or `map` (a read-only mapping, copied through pinned buffers)."""
+    restore_tier_load_threads: int = 0
+    """Threads that copy the restore tier into the training state at a load; 0: automatic (`pread`: the pod's CPUs
+    over its workers, 2 to 16; `map`: 1 when torch's own copies are parallel, else 4)."""
+    defer_optimizer_load: bool = True
+    """Load the optimizer's part of a restore-tier load in the background, while the first step's forward and
+    backward run (the step waits for it before the optimizer's update); false: all of it at once."""
+    defer_threads: int = 4
+    """Threads of the background (deferred) part of a restore-tier load."""
+    defer_switch_interval_ms: int = 0
+    """Python's thread switch interval, in milliseconds, while the deferred part is copied; 0: Python's own (5 ms)."""
+    staging_write: StagingWrite = "pwrite"
+    """How the checkpoint stager writes its staged copy into the restore tier's arena: `pwrite` (threads write the
+    files; the worker never maps them) or `map` (copies into a mapping of the files)."""
+    staging_write_threads: int = 8
+    """Threads that write the arena in the `pwrite` mode."""
+    early_cuda_context: bool = False
+    """Create the worker's CUDA context on a side thread as the worker starts, instead of on torch's first CUDA
+    call."""
+    aot_compile: bool = False
+    """Ahead-of-time compiled transformer blocks (single-process runs; rank 0 makes the artefact once, restarts
+    load it instead of compiling) and the AOTAutograd cache's allow-list of the recipe's functions (compiled
+    runs: a restart loads the joint graphs from the cache). Off: compiled blocks compile as torch does."""
+
+
 @dataclass
 class KubetitanPreflight:
     """``[kubetitan.preflight]``: the pod's pre-flight gate (kubetitan_trainer.preflight), run by each pod's launcher
@@ -199,11 +257,11 @@ class Kubetitan:
     """GPU model from the spec (H100, H200, ...); the MFU peak when the device name does not say."""
     instance_type: str = field(default="", metadata=ALWAYS)
     """Node instance type from the spec (informational; also tells the GPU model)."""
-    platform: Literal["generic", "eks", "hyperpod"] = field(default="generic", metadata=ALWAYS)
+    platform: Platform = field(default="generic", metadata=ALWAYS)
     """Cluster flavour from the spec; on `eks`/`hyperpod` with EFA the NCCL network is enforced."""
     efa_per_node: int = field(default=0, metadata=ALWAYS)
     """EFA interfaces the pod requested; above 0 the trainer checks that NCCL runs on EFA."""
-    network_fallback: Literal["Fail", "AllowSockets"] = field(default="Fail", metadata=ALWAYS)
+    network_fallback: NetworkFallback = field(default="Fail", metadata=ALWAYS)
     """EFA requested on eks/hyperpod but NCCL not on it: `Fail` exits 5, `AllowSockets` warns and goes on."""
     requested_fsdp_float8_all_gather: bool = field(default=False, metadata=ALWAYS)
     """The spec asked for FSDP FP8 all-gather (the renderer turns it off when dp_shard is 1;
@@ -232,6 +290,8 @@ class Kubetitan:
     """How `s3://` shards paths of `data` are reached and staged."""
     preflight: KubetitanPreflight = field(default_factory=KubetitanPreflight)
     """The pod's pre-flight gate."""
+    runtime: KubetitanRuntime = field(default_factory=KubetitanRuntime)
+    """Tuning of the recovery and compile internals."""
 
 
 @dataclass
