@@ -166,7 +166,11 @@ def test_a_cpu_run_survives_a_killed_rank_and_a_lost_node_then_succeeds(
         kube: KubeCluster, control_plane: ControlPlane, fast_operator: OperatorProcess, namespace: str,
         tmp_path: Path) -> None:
     ckpt = _checkpoint_claim(control_plane, namespace, tmp_path)
-    spec = e2e_spec(ckpt, steps=CPU_RUN_STEPS, interval=10, metrics_port=free_port(), maxInPlaceRestarts=0)
+    # hangTimeoutSeconds above the node lifecycle controller's grace: the silent node must be seen NotReady
+    # (NodeFailure) before the frozen gang counts as hung (a Hang restart is the right answer once the hang timeout
+    # is the shorter; on a loaded machine the node took over 10 s to turn NotReady and Hang came first)
+    spec = e2e_spec(ckpt, steps=CPU_RUN_STEPS, interval=10, metrics_port=free_port(), maxInPlaceRestarts=0,
+                    hangTimeoutSeconds=60)
     with Kubelet(kube, tmp_path / "kubelet", nodes=3, claims={CLAIM: ckpt}, node_prefix=f"{namespace}-n", poll=POLL_SECONDS) as k, \
             _explained(lambda: _diagnosis(kube, k, namespace, "cpu")):
         kube.apply(lpt("cpu", spec, namespace=namespace))

@@ -202,7 +202,7 @@ def _elastic_lost_node() -> Observed:
 def test_a_run_waiting_for_nodes_or_for_its_metrics_does_not_show_starting(policy, obs, phase, ready) -> None:
     spec = _spec(runPolicy=policy)
     st = _step(spec, _status(), obs)
-    assert (st.phase, _cond(st, C.READY)) == (phase, ready), C.find(st.conditions, C.READY)
+    assert (st.phase, condition(st, C.READY)) == (phase, ready), C.find(st.conditions, C.READY)
     if ready[1] in (C.METRICS_UNAVAILABLE, C.PROGRESS_UNKNOWN):
         assert "refused" in (st.message or "")  # the scrape's own error, so the user can fix it
 
