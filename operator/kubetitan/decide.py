@@ -716,7 +716,7 @@ def pod_failed(f: Facts) -> Decision | None:
     failures = [x for _, x in sorted(failed, key=lambda px: _root_first(*px))]
     failures += [x for x, _left in _lost_nodes(f) if x is not None]
     if not failures:
-        gone = sorted(r for r in f.obs.ranks_seen if r not in {p.rank for p in f.current})
+        gone = sorted(f.obs.ranks_seen - {p.rank for p in f.current})  # (one set: a gang's ranks squared was 1 M)
         if gone:
             failures.append(Failure("PodDeleted", f"pod(s) of rank {', '.join(map(str, gone))} of attempt {f.attempt} "
                                     "disappeared (deleted, not by the operator)", "", None))

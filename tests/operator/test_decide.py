@@ -1017,3 +1017,25 @@ def test_the_pod_groups_of_ended_attempts_are_deleted(spec_, status_, obs, want)
     never while its attempt goes on: a rank created again would name a PodGroup that is gone and never be
     scheduled."""
     assert decide(spec_, status_, obs).delete_pod_groups == want
+
+
+def test_a_large_gang_is_decided_in_time_linear_in_its_pods() -> None:
+    """The decision reads each pod's rank a bounded number of times: a 512-pod gang training, every rank seen (the
+    check for a rank that disappeared built the set of the gang's ranks once per rank seen: 262,144 reads a
+    cycle, every cycle of a 1,024-pod gang's creation)."""
+    reads = [0]
+
+    class Counted(PodObs):
+        def __getattribute__(self, name: str) -> Any:
+            if name == "rank":
+                reads[0] += 1
+            return object.__getattribute__(self, name)
+
+    n = 512
+    gang = tuple(Counted(**asdict(pod(r))) for r in range(n))
+    sp = LlamaPretrainSpec.model_validate({"resources": {"nodes": n}})
+    nodes = {f"n{r}": NodeObs(f"n{r}") for r in range(n)}
+    d = decide(sp, status(), Observed(pods=gang, nodes=nodes, progress=TRAINING, ranks_seen=frozenset(range(n)),
+                                      now=NOW))
+    assert d.reason == C.TRAINING, d.message
+    assert reads[0] < 20 * n, reads[0]
