@@ -161,25 +161,44 @@ SERVER: type = Server
 
 
 class Watch:
-    """A watch stream in a thread; ``seen(pred)`` counts distinct object names whose latest event matches."""
+    """A watch stream in a thread; ``seen(pred)`` counts distinct object names whose latest event matches.
+
+    A stream the server ends while the driver still reads is opened again (kube-apiserver closes a watcher that
+    falls behind, "watcher close due to unresponsiveness", on a loaded machine); the new one starts with the current
+    state (an ADDED event per object), as the first did."""
 
     def __init__(self, server: Server, path: str, selector: str | None = None) -> None:
         self.latest: dict[str, tuple[str, dict[str, Any]]] = {}
         self.lock = threading.Lock()
-        params = {"watch": "true", **({"labelSelector": selector} if selector else {})}
-        self.resp = server.http.get(server.url + path, params=params, stream=True, timeout=(5, None))
+        self.closed = False
+        self.reopened = 0
+        self.server, self.path = server, path
+        self.params = {"watch": "true", **({"labelSelector": selector} if selector else {})}
+        self.resp = self._open()
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
+    def _open(self) -> requests.Response:
+        return self.server.http.get(self.server.url + self.path, params=self.params, stream=True, timeout=(5, None))
+
     def _read(self) -> None:
-        try:
-            for line in self.resp.iter_lines():
-                if line.strip():
-                    ev = json.loads(line)
-                    with self.lock:
-                        self.latest[ev["object"]["metadata"]["name"]] = (ev["type"], ev["object"])
-        except (requests.RequestException, AttributeError, ValueError):
-            pass  # closed
+        while not self.closed:
+            try:
+                for line in self.resp.iter_lines():
+                    if line.strip():
+                        ev = json.loads(line)
+                        if ev["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                            with self.lock:
+                                self.latest[ev["object"]["metadata"]["name"]] = (ev["type"], ev["object"])
+            except (requests.RequestException, AttributeError, ValueError):
+                pass  # the stream ended
+            while not self.closed:
+                try:
+                    self.resp = self._open()
+                    self.reopened += 1
+                    break
+                except requests.RequestException:
+                    time.sleep(0.2)
 
     def count(self, pred: Callable[[dict[str, Any]], bool] = lambda o: True) -> int:
         with self.lock:
@@ -187,6 +206,7 @@ class Watch:
 
     def close(self) -> None:
         """Stop reading; the stream ends with its server (closing it from here would block on the reader)."""
+        self.closed = True
         self.latest = {}
 
 
@@ -288,7 +308,7 @@ def many(profile: str | None, n: int) -> dict[str, float]:
         pods.close()
         runs.close()
         return {"applied": applied, "pods": t_pods, "total": total, "cpu": cpu, "kcpu": kcpu, "idle": idle,
-                "peak": max(peak[0], mem["VmHWM"]), "settled": mem["VmRSS"]}
+                "peak": max(peak[0], mem["VmHWM"]), "settled": mem["VmRSS"], "reopened": pods.reopened + runs.reopened}
 
 
 def _med(rs: list[dict[str, Any]], key: str) -> float:
@@ -365,7 +385,7 @@ def main() -> int:
             r = many(a.profile, a.runs)
             print(f"{a.runs} LlamaPretrains (run {i + 1}): applied in {r['applied']:.2f} s; all pods after "
                   f"{r['pods']:.2f} s; all Starting after {r['total']:.2f} s (CPU: operator {r['cpu']:.1f} s, "
-                  f"API server {r['kcpu']:.1f} s)", flush=True)
+                  f"API server {r['kcpu']:.1f} s; the driver's watches reopened {r['reopened']} times)", flush=True)
             print(f"operator RSS: idle {r['idle']:.0f} MiB, peak {r['peak']:.0f} MiB, settled {r['settled']:.0f} MiB "
                   f"with {a.runs} runs  (target < 300 MiB for 2000) ({_load()})", flush=True)
     print(f"{_load()} at end")

@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from kubetitan import __version__, logs, policy
+from kubetitan import __version__, compat, logs, policy
 from kubetitan import webhook as webhook_mod
 from kubetitan.handlers import RUNNING, client_of, leadership_changed
 from kubetitan.kube import load_config
@@ -174,6 +174,8 @@ def run(options: Options, stop_flag: Any = None, ready_flag: Any = None,
         from prometheus_client import start_http_server
 
         server, _thread = start_http_server(options.metrics_port, options.metrics_addr, registry=metrics.registry)
+
+    compat.install()  # every watched object loses what the operator never reads (managedFields) before kopf keeps it
 
     async def operate() -> None:
         RUNNING.set(ctx)
