@@ -14,11 +14,13 @@
 # $OUT: preflight.txt (everything printed), pass.json, fail.json, startup.jsonl, launch_pass.log, launch_fail.log,
 # env.txt.
 # Usage (device tool, kind nvidia-h100-x1, carry [".whl"], timeout_s 420): bash bench/device/preflight_gpu.sh
+# (on an H200: GPU_PRODUCT=H200 bash bench/device/preflight_gpu.sh)
 export R=/tmp/r
 source bench/device/setup.sh
 cp "$R/env.txt" "$OUT/" 2>/dev/null
 export KUBETITAN_NODE_NAME="${KUBETITAN_NODE_NAME:-$(hostname)}"
-GATE="python3 -m kubetitan_trainer.preflight --gpus 1 --gpu-product H100"
+GPU_PRODUCT=${GPU_PRODUCT:-H100}  # H200 on an H200 machine
+GATE="python3 -m kubetitan_trainer.preflight --gpus 1 --gpu-product $GPU_PRODUCT"
 W=/tmp/preflight
 mkdir -p "$W"
 {
@@ -54,7 +56,8 @@ print("next attempt avoids:", nodes_to_avoid([RestartRecord(attempt=0, cause=f.c
 EOF
 
 echo "=== $(date -u +%T) 3. through the launcher: the debug model on the GPU, 3 steps, gate on"
-python3 - "$W" <<'EOF'
+GPU_PRODUCT=$GPU_PRODUCT python3 - "$W" <<'EOF'
+import os
 import sys
 from pathlib import Path
 
@@ -73,7 +76,7 @@ s["precision"] = {"compile": False, "activationCheckpointing": "none"}
 s["data"] = {"source": "synthetic"}
 s["checkpoint"] = {"enabled": False}
 s["runPolicy"] = {"maxRestarts": 0}
-s["resources"] = {"nodes": 1, "gpusPerNode": 1, "gpuProduct": "H100"}
+s["resources"] = {"nodes": 1, "gpusPerNode": 1, "gpuProduct": os.environ["GPU_PRODUCT"]}
 lpt = LlamaPretrain.model_validate(doc)
 for case, inject in (("pass", ""), ("fail", "matmul_tflops")):
     cfg = render.trainer_config(lpt, dump_folder=str(w / case))
