@@ -162,7 +162,10 @@ def launch(out: Path, world: int = 2, env: dict[str, str] | None = None, wait_se
         for r, proc in enumerate(procs):
             code = proc.wait(timeout=wait_seconds)
             report = out / f"rank-{r}.json"
-            results.append((proc.pid, code, json.loads(report.read_text()) if report.exists() else {}))
+            log = out / f"rank-{r}.log"
+            # no report: the rank died of something its in-process restart did not catch; its log says what
+            results.append((proc.pid, code, json.loads(report.read_text()) if report.exists() else {
+                "no_report": log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"}))
     finally:
         for proc in procs:
             if proc.poll() is None:
