@@ -7,8 +7,9 @@ Put this directory first on the operator's ``PYTHONPATH`` (Python imports ``site
   imports are not traced and start-up stays fast);
 - ``SIGUSR1`` writes ``DIR/dump<n>_<pid>.txt``: the threads, ``gc.get_objects()`` counts by type, the live
   Kubernetes object bodies by kind (count, deep size, of which ``metadata.managedFields``, and what refers to a few
-  of them), the traced memory by file, by line and by traceback (when tracing), ``/proc/self/status``'s Vm lines
-  and pymalloc's arena statistics (``sys._debugmallocstats``: live blocks vs free ones, i.e. live objects vs fragmentation; Python prints
+  of them), the traced memory by file, by line and by traceback (when tracing), ``/proc/self/status``'s Vm lines,
+  glibc's heap (``mallinfo2``; ``KUBETITAN_MEMHOOK_TRIM`` set: ``malloc_trim(0)`` and the RSS it gives back) and
+  pymalloc's arena statistics (``sys._debugmallocstats``: live blocks vs free ones, i.e. live objects vs fragmentation; Python prints
   them only while tracemalloc is off, so take that dump without ``SIGUSR2``).
 
 ``bench/memhook/where.py`` runs the bench's ``many`` scenario and sends the signals at its steps; by hand, with
@@ -28,6 +29,7 @@ _DIR = os.environ.get("KUBETITAN_MEMHOOK_DIR")
 
 if _DIR:
     import collections
+    import ctypes
     import gc
     import signal
     import sys
@@ -105,6 +107,30 @@ if _DIR:
             for s in samples:
                 f.write(f"      held by: {_holders(s, ignore)}\n")
 
+    class _Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    def _malloc(f) -> None:
+        """glibc's heap (``mallinfo2``): what C-level ``malloc`` holds besides pymalloc's arenas (Python objects
+        over 512 bytes, C libraries: OpenSSL, pydantic-core), in use vs free inside the heap; with
+        ``KUBETITAN_MEMHOOK_TRIM`` set, ``malloc_trim(0)`` then, and VmRSS before and after it."""
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "mallinfo2"):
+            return
+        libc.mallinfo2.restype = _Mallinfo2
+        m = libc.mallinfo2()
+        f.write(f"glibc malloc: heap {m.arena / 2**20:.1f} MiB, in use {m.uordblks / 2**20:.1f} MiB, free in the heap "
+                f"{m.fordblks / 2**20:.1f} MiB, mmapped {m.hblkhd / 2**20:.1f} MiB in {m.hblks} chunks\n")
+        if os.environ.get("KUBETITAN_MEMHOOK_TRIM"):
+            before = _rss()
+            libc.malloc_trim(0)
+            f.write(f"malloc_trim(0): VmRSS {before:.1f} -> {_rss():.1f} MiB\n")
+
+    def _rss() -> float:
+        with open("/proc/self/status") as st:
+            return next(int(line.split()[1]) for line in st if line.startswith("VmRSS")) / 1024
+
     def _dump(*_: object) -> None:
         _count[0] += 1
         path = os.path.join(_DIR, f"dump{_count[0]}_{os.getpid()}.txt")
@@ -120,6 +146,7 @@ if _DIR:
                 _traced(f)
             with open("/proc/self/status") as st:
                 f.write("".join(line for line in st if line.startswith(("Vm", "Threads"))))
+            _malloc(f)
             f.flush()
             saved = os.dup(2)  # _debugmallocstats writes to the C stderr
             os.dup2(f.fileno(), 2)

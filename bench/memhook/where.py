@@ -2,12 +2,14 @@
 dumped at the scenario's steps (measurement, not product code).
 
     KUBETITAN_MEMHOOK_DIR=/tmp/mem .venv/bin/python bench/memhook/where.py [--server double|real] [--runs 2000]
-                                                                          [--trace] [--operator-src DIR]
+                                                                          [--trace] [--every S] [--operator-src DIR]
 
-Dumps (``DIR/dump<n>_<pid>.txt``, see ``sitecustomize.py``): 1. the operator idle, before the first apply; 2. ten
-seconds after every run is ``Starting`` (the bench's "settled" point). ``--trace`` starts tracemalloc right after
+Dumps (``DIR/dump<n>_<pid>.txt``, see ``sitecustomize.py``): the operator idle, before the first apply; with
+``--every S``, every S seconds from the first apply on (what the burst holds); ten seconds after every run is
+``Starting`` (the bench's "settled" point). ``--trace`` starts tracemalloc right after
 the idle dump (the allocations of the burst and after are traced; the operator runs several times slower and its
-RSS includes tracemalloc's own tables, so the RSS of a traced run is not the bench's number). ``--operator-src``
+RSS includes tracemalloc's own tables). A dump allocates too (the object walk and its sets of ids: tens of MiB,
+part of which the allocators keep), so the RSS of a run with dumps is not the bench's number. ``--operator-src``
 as the bench's (the memhook directory is put first on the operator's ``PYTHONPATH``).
 """
 
@@ -17,6 +19,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,10 +33,12 @@ import operator_bench as ob  # noqa: E402
 class _Steps:
     """``time`` for the bench module: its idle wait (2 s) and settle wait (10 s) also dump the operator."""
 
-    def __init__(self, trace: bool) -> None:
-        self.trace = trace
+    def __init__(self, trace: bool, every: float | None) -> None:
+        self.trace, self.every = trace, every
         self.op: Any = None
         self.dumps = 0
+        self.lock = threading.Lock()
+        self.settled = threading.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
@@ -44,15 +49,25 @@ class _Steps:
             self.dump(f"{'idle, before the first apply' if seconds == 2.0 else 'settled: 10 s after all Starting'}")
             if seconds == 2.0 and self.trace:
                 os.kill(self.op.pid, signal.SIGUSR2)
+            if seconds == 2.0 and self.every:
+                threading.Thread(target=self._periodic, daemon=True).start()
+
+    def _periodic(self) -> None:
+        start = time.monotonic()
+        while not self.settled.wait(self.every):
+            self.dump(f"{time.monotonic() - start:.0f} s after the first apply")
 
     def dump(self, what: str) -> None:
-        self.dumps += 1
-        path = Path(os.environ["KUBETITAN_MEMHOOK_DIR"]) / f"dump{self.dumps}_{self.op.pid}.txt"
-        print(f"dump {self.dumps} ({what}): {self.op.memory_mb()} -> {path}", flush=True)
-        t0 = time.monotonic()
-        os.kill(self.op.pid, signal.SIGUSR1)
-        ob.wait_for(path.exists, 600, f"the operator's dump {path}", every=0.2)
-        print(f"  written in {time.monotonic() - t0:.1f} s", flush=True)
+        if what.startswith("settled"):
+            self.settled.set()
+        with self.lock:  # one dump at a time (the operator numbers them in the order it receives the signals)
+            self.dumps += 1
+            path = Path(os.environ["KUBETITAN_MEMHOOK_DIR"]) / f"dump{self.dumps}_{self.op.pid}.txt"
+            print(f"dump {self.dumps} ({what}): {self.op.memory_mb()} -> {path}", flush=True)
+            t0 = time.monotonic()
+            os.kill(self.op.pid, signal.SIGUSR1)
+            ob.wait_for(path.exists, 600, f"the operator's dump {path}", every=0.2)
+            print(f"  written in {time.monotonic() - t0:.1f} s", flush=True)
 
 
 def main() -> int:
@@ -60,13 +75,14 @@ def main() -> int:
     p.add_argument("--server", choices=["double", "real"], default="double")
     p.add_argument("--runs", type=int, default=500)
     p.add_argument("--trace", action="store_true", help="tracemalloc from the idle dump on")
+    p.add_argument("--every", type=float, metavar="S", help="also dump every S seconds from the first apply on")
     p.add_argument("--operator-src", metavar="DIR", default=f"{ob.ROOT / 'operator'}:{ob.ROOT / 'operator/core'}")
     a = p.parse_args()
     if not os.environ.get("KUBETITAN_MEMHOOK_DIR"):
         p.error("set KUBETITAN_MEMHOOK_DIR to the directory the operator writes its dumps to")
     ob.SERVER = ob.RealServer if a.server == "real" else ob.Server
     ob.OPERATOR_SRC = f"{HERE}:{a.operator_src}"
-    steps = _Steps(a.trace)
+    steps = _Steps(a.trace, a.every)
     ob.time = steps
     start_operator = ob.operator
 
