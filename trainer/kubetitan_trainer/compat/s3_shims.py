@@ -90,10 +90,10 @@ class _Discard:
         return self.position
 
     def flush(self) -> None:
-        pass
+        """Nothing is buffered."""
 
     def close(self) -> None:
-        pass
+        """Nothing is held open."""
 
 
 @_shim(Upstream("torch.distributed.checkpoint.filesystem:_write_files_from_queue",
