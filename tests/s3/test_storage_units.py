@@ -209,8 +209,7 @@ def test_failed_saves_are_counted_in_a_row_and_the_budget_ends_the_run(caplog):
         budget.check()
     said = [r.getMessage() for r in caplog.records if "Checkpoint save of step 8" in r.getMessage()]
     assert said == ["Checkpoint save of step 8 to s3://b/run failed (S3Exception: " + REFUSED + "); training goes on "
-                    "and saves again at step 10 (1 failed in a row; 3 end the run: [kubetitan.checkpoint_storage] "
-                    "max_failed_saves)"]
+                    "and saves again at step 10 (1 failed in a row; 3 end the run: spec.checkpoint.maxFailedSaves)"]
     assert not budget.attempt(fail, 12)
     with pytest.raises(TransientError) as e:
         budget.check()

@@ -18,7 +18,8 @@ Every module that needs the checkpoint store goes through a :class:`CheckpointSt
   in ``job.dump_folder``, or an attempt after the first): then it is an outage, retried
   (:data:`PREFLIGHT_ATTEMPTS`) and then exit code 6 (retryable), never 2.
 - **Failed saves** (:class:`SaveBudget`): a save that fails with a storage error is logged in one line and training
-  goes on; the next interval saves again; ``max_failed_saves`` failures in a row end the run with exit code 6.
+  goes on; the next interval saves again; ``max_failed_saves`` (``spec.checkpoint.maxFailedSaves``) failures in a row
+  end the run with exit code 6.
   Both retry through ``kubetitan_trainer.retry`` (tenacity), the trainer's one retry loop.
 
 With checkpoints in S3, everything else the trainer writes stays in ``job.dump_folder`` on the pod's local
@@ -400,7 +401,7 @@ def preflight(store: CheckpointStore, dump_folder: str, sleep: Callable[[float],
 
 class SaveBudget:
     """Checkpoint saves that fail with a storage error (:func:`storage_failure`), against
-    ``[kubetitan.checkpoint_storage] max_failed_saves``: a failed save is one line in the log and training goes on
+    ``[kubetitan.checkpoint_storage] max_failed_saves`` (``spec.checkpoint.maxFailedSaves``): a failed save is one line in the log and training goes on
     (the next interval saves again); the failure that makes ``budget`` in a row raises
     :class:`~kubetitan_trainer.errors.TransientError` (exit code 6). The last step's save is tried ``budget`` times
     (kubetitan_trainer.retry) before the same error. An async save's write fails or succeeds in the background: it
@@ -426,7 +427,7 @@ class SaveBudget:
         if self.say:
             log.warning(f"Checkpoint save of step {step} to {self.where} failed ({what}); training goes on and saves "
                         f"again at step {step + self.interval} ({self.in_a_row} failed in a row; {self.budget} end "
-                        "the run: [kubetitan.checkpoint_storage] max_failed_saves)")
+                        "the run: spec.checkpoint.maxFailedSaves)")
 
     def succeeded(self, step: int) -> None:
         if self.in_a_row and self.say:
@@ -494,8 +495,8 @@ class SaveBudget:
 
         steps = ", ".join(map(str, self.failed_steps)) or "on another rank"
         raise TransientError(f"{n} checkpoint saves in a row to {self.where} failed (steps {steps}; the last: "
-                             f"{self.last_error or 'see another rank'}), the budget of [kubetitan.checkpoint_storage] "
-                             "max_failed_saves. The run is restarted (exit code 6) and resumes from the newest complete "
+                             f"{self.last_error or 'see another rank'}), the budget of spec.checkpoint.maxFailedSaves. "
+                             "The run is restarted (exit code 6) and resumes from the newest complete "
                              "checkpoint; if this repeats, check that the store is reachable from the pods and accepts "
                              "writes (spec.checkpoint.storage)")
 

@@ -421,6 +421,12 @@ class CheckpointSpec(_Base):
     save_timeout_seconds: int = Field(default=300, ge=10, le=86400)
     """Time a pod gets to save a checkpoint after SIGTERM (suspend, preemption) before it
     is killed; becomes the pod's `terminationGracePeriodSeconds`."""
+    max_failed_saves: int = Field(default=3, ge=1, le=100)
+    """Checkpoint saves in a row that may fail with a storage error (the store unreachable, a write refused, a
+    volume's I/O error) while training goes on: each failure is one log line and the next interval saves again; the
+    save that makes this many in a row ends the attempt with exit code 6 (retryable, counted against
+    `runPolicy.maxRestarts`), which resumes from the newest complete checkpoint. The last step's save is tried this
+    many times before that. Any storage: S3, a claim or a hostPath."""
 
 
 # ----------------------------------------------------------------------- resources

@@ -44,7 +44,7 @@ class ExitCode(IntEnum):
     """A transient failure that outlasted the trainer's own retries: the tokenizer download or the opening of a hub
     dataset kept failing with connection errors, timeouts, HTTP 429 or 5xx (capped exponential backoff with jitter
     first), or a streamed hub dataset broke mid-way after the `datasets` library's own retries; or checkpoint saves
-    failed `[kubetitan.checkpoint_storage] max_failed_saves` times in a row, or a checkpoint store the run reached
+    failed `spec.checkpoint.maxFailedSaves` times in a row, or a checkpoint store the run reached
     before did not answer its start's pre-flight. Restarted like any
     failure (cause `ContainerFailed`, counted against `spec.runPolicy.maxRestarts`); to keep the hub out of the run,
     prepare the corpus into shards (`kubetitan prepare-data`) or pre-download it (`HF_HUB_OFFLINE=1`)."""
