@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from kubetitan_core import warning_rules
-from kubetitan_core.api import Condition, LlamaPretrainSpec, Phase
+from kubetitan_core.api import AttemptObservation, Condition, LlamaPretrainSpec, Phase
 
 # ------------------------------------------------------------------ condition types
 READY = "Ready"
@@ -51,8 +51,15 @@ FULL_SIZE = "FullSize"
 """Elastic runs only (``runPolicy.elastic``): True while the gang has ``maxNodes`` nodes; False while it is smaller
 (reason ``Shrunk``, or ``GrowPlanned`` once it waits for its next checkpoint to grow)."""
 
+CHECKPOINT_SAVE_FAILING = "CheckpointSaveFailing"
+"""True while checkpoint saves fail in a row with a storage error (rank 0's ``storage.SaveBudget`` counts): training
+goes on and saves again at the next interval, and the message says how many failed, the last one's step and error,
+and how many more end the attempt (``spec.checkpoint.maxFailedSaves``); False once a save completes (or while none
+has failed). Absent until the trainer reports its counts, and for runs without checkpoints. One Warning Event per
+False -> True (:func:`kubetitan.status.status_events`). Computed by :func:`checkpoint_save_failing`."""
+
 ALL_TYPES = (READY, SPEC_ACCEPTED, SUSPENDED, RESTARTING, UNSCHEDULABLE, CHILDREN_CREATED, METRICS_AVAILABLE,
-             CHECKPOINTS_DURABLE, FULL_SIZE, SUCCEEDED, FAILED)
+             CHECKPOINTS_DURABLE, CHECKPOINT_SAVE_FAILING, FULL_SIZE, SUCCEEDED, FAILED)
 
 # ------------------------------------------------------------------ reasons
 INVALID_SPEC = "InvalidSpec"
@@ -136,6 +143,10 @@ CHECKPOINT_OBJECT_STORE = "CheckpointObjectStore"
 CHECKPOINTS_DISABLED = "CheckpointsDisabled"
 NO_CHECKPOINT_VOLUME = warning_rules.RULE_BY_ID["checkpoint.no-volume"].reason
 """``NoCheckpointVolume``: the warning rule's own reason (its Event has the same)."""
+CHECKPOINT_SAVE_FAILED = "CheckpointSaveFailed"
+"""``CheckpointSaveFailing=True`` (and its Warning Event): the newest checkpoint saves failed with a storage error."""
+CHECKPOINT_SAVED = "CheckpointSaved"
+"""``CheckpointSaveFailing=False``: no save has failed since the last complete one."""
 
 
 def find(conditions: Sequence[Condition], type_: str) -> Condition | None:
@@ -192,6 +203,32 @@ def checkpoints_durable(spec: LlamaPretrainSpec) -> tuple[str, str, str]:
                                            f"{ck.storage.persistent_volume_claim.claim_name}")
     return "True", CHECKPOINT_VOLUME, (f"checkpoints are saved to hostPath {ck.storage.host_path} of the node "
                                        "(kept while the run stays on that node)")
+
+
+def checkpoint_save_failing(o: AttemptObservation | None, spec_budget: int) -> tuple[str, str, str] | None:
+    """(status, reason, message) of ``CheckpointSaveFailing`` from the observed failed-saves counts; None while the
+    trainer has reported none (the condition stays as it is). ``spec_budget``: the spec's maxFailedSaves, used when
+    the trainer did not report its own (an attempt created before an edit runs with the budget it was created
+    with, which the trainer reports)."""
+    if o is None or o.saves_failed_in_a_row is None:
+        return None
+    n, budget = o.saves_failed_in_a_row, o.max_failed_saves or spec_budget
+    total = o.saves_failed or 0
+    if n <= 0:
+        if total:
+            return "False", CHECKPOINT_SAVED, (f"a checkpoint save completed after the failed ones ({total} failed "
+                                               f"in this worker generation)")
+        return "False", CHECKPOINT_SAVED, "no checkpoint save has failed"
+    where = f"step {o.last_failed_save_step}" if o.last_failed_save_step is not None else "an unreported step"
+    error = f" ({o.last_save_error})" if o.last_save_error else ""
+    left = budget - n
+    then = (f"{left} more in a row end the attempt with exit code 6 (spec.checkpoint.maxFailedSaves={budget}); "
+            "training goes on and saves again at the next interval") if left > 0 else (
+        f"that is spec.checkpoint.maxFailedSaves={budget}: the attempt ends with exit code 6 and the run resumes "
+        "from the newest complete checkpoint")
+    return "True", CHECKPOINT_SAVE_FAILED, (f"{n} checkpoint save(s) in a row failed, the last at {where}{error}; "
+                                            f"{then}. Check that the checkpoint storage is reachable from the pods "
+                                            "and accepts writes (space, credentials)")
 
 
 def phase_reason(conditions: Sequence[Condition], phase: str | None) -> str:

@@ -101,12 +101,13 @@ def node_obs(name: str, node: Mapping[str, Any] | None) -> NodeObs:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Samples of rank 0's exposition by sample name (first sample wins); a sample labelled only with ``phase``
-    (the start-up anatomy) or only with ``source`` (a mixture's per-source losses) also as ``<name>/<label value>``."""
+    (the start-up anatomy), only with ``source`` (a mixture's per-source losses) or only with ``error`` (a failed
+    checkpoint save's) also as ``<name>/<label value>``."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             out.setdefault(s.name, float(s.value))
-            if set(s.labels) in ({"phase"}, {"source"}):
+            if set(s.labels) in ({"phase"}, {"source"}, {"error"}):
                 out.setdefault(f"{s.name}/{next(iter(s.labels.values()))}", float(s.value))
     return out
 

@@ -103,6 +103,11 @@ RULES: tuple[Rule, ...] = (
     Rule(contract.M_PRODUCTIVE_SECONDS),
     Rule(contract.M_STARTUP_SECONDS),
     *(Rule(_phase(p)) for p in contract.STARTUP_PHASES),
+    Rule(contract.M_CHECKPOINT_SAVES_FAILED, high=MAX_STEP, integer=True),
+    Rule(contract.M_CHECKPOINT_SAVES_FAILED_IN_A_ROW, high=MAX_STEP, integer=True),
+    Rule(contract.M_CHECKPOINT_MAX_FAILED_SAVES, high=MAX_STEP, integer=True),
+    Rule(contract.M_CHECKPOINT_LAST_FAILED_SAVE_STEP, low=-1, high=MAX_STEP, integer=True),
+    Rule(contract.M_CHECKPOINT_SAVE_FAILURE, high=1.0, integer=True),
 )
 """One row per sample the status reads (``kubetitan.status`` reads no other)."""
 
@@ -112,16 +117,19 @@ PER_SOURCE = (contract.M_SOURCE_LOSS, contract.M_SOURCE_EVAL_LOSS)
 
 
 def rule_for(name: str) -> Rule | None:
-    """The row of a sample as ``observe.parse_metrics`` keys it (a per-source one under its metric's row)."""
+    """The row of a sample as ``observe.parse_metrics`` keys it (a per-source one under its metric's row; a failed
+    save's ``error`` label only when it is a name, ``contract.SAVE_ERROR``: it goes into a condition message)."""
     rule = BY_METRIC.get(name)
-    if rule is None and "/" in name and (base := name.split("/", 1)[0]) in PER_SOURCE:
-        rule = BY_METRIC[base]
+    if rule is None and "/" in name:
+        base, label = name.split("/", 1)
+        if base in PER_SOURCE or (base == contract.M_CHECKPOINT_SAVE_FAILURE and contract.SAVE_ERROR.match(label)):
+            rule = BY_METRIC[base]
     return rule
 
 Check = Literal["finite", "integer", "range", "future", "regression", "spec"]
 
 STEP_METRICS = (contract.M_STEP, contract.M_LAST_CHECKPOINT_STEP, contract.M_EVAL_STEP, contract.M_RESUMED_FROM_STEP,
-                contract.M_RESTART_PREVIOUS_STEP)
+                contract.M_RESTART_PREVIOUS_STEP, contract.M_CHECKPOINT_LAST_FAILED_SAVE_STEP)
 """Steps: at most the steps the run trains (+ ``STEP_SLACK``)."""
 
 

@@ -79,7 +79,23 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
     o.metrics_ok_time, o.metrics_error, o.metrics_error_reason = iso_ms(now), None, None
     _track_generation(o, metrics, now)
     _track_progress(o, metrics, now)
+    _track_saves(o, metrics)
     return o
+
+
+def _track_saves(o: AttemptObservation, metrics: Mapping[str, float]) -> None:
+    """The trainer's failed-saves counts (``storage.SaveBudget``): what ``CheckpointSaveFailing`` is built from."""
+    in_a_row = _int(metrics, contract.M_CHECKPOINT_SAVES_FAILED_IN_A_ROW)
+    if in_a_row is None:
+        return  # a trainer without the gauges: nothing known
+    o.saves_failed_in_a_row = in_a_row
+    o.saves_failed = _int(metrics, contract.M_CHECKPOINT_SAVES_FAILED)
+    o.max_failed_saves = _int(metrics, contract.M_CHECKPOINT_MAX_FAILED_SAVES)
+    step = _int(metrics, contract.M_CHECKPOINT_LAST_FAILED_SAVE_STEP)
+    o.last_failed_save_step = step if step is not None and step >= 0 else None
+    prefix = contract.M_CHECKPOINT_SAVE_FAILURE + "/"
+    o.last_save_error = next((k[len(prefix):] for k in sorted(metrics) if k.startswith(prefix) and metrics[k] == 1),
+                             None) if in_a_row else None
 
 
 def _track_generation(o: AttemptObservation, metrics: Mapping[str, float], now: float) -> None:
@@ -487,6 +503,18 @@ def _progress_conditions(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, d: Dec
     _children_condition(spec, s, d, obs, cond)
     _metrics_condition(s, obs.progress, s.attempt != attempt, cond)
     _full_size_condition(spec, s, cond)
+    _save_condition(spec, s, cond)
+
+
+def _save_condition(spec: LlamaPretrainSpec, s: LlamaPretrainStatus, cond: Any) -> None:
+    """CheckpointSaveFailing from the trainer's failed-saves counts (kept as it is while none are reported: a new
+    attempt's trainer not scraped yet, or one without the gauges); none for a run without checkpoints."""
+    if not spec.checkpoint.enabled:
+        s.conditions[:] = [c for c in s.conditions if c.type != C.CHECKPOINT_SAVE_FAILING]
+        return
+    now = C.checkpoint_save_failing(s.observation, spec.checkpoint.max_failed_saves)
+    if now is not None:
+        cond(C.CHECKPOINT_SAVE_FAILING, *now)
 
 
 def _ready_condition(d: Decision, attempt: int, cond: Any) -> None:
@@ -506,7 +534,8 @@ def _ready_condition(d: Decision, attempt: int, cond: Any) -> None:
 def status_events(before: Mapping[str, Condition], conds: list[Condition], d: Decision, attempt: int,
                   obs: Observed, now: str) -> list[StatusEvent]:
     """The Events this status change carries: the decision's own (a restart, the end of the run) and the
-    transitions into a refused edit (``SpecAccepted=False``) or a blocked restart, each once."""
+    transitions into a refused edit (``SpecAccepted=False``), a blocked restart or failing checkpoint saves
+    (``CheckpointSaveFailing=True``), each once."""
     out = []
     ev = restart_event(d, attempt, obs.spec_block)
     if ev is not None:
@@ -522,6 +551,10 @@ def status_events(before: Mapping[str, Condition], conds: list[Condition], d: De
         out.append(StatusEvent(type="Warning", reason=c.reason, message=c.message, time=now))
     if (c := entered(C.RESTARTING, "True")) is not None and c.reason == C.RESTART_BLOCKED:
         out.append(StatusEvent(type="Warning", reason=C.RESTART_BLOCKED, message=c.message, time=now))
+    failing, old = C.find(conds, C.CHECKPOINT_SAVE_FAILING), before.get(C.CHECKPOINT_SAVE_FAILING)
+    if failing is not None and failing.status == "True" and (old is None or old.status != "True"):
+        # one Event per episode (False -> True), not one per failed save: the condition's message counts them
+        out.append(StatusEvent(type="Warning", reason=failing.reason, message=failing.message, time=now))
     return out
 
 

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from support.paths import REPO
+from support.specs import make_lpt
 
 
 def kt(*args, stdin=None):
@@ -148,3 +149,20 @@ def test_the_trainers_local_entry_point_refuses_an_invalid_file(tmp_path):
                        cwd=REPO, timeout=120)
     assert r.returncode == 1
     assert "spec.training.steps" in r.stderr and "kubetitan validate" in r.stderr
+
+
+def test_validate_names_the_failed_saves_budget_and_its_bounds(tmp_path, capsys):
+    """In process (no interpreter start): spec.checkpoint.maxFailedSaves out of its bounds is one error naming the
+    field, the bound and where the bounds are documented; in bounds it is valid."""
+    from kubetitan import cli
+
+    def doc(n):
+        return yaml.safe_dump(make_lpt({"checkpoint": {"storage": {"hostPath": "/ck"}, "maxFailedSaves": n},
+                                        "resources": {"gpusPerNode": 0}, "model": {"flavor": "debug"}}, name="b"))
+    (tmp_path / "zero.yaml").write_text(doc(0))
+    (tmp_path / "ten.yaml").write_text(doc(10))
+    assert cli.main(["validate", str(tmp_path / "zero.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "(1 error(s))" in err and "spec.checkpoint.maxFailedSaves: must be greater than or equal to 1 (got 0)" in err
+    assert cli.main(["validate", str(tmp_path / "ten.yaml")]) == 0
+    assert "LlamaPretrain b is valid" in capsys.readouterr().out

@@ -241,3 +241,16 @@ def test_the_sample_ledger_is_switched_on_from_the_spec_or_the_command_line(tmp_
     assert render.kubetitan_table(obj).data.ledger is spec_ledger
     cfg = tomllib.loads(write_config(obj, tmp_path, None, 9999, ledger=cli_ledger).read_text())
     assert cfg["kubetitan"]["data"].get("ledger", False) is want
+
+
+@pytest.mark.parametrize("storage", [{"hostPath": "/ck"}, {"persistentVolumeClaim": {"claimName": "c"}},
+                                     {"s3": {"uri": "s3://b/run"}}], ids=["hostPath", "claim", "s3"])
+def test_the_failed_saves_budget_is_rendered_from_the_spec_for_any_storage(storage):
+    """spec.checkpoint.maxFailedSaves is [kubetitan.checkpoint_storage] max_failed_saves (what storage.SaveBudget
+    reads), whatever the storage; the default is the API's and is left out of the file."""
+    table = _kubetitan({"checkpoint": {"storage": storage, "maxFailedSaves": 7}})
+    assert table["checkpoint_storage"]["max_failed_saves"] == 7
+    assert from_table(Kubetitan, table).checkpoint_storage.max_failed_saves == 7
+    default = _kubetitan({"checkpoint": {"storage": storage}})
+    assert "max_failed_saves" not in default.get("checkpoint_storage", {})
+    assert Kubetitan().checkpoint_storage.max_failed_saves == LlamaPretrainSpec().checkpoint.max_failed_saves == 3

@@ -99,6 +99,13 @@ CASES = [
     Case("checkpoint-fresh", "KubeTitanCheckpointStale",
          {f"kubetitan_trainer_step{{{T}}}": "0+10x30", f"kubetitan_trainer_last_checkpoint_step{{{T}}}": "0+10x30",
           f"kubetitan_trainer_checkpoint_interval_steps{{{T}}}": "20x30"}, "20m", False),
+    # -- failed saves in a row: one at minute 5, a save completed at minute 20; `for` 1m
+    Case("saves-failing-fires", "KubeTitanCheckpointSavesFailing",
+         {f"kubetitan_trainer_checkpoint_saves_failed_in_a_row{{{T}}}": "0x4 1x10 2x5 0x10"}, "7m", True, "1"),
+    Case("saves-failing-pending", "KubeTitanCheckpointSavesFailing",
+         {f"kubetitan_trainer_checkpoint_saves_failed_in_a_row{{{T}}}": "0x4 1x10 2x5 0x10"}, "5m", False),
+    Case("saves-recovered", "KubeTitanCheckpointSavesFailing",
+         {f"kubetitan_trainer_checkpoint_saves_failed_in_a_row{{{T}}}": "0x4 1x10 2x5 0x10"}, "25m", False),
     # -- a run's phase and reason (kubetitan_operator_job_phase_info): the series moves with the status
     Case("run-failed-fires", "KubeTitanRunFailed",
          {f'{P}{{{J},phase="Running",reason="Training"}}': "1x5 _x10",

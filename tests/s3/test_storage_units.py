@@ -209,8 +209,7 @@ def test_failed_saves_are_counted_in_a_row_and_the_budget_ends_the_run(caplog):
         budget.check()
     said = [r.getMessage() for r in caplog.records if "Checkpoint save of step 8" in r.getMessage()]
     assert said == ["Checkpoint save of step 8 to s3://b/run failed (S3Exception: " + REFUSED + "); training goes on "
-                    "and saves again at step 10 (1 failed in a row; 3 end the run: [kubetitan.checkpoint_storage] "
-                    "max_failed_saves)"]
+                    "and saves again at step 10 (1 failed in a row; 3 end the run: spec.checkpoint.maxFailedSaves)"]
     assert not budget.attempt(fail, 12)
     with pytest.raises(TransientError) as e:
         budget.check()
@@ -294,3 +293,41 @@ def test_a_write_error_on_any_writer_thread_fails_the_save_without_a_thread_trac
     assert storage.storage_failure(e.value).startswith("S3Exception: "), e.value
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Exception in thread" not in err, err
+
+
+def test_failed_saves_are_exported_as_the_operator_reads_them():
+    """SaveBudget -> metrics.Exporter -> exposition text -> the operator's parse and observation: the failed saves in a
+    row, their total, the budget, the last failed step and its error class (an errno name), and all clear but the
+    total once a save completes."""
+    import errno
+
+    from prometheus_client import generate_latest
+
+    from kubetitan import observe, scraped
+    from kubetitan import status as S
+    from kubetitan_trainer.metrics import Exporter
+
+    ex = Exporter(peak_flops=None, total_steps=100, attempt=0, job_start=0.0)
+    budget = storage.SaveBudget(4, "/ck", interval=2)
+    budget.report = ex.checkpoint_saves
+    budget.report(budget)
+
+    def seen():
+        kept, refused = scraped.check(observe.parse_metrics(generate_latest(ex.registry).decode()), attempt=0,
+                                      prev=None, now=1e9)
+        assert refused == []
+        return S.track(None, 0, 1e9, metrics=kept)
+
+    o = seen()
+    assert (o.saves_failed_in_a_row, o.saves_failed, o.max_failed_saves, o.last_failed_save_step) == (0, 0, 4, None)
+    no_space = OSError(errno.ENOSPC, "No space left on device")
+    assert not budget.attempt(lambda: (_ for _ in ()).throw(_checkpoint_exception(no_space)), 6)
+    assert not budget.attempt(lambda: (_ for _ in ()).throw(S3Exception(REFUSED)), 8)
+    o = seen()
+    assert (o.saves_failed_in_a_row, o.saves_failed, o.last_failed_save_step, o.last_save_error) == \
+        (2, 2, 8, "S3Exception")
+    assert budget.attempt(lambda: None, 10)
+    budget.written(10, background=False)
+    o = seen()
+    assert (o.saves_failed_in_a_row, o.saves_failed, o.last_save_error) == (0, 2, None)
+    assert storage.storage_error_class(_checkpoint_exception(no_space)) == "ENOSPC"

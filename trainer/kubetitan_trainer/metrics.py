@@ -196,6 +196,7 @@ class Exporter:
         self.productive = Counter(contract.M_PRODUCTIVE_SECONDS.removesuffix("_total"), "Wall time of optimizer steps kept in checkpoints, carried across attempts (seconds).", registry=r)
         self.job_start = Gauge(contract.M_JOB_START_TIMESTAMP, "Unix time the run's first attempt started; goodput = productive seconds / (now - this) (seconds).", registry=r)
         # Alerts judge checkpoint age in intervals; 0 means checkpoints are off.
+        self._failed_saves_metrics(r)
         self.ckpt_interval = Gauge(contract.M_CHECKPOINT_INTERVAL, "Configured steps between two checkpoint "
                                    "saves; 0 when checkpoints are off (steps).", registry=r)
         self.startup_phase = Gauge(
@@ -204,6 +205,38 @@ class Exporter:
             "phases sum to kubetitan_trainer_startup_seconds (seconds).", ["phase"], registry=r)
         self.startup_total = Gauge(contract.M_STARTUP_SECONDS, "Start-up of this worker generation: from the launcher's "
                                    "start or its detection of the failure to the end of the first step (seconds).", registry=r)
+
+    def _failed_saves_metrics(self, r: CollectorRegistry) -> None:
+        """Checkpoint saves that failed with a storage error (storage.SaveBudget): training goes on until
+        spec.checkpoint.maxFailedSaves of them in a row; the operator's CheckpointSaveFailing condition reads these."""
+        self.saves_failed = Counter(contract.M_CHECKPOINT_SAVES_FAILED.removesuffix("_total"), "Checkpoint saves of "
+                                    "this worker generation that failed with a storage error (saves).", registry=r)
+        self.saves_failed_in_a_row = Gauge(contract.M_CHECKPOINT_SAVES_FAILED_IN_A_ROW, "Checkpoint saves that failed "
+                                           "in a row since the last complete one; 0 after a save completes (saves).",
+                                           registry=r)
+        self.max_failed_saves = Gauge(contract.M_CHECKPOINT_MAX_FAILED_SAVES, "Checkpoint saves in a row that may "
+                                      "fail before the attempt ends with exit code 6: spec.checkpoint.maxFailedSaves "
+                                      "(saves).", registry=r)
+        self.last_failed_save_step = Gauge(contract.M_CHECKPOINT_LAST_FAILED_SAVE_STEP, "Step of the newest checkpoint "
+                                           "save that failed; -1 before any (steps).", registry=r)
+        self.last_failed_save_step.set(-1)
+        self.save_failure = Gauge(contract.M_CHECKPOINT_SAVE_FAILURE, "1 for the newest failed save's error (label "
+                                  "error: an errno name such as ENOSPC, or the exception's type) while saves fail in "
+                                  "a row; no sample otherwise (info).", ["error"], registry=r)
+        self._saves_failed_seen = 0
+
+    def checkpoint_saves(self, budget: Any) -> None:
+        """The failed-saves budget's counts (a ``storage.SaveBudget``) after a save was counted."""
+        self.max_failed_saves.set(budget.budget)
+        if budget.total_failed > self._saves_failed_seen:
+            self.saves_failed.inc(budget.total_failed - self._saves_failed_seen)
+            self._saves_failed_seen = budget.total_failed
+        self.saves_failed_in_a_row.set(budget.in_a_row)
+        self.save_failure.clear()
+        if budget.in_a_row:
+            self.save_failure.labels(budget.last_error_class or "unknown").set(1)
+            if budget.failed_steps:
+                self.last_failed_save_step.set(budget.failed_steps[-1])
 
     def _restart_metrics(self, r: CollectorRegistry) -> None:
         """In-place restarts (launch.py --max-restarts): which worker generation this is, and the failure that began it."""

@@ -18,7 +18,8 @@ Every module that needs the checkpoint store goes through a :class:`CheckpointSt
   in ``job.dump_folder``, or an attempt after the first): then it is an outage, retried
   (:data:`PREFLIGHT_ATTEMPTS`) and then exit code 6 (retryable), never 2.
 - **Failed saves** (:class:`SaveBudget`): a save that fails with a storage error is logged in one line and training
-  goes on; the next interval saves again; ``max_failed_saves`` failures in a row end the run with exit code 6.
+  goes on; the next interval saves again; ``max_failed_saves`` (``spec.checkpoint.maxFailedSaves``) failures in a row
+  end the run with exit code 6.
   Both retry through ``kubetitan_trainer.retry`` (tenacity), the trainer's one retry loop.
 
 With checkpoints in S3, everything else the trainer writes stays in ``job.dump_folder`` on the pod's local
@@ -349,6 +350,19 @@ def _failure_line(e: BaseException) -> str:
     return storage_failure(e) or type(e).__name__
 
 
+def storage_error_class(e: BaseException) -> str:
+    """A bounded name for the storage failure in ``e`` (:func:`storage_failure`): the errno's name of an ``OSError``
+    (``ENOSPC``, ``EIO``, ``ESTALE``), else the exception's type name (``S3Exception``, ``OSError``); the ``error``
+    label of ``contract.M_CHECKPOINT_SAVE_FAILURE``."""
+    import errno as errno_names
+
+    for x in _inner_errors(e):
+        if type(x).__name__ == "S3Exception" or isinstance(x, OSError):
+            code = getattr(x, "errno", None)
+            return errno_names.errorcode.get(code, type(x).__name__) if isinstance(code, int) else type(x).__name__
+    return type(e).__name__
+
+
 def storage_failure(e: BaseException) -> str | None:
     """One line saying what failed, when ``e`` (from a checkpoint save) is a storage failure: an S3 error
     (s3torchconnector's ``S3Exception``: connection refused or reset, timeouts, 5xx after the client's own retries,
@@ -400,7 +414,7 @@ def preflight(store: CheckpointStore, dump_folder: str, sleep: Callable[[float],
 
 class SaveBudget:
     """Checkpoint saves that fail with a storage error (:func:`storage_failure`), against
-    ``[kubetitan.checkpoint_storage] max_failed_saves``: a failed save is one line in the log and training goes on
+    ``[kubetitan.checkpoint_storage] max_failed_saves`` (``spec.checkpoint.maxFailedSaves``): a failed save is one line in the log and training goes on
     (the next interval saves again); the failure that makes ``budget`` in a row raises
     :class:`~kubetitan_trainer.errors.TransientError` (exit code 6). The last step's save is tried ``budget`` times
     (kubetitan_trainer.retry) before the same error. An async save's write fails or succeeds in the background: it
@@ -416,23 +430,33 @@ class SaveBudget:
         self.in_a_row = 0
         self.failed_steps: list[int] = []
         self.last_error = ""
+        self.last_error_class = ""
+        """:func:`storage_error_class` of the newest failure."""
+        self.total_failed = 0
+        """Failed saves of this process, in a row or not."""
+        self.report: Callable[[SaveBudget], None] = lambda budget: None
+        """Called after every counted save, failed or complete (the trainer's metrics:
+        ``metrics.Exporter.checkpoint_saves``)."""
         self.pending_step: int | None = None
         """The step whose async write is in flight (counted when it ends)."""
 
-    def failed(self, step: int, what: str) -> None:
+    def failed(self, step: int, what: str, error_class: str = "") -> None:
         self.in_a_row += 1
+        self.total_failed += 1
         self.failed_steps.append(step)
-        self.last_error = what
+        self.last_error, self.last_error_class = what, error_class
+        self.report(self)
         if self.say:
             log.warning(f"Checkpoint save of step {step} to {self.where} failed ({what}); training goes on and saves "
                         f"again at step {step + self.interval} ({self.in_a_row} failed in a row; {self.budget} end "
-                        "the run: [kubetitan.checkpoint_storage] max_failed_saves)")
+                        "the run: spec.checkpoint.maxFailedSaves)")
 
     def succeeded(self, step: int) -> None:
         if self.in_a_row and self.say:
             log.info(f"Checkpoint saved to {self.where} at step {step} after {self.in_a_row} failed save(s) "
                      f"(steps {', '.join(map(str, self.failed_steps))})")
         self.in_a_row, self.failed_steps = 0, []
+        self.report(self)
 
     def settle(self, write: Any) -> bool:
         """Wait for the in-flight async write ``write`` (a Future, or None) and count its outcome; True when there
@@ -446,7 +470,7 @@ class SaveBudget:
             what = storage_failure(e)
             if what is None:
                 raise
-            self.failed(step, what)
+            self.failed(step, what, storage_error_class(e))
             return True
         self.succeeded(step)
         return False
@@ -471,9 +495,12 @@ class SaveBudget:
                 if self.say:
                     log.warning(f"{what} failed {self.budget} times ({failure})")
                 self.in_a_row, self.last_error = max(self.in_a_row + 1, self.budget), failure
+                self.last_error_class = storage_error_class(e)
+                self.total_failed += 1
                 self.failed_steps.append(step)
+                self.report(self)
             else:
-                self.failed(step, failure)
+                self.failed(step, failure, storage_error_class(e))
             return False
         return True
 
@@ -494,8 +521,8 @@ class SaveBudget:
 
         steps = ", ".join(map(str, self.failed_steps)) or "on another rank"
         raise TransientError(f"{n} checkpoint saves in a row to {self.where} failed (steps {steps}; the last: "
-                             f"{self.last_error or 'see another rank'}), the budget of [kubetitan.checkpoint_storage] "
-                             "max_failed_saves. The run is restarted (exit code 6) and resumes from the newest complete "
+                             f"{self.last_error or 'see another rank'}), the budget of spec.checkpoint.maxFailedSaves. "
+                             "The run is restarted (exit code 6) and resumes from the newest complete "
                              "checkpoint; if this repeats, check that the store is reachable from the pods and accepts "
                              "writes (spec.checkpoint.storage)")
 

@@ -121,6 +121,8 @@ class KubetitanTrainer(Trainer):
         s3shards.stage_all(job_config)  # s3:// shards to node-local disk, verified, before anything is built
         super().__init__(job_config)
         self._source_stats = self._per_source_losses()
+        self._saves.report = self.metrics_processor.exporter.checkpoint_saves  # the failed-saves metrics
+        self._saves.report(self._saves)
         self._log_float8_notes()
         if ck.enable and self._store.remote:
             self._route_checkpoints_to_store()

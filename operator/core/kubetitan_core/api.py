@@ -421,6 +421,13 @@ class CheckpointSpec(_Base):
     save_timeout_seconds: int = Field(default=300, ge=10, le=86400)
     """Time a pod gets to save a checkpoint after SIGTERM (suspend, preemption) before it
     is killed; becomes the pod's `terminationGracePeriodSeconds`."""
+    max_failed_saves: int = Field(default=3, ge=1, le=100)
+    """Checkpoint saves in a row that may fail with a storage error (the store unreachable, a write refused, a
+    volume's I/O error) while training goes on: each failure is one log line and the run's `CheckpointSaveFailing`
+    condition (one Warning Event when it turns True), and the next interval saves again; the save that makes this
+    many in a row ends the attempt with exit code 6 (retryable, counted against
+    `runPolicy.maxRestarts`), which resumes from the newest complete checkpoint. The last step's save is tried this
+    many times before that. Any storage: S3, a claim or a hostPath."""
 
 
 # ----------------------------------------------------------------------- resources
@@ -850,6 +857,16 @@ class AttemptObservation(_Base):
     """A planned grow (`runPolicy.elastic`): the size the gang grows to right after its next complete checkpoint."""
     grow_after_step: int | None = None
     """The planned grow waits for a complete checkpoint newer than this step."""
+    saves_failed_in_a_row: int | None = None
+    """Checkpoint saves that failed in a row, as rank 0 last reported (0 once one completes; none: not reported)."""
+    saves_failed: int | None = None
+    """Failed checkpoint saves of rank 0's current worker generation, in a row or not."""
+    max_failed_saves: int | None = None
+    """The trainer's failed-saves budget (`spec.checkpoint.maxFailedSaves` of the attempt's spec)."""
+    last_failed_save_step: int | None = None
+    """Step of the newest checkpoint save that failed."""
+    last_save_error: str | None = None
+    """The newest failed save's error: an errno name (`ENOSPC`, `EIO`) or the exception's type (`S3Exception`)."""
 
 
 class StatusEvent(_Base):

@@ -227,13 +227,14 @@ def _model(s: LlamaPretrainSpec) -> KubetitanModel:
 
 def _storage(s: LlamaPretrainSpec) -> tuple[KubetitanCheckpointStorage, KubetitanDataS3]:
     """``[kubetitan.checkpoint_storage]`` (checkpoints in S3; ``job.dump_folder`` stays the pod's local scratch,
-    kubetitan_trainer.storage) and ``[kubetitan.data_s3]`` (s3:// shards staged to the pod's staging emptyDir,
+    kubetitan_trainer.storage; the failed-saves budget of any storage) and ``[kubetitan.data_s3]`` (s3:// shards staged to the pod's staging emptyDir,
     kubetitan_trainer.data.s3shards); each the defaults when not used."""
     ck_s3 = s.checkpoint.storage.s3
-    checkpoints = KubetitanCheckpointStorage()
+    checkpoints = KubetitanCheckpointStorage(max_failed_saves=s.checkpoint.max_failed_saves)
     if s.checkpoint.enabled and ck_s3 is not None:
         checkpoints = KubetitanCheckpointStorage(s3_uri=ck_s3.uri, region=ck_s3.region, endpoint=ck_s3.endpoint or "",
-                                                 force_path_style=ck_s3.force_path_style)
+                                                 force_path_style=ck_s3.force_path_style,
+                                                 max_failed_saves=s.checkpoint.max_failed_saves)
     data = KubetitanDataS3()
     if reads_s3_shards(s):
         ds3 = s.data.s3 or S3Access()

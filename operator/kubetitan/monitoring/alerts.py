@@ -136,9 +136,20 @@ def efficiency_alerts(cfg: MonitoringConfig = DEFAULT) -> list[Alert]:
             "warning",
             "The newest complete checkpoint is too old.",
             f"{LPT} has trained {{{{ $value | humanize }}}} steps since its last complete checkpoint, more than "
-            f"{cfg.checkpoint_stale_intervals} checkpoint intervals: a restart now loses that work. Check the "
-            "trainer logs for failed saves, the checkpoint storage (capacity, credentials, throughput) and "
-            "the checkpoint save time panel.",
+            f"{cfg.checkpoint_stale_intervals} checkpoint intervals: a restart now loses that work. Check for "
+            f"failed saves ({c.M_CHECKPOINT_SAVES_FAILED}, the run's CheckpointSaveFailing condition), the "
+            "checkpoint storage (capacity, credentials, throughput) and the checkpoint save time panel.",
+        ),
+        Alert(
+            "KubeTitanCheckpointSavesFailing",
+            f"max by ({by}) ({c.M_CHECKPOINT_SAVES_FAILED_IN_A_ROW}{{{t}}}) > 0",
+            cfg.checkpoint_saves_failing_for,
+            "warning",
+            "Checkpoint saves of a training run fail.",
+            f"{LPT} has {{{{ $value | humanize }}}} checkpoint save(s) in a row that failed with a storage error; "
+            "training goes on, and spec.checkpoint.maxFailedSaves of them in a row end the attempt (exit code 6). "
+            "Read the run's CheckpointSaveFailing condition (the step and error of the last failure) and check "
+            "that the checkpoint storage is reachable from the pods and accepts writes (free space, credentials).",
         ),
     ]
 

@@ -53,6 +53,9 @@ class MonitoringConfig:
     """``spec.checkpoint.intervalSteps`` assumed for a run whose trainer does not export
     ``kubetitan_trainer_checkpoint_interval_steps`` (the API default)."""
     checkpoint_stale_for: str = "10m"
+    checkpoint_saves_failing_for: str = "1m"
+    """``kubetitan_trainer_checkpoint_saves_failed_in_a_row`` above 0 this long -> KubeTitanCheckpointSavesFailing
+    (the gauge stays up from a failed save until the next one completes, one checkpoint interval or more)."""
     operator_down_for: str = "10m"
     reconcile_errors_window: str = "15m"
     reconcile_errors_threshold: int = 5

@@ -337,6 +337,30 @@ def overrides(*names: str) -> Callable[[type], type]:
     return check
 
 
+# ====================================================================== local checkpoint writes (kubetitan_trainer.storage)
+LOCAL_WRITER_THREADS = 1
+"""Writer threads of the DCP writer a save to a local folder or a mounted volume (claim, hostPath) gets: torchtitan's
+non-HF ``dcp_save`` passes no writer, and DCP builds ``FileSystemWriter(checkpoint_id)`` with its default thread count,
+one. One thread is what keeps a failed write a failed save there: ``_FileSystemWriter._write_data`` runs the other
+``thread_count - 1`` on bare threads, whose exception is printed and dropped, and the save then writes ``.metadata``
+over a missing or short file (the S3 writer, with 4 threads, is fixed by ``compat._raise_stream_errors``). On the
+calling thread a failed write raises: DCP fails the save on every rank, no ``.metadata`` is written, and
+``storage.SaveBudget`` counts it (``tests/trainer/test_local_save_errors.py``)."""
+
+
+_declare(
+    "LOCAL_WRITER_THREADS", "A local or volume save's DCP writer has one thread (DCP's default when torchtitan passes no "
+    "writer), so a failed write fails the save; extra writer threads would drop it.",
+    Upstream("torch.distributed.checkpoint._storage_utils:_storage_setup", contains=("storage = target(checkpoint_id)",)),
+    Upstream("torch.distributed.checkpoint.filesystem:FileSystemWriter.__init__",
+             contains=("thread_count: int = 1,", "thread_count=thread_count,")),
+    Upstream("torch.distributed.checkpoint.filesystem:_FileSystemWriter._write_data",
+             contains=("for _ in range(1, self.thread_count):", "target=_write_files_from_queue")),
+    Upstream("torchtitan.components.checkpoint:CheckpointManager.dcp_save",
+             contains=("storage_writer: HuggingFaceStorageWriter | None = None", "storage_writer=storage_writer,")),
+)
+
+
 # ====================================================================== DTensor shards (kubetitan_trainer.recovery.restore_tier)
 @_shim(Upstream("torch.distributed.tensor:DTensor._local_tensor"))
 def local_tensor(t):

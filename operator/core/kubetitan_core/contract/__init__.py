@@ -44,7 +44,7 @@ class ExitCode(IntEnum):
     """A transient failure that outlasted the trainer's own retries: the tokenizer download or the opening of a hub
     dataset kept failing with connection errors, timeouts, HTTP 429 or 5xx (capped exponential backoff with jitter
     first), or a streamed hub dataset broke mid-way after the `datasets` library's own retries; or checkpoint saves
-    failed `[kubetitan.checkpoint_storage] max_failed_saves` times in a row, or a checkpoint store the run reached
+    failed `spec.checkpoint.maxFailedSaves` times in a row, or a checkpoint store the run reached
     before did not answer its start's pre-flight. Restarted like any
     failure (cause `ContainerFailed`, counted against `spec.runPolicy.maxRestarts`); to keep the hub out of the run,
     prepare the corpus into shards (`kubetitan prepare-data`) or pre-download it (`HF_HUB_OFFLINE=1`)."""
@@ -299,6 +299,14 @@ M_LAST_CHECKPOINT_STEP = "kubetitan_trainer_last_checkpoint_step"
 M_LAST_CHECKPOINT_TIMESTAMP = "kubetitan_trainer_last_checkpoint_timestamp_seconds"
 M_RESUMED_FROM_STEP = "kubetitan_trainer_resumed_from_step"  # -1 until loaded; 0 = a fresh start
 M_CHECKPOINT_INTERVAL = "kubetitan_trainer_checkpoint_interval_steps"
+M_CHECKPOINT_SAVES_FAILED = "kubetitan_trainer_checkpoint_saves_failed_total"  # failed saves of this generation
+M_CHECKPOINT_SAVES_FAILED_IN_A_ROW = "kubetitan_trainer_checkpoint_saves_failed_in_a_row"  # since the last that worked
+M_CHECKPOINT_MAX_FAILED_SAVES = "kubetitan_trainer_checkpoint_max_failed_saves"  # spec.checkpoint.maxFailedSaves
+M_CHECKPOINT_LAST_FAILED_SAVE_STEP = "kubetitan_trainer_checkpoint_last_failed_save_step"  # -1 before any
+M_CHECKPOINT_SAVE_FAILURE = "kubetitan_trainer_checkpoint_save_failure_info"  # label error: SAVE_ERROR, 1 while failing
+SAVE_ERROR = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,39}$")
+"""What the ``error`` label of :data:`M_CHECKPOINT_SAVE_FAILURE` may hold: an errno name (``ENOSPC``, ``EIO``) or an
+exception's type name (``S3Exception``); the operator drops any other value (it goes into a condition message)."""
 M_TOKENS = "kubetitan_trainer_tokens_total"
 M_ATTEMPT = "kubetitan_trainer_attempt"
 M_LAST_STEP_TIMESTAMP = "kubetitan_trainer_last_step_timestamp_seconds"  # the heartbeat

@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubetitan_core.api import (AttentionMask, DataOrder, DataSource, NetworkFallback, Platform, ShardsDtype, ShardsPath,
-                                StagingWrite, TierRead, TokenizerSource, shards_paths)
+from kubetitan_core.api import (AttentionMask, CheckpointSpec, DataOrder, DataSource, NetworkFallback, Platform,
+                                ShardsDtype, ShardsPath, StagingWrite, TierRead, TokenizerSource, shards_paths)
 
 ALWAYS = {"always": True}
 """Field metadata: written whatever the value (see the module docstring)."""
@@ -161,11 +161,10 @@ class KubetitanCheckpointStorage:
     connection resets and timeouts)."""
     thread_count: int = 4
     """DCP writer threads per rank; each writes its own object, so a save writes ranks x this objects."""
-    max_failed_saves: int = 3
-    """Checkpoint saves in a row that may fail with a storage error (the store unreachable, a write refused) while
-    training goes on: each failure is logged in one line and the next interval saves again; the save that makes this
-    many in a row ends the run with exit code 6 (retryable). The last step's save is tried this many times before
-    that. Any store: S3 or a mounted volume."""
+    max_failed_saves: int = CheckpointSpec.model_fields["max_failed_saves"].default
+    """`spec.checkpoint.maxFailedSaves` (its default and bounds are the API's): checkpoint saves in a row that may
+    fail with a storage error while training goes on; the save that makes this many in a row ends the run with exit
+    code 6 (retryable). The last step's save is tried this many times before that. Any store: S3 or a volume."""
 
 
 @dataclass
