@@ -40,7 +40,8 @@ $GATE --inject matmul_tflops --json > "$OUT/fail.json"
 echo "exit code $? (8 = ExitCode.PREFLIGHT_FAILED)"
 python3 - "$OUT/fail.json" <<'EOF'
 import json, sys
-from kubetitan.decide import PodObs, classify_pod, nodes_to_avoid
+from kubetitan.decide import classify_pod, nodes_to_avoid
+from kubetitan.observation import PodObs
 from kubetitan_core.api import RestartRecord
 from kubetitan_trainer.preflight import Result
 

@@ -22,7 +22,7 @@ from decimal import Decimal
 from typing import Any
 
 from kubetitan import plan
-from kubetitan.decide import Capacity, NodeObs
+from kubetitan.observation import Capacity, NodeObs
 from kubetitan_core.catalog import HOSTNAME_LABEL
 
 NOT_EXTENDED = frozenset({"cpu", "memory", "ephemeral-storage", "pods"})

@@ -15,10 +15,10 @@ import pytest
 from kubetitan import conditions as C
 from kubetitan_core import contract
 from kubetitan_core.api import AttemptObservation, Condition, LlamaPretrainSpec, LlamaPretrainStatus, RestartRecord, TrainingStatus
-from kubetitan.decide import (
-    RULES, Action, Capacity, ChildError, Decision, NodeObs, Observed, PodObs, Progress, backoff_seconds, classify_pod, decide,
-    iso, iso_ms, nodes_to_avoid,
-)
+from kubetitan.decide import RULES, Action, Decision, backoff_seconds, classify_pod, decide, nodes_to_avoid
+from kubetitan.observation import Capacity, ChildError, NodeObs, Observed, PodObs, Progress
+from kubetitan.observation import tracking as T
+from kubetitan.timestamps import iso, iso_ms
 from kubetitan.status import next_status
 from support.runs import condition
 
@@ -775,8 +775,8 @@ from kubetitan import status as S  # noqa: E402
 ], ids=["not-scraped", "answered", "unreachable"])
 def test_metrics_available_condition(scrape, want) -> None:
     s, st = spec(), status()
-    o = S.track(None, 0, NOW, pods=gang(), **scrape)
-    obs = S.observed(o, pods=gang(), nodes=ok_nodes, now=NOW)
+    o = T.track(None, 0, NOW, pods=gang(), **scrape)
+    obs = T.observed(o, pods=gang(), nodes=ok_nodes, now=NOW)
     new = S.next_status(s, st, decide(s, st, obs), obs)
     assert condition(new, C.METRICS_AVAILABLE) == want
     assert new.restart_count == 0 and new.observation == o
@@ -787,37 +787,37 @@ def test_timers_survive_an_operator_restart() -> None:
     scrape right after the restart neither fires nor resets the hang timer."""
     s = spec(hangTimeoutSeconds=60, maxInPlaceRestarts=0)  # the operator's own hang rule, no launcher's first
     m = {contract.M_STEP: 20.0, contract.M_ATTEMPT: 0.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 50}
-    o = S.track(None, 0, NOW - 50, metrics=m, pods=gang())
-    obs = S.observed(o, pods=gang(), nodes=ok_nodes, now=NOW - 50)
+    o = T.track(None, 0, NOW - 50, metrics=m, pods=gang())
+    obs = T.observed(o, pods=gang(), nodes=ok_nodes, now=NOW - 50)
     written = S.next_status(s, status(), decide(s, status(), obs), obs).dump()
     # a new operator: only the API's status
     st = S.load(written)
-    o2 = S.track(st.observation, 0, NOW, scrape_error="GET http://10.0.0.1:9090/metrics: connection refused",
+    o2 = T.track(st.observation, 0, NOW, scrape_error="GET http://10.0.0.1:9090/metrics: connection refused",
                  pods=gang())
-    d = decide(s, st, S.observed(o2, pods=gang(), nodes=ok_nodes, now=NOW))
+    d = decide(s, st, T.observed(o2, pods=gang(), nodes=ok_nodes, now=NOW))
     assert (d.action, d.reason) == (Action.KEEP, C.PROGRESS_UNKNOWN)
-    assert S.progress(o2).last_progress_time == NOW - 50  # not reset
+    assert T.progress(o2).last_progress_time == NOW - 50  # not reset
     # the step still stands when /metrics answers again: 70 s idle > 60 s, measured from the persisted time
-    o3 = S.track(o2, 0, NOW + 20, metrics=m, pods=gang())
-    d = decide(s, st, S.observed(o3, pods=gang(), nodes=ok_nodes, now=NOW + 20))
+    o3 = T.track(o2, 0, NOW + 20, metrics=m, pods=gang())
+    d = decide(s, st, T.observed(o3, pods=gang(), nodes=ok_nodes, now=NOW + 20))
     assert (d.action, d.cause) == (Action.RESTART, "Hang")
 
 
 def test_missing_node_timed_from_first_sight() -> None:
     s = spec(nodeFailureGraceSeconds=60)
     nodes = {"n0": NodeObs("n0"), "n1": NodeObs("n1", exists=False, ready=False)}
-    o = S.track(None, 0, NOW, pods=gang(), nodes=nodes)
+    o = T.track(None, 0, NOW, pods=gang(), nodes=nodes)
     assert o.nodes_missing_since == {"n1": iso_ms(NOW)}
-    o2 = S.track(o, 0, NOW + 61, pods=gang(), nodes=nodes)  # first sight kept, not "now" again
-    d = decide(s, status(), S.observed(o2, pods=gang(), nodes=nodes, now=NOW + 61))
+    o2 = T.track(o, 0, NOW + 61, pods=gang(), nodes=nodes)  # first sight kept, not "now" again
+    d = decide(s, status(), T.observed(o2, pods=gang(), nodes=nodes, now=NOW + 61))
     assert (d.action, d.cause, d.force_delete) == (Action.RESTART, "NodeFailure", ("j-a0-1",))
 
 
 def test_child_refused_sets_children_created_false_without_flapping() -> None:
     s, st = spec(), status()
     err = (ChildError("Pod", "j-a0-1", C.FORBIDDEN, 'pods "j-a0-1" is forbidden: exceeded quota'),)
-    o = S.track(None, 0, NOW, pods=gang()[:1])
-    obs = S.observed(o, pods=gang()[:1], nodes=ok_nodes, now=NOW, child_errors=err)
+    o = T.track(None, 0, NOW, pods=gang()[:1])
+    obs = T.observed(o, pods=gang()[:1], nodes=ok_nodes, now=NOW, child_errors=err)
     new = S.next_status(s, st, decide(s, st, obs), obs)
     assert condition(new, C.CHILDREN_CREATED) == ("False", C.FORBIDDEN)
     assert "exceeded quota" in C.find(new.conditions, C.CHILDREN_CREATED).message
@@ -850,8 +850,8 @@ def test_a_create_error_is_told_as_what_it_was_in_the_status_the_decision_and_th
     err = _timed_out() if case == "timed-out" else \
         ChildError("Pod", "j-a0-1", C.FORBIDDEN, 'pods "j-a0-1" is forbidden: exceeded quota')
     s, st = spec(), status()
-    o = S.track(None, 0, NOW, pods=gang()[:1])
-    obs = S.observed(o, pods=gang()[:1], nodes=ok_nodes, now=NOW, child_errors=(err,))
+    o = T.track(None, 0, NOW, pods=gang()[:1])
+    obs = T.observed(o, pods=gang()[:1], nodes=ok_nodes, now=NOW, child_errors=(err,))
     d = decide(s, st, obs)
     cond = C.find(S.next_status(s, st, d, obs).conditions, C.CHILDREN_CREATED)
     event = refusal_summary([err], 1, 0, 0)
@@ -870,15 +870,15 @@ def test_in_place_restart_is_tracked_recorded_and_settled_per_generation() -> No
     s = spec(hangTimeoutSeconds=60)
     m0 = {contract.M_STEP: 14.0, contract.M_ATTEMPT: 0.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 100,
           contract.M_LAST_CHECKPOINT_STEP: 10.0, contract.M_RESTART_GENERATION: 0.0}
-    o = S.track(None, 0, NOW - 100, metrics=m0, pods=gang())
-    obs = S.observed(o, pods=gang(), nodes=ok_nodes, now=NOW - 100)
+    o = T.track(None, 0, NOW - 100, metrics=m0, pods=gang())
+    obs = T.observed(o, pods=gang(), nodes=ok_nodes, now=NOW - 100)
     st = S.next_status(s, status(), decide(s, status(), obs), obs)
     # generation 1 answers, loaded checkpoint 10, no step of its own yet (heartbeat 0); 90 s after the old heartbeat
     m1 = {**m0, contract.M_STEP: 10.0, contract.M_LAST_STEP_TIMESTAMP: 0.0, contract.M_RESTART_GENERATION: 1.0,
           contract.M_RESTART_EXIT_CODE: 137.0, contract.M_RESTART_NODE_RANK: 1.0, contract.M_RESTART_TIMESTAMP: NOW - 12}
-    o1 = S.track(st.observation, 0, NOW - 10, metrics=m1, pods=gang())
+    o1 = T.track(st.observation, 0, NOW - 10, metrics=m1, pods=gang())
     assert (o1.generation, o1.step, o1.start_step, o1.first_step_time, o1.previous_generation_step) == (1, 10, 10, None, 14)
-    obs1 = S.observed(o1, pods=gang(), nodes=ok_nodes, now=NOW - 10)
+    obs1 = T.observed(o1, pods=gang(), nodes=ok_nodes, now=NOW - 10)
     d = decide(s, st, obs1)
     assert (d.action, d.cause, d.node_name, d.delete, d.force_delete) == (
         Action.RESTARTED_IN_PLACE, "ContainerFailed", "n1", (), ())
@@ -888,8 +888,8 @@ def test_in_place_restart_is_tracked_recorded_and_settled_per_generation() -> No
     assert r.downtime_seconds is None and C.is_true(st1.conditions, C.RESTARTING)
     # the first step of generation 1, 3 s after the failure: settled; recorded once
     m2 = {**m1, contract.M_STEP: 11.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 9}
-    o2 = S.track(o1, 0, NOW - 8, metrics=m2, pods=gang())
-    obs2 = S.observed(o2, pods=gang(), nodes=ok_nodes, now=NOW - 8)
+    o2 = T.track(o1, 0, NOW - 8, metrics=m2, pods=gang())
+    obs2 = T.observed(o2, pods=gang(), nodes=ok_nodes, now=NOW - 8)
     d2 = decide(s, st1, obs2)
     assert (d2.action, d2.reason) == (Action.KEEP, C.TRAINING)
     st2 = S.next_status(s, st1, d2, obs2)
@@ -910,11 +910,11 @@ def test_the_work_an_in_place_restart_lost_counts_the_steps_past_the_last_scrape
     lostSteps 2 where generation 0 had trained 4 steps past the checkpoint (the last scrape was 2 steps old)."""
     m = {contract.M_STEP: 14.0, contract.M_ATTEMPT: 0.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 100,
          contract.M_LAST_CHECKPOINT_STEP: 10.0, contract.M_RESTART_GENERATION: 0.0}
-    o = S.track(None, 0, NOW - 100, metrics=m, pods=gang())
+    o = T.track(None, 0, NOW - 100, metrics=m, pods=gang())
     m1 = {**m, contract.M_STEP: 10.0, contract.M_LAST_STEP_TIMESTAMP: 0.0, contract.M_RESTART_GENERATION: 1.0}
     if previous is not None:
         m1[contract.M_RESTART_PREVIOUS_STEP] = previous
-    assert S.track(o, 0, NOW - 8, metrics=m1, pods=gang()).previous_generation_step == want
+    assert T.track(o, 0, NOW - 8, metrics=m1, pods=gang()).previous_generation_step == want
 
 
 @pytest.mark.parametrize("resumed, steps_seen, start", [
@@ -929,11 +929,11 @@ def test_the_step_a_generation_resumed_from_is_what_the_trainer_loaded(resumed, 
     operator happened to scrape (the e2e in-place test once saw 5 where the workers had loaded checkpoint 4)."""
     m = {contract.M_STEP: 14.0, contract.M_ATTEMPT: 0.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 100,
          contract.M_LAST_CHECKPOINT_STEP: 10.0, contract.M_RESTART_GENERATION: 0.0}
-    o = S.track(None, 0, NOW - 100, metrics=m, pods=gang())
+    o = T.track(None, 0, NOW - 100, metrics=m, pods=gang())
     m1 = {**m, contract.M_STEP: steps_seen, contract.M_LAST_STEP_TIMESTAMP: NOW - 9, contract.M_RESTART_GENERATION: 1.0}
     if resumed is not None:
         m1[contract.M_RESUMED_FROM_STEP] = float(resumed)
-    o1 = S.track(o, 0, NOW - 8, metrics=m1, pods=gang())
+    o1 = T.track(o, 0, NOW - 8, metrics=m1, pods=gang())
     assert (o1.generation, o1.start_step) == (1, start)
 
 
@@ -947,13 +947,13 @@ def test_a_generations_first_step_time_is_what_the_trainer_recorded(first, want)
     whichever step the first scrape saw (the e2e fault test once measured 1.75 s too long on a loaded machine)."""
     m = {contract.M_STEP: 14.0, contract.M_ATTEMPT: 0.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 100,
          contract.M_LAST_CHECKPOINT_STEP: 10.0, contract.M_RESTART_GENERATION: 0.0}
-    o = S.track(None, 0, NOW - 100, metrics=m, pods=gang())
+    o = T.track(None, 0, NOW - 100, metrics=m, pods=gang())
     m1 = {**m, contract.M_STEP: 12.0, contract.M_LAST_STEP_TIMESTAMP: NOW - 9, contract.M_RESTART_GENERATION: 1.0,
           contract.M_RESUMED_FROM_STEP: 10.0}
     if first is not None:
         m1[contract.M_FIRST_STEP_TIMESTAMP] = first
-    o1 = S.track(o, 0, NOW - 8, metrics=m1, pods=gang())
-    assert S.progress(o1).first_step_time == pytest.approx(want, abs=1e-3)
+    o1 = T.track(o, 0, NOW - 8, metrics=m1, pods=gang())
+    assert T.progress(o1).first_step_time == pytest.approx(want, abs=1e-3)
 
 
 def test_raised_steps_start_the_next_attempt_without_a_restart() -> None:
@@ -962,8 +962,8 @@ def test_raised_steps_start_the_next_attempt_without_a_restart() -> None:
     1 at once (no restart backoff); its own success at 150 then ends the run."""
     s, st = steps_spec(150), status(training=TrainingStatus(step=100))
     done = gang(over={0: {"phase": "Succeeded", "exit_code": 0}, 1: {"phase": "Succeeded", "exit_code": 0}})
-    o = S.track(None, 0, NOW, pods=done)
-    obs = S.observed(o, pods=done, nodes=ok_nodes, now=NOW, attempt_steps=100)
+    o = T.track(None, 0, NOW, pods=done)
+    obs = T.observed(o, pods=done, nodes=ok_nodes, now=NOW, attempt_steps=100)
     d = decide(s, st, obs)
     new = S.next_status(s, st, d, obs)
     assert d.action == Action.CONTINUE and new.attempt == 1 and new.restart_count == 0 and not new.restarts
@@ -971,12 +971,12 @@ def test_raised_steps_start_the_next_attempt_without_a_restart() -> None:
     assert new.phase == "Pending" and new.completion_time is None and new.observation.attempt == 1
     assert new.training.progress == "100/150"
     # the next cycle: attempt 0's pods still go, attempt 1 is created now (no backoff: no restart record)
-    obs2 = S.observed(S.track(new.observation, 1, NOW + 1, pods=done), pods=done, nodes=ok_nodes, now=NOW + 1)
+    obs2 = T.observed(T.track(new.observation, 1, NOW + 1, pods=done), pods=done, nodes=ok_nodes, now=NOW + 1)
     d2 = decide(s, new, obs2)
     assert d2.action == Action.CREATE and d2.delete == ("j-a0-0", "j-a0-1") and d2.rule == "attempt_not_created", d2
     # attempt 1 (created from the raised spec) reaches 150: Succeeded
     fin = gang(1, over={0: {"phase": "Succeeded", "exit_code": 0}})
-    obs3 = S.observed(S.track(new.observation, 1, NOW + 60, pods=fin), pods=fin, nodes=ok_nodes, now=NOW + 60,
+    obs3 = T.observed(T.track(new.observation, 1, NOW + 60, pods=fin), pods=fin, nodes=ok_nodes, now=NOW + 60,
                       attempt_steps=150)
     d3 = decide(s, new, obs3)
     assert d3.action == Action.SUCCEED and "reached step 150" in d3.message

@@ -11,7 +11,9 @@ from support.specs import lpt
 
 from kubetitan import conditions as C
 from kubetitan import elastic, plan
-from kubetitan.decide import Action, Capacity, Decision, NodeObs, Observed, Progress, iso
+from kubetitan.decide import Action, Decision
+from kubetitan.observation import Capacity, NodeObs, Observed, Progress
+from kubetitan.timestamps import iso
 from kubetitan.status import next_status
 from kubetitan_core.api import LlamaPretrain, LlamaPretrainSpec, LlamaPretrainStatus
 

@@ -7,7 +7,8 @@ from kubetitan_core import contract
 from kubetitan import status as S
 from kubetitan_core.api import StartupPhases
 from kubetitan.decide import Action, Decision
-from kubetitan.observe import parse_metrics
+from kubetitan.observation import tracking as T
+from kubetitan.observation.scrape import parse_metrics
 
 from tests.operator.test_decide import NOW, gang, ip_rec, ok_nodes, rec, spec, status
 
@@ -36,8 +37,8 @@ def test_every_phase_of_the_scrape_reaches_status_training_startup():
 
 
 def _next(st, m, attempt=0):
-    o = S.track(None, attempt, NOW, metrics=m, pods=gang(attempt))
-    obs = S.observed(o, pods=gang(attempt), nodes=ok_nodes, now=NOW,
+    o = T.track(None, attempt, NOW, metrics=m, pods=gang(attempt))
+    obs = T.observed(o, pods=gang(attempt), nodes=ok_nodes, now=NOW,
                      training=S.training_status(spec(), m, NOW, st.training))
     return S.next_status(spec(), st, Decision(Action.KEEP), obs)
 

@@ -275,6 +275,10 @@ LAYERS: tuple[Layer, ...] = (
     Layer(("kubetitan_core",), ("kubetitan", KT, *TORCH, "kopf", "kubernetes"),
           "the shared core is torch-free and Kubernetes-free; the operator and the trainer both import it"),
     Layer(("kubetitan",), (KT, *TORCH), "the operator never imports the trainer, nor torch"),
+    Layer(("kubetitan.observation",), ("kopf", "kubetitan.handlers", "kubetitan.reconcile", "kubetitan.decide"),
+          "observation is read by the policy and the reconcile loop, never the other way round; only the cycle's "
+          "read (which fills a snapshot from the run's memory) sees the reconcile loop",
+          except_=("kubetitan.observation.read",)),
     Layer(BASE, (f"{KT}.data", f"{KT}.recovery", f"{KT}.compile", f"{KT}.launch", f"{KT}.checks", f"{KT}.local",
                  *TRAINING_LOOP),
           "the trainer's base modules (errors, knobs, atomic writes, compat, storage, ...) import no concern above them"),
