@@ -7,7 +7,7 @@ never imports this one. Layout (pure core, thin edge):
 
 - ``plan``        spec + attempt -> the child objects of one attempt
 - ``observation`` what the operator saw of a run, typed: pods, nodes, rank 0's scrape, the cycle's snapshot
-- ``decide``      observed state -> the next action (ordered rule table ``decide.RULES``)
+- ``decide``      observed state -> the next action (ordered rule table ``decide.RULES``; one module per policy)
 - ``status``      the one place the status is built
 - ``conditions``  condition types and reasons
 - ``policy``      the cluster admin's policy (allowed hostPaths, images, service accounts, ...)

@@ -24,7 +24,8 @@ from kubetitan_core.api import (
     RESIZE_CAUSES, AttemptObservation, Condition, DataSpec, LlamaPretrainSpec, LlamaPretrainStatus, SourceLossStatus,
     StartupPhases, StatusEvent, TrainingStatus, elastic_sizes,
 )
-from kubetitan.decide import MAX_RESTART_RECORDS, Action, Decision, in_place_record, restart_event, restart_record
+from kubetitan.decide.core import MAX_RESTART_RECORDS, Action, Decision, restart_event
+from kubetitan.decide.failure import in_place_record, restart_record
 from kubetitan.observation import Observed, Progress
 from kubetitan.observation.scrape import sample, sample_int
 from kubetitan.timestamps import iso, parse_time

@@ -10,7 +10,7 @@ from kubetitan.decide import Action, Decision
 from kubetitan.observation import tracking as T
 from kubetitan.observation.scrape import parse_metrics
 
-from tests.operator.test_decide import NOW, gang, ip_rec, ok_nodes, rec, spec, status
+from support.decide_cases import NOW, gang, ip_rec, ok_nodes, rec, spec, status
 
 PHASES = {"process_start": 0.26, "preflight": 0.31, "imports": 0.52, "process_group_init": 0.004, "model_init": 0.7,
           "checkpoint_load": 3.25, "first_step_compile": 2.98, "first_step": 1.29}

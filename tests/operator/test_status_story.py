@@ -323,7 +323,7 @@ def test_a_world_size_edit_is_deferred_unless_the_data_cannot_resume_at_another_
 
 def test_an_elastic_runs_node_edit_says_the_operator_keeps_sizing_it() -> None:
     """runPolicy.elastic: the next attempt's size is the running one's within the new bounds, not resources.nodes
-    (decide.attempt_size), and the deferral says so instead of "at the new size"."""
+    (decide.lifecycle.attempt_size), and the deferral says so instead of "at the new size"."""
     elastic = {"runPolicy": {"elastic": {"minNodes": 1}}}
     applied = _spec(data=SYNTHETIC, **elastic).model_dump(by_alias=True, exclude_none=True, mode="json")
     desired = _spec(3, data=SYNTHETIC, **elastic)

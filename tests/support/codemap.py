@@ -279,6 +279,13 @@ LAYERS: tuple[Layer, ...] = (
           "observation is read by the policy and the reconcile loop, never the other way round; only the cycle's "
           "read (which fills a snapshot from the run's memory) sees the reconcile loop",
           except_=("kubetitan.observation.read",)),
+    Layer(("kubetitan.decide",), ("kopf", "kubernetes", "aiohttp", "kubetitan.kube", "kubetitan.handlers",
+                                  "kubetitan.reconcile", "kubetitan.status", "kubetitan.observation.read",
+                                  "kubetitan.observation.scrape", "kubetitan.observation.snapshot"),
+          "the decision is pure: it reads the observation's types, never the API, the scrape, the cycle or the status"),
+    Layer(("kubetitan.decide.core", "kubetitan.decide.failure"),
+          ("kubetitan.decide.elastic", "kubetitan.decide.liveness", "kubetitan.decide.lifecycle"),
+          "the shared core and the failure policy (which the others restart through) import no other policy"),
     Layer(BASE, (f"{KT}.data", f"{KT}.recovery", f"{KT}.compile", f"{KT}.launch", f"{KT}.checks", f"{KT}.local",
                  *TRAINING_LOOP),
           "the trainer's base modules (errors, knobs, atomic writes, compat, storage, ...) import no concern above them"),

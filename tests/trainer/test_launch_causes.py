@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kubetitan.decide import classify_pod
+from kubetitan.decide.failure import classify_pod
 from kubetitan.observation import PodObs
 from kubetitan_core import causes
 from kubetitan_core.contract import ExitCode

@@ -17,7 +17,7 @@ from typing import Any
 
 from kubetitan_core import validation, warning_rules
 from kubetitan import elastic, plan, policy, scraped
-from kubetitan.decide import nodes_to_avoid
+from kubetitan.decide.failure import nodes_to_avoid
 from kubetitan import status as status_mod
 from kubetitan.observation import NodeObs
 from kubetitan.observation.pods import node_obs, pod_obs
