@@ -301,9 +301,9 @@ LAYERS: tuple[Layer, ...] = (
           except_=(f"{KT}.storage", f"{KT}.compat")),
     Layer((f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.runtime", f"{KT}.job_config", f"{KT}.launch.store",
            f"{KT}.launch.failures", f"{KT}.launch.state", f"{KT}.recovery.heartbeat", f"{KT}.data.shards",
-           f"{KT}.data.prepare", f"{KT}.data.prepare_job"), TORCH,
+           f"{KT}.data.stream", f"{KT}.data.prepare", f"{KT}.data.prepare_job"), TORCH,
           "torch-free trainer modules: the launchers' store protocol, failures and state, heartbeats, the shard "
-          "format and prepare-data are tested and run without torch"),
+          "format, the global sample stream and prepare-data are tested and run without torch"),
 )
 """The layer table: which modules may not import which. tests/test_structure.py fails on an import that breaks a
 row; docs/architecture.md shows the table (``python bench/code_structure.py --write``)."""
