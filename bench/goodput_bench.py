@@ -42,7 +42,7 @@ from support.specs import CLAIM, NS, e2e_spec, lpt, with_debug_model  # noqa: E4
 from kubelet import Kubelet  # noqa: E402
 
 from kmockx.harness import Cluster, Operator  # noqa: E402
-from kubetitan.decide import parse_time  # noqa: E402
+from kubetitan.timestamps import parse_time  # noqa: E402
 
 
 EXPECTED_CAUSE = {"worker": "ContainerFailed", "container": "ContainerFailed", "node": "NodeFailure", "hang": "Hang"}

@@ -16,7 +16,8 @@ import json
 import os
 import time
 
-from kubetitan_trainer.data.loaders import GlobalDataLoader, GlobalStream, WindowSource, open_shards
+from kubetitan_trainer.data.loaders import GlobalDataLoader, open_shards
+from kubetitan_trainer.data.stream import GlobalStream, WindowSource
 
 RECIPE_TOKENS_PER_S = 29_146
 

@@ -6,7 +6,7 @@
 #      H100 floor, the one-GPU NCCL all-reduce, EFA: none requested) and its wall time, twice (a cold and a warm
 #      process start);
 #   2. one failure injected (`--inject matmul_tflops`, tests only): exit code 8, the termination message, and what the
-#      operator makes of it (kubetitan.decide.classify_pod: cause PreflightFailed blaming the node; nodes_to_avoid:
+#      operator makes of it (kubetitan.decide.failure.classify_pod: cause PreflightFailed blaming the node; nodes_to_avoid:
 #      the next attempt avoids it);
 #   3. through the pod entry point (kubetitan_trainer.launch, the debug model on the GPU, 3 steps): the gate process
 #      overlapping the launcher's imports, its rows in the log, and the start-up record's `preflight` phase and entry
@@ -40,7 +40,8 @@ $GATE --inject matmul_tflops --json > "$OUT/fail.json"
 echo "exit code $? (8 = ExitCode.PREFLIGHT_FAILED)"
 python3 - "$OUT/fail.json" <<'EOF'
 import json, sys
-from kubetitan.decide import PodObs, classify_pod, nodes_to_avoid
+from kubetitan.decide.failure import classify_pod, nodes_to_avoid
+from kubetitan.observation import PodObs
 from kubetitan_core.api import RestartRecord
 from kubetitan_trainer.preflight import Result
 

@@ -6,14 +6,15 @@ trainer (API types, rule table, CRD, catalog, trainer.toml rendering, contract) 
 never imports this one. Layout (pure core, thin edge):
 
 - ``plan``        spec + attempt -> the child objects of one attempt
-- ``decide``      observed state -> the next action (ordered rule table ``decide.RULES``)
+- ``observation`` what the operator saw of a run, typed: pods, nodes, rank 0's scrape, the cycle's snapshot
+- ``decide``      observed state -> the next action (ordered rule table ``decide.RULES``; one module per policy)
 - ``status``      the one place the status is built
 - ``conditions``  condition types and reasons
 - ``policy``      the cluster admin's policy (allowed hostPaths, images, service accounts, ...)
 - ``apidoc``      docs/api.md generated from ``kubetitan_core``
-- ``reconcile``   one cycle of a run: observe (a frozen snapshot) -> decide -> report -> apply, with expectations
+- ``reconcile``   one cycle of a run: observe (``observation.read``) -> decide -> report -> apply, with expectations
 - ``handlers``    the kopf registration (indexes, wake-ups, daemons); ``runner`` its flags and main loop
-- ``kube``        the client edge; ``observe`` parsing of pods/nodes and the bounded scrape
+- ``kube``        the client edge
 - ``cli``         the ``kubetitan`` command (``run``/``prepare-data`` hand over to the trainer's own process)
 """
 

@@ -3,7 +3,7 @@
 ``review(obj, old, operation, policy, ...)`` decides one AdmissionReview request with the same code as
 ``kubetitan validate --policy`` (``validation.parse``, ``policy.check``, ``warning_rules.warnings_for``): the same
 errors at the same field paths with the same messages, and the same warnings. On UPDATE it also refuses what the
-operator would block on a started run (``observe.REJECTED_FIELDS``: model, tokenizer, checkpoint storage), with
+operator would block on a started run (``observation.spec.REJECTED_FIELDS``: model, tokenizer, checkpoint storage), with
 the operator's own message, and a change of the world size or data-parallel degree the trainer cannot resume at
 (``plan.world_size_edit``: hub-streamed data; the same message as the operator's ``WorldSizeChangeRefused``),
 while such a change of a run that can is allowed with a warning that it applies at the next attempt.
@@ -30,7 +30,7 @@ from kubetitan_core.warning_rules import warnings_for
 from kubetitan import conditions as C
 from kubetitan import plan
 from kubetitan import policy as policy_mod
-from kubetitan.observe import spec_changes
+from kubetitan.observation.spec import spec_changes
 
 
 class Requester(str, Enum):

@@ -3,12 +3,12 @@
 How many nodes could hold one pod of a run's gang right now, and how many have done so for
 ``growCheckSeconds``: nodes that exist, are Ready, are not cordoned, carry the labels of the pod's
 ``nodeSelector``, match its required node affinity (which carries the nodes the run avoids,
-``decide.nodes_to_avoid``), have no ``NoSchedule``/``NoExecute`` taint the pod does not tolerate and list enough
+``decide.failure.nodes_to_avoid``), have no ``NoSchedule``/``NoExecute`` taint the pod does not tolerate and list enough
 allocatable of every extended resource and huge page size the pod requests (GPUs; on ``eks``/``hyperpod`` also EFA
 interfaces and ``hugepages-2Mi``). An elastic gang has one pod per
 node (the planner's pod anti-affinity), so this count is the largest gang the nodes fit. Other workloads'
 requests are not counted: the scheduler has the last word, and a grown gang it cannot place shrinks again
-(``decide.shrink``), at most once per the operator's ``--resize-min-interval-seconds``.
+(``decide.elastic.shrink``), at most once per the operator's ``--resize-min-interval-seconds``.
 
 The handlers compute :class:`Capacity` from the rendered rank-0 pod (:func:`placement`) and the watched
 nodes, and hand it to ``decide`` in ``Observed.capacity``.
@@ -22,7 +22,7 @@ from decimal import Decimal
 from typing import Any
 
 from kubetitan import plan
-from kubetitan.decide import Capacity, NodeObs
+from kubetitan.observation import Capacity, NodeObs
 from kubetitan_core.catalog import HOSTNAME_LABEL
 
 NOT_EXTENDED = frozenset({"cpu", "memory", "ephemeral-storage", "pods"})

@@ -38,11 +38,12 @@ from kubetitan import __version__, plan
 from kubetitan import webhook as webhook_mod  # registers the admission handler (kopf.on.validate)
 from kubetitan.kube import Client, ClientClosed, FencedWrite, message_of, transient
 from kubetitan.leader import LeaderElector, NotLeader
-from kubetitan.observe import Scraper, ScrapeLimits, node_obs, pod_obs
+from kubetitan.observation.pods import node_obs, pod_obs
+from kubetitan.observation.scrape import Scraper, ScrapeLimits
 from kubetitan.reconcile.context import Context
 from kubetitan.reconcile.cycle import cycle
 from kubetitan.reconcile.memory import RunMemory
-from kubetitan.reconcile.observe import rebuild
+from kubetitan.observation.read import rebuild
 
 __all__ = ["FINALIZER", "RUNNING", "NoEssence", "client_of", "leadership_changed"]
 
@@ -227,7 +228,7 @@ async def observe_run(body: kopf.Body, memo: Any, stopped: kopf.DaemonStopped, l
 
     kopf starts this daemon for each run when it first sees it (created, or found at operator start). With
     ``--leader-elect`` the daemon of a standby waits for the Lease. Whenever this replica starts a new term (and at the first cycle), the run is read
-    from the API, not from memory (``reconcile.observe.rebuild``). A cycle whose write the fence refuses is abandoned. The daemon
+    from the API, not from memory (``observation.read.rebuild``). A cycle whose write the fence refuses is abandoned. The daemon
     ends once the run is finished and nothing is left to clean up or to time (TTL).
     """
     ctx = _ctx(memo)

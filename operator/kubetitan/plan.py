@@ -270,7 +270,7 @@ def launcher_args(lpt: LlamaPretrain, attempt: int, rank: int,
     rank 0 through the headless Service, one rendezvous id per attempt. In-place restarts
     (``runPolicy.maxInPlaceRestarts``; 0: the static launcher, every failure re-creates the gang): the launchers
     restart every rank's workers together, the operator records each one from rank 0's metrics and re-creates the
-    gang when the attempt's budget is used up (``decide.restarted_in_place``); the launcher's hang watchdog stops a
+    gang when the attempt's budget is used up (``decide.failure.restarted_in_place``); the launcher's hang watchdog stops a
     worker whose step stands still and every rank's workers restart in place."""
     meta = lpt.metadata
     return contract_launcher.launcher_args(

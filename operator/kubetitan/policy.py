@@ -6,7 +6,7 @@ AWS credentials), priority class, toleration, node placement or scheduler. The a
 chart's ``policy`` values; the chart passes it to the operator as ``--policy-*`` flags (:func:`from_flags`), and
 ``kubetitan validate --policy FILE`` reads the same keys from a YAML file (:func:`load`). A started run whose
 spec the policy refuses later (an operator restarted with a stricter policy) keeps its running attempt observed
-and gets no new attempt (``reconcile.snapshot.Snapshot.refused_live``). A spec outside the policy is refused at
+and gets no new attempt (``observation.snapshot.Snapshot.refused_live``). A spec outside the policy is refused at
 reconcile: ``Ready=False``/``SpecAccepted=False`` with reason ``PolicyViolation`` and a Warning Event, and no child is made.
 
 Pure: no kopf, no client, no I/O except :func:`load` reading the file it is given.

@@ -19,13 +19,13 @@ from kubetitan import webhook as webhook_mod
 from kubetitan.handlers import RUNNING, client_of, leadership_changed
 from kubetitan.kube import load_config
 from kubetitan.leader import LeaderElector, LeaseConfig
-from kubetitan.observe import (
+from kubetitan.observation.scrape import (
     DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_MAX_SERIES, DEFAULT_SCRAPE_TIMEOUT_SECONDS,
 )
 from kubetitan.operator_metrics import OperatorMetrics
 from kubetitan.reconcile.context import Context, Options
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
-from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+from kubetitan.observation import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
 
 log = logging.getLogger("kubetitan.operator")
 

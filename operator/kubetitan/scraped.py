@@ -55,7 +55,7 @@ class Rule:
     """What one scraped sample must satisfy to be stored."""
 
     metric: str
-    """Sample name as ``observe.parse_metrics`` keys it (``name/phase`` for the start-up phases)."""
+    """Sample name as ``observation.scrape.parse_metrics`` keys it (``name/phase`` for the start-up phases)."""
     low: float = 0.0
     """Smallest value allowed (inclusive)."""
     high: float = math.inf
@@ -117,8 +117,8 @@ PER_SOURCE = (contract.M_SOURCE_LOSS, contract.M_SOURCE_EVAL_LOSS)
 
 
 def rule_for(name: str) -> Rule | None:
-    """The row of a sample as ``observe.parse_metrics`` keys it (a per-source one under its metric's row; a failed
-    save's ``error`` label only when it is a name, ``contract.SAVE_ERROR``: it goes into a condition message)."""
+    """The row of a sample as ``observation.scrape.parse_metrics`` keys it (a per-source one under its metric's row; a
+    failed save's ``error`` label only when it is a name, ``contract.SAVE_ERROR``: it goes into a condition message)."""
     rule = BY_METRIC.get(name)
     if rule is None and "/" in name:
         base, label = name.split("/", 1)
@@ -224,7 +224,7 @@ def check(metrics: Mapping[str, float], *, attempt: int, prev: AttemptObservatio
 
     ``attempt``: the run's current attempt; ``prev``: its observation so far (another attempt's does not bind);
     ``now``: the operator's clock; ``bounds``: what the run's spec makes possible (None: the rows alone). A scrape
-    whose own attempt gauge names another attempt is not compared with this one's history (``status.track``
+    whose own attempt gauge names another attempt is not compared with this one's history (``observation.tracking.track``
     refuses it whole).
     """
     kept: dict[str, float] = {}

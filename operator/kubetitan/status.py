@@ -2,20 +2,17 @@
 
 The reconcile cycle (``kubetitan.reconcile``) calls, per cycle:
 
-1. :func:`track` — fold this cycle's scrape of rank 0 and the pods/nodes seen into the persisted
-   ``status.observation`` (last known progress, metrics reachability, ranks seen, nodes missing since);
-2. :func:`observed` — the decision's inputs (:class:`decide.Observed`) from that observation;
-3. ``decide.decide`` — the decision;
-4. :func:`next_status` — the whole new status (conditions, attempt, restart history, training numbers,
+1. ``observation.snapshot.decision_inputs`` — this cycle's read folded into the persisted ``status.observation``
+   (``observation.tracking``) and the decision's inputs (:class:`~kubetitan.observation.Observed`) from it, with
+   :func:`training_status` for this scrape's numbers;
+2. ``decide.decide`` — the decision;
+3. :func:`next_status` — the whole new status (conditions, attempt, restart history, training numbers,
    observation), written once; or :func:`invalid_status` for a spec that does not validate.
-
-Timers live in ``status.observation`` (times as RFC 3339), so a restarted or failed-over operator goes
-on from where the last one stopped instead of starting (or firing) them again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -27,170 +24,20 @@ from kubetitan_core.api import (
     RESIZE_CAUSES, AttemptObservation, Condition, DataSpec, LlamaPretrainSpec, LlamaPretrainStatus, SourceLossStatus,
     StartupPhases, StatusEvent, TrainingStatus, elastic_sizes,
 )
-from kubetitan.decide import (
-    AUTO_HANG_FLOOR_SECONDS, DEFAULT_RESIZE_MIN_INTERVAL_SECONDS, MAX_RESTART_RECORDS, Action, Capacity, ChildError,
-    Decision, NodeObs, Observed, PodObs, Progress, in_place_record, iso, iso_ms, parse_time, replace, restart_event,
-    restart_record,
-)
+from kubetitan.decide.core import MAX_RESTART_RECORDS, Action, Decision, restart_event
+from kubetitan.decide.failure import in_place_record, restart_record
+from kubetitan.observation import Observed, Progress
+from kubetitan.observation.scrape import sample, sample_int
+from kubetitan.timestamps import iso, parse_time
 
 MAX_PENDING_EVENTS = 20
 """Status events kept while unsent (the newest): an API that refuses Events for long loses the oldest only."""
 
 
-# ------------------------------------------------------------------ metrics helpers
-def _num(m: Mapping[str, float], key: str) -> float | None:
-    v = m.get(key)
-    return None if v is None or v != v else v  # NaN is "unknown"
-
-
-def _int(m: Mapping[str, float], key: str) -> int | None:
-    v = _num(m, key)
-    return None if v is None else int(v)
-
-
-# ------------------------------------------------------------------ 1. track
-def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics: Mapping[str, float] | None = None,
-          scrape_error: str | None = None, scrape_reason: str | None = None, pods: Iterable[PodObs] = (),
-          nodes: Mapping[str, NodeObs] | None = None) -> AttemptObservation:
-    """The observation of ``attempt`` after this cycle (a new one when the attempt changed).
-
-    ``metrics``: rank 0's parsed exposition when a scrape answered this cycle (its values already checked by
-    ``kubetitan.scraped``); ``scrape_error``: why it did not, ``scrape_reason`` its condition reason (neither: no
-    scrape this cycle). Only positive evidence moves the progress times: a step that advanced, or the trainer's
-    own heartbeat.
-    """
-    o = prev.model_copy(deep=True) if prev is not None and prev.attempt == attempt else \
-        AttemptObservation(attempt=attempt)
-    o.ranks_seen = sorted(set(o.ranks_seen) | {p.rank for p in pods if p.attempt == attempt})
-    if nodes is not None:
-        missing = {n for n, v in nodes.items() if not v.exists}
-        o.nodes_missing_since = {n: o.nodes_missing_since.get(n) or iso_ms(now) for n in sorted(missing)}
-    if scrape_error is not None:
-        o.metrics_error, o.metrics_error_reason = scrape_error, scrape_reason
-        return o
-    if not metrics:
-        return o
-    scraped_attempt = _int(metrics, contract.M_ATTEMPT)
-    if scraped_attempt is not None and scraped_attempt != attempt:
-        o.metrics_error = f"rank 0's /metrics answers for attempt {scraped_attempt}, not {attempt} (an older " \
-                          "process still runs there)"
-        o.metrics_error_reason = None
-        return o
-    o.metrics_ok_time, o.metrics_error, o.metrics_error_reason = iso_ms(now), None, None
-    _track_generation(o, metrics, now)
-    _track_progress(o, metrics, now)
-    _track_saves(o, metrics)
-    return o
-
-
-def _track_saves(o: AttemptObservation, metrics: Mapping[str, float]) -> None:
-    """The trainer's failed-saves counts (``storage.SaveBudget``): what ``CheckpointSaveFailing`` is built from."""
-    in_a_row = _int(metrics, contract.M_CHECKPOINT_SAVES_FAILED_IN_A_ROW)
-    if in_a_row is None:
-        return  # a trainer without the gauges: nothing known
-    o.saves_failed_in_a_row = in_a_row
-    o.saves_failed = _int(metrics, contract.M_CHECKPOINT_SAVES_FAILED)
-    o.max_failed_saves = _int(metrics, contract.M_CHECKPOINT_MAX_FAILED_SAVES)
-    step = _int(metrics, contract.M_CHECKPOINT_LAST_FAILED_SAVE_STEP)
-    o.last_failed_save_step = step if step is not None and step >= 0 else None
-    prefix = contract.M_CHECKPOINT_SAVE_FAILURE + "/"
-    o.last_save_error = next((k[len(prefix):] for k in sorted(metrics) if k.startswith(prefix) and metrics[k] == 1),
-                             None) if in_a_row else None
-
-
-def _track_generation(o: AttemptObservation, metrics: Mapping[str, float], now: float) -> None:
-    """The launchers' worker generation: a new one (restarted in place) starts the progress over."""
-    gen = _int(metrics, contract.M_RESTART_GENERATION)
-    if gen is not None and gen > (o.generation or 0):
-        # The launchers restarted every rank's workers in place: steps may go back (to the checkpoint) and the
-        # hang and start-up timers are this generation's, so the progress starts over.
-        prev = _int(metrics, contract.M_RESTART_PREVIOUS_STEP)  # the launcher's count, exact: beats the last scrape
-        o.previous_generation_step = max(prev, o.step or 0) if prev is not None and prev >= 0 else o.step
-        o.step = o.start_step = o.first_step_time = o.last_progress_time = o.step_seconds_median = None
-        ts = _num(metrics, contract.M_RESTART_TIMESTAMP)
-        o.generation_start_time = iso_ms(ts if ts is not None and 0 < ts <= now else now)
-        code, rank = _int(metrics, contract.M_RESTART_EXIT_CODE), _int(metrics, contract.M_RESTART_NODE_RANK)
-        o.restart_exit_code = code if code is not None and code >= 0 else None
-        o.restart_node_rank = rank if rank is not None and rank >= 0 else None
-    if gen is not None and (o.generation is None or gen > o.generation):
-        o.generation = gen
-
-
-def _track_progress(o: AttemptObservation, metrics: Mapping[str, float], now: float) -> None:
-    """Step, checkpoint, resumed-from step and the progress times; only positive evidence moves the times."""
-    median = _num(metrics, contract.M_STEP_DURATION_MEDIAN)
-    if median is not None and median > 0:
-        o.step_seconds_median = median
-    step = _int(metrics, contract.M_STEP)
-    beat = _num(metrics, contract.M_LAST_STEP_TIMESTAMP)
-    ck = _int(metrics, contract.M_LAST_CHECKPOINT_STEP)
-    if ck is not None:
-        o.last_checkpoint_step = ck
-    resumed = _int(metrics, contract.M_RESUMED_FROM_STEP)
-    if o.start_step is None and resumed is not None and resumed >= 0:
-        o.start_step = resumed  # what the workers loaded, even when the first scrape comes steps later
-    if step is None or step <= 0:
-        return
-    # A trainer without the resumed-from gauge: after loading a checkpoint it publishes the step it resumed
-    # from, with its heartbeat still 0 until it completes a step of its own; that step is where it starts.
-    loaded_only = beat is not None and beat <= 0
-    if o.start_step is None:
-        o.start_step = step if loaded_only else step - 1
-    first = _num(metrics, contract.M_FIRST_STEP_TIMESTAMP)
-    if first is not None and first > 0:
-        # the trainer's own record of its first step: exact however many steps the first scrape came late
-        if o.first_step_time is None or first < (parse_time(o.first_step_time) or now):
-            o.first_step_time = iso_ms(first)
-    elif o.first_step_time is None and not loaded_only:
-        o.first_step_time = iso_ms(beat if beat is not None else now)
-    last = parse_time(o.last_progress_time)
-    if o.step is None or step > o.step:
-        last = now
-    if beat is not None and beat > 0 and (last is None or beat > last):
-        last = beat
-    o.last_progress_time = iso_ms(last) if last is not None else None
-    o.step = step if o.step is None else max(o.step, step)
-
-
-def progress(o: AttemptObservation | None) -> Progress:
-    """The decision's view of an observation."""
-    if o is None:
-        return Progress()
-    available = False if o.metrics_error else (True if o.metrics_ok_time else None)
-    return Progress(step=o.step, start_step=o.start_step, last_checkpoint_step=o.last_checkpoint_step,
-                    last_progress_time=parse_time(o.last_progress_time), first_step_time=parse_time(o.first_step_time),
-                    metrics_available=available, metrics_ok_time=parse_time(o.metrics_ok_time),
-                    metrics_error=o.metrics_error, generation=o.generation or 0,
-                    generation_start_time=parse_time(o.generation_start_time),
-                    previous_generation_step=o.previous_generation_step, restart_exit_code=o.restart_exit_code,
-                    restart_node_rank=o.restart_node_rank, step_seconds_median=o.step_seconds_median)
-
-
-# ------------------------------------------------------------------ 2. observed
-def observed(o: AttemptObservation, *, pods: tuple[PodObs, ...], nodes: Mapping[str, NodeObs], now: float,
-             generation: int | None = None, spec_block: str | None = None, spec_block_reason: str | None = None,
-             spec_deferred: str | None = None,
-             training: TrainingStatus | None = None, child_errors: tuple[ChildError, ...] = (),
-             missing_children: tuple[str, ...] = (), attempt_steps: int | None = None,
-             attempt_nodes: int | None = None, hang_floor_seconds: float = AUTO_HANG_FLOOR_SECONDS,
-             capacity: Capacity | None = None,
-             resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS) -> Observed:
-    """The decision's inputs; a missing node is timed from when it was first seen missing."""
-    timed = {n: (replace(v, not_ready_since=parse_time(o.nodes_missing_since.get(n))) if not v.exists else v)
-             for n, v in nodes.items()}
-    return Observed(pods=pods, nodes=timed, progress=progress(o), now=now, generation=generation,
-                    spec_block=spec_block, spec_block_reason=spec_block_reason or C.IMMUTABLE_FIELD_CHANGED,
-                    spec_deferred=spec_deferred, training=training,
-                    ranks_seen=frozenset(o.ranks_seen), child_errors=child_errors, observation=o,
-                    missing_children=missing_children, attempt_steps=attempt_steps, attempt_nodes=attempt_nodes,
-                    hang_floor_seconds=hang_floor_seconds, capacity=capacity,
-                    resize_min_interval_seconds=resize_min_interval_seconds)
-
-
 def spec_gate(applied: Mapping[str, Any] | None, spec: LlamaPretrainSpec,
               changes: tuple[list[str], list[str], list[str]]) -> tuple[str | None, str | None, str | None]:
     """(block, its reason, deferred): what an edit of a started run's spec does, against the spec its current
-    attempt was created from (``applied``; ``changes`` is ``observe.spec_changes(applied, spec)``).
+    attempt was created from (``applied``; ``changes`` is ``observation.spec.spec_changes(applied, spec)``).
 
     A change that would make the checkpoints unusable blocks the next attempt (``ImmutableFieldChanged``); so does
     a change of the data-parallel degree of a run whose data cannot resume at another one (hub-streamed data:
@@ -237,19 +84,19 @@ def source_losses(spec: LlamaPretrainSpec, m: Mapping[str, float],
             name = key[len(prefix):]
             if name not in by_name and len(by_name) >= len(spec.data.mixture or []):
                 continue
-            if (v := _num(m, key)) is not None and abs(v) != float("inf"):
+            if (v := sample(m, key)) is not None and abs(v) != float("inf"):
                 setattr(by_name.setdefault(name, SourceLossStatus(name=name)), attr, round(v, 6))
     return sorted(by_name.values(), key=lambda s: s.name)
 
 
 def startup_phases(m: Mapping[str, float]) -> StartupPhases | None:
     """The running workers' start-up anatomy from rank 0's metrics; None before their first step."""
-    total = _num(m, contract.M_STARTUP_SECONDS)
+    total = sample(m, contract.M_STARTUP_SECONDS)
     if total is None:
         return None
     phases = {f"{p}_seconds": round(v, 3) for p in contract.STARTUP_PHASES
-              if (v := _num(m, f"{contract.M_STARTUP_PHASE_SECONDS}/{p}")) is not None}
-    return StartupPhases(generation=_int(m, contract.M_RESTART_GENERATION), total_seconds=round(total, 3), **phases)
+              if (v := sample(m, f"{contract.M_STARTUP_PHASE_SECONDS}/{p}")) is not None}
+    return StartupPhases(generation=sample_int(m, contract.M_RESTART_GENERATION), total_seconds=round(total, 3), **phases)
 
 
 LIVE_TRAINING_FIELDS = ("tokens_per_second", "tokens_per_second_per_gpu", "tflops_per_gpu", "mfu", "eta")
@@ -261,10 +108,10 @@ attempt's. The step, its loss, checkpoints, eval and goodput describe what was r
 def _trained(m: Mapping[str, float]) -> bool:
     """The workers that answered completed an optimizer step of their own (their first-step time, else their
     heartbeat, is set; an exporter with neither counts every step it reports)."""
-    first = _num(m, contract.M_FIRST_STEP_TIMESTAMP)
+    first = sample(m, contract.M_FIRST_STEP_TIMESTAMP)
     if first is not None:
         return first > 0
-    beat = _num(m, contract.M_LAST_STEP_TIMESTAMP)
+    beat = sample(m, contract.M_LAST_STEP_TIMESTAMP)
     return beat is None or beat > 0
 
 
@@ -282,8 +129,8 @@ def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
     live numbers are unknown, and the step is the one they resumed from once they have loaded it (before that, the
     step shown stays: a fresh exporter's 0 is not a step), with no loss (it was an older step's)."""
     t = old.model_copy() if old is not None else TrainingStatus()
-    step, trained = _int(m, contract.M_STEP), _trained(m)
-    resumed = _int(m, contract.M_RESUMED_FROM_STEP)
+    step, trained = sample_int(m, contract.M_STEP), _trained(m)
+    resumed = sample_int(m, contract.M_RESUMED_FROM_STEP)
     if not trained:
         _idle(t)
         if step is not None and resumed is not None and resumed >= 0 and step != t.step:
@@ -293,29 +140,29 @@ def training_status(spec: LlamaPretrainSpec, m: Mapping[str, float], now: float,
     names = (("loss", contract.M_LOSS), ("tokens_per_second", contract.M_TOKENS_PER_SECOND),
              ("tokens_per_second_per_gpu", contract.M_TOKENS_PER_SECOND_PER_GPU), ("mfu", contract.M_MFU))
     for attr, key in names if trained else ():
-        v = _num(m, key)
+        v = sample(m, key)
         if v is not None:
             setattr(t, attr, round(v, 6))
-    flops = _num(m, contract.M_FLOPS_PER_GPU)
+    flops = sample(m, contract.M_FLOPS_PER_GPU)
     if flops is not None and trained:
         t.tflops_per_gpu = round(flops / 1e12, 3)
-    ck = _int(m, contract.M_LAST_CHECKPOINT_STEP)
+    ck = sample_int(m, contract.M_LAST_CHECKPOINT_STEP)
     if ck is not None:
         t.last_checkpoint_step = ck
     # held-out evaluation (spec.data.eval): the step of the newest one and its loss; an overflowing perplexity is unknown
-    if (ev := _int(m, contract.M_EVAL_STEP)) is not None:
+    if (ev := sample_int(m, contract.M_EVAL_STEP)) is not None:
         t.eval_step = ev
     for attr, key in (("eval_loss", contract.M_EVAL_LOSS), ("eval_perplexity", contract.M_EVAL_PERPLEXITY)):
-        if (v := _num(m, key)) is not None and abs(v) != float("inf"):
+        if (v := sample(m, key)) is not None and abs(v) != float("inf"):
             setattr(t, attr, round(v, 6))
     if trained and (sources := source_losses(spec, m, t.sources)):
         t.sources = sources
     t.total_steps = spec.training.steps
     # goodput = productive step seconds / wall seconds since the run started
-    prod, start = _num(m, contract.M_PRODUCTIVE_SECONDS), _num(m, contract.M_JOB_START_TIMESTAMP)
+    prod, start = sample(m, contract.M_PRODUCTIVE_SECONDS), sample(m, contract.M_JOB_START_TIMESTAMP)
     if prod is not None and start is not None and now > start:
         t.goodput = round(min(1.0, max(0.0, prod / (now - start))), 4)
-    dur = _num(m, contract.M_STEP_DURATION)
+    dur = sample(m, contract.M_STEP_DURATION)
     if trained and t.step is not None and dur is not None and dur > 0:
         t.eta = iso(now + max(0, spec.training.steps - t.step) * dur)
     t.progress = f"{t.step if t.step is not None else 0}/{spec.training.steps}"

@@ -15,7 +15,7 @@ import pytest
 from kubetitan import plan
 from kubetitan.admission import Access, Requester, access_checks, references, review
 from kubetitan.conditions import WORLD_SIZE_CHANGE_REFUSED
-from kubetitan.observe import spec_changes
+from kubetitan.observation.spec import spec_changes
 from kubetitan.policy import Policy, check
 from kubetitan.status import spec_gate
 from kubetitan_core.contract import (CODE_LOADING_ENV, ENV_NO_USER_SITE, TRAINER_PYTHON, TUNING_ENV,

@@ -410,13 +410,13 @@ def test_the_pod_group_switch_reaches_the_operator_and_nonsense_is_refused():
 
 def test_the_resize_interval_reaches_the_operator_and_nonsense_is_refused():
     """operator.resizeMinIntervalSeconds becomes --resize-min-interval-seconds (the default is the operator's own)."""
-    from kubetitan import decide, runner
+    from kubetitan import observation, runner
 
     def parsed(sets):
         (c,) = by_kind(render([], sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
         return runner.options_from_args(runner.build_parser().parse_args(c["args"]))
 
-    assert parsed([]).resize_min_interval_seconds == decide.DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+    assert parsed([]).resize_min_interval_seconds == observation.DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
     assert parsed(["operator.resizeMinIntervalSeconds=1800"]).resize_min_interval_seconds == 1800
     with pytest.raises(AssertionError, match=r"(?s)failed:.*resizeMinIntervalSeconds"):
         render([], ["operator.resizeMinIntervalSeconds=0"])

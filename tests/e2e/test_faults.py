@@ -42,7 +42,7 @@ from support.specs import NS, e2e_spec, lpt
 from support.windows import slack
 
 from kmockx.harness import LPT, PODS, Operator, wait_for
-from kubetitan.decide import parse_time
+from kubetitan.timestamps import parse_time
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
 
@@ -168,7 +168,7 @@ def test_one_run_through_every_fault(e2e) -> None:
 
         # ---- suspend: every rank checkpoints on SIGTERM and exits 75; pods gone. Under two CPU hogs attempt 2 can
         # train its last step before the suspension lands (hog loops s13): rank 0 exits 0 first and the run succeeds
-        # (decide.suspended leaves it to rank0_succeeded), or the ranks finish the last step while stopping (exit 0
+        # (decide.lifecycle.suspended leaves it to rank0_succeeded), or the ranks finish the last step while stopping (exit 0
         # or 75 with the final checkpoint) and the run is Suspended with nothing left to train.
         c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": True}}})
         slack("suspend (attempt 2)", step_log(e2e.ckpt), STEPS, attempt=2)

@@ -33,7 +33,7 @@ from support.specs import NS, e2e_spec, lpt
 from support.windows import slack
 
 from kmockx.harness import CMS, LPT, PODS, SVCS, Operator, wait_for
-from kubetitan.decide import parse_time
+from kubetitan.timestamps import parse_time
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kubetitan_core import contract
-from kubetitan.status import progress, track
+from kubetitan.observation.tracking import progress, track
 
 S, A, C, B = contract.M_STEP, contract.M_ATTEMPT, contract.M_LAST_CHECKPOINT_STEP, contract.M_LAST_STEP_TIMESTAMP
 
@@ -39,7 +39,8 @@ LOADED = {S: 4, A: 1, C: 4, B: 0}  # the resumed step published after loading; n
 
 def _decide(scrapes: list[tuple[float, dict]], now: float):
     from kubetitan_core.api import LlamaPretrainSpec, LlamaPretrainStatus
-    from kubetitan.decide import NodeObs, Observed, PodObs, decide
+    from kubetitan.decide import decide
+    from kubetitan.observation import NodeObs, Observed, PodObs
 
     o = None
     for t, m in scrapes:
@@ -80,7 +81,8 @@ def test_hang_timer_starts_with_the_first_trained_step(scrapes, now, cause) -> N
 ], ids=["plain-step", "checkpoint-step-saving", "checkpoint-step-stuck", "last-step-exiting", "last-step-stuck"])
 def test_hang_window_covers_a_checkpoint_save(step, idle, cause) -> None:
     from kubetitan_core.api import LlamaPretrainSpec, LlamaPretrainStatus
-    from kubetitan.decide import NodeObs, Observed, PodObs, Progress, decide
+    from kubetitan.decide import decide
+    from kubetitan.observation import NodeObs, Observed, PodObs, Progress
 
     spec = LlamaPretrainSpec.model_validate({
         "training": {"steps": 20}, "resources": {"nodes": 2},

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from kubetitan import plan
-from kubetitan.decide import PodObs
+from kubetitan.observation import PodObs
 from kubetitan.discovery import PodGroupApi
 from kubetitan.kube import ApiError
 from kubetitan.reconcile.apply import create_attempt, create_children
 from kubetitan.reconcile.memory import RunMemory
-from kubetitan.reconcile.observe import read_run
+from kubetitan.observation.read import read_run
 from support.specs import cpu_spec, lpt
 
 
@@ -222,7 +222,7 @@ def test_a_363_kb_spec_fits_its_config_map_and_its_attempt_spec_is_read_back() -
     ConfigMap's data (1 MiB), not into an annotation (256 KiB for all of them: such a ConfigMap was refused on
     every round), the pods mount only trainer.toml of it, and a new cycle reads the spec back from the
     ConfigMap; an older operator's annotation is still read, and dropped at the next write."""
-    from kubetitan.reconcile.observe import applied_spec_of
+    from kubetitan.observation.read import applied_spec_of
 
     spec = cpu_spec(nodes=2)
     spec["resources"]["env"] = [{"name": f"BIG_{i}", "value": "x" * 1000} for i in range(360)]

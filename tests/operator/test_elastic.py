@@ -1,6 +1,6 @@
 """Elastic runs (``runPolicy.elastic``): the node capacity the decision reads (``kubetitan.elastic``, table tests on
 pods the planner renders) and the status a resize leads to (``kubetitan.status.next_status``). The decision rules
-themselves are table cases of tests/operator/test_decide.py (``ELASTIC_CASES``)."""
+themselves are table cases of tests/operator/test_decide_elastic.py (``CASES``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from support.specs import lpt
 
 from kubetitan import conditions as C
 from kubetitan import elastic, plan
-from kubetitan.decide import Action, Capacity, Decision, NodeObs, Observed, Progress, iso
+from kubetitan.decide import Action, Decision
+from kubetitan.observation import Capacity, NodeObs, Observed, Progress
+from kubetitan.timestamps import iso
 from kubetitan.status import next_status
 from kubetitan_core.api import LlamaPretrain, LlamaPretrainSpec, LlamaPretrainStatus
 
@@ -71,7 +73,7 @@ def test_a_node_fits_the_rendered_pod(resources, node, want) -> None:
 
 
 def test_avoided_nodes_do_not_count() -> None:
-    """A node the run avoids (failed as a node twice: ``decide.nodes_to_avoid``) is no capacity."""
+    """A node the run avoids (failed as a node twice: ``decide.failure.nodes_to_avoid``) is no capacity."""
     nodes = [replace(GPU_NODE, name=f"n{i}") for i in range(3)]
     assert elastic.run_capacity(run(), 1, (), nodes, NOW) == Capacity(3, 3)
     assert elastic.run_capacity(run(), 1, ("n1",), nodes, NOW) == Capacity(2, 2)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from kubetitan import status as S
-from kubetitan.observe import parse_metrics
+from kubetitan.observation.scrape import parse_metrics
 from kubetitan_core import contract
 from kubetitan_core.api import LlamaPretrainSpec
 

@@ -25,7 +25,7 @@ def test_a_hang_floor_that_is_not_positive_seconds_is_refused_with_the_fix(bad: 
 
 def test_the_admins_resize_interval_defaults_to_10_minutes_and_reaches_the_decision() -> None:
     """``--resize-min-interval-seconds``: the cluster admin's cap on how often an elastic run resizes."""
-    from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+    from kubetitan.observation import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
 
     assert operator_options().resize_min_interval_seconds == DEFAULT_RESIZE_MIN_INTERVAL_SECONDS == 600
     assert operator_options("--resize-min-interval-seconds=1800").resize_min_interval_seconds == 1800.0

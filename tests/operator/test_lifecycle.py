@@ -15,7 +15,7 @@ from kmockx.harness import CMS, LPT, PODS, SVCS, Cluster, Operator, ScaledClock,
 from support.specs import NS, cpu_spec, lpt
 from kubetitan_core import validation
 from kubetitan import plan
-from kubetitan.decide import parse_time
+from kubetitan.timestamps import parse_time
 
 pytestmark = pytest.mark.xdist_group("operator-kmock")
 

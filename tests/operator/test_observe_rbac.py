@@ -9,9 +9,12 @@ from support.specs import NS, cpu_spec, lpt
 from kubetitan_core import contract
 from kubetitan import rbac
 from kubetitan_core.api import LlamaPretrainSpec
-from kubetitan.decide import NodeObs
-from kubetitan.observe import metrics_url, node_obs, parse_metrics, pod_obs, spec_changes, training_status
-from kubetitan.status import progress, track
+from kubetitan.observation import NodeObs
+from kubetitan.observation.pods import node_obs, pod_obs
+from kubetitan.observation.scrape import metrics_url, parse_metrics
+from kubetitan.observation.spec import spec_changes
+from kubetitan.status import training_status
+from kubetitan.observation.tracking import progress, track
 
 
 def _pod(status: dict, **meta) -> dict:
@@ -145,7 +148,7 @@ def test_every_api_call_is_in_the_rbac_table(cluster: Cluster) -> None:
     assert ("", "pods", "create") in seen and ("kubetitan.io", "llamapretrains/status", "patch") in seen
     assert ("kubetitan.io", "llamapretrains", "delete") in seen
     # node health comes from the index, not from a GET per cycle: the nodes were there before the operator started,
-    # so no pod can arrive before its node (the one case reconcile.observe.confirm_missing reads a node)
+    # so no pod can arrive before its node (the one case observation.read.confirm_missing reads a node)
     assert ("", "nodes", "get") not in seen
     assert cluster.get(LPT, NS, "rb") is None
 

@@ -14,11 +14,11 @@ from kubetitan_core import validation
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan import conditions as C
 from kubetitan import policy
-from kubetitan.decide import ChildError, NodeObs, PodObs
+from kubetitan.observation import ChildError, NodeObs, PodObs
 from kubetitan.reconcile.expectations import ENSURED_SECONDS, Expectations
 from kubetitan.reconcile.memory import CREATE_RETRY_CAP_SECONDS, CreateRefusals, Packed, RunMemory
-from kubetitan.reconcile.observe import parse, read_run
-from kubetitan.reconcile.snapshot import Scrape, Snapshot, children_of, decision_inputs, nodes_of, pods_of
+from kubetitan.observation.read import parse, read_run
+from kubetitan.observation.snapshot import Scrape, Snapshot, children_of, decision_inputs, nodes_of, pods_of
 from support.fakes import FakeClock
 from support.specs import cpu_spec, lpt
 
@@ -250,8 +250,8 @@ def test_a_node_the_index_lacks_is_read_from_the_api_before_it_counts_as_missing
     """The pod watch can deliver a pod bound to a node before the node watch delivers the node: such a node is read
     from the API server; only one that the API server does not have either is missing (no restart for a node that
     exists, even with nodeFailureGraceSeconds 0)."""
-    from kubetitan.observe import node_obs
-    from kubetitan.reconcile.observe import confirm_missing
+    from kubetitan.observation.pods import node_obs
+    from kubetitan.observation.read import confirm_missing
 
     api = {"node-0": {"metadata": {"name": "node-0"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}}
     asked: list[tuple] = []

@@ -1,7 +1,7 @@
 """Failed checkpoint saves as the operator shows them: the ``CheckpointSaveFailing`` condition from the trainer's
 failed-saves counts (``conditions.checkpoint_save_failing``, a table over the pure function), and one scrape path:
-rank 0's exposition text -> ``observe.parse_metrics`` -> ``scraped.check`` -> ``status.track`` -> ``decide`` ->
-``status.next_status``, with one Warning Event per episode, none again after an operator restart."""
+rank 0's exposition text -> ``observation.scrape.parse_metrics`` -> ``scraped.check`` -> ``observation.tracking.track``
+-> ``decide`` -> ``status.next_status``, with one Warning Event per episode, none again after an operator restart."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ from typing import Any
 import pytest
 
 from kubetitan import conditions as C
-from kubetitan import observe, scraped
+from kubetitan import scraped
 from kubetitan import status as S
-from kubetitan.decide import NodeObs, PodObs, decide, iso
+from kubetitan.decide import decide
+from kubetitan.observation import NodeObs, PodObs
+from kubetitan.observation import scrape as observe
+from kubetitan.observation import tracking
+from kubetitan.timestamps import iso
 from kubetitan_core import contract as M
 from kubetitan_core.api import AttemptObservation, LlamaPretrainSpec, LlamaPretrainStatus
 
@@ -75,8 +79,8 @@ def _cycle(status: LlamaPretrainStatus, text: str, now: float) -> LlamaPretrainS
     kept, refused = scraped.check(observe.parse_metrics(text), attempt=0, prev=status.observation, now=now,
                                   bounds=scraped.SpecBounds.of(SPEC))
     assert refused == []
-    seen = S.track(status.observation, 0, now, metrics=kept, pods=PODS, nodes={"n0": NodeObs("n0")})
-    obs = S.observed(seen, pods=PODS, nodes={"n0": NodeObs("n0")}, now=now,
+    seen = tracking.track(status.observation, 0, now, metrics=kept, pods=PODS, nodes={"n0": NodeObs("n0")})
+    obs = tracking.observed(seen, pods=PODS, nodes={"n0": NodeObs("n0")}, now=now,
                      training=S.training_status(SPEC, kept, now, status.training))
     new = S.next_status(SPEC, status, decide(SPEC, status, obs), obs)
     return S.load(new.dump())  # as the API holds it: what a restarted operator reads
@@ -111,4 +115,4 @@ def test_an_error_label_that_is_not_a_name_never_reaches_the_status() -> None:
     kept, _ = scraped.check(observe.parse_metrics(_exposition(22, 1, 1, 22, "no space; rm -rf")), attempt=0, prev=None,
                             now=NOW)
     assert not any(k.startswith(M.M_CHECKPOINT_SAVE_FAILURE + "/") for k in kept)
-    assert S.track(None, 0, NOW, metrics=kept).last_save_error is None
+    assert tracking.track(None, 0, NOW, metrics=kept).last_save_error is None

@@ -2,7 +2,7 @@
 put numbers into the status that break a rule.
 
 - ``kubetitan.scraped.RULES`` table-tested through ``scraped.check`` (pure);
-- ``observe.Scraper`` against a hostile HTTP server on 127.0.0.1: huge, never-ending, slow, malformed bodies;
+- ``scrape.Scraper`` against a hostile HTTP server on 127.0.0.1: huge, never-ending, slow, malformed bodies;
 - the real operator (a process) scraping 300 MB and never-ending bodies from four runs' "rank 0" while a run in
   another namespace goes on being reconciled; its peak RSS is read from /proc.
 """
@@ -23,7 +23,8 @@ import pytest
 
 from kmockx.harness import EVENTS, LPT, NS, Cluster, Operator, OperatorProcess, cpu_spec, free_port, lpt, wait_for
 from kubetitan import conditions as C
-from kubetitan import observe, scraped
+from kubetitan import scraped
+from kubetitan.observation import scrape as observe
 from kubetitan_core import contract
 from kubetitan_core.api import AttemptObservation
 
@@ -136,8 +137,9 @@ def test_the_spec_bounds_come_from_the_spec_and_the_attempts_own_spec() -> None:
 
 
 def test_every_sample_the_status_reads_has_exactly_one_rule() -> None:
-    """A new ``contract.M_*`` read in status.py without a row here would enter the status unchecked."""
-    src = (Path(scraped.__file__).parent / "status.py").read_text()
+    """A new ``contract.M_*`` read in status.py or observation/tracking.py without a row here would enter the status
+    unchecked."""
+    src = "".join((Path(scraped.__file__).parent / f).read_text() for f in ("status.py", "observation/tracking.py"))
     read = {getattr(contract, n) for n in re.findall(r"contract\.(M_[A-Z0-9_]+)", src)}
     read |= {f"{contract.M_STARTUP_PHASE_SECONDS}/{p}" for p in contract.STARTUP_PHASES}
     read.discard(contract.M_STARTUP_PHASE_SECONDS)  # read only as name/phase
@@ -507,9 +509,9 @@ def test_the_scrape_flags_parse_and_nonsense_is_refused_with_the_fix(capsys) -> 
 
 
 def test_the_failure_reason_is_kept_in_the_observation_and_cleared_by_the_next_answer() -> None:
-    from kubetitan import status
+    from kubetitan.observation import tracking
 
-    o = status.track(None, 0, NOW, scrape_error="GET x: too large", scrape_reason=C.METRICS_TOO_LARGE)
+    o = tracking.track(None, 0, NOW, scrape_error="GET x: too large", scrape_reason=C.METRICS_TOO_LARGE)
     assert (o.metrics_error, o.metrics_error_reason) == ("GET x: too large", C.METRICS_TOO_LARGE)
-    o = status.track(o, 0, NOW + 1, metrics={M.M_STEP: 3.0})
+    o = tracking.track(o, 0, NOW + 1, metrics={M.M_STEP: 3.0})
     assert o.metrics_error is None and o.metrics_error_reason is None and o.step == 3

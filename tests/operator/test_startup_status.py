@@ -7,9 +7,10 @@ from kubetitan_core import contract
 from kubetitan import status as S
 from kubetitan_core.api import StartupPhases
 from kubetitan.decide import Action, Decision
-from kubetitan.observe import parse_metrics
+from kubetitan.observation import tracking as T
+from kubetitan.observation.scrape import parse_metrics
 
-from tests.operator.test_decide import NOW, gang, ip_rec, ok_nodes, rec, spec, status
+from support.decide_cases import NOW, gang, ip_rec, ok_nodes, rec, spec, status
 
 PHASES = {"process_start": 0.26, "preflight": 0.31, "imports": 0.52, "process_group_init": 0.004, "model_init": 0.7,
           "checkpoint_load": 3.25, "first_step_compile": 2.98, "first_step": 1.29}
@@ -36,8 +37,8 @@ def test_every_phase_of_the_scrape_reaches_status_training_startup():
 
 
 def _next(st, m, attempt=0):
-    o = S.track(None, attempt, NOW, metrics=m, pods=gang(attempt))
-    obs = S.observed(o, pods=gang(attempt), nodes=ok_nodes, now=NOW,
+    o = T.track(None, attempt, NOW, metrics=m, pods=gang(attempt))
+    obs = T.observed(o, pods=gang(attempt), nodes=ok_nodes, now=NOW,
                      training=S.training_status(spec(), m, NOW, st.training))
     return S.next_status(spec(), st, Decision(Action.KEEP), obs)
 

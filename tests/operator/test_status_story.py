@@ -23,8 +23,11 @@ from kubetitan import plan
 from kubetitan import status as S
 from kubetitan_core import contract
 from kubetitan_core.api import Condition, LlamaPretrainSpec, LlamaPretrainStatus, RestartRecord
-from kubetitan.decide import Action, NodeObs, Observed, PodObs, Progress, decide, iso
-from kubetitan.observe import spec_changes
+from kubetitan.decide import Action, decide
+from kubetitan.observation import NodeObs, Observed, PodObs, Progress
+from kubetitan.observation import tracking as T
+from kubetitan.timestamps import iso
+from kubetitan.observation.spec import spec_changes
 from support.runs import condition
 
 NOW = 2_000_000.0
@@ -173,7 +176,7 @@ ELASTIC = {"elastic": {"minNodes": 1, "shrinkAfterSeconds": 300}}
 
 def _elastic_lost_node() -> Observed:
     """Attempt 0 of an elastic 2-node run trains; node n1 is gone and nothing else fits rank 1 (capacity 1)."""
-    from kubetitan.decide import Capacity
+    from kubetitan.observation import Capacity
 
     return Observed(pods=_pods(), nodes={"n0": NodeObs("n0"), "n1": NodeObs("n1", ready=False,
                                                                            not_ready_since=NOW - 20)},
@@ -320,7 +323,7 @@ def test_a_world_size_edit_is_deferred_unless_the_data_cannot_resume_at_another_
 
 def test_an_elastic_runs_node_edit_says_the_operator_keeps_sizing_it() -> None:
     """runPolicy.elastic: the next attempt's size is the running one's within the new bounds, not resources.nodes
-    (decide.attempt_size), and the deferral says so instead of "at the new size"."""
+    (decide.lifecycle.attempt_size), and the deferral says so instead of "at the new size"."""
     elastic = {"runPolicy": {"elastic": {"minNodes": 1}}}
     applied = _spec(data=SYNTHETIC, **elastic).model_dump(by_alias=True, exclude_none=True, mode="json")
     desired = _spec(3, data=SYNTHETIC, **elastic)

@@ -14,7 +14,10 @@ from kubetitan import conditions as C
 from kubetitan import status as S
 from kubetitan_core import contract
 from kubetitan_core.api import Condition, LlamaPretrainSpec, LlamaPretrainStatus, TrainingStatus
-from kubetitan.decide import Action, NodeObs, PodObs, decide, iso
+from kubetitan.decide import Action, decide
+from kubetitan.observation import NodeObs, PodObs
+from kubetitan.observation import tracking as T
+from kubetitan.timestamps import iso
 
 NOW = 1_000_000.0
 SPEC = LlamaPretrainSpec.model_validate({"resources": {"nodes": 2}, "training": {"steps": 100}})
@@ -100,8 +103,8 @@ def test_the_training_columns_across_a_restart_and_the_end_of_the_run(
     spec = LlamaPretrainSpec.model_validate({"resources": {"nodes": 2}, "training": {"steps": 100}, "runPolicy": policy})
     st = LlamaPretrainStatus(attempt=0, start_time=iso(NOW - 100), training=TRAINED_AT_40.model_copy(), **fields)
     gang = _pods(**pods)
-    o = S.track(None, 0, NOW, metrics=scrape, pods=gang)
-    obs = S.observed(o, pods=gang, nodes={"n0": NodeObs("n0"), "n1": NodeObs("n1")}, now=NOW, attempt_steps=100)
+    o = T.track(None, 0, NOW, metrics=scrape, pods=gang)
+    obs = T.observed(o, pods=gang, nodes={"n0": NodeObs("n0"), "n1": NodeObs("n1")}, now=NOW, attempt_steps=100)
     d = decide(spec, st, obs)
     assert d.action == action, d
     t = S.next_status(spec, st, d, obs).training

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kmockx.harness import Cluster, Operator, free_port, wait_for
-from kubetitan.decide import parse_time
+from kubetitan.timestamps import parse_time
 from kubetitan.policy import Policy
 from kubetitan_trainer import storage
 

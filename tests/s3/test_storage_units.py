@@ -303,8 +303,8 @@ def test_failed_saves_are_exported_as_the_operator_reads_them():
 
     from prometheus_client import generate_latest
 
-    from kubetitan import observe, scraped
-    from kubetitan import status as S
+    from kubetitan import scraped
+    from kubetitan.observation import scrape, tracking
     from kubetitan_trainer.metrics import Exporter
 
     ex = Exporter(peak_flops=None, total_steps=100, attempt=0, job_start=0.0)
@@ -313,10 +313,10 @@ def test_failed_saves_are_exported_as_the_operator_reads_them():
     budget.report(budget)
 
     def seen():
-        kept, refused = scraped.check(observe.parse_metrics(generate_latest(ex.registry).decode()), attempt=0,
+        kept, refused = scraped.check(scrape.parse_metrics(generate_latest(ex.registry).decode()), attempt=0,
                                       prev=None, now=1e9)
         assert refused == []
-        return S.track(None, 0, 1e9, metrics=kept)
+        return tracking.track(None, 0, 1e9, metrics=kept)
 
     o = seen()
     assert (o.saves_failed_in_a_row, o.saves_failed, o.max_failed_saves, o.last_failed_save_step) == (0, 0, 4, None)

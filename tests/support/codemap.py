@@ -275,6 +275,17 @@ LAYERS: tuple[Layer, ...] = (
     Layer(("kubetitan_core",), ("kubetitan", KT, *TORCH, "kopf", "kubernetes"),
           "the shared core is torch-free and Kubernetes-free; the operator and the trainer both import it"),
     Layer(("kubetitan",), (KT, *TORCH), "the operator never imports the trainer, nor torch"),
+    Layer(("kubetitan.observation",), ("kopf", "kubetitan.handlers", "kubetitan.reconcile", "kubetitan.decide"),
+          "observation is read by the policy and the reconcile loop, never the other way round; only the cycle's "
+          "read (which fills a snapshot from the run's memory) sees the reconcile loop",
+          except_=("kubetitan.observation.read",)),
+    Layer(("kubetitan.decide",), ("kopf", "kubernetes", "aiohttp", "kubetitan.kube", "kubetitan.handlers",
+                                  "kubetitan.reconcile", "kubetitan.status", "kubetitan.observation.read",
+                                  "kubetitan.observation.scrape", "kubetitan.observation.snapshot"),
+          "the decision is pure: it reads the observation's types, never the API, the scrape, the cycle or the status"),
+    Layer(("kubetitan.decide.core", "kubetitan.decide.failure"),
+          ("kubetitan.decide.elastic", "kubetitan.decide.liveness", "kubetitan.decide.lifecycle"),
+          "the shared core and the failure policy (which the others restart through) import no other policy"),
     Layer(BASE, (f"{KT}.data", f"{KT}.recovery", f"{KT}.compile", f"{KT}.launch", f"{KT}.checks", f"{KT}.local",
                  *TRAINING_LOOP),
           "the trainer's base modules (errors, knobs, atomic writes, compat, storage, ...) import no concern above them"),
@@ -290,9 +301,9 @@ LAYERS: tuple[Layer, ...] = (
           except_=(f"{KT}.storage", f"{KT}.compat")),
     Layer((f"{KT}.atomic", f"{KT}.errors", f"{KT}.knobs", f"{KT}.runtime", f"{KT}.job_config", f"{KT}.launch.store",
            f"{KT}.launch.failures", f"{KT}.launch.state", f"{KT}.recovery.heartbeat", f"{KT}.data.shards",
-           f"{KT}.data.prepare", f"{KT}.data.prepare_job"), TORCH,
+           f"{KT}.data.stream", f"{KT}.data.prepare", f"{KT}.data.prepare_job"), TORCH,
           "torch-free trainer modules: the launchers' store protocol, failures and state, heartbeats, the shard "
-          "format and prepare-data are tested and run without torch"),
+          "format, the global sample stream and prepare-data are tested and run without torch"),
 )
 """The layer table: which modules may not import which. tests/test_structure.py fails on an import that breaks a
 row; docs/architecture.md shows the table (``python bench/code_structure.py --write``)."""

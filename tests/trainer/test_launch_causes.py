@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kubetitan.decide import PodObs, classify_pod
+from kubetitan.decide.failure import classify_pod
+from kubetitan.observation import PodObs
 from kubetitan_core import causes
 from kubetitan_core.contract import ExitCode
 from kubetitan_trainer.launch import failures as launch_failures

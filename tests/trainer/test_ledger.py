@@ -78,6 +78,7 @@ def stream_oracle(job_data: dict[str, Any], n: int) -> list[tuple[int, int, int,
     from torchtitan.config import ConfigManager
 
     from kubetitan_trainer.data import loaders as data
+    from kubetitan_trainer.data.stream import GlobalStream
 
     obj = tiny_lpt({"training": {"seqLen": SEQ_LEN, "localBatchSize": 1, "globalBatchSize": GLOBAL_BATCH}, "data": job_data,
                "parallelism": {"dataParallelShardDegree": 1}, "resources": {"nodes": 1, "gpusPerNode": 0,
@@ -86,7 +87,7 @@ def stream_oracle(job_data: dict[str, Any], n: int) -> list[tuple[int, int, int,
     path.write_text(tomli_w.dumps(render.trainer_config(obj, dump_folder="/nonexistent")))
     jc = ConfigManager().parse_args([f"--job.config_file={path}"])
     sources, weights = data.build_sources(jc)
-    stream = data.GlobalStream(sources, weights, data.data_seed(jc), shuffled=jc.kubetitan.data.order == "shuffled")
+    stream = GlobalStream(sources, weights, data.data_seed(jc), shuffled=jc.kubetitan.data.order == "shuffled")
     return [(s.position // GLOBAL_BATCH + 1, s.position, s.source, s.window, s.epoch) for s in stream.take(n)]
 
 

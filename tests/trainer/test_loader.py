@@ -1,6 +1,7 @@
-"""The data loader's pure parts: the seeded permutation, the mixture schedule, the global position each rank reads
-(a table over world size, local batch and gradient accumulation, with resumes at another world size), the held-out
-loader and the eval metrics. No torch distributed, no training: the ledger test (test_ledger.py) runs the trainer."""
+"""The data loader over the global stream: the global position each rank reads (a table over world size, local
+batch and gradient accumulation, with resumes at another world size), the mixture's weights across resumes, the
+held-out loader and the eval metrics. No torch distributed, no training: the ledger test (test_ledger.py) runs the
+trainer; the stream's torch-free parts (permutation, mixture schedule, held-out windows) are in test_stream.py."""
 
 from __future__ import annotations
 
@@ -13,92 +14,11 @@ import pytest
 import torch
 
 from kubetitan_trainer.data import loaders as data
-from kubetitan_trainer.data.loaders import (EvalLoader, GlobalDataLoader, GlobalStream, MixSchedule, WindowSource,
-                                    epoch_permutation, integer_weights, rank_slice)
+from kubetitan_trainer.data.loaders import EvalLoader, GlobalDataLoader
+from kubetitan_trainer.data.stream import GlobalStream, ScheduledMix, _Order, rank_slice
 from kubetitan_trainer.errors import ConfigError
 from kubetitan_core.weights import WeightSchedule
-
-
-class ArangeShards:
-    """A token stream whose token at offset o is o: a window's tokens say which window it is."""
-
-    dtype = "uint32"
-
-    def __init__(self, total_tokens: int) -> None:
-        self.total_tokens = total_tokens
-
-    def read(self, offset: int, n: int) -> np.ndarray:
-        assert 0 <= offset and offset + n <= self.total_tokens
-        return np.arange(offset, offset + n, dtype=np.int64)
-
-
-SEQ = 7  # windows of 8 tokens
-
-
-def source(name: str, windows: int, held_out_percent: float = 0.0) -> WindowSource:
-    return WindowSource(name, ArangeShards(windows * (SEQ + 1) + 3), SEQ, held_out_percent)
-
-
-# ------------------------------------------------------------------ permutation
-def test_epoch_permutation_is_seeded_deterministic_and_a_permutation():
-    a = epoch_permutation(1000, seed=7, source=0, epoch=0)
-    assert a.dtype == np.int32 and sorted(a.tolist()) == list(range(1000))
-    assert np.array_equal(a, epoch_permutation(1000, seed=7, source=0, epoch=0))
-    others = [epoch_permutation(1000, 8, 0, 0), epoch_permutation(1000, 7, 1, 0), epoch_permutation(1000, 7, 0, 1)]
-    assert all(not np.array_equal(a, o) for o in others)  # seed, source and epoch each change the order
-    # pinned: numpy's PCG64 stream for this seed (a numpy that changed it would reorder every resumed run)
-    assert a[:6].tolist() == [816, 923, 151, 900, 213, 100]  # numpy 2.4.6
-
-
-def test_a_shuffled_source_visits_every_window_once_per_epoch_and_reshuffles():
-    s = GlobalStream([source("a", 50)], [1.0], seed=3, shuffled=True)
-    first, second = s.take(50), s.take(50)
-    assert sorted(x.window for x in first) == list(range(50)) == sorted(x.window for x in second)
-    assert [x.window for x in first] != [x.window for x in second] != list(range(50))
-    assert {x.epoch for x in first} == {0} and {x.epoch for x in second} == {1}
-    seq = GlobalStream([source("a", 50)], [1.0], seed=3, shuffled=False).take(60)
-    assert [x.window for x in seq] == list(range(50)) + list(range(10))  # sequential: corpus order, then loops
-
-
-def test_the_synthetic_source_is_never_permuted():
-    from kubetitan_trainer.data.loaders import SyntheticSource
-
-    syn = SyntheticSource(2048, SEQ, seed=3)
-    got = GlobalStream([syn], [1.0], seed=3, shuffled=True).take(5)  # a permutation of 2**40 windows would not fit
-    assert [x.window for x in got] == [0, 1, 2, 3, 4]
-    mixed = GlobalStream([syn, source("a", 10)], [1.0, 1.0], seed=3, shuffled=True).take(40)
-    assert sorted(x.window for x in mixed if x.source == 1) == sorted(list(range(10)) * 2)
-
-
-# ------------------------------------------------------------------ mixture
-@pytest.mark.parametrize("weights", [[1.0, 1.0], [3.0, 1.0], [0.7, 0.2, 0.1], [1 / 3, 2 / 3], [5.0], [0.01, 0.99],
-                                     [2.5, 2.5, 5.0, 0.001]])
-def test_mixture_schedule_holds_the_weights_within_one_sample_at_every_prefix(weights):
-    sched = MixSchedule(weights)
-    shares = [w / sum(weights) for w in weights]
-    picks = [sched.next() for _ in range(20_000)]
-    counts = [0] * len(weights)
-    for n, i in enumerate(picks, 1):
-        counts[i] += 1
-        assert all(abs(c - n * w) < 1 + 1e-9 for c, w in zip(counts, shares)), (n, counts)
-
-
-def test_integer_weights_keep_the_ratios_and_refuse_non_positive_ones():
-    assert integer_weights([3.0, 1.0]) == [3, 1]
-    assert integer_weights([0.75, 0.25]) == [3, 1]
-    assert integer_weights([0.5, 0.5, 1]) == [1, 1, 2]
-    with pytest.raises(ConfigError, match="positive weight"):
-        integer_weights([1.0, 0.0])
-
-
-def test_each_mixture_source_has_its_own_shuffled_epochs():
-    s = GlobalStream([source("a", 30), source("b", 11)], [1.0, 3.0], seed=1, shuffled=True)
-    got = s.take(400)
-    for i, n in ((0, 30), (1, 11)):
-        mine = [x for x in got if x.source == i]
-        for e in range(len(mine) // n):
-            assert sorted(x.window for x in mine[e * n:(e + 1) * n]) == list(range(n))
-    assert s.state()["source_draws"] == [100, 300] and s.state()["consumed_samples"] == 400
+from support.streams import SEQ, source
 
 
 # ------------------------------------------------------------------ global position
@@ -174,7 +94,7 @@ def _scheduled_factory(shuffled=True):
     """a: 2 until step 2, then linearly down to 0.5 at step 6; b: 1, then 3 from step 5 (global batch 12)."""
     schedules = [WeightSchedule(2.0, "linear", ((2, 2.0), (6, 0.5))), WeightSchedule(1.0, "step", ((5, 3.0),))]
     return lambda: GlobalStream([source("a", 37), source("b", 23)], [2.0, 1.0], seed=11, shuffled=shuffled,
-                                mix=data.ScheduledMix(schedules, 12))
+                                mix=ScheduledMix(schedules, 12))
 
 
 @pytest.mark.parametrize("legs", RESUMES, ids=["->".join(f"W{w}b{b}A{a}" for w, b, a in legs) for legs in RESUMES])
@@ -238,7 +158,7 @@ def test_new_mixture_weights_hold_from_the_resume_on_within_half_a_sample(old, n
     # each source's draws continue: its next window is its (draws + 1)-th
     for i in range(len(new)):
         first = next(x for x in got if x.source == i)
-        order = data._Order(50, 3, i, True)
+        order = _Order(50, 3, i, True)
         assert (first.window, first.epoch) == order(saved["source_draws"][i])
     # and the new weights' base travels in the next checkpoint: a resume with them unchanged does not re-base
     again = GlobalStream([source(n, 50) for n in names], new, seed=3, shuffled=True)
@@ -260,7 +180,7 @@ def test_a_weight_schedule_gives_each_step_its_weights_with_no_catching_up(name)
     or one (three); each step's samples follow that step's weights (a source at weight 0 gets none); a change of
     weights is not followed by a burst of the source the old weights starved."""
     schedules, B, steps = SCHEDULES[name]
-    mix = data.ScheduledMix(schedules, B)
+    mix = ScheduledMix(schedules, B)
     picks = [mix.next() for _ in range(B * steps)]
     bound = 0.5 if len(schedules) == 2 else 1.0
     expected = [0.0] * len(schedules)
@@ -328,17 +248,6 @@ def test_a_per_rank_checkpoint_state_is_a_config_error():
     ld = GlobalDataLoader(_factory()(), dp_rank=0, dp_world_size=2, local_batch=1)
     with pytest.raises(ConfigError, match="not a global one"):
         ld.load_state_dict({"dp_rank_0": b"x", "world_size": 2})
-
-
-# ------------------------------------------------------------------ held out
-def test_held_out_windows_are_the_tail_and_never_trained():
-    s = source("a", 200, held_out_percent=5)
-    assert (s.windows, s.held_out_windows) == (190, 10)
-    trained = {x.window for x in GlobalStream([s], [1.0], seed=0, shuffled=True).take(190 * 3)}
-    assert trained == set(range(190))
-    assert s.held_out(0)[0] == 190 * (SEQ + 1)
-    with pytest.raises(ConfigError, match="none left to train on"):
-        source("tiny", 1, held_out_percent=50)
 
 
 @pytest.mark.parametrize("W,b", [(1, 1), (2, 1), (3, 2), (4, 4)])

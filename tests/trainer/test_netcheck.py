@@ -96,7 +96,8 @@ def test_standalone_command_prints_the_finding_and_exits_5(tmp_path, capsys):
 
 
 def test_operator_fails_the_run_on_exit_5_without_restart():
-    from kubetitan.decide import PodObs, classify_pod
+    from kubetitan.decide.failure import classify_pod
+    from kubetitan.observation import PodObs
 
     f = classify_pod(PodObs(name="j-a0-0", attempt=0, rank=0, phase="Failed", exit_code=5, node_name="n0"))
     assert f is not None and f.cause is None and f.fatal_reason == C.NETWORK_NOT_EFA  # cause None: never retried

@@ -13,7 +13,8 @@ import subprocess
 
 import pytest
 
-from kubetitan.decide import PodObs, classify_pod, nodes_to_avoid
+from kubetitan.decide.failure import classify_pod, nodes_to_avoid
+from kubetitan.observation import PodObs
 from kubetitan_core import render
 from kubetitan_core.api import LlamaPretrain, RestartRecord
 from kubetitan_core.contract import ENV_NODE_NAME, ExitCode

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kubetitan_core import contract
 from kubetitan_trainer import doc_mask, source_loss
 from kubetitan_trainer.data import loaders as data
+from kubetitan_trainer.data.stream import GlobalStream
 from kubetitan_trainer.flavours import KubetitanModelArgs
 from kubetitan_trainer.metrics import Exporter
 
@@ -83,13 +84,13 @@ class _Docs:
 def test_the_loader_tags_samples_with_their_source_and_their_documents():
     other = _Docs()
     other.name = "other"
-    stream = data.GlobalStream([_Docs(), other], [1.0, 1.0], seed=0, shuffled=False)
+    stream = GlobalStream([_Docs(), other], [1.0, 1.0], seed=0, shuffled=False)
     ld = data.GlobalDataLoader(stream, dp_rank=1, dp_world_size=2, local_batch=2, tag_sources=True, segments=True)
     inputs, labels = next(iter(ld))
     assert inputs[data.SOURCE_KEY].tolist() == [0, 1]  # samples 2 and 3 of the stream: rank 1's two
     assert inputs[data.SEGMENT_KEY].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]] * 2  # the input tokens' documents
     assert stream.report() == {"docs": {"tokens": 18, "epochs": 0.2}, "other": {"tokens": 18, "epochs": 0.2}}
-    plain = next(iter(data.GlobalDataLoader(data.GlobalStream([_Docs()], [1.0], 0, False), dp_rank=0,
+    plain = next(iter(data.GlobalDataLoader(GlobalStream([_Docs()], [1.0], 0, False), dp_rank=0,
                                             dp_world_size=1, local_batch=1)))[0]
     assert set(plain) == {"input"}  # one source, no masking: no tags
 

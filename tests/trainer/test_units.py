@@ -81,7 +81,7 @@ def test_custom_flavour_takes_dims_from_the_kubetitan_table(tmp_path):
 
 # ----------------------------------------------------------------------------- data sources
 def test_synthetic_windows_are_a_function_of_seed_and_index():
-    from kubetitan_trainer.data.loaders import SyntheticSource
+    from kubetitan_trainer.data.stream import SyntheticSource
 
     a, b = SyntheticSource(2048, 32, seed=1), SyntheticSource(2048, 32, seed=1)
     assert np.array_equal(a.window(5), b.window(5)) and a.window(5).shape == (33,)
@@ -113,7 +113,8 @@ def test_prepare_data_writes_shards_and_index(shards):
 
 
 def test_shard_windows_read_the_concatenated_stream_across_files(shards):
-    from kubetitan_trainer.data.loaders import WindowSource, open_shards
+    from kubetitan_trainer.data.loaders import open_shards
+    from kubetitan_trainer.data.stream import WindowSource
 
     index = json.loads((shards / "index.json").read_text())
     stream = np.concatenate([np.fromfile(shards / f["name"], dtype=np.uint16) for f in index["files"]]).astype(np.int64)

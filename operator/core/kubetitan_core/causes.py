@@ -5,7 +5,7 @@ message or in a worker's failure report), what follows (the launchers restart th
 re-creates the gang; or the run fails), what it counts against, how severe it is, what it means (docs/api.md)
 and where the runbook explains it (docs/runbook.md). Everything else reads this table:
 
-- ``kubetitan.decide.classify_pod`` (a failed pod: which row, in its fixed order of evidence) and
+- ``kubetitan.decide.failure.classify_pod`` (a failed pod: which row, in its fixed order of evidence) and
   ``nodes_to_avoid`` (rows that blame the node);
 - ``kubetitan_trainer.launch.launcher.restartable`` (may the launchers restart a failed worker in place?:
   :func:`worker_cause`);

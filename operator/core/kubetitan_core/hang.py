@@ -1,5 +1,5 @@
 """The hang rule, defined once: the launcher's watchdog (an in-place restart, ``kubetitan_trainer.launch``) and
-the operator's backstop (a re-created gang, ``kubetitan.decide.hung``) both time a step that stands still with it.
+the operator's backstop (a re-created gang, ``kubetitan.decide.liveness.hung``) both time a step that stands still with it.
 
 ``runPolicy.hangTimeoutPolicy: Auto`` = min(hangTimeoutSeconds, max(10 x the median step time of the current
 worker generation, the floor)) once that generation trained 5 steps; ``Fixed`` (or fewer steps) =

@@ -25,11 +25,13 @@ from kubernetes.client.exceptions import ApiException
 from kubetitan_core import validation
 from kubetitan_core.api import LlamaPretrainStatus
 from kubetitan import fanout, plan
-from kubetitan.decide import Action, ChildError, Decision, parse_time
+from kubetitan.decide import Action, Decision
+from kubetitan.observation import ChildError
+from kubetitan.timestamps import parse_time
 from kubetitan.kube import RETRY_WAIT, Client, classify, message_of
 from kubetitan.reconcile.context import APPLIED_SPEC_KEY, LEGACY_ANNOTATION_APPLIED_SPEC, Context
 from kubetitan.reconcile.memory import RunMemory
-from kubetitan.reconcile.snapshot import Snapshot
+from kubetitan.observation.snapshot import Snapshot
 
 log = logging.getLogger("kubetitan.operator")
 

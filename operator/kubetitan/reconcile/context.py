@@ -11,12 +11,12 @@ from typing import Any, Literal
 from kubetitan import policy
 from kubetitan import webhook as webhook_mod
 from kubetitan_core.hang import AUTO_HANG_FLOOR_SECONDS
-from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
+from kubetitan.observation import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
 from kubetitan.discovery import PodGroupApi
 from kubetitan.events import Recorder
 from kubetitan.kube import Client
 from kubetitan.leader import AlwaysLeader, LeaseConfig
-from kubetitan.observe import (
+from kubetitan.observation.scrape import (
     DEFAULT_SCRAPE_CONCURRENCY, DEFAULT_SCRAPE_MAX_BYTES, DEFAULT_SCRAPE_MAX_SERIES, DEFAULT_SCRAPE_TIMEOUT_SECONDS,
     Scraper,
 )

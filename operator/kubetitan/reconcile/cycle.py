@@ -1,6 +1,6 @@
 """One reconcile cycle of one run: observe -> decide -> report the status -> apply -> report the Events.
 
-1. :func:`~kubetitan.reconcile.observe.observe`: one read into an immutable snapshot (a spec refused outright
+1. :func:`~kubetitan.observation.read.observe`: one read into an immutable snapshot (a spec refused outright
    stops here: ``Ready=False/InvalidSpec``, no children);
 2. ``decide.decide`` (the pure policy) on ``snapshot.decision_inputs``, then ``status.next_status`` (the one status
    builder); a decision that finds the status stale re-reads it instead and acts on the next cycle;
@@ -22,8 +22,8 @@ from kubetitan import status as status_mod
 from kubetitan.decide import Action, decide
 from kubetitan.reconcile import apply, report
 from kubetitan.reconcile.context import Context
-from kubetitan.reconcile.observe import observe, reread
-from kubetitan.reconcile.snapshot import decision_inputs
+from kubetitan.observation.read import observe, reread
+from kubetitan.observation.snapshot import decision_inputs
 
 log = logging.getLogger("kubetitan.operator")
 

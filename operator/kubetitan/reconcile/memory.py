@@ -1,6 +1,6 @@
 """What the operator keeps in memory per run between cycles: only what no read can give back.
 
-Everything else a cycle needs is read into its :class:`~kubetitan.reconcile.snapshot.Snapshot` (the object, its
+Everything else a cycle needs is read into its :class:`~kubetitan.observation.snapshot.Snapshot` (the object, its
 pods and nodes from the watches, rank 0's /metrics) or persisted in the run's status (timers, restart history,
 pending Events: ``status.observation`` and ``status.pendingEvents``), so an operator restart or a fail-over loses
 nothing a decision depends on. :class:`RunMemory` holds the rest, each field saying why it cannot be derived:
@@ -35,7 +35,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel
 
 from kubetitan_core.api import LlamaPretrain, LlamaPretrainStatus
-from kubetitan.decide import ChildError
+from kubetitan.observation import ChildError
 from kubetitan.reconcile.expectations import Expectations
 
 CREATE_RETRY_BASE_SECONDS = 0.5

@@ -22,11 +22,13 @@ from kubetitan import policy, scraped
 from kubetitan import status as status_mod
 from kubetitan_core import warning_rules
 from kubetitan_core.api import LlamaPretrainStatus
-from kubetitan.decide import Action, ChildError, Decision, parse_time
+from kubetitan.decide import Action, Decision
+from kubetitan.observation import ChildError
+from kubetitan.timestamps import parse_time
 from kubetitan.reconcile.apply import Created
 from kubetitan.reconcile.context import Context
 from kubetitan.reconcile.memory import RunMemory
-from kubetitan.reconcile.snapshot import Snapshot
+from kubetitan.observation.snapshot import Snapshot
 
 log = logging.getLogger("kubetitan.operator")
 

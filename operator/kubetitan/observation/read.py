@@ -1,4 +1,4 @@
-"""Observe: one read of a run into a ``Snapshot`` (``kubetitan.reconcile.snapshot``).
+"""One read of a run into a ``Snapshot`` (``kubetitan.observation.snapshot``).
 
 The object and its status, the spec's parse (and the admin policy's check), the run's pods and their nodes from the
 watches' indexes, its ConfigMap/Service from theirs, rank 0's /metrics (paced by ``--scrape-interval``; a failed
@@ -17,12 +17,14 @@ from typing import Any
 
 from kubetitan_core import validation, warning_rules
 from kubetitan import elastic, plan, policy, scraped
-from kubetitan.decide import NodeObs, nodes_to_avoid
+from kubetitan.decide.failure import nodes_to_avoid
 from kubetitan import status as status_mod
-from kubetitan.observe import node_obs, pod_obs, spec_changes
+from kubetitan.observation import NodeObs
+from kubetitan.observation.pods import node_obs, pod_obs
+from kubetitan.observation.snapshot import Scrape, Snapshot, all_nodes, child_names, children_of, nodes_of, pods_of
+from kubetitan.observation.spec import spec_changes
 from kubetitan.reconcile.context import APPLIED_SPEC_KEY, LEGACY_ANNOTATION_APPLIED_SPEC, Context
 from kubetitan.reconcile.memory import Packed, RunMemory, spec_digest
-from kubetitan.reconcile.snapshot import Scrape, Snapshot, all_nodes, child_names, children_of, nodes_of, pods_of
 
 
 def read_run(memory: RunMemory, body: Mapping[str, Any], now: float, pol: policy.Policy | None) -> Snapshot:

@@ -1,10 +1,10 @@
 """One cycle's read of a run, frozen: everything the policy sees, read once (pure: no kopf, no client).
 
-:func:`kubetitan.reconcile.observe.observe` fills a :class:`Snapshot` from the object, the watches' indexes (pods,
+:func:`kubetitan.observation.read.observe` fills a :class:`Snapshot` from the object, the watches' indexes (pods,
 nodes, the run's ConfigMap and Service), rank 0's /metrics and the run's :class:`RunMemory`; nothing in it changes
-during the cycle. :func:`decision_inputs` turns it into ``decide.Observed`` (the persisted observation folded with
-this read by ``status.track``), and the rest of the cycle (``decide``, ``status.next_status``, apply, report)
-reads it without reading the cluster again.
+during the cycle. :func:`decision_inputs` turns it into :class:`~kubetitan.observation.Observed` (the persisted
+observation folded with this read by ``observation.tracking.track``), and the rest of the cycle (``decide``,
+``status.next_status``, apply, report) reads it without reading the cluster again.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 
 from kubetitan import conditions as C
 from kubetitan import plan, policy
-from kubetitan import status as status_mod
+from kubetitan.status import training_status
 from kubetitan_core.api import LlamaPretrainStatus
-from kubetitan.decide import Capacity, ChildError, NodeObs, Observed, PodObs
-from kubetitan.decide import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS
-from kubetitan.observe import node_obs
+from kubetitan.observation import DEFAULT_RESIZE_MIN_INTERVAL_SECONDS, Capacity, ChildError, NodeObs, Observed, PodObs
+from kubetitan.observation.pods import node_obs
+from kubetitan.observation.tracking import observed, track
 
 
 @dataclass(frozen=True)
@@ -160,14 +160,14 @@ def all_nodes(index: Any) -> list[NodeObs]:
 
 def decision_inputs(snap: Snapshot, hang_floor_seconds: float,
                     resize_min_interval_seconds: float = DEFAULT_RESIZE_MIN_INTERVAL_SECONDS) -> Observed:
-    """``decide.Observed`` from the snapshot: this read folded into the persisted observation (``status.track``)."""
+    """``Observed`` from the snapshot: this read folded into the persisted observation (``tracking.track``)."""
     sc, old = snap.scrape, snap.status
-    seen = status_mod.track(old.observation, snap.attempt, snap.now, metrics=sc.metrics, scrape_error=sc.error,
+    seen = track(old.observation, snap.attempt, snap.now, metrics=sc.metrics, scrape_error=sc.error,
                             scrape_reason=sc.reason, pods=snap.pods, nodes=snap.nodes)
-    training = status_mod.training_status(snap.lpt.spec, sc.metrics, snap.now, old.training) \
+    training = training_status(snap.lpt.spec, sc.metrics, snap.now, old.training) \
         if sc.metrics and not seen.metrics_error else None
     block, reason, deferred = snap.spec_block()
-    return status_mod.observed(seen, pods=snap.pods, nodes=dict(snap.nodes), now=snap.now,
+    return observed(seen, pods=snap.pods, nodes=dict(snap.nodes), now=snap.now,
                                generation=snap.generation, spec_block=block, spec_block_reason=reason,
                                spec_deferred=deferred, training=training, child_errors=snap.child_errors,
                                missing_children=snap.missing, attempt_steps=snap.attempt_spec("training", "steps"),

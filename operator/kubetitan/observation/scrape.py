@@ -1,102 +1,24 @@
-"""Observation: raw API objects and rank 0's /metrics -> the typed inputs of ``decide``.
+"""The bounded scrape of rank 0's /metrics and its parse: Prometheus text -> samples by name.
 
-Everything here is pure except :class:`Scraper` (HTTP GETs with aiohttp, parses in a thread). Pods and nodes
-arrive as plain dicts (from kopf's index / the API); metrics arrive as Prometheus text and are parsed with
-prometheus-client's parser, then checked row by row against ``kubetitan.scraped.RULES``.
+Everything here is pure except :class:`Scraper` (HTTP GETs with aiohttp, parses in a thread). Metrics arrive as
+Prometheus text and are parsed with prometheus-client's parser; ``kubetitan.scraped`` then checks them row by row.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import datetime as dt
 import heapq
+import ipaddress
 import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-import ipaddress
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetitan import conditions as C
-from kubetitan import plan
-from kubetitan.decide import NodeObs, PodObs
-from kubetitan.elastic import NOT_EXTENDED
-from kubetitan.status import training_status  # noqa: F401 - re-exported: observation's numbers for the status
-
-
-def _ts(s: str | None) -> float | None:
-    if not s:
-        return None
-    try:
-        return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def pod_obs(pod: Mapping[str, Any]) -> PodObs | None:
-    """The decision-relevant view of one training pod; None for a pod without our labels."""
-    meta = pod.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    try:
-        attempt, rank = int(labels[plan.LABEL_ATTEMPT]), int(labels[plan.LABEL_RANK])
-    except (KeyError, ValueError):
-        return None
-    st = pod.get("status") or {}
-    cs = next((c for c in st.get("containerStatuses") or [] if c.get("name") == plan.CONTAINER_NAME),
-              (st.get("containerStatuses") or [None])[0]) or {}
-    state = cs.get("state") or {}
-    waiting, running, term = state.get("waiting") or {}, state.get("running"), state.get("terminated")
-    conds = {c.get("type"): c for c in st.get("conditions") or []}
-    sched = conds.get("PodScheduled") or {}
-    unsched = None
-    if sched.get("status") == "False" and sched.get("reason") == "Unschedulable":
-        unsched = sched.get("message") or "Unschedulable"
-    disruption = conds.get("DisruptionTarget") or {}
-    return PodObs(
-        name=meta.get("name", ""),
-        attempt=attempt,
-        rank=rank,
-        phase=st.get("phase") or "Pending",
-        node_name=(pod.get("spec") or {}).get("nodeName"),
-        pod_ip=st.get("podIP"),
-        reason=st.get("reason"),
-        message=st.get("message"),
-        waiting_reason=waiting.get("reason"),
-        waiting_message=waiting.get("message"),
-        exit_code=term.get("exitCode") if term else None,
-        terminated_reason=term.get("reason") if term else None,
-        termination_message=term.get("message") if term else None,
-        disruption_reason=disruption.get("reason") if disruption.get("status") == "True" else None,
-        unschedulable_message=unsched,
-        created=_ts(meta.get("creationTimestamp")),
-        scheduled_since=_ts(sched.get("lastTransitionTime")) if sched.get("status") == "True" else None,
-        running_since=_ts(running.get("startedAt")) if running else None,
-        finished_at=_ts(term.get("finishedAt")) if term else None,
-        deleting=bool(meta.get("deletionTimestamp")),
-        pod_group=((pod.get("spec") or {}).get("schedulingGroup") or {}).get("podGroupName"),
-    )
-
-
-def node_obs(name: str, node: Mapping[str, Any] | None) -> NodeObs:
-    """Health of a node; ``node`` None means the API says it does not exist."""
-    if node is None:
-        return NodeObs(name=name, exists=False, ready=False, not_ready_since=None)
-    spec, status = node.get("spec") or {}, node.get("status") or {}
-    place = {"unschedulable": bool(spec.get("unschedulable")),
-             "labels": tuple(sorted(((node.get("metadata") or {}).get("labels") or {}).items())),
-             "taints": tuple((t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in spec.get("taints") or []),
-             "allocatable": tuple(sorted((k, str(v)) for k, v in (status.get("allocatable") or {}).items()
-                                         if k not in NOT_EXTENDED))}
-    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
-    if ready is None:
-        return NodeObs(name=name, ready=None, **place)
-    ok = {"True": True, "False": False}.get(ready.get("status"))
-    since = _ts(ready.get("lastTransitionTime"))
-    return NodeObs(name=name, ready=ok, not_ready_since=None if ok else since, ready_since=since if ok else None,
-                   **place)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -112,41 +34,6 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-# ------------------------------------------------------------------ spec changes
-LIVE_FIELDS = ("training.steps", "runPolicy")
-"""Applied at once while running: the operator reads them every cycle (steps: from the next attempt
-for the trainer, at once for the status)."""
-REJECTED_FIELDS = ("model", "tokenizer", "checkpoint.storage", "checkpoint.mountPath", "checkpoint.enabled")
-"""Would make the existing checkpoints unusable: refused while the run has an attempt; revert them,
-or create a new LlamaPretrain."""
-
-
-def _flatten(d: Any, prefix: str = "", out: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Leaf paths of nested dicts (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; an empty dict is a leaf)."""
-    out = {} if out is None else out
-    if isinstance(d, dict) and d:
-        for k, v in d.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else k, out)
-    else:
-        out[prefix] = {} if isinstance(d, dict) else d
-    return out
-
-
-def spec_changes(applied: Mapping[str, Any], desired: Mapping[str, Any]) -> tuple[list[str], list[str], list[str]]:
-    """Changed wire paths between two specs, as (live, deferred, rejected)."""
-    a, b = _flatten(dict(applied)), _flatten(dict(desired))
-    changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    live, deferred, rejected = [], [], []
-    for k in changed:
-        if any(k == f or k.startswith(f + ".") for f in REJECTED_FIELDS):
-            rejected.append(k)
-        elif any(k == f or k.startswith(f + ".") for f in LIVE_FIELDS):
-            live.append(k)
-        else:
-            deferred.append(k)
-    return live, deferred, rejected
-
-
 def metrics_url(ip: str, port: int) -> str:
     """rank 0's /metrics URL; an IPv6 address goes in brackets (RFC 3986)."""
     try:
@@ -154,6 +41,18 @@ def metrics_url(ip: str, port: int) -> str:
     except ValueError:
         host = f"[{ip}]" if ":" in ip else ip
     return f"http://{host}:{port}/metrics"
+
+
+def sample(m: Mapping[str, float], key: str) -> float | None:
+    """A parsed sample by name; NaN (and an absent one) is unknown: None."""
+    v = m.get(key)
+    return None if v is None or v != v else v
+
+
+def sample_int(m: Mapping[str, float], key: str) -> int | None:
+    """A parsed sample as an integer (a step, a code, a generation), or None."""
+    v = sample(m, key)
+    return None if v is None else int(v)
 
 
 # ------------------------------------------------------------------ the bounded scrape
@@ -342,4 +241,3 @@ async def fetch(session: Any, url: str, limits: ScrapeLimits) -> tuple[bytes | N
         return None, C.METRICS_TIMEOUT, f"GET {url} did not finish within {timeout:g}s (--scrape-timeout)"
     except (aiohttp.ClientError, OSError) as e:
         return None, C.SCRAPE_FAILED, f"GET {url} failed: {e.__class__.__name__}: {e}".rstrip(": ")
-
