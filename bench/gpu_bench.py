@@ -17,7 +17,8 @@ segments instead of keeping fixed blocks, less fragmentation; through ``spec.res
 path), ``data=kt`` (plain path: torchtitan's TrainSpec fed kubetitan's synthetic source, for loss parity),
 ``data=shards:shards=DIR`` (both paths: kubetitan's shards source over ``DIR``, a ``kubetitan prepare-data`` output,
 in its shuffled order seeded by ``seed``; on the plain path through torchtitan's TrainSpec, as ``data=kt``; ``DIR``
-holds no ``:`` or ``,``),
+holds no ``:`` or ``,``), ``mask=document`` (with ``data=shards``, kubetitan path: ``spec.data.attentionMask``,
+block-causal attention at the documents' boundaries through flex attention; default ``causal``),
 ``lrwarm=`` (warm-up steps, default 4), ``round=`` (a label: repeats of one case get their own log), ``kill=N`` (kill the run once step N is logged: no final save), ``ac=selective|full|memory_budget``
 (``sac=op|N``: selective per op, the default, or every N-th block; ``budget=F``: torchtitan's ``memory_budget`` mode,
 the compiler's activation-memory budget 0-1, plain path only: kubetitan's spec has no such mode), ``gb=N`` (global
@@ -92,7 +93,7 @@ def parse_case(text: str) -> dict:
     if len(parts) < 3 or parts[1] not in MODES:
         raise SystemExit(f"bad case {text!r}: write FLAVOUR:MODE:BATCH[:key=value...], MODE one of {sorted(MODES)}")
     case = {"flavor": parts[0], "mode": parts[1], "batch": int(parts[2]), "spec": "plain", "ac": "none",
-            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "alloc": "", "data": "bench", "shards": "", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "sac": "op", "budget": 0.0, "gb": 0,
+            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "alloc": "", "data": "bench", "shards": "", "mask": "causal", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "sac": "op", "budget": 0.0, "gb": 0,
             "gpu": "H200", "id": text}
     for kv in parts[3:]:
         k, _, v = kv.partition("=")
@@ -107,6 +108,10 @@ def parse_case(text: str) -> dict:
         raise SystemExit(f"case {text!r}: ac=memory_budget and budget=F (0 < F <= 1) go together")
     if case["gb"] and case["gb"] % case["batch"]:
         raise SystemExit(f"case {text!r}: gb={case['gb']} is not a multiple of the batch {case['batch']}")
+    if case["mask"] not in ("causal", "document"):
+        raise SystemExit(f"bad mask={case['mask']!r} in case {text!r}: use causal or document")
+    if case["mask"] == "document" and (case["data"] != "shards" or case["path"] == "plain"):
+        raise SystemExit(f"case {text!r}: mask=document (spec.data.attentionMask) needs data=shards on the kubetitan path")
     if (case["data"] == "shards") != bool(case["shards"]):
         raise SystemExit(f"case {text!r}: data=shards and shards=DIR (a `kubetitan prepare-data` output) go together")
     return case

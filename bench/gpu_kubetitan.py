@@ -63,7 +63,8 @@ def _data(case: dict) -> dict:
     """spec.data: kubetitan's synthetic source, or (``data=shards``) the shards at ``shards=DIR`` in the shuffled
     order, as ``gpu_bench.kubetitan_data`` gives the plain path."""
     if case.get("data") == "shards":
-        return {"source": "shards", "shards": {"path": case["shards"]}, "order": "shuffled"}
+        return {"source": "shards", "shards": {"path": case["shards"]}, "order": "shuffled",
+                "attentionMask": case.get("mask", "causal")}
     return {"source": "synthetic"}
 
 
