@@ -2,7 +2,7 @@
 # The pod's pre-flight gate (kubetitan_trainer.preflight, spec.runPolicy.preflight) for real on one H100, in one call:
 #   1. the gate as a GPU pod's launcher starts it (`python -m kubetitan_trainer.preflight`, a process of its own) for a
 #      pod of gpusPerNode 1 and gpuProduct H100: every row (GPU count and model, NVML's ECC / row-remapping state
-#      through the image's nvidia-ml-py, the 8192-cube bf16 product against its exact result and its TF/s against the
+#      through nvidia-ml-py (a trainer dependency; carried in .whl), the 8192-cube bf16 product against its exact result and its TF/s against the
 #      H100 floor, the one-GPU NCCL all-reduce, EFA: none requested) and its wall time, twice (a cold and a warm
 #      process start);
 #   2. one failure injected (`--inject matmul_tflops`, tests only): exit code 8, the termination message, and what the

@@ -166,6 +166,16 @@ def test_a_gpu_pod_without_a_gpu_fails_its_gpu_checks():
     assert {x.check for x in r.failed} >= {"gpu_count", "matmul", "matmul_tflops", "allreduce"}
 
 
+def test_nvml_is_installed_with_the_trainer_and_a_node_without_the_driver_library_says_so():
+    """nvidia-ml-py is a trainer dependency (so the image has ``pynvml``): on a machine without the NVIDIA driver
+    the NVML row says why it could not ask, not that the module is missing."""
+    state = pf.nvml_state()
+    assert isinstance(state, str) and state.startswith("nvmlInit failed: "), state
+    row = pf.check_nvml(pf.Settings(gpus=1, gpu_product="H100"), FakeProbe(state=state))
+    assert (row.status, row.detail) == ("skipped", f"NVML unavailable ({state}): ECC and row-remapping state NOT "
+                                                   "checked"), row
+
+
 def _rendered(tmp_path, spec: dict) -> str:
     path = tmp_path / "trainer.toml"
     path.write_text(render.trainer_toml(LlamaPretrain.model_validate(make_lpt(spec))))

@@ -8,8 +8,8 @@ check, and the operator re-creates the gang without that node. One :class:`Row` 
 ================  ===================================================================================================
 ``gpu_count``     the GPUs the pod sees against ``resources.gpusPerNode`` (fewer fails)
 ``gpu_model``     each GPU's name against the model the spec names (``gpuProduct``, else the instance type's)
-``nvml``          through NVML (the ``pynvml`` module of nvidia-ml-py, when the image has it; else the row says NVML
-                  is unavailable): a GPU NVML cannot reach, uncorrectable ECC errors since the driver loaded, a row
+``nvml``          through NVML (the ``pynvml`` module of nvidia-ml-py, a trainer dependency; where the driver's
+                  library is missing the row says NVML is unavailable and why): a GPU NVML cannot reach, uncorrectable ECC errors since the driver loaded, a row
                   remap pending (a GPU reset applies it) or failed, retired pages pending
 ``matmul``        a matrix product of small integers on each GPU (bf16, n = 8192; fp32, n = 256 on CPU) against its
                   known result: every product of the inputs is exact, so each sampled entry must equal the exact
@@ -523,7 +523,7 @@ def efa_devices(root: str = "/dev/infiniband") -> int:
 def nvml_state() -> list[Nvml] | str:
     """Every GPU NVML sees, or why NVML cannot be asked (no ``pynvml`` module, no driver library)."""
     try:
-        import pynvml  # nvidia-ml-py; not a dependency of kubetitan: used when the image has it
+        import pynvml  # nvidia-ml-py, a dependency of the trainer
     except ImportError:
         return "the pynvml module (nvidia-ml-py) is not installed in the image"
     try:
