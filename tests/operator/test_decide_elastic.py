@@ -6,15 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import pytest
-
 from kubetitan import conditions as C
 from kubetitan_core.api import AttemptObservation, LlamaPretrainSpec
 from kubetitan.decide import Action
 from kubetitan.decide import elastic
 from kubetitan.observation import Capacity, NodeObs, Observed, PodObs
-from support.decide_cases import (NOW, TRAINING, check_decision, check_story, gang, ok_nodes, pod, rec, rules_fired,
-                                  status)
+from support.decide_cases import NOW, TRAINING, gang, ok_nodes, pod, policy_table_tests, rec, status
 
 
 # ---- elastic (runPolicy.elastic): a 3-node run that may shrink to 2
@@ -118,17 +115,5 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("spec_", "status_", "obs", "action", "reason", "cause", "extra"),
-                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_decide(spec_, status_, obs, action, reason, cause, extra) -> None:
-    check_decision(spec_, status_, obs, action, reason, cause, extra)
-
-
-@pytest.mark.parametrize(("spec_", "status_", "obs"), [c[1:4] for c in CASES], ids=[c[0] for c in CASES])
-def test_every_decision_leads_to_a_status_that_tells_one_story(spec_, status_, obs) -> None:
-    check_story(spec_, status_, obs)
-
-
-def test_every_elastic_rule_has_a_case() -> None:
-    """Each rule of ``kubetitan.decide.elastic`` decides at least one case here."""
-    assert not rules_fired(elastic, CASES), rules_fired(elastic, CASES)
+(test_decide, test_every_decision_leads_to_a_status_that_tells_one_story,
+ test_every_elastic_rule_has_a_case) = policy_table_tests(elastic, CASES)

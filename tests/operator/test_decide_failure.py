@@ -18,8 +18,8 @@ from kubetitan.observation import tracking as T
 from kubetitan.status import next_status
 from kubetitan.timestamps import iso_ms
 from kubetitan import status as S
-from support.decide_cases import (NOW, RESTART_ALL, IN_PLACE, SEEN, TRAINING, check_decision, check_story, gang,
-                                  ip_rec, ok_nodes, pod, rec, rules_fired, spec, status)
+from support.decide_cases import (IN_PLACE, NOW, RESTART_ALL, SEEN, TRAINING, gang, ip_rec, ok_nodes, pod,
+                                  policy_table_tests, rec, spec, status)
 
 
 XID_79 = ("[kubetitan] GPUXidError: Xid 79 (GPU has fallen off the bus) (worker local rank 3, exit code 1); not "
@@ -428,17 +428,5 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("spec_", "status_", "obs", "action", "reason", "cause", "extra"),
-                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_decide(spec_, status_, obs, action, reason, cause, extra) -> None:
-    check_decision(spec_, status_, obs, action, reason, cause, extra)
-
-
-@pytest.mark.parametrize(("spec_", "status_", "obs"), [c[1:4] for c in CASES], ids=[c[0] for c in CASES])
-def test_every_decision_leads_to_a_status_that_tells_one_story(spec_, status_, obs) -> None:
-    check_story(spec_, status_, obs)
-
-
-def test_every_failure_rule_has_a_case() -> None:
-    """Each rule of ``kubetitan.decide.failure`` decides at least one case here."""
-    assert not rules_fired(failure, CASES), rules_fired(failure, CASES)
+(test_decide, test_every_decision_leads_to_a_status_that_tells_one_story,
+ test_every_failure_rule_has_a_case) = policy_table_tests(failure, CASES)

@@ -18,8 +18,8 @@ from kubetitan.observation import tracking as T
 from kubetitan.timestamps import iso
 from kubetitan import status as S
 from support.runs import condition
-from support.decide_cases import (NOW, RESTART_ALL, SEEN, TRAINING, check_decision, check_story, gang, ok_nodes, rec,
-                                  rules_fired, spec, status, steps_spec)
+from support.decide_cases import (NOW, RESTART_ALL, SEEN, TRAINING, gang, ok_nodes, policy_table_tests, rec, spec,
+                                  status, steps_spec)
 
 
 def test_child_refused_sets_children_created_false_without_flapping() -> None:
@@ -233,17 +233,5 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("spec_", "status_", "obs", "action", "reason", "cause", "extra"),
-                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_decide(spec_, status_, obs, action, reason, cause, extra) -> None:
-    check_decision(spec_, status_, obs, action, reason, cause, extra)
-
-
-@pytest.mark.parametrize(("spec_", "status_", "obs"), [c[1:4] for c in CASES], ids=[c[0] for c in CASES])
-def test_every_decision_leads_to_a_status_that_tells_one_story(spec_, status_, obs) -> None:
-    check_story(spec_, status_, obs)
-
-
-def test_every_lifecycle_rule_has_a_case() -> None:
-    """Each rule of ``kubetitan.decide.lifecycle`` decides at least one case here."""
-    assert not rules_fired(lifecycle, CASES), rules_fired(lifecycle, CASES)
+(test_decide, test_every_decision_leads_to_a_status_that_tells_one_story,
+ test_every_lifecycle_rule_has_a_case) = policy_table_tests(lifecycle, CASES)

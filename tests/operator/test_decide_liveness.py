@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
 
 from kubetitan import conditions as C
 from kubetitan_core import contract
@@ -14,9 +13,8 @@ from kubetitan.decide import liveness
 from kubetitan.observation import NodeObs, Observed
 from kubetitan.observation import tracking as T
 from kubetitan import status as S
-from support.decide_cases import (NOW, RESTART_ALL, IN_PLACE, SCRAPED_NO_STEP, SEEN, TRAINING, UNREACHABLE,
-                                  check_decision, check_story, gang, ip_rec, ok_nodes, pod, rec, rules_fired, spec,
-                                  status, steps_spec)
+from support.decide_cases import (IN_PLACE, NOW, RESTART_ALL, SCRAPED_NO_STEP, SEEN, TRAINING, UNREACHABLE, gang,
+                                  ip_rec, ok_nodes, pod, policy_table_tests, rec, spec, status, steps_spec)
 
 
 def test_timers_survive_an_operator_restart() -> None:
@@ -158,17 +156,5 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("spec_", "status_", "obs", "action", "reason", "cause", "extra"),
-                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_decide(spec_, status_, obs, action, reason, cause, extra) -> None:
-    check_decision(spec_, status_, obs, action, reason, cause, extra)
-
-
-@pytest.mark.parametrize(("spec_", "status_", "obs"), [c[1:4] for c in CASES], ids=[c[0] for c in CASES])
-def test_every_decision_leads_to_a_status_that_tells_one_story(spec_, status_, obs) -> None:
-    check_story(spec_, status_, obs)
-
-
-def test_every_liveness_rule_has_a_case() -> None:
-    """Each rule of ``kubetitan.decide.liveness`` decides at least one case here."""
-    assert not rules_fired(liveness, CASES), rules_fired(liveness, CASES)
+(test_decide, test_every_decision_leads_to_a_status_that_tells_one_story,
+ test_every_liveness_rule_has_a_case) = policy_table_tests(liveness, CASES)

@@ -105,3 +105,27 @@ def rules_fired(module: Any, cases: list[tuple[Any, ...]]) -> set[str]:
     mine = {r.__name__ for r in RULES if r.__module__ == module.__name__}
     assert mine, f"{module.__name__} has no rule in decide.RULES"
     return mine - {decide(c[1], c[2], c[3]).rule for c in cases}
+
+
+def policy_table_tests(module: Any, cases: list[tuple[Any, ...]]) -> tuple[Any, Any, Any]:
+    """The three tests every policy's table file runs over its ``cases`` (``(id, spec, status, observed, action,
+    reason, cause, extra)``): each decision is what its case says; each decision's status tells one story; each rule
+    of ``module`` decides at least one case. A file binds them to ``test_*`` names for pytest to collect."""
+    import pytest
+
+    ids = [c[0] for c in cases]
+
+    @pytest.mark.parametrize(("spec_", "status_", "obs", "action", "reason", "cause", "extra"),
+                             [c[1:] for c in cases], ids=ids)
+    def test_decide(spec_, status_, obs, action, reason, cause, extra) -> None:
+        check_decision(spec_, status_, obs, action, reason, cause, extra)
+
+    @pytest.mark.parametrize(("spec_", "status_", "obs"), [c[1:4] for c in cases], ids=ids)
+    def test_every_decision_leads_to_a_status_that_tells_one_story(spec_, status_, obs) -> None:
+        check_story(spec_, status_, obs)
+
+    def test_every_rule_has_a_case() -> None:
+        assert not rules_fired(module, cases), rules_fired(module, cases)
+
+    test_every_rule_has_a_case.__doc__ = f"Each rule of ``{module.__name__}`` decides at least one case here."
+    return test_decide, test_every_decision_leads_to_a_status_that_tells_one_story, test_every_rule_has_a_case
