@@ -14,7 +14,6 @@ import contextlib
 import contextvars
 import datetime
 import email.utils
-import heapq
 import itertools
 import json
 import logging
@@ -32,6 +31,7 @@ from kubernetes.client.exceptions import ApiException
 from kubetitan_core import GROUP, PLURAL, VERSION
 from kubetitan import __version__, rbac
 from kubetitan.plan import POD_GROUP_API_VERSION, Prepared
+from kubetitan.slots import PrioritySlots
 
 log = logging.getLogger("kubetitan.kube")
 
@@ -192,63 +192,34 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
-class Slots:
+class Slots(PrioritySlots):
     """The client's request slots: at most ``n`` requests in flight, granted oldest call first.
 
     An ``asyncio.Semaphore`` grants its slots in the order the waiters asked, so a retry (after its backoff or its
     ``Retry-After``, waited out holding no slot) queued behind every request asked for since: with a 1,024-pod gang
     that is up to ~1,000 first-time creates, ~1 s of queue on top of each ``Retry-After``. Here each call takes a
-    ticket when it starts (:meth:`ticket`) and every attempt of it asks with that ticket; a free slot goes to the
-    smallest ticket waiting, so a retry keeps the place its call had (ahead of the calls that started after it)
-    and a call told to come back in 1 s is sent 1 s later, not 1 s plus the queue. First attempts are still
-    granted in the order they asked (tickets increase). A slot is handed to its waiter directly on release
-    (no newcomer can take it in between); a waiter cancelled after being handed one gives it back.
+    ticket when it starts (:meth:`ticket`) and every attempt of it asks with that ticket as its priority; a free
+    slot goes to the smallest ticket waiting, so a retry keeps the place its call had (ahead of the calls that
+    started after it) and a call told to come back in 1 s is sent 1 s later, not 1 s plus the queue. First attempts
+    are still granted in the order they asked (tickets increase).
     """
 
     def __init__(self, n: int) -> None:
-        self._free = n
-        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap: (ticket, tie-break, future)
+        super().__init__(n)
         self._tickets = itertools.count()
-        self._ties = itertools.count()
 
     def ticket(self) -> int:
         """A call's place in the queue (taken once per call, kept by its retries)."""
         return next(self._tickets)
 
-    @property
-    def waiting(self) -> int:
-        """Calls queued for a slot (cancelled ones not yet skipped included)."""
-        return len(self._waiting)
-
     @contextlib.asynccontextmanager
     async def slot(self, ticket: int) -> AsyncIterator[None]:
         """Hold one slot for the block; wait (by ``ticket``) while none is free."""
-        await self._acquire(ticket)
+        await self.acquire(ticket)
         try:
             yield
         finally:
-            self._release()
-
-    async def _acquire(self, ticket: int) -> None:
-        if self._free > 0:  # a free slot means nobody waits: release hands a slot straight to a waiter
-            self._free -= 1
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (ticket, next(self._ties), fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # handed a slot just as it was cancelled: pass it on
-                self._release()
-            raise  # (a cancelled future stays in the heap; _release skips it)
-
-    def _release(self) -> None:
-        while self._waiting:
-            fut = heapq.heappop(self._waiting)[2]
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self._free += 1
+            self.release()
 
 
 async def _backoff_sleep(seconds: float, cause: str) -> None:

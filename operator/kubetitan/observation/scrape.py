@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import heapq
 import ipaddress
-import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +17,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubetitan import conditions as C
+from kubetitan.slots import PrioritySlots
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -101,7 +100,7 @@ class TooManySeries(ValueError):
                          "trainer's own /metrics has about 75")
 
 
-class FairSlots:
+class FairSlots(PrioritySlots):
     """At most ``n`` scrapes at once, shared by every run: a free slot goes to the waiting run whose last scrape
     cost the least (seconds it held a slot), the oldest waiter first among equals.
 
@@ -112,32 +111,12 @@ class FairSlots:
     A run's cost is forgotten with the run (:meth:`forget`)."""
 
     def __init__(self, n: int) -> None:
-        self._free = n
-        self._waiting: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._seq = itertools.count()
+        super().__init__(n)
         self.cost: dict[str, float] = {}
         """Seconds the last scrape of each run held its slot."""
 
-    async def acquire(self, key: str) -> None:
-        if self._free > 0:
-            self._free -= 1
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (self.cost.get(key, 0.0), next(self._seq), fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # handed a slot just as it gave up: pass it on
-                self.release()
-            raise
-
-    def release(self) -> None:
-        while self._waiting:
-            fut = heapq.heappop(self._waiting)[2]
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self._free += 1
+    async def acquire(self, key: str) -> None:  # type: ignore[override]  # by run: its cost is the priority
+        await super().acquire(self.cost.get(key, 0.0))
 
     def forget(self, key: str) -> None:
         self.cost.pop(key, None)
