@@ -20,20 +20,14 @@ import pytest
 import yaml
 
 from kubetitan import plan
-from kubetitan_core import crd as crdmod
-from kubetitan_core.validation import CEL_RULES, parse
-from support.cluster import LPT, PODS, ApiError, ControlPlane, KubeCluster, kubernetes_version, resource_path
+from kubetitan_core.validation import parse
+from support.cluster import LPT, PODS, ApiError, ControlPlane, KubeCluster, kubernetes_version
+from support.crd_answers import CEL_IDS, CORPUS, CRD, cel_ids, post_dry_run
 from support.paths import EXAMPLES, REPO, load_example
 from support.release import Release, kubectl
 from support.specs import cpu_spec, lpt, make_lpt
 
 pytestmark = pytest.mark.xdist_group("real-cluster")
-CORPUS = yaml.safe_load((REPO / "tests" / "api" / "invalid_specs.yaml").read_text())
-CRD = yaml.safe_load((REPO / "crds" / crdmod.CRD_FILE).read_text())
-CEL_MESSAGE_TO_ID = {r["message"]: {c.rule: c.id for c in CEL_RULES}[r["rule"]]
-                     for r in CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
-                         "x-kubernetes-validations"]}
-CEL_IDS = set(CEL_MESSAGE_TO_ID.values())
 DENIED = 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request'
 
 
@@ -62,21 +56,6 @@ def test_kubectl_explain_reads_the_typed_spec_descriptions(control_plane: Contro
         assert description[:60] in " ".join(out.split()), (field, description, out)
 
 
-def _post_dry_run(api: Any, doc: dict[str, Any]) -> tuple[int, dict[str, Any], list[str]]:
-    """``POST`` with ``dryRun=All`` (nothing stored) and strict field validation, as kubectl sends it: the status,
-    the body and the Warning headers. (Without ``fieldValidation=Strict`` the server drops an unknown field with a
-    warning instead of refusing it.)"""
-    r = api.s.post(api.server + resource_path(LPT, doc["metadata"]["namespace"]),
-                   params={"dryRun": "All", "fieldValidation": "Strict"},  # kubectl's default since 1.27
-                   data=json.dumps(doc), headers={"Content-Type": "application/json"}, timeout=30)
-    return r.status_code, r.json(), r.headers.get("Warning", "")
-
-
-def _cel_ids(body: dict[str, Any]) -> set[str]:
-    causes = (body.get("details") or {}).get("causes") or []
-    return {rid for c in causes for msg, rid in CEL_MESSAGE_TO_ID.items() if msg in c.get("message", "")}
-
-
 @pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
 def test_every_corpus_spec_is_refused_by_the_real_server_as_the_validator_refuses_it(
         case: dict[str, Any], control_plane: ControlPlane, operator: Any, namespace: str) -> None:
@@ -86,7 +65,7 @@ def test_every_corpus_spec_is_refused_by_the_real_server_as_the_validator_refuse
     doc = make_lpt(case["spec"], name="c", namespace=namespace)
     _, errors = parse(make_lpt(case["spec"]))
     py = {e.rule for e in errors}
-    code, body, _ = _post_dry_run(control_plane.admin, doc)
+    code, body, _ = post_dry_run(control_plane.admin, doc)
     assert code in (400, 403, 422), (code, body)
     message = body.get("message", "")
     if DENIED in message:
@@ -97,7 +76,7 @@ def test_every_corpus_spec_is_refused_by_the_real_server_as_the_validator_refuse
         assert body.get("reason") == "BadRequest" and "unknown field" in message and "schema" in py, body
     else:
         assert code == 422 and body.get("reason") == "Invalid", body
-        assert _cel_ids(body) == py & CEL_IDS, (message, sorted(py))
+        assert cel_ids(body) == py & CEL_IDS, (message, sorted(py))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

@@ -65,6 +65,10 @@ from support.runs import RunQueries
 BIN = REPO / ".tools" / "bin"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 GO_MOD = REPO / "tests" / "cluster" / "go.mod"
+FLOOR_GO_MOD = REPO / "tests" / "cluster" / "floor" / "go.mod"
+FLOOR_BIN = REPO / ".tools" / "floor" / "bin"
+"""The kube-apiserver of the oldest Kubernetes minor the CRD is checked on (``make cluster`` builds it from
+:data:`FLOOR_GO_MOD`)."""
 FEATURE_GATES = {"GenericWorkload": True}
 """Gates the control plane runs with (apiserver, controller-manager, scheduler alike)."""
 RUNTIME_CONFIG = ("scheduling.k8s.io/v1beta1=true",)
@@ -88,15 +92,15 @@ def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition", every: f
     return harness.wait_for(pred, timeout, what, every)
 
 
-def kubernetes_version() -> str:
-    """The Kubernetes version ``tests/cluster/go.mod`` pins (what ``make cluster`` builds)."""
-    m = re.search(r"^require k8s\.io/kubernetes (v\S+)", GO_MOD.read_text(), re.M)
-    assert m, f"{GO_MOD}: no 'require k8s.io/kubernetes vX.Y.Z' line"
+def kubernetes_version(go_mod: Path = GO_MOD) -> str:
+    """The Kubernetes version ``go_mod`` pins (what ``make cluster`` builds from it)."""
+    m = re.search(r"^require k8s\.io/kubernetes (v\S+)", go_mod.read_text(), re.M)
+    assert m, f"{go_mod}: no 'require k8s.io/kubernetes vX.Y.Z' line"
     return m.group(1)
 
 
-def missing_binaries(bin_dir: Path = BIN) -> list[str]:
-    return [c for c in COMPONENTS if not os.access(bin_dir / c, os.X_OK)]
+def missing_binaries(bin_dir: Path = BIN, components: tuple[str, ...] = COMPONENTS) -> list[str]:
+    return [c for c in components if not os.access(bin_dir / c, os.X_OK)]
 
 
 def _free_port() -> int:
@@ -322,6 +326,11 @@ class ControlPlane:
     feature_gates: dict[str, bool] = field(default_factory=lambda: dict(FEATURE_GATES))
     audit: bool = True
     """Write an audit log of every write (Metadata level: who, what, the answer), read by :meth:`audit_events`."""
+    apiserver_only: bool = False
+    """etcd and kube-apiserver alone (no controller-manager, no scheduler): what the API's own checks need."""
+    runtime_config: tuple[str, ...] = RUNTIME_CONFIG
+    apiserver_bin: Path | None = None
+    """Another kube-apiserver binary than ``bin_dir``'s (the floor's, :data:`FLOOR_BIN`)."""
     components: dict[str, Component] = field(default_factory=dict)
     _tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -340,7 +349,12 @@ class ControlPlane:
         self.stop()
 
     def start(self) -> None:
-        if missing := missing_binaries(self.bin_dir):
+        wanted = ("etcd",) + (("kube-apiserver",) if self.apiserver_bin is None else ()) + (
+            () if self.apiserver_only else ("kube-controller-manager", "kube-scheduler"))
+        missing = missing_binaries(self.bin_dir, wanted)
+        if self.apiserver_bin is not None and not os.access(self.apiserver_bin, os.X_OK):
+            missing.append(str(self.apiserver_bin))
+        if missing:
             raise RuntimeError(f"missing {', '.join(missing)} in {self.bin_dir}: run `make cluster` (builds them "
                                f"from tests/cluster/go.mod)")
         t0 = time.monotonic()
@@ -361,6 +375,9 @@ class ControlPlane:
         self._start_apiserver(serving)
         self.timings["kube-apiserver"] = time.monotonic() - t0
         self.admin = Api(self.server, self.pki.ca_file, cert=self.admin_cert)
+        if self.apiserver_only:
+            self.timings["ready"] = time.monotonic() - t0
+            return
         self._start_controller_manager()
         if self.scheduler:
             self._start_scheduler()
@@ -418,7 +435,8 @@ class ControlPlane:
         assert self.workdir is not None
         log = self.workdir / f"{name}.log"
         f = open(log, "ab")  # noqa: SIM115 - the child keeps it
-        proc = subprocess.Popen([str(self.bin_dir / name), *args], stdout=f, stderr=subprocess.STDOUT,
+        program = self.apiserver_bin if name == "kube-apiserver" and self.apiserver_bin else self.bin_dir / name
+        proc = subprocess.Popen([str(program), *args], stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
         f.close()
         c = self.components[name] = Component(name, proc, log, time.monotonic(), list(args))
@@ -490,8 +508,10 @@ class ControlPlane:
             f"--client-ca-file={self.pki.ca_file}", f"--service-account-issuer={ISSUER}",
             f"--service-account-key-file={self.sa_pub}", f"--service-account-signing-key-file={self.sa_key}",
             "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
-            f"--service-cluster-ip-range={SERVICE_CIDR}", f"--feature-gates={self._gates()}",
-            f"--runtime-config={','.join(RUNTIME_CONFIG)}", "--enable-priority-and-fairness=false",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            *([f"--feature-gates={self._gates()}"] if self.feature_gates else []),
+            *([f"--runtime-config={','.join(self.runtime_config)}"] if self.runtime_config else []),
+            "--enable-priority-and-fairness=false",
             "--endpoint-reconciler-type=none",  # the kubernetes Service cannot point at a loopback address
             "--profiling=false", "--v=1"])
         s = requests.Session()

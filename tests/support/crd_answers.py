@@ -1,0 +1,37 @@
+"""What a real kube-apiserver answers for a LlamaPretrain it is asked to create (dry run): the committed CRD, its CEL
+rules by the Python validator's ids, and the invalid-spec corpus both are checked against (tests/cluster)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from kubetitan_core import crd as crdmod
+from kubetitan_core.validation import CEL_RULES
+from support.cluster import LPT, resource_path
+from support.paths import REPO
+
+CORPUS = yaml.safe_load((REPO / "tests" / "api" / "invalid_specs.yaml").read_text())
+CRD = yaml.safe_load((REPO / "crds" / crdmod.CRD_FILE).read_text())
+CEL_MESSAGE_TO_ID = {r["message"]: {c.rule: c.id for c in CEL_RULES}[r["rule"]]
+                     for r in CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+                         "x-kubernetes-validations"]}
+CEL_IDS = set(CEL_MESSAGE_TO_ID.values())
+
+
+def post_dry_run(api: Any, doc: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
+    """``POST`` with ``dryRun=All`` (nothing stored) and strict field validation, as kubectl sends it: the status,
+    the body and the Warning headers. (Without ``fieldValidation=Strict`` the server drops an unknown field with a
+    warning instead of refusing it.)"""
+    r = api.s.post(api.server + resource_path(LPT, doc["metadata"]["namespace"]),
+                   params={"dryRun": "All", "fieldValidation": "Strict"},  # kubectl's default since 1.27
+                   data=json.dumps(doc), headers={"Content-Type": "application/json"}, timeout=30)
+    return r.status_code, r.json(), r.headers.get("Warning", "")
+
+
+def cel_ids(body: dict[str, Any]) -> set[str]:
+    """The validator ids of the CEL rules a 422 answer names."""
+    causes = (body.get("details") or {}).get("causes") or []
+    return {rid for c in causes for msg, rid in CEL_MESSAGE_TO_ID.items() if msg in c.get("message", "")}
