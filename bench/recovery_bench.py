@@ -1,4 +1,4 @@
-"""Recovery anatomy bench (issue 17): failure -> next first trained step through kubetitan's launch path.
+"""Recovery anatomy bench: failure -> next first trained step through kubetitan's launch path.
 
 One launcher (``python -m kubetitan_trainer.launch``, the pod entry point) with ``--max-restarts`` and the
 restore tier trains a LlamaPretrain (default: examples/llama3-3b-h200.yaml) with checkpoints. Generation 0

@@ -84,7 +84,7 @@ def copied_helpers(sources: dict[str, str]) -> list[list[str]]:
     return [places for places in by_text.values() if len(places) > 1]
 
 
-NUMBERED = re.compile(r"\b(?:(?:device )?[Cc]alls? \d+|[Ss]essions? \d+|[Ss]ession-\d+|(?<!pytorch )(?<!torchtitan )"
+NUMBERED = re.compile(r"\b(?:(?:device )?[Cc]alls? ?\d+|[Ss]essions? \d+|[Ss]ession-\d+|(?<!pytorch )(?<!torchtitan )"
                       r"(?<!upstream )[Ii]ssues? #?\d+|[Ww]ork[- ]items?)\b")
 """A reference to the work that made something rather than to what it is (``call 13``, ``session 7``, ``issue 29``)."""
 RESULT_PATH = re.compile(r"bench/results/[A-Za-z0-9_./{},*-]*")
@@ -93,6 +93,13 @@ RESULT_PATH = re.compile(r"bench/results/[A-Za-z0-9_./{},*-]*")
 def numbered_references(text: str) -> list[str]:
     """Each numbered work reference in ``text`` outside a ``bench/results/...`` path (raw data keeps its names)."""
     return [m.group(0) for m in NUMBERED.finditer(" ".join(RESULT_PATH.sub("", text).split()))]
+
+
+def _bench_texts() -> dict[str, str]:
+    """The bench scripts and their helpers (bench/results, the raw data and its dated records, excepted)."""
+    bench = REPO / "bench"
+    return {str(p.relative_to(REPO)): p.read_text(errors="replace") for p in sorted(bench.rglob("*"))
+            if p.is_file() and p.suffix in (".py", ".sh", ".md") and bench / "results" not in p.parents}
 
 
 def _product_texts() -> dict[str, str]:
@@ -165,11 +172,18 @@ def test_product_code_and_docs_name_no_call_session_or_issue():
                        f"it; dated history goes to bench/results/RECORDS.md): {found}")
 
 
+def test_bench_scripts_say_what_they_measure_not_which_call_ran_them():
+    found = {path: refs for path, text in _bench_texts().items() if (refs := numbered_references(text))}
+    assert not found, ("bench scripts that name the call, session or issue that ran them (say what the script "
+                       f"measures and why; dated history goes to bench/results/RECORDS.md): {found}")
+
+
 @pytest.mark.parametrize(("text", "want"), [
     ("measured in call 13 (session 7, issue 18)", ["call 13", "session 7", "issue 18"]),
     ("the session-12 run; a work item", ["session-12", "work item"]),
+    ("results kept outside $OUT since call13+", ["call13"]),
     ("pytorch\nissue 183413 and torchtitan issue 3476; bench/results/gpu/x_call3_s11/ raw", []),
-], ids=["call-session-issue", "hyphen-and-work-item", "upstream-and-paths"])
+], ids=["call-session-issue", "hyphen-and-work-item", "call-without-space", "upstream-and-paths"])
 def test_numbered_references_are_seen(text, want):
     assert numbered_references(text) == want
 
