@@ -95,6 +95,14 @@ def numbered_references(text: str) -> list[str]:
     return [m.group(0) for m in NUMBERED.finditer(" ".join(RESULT_PATH.sub("", text).split()))]
 
 
+RESULT_TAG = re.compile(r"(?:^|[/_.-])(?:call\d+|s(?!3(?:[/_.-]|$))\d+)(?=[/_.-]|$)")
+"""A call or session tag in a raw result's path (``h100_call26_s19/``, ``s13-loop1-...``); ``s3`` is the storage."""
+CITED_BY_OTHER_TESTS = frozenset({
+    "bench/results/suite/process_overhead_s13_quiet.txt", "bench/results/suite/s16_test_model_step_cost.txt",
+    "bench/results/suite/s16_windows_e2e_s3.txt.xz", "bench/results/suite/s16_windows_trainer.txt"})
+"""Tagged results that test modules outside this one cite by name (rename them together with those citations)."""
+
+
 def _bench_texts() -> dict[str, str]:
     """The bench scripts and their helpers (bench/results, the raw data and its dated records, excepted)."""
     bench = REPO / "bench"
@@ -176,6 +184,26 @@ def test_bench_scripts_say_what_they_measure_not_which_call_ran_them():
     found = {path: refs for path, text in _bench_texts().items() if (refs := numbered_references(text))}
     assert not found, ("bench scripts that name the call, session or issue that ran them (say what the script "
                        f"measures and why; dated history goes to bench/results/RECORDS.md): {found}")
+
+
+def test_bench_results_are_named_by_what_they_hold():
+    results = REPO / "bench" / "results"
+    tagged = sorted(name for p in results.rglob("*") if p.is_file()
+                    and RESULT_TAG.search(name := str(p.relative_to(REPO))) and name not in CITED_BY_OTHER_TESTS)
+    assert not tagged, ("raw results named by the call or session that made them (git mv them to a name that says "
+                        f"what they hold, e.g. recovery/h100_aot_artefact_run1/, and update every citation): {tagged}")
+
+
+@pytest.mark.parametrize(("name", "tagged"), [
+    ("bench/results/recovery/h100_call26_s19/results.json", True),
+    ("bench/results/hog_repeat/s13-loop1-6a5b9db.txt", True),
+    ("bench/results/compile/aot_cache_probe_cpu_s17.txt", True),
+    ("bench/results/suite/dirs_trainer_e2e_s3_debug_model.txt", False),
+    ("bench/results/s3/s3_bench.txt", False),
+    ("bench/results/hog_repeat/2026-12-05_loop1_5216fe2.txt", False),
+])
+def test_result_tags_are_seen(name, tagged):
+    assert bool(RESULT_TAG.search(name)) is tagged
 
 
 @pytest.mark.parametrize(("text", "want"), [

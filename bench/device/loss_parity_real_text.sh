@@ -35,7 +35,7 @@
 # a)+b) pair; default END_S - 130 - the set-up's seconds).
 # CPU dry run on the development machine (the same path: debug model, eager, seq 128, 10 steps, learning-rate warm-up
 # 2, an 8 MB corpus):
-#   DRY=1 OUT=bench/results/parity/cpu_dryrun_s15 bash bench/device/loss_parity_real_text.sh
+#   DRY=1 OUT=bench/results/parity/cpu_dryrun bash bench/device/loss_parity_real_text.sh
 export R=${R:-/tmp/parity-text}
 DRY=${DRY:-0}
 rm -rf "$R"
