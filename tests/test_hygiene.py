@@ -186,6 +186,18 @@ def test_bench_scripts_say_what_they_measure_not_which_call_ran_them():
                        f"measures and why; dated history goes to bench/results/RECORDS.md): {found}")
 
 
+def test_bench_scripts_use_no_removed_environment_name():
+    """A bench script that sets a ``KUBETITAN_*`` name nothing reads measures the defaults while saying otherwise: every
+    name is in docs/trainer.md's table (the product's) or read by a bench module (``os.environ...("NAME"``)."""
+    texts = _bench_texts()
+    known = set(re.findall(r"^\| `(KUBETITAN_[A-Z0-9_]+)`", (REPO / "docs" / "trainer.md").read_text(), re.M))
+    known |= {n for text in texts.values() for n in re.findall(r"environ(?:\.get\(|\[)\s*\"(KUBETITAN_[A-Z0-9_]+)", text)}
+    unknown = {path: sorted(names) for path, text in texts.items()
+               if (names := set(re.findall(r"\bKUBETITAN_[A-Z0-9_]*[A-Z0-9]\b", text)) - known)}
+    assert not unknown, ("bench scripts use environment names that nothing reads (tuning is spec.runtime now: "
+                         f"RUNTIME=FIELD=VALUE,... for bench/device/recovery_anatomy.sh, docs/api.md): {unknown}")
+
+
 def test_bench_results_are_named_by_what_they_hold():
     results = REPO / "bench" / "results"
     tagged = sorted(name for p in results.rglob("*") if p.is_file()
