@@ -186,16 +186,20 @@ def test_bench_scripts_say_what_they_measure_not_which_call_ran_them():
                        f"measures and why; dated history goes to bench/results/RECORDS.md): {found}")
 
 
-def test_bench_scripts_use_no_removed_environment_name():
-    """A bench script that sets a ``KUBETITAN_*`` name nothing reads measures the defaults while saying otherwise: every
-    name is in docs/trainer.md's table (the product's) or read by a bench module (``os.environ...("NAME"``)."""
-    texts = _bench_texts()
+def test_docs_and_bench_use_no_removed_environment_name():
+    """A doc or bench script that names a ``KUBETITAN_*`` setting nothing reads tells people to set what does nothing
+    (a bench script would measure the defaults while saying otherwise): every name is in docs/trainer.md's table (the
+    product's) or a string a bench module or tests/support reads (``"KUBETITAN_..."``: their own tools' switches)."""
+    texts = {**_bench_texts(), **{str(p.relative_to(REPO)): p.read_text() for p in
+                                  [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}}
     known = set(re.findall(r"^\| `(KUBETITAN_[A-Z0-9_]+)`", (REPO / "docs" / "trainer.md").read_text(), re.M))
-    known |= {n for text in texts.values() for n in re.findall(r"environ(?:\.get\(|\[)\s*\"(KUBETITAN_[A-Z0-9_]+)", text)}
+    tools = [p for root in ("bench", "tests/support") for p in (REPO / root).rglob("*.py") if "results" not in p.parts]
+    known |= {n for p in tools for n in re.findall(r"[\"'](KUBETITAN_[A-Z0-9_]+)[\"']", p.read_text())}
     unknown = {path: sorted(names) for path, text in texts.items()
                if (names := set(re.findall(r"\bKUBETITAN_[A-Z0-9_]*[A-Z0-9]\b", text)) - known)}
-    assert not unknown, ("bench scripts use environment names that nothing reads (tuning is spec.runtime now: "
-                         f"RUNTIME=FIELD=VALUE,... for bench/device/recovery_anatomy.sh, docs/api.md): {unknown}")
+    assert not unknown, ("docs or bench scripts name environment settings that nothing reads (tuning is spec.runtime "
+                         "now, docs/api.md; bench/device/recovery_anatomy.sh takes RUNTIME=FIELD=VALUE,...; a past "
+                         f"number made with a removed knob says which spec.runtime field it is today): {unknown}")
 
 
 def test_bench_results_are_named_by_what_they_hold():
