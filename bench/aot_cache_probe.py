@@ -1,4 +1,4 @@
-"""Warm start of compiled FP8 blocks with and without kubetitan_trainer.compile.aot_cache (issue 29, item 3).
+"""Warm start of compiled FP8 blocks with and without kubetitan_trainer.compile.aot_cache (does the cache serve a restart?).
 
 Each run is a fresh process (as a restarted worker is): the debug Llama 3 model's blocks in FP8 (torchao,
 tensorwise), each compiled with Inductor (fullgraph, as torchtitan does), one forward and backward. Per mode

@@ -1,5 +1,5 @@
-"""The ahead-of-time block artefact end to end on CPU (kubetitan_trainer.compile.aot_precompile; issue 29): the real launcher,
-one worker, compile on (Inductor's C++ kernels), ``KUBETITAN_AOT_PRECOMPILE=1``, run twice in one dump folder. Run 1
+"""The ahead-of-time block artefact end to end on CPU (kubetitan_trainer.compile.aot_precompile): the real launcher,
+one worker, compile on (Inductor's C++ kernels), ``spec.runtime.aotCompile: true``, run twice in one dump folder. Run 1
 makes the artefact after its first step; run 2 loads it and its blocks run it. Prints each run's start-up line (its
 "AOT blocks: ..." part says what was loaded and served) and the files of the artefact folder after each run (no
 ``.trying-rank0`` or ``.making`` marker may be left by a run that trained past step 2).

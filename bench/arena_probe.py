@@ -1,4 +1,4 @@
-"""Kill -> reaped for a worker that had staged a checkpoint: torch's stager against the staging arena (issue 29).
+"""Kill -> reaped for a worker that had staged a checkpoint: torch's stager against the staging arena.
 
 One child process per run stages --gib of CPU tensors (8 of them) through kubetitan's ``ReusableStager`` (shared,
 pinned when CUDA is there, synchronous), twice, as a worker's saves do, and reports its stage times; the parent

@@ -1,4 +1,4 @@
-"""Elastic training's loss curve against an uninterrupted run (issue 27): numbers and a PNG, not a test.
+"""Elastic training's loss curve against an uninterrupted run (does a resize cost convergence?): numbers and a PNG, not a test.
 
 The REAL operator (in-process kopf) and the REAL trainer (launcher, torchrun, torchtitan's debug model on CPU, gloo)
 run against kmockx with the e2e kubelet double (tests/e2e/kubelet.py) on 3 "nodes" x 1 process, synthetic data,

@@ -1,7 +1,7 @@
 """Bench-only model and loss components for torchtitan 0.2.2's Llama 3, same model and same numerics.
 
-Moved out of the trainer package (it was ``kubetitan_trainer.fast``): both lost on the H200 (device
-calls 2 and 5, docs/benchmarks.md), so kubetitan's TrainSpec does not use them; the GPU bench still can
+Moved out of the trainer package (it was ``kubetitan_trainer.fast``): both lost on the H200 (the
+launch-overhead runs, docs/benchmarks.md), so kubetitan's TrainSpec does not use them; the GPU bench still can
 (``spec=fast``, ``spec=rope``).
 
 Used through torchtitan's own extension point (a TrainSpec variant: ``fast_train_spec(base)``),

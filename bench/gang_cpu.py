@@ -1,4 +1,4 @@
-"""Issue 7, CPU part: a two-"pod" torchrun gang on one host, exactly as the planner renders it.
+"""A two-"pod" torchrun gang on one host, exactly as the planner renders it.
 
 Two launcher processes (``--nnodes 2``, one process each, gloo on CPU) are started with the container
 command, args and env of the two pods that ``kubetitan.plan.attempt_children`` renders for a 2-node

@@ -1,7 +1,7 @@
-"""The GIL convoy between a compiling thread and a background tier copy, on CPU (issue 29; restore_tier's
+"""The GIL convoy between a compiling thread and a background tier copy, on CPU (restore_tier's
 ``defer_switch_interval_ms``, ``spec.runtime.deferSwitchIntervalMs``).
 
-On an H100 (device calls 21-22, docs/reliability.md) the optimizer's part of a tier load, copied in the background
+On an H100 (bench/device/recovery_knobs_vs_baseline.sh and recovery_deferred_copy.sh, docs/reliability.md) the optimizer's part of a tier load, copied in the background
 on 4 threads while the first step compiled, ran at 5-7 GB/s against 16 GB/s alone. Each chunk a copy thread moves
 releases the GIL for its system call and must take it back afterwards; while another thread runs Python (Dynamo's
 trace is pure Python), that takes until the holder releases it on its own or the switch interval (5 ms) runs out.

@@ -1,4 +1,4 @@
-"""Goodput under injected faults (issues 8 and 17): prints numbers, not a test.
+"""Goodput under injected faults (worker, node and hang faults, recovered by re-created gangs or in place): prints numbers, not a test.
 
 The REAL operator (in-process kopf) and the REAL trainer (the launcher, torchrun + torchtitan's debug model on
 CPU, gloo) run against kmockx with the e2e kubelet double (tests/e2e/kubelet.py): 2 "nodes" x 1 process.

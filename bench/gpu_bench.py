@@ -177,7 +177,7 @@ def toml_for(case: dict, dump_folder: str) -> dict:
         cfg["kubetitan"] = {"data": kubetitan_data(case)}
     if mode["fp8"]:
         # tensorwise = torchao's default Float8LinearConfig (recipe_name unset), as kubetitan renders it;
-        # call 1 (bench/results/gpu/plain_torchtitan_reference) used recipe_name = "tensorwise", the same config.
+        # the plain reference run (bench/results/gpu/plain_torchtitan_reference) used recipe_name = "tensorwise", the same config.
         f8 = {"filter_fqns": [] if case["fp8out"] else ["output"]}
         if mode["fp8"] != "tensorwise":
             f8["recipe_name"] = mode["fp8"]

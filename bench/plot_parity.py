@@ -14,7 +14,7 @@ Over the last ``--tail`` steps it prints:
 
 Smoothing: an exponential moving average with weight ``--ema`` on the past (TensorBoard's "smoothing", with its
 bias correction at the start). With two files (no PLAIN_B) it prints the recipe-vs-plain_A numbers alone, as the
-synthetic-token calls 11 and 14 did. matplotlib is on the device image (not in the project's venv); the PNG is
+synthetic-token runs (bench/device/loss_parity_synthetic.sh, loss_parity_fp8_head.sh) did. matplotlib is on the device image (not in the project's venv); the PNG is
 written only when it imports.
 """
 

@@ -1,4 +1,4 @@
-"""Recovery anatomy bench (issue 17): failure -> next first trained step through kubetitan's launch path.
+"""Recovery anatomy bench: failure -> next first trained step through kubetitan's launch path.
 
 One launcher (``python -m kubetitan_trainer.launch``, the pod entry point) with ``--max-restarts`` and the
 restore tier trains a LlamaPretrain (default: examples/llama3-3b-h200.yaml) with checkpoints. Generation 0
@@ -75,9 +75,23 @@ class Events:
         return rec
 
 
-def build_lpt(path: Path, steps: int, interval: int, cpu: bool) -> LlamaPretrain:
+def parse_runtime(text: str) -> dict:
+    """``aotCompile=true,deferThreads=16`` -> ``{"aotCompile": True, "deferThreads": 16}``: ``spec.runtime`` fields
+    (docs/api.md), each value read as YAML; the LlamaPretrain's validation refuses unknown fields and bad values."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--runtime {text!r}: {item!r} is not FIELD=VALUE (e.g. aotCompile=true,deferThreads=16)")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def build_lpt(path: Path, steps: int, interval: int, cpu: bool, runtime: dict | None = None) -> LlamaPretrain:
     doc = yaml.safe_load(path.read_text())
     spec = doc["spec"]
+    if runtime:
+        spec["runtime"] = {**spec.get("runtime", {}), **runtime}
     if cpu:
         for k, v in CPU_SPEC.items():
             spec[k] = {**spec.get(k, {}), **v} if isinstance(v, dict) else v
@@ -134,7 +148,7 @@ def run(a: argparse.Namespace) -> int:
     dump.mkdir(parents=True)
     tier = Path(a.tier).resolve() if a.tier else work / "tier"
     shutil.rmtree(tier, ignore_errors=True)
-    lpt = build_lpt(Path(a.lpt), a.steps, a.interval, a.cpu)
+    lpt = build_lpt(Path(a.lpt), a.steps, a.interval, a.cpu, parse_runtime(a.runtime))
     port = free_port()
     config = write_config(lpt, dump, None, port)
     plan = [p for p in a.plan.split(",") if p]
@@ -371,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="every load is from the tier: generation 0 is killed once its tier is written (its DCP save "
                         "need not complete) and DCP checkpoints may be deleted as they complete (a plan without "
                         "*_dcp items, on a disk too small for two checkpoints)")
+    p.add_argument("--runtime", default="",
+                   help="spec.runtime fields for every generation, FIELD=VALUE,... (e.g. aotCompile=true,deferThreads=16;"
+                        " docs/api.md): the recovery path's settings, rendered into [kubetitan.runtime]")
     p.add_argument("--precompile", action="store_true",
                    help="TORCH_CACHING_PRECOMPILE=1 for every generation: torch 2.11's experimental Dynamo cache, "
                         "so a warm generation skips Dynamo's tracing too")

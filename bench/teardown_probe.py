@@ -1,6 +1,6 @@
-"""Where a killed worker's seconds go before the next one can start (issue 29, items 1 and 2), measured apart.
+"""Where a killed worker's seconds go before the next one can start, measured apart.
 
-Session 11 measured 6.4 s from SIGKILL to the launcher seeing a worker dead when that worker had saved (its ~40 GiB
+The H200 recovery bench (bench/device/recovery.sh) measured 6.4 s from SIGKILL to the launcher seeing a worker dead when that worker had saved (its ~40 GiB
 of pinned DCP staging memory and its CUDA context), 0.4 s when it had not. This probe separates the parts, one child
 process per variant (spawned, never forked from a CUDA parent):
 

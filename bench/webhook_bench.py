@@ -12,7 +12,7 @@ five reviews, concurrently) it creates the spec ``--requests`` times (each creat
 watch, so no reconcile runs) and prints:
 
 - ``webhook``: the API server's round trip to the webhook (POST sent -> AdmissionReview answer read), the latency
-  the issue's target (p99 < 50 ms) is about;
+  the target (p99 < 50 ms) is about;
 - ``create``: the client's whole ``POST .../llamapretrains`` (schema, CEL, the webhook, storing).
 
 The raw numbers (every sample, in ms) go to ``<out>/<UTC time>[-<tag>].json`` and the printed table to
@@ -132,7 +132,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3,
                    help="split each mode's creates into this many rounds, the modes taking turns, so that a change "
                         "in the shared machine's load falls on every mode alike (default %(default)s)")
-    p.add_argument("--tag", default="", help="appended to the result files' names (e.g. the session, s13)")
+    p.add_argument("--tag", default="", help="appended to the result files' names (e.g. the date or the commit)")
     a = p.parse_args()
     docs = rbac.render_chart_with_certificates()  # the bench mounts a pair as cert-manager issues it
     secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-webhook-tls"))

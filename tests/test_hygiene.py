@@ -84,7 +84,7 @@ def copied_helpers(sources: dict[str, str]) -> list[list[str]]:
     return [places for places in by_text.values() if len(places) > 1]
 
 
-NUMBERED = re.compile(r"\b(?:(?:device )?[Cc]alls? \d+|[Ss]essions? \d+|[Ss]ession-\d+|(?<!pytorch )(?<!torchtitan )"
+NUMBERED = re.compile(r"\b(?:(?:device )?[Cc]alls? ?\d+|[Ss]essions? \d+|[Ss]ession-\d+|(?<!pytorch )(?<!torchtitan )"
                       r"(?<!upstream )[Ii]ssues? #?\d+|[Ww]ork[- ]items?)\b")
 """A reference to the work that made something rather than to what it is (``call 13``, ``session 7``, ``issue 29``)."""
 RESULT_PATH = re.compile(r"bench/results/[A-Za-z0-9_./{},*-]*")
@@ -93,6 +93,21 @@ RESULT_PATH = re.compile(r"bench/results/[A-Za-z0-9_./{},*-]*")
 def numbered_references(text: str) -> list[str]:
     """Each numbered work reference in ``text`` outside a ``bench/results/...`` path (raw data keeps its names)."""
     return [m.group(0) for m in NUMBERED.finditer(" ".join(RESULT_PATH.sub("", text).split()))]
+
+
+RESULT_TAG = re.compile(r"(?:^|[/_.-])(?:call\d+|s(?!3(?:[/_.-]|$))\d+)(?=[/_.-]|$)")
+"""A call or session tag in a raw result's path (``h100_call26_s19/``, ``s13-loop1-...``); ``s3`` is the storage."""
+CITED_BY_OTHER_TESTS = frozenset({
+    "bench/results/suite/process_overhead_s13_quiet.txt", "bench/results/suite/s16_test_model_step_cost.txt",
+    "bench/results/suite/s16_windows_e2e_s3.txt.xz", "bench/results/suite/s16_windows_trainer.txt"})
+"""Tagged results that test modules outside this one cite by name (rename them together with those citations)."""
+
+
+def _bench_texts() -> dict[str, str]:
+    """The bench scripts and their helpers (bench/results, the raw data and its dated records, excepted)."""
+    bench = REPO / "bench"
+    return {str(p.relative_to(REPO)): p.read_text(errors="replace") for p in sorted(bench.rglob("*"))
+            if p.is_file() and p.suffix in (".py", ".sh", ".md") and bench / "results" not in p.parents}
 
 
 def _product_texts() -> dict[str, str]:
@@ -165,11 +180,54 @@ def test_product_code_and_docs_name_no_call_session_or_issue():
                        f"it; dated history goes to bench/results/RECORDS.md): {found}")
 
 
+def test_bench_scripts_say_what_they_measure_not_which_call_ran_them():
+    found = {path: refs for path, text in _bench_texts().items() if (refs := numbered_references(text))}
+    assert not found, ("bench scripts that name the call, session or issue that ran them (say what the script "
+                       f"measures and why; dated history goes to bench/results/RECORDS.md): {found}")
+
+
+def test_docs_and_bench_use_no_removed_environment_name():
+    """A doc or bench script that names a ``KUBETITAN_*`` setting nothing reads tells people to set what does nothing
+    (a bench script would measure the defaults while saying otherwise): every name is in docs/trainer.md's table (the
+    product's) or a string a bench module or tests/support reads (``"KUBETITAN_..."``: their own tools' switches)."""
+    texts = {**_bench_texts(), **{str(p.relative_to(REPO)): p.read_text() for p in
+                                  [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}}
+    known = set(re.findall(r"^\| `(KUBETITAN_[A-Z0-9_]+)`", (REPO / "docs" / "trainer.md").read_text(), re.M))
+    tools = [p for root in ("bench", "tests/support") for p in (REPO / root).rglob("*.py") if "results" not in p.parts]
+    known |= {n for p in tools for n in re.findall(r"[\"'](KUBETITAN_[A-Z0-9_]+)[\"']", p.read_text())}
+    unknown = {path: sorted(names) for path, text in texts.items()
+               if (names := set(re.findall(r"\bKUBETITAN_[A-Z0-9_]*[A-Z0-9]\b", text)) - known)}
+    assert not unknown, ("docs or bench scripts name environment settings that nothing reads (tuning is spec.runtime "
+                         "now, docs/api.md; bench/device/recovery_anatomy.sh takes RUNTIME=FIELD=VALUE,...; a past "
+                         f"number made with a removed knob says which spec.runtime field it is today): {unknown}")
+
+
+def test_bench_results_are_named_by_what_they_hold():
+    results = REPO / "bench" / "results"
+    tagged = sorted(name for p in results.rglob("*") if p.is_file()
+                    and RESULT_TAG.search(name := str(p.relative_to(REPO))) and name not in CITED_BY_OTHER_TESTS)
+    assert not tagged, ("raw results named by the call or session that made them (git mv them to a name that says "
+                        f"what they hold, e.g. recovery/h100_aot_artefact_run1/, and update every citation): {tagged}")
+
+
+@pytest.mark.parametrize(("name", "tagged"), [
+    ("bench/results/recovery/h100_call26_s19/results.json", True),
+    ("bench/results/hog_repeat/s13-loop1-6a5b9db.txt", True),
+    ("bench/results/compile/aot_cache_probe_cpu_s17.txt", True),
+    ("bench/results/suite/dirs_trainer_e2e_s3_debug_model.txt", False),
+    ("bench/results/s3/s3_bench.txt", False),
+    ("bench/results/hog_repeat/2026-12-05_loop1_5216fe2.txt", False),
+])
+def test_result_tags_are_seen(name, tagged):
+    assert bool(RESULT_TAG.search(name)) is tagged
+
+
 @pytest.mark.parametrize(("text", "want"), [
     ("measured in call 13 (session 7, issue 18)", ["call 13", "session 7", "issue 18"]),
     ("the session-12 run; a work item", ["session-12", "work item"]),
+    ("results kept outside $OUT since call13+", ["call13"]),
     ("pytorch\nissue 183413 and torchtitan issue 3476; bench/results/gpu/x_call3_s11/ raw", []),
-], ids=["call-session-issue", "hyphen-and-work-item", "upstream-and-paths"])
+], ids=["call-session-issue", "hyphen-and-work-item", "call-without-space", "upstream-and-paths"])
 def test_numbered_references_are_seen(text, want):
     assert numbered_references(text) == want
 

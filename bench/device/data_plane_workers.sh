@@ -1,6 +1,6 @@
 #!/bin/bash
 # the data plane's throughput on the H200 host's 16 idle cores, where the
-# 2-core development VM (loaded by the session's other work) could not show the 1 -> 2 worker scaling:
+# 2-core development VM (loaded by other work) could not show the 1 -> 2 worker scaling:
 # bench/data_bench.py with 1, 2, 4 and 8 workers on 48 MB of real text (/usr/share/doc and Python sources there),
 # peak RSS on a 1 GB input of real text (the base corpus repeated), and the shard reader's rate.
 export R=/tmp/r

@@ -3,7 +3,7 @@
 # checkpoint stall with async_with_pinned_mem (full 3B saves at steps 100 and 200: the first one also
 # allocates the pinned staging buffers, the second reuses them; ~58 s of disk write fits in 100 steps);
 # kubetitan's 3B H200 recipe (batch 4) through the kubetitan path; FP8 output projection at batch 3
-# (predicted +3.8%: the output GEMMs are ~25 ms of a ~281 ms sample; batch 4 ran out of memory in call 5).
+# (predicted +3.8%: the output GEMMs are ~25 ms of a ~281 ms sample; batch 4 ran out of memory in batch4_speedup_and_pinned_stall.sh).
 source bench/device/setup.sh
 python3 bench/gpu_bench.py run --out "$OUT/r" --path alt --deadline 565 --case-timeout 150 --cases \
 1B:compile:4:steps=25:warmup=5,1B:fp8tw:4:steps=25:warmup=5

@@ -1,7 +1,7 @@
 #!/bin/bash
 # kubetitan launch path vs plain torchtitan (3B FP8 tensorwise, alternating in one run);
-# the fast TrainSpec variant (real RoPE + fused chunked loss) at batch 2 and 4; issue 3's device run
-# (1B compile + FP8 tensorwise, 50 steps through `kubetitan run`, /metrics scraped, checkpoint saved,
+# the fast TrainSpec variant (real RoPE + fused chunked loss) at batch 2 and 4; the first trainer run on the
+# device (1B compile + FP8 tensorwise, 50 steps through `kubetitan run`, /metrics scraped, checkpoint saved,
 # then resumed to step 60); plain batch 4 for attribution.
 source bench/device/setup.sh
 python3 bench/gpu_bench.py run --out "$OUT/r" --deadline 525 --case-timeout 250 --cases \

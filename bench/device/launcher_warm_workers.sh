@@ -11,7 +11,7 @@
 # Every run is timed, and grepped for the warm-worker line and for CUDA fork errors.
 export R=/tmp/r
 source bench/device/setup.sh
-mkdir -p /tmp/c16
+mkdir -p /tmp/warm-workers
 python3 - <<'PY'
 import sys
 from pathlib import Path
@@ -23,20 +23,20 @@ obj = tiny_lpt({"training": {"steps": 300, "seqLen": 256, "localBatchSize": 8},
                 "precision": {"mixedPrecisionParam": "bfloat16"}, "data": {"source": "synthetic"},
                 "checkpoint": {"intervalSteps": 100, "asyncMode": "async"}})
 for run in ("a", "b", "d"):
-    write_config(Path(f"/tmp/c16/{run}.toml"), obj, Path(f"/tmp/c16/{run}"), {"kubetitan": {"metrics_port": 0}})
+    write_config(Path(f"/tmp/warm-workers/{run}.toml"), obj, Path(f"/tmp/warm-workers/{run}"), {"kubetitan": {"metrics_port": 0}})
 PY
 L="python3 -m kubetitan_trainer.launch --nnodes=1 --nproc-per-node=1 --master-addr=127.0.0.1"
 run() {  # name, config, extra launcher args
-  local t0=$(date +%s.%N); $L --config=/tmp/c16/$2.toml "${@:3}" > "$R/$1.log" 2>&1; local rc=$?
+  local t0=$(date +%s.%N); $L --config=/tmp/warm-workers/$2.toml "${@:3}" > "$R/$1.log" 2>&1; local rc=$?
   echo "$1: exit $rc in $(echo "$(date +%s.%N) - $t0" | bc) s" | tee -a "$R/summary.txt"
 }
 run a_static_to_end a --master-port=29511
 t0=$(date +%s.%N)
-$L --config=/tmp/c16/b.toml --master-port=29512 > "$R/b_static_sigterm.log" 2>&1 &
+$L --config=/tmp/warm-workers/b.toml --master-port=29512 > "$R/b_static_sigterm.log" 2>&1 &
 pid=$!
-until [ -f /tmp/c16/b/checkpoint/step-100/.metadata ] || ! kill -0 $pid 2>/dev/null; do sleep 0.2; done
+until [ -f /tmp/warm-workers/b/checkpoint/step-100/.metadata ] || ! kill -0 $pid 2>/dev/null; do sleep 0.2; done
 kill -TERM $pid; wait $pid; rc=$?
-echo "b_static_sigterm: exit $rc in $(echo "$(date +%s.%N) - $t0" | bc) s; checkpoints: $(ls /tmp/c16/b/checkpoint | tr '\n' ' ')" | tee -a "$R/summary.txt"
+echo "b_static_sigterm: exit $rc in $(echo "$(date +%s.%N) - $t0" | bc) s; checkpoints: $(ls /tmp/warm-workers/b/checkpoint | tr '\n' ' ')" | tee -a "$R/summary.txt"
 run c_static_resume b --master-port=29513
 run d_inplace_to_end d --master-port=29514 --max-restarts=1
 for f in "$R"/*.log; do

@@ -35,17 +35,17 @@
 # a)+b) pair; default END_S - 130 - the set-up's seconds).
 # CPU dry run on the development machine (the same path: debug model, eager, seq 128, 10 steps, learning-rate warm-up
 # 2, an 8 MB corpus):
-#   DRY=1 OUT=bench/results/parity/cpu_dryrun_s15 bash bench/device/loss_parity_real_text.sh
-export R=${R:-/tmp/r18}
+#   DRY=1 OUT=bench/results/parity/cpu_dryrun bash bench/device/loss_parity_real_text.sh
+export R=${R:-/tmp/parity-text}
 DRY=${DRY:-0}
 rm -rf "$R"
 mkdir -p "$OUT"
 source bench/device/setup.sh
 if [ "$DRY" = 1 ]; then
-  FLAV=debugmodel MODE=eager STEPS=${STEPS:-10} SEQ=${SEQ:-128} CORPUS_MB=${CORPUS_MB:-8} D=${D:-/tmp/c18dry} LRWARM=2
+  FLAV=debugmodel MODE=eager STEPS=${STEPS:-10} SEQ=${SEQ:-128} CORPUS_MB=${CORPUS_MB:-8} D=${D:-/tmp/parity-text-data-dry} LRWARM=2
   VOCAB=${VOCAB:-2048}  # the debug model's vocabulary
 else
-  FLAV=3B MODE=fp8tw STEPS=${STEPS:-300} SEQ=${SEQ:-2048} CORPUS_MB=${CORPUS_MB:-64} D=${D:-/tmp/c18} LRWARM=20
+  FLAV=3B MODE=fp8tw STEPS=${STEPS:-300} SEQ=${SEQ:-2048} CORPUS_MB=${CORPUS_MB:-64} D=${D:-/tmp/parity-text-data} LRWARM=20
   VOCAB=${VOCAB:-32768}
 fi
 TOKENIZER=${TOKENIZER:-bpe}
@@ -70,7 +70,7 @@ watch_runs() {  # every 20 s while a run lives: each run's newest step and the G
     fi
   done
 }
-say "call18 DRY=$DRY: $FLAV $MODE batch $BATCH seq $SEQ steps $STEPS seeds $SEED_A/$SEED_B, corpus <= $CORPUS_MB MB," \
+say "loss parity on real text, DRY=$DRY: $FLAV $MODE batch $BATCH seq $SEQ steps $STEPS seeds $SEED_A/$SEED_B, corpus <= $CORPUS_MB MB," \
   "tokenizer $TOKENIZER"
 
 # 1. corpus, tokenizer, shards

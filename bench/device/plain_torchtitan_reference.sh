@@ -1,5 +1,5 @@
 #!/bin/bash
-# plain torchtitan 0.2.2 reproduction of issue 6's reference numbers + bf16 matmul ceiling
+# plain torchtitan 0.2.2 reproduction of the reference numbers (docs/benchmarks.md) + bf16 matmul ceiling
 # + a 2-step CUDA kernel profile of 3B compile+FP8 tensorwise (steps 29-30, after the timed steps).
 source bench/device/setup.sh
 python3 bench/gpu_bench.py matmul --out "$OUT/r"

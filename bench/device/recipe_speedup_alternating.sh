@@ -1,6 +1,6 @@
 #!/bin/bash
 # the >= 1.10x table in one call, alternating plain and kubetitan runs.
-# Predictions, written before the run: docs/benchmarks.md ("Session 7 ... call 13"). One H200:
+# Predictions, written before the run: bench/results/RECORDS.md ("predictions written before"). One H200:
 #   P2 = plain torchtitan FP8 tensorwise batch 2 (its best reference mode), twice (rounds 1 and 2)
 #   K1 = candidate recipe through `kubetitan run`: batch 4, FP8 output projection (filterFqns: []) whose
 #        final norm + projection kubetitan's TrainSpec compiles (compile_fp8_head), and the CUDA caching
@@ -17,7 +17,7 @@ S=steps=18:warmup=5
 K1=3B:fp8tw:4:fp8out=1:alloc=exp
 bench() {  # bench END CASES: run CASES, starting none after END seconds of this script
   python3 bench/gpu_bench.py run --out "$R" --deadline $(($1 - SECONDS)) --case-timeout "${CT:-120}" --cases "$2" 2>&1 \
-    | tee -a "$R/call13.txt"; snap
+    | tee -a "$R/console.txt"; snap
 }
 bench 400 "3B:fp8tw:2:path=plain:$S,$K1:path=kubetitan:$S,3B:fp8tw:4:path=plain:$S,3B:fp8tw:4:path=kubetitan:$S,3B:eager:1:path=plain:$S,3B:fp8tw:2:path=plain:$S:round=2"
 KB=$(python3 - "$R/results.jsonl" "$K1" <<'PY'
@@ -28,7 +28,7 @@ k0 = [x for x in rows if x["path"] == "kubetitan" and "fp8out=1" not in x["case"
 print(sys.argv[2] if k1 and (not k0 or k1[0]["tps_median"] > k0[0]["tps_median"]) else "3B:fp8tw:4")
 PY
 )
-echo "stall run uses: $KB" | tee -a "$R/env.txt" "$R/call13.txt"
+echo "stall run uses: $KB" | tee -a "$R/env.txt" "$R/console.txt"
 CT=$((588 - SECONDS)) bench 588 "$KB:path=kubetitan:steps=200:warmup=5:ckpt=pinned:ckint=50:kill=104:round=2"
 kill %1
-finish | tee -a "$R/call13.txt"; snap
+finish | tee -a "$R/console.txt"; snap

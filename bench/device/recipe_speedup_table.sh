@@ -1,6 +1,6 @@
 #!/bin/bash
 # the >= 1.10x table in one call. Predictions, written before the
-# run, are in docs/benchmarks.md ("Call 10: predictions"). Alternating rounds on one H200:
+# run, are in bench/results/RECORDS.md ("predictions written before"). Alternating rounds on one H200:
 #   B2 = plain torchtitan, FP8 tensorwise, batch 2 (its best reference mode)
 #   B4 = plain torchtitan, FP8 tensorwise, batch 4 (the recipe's batch)
 #   R  = kubetitan's recipe through `kubetitan run`: batch 4, FP8 output projection (filterFqns: []) that

@@ -6,7 +6,7 @@
 #   generation 1: warm compile cache + restore tier        (the fast path; target <= 20 s kill -> first step end)
 #   generation 2: warm compile cache + DCP load            (the tier moved away first: the "before")
 #   generation 3: cold compile cache + restore tier        (the compile cache moved away first)
-# Also issue 16's NCCL net-check (python -m kubetitan_trainer.netcheck) first. Everything printed goes to
+# Also the NCCL net-check (python -m kubetitan_trainer.netcheck) first. Everything printed goes to
 # files in $OUT as it happens (a call cut by its limit keeps them): recovery.txt, events.jsonl, launcher.log,
 # netcheck.txt; at the end results.json, startup.jsonl, steps.jsonl and logs.tgz (env.txt).
 # Usage (device tool, carry [".whl"]): [SKIP_NETCHECK=1] bash bench/device/recovery.sh [SECONDS=400] [PLAN]

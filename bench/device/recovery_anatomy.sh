@@ -2,8 +2,9 @@
 # recovery anatomy of the 3B recipe for kills of workers that HAD SAVED
 # (their pinned DCP staging allocated, as in every worker of a real run): bench/recovery_bench.py --tier-only with
 # the plan saved:warm_tier x3 then saved:cold_tier, checkpoints every 20 steps; every load from the restore tier
-# (now read on KUBETITAN_TIER_LOAD_THREADS threads, default 4); TORCH_CACHING_PRECOMPILE=1 (torch 2.11's Dynamo
-# cache) unless PRECOMPILE=0. A background cleaner deletes each complete DCP checkpoint (the 64 GB disk holds one).
+# (read on spec.runtime.restoreTierLoadThreads threads); TORCH_CACHING_PRECOMPILE=1 (torch 2.11's Dynamo cache) unless
+# PRECOMPILE=0; RUNTIME=FIELD=VALUE,... sets spec.runtime fields (recovery_bench.py --runtime, docs/api.md). A
+# background cleaner deletes each complete DCP checkpoint (the 64 GB disk holds one).
 # If generation 0 fails with the precompile cache on, the bench runs again without it.
 # Then, with >= 45 s left (PROBE_S=55 are kept for it), bench/teardown_probe.py times 40 GiB tier reads: pread on
 # 1-16 threads into pinned buffers and a fresh mapping through pinned buffers (today's load) -> tier_read.txt;
@@ -39,14 +40,15 @@ PY
 fi
 PLAN=${PLAN:-saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier}
 PC=--precompile; [ "${PRECOMPILE:-1}" = 0 ] && PC=
+RT=(--runtime "${RUNTIME:-}")  # spec.runtime fields, e.g. RUNTIME=aotCompile=true,deferThreads=16 (docs/api.md)
 echo "=== recovery bench $(date -u +%T) plan $PLAN $PC, $((END - SECONDS)) s left"
 python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier /dev/shm/kt-recovery-tier \
-  --lpt "$LPT" --interval 20 --tier-only $PC --deadline $((END - SECONDS - ${PROBE_S:-55})) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
+  --lpt "$LPT" --interval 20 --tier-only $PC "${RT[@]}" --deadline $((END - SECONDS - ${PROBE_S:-55})) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
 if [ -n "$PC" ] && ! grep -q '"generation": 0' "$OUT/events.jsonl"; then
   echo "=== generation 0 did not train with the precompile cache: again without it $(date -u +%T)"
   mv "$OUT/launcher.log" "$R/launcher_precompile.log"; mv "$OUT/events.jsonl" "$R/events_precompile.jsonl"
   python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier /dev/shm/kt-recovery-tier \
-    --lpt "$LPT" --interval 20 --tier-only --deadline $((END - SECONDS - ${PROBE_S:-55})) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
+    --lpt "$LPT" --interval 20 --tier-only "${RT[@]}" --deadline $((END - SECONDS - ${PROBE_S:-55})) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
 fi
 kill $CLEANER
 if [ "${PROBES:-1}" = 1 ] && ((END - SECONDS >= 45)); then  # the tier reads a new worker could make, 40 GiB (bench/teardown_probe.py)

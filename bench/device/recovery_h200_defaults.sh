@@ -2,18 +2,18 @@
 # the must-show on the H200 in one call. The recipe
 # examples/llama3-3b-h200.yaml (116 GiB: needs_h200), bench/device/recovery_anatomy.sh's whole budget for the recovery bench
 # (no probes, no caching precompile), the plan: 3 kills of workers that had saved, then a cold one, with
-#   KUBETITAN_AOT_PRECOMPILE=1      generation 0 makes the blocks' artefact; each restarted worker loads it
-#                                   (H100, session 19: warm compile 0.55-0.80 s instead of 2.2-3.0 s)
-#   KUBETITAN_TIER_DEFER_THREADS=16 the optimizer's deferred copy on 16 threads: with the artefact there is no trace
-#                                   for them to contend with (H100, session 19: on 4 threads the first step waited
-#                                   1.4-1.8 s for the copy; on 16, in session 18, the copy took 1.9-2.3 s)
+#   aotCompile: true                generation 0 makes the blocks' artefact; each restarted worker loads it
+#                                   (H100: warm compile 0.55-0.80 s instead of 2.2-3.0 s)
+#   deferThreads: 16                the optimizer's deferred copy on 16 threads: with the artefact there is no trace
+#                                   for them to contend with (H100: on 4 threads the first step waited
+#                                   1.4-1.8 s for the copy; on 16, recovery_knobs_vs_baseline.sh's copy took 1.9-2.3 s)
 # On an H100 it runs the seq-2048 variant (recovery_anatomy.sh says how); that is not the must-show.
-# The DCP row of the issue's table is the bench's cold row plus session 11's warm_dcp (--tier-only refuses it).
+# The DCP row of the table is the bench's cold row plus recovery.sh's warm_dcp (--tier-only refuses it).
 # $OUT: recovery.txt (events and the anatomy table), events.jsonl, results.json, launcher.log, logs.tgz.
 # Usage (device tool, carry [".whl"], timeout_s 600, needs_h200): bash bench/device/recovery_h200_defaults.sh [560]
 set -u
 PLAN=saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier PROBES=0 PROBE_S=0 PRECOMPILE=0 \
-  KUBETITAN_AOT_PRECOMPILE=1 KUBETITAN_TIER_DEFER_THREADS=16 bash bench/device/recovery_anatomy.sh "${1:-560}"
+  RUNTIME=aotCompile=true,deferThreads=16 bash bench/device/recovery_anatomy.sh "${1:-560}"
 rc=$?
 grep -ah "AOT\|Start-up of" "$OUT/launcher.log" 2>/dev/null | cut -c1-400 | tail -12
 exit $rc

@@ -1,9 +1,10 @@
 #!/bin/bash
 # pinned saves through kubetitan's path with kubetitan_trainer/recovery/staging.py
-# (the reusable DCP stager). Calls 7 (plain torchtitan) and 8 (kubetitan) showed that on torch 2.11.0
+# (the reusable DCP stager). launch_overhead_1b_and_pinned_stall.sh (plain torchtitan) and
+# recipe_pinned_checkpoint_stall.sh (kubetitan) showed that on torch 2.11.0
 # every async_with_pinned_mem save after the first fails in the background (KeyError: <class 'type'>;
-# pytorch issue 183413) and the run dies at the save after it. The session had 452 s of device time left
-# after failed start-ups, so this is the 1B model (compile + FP8 tensorwise, batch 4; ~18 GB full
+# pytorch issue 183413) and the run dies at the save after it. Written for a short device budget, this is the
+# 1B model (compile + FP8 tensorwise, batch 4; ~18 GB full
 # checkpoints), pinned saves at steps 60 and 120 (~32 s of training apart) and the final full save after
 # step 121. It must exit 0; step 121's time gives the stall of a second pinned save that really completes,
 # and the scraped newest-checkpoint gauge must reach 120 only once that save's write has ended.

@@ -11,7 +11,7 @@ fi
 export PYTHONUNBUFFERED=1 LOG_RANK=0
 export USE_JAX=0 USE_TF=0  # datasets would import JAX (present on the device) in every process: seconds of start-up
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-R="${R:-$OUT/r}"  # results folder; call13+ keep it outside $OUT (only 8 files come back) and tar it
+R="${R:-$OUT/r}"  # results folder; scripts with many files keep it outside $OUT (only 8 files come back) and tar it
 mkdir -p "$R"
 { date -u; nvidia-smi; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
   df -h / /tmp; free -g; nproc

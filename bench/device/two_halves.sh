@@ -3,7 +3,7 @@
 # given back 30 s after a call, so two calls may land on two machines and their timings would not compare. Each half
 # gets the variables given for it and half of the seconds (the second what is left); its $OUT folder is
 # /tmp/TAG/NAME, its printed events and anatomy table are copied to $OUT/NAME_recovery.txt, and both folders go into
-# $OUT/TAG.tgz (events, start-up records, launcher logs).
+# $OUT/halves.tgz (events, start-up records, launcher logs); TAG names the work folder /tmp/TAG.
 # Usage (from a device script): bash bench/device/two_halves.sh SECONDS TAG NAME1 "VAR=VALUE ..." NAME2 "VAR=VALUE ..."
 set -u
 END=$1 TAG=$2
@@ -18,5 +18,5 @@ half() {  # NAME "VARS" SECONDS
 }
 half "$3" "$4" $(((END - 20) / 2))
 half "$5" "$6" $((END - SECONDS - 10))
-tar -C "/tmp/$TAG" -czf "$FINAL/$TAG.tgz" "$3" "$5"
+tar -C "/tmp/$TAG" -czf "$FINAL/halves.tgz" "$3" "$5"
 echo "=== end $(date -u +%T), $SECONDS s"

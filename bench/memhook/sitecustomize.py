@@ -20,7 +20,7 @@ the operator bench (its ``--operator-src`` is the operator's ``PYTHONPATH``)::
     kill -USR2 <operator pid>   # before applying; then, once the runs are Starting:
     kill -USR1 <operator pid>
 
-docs/benchmarks.md ("Issue 24 item 5, session 16") says what it showed.
+bench/results/RECORDS.md ("2,000 runs under 300 MiB — where the operator's memory goes") says what it showed.
 """
 
 import os
