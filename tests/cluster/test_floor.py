@@ -13,31 +13,19 @@ from typing import Any
 import pytest
 
 from kubetitan_core.validation import parse
-from support.cluster import FLOOR_BIN, FLOOR_GO_MOD, ControlPlane, kubernetes_version, wait_for
-from support.crd_answers import CEL_IDS, CORPUS, CRD, cel_ids, post_dry_run
+from support.cluster import FLOOR_BIN, FLOOR_GO_MOD, ControlPlane, kubernetes_version
+from support.crd_answers import CEL_IDS, CORPUS, CRD, cel_ids, crd_only_server, post_dry_run
 from support.paths import EXAMPLES, load_example
 from support.release import kubectl
 from support.specs import make_lpt
 
 pytestmark = pytest.mark.xdist_group("real-floor")
 NAMESPACE = "floor"
-CRD_NAME = "llamapretrains.kubetitan.io"
 
 
 @pytest.fixture(scope="module")
 def floor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    cp = ControlPlane(workdir=tmp_path_factory.mktemp("floor"), apiserver_only=True,
-                      apiserver_bin=FLOOR_BIN / "kube-apiserver", feature_gates={}, runtime_config=(), audit=False)
-    with cp:
-        cp.admin.create("apiextensions.k8s.io/v1/customresourcedefinitions", None, CRD)
-
-        def established() -> bool:
-            got = cp.admin.get("apiextensions.k8s.io/v1/customresourcedefinitions", None, CRD_NAME) or {}
-            conds = {c["type"]: c["status"] for c in (got.get("status") or {}).get("conditions") or []}
-            return conds.get("Established") == "True" and conds.get("NamesAccepted") == "True"
-
-        wait_for(established, 30, "the CRD Established on the floor's server")
-        cp.admin.ensure_namespace(NAMESPACE)
+    with crd_only_server(tmp_path_factory.mktemp("floor"), NAMESPACE, FLOOR_BIN / "kube-apiserver") as cp:
         yield cp
 
 

@@ -3,14 +3,17 @@ rules by the Python validator's ids, and the invalid-spec corpus both are checke
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kubetitan_core import crd as crdmod
 from kubetitan_core.validation import CEL_RULES
-from support.cluster import LPT, resource_path
+from support.cluster import LPT, ControlPlane, resource_path, wait_for
 from support.paths import REPO
 
 CORPUS = yaml.safe_load((REPO / "tests" / "api" / "invalid_specs.yaml").read_text())
@@ -19,6 +22,26 @@ CEL_MESSAGE_TO_ID = {r["message"]: {c.rule: c.id for c in CEL_RULES}[r["rule"]]
                      for r in CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
                          "x-kubernetes-validations"]}
 CEL_IDS = set(CEL_MESSAGE_TO_ID.values())
+CRD_NAME = "llamapretrains.kubetitan.io"
+
+
+@contextlib.contextmanager
+def crd_only_server(workdir: Path, namespace: str, apiserver_bin: Path | None = None) -> Iterator[ControlPlane]:
+    """etcd and a kube-apiserver alone (the pinned one, or ``apiserver_bin``) with the committed CRD Established and
+    ``namespace`` made: what the CRD's own schema and CEL rules answer, without the operator's webhook."""
+    cp = ControlPlane(workdir=workdir, apiserver_only=True, apiserver_bin=apiserver_bin, feature_gates={},
+                      runtime_config=(), audit=False)
+    with cp:
+        cp.admin.create("apiextensions.k8s.io/v1/customresourcedefinitions", None, CRD)
+
+        def established() -> bool:
+            got = cp.admin.get("apiextensions.k8s.io/v1/customresourcedefinitions", None, CRD_NAME) or {}
+            conds = {c["type"]: c["status"] for c in (got.get("status") or {}).get("conditions") or []}
+            return conds.get("Established") == "True" and conds.get("NamesAccepted") == "True"
+
+        wait_for(established, 30, "the CRD Established")
+        cp.admin.ensure_namespace(namespace)
+        yield cp
 
 
 def post_dry_run(api: Any, doc: dict[str, Any]) -> tuple[int, dict[str, Any], str]:

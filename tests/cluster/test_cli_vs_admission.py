@@ -1,5 +1,6 @@
-"""CLI >= admission: any spec the API server refuses (the committed CRD's OpenAPI schema + CEL rules, played by
-the strict API double's code), ``kubetitan validate`` refuses too, naming the same field path.
+"""CLI >= admission: any spec the API server refuses (the committed CRD's OpenAPI schema + CEL rules, answered by
+a real kube-apiserver of the pinned version with the CRD installed and no webhook: ``support.crd_answers``),
+``kubetitan validate`` refuses too, naming the same field path.
 
 Hypothesis draws specs from the examples and an empty spec, then mutates fields chosen from the CRD schema's own
 field list: in- and out-of-range numbers at the bounds, wrong types, enum neighbours, unknown keys, patterns,
@@ -12,23 +13,39 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.paths import EXAMPLES, REPO, load_example
-from support.specs import make_lpt
-from kmockx.validation import StructuralSchema
-from kubetitan_core import crd as crdmod
 from kubetitan_core.validation import CEL_RULES, parse
+from support.cluster import ControlPlane
+from support.crd_answers import CRD, crd_only_server, post_dry_run
+from support.paths import EXAMPLES, load_example
+from support.specs import make_lpt
 
-CRD = yaml.safe_load((REPO / "crds" / crdmod.CRD_FILE).read_text())
+pytestmark = pytest.mark.xdist_group("real-crd")
+NAMESPACE = "cli"
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+NOT_CHECKED = "some validation rules were not checked because the object was invalid"
+"""The server's cause (field ``<nil>``) beside a type error: the CEL rules it did not evaluate."""
+SERVER: list[ControlPlane] = []
+"""The module's server (hypothesis' @given cannot take a fixture's value: the fixture puts it here)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def crd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    with crd_only_server(tmp_path_factory.mktemp("crd"), NAMESPACE) as cp:
+        SERVER[:] = [cp]
+        yield cp
+        SERVER.clear()
 BASES = [make_lpt({})] + [load_example(p) for p in EXAMPLES]
 
 
@@ -108,10 +125,31 @@ def _is_cel(message: str) -> bool:
 
 
 def admission_layers(obj: dict[str, Any]) -> tuple[set[str], set[str]]:
-    """(OpenAPI-layer, CEL-layer) field paths the API server refuses (strict field validation, as kubectl)."""
-    causes, unknown = StructuralSchema(SCHEMA).apply(copy.deepcopy(obj), None)
-    return ({c.field for c in causes if not _is_cel(c.message)} | set(unknown),
-            {c.field for c in causes if _is_cel(c.message)})
+    """(OpenAPI-layer, CEL-layer) field paths the API server refuses, from a dry-run create with strict field
+    validation (as kubectl sends it): strict decoding's unknown fields (400), the 422's causes split by whether their
+    message is a CEL rule's."""
+    doc = copy.deepcopy(obj)
+    doc["metadata"] = {**doc.get("metadata", {}), "namespace": NAMESPACE}
+    code, body, _ = post_dry_run(SERVER[0].admin, doc)
+    if code == 201:
+        return set(), set()
+    message = body.get("message", "")
+    if code == 400:
+        unknown = set(re.findall(r'unknown field "([^"]+)"', message))
+        assert unknown, body  # the only 400 strict decoding gives for a well-formed body
+        return unknown, set()
+    assert code == 422 and body.get("reason") == "Invalid", body
+    schema, cel = set(), set()
+    for c in (body.get("details") or {}).get("causes") or []:
+        field, text = c.get("field", ""), c.get("message", "")
+        if field in ("", "<nil>"):  # the server names the field in the message, or none (NOT_CHECKED)
+            m = re.search(r" in (spec[\w.\[\]]*)", text)
+            if m is None:
+                assert NOT_CHECKED in text, c
+                continue
+            field = m.group(1)
+        (cel if _is_cel(text) else schema).add(field)
+    return schema, cel
 
 
 def admission(obj: dict[str, Any]) -> set[str]:
@@ -156,10 +194,11 @@ def test_the_property_sees_both_verdicts():
 
 
 def test_cli_command_agrees_on_a_refused_spec(tmp_path: Path):
+    """``kubetitan validate`` (the command) refuses what the server refuses; a ``null`` the server prunes before
+    validating (``serviceAccountName``, not nullable) is no refusal of the server's."""
     obj = make_lpt({"training": {"steps": 0}, "resources": {"serviceAccountName": None}})
-    assert admission(obj) == {"spec.training.steps", "spec.resources.serviceAccountName"}
+    assert admission(obj) == {"spec.training.steps"}
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump(obj))
     r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", str(f)], capture_output=True, text=True)
     assert r.returncode != 0 and "spec.training.steps" in r.stdout + r.stderr
-    assert "spec.resources.serviceAccountName" in r.stdout + r.stderr
