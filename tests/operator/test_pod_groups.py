@@ -49,7 +49,12 @@ def test_served_each_attempt_gets_its_gang_pod_group_first_and_loses_it_when_it_
             [("LlamaPretrain", uid, True)]
         assert group["metadata"]["labels"]["kubetitan.io/attempt"] == "0"
         assert all(p["spec"]["schedulingGroup"] == {"podGroupName": "pg-a0"} for p in c.pods(NS, "pg"))
-        creates = _creates(c)
+        # the double logs a request once it has answered it, after the object is visible: wait for the log too
+        def all_logged() -> list[tuple[str, str]] | None:
+            got = _creates(c)
+            return got if all(("pods", f"pg-a0-{r}") in got for r in range(3)) else None
+
+        creates = wait_for(all_logged, 20, "the 3 pod creates in the double's request log")
         assert creates.index(("podgroups", "pg-a0")) < min(creates.index(("pods", f"pg-a0-{r}")) for r in range(3))
 
         # the scheduler cannot place the gang: reported as for any pod it cannot place

@@ -317,13 +317,15 @@ async def test_scrapes_in_flight_are_bounded_and_a_waiter_gives_up_after_one_tim
     finally:
         scraper.close()
     assert first.reason == C.METRICS_TIMEOUT
-    if slow.requests == 1:  # the waiter got no slot within its timeout: nothing learnt, no error either
-        assert second == observe.Scraped()
+    if second == observe.Scraped():  # the waiter got no slot within its timeout: nothing learnt, no error either
+        assert slow.requests <= 1, slow.requests
     else:
         # Under load the first scrape's release (at its 1 s cap) can win the race with the waiter's own 1 s deadline
         # (seen under two CPU hogs): the waiter then scrapes, but only after the first one ended - never two at once.
-        assert slow.requests == 2 and second.reason == C.METRICS_TIMEOUT, (slow.requests, second)
-        assert slow.request_times[1] - slow.request_times[0] >= 0.9, slow.request_times
+        # (On a loaded machine the first scrape's cap can also run out before its request reached the server.)
+        assert second.reason == C.METRICS_TIMEOUT and slow.requests <= 2, (slow.requests, second)
+        if slow.requests == 2:
+            assert slow.request_times[1] - slow.request_times[0] >= 0.9, slow.request_times
 
 
 @pytest.mark.parametrize(("body", "series"), [
