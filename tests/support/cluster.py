@@ -665,10 +665,16 @@ class KubeCluster(RunQueries):
         except ApiError as e:
             if e.status != 404:
                 raise
-            api.create(LEASES, "kube-node-lease", {
-                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": name, "namespace": "kube-node-lease"},
-                "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": now}})
+            try:
+                api.create(LEASES, "kube-node-lease", {
+                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": name, "namespace": "kube-node-lease"},
+                    "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": now}})
+            except ApiError as e2:
+                # a node that just registered is renewed by its registration and by the lease thread at once: the
+                # one whose create comes second finds the Lease made a moment ago, renewed either way
+                if e2.status != 409:
+                    raise
 
     @staticmethod
     def _ready_cond(ready: bool) -> dict[str, Any]:
