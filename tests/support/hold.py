@@ -41,6 +41,11 @@ def stop_file(folder: Path, step: int) -> Path:
     return Path(next(folder.glob(f"held-{step}-*")).read_text())
 
 
+def stop_files(folder: Path, step: int) -> list[Path]:
+    """The stop files of every launcher whose workers are held after ``step`` (one per pod of a gang)."""
+    return sorted({Path(f.read_text()) for f in folder.glob(f"held-{step}-*")})
+
+
 def go(folder: Path, step: int) -> None:
     """Let the ranks held after ``step`` go on (and any rank that trains ``step`` later pass it)."""
     (folder / f"go-{step}").touch()
