@@ -337,6 +337,10 @@ def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_when_a_replacement
     ckpt = _checkpoint_claim(control_plane, namespace, tmp_path)
     spec = e2e_elastic_spec(ckpt, ELASTIC_STEPS, ELASTIC_INTERVAL, free_port(), GLOBAL_BATCH,
                             {"shrinkAfterSeconds": 2, "growCheckSeconds": 2}, nodes=ELASTIC_NODES)
+    # hangTimeoutSeconds above the node lifecycle controller's grace, as in the CPU run: the silent node must be
+    # seen NotReady (WaitingForReplacement, then Shrink) before the frozen gang counts as hung (at load 10-14 the
+    # node took over 10 s to turn NotReady and a Hang restart came first)
+    spec["runPolicy"]["hangTimeoutSeconds"] = 60
     st = lambda: kube.status(namespace, "el")  # noqa: E731
     cond = lambda t: next((c for c in st().get("conditions") or [] if c["type"] == t), None)  # noqa: E731
     with Kubelet(kube, tmp_path / "kubelet", nodes=ELASTIC_NODES, claims={CLAIM: ckpt}, node_prefix=f"{namespace}-n",
