@@ -223,6 +223,9 @@ class Kubelet:
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="e2e-kubelet")
         self.errors: list[BaseException] = []
+        self.env: dict[str, str] = {}
+        """Extra environment of every container started from now on (e.g. ``support.hold.env``: hold the trainers
+        after chosen steps)."""
         self.heartbeat_thread = threading.Thread(target=self._heartbeats, daemon=True, name="e2e-kubelet-leases")
 
     # ------------------------------------------------------------------ lifecycle
@@ -571,7 +574,7 @@ class Kubelet:
                if not k.startswith(("KUBETITAN_", "PYTEST_", "MASTER_", "TORCHELASTIC_")) and k not in (
                    "RANK", "LOCAL_RANK", "WORLD_SIZE", "KUBECONFIG")}
         # One CPU thread per process unless the pod asks otherwise: the gang shares two cores.
-        env.update(HOSTNAME=spec_hostname(pod), OMP_NUM_THREADS="1")
+        env.update(HOSTNAME=spec_hostname(pod), OMP_NUM_THREADS="1", **self.env)
         fields = {"status.podIP": pp.ip, "status.hostIP": pp.ip, "spec.nodeName": pp.node,
                   "metadata.name": pp.name, "metadata.namespace": pp.ns}
         for e in c.get("env") or []:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 from common import attempts_in_log, complete_checkpoints, free_port, loss_by_step, step_log
+from support import hold
 from support.specs import NS, e2e_spec, lpt
 from support.windows import slack
 
@@ -46,13 +47,14 @@ from kubetitan.timestamps import parse_time
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
 
-STEPS, INTERVAL = 120, 20
-"""Each fault lands while the run trains, and the test learns where the run is from the operator's 0.5 s scrapes
-(about 10 steps of the test model late): the freeze at step >= 21 (seen by step ~31); attempt 1 resumes from step 20,
-and its operator restart (a 1 s pause and a new operator's first scrape) and node failure take ~15 steps; attempt 2
-resumes from step 20 or 40 and is suspended at step ~22-52, with 70-100 steps (4-5 s here) left (the windows each run
-prints: bench/results/suite/s16_windows_e2e_s3.txt.xz). A checkpoint every 20 steps: the first scrape past step 21
-cannot have seen the second checkpoint (step 40) yet, and 6 saves, not 30."""
+STEPS, INTERVAL = 40, 10
+HOLDS = (11, 13, 17, 24)
+"""The steps after which the trainers are held (``support.hold``) while a fault lands, so that none needs a window of
+extra steps: attempt 0 past its step-10 checkpoint (freeze rank 1); attempt 1, resumed from step 10, before the
+operator restart and again before its node fails (step 17: the step-20 save not made, so attempt 2 resumes from 10
+too); attempt 2 at step 24 before the suspension (it stops at 25, no checkpoint step of its own). Until now each
+fault followed the operator's 0.5 s scrapes (~10 steps late) with 70-100 steps left to land in: 120 steps, a
+checkpoint every 20."""
 OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5}
 """Quicker than the operator's defaults (10 s / 15 s), slower than the harness's (0.1 s / 0.05 s): the operator's
 loop then costs little of the two cores the trainers run on. Downtime is exact anyway (the trainer's heartbeat)."""
@@ -104,6 +106,9 @@ def _settled(c, name: str, index: int) -> dict:
 def test_one_run_through_every_fault(e2e) -> None:
     c, k = e2e.cluster, e2e.kubelet
     name = "faults"
+    held = e2e.ckpt.parent / "held"
+    k.env.update(hold.env(held, *HOLDS))
+    running = lambda: c.status(NS, name).get("phase") != "Failed"  # noqa: E731
     op = Operator(c, **OPERATOR).__enter__()
     try:
         # the gang level of recovery: in-place restarts off, so every fault re-creates the gang and the hang below
@@ -111,6 +116,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         c.apply(lpt(name, e2e_spec(e2e.ckpt, STEPS, INTERVAL, free_port(), maxInPlaceRestarts=0)))
 
         # ---- attempt 0: Running, status.training filled from rank 0's real metrics
+        hold.wait_held(held, HOLDS[0], ranks=2, alive=running, timeout=START)
         _wait_attempt_step(c, name, 0, INTERVAL + 1)
         st = c.status(NS, name)
         tr = st["training"]
@@ -123,7 +129,7 @@ def test_one_run_through_every_fault(e2e) -> None:
         # ---- freeze one process -> hang detected, restart
         frozen = k.freeze(NS, f"{name}-a0-1")
         assert frozen
-        slack("freeze (attempt 0)", step_log(e2e.ckpt), STEPS, attempt=0)
+        hold.go(held, HOLDS[0])  # rank 0 goes on into a collective its frozen peer never joins
         _wait_restarts(c, name, 1, 90, "hang restart")
         # what attempt 0 left, read once the restart is decided (attempt 1's pods do not exist yet): by the time
         # the restart record settles, attempt 1 may have saved its own next checkpoint (seen under two CPU hogs)
@@ -137,11 +143,12 @@ def test_one_run_through_every_fault(e2e) -> None:
         assert log[_first_index_after(log, rec)]["step"] == resumed + 1, "attempt 1 did not resume from the newest checkpoint"
 
         # ---- restart the operator itself mid-run: no duplicate pods, the restart count kept, the run carries on
-        slack("operator restart (attempt 1)", step_log(e2e.ckpt), STEPS, attempt=1)
+        hold.wait_held(held, HOLDS[1], ranks=2, alive=running, timeout=START)
         op.stop()
         step_then = c.step(NS, name)
         time.sleep(1.0)
         op = Operator(c, **OPERATOR).__enter__()
+        hold.go(held, HOLDS[1])
         _wait_attempt_step(c, name, 1, step_then + 2, 120)
         # one gang: attempt 0's pods may still be terminating (the frozen worker waits out its grace period)
         live = sorted(p["metadata"]["name"] for p in c.pods(NS, name) if not p["metadata"].get("deletionTimestamp"))
@@ -151,8 +158,9 @@ def test_one_run_through_every_fault(e2e) -> None:
         # ---- node NotReady, its pod left terminating -> force delete and restart
         victim = f"{name}-a1-1"
         node = c.get(PODS, NS, victim)["spec"]["nodeName"]
+        hold.wait_held(held, HOLDS[2], ranks=2, alive=running, timeout=START)
         k.fail_node(node)
-        slack("node failure (attempt 1)", step_log(e2e.ckpt), STEPS, attempt=1)
+        hold.go(held, HOLDS[2])  # rank 0 goes on into a collective its frozen peer never joins
         _wait_restarts(c, name, 2, 60, "node failure restart")
         rec = c.status(NS, name)["restarts"][1]
         assert rec["cause"] == "NodeFailure" and rec["nodeName"] == node, rec
@@ -166,44 +174,37 @@ def test_one_run_through_every_fault(e2e) -> None:
         log = step_log(e2e.ckpt)
         assert log[_first_index_after(log, rec)]["step"] == resumed + 1
 
-        # ---- suspend: every rank checkpoints on SIGTERM and exits 75; pods gone. Under two CPU hogs attempt 2 can
-        # train its last step before the suspension lands (hog loops s13): rank 0 exits 0 first and the run succeeds
-        # (decide.lifecycle.suspended leaves it to rank0_succeeded), or the ranks finish the last step while stopping (exit 0
-        # or 75 with the final checkpoint) and the run is Suspended with nothing left to train.
+        # ---- suspend, held after a step: every rank checkpoints on SIGTERM (the workers let go once both launchers
+        # have created their stop files) and exits 75 at the next step; pods gone
+        hold.wait_held(held, HOLDS[3], ranks=2, alive=running, timeout=START)
         c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": True}}})
-        slack("suspend (attempt 2)", step_log(e2e.ckpt), STEPS, attempt=2)
-        wait_for(lambda: c.status(NS, name).get("phase") in ("Suspended", "Succeeded") and not _pods(c, name), 120,
-                 "suspended (or done first)")
-        finished_first = c.status(NS, name)["phase"] == "Succeeded"
+        wait_for(lambda: len(stops := hold.stop_files(held, HOLDS[3])) == 2 and all(f.exists() for f in stops), 60,
+                 "SIGTERM reached both launchers (their workers' stop files)")
+        hold.go(held, HOLDS[3])
+        wait_for(lambda: c.status(NS, name).get("phase") == "Suspended" and not _pods(c, name), 120, "suspended")
         stopped_at = step_log(e2e.ckpt)[-1]["step"]
+        assert stopped_at == HOLDS[3] + 1, stopped_at
         exits = {k.exits[(NS, f"{name}-a2-{r}")] for r in (0, 1)}
-        if finished_first:
-            assert k.exits[(NS, f"{name}-a2-0")] == (0, "Completed") and stopped_at == STEPS
-        else:
-            stopped = {(75, "Error")} | ({(0, "Completed")} if stopped_at == STEPS else set())
-            assert exits <= stopped, (exits, stopped_at)
-            assert max(complete_checkpoints(e2e.ckpt)) == stopped_at, "no checkpoint at the stop step"
-            time.sleep(1.0)
-            assert c.status(NS, name)["restartCount"] == 2  # a suspension is not a restart
+        assert exits == {(75, "Error")}, (exits, stopped_at)
+        assert max(complete_checkpoints(e2e.ckpt)) == stopped_at, "no checkpoint at the stop step"
+        time.sleep(1.0)
+        assert c.status(NS, name)["restartCount"] == 2  # a suspension is not a restart
 
-            # ---- resume: continues from that step, then succeeds with the final checkpoint
-            c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": False}}})
-            wait_for(lambda: c.status(NS, name).get("phase") == "Succeeded", START + 240, "succeeded")
+        # ---- resume: continues from that step, then succeeds with the final checkpoint
+        c.patch(LPT, NS, name, {"spec": {"runPolicy": {"suspend": False}}})
+        wait_for(lambda: c.status(NS, name).get("phase") == "Succeeded", START + 240, "succeeded")
     finally:
         op.stop()
     st = c.status(NS, name)
     log = step_log(e2e.ckpt)
     segs = attempts_in_log(log)
     after = [r for r in log if r["attempt"] == 3]  # stop at S, resume at S + 1: one unbroken run of steps
-    if stopped_at < STEPS:
-        assert after[0]["step"] == stopped_at + 1, (stopped_at, after[:2])
-        assert after[-1]["step"] == STEPS
-    else:  # attempt 2 trained its last step before the suspension took effect (hog loops s13): nothing is left
-        assert after == [], after
+    assert after[0]["step"] == stopped_at + 1, (stopped_at, after[:2])
+    assert after[-1]["step"] == STEPS
     assert st["training"]["step"] == STEPS
     assert STEPS in complete_checkpoints(e2e.ckpt), "no final checkpoint"
     assert [r["cause"] for r in st["restarts"]] == ["Hang", "NodeFailure"]
-    assert st["restartCount"] == 2 and st["attempt"] == (2 if finished_first else 3)
+    assert st["restartCount"] == 2 and st["attempt"] == 3
     for i, r in enumerate(st["restarts"]):
         j = _first_index_after(log, r)
         first_new, last_old = log[j], log[j - 1]

@@ -8,27 +8,27 @@ at its first checkpoint; attempt 1 has exactly 3 pods with one config hash and `
 checkpoint at data-parallel degree 3 (DCP reshards the model and optimizer, the data position is global), and the
 run succeeds. On hub-streamed data the same edit is refused instead (tests/operator/test_gang_safety.py).
 
-Everything waits on status writes, conditions and files (rank 0's step log, the checkpoint's metadata).
+Everything waits on status writes, conditions and files (the checkpoint's metadata, the trainers' hold files).
 """
 
 from __future__ import annotations
 
 import pytest
 from common import complete_checkpoints, free_port, step_log
+from support import hold
 from support.specs import NS, e2e_spec, lpt
-from support.windows import slack
 
 from kmockx.harness import LPT, Operator, wait_for
 from kubetitan import conditions as C
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(600)]
 
-STEPS, INTERVAL = 80, 10
-"""A checkpoint every 10 steps: attempt 0 is killed at its first (seen in the checkpoint folder, polled every 20 ms)
-with 70 steps (3.0-4.2 s of the test model here) left, so the kill lands long before it could finish; attempt 1 saves
-7 times, not 20 (each save writes every rank's model and optimizer), and trains its ~70 steps for a few seconds, so
-the operator scrapes the step it resumed from (its restart record's ``resumedFromStep`` is settled from that scrape: a
-short attempt 1 could finish between two 0.5 s scrapes and leave the record at the operator's first guess)."""
+STEPS, INTERVAL = 20, 10
+"""A checkpoint every 10 steps. The trainers are held (``support.hold``) after step 11, where attempt 0 is killed
+(its step-10 checkpoint complete, no later one), and after step 12, attempt 1's second step, until the operator has
+scraped the step it resumed from (its restart record's ``resumedFromStep`` is settled from that scrape: an attempt
+1 that finished between two 0.5 s scrapes would leave the record at the operator's first guess). Until now 80 steps,
+so that neither action needed a hold: ~70 steps (3-4 s) after each."""
 OPERATOR = {"namespaces": (NS,), "scan_interval": 0.2, "scrape_interval": 0.5}
 START = 300.0  # seconds allowed for a gang to reach its first step (torch imports on two busy cores)
 
@@ -50,6 +50,9 @@ def test_nodes_2_to_3_mid_run_applies_at_the_next_attempt_which_resumes_at_the_n
     c, k = e2e.cluster, e2e.kubelet
     name = "ws"
     st = lambda: c.status(NS, name)  # noqa: E731
+    held = e2e.ckpt.parent / "held"
+    k.env.update(hold.env(held, INTERVAL + 1, INTERVAL + 2))
+    running = lambda: st().get("phase") != "Failed"  # noqa: E731
     with Operator(c, **OPERATOR):
         c.apply(lpt(name, e2e_spec(e2e.ckpt, STEPS, INTERVAL, free_port(), maxInPlaceRestarts=0)))
         wait_for(lambda: len(c.pod_names(NS, name)) == 2 and st().get("attempt") == 0, 30, "attempt 0's 2 pods")
@@ -58,18 +61,18 @@ def test_nodes_2_to_3_mid_run_applies_at_the_next_attempt_which_resumes_at_the_n
 
         # ---- the edit, while attempt 0 starts: deferred, attempt 0 untouched
         c.patch(LPT, NS, name, {"spec": {"resources": {"nodes": 3}, "parallelism": {"dataParallelShardDegree": 3}}})
-        slack("nodes 2 -> 3 edit (attempt 0)", step_log(e2e.ckpt), STEPS, attempt=0)
         cond = wait_for(lambda: (x := c.condition(NS, name, C.SPEC_ACCEPTED)) and x["reason"]
                         == C.DEFERRED_TO_NEXT_ATTEMPT and x, 30, "SpecAccepted=True/DeferredToNextAttempt")
         assert cond["status"] == "True" and "resources.nodes 2 -> 3" in cond["message"], cond
         assert "applied when the next attempt starts" in cond["message"], cond
-        wait_for(lambda: complete_checkpoints(e2e.ckpt), START, "attempt 0's first checkpoint")
+        hold.wait_held(held, INTERVAL + 1, ranks=2, alive=running, timeout=START)  # past the first checkpoint
+        assert max(complete_checkpoints(e2e.ckpt)) == INTERVAL, complete_checkpoints(e2e.ckpt)
         assert _gang(c, name) == before, "a pod of the live attempt was changed or added"
         assert st()["attempt"] == 0 and st()["phase"] in ("Starting", "Running"), st()
 
         # ---- a rank of attempt 0 dies: attempt 1 is the 3-node gang
         k.kill(NS, f"{name}-a0-1")
-        slack("rank 1 killed (attempt 0)", step_log(e2e.ckpt), STEPS, attempt=0)
+        hold.go(held, INTERVAL + 1)  # rank 0 goes on into a collective its dead peer never joins
         wait_for(lambda: st().get("restartCount") == 1, 60, "the restart after the kill")
         left = complete_checkpoints(e2e.ckpt)  # what attempt 0 left (attempt 1 has not trained yet)
         assert {p for p in _pods_created(c) if "-a0-" in p} == {f"{name}-a0-0", f"{name}-a0-1"}, "a pod added to attempt 0"
@@ -79,6 +82,10 @@ def test_nodes_2_to_3_mid_run_applies_at_the_next_attempt_which_resumes_at_the_n
         hashes = {h for _u, h, _a in after.values()}
         assert len(hashes) == 1 and hashes != {h for _u, h, _a in before.values()}, (hashes, before)
         assert all("--nnodes=3" in a for _u, _h, a in after.values()), after
+        hold.wait_held(held, INTERVAL + 2, ranks=3, alive=running, timeout=START)
+        wait_for(lambda: (st().get("restarts") or [{}])[0].get("resumedFromStep") == max(left), 30,
+                 "the restart record's resumedFromStep from the operator's scrape of attempt 1")
+        hold.go(held, INTERVAL + 2)
 
         # ---- attempt 1 resumes attempt 0's newest checkpoint at data-parallel degree 3 and finishes the run
         wait_for(lambda: st().get("phase") == "Succeeded", START, "Succeeded")

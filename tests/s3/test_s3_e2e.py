@@ -19,15 +19,16 @@ from kubetitan_trainer import storage
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "e2e"))  # the e2e kubelet and its builders (no package there)
 from common import NS, e2e_spec, lpt, step_log  # noqa: E402
-from support.windows import slack  # noqa: E402
+from support import hold  # noqa: E402
 from kubelet import Kubelet  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("e2e"), pytest.mark.timeout(900)]
 
-STEPS, INTERVAL = 80, 10
-"""rank 1 is killed once the operator has scraped attempt 0's first checkpoint (0.5 s scrapes: up to ~10 steps of the
-test model late, seen here at step 10-20), with 60-70 steps (3 s or more here, and the S3 saves) left: the kill lands
-while the run trains (the windows each run prints: bench/results/suite/s16_windows_e2e_s3.txt.xz)."""
+STEPS, INTERVAL = 20, 10
+"""rank 1 is killed while the trainers are held (``support.hold``) after step 12, two steps past attempt 0's first
+checkpoint (so attempt 1 replays two steps), once the operator has scraped that checkpoint; attempt 1 is held after
+step 13, its first new step, until the operator has settled the restart record from its scrapes. Until now 80 steps,
+so that the kill had 60-70 steps (3 s or more) to land in, and attempt 1 trained long enough to be scraped."""
 START = 300.0
 
 
@@ -57,7 +58,10 @@ def test_gang_killed_resumes_from_s3_and_a_missing_bucket_fails_with_a_condition
     def st(name: str) -> dict:
         return c.status(NS, name)
 
+    held = tmp_path / "held"
+    running = lambda: st(name).get("phase") != "Failed"  # noqa: E731
     with Cluster() as c, Kubelet(c, tmp_path / "kubelet", nodes=2) as k:
+        k.env.update(hold.env(held, INTERVAL + 2, INTERVAL + 3))
         op = _operator(c, ep).__enter__()
         try:
             name, bad = "s3run", "missing"
@@ -66,16 +70,19 @@ def test_gang_killed_resumes_from_s3_and_a_missing_bucket_fails_with_a_condition
             # the first run's instead of following its end
             c.apply(lpt(bad, _s3_spec(tmp_path / "scratch-bad", ep, "s3://no-such-bucket-e2e/run", 4)))
             # attempt 0 trains past its first S3 checkpoint
+            hold.wait_held(held, INTERVAL + 2, ranks=2, alive=running, timeout=START)
             wait_for(lambda: ((st(name).get("training") or {}).get("lastCheckpointStep") or 0) >= INTERVAL
                      and st(name).get("attempt") == 0, START, "attempt 0's first checkpoint in S3")
             assert not (scratch / "checkpoint").exists(), "checkpoints went to the bucket, not the scratch folder"
             k.kill(NS, f"{name}-a0-1")
-            slack("rank 1 killed (attempt 0)", step_log(scratch), STEPS, attempt=0)
+            hold.go(held, INTERVAL + 2)  # rank 0 goes on into a collective its dead peer never joins
             wait_for(lambda: st(name).get("restartCount") == 1, 60, "restart after the kill")
             left = complete()  # what attempt 0 left in the bucket (attempt 1's pods do not exist yet)
+            hold.wait_held(held, INTERVAL + 3, ranks=2, alive=running, timeout=START)
             wait_for(lambda: len(st(name).get("restarts") or []) > 0
                      and st(name)["restarts"][0].get("downtimeSeconds") is not None, START,
                      "restart 0 settled (attempt 1's first step)")
+            hold.go(held, INTERVAL + 3)
             rec = st(name)["restarts"][0]
             assert rec["cause"] == "ContainerFailed" and "137" in rec["message"] and rec["nodeName"], rec
             assert left and rec["resumedFromStep"] == max(left) and max(left) % INTERVAL == 0, (rec, left)

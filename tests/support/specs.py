@@ -87,13 +87,13 @@ def e2e_spec(ckpt_dir: Path, steps: int, interval: int, metrics_port: int, **run
 
 
 def e2e_elastic_spec(ckpt_dir: Path, steps: int, interval: int, metrics_port: int, global_batch: int = 6,
-                     elastic: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``e2e_spec`` on 3 "nodes" with ``runPolicy.elastic {minNodes: 2}`` (``elastic=None``: not elastic, the same
-    run otherwise), every size's shard degree (-1) and a global batch of ``global_batch`` samples (local batch 1:
-    gradient accumulation 2 at 3 nodes, 3 at 2)."""
+                     elastic: dict[str, Any] | None = None, nodes: int = 3) -> dict[str, Any]:
+    """``e2e_spec`` on ``nodes`` "nodes" with ``runPolicy.elastic {minNodes: nodes - 1}`` (``elastic=None``: not
+    elastic, the same run otherwise), every size's shard degree (-1) and a global batch of ``global_batch`` samples
+    (local batch 1: with the defaults, gradient accumulation 2 at 3 nodes, 3 at 2)."""
     spec = e2e_spec(ckpt_dir, steps, interval, metrics_port, maxInPlaceRestarts=0,
-                    **({"elastic": {"minNodes": 2, **elastic}} if elastic is not None else {}))
-    spec["resources"]["nodes"] = 3
+                    **({"elastic": {"minNodes": nodes - 1, **elastic}} if elastic is not None else {}))
+    spec["resources"]["nodes"] = nodes
     spec["parallelism"] = {"dataParallelShardDegree": -1}
     spec["training"].update(localBatchSize=1, globalBatchSize=global_batch)
     return spec

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import tomli_w
@@ -54,3 +55,54 @@ def step_records(dump: Path) -> list[dict]:
     being written is left out)."""
     text = (Path(dump) / "kubetitan" / "steps.jsonl").read_text()
     return [json.loads(line) for line in text.split("\n")[:-1] if line]
+
+
+WORKERS = r"""
+import gc, importlib, json, os, sys, traceback
+gc.disable()  # as kubetitan_trainer.main.imports_without_gc: no collection while importing, the imports frozen
+for name in ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch._inductor.compile_fx",
+             "datasets", "numpy"):  # what a worker imports from torch and the datasets library (not torchtitan)
+    importlib.import_module(name)
+gc.enable()
+gc.freeze()
+codes = []
+for case in json.loads(sys.argv[1]):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        log = os.open(case["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ.update(case["env"])
+        sys.argv = ["kubetitan_trainer.main", "--job.config_file", case["config"]]  # as torchrun starts a worker
+        try:
+            exec(case["prelude"], {})
+            from kubetitan_trainer import main
+            code = main.main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) or e.code is None else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(json.dumps(codes))
+"""
+
+
+def workers_in_one_process(cases: list[tuple[Path, str]], env: dict[str, str], prelude: str = "",
+                           timeout: float = 300) -> list[tuple[int, str]]:
+    """Run one single-rank worker (``kubetitan_trainer.main``, what torchrun starts) per ``(config, MASTER_PORT)``
+    of ``cases``, one after the other, each forked from one Python process that imported torch and the datasets
+    library once (torchtitan binds ``sys.argv`` when imported: each worker imports it), with ``env`` (RANK, WORLD_SIZE, HF_ENDPOINT, ...: the same for all,
+    as the libraries read some of it at import) and ``prelude`` run in each before it: (exit code, output) each."""
+    payload = [{"config": str(cfg), "log": str(cfg.with_suffix(".worker.log")), "prelude": prelude,
+                "env": {"MASTER_PORT": str(port)}} for cfg, port in cases]
+    r = subprocess.run([sys.executable, "-c", WORKERS, json.dumps(payload)], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    codes = json.loads(r.stdout.splitlines()[-1])
+    return [(code, Path(p["log"]).read_text(errors="replace")) for code, p in zip(codes, payload)]

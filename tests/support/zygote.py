@@ -7,6 +7,7 @@ imports_without_gc`` does, and then forks one child per request read from stdin.
 stdin from /dev/null, stdout and stderr appended to the log, the module run by ``runpy`` as ``__main__``. It imports
 torchtitan and kubetitan itself (torchtitan binds ``sys.argv`` as a default when it is imported), so only torch's
 own import is shared. Single-threaded: requests and SIGCHLD (through a wakeup pipe) are multiplexed with select.
+A request whose environment has ``KUBETITAN_TEST_HOLD`` gets ``tests/support/hold.py``'s step hold installed first.
 
 Protocol, one JSON object a line: in ``{"id", "module", "args", "env", "cwd", "log", "new_session", "namespaces"}``
 (``namespaces``: null, or ``[hosts file, hostname]`` for a mount and UTS namespace of its own); out
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -91,6 +93,12 @@ def _child(req: dict, wakeup: tuple[int, int]) -> None:
                                                 errors=old.errors, write_through=True))
     sys.argv = ["-m", *req["args"]]
     try:
+        if os.environ.get("KUBETITAN_TEST_HOLD"):  # support/hold.py: hold the workers after chosen steps
+            spec = importlib.util.spec_from_file_location("support_hold", os.path.join(os.path.dirname(__file__),
+                                                                                       "hold.py"))
+            hold = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(hold)
+            hold.install()
         runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
         if isinstance(e.code, int) or e.code is None:

@@ -23,6 +23,7 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []
         self.fail_next: list[int | None] = []  # answers to the next requests: a status, 0 = drop, None = serve
         self.status_for_repo: int | None = None  # a fixed answer (404, 401, 403) for every request
+        self.status_by_repo: dict[str, int] = {}  # a fixed answer for every request naming that (other) repository
         self.lock = threading.Lock()
         hub = self
 
@@ -61,7 +62,9 @@ class FakeHub:
             h.close_connection = True
             h.connection.close()  # a reset connection: the client sees a transport error
             return
-        status = fail if fail is not None else self.status_for_repo
+        status = fail if fail is not None else next(
+            (code for repo, code in self.status_by_repo.items() if f"/{repo}/" in path or path.endswith(f"/{repo}")),
+            self.status_for_repo)
         if status:
             body = json.dumps({"error": f"fake hub answers {status}"}).encode()
             h.send_response(status)

@@ -121,38 +121,39 @@ def test_one_download_per_pod_the_other_ranks_wait_for_the_marker(tmp_path):
         assert out[0] == "ready" and set(json.loads(out[-1])) == {*FILES, downloads.DONE_MARKER}
 
 
-MAIN = """
-import sys
-sys.argv = ["kubetitan_trainer.main", "--job.config_file", sys.argv[1]]  # as torchrun starts a worker
-from kubetitan_trainer import main
+PRELUDE = """
 from kubetitan_trainer.data import downloads
 downloads.RETRIES, downloads.BACKOFF_BASE_SECONDS = 2, 0.01  # keep the exhausted-retries case short
-sys.exit(main.main())
 """
+CASES = {"org/missing": (404, ExitCode.CONFIG_ERROR), "org/down": (503, ExitCode.RETRYABLE)}
 
 
-@pytest.mark.parametrize(("status", "code"), [(404, ExitCode.CONFIG_ERROR), (503, ExitCode.RETRYABLE)],
-                         ids=["not-found-exit-2", "503-exit-6"])
-def test_the_trainer_exits_2_for_a_missing_repo_and_6_when_the_hub_stays_down(tmp_path, status, code):
+def test_the_trainer_exits_2_for_a_missing_repo_and_6_when_the_hub_stays_down(tmp_path):
     """A real worker (torchtitan's Trainer builds the tokenizer) against the stand-in hub: 404 is a config error
-    (exit 2, asked once), a hub that keeps answering 503 is exit 6 after its retries (3 tries)."""
+    (exit 2, asked once), a hub that keeps answering 503 is exit 6 after its retries (3 tries). Both workers are
+    forked from one process that imported torch once (support.trainer.workers_in_one_process), one repository each."""
     from kmockx.harness import free_port
 
     from support.specs import tiny_lpt, write_config
+    from support.trainer import workers_in_one_process
 
-    obj = tiny_lpt({"tokenizer": {"source": "huggingface", "repo": REPO}, "parallelism": {"dataParallelShardDegree": 1},
-               "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1}})
-    cfg = write_config(tmp_path / "t.toml", obj, tmp_path / "dump")
+    cases = []
+    for repo in CASES:
+        obj = tiny_lpt({"tokenizer": {"source": "huggingface", "repo": repo},
+                        "parallelism": {"dataParallelShardDegree": 1},
+                        "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1}})
+        cases.append((write_config(tmp_path / f"{repo.split('/')[1]}.toml", obj, tmp_path / repo), free_port()))
     with FakeHub(REPO, {}) as hub:
-        hub.status_for_repo = status
+        hub.status_by_repo = {repo: status for repo, (status, _) in CASES.items()}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "HF_ENDPOINT": hub.endpoint,
                "HF_HOME": str(tmp_path / "hf"), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        r = subprocess.run([PY, "-c", MAIN, str(cfg)], capture_output=True, text=True, env=env, timeout=300)
-        asked = sum(1 for m, path in hub.requests if "/revision/" in path)
-    out = r.stdout + r.stderr
-    assert r.returncode == code, out[-3000:]
-    if code == ExitCode.CONFIG_ERROR:
-        assert asked == 1 and "spec.tokenizer.repo" in out and "Fix:" in out
-    else:
-        assert asked == 3 and "still failing after 3 tries" in out and "exit code 6" in out
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        results = workers_in_one_process(cases, env, PRELUDE)
+        asked = {repo: sum(1 for m, path in hub.requests if "/revision/" in path and f"/{repo}/" in path)
+                 for repo in CASES}
+    for (repo, (_, code)), (rc, out) in zip(CASES.items(), results):
+        assert rc == code, (repo, out[-3000:])
+        if code == ExitCode.CONFIG_ERROR:
+            assert asked[repo] == 1 and "spec.tokenizer.repo" in out and "Fix:" in out, (asked, out[-3000:])
+        else:
+            assert asked[repo] == 3 and "still failing after 3 tries" in out and "exit code 6" in out, (asked, out[-3000:])

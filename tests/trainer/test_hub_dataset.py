@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,10 +23,8 @@ from .fakehub import FakeHub
 DATASET = "org/ds"
 PY = sys.executable
 
-MAIN = """
-import sys, time, types
-sys.argv = ["kubetitan_trainer.main", "--job.config_file", sys.argv[1]]  # as torchrun starts a worker
-from kubetitan_trainer import main
+PRELUDE = """
+import time, types
 from kubetitan_trainer.data import downloads
 downloads.RETRIES, downloads.BACKOFF_BASE_SECONDS = 2, 0.01  # kubetitan's policy: 3 tries, short waits
 # huggingface_hub retries one metadata request 5 times itself (waits 1, 2, 4, 8, 8 s) inside each of kubetitan's
@@ -34,45 +32,58 @@ downloads.RETRIES, downloads.BACKOFF_BASE_SECONDS = 2, 0.01  # kubetitan's polic
 import huggingface_hub.utils._http as hub_http
 hub_http.time = types.SimpleNamespace(**{**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")},
                                        "sleep": lambda s: None})
-sys.exit(main.main())
 """
 HUB_TRIES_PER_TRY = 7
 """Requests of the dataset card per kubetitan try (huggingface_hub 2.4: one without retries, then one with 5 retries)."""
 
 
-def run_worker(tmp_path, endpoint: str):
-    from kmockx.harness import free_port
+def _worker_env(endpoint: str, hf_home: Path) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "HF_ENDPOINT": endpoint, "HF_HOME": str(hf_home),
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    return env
 
+
+def _config(tmp_path: Path, dataset: str) -> Path:
     from support.specs import tiny_lpt, write_config
 
-    obj = tiny_lpt({"data": {"source": "huggingface", "huggingface": {"dataset": DATASET}},
+    obj = tiny_lpt({"data": {"source": "huggingface", "huggingface": {"dataset": dataset}},
                     "parallelism": {"dataParallelShardDegree": 1},
                     "resources": {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1}})
-    cfg = write_config(tmp_path / "t.toml", obj, tmp_path / "dump")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "HF_ENDPOINT": endpoint,
-           "HF_HOME": str(tmp_path / "hf"), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    env.pop("HF_HUB_OFFLINE", None)
-    r = subprocess.run([PY, "-c", MAIN, str(cfg)], capture_output=True, text=True, env=env, timeout=300)
-    return r.returncode, r.stdout + r.stderr
+    name = dataset.split("/")[1]
+    return write_config(tmp_path / f"{name}.toml", obj, tmp_path / f"dump-{name}")
 
 
-@pytest.mark.parametrize(("status", "code"), [(503, ExitCode.RETRYABLE), (404, ExitCode.CONFIG_ERROR)],
-                         ids=["503-bounded-retries-exit-6", "404-exit-2-asked-once"])
-def test_the_worker_exits_6_when_the_hub_stays_down_and_2_when_the_dataset_is_missing(tmp_path, status, code):
+def run_workers(tmp_path: Path, endpoint: str, datasets: list[str]) -> list[tuple[int, str]]:
+    """A real worker per dataset, each forked from one process that imported torch once: (exit code, output)."""
+    from kmockx.harness import free_port
+
+    from support.trainer import workers_in_one_process
+
+    return workers_in_one_process([(_config(tmp_path, d), free_port()) for d in datasets],
+                                  _worker_env(endpoint, tmp_path / "hf"), PRELUDE)
+
+
+CASES = {"org/ds-down": (503, ExitCode.RETRYABLE), "org/ds-missing": (404, ExitCode.CONFIG_ERROR)}
+
+
+def test_the_worker_exits_6_when_the_hub_stays_down_and_2_when_the_dataset_is_missing(tmp_path):
+    """503 on every request of one dataset: kubetitan's 3 tries (each with huggingface_hub's own retries), then exit
+    6 with the ways to train without the hub; 404 for another: exit 2 with the fix, asked once."""
     with FakeHub(DATASET, {}) as hub:
-        hub.status_for_repo = status
-        rc, out = run_worker(tmp_path, hub.endpoint)
-        cards = sum(1 for m, path in hub.requests if path.startswith(f"/datasets/{DATASET}/"))
-    assert rc == code, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
-    if code == ExitCode.RETRYABLE:
-        assert cards == 3 * HUB_TRIES_PER_TRY, hub.requests  # bounded: kubetitan's 3 tries, nothing after them
-        assert f"Opening the dataset {DATASET} on the hub: still failing after 3 tries" in out
-        assert "exit code 6" in out and "kubetitan prepare-data" in out and "HF_HUB_OFFLINE" in out
-    else:
-        assert cards == 1  # asked once: no retry
-        assert "spec.data.huggingface.dataset" in out and f"the hub cannot give {DATASET}" in out and "Fix:" in out
+        hub.status_by_repo = {ds: status for ds, (status, _) in CASES.items()}
+        results = run_workers(tmp_path, hub.endpoint, list(CASES))
+        cards = {ds: sum(1 for m, path in hub.requests if path.startswith(f"/datasets/{ds}/")) for ds in CASES}
+    for (ds, (_, code)), (rc, out) in zip(CASES.items(), results):
+        assert rc == code, (ds, out[-3000:])
+        assert "Traceback" not in out, out[-3000:]
+        if code == ExitCode.RETRYABLE:
+            assert cards[ds] == 3 * HUB_TRIES_PER_TRY, hub.requests  # bounded: kubetitan's 3 tries, nothing after
+            assert f"Opening the dataset {ds} on the hub: still failing after 3 tries" in out
+            assert "exit code 6" in out and "kubetitan prepare-data" in out and "HF_HUB_OFFLINE" in out
+        else:
+            assert cards[ds] == 1  # asked once: no retry
+            assert "spec.data.huggingface.dataset" in out and f"the hub cannot give {ds}" in out and "Fix:" in out
 
 
 def test_a_refused_connection_is_transient_and_the_retries_are_bounded(tmp_path):
@@ -80,7 +91,7 @@ def test_a_refused_connection_is_transient_and_the_retries_are_bounded(tmp_path)
     and the worker exits 6 with the hint, never a traceback."""
     from kmockx.harness import free_port
 
-    rc, out = run_worker(tmp_path, f"http://127.0.0.1:{free_port()}")
+    [(rc, out)] = run_workers(tmp_path, f"http://127.0.0.1:{free_port()}", [DATASET])  # one worker: as cold
     assert rc == ExitCode.RETRYABLE, out[-3000:]
     assert "Traceback" not in out and "still failing after 3 tries (ConnectionError" in out
     assert out.count("retry 1/2") == 1 and out.count("retry 2/2") == 1 and "retry 3/" not in out

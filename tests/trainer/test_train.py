@@ -23,22 +23,21 @@ from kubetitan_trainer.recovery import anatomy
 from kmockx.harness import free_port  # the tests' one port allocator (no bind-0 races between tests)
 from kubetitan_trainer.local import scrape
 
-from support import warm
+from support import hold, warm
 from support.specs import tiny_lpt, write_config
 from support.trainer import step_records as records
-from support.windows import slack
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.xdist_group("trainer-torch"), pytest.mark.timeout(900)]
 
-WINDOW = 88
-"""Steps a run trains after the point a test waits for (a scrape, every 0.3 s, showing a step or a checkpoint) before
-the window its action must land in closes: ~3.1 s at the 35 ms a step of ``support.specs.TINY`` on this 2-core machine
-when quiet (bench/results/suite/s16_windows_trainer.txt), so that the action lands while the run trains on a quiet or
-faster machine too. Each test prints the slack its action left (``support.windows.slack``)."""
+STEPS = 8
+"""Steps of the runs that act mid-run: each action lands while the workers are held after a known step
+(``support.hold``), so no window of extra steps has to outlast the test's reaction (until now 88 steps after the
+trigger, ~3 s at the 35 ms a step of ``support.specs.TINY``). 8 steps, a checkpoint every 4."""
 
 
 def launch(config: Path, env_extra: dict[str, str] | None = None) -> warm.WarmProcess | subprocess.Popen:
+    """The launcher for ``config``: 2 local workers (``env_extra``: e.g. ``support.hold.env``)."""
     env = {**os.environ, contract.ENV_ATTEMPT: "3", contract.ENV_JOB_START_TIME: "1700000000", "OMP_NUM_THREADS": "1",
            **(env_extra or {})}
     return warm.popen("kubetitan_trainer.launch",
@@ -71,9 +70,9 @@ def wait_for(proc: warm.WarmProcess | subprocess.Popen, port: int, cond, timeout
 def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
     """One uninterrupted run (async saves), then a run stopped by SIGTERM and resumed: same losses step by step.
 
-    Both wait for a scrape showing step >= 2, then act while the run trains (A: reads /metrics again; B: SIGTERM,
-    which must land before the last step): ``WINDOW`` steps follow step 2 (8 steps in all until session 16)."""
-    steps, every = 2 + WINDOW, 30  # A saves asynchronously every 30 steps: 3 saves, not one every 4
+    Both act while their workers are held after step 2 (``support.hold``): A reads /metrics, B gets SIGTERM (the
+    workers let go once the launcher has created their stop file)."""
+    steps, every = STEPS, 4  # A saves asynchronously at steps 4 and 8
     # --- A: uninterrupted, with the metrics endpoint checked while it runs
     port = free_port()
     a_dump = tmp_path / "a"
@@ -81,14 +80,16 @@ def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
     a_cfg = write_config(tmp_path / "a.toml", tiny_lpt({"training": {"steps": steps},
                                                    "checkpoint": {"asyncMode": "async", "intervalSteps": every}}),
                          a_dump, {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
-    proc = launch(a_cfg)
+    held = tmp_path / "held-a"
+    proc = launch(a_cfg, hold.env(held, 2))
+    hold.wait_held(held, 2, ranks=2, alive=lambda: proc.poll() is None)
     m = wait_for(proc, port, lambda m: m.get(contract.M_STEP, 0) >= 2 and contract.M_LOSS in m)
     text = None
     if m is not None:
         import urllib.request
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-        slack("A's /metrics read again", records(a_dump), steps)  # + its last save and 2 s in torchtitan's exit
+    hold.go(held, 2)
     assert proc.wait(timeout=600) == 0, tail(a_cfg)
     assert m is not None, "metrics endpoint never showed step >= 2: " + tail(a_cfg)
     now = time.time()
@@ -121,10 +122,16 @@ def test_train_metrics_sigterm_resume_and_partial_checkpoint(tmp_path):
     b_obj = tiny_lpt({"training": {"steps": steps}, "checkpoint": {"intervalSteps": 2 * steps}})  # no periodic save
     b_cfg = write_config(tmp_path / "b.toml", b_obj, b_dump,
                          {"kubetitan": {"metrics_port": port, "metrics_host": "127.0.0.1"}})
-    proc = launch(b_cfg)
+    held = tmp_path / "held-b"
+    proc = launch(b_cfg, hold.env(held, 2))
+    hold.wait_held(held, 2, ranks=2, alive=lambda: proc.poll() is None)
     assert wait_for(proc, port, lambda m: m.get(contract.M_STEP, 0) >= 2) is not None, tail(b_cfg)
     proc.send_signal(signal.SIGTERM)
-    slack("B's SIGTERM", records(b_dump), steps)
+    stop, deadline = hold.stop_file(held, 2), time.monotonic() + 60
+    while not stop.exists() and time.monotonic() < deadline:  # the launcher's answer to SIGTERM: the workers'
+        time.sleep(0.05)                                       # stop file, read at the next step's end
+    assert stop.exists(), tail(b_cfg)
+    hold.go(held, 2)
     assert proc.wait(timeout=300) == ExitCode.TERMINATED_CHECKPOINTED, tail(b_cfg)
     saved = sorted(int(p.name.split("-")[1]) for p in (b_dump / contract.CHECKPOINT_SUBDIR).glob("step-*"))
     assert len(saved) == 1 and 2 <= saved[0] < steps, saved
@@ -219,13 +226,13 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     both ranks, so generation 2 resumes at T + 1 from it, not from step 1, the newest complete checkpoint (no lost
     steps). Each generation's start-up anatomy is logged, the tier folder is gone when the launcher exits.
 
-    Both kills follow a scrape (every 0.3 s) and must land before the run's next save: the first after step 2, with
-    ``WINDOW`` steps to the step-K save (checkpoint interval K); the second after the step-K save, with ``WINDOW``
-    steps to the final one. torchtitan's first-step checkpoint (``checkpoint.enable_first_step_checkpoint``, the same
-    save as any other) gives the first kill its checkpoint after one step instead of K, so the run trains two windows,
-    not three. Until session 16: a checkpoint every 4 steps (the first kill after step 4), 20 steps."""
-    first, every = 1, WINDOW + 2
-    steps, port = every + WINDOW, free_port()
+    Both kills land while the workers are held (``support.hold``), before the run's next save: the first after step
+    2 (the step-K save, checkpoint interval K, not made yet); the second after step K + 1 (the step-K save made, the
+    final one not). torchtitan's first-step checkpoint (``checkpoint.enable_first_step_checkpoint``, the same save as
+    any other) gives the first kill its checkpoint after one step instead of K."""
+    first, every = 1, STEPS // 2
+    steps, port = STEPS, free_port()
+    held = tmp_path / "held"
     tier = tmp_path / "tier"
     dump = tmp_path / "ip"
     cfg = write_config(tmp_path / "ip.toml", tiny_lpt({"training": {"steps": steps}, "data": {"source": "synthetic"},
@@ -236,7 +243,9 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     proc = warm.popen("kubetitan_trainer.launch",
                       [f"--config={cfg}", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                        f"--master-port={free_port()}", "--rdzv-id=inplace", "--max-restarts=2", "--monitor-interval=0.1",
-                       f"--restore-tier={tier}"], env, cfg.with_suffix(".log"), cwd=REPO)
+                       f"--restore-tier={tier}"], {**env, **hold.env(held, 2, every + 1)}, cfg.with_suffix(".log"),
+                      cwd=REPO)
+    hold.wait_held(held, 2, ranks=2, alive=lambda: proc.poll() is None)
     m = wait_for(proc, port, lambda m: m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= first
                  and m.get(contract.M_STEP, 0) >= first + 1)
     assert m is not None, tail(cfg)
@@ -244,7 +253,8 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     first_workers = _children(proc.pid)
     assert len(first_workers) == 2, first_workers
     os.kill(first_workers[1], signal.SIGKILL)
-    slack("SIGKILL of a generation-0 worker", records(dump), every)
+    hold.go(held, 2)  # generation 1 trains step 2 again, unheld
+    hold.wait_held(held, every + 1, ranks=2, alive=lambda: proc.poll() is None)
     m = wait_for(proc, port, lambda m: m.get(contract.M_RESTART_GENERATION, 0) == 1
                  and m.get(contract.M_LAST_CHECKPOINT_STEP, 0) >= every)
     assert m is not None, tail(cfg)
@@ -253,7 +263,7 @@ def test_in_place_restart_restarts_every_rank_and_resumes_from_the_checkpoint(tm
     cut = _cut_off_newest_save(second_workers, tier, newer_than=first)
     for w in second_workers:  # both: a surviving rank 0 must not finish the cut-off save's .metadata
         os.kill(w, signal.SIGKILL)
-    slack("cut-off save and SIGKILL of generation 1", records(dump), steps)
+    hold.go(held, every + 1)
     assert proc.wait(timeout=600) == 0, tail(cfg)
     text = cfg.with_suffix(".log").read_text(errors="replace")
     assert "restarting every rank's workers in place" in text
