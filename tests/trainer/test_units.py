@@ -191,6 +191,10 @@ def test_exported_metrics_pass_promtool():
     ex.set_loss(2.5)  # the loss appears with the first logged step
     ex.tokens_seen(1000)
     ex.checkpoint_saved(3, 1.2)
+    from types import SimpleNamespace  # a failing save's counts (storage.SaveBudget's fields): the info series appears
+
+    ex.checkpoint_saves(SimpleNamespace(budget=3, total_failed=1, in_a_row=1, last_error_class="ENOSPC",
+                                        failed_steps=[4]))
     ex.data_loading.observe(0.001)
     ex.data_tokens({"code": 4096, "web": 1024})  # per-source series appear with the first micro-batch
     ex.data_weights({"code": 0.75, "web": 0.25})
