@@ -143,14 +143,16 @@ def test_a_deleted_lease_the_holder_steps_down_and_the_new_creator_waits(holder_
 @pytest.mark.parametrize("ending", ["renewals-fail", "lease-deleted"])
 def test_a_write_in_flight_outlasts_the_renew_deadline_while_renewed_and_is_abandoned_when_the_lease_may_go(
         ending: str) -> None:
-    """``hold``: a write sent within the fence runs on while renewals succeed (1 s against a 0.4 s lease: a slow
+    """``hold``: a write sent within the fence runs on while renewals succeed (4 s against a 1.6 s lease: a slow
     admission webhook), each renewal moving the expiry on. Once the renewals fail, the write in flight is abandoned
     (``NotLeader``) by the expiry of the last renewal sent at the latest; once the Lease is found deleted, at the next
-    renewal. Real time (the elector's own loop runs): terms 0.4/0.25/0.05 s."""
+    renewal. Real time (the elector's own loop runs): terms 1.6/1.0/0.2 s, long enough that an event loop stalled for
+    a few tenths of a second by a loaded machine still renews in time (with 0.4/0.25/0.05 s a stall under two CPU
+    hogs made the first write's renewals miss their deadline, and the product rightly abandoned it)."""
     api = LeaseApi()
     _released(api)
-    e = LeaderElector(LeaseConfig(namespace="kt", name="lock", identity="a", lease_duration=0.4, renew_deadline=0.25,
-                                  retry_period=0.05), api)
+    e = LeaderElector(LeaseConfig(namespace="kt", name="lock", identity="a", lease_duration=1.6, renew_deadline=1.0,
+                                  retry_period=0.2), api)
 
     async def main() -> None:
         election = asyncio.create_task(e.run())
@@ -158,17 +160,17 @@ def test_a_write_in_flight_outlasts_the_renew_deadline_while_renewed_and_is_aban
             await e.wait()
             e.check()
             rv = api.rv
-            assert await e.hold(asyncio.sleep(1.0, "stored")) == "stored"
+            assert await e.hold(asyncio.sleep(4.0, "stored")) == "stored"
             assert api.rv - rv >= 5, "renewed while the write was in flight"
             e.check()
             in_flight = asyncio.create_task(e.hold(asyncio.sleep(30)))
             await asyncio.sleep(0)
             if ending == "renewals-fail":
                 api.fail.add("a")
-                t0, want, limit = time.monotonic(), "no renewal succeeded for 0.25 s", 0.4
+                t0, want, limit = time.monotonic(), "no renewal succeeded for 1 s", 1.6
             else:
                 api.obj = None
-                t0, want, limit = time.monotonic(), "the Lease was deleted", 0.05 * 2
+                t0, want, limit = time.monotonic(), "the Lease was deleted", 0.2 * 2
             with pytest.raises(NotLeader, match="abandoned a write in flight") as err:
                 await in_flight
             assert want in str(err.value)
