@@ -73,8 +73,12 @@ demo: python-env
 	$(VENV)/bin/kubetitan validate examples/debug-cpu.yaml
 	$(VENV)/bin/kubetitan run examples/debug-cpu.yaml
 
+# Python caches compiled modules (and pytest its rewritten test modules) in __pycache__ (git ignores them), also where
+# the environment turns that off (PYTHONDONTWRITEBYTECODE): the suite starts hundreds of Python processes that import
+# the same modules.
 test: setup
-	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(PY) -m pytest -n 3 --dist loadgroup --no-loadscope-reorder -q --durations=25 tests
+	env -u PYTHONDONTWRITEBYTECODE PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" \
+	  $(PY) -m pytest -n 3 --dist loadgroup --no-loadscope-reorder -q --durations=25 tests
 
 # Regenerate constraints.txt from the current venv (maintainers only).
 lock:
