@@ -346,6 +346,9 @@ async def test_a_body_of_too_many_series_is_refused_unparsed_and_its_memory_retu
     parsed: list[int] = []
     real = observe.parse_metrics
     monkeypatch.setattr(observe, "parse_metrics", lambda text: parsed.append(len(text)) or real(text))
+    handed = []  # what the parse threads got: a refused body never goes there (a thread's work item holds its
+    decode = observe._decode_and_parse  # arguments until the thread drops it, after the scrape has returned)
+    monkeypatch.setattr(observe, "_decode_and_parse", lambda body: handed.append(len(body)) or decode(body))
     server = rank0_server("series")
     # Only this thread's allocations count: the server answering in a thread of this process, and whatever threads
     # earlier tests of this worker left running, allocate concurrently (under load the server still held ~4 MB of
@@ -362,7 +365,7 @@ async def test_a_body_of_too_many_series_is_refused_unparsed_and_its_memory_retu
         tracemalloc.stop()
     assert got.metrics is None and got.reason == C.METRICS_TOO_LARGE, got
     assert "series, more than the operator parses (5000, --scrape-max-series)" in (got.error or ""), got
-    assert not parsed
+    assert not parsed and not handed
     assert peak - before_mem < 3 * len(SERIES_BODY) + (2 << 20), (peak - before_mem, len(SERIES_BODY))
     kept = sum(d.size_diff for d in after.compare_to(before, "filename"))
     assert kept < 1 << 20, (kept, after.compare_to(before, "lineno")[:5])
