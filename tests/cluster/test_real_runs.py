@@ -5,6 +5,8 @@ Lease), the controller-manager garbage-collects, counts quota and turns a silent
 - children pass PodSecurity ``restricted`` in an enforcing namespace and are garbage-collected through their
   ownerReferences when the run is deleted;
 - a ResourceQuota refusing the gang's second pod gives one aggregated Warning Event;
+- a node deleted while its pod is bound: the controller-manager's pod garbage collector deletes the orphaned pod
+  before the operator's own grace runs out, and the restart is a ``NodeFailure`` naming the node;
 - gang scheduling by the cluster: a 4-pod gang with room for 3 gets its PodGroup and kube-scheduler binds none of
   its pods (the same run with ``scheduling.podGroup: Disabled`` gets 3 of 4 bound), and all 4 once a node joins;
 - an elastic run: a node lost with no replacement shrinks the gang 2 -> 1 (kube-scheduler places attempt 1 on
@@ -303,6 +305,42 @@ def test_a_gang_with_room_for_three_of_four_binds_none_then_all_once_a_node_join
         wait_for(lambda: all(p["spec"].get("nodeName") for p in kube.pods(namespace, "gang")), 60,
                  "all 4 pods of the gang bound once a fourth node joined")
         assert len({p["spec"]["nodeName"] for p in kube.pods(namespace, "gang")}) == 4
+
+
+def test_a_deleted_nodes_pod_garbage_collected_by_the_cluster_is_a_node_failure(
+        kube: KubeCluster, control_plane: ControlPlane, fast_operator: OperatorProcess, namespace: str,
+        tmp_path: Path) -> None:
+    """A node of a placed gang is deleted (the cluster autoscaler or HyperPod's node recovery removing a broken
+    machine) while ``nodeFailureGraceSeconds`` (600 s) is still running: kube-controller-manager's pod garbage
+    collector deletes the orphaned pod first (its quarantine is 40 s). The restart is a ``NodeFailure`` naming the
+    deleted node, not a ``PodDeleted`` blamed on a person (the collector's ``DisruptionTarget`` where the operator
+    read the pod before it went; ``status.observation.nodesMissingSince`` where it did not: test_decide_failure)."""
+    _claim(control_plane, namespace, "ckpt", tmp_path)
+    zone = f"{namespace}-z"
+    nodes = [f"{zone}{i}" for i in range(2)]
+    with _ready_nodes(kube, nodes):
+        for n in nodes:
+            kube.patch(NODES, None, n, {"metadata": {"labels": {ZONE: zone}}})
+        spec = _whole_node_spec(2, zone)
+        spec["runPolicy"].update(nodeFailureGraceSeconds=600, maxRestarts=3)
+        kube.apply(lpt("gone", spec, namespace=namespace))
+        wait_for(lambda: len(kube.pods(namespace, "gone")) == 2 and all(
+            p["spec"].get("nodeName") for p in kube.pods(namespace, "gone")), 60, "the gang bound, a pod per node")
+        pods = {p["spec"]["nodeName"]: p["metadata"]["name"] for p in kube.pods(namespace, "gone")}
+        lost = nodes[1]
+        nodes.remove(lost)  # its heartbeat stops
+        kube.delete(NODES, None, lost)
+        wait_for(lambda: kube.get(PODS, namespace, pods[lost]) is None, 150,
+                 f"the pod garbage collector deletes pod {pods[lost]} of the deleted node {lost}")
+        record = wait_for(lambda: (kube.status(namespace, "gone").get("restarts") or [None])[0], 60,
+                          "the restart recorded")
+        assert record["cause"] == "NodeFailure" and record.get("nodeName") == lost, record
+        # the collector marks the pod (DisruptionTarget DeletionByPodGC) and deletes it: a cycle that reads the pod
+        # in between names the condition; one that finds it gone already puts the disappearance down to the node
+        assert lost in record["message"] and ("DeletionByPodGC" in record["message"]
+                                              or "pod garbage collector" in record["message"]), record
+        assert kube.status(namespace, "gone")["restartCount"] == 1
+        kube.delete(LPT, namespace, "gone")
 
 
 ELASTIC_NODES, ELASTIC_STEPS, ELASTIC_INTERVAL, GLOBAL_BATCH = 2, 140, 5, 4

@@ -18,6 +18,7 @@ from kubetitan.observation import tracking as T
 from kubetitan.status import next_status
 from kubetitan.timestamps import iso_ms
 from kubetitan import status as S
+from kubetitan_core.api import AttemptObservation
 from support.decide_cases import (IN_PLACE, NOW, RESTART_ALL, SEEN, TRAINING, gang, ip_rec, ok_nodes, pod,
                                   policy_table_tests, rec, spec, status)
 
@@ -158,6 +159,22 @@ def test_missing_node_timed_from_first_sight() -> None:
     o2 = T.track(o, 0, NOW + 61, pods=gang(), nodes=nodes)  # first sight kept, not "now" again
     d = decide(s, status(), T.observed(o2, pods=gang(), nodes=nodes, now=NOW + 61))
     assert (d.action, d.cause, d.force_delete) == (Action.RESTART, "NodeFailure", ("j-a0-1",))
+
+
+def test_a_missing_node_is_remembered_after_its_pods_are_gone_and_forgotten_when_it_is_back() -> None:
+    """The pod garbage collector deletes the pods of a deleted node: the node drops out of the nodes the attempt's
+    pods are on, yet its ranks disappeared because of it, so it stays in ``nodesMissingSince`` (with its first
+    sight) for the rest of the attempt; a node that exists again goes."""
+    missing = {"n0": NodeObs("n0"), "n1": NodeObs("n1", exists=False, ready=False)}
+    o = T.track(None, 0, NOW, pods=gang(), nodes=missing)
+    o2 = T.track(o, 0, NOW + 45, pods=gang()[:1], nodes={"n0": NodeObs("n0")})  # rank 1's pod garbage-collected
+    assert o2.nodes_missing_since == {"n1": iso_ms(NOW)}
+    d = decide(spec(nodeFailureGraceSeconds=600), status(),
+               T.observed(o2, pods=gang()[:1], nodes={"n0": NodeObs("n0")}, now=NOW + 45))
+    assert (d.action, d.cause, d.node_name, d.delete) == (Action.RESTART, "NodeFailure", "n1", ("j-a0-0",)), d
+    back = T.track(o2, 0, NOW + 50, pods=gang(), nodes={"n0": NodeObs("n0"), "n1": NodeObs("n1")})
+    assert back.nodes_missing_since == {}
+    assert T.track(o2, 1, NOW + 50, pods=gang(1), nodes={"n0": NodeObs("n0")}).nodes_missing_since == {}  # new attempt
 
 
 def test_in_place_restart_is_tracked_recorded_and_settled_per_generation() -> None:
@@ -367,6 +384,20 @@ CASES = [
                                                   "node_name": "n1"}),
     ("pod-seen-then-gone-restarts", spec(), status(), Observed(pods=gang()[:1], nodes=ok_nodes, ranks_seen=SEEN, now=NOW),
      Action.RESTART, C.RESTARTED, "PodDeleted", {"delete": ("j-a0-0",), "message_has": "disappeared"}),
+    # the pod garbage collector deleted the pod of a deleted node (kube-controller-manager's orphan pods, 40 s after
+    # the node went) before nodeFailureGraceSeconds ran out: the node's failure, not someone's delete
+    ("pod-gone-from-a-missing-node-is-node-failure", spec(nodeFailureGraceSeconds=600), status(),
+     Observed(pods=gang()[:1], nodes={"n0": NodeObs("n0")}, ranks_seen=SEEN, now=NOW,
+              observation=AttemptObservation(attempt=0, nodes_missing_since={"n1": iso_ms(NOW - 45)})),
+     Action.RESTART, C.RESTARTED, "NodeFailure",
+     {"delete": ("j-a0-0",), "force_delete": (), "node_name": "n1",
+      "message_has": "node n1 is missing and pod(s) of rank 1 of attempt 0 disappeared (the pod garbage collector"}),
+    ("pod-gone-while-a-missing-node-still-holds-a-pod-is-pod-deleted", spec(nodeFailureGraceSeconds=600), status(),
+     Observed(pods=gang()[1:], nodes={"n1": NodeObs("n1", exists=False, ready=False, not_ready_since=NOW - 45)},
+              ranks_seen=SEEN, now=NOW,
+              observation=AttemptObservation(attempt=0, nodes_missing_since={"n1": iso_ms(NOW - 45)})),
+     Action.RESTART, C.RESTARTED, "PodDeleted", {"delete": (), "force_delete": ("j-a0-1",), "message_has":
+                                                 "pod(s) of rank 0 of attempt 0 disappeared (deleted, not by the operator)"}),
     ("pod-deleted-by-hand-exits-75-is-pod-deleted-not-preempted", spec(), status(),
      Observed(pods=gang(over={1: {"phase": "Failed", "exit_code": 75, "deleting": True}}), nodes=ok_nodes,
               ranks_seen=SEEN, now=NOW), Action.RESTART, C.RESTARTED, "PodDeleted",

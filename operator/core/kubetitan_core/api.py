@@ -840,7 +840,8 @@ class AttemptObservation(_Base):
     ranks_seen: list[int] = Field(default_factory=list)
     """Ranks whose pod has been observed: a seen rank that is gone disappeared; one never seen is created."""
     nodes_missing_since: dict[str, str] = Field(default_factory=dict)
-    """Node name to when the operator first saw it missing from the API."""
+    """Node name to when the operator first saw it missing from the API (kept for the attempt after its pods are
+    gone: ranks that disappeared from a missing node are a `NodeFailure`, not a `PodDeleted`)."""
     generation: int | None = None
     """Worker generation rank 0's metrics report (in-place restarts); step and timers above are this one's."""
     generation_start_time: str | None = None

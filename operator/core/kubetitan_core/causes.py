@@ -174,8 +174,8 @@ CAUSES: tuple[Cause, ...] = (
           "saving a checkpoint on SIGTERM.", in_place=False, recreate=True, severity="info",
           observed=" (SIGTERM, checkpoint saved)", exit_codes=frozenset({int(ExitCode.TERMINATED_CHECKPOINTED)}),
           disruption_reasons=frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler"})),
-    Cause("NodeFailure", "A node became NotReady or disappeared, or its taint manager or kubelet "
-          "terminated the pod.", in_place=False, recreate=True, avoid_node_after=2,
+    Cause("NodeFailure", "A node became NotReady or disappeared (its pods deleted by the pod garbage collector "
+          "included), or its taint manager or kubelet terminated the pod.", in_place=False, recreate=True, avoid_node_after=2,
           disruption_reasons=frozenset({"DeletionByTaintManager", "TerminationByKubelet", "DeletionByPodGC"})),
     Cause("GPUXidError", "A GPU of the pod failed and needs a reset or a replacement. The pod's termination message "
           "(the launcher writes the failed worker's) names an NVIDIA Xid of a GPU fault "

@@ -138,12 +138,13 @@ def pod_failed(f: Facts) -> Decision | None:
     if not failures:
         gone = sorted(f.obs.ranks_seen - {p.rank for p in f.current})  # (one set: a gang's ranks squared was 1 M)
         if gone:
-            failures.append(Failure("PodDeleted", f"pod(s) of rank {', '.join(map(str, gone))} of attempt {f.attempt} "
-                                    "disappeared (deleted, not by the operator)", "", None))
+            failures.append(_disappeared(f, gone))
     if not failures:
         return None
     fatal = next((x for x in failures if x.cause is None), None)
-    lost = {x.node_name for x in failures if x.cause == "NodeFailure"}
+    # pods on a lost node, or on one missing from the API, are force-deleted: no kubelet is left to end them
+    lost = {x.node_name for x in failures if x.cause == "NodeFailure"} | {n for n, v in f.obs.nodes.items()
+                                                                           if not v.exists}
     force = tuple(p.name for p in f.current if p.node_name in lost and not p.deleting)
     if fatal is not None:
         return Decision(Action.FAIL, fatal.fatal_reason or C.CONFIG_ERROR, f"{fatal.message} (not retried)",
@@ -151,6 +152,19 @@ def pod_failed(f: Facts) -> Decision | None:
     first = failures[0]
     extra = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
     return restart_or_fail(f, replace(first, message=first.message + extra), force)
+
+
+def _disappeared(f: Facts, gone: list[int]) -> Failure:
+    """Ranks seen earlier in the attempt whose pods are gone: deleted by the cluster's pod garbage collector when
+    their node was deleted (a node of the attempt missing from the API that no pod of it is on any more), else by
+    someone other than the operator."""
+    ranks = f"pod(s) of rank {', '.join(map(str, gone))} of attempt {f.attempt}"
+    missing = sorted(set(f.obs.observation.nodes_missing_since if f.obs.observation is not None else ())
+                     - {p.node_name for p in f.current})
+    if missing:
+        return Failure("NodeFailure", f"node {', '.join(missing)} is missing and {ranks} disappeared (the pod "
+                       "garbage collector deletes the pods of a deleted node)", "", missing[0])
+    return Failure("PodDeleted", f"{ranks} disappeared (deleted, not by the operator)", "", None)
 
 
 def _root_first(p: PodObs, x: Failure) -> tuple[float, int, int]:

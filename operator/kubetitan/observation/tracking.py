@@ -35,7 +35,9 @@ def track(prev: AttemptObservation | None, attempt: int, now: float, *, metrics:
         AttemptObservation(attempt=attempt)
     o.ranks_seen = sorted(set(o.ranks_seen) | {p.rank for p in pods if p.attempt == attempt})
     if nodes is not None:
-        missing = {n for n, v in nodes.items() if not v.exists}
+        # a missing node no pod of the attempt is on any more stays (the pod garbage collector deletes the pods of a
+        # deleted node: their ranks disappeared because of it); one that is back, or never was missing, goes
+        missing = {n for n, v in nodes.items() if not v.exists} | (set(o.nodes_missing_since) - set(nodes))
         o.nodes_missing_since = {n: o.nodes_missing_since.get(n) or iso_ms(now) for n in sorted(missing)}
     if scrape_error is not None:
         o.metrics_error, o.metrics_error_reason = scrape_error, scrape_reason
