@@ -346,7 +346,7 @@ async def test_a_body_of_too_many_series_is_refused_unparsed_and_its_memory_retu
     parsed: list[int] = []
     real = observe.parse_metrics
     monkeypatch.setattr(observe, "parse_metrics", lambda text: parsed.append(len(text)) or real(text))
-    handed = []  # what the parse threads got: a refused body never goes there (a thread's work item holds its
+    handed = []  # what the parse threads got: a refused body never goes there (a pool thread holds its task's
     decode = observe._decode_and_parse  # arguments until the thread drops it, after the scrape has returned)
     monkeypatch.setattr(observe, "_decode_and_parse", lambda body: handed.append(len(body)) or decode(body))
     server = rank0_server("series")

@@ -161,7 +161,7 @@ class Scraper:
             if body is None:
                 return Scraped(reason=reason, error=error)
             # counted here, in C (about a millisecond for the 4 MiB cap), before a single sample object is made: a body
-            # refused never reaches the parse threads, whose work item holds its arguments until the thread drops it
+            # refused never reaches the parse threads (a pool thread holds the arguments of its task until it drops them)
             if (n := series_count(body)) > self.limits.max_series:
                 return Scraped(reason=C.METRICS_TOO_LARGE,
                                error=f"GET {metrics_url(ip, port)}: {too_many_series(n, self.limits.max_series)}")
