@@ -52,8 +52,8 @@ def go(folder: Path, step: int) -> None:
 
 
 def install() -> None:
-    """In the launcher (run by tests/support/zygote.py when :data:`ENV` is set): wrap the trainer's step as soon as
-    the launcher imports ``kubetitan_trainer.trainer`` (not before: torchtitan binds ``sys.argv`` when imported)."""
+    """In the launcher (run by tests/support/zygote.py when :data:`ENV` is set): wrap the trainer's step, now if
+    the warm parent imported ``kubetitan_trainer.trainer`` already, else as soon as the launcher imports it."""
     import importlib.abc
     import sys
 
@@ -92,4 +92,7 @@ def install() -> None:
 
     import importlib.util
 
+    if "kubetitan_trainer.trainer" in sys.modules:  # imported by the warm parent already (support/zygote.py)
+        wrap(sys.modules["kubetitan_trainer.trainer"].KubetitanTrainer)
+        return
     sys.meta_path.insert(0, OnImport())

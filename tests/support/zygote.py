@@ -4,9 +4,9 @@ It imports what every launcher process imports from torch (torch, torch.distribu
 Inductor, FSDP, the datasets library, ...) once, with the collector off and frozen as ``kubetitan_trainer.main.
 imports_without_gc`` does, and then forks one child per request read from stdin. Each child becomes what
 ``python -m MODULE ARGS`` in ``cwd`` with ``env`` and its output in ``log`` would be: its own session when asked,
-stdin from /dev/null, stdout and stderr appended to the log, the module run by ``runpy`` as ``__main__``. It imports
-torchtitan and kubetitan itself (torchtitan binds ``sys.argv`` as a default when it is imported), so only torch's
-own import is shared. Single-threaded: requests and SIGCHLD (through a wakeup pipe) are multiplexed with select.
+stdin from /dev/null, stdout and stderr appended to the log, the module run by ``runpy`` as ``__main__``. It also
+imports the launcher and the trainer (torchtitan, kubetitan_trainer, the spec model) and parses one trainer config,
+so that tyro's first parse is not paid again by every launch (:func:`_warm_trainer`). Single-threaded: requests and SIGCHLD (through a wakeup pipe) are multiplexed with select.
 A request whose environment has ``KUBETITAN_TEST_HOLD`` gets ``tests/support/hold.py``'s step hold installed first.
 
 Protocol, one JSON object a line: in ``{"id", "module", "args", "env", "cwd", "log", "new_session", "namespaces"}``
@@ -38,6 +38,36 @@ PRELOAD = (
 )
 """torch and the libraries torchtitan imports (about 80% of a launcher's import time:
 bench/results/suite/process_overhead_s13_quiet.txt)."""
+
+WARM_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "debug-cpu.yaml")
+"""The spec whose trainer config :func:`_warm_trainer` parses once."""
+
+
+def _warm_trainer() -> None:
+    """Import the launcher, the trainer and the spec model, and parse one trainer config with torchtitan's
+    ``ConfigManager`` (tyro), so every child starts with them: after torch, a launch spent ~0.4 CPU s building the
+    spec model's pydantic classes (``kubetitan_core.contract.launcher`` imports them for its defaults) and ~0.9 s in
+    tyro's first parse of the job config (a second parse in the same process takes ~0.1 s). Nothing here reads the
+    request's environment. torchtitan binds ``sys.argv`` as ``ConfigManager.parse_args``' default when imported:
+    every kubetitan caller passes its arguments."""
+    import tempfile
+
+    import tomli_w
+    import yaml
+
+    import kubetitan_trainer.launch.launcher  # noqa: F401 - the launcher (and kubetitan_core.api through it)
+    import kubetitan_trainer.trainer  # noqa: F401
+    from kubetitan_core import render
+    from kubetitan_core.api import LlamaPretrain
+    from kubetitan_trainer.main import load_config
+
+    with open(WARM_CONFIG) as f:
+        lpt = LlamaPretrain.model_validate(yaml.safe_load(f))
+    with tempfile.TemporaryDirectory(prefix="zygote-") as d:
+        path = os.path.join(d, "trainer.toml")
+        with open(path, "wb") as f:
+            tomli_w.dump(render.trainer_config(lpt, dump_folder=d), f)
+        load_config(["--job.config_file", path])
 
 
 def _enter_namespaces(hosts: str, hostname: str) -> None:
@@ -156,6 +186,7 @@ def main() -> None:
     gc.disable()
     for name in PRELOAD:
         importlib.import_module(name)
+    _warm_trainer()
     gc.enable()
     gc.freeze()
     wakeup = os.pipe()

@@ -537,3 +537,16 @@ SCAN_CASES = [
 def test_the_scan_finds_what_it_must_and_nothing_else(name, source, count):
     found = scan_source(source, own_private=frozenset({"_mine"}))
     assert len(found) == count, found
+
+
+def test_torchtitans_main_parses_the_argv_bound_for_it_whoever_imported_torchtitan_first(tmp_path, monkeypatch):
+    """``torchtitan.train.main`` parses with ``ConfigManager.parse_args``' default, bound to ``sys.argv[1:]`` of the
+    process that first imported torchtitan (this test process's pytest arguments here, a warm parent's in the
+    tests' launches): the worker binds it to its own arguments (kubetitan_trainer.main)."""
+    from torchtitan.config import ConfigManager
+
+    monkeypatch.setattr(ConfigManager.parse_args, "__defaults__", ConfigManager.parse_args.__defaults__)
+    cfg = tmp_path / "t.toml"
+    cfg.write_text("[training]\nsteps = 7\n")
+    compat.bind_config_args(["--job.config_file", str(cfg)])
+    assert ConfigManager().parse_args().training.steps == 7

@@ -129,7 +129,7 @@ def _main(argv: list[str]) -> int:
 
     import torch
 
-    from kubetitan_trainer import netcheck
+    from kubetitan_trainer import compat, netcheck
 
     if torch.cuda.is_available():  # before NCCL exists: local rank 0 logs NCCL's INIT/NET lines to a file
         netcheck.prepare_env(os.environ, int(os.environ.get("LOCAL_RANK", "0")), tempfile.gettempdir())
@@ -138,7 +138,8 @@ def _main(argv: list[str]) -> int:
 
     from kubetitan_trainer.trainer import KubetitanTrainer
 
-    sys.argv = [sys.argv[0], *argv]  # torchtitan's main parses sys.argv
+    sys.argv = [sys.argv[0], *argv]  # torchtitan's main parses its parse_args' default, made argv here
+    compat.bind_config_args(argv)
     gc.enable()  # the imports are done (imports_without_gc): what they made is frozen, training collects as usual
     gc.freeze()
     try:

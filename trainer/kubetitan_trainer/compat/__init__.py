@@ -34,7 +34,7 @@ from kubetitan_trainer.compat.torch_shims import (  # noqa: F401 - re-exported: 
     _fix_defaults_source_pickling)
 from kubetitan_trainer.compat.torchtitan_shims import (  # noqa: F401 - re-exported: compat.<name>
     build_metric_logger, checkpoint_async_mode, checkpoint_keep_latest_k, checkpoint_stager, clear_pending_write,
-    config_parse, DEVICE_GLOBALS, finish_model_load, force_full_last_save, ft_dataloader_checkpoints,
+    bind_config_args, config_parse, DEVICE_GLOBALS, finish_model_load, force_full_last_save, ft_dataloader_checkpoints,
     HF_TEXT_DATASET_ATTRIBUTES, init_hf_text_dataset, init_validator, METRICS_PROCESSOR_ATTRIBUTES,
     METRICS_PROCESSOR_OVERRIDES, PEAK_FALLBACK_LOG, PEAK_USED_LOG, pending_write, rebind_device_to_cpu,
     replace_config_parse, replace_set_pg_timeouts, route_checkpoints_to, set_checkpoint_folder,

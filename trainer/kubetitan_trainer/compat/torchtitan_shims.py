@@ -380,6 +380,19 @@ def config_parse() -> tuple[Callable, Any]:
     return fn, inspect.signature(fn).parameters["args"].default
 
 
+@_shim(
+    Upstream("torchtitan.config:ConfigManager.parse_args", params=("self", "args")),
+    Upstream("torchtitan.train:main", contains=("config_manager.parse_args()",)),
+)
+def bind_config_args(argv: list[str]) -> None:
+    """Make ``argv`` the default of ``ConfigManager.parse_args`` (see :func:`config_parse`), which
+    ``torchtitan.train.main`` parses with: bound when torchtitan was imported, it holds the argv of whichever
+    process imported it first (a launcher that warmed up for other arguments, a parent that forked this one)."""
+    from torchtitan.config import ConfigManager
+
+    ConfigManager.parse_args.__defaults__ = (list(argv),)
+
+
 @_shim(Upstream("torchtitan.config:ConfigManager.parse_args", params=("self", "args")))
 def replace_config_parse(fn: Callable) -> None:
     """Rebind ``ConfigManager.parse_args`` (see :func:`config_parse`)."""
