@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import signal
 
@@ -60,6 +61,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     gc.disable()  # collection imports torch and torchtitan: as the trainer does (kubetitan_trainer.main.imports_without_gc)
+    import kubernetes_validate.utils as kv
+
+    # kubernetes-validate's validate() reads and parses a kind's JSON schema and the multi-megabyte _definitions.json
+    # on every call (a tenth of the CPU of tests/chart, py-spy); the schema files do not change during a run
+    kv.schema_contents = functools.cache(kv.schema_contents)
 
 
 @pytest.hookimpl(trylast=True)

@@ -24,17 +24,17 @@ from typing import Any
 import celpy
 import jsonschema
 import pytest
-import yaml
 from celpy import celtypes
 
 from support.paths import EXAMPLES, load_example
 from support.specs import make_lpt
+from support import yamlio
 from kubetitan_core import crd as crdmod
 from kubetitan_core.validation import CEL_RULES, parse
 
 ROOT = Path(__file__).resolve().parents[2]
-CORPUS = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())
-CRD = yaml.safe_load((ROOT / "crds" / crdmod.CRD_FILE).read_text())
+CORPUS = yamlio.load((Path(__file__).parent / "invalid_specs.yaml").read_text())
+CRD = yamlio.load((ROOT / "crds" / crdmod.CRD_FILE).read_text())
 SPEC_SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 RULES = SPEC_SCHEMA["x-kubernetes-validations"]
 CEL_IDS = {r.id for r in CEL_RULES}

@@ -10,6 +10,7 @@ import yaml
 
 from support.paths import REPO
 from support.specs import make_lpt
+from support import yamlio
 
 
 def kt(*args, stdin=None):
@@ -62,7 +63,7 @@ def test_missing_file():
 def test_render_prints_the_children_of_an_attempt():
     r = kt("render", "examples/llama3-8b-p5-4node.yaml", "--attempt", "2")
     assert r.returncode == 0, r.stderr
-    objs = [o for o in yaml.safe_load_all(r.stdout) if o]
+    objs = [o for o in yamlio.load_all(r.stdout) if o]
     assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "Pod", "Pod", "Pod", "Pod"]
     assert objs[2]["metadata"]["name"] == "llama3-8b-p5-4node-a2-0"
 
@@ -70,7 +71,7 @@ def test_render_prints_the_children_of_an_attempt():
 def test_render_with_pod_groups_shows_the_attempts_pod_group():
     r = kt("render", "examples/llama3-8b-p5-4node.yaml", "--attempt", "2", "--pod-groups")
     assert r.returncode == 0, r.stderr
-    objs = [o for o in yaml.safe_load_all(r.stdout) if o]
+    objs = [o for o in yamlio.load_all(r.stdout) if o]
     assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "PodGroup", "Pod", "Pod", "Pod", "Pod"]
     assert objs[2]["metadata"]["name"] == "llama3-8b-p5-4node-a2"
     assert objs[2]["spec"]["schedulingPolicy"] == {"gang": {"minCount": 4}}

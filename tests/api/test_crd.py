@@ -15,12 +15,12 @@ from typing import Any, Literal
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 from pydantic import Field
 
 from kubetitan_core import crd as crdmod
 from kubetitan_core.api import LlamaPretrain, _Base
 from kubetitan_core.validation import CEL_RULES
+from support import yamlio
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / crdmod.CRD_FILE
@@ -207,7 +207,7 @@ def test_defaults_validate_against_their_schema():
 def _examples() -> list[tuple[str, dict[str, Any]]]:
     out = [("empty", {})]
     for f in EXAMPLES:
-        for i, doc in enumerate(d for d in yaml.safe_load_all(f.read_text()) if d):
+        for i, doc in enumerate(d for d in yamlio.load_all(f.read_text()) if d):
             out.append((f"{f.stem}-{i}" if i else f.stem, doc.get("spec") or {}))
     return out
 
@@ -289,7 +289,7 @@ LATEST = kubernetes_validate.utils.major_minor(kubernetes_validate.utils.latest_
     ids=["1.27-variant", "1.28", "1.35", "latest"],
 )
 def test_kubernetes_validate_accepts_the_crd(kube, target):
-    obj = crdmod.crd(kubernetes_version=target) if target else yaml.safe_load(COMMITTED.read_text())
+    obj = crdmod.crd(kubernetes_version=target) if target else yamlio.load(COMMITTED.read_text())
     assert kubernetes_validate.validate(obj, kube, strict=True) == kube
 
 
@@ -359,6 +359,6 @@ def test_cli_crd_kubernetes_version(argv, rc, has_field_path, capsys):
     if rc:
         assert "--kubernetes-version" in err and "MAJOR.MINOR" in err
     else:
-        obj = yaml.safe_load(out)
+        obj = yamlio.load(out)
         assert kubernetes_validate.validate(obj, "1.27" if not has_field_path else "1.35", strict=True)
         assert ("fieldPath" in out) == has_field_path

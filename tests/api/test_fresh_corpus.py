@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from kubetitan import cli
+from support import yamlio
 
-CORPUS = yaml.safe_load((Path(__file__).parent / "fresh_corpus.yaml").read_text(encoding="utf-8"))
+CORPUS = yamlio.load((Path(__file__).parent / "fresh_corpus.yaml").read_text(encoding="utf-8"))
 BASE = CORPUS["base"]
 INVALID = CORPUS["invalid"]
 VALID = CORPUS["valid"]
@@ -156,13 +157,13 @@ def test_valid_case_is_accepted(tmp_path, capsys, case):
     # table row's id, a field path and a message; an error line never.
     for line in err.splitlines():
         assert WARNING_LINE.match(line), f"{case['id']}: not a warning line: {line!r}"
-    docs = [d for d in yaml.safe_load_all(content(case)) if d]
+    docs = [d for d in yamlio.load_all(content(case)) if d]
     single = len(docs) == 1 and docs[0].get("kind") == "LlamaPretrain"
     nodes = (docs[0].get("spec") or {}).get("resources", {}).get("nodes", 1) if single else 0
     if 0 < nodes <= 16 and docs[0]["metadata"].get("name"):  # the children render (not the 4096-pod gangs: slow), and no env name is set twice in a pod
         f = tmp_path / f"{case['id']}.yaml"
         assert cli.main(["render", str(f)]) == 0
-        pods = [o for o in yaml.safe_load_all(capsys.readouterr().out) if o and o["kind"] == "Pod"]
+        pods = [o for o in yamlio.load_all(capsys.readouterr().out) if o and o["kind"] == "Pod"]
         assert len(pods) == nodes
         for pod in pods:
             names = [e["name"] for c in pod["spec"]["containers"] for e in c.get("env", [])]

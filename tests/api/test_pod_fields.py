@@ -7,16 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from support.paths import REPO
 from support.specs import make_lpt
+from support import yamlio
 from kmockx.validation import builtin_errors
 from kubetitan_core import contract
 from kubetitan import plan
 from kubetitan_core.validation import parse
 
-CORPUS = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())
+CORPUS = yamlio.load((Path(__file__).parent / "invalid_specs.yaml").read_text())
 
 EDGE = {
     "env-field-and-secret-refs": {"resources": {"env": [

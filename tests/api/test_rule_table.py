@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from pydantic import ValidationError
 
 from support.specs import make_lpt
+from support import yamlio
 from kubetitan_core import crd as crdmod
 from kubetitan_core import validation
 from kubetitan_core.api import LlamaPretrain
@@ -44,7 +44,7 @@ def _want() -> list[dict[str, Any]]:
 def test_the_committed_crds_cel_rules_are_exactly_the_tables_cel_twins():
     assert len(_want()) >= 10
     for f in COMMITTED:
-        found = _validations(yaml.safe_load(f.read_text()))
+        found = _validations(yamlio.load(f.read_text()))
         assert {where for where, _ in found} == {
             "/spec/versions[0]/schema/openAPIV3Schema/properties/spec"}, f"{f}: CEL outside spec"
         assert [v for _, v in found] == _want(), f"{f}: regenerate with {crdmod.GENERATE_COMMAND}"
@@ -77,7 +77,7 @@ def test_every_cel_twin_reports_at_its_rules_field():
 
 
 # ------------------------------------------------------------------ the table drives the Python validator
-CORPUS = yaml.safe_load((REPO / "tests" / "api" / "invalid_specs.yaml").read_text())
+CORPUS = yamlio.load((REPO / "tests" / "api" / "invalid_specs.yaml").read_text())
 # The metadata rules' cases (tests/api/invalid_specs.yaml holds specs only): objects each rule refuses.
 OBJECT_CASES: dict[str, list[dict[str, Any]]] = {
     "metadata.fields": [

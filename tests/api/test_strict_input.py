@@ -8,6 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from support.specs import make_lpt
+from support import yamlio
 from kubetitan import cli
 from kubetitan.plan import attempt_children
 from kubetitan_core.api import API_VERSION, KIND
@@ -108,7 +109,7 @@ def test_integers_beyond_int64_in_an_object_are_refused_at_their_path(spec, path
 def test_a_key_that_is_not_a_string_is_named_with_how_to_fix_it(tmp_path):
     f = tmp_path / "k.yaml"
     f.write_bytes(HEAD + b"0:\n")
-    lpt, errors = parse(yaml.safe_load(f.read_text()))
+    lpt, errors = parse(yamlio.load(f.read_text()))
     assert lpt is None and [(e.path, e.message) for e in errors] == [
         ("[0]", "the key 0 is not a field name (YAML read it as a number); remove it, or quote it if it was meant as a name")]
 

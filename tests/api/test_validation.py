@@ -7,13 +7,13 @@ from pathlib import Path
 import re
 
 import pytest
-import yaml
 
 from support.paths import EXAMPLES, load_example
 from support.specs import make_lpt
+from support import yamlio
 from kubetitan_core.validation import CEL_RULES, parse
 
-CORPUS = yaml.safe_load((Path(__file__).parent / "invalid_specs.yaml").read_text())
+CORPUS = yamlio.load((Path(__file__).parent / "invalid_specs.yaml").read_text())
 # Every message says how to fix the problem, not only what it is.
 FIX = re.compile(r"\b(use|set|remove|lower|raise|pick|change|give|leave|keep|turn|request|fix|enable|add|move|rename)\b")
 

@@ -18,6 +18,7 @@ import yaml
 from kmockx import validation
 from kmockx.harness import CRD_FILE, Cluster, wait_for
 from support.specs import NS, cpu_spec, lpt
+from support import yamlio
 from kmockx.rbac import render_chart
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +91,7 @@ def test_crd_required_defaults_and_pruning(c: Cluster) -> None:
     stored = r.json()
     assert "bogus" not in stored["spec"]["training"]  # pruned: no x-kubernetes-preserve-unknown-fields there
     assert stored["metadata"]["generation"] == 1 and stored["metadata"]["uid"]
-    crd = yaml.safe_load(CRD_FILE.read_text())
+    crd = yamlio.load(CRD_FILE.read_text())
     props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     defaulted = [k for k, v in props["training"]["properties"].items() if "default" in v and k not in spec["training"]]
     assert defaulted and all(k in stored["spec"]["training"] for k in defaulted)  # defaults applied
@@ -127,7 +128,7 @@ def test_generation_moves_on_spec_changes_only_and_status_is_a_subresource(c: Cl
 
 @pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_example_is_accepted(c: Cluster, example: Path) -> None:
-    for doc in yaml.safe_load_all(example.read_text()):
+    for doc in yamlio.load_all(example.read_text()):
         doc = copy.deepcopy(doc)
         doc["metadata"]["namespace"] = NS
         r = call(c, "POST", LPTS, doc, fieldValidation="Strict")

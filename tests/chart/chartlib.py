@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from support import yamlio
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kubetitan"
@@ -65,7 +65,7 @@ def _render(files: tuple[str, ...], sets: tuple[str, ...], include_crds: bool) -
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, *values_args(list(files), list(sets))]
     if include_crds:
         args.append("--include-crds")
-    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+    return [d for d in yamlio.load_all(helm(*args).stdout) if d]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

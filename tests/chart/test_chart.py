@@ -17,13 +17,13 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 
 from kubetitan_core import crd as crdmod
 from kubetitan import rbac
 from kubetitan.monitoring import alerts, config as mcfg
 
 from chartlib import CHART, MATRIX, MATRIX_IDS, NAMESPACE, REPO, by_kind, helm, render, values_args
+from support import yamlio
 
 KUBE_VERSIONS = ["1.27", "1.35"]
 PROM_OPERATOR_KINDS = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
@@ -121,7 +121,7 @@ def test_prometheusrule_is_the_generated_rules_file_with_the_configured_runbook_
     want = alerts.rule_groups(mcfg.MonitoringConfig(runbook_url_base=base))
     assert rule["spec"] == want
     # The chart's default base and the generator's are the same string (the template replaces it).
-    assert yaml.safe_load((CHART / "values.yaml").read_text())["monitoring"]["rules"]["runbookBaseURL"] == mcfg.DEFAULT.runbook_url_base
+    assert yamlio.load((CHART / "values.yaml").read_text())["monitoring"]["rules"]["runbookBaseURL"] == mcfg.DEFAULT.runbook_url_base
     assert mcfg.DEFAULT.runbook_url_base in (CHART / "templates" / "prometheusrule.yaml").read_text()
 
 
@@ -301,7 +301,7 @@ def _schema_paths(schema: dict[str, Any], defs: dict[str, Any], value: Any, path
 @pytest.mark.parametrize("values_file", ["values.yaml", "values-eks-p5.yaml", "values-hyperpod.yaml"])
 def test_values_schema_covers_every_value(values_file):
     schema = json.loads((CHART / "values.schema.json").read_text())
-    values = yaml.safe_load((CHART / values_file).read_text())
+    values = yamlio.load((CHART / values_file).read_text())
     assert _schema_paths(schema, schema["definitions"], values, "") == []
     jsonschema.validate(values, schema)
     # ... and every top-level property has a description or is an object of described ones.
@@ -314,7 +314,7 @@ def test_values_schema_covers_every_value(values_file):
 def test_trainer_pods_get_no_api_token_and_match_the_podmonitor(example):
     out = subprocess.run([str(Path(sys.executable).parent / "kubetitan"), "render", str(REPO / "examples" / example)],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    pods = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Pod"]
+    pods = [d for d in yamlio.load_all(out) if d and d["kind"] == "Pod"]
     assert pods
     (pm,) = by_kind(render([], ["monitoring.podMonitor.enabled=true"]), "PodMonitor")
     (expr,) = pm["spec"]["selector"]["matchExpressions"]
@@ -348,7 +348,7 @@ def test_notes_tell_what_to_run_next(tmp_path, sets, expect):
         'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n  notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
     out = helm("template", "kt", str(chart), "-n", NAMESPACE, "--show-only", "templates/notes-probe.yaml",
                *values_args([], sets)).stdout
-    notes = yaml.safe_load(out)["data"]["notes"]
+    notes = yamlio.load(out)["data"]["notes"]
     for text in expect:
         assert text in notes, notes
     assert "rollout status deploy/kt-kubetitan" in notes

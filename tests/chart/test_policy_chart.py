@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from chartlib import CHART, by_kind, helm, render, values_args
 from kubetitan import runner
 from kubetitan import policy
 from kubetitan.policy import ANY, KNOBS, Policy, node_labels
+from support import yamlio
 
 
 def _operator_policy(files=(), sets=()) -> Policy:
@@ -54,7 +54,7 @@ def test_the_chart_defaults_refuse_what_was_open(spec, rule):
 
 def test_chart_defaults_are_the_policy_defaults():
     assert _operator_policy() == Policy()
-    values = yaml.safe_load((CHART / "values.yaml").read_text())["policy"]
+    values = yamlio.load((CHART / "values.yaml").read_text())["policy"]
     assert values == policy.default_values()
     assert {k: v for k, v in values.items() if k != "nodeLabels"} == {
         "hostPathPrefixes": [], "serviceAccounts": ["default"], "priorityClasses": [], "imagePrefixes": [ANY],
@@ -83,7 +83,7 @@ def test_each_policy_value_reaches_the_operator(sets, want):
 def test_an_empty_list_allows_nothing(tmp_path):
     values = tmp_path / "v.yaml"
     values.write_text("policy:\n  serviceAccounts: []\n  imagePrefixes: []\n")
-    docs = [d for d in yaml.safe_load_all(helm("template", "kt", str(CHART), "-f", str(values)).stdout) if d]
+    docs = [d for d in yamlio.load_all(helm("template", "kt", str(CHART), "-f", str(values)).stdout) if d]
     (c,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
     assert "--policy-service-accounts=" in c["args"] and "--policy-image-prefixes=" in c["args"]
     pol = runner.options_from_args(runner.build_parser().parse_args(c["args"])).policy

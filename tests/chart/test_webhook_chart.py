@@ -9,12 +9,12 @@ import base64
 import subprocess
 
 import pytest
-import yaml
 
 from chartlib import CHART, NAMESPACE, RELEASE, by_kind, helm, render, values_args
 from kmockx.harness import Cluster
 from kubetitan import admission, runner
 from kubetitan.webhook import WEBHOOK_ID
+from support import yamlio
 
 
 def _one(docs, kind, suffix=""):
@@ -148,7 +148,7 @@ def test_metadata_only_updates_never_reach_the_webhook_on_1_28_and_later():
     assert w["matchConditions"] == [{"name": "creates-or-changes-spec",
                                      "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"}]
     out = helm("template", "kt", str(render.__globals__["CHART"]), "--kube-version", "1.27.0").stdout
-    (vwc,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "ValidatingWebhookConfiguration"]
+    (vwc,) = [d for d in yamlio.load_all(out) if d and d["kind"] == "ValidatingWebhookConfiguration"]
     assert "matchConditions" not in vwc["webhooks"][0]  # 1.27 has no matchConditions (the webhook passes those)
 
 
@@ -262,7 +262,7 @@ def test_an_upgrade_renders_the_certificates_the_operator_wrote_so_helm_keeps_th
         def rendered_secret():
             out = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=server",
                        "--kubeconfig", c.admin_kubeconfig, "--show-only", "templates/webhook.yaml").stdout
-            return next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Secret")
+            return next(d for d in yamlio.load_all(out) if d and d["kind"] == "Secret")
 
         assert rendered_secret()["data"] == {"tls.crt": "", "tls.key": ""}  # install: the keys, empty
         c.call(c.k.put("v1/secrets", {**secret, "data": live}))

@@ -26,6 +26,7 @@ from support.crd_answers import CEL_IDS, CORPUS, CRD, cel_ids, post_dry_run
 from support.paths import EXAMPLES, REPO, load_example
 from support.release import Release, kubectl
 from support.specs import cpu_spec, lpt, make_lpt
+from support import yamlio
 
 pytestmark = pytest.mark.xdist_group("real-cluster")
 DENIED = 'admission webhook "validate.llamapretrains.kubetitan.io" denied the request'
@@ -90,7 +91,7 @@ def test_every_example_through_kubectl_dry_run_server_as_kubetitan_validate_says
 
     code = kubetitan_cli.main(["validate", "--policy", str(REPO / "charts/kubetitan/values.yaml"), str(path)])
     said = capsys.readouterr()
-    own = yaml.safe_load(path.read_text())["metadata"].get("namespace")
+    own = yamlio.load(path.read_text())["metadata"].get("namespace")
     if own:
         control_plane.admin.ensure_namespace(own)
     out = kubectl("apply", "--dry-run=server", "-n", own or namespace, "-f", str(path),
@@ -271,7 +272,7 @@ def test_every_examples_pods_and_the_prepare_job_pass_pod_security_restricted(
             found = _pod_security_violations(api, restricted, pod)
             want = HOSTPATH_ALLOWANCE if run.spec.checkpoint.storage.host_path else set()
             assert found == want, (path.name, found)
-    job = yaml.safe_load(subprocess.run(
+    job = yamlio.load(subprocess.run(
         [sys.executable, "-m", "kubetitan.cli", "prepare-data", "--render-job", "/data/in", "-o", "/data/shards",
          "--parts", "2", "--job-name", "prep", "--job-namespace", restricted, "--job-image", "trainer:test",
          "--job-claim", "corpus", "--job-mount-path", "/data"], capture_output=True, text=True, check=True).stdout)

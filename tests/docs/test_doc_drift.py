@@ -29,11 +29,11 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-import yaml
 
 from kubetitan_core import api, contract
 from kubetitan import conditions as C
 from support.pyparse import parse_file
+from support import yamlio
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -61,7 +61,7 @@ KUBERNETES_PATHS = frozenset({"spec.nodeName"})
 
 
 def _crd_paths() -> set[str]:
-    crd = yaml.safe_load(next((REPO / "crds").glob("*.yaml")).read_text())
+    crd = yamlio.load(next((REPO / "crds").glob("*.yaml")).read_text())
     out: set[str] = set()
 
     def walk(node: dict, prefix: str) -> None:
@@ -117,7 +117,7 @@ def _values_paths() -> set[str]:
                 out.add(prefix + str(k))
                 walk(v, prefix + str(k) + ".")
 
-    walk(yaml.safe_load((REPO / "charts/kubetitan/values.yaml").read_text()), "")
+    walk(yamlio.load((REPO / "charts/kubetitan/values.yaml").read_text()), "")
     return out
 
 

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from support.specs import NS, e2e_spec
 from support.specs import lpt as _obj
+from support import yamlio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,8 +27,8 @@ from kmockx.harness import CMS, LPT, PODS, SVCS, Cluster, Operator, wait_for
 from kubetitan_core.validation import parse
 
 HERE = Path(__file__).parent
-API_CORPUS = yaml.safe_load((HERE.parent / "api" / "invalid_specs.yaml").read_text())
-E2E_CORPUS = yaml.safe_load((HERE / "invalid_specs_e2e.yaml").read_text())
+API_CORPUS = yamlio.load((HERE.parent / "api" / "invalid_specs.yaml").read_text())
+E2E_CORPUS = yamlio.load((HERE / "invalid_specs_e2e.yaml").read_text())
 FIX = re.compile(r"\b(use|set|remove|lower|raise|change|should|must|needs?|leave|exceeds?|divide|below|above|"
                  r"revert|pick|choose|add|drop|only|required|give|divisible|e\.g\.)\b", re.I)
 """A rejection says how to fix it: it names the accepted values or the action."""

@@ -16,11 +16,11 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 from common import NS
 from kubelet import Kubelet
 
 from kmockx.harness import PODS, Cluster, wait_for
+from support import yamlio
 
 JOBS = "batch/v1/jobs"
 CLAIM = "corpus"
@@ -54,7 +54,7 @@ def job_args(root: Path, inputs: list[str], parts: int) -> list[str]:
 def test_the_rendered_job_passes_the_kubernetes_schemas(tmp_path: Path, version: str) -> None:
     r = render(*job_args(tmp_path, [str(tmp_path / "in")], 4))
     assert r.returncode == 0, r.stderr
-    job = yaml.safe_load(r.stdout)
+    job = yamlio.load(r.stdout)
     kubernetes_validate.validate(job, version, strict=True)
     s = job["spec"]
     assert (s["completionMode"], s["completions"], s["parallelism"]) == ("Indexed", 4, 4)
@@ -128,7 +128,7 @@ def test_the_indexed_job_writes_what_one_machine_writes(cluster, tmp_path: Path)
     inputs = write_corpus(root)
     r = render(*job_args(root, inputs, 3))
     assert r.returncode == 0, r.stderr
-    results = run_job(c, k, yaml.safe_load(r.stdout))
+    results = run_job(c, k, yamlio.load(r.stdout))
     assert [code for code, _ in results] == [0, 0, 0], results
     logs = [k.log(NS, f"prep-{i}-x{i:04d}") for i in range(3)]
     assert all(f"part {i} of 3:" in logs[i] for i in range(3)), logs
@@ -147,7 +147,7 @@ def test_the_indexed_job_writes_what_one_machine_writes(cluster, tmp_path: Path)
 def test_a_bad_line_fails_its_pod_with_the_code_the_job_does_not_retry(cluster) -> None:
     c, k, root = cluster
     r = render(*job_args(root, write_corpus(root, bad_line=True), 2))
-    job = yaml.safe_load(r.stdout)
+    job = yamlio.load(r.stdout)
     results = run_job(c, k, job)
     bad = str(root / "in" / "part-2.jsonl")
     # part 1 holds the last units (part-2.jsonl); part 0 finishes and leaves the index to the last part

@@ -29,7 +29,6 @@ import kmock
 import requests
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-import yaml
 
 from kmockx import ApiError, KubeEmulator, kubeconfig, rbac  # noqa: F401 - ApiError re-exported for tests
 from kubetitan_core import contract
@@ -37,6 +36,7 @@ from kubetitan.runner import Options, run
 from support.procs import die_with_parent
 from support.runs import RunQueries
 from support.specs import NS, cpu_spec, lpt  # noqa: F401 - cpu_spec, lpt re-exported for tests written before tests/support
+from support import yamlio
 
 LPT = "kubetitan.io/v1alpha1/llamapretrains"
 PODS, NODES, CMS, SVCS, EVENTS = "v1/pods", "v1/nodes", "v1/configmaps", "v1/services", "v1/events"
@@ -129,7 +129,7 @@ class Cluster(RunQueries):
                 k.serve_pod_groups()
             for ns in dict.fromkeys(self.namespaces):  # kopf only watches namespaces that exist
                 await k.put("v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-            await k.put(CRDS, yaml.safe_load(CRD_FILE.read_text()))  # the CRD as `kubectl apply -f crds/` does
+            await k.put(CRDS, yamlio.load(CRD_FILE.read_text()))  # the CRD as `kubectl apply -f crds/` does
             if self.rbac:
                 k.authorizer = rbac.Authorizer()
             self._ready.set()

@@ -14,8 +14,8 @@ import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
+from support import yamlio
 
-import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kubetitan"
@@ -30,7 +30,7 @@ def render_chart(*sets: str, release: str = RELEASE) -> tuple[dict[str, Any], ..
     for s in sets:
         argv += ["--set", s]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
-    return tuple(d for d in yaml.safe_load_all(out) if d)
+    return tuple(d for d in yamlio.load_all(out) if d)
 
 
 @functools.lru_cache(maxsize=None)

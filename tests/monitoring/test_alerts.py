@@ -14,6 +14,7 @@ import yaml
 
 from kubetitan.monitoring import alerts as al
 from kubetitan.monitoring.config import DEFAULT
+from support import yamlio
 
 REPO = Path(__file__).resolve().parents[2]
 RULES_FILE = REPO / "charts" / "kubetitan" / "files" / "kubetitan-rules.yaml"
@@ -226,7 +227,7 @@ def test_promtool_check_rules():
 
 
 def test_rules_file_is_generated_from_code():
-    assert yaml.safe_load(RULES_FILE.read_text()) == al.rule_groups()
+    assert yamlio.load(RULES_FILE.read_text()) == al.rule_groups()
 
 
 @pytest.mark.parametrize("name", sorted(ALERTS))

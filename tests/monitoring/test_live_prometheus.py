@@ -43,6 +43,7 @@ from kubetitan.monitoring.config import DEFAULT
 from support.procs import die_with_parent
 from support.trainer import step_records
 from support.windows import slack
+from support import yamlio
 
 REPO = Path(__file__).resolve().parents[2]
 RULES_FILE = REPO / "charts" / "kubetitan" / "files" / "kubetitan-rules.yaml"
@@ -136,7 +137,7 @@ def stop(proc) -> None:
 def start_trainer(tmp: Path, metrics_port: int):
     from kubetitan_trainer.local import processes_per_node, write_config
 
-    lpt = LlamaPretrain.model_validate(yaml.safe_load((REPO / "examples" / "debug-cpu.yaml").read_text()))
+    lpt = LlamaPretrain.model_validate(yamlio.load((REPO / "examples" / "debug-cpu.yaml").read_text()))
     lpt.metadata.name, lpt.metadata.namespace = NAME, NS
     out = tmp / "run"
     out.mkdir()
@@ -333,7 +334,7 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(tmp_path):
         # Prometheus loaded the generated rules and evaluates them without errors.
         groups = http_json(f"{api}/rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        assert len(rules) == len(yaml.safe_load(RULES_FILE.read_text())["groups"][0]["rules"])
+        assert len(rules) == len(yamlio.load(RULES_FILE.read_text())["groups"][0]["rules"])
         assert all(r["health"] in ("ok", "unknown") for r in rules), [r for r in rules if r["health"] == "err"]
         slack("the last query", step_records(tmp_path / "run"), STEPS)
     finally:

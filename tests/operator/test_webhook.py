@@ -42,6 +42,7 @@ from kmockx import kubeconfig, rbac, webhooks
 from kmockx.harness import LPT, NS, ApiError, Cluster, Operator, free_port, wait_for
 from support.fakes import FakeClock
 from support.specs import lpt
+from support import yamlio
 from kubetitan import admission, cli, webhook_guard
 from kubetitan.access_cache import CacheConfig
 from kubetitan.policy import Policy
@@ -87,18 +88,18 @@ def corpus() -> list[tuple[str, dict[str, Any]]]:
     """(id, object) of every spec in the corpora that is one YAML mapping (byte-level cases stay with the CLI's
     own tests: kubectl's reader refuses them before any request)."""
     out: list[tuple[str, dict[str, Any]]] = []
-    for case in yaml.safe_load((REPO / "tests/api/invalid_specs.yaml").read_text()):
+    for case in yamlio.load((REPO / "tests/api/invalid_specs.yaml").read_text()):
         o = lpt("run", case["spec"])
         del o["metadata"]["namespace"]  # as the corpus file has it: kubectl puts it in the request's namespace
         out.append((f"invalid_specs/{case['name']}", o))
-    fresh = yaml.safe_load((REPO / "tests/api/fresh_corpus.yaml").read_text(encoding="utf-8"))
+    fresh = yamlio.load((REPO / "tests/api/fresh_corpus.yaml").read_text(encoding="utf-8"))
     for kind in ("invalid", "valid"):
         for case in fresh[kind]:
             if "patch" in case:
                 doc = _merge(fresh["base"], case["patch"])
             elif "text" in case:
                 try:
-                    doc = yaml.safe_load(case["text"])
+                    doc = yamlio.load(case["text"])
                 except yaml.YAMLError:
                     continue
             else:
@@ -107,7 +108,7 @@ def corpus() -> list[tuple[str, dict[str, Any]]]:
                     and _json_safe(doc):
                 out.append((f"fresh/{kind}/{case['id']}", doc))
     for p in sorted((REPO / "examples").glob("*.yaml")):
-        out.append((f"examples/{p.name}", yaml.safe_load(p.read_text())))
+        out.append((f"examples/{p.name}", yamlio.load(p.read_text())))
     for _, doc in out:
         doc["metadata"]["namespace"] = CORPUS_NS
     return out

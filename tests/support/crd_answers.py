@@ -9,15 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from kubetitan_core import crd as crdmod
 from kubetitan_core.validation import CEL_RULES
 from support.cluster import LPT, ControlPlane, resource_path, wait_for
 from support.paths import REPO
+from support import yamlio
 
-CORPUS = yaml.safe_load((REPO / "tests" / "api" / "invalid_specs.yaml").read_text())
-CRD = yaml.safe_load((REPO / "crds" / crdmod.CRD_FILE).read_text())
+CORPUS = yamlio.load((REPO / "tests" / "api" / "invalid_specs.yaml").read_text())
+CRD = yamlio.load((REPO / "crds" / crdmod.CRD_FILE).read_text())
 CEL_MESSAGE_TO_ID = {r["message"]: {c.rule: c.id for c in CEL_RULES}[r["rule"]]
                      for r in CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
                          "x-kubernetes-validations"]}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from support import yamlio
 
-import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -13,4 +13,4 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 
 def load_example(path: Path) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text())
+    return yamlio.load(path.read_text())

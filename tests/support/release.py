@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from support.cluster import ControlPlane
 from support.paths import REPO
+from support import yamlio
 
 CHART = REPO / "charts" / "kubetitan"
 HELM = REPO / ".tools" / "bin" / "helm"
@@ -70,7 +70,7 @@ class Release:
         run_tool(HELM, "install", self.name, str(CHART), "-n", self.namespace, "--create-namespace", "--wait=false",
                  *self.helm_values(), kubeconfig=self.cp.admin_kubeconfig)
         out = run_tool(HELM, "get", "manifest", self.name, "-n", self.namespace, kubeconfig=self.cp.admin_kubeconfig)
-        self.manifest = [d for d in yaml.safe_load_all(out.stdout) if d]
+        self.manifest = [d for d in yamlio.load_all(out.stdout) if d]
         return self
 
     def uninstall(self) -> None:

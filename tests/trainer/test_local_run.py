@@ -22,6 +22,7 @@ from kubetitan_core.api import LlamaPretrain
 from kubetitan_core.contract import ExitCode
 
 from support.specs import TINY, make_lpt
+from support import yamlio
 
 PY = sys.executable
 
@@ -219,7 +220,7 @@ def test_a_local_run_shows_its_eval_loss_a_rerun_says_it_is_complete_and_a_failu
     first = _run_local(tmp_path, "evals", spec, out)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     evals = [line for line in (out / "kubetitan" / "evals.jsonl").read_text().splitlines() if line]
-    last = yaml.safe_load(evals[-1])
+    last = yamlio.load(evals[-1])
     assert f"Eval loss:   {last['eval_loss']:.4f} at step {last['step']}" in first.stdout, first.stdout
     assert "already complete" not in first.stdout
 
