@@ -1,6 +1,6 @@
 """A pytest plugin that charges each test the CPU time of its process tree: the xdist worker and every process
 below it (the warm parents, trainers, operators, API doubles), read from /proc before and after the test
-(utime + stime + cutime + cstime of each live descendant). Writes one JSON list per worker, [nodeid, CPU s, wall s]:
+(utime + stime + cutime + cstime of each live descendant). Writes one JSON list per worker, [nodeid, CPU s, wall s, start (epoch s)]:
 
     PYTHONPATH=bench KUBETITAN_TREE_CPU_DIR=/tmp/cpu python -m pytest -p pytest_tree_cpu -n 3 --dist loadgroup tests
     python bench/pytest_tree_cpu.py /tmp/cpu            # per directory, per file, the slowest tests
@@ -50,9 +50,9 @@ def tree_cpu(root: int) -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    c0, t0 = tree_cpu(os.getpid()), time.monotonic()
+    c0, t0, start = tree_cpu(os.getpid()), time.monotonic(), time.time()
     yield
-    _OUT.append((item.nodeid, tree_cpu(os.getpid()) - c0, time.monotonic() - t0))
+    _OUT.append((item.nodeid, tree_cpu(os.getpid()) - c0, time.monotonic() - t0, start))
 
 
 def pytest_sessionfinish(session):
@@ -63,7 +63,7 @@ def pytest_sessionfinish(session):
             json.dump(_OUT, f)
 
 
-def main(folder: str, top: int = 40) -> None:
+def main(folder: str, top: int = 40, timeline: bool = True) -> None:
     rows = [r for f in glob.glob(os.path.join(folder, "cpu_*.json")) for r in json.load(open(f))]
     print(f"{len(rows)} tests, {sum(r[1] for r in rows):.0f} CPU s in their process trees")
     by_dir: collections.Counter[str] = collections.Counter()
@@ -75,6 +75,15 @@ def main(folder: str, top: int = 40) -> None:
     print("by directory:", ", ".join(f"{d} {c:.0f}" for d, c in by_dir.most_common()))
     for path, c in by_file.most_common(top):
         print(f"{c:7.1f}  {path}")
+    if timeline:
+        print("per worker: busy from its first test's start to its last test's end, and its longest tests")
+        for f in sorted(glob.glob(os.path.join(folder, "cpu_*.json"))):
+            mine = [r for r in json.load(open(f)) if len(r) > 3]
+            if mine:
+                t0 = min(r[3] for r in rows if len(r) > 3)
+                print(f"  {os.path.basename(f)}: {min(r[3] for r in mine) - t0:6.1f} -> "
+                      f"{max(r[3] + r[2] for r in mine) - t0:6.1f} s, {len(mine)} tests, "
+                      f"{sum(r[1] for r in mine):.0f} CPU s")
     print("slowest tests (CPU s, wall s):")
     for nodeid, c, w in sorted(rows, key=lambda r: -r[1])[:top]:
         print(f"{c:6.1f} {w:6.1f}  {nodeid}")
