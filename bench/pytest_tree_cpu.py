@@ -68,7 +68,7 @@ def main(folder: str, top: int = 40, timeline: bool = True) -> None:
     print(f"{len(rows)} tests, {sum(r[1] for r in rows):.0f} CPU s in their process trees")
     by_dir: collections.Counter[str] = collections.Counter()
     by_file: collections.Counter[str] = collections.Counter()
-    for nodeid, c, _ in rows:
+    for nodeid, c, *_ in rows:
         path = nodeid.split("::")[0]
         by_file[path] += c
         by_dir["/".join(path.split("/")[:2])] += c
@@ -76,7 +76,7 @@ def main(folder: str, top: int = 40, timeline: bool = True) -> None:
     for path, c in by_file.most_common(top):
         print(f"{c:7.1f}  {path}")
     if timeline:
-        print("per worker: busy from its first test's start to its last test's end, and its longest tests")
+        print("per worker: busy from its first test's start to its last test's end")
         for f in sorted(glob.glob(os.path.join(folder, "cpu_*.json"))):
             mine = [r for r in json.load(open(f)) if len(r) > 3]
             if mine:
@@ -85,7 +85,7 @@ def main(folder: str, top: int = 40, timeline: bool = True) -> None:
                       f"{max(r[3] + r[2] for r in mine) - t0:6.1f} s, {len(mine)} tests, "
                       f"{sum(r[1] for r in mine):.0f} CPU s")
     print("slowest tests (CPU s, wall s):")
-    for nodeid, c, w in sorted(rows, key=lambda r: -r[1])[:top]:
+    for nodeid, c, w, *_ in sorted(rows, key=lambda r: -r[1])[:top]:
         print(f"{c:6.1f} {w:6.1f}  {nodeid}")
 
 

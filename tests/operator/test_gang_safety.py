@@ -27,7 +27,7 @@ from kmockx.harness import LPT, NS, Cluster, Operator, OperatorProcess, cpu_spec
 from kubetitan import conditions as C
 from kubetitan_core.api import Condition
 
-pytestmark = pytest.mark.xdist_group("operator-kmock")
+pytestmark = pytest.mark.xdist_group("operator-ha")
 
 
 def _events(c: Cluster, name: str, reason: str | None = None) -> list[dict]:

@@ -14,7 +14,7 @@ import pytest
 
 from kmockx.harness import NS, RELEASE_NS, Cluster, OperatorProcess, cpu_spec, lpt, wait_for
 
-pytestmark = pytest.mark.xdist_group("operator-kmock")
+pytestmark = pytest.mark.xdist_group("operator-ha")
 
 LEASES = "coordination.k8s.io/v1/leases"
 LEASE = "kubetitan-test"

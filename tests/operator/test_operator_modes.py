@@ -16,7 +16,7 @@ import requests
 from kmockx.harness import Cluster, Operator, OperatorProcess, wait_for
 from support.specs import NS, cpu_spec, lpt
 
-pytestmark = pytest.mark.xdist_group("operator-kmock")
+pytestmark = pytest.mark.xdist_group("operator-ha")
 OTHER = "team-b"
 
 

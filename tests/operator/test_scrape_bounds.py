@@ -28,7 +28,7 @@ from kubetitan.observation import scrape as observe
 from kubetitan_core import contract
 from kubetitan_core.api import AttemptObservation
 
-pytestmark = pytest.mark.xdist_group("operator-kmock")
+pytestmark = pytest.mark.xdist_group("operator-ha")
 NOW = 1_800_000_000.0
 M = contract
 
