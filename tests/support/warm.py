@@ -9,8 +9,9 @@ session and (e2e pods) mount and UTS namespace, as the command line would, and r
 ``returncode``).
 
 What the tests still exercise: the launcher's whole ``main`` (torchrun's agent, its own warm-up and forks of the
-workers, signals, exit codes) and the workers; torchtitan and kubetitan are imported by each launch itself. What
-they do not: a cold interpreter's import of torch. That is covered by the tests that start the launcher otherwise
+workers, signals, exit codes) and the workers. What they share with the warm parent: torch's import, the trainer's
+(torchtitan, kubetitan_trainer, the spec model) and tyro's first parse of a job config (``zygote._warm_trainer``).
+What they do not exercise: a cold interpreter's imports. That is covered by the tests that start the launcher otherwise
 (``kubetitan run`` in tests/trainer/test_local_run.py, tests/monitoring/test_live_prometheus.py, test_units' bad
 config launches, the e2e pods that run as another user), and by ``KUBETITAN_TEST_COLD_LAUNCH=1``, which makes
 :func:`popen` start every launch cold. A launch whose environment differs in what is read at import

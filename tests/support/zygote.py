@@ -6,7 +6,8 @@ imports_without_gc`` does, and then forks one child per request read from stdin.
 ``python -m MODULE ARGS`` in ``cwd`` with ``env`` and its output in ``log`` would be: its own session when asked,
 stdin from /dev/null, stdout and stderr appended to the log, the module run by ``runpy`` as ``__main__``. It also
 imports the launcher and the trainer (torchtitan, kubetitan_trainer, the spec model) and parses one trainer config,
-so that tyro's first parse is not paid again by every launch (:func:`_warm_trainer`). Single-threaded: requests and SIGCHLD (through a wakeup pipe) are multiplexed with select.
+so that tyro's first parse is not paid again by every launch (:func:`_warm_trainer`). Single-threaded: requests
+and SIGCHLD (through a wakeup pipe) are multiplexed with select.
 A request whose environment has ``KUBETITAN_TEST_HOLD`` gets ``tests/support/hold.py``'s step hold installed first.
 
 Protocol, one JSON object a line: in ``{"id", "module", "args", "env", "cwd", "log", "new_session", "namespaces"}``
