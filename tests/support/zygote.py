@@ -52,23 +52,20 @@ def _warm_trainer() -> None:
     request's environment. torchtitan binds ``sys.argv`` as ``ConfigManager.parse_args``' default when imported:
     every kubetitan caller passes its arguments."""
     import tempfile
+    from pathlib import Path
 
-    import tomli_w
     import yaml
 
     import kubetitan_trainer.launch.launcher  # noqa: F401 - the launcher (and kubetitan_core.api through it)
     import kubetitan_trainer.trainer  # noqa: F401
-    from kubetitan_core import render
     from kubetitan_core.api import LlamaPretrain
+    from kubetitan_trainer.local import write_config
     from kubetitan_trainer.main import load_config
 
     with open(WARM_CONFIG) as f:
         lpt = LlamaPretrain.model_validate(yaml.safe_load(f))
     with tempfile.TemporaryDirectory(prefix="zygote-") as d:
-        path = os.path.join(d, "trainer.toml")
-        with open(path, "wb") as f:
-            tomli_w.dump(render.trainer_config(lpt, dump_folder=d), f)
-        load_config(["--job.config_file", path])
+        load_config(["--job.config_file", str(write_config(lpt, Path(d), None, 0))])  # what `kubetitan run` writes
 
 
 def _enter_namespaces(hosts: str, hostname: str) -> None:

@@ -207,24 +207,20 @@ def run_worker(*argv: str) -> int:
 def warm_up(worker_argv: list[str]) -> float:
     """Import what every worker needs, without initialising CUDA; the seconds it took.
 
-    torchtitan 0.2.2's ``ConfigManager.parse_args(self, args=sys.argv[1:])`` binds its default when the module
-    is imported, and ``torchtitan.train.main`` calls it without arguments: the imports run with the
-    workers' argv in ``sys.argv`` so that the default is theirs, not the launcher's."""
+    torchtitan 0.2.2's ``ConfigManager.parse_args(self, args=sys.argv[1:])`` binds its default (the launcher's
+    arguments, here) when the module is imported, and ``torchtitan.train.main`` calls it without arguments: each
+    worker binds it to its own (``compat.bind_config_args`` in ``kubetitan_trainer.main``)."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     begin = time.perf_counter()
     import importlib
 
-    saved, sys.argv = sys.argv, [sys.argv[0], *worker_argv]
-    try:
-        from kubetitan_trainer import cpu_bridge
+    from kubetitan_trainer import cpu_bridge
 
-        with worker_main.imports_without_gc():  # frozen before the forks: the workers share these pages
-            cpu_bridge.apply()  # patches module globals once; forked workers inherit them
-            for name in WARM_MODULES:
-                importlib.import_module(name)
-        memoize_config_parse(worker_argv)
-    finally:
-        sys.argv = saved
+    with worker_main.imports_without_gc():  # frozen before the forks: the workers share these pages
+        cpu_bridge.apply()  # patches module globals once; forked workers inherit them
+        for name in WARM_MODULES:
+            importlib.import_module(name)
+    memoize_config_parse(worker_argv)
     return time.perf_counter() - begin
 
 
