@@ -368,8 +368,8 @@ def config_parse() -> tuple[Callable, Any]:
     """``ConfigManager.parse_args`` as it is now, and its ``args`` default.
 
     torchtitan 0.2.2 binds that default (``sys.argv[1:]``) when the module is imported, and
-    ``torchtitan.train.main`` parses without arguments: a warm launcher that imports torchtitan for forked
-    workers must know it, and memoising the workers' parse means wrapping the method
+    ``torchtitan.train.main`` parses without arguments: each worker binds it to its own (:func:`bind_config_args`),
+    and memoising the workers' parse means wrapping the method
     (:func:`replace_config_parse`): ``main`` builds its own ``ConfigManager``, with no parameter for a parsed
     config."""
     import inspect
