@@ -78,7 +78,7 @@ demo: python-env
 # the same modules.
 test: setup
 	env -u PYTHONDONTWRITEBYTECODE PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" \
-	  $(PY) -m pytest -n 4 --dist loadgroup --no-loadscope-reorder -q --durations=25 tests
+	  $(PY) -m pytest -n 5 --dist loadgroup --no-loadscope-reorder -q --durations=25 tests
 
 # Regenerate constraints.txt from the current venv (maintainers only).
 lock:

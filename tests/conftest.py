@@ -25,7 +25,7 @@ _SLOWEST_FIRST = (
     "tests/fast/",
 )
 """Where the time goes (``--durations``; bench/results/suite/make_test_final_60a654a.txt), longest first. xdist
-(``make test``: ``-n 4 --dist loadgroup --no-loadscope-reorder``) hands work out in collection order, so the long
+(``make test``: ``-n 5 --dist loadgroup --no-loadscope-reorder``) hands work out in collection order, so the long
 xdist groups and the slow tests start first and the many short tests fill the gaps at the end
 (longest-processing-time-first)."""
 

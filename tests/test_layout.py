@@ -182,9 +182,10 @@ def test_an_xdist_group_runs_on_one_worker(tmp_path: Path) -> None:
         "    with open('workers.txt', 'a') as f:\n        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n")
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}"}
     # two workers are enough to spread a group (and each costs a Python with pytest's plugins: ~3 CPU s)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
-                          "-n", "2", "--dist", "loadgroup", "-q", str(tmp_path)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    plugins_off = [a for p in ("cacheprovider", "hypothesispytest", "kmock", "cloudcoil", "anyio", "typeguard")
+                   for a in ("-p", f"no:{p}")]
+    out = subprocess.run([sys.executable, "-m", "pytest", *plugins_off, "-n", "2", "--dist", "loadgroup", "-q",
+                          str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     workers = (tmp_path / "workers.txt").read_text().split()
     assert len(workers) == 6 and len(set(workers)) == 1, workers
