@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -38,7 +39,8 @@ from kubelet import Kubelet  # noqa: E402
 from kmockx.harness import OperatorProcess, free_port  # noqa: E402
 from support.cluster import (LPT, NODES, PODS, POLL_SECONDS, ApiError, ControlPlane, KubeCluster,  # noqa: E402
                              wait_for)
-from support.release import Release  # noqa: E402
+from support.faultproxy import FaultProxy  # noqa: E402
+from support.release import Release, described_condition, kubectl  # noqa: E402
 from support.specs import CLAIM, cpu_spec, e2e_elastic_spec, e2e_spec, lpt  # noqa: E402
 from support.windows import slack  # noqa: E402
 from common import complete_checkpoints, step_log  # noqa: E402 - tests/e2e's readers of the run's files
@@ -55,11 +57,20 @@ ZONE = "topology.kubernetes.io/zone"
 
 
 @pytest.fixture(scope="module")
-def fast_operator(release: Release, control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[OperatorProcess]:
+def api_proxy(control_plane: ControlPlane) -> Iterator[FaultProxy]:
+    """The fault proxy (support.faultproxy) the module's operator talks to the API server through: transparent
+    until a test injects faults."""
+    serving = control_plane.pki.issue("fault-proxy", "fault-proxy", server_names=("127.0.0.1",), client=False)
+    with FaultProxy(control_plane.server, control_plane.pki.ca_file, serving) as proxy:
+        yield proxy
+
+
+@pytest.fixture(scope="module")
+def fast_operator(release: Release, control_plane: ControlPlane, api_proxy: FaultProxy,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     d = tmp_path_factory.mktemp("webhook")
-    with OperatorProcess(str(release.operator_kubeconfig()),
-                         *release.operator_args(cert_dir=str(d), extra=OPERATOR_FLAGS)) as op:
+    kubeconfig = api_proxy.kubeconfig(release.operator_kubeconfig(), d / "operator-via-proxy.kubeconfig")
+    with OperatorProcess(str(kubeconfig), *release.operator_args(cert_dir=str(d), extra=OPERATOR_FLAGS)) as op:
         wait_for(release.webhook_serving, 60, "the webhook served", every=0.1)
         yield op
 
@@ -143,6 +154,111 @@ def test_a_quota_refusing_the_second_pod_is_one_aggregated_event(
     children = kube.condition(namespace, "q", "ChildrenCreated")
     assert children["status"] == "False" and children["reason"] == "Forbidden", children
     assert len(kube.pods(namespace, "q")) == 1
+
+
+READS, WRITES = frozenset({"get", "list", "watch"}), frozenset({"create", "patch", "update", "delete"})
+RUN_RESOURCES = ("pods", "llamapretrains", "llamapretrains/status", "configmaps", "services", "events", "nodes")
+"""What the operator reads and writes for a run: the proxy's 429/503 answer these (not its Lease: a leader that
+cannot renew steps down, which tests/cluster/test_real_ha.py and the double's HA suite cover)."""
+QUOTA = 'pods "faulty-a0-1" is forbidden: exceeded quota: team-quota, requested: pods=1, used: pods=8, limited: pods=8'
+PSA = ('pods "faulty-a0-1" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != '
+       'false (container "trainer" must set securityContext.allowPrivilegeEscalation=false)')
+
+
+def test_api_faults_through_a_proxy_leave_the_run_untouched(
+        kube: KubeCluster, control_plane: ControlPlane, api_proxy: FaultProxy, fast_operator: OperatorProcess,
+        namespace: str, tmp_path: Path) -> None:
+    """The real operator and trainers (2 nodes) talk to the real API server through the fault proxy, which answers
+    20 % of the operator's requests for the run with 429 (Retry-After 1) or 503, refuses its pod creates with 403
+    (a quota) and then 422 (Pod Security) for a while, and drops and then expires every watch while the gang
+    trains. The run trains to Succeeded with no restart, each child is created exactly once (the proxy's log), and
+    the refusals are a ``ChildrenCreated`` condition and ``FailedCreate`` Events that the stock kubectl describes."""
+    ckpt = _checkpoint_claim(control_plane, namespace, tmp_path)
+    proxy, name, steps = api_proxy, "faulty", 40
+    describe = lambda: kubectl("describe", "lpt", name, "-n", namespace,  # noqa: E731
+                               kubeconfig=control_plane.admin_kubeconfig).stdout
+    condition = lambda: kube.condition(namespace, name, "ChildrenCreated") or {}  # noqa: E731
+    try:
+        with Kubelet(kube, tmp_path / "kubelet", nodes=2, claims={CLAIM: ckpt}, node_prefix=f"{namespace}-n",
+                     poll=POLL_SECONDS) as k, _explained(lambda: _diagnosis(kube, k, namespace, name)):
+            quota = proxy.inject(verbs={"create"}, resource="pods", namespace=namespace, code=403, message=QUOTA)
+            for resource in RUN_RESOURCES:
+                proxy.inject(verbs=READS | WRITES, resource=resource, code=429, rate=0.1, retry_after=1)
+                proxy.inject(verbs=READS | WRITES, resource=resource, code=503, rate=0.1 / 0.9)  # 20 % together
+            # the operator reads little once its watches run: two of each code on its next reads make sure
+            burst = [proxy.inject(verbs=READS, resource="pods", code=429, count=2, retry_after=1),
+                     proxy.inject(verbs=READS, resource="pods", code=503, count=2)]
+            start = len(proxy.log)
+            kube.apply(lpt(name, e2e_spec(ckpt, steps, steps // 2, free_port()), namespace=namespace))
+
+            # ---- pod creates refused by a quota: a condition and an Event, no pod, the run Pending
+            wait_for(lambda: condition().get("reason") == "Forbidden", 60, "ChildrenCreated=False/Forbidden")
+            described = wait_for(lambda: (lambda d: d if re.search(r"Warning\s+FailedCreate\s+.*exceeded quota", d)
+                                          else None)(describe()), 60, "the FailedCreate Event", every=0.5)
+            cond = described_condition(described, "ChildrenCreated")
+            assert (cond["Status"], cond["Reason"]) == ("False", "Forbidden") and "exceeded quota" in cond["Message"]
+            assert not kube.pods(namespace, name) and kube.status(namespace, name)["phase"] == "Pending"
+            # ---- then refused by Pod Security (422) for a while
+            wait_for(lambda: quota.hits >= 2, 60, "the refused pod create retried")
+            psa = proxy.inject(verbs={"create"}, resource="pods", namespace=namespace, code=422, message=PSA)
+            proxy.end(quota)  # the quota is raised
+            wait_for(lambda: condition().get("reason") == "Invalid", 60, "ChildrenCreated=False/Invalid")
+            assert not kube.pods(namespace, name)
+            wait_for(lambda: psa.hits >= 2, 60, "the refused pod create retried")
+            proxy.end(psa)  # the namespace's policy is fixed
+            wait_for(lambda: len(kube.pods(namespace, name)) == 2, 120, "both pods once the API accepts")
+            wait_for(lambda: condition().get("status") == "True", 60, "ChildrenCreated=True")
+
+            # ---- every watch dropped, then expired (410 Gone: a re-list), while the gang trains
+            wait_for(lambda: kube.status(namespace, name).get("training", {}).get("step", 0) >= 1, START,
+                     "the gang training")
+            for cut in (proxy.drop_watches, proxy.expire_watches):
+                mark = len(proxy.log)
+                assert cut() >= 5, cut.__name__  # the operator's watches of runs, pods, config maps, services, nodes
+                for plural in ("pods", "llamapretrains", "configmaps", "services", "nodes"):
+                    wait_for(lambda plural=plural: any(
+                        e.verb == "watch" and e.resource == plural and e.code == 200 for e in proxy.entries(mark)),
+                        60, f"the operator watching {plural} again after {cut.__name__}")
+            assert kube.status(namespace, name).get("restartCount", 0) == 0
+            wait_for(lambda: kube.status(namespace, name).get("phase") == "Succeeded", START,
+                     "Succeeded despite the faults")
+            proxy.clear_faults()
+            described = describe()
+        assert not k.errors, k.errors
+    finally:
+        proxy.clear_faults()
+    st = kube.status(namespace, name)
+    assert st["restartCount"] == 0 and not st.get("restarts") and st["attempt"] == 0, st
+    assert st["training"]["step"] == steps
+    log = step_log(ckpt)
+    assert {r["attempt"] for r in log} == {0} and log[-1]["step"] == steps
+    # no duplicate children: one accepted create per child, the refused ones before it
+    mine = [e for e in proxy.entries(start) if e.namespace == namespace]  # (earlier tests' runs may still be retried)
+    created: dict[str, list[int]] = {}
+    for e in mine:
+        if e.verb == "create" and e.resource in ("pods", "configmaps", "services"):
+            created.setdefault(e.created or "?", []).append(e.code)
+    pods = {c: codes for c, codes in created.items() if c.startswith("Pod/")}
+    assert set(pods) == {f"Pod/{name}-a0-0", f"Pod/{name}-a0-1"}, created
+    for child, codes in created.items():
+        assert codes.count(201) == 1 and codes[-1] == 201, (child, codes)
+        assert set(codes) <= {201, 403, 422, 429, 503}, (child, codes)
+    refused = [code for codes in pods.values() for code in codes]
+    assert refused.count(403) == quota.hits >= 2 and refused.count(422) == psa.hits >= 2, pods
+    # 429 and 503 answered reads and writes, about 20 % of the operator's requests for the run (in its namespace)
+    assert [f.hits for f in burst] == [2, 2], "the operator's reads met fewer faults than injected"
+    for code in (429, 503):
+        for verbs in (READS, WRITES):
+            assert any(e.fault and e.code == code and e.verb in verbs for e in mine), (code, sorted(verbs))
+    run_requests = [e for e in mine if e.resource in RUN_RESOURCES]
+    share = sum(e.fault and e.code in (429, 503) for e in run_requests) / len(run_requests)
+    assert len(run_requests) >= 50 and 0.08 <= share <= 0.4, (share, len(run_requests))  # 20 %, a seeded RNG
+    # what a user sees: the condition (now True: every child exists) and both refusals as Warning Events
+    cond = described_condition(described, "ChildrenCreated")
+    assert (cond["Status"], cond["Reason"]) == ("True", "Created"), cond
+    assert re.search(r"Warning\s+FailedCreate\s+.*Forbidden: .*exceeded quota", described), described
+    assert re.search(r"Warning\s+FailedCreate\s+.*Invalid: .*PodSecurity", described), described
+    assert not _events(kube, namespace, name, "Restart"), "a restart Event"
 
 
 def _diagnosis(kube: KubeCluster, k: Kubelet, ns: str, name: str) -> str:

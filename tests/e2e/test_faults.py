@@ -21,26 +21,21 @@ tests/s3/test_s3_e2e.py (and tests/e2e/test_world_size.py, at a new size): one g
 A run deleted mid-training (every process gone, nothing of it left) is the last phase of the in-place scenario
 (tests/e2e/test_inplace.py), whose run is still training when it ends: one gang start less than a run of its own.
 
-A second run meets a faulty API server instead (``test_api_faults_on_every_request_leave_the_run_untouched``):
-429/503 on 20 % of the operator's requests (reads and writes), a burst of 403 and then of 422 on pod create,
-every watch dropped and then expired; it trains to Succeeded with no restart and one create per child.
+A faulty API server (429/503 on 20 % of the operator's requests, 403 and then 422 on pod create, every watch dropped
+and then expired) is the real server behind a fault proxy: tests/cluster/test_real_runs.py::
+test_api_faults_through_a_proxy_leave_the_run_untouched.
 Each phase asserts the step the next attempt starts from, loss continuity (a replayed step has the same
 loss; nothing jumps back to the initial loss) and the restart causes recorded in status.restarts.
 """
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from common import attempts_in_log, complete_checkpoints, free_port, loss_by_step, step_log
 from support import hold
 from support.specs import NS, e2e_spec, lpt
-from support.windows import slack
 
 from kmockx.harness import LPT, PODS, Operator, wait_for
 from kubetitan.timestamps import parse_time
@@ -228,152 +223,3 @@ def test_one_run_through_every_fault(e2e) -> None:
           f"{first_loss - min(last):.3f}; the test asks for 0.3)", flush=True)
     assert min(last) < first_loss - 0.3, (first_loss, last)
     assert not k.live_processes() or wait_for(lambda: not k.live_processes(), 60, "processes gone")
-
-
-# ------------------------------------------------------------------ the API server at the edge
-READS, WRITES = frozenset({"get", "list", "watch"}), frozenset({"create", "patch", "update", "delete"})
-QUOTA = 'pods "faulty-a0-1" is forbidden: exceeded quota: team-quota, requested: pods=1, used: pods=8, limited: pods=8'
-PSA = ('pods "faulty-a0-1" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != '
-       'false (container "trainer" must set securityContext.allowPrivilegeEscalation=false)')
-KUBECTL = str(Path(__file__).resolve().parents[2] / ".tools" / "bin" / "kubectl")
-
-
-def _kubectl(c, *args: str) -> str:
-    exe = KUBECTL if Path(KUBECTL).exists() else shutil.which("kubectl")
-    assert exe, "the stock kubectl (.tools/bin/kubectl, make tools)"
-    out = subprocess.run([exe, "--kubeconfig", c.admin_kubeconfig, *args], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
-def _described_condition(out: str, type_: str) -> dict[str, str]:
-    """One condition of ``kubectl describe``'s Status section (its generic describer prints each list item's keys
-    as ``Key:  value`` lines, the first after a dash-less indent change)."""
-    block = out.split("\n  Conditions:\n", 1)[1]
-    items, cur = [], {}
-    for line in block.splitlines():
-        m = re.match(r"^    (\S[\w ]*?):\s+(.*)$", line)
-        if not m:
-            if line.startswith("    ") and cur:
-                continue
-            break
-        key, value = m.groups()
-        if key in cur:  # the next condition starts
-            items.append(cur)
-            cur = {}
-        cur[key] = value.strip()
-    items.append(cur)
-    hit = [i for i in items if i.get("Type") == type_]
-    assert hit, (type_, items)
-    return hit[0]
-
-
-def _operator_requests(c, user: str) -> list:
-    """The double's request log lines of the operator's identity."""
-    return [e for e in c.k.log if e.user == user]
-
-
-def _created(c, user: str) -> dict[str, list[int]]:
-    """Answer codes of the operator's creates, by the created object's kind/name (the request body names it)."""
-    bodies = {r.id: r.data for r in list(c.k)}
-    out: dict[str, list[int]] = {}
-    for e in _operator_requests(c, user):
-        if e.verb == "create" and re.search(r"/(pods|configmaps|services)$", e.path.split("?")[0]):
-            data = bodies.get(e.id) or {}
-            out.setdefault(f"{data.get('kind')}/{(data.get('metadata') or {}).get('name')}", []).append(e.code)
-    return out
-
-
-def _watches_since(c, user: str, mark: int, plural: str) -> list:
-    return [e for e in c.k.log[mark:] if e.user == user and e.verb in ("watch", "list") and e.code == 200
-            and re.search(rf"/{plural}(\?|$)", e.path)]
-
-
-def test_api_faults_on_every_request_leave_the_run_untouched(e2e) -> None:
-    """The REAL operator and trainer (2 nodes) against an API server that answers 20 % of the operator's reads and
-    writes with 429 (Retry-After 1) or 503, refuses the pod creates with 403 (ResourceQuota) and then 422 (Pod
-    Security) for a while, and drops and then expires every watch while the gang starts. The run trains to
-    Succeeded with no restart, each child is created exactly once (the request log), and the refusals are a
-    ``ChildrenCreated`` condition and ``FailedCreate`` Events that the stock kubectl describes."""
-    c, name = e2e.cluster, "faulty"
-    steps = 40
-    with Operator(c, **OPERATOR):
-        # the operator's identity (the chart's ServiceAccount of its namespaced mode) from its first requests
-        user = wait_for(lambda: next((e.user for e in c.k.log if e.user.startswith("system:serviceaccount:")), None),
-                        30, "the operator's first request")
-        quota = c.k.inject(verbs={"create"}, resource="pods", code=403, message=QUOTA, user=user)
-        flaky = [c.k.inject(verbs=READS | WRITES, code=429, rate=0.1, retry_after=1, user=user),
-                 c.k.inject(verbs=READS | WRITES, code=503, rate=0.1 / 0.9, user=user)]  # 20 % together
-        # The operator reads little once its watches run (a few lists and watches per re-connect), so a random 20 %
-        # may miss the reads altogether (seen: no 429 met any read in a run): two of each code on the next reads make sure.
-        burst = [c.k.inject(verbs=READS, code=429, count=2, retry_after=1, user=user),
-                 c.k.inject(verbs=READS, code=503, count=2, user=user)]
-        start = len(c.k.log)
-        # two checkpoints (nothing here resumes from one): each save writes every rank's model and optimizer
-        c.apply(lpt(name, e2e_spec(e2e.ckpt, steps, steps // 2, free_port())))
-
-        # ---- pod creates refused by a quota: a condition and an Event, no pod, no restart, phase not flapping
-        wait_for(lambda: (c.condition(NS, name, "ChildrenCreated") or {}).get("reason") == "Forbidden", 60,
-                 "ChildrenCreated=False/Forbidden")
-        # the Event is posted after the status write, and its POST may meet a 429/503 too (kopf's poster retries)
-        described = wait_for(lambda: (lambda d: d if re.search(r"Warning\s+FailedCreate\s+.*exceeded quota", d) else None)(
-            _kubectl(c, "describe", "lpt", name, "-n", NS)), 60, "the FailedCreate Event in kubectl describe", every=0.5)
-        cond = _described_condition(described, "ChildrenCreated")
-        assert cond["Status"] == "False" and cond["Reason"] == "Forbidden" and "exceeded quota" in cond["Message"], cond
-        assert not _pods(c, name) and c.status(NS, name)["phase"] == "Pending"  # Starting: once every pod exists
-        # ---- then refused by Pod Security (422) for a while
-        wait_for(lambda: quota.hits >= 2, 60, "the refused pod create retried")  # a burst, not one refusal
-        psa = c.k.inject(verbs={"create"}, resource="pods", code=422, message=PSA, user=user)
-        quota.count = quota.hits  # the quota is raised: that burst ends (the 422s, listed after it, take over)
-        wait_for(lambda: (c.condition(NS, name, "ChildrenCreated") or {}).get("reason") == "Invalid", 60,
-                 "ChildrenCreated=False/Invalid")
-        assert not _pods(c, name)
-        wait_for(lambda: psa.hits >= 2, 60, "the refused pod create retried")
-        psa.count = psa.hits  # the namespace's policy is fixed
-        wait_for(lambda: _pods(c, name) == [f"{name}-a0-0", f"{name}-a0-1"], 120, "both pods once the API accepts")
-        wait_for(lambda: (c.condition(NS, name, "ChildrenCreated") or {}).get("status") == "True", 60,
-                 "ChildrenCreated=True")
-
-        # ---- every watch dropped, then expired (410 Gone: a re-list), while the gang starts
-        wait_for(lambda: all((p.get("status") or {}).get("phase") == "Running" for p in c.pods(NS, name))
-                 and c.status(NS, name).get("phase") in ("Starting", "Running"), START, "both pods running")
-        for cut in (c.k.drop_watches, c.k.expire_watches):
-            mark = len(c.k.log)
-            cut()
-            slack(f"{cut.__name__} (attempt 0)", step_log(e2e.ckpt), steps, attempt=0)
-            for plural in ("pods", "llamapretrains", "configmaps", "services", "nodes"):
-                wait_for(lambda plural=plural: _watches_since(c, user, mark, plural), 60,
-                         f"the operator watching {plural} again after {cut.__name__}")
-        assert c.status(NS, name).get("restartCount", 0) == 0
-
-        wait_for(lambda: c.status(NS, name).get("phase") == "Succeeded", START + 120, "Succeeded despite the faults")
-        c.k.clear_faults()
-        described = _kubectl(c, "describe", "lpt", name, "-n", NS)
-    st = c.status(NS, name)
-    assert st["restartCount"] == 0 and not st.get("restarts") and st["attempt"] == 0, st
-    assert st["training"]["step"] == steps
-    log = step_log(e2e.ckpt)
-    assert {r["attempt"] for r in log} == {0} and log[-1]["step"] == steps
-    # no duplicate children: one accepted create per child, the refused ones before it
-    created = _created(c, user)
-    pods = {k: v for k, v in created.items() if k.startswith("Pod/")}
-    assert set(pods) == {f"Pod/{name}-a0-0", f"Pod/{name}-a0-1"}, created
-    for child, codes in created.items():
-        assert codes.count(201) == 1 and codes[-1] == 201, (child, codes)
-        assert set(codes) <= {201, 403, 422, 429, 503}, (child, codes)
-    refused = [code for codes in pods.values() for code in codes]
-    assert refused.count(403) == quota.hits >= 2 and refused.count(422) == psa.hits >= 2, pods
-    # 429 and 503 answered reads and writes, about 20 % of the operator's requests
-    assert [f.hits for f in burst] == [2, 2], "the re-connecting watches met fewer faults than injected"
-    mine = [e for e in c.k.log[start:] if e.user == user]
-    for code in (429, 503):
-        for verbs in (READS, WRITES):
-            assert any(e.fault and e.code == code and e.verb in verbs for e in mine), (code, sorted(verbs))
-    share = sum(e.fault and e.code in (429, 503) for e in mine) / len(mine)
-    assert len(mine) >= 50 and 0.08 <= share <= 0.4, (share, len(mine))  # 20 % drawn by a seeded RNG
-    # what a user sees: the condition (now True: every child exists) and both refusals as Warning Events
-    cond = _described_condition(described, "ChildrenCreated")
-    assert cond["Status"] == "True" and cond["Reason"] == "Created", cond
-    assert re.search(r"Warning\s+FailedCreate\s+.*Forbidden: .*exceeded quota", described), described
-    assert re.search(r"Warning\s+FailedCreate\s+.*Invalid: .*PodSecurity", described), described
-    assert "Restart" not in " ".join(e.get("reason", "") for e in c.list("v1/events", NS)), "a restart Event"

@@ -226,6 +226,28 @@ _FAULT_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404:
                   503: "ServiceUnavailable", 504: "Timeout"}
 
 
+def pick_fault(faults: list[Fault], rng: random.Random, verb: str, resource: str, ns: str | None, name: str | None,
+               user: str, agent: str = "") -> Fault | None:
+    """The first of ``faults`` that matches the request and is drawn (``rate``, from ``rng``), its ``hits`` counted;
+    None: the request is answered as usual. The double and the fault proxy in front of the real API server
+    (support.faultproxy) pick with this."""
+    for f in faults:
+        if f.matches(verb, resource, ns, name, user, agent) and (f.rate >= 1.0 or rng.random() < f.rate):
+            f.hits += 1
+            return f
+    return None
+
+
+def fault_answer(fault: Fault, verb: str, resource: str) -> aiohttp.web.Response:
+    """The ``Status`` answer of an injected ``fault`` (its code, the Kubernetes reason of that code, its message or a
+    default, ``Retry-After`` when it has one)."""
+    resp = _status(fault.code, _FAULT_REASONS.get(fault.code, "InternalError"),
+                   fault.message or f"injected fault: {fault.code} for {verb} {resource}")
+    if fault.retry_after is not None:
+        resp.headers["Retry-After"] = str(fault.retry_after)
+    return resp
+
+
 @attrs.define
 class LogEntry:
     """One line of the readable request log: who asked what, and what they got."""
@@ -465,11 +487,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     agent: str = "") -> Fault | None:
         if self._rng is None:
             self._rng = random.Random(self.seed)
-        for f in self.faults:
-            if f.matches(verb, resource, ns, name, user, agent) and (f.rate >= 1.0 or self._rng.random() < f.rate):
-                f.hits += 1
-                return f
-        return None
+        return pick_fault(self.faults, self._rng, verb, resource, ns, name, user, agent)
 
     # ------------------------------------------------------------------ helpers for tests (in-process, admin)
     def get(self, resource: Any, ns: str | None, name: str) -> dict[str, Any] | None:  # type: ignore[override]
@@ -557,11 +575,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             if fault.hang:
                 await asyncio.sleep(3600)
             if fault.code:
-                resp = _status(fault.code, _FAULT_REASONS.get(fault.code, "InternalError"),
-                               fault.message or f"injected fault: {fault.code} for {verb} {resource}")
-                if fault.retry_after is not None:
-                    resp.headers["Retry-After"] = str(fault.retry_after)
-                return self._answer(request, user, verb, resp, fault=True)
+                return self._answer(request, user, verb, fault_answer(fault, verb, resource), fault=True)
         t = self.types.get(res)
         if t is None:
             return self._answer(request, user, verb, _status(404, "NotFound",

@@ -11,6 +11,7 @@ API server calls its webhook at that URL.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -41,6 +42,28 @@ def run_tool(tool: Path, *args: str, kubeconfig: Path, check: bool = True, input
 def kubectl(*args: str, kubeconfig: Path, check: bool = True, input: str | None = None
             ) -> subprocess.CompletedProcess[str]:
     return run_tool(KUBECTL, *args, kubeconfig=kubeconfig, check=check, input=input)
+
+
+def described_condition(out: str, type_: str) -> dict[str, str]:
+    """One condition of ``kubectl describe``'s Status section (its generic describer prints each list item's keys
+    as ``Key:  value`` lines, the first after a dash-less indent change)."""
+    block = out.split("\n  Conditions:\n", 1)[1]
+    items, cur = [], {}
+    for line in block.splitlines():
+        m = re.match(r"^    (\S[\w ]*?):\s+(.*)$", line)
+        if not m:
+            if line.startswith("    ") and cur:
+                continue
+            break
+        key, value = m.groups()
+        if key in cur:  # the next condition starts
+            items.append(cur)
+            cur = {}
+        cur[key] = value.strip()
+    items.append(cur)
+    hit = [i for i in items if i.get("Type") == type_]
+    assert hit, (type_, items)
+    return hit[0]
 
 
 @dataclass
