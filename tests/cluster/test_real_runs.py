@@ -157,7 +157,9 @@ def test_a_quota_refusing_the_second_pod_is_one_aggregated_event(
 
 
 READS, WRITES = frozenset({"get", "list", "watch"}), frozenset({"create", "patch", "update", "delete"})
-RUN_RESOURCES = ("pods", "llamapretrains", "llamapretrains/status", "configmaps", "services", "events", "nodes")
+RUN_RESOURCES = ("pods", "llamapretrains", "llamapretrains/status", "configmaps", "services", "podgroups", "events",
+                 "nodes")
+WATCHED = ("pods", "llamapretrains", "configmaps", "services", "nodes")
 """What the operator reads and writes for a run: the proxy's 429/503 answer these (not its Lease: a leader that
 cannot renew steps down, which tests/cluster/test_real_ha.py and the double's HA suite cover)."""
 QUOTA = 'pods "faulty-a0-1" is forbidden: exceeded quota: team-quota, requested: pods=1, used: pods=8, limited: pods=8'
@@ -168,13 +170,16 @@ PSA = ('pods "faulty-a0-1" is forbidden: violates PodSecurity "restricted:latest
 def test_api_faults_through_a_proxy_leave_the_run_untouched(
         kube: KubeCluster, control_plane: ControlPlane, api_proxy: FaultProxy, fast_operator: OperatorProcess,
         namespace: str, tmp_path: Path) -> None:
-    """The real operator and trainers (2 nodes) talk to the real API server through the fault proxy, which answers
-    20 % of the operator's requests for the run with 429 (Retry-After 1) or 503, refuses its pod creates with 403
-    (a quota) and then 422 (Pod Security) for a while, and drops and then expires every watch while the gang
-    trains. The run trains to Succeeded with no restart, each child is created exactly once (the proxy's log), and
-    the refusals are a ``ChildrenCreated`` condition and ``FailedCreate`` Events that the stock kubectl describes."""
+    """The real operator talks to the real API server through the fault proxy, which answers 20 % of its requests
+    for the run with 429 (Retry-After 1) or 503, refuses its pod creates with 403 (a quota) and then 422 (Pod
+    Security) for a while, and drops and then expires every watch while the gang (real trainers, 2 nodes) is
+    mid-run (its workers frozen meanwhile). The operator resumes each dropped watch from its resourceVersion and
+    re-lists after each expired one; the run trains to Succeeded with no restart, each child is created exactly
+    once (the proxy's log), and the refusals are a ``ChildrenCreated`` condition and ``FailedCreate`` Events that
+    the stock kubectl describes."""
     ckpt = _checkpoint_claim(control_plane, namespace, tmp_path)
     proxy, name, steps = api_proxy, "faulty", 40
+    spec = e2e_spec(ckpt, steps, steps // 2, free_port(), hangTimeoutSeconds=120)  # the gang is frozen a while
     describe = lambda: kubectl("describe", "lpt", name, "-n", namespace,  # noqa: E731
                                kubeconfig=control_plane.admin_kubeconfig).stdout
     condition = lambda: kube.condition(namespace, name, "ChildrenCreated") or {}  # noqa: E731
@@ -186,10 +191,10 @@ def test_api_faults_through_a_proxy_leave_the_run_untouched(
                 proxy.inject(verbs=READS | WRITES, resource=resource, code=429, rate=0.1, retry_after=1)
                 proxy.inject(verbs=READS | WRITES, resource=resource, code=503, rate=0.1 / 0.9)  # 20 % together
             # the operator reads little once its watches run: two of each code on its next reads make sure
-            burst = [proxy.inject(verbs=READS, resource="pods", code=429, count=2, retry_after=1),
-                     proxy.inject(verbs=READS, resource="pods", code=503, count=2)]
+            burst = [proxy.inject(verbs=READS, resource="pods", code=429, count=2, retry_after=1),  # (cluster-wide:
+                     proxy.inject(verbs=READS, resource="pods", code=503, count=2)]  # the operator watches all)
             start = len(proxy.log)
-            kube.apply(lpt(name, e2e_spec(ckpt, steps, steps // 2, free_port()), namespace=namespace))
+            kube.apply(lpt(name, spec, namespace=namespace))
 
             # ---- pod creates refused by a quota: a condition and an Event, no pod, the run Pending
             wait_for(lambda: condition().get("reason") == "Forbidden", 60, "ChildrenCreated=False/Forbidden")
@@ -209,16 +214,26 @@ def test_api_faults_through_a_proxy_leave_the_run_untouched(
             wait_for(lambda: len(kube.pods(namespace, name)) == 2, 120, "both pods once the API accepts")
             wait_for(lambda: condition().get("status") == "True", 60, "ChildrenCreated=True")
 
-            # ---- every watch dropped, then expired (410 Gone: a re-list), while the gang trains
+            # ---- every watch dropped, then expired (410 Gone), while the gang is mid-run (frozen meanwhile)
             wait_for(lambda: kube.status(namespace, name).get("training", {}).get("step", 0) >= 1, START,
                      "the gang training")
-            for cut in (proxy.drop_watches, proxy.expire_watches):
+            frozen = [pid for p in kube.pods(namespace, name) for pid in k.freeze(namespace, p["metadata"]["name"])]
+            assert len(frozen) == 2, frozen  # one worker per pod
+            for cut, again in ((proxy.drop_watches, "watch"), (proxy.expire_watches, "list")):
                 mark = len(proxy.log)
-                assert cut() >= 5, cut.__name__  # the operator's watches of runs, pods, config maps, services, nodes
-                for plural in ("pods", "llamapretrains", "configmaps", "services", "nodes"):
+                assert set(WATCHED) <= set(cut()), cut.__name__
+                for plural in WATCHED:  # a dropped watch resumes from its resourceVersion; an expired one re-lists
                     wait_for(lambda plural=plural: any(
-                        e.verb == "watch" and e.resource == plural and e.code == 200 for e in proxy.entries(mark)),
-                        60, f"the operator watching {plural} again after {cut.__name__}")
+                        e.verb == again and e.resource == plural and e.code == 200
+                        and (again == "list" or "resourceVersion=" in e.path) for e in proxy.entries(mark)),
+                        60, f"the operator's {again} of {plural} after {cut.__name__}")
+                    wait_for(lambda plural=plural: any(e.verb == "watch" and e.resource == plural and e.code == 200
+                                                       for e in proxy.entries(mark)),
+                             60, f"the operator watching {plural} again after {cut.__name__}")
+            st = kube.status(namespace, name)
+            assert st["phase"] == "Running" and st["training"]["step"] < steps, st  # still mid-run
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
             assert kube.status(namespace, name).get("restartCount", 0) == 0
             wait_for(lambda: kube.status(namespace, name).get("phase") == "Succeeded", START,
                      "Succeeded despite the faults")
@@ -233,10 +248,11 @@ def test_api_faults_through_a_proxy_leave_the_run_untouched(
     log = step_log(ckpt)
     assert {r["attempt"] for r in log} == {0} and log[-1]["step"] == steps
     # no duplicate children: one accepted create per child, the refused ones before it
-    mine = [e for e in proxy.entries(start) if e.namespace == namespace]  # (earlier tests' runs may still be retried)
+    since = proxy.entries(start)
+    mine = [e for e in since if e.namespace == namespace]  # (an earlier test's run may still be retried elsewhere)
     created: dict[str, list[int]] = {}
     for e in mine:
-        if e.verb == "create" and e.resource in ("pods", "configmaps", "services"):
+        if e.verb == "create" and e.resource in ("pods", "configmaps", "services", "podgroups"):
             created.setdefault(e.created or "?", []).append(e.code)
     pods = {c: codes for c, codes in created.items() if c.startswith("Pod/")}
     assert set(pods) == {f"Pod/{name}-a0-0", f"Pod/{name}-a0-1"}, created
@@ -245,14 +261,14 @@ def test_api_faults_through_a_proxy_leave_the_run_untouched(
         assert set(codes) <= {201, 403, 422, 429, 503}, (child, codes)
     refused = [code for codes in pods.values() for code in codes]
     assert refused.count(403) == quota.hits >= 2 and refused.count(422) == psa.hits >= 2, pods
-    # 429 and 503 answered reads and writes, about 20 % of the operator's requests for the run (in its namespace)
+    # 429 and 503 answered reads (the run's own, and the cluster-wide lists and watches) and writes: about 20 %
     assert [f.hits for f in burst] == [2, 2], "the operator's reads met fewer faults than injected"
     for code in (429, 503):
         for verbs in (READS, WRITES):
-            assert any(e.fault and e.code == code and e.verb in verbs for e in mine), (code, sorted(verbs))
-    run_requests = [e for e in mine if e.resource in RUN_RESOURCES]
+            assert any(e.fault and e.code == code and e.verb in verbs for e in since), (code, sorted(verbs))
+    run_requests = [e for e in since if e.resource in RUN_RESOURCES and e.namespace in (namespace, None)]
     share = sum(e.fault and e.code in (429, 503) for e in run_requests) / len(run_requests)
-    assert len(run_requests) >= 50 and 0.08 <= share <= 0.4, (share, len(run_requests))  # 20 %, a seeded RNG
+    assert len(run_requests) >= 50 and 0.08 <= share <= 0.4, (share, len(run_requests))  # 20 % drawn at random
     # what a user sees: the condition (now True: every child exists) and both refusals as Warning Events
     cond = described_condition(described, "ChildrenCreated")
     assert (cond["Status"], cond["Reason"]) == ("True", "Created"), cond

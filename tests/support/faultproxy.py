@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 import aiohttp.web
+from multidict import CIMultiDict
 
 from kmockx import Fault, fault_answer, pick_fault
 
@@ -72,14 +73,18 @@ def classify(method: str, path: str, query: dict[str, str]) -> tuple[str, str | 
         rest = parts[3:]
     else:
         return "get", None, None, None
+    if not rest:
+        return "get", None, None, None
     ns = None
-    if len(rest) >= 3 and rest[0] == "namespaces":
+    if rest[0] == "namespaces" and len(rest) >= 2 and (len(rest) == 2 or rest[2] in ("status", "finalize")):
+        ns = rest[1]  # a Namespace itself (or its status/finalize): the API server names it as its own namespace
+    elif len(rest) >= 3 and rest[0] == "namespaces":
         ns, rest = rest[1], rest[2:]
     if not rest:
         return "get", None, None, None
     plural, name, sub = rest[0], rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None
     resource = plural + (f"/{sub}" if sub else "")
-    if method == "GET":
+    if method in ("GET", "HEAD"):
         verb = "watch" if query.get("watch") in ("1", "true") else ("get" if name else "list")
     else:
         verb = {"POST": "create", "PUT": "update", "PATCH": "patch",
@@ -96,7 +101,7 @@ class FaultProxy:
         self.log: list[Entry] = []
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._watches: dict[int, tuple[aiohttp.ClientResponse, list[str]]] = {}
+        self._watches: dict[int, tuple[aiohttp.ClientResponse, list[str], str]] = {}  # with the resource
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
         self._session: aiohttp.ClientSession | None = None
@@ -110,12 +115,19 @@ class FaultProxy:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._call(self._stop())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        try:
+            self._call(self._stop())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def inject(self, **kw: Any) -> Fault:
         """Add a :class:`kmockx.Fault` (its fields as keywords; ``verbs`` any iterable) and return it."""
+        if kw.get("hang") or kw.get("user") is not None:
+            raise ValueError("the proxy serves one client and answers every request: no `hang`, no `user` "
+                             "(the double has both)")
         if kw.get("verbs") is not None:
             kw["verbs"] = frozenset([kw["verbs"]] if isinstance(kw["verbs"], str) else kw["verbs"])
         fault = Fault(**kw)
@@ -132,12 +144,12 @@ class FaultProxy:
         with self._lock:
             fault.count = fault.hits
 
-    def drop_watches(self) -> int:
-        """Cut every open watch (as a dropped connection); how many there were."""
+    def drop_watches(self) -> list[str]:
+        """Cut every open watch (as a dropped connection); the resources they watched."""
         return self._call(self._cut("drop"))
 
-    def expire_watches(self) -> int:
-        """Send every open watch the 410 ``Expired`` event and end it; how many there were."""
+    def expire_watches(self) -> list[str]:
+        """Send every open watch the 410 ``Expired`` event and end it; the resources they watched."""
         return self._call(self._cut("expire"))
 
     def entries(self, since: int = 0) -> list[Entry]:
@@ -166,7 +178,8 @@ class FaultProxy:
         server_ssl.load_cert_chain(str(self.serving[0]), str(self.serving[1]))
         app = aiohttp.web.Application(client_max_size=4 << 20)  # the API server's own 3 MiB, and some
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = aiohttp.web.AppRunner(app, access_log=None, handle_signals=False)
+        # a client that leaves ends its handler (a watch it no longer reads is closed upstream too)
+        self._runner = aiohttp.web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = aiohttp.web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=server_ssl)
         await site.start()
@@ -180,12 +193,12 @@ class FaultProxy:
         if self._session is not None:
             await self._session.close()
 
-    async def _cut(self, how: str) -> int:
+    async def _cut(self, how: str) -> list[str]:
         watches = list(self._watches.values())
-        for up, why in watches:
+        for up, why, _ in watches:
             why.append(how)
             up.close()
-        return len(watches)
+        return sorted(resource for _, _, resource in watches)
 
     def _record(self, verb: str, resource: str | None, ns: str | None, path: str, code: int, fault: bool,
                 created: str | None) -> None:
@@ -213,36 +226,46 @@ class FaultProxy:
                     self._record(verb, resource, ns, request.path_qs, fault.code, True, created)
                     return fault_answer(fault, verb, resource)
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        up = await self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
-                                         data=body or None, allow_redirects=False)
-        out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP}
-        self._record(verb, resource, ns, request.path_qs, up.status, False, created)
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP)  # repeats kept
+        try:
+            up = await self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
+                                             data=body or None, allow_redirects=False)
+        except (aiohttp.ClientError, OSError) as e:  # the API server is down (restarting): the client's connection ends
+            self._record(verb, resource, ns, request.path_qs, 0, False, created)
+            if request.transport is not None:
+                request.transport.abort()
+            return aiohttp.web.Response(status=503, text=f"upstream {self.upstream}: {e}")  # (never sent)
+        out_headers = CIMultiDict((k, v) for k, v in up.headers.items() if k.lower() not in _HOP)
         if verb != "watch" or up.status != 200:
+            self._record(verb, resource, ns, request.path_qs, up.status, False, created)
             async with up:
                 data = await up.read()
             return aiohttp.web.Response(status=up.status, body=data, headers=out_headers)
-        return await self._stream_watch(request, up, out_headers)
+        return await self._stream_watch(request, up, out_headers, resource or "",
+                                        lambda: self._record(verb, resource, ns, request.path_qs, 200, False, None))
 
-    async def _stream_watch(self, request: aiohttp.web.Request, up: aiohttp.ClientResponse,
-                            headers: dict[str, str]) -> aiohttp.web.StreamResponse:
+    async def _stream_watch(self, request: aiohttp.web.Request, up: aiohttp.ClientResponse, headers: CIMultiDict,
+                            resource: str, record: Any) -> aiohttp.web.StreamResponse:
         resp = aiohttp.web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
         why: list[str] = []
         key = id(up)
-        self._watches[key] = (up, why)
+        self._watches[key] = (up, why, resource)
+        record()  # (after the stream is registered: a test that saw this entry can cut it)
         try:
             async for line in up.content:  # one event a line
                 await resp.write(line)
-        except (aiohttp.ClientError, ConnectionError, asyncio.CancelledError):
-            if not why:
-                raise
+        except (aiohttp.ClientError, ConnectionError):
+            if not why:  # the API server ended it (a restart): so does the client's stream
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
         finally:
             self._watches.pop(key, None)
             up.close()
         if why and why[0] == "drop":
             if request.transport is not None:
-                request.transport.close()  # cut: the client sees the connection end mid-stream
+                request.transport.abort()  # cut: the client sees the connection end mid-stream
             return resp
         if why:  # expire
             await resp.write(json.dumps(EXPIRED).encode() + b"\n")
