@@ -159,9 +159,10 @@ def test_a_quota_refusing_the_second_pod_is_one_aggregated_event(
 READS, WRITES = frozenset({"get", "list", "watch"}), frozenset({"create", "patch", "update", "delete"})
 RUN_RESOURCES = ("pods", "llamapretrains", "llamapretrains/status", "configmaps", "services", "podgroups", "events",
                  "nodes")
-WATCHED = ("pods", "llamapretrains", "configmaps", "services", "nodes")
 """What the operator reads and writes for a run: the proxy's 429/503 answer these (not its Lease: a leader that
 cannot renew steps down, which tests/cluster/test_real_ha.py and the double's HA suite cover)."""
+WATCHED = ("pods", "llamapretrains", "configmaps", "services", "nodes")
+"""The operator's watches, each dropped and then expired by the scenario."""
 QUOTA = 'pods "faulty-a0-1" is forbidden: exceeded quota: team-quota, requested: pods=1, used: pods=8, limited: pods=8'
 PSA = ('pods "faulty-a0-1" is forbidden: violates PodSecurity "restricted:latest": allowPrivilegeEscalation != '
        'false (container "trainer" must set securityContext.allowPrivilegeEscalation=false)')
@@ -237,8 +238,7 @@ def test_api_faults_through_a_proxy_leave_the_run_untouched(
             assert kube.status(namespace, name).get("restartCount", 0) == 0
             wait_for(lambda: kube.status(namespace, name).get("phase") == "Succeeded", START,
                      "Succeeded despite the faults")
-            proxy.clear_faults()
-            described = describe()
+            described = describe()  # (kubectl as the admin, straight to the API server)
         assert not k.errors, k.errors
     finally:
         proxy.clear_faults()

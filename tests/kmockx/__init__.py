@@ -226,6 +226,14 @@ _FAULT_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404:
                   503: "ServiceUnavailable", 504: "Timeout"}
 
 
+def make_fault(**kw: Any) -> Fault:
+    """A :class:`Fault` from its fields as keywords, ``verbs`` any iterable or one verb (the double's and the fault
+    proxy's ``inject``)."""
+    if kw.get("verbs") is not None:
+        kw["verbs"] = frozenset([kw["verbs"]] if isinstance(kw["verbs"], str) else kw["verbs"])
+    return Fault(**kw)
+
+
 def pick_fault(faults: list[Fault], rng: random.Random, verb: str, resource: str, ns: str | None, name: str | None,
                user: str, agent: str = "") -> Fault | None:
     """The first of ``faults`` that matches the request and is drawn (``rate``, from ``rng``), its ``hits`` counted;
@@ -448,9 +456,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     # ------------------------------------------------------------------ faults and the request log
     def inject(self, **kw: Any) -> Fault:
         """Add a :class:`Fault` (keyword arguments as its fields; ``verbs`` any iterable) and return it."""
-        if kw.get("verbs") is not None:
-            kw["verbs"] = frozenset([kw["verbs"]] if isinstance(kw["verbs"], str) else kw["verbs"])
-        fault = Fault(**kw)
+        fault = make_fault(**kw)
         self.faults.append(fault)
         return fault
 

@@ -35,7 +35,7 @@ import aiohttp
 import aiohttp.web
 from multidict import CIMultiDict
 
-from kmockx import Fault, fault_answer, pick_fault
+from kmockx import Fault, fault_answer, make_fault, pick_fault
 
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding",
                   "content-encoding", "upgrade"})
@@ -92,6 +92,17 @@ def classify(method: str, path: str, query: dict[str, str]) -> tuple[str, str | 
     return verb, resource, ns, name
 
 
+def _created(body: bytes) -> str | None:
+    """"Kind/name" of a create's JSON body; None for a body that is not a JSON object (protobuf, garbage)."""
+    try:
+        obj = json.loads(body) if body else None
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    return f"{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
+
+
 class FaultProxy:
     """``with FaultProxy(server, ca_file, serving_cert) as proxy:`` ... ``proxy.url`` (see the module docstring)."""
 
@@ -128,9 +139,7 @@ class FaultProxy:
         if kw.get("hang") or kw.get("user") is not None:
             raise ValueError("the proxy serves one client and answers every request: no `hang`, no `user` "
                              "(the double has both)")
-        if kw.get("verbs") is not None:
-            kw["verbs"] = frozenset([kw["verbs"]] if isinstance(kw["verbs"], str) else kw["verbs"])
-        fault = Fault(**kw)
+        fault = make_fault(**kw)
         with self._lock:
             self.faults.append(fault)
         return fault
@@ -208,13 +217,7 @@ class FaultProxy:
     async def _handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         body = await request.read()
         verb, resource, ns, name = classify(request.method, request.path, dict(request.query))
-        created = None
-        if verb == "create" and body:
-            try:
-                obj = json.loads(body)
-                created = f"{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
-            except ValueError:
-                pass
+        created = _created(body) if verb == "create" else None
         if resource is not None:
             with self._lock:
                 fault = pick_fault(self.faults, self._rng, verb, resource, ns, name, "",
