@@ -60,9 +60,11 @@ def test_inject_fires_once_and_only_where_asked(monkeypatch):
 
 
 @pytest.mark.xdist_group("trainer-torch")
-def test_progress_timeout_interrupts_a_stalled_step_and_restarts():
+def test_progress_timeout_interrupts_a_stalled_step_and_restarts_but_never_times_the_first_step():
     """The monitor's own hang detector (what NCCL needs): a step that stands still is reported as a Hang, the main
-    thread (asleep in the step) is interrupted, and the body runs again on a new process group."""
+    thread (asleep in the step) is interrupted, and the body runs again on a new process group. The first step of
+    each iteration (torch.compile, NCCL set-up: minutes on a cold cache, seen on an H100) is not timed: here it
+    takes three progress timeouts and is not reported, in the first iteration and after the restart."""
     import torch.distributed as dist
 
     store = dist.HashStore()
@@ -71,7 +73,9 @@ def test_progress_timeout_interrupts_a_stalled_step_and_restarts():
 
     def body(iteration: int) -> str:
         calls.append(iteration)
-        ip.step = 3
+        ip.step = 1
+        time.sleep(0.9)  # the first step: compiling
+        ip.step = 2
         if iteration == 0:
             time.sleep(60)  # a stalled step
         return "trained"
@@ -81,7 +85,7 @@ def test_progress_timeout_interrupts_a_stalled_step_and_restarts():
     finally:
         dist.destroy_process_group()
     assert calls == [0, 1] and ip.restarts == 1
-    assert (ip.recoveries[0]["cause"], ip.recoveries[0]["fault_step"]) == ("Hang", 3)
+    assert (ip.recoveries[0]["cause"], ip.recoveries[0]["fault_step"]) == ("Hang", 2)
 
 
 # --------------------------------------------------------------------------------------------- a real gloo gang

@@ -216,7 +216,9 @@ class InProcessRestart:
         self.progress_timeout = progress_timeout
         """Seconds without a new ``step`` after which this rank's monitor reports a ``Hang`` itself (None: off; the
         collective timeout is then the hang detector). NCCL needs it: a host waiting on a stuck kernel never sees
-        the collective's timeout unless the communicator is aborted, which the report does."""
+        the collective's timeout unless the communicator is aborted, which the report does. Armed once the first
+        step of an iteration has ended: that step compiles (minutes for a large model with a cold cache) and sets
+        up the NCCL communicators, and only the collective timeout bounds it."""
         self.generation = 0
         self.restarts = 0
         self.step = -1
@@ -276,6 +278,7 @@ class InProcessRestart:
                                    name=f"kubetitan-inprocess-monitor-{self.generation}")
         with self._lock:
             self._in_body = True
+        self.step = -1  # the body sets it at each step; the fault's step is recorded already
         monitor.start()
         try:
             result = body(self.generation)
@@ -303,11 +306,12 @@ class InProcessRestart:
     def _monitor(self, g: int, stop: threading.Event) -> None:
         store = self.store_factory()
         key = f"fault/{g}"
-        seen, since = self.step, time.monotonic()
+        seen, since, steps_begun = self.step, time.monotonic(), 0
         while not stop.wait(self.poll_seconds):
             if self.step != seen:
-                seen, since = self.step, time.monotonic()
-            elif self.progress_timeout is not None and time.monotonic() - since > self.progress_timeout:
+                seen, since, steps_begun = self.step, time.monotonic(), steps_begun + 1
+            elif (self.progress_timeout is not None and steps_begun >= 2  # the iteration's first step has ended
+                  and time.monotonic() - since > self.progress_timeout):
                 stalled = TimeoutError(f"step {seen} made no progress for {self.progress_timeout:.0f} s "
                                        "(in-process progress timeout)")
                 f = classify(stalled, rank=self.rank, generation=g, step=seen)

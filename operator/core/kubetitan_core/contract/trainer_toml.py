@@ -276,7 +276,8 @@ class Kubetitan:
     inprocess_progress_timeout_seconds: int = 0
     """With in-process restarts on: seconds a step may stand still before its rank reports a `Hang` and the gang
     restarts in-process (needed on NCCL, where a host waiting on a stuck kernel never sees the collective timeout);
-    0: only the collective timeout (`comm.train_timeout_seconds`) detects a hang."""
+    0: only the collective timeout (`comm.train_timeout_seconds`) detects a hang. The first step after a start or an
+    in-process restart is not timed (it compiles); the collective timeout bounds it."""
     data: KubetitanData = field(default_factory=KubetitanData)
     """Training data."""
     tokenizer: KubetitanTokenizer = field(default_factory=KubetitanTokenizer)
