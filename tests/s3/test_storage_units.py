@@ -232,6 +232,26 @@ def test_a_background_write_counts_when_the_next_save_waits_for_it():
     assert budget.settle(ok) is False and budget.in_a_row == 0
 
 
+def test_a_write_cut_off_by_an_in_process_restart_is_said_and_never_counted():
+    """``abandon``: the restart forgets the last save's write whatever became of it; a storage error there is the
+    fault's doing, not a failed save against the budget, and a write still running is not waited for past the bound."""
+    from concurrent.futures import Future
+
+    budget = storage.SaveBudget(2, "s3://b/run", interval=2)
+    running: Future = Future()
+    budget.written(4, background=True)
+    assert budget.abandon(running, timeout=0.01) == "still running after 0 s"
+    failed: Future = Future()
+    failed.set_exception(_checkpoint_exception(S3Exception(REFUSED)))
+    budget.written(6, background=True)
+    assert budget.abandon(failed).startswith("failed: ")
+    ok: Future = Future()
+    ok.set_result(None)
+    assert budget.abandon(ok) is None and budget.abandon(None) is None
+    assert budget.in_a_row == 0 and budget.failed_steps == [] and budget.pending_step is None
+    assert budget.settle(failed) is False  # forgotten: the next save does not count it either
+
+
 def test_the_last_save_is_tried_budget_times_then_ends_the_run():
     from kubetitan_trainer.errors import TransientError
 

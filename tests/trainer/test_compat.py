@@ -550,3 +550,28 @@ def test_torchtitans_main_parses_the_argv_bound_for_it_whoever_imported_torchtit
     cfg.write_text("[training]\nsteps = 7\n")
     compat.bind_config_args(["--job.config_file", str(cfg)])
     assert ConfigManager().parse_args().training.steps == 7
+
+
+def test_remake_checkpoint_group_makes_the_async_save_group_again_on_the_new_world():
+    """An in-process restart destroys the default group and with it torchtitan's async-save group
+    (``CheckpointManager.pg``): c10d no longer knows the old one (on an H100 the next async save failed with
+    "... is not initialized in the world group map"). The remade one belongs to the new world."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=dist.PrefixStore("first", store), rank=0, world_size=1)
+    try:
+        ckpt = SimpleNamespace(pg=dist.new_group(backend="gloo"))
+        old = ckpt.pg
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.PrefixStore("second", store), rank=0, world_size=1)
+        with pytest.raises(ValueError, match="not initialized in the world group map"):
+            dist.get_backend(old)  # what DCP's async save asks first
+        assert compat.remake_checkpoint_group(ckpt) is True
+        assert ckpt.pg is not old and dist.get_backend(ckpt.pg) == "gloo"
+        assert compat.remake_checkpoint_group(SimpleNamespace(pg=None)) is False  # synchronous saves: none
+    finally:
+        dist.destroy_process_group()

@@ -88,6 +88,30 @@ def test_progress_timeout_interrupts_a_stalled_step_and_restarts_but_never_times
     assert (ip.recoveries[0]["cause"], ip.recoveries[0]["fault_step"]) == ("Hang", 2)
 
 
+def test_an_untimed_phase_of_a_step_is_not_a_hang():
+    """A checkpoint save, or the wait for its staging (over 10 s for a 3B model's first pinned save on an H100),
+    runs inside ``untimed()``: three progress timeouts there are not reported, and the step's clock starts again
+    after it."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    ip = inprocess.InProcessRestart(lambda: store, 0, 1, progress_timeout=0.3, poll_seconds=0.01)
+
+    def body(iteration: int) -> str:
+        ip.step = 1
+        ip.step = 2  # the first step has ended: the timeout is armed
+        with ip.untimed():
+            time.sleep(0.9)  # the save
+        ip.step = 3
+        return "trained"
+
+    try:
+        assert ip.run(body) == "trained"
+    finally:
+        dist.destroy_process_group()
+    assert ip.restarts == 0 and ip.recoveries == []
+
+
 # --------------------------------------------------------------------------------------------- a real gloo gang
 STEPS = dict(steps=8, save_every=2, timeout=2.0)
 NO_HANG = dict(STEPS, timeout=20.0)

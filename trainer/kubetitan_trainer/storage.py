@@ -30,6 +30,7 @@ None of them must outlive the pod for a resume: the checkpoint alone carries the
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -474,6 +475,24 @@ class SaveBudget:
             return True
         self.succeeded(step)
         return False
+
+    def abandon(self, write: Any, timeout: float = 0.0) -> str | None:
+        """An in-process restart: the async write ``write`` of the last save before the fault (a Future, or None),
+        waited for up to ``timeout`` seconds and then forgotten, not counted: the fault cut it off, not the storage
+        (the load that follows finds its step complete or not). None when it ended well (or there was none), else
+        what became of it."""
+        self.pending_step = None
+        if write is None:
+            return None
+        try:
+            write.result(timeout=timeout)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except concurrent.futures.TimeoutError:
+            return f"still running after {timeout:.0f} s"
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            return f"failed: {type(e).__name__}: {e}"
+        return None
 
     def attempt(self, fn: Callable[[], Any], step: int, *, last: bool = False) -> bool:
         """Run the save ``fn``: True when it returned (then :meth:`written`), False when it failed with a storage

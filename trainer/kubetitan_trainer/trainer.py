@@ -25,6 +25,7 @@ Everything else comes through the TrainSpec. The subclass adds, and only adds:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import time
@@ -77,6 +78,10 @@ def resolve_load_step(folder: str | storage.CheckpointStore) -> int:
             )
     return -1 if newest is None else newest
 
+
+FINISHING_WRITE_SECONDS = 30.0
+"""After a fault, how long an in-place restart waits for the last save's async write to end (without a restore tier):
+the write's step is then complete instead of cut off."""
 
 GLOBAL_TOKENS_KEY = "ntokens_seen_global"
 """kubetitan's ``train_state`` key: the tokens the whole job has trained (torchtitan's logged ``n_tokens_seen``, the
@@ -214,18 +219,39 @@ class KubetitanTrainer(Trainer):
         return inprocess.InProcessRestart(
             inprocess.launcher_store_factory(), rank, world, backend=dist.get_backend(),
             collective_timeout=timeout, barrier_timeout=timeout + 30, max_restarts=kt.inprocess_restarts,
-            progress_timeout=float(kt.inprocess_progress_timeout_seconds) or None)
+            progress_timeout=float(kt.inprocess_progress_timeout_seconds) or None,
+            before_teardown=self._let_the_last_write_end)
+
+    def _let_the_last_write_end(self) -> None:
+        """After a fault, before the process groups go: the last save's async write, if still in flight, is given up
+        to ``FINISHING_WRITE_SECONDS`` to end on every rank (its collectives run on the async-save group, which the
+        teardown destroys: cut off, its step would be lost). Not with a restore tier, which holds that step already
+        (the load waits for its writer)."""
+        write = compat.pending_write(self.checkpointer)
+        if write is None or write.done() or self._tier:
+            return
+        begin = time.monotonic()
+        concurrent.futures.wait([write], timeout=FINISHING_WRITE_SECONDS)
+        logger.info(f"In-process restart: the last save's background write {'ended' if write.done() else 'is still running'}"
+                    f" after {time.monotonic() - begin:.1f} s of waiting for it")
 
     def _train_iteration(self, iteration: int):
         """torchtitan's loop; after an in-process restart, first the meshes and FSDP's groups re-bound to the new
         process group and the newest saved state as the one to load (the model and its compiled code are kept)."""
         if iteration > 0:
+            cut = self._saves.abandon(compat.pending_write(self.checkpointer))  # ended or left: before_teardown
+            compat.clear_pending_write(self.checkpointer)
+            if cut is not None:
+                logger.warning(f"In-process restart {iteration}: the background write of the last save before the "
+                               f"fault {cut}; the newest complete checkpoint is loaded")
             n = compat.rebind_process_groups(self.parallel_dims, self.model_parts)
+            # after the meshes' groups, in the order torchtitan made them
+            remade = ", the async-save group made again" if compat.remake_checkpoint_group(self.checkpointer) else ""
             ck = self.job_config.checkpoint
             ck.load_step = resolve_load_step(self._store)  # a newer restore tier wins inside the load (-1: none)
             self._restarting = True
-            logger.info(f"In-process restart {iteration}: process groups re-bound ({n} FSDP references), loading "
-                        f"the newest saved state (pid {os.getpid()})")
+            logger.info(f"In-process restart {iteration}: process groups re-bound ({n} FSDP references{remade}), "
+                        f"loading the newest saved state (pid {os.getpid()})")
         return super().train()
 
     def _after_load(self) -> None:
@@ -380,9 +406,18 @@ class KubetitanTrainer(Trainer):
         """Route the checkpointer's ``save``, ``load`` and ``dcp_load`` through :meth:`_timed_save`,
         :meth:`_load_then_publish` and :meth:`_tier_or_dcp_load` (each is given the original bound method)."""
         compat.wrap_checkpoint_methods(
-            self.checkpointer, save=lambda save: functools.partial(self._timed_save, save),
+            self.checkpointer, save=lambda save: functools.partial(self._untimed, self._timed_save, save),
             load=lambda load: functools.partial(self._load_then_publish, load),
             dcp_load=lambda dcp_load: functools.partial(self._tier_or_dcp_load, dcp_load))
+        compat.wrap_staging_wait(self.checkpointer, lambda wait: functools.partial(self._untimed, wait))
+
+    def _untimed(self, fn: Callable, *args, **kwargs):
+        """``fn`` outside the in-process progress timeout (a save, the wait for its staging: see
+        ``InProcessRestart.untimed``)."""
+        if self._inprocess is None:
+            return fn(*args, **kwargs)
+        with self._inprocess.untimed():
+            return fn(*args, **kwargs)
 
     def _timed_save(self, save: Callable, curr_step: int, last_step: bool = False) -> None:
         """torchtitan's save, with the free-space check, the restore tier, the save's metrics, keep-latest-K, a
@@ -463,6 +498,8 @@ class KubetitanTrainer(Trainer):
         rec = anatomy.current()
         rec.mark("load_begin")
         self._settle_tier_pending()
+        if self._restarting:  # a fault right after a pinned save: the tier of that step may still be being written
+            self._tier_writer.wait()
         loaded = self._load_newer_tier(step) or (self._load_from_store(step, load) if self._store.remote
                                                  else load(step))
         rec.mark("load_end")

@@ -37,10 +37,10 @@ from kubetitan_trainer.compat.torchtitan_shims import (  # noqa: F401 - re-expor
     bind_config_args, config_parse, DEVICE_GLOBALS, finish_model_load, force_full_last_save, ft_dataloader_checkpoints,
     HF_TEXT_DATASET_ATTRIBUTES, init_hf_text_dataset, init_validator, METRICS_PROCESSOR_ATTRIBUTES,
     METRICS_PROCESSOR_OVERRIDES, PEAK_FALLBACK_LOG, PEAK_USED_LOG, pending_write, rebind_device_to_cpu,
-    replace_config_parse, replace_set_pg_timeouts, route_checkpoints_to, set_checkpoint_folder,
+    remake_checkpoint_group, replace_config_parse, replace_set_pg_timeouts, route_checkpoints_to, set_checkpoint_folder,
     set_checkpoint_stager, stages_in_background, states_to_load, states_to_save, STEP_LOG_MFU, STEP_METRIC_MFU,
     tokens_seen_mesh, train_spec_registered, TRAINER_OVERRIDES, VALIDATOR_ATTRIBUTES, will_save,
-    wrap_checkpoint_methods)
+    wrap_checkpoint_methods, wrap_staging_wait)
 from kubetitan_trainer.compat.s3_shims import (  # noqa: F401 - re-exported: compat.<name>
     s3_client, s3_client_config, s3_range_reader, s3_storage_reader, s3_storage_writer, _raise_stream_errors)
 

@@ -183,6 +183,35 @@ def set_checkpoint_stager(checkpointer, stager) -> None:
     checkpointer.stager = stager
 
 
+@_shim(Upstream(f"{_CKPT}.__init__", sets=("pg",)),
+       Upstream(f"{_CKPT}.dcp_save", contains=("process_group=self.pg",)))
+def remake_checkpoint_group(checkpointer) -> bool:
+    """After an in-process restart: the gloo group torchtitan makes once for async saves (``CheckpointManager.pg``,
+    passed to every ``dcp.async_save``) made again on the new default group; False when the manager has none
+    (synchronous saves). Collective: every rank calls it, in the same order relative to its other groups.
+
+    The old group died with the default one: c10d no longer knows it, and the first async save after the restart
+    failed on an H100 with "Process group ... is not initialized in the world group map" (a gloo group can even
+    stay usable through the stale reference, on the old connections). There is no parameter to pass another."""
+    import torch.distributed as dist
+
+    if getattr(checkpointer, "pg", None) is None:
+        return False
+    _rebind(checkpointer, "pg", dist.new_group(backend="gloo"))
+    return True
+
+
+@_shim(Upstream(f"{_CKPT}.maybe_wait_for_staging", params=("self",)),
+       Upstream("torchtitan.train:Trainer.train_step", contains=("self.checkpointer.maybe_wait_for_staging()",)))
+def wrap_staging_wait(checkpointer, wrap: Callable) -> None:
+    """Wrap one manager's ``maybe_wait_for_staging`` (``wrap`` takes the bound method, returns its replacement).
+
+    ``Trainer.train_step`` calls it before the optimizer step after a pinned save: the wait for that save's copy
+    into host memory (over 10 s for a first save of a 3B model's 40 GiB on an H100), which the in-process
+    progress timeout must not take for a hang."""
+    _rebind(checkpointer, "maybe_wait_for_staging", wrap(checkpointer.maybe_wait_for_staging))
+
+
 @_shim(Upstream(f"{_CKPT}.__init__", sets=("async_mode",)))
 def checkpoint_async_mode(checkpointer):
     """The manager's ``AsyncMode`` (from ``checkpoint.async_mode``)."""

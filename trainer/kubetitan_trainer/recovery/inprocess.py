@@ -38,6 +38,7 @@ Test-only fault injection: ``KUBETITAN_TEST_FAULT=<rank>:<step>:<kind>`` (:func:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,7 +46,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -207,7 +208,8 @@ class InProcessRestart:
 
     def __init__(self, store_factory: Callable[[], Any], rank: int, world_size: int, *, backend: str = "gloo",
                  collective_timeout: float = 60.0, barrier_timeout: float = 60.0, max_restarts: int = 3,
-                 poll_seconds: float = 0.02, progress_timeout: float | None = None):
+                 poll_seconds: float = 0.02, progress_timeout: float | None = None,
+                 before_teardown: Callable[[], None] | None = None):
         self.store_factory = store_factory
         self.store = store_factory()
         self.rank, self.world_size, self.backend = rank, world_size, backend
@@ -219,6 +221,9 @@ class InProcessRestart:
         the collective's timeout unless the communicator is aborted, which the report does. Armed once the first
         step of an iteration has ended: that step compiles (minutes for a large model with a cold cache) and sets
         up the NCCL communicators, and only the collective timeout bounds it."""
+        self.before_teardown = before_teardown
+        """Called on each rank after a fault, before its process groups are torn down (the trainer lets an
+        in-flight checkpoint write, whose collectives run on a group of their own, end first)."""
         self.generation = 0
         self.restarts = 0
         self.step = -1
@@ -228,6 +233,21 @@ class InProcessRestart:
         """One record per in-process restart: wall-clock times of the fault and of each phase on this rank."""
         self._in_body = False
         self._lock = threading.Lock()
+        self._untimed = 0
+        """Phases inside :meth:`untimed` now (the progress timeout waits while it is above 0)."""
+
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """A phase of a step the progress timeout does not time (a checkpoint save, the wait for its staging):
+        bounded by its own timeouts, and seconds to minutes long on large models. The step's clock starts again
+        when the phase ends."""
+        with self._lock:
+            self._untimed += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._untimed -= 1
 
     # --- process group
     def init_process_group(self) -> None:
@@ -310,6 +330,8 @@ class InProcessRestart:
         while not stop.wait(self.poll_seconds):
             if self.step != seen:
                 seen, since, steps_begun = self.step, time.monotonic(), steps_begun + 1
+            elif self._untimed:
+                since = time.monotonic()
             elif (self.progress_timeout is not None and steps_begun >= 2  # the iteration's first step has ended
                   and time.monotonic() - since > self.progress_timeout):
                 stalled = TimeoutError(f"step {seen} made no progress for {self.progress_timeout:.0f} s "
@@ -357,6 +379,8 @@ class InProcessRestart:
             self.store.compare_set(f"fault/{g}", "", own.dumps())  # the first fault wins
         elif isinstance(exc, GangGaveUp):
             raise exc
+        if self.before_teardown is not None:
+            self.before_teardown()
         self._abort_process_group()
         torn = time.time()
         self._barrier(g)
