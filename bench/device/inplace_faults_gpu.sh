@@ -41,11 +41,18 @@ config.write_text(tomli_w.dumps(cfg))
 print(config)
 PY
 echo "$(date -u +%T) faults: raise at $F1, nan at $F2, hang at $F3; progress timeout $PROGRESS_S s" | tee "$OUT/faults.txt"
+# a 3B checkpoint is 44 GiB and the disk 64 GiB: each complete one (it has .metadata) is deleted, as the recovery
+# benches do (ckpt_cleaner); the in-place restarts load from the restore tier
+( while sleep 2; do for d in "$W"/checkpoint/step-*; do
+    [ -f "$d/.metadata" ] && rm -rf "$d" && echo "$(date -u +%T) deleted complete checkpoint $d"; done; done ) \
+  > "$R/cleaner.txt" 2>&1 &
+cleaner=$!
 t0=$(date +%s.%N)
 CUDA_VISIBLE_DEVICES=0 KUBETITAN_TEST_FAULT=0:$F1:raise,0:$F2:nan,0:$F3:hang timeout 540 python3 -m kubetitan_trainer.launch \
   --config=$W/trainer.toml --nnodes=1 --nproc-per-node=1 --master-addr=127.0.0.1 --master-port=29517 \
   --rdzv-id=inplace --max-restarts=1 --restore-tier=/dev/shm/kt-inplace-tier > "$R/run.log" 2>&1
 rc=$?
+kill $cleaner 2>/dev/null
 echo "exit $rc after $(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')") s" | tee -a "$OUT/faults.txt" "$R/run.log"
 grep -aE "Injected fault|faulted in iteration|In-process restart|made no progress|Loaded step|Restore tier|step: +([0-9]+) |Exiting|Traceback|Error" \
   "$R/run.log" | sed 's/\x1b\[[0-9;]*m//g' | cut -c1-220 >> "$OUT/faults.txt"

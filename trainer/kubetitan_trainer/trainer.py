@@ -241,9 +241,10 @@ class KubetitanTrainer(Trainer):
         if iteration > 0:
             cut = self._saves.abandon(compat.pending_write(self.checkpointer))  # ended or left: before_teardown
             compat.clear_pending_write(self.checkpointer)
-            if cut is not None:
-                logger.warning(f"In-process restart {iteration}: the background write of the last save before the "
-                               f"fault {cut}; the newest complete checkpoint is loaded")
+            if cut is not None:  # with a restore tier that step loads from the tier: nothing is lost
+                (logger.info if self._tier else logger.warning)(
+                    f"In-process restart {iteration}: the background write of the last save before the fault {cut}; "
+                    + ("the restore tier holds its step" if self._tier else "the newest complete checkpoint is loaded"))
             n = compat.rebind_process_groups(self.parallel_dims, self.model_parts)
             # after the meshes' groups, in the order torchtitan made them
             remade = ", the async-save group made again" if compat.remake_checkpoint_group(self.checkpointer) else ""
