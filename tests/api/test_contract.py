@@ -105,6 +105,18 @@ def test_the_preflight_table_carries_the_pod_s_gpus_and_the_spec_s_opt_out():
         LlamaPretrain.model_validate(make_lpt({"runPolicy": {"preflight": "Off"}}))
 
 
+def test_in_process_restarts_reach_the_trainer_only_with_checkpoints():
+    """runPolicy.inProcessRestarts / inProcessHangSeconds -> [kubetitan] inprocess_restarts /
+    inprocess_progress_timeout_seconds (kubetitan_trainer.recovery.inprocess); off by default (nothing rendered). With
+    checkpoints off the spec is refused (rule in-process-restarts.need-checkpoint, tests/api/invalid_specs.yaml)."""
+    on = _kubetitan({"runPolicy": {"inProcessRestarts": 3, "inProcessHangSeconds": 120}})
+    assert (on["inprocess_restarts"], on["inprocess_progress_timeout_seconds"]) == (3, 120)
+    default = _kubetitan({})
+    assert "inprocess_restarts" not in default and "inprocess_progress_timeout_seconds" not in default
+    with pytest.raises(ValueError, match="inProcessHangSeconds|in_process_hang_seconds"):
+        LlamaPretrain.model_validate(make_lpt({"runPolicy": {"inProcessRestarts": 1, "inProcessHangSeconds": 5}}))
+
+
 def test_launcher_args_wait_out_the_scheduling_wait_and_round_trip():
     spec = LlamaPretrain.model_validate(make_lpt({
         "resources": {"nodes": 8, "gpusPerNode": 8},

@@ -195,6 +195,7 @@ def test_exported_metrics_pass_promtool():
 
     ex.checkpoint_saves(SimpleNamespace(budget=3, total_failed=1, in_a_row=1, last_error_class="ENOSPC",
                                         failed_steps=[4]))
+    ex.inprocess_restart("NonFiniteLoss")  # the series appears with the first in-process restart
     ex.data_loading.observe(0.001)
     ex.data_tokens({"code": 4096, "web": 1024})  # per-source series appear with the first micro-batch
     ex.data_weights({"code": 0.75, "web": 0.25})

@@ -225,6 +225,10 @@ class Exporter:
                                   "a row; no sample otherwise (info).", ["error"], registry=r)
         self._saves_failed_seen = 0
 
+    def inprocess_restart(self, cause: str) -> None:
+        """One in-process restart of this worker process, for a fault of ``cause``."""
+        self.inprocess_restarts.labels(cause).inc()
+
     def checkpoint_saves(self, budget: Any) -> None:
         """The failed-saves budget's counts (a ``storage.SaveBudget``) after a save was counted."""
         self.max_failed_saves.set(budget.budget)
@@ -253,6 +257,10 @@ class Exporter:
                                            "generation trained, from rank 0's step heartbeat (the work an in-place "
                                            "restart loses is the steps past the checkpoint it resumes from); -1 in "
                                            "generation 0 or when unknown (step).", registry=r)
+        self.inprocess_restarts = Counter(contract.M_INPROCESS_RESTARTS.removesuffix("_total"), "In-process "
+                                          "restarts of this worker process (runPolicy.inProcessRestarts), by the "
+                                          "fault's cause (label cause: ContainerFailed, NonFiniteLoss, Hang, ...) "
+                                          "(restarts).", ["cause"], registry=r)
         self.step_median = Gauge(contract.M_STEP_DURATION_MEDIAN, "Median wall time of this generation's last "
                                  f"{MEDIAN_WINDOW} optimizer steps; the operator's automatic hang timeout scales "
                                  "with it (seconds).", registry=r)

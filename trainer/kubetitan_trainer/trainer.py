@@ -248,6 +248,8 @@ class KubetitanTrainer(Trainer):
             n = compat.rebind_process_groups(self.parallel_dims, self.model_parts)
             # after the meshes' groups, in the order torchtitan made them
             remade = ", the async-save group made again" if compat.remake_checkpoint_group(self.checkpointer) else ""
+            if self._inprocess is not None and self._inprocess.recoveries:
+                self.metrics_processor.exporter.inprocess_restart(str(self._inprocess.recoveries[-1]["cause"]))
             ck = self.job_config.checkpoint
             ck.load_step = resolve_load_step(self._store)  # a newer restore tier wins inside the load (-1: none)
             self._restarting = True

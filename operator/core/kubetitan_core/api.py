@@ -546,6 +546,20 @@ class RunPolicySpec(_Base):
     checkpoint. A failure beyond this many in one attempt, or a node failing in place twice in a row,
     re-creates the gang instead. 0 turns in-place restarts off (every failure re-creates the gang). Each in-place
     restart counts towards `maxRestarts` too."""
+    in_process_restarts: int = Field(default=0, ge=0, le=100)
+    """Restarts inside the worker processes, tried before an in-place restart: after a fault that leaves the
+    processes alive (an exception in a step, a non-finite loss, a collective error or timeout, a step standing still
+    for `inProcessHangSeconds`) every rank tears its process group down, makes a new one and loads the newest saved
+    state (the restore tier's first) into the model and optimizer it already has, its compiled code kept: seconds,
+    against a new process's imports and compile. A cause that needs a new process (a lost GPU, a full volume), a
+    fault repeating at the same step, or more than this many per worker process fall back to the in-place and gang
+    restarts. Needs `checkpoint.enabled`. 0 (the default): off."""
+    in_process_hang_seconds: int | None = Field(default=None, ge=10, le=86400)
+    """With `inProcessRestarts`: seconds a step may stand still before its rank reports a `Hang` and the gang
+    restarts in its processes; on GPUs this is what ends a collective stuck on the device (NCCL's communicators are
+    aborted). Not timed: the first step after a start or a restart (it compiles) and checkpoint saves. Unset: only
+    the collective timeout (half of `hangTimeoutSeconds`, at least 60 s) detects a hung peer, and a hang on the GPU
+    is left to the launcher's hang watchdog (a new process)."""
     startup_timeout_seconds: int = Field(default=1800, ge=10, le=86400)
     """Time from all pods running to the first step (image, compile, data) before the attempt
     counts as hung."""

@@ -272,6 +272,8 @@ def kubetitan_table(lpt: LlamaPretrain) -> Kubetitan:
         data_s3=data_s3,
         preflight=KubetitanPreflight(enabled=s.run_policy.preflight == "Enabled", gpus=s.resources.gpus_per_node),
         runtime=_runtime(s),
+        inprocess_restarts=s.run_policy.in_process_restarts,
+        inprocess_progress_timeout_seconds=s.run_policy.in_process_hang_seconds or 0,
     )
 
 

@@ -234,6 +234,13 @@ RULES: tuple[Rule, ...] = (
              "self.tokenizer.source != 'huggingface' || has(self.tokenizer.repo)",
              "tokenizer.repo is required when tokenizer.source is huggingface",
              ".tokenizer.repo")),
+    Rule("in-process-restarts.need-checkpoint", "spec.runPolicy.inProcessRestarts",
+         "in-process restarts need checkpoint.enabled",
+         cel=Cel(
+             "!has(self.runPolicy.inProcessRestarts) || self.runPolicy.inProcessRestarts == 0 || self.checkpoint.enabled",
+             "runPolicy.inProcessRestarts > 0 needs checkpoint.enabled (an in-process restart loads the newest saved "
+             "state)",
+             ".runPolicy.inProcessRestarts")),
     Rule("checkpoint.writable", "spec.checkpoint.storage.persistentVolumeClaim.readOnly",
          "not read-only while checkpoints are saved"),
     Rule("restarts.need-checkpoint", "spec.runPolicy.maxRestarts", "restarts need checkpoint.enabled",
@@ -905,6 +912,15 @@ def _restarts_need_checkpoint(f: Facts) -> Problems:
         yield "spec.runPolicy.maxRestarts", (
             f"{rp.max_restarts} restarts need checkpoint.enabled: true (each restart resumes from the newest "
             "checkpoint); enable checkpoints or set maxRestarts: 0")
+
+
+@check("in-process-restarts.need-checkpoint")
+def _in_process_restarts_need_checkpoint(f: Facts) -> Problems:
+    rp = f.spec.run_policy
+    if rp.in_process_restarts > 0 and not f.spec.checkpoint.enabled:
+        yield "spec.runPolicy.inProcessRestarts", (
+            f"{rp.in_process_restarts} in-process restarts need checkpoint.enabled: true (each loads the newest "
+            "saved state); enable checkpoints or set inProcessRestarts: 0")
 
 
 @check("checkpoint.keep-latest-k")

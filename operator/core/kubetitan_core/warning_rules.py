@@ -82,6 +82,8 @@ WARNINGS: tuple[WarningRule, ...] = (
                 "a start-up timeout shorter than loading and compiling the model takes: the attempt counts as hung"),
     WarningRule("run-policy.in-place-beyond-budget", "spec.runPolicy.maxInPlaceRestarts",
                 "more in-place restarts than maxRestarts allows in all (each in-place restart counts towards it)"),
+    WarningRule("run-policy.in-process-gpu-hang-undetected", "spec.runPolicy.inProcessHangSeconds",
+                "in-process restarts on GPUs without inProcessHangSeconds: a hang on the GPU needs a new process"),
     WarningRule("run-policy.no-restarts", "spec.runPolicy.maxRestarts",
                 "maxRestarts 0: the first fault of any kind fails the run"),
     WarningRule("run-policy.deadline-before-startup", "spec.runPolicy.activeDeadlineSeconds",
@@ -301,6 +303,16 @@ def _in_place_beyond_budget(f: Facts) -> Iterator[tuple[str, str]]:
             f"{rp.max_in_place_restarts} in-place restarts per attempt, but each counts towards maxRestarts "
             f"({rp.max_restarts}), so the run fails after {rp.max_restarts}; raise maxRestarts or lower "
             "maxInPlaceRestarts to match")
+
+
+@warns("run-policy.in-process-gpu-hang-undetected")
+def _in_process_gpu_hang_undetected(f: Facts) -> Iterator[tuple[str, str]]:
+    rp = f.spec.run_policy
+    if rp.in_process_restarts > 0 and rp.in_process_hang_seconds is None and f.spec.resources.gpus_per_node > 0:
+        yield "spec.runPolicy.inProcessHangSeconds", (
+            "unset: a collective stuck on a GPU is not restarted in the processes (the host never sees NCCL's "
+            "timeout unless the communicators are aborted), only by the launcher's hang watchdog with new processes; "
+            "set it above the longest step, e.g. 120")
 
 
 @warns("run-policy.no-restarts")

@@ -323,6 +323,7 @@ M_RESTART_EXIT_CODE = "kubetitan_trainer_restart_exit_code"  # of the failure th
 M_RESTART_NODE_RANK = "kubetitan_trainer_restart_node_rank"  # node rank (pod rank) of that failure
 M_RESTART_TIMESTAMP = "kubetitan_trainer_restart_timestamp_seconds"  # when a launcher saw that failure
 M_RESTART_PREVIOUS_STEP = "kubetitan_trainer_restart_previous_step"  # the last step the previous generation trained
+M_INPROCESS_RESTARTS = "kubetitan_trainer_inprocess_restarts_total"  # label cause: in-process restarts of this process
 M_STEP_DURATION_MEDIAN = "kubetitan_trainer_step_duration_median_seconds"  # recent steps of this generation
 
 # ---- metrics the operator exports (kubetitan.operator_metrics), which its dashboards and alerts query
