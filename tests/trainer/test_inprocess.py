@@ -112,6 +112,25 @@ def test_an_untimed_phase_of_a_step_is_not_a_hang():
     assert ip.restarts == 0 and ip.recoveries == []
 
 
+def test_an_evaluation_runs_untimed(monkeypatch):
+    """The trainer hands its restarter's ``untimed`` to the validator (``KubetitanTrainer.train``): a held-out
+    evaluation makes no step progress and may outlast the progress timeout."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.validate import Validator
+
+    from kubetitan_trainer.evaluation import KubetitanValidator
+
+    ip = inprocess.InProcessRestart(lambda: None, 0, 1, progress_timeout=0.3)
+    seen = []
+    monkeypatch.setattr(Validator, "validate", lambda self, model_parts, step: seen.append(ip._untimed))
+    v = object.__new__(KubetitanValidator)  # the phase only: no loader, model or loss needed
+    v.metrics_processor, v.source_stats = SimpleNamespace(ntokens_since_last_log=0, time_last_log=0.0), None
+    v.untimed = ip.untimed
+    v.validate([], 10)
+    assert seen == [1] and ip._untimed == 0
+
+
 # --------------------------------------------------------------------------------------------- a real gloo gang
 STEPS = dict(steps=8, save_every=2, timeout=2.0)
 NO_HANG = dict(STEPS, timeout=20.0)

@@ -10,8 +10,10 @@ exports as ``kubetitan_trainer_eval_loss`` and ``kubetitan_trainer_eval_perplexi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections.abc import Callable
 
 from torchtitan.components.validate import Validator
 
@@ -23,6 +25,10 @@ from kubetitan_trainer.data.loaders import SOURCE_KEY, build_eval_loader
 
 class KubetitanValidator(Validator):
     """torchtitan's Validator over :func:`~kubetitan_trainer.data.loaders.build_eval_loader`'s held-out samples."""
+
+    untimed: Callable[[], contextlib.AbstractContextManager] = staticmethod(contextlib.nullcontext)
+    """The phase an evaluation runs in: the trainer's in-process restarter's ``untimed`` when it has one (an
+    evaluation makes no step progress, and may take longer than the progress timeout)."""
 
     def __init__(self, job_config, dp_world_size: int, dp_rank: int, tokenizer, parallel_dims, loss_fn,
                  validation_context, maybe_enable_amp, metrics_processor, pp_schedule=None, pp_has_first_stage=None,
@@ -53,7 +59,8 @@ class KubetitanValidator(Validator):
         tokens, last, begin = mp.ntokens_since_last_log, mp.time_last_log, time.perf_counter()
         if self.source_stats is not None:
             self.source_stats.reset()
-        super().validate(model_parts, step)
+        with self.untimed():
+            super().validate(model_parts, step)
         # torchtitan's log_validation restarted both counters: the interval goes on from where it was, without the
         # evaluation's time (adding that time to the restarted clock put it in the future: the next logged step's
         # tokens/s came out negative)

@@ -45,6 +45,7 @@ from kubetitan_core.contract import ExitCode
 from kubetitan_trainer import ALREADY_COMPLETE, ENV_STOP_FILE, compat, netcheck, runtime, source_loss, storage
 from kubetitan_trainer.data import loaders as data, s3shards
 from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
+from kubetitan_trainer.evaluation import KubetitanValidator
 from kubetitan_trainer.recovery import anatomy, heartbeat, inprocess, restore_tier
 from kubetitan_trainer.recovery.staging import ensure_reusable_stager
 
@@ -195,6 +196,8 @@ class KubetitanTrainer(Trainer):
                 ck.load_step = step
                 logger.info(f"Resuming from the newest complete checkpoint, step {step}")
         self._inprocess = self._in_process_restart()
+        if self._inprocess is not None and isinstance(getattr(self, "validator", None), KubetitanValidator):
+            self.validator.untimed = self._inprocess.untimed
         if self._inprocess is None:
             result = super().train()
         else:
