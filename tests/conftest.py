@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from support import xdist_groups
+from support import forkrun, xdist_groups
 from support.cluster import STARTS_KEY
 
 _SLOWEST_FIRST = (
@@ -60,6 +60,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    tx = getattr(config.option, "tx", None) or []
+    if not hasattr(config, "workerinput") and tx and all(t == "popen" for t in tx):  # -n N: the xdist controller
+        config.option.tx = forkrun.start_servers(tx)
     gc.disable()  # collection imports torch and torchtitan: as the trainer does (kubetitan_trainer.main.imports_without_gc)
     import kubernetes_validate.utils as kv
 
@@ -76,6 +79,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
+    forkrun.stop_servers()
     gc.freeze()  # the interpreter's shutdown collections would walk every object the tests left behind
 
 

@@ -32,9 +32,11 @@ import threading
 import time
 from pathlib import Path
 
+from support import forkrun
 from support.paths import REPO
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
+FORKRUN = Path(__file__).with_name("forkrun.py")
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "PYTHON", "LD_", "HOME", "XDG_",
                    "HF_", "TMPDIR", "LANG", "LC_")
 """Variables read when torch (or a library it loads) is imported (or the interpreter starts): a launch is forked
@@ -79,8 +81,11 @@ class WarmProcess:
 class _Zygote:
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
-        self.proc = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, cwd=REPO)
+        argv = [sys.executable, str(ZYGOTE)]
+        if os.environ.get(forkrun.ENV):  # make test: a fork of the warm Python for this environment, where one serves it
+            argv = [sys.executable, "-S", str(FORKRUN), str(ZYGOTE)]
+            env = {**env, **{k: os.environ[k] for k in (forkrun.ENV, forkrun.ENV_LOG) if k in os.environ}}
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=REPO)
         self.cond = threading.Condition()
         self.ids = itertools.count()
         self.started: dict[int, WarmProcess] = {}

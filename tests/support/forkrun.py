@@ -1,0 +1,121 @@
+"""``python forkrun.py ARGS`` is ``python ARGS`` run as a fork of the suite's warm Python (tests/support/forkserver.py,
+whose docstring says what the fork shares and the protocol), or the real interpreter where no server answers
+(``KUBETITAN_FORKSERVER`` unset, no server for this environment's import-time variables, the server gone) or the
+server says ``cold``. Run with ``-S``: no site import, so
+this stand-in costs a few milliseconds. Standard library only."""
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import sys
+
+IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "PYTHON", "LD_", "HOME", "XDG_",
+                   "HF_", "TMPDIR", "LANG", "LC_")
+"""As support.warm.IMPORT_TIME_ENV: variables read when torch (or a library it loads) is imported or the interpreter
+starts. A fork is served only by the server started with the same values (:func:`server_name`)."""
+RUNTIME_ENV = ("TORCH_NCCL_", "PYTHONUNBUFFERED")
+
+
+def at_import(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and not k.startswith(RUNTIME_ENV)}
+
+
+SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR",)
+"""Set by the imports themselves where unset (Inductor's cache folder): a process that imported them has it (an
+xdist worker, and so the launches it starts), the server has it only once its imports are done. Not in the name;
+the server compares the whole environment when it is asked."""
+
+
+def server_name(prefix: str, env: dict) -> str:
+    """The abstract socket of the server for ``env``'s import-time variables."""
+    key = sorted((k, v) for k, v in at_import(env).items() if k not in SET_BY_IMPORTS)
+    return prefix + "-" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
+ENV = "KUBETITAN_FORKSERVER"
+"""The servers' socket prefix (set by :func:`start_servers` for everything the tests start)."""
+ENV_OFF = "KUBETITAN_TEST_NO_FORKSERVER"
+"""``1``: no servers; every xdist worker and warm parent starts as its own interpreter, as before."""
+ENV_LOG = "KUBETITAN_FORKSERVER_LOG"
+"""A file: what started cold, and which variables sent it there."""
+HERE = os.path.dirname(os.path.abspath(__file__))
+_servers: list = []
+
+
+def start_servers(tx: list) -> list:
+    """The xdist controller's ``--tx`` specs (``-n N``: ``popen`` each) for workers forked from the warm Python.
+    Starts tests/support/forkserver.py three times: pytest's environment (the workers), the trainer launches'
+    ``OMP_NUM_THREADS=1`` (support.trainer.launch) and the e2e kubelet's pods' (``PYTHONNOUSERSITE=1`` too, from the
+    operator's pod template): the warm parents of support.warm. The workers' server is waited for (the workers would
+    wait for it anyway); the other two import meanwhile, before the first trainer test. With :data:`ENV_OFF` or a
+    server that failed to start, ``tx`` unchanged."""
+    import subprocess
+
+    if os.environ.get(ENV_OFF) == "1":
+        return tx
+    os.environ[ENV] = f"kubetitan-forkserver-{os.getpid()}"
+    server = os.path.join(HERE, "forkserver.py")
+    for extra, preload in (({}, "all"), ({"OMP_NUM_THREADS": "1"}, "trainer"),
+                           ({"OMP_NUM_THREADS": "1", "PYTHONNOUSERSITE": "1"}, "trainer")):
+        _servers.append(subprocess.Popen([sys.executable, server, os.environ[ENV], preload], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, env={**os.environ, **extra}))
+        if preload == "all" and _servers[0].stdout.readline() != b"ready\n":  # it failed: cold workers
+            return tx
+    return [f"popen//python={sys.executable} -S {os.path.join(HERE, 'forkrun.py')}"] * len(tx)
+
+
+def stop_servers() -> None:
+    """EOF on each server's stdin ends it."""
+    while _servers:
+        server = _servers.pop()
+        server.stdin.close()
+        server.wait(30)
+
+
+def _cold(argv: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    prefix = os.environ.get(ENV)
+    if not prefix:
+        _cold(argv)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect("\0" + server_name(prefix, dict(os.environ)))
+    except OSError:
+        if os.environ.get(ENV_LOG):
+            with open(os.environ[ENV_LOG], "a") as log:
+                print(f"forkrun: no server for {argv[:2]} with {sorted(at_import(dict(os.environ)).items())}",
+                      file=log)
+        _cold(argv)
+    msg = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode() + b"\n"
+    socket.send_fds(s, [msg], [0, 1, 2])
+    replies = s.makefile("rb")
+    first = json.loads(replies.readline() or b'{"cold": true}')
+    if first.get("cold"):
+        s.close()
+        _cold(argv)
+    pid = first["pid"]
+
+    def forward(sig: int, _frame: object) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # it has just ended
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, forward)
+    line = replies.readline()
+    code = json.loads(line)["returncode"] if line else 1
+    if code < 0:  # ended by a signal: end the same way
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
