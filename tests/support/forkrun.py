@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "PYTHON", "LD_", "HOME", "XDG_",
                    "HF_", "TMPDIR", "LANG", "LC_")
@@ -61,9 +62,30 @@ def start_servers(tx: list) -> list:
                            ({"OMP_NUM_THREADS": "1", "PYTHONNOUSERSITE": "1"}, "trainer")):
         _servers.append(subprocess.Popen([sys.executable, server, os.environ[ENV], preload], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, env={**os.environ, **extra}))
-        if preload == "all" and _servers[0].stdout.readline() != b"ready\n":  # it failed: cold workers
+        if preload == "all" and not _ready(_servers[0], READY_SECONDS):  # failed or stuck: cold workers
+            _servers[0].kill()
             return tx
     return [f"popen//python={sys.executable} -S {os.path.join(HERE, 'forkrun.py')}"] * len(tx)
+
+
+READY_SECONDS = 180.0
+"""How long the workers' server may take to import (~6 s on a quiet machine) before the workers start cold."""
+
+
+def _ready(server, timeout: float) -> bool:
+    """Whether ``server`` printed ``ready`` within ``timeout`` seconds."""
+    import select
+
+    got = b""
+    deadline = time.monotonic() + timeout
+    while not got.endswith(b"\n") and (left := deadline - time.monotonic()) > 0:
+        if not select.select([server.stdout], [], [], left)[0]:
+            break
+        more = os.read(server.stdout.fileno(), 64)
+        if not more:  # it ended
+            break
+        got += more
+    return got == b"ready\n"
 
 
 def stop_servers() -> None:
