@@ -1,7 +1,7 @@
 #!/bin/bash
 # Non-fatal faults recovered in place on one GPU (kubetitan_trainer.recovery.inprocess): the card's own recipe
 # (examples/llama3-3b-h100.yaml, or the H200's with RECIPE=), seq 8192, STEPS steps with a checkpoint and the restore
-# tier every INTERVAL, `[kubetitan] inprocess_restarts = 3` and a progress timeout of PROGRESS_S seconds, through the
+# tier every INTERVAL, `runPolicy.inProcessRestarts: 3` and `inProcessHangSeconds: PROGRESS_S`, through the
 # pod entry point (kubetitan_trainer.launch, in-place mode). Three faults injected (KUBETITAN_TEST_FAULT, tests only):
 # an exception at step F1, a non-finite loss at step F2, a hang (the rank sleeps in its step, as a rank whose
 # collective never returns) at step F3. Each must restart in the same process with the compiled model kept; the
@@ -17,9 +17,9 @@ mkdir -p "$OUT"
 source bench/device/setup.sh
 RECIPE=${RECIPE:-examples/llama3-3b-h100.yaml}
 if [ "$DRY" = 1 ]; then
-  STEPS=${STEPS:-30} INTERVAL=${INTERVAL:-5} F1=${F1:-8} F2=${F2:-14} F3=${F3:-22} PROGRESS_S=${PROGRESS_S:-5} CPU=1
+  STEPS=${STEPS:-30} INTERVAL=${INTERVAL:-5} F1=${F1:-8} F2=${F2:-14} F3=${F3:-22} PROGRESS_S=${PROGRESS_S:-10} CPU=1
 else
-  STEPS=${STEPS:-40} INTERVAL=${INTERVAL:-10} F1=${F1:-15} F2=${F2:-25} F3=${F3:-35} PROGRESS_S=${PROGRESS_S:-10} CPU=0
+  STEPS=${STEPS:-40} INTERVAL=${INTERVAL:-10} F1=${F1:-13} F2=${F2:-16} F3=${F3:-19} PROGRESS_S=${PROGRESS_S:-10} CPU=0
 fi
 W=/tmp/inplace_faults
 rm -rf "$W" /dev/shm/kt-inplace-tier
@@ -33,12 +33,12 @@ from recovery_bench import build_lpt
 from kubetitan_trainer.local import write_config
 recipe, w, steps, interval, progress, cpu = sys.argv[1:]
 lpt = build_lpt(Path(recipe), steps=int(steps), interval=int(interval), cpu=cpu == "1")
+# the spec's fields, rendered as a pod's trainer.toml is: [kubetitan] inprocess_restarts, *_progress_timeout_seconds
+lpt.spec.run_policy.in_process_restarts, lpt.spec.run_policy.in_process_hang_seconds = 3, int(progress)
 config = write_config(lpt, Path(w), None, 0)
-cfg = tomllib.loads(config.read_text())
-cfg["kubetitan"]["inprocess_restarts"] = 3
-cfg["kubetitan"]["inprocess_progress_timeout_seconds"] = int(progress)
-config.write_text(tomli_w.dumps(cfg))
-print(config)
+kt = tomllib.loads(config.read_text())["kubetitan"]
+assert (kt["inprocess_restarts"], kt["inprocess_progress_timeout_seconds"]) == (3, int(progress)), kt
+print(config, "runPolicy.inProcessRestarts 3, inProcessHangSeconds", progress)
 PY
 echo "$(date -u +%T) faults: raise at $F1, nan at $F2, hang at $F3; progress timeout $PROGRESS_S s" | tee "$OUT/faults.txt"
 # a 3B checkpoint is 44 GiB and the disk 64 GiB: each complete one (it has .metadata) is deleted, as the recovery
