@@ -4,6 +4,8 @@ whose docstring says what the fork shares and the protocol), or the real interpr
 server says ``cold``. Run with ``-S``: no site import, so
 this stand-in costs a few milliseconds. Standard library only."""
 
+from __future__ import annotations
+
 import hashlib
 import json
 import os
@@ -11,6 +13,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "PYTHON", "LD_", "HOME", "XDG_",
                    "HF_", "TMPDIR", "LANG", "LC_")
@@ -141,3 +144,33 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def exit_as_python(run: Callable[[], object]) -> None:  # never returns: os._exit
+    """Run ``run`` as a program's main code in a forked child, then end the process as the interpreter would: the
+    code of a ``SystemExit`` (a non-integer one printed, code 1), an uncaught exception's traceback and code 1; then
+    threading's and atexit's shutdown, the streams flushed, and ``os._exit``, so that the child never returns into
+    its server's code (the zygote's and the fork servers' children)."""
+    import atexit
+    import contextlib
+    import threading
+    import traceback
+
+    code = 0
+    try:
+        run()
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - what the interpreter prints for an uncaught exception
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # what a normal exit does first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing left to flush
+            stream.flush()
+    os._exit(code)

@@ -35,10 +35,9 @@ import select
 import signal
 import socket
 import sys
-import traceback
 import types
 
-from forkrun import ENV_LOG, at_import, server_name  # this script's folder is still sys.path[0]
+from forkrun import ENV_LOG, at_import, exit_as_python, server_name  # this script's folder is still sys.path[0]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -124,8 +123,8 @@ def _child(req: dict, fds: list[int], closing: list[int]) -> None:
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
-    code = 0
-    try:
+
+    def run() -> None:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
             sys.path[0] = ""
@@ -137,24 +136,8 @@ def _child(req: dict, fds: list[int], closing: list[int]) -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             sys.modules["__main__"] = main
             runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as e:
-        if isinstance(e.code, int) or e.code is None:
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - what the interpreter prints for an uncaught exception
-        traceback.print_exc()
-        code = 1
-    import atexit
-    import threading
 
-    threading._shutdown()  # what a normal exit does first
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
+    exit_as_python(run)
 
 
 def _send(conn: socket.socket, msg: dict) -> None:

@@ -29,7 +29,8 @@ import select
 import signal
 import sys
 import time
-import traceback
+
+from forkrun import exit_as_python  # this script's folder is sys.path[0] at its start
 
 PRELOAD = (
     "torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
@@ -101,7 +102,6 @@ def _child(req: dict, wakeup: tuple[int, int]) -> None:
     os.dup2(log, 2)
     os.close(log)
     os.close(null)
-    code = 0
     try:
         if req.get("namespaces"):
             _enter_namespaces(*req["namespaces"])
@@ -120,7 +120,8 @@ def _child(req: dict, wakeup: tuple[int, int]) -> None:
             setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,
                                                 errors=old.errors, write_through=True))
     sys.argv = ["-m", *req["args"]]
-    try:
+
+    def run() -> None:
         if os.environ.get("KUBETITAN_TEST_HOLD"):  # support/hold.py: hold the workers after chosen steps
             spec = importlib.util.spec_from_file_location("support_hold", os.path.join(os.path.dirname(__file__),
                                                                                        "hold.py"))
@@ -128,24 +129,8 @@ def _child(req: dict, wakeup: tuple[int, int]) -> None:
             spec.loader.exec_module(hold)
             hold.install()
         runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        if isinstance(e.code, int) or e.code is None:
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - what the interpreter prints for an uncaught exception
-        traceback.print_exc()
-        code = 1
-    import atexit
-    import threading
 
-    threading._shutdown()  # what a normal exit does first (the launcher itself ends through exit_now)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing left to flush
-            stream.flush()
-    os._exit(code)
+    exit_as_python(run)  # the launcher itself ends through exit_now
 
 
 def _report(msg: dict) -> None:
