@@ -234,6 +234,12 @@ RULES: tuple[Rule, ...] = (
              "self.tokenizer.source != 'huggingface' || has(self.tokenizer.repo)",
              "tokenizer.repo is required when tokenizer.source is huggingface",
              ".tokenizer.repo")),
+    Rule("checkpoint.pinned-needs-gpu", "spec.checkpoint.asyncMode", "async_with_pinned_mem only on GPU pods",
+         cel=Cel(
+             "self.checkpoint.asyncMode != 'async_with_pinned_mem' || self.resources.gpusPerNode > 0",
+             "checkpoint.asyncMode async_with_pinned_mem stages into pinned host memory with non-blocking GPU copies: "
+             "it needs resources.gpusPerNode > 0 (use async on CPU pods)",
+             ".checkpoint.asyncMode")),
     Rule("in-process-restarts.need-checkpoint", "spec.runPolicy.inProcessRestarts",
          "in-process restarts need checkpoint.enabled",
          cel=Cel(
@@ -912,6 +918,15 @@ def _restarts_need_checkpoint(f: Facts) -> Problems:
         yield "spec.runPolicy.maxRestarts", (
             f"{rp.max_restarts} restarts need checkpoint.enabled: true (each restart resumes from the newest "
             "checkpoint); enable checkpoints or set maxRestarts: 0")
+
+
+@check("checkpoint.pinned-needs-gpu")
+def _checkpoint_pinned_needs_gpu(f: Facts) -> Problems:
+    if f.spec.checkpoint.async_mode == "async_with_pinned_mem" and f.spec.resources.gpus_per_node == 0:
+        yield "spec.checkpoint.asyncMode", (
+            "async_with_pinned_mem stages each save into pinned host memory with non-blocking copies from the GPU, "
+            "and a CPU pod (resources.gpusPerNode: 0) has no GPU: its first save would fail; use asyncMode: async "
+            "(or disabled) on CPU pods")
 
 
 @check("in-process-restarts.need-checkpoint")
