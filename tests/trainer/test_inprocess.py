@@ -131,6 +131,35 @@ def test_an_evaluation_runs_untimed(monkeypatch):
     assert seen == [1] and ip._untimed == 0
 
 
+def test_a_process_group_that_cannot_be_made_again_ends_the_restart_cleanly(monkeypatch):
+    """gloo's connectFullMesh can fail while a peer's old connections close (seen under make test): the restart ends
+    with GangGaveUp (exit for the launcher's restart, one line), not a traceback that kills the rank hosting the
+    store and, with it, its peers' restart."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    ip = inprocess.InProcessRestart(lambda: store, 0, 1, poll_seconds=0.01)
+    make = ip.init_process_group
+
+    def flaky() -> None:
+        if ip.generation > 0:
+            raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:547] Connection closed by peer\nmore")
+        make()
+
+    monkeypatch.setattr(ip, "init_process_group", flaky)
+
+    def body(iteration: int) -> None:
+        ip.step = 5
+        raise RuntimeError("a fault")
+
+    with pytest.raises(inprocess.GangGaveUp) as e:
+        ip.run(body)
+    assert e.value.exit_code == 1 and ip.restarts == 1
+    assert "making iteration 1's process group failed (RuntimeError: Gloo connectFullMesh failed with [pair.cc:547] " \
+           "Connection closed by peer)" in str(e.value)
+    assert not dist.is_initialized()
+
+
 # --------------------------------------------------------------------------------------------- a real gloo gang
 STEPS = dict(steps=8, save_every=2, timeout=2.0)
 NO_HANG = dict(STEPS, timeout=20.0)

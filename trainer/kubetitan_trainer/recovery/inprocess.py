@@ -200,6 +200,11 @@ def launcher_store_factory(timeout: float = 60.0) -> Callable[[], Any]:
     return connect
 
 
+def _first_line(e: BaseException) -> str:
+    """An exception's type and first line (gloo's and the store's messages run to several lines)."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
 # --------------------------------------------------------------------------------------------------- the restarter
 class InProcessRestart:
     """Runs ``body(iteration)`` and restarts it in this process after a restartable fault on any rank (see the
@@ -279,7 +284,12 @@ class InProcessRestart:
         try:
             while True:
                 if not (process_group_ready and self.generation == 0):
-                    self.init_process_group()
+                    try:
+                        self.init_process_group()
+                    except RuntimeError as e:  # gloo's connectFullMesh, the store: a peer gone or going
+                        raise GangGaveUp(ExitCode.FAILED, f"in-process restart: making iteration {self.generation}'s "
+                                         f"process group failed ({_first_line(e)}); exiting for the launcher's "
+                                         "restart") from e
                     self._mark("pg_ready")
                 try:
                     result = self._run_once(body)
@@ -383,10 +393,14 @@ class InProcessRestart:
             self.before_teardown()
         self._abort_process_group()
         torn = time.time()
-        self._barrier(g)
-        primary = Fault.loads(self.store.get(f"fault/{g}"))
-        faults = [Fault.loads(self.store.get(f"fault/{g}/rank/{r}")) for r in range(self.world_size)
-                  if self.store.check([f"fault/{g}/rank/{r}"])]
+        try:
+            self._barrier(g)
+            primary = Fault.loads(self.store.get(f"fault/{g}"))
+            faults = [Fault.loads(self.store.get(f"fault/{g}/rank/{r}")) for r in range(self.world_size)
+                      if self.store.check([f"fault/{g}/rank/{r}"])]
+        except RuntimeError as e:  # torch's store errors (DistNetworkError, DistStoreError) are RuntimeErrors
+            raise GangGaveUp(ExitCode.FAILED, f"in-process restart: the ranks' store failed during the restart "
+                             f"({_first_line(e)}): another rank has left; exiting for the launcher's restart") from e
         d = decide(primary, faults, self.previous, self.restarts, self.max_restarts)
         self.previous = primary
         if not d.retry:
