@@ -6,6 +6,7 @@ this stand-in costs a few milliseconds. Standard library only."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -127,10 +128,8 @@ def main() -> None:
     pid = first["pid"]
 
     def forward(sig: int, _frame: object) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it has just ended
             os.kill(pid, sig)
-        except ProcessLookupError:  # it has just ended
-            pass
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, forward)
@@ -152,7 +151,6 @@ def exit_as_python(run: Callable[[], object]) -> None:  # never returns: os._exi
     threading's and atexit's shutdown, the streams flushed, and ``os._exit``, so that the child never returns into
     its server's code (the zygote's and the fork servers' children)."""
     import atexit
-    import contextlib
     import threading
     import traceback
 
