@@ -1,4 +1,4 @@
-"""Ahead-of-time compiled blocks (kubetitan_trainer.compile.aot_precompile) on CPU: rank 0 makes the artefact after its first
+"""Ahead-of-time compiled blocks (kubetitan_trainer.compile.aot_precompile) on CPU: each rank makes its artefact after its first
 step; a fresh process loads it and its blocks run it without a Dynamo trace, with the eager model's numbers; what
 its guards do not cover falls back to the block's own compile; a worker that died using it makes the next one
 delete it."""
@@ -21,6 +21,10 @@ from kubetitan_core.contract.trainer_toml import KubetitanRuntime
 from kubetitan_trainer import compat, runtime
 from kubetitan_trainer.compile import aot_precompile, compile_cache
 from kubetitan_trainer.recovery import anatomy
+from kmockx.harness import free_port
+
+from support import warm
+from support.paths import REPO
 
 @pytest.fixture(autouse=True)
 def _aot_compile_on(monkeypatch):
@@ -103,7 +107,7 @@ def _probe(cache, env=None):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_rank_0_makes_the_artefact_and_a_fresh_process_runs_it_without_tracing(tmp_path):
+def test_a_single_process_makes_the_artefact_and_a_fresh_process_runs_it_without_tracing(tmp_path):
     first = _probe(tmp_path)
     assert first["summary"]["made"]["saved"] is True, first
     assert first["summary"]["loaded"] is False and first["summary"]["served"] == 0 and first["traced"] >= 1
@@ -123,6 +127,50 @@ def test_rank_0_makes_the_artefact_and_a_fresh_process_runs_it_without_tracing(t
     assert not [f for f in second["files"] if ".making" in f]
 
 
+def _ranks(tmp_path: Path, cache: Path, launch: str) -> list[dict]:
+    """tests/trainer/aot_rank.py as two gloo ranks of one node (torchrun's variables), forked from the warm parent."""
+    out = tmp_path / launch
+    out.mkdir()
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+           "TRITON_CACHE_DIR": str(cache / "triton")}
+    logs = [out / f"rank{i}.log" for i in (0, 1)]
+    procs = [warm.popen("tests.trainer.aot_rank", [str(out)], {**env, "RANK": str(i), "LOCAL_RANK": str(i)}, logs[i],
+                        cwd=REPO) for i in (0, 1)]
+    codes = warm.wait_all(procs, timeout=300)
+    for code, log in zip(codes, logs):
+        assert code == 0, log.read_text(errors="replace")[-4000:]
+    return [json.loads((out / f"rank{i}.json").read_text()) for i in (0, 1)]
+
+
+def test_every_rank_of_an_fsdp_gang_makes_its_own_artefact_and_a_restarted_gang_runs_them_without_tracing(tmp_path):
+    first = _ranks(tmp_path, tmp_path / "cache", "first")
+    for r in first:  # each rank made its own, for its local rank and device, while both gathered the sharded block
+        assert r["summary"]["made"]["saved"] is True and r["summary"]["loaded"] is False, r["summary"]
+        assert r["traced"] >= 1 and r["device"] == "cpu"
+    artefacts = [f for f in first[0]["files"] if f.endswith(".aot")]
+    assert sorted(f[-8:] for f in artefacts) == ["-lr0.aot", "-lr1.aot"], first[0]["files"]
+    assert len({f[:-8] for f in artefacts}) == 2  # the local rank is in the hash too
+
+    second = _ranks(tmp_path, tmp_path / "cache", "second")
+    for a, b in zip(first, second):  # every block call of every rank ran its own artefact: no trace, the same numbers
+        s = b["summary"]
+        assert s["loaded"] is True and s["served"] == 2 and s["fell_back"] == 0 and "made" not in s, s
+        assert b["traced"] == 0
+        assert (b["out"], b["x_grad"], b["w_grad"]) == (a["out"], a["x_grad"], a["w_grad"])
+    assert second[0]["w_grad"] == second[1]["w_grad"]  # one reduced gradient
+    assert not [f for f in second[0]["files"] if ".making" in f or ".trying-" in f]
+
+    # A node whose rank 1 lost its artefact (a replaced disk, a new node): that rank makes one again while rank 0,
+    # which has its own and serves from it, only joins the gather of the sharded block.
+    (tmp_path / "cache" / aot_precompile.SUBDIR / next(f for f in artefacts if f.endswith("-lr1.aot"))).unlink()
+    third = _ranks(tmp_path, tmp_path / "cache", "third")
+    assert third[0]["summary"]["served"] == 2 and "made" not in third[0]["summary"] and third[0]["traced"] == 0
+    assert third[1]["summary"]["loaded"] is False and third[1]["summary"]["made"]["saved"] is True
+    assert (third[1]["out"], third[1]["w_grad"]) == (first[1]["out"], first[1]["w_grad"])
+
+
 def _compiled_holder(backend: str = "inductor"):
     m = torch.nn.Module()
     m.layers = torch.nn.ModuleDict({str(i): torch.compile(torch.nn.Linear(4, 4), fullgraph=True, backend=backend)
@@ -134,7 +182,7 @@ def test_a_worker_that_died_using_the_artefact_makes_the_next_one_delete_it(tmp_
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     monkeypatch.setattr(compat, "aot_deserialize", lambda data: None)
     first = aot_precompile.install(_compiled_holder(), rank=1, env=env)
-    assert first.artefact is None and not first.capture  # no artefact, and rank 1 does not make one
+    assert first.artefact is None and first.capture  # no artefact yet: every rank makes its own
     first.path.parent.mkdir(parents=True)
     first.path.write_bytes(b"artefact")
     rank0 = aot_precompile.install(_compiled_holder(), rank=0, env=env)
@@ -159,9 +207,18 @@ def test_a_worker_that_died_using_the_artefact_makes_the_next_one_delete_it(tmp_
         nxt.crashed.unlink()
 
 
-def test_several_ranks_compile_as_usual(tmp_path):
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "WORLD_SIZE": "2"}
-    assert aot_precompile.install(_compiled_holder(), rank=0, env=env) is None
+def test_each_local_rank_and_device_has_an_artefact_of_its_own(tmp_path):
+    inner = compat.compiled_module_parts(_compiled_holder().layers["0"])[0]
+    base = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    names = {aot_precompile.artefact_name(inner, {**base, "LOCAL_RANK": str(r)}, f"cuda:{r}") for r in range(8)}
+    assert len(names) == 8 and all(n.startswith("Linear-") for n in names)
+    assert aot_precompile.artefact_name(inner, {**base, "LOCAL_RANK": "3"}, "cuda:3").endswith("-lr3.aot")
+    # the same local rank on another device (the guards check it) is another artefact
+    assert (aot_precompile.artefact_name(inner, {**base, "LOCAL_RANK": "0"}, "cuda:0")
+            != aot_precompile.artefact_name(inner, {**base, "LOCAL_RANK": "0"}, "cpu"))
+    p = aot_precompile.install(_compiled_holder(), rank=9, env={**base, "LOCAL_RANK": "1", "RANK": "9"})
+    assert p is not None and p.capture and p.path.name.endswith("-lr1.aot") and p.device == "cpu"
+    assert p.marker.name.endswith(".trying-rank9")
 
 
 def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compile(tmp_path, monkeypatch):
@@ -193,21 +250,46 @@ def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compil
     assert not p.marker.exists()
 
 
-def test_blocks_sharded_over_several_ranks_are_not_made_ahead_of_time(tmp_path, monkeypatch):
+@pytest.mark.parametrize("case", ["this-rank-makes", "another-rank-makes", "nobody-makes", "a-rank-without-aot"])
+def test_a_sharded_block_is_gathered_by_every_rank_when_any_rank_makes_an_artefact(tmp_path, monkeypatch, case):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     holder = _compiled_holder()
-    gathered = []
-    for block in holder.layers.values():
-        block.unshard = lambda: gathered.append(1)  # an FSDP2 block: gathering it is a collective
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(compat, "aot_compile_module", lambda *a: pytest.fail("compiled a sharded block"))
-    p = aot_precompile.install(holder, rank=0, env=env)
+    calls = []
+    for block in holder.layers.values():  # an FSDP2 block: gathering it is a collective every rank must join
+        block.unshard = lambda: calls.append("unshard")
+        block.reshard = lambda: calls.append("reshard")
+    compiled = []
+    monkeypatch.setattr(compat, "aot_compile_module", lambda *a: compiled.append(1) or "compiled")
+    monkeypatch.setattr(compat, "aot_serialize", lambda c: b"artefact")
+    p = aot_precompile.install(holder, rank=1, env=env)
     p.dispatch[0].seen = aot_precompile._record((torch.ones(2, 4),), {})
+    votes = []
+    others = {"this-rank-makes": (False, True), "another-rank-makes": (True, True), "nobody-makes": (False, True),
+              "a-rank-without-aot": (True, False)}[case]  # (another rank makes one, every other rank installed)
+    if case != "this-rank-makes":  # this rank has its artefact already, or cannot make one
+        p.capture = case == "a-rank-without-aot"
+
+    def agree(makes, installed):
+        votes.append((makes, installed))
+        return makes or others[0], installed and others[1]
+
+    monkeypatch.setattr(aot_precompile, "agree", agree)
     summary = aot_precompile.after_first_step()
-    assert summary["made"] == {"saved": False, "why": "the blocks are sharded over 2 ranks (FSDP): not supported yet"}
-    assert not gathered and not p.path.exists()
-    assert "not made (the blocks are sharded" in anatomy.aot_note(summary)
+    assert votes == [(case in ("this-rank-makes", "a-rank-without-aot"), True)]
+    gathered = case in ("this-rank-makes", "another-rank-makes")
+    assert calls == (["unshard", "reshard"] if gathered else [])
+    assert bool(compiled) == (case == "this-rank-makes") and p.path.exists() == (case == "this-rank-makes")
+    if case == "a-rank-without-aot":
+        assert summary["made"] == {"saved": False,
+                                   "why": "another rank has no compiled blocks or no compile cache folder"}
+        assert "not made (another rank has no compiled blocks" in anatomy.aot_note(summary)
+
+
+def test_a_rank_that_installed_nothing_still_joins_the_vote(monkeypatch):
+    votes = []
+    monkeypatch.setattr(aot_precompile, "CURRENT", None)
+    monkeypatch.setattr(aot_precompile, "agree", lambda makes, installed: votes.append((makes, installed)) or (1, 0))
+    assert aot_precompile.after_first_step() is None and votes == [(False, False)]
 
 
 @pytest.mark.parametrize("on", [False, True])

@@ -362,7 +362,7 @@ class KubetitanTrainer(Trainer):
     def _publish_startup(self, rec: anatomy.Recorder) -> None:
         record = rec.first_step_ends(self.step, self.metrics_processor.attempt)
         aot = aot_blocks()
-        made = aot.after_first_step() if aot is not None else None  # after the mark: rank 0's one-off precompile
+        made = aot.after_first_step() if aot is not None else None  # after the mark: each rank's one-off precompile (a collective)
         if made is not None:  # is not start-up
             record["aot_precompile"] = made
         self.metrics_processor.exporter.startup(record)

@@ -651,7 +651,7 @@ class RuntimeSpec(_Base):
     (no gain measured yet)."""
     aot_compile: bool = False
     """Compile ahead of time: compiled transformer blocks get an artefact that a restarted worker loads instead of
-    compiling (single-process runs only; rank 0 makes it once, in the compile cache's folder), and the AOTAutograd
+    compiling (each rank makes its own for its device once per node, in the compile cache's folder), and the AOTAutograd
     cache may serve the recipe's graphs (their functions are marked cacheable, keyed by their packages' versions
     and sources). Off: the blocks compile as torch does. Needs `precision.compile`."""
 

@@ -16,22 +16,26 @@ s; it stays opt-in until the H200 recipe has run with it. With compile on:
 - Each call runs the artefact's graph when its guards pass (the same shapes, dtypes, grad mode, autocast...), and
   the block's own ``torch.compile`` forward otherwise (an evaluation under ``no_grad``, another batch shape), so
   nothing ever fails for want of a matching graph.
-- Without an artefact, rank 0 makes one after its first training step (:func:`after_first_step`) from the
+- Without an artefact, each rank makes its own after its first training step (:func:`after_first_step`) from the
   inputs the first block saw, and writes it into the compile cache's folder, named by the cache's key
-  (``compile_cache.KEY_ENV``, also when the pod's env chose the folder), the Python version and the sources of the
-  block's modules (the artefact holds their bytecode). That costs one compile of a block, once per key. An
-  artefact that failed to load, or whose guards refused every call of the first step, is replaced the same way.
+  (``compile_cache.KEY_ENV``, also when the pod's env chose the folder), the Python version, the sources of the
+  block's modules (the artefact holds their bytecode), the local rank and the device (its guards check the device:
+  ``cuda:1``'s artefact serves local rank 1 only). That costs one compile of a block per local rank, once per key and
+  node. An artefact that failed to load, or whose guards refused every call of the first step, is replaced the same
+  way.
 - A block with hooks on it or on a module inside it (``module_call_hooks``: the artefact holds the graph traced
   without them, and Dynamo does not guard on hooks) is never served from an artefact, nor made into one; such
   refusals do not count against the artefact.
-- Single-process runs only, so far (``WORLD_SIZE`` 1, the recovery bench's): with several ranks, rank 0's compile
-  after step 1 would hold every other rank at step 2's collectives, an artefact made on ``cuda:0`` serves no other
-  local rank (its guards check the device) and loading it would put a context on GPU 0, and a block sharded by
-  FSDP2 would have to be gathered by all ranks together. Such runs compile as before.
+- Several ranks (a multi-GPU pod, several pods): after the first step every rank says, in one all-reduce, whether it
+  makes an artefact. Compiling a block sharded by FSDP2 needs its parameters gathered, a collective: when any rank
+  makes one, every rank gathers the first block (the ranks that have theirs only join the gather), so no rank waits
+  on a collective another never calls. Every rank of a run must install the same way (one spec, one image): a rank
+  without compiled blocks or a cache folder says so in that all-reduce, and then no rank makes one. Each artefact
+  loads on a thread bound to the rank's own device (no context on GPU 0 from another rank).
 - A worker that used the artefact and died before the end of its second step (and before a clean end of training)
   leaves a marker holding a token of that process (not only its pid, which a container restarted in a new PID
   namespace reuses); the next worker then deletes the artefact instead of loading it (a broken artefact must not
-  crash-loop a run), and rank 0 makes a new one, once: after :data:`MAX_CRASHES` such deletions in a row
+  crash-loop a run), and the rank makes a new one, once: after :data:`MAX_CRASHES` such deletions in a row
   (``.crashed`` counts them; a worker that runs the artefact past its second step resets it) no worker makes it
   again. A worker that died while making one leaves a ``.making`` marker: no later worker tries to make it again.
   Delete those files to let one try.
@@ -101,7 +105,7 @@ def _write(path: Path, body: bytes) -> None:
 
 def enabled() -> bool:
     """``[kubetitan.runtime] aot_compile`` (``spec.runtime.aotCompile``): off (the default), blocks compile as torch
-    does; on, blocks use (and rank 0 makes) an ahead-of-time artefact."""
+    does; on, blocks use (and each rank makes) an ahead-of-time artefact."""
     return runtime.settings().aot_compile
 
 
@@ -130,10 +134,12 @@ def source_key(module: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-def artefact_name(inner: Any, env: Mapping[str, str]) -> str:
-    """``<block class>-<hash>.aot``: the hash of the compile cache's key, the Python version and the block's sources."""
-    key = "/".join((env.get(compile_cache.KEY_ENV, ""), sys.version.split()[0], source_key(inner)))
-    return f"{type(inner).__name__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.aot"
+def artefact_name(inner: Any, env: Mapping[str, str], device: str = "cpu") -> str:
+    """``<block class>-<hash>-lr<local rank>.aot``: the hash of the compile cache's key, the Python version, the block's
+    sources, the local rank (``LOCAL_RANK``) and the device its guards were made for (``cuda:1``, ``cpu``)."""
+    local = env.get("LOCAL_RANK", "0") or "0"
+    key = "/".join((env.get(compile_cache.KEY_ENV, ""), sys.version.split()[0], source_key(inner), local, device))
+    return f"{type(inner).__name__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}-lr{local}.aot"
 
 
 def sidecar(path: Path) -> Path:
@@ -142,10 +148,10 @@ def sidecar(path: Path) -> Path:
 
 
 class Artefact:
-    """An artefact file loaded on a thread of its own (:meth:`get` waits for it)."""
+    """An artefact file loaded on a thread of its own, bound to ``device`` (:meth:`get` waits for it)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path, self.compiled, self.error, self.seconds = path, None, None, None
+    def __init__(self, path: Path, device: str = "cpu") -> None:
+        self.path, self.device, self.compiled, self.error, self.seconds = path, device, None, None, None
         self._thread = threading.Thread(target=self._load, name="kubetitan-aot-load", daemon=True)
         self._thread.start()
 
@@ -154,6 +160,8 @@ class Artefact:
 
         begin = time.perf_counter()
         try:
+            if self.device.startswith("cuda"):  # the thread's current device: this rank's, not GPU 0
+                torch.cuda.set_device(torch.device(self.device))
             # Loading rebuilds the guards with this thread's dispatch state (a tensor's expected dispatch keys hold
             # the thread's autocast keys): rebuild them under the autocast the artefact was made for, which is the
             # training calls' (else every call under autocast is refused: "dispatch key set mismatch").
@@ -243,8 +251,8 @@ def _record(args: tuple, kwargs: dict) -> tuple:
 class Precompiled:
     """The model's compiled blocks and their artefact (:func:`install`)."""
 
-    def __init__(self, blocks: list[Any], path: Path, rank: int) -> None:
-        self.blocks, self.path, self.rank = blocks, path, rank
+    def __init__(self, blocks: list[Any], path: Path, rank: int, device: str = "cpu") -> None:
+        self.blocks, self.path, self.rank, self.device = blocks, path, rank, device
         self.marker = path.with_name(f"{path.name}.trying-rank{rank}")
         self.making = path.with_name(f"{path.name}.making")
         self.crashed = path.with_name(f"{path.name}.crashed")
@@ -261,14 +269,12 @@ class Precompiled:
                 log.warning("AOT precompile: cannot write %s (%s); the blocks compile as usual", self.marker,
                             e.strerror)
             else:
-                self.artefact = Artefact(path)
-        # rank 0 records the first call that falls back, to make an artefact from it (none yet, or a useless one)
-        self.capture = False
-        if rank == 0:
-            why_not = self._why_not_make()
-            self.capture = why_not is None
-            if why_not is not None:
-                self.saved = {"saved": False, "why": why_not}
+                self.artefact = Artefact(path, device)
+        # the first call that falls back is recorded, to make an artefact from it (none yet, or a useless one)
+        why_not = self._why_not_make()
+        self.capture = why_not is None
+        if why_not is not None:
+            self.saved = {"saved": False, "why": why_not}
         self.dispatch = []
         for wrapper in blocks:
             inner, forward = compat.compiled_module_parts(wrapper)
@@ -304,7 +310,7 @@ class Precompiled:
             return 0
 
     def _why_not_make(self) -> str | None:
-        """Why rank 0 must not make an artefact (None: it may): a worker died making one (a crash in the compile, the
+        """Why this rank must not make an artefact (None: it may): a worker died making one (a crash in the compile, the
         host's OOM killer: making it again would kill this one too), or artefacts were deleted after crashes
         :data:`MAX_CRASHES` times in a row."""
         try:
@@ -333,18 +339,34 @@ class Precompiled:
             return f"its guards refused every call of the first step ({self.refused})"
         return None
 
-    def after_first_step(self) -> None:
+    def prepare(self) -> bool:
+        """After the first step: drop a useless artefact; whether this rank makes one now."""
         why = self.useless()
         if why is not None:
-            log.warning("AOT precompile: %s: %s; the blocks compiled as usual, and it is deleted so that rank 0 makes "
-                        "a new one", self.path, why)
+            log.warning("AOT precompile: %s: %s; the blocks compiled as usual, and it is deleted so that this rank "
+                        "makes a new one", self.path, why)
             if _unlink(self.path, sidecar(self.path)):
                 self.artefact = None
                 _unlink(self.marker)  # this worker no longer runs an artefact
-        if self.capture:
-            self.capture = False
-            if self.artefact is None:
+        makes, self.capture = self.capture and self.artefact is None, False
+        return makes
+
+    def make(self, makes: bool, gather: bool) -> None:
+        """Make this rank's artefact (``makes``); ``gather``: some rank makes one, so every rank gathers the first
+        block's parameters (for a block sharded by FSDP2 that is a collective every rank must join)."""
+        wrapper = self.blocks[0]
+        unshard, reshard = getattr(wrapper, "unshard", None), getattr(wrapper, "reshard", None)
+        if not gather or unshard is None:
+            if makes:
                 self.saved = self._save()
+            return
+        unshard()  # an FSDP2 block: compile it as its forward sees it, gathered
+        try:
+            if makes:
+                self.saved = self._save()
+        finally:
+            if reshard is not None:
+                reshard()
 
     def step_ended(self) -> None:
         """After each training step: the marker goes once the second step has ended (the first with optimizer
@@ -374,11 +396,6 @@ class Precompiled:
         unsupported = [s for s in (*args, *kwargs.values()) if not s.supported]
         if unsupported:
             return {"saved": False, "why": f"an input of type {type(unsupported[0].value).__name__}"}
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if hasattr(wrapper, "unshard") and world > 1:
-            # Compiling a sharded block as its forward sees it needs its parameters gathered, a collective every
-            # rank would have to join while only rank 0 compiles: not built. Such runs compile their blocks as usual.
-            return {"saved": False, "why": f"the blocks are sharded over {world} ranks (FSDP): not supported yet"}
         try:
             _write(self.making, process_token().encode())  # a crash while making it: no later worker tries again
         except OSError as e:
@@ -386,9 +403,6 @@ class Precompiled:
         begin = time.perf_counter()
         try:
             contexts = [torch.autocast(autocast[0], dtype=autocast[1])] if autocast else []
-            unshard, reshard = getattr(wrapper, "unshard", None), getattr(wrapper, "reshard", None)
-            if unshard is not None:  # an FSDP2 block of one rank: compile it as its forward sees it, gathered
-                unshard()
             # The first step's gradients are set aside while it compiles: a parameter's .grad would be written into
             # the artefact's guards and fail its load ("assigned grad expected to be a Tensor or None").
             params = list(wrapper.parameters())
@@ -401,8 +415,6 @@ class Precompiled:
             finally:
                 for p, g in zip(params, grads):
                     p.grad = g
-                if reshard is not None:
-                    reshard()
             data = compat.aot_serialize(compiled)
             described = [autocast[0], str(autocast[1]).removeprefix("torch.")] if autocast else None
             _write(sidecar(self.path), json.dumps({"autocast": described}).encode())
@@ -444,11 +456,7 @@ def install(model: Any, rank: int | None = None, env: Mapping[str, str] | None =
     env = os.environ if env is None else env
     if not enabled():
         return None
-    world = int(env.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
-        log.info("AOT precompile: single-process runs only so far (this run has %d ranks); the blocks compile as "
-                 "usual", world)
-        return None
+    CURRENT = None
     where = folder(env)
     layers = getattr(model, "layers", None)
     blocks = [b for b in (layers.children() if layers is not None else ()) if compat.compiled_module_parts(b)]
@@ -457,11 +465,14 @@ def install(model: Any, rank: int | None = None, env: Mapping[str, str] | None =
                  "no compile cache folder (TORCHINDUCTOR_CACHE_DIR)" if where is None else "no compiled blocks")
         return None
     inner = compat.compiled_module_parts(blocks[0])[0]
-    path = where / artefact_name(inner, env)
+    param = next(iter(blocks[0].parameters()), None)
+    device = str(param.device) if param is not None else "cpu"
+    path = where / artefact_name(inner, env, device)
     rank = int(env.get("RANK", "0") or 0) if rank is None else rank
-    CURRENT = Precompiled(blocks, path, rank)
-    log.info("AOT precompile: %s for %d blocks", "loading %s" % path if CURRENT.artefact else
-             ("rank 0 makes %s after its first step" % path if CURRENT.capture else "no artefact yet"), len(blocks))
+    CURRENT = Precompiled(blocks, path, rank, device)
+    log.info("AOT precompile: %s for %d blocks on %s", "loading %s" % path if CURRENT.artefact else
+             ("this rank makes %s after its first step" % path if CURRENT.capture else "no artefact yet"),
+             len(blocks), device)
     return CURRENT
 
 
@@ -478,13 +489,35 @@ def training_ended() -> None:
         CURRENT.survived()
 
 
+def agree(makes: bool, installed: bool) -> tuple[bool, bool]:
+    """``(some rank makes an artefact, every rank installed its blocks)``: one MAX all-reduce over the default process
+    group when there is one of several ranks (on the rank's GPU under NCCL), else this rank's own answer."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return makes, installed
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flags = torch.tensor([float(makes), float(not installed)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    anyone, missing = (bool(v) for v in flags.tolist())
+    return anyone, not missing
+
+
 def after_first_step() -> dict[str, Any] | None:
-    """The trainer's call after its first training step; the summary for the start-up record (None when off)."""
+    """The trainer's call after its first training step, on every rank (with several ranks it is a collective:
+    :func:`agree`); the summary for the start-up record (None when this rank installed nothing)."""
     if CURRENT is None:
+        agree(False, False)
         return None
     summary = CURRENT.summary()  # what the first step used, before a save adds its own
-    CURRENT.after_first_step()
+    makes = CURRENT.prepare()
+    anyone, everyone = agree(makes, True)
+    if not everyone:
+        if makes:
+            CURRENT.saved = {"saved": False, "why": "another rank has no compiled blocks or no compile cache folder"}
+    else:
+        CURRENT.make(makes, gather=anyone)
     if CURRENT.saved is not None:
         summary["made"] = CURRENT.saved
     return summary
-

@@ -219,7 +219,7 @@ class KubetitanRuntime:
     """Create the worker's CUDA context on a side thread as the worker starts, instead of on torch's first CUDA
     call."""
     aot_compile: bool = False
-    """Ahead-of-time compiled transformer blocks (single-process runs; rank 0 makes the artefact once, restarts
+    """Ahead-of-time compiled transformer blocks (each rank makes its own artefact once per node, restarts
     load it instead of compiling) and the AOTAutograd cache's allow-list of the recipe's functions (compiled
     runs: a restart loads the joint graphs from the cache). Off: compiled blocks compile as torch does."""
 
