@@ -204,9 +204,17 @@ def test_a_clean_stop_is_not_logged_as_a_worker_failure():
 def _run_local(tmp_path: Path, name: str, spec: dict, out: Path) -> subprocess.CompletedProcess:
     f = tmp_path / f"{name}.yaml"
     f.write_text(yaml.safe_dump(make_lpt(spec, name=name, namespace="t")))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    tmp = tmp_path / f"tmp-{name}"  # the run's temporary folder, to see what it leaves there
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp)}
     return subprocess.run([PY, "-m", "kubetitan_trainer.local", str(f), "--output-dir", str(out)],
                           capture_output=True, text=True, env=env, timeout=600)
+
+
+def _left_behind(tmp_path: Path, name: str) -> list[str]:
+    """What the launcher and torchrun left in the run's temporary folder (their state, heartbeats and logs)."""
+    folder = tmp_path / f"tmp-{name}"
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(("kubetitan-", "torchelastic")))
 
 
 def test_a_local_run_shows_its_eval_loss_a_rerun_says_it_is_complete_and_a_failure_is_one_line(tmp_path):
@@ -223,6 +231,7 @@ def test_a_local_run_shows_its_eval_loss_a_rerun_says_it_is_complete_and_a_failu
     last = yamlio.load(evals[-1])
     assert f"Eval loss:   {last['eval_loss']:.4f} at step {last['step']}" in first.stdout, first.stdout
     assert "already complete" not in first.stdout
+    assert _left_behind(tmp_path, "evals") == []  # the launcher's folder and torchrun's logs went with it
 
     again = _run_local(tmp_path, "evals", spec, out)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

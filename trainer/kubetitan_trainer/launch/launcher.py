@@ -385,7 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_LAUNCHER_STATE] = state.path
     if a.max_restarts > 0:
         os.environ[heartbeat.ENV_HEARTBEAT_DIR] = stop_dir  # the workers' step heartbeats, for the hang watchdog
-    config, cmd, cmd_args = config_from_args(torchrun_parse(torchrun_argv(a)))
+    # torchrun's per-attempt logs and error files go under the same folder (its default is a new /tmp/torchelastic_*
+    # per launch, never removed)
+    config, cmd, cmd_args = config_from_args(torchrun_parse([f"--log-dir={os.path.join(stop_dir, 'torchelastic')}",
+                                                             *torchrun_argv(a)]))
     # SIGTERM stays ours (see the module docstring); torchrun still handles the others.
     config.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
@@ -401,10 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             report_detected(e.failures, xid_report(since=state.data["started"]))
     if stopped["at"]:
         code = stopped_exit_code(code)
-    if tier:
-        import shutil
+    import shutil
 
+    if tier:
         shutil.rmtree(tier, ignore_errors=True)  # memory of the pod: never leave it behind
+    shutil.rmtree(stop_dir, ignore_errors=True)  # the stop file, the state, the heartbeats, torchrun's logs
     log.info("Exiting with code %d", code)
     return int(code)
 
