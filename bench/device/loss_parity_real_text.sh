@@ -32,7 +32,14 @@
 # Usage (device tool, carry [".whl"], timeout_s 600): bash bench/device/loss_parity_real_text.sh
 # Knobs (env): STEPS (300), BATCH (2), SEQ (2048), SEED_A (42), SEED_B (1234), CORPUS_MB (64), TOKENIZER (bpe or
 # builtin), VOCAB (32768), END_S (540: no run goes past this many seconds of the script), PAIR_S (the limit of the
-# a)+b) pair; default END_S - 130 - the set-up's seconds).
+# a)+b) pair; default END_S - 130 - the set-up's seconds), CASE_EXTRA (more case fields for every run, e.g.
+# ac=selective:sac=7, the H100 recipe's every-7th-block checkpointing), RUNS (SERIAL=1 only: which of a b c run in
+# this call, default "a b c"; RUN_S: each run's limit but the last's, which gets what is left; the corpus and shards are made again the same way, so runs split over several calls
+# train on the same tokens; the plot then needs all three results.jsonl: bench/plot_parity.py, run anywhere).
+# The H100 recipe's shape (examples/llama3-3b-h100.yaml: seq 8192, batch 2, every 7th block), in two calls:
+#   SEQ=8192 CASE_EXTRA=ac=selective:sac=7 RUNS="b c" RUN_S=290 END_S=585 \
+#     bash bench/device/loss_parity_real_text.sh                                                  (timeout_s 600)
+#   SEQ=8192 CASE_EXTRA=ac=selective:sac=7 RUNS="a" END_S=380 bash bench/device/loss_parity_real_text.sh  (timeout_s 400)
 # CPU dry run on the development machine (the same path: debug model, eager, seq 128, 10 steps, learning-rate warm-up
 # 2, an 8 MB corpus):
 #   DRY=1 OUT=bench/results/parity/cpu_dryrun bash bench/device/loss_parity_real_text.sh
@@ -99,7 +106,7 @@ say "shards ready"
 snap
 
 # 2. the runs
-C=$BATCH:steps=$STEPS:warmup=4:lrwarm=$LRWARM:alloc=exp:data=shards:shards=$D/shards
+C=$BATCH:steps=$STEPS:warmup=4:lrwarm=$LRWARM:alloc=exp:data=shards:shards=$D/shards${CASE_EXTRA:+:$CASE_EXTRA}
 export GPUBENCH_SEQ_LEN=$SEQ
 run() {  # run NAME TIMEOUT CASE: one bench case into $R/NAME (log, results.jsonl)
   GPUBENCH_WORK=$W/$1 python3 bench/gpu_bench.py run --out "$R/$1" --case-timeout "$2" --cases "$3" \
@@ -114,9 +121,12 @@ GPU_MIB=${GPU_MIB:-0}
 # each limited to an equal share of the time left; the numerics do not depend on the order or on the card's size.
 SERIAL=${SERIAL:-$(( GPU_MIB > 0 && GPU_MIB < 130000 ? 1 : 0 ))}
 if [ "$SERIAL" = 1 ]; then
-  for x in a b c; do
-    left=$(( $(printf '%s\n' a b c | sed -n "/^$x\$/,\$p" | wc -l) ))
+  RUNS=${RUNS:-a b c}
+  for x in $RUNS; do
+    left=$(( $(printf '%s\n' $RUNS | sed -n "/^$x\$/,\$p" | wc -l) ))
     T=$(( (END_S - SECONDS) / left )); ((T < 60)) && T=60
+    if [ -n "${RUN_S:-}" ] && ((left > 1)); then T=$RUN_S; fi  # a fixed limit, the last run takes what is left
+    if [ -n "${RUN_S:-}" ] && ((left == 1)); then T=$((END_S - SECONDS)); fi
     v=CASE_$x
     say "$x) alone (SERIAL=1: the card has $GPU_MIB MiB) ${!v}; limit ${T}s"
     run $x $T "${!v}" &
@@ -146,7 +156,7 @@ say "c) $(tail -1 $R/c/bench.txt)"
 fi
 steps_of() { python3 -c 'import json,sys; print(max([json.loads(l).get("steps_logged", 0) for l in open(sys.argv[1])
   if l.strip()] or [0]))' "$R/$1/results.jsonl" 2>/dev/null || echo 0; }
-for x in a b; do  # a run of the pair that stopped short (e.g. out of memory beside the other): again, alone
+for x in $(printf '%s\n' ${RUNS:-a b} | grep -x '[ab]'); do  # a run of the pair that stopped short (e.g. out of memory beside the other): again, alone
   T=$((END_S - SECONDS))
   if (($(steps_of $x) < STEPS && T >= 120)); then
     say "$x) logged $(steps_of $x) of $STEPS steps: again alone; limit ${T}s"

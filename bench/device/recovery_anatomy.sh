@@ -14,6 +14,7 @@
 # On a card of less than ~127 GiB (an H100: the recipe's 116 GiB at seq 8192, batch 4 does not fit) the bench runs the
 # same recipe at seq 2048, batch 2 (~56 GiB; the state, and so the tier and the staging, is the same ~40 GiB):
 # /tmp/llama3-3b-80gb.yaml, copied into $R. Its step and compile times are not the H200 recipe's.
+# CARD_RECIPE=1: on such a card, examples/llama3-3b-h100.yaml instead (the H100's own recipe at seq 8192).
 # Usage (device tool, carry [".whl"]): [PRECOMPILE=0] bash bench/device/recovery_anatomy.sh [SECONDS=540]
 export R=/tmp/r
 source bench/device/setup.sh
@@ -24,7 +25,10 @@ END=${1:-540}
 CLEANER=$!
 LPT=examples/llama3-3b-h200.yaml
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-if (( ${GPU_MIB:-0} > 0 && GPU_MIB < 130000 )); then
+if (( ${GPU_MIB:-0} > 0 && GPU_MIB < 130000 )) && [ "${CARD_RECIPE:-0}" = 1 ]; then
+  LPT=examples/llama3-3b-h100.yaml  # the card's own recipe: seq 8192, batch 2, every 7th block checkpointed
+  echo "=== the card has $GPU_MIB MiB: its own recipe $LPT (CARD_RECIPE=1)"
+elif (( ${GPU_MIB:-0} > 0 && GPU_MIB < 130000 )); then
   LPT=/tmp/llama3-3b-80gb.yaml
   python3 - "$LPT" <<'PY'
 import sys

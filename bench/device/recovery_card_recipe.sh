@@ -1,0 +1,21 @@
+#!/bin/bash
+# The recovery must-show on the card at hand, in one call, with the card's own recipe at seq 8192:
+# examples/llama3-3b-h200.yaml on an H200 (116 GiB: needs_h200), examples/llama3-3b-h100.yaml on an H100 (CARD_RECIPE=1
+# of bench/device/recovery_anatomy.sh), bench/device/recovery_anatomy.sh's whole budget for the recovery bench
+# (no probes, no caching precompile), the plan: 3 kills of workers that had saved, then a cold one, with
+#   aotCompile: true                generation 0 makes the blocks' artefact (its local rank's, for its GPU); each
+#                                   restarted worker loads it (H100 at seq 2048: warm compile 0.55-0.80 s instead
+#                                   of 2.2-3.0 s)
+#   deferThreads: 16                the optimizer's deferred copy on 16 threads: with the artefact there is no trace
+#                                   for them to contend with (H100: on 4 threads the first step waited
+#                                   1.4-1.8 s for the copy; on 16, recovery_knobs_vs_baseline.sh's copy took 1.9-2.3 s)
+# The DCP row of the table is the bench's cold row plus recovery.sh's warm_dcp (--tier-only refuses it).
+# $OUT: recovery.txt (events and the anatomy table), events.jsonl, results.json, launcher.log, logs.tgz.
+# Usage (device tool, carry [".whl"], timeout_s 600; needs_h200 for the H200 row): bash bench/device/recovery_card_recipe.sh [560]
+set -u
+CARD_RECIPE=1 PLAN=saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier PROBES=0 PROBE_S=0 PRECOMPILE=0 \
+  RUNTIME=aotCompile=true,deferThreads=16 bash bench/device/recovery_anatomy.sh "${1:-560}"
+rc=$?
+grep -ah "AOT\|Start-up of" "$OUT/launcher.log" 2>/dev/null | cut -c1-400 | tail -12
+ls -la /tmp/recovery-bench/compile-cache/*/aot 2>/dev/null || find /tmp/recovery-bench -name '*.aot' -ls 2>/dev/null | head
+exit $rc
