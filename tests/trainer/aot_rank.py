@@ -6,7 +6,7 @@ As torchtitan's ``parallelize_llama`` does, each transformer-like block is compi
 by FSDP2 over the gloo group of the ranks, with bf16 parameters for compute; then kubetitan's
 :func:`kubetitan_trainer.compile.aot_precompile.install`, one training step (forward, backward), the trainer's
 ``after_first_step`` and two ``step_ended`` calls. Writes ``OUT/rank<r>.json``: the start-up summary, the Dynamo
-graphs traced during the step, the step's output and gradients (to compare two launches), the artefact folder's files.
+graphs traced during the step, the step's output and gradients (to compare two launches).
 """
 
 import json
@@ -66,8 +66,7 @@ summary = aot_precompile.after_first_step()
 aot_precompile.step_ended()
 aot_precompile.step_ended()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump({"summary": summary, "traced": traced, "device": p.device if p else None,
+    json.dump({"summary": summary, "traced": traced, "device": p[0].device if p else None,
                "out": h.detach().float().flatten().tolist(), "x_grad": x.grad.float().flatten().tolist(),
-               "w_grad": grad.float().flatten().tolist(),
-               "files": sorted(os.listdir(aot_precompile.folder()))}, f)
+               "w_grad": grad.float().flatten().tolist()}, f)
 dist.destroy_process_group()

@@ -77,6 +77,7 @@ PROBE = textwrap.dedent("""
     for name, b in list(m.layers.named_children()):
         m.layers.register_module(name, torch.compile(b, fullgraph=True))
     p = aot_precompile.install(m, rank=0)
+    p = p[0] if p else None
     before = compat.compile_counts().get("stats.unique_graphs", 0)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as the recipe trains (mixed precision without FSDP)
         got = run(m, x.clone().requires_grad_(), freqs)
@@ -97,6 +98,15 @@ PROBE = textwrap.dedent("""
                       "files": sorted(os.listdir(aot_precompile.folder()))}))
 """)
 
+
+
+def _install(model, **kwargs):
+    """``aot_precompile.install`` for a model whose blocks are all of one kind: that kind's ``Precompiled``."""
+    got = aot_precompile.install(model, **kwargs)
+    if got is None:
+        return None
+    assert len(got) == 1, got
+    return got[0]
 
 
 def _probe(cache, env=None):
@@ -149,8 +159,9 @@ def test_every_rank_of_an_fsdp_gang_makes_its_own_artefact_and_a_restarted_gang_
     for r in first:  # each rank made its own, for its local rank and device, while both gathered the sharded block
         assert r["summary"]["made"]["saved"] is True and r["summary"]["loaded"] is False, r["summary"]
         assert r["traced"] >= 1 and r["device"] == "cpu"
-    artefacts = [f for f in first[0]["files"] if f.endswith(".aot")]
-    assert sorted(f[-8:] for f in artefacts) == ["-lr0.aot", "-lr1.aot"], first[0]["files"]
+    files = lambda: sorted(os.listdir(tmp_path / "cache" / aot_precompile.SUBDIR))  # noqa: E731 - both ranks ended
+    artefacts = [f for f in files() if f.endswith(".aot")]
+    assert sorted(f[-8:] for f in artefacts) == ["-lr0.aot", "-lr1.aot"], files()
     assert len({f[:-8] for f in artefacts}) == 2  # the local rank is in the hash too
 
     second = _ranks(tmp_path, tmp_path / "cache", "second")
@@ -160,7 +171,7 @@ def test_every_rank_of_an_fsdp_gang_makes_its_own_artefact_and_a_restarted_gang_
         assert b["traced"] == 0
         assert (b["out"], b["x_grad"], b["w_grad"]) == (a["out"], a["x_grad"], a["w_grad"])
     assert second[0]["w_grad"] == second[1]["w_grad"]  # one reduced gradient
-    assert not [f for f in second[0]["files"] if ".making" in f or ".trying-" in f]
+    assert not [f for f in files() if ".making" in f or ".trying-" in f]
 
     # A node whose rank 1 lost its artefact (a replaced disk, a new node): that rank makes one again while rank 0,
     # which has its own and serves from it, only joins the gather of the sharded block.
@@ -181,15 +192,15 @@ def _compiled_holder(backend: str = "inductor"):
 def test_a_worker_that_died_using_the_artefact_makes_the_next_one_delete_it(tmp_path, monkeypatch):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     monkeypatch.setattr(compat, "aot_deserialize", lambda data: None)
-    first = aot_precompile.install(_compiled_holder(), rank=1, env=env)
+    first = _install(_compiled_holder(), rank=1, env=env)
     assert first.artefact is None and first.capture  # no artefact yet: every rank makes its own
     first.path.parent.mkdir(parents=True)
     first.path.write_bytes(b"artefact")
-    rank0 = aot_precompile.install(_compiled_holder(), rank=0, env=env)
+    rank0 = _install(_compiled_holder(), rank=0, env=env)
     assert rank0.artefact is not None and rank0.marker.read_text() == aot_precompile.process_token()
     # another model part of the same process (pipeline stages) and another rank's live worker keep it
-    assert aot_precompile.install(_compiled_holder(), rank=0, env=env).artefact is not None
-    assert aot_precompile.install(_compiled_holder(), rank=1, env=env).artefact is not None
+    assert _install(_compiled_holder(), rank=0, env=env).artefact is not None
+    assert _install(_compiled_holder(), rank=1, env=env).artefact is not None
     # ... rank 0's worker died before its second step ended, and the next worker is another process: with another
     # pid, or with the same one (a container restarted in a new PID namespace starts its processes in the same order)
     for same_pid in (False, True):
@@ -200,7 +211,7 @@ def test_a_worker_that_died_using_the_artefact_makes_the_next_one_delete_it(tmp_
         else:
             dead = "999999-0123456789ab"
         rank0.marker.write_text(dead)
-        nxt = aot_precompile.install(_compiled_holder(), rank=0, env=env)
+        nxt = _install(_compiled_holder(), rank=0, env=env)
         assert not nxt.path.exists() and not nxt.marker.exists(), dead
         assert nxt.artefact is None and nxt.capture  # rank 0 makes a new one after its first step
         assert nxt.crashed.read_text() == "1"  # (the count of such deletions in a row: tested below)
@@ -216,9 +227,64 @@ def test_each_local_rank_and_device_has_an_artefact_of_its_own(tmp_path):
     # the same local rank on another device (the guards check it) is another artefact
     assert (aot_precompile.artefact_name(inner, {**base, "LOCAL_RANK": "0"}, "cuda:0")
             != aot_precompile.artefact_name(inner, {**base, "LOCAL_RANK": "0"}, "cpu"))
-    p = aot_precompile.install(_compiled_holder(), rank=9, env={**base, "LOCAL_RANK": "1", "RANK": "9"})
+    p = _install(_compiled_holder(), rank=9, env={**base, "LOCAL_RANK": "1", "RANK": "9"})
     assert p is not None and p.capture and p.path.name.endswith("-lr1.aot") and p.device == "cpu"
     assert p.marker.name.endswith(".trying-rank9")
+
+
+class _Wrapper(torch.nn.Module):
+    """Another kind of block (as activation checkpointing's ``CheckpointWrapper`` wraps every N-th one)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_each_kind_of_block_has_its_own_artefact_and_every_call_of_both_is_served(tmp_path, monkeypatch):
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def holder():  # blocks 0 and 2 plain, block 1 wrapped: two kinds, as the H100 recipe's every-7th-block AC
+        m = torch.nn.Module()
+        m.layers = torch.nn.ModuleDict({str(i): torch.compile(_Wrapper(torch.nn.Linear(4, 4)) if i == 1 else
+                                                             torch.nn.Linear(4, 4), fullgraph=True) for i in range(3)})
+        return m
+
+    made = []
+    monkeypatch.setattr(compat, "aot_compile_module", lambda wrapper, *a: made.append(wrapper) or "compiled")
+    monkeypatch.setattr(compat, "aot_serialize", lambda c: b"artefact")
+    first = aot_precompile.install(holder(), rank=0, env=env)
+    assert [len(p.blocks) for p in first] == [2, 1]
+    assert [p.path.name.split("-")[0] for p in first] == ["Linear", "_Wrapper"]
+    for block in first[0].blocks + first[1].blocks:
+        block(torch.ones(2, 4))
+    summary = aot_precompile.after_first_step()
+    assert [compat.compiled_module_parts(w)[0].__class__.__name__ for w in made] == ["Linear", "_Wrapper"]
+    assert summary["made"]["saved"] is True and summary["fell_back"] == 3 and all(p.path.exists() for p in first)
+    assert set(summary["kinds"]) == {"Linear", "_Wrapper"}
+
+    monkeypatch.setattr(compat, "aot_deserialize", lambda data: "compiled")
+    monkeypatch.setattr(compat, "aot_run", lambda compiled, module, args, kwargs: (True, type(module).__name__))
+    second = aot_precompile.install(holder(), rank=0, env=env)
+    assert [p.artefact is not None for p in second] == [True, True]
+    layers = [second[0].blocks[0], second[1].blocks[0], second[0].blocks[1]]
+    assert [b(torch.ones(2, 4)) for b in layers] == ["Linear", "_Wrapper", "Linear"]
+    summary = aot_precompile.after_first_step()
+    assert (summary["loaded"], summary["served"], summary["fell_back"], "made" in summary) == (True, 3, 0, False)
+    assert "3 calls served, 0 compiled as usual" in anatomy.aot_note(summary)
+
+
+def test_blocks_still_on_the_meta_device_are_named_for_the_processs_gpu(monkeypatch):
+    with torch.device("meta"):
+        block = torch.nn.Linear(4, 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert aot_precompile._device(block) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert aot_precompile._device(block) == "cuda:3"  # torchtitan materialises them on the rank's GPU later
+    assert aot_precompile._device(torch.nn.Linear(4, 4)) == "cpu"  # real parameters: theirs
 
 
 def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compile(tmp_path, monkeypatch):
@@ -236,7 +302,7 @@ def test_a_served_call_uses_the_artefact_and_anything_else_the_blocks_own_compil
 
     monkeypatch.setattr(compat, "aot_run", run)
     monkeypatch.setattr(compat, "aot_guard_failure", lambda compiled, module, args, kwargs: "size mismatch at index 0")
-    p = aot_precompile.install(holder, rank=0, env=env)
+    p = _install(holder, rank=0, env=env)
     assert holder.layers["0"](torch.ones(3, 4)) == "served" and calls[-1] == ("compiled", inner)
     fallback = holder.layers["1"](torch.ones(2, 4))  # guards refuse: the block's own torch.compile forward
     assert isinstance(fallback, torch.Tensor) and fallback.shape == (2, 4)
@@ -261,7 +327,7 @@ def test_a_sharded_block_is_gathered_by_every_rank_when_any_rank_makes_an_artefa
     compiled = []
     monkeypatch.setattr(compat, "aot_compile_module", lambda *a: compiled.append(1) or "compiled")
     monkeypatch.setattr(compat, "aot_serialize", lambda c: b"artefact")
-    p = aot_precompile.install(holder, rank=1, env=env)
+    p = _install(holder, rank=1, env=env)
     p.dispatch[0].seen = aot_precompile._record((torch.ones(2, 4),), {})
     votes = []
     others = {"this-rank-makes": (False, True), "another-rank-makes": (True, True), "nobody-makes": (False, True),
@@ -287,7 +353,7 @@ def test_a_sharded_block_is_gathered_by_every_rank_when_any_rank_makes_an_artefa
 
 def test_a_rank_that_installed_nothing_still_joins_the_vote(monkeypatch):
     votes = []
-    monkeypatch.setattr(aot_precompile, "CURRENT", None)
+    monkeypatch.setattr(aot_precompile, "CURRENT", [])
     monkeypatch.setattr(aot_precompile, "agree", lambda makes, installed: votes.append((makes, installed)) or (1, 0))
     assert aot_precompile.after_first_step() is None and votes == [(False, False)]
 
@@ -295,7 +361,7 @@ def test_a_rank_that_installed_nothing_still_joins_the_vote(monkeypatch):
 @pytest.mark.parametrize("on", [False, True])
 def test_off_by_default_and_nothing_without_a_cache_folder(on, monkeypatch):
     monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(aot_compile=on))
-    assert aot_precompile.install(_compiled_holder(), rank=0, env={}) is None
+    assert _install(_compiled_holder(), rank=0, env={}) is None
 
 
 CANARY = ("import pickle; from torch._dynamo.source import DefaultsSource, GlobalSource; "
@@ -350,7 +416,7 @@ def test_a_block_with_hooks_is_never_served_nor_made_into_an_artefact_and_keeps_
     else:
         handle = (inner if where == "block" else inner[0]).register_forward_pre_hook(double)
     try:
-        p = aot_precompile.install(holder, rank=0, env=env)
+        p = _install(holder, rank=0, env=env)
         x = torch.ones(3, 4)
         with torch.enable_grad():
             got = holder.layers["0"](x)
@@ -361,7 +427,7 @@ def test_a_block_with_hooks_is_never_served_nor_made_into_an_artefact_and_keeps_
                 "global": "global forward_pre_hooks"}[where] in summary["refused"]
         assert path.read_bytes() == b"good" and "made" not in summary  # not blamed: kept, and nothing made
         path.unlink()  # without an artefact, rank 0 would make one: not of a hooked block
-        p = aot_precompile.install(holder, rank=0, env=env)
+        p = _install(holder, rank=0, env=env)
         with torch.enable_grad():
             holder.layers["0"](x)
         made = aot_precompile.after_first_step()["made"]
@@ -380,7 +446,7 @@ def test_a_cache_folder_that_cannot_be_written_never_stops_the_run(tmp_path, mon
 
     monkeypatch.setattr(aot_precompile, "_write", refuse)
     monkeypatch.setattr(compat, "aot_compile_module", lambda *a: pytest.fail("compiled without a .making marker"))
-    p = aot_precompile.install(holder, rank=0, env=env)  # the crash marker cannot be written: not used
+    p = _install(holder, rank=0, env=env)  # the crash marker cannot be written: not used
     assert p.artefact is None and path.exists()
     path.unlink()
     p.dispatch[0].seen = aot_precompile._record((torch.ones(2, 4),), {})
@@ -410,16 +476,16 @@ def test_a_worker_that_died_making_the_artefact_stops_the_next_ones_from_trying(
 
     monkeypatch.setattr(compat, "aot_compile_module", compile_module)
     monkeypatch.setattr(compat, "aot_serialize", lambda compiled: b"artefact")
-    p = aot_precompile.install(_compiled_holder(), rank=0, env=env)
+    p = _install(_compiled_holder(), rank=0, env=env)
     p.dispatch[0].seen = aot_precompile._record((torch.ones(2, 4),), {})
     assert aot_precompile.after_first_step()["made"]["saved"] is True
     assert made == [aot_precompile.process_token()] and not p.making.exists() and p.path.read_bytes() == b"artefact"
     p.path.unlink()
     p.making.write_text("999999-0123456789ab")  # a worker died while it compiled
-    nxt = aot_precompile.install(_compiled_holder(), rank=0, env=env)
+    nxt = _install(_compiled_holder(), rank=0, env=env)
     assert not nxt.capture and nxt.making.exists()  # nobody tries again until the file is deleted
     nxt.making.unlink()
-    assert aot_precompile.install(_compiled_holder(), rank=0, env=env).capture
+    assert _install(_compiled_holder(), rank=0, env=env).capture
 
 
 @pytest.mark.parametrize("why", ["load-error", "refused-every-call"])
@@ -437,7 +503,7 @@ def test_an_artefact_that_cannot_serve_is_replaced_by_rank_0(tmp_path, monkeypat
     monkeypatch.setattr(compat, "aot_guard_failure", lambda *a: "a guard of another run")
     monkeypatch.setattr(compat, "aot_compile_module", lambda *a: "compiled")
     monkeypatch.setattr(compat, "aot_serialize", lambda compiled: b"fresh")
-    p = aot_precompile.install(holder, rank=0, env=env)
+    p = _install(holder, rank=0, env=env)
     with torch.enable_grad():
         holder.layers["0"](torch.ones(2, 4))  # falls back to the block's own compile, and is recorded
     summary = aot_precompile.after_first_step()
@@ -476,7 +542,7 @@ def test_an_artefact_that_kills_every_worker_running_it_is_made_again_once_then_
     made, crashes = [], 0
     for generation in range(8):
         _next_process(monkeypatch)
-        p = aot_precompile.install(_compiled_holder("eager"), rank=0, env=env)
+        p = _install(_compiled_holder("eager"), rank=0, env=env)
         if p.artefact is not None:  # this worker runs the artefact and dies in its first step
             crashes += 1
             continue
@@ -495,7 +561,7 @@ def test_an_artefact_that_serves_past_the_second_step_resets_the_count_and_a_cle
     holder, _, path = _with_artefact(tmp_path, env)
     monkeypatch.setattr(compat, "aot_deserialize", lambda data: "compiled")
     monkeypatch.setattr(compat, "aot_run", lambda *a: (True, torch.zeros(1)))
-    p = aot_precompile.install(holder, rank=0, env=env)
+    p = _install(holder, rank=0, env=env)
     p.crashed.write_text("1")  # one crash before: this worker runs it through its second step
     holder.layers["0"](torch.ones(2, 4))
     aot_precompile.after_first_step()
@@ -505,7 +571,7 @@ def test_an_artefact_that_serves_past_the_second_step_resets_the_count_and_a_cle
     assert not p.marker.exists() and not p.crashed.exists()
     # a worker that stops cleanly after one step (SIGTERM, or the run's last step) is no crash either
     _next_process(monkeypatch)
-    p = aot_precompile.install(holder, rank=0, env=env)
+    p = _install(holder, rank=0, env=env)
     holder.layers["0"](torch.ones(2, 4))
     aot_precompile.after_first_step()
     aot_precompile.step_ended()
@@ -513,7 +579,7 @@ def test_an_artefact_that_serves_past_the_second_step_resets_the_count_and_a_cle
     aot_precompile.training_ended()
     assert not p.marker.exists()
     _next_process(monkeypatch)
-    assert aot_precompile.install(holder, rank=0, env=env).artefact is not None and path.exists()
+    assert _install(holder, rank=0, env=env).artefact is not None and path.exists()
 
 
 def test_a_crashed_artefact_in_a_read_only_folder_is_not_run(tmp_path, monkeypatch):
@@ -534,5 +600,5 @@ def test_a_crashed_artefact_in_a_read_only_folder_is_not_run(tmp_path, monkeypat
 
     monkeypatch.setattr(Path, "unlink", read_only)
     monkeypatch.setattr(aot_precompile, "_write", refuse)
-    p = aot_precompile.install(holder, rank=0, env=env)
+    p = _install(holder, rank=0, env=env)
     assert p.artefact is None and path.exists() and marker.exists()

@@ -445,18 +445,40 @@ class Precompiled:
         return out
 
 
-CURRENT: Precompiled | None = None
-"""This process's compiled blocks (the last :func:`install`)."""
+CURRENT: list[Precompiled] = []
+"""This process's compiled blocks, one :class:`Precompiled` per kind of block (the last :func:`install`)."""
 
 
-def install(model: Any, rank: int | None = None, env: Mapping[str, str] | None = None) -> Precompiled | None:
-    """Give ``model``'s compiled transformer blocks (``model.layers``) their :class:`Dispatch` forwards; None when
-    off, without a compile cache folder, or without compiled blocks."""
+def _kinds(blocks: list[Any]) -> list[list[Any]]:
+    """The compiled blocks grouped by the class of the module each wraps, in the order the classes first appear: with
+    activation checkpointing of every N-th block those are ``CheckpointWrapper`` and the others the model's block
+    class, and one artefact cannot serve both (its guards check the module's type)."""
+    kinds: dict[type, list[Any]] = {}
+    for b in blocks:
+        kinds.setdefault(type(compat.compiled_module_parts(b)[0]), []).append(b)
+    return list(kinds.values())
+
+
+def _device(block: Any) -> str:
+    """The device a block's artefact is made for: its parameters' (``cuda:1``, ``cpu``); while they are still on the
+    meta device (torchtitan materialises them after parallelising), this process's current GPU, else ``cpu``."""
+    import torch
+
+    param = next(iter(block.parameters()), None)
+    if param is not None and param.device.type != "meta":
+        return str(param.device)
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
+
+def install(model: Any, rank: int | None = None, env: Mapping[str, str] | None = None) -> list[Precompiled] | None:
+    """Give ``model``'s compiled transformer blocks (``model.layers``) their :class:`Dispatch` forwards, one
+    :class:`Precompiled` (and artefact) per kind of block; None when off, without a compile cache folder, or without
+    compiled blocks."""
     global CURRENT
     env = os.environ if env is None else env
     if not enabled():
         return None
-    CURRENT = None
+    CURRENT = []
     where = folder(env)
     layers = getattr(model, "layers", None)
     blocks = [b for b in (layers.children() if layers is not None else ()) if compat.compiled_module_parts(b)]
@@ -464,29 +486,29 @@ def install(model: Any, rank: int | None = None, env: Mapping[str, str] | None =
         log.info("AOT precompile: %s; the blocks compile as usual",
                  "no compile cache folder (TORCHINDUCTOR_CACHE_DIR)" if where is None else "no compiled blocks")
         return None
-    inner = compat.compiled_module_parts(blocks[0])[0]
-    param = next(iter(blocks[0].parameters()), None)
-    device = str(param.device) if param is not None else "cpu"
-    path = where / artefact_name(inner, env, device)
+    device = _device(blocks[0])
     rank = int(env.get("RANK", "0") or 0) if rank is None else rank
-    CURRENT = Precompiled(blocks, path, rank, device)
-    log.info("AOT precompile: %s for %d blocks on %s", "loading %s" % path if CURRENT.artefact else
-             ("this rank makes %s after its first step" % path if CURRENT.capture else "no artefact yet"),
-             len(blocks), device)
+    for kind in _kinds(blocks):
+        inner = compat.compiled_module_parts(kind[0])[0]
+        p = Precompiled(kind, where / artefact_name(inner, env, device), rank, device)
+        log.info("AOT precompile: %s for %d %s blocks on %s", "loading %s" % p.path if p.artefact else
+                 ("this rank makes %s after its first step" % p.path if p.capture else "no artefact yet"),
+                 len(kind), type(inner).__name__, device)
+        CURRENT.append(p)
     return CURRENT
 
 
 def step_ended() -> None:
     """The trainer's call after every training step (cheap: a counter)."""
-    if CURRENT is not None:
-        CURRENT.step_ended()
+    for p in CURRENT:
+        p.step_ended()
 
 
 def training_ended() -> None:
     """The trainer's call when training ends without an error (the last step, or a stop on SIGTERM), also before a
     second step: what the worker ran did not kill it."""
-    if CURRENT is not None:
-        CURRENT.survived()
+    for p in CURRENT:
+        p.survived()
 
 
 def agree(makes: bool, installed: bool) -> tuple[bool, bool]:
@@ -504,20 +526,48 @@ def agree(makes: bool, installed: bool) -> tuple[bool, bool]:
     return anyone, not missing
 
 
+def _merged(summaries: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """One start-up record entry for every kind of block: loaded when each kind's artefact loaded, the calls served
+    and fallen back summed, the longest load (they load on threads of their own), the first refusal or error, what
+    was made; ``kinds``: each kind's own, by class."""
+    out: dict[str, Any] = {"loaded": all(s["loaded"] for s in summaries),
+                           "served": sum(s["served"] for s in summaries),
+                           "fell_back": sum(s["fell_back"] for s in summaries)}
+    loads = [s["load_seconds"] for s in summaries if s.get("load_seconds") is not None]
+    if loads:
+        out["load_seconds"] = max(loads)
+    for key in ("error", "refused"):
+        first = next((s[key] for s in summaries if key in s), None)
+        if first is not None:
+            out[key] = first
+    made = [s["made"] for s in summaries if "made" in s]
+    if made:
+        saved = all(m.get("saved") for m in made)
+        out["made"] = {"saved": saved, **({"seconds": round(sum(m.get("seconds", 0) for m in made), 2),
+                                            "bytes": sum(m.get("bytes", 0) for m in made),
+                                            "autocast": made[0].get("autocast")} if saved else
+                                           {"why": next(m["why"] for m in made if not m.get("saved"))})}
+    if len(summaries) > 1:
+        out["kinds"] = dict(zip(names, summaries))
+    return out
+
+
 def after_first_step() -> dict[str, Any] | None:
     """The trainer's call after its first training step, on every rank (with several ranks it is a collective:
     :func:`agree`); the summary for the start-up record (None when this rank installed nothing)."""
-    if CURRENT is None:
+    if not CURRENT:
         agree(False, False)
         return None
-    summary = CURRENT.summary()  # what the first step used, before a save adds its own
-    makes = CURRENT.prepare()
-    anyone, everyone = agree(makes, True)
-    if not everyone:
-        if makes:
-            CURRENT.saved = {"saved": False, "why": "another rank has no compiled blocks or no compile cache folder"}
-    else:
-        CURRENT.make(makes, gather=anyone)
-    if CURRENT.saved is not None:
-        summary["made"] = CURRENT.saved
-    return summary
+    summaries = [p.summary() for p in CURRENT]  # what the first step used, before a save adds its own
+    makes = [p.prepare() for p in CURRENT]
+    anyone, everyone = agree(any(makes), True)
+    for p, m, summary in zip(CURRENT, makes, summaries):
+        if not everyone:
+            if m:
+                p.saved = {"saved": False, "why": "another rank has no compiled blocks or no compile cache folder"}
+        else:
+            p.make(m, gather=anyone)  # every kind, in the same order on every rank: the gathers match
+        if p.saved is not None:
+            summary["made"] = p.saved
+    names = [type(compat.compiled_module_parts(p.blocks[0])[0]).__name__ for p in CURRENT]
+    return _merged(summaries, names)
