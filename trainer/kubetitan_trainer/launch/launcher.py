@@ -147,6 +147,16 @@ def torchrun_argv(a: LauncherArgs) -> list[str]:
     ]
 
 
+def remove_folders(tier: str, stop_dir: str) -> None:
+    """What the launcher made for its workers, when it exits: the restore tier (memory of the pod: never left behind)
+    and its temporary folder (the stop file, the state, the step heartbeats, torchrun's logs)."""
+    import shutil
+
+    for folder in (tier, stop_dir):
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def restore_tier_folder(a: LauncherArgs, env: dict) -> str:
     """The restore tier's folder for this launcher ('' = off); the pod's KUBETITAN_RESTORE_TIER wins."""
     from kubetitan_trainer.recovery.restore_tier import ENV_RESTORE_TIER
@@ -385,10 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_LAUNCHER_STATE] = state.path
     if a.max_restarts > 0:
         os.environ[heartbeat.ENV_HEARTBEAT_DIR] = stop_dir  # the workers' step heartbeats, for the hang watchdog
-    # torchrun's per-attempt logs and error files go under the same folder (its default is a new /tmp/torchelastic_*
-    # per launch, never removed)
-    config, cmd, cmd_args = config_from_args(torchrun_parse([f"--log-dir={os.path.join(stop_dir, 'torchelastic')}",
-                                                             *torchrun_argv(a)]))
+    # torchrun's per-attempt logs in that folder too (its default: a new /tmp/torchelastic_* a launch, never removed)
+    log_dir = f"--log-dir={os.path.join(stop_dir, 'torchelastic')}"
+    config, cmd, cmd_args = config_from_args(torchrun_parse([log_dir, *torchrun_argv(a)]))
     # SIGTERM stays ours (see the module docstring); torchrun still handles the others.
     config.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
@@ -404,11 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             report_detected(e.failures, xid_report(since=state.data["started"]))
     if stopped["at"]:
         code = stopped_exit_code(code)
-    import shutil
-
-    if tier:
-        shutil.rmtree(tier, ignore_errors=True)  # memory of the pod: never leave it behind
-    shutil.rmtree(stop_dir, ignore_errors=True)  # the stop file, the state, the heartbeats, torchrun's logs
+    remove_folders(tier, stop_dir)
     log.info("Exiting with code %d", code)
     return int(code)
 
