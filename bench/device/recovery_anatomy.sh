@@ -19,9 +19,11 @@
 export R=/tmp/r
 source bench/device/setup.sh
 END=${1:-540}
-( while sleep 2; do for d in /tmp/recovery-bench/out/checkpoint/step-*; do
-    [ -f "$d/.metadata" ] && rm -rf "$d" && echo "$(date -u +%T) deleted complete checkpoint $d"; done; done ) \
-  > "$R/cleaner.txt" 2>&1 &
+df -h / /tmp /dev/shm > "$R/disk.txt" 2>&1; grep -E ' (/|/tmp|/dev/shm) ' /proc/mounts >> "$R/disk.txt"
+( n=0; while sleep 2; do for d in /tmp/recovery-bench/out/checkpoint/step-*; do
+    [ -f "$d/.metadata" ] && rm -rf "$d" && echo "$(date -u +%T) deleted complete checkpoint $d"; done
+    ((n++ % 5 == 0)) && echo "$(date -u +%T) $(df -B1G --output=avail / /dev/shm | tr '\n' ' ') du: $(du -sh /tmp/recovery-bench/out/* /dev/shm/* 2>/dev/null | tr '\n\t' '  ')"
+  done ) > "$R/cleaner.txt" 2>&1 &
 CLEANER=$!
 LPT=examples/llama3-3b-h200.yaml
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
