@@ -17,7 +17,8 @@ segments instead of keeping fixed blocks, less fragmentation; through ``spec.res
 path), ``data=kt`` (plain path: torchtitan's TrainSpec fed kubetitan's synthetic source, for loss parity),
 ``data=shards:shards=DIR`` (both paths: kubetitan's shards source over ``DIR``, a ``kubetitan prepare-data`` output,
 in its shuffled order seeded by ``seed``; on the plain path through torchtitan's TrainSpec, as ``data=kt``; ``DIR``
-holds no ``:`` or ``,``), ``mask=document`` (with ``data=shards``, kubetitan path: ``spec.data.attentionMask``,
+holds no ``:`` or ``,``), ``tok=DIR`` (both paths: the run's tokenizer is the ``tokenizer.json`` in ``DIR``, as
+``spec.tokenizer`` ``source: path``; shards prepared with another tokenizer than the run's are refused), ``mask=document`` (with ``data=shards``, kubetitan path: ``spec.data.attentionMask``,
 block-causal attention at the documents' boundaries through flex attention; default ``causal``),
 ``lrwarm=`` (warm-up steps, default 4), ``round=`` (a label: repeats of one case get their own log), ``kill=N`` (kill the run once step N is logged: no final save), ``ac=selective|full|memory_budget``
 (``sac=op|N``: selective per op, the default, or every N-th block; ``budget=F``: torchtitan's ``memory_budget`` mode,
@@ -93,7 +94,7 @@ def parse_case(text: str) -> dict:
     if len(parts) < 3 or parts[1] not in MODES:
         raise SystemExit(f"bad case {text!r}: write FLAVOUR:MODE:BATCH[:key=value...], MODE one of {sorted(MODES)}")
     case = {"flavor": parts[0], "mode": parts[1], "batch": int(parts[2]), "spec": "plain", "ac": "none",
-            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "alloc": "", "data": "bench", "shards": "", "mask": "causal", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "sac": "op", "budget": 0.0, "gb": 0,
+            "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "alloc": "", "data": "bench", "shards": "", "mask": "causal", "tok": "", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "sac": "op", "budget": 0.0, "gb": 0,
             "gpu": "H200", "id": text}
     for kv in parts[3:]:
         k, _, v = kv.partition("=")
@@ -175,6 +176,8 @@ def toml_for(case: dict, dump_folder: str) -> dict:
     if case["data"] in ("kt", "shards"):  # kubetitan's data sources read the [kubetitan] table
         cfg["job"]["custom_config_module"] = "kubetitan_trainer.job_config"
         cfg["kubetitan"] = {"data": kubetitan_data(case)}
+        if case["tok"]:
+            cfg["kubetitan"]["tokenizer"] = {"source": "path", "path": case["tok"]}
     if mode["fp8"]:
         # tensorwise = torchao's default Float8LinearConfig (recipe_name unset), as kubetitan renders it;
         # the plain reference run (bench/results/gpu/plain_torchtitan_reference) used recipe_name = "tensorwise", the same config.

@@ -103,7 +103,7 @@ def lpt_for(case: dict, name: str) -> dict:
             "parallelism": {"dataParallelShardDegree": -1},
             "precision": {**_precision(case), **_activation_checkpointing(case), "mixedPrecisionParam": "bfloat16"},
             "data": _data(case),
-            "tokenizer": {"source": "builtin"},
+            "tokenizer": {"source": "path", "path": case["tok"]} if case.get("tok") else {"source": "builtin"},
             "checkpoint": {"enabled": ck is not None, "intervalSteps": case["ckint"],
                            "asyncMode": CKPT_ASYNC_MODE[case["ckpt"]],
                            "keepLatestK": 2},

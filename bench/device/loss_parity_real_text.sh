@@ -55,7 +55,8 @@ else
   FLAV=3B MODE=fp8tw STEPS=${STEPS:-300} SEQ=${SEQ:-2048} CORPUS_MB=${CORPUS_MB:-64} D=${D:-/tmp/parity-text-data} LRWARM=20
   VOCAB=${VOCAB:-32768}
 fi
-TOKENIZER=${TOKENIZER:-bpe}
+# the dry run's debug model takes the builtin tokenizer only (the spec refuses another for it)
+TOKENIZER=${TOKENIZER:-$([ "$DRY" = 1 ] && echo builtin || echo bpe)}
 BATCH=${BATCH:-2} SEED_A=${SEED_A:-42} SEED_B=${SEED_B:-1234} END_S=${END_S:-540}
 W=${GPUBENCH_WORK_ROOT:-/tmp/gpubench18}
 rm -rf "$D" "$W"
@@ -106,7 +107,8 @@ say "shards ready"
 snap
 
 # 2. the runs
-C=$BATCH:steps=$STEPS:warmup=4:lrwarm=$LRWARM:alloc=exp:data=shards:shards=$D/shards${CASE_EXTRA:+:$CASE_EXTRA}
+TOKCASE=; [ "$TOK" != builtin ] && TOKCASE=:tok=$TOK  # the runs' tokenizer: the one the shards were prepared with
+C=$BATCH:steps=$STEPS:warmup=4:lrwarm=$LRWARM:alloc=exp:data=shards:shards=$D/shards$TOKCASE${CASE_EXTRA:+:$CASE_EXTRA}
 export GPUBENCH_SEQ_LEN=$SEQ
 run() {  # run NAME TIMEOUT CASE: one bench case into $R/NAME (log, results.jsonl)
   GPUBENCH_WORK=$W/$1 python3 bench/gpu_bench.py run --out "$R/$1" --case-timeout "$2" --cases "$3" \
