@@ -39,22 +39,12 @@ PROBE = textwrap.dedent("""
     from kubetitan_core.contract.trainer_toml import KubetitanRuntime
     from kubetitan_trainer import compat, runtime
     from kubetitan_trainer.compile import aot_precompile
+    from tests.trainer.aot_rank import Block  # a transformer block's signature and a few of its parts
 
     runtime.use(KubetitanRuntime(aot_compile=True))  # [kubetitan.runtime] aot_compile = true
     cpu_vec_isa.valid_vec_isa_list = list  # scalar C++ kernels: no per-process gcc probes of the CPU (~9 s each)
 
     torch.set_num_threads(1)
-
-    class Block(torch.nn.Module):  # a transformer block's signature (a default argument too) and a few of its parts
-        def __init__(self):
-            super().__init__()
-            self.norm = torch.nn.RMSNorm(16)
-            self.wq = torch.nn.Linear(16, 16, bias=False)
-
-        def forward(self, x, freqs_cis, attention_masks, positions=None):
-            if positions is not None:
-                x = x + positions
-            return x + torch.nn.functional.silu(self.wq(self.norm(x))) * freqs_cis
 
     def model():
         torch.manual_seed(0)
@@ -112,7 +102,7 @@ def _install(model, **kwargs):
 def _probe(cache, env=None):
     e = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
          **(env or {})}
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=e)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=e, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
