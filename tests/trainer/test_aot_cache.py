@@ -188,7 +188,12 @@ class _JobConfig:
     compile = _Compile()
 
 
-def test_the_aot_modules_are_imported_and_torch_marked_only_with_the_runtime_switch(monkeypatch) -> None:
+class _Dims:
+    def __init__(self, pp_enabled: bool = False) -> None:
+        self.pp_enabled = pp_enabled
+
+
+def test_the_aot_modules_are_imported_and_torch_marked_only_with_the_runtime_switch(monkeypatch, tmp_path) -> None:
     """A default compiled run (``[kubetitan.runtime] aot_compile`` off) neither imports ``compile.aot_cache`` and
     ``compile.aot_precompile`` (made unimportable here: an import would raise) nor marks anything in torch's
     ``unsafe_marked_cacheable_functions``; with the switch on the TrainSpec's parallelize imports them and marks the
@@ -213,6 +218,17 @@ def test_the_aot_modules_are_imported_and_torch_marked_only_with_the_runtime_swi
         monkeypatch.undo()
         monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(aot_compile=True))
         monkeypatch.setattr(compat, "name_autograd_trampolines", lambda namespace, on_new: lambda fn_cls: None)
-        assert parallelize(model, None, _JobConfig()) is model  # no compiled blocks: no artefact, as before
+        assert parallelize(model, _Dims(), _JobConfig()) is model  # no compiled blocks: no artefact, as before
         assert set(aot_cache.cacheable_names()) <= set(inductor_config.unsafe_marked_cacheable_functions)
         assert trainer.aot_blocks() is not None
+        # compiled blocks get their artefact's dispatch, except under pipeline parallelism (each stage's model part
+        # is parallelised on its own, and every rank must vote with all of its blocks)
+        from kubetitan_trainer.compile import aot_precompile
+
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+        blocks = torch.nn.Module()
+        blocks.layers = torch.nn.ModuleDict({"0": torch.compile(torch.nn.Linear(2, 2), fullgraph=True)})
+        parallelize(blocks, _Dims(pp_enabled=True), _JobConfig())
+        assert aot_precompile.CURRENT == []
+        parallelize(blocks, _Dims(), _JobConfig())
+        assert [len(p.blocks) for p in aot_precompile.CURRENT] == [1]

@@ -265,6 +265,28 @@ def test_each_kind_of_block_has_its_own_artefact_and_every_call_of_both_is_serve
     assert (summary["loaded"], summary["served"], summary["fell_back"], "made" in summary) == (True, 3, 0, False)
     assert "3 calls served, 0 compiled as usual" in anatomy.aot_note(summary)
 
+    # one kind's artefact gone (a partial copy of the folder): that kind is made again, the other one still loads
+    second[1].path.unlink()
+    third = aot_precompile.install(holder(), rank=0, env=env)
+    for block in third[0].blocks + third[1].blocks:
+        block(torch.ones(2, 4))
+    summary = aot_precompile.after_first_step()
+    assert summary["kinds_loaded"] == [1, 2] and summary["made"]["saved"] is True and third[1].path.exists()
+    note = anatomy.aot_note(summary)
+    assert "loaded 1 of 2 kinds in" in note and "2 calls served, 1 compiled as usual; made in" in note, note
+
+    # making one kind fails: the record says which part was made and why the other was not
+    third[1].path.unlink()
+    monkeypatch.setattr(compat, "aot_compile_module", lambda wrapper, *a: (_ for _ in ()).throw(
+        RuntimeError("no graph")) if isinstance(compat.compiled_module_parts(wrapper)[0], _Wrapper) else "compiled")
+    third[0].path.unlink()
+    fourth = aot_precompile.install(holder(), rank=0, env=env)
+    for block in fourth[0].blocks + fourth[1].blocks:
+        block(torch.ones(2, 4))
+    note = anatomy.aot_note(aot_precompile.after_first_step())
+    assert "none to load" in note and "made 1 of 2 kinds in" in note and "not made (RuntimeError: no graph)" in note, \
+        note
+
 
 def test_blocks_still_on_the_meta_device_are_named_for_the_processs_gpu(monkeypatch):
     with torch.device("meta"):

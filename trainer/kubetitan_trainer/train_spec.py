@@ -77,7 +77,11 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
             aot_cache.enable()  # before anything is compiled: restarts then load the joint graphs from the cache
         model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
         compile_fp8_head(model, job_config)
-        if aot and "model" in job_config.compile.components:
+        if aot and "model" in job_config.compile.components and parallel_dims.pp_enabled:
+            # torchtitan parallelises each pipeline stage's model part on its own: the blocks of one rank are not
+            # one model's, and every rank must vote with all of its blocks (aot_precompile.after_first_step)
+            logger.info("AOT precompile: not with pipeline parallelism; the blocks compile as usual")
+        elif aot and "model" in job_config.compile.components:
             from kubetitan_trainer.compile import aot_precompile
 
             aot_precompile.install(model)

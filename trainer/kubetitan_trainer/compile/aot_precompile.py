@@ -254,7 +254,7 @@ class Precompiled:
     def __init__(self, blocks: list[Any], path: Path, rank: int, device: str = "cpu") -> None:
         self.blocks, self.path, self.rank, self.device = blocks, path, rank, device
         self.marker = path.with_name(f"{path.name}.trying-rank{rank}")
-        self.making = path.with_name(f"{path.name}.making")
+        self.making = path.with_name(f"{path.name}.making-rank{rank}")  # one per rank: nodes may share the folder
         self.crashed = path.with_name(f"{path.name}.crashed")
         self.served = self.fell_back = self.steps = 0
         self.hooked = False
@@ -542,12 +542,17 @@ def _merged(summaries: list[dict[str, Any]], names: list[str]) -> dict[str, Any]
             out[key] = first
     made = [s["made"] for s in summaries if "made" in s]
     if made:
-        saved = all(m.get("saved") for m in made)
-        out["made"] = {"saved": saved, **({"seconds": round(sum(m.get("seconds", 0) for m in made), 2),
-                                            "bytes": sum(m.get("bytes", 0) for m in made),
-                                            "autocast": made[0].get("autocast")} if saved else
-                                           {"why": next(m["why"] for m in made if not m.get("saved"))})}
+        saved = [m for m in made if m.get("saved")]
+        out["made"] = {"saved": len(saved) == len(made)}
+        if saved:
+            out["made"].update(seconds=round(sum(m.get("seconds", 0) for m in saved), 2),
+                               bytes=sum(m.get("bytes", 0) for m in saved), autocast=saved[0].get("autocast"))
+        if len(saved) < len(made):
+            out["made"]["why"] = next(m["why"] for m in made if not m.get("saved"))
+        if len(made) > 1:
+            out["made"]["kinds_made"] = [len(saved), len(made)]
     if len(summaries) > 1:
+        out["kinds_loaded"] = [sum(s["loaded"] for s in summaries), len(summaries)]
         out["kinds"] = dict(zip(names, summaries))
     return out
 

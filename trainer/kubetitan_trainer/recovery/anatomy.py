@@ -244,12 +244,22 @@ def aot_note(aot: dict | None) -> str:
     """The ahead-of-time compiled blocks' use (:mod:`kubetitan_trainer.compile.aot_precompile`)."""
     if not aot:
         return ""
-    loaded = f"loaded in {aot['load_seconds']:.2f} s" if aot.get("loaded") else \
-        ("failed to load" if aot.get("error") else "none to load")
+    kinds = aot.get("kinds_loaded")  # [loaded, of] with several kinds of block (one artefact each)
+    if kinds and 0 < kinds[0] < kinds[1]:
+        loaded = f"loaded {kinds[0]} of {kinds[1]} kinds" + (f" in {aot['load_seconds']:.2f} s"
+                                                              if aot.get("load_seconds") is not None else "")
+    elif aot.get("loaded"):
+        loaded = f"loaded in {aot['load_seconds']:.2f} s"
+    else:
+        loaded = "failed to load" if aot.get("error") else "none to load"
     made = aot.get("made") or {}
-    return (f"; AOT blocks: {loaded}, {aot['served']} calls served, {aot['fell_back']} compiled as usual"
-            + (f"; made in {made['seconds']:.1f} s" if made.get("saved") else
-               (f"; not made ({made['why']})" if made else "")))
+    of = f" {made['kinds_made'][0]} of {made['kinds_made'][1]} kinds" if made.get("kinds_made") else ""
+    note = f"; AOT blocks: {loaded}, {aot['served']} calls served, {aot['fell_back']} compiled as usual"
+    if made.get("seconds") is not None:
+        note += f"; made{of} in {made['seconds']:.1f} s"
+    if made.get("why"):
+        note += f"; not made ({made['why']})"
+    return note
 
 
 def context_note(early: dict | None) -> str:
