@@ -358,9 +358,30 @@ def test_a_sharded_block_is_gathered_by_every_rank_when_any_rank_makes_an_artefa
     assert calls == (["unshard", "reshard"] if gathered else [])
     assert bool(compiled) == (case == "this-rank-makes") and p.path.exists() == (case == "this-rank-makes")
     if case == "a-rank-without-aot":
-        assert summary["made"] == {"saved": False,
-                                   "why": "another rank has no compiled blocks or no compile cache folder"}
-        assert "not made (another rank has no compiled blocks" in anatomy.aot_note(summary)
+        assert summary["made"] == {"saved": False, "why": aot_precompile.NOT_EVERY_RANK}
+        assert "not made (not every rank could take part: another rank has no compiled blocks" in \
+            anatomy.aot_note(summary)
+
+
+def test_the_trainers_agreement_decides_and_a_rank_not_at_its_first_step_stops_every_gather(tmp_path, monkeypatch):
+    """The trainer votes with the first step's own all-reduce (``vote`` then ``after_first_step(decision)``, no
+    collective of its own): when another rank was not at its first step (an in-process restart between the step's
+    agreement and its record on one rank), no rank gathers, so none waits on a collective the others never call."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    holder = _compiled_holder()
+    calls = []
+    for block in holder.layers.values():
+        block.unshard = lambda: calls.append("unshard")
+        block.reshard = lambda: calls.append("reshard")
+    monkeypatch.setattr(compat, "aot_compile_module", lambda *a: pytest.fail("made an artefact"))
+    monkeypatch.setattr(aot_precompile, "agree", lambda *a: pytest.fail("a collective of its own"))
+    p = _install(holder, rank=0, env=env)
+    holder.layers["0"](torch.ones(2, 4))
+    assert aot_precompile.vote() == (True, True)  # this rank makes one and is ready
+    summary = aot_precompile.after_first_step((True, False))  # ... but another rank is not ready
+    assert calls == [] and not p.path.exists()
+    assert summary["made"] == {"saved": False, "why": aot_precompile.NOT_EVERY_RANK} and summary["fell_back"] == 1
+    assert aot_precompile.after_first_step((True, True)) is None  # once per vote
 
 
 def test_a_rank_that_installed_nothing_still_joins_the_vote(monkeypatch):

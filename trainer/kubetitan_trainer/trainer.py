@@ -337,7 +337,9 @@ class KubetitanTrainer(Trainer):
         super().train_step(data_iterator)
         # After the first step every NCCL communicator exists: its log says which network it is on.
         not_efa = self._check_network() if first else False
-        stop, non_finite, not_efa = self._agree(not_efa)
+        aot = aot_blocks()
+        vote = aot.vote() if aot is not None and first else (False, False)  # the AOT blocks': (makes one, ready)
+        stop, non_finite, not_efa, aot_decision = self._agree(not_efa, vote)
         seconds = time.perf_counter() - begin
         if not_efa:
             raise NetworkNotEfaError(self._network_message or "NCCL is not on EFA on another node of the run "
@@ -350,7 +352,7 @@ class KubetitanTrainer(Trainer):
         # the launcher of the pod that got SIGTERM knows of the stop)
         self._heartbeat.step_done(self.step, seconds, saving=stop)
         if first:
-            self._publish_startup(rec)
+            self._publish_startup(rec, aot_decision)
         if (aot := aot_blocks()) is not None:
             aot.step_ended()  # the artefact's crash marker goes after the second step
         if self._inprocess is not None and self._inprocess.restarts:
@@ -359,10 +361,10 @@ class KubetitanTrainer(Trainer):
             self._stopping = True
             logger.warning(f"Stop requested (SIGTERM): saving a full checkpoint at step {self.step}, then exiting")
 
-    def _publish_startup(self, rec: anatomy.Recorder) -> None:
+    def _publish_startup(self, rec: anatomy.Recorder, aot_decision: tuple[bool, bool]) -> None:
         record = rec.first_step_ends(self.step, self.metrics_processor.attempt)
         aot = aot_blocks()
-        made = aot.after_first_step() if aot is not None else None  # after the mark: each rank's one-off precompile (a collective)
+        made = aot.after_first_step(aot_decision) if aot is not None else None  # after the mark: each rank's one-off precompile (a collective)
         if made is not None:  # is not start-up
             record["aot_precompile"] = made
         self.metrics_processor.exporter.startup(record)
@@ -394,18 +396,23 @@ class KubetitanTrainer(Trainer):
         """``value``'s maximum over every rank (one all-reduce; the value itself on a single rank)."""
         return max_across_ranks(value, self.device)
 
-    def _agree(self, not_efa: bool = False) -> tuple[bool, bool, bool]:
-        """All ranks agree on (stop, non-finite loss, NCCL not on EFA) with one MAX all-reduce."""
+    def _agree(self, not_efa: bool = False, aot_vote: tuple[bool, bool] = (False, False)
+               ) -> tuple[bool, bool, bool, tuple[bool, bool]]:
+        """All ranks agree on (stop, non-finite loss, NCCL not on EFA, and the AOT blocks' decision: some rank makes
+        an artefact, every rank is ready to) with one MAX all-reduce. ``aot_vote``: this rank's (makes one, ready:
+        at its first step with its blocks installed)."""
         loss = self._local_loss if self._local_loss is not None else torch.zeros((), device=self.device)
         flags = torch.stack([
             torch.tensor(float(self._stop_requested()), device=self.device),
             (~torch.isfinite(loss.float().reshape(-1)).all()).float().to(self.device),
             torch.tensor(float(not_efa), device=self.device),
+            torch.tensor(float(aot_vote[0]), device=self.device),
+            torch.tensor(float(not aot_vote[1]), device=self.device),
         ])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, non_finite, not_efa = (bool(v) for v in flags.tolist())
-        return stop, non_finite, not_efa
+        stop, non_finite, not_efa, aot_makes, aot_not_ready = (bool(v) for v in flags.tolist())
+        return stop, non_finite, not_efa, (aot_makes, not aot_not_ready)
 
     # ------------------------------------------------------------------ checkpoints
     def _wrap_checkpoint_save(self) -> None:

@@ -26,12 +26,13 @@ s; it stays opt-in until the H200 recipe has run with it. With compile on:
 - A block with hooks on it or on a module inside it (``module_call_hooks``: the artefact holds the graph traced
   without them, and Dynamo does not guard on hooks) is never served from an artefact, nor made into one; such
   refusals do not count against the artefact.
-- Several ranks (a multi-GPU pod, several pods): after the first step every rank says, in one all-reduce, whether it
-  makes an artefact. Compiling a block sharded by FSDP2 needs its parameters gathered, a collective: when any rank
-  makes one, every rank gathers the first block (the ranks that have theirs only join the gather), so no rank waits
-  on a collective another never calls. Every rank of a run must install the same way (one spec, one image): a rank
-  without compiled blocks or a cache folder says so in that all-reduce, and then no rank makes one. Each artefact
-  loads on a thread bound to the rank's own device (no context on GPU 0 from another rank).
+- Several ranks (a multi-GPU pod, several pods): after the first step every rank says, in the trainer's all-reduce
+  of the step's flags, whether it makes an artefact and whether it is ready to (at its first step, blocks installed:
+  an in-process restart on one rank must not leave it gathering alone). Compiling a block sharded by FSDP2 needs its
+  parameters gathered, a collective: when any rank makes one and every rank is ready, every rank gathers the first
+  block of each kind (the ranks that have theirs only join the gather), so no rank waits on a collective another
+  never calls. Every rank of a run must install the same way (one spec, one image). Each artefact loads on a thread
+  bound to the rank's own device (no context on GPU 0 from another rank).
 - A worker that used the artefact and died before the end of its second step (and before a clean end of training)
   leaves a marker holding a token of that process (not only its pid, which a container restarted in a new PID
   namespace reuses); the next worker then deletes the artefact instead of loading it (a broken artefact must not
@@ -557,19 +558,43 @@ def _merged(summaries: list[dict[str, Any]], names: list[str]) -> dict[str, Any]
     return out
 
 
-def after_first_step() -> dict[str, Any] | None:
-    """The trainer's call after its first training step, on every rank (with several ranks it is a collective:
-    :func:`agree`); the summary for the start-up record (None when this rank installed nothing)."""
+_VOTED: tuple[list[dict[str, Any]], list[bool]] | None = None
+"""What this rank's first step used and which kinds it makes, from :func:`vote` to :func:`after_first_step`."""
+
+NOT_EVERY_RANK = ("not every rank could take part: another rank has no compiled blocks or no compile cache folder, "
+                  "or was not at its first step")
+
+
+def vote() -> tuple[bool, bool]:
+    """This rank's part of the decision after its first step: ``(it makes an artefact, it installed its blocks)``.
+    What the step used is kept for the start-up record first; a useless artefact is dropped here."""
+    global _VOTED
     if not CURRENT:
-        agree(False, False)
-        return None
-    summaries = [p.summary() for p in CURRENT]  # what the first step used, before a save adds its own
+        _VOTED = None
+        return False, False
+    summaries = [p.summary() for p in CURRENT]
     makes = [p.prepare() for p in CURRENT]
-    anyone, everyone = agree(any(makes), True)
+    _VOTED = (summaries, makes)
+    return any(makes), True
+
+
+def after_first_step(decision: tuple[bool, bool] | None = None) -> dict[str, Any] | None:
+    """After the first training step, on every rank: make what this rank makes, gathering each kind's first block
+    with the other ranks when any rank makes one; the summary for the start-up record (None when this rank installed
+    nothing). ``decision``: ``(some rank makes one, every rank voted ready)``, from the trainer's agreement after the
+    first step (one all-reduce with the step's own flags, so a rank that is not at its first step says so there);
+    None: this rank votes and agrees on its own (:func:`agree`, a collective)."""
+    global _VOTED
+    if decision is None:
+        decision = agree(*vote())
+    if not CURRENT or _VOTED is None:
+        return None
+    (summaries, makes), _VOTED = _VOTED, None
+    anyone, everyone = decision
     for p, m, summary in zip(CURRENT, makes, summaries):
         if not everyone:
             if m:
-                p.saved = {"saved": False, "why": "another rank has no compiled blocks or no compile cache folder"}
+                p.saved = {"saved": False, "why": NOT_EVERY_RANK}
         else:
             p.make(m, gather=anyone)  # every kind, in the same order on every rank: the gathers match
         if p.saved is not None:
