@@ -32,6 +32,7 @@ from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 from kubetitan_core.contract.failure import FailureReport
 from kubetitan_trainer import compat
+from kubetitan_trainer.launch import orphans
 from kubetitan_trainer.launch import store as rdzv_store
 from kubetitan_trainer.launch.failures import restartable, xid_report
 from kubetitan_trainer.launch.state import IN_RENDEZVOUS, LauncherState, StoppedInRendezvous, kill_workers, process_state
@@ -196,6 +197,12 @@ class InPlaceAgent(LocalElasticAgent):
         self._stop_hung(worker_group, heartbeat.Stall(local_rank=frozen[0].local_rank,
                                                       step=int(last["step"]) if last else 0,
                                                       idle_seconds=idle, limit_seconds=0.0, how=how))
+
+    def _shutdown(self, death_sig=signal.SIGTERM) -> None:
+        """torch's: the workers stopped; then whatever they left running, which became the launcher's children
+        (:mod:`kubetitan_trainer.launch.orphans`)."""
+        super()._shutdown(death_sig)
+        orphans.reap()
 
     def _restart_workers(self, worker_group):
         # A peer announced the next generation. A worker of ours that is stopped is the hung one.

@@ -57,7 +57,7 @@ from kubetitan_core.contract.launcher import LauncherArgs
 
 from kubetitan_trainer import ENV_STOP_FILE, compat, preflight
 from kubetitan_trainer import main as worker_main
-from kubetitan_trainer.launch import gate
+from kubetitan_trainer.launch import gate, orphans
 from kubetitan_trainer.launch.failures import report_detected, workers_exit_code, xid_report
 from kubetitan_trainer.launch.state import IN_RENDEZVOUS, LauncherState, StoppedInRendezvous
 from kubetitan_trainer.recovery import anatomy, heartbeat
@@ -402,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     config.signals_to_handle = "SIGINT,SIGHUP,SIGQUIT"
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     log.info("Starting %d worker(s) on node %d of %d, master %s:%d", a.nproc_per_node, a.node_rank, a.nnodes, a.master_addr, a.master_port)
+    orphans.become_subreaper()  # what a dead worker leaves running becomes ours to end (launch.orphans)
     try:
         code = launch_workers(a, config, cmd, cmd_args, state, stopped, stop_dir, pending_gate) or ExitCode.OK
     except StoppedInRendezvous:
@@ -413,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             report_detected(e.failures, xid_report(since=state.data["started"]))
     if stopped["at"]:
         code = stopped_exit_code(code)
+    orphans.reap()
     remove_folders(tier, stop_dir)
     log.info("Exiting with code %d", code)
     return int(code)

@@ -1,0 +1,76 @@
+"""What a dead worker leaves running, ended by its launcher.
+
+A worker's processes outlive it: torch's DCP background process for async checkpoint saves (a ``spawn`` child of the
+worker) goes on writing the dead worker's checkpoint, and Inductor's compile workers wait for work. torch elastic
+stops a forked worker with ``os.kill`` on its pid alone (``MultiprocessContext._close``), not its process group, so
+on an H100 a killed worker's writer wrote 26 GB more into the checkpoint volume after the kill, beside the next
+worker, which then stopped with ``StorageFullError`` (docs/reliability.md).
+
+The launcher makes itself a child subreaper (``PR_SET_CHILD_SUBREAPER``, Linux): a dead worker's children then
+become the launcher's. Whenever the workers are stopped (a restart in place, the end of the run) the launcher ends
+every child it has left but the ones it keeps (:func:`reap`) and collects their exit status.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+
+log = logging.getLogger("kubetitan.orphans")
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its descendants' orphans (False where the kernel refuses or is not Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def children(pid: int | None = None) -> list[int]:
+    """The child processes of ``pid`` (this process by default), ended ones not yet collected too, from /proc."""
+    pid = os.getpid() if pid is None else pid
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[1]) == pid:
+            out.append(int(d))
+    return out
+
+
+def reap(keep: set[int] | frozenset[int] = frozenset(), timeout: float = 5.0) -> list[int]:
+    """SIGKILL every child of this process but ``keep`` and collect its exit status (waiting at most ``timeout`` s in
+    all); the pids ended. Children that ended on their own (zombies) are collected too."""
+    ended = [p for p in children() if p not in keep]
+    for p in ended:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    for p in ended:
+        while True:
+            try:
+                done, _ = os.waitpid(p, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+    if ended:
+        log.warning("Ended %d process(es) the stopped workers left behind (pids %s: an async checkpoint writer, "
+                    "compile workers)", len(ended), ", ".join(map(str, ended)))
+    return ended
