@@ -286,10 +286,11 @@ ELASTIC_AGENT_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_monitor_workers": ("self", "worker_group"),
     "_restart_workers": ("self", "worker_group"),
     "_rendezvous": ("self", "worker_group"),
+    "_shutdown": ("self", "death_sig"),
 }
 """Private ``LocalElasticAgent``/``SimpleElasticAgent`` methods ``launch.agent.InPlaceAgent`` overrides (declared with
-:func:`overrides`): recording failures, refusing restarts that cannot help, and skipping torch's rendezvous
-round for the same gang need them; torchrun's agent has no hooks."""
+:func:`overrides`): recording failures, refusing restarts that cannot help, skipping torch's rendezvous
+round for the same gang, and ending what stopped workers left running need them; torchrun's agent has no hooks."""
 
 
 _declare(
@@ -301,6 +302,10 @@ _declare(
     Upstream(f"{_AGENT}._invoke_run", contains=("self._monitor_workers(self._worker_group)",
                                                 "self._restart_workers(self._worker_group)")),
     Upstream(f"{_AGENT}._initialize_workers", contains=("self._rendezvous(worker_group)",)),
+    Upstream("torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent._shutdown",
+             params=ELASTIC_AGENT_OVERRIDES["_shutdown"], contains=("self._pcontext.close(death_sig)",)),
+    Upstream("torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent._stop_workers",
+             contains=("self._shutdown()",)),
 )
 
 
