@@ -33,22 +33,11 @@ def become_subreaper() -> bool:
         return False
 
 
-def children(pid: int | None = None) -> list[int]:
-    """The child processes of ``pid`` (this process by default), ended ones not yet collected too, from /proc."""
-    pid = os.getpid() if pid is None else pid
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[1]) == pid:
-            out.append(int(d))
-    return out
+def children() -> list[int]:
+    """This process's child processes, ended ones not yet collected (zombies) too."""
+    import psutil
+
+    return [c.pid for c in psutil.Process().children()]
 
 
 def reap(keep: set[int] | frozenset[int] = frozenset(), timeout: float = 5.0) -> list[int]:
