@@ -364,7 +364,8 @@ class KubetitanTrainer(Trainer):
     def _publish_startup(self, rec: anatomy.Recorder, aot_decision: tuple[bool, bool]) -> None:
         record = rec.first_step_ends(self.step, self.metrics_processor.attempt)
         aot = aot_blocks()
-        made = aot.after_first_step(aot_decision) if aot is not None else None  # after the mark: each rank's one-off precompile (a collective)
+        # after the mark: each rank's one-off precompile (a collective when some rank makes one)
+        made = aot.after_first_step(aot_decision) if aot is not None else None
         if made is not None:  # is not start-up
             record["aot_precompile"] = made
         self.metrics_processor.exporter.startup(record)
