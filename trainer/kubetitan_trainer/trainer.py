@@ -353,7 +353,7 @@ class KubetitanTrainer(Trainer):
         self._heartbeat.step_done(self.step, seconds, saving=stop)
         if first:
             self._publish_startup(rec, aot_decision)
-        if (aot := aot_blocks()) is not None:
+        if aot is not None:
             aot.step_ended()  # the artefact's crash marker goes after the second step
         if self._inprocess is not None and self._inprocess.restarts:
             self._inprocess.mark("first_step")  # once per restart (the first mark of a phase is kept)

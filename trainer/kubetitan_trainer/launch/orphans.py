@@ -8,16 +8,14 @@ worker, which then stopped with ``StorageFullError`` (docs/reliability.md).
 
 The launcher makes itself a child subreaper (``PR_SET_CHILD_SUBREAPER``, Linux): a dead worker's children then
 become the launcher's. Whenever the workers are stopped (a restart in place, the end of the run) the launcher ends
-every child it has left but the ones it keeps (:func:`reap`) and collects their exit status.
+every child it has left (:func:`reap`) and collects their exit status.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
-import os
-import signal
-import time
 
 log = logging.getLogger("kubetitan.orphans")
 
@@ -40,25 +38,17 @@ def children() -> list[int]:
     return [c.pid for c in psutil.Process().children()]
 
 
-def reap(keep: set[int] | frozenset[int] = frozenset(), timeout: float = 5.0) -> list[int]:
-    """SIGKILL every child of this process but ``keep`` and collect its exit status (waiting at most ``timeout`` s in
-    all); the pids ended. Children that ended on their own (zombies) are collected too."""
-    ended = [p for p in children() if p not in keep]
-    for p in ended:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    for p in ended:
-        while True:
-            try:
-                done, _ = os.waitpid(p, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if done or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
+def reap(timeout: float = 5.0) -> list[int]:
+    """SIGKILL every child of this process and collect its exit status (waiting at most ``timeout`` s in all); the
+    pids ended. Children that ended on their own (zombies) are collected too."""
+    import psutil
+
+    procs = psutil.Process().children()
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=timeout)
+    ended = [p.pid for p in procs]
     if ended:
         log.warning("Ended %d process(es) the stopped workers left behind (pids %s: an async checkpoint writer, "
                     "compile workers)", len(ended), ", ".join(map(str, ended)))
