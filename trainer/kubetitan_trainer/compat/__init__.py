@@ -30,8 +30,8 @@ from kubetitan_trainer.compat.torch_shims import (  # noqa: F401 - re-exported: 
     module_call_hooks, name_autograd_trampolines, overrides, poll_rendezvous_every, PRIVATE_OVERRIDES,
     rebind_process_groups, remaining_restarts, replace_c10d_store_factory, replace_state_dict_stager,
     set_compiled_forward, set_pg_timeout, shared_storage_from_fd, shorten_rendezvous_cache, staged_storage_cache,
-    state_dict_stager_class, STATE_DICT_STAGER_OVERRIDES, uses_agent_store, wrap_num_nodes_waiting,
-    _fix_defaults_source_pickling)
+    state_dict_stager_class, STATE_DICT_STAGER_OVERRIDES, tolerate_torn_error_files, uses_agent_store,
+    workers_context, wrap_num_nodes_waiting, _fix_defaults_source_pickling)
 from kubetitan_trainer.compat.torchtitan_shims import (  # noqa: F401 - re-exported: compat.<name>
     build_metric_logger, checkpoint_async_mode, checkpoint_keep_latest_k, checkpoint_stager, clear_pending_write,
     bind_config_args, config_parse, DEVICE_GLOBALS, finish_model_load, force_full_last_save, ft_dataloader_checkpoints,

@@ -282,6 +282,70 @@ def forbid_restarts(agent) -> None:
     agent._remaining_restarts = 0
 
 
+_SPAWN = "torch.multiprocessing.spawn:ProcessContext"
+
+
+@_shim(Upstream("torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent.__init__",
+                sets=("_pcontext",)))
+def workers_context(agent) -> Any:
+    """The elastic agent's process context of its running workers (``None`` before the first start)."""
+    return getattr(agent, "_pcontext", None)
+
+
+@_shim(Upstream(f"{_SPAWN}.__init__", params=("self", "processes", "error_files"),
+                sets=("error_files", "processes", "sentinels")),
+       Upstream(f"{_SPAWN}.join", params=("self", "timeout", "grace_period"),
+                contains=("os.access(self.error_files[error_index], os.R_OK)", "pickle.load(fh)")),
+       Upstream("torch.multiprocessing.spawn:ProcessExitedException.__init__",
+                params=("self", "msg", "error_index", "error_pid", "exit_code", "signal_name")),
+       Upstream("torch.distributed.elastic.multiprocessing.api:MultiprocessContext._poll",
+                contains=("self._pc.join(-1)", "except (mp.ProcessRaisedException, mp.ProcessExitedException)")))
+def tolerate_torn_error_files(pcontext) -> None:
+    """A worker that raises writes its traceback to its error file; killed in the middle of that write (the hang
+    watchdog's SIGKILL racing a collective that failed when a peer died), it leaves the file empty or torn, and
+    torch's ``ProcessContext.join`` then dies in ``pickle.load`` (``EOFError``), which takes the whole launcher down
+    instead of reporting a failed worker. Wraps the join of ``pcontext``'s process context (elastic's
+    ``MultiprocessContext``; a no-op for other contexts and once installed) so that an unreadable error file reads
+    as what it is: the worker's death by its exit code or signal, the ``ProcessExitedException`` elastic handles."""
+    import pickle
+    import signal
+
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    pc = getattr(pcontext, "_pc", None)
+    join = getattr(pc, "join", None)
+    if join is None or getattr(join, "tolerates_torn_error_files", False):
+        return
+
+    def torn(path) -> bool:
+        try:
+            with open(path, "rb") as fh:
+                pickle.load(fh)
+        except FileNotFoundError:
+            return False
+        except Exception:  # noqa: BLE001 - EOFError, UnpicklingError and friends: what join itself could not read
+            return True
+        return False
+
+    def tolerant_join(timeout=None, grace_period=None):
+        try:
+            return join(timeout, grace_period)
+        except (EOFError, pickle.UnpicklingError, ValueError, TypeError):
+            index = next((i for i, path in enumerate(pc.error_files) if path and torn(path)), None)
+            if index is None:
+                raise
+            process = pc.processes[index]
+            code = process.exitcode if process.exitcode is not None else 1
+            name = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else None
+            how = f"signal {name}" if name else f"exit code {code:d}"
+            raise ProcessExitedException(
+                f"process {index:d} terminated with {how} while writing its error file", error_index=index,
+                error_pid=process.pid, exit_code=code, signal_name=name) from None
+
+    tolerant_join.tolerates_torn_error_files = True
+    _rebind(pc, "join", tolerant_join)
+
+
 ELASTIC_AGENT_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_monitor_workers": ("self", "worker_group"),
     "_restart_workers": ("self", "worker_group"),

@@ -134,6 +134,7 @@ class InPlaceAgent(LocalElasticAgent):
             states = [process_state(w.id) for w in worker_group.workers if w.id]
             if "Z" in states and any(x in ("T", "t") for x in states):
                 self._stop_frozen(worker_group, "stopped (state T) when a local peer worker exited")
+        compat.tolerate_torn_error_files(compat.workers_context(self))
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.HEALTHY:
             self._watch_heartbeats(worker_group)

@@ -1,0 +1,75 @@
+"""A worker killed while it writes its error file (the hang watchdog's SIGKILL racing a collective that failed when a
+peer died) leaves the file empty: torch's ``ProcessContext.join`` then died in ``pickle.load`` with ``EOFError``
+and took the launcher down, so the gang was recreated instead of restarting in place. With
+``compat.tolerate_torn_error_files`` the agent sees a failed worker, killed by SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+
+import pytest
+from torch.distributed.elastic.multiprocessing import start_processes
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+
+from kubetitan_trainer import compat
+
+
+def _wait_for_kill(ready_fd: int) -> None:
+    os.write(ready_fd, b"r")
+    signal.pause()
+
+
+def _started_worker(tmp_path, torn: bytes):
+    """One real elastic worker (fork) that the test kills after writing ``torn`` where its error file goes: the file
+    as a kill in the middle of ``_wrap``'s ``pickle.dump`` leaves it."""
+    ready_r, ready_w = os.pipe()
+    pcontext = start_processes("torn", _wait_for_kill, {0: (ready_w,)}, {0: {}},
+                               DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), start_method="fork")
+    os.close(ready_w)
+    assert os.read(ready_r, 1) == b"r", "the worker died before it started"
+    os.close(ready_r)
+    pid = pcontext.pids()[0]
+    with open(pcontext._pc.error_files[0], "wb") as fh:
+        fh.write(torn)
+    os.kill(pid, signal.SIGKILL)
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped: join reaps it
+    return pcontext
+
+
+@pytest.mark.parametrize("torn", [b"", b"\x80\x04\x95"], ids=["empty", "cut-mid-pickle"])
+def test_without_the_shim_torchs_join_dies_on_the_torn_error_file(tmp_path, torn):
+    pcontext = _started_worker(tmp_path, torn)
+    try:
+        # If this stops raising, torch handles a torn error file itself: drop compat.tolerate_torn_error_files.
+        with pytest.raises((EOFError, pickle.UnpicklingError)):
+            pcontext.wait(0)
+    finally:
+        pcontext.close()
+
+
+@pytest.mark.parametrize("torn", [b"", b"\x80\x04\x95"], ids=["empty", "cut-mid-pickle"])
+def test_a_worker_killed_while_writing_its_error_file_is_a_failed_worker_killed_by_sigkill(tmp_path, torn, caplog):
+    pcontext = _started_worker(tmp_path, torn)
+    try:
+        compat.tolerate_torn_error_files(pcontext)
+        compat.tolerate_torn_error_files(pcontext)  # installed once
+        result = pcontext.wait(0)
+        assert result is not None and result.is_failed()
+        failure = result.failures[0]
+        assert failure.exitcode == -signal.SIGKILL
+        assert "process 0 terminated with signal SIGKILL while writing its error file" in caplog.text
+    finally:
+        pcontext.close()
+
+
+def test_a_readable_error_file_still_reports_the_workers_own_traceback(tmp_path, caplog):
+    pcontext = _started_worker(tmp_path, pickle.dumps("Traceback: RuntimeError: the worker's own error"))
+    try:
+        compat.tolerate_torn_error_files(pcontext)
+        result = pcontext.wait(0)
+        assert result is not None and result.is_failed()
+        assert "the worker's own error" in caplog.text
+    finally:
+        pcontext.close()
