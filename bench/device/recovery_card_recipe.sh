@@ -11,9 +11,9 @@
 #                                   1.4-1.8 s for the copy; on 16, recovery_knobs_vs_baseline.sh's copy took 1.9-2.3 s)
 # The DCP row of the table is the bench's cold row plus recovery.sh's warm_dcp (--tier-only refuses it).
 # $OUT: recovery.txt (events and the anatomy table), events.jsonl, results.json, launcher.log, logs.tgz.
-# On an H100 the second saved generation stopped with StorageFull (33.3 GiB free for a 44.3 GiB save; the disk.txt
-# and cleaner.txt in logs.tgz say where the space went): PLAN=saved:warm_tier,warm_tier,warm_tier,cold_tier kills one
-# worker that had saved, then two that had not and a cold one.
+# On an H100, before the launcher became a child subreaper, the second saved generation stopped with StorageFull (the
+# killed worker's DCP writer went on writing; disk.txt and cleaner.txt in logs.tgz); since, the whole plan runs
+# (bench/results/recovery/h100_card_recipe_saved3/, docs/reliability.md).
 # Usage (device tool, carry [".whl"], timeout_s 600; needs_h200 for the H200 row): bash bench/device/recovery_card_recipe.sh [560]
 set -u
 CARD_RECIPE=1 PLAN=${PLAN:-saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier} PROBES=0 PROBE_S=0 PRECOMPILE=0 \
