@@ -12,12 +12,15 @@
 #     (explore's best plain), every 7th and every 5th block checkpointed, and memory_budget 0.6 (0.8 ran out of memory
 #     in explore); then the recipe with pinned checkpoint saves every 30 steps, killed after step 32: the first save
 #     pins ~43 GB of host memory while the model's ~75 GiB stay on the card.
+#   chunks: the chunked loss (`precision.lossChunks`, kubetitan_trainer/chunked_loss.py: no logits of the whole batch)
+#     at batch 2 WITHOUT activation checkpointing (out of memory by 376 MiB without it), 4 chunks three times and 8
+#     chunks once, alternating with plain's best layout (every 7th block checkpointed) twice and the recipe once.
 #   saves: the recipe's pinned-save run alone, then plain with every 7th block checkpointed (final's best plain, as the
 #     same machine's baseline), and both sides with every 10th block (3 blocks) checkpointed: does less recompute fit?
 # Prints the comparison table last (`gpu_bench.py compare`: tok/s per round, median, MFU, reserved memory, ratio to the
 # best plain layout that ran). $OUT: table.txt, results.jsonl, ooms.txt, logs.tgz (every run's log and env.txt).
 # Usage (device tool, kind nvidia-h100-x1, carry [".whl"], timeout_s 600):
-#   bash bench/device/h100_recipe_vs_torchtitan.sh explore|final|saves [SECONDS=560]
+#   bash bench/device/h100_recipe_vs_torchtitan.sh explore|final|chunks|saves [SECONDS=560]
 export R=/tmp/r
 source bench/device/setup.sh
 END=${2:-560}
@@ -47,11 +50,15 @@ case "${1:-}" in
     for p in "${P[@]:$ROUNDS}"; do cases="$cases,$p:path=plain:$S"; done
     bench $((END - ${CKPT_S:-100})) "${cases#,},${P[0]}:path=plain:$S:round=2"
     CT=$((END - SECONDS - 5)) bench "$END" "$CKPT" ;;
+  chunks)
+    CH=3B:fp8tw:2:ac=none:alloc=exp:gpu=H100:path=kubetitan:$S
+    bench "$END" "${P[1]}:path=plain:$S,$CH:chunks=4:round=1,$RECIPE:$S,$CH:chunks=4:round=2,\
+${P[1]}:path=plain:$S:round=2,$CH:chunks=8,$CH:chunks=4:round=3" ;;
   saves)
     CT=150 bench "$END" "$CKPT"
     A10=3B:fp8tw:2:ac=selective:sac=10
     bench "$END" "${P[1]}:path=plain:$S,$A10:$KT:$S,$A10:path=plain:$S" ;;
-  *) echo "usage: $0 explore|final|saves [SECONDS]"; exit 2 ;;
+  *) echo "usage: $0 explore|final|chunks|saves [SECONDS]"; exit 2 ;;
 esac
 kill %1 2>/dev/null
 grep -l "OutOfMemoryError\|CUDA out of memory" "$R"/*.log 2>/dev/null | xargs -r -n1 basename > "$OUT/ooms.txt"

@@ -72,6 +72,12 @@ class SourceLoss:
             self.per_sample = torch.compile(per_sample_cross_entropy, backend=job_config.compile.backend)
         self._sources: torch.Tensor | None = None
         self._sink: SourceStats | None = None
+        self._head: Any = None
+
+    def bind_head(self, head: Any) -> None:
+        """Under ``precision.lossChunks`` (:mod:`kubetitan_trainer.chunked_loss`): ``pred`` is then the final norm's
+        output, and ``head`` (a ``ChunkedHead``) projects it and computes the loss in chunks."""
+        self._head = head
 
     def tag(self, sources: torch.Tensor | None, sink: SourceStats | None) -> None:
         """The sources of the next batch's samples and where their losses go (both None: the plain loss)."""
@@ -80,6 +86,11 @@ class SourceLoss:
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         sources, sink = self._sources, self._sink
         self._sources = None
+        if self._head is not None:
+            total, per_token = self._head.per_token(pred, labels)
+            if sources is not None and sink is not None:
+                sink.add(sources, per_token.view(labels.shape[0], -1).sum(1), (labels != IGNORE_INDEX).sum(1))
+            return total
         if sources is None or sink is None:
             return self.plain(pred, labels)
         sums, counts = self.per_sample(pred, labels)

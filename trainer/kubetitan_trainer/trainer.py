@@ -42,9 +42,10 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import ALREADY_COMPLETE, ENV_STOP_FILE, compat, netcheck, runtime, source_loss, storage
+from kubetitan_trainer import (ALREADY_COMPLETE, ENV_STOP_FILE, chunked_loss, compat, netcheck, runtime, source_loss,
+                              storage)
 from kubetitan_trainer.data import loaders as data, s3shards
-from kubetitan_trainer.errors import NetworkNotEfaError, NonFiniteLossError, StorageFullError
+from kubetitan_trainer.errors import ConfigError, NetworkNotEfaError, NonFiniteLossError, StorageFullError
 from kubetitan_trainer.evaluation import KubetitanValidator
 from kubetitan_trainer.recovery import anatomy, heartbeat, inprocess, restore_tier
 from kubetitan_trainer.recovery.staging import ensure_reusable_stager
@@ -126,6 +127,7 @@ class KubetitanTrainer(Trainer):
             storage.preflight(self._store, job_config.job.dump_folder)
         s3shards.stage_all(job_config)  # s3:// shards to node-local disk, verified, before anything is built
         super().__init__(job_config)
+        self._chunk_loss(job_config)
         self._source_stats = self._per_source_losses()
         self._saves.report = self.metrics_processor.exporter.checkpoint_saves  # the failed-saves metrics
         self._saves.report(self._saves)
@@ -286,6 +288,19 @@ class KubetitanTrainer(Trainer):
             if times:
                 observe(times[-1])
             yield item
+
+    def _chunk_loss(self, job_config: JobConfig) -> None:
+        """``precision.lossChunks``: the model returns the final norm's output, the loss projects it in chunks."""
+        chunks = job_config.kubetitan.loss_chunks
+        if chunks <= 1:
+            return
+        if self.parallel_dims.pp_enabled or self.parallel_dims.tp_enabled:
+            raise ConfigError("precision.lossChunks needs tensor and pipeline parallelism off (the spec refuses it)")
+        c = job_config.compile
+        backend = c.backend if c.enable and "loss" in c.components else None
+        chunked_loss.install(self.model_parts[0], self.loss_fn, chunks, backend)
+        logger.info("Chunked loss: the output projection and the cross entropy in %d chunks of the batch's tokens%s",
+                    chunks, " (compiled)" if backend else "")
 
     def _per_source_losses(self) -> source_loss.SourceStats | None:
         """A mixture's per-source training losses (:mod:`kubetitan_trainer.source_loss`): the stats the loss fills and

@@ -183,6 +183,12 @@ class PrecisionSpec(_Base):
     checkpoint every N-th block."""
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the parameters during the forward and backward pass under FSDP."""
+    loss_chunks: int = Field(default=0, ge=0, le=64)
+    """Compute the output projection and the cross entropy in this many chunks of the batch's tokens, each chunk's
+    gradient in the forward pass, so the logits of the whole batch (2 bytes x tokens x vocabulary, and as much again
+    for their gradient) never exist: the memory that frees buys a larger batch or less activation checkpointing.
+    Same FLOPs; the projection then runs in bf16 even when `float8.filterFqns` puts it in FP8. 0 or 1: off (torchtitan's
+    loss). Not with tensor or pipeline parallelism."""
 
 
 # ---------------------------------------------------------------------------- data

@@ -274,6 +274,7 @@ def kubetitan_table(lpt: LlamaPretrain) -> Kubetitan:
         runtime=_runtime(s),
         inprocess_restarts=s.run_policy.in_process_restarts,
         inprocess_progress_timeout_seconds=s.run_policy.in_process_hang_seconds or 0,
+        loss_chunks=s.precision.loss_chunks,
     )
 
 

@@ -234,6 +234,14 @@ RULES: tuple[Rule, ...] = (
              "self.tokenizer.source != 'huggingface' || has(self.tokenizer.repo)",
              "tokenizer.repo is required when tokenizer.source is huggingface",
              ".tokenizer.repo")),
+    Rule("precision.loss-chunks-parallelism", "spec.precision.lossChunks",
+         "lossChunks only without tensor and pipeline parallelism",
+         cel=Cel(
+             "!has(self.precision.lossChunks) || self.precision.lossChunks <= 1 || "
+             "(self.parallelism.tensorParallelDegree == 1 && self.parallelism.pipelineParallelDegree == 1)",
+             "precision.lossChunks > 1 needs parallelism.tensorParallelDegree and pipelineParallelDegree 1 (under "
+             "tensor or pipeline parallelism the loss is computed in pieces); set precision.lossChunks to 0",
+             ".precision.lossChunks")),
     Rule("checkpoint.pinned-needs-gpu", "spec.checkpoint.asyncMode", "async_with_pinned_mem only on GPU pods",
          cel=Cel(
              "self.checkpoint.asyncMode != 'async_with_pinned_mem' || self.resources.gpusPerNode > 0",
@@ -918,6 +926,16 @@ def _restarts_need_checkpoint(f: Facts) -> Problems:
         yield "spec.runPolicy.maxRestarts", (
             f"{rp.max_restarts} restarts need checkpoint.enabled: true (each restart resumes from the newest "
             "checkpoint); enable checkpoints or set maxRestarts: 0")
+
+
+@check("precision.loss-chunks-parallelism")
+def _loss_chunks_parallelism(f: Facts) -> Problems:
+    par = f.spec.parallelism
+    if f.spec.precision.loss_chunks > 1 and (par.tensor_parallel_degree > 1 or par.pipeline_parallel_degree > 1):
+        yield "spec.precision.lossChunks", (
+            f"chunks the output projection and the loss of the whole batch, but tensor parallelism (degree "
+            f"{par.tensor_parallel_degree}) or pipeline parallelism (degree {par.pipeline_parallel_degree}) computes "
+            "the loss in pieces; set precision.lossChunks to 0, or both degrees to 1")
 
 
 @check("checkpoint.pinned-needs-gpu")

@@ -82,6 +82,8 @@ WARNINGS: tuple[WarningRule, ...] = (
                 "a start-up timeout shorter than loading and compiling the model takes: the attempt counts as hung"),
     WarningRule("run-policy.in-place-beyond-budget", "spec.runPolicy.maxInPlaceRestarts",
                 "more in-place restarts than maxRestarts allows in all (each in-place restart counts towards it)"),
+    WarningRule("precision.loss-chunks-fp8-head", "spec.precision.lossChunks",
+                "a chunked loss runs the output projection in bf16, not in the FP8 that float8.filterFqns asks for"),
     WarningRule("run-policy.in-process-async-on-cpu", "spec.checkpoint.asyncMode",
                 "in-process restarts with async saves on CPU pods: seen to hang in a collective after a restart"),
     WarningRule("run-policy.in-process-gpu-hang-undetected", "spec.runPolicy.inProcessHangSeconds",
@@ -305,6 +307,16 @@ def _in_place_beyond_budget(f: Facts) -> Iterator[tuple[str, str]]:
             f"{rp.max_in_place_restarts} in-place restarts per attempt, but each counts towards maxRestarts "
             f"({rp.max_restarts}), so the run fails after {rp.max_restarts}; raise maxRestarts or lower "
             "maxInPlaceRestarts to match")
+
+
+@warns("precision.loss-chunks-fp8-head")
+def _loss_chunks_fp8_head(f: Facts) -> Iterator[tuple[str, str]]:
+    pr = f.spec.precision
+    if pr.loss_chunks > 1 and pr.float8.enabled and not any(q in "output" for q in pr.float8.filter_fqns):
+        yield "spec.precision.lossChunks", (
+            "float8.filterFqns leaves the output projection in FP8, but the chunked loss multiplies by its weight "
+            "itself, in bf16: the projection's FP8 speed-up is traded for the logits' memory; add \"output\" to "
+            "float8.filterFqns to say so, or set lossChunks to 0 to keep the FP8 projection")
 
 
 @warns("run-policy.in-process-async-on-cpu")

@@ -591,6 +591,13 @@ def module_call_hooks(module: Any) -> list[str]:
     return found
 
 
+@_shim(Upstream("torch.nn.modules.module:Module._call_impl", contains=("self.forward",)))
+def set_forward(module: Any, forward: Callable) -> None:
+    """Make ``forward`` what ``module``'s ``__call__`` runs (an instance attribute: ``Module._call_impl`` calls
+    ``self.forward`` between the module's hooks, FSDP's included), leaving its parameters and names as they are."""
+    _rebind(module, "forward", forward)
+
+
 @_shim(Upstream("torch._dynamo.eval_frame:OptimizedModule._initialize", sets=("forward",)))
 def set_compiled_forward(module: Any, forward: Callable) -> None:
     """Make ``forward`` the wrapper's forward (torch sets the compiled one as an instance attribute when it

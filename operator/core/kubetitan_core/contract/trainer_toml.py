@@ -278,6 +278,9 @@ class Kubetitan:
     restarts in-process (needed on NCCL, where a host waiting on a stuck kernel never sees the collective timeout);
     0: only the collective timeout (`comm.train_timeout_seconds`) detects a hang. The first step after a start or an
     in-process restart is not timed (it compiles); the collective timeout bounds it."""
+    loss_chunks: int = 0
+    """`precision.lossChunks`: the output projection and the cross entropy in this many chunks of the batch's tokens,
+    their gradients made in the forward pass (`kubetitan_trainer.chunked_loss`); 0 or 1: torchtitan's loss."""
     data: KubetitanData = field(default_factory=KubetitanData)
     """Training data."""
     tokenizer: KubetitanTokenizer = field(default_factory=KubetitanTokenizer)

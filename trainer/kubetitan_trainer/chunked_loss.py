@@ -1,0 +1,130 @@
+"""Chunked loss (``precision.lossChunks``): the output projection and the cross entropy in chunks of the batch's tokens,
+each chunk's gradient computed in the forward pass, so that the logits of the whole batch never exist.
+
+torchtitan's model returns the logits, ``tokens x vocab`` in bf16 (3.9 GiB at batch 2, seq 8192 and Llama 3's 128,256
+tokens), the compiled loss keeps them for its backward, and the backward makes their gradient as large again, all at
+the peak of the step's memory. Here the output projection's ``forward`` passes the final norm's output through, and the
+loss (:class:`_ChunkedHeadCrossEntropy`) projects one chunk of tokens at a time: the chunk's logits, its per-token
+losses and the gradient of their sum with respect to the logits (``softmax - onehot``, fused by the compiler when the
+run compiles its loss), then the gradients of the chunk's hidden states and of the projection's weight. Its backward
+only scales those by the incoming gradient (the loss is a sum, so the gradient of every token's loss is the same
+scalar). The matrix products are the unchunked ones split by rows: no recompute, the same FLOPs.
+
+The projection runs in the autocast dtype (bf16) even where ``precision.float8.filterFqns`` puts it in FP8: the
+products are plain ``matmul`` s of its weight (the spec warns). Under FSDP the weight is the projection's unsharded
+parameter: torchtitan shards the final norm and the projection together and keeps them unsharded between forward and
+backward, so the loss, which runs right after the model, sees it unsharded and returns the gradient for it, which FSDP
+then reduce-scatters as it does a linear's. Not with tensor or pipeline parallelism (the spec refuses both: their
+losses are computed in pieces).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.loss import IGNORE_INDEX
+
+from kubetitan_trainer import compat
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, want_grad: bool):
+    """One chunk: each token's cross entropy (at least float32, 0 where ``labels`` is ``IGNORE_INDEX``) and, with
+    ``want_grad``, the gradient of their sum with respect to ``logits`` (in ``logits``' dtype)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(x, dim=-1)
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, 0)
+    target = x.gather(1, safe.unsqueeze(1)).squeeze(1)
+    loss = torch.where(valid, lse - target, 0.0)
+    if not want_grad:
+        return loss, None
+    p = torch.exp(x - lse.unsqueeze(1))
+    hit = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == safe.unsqueeze(1)
+    grad = torch.where(hit, p - 1.0, p) * valid.unsqueeze(1)
+    return loss, grad.to(logits.dtype)
+
+
+@functools.cache
+def _compiled(backend: str):
+    return torch.compile(_chunk_loss_and_grad, backend=backend, dynamic=False)
+
+
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(h.device.type):
+        return torch.get_autocast_dtype(h.device.type)
+    return weight.dtype
+
+
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """``(loss sum, per-token losses)`` of ``h @ weight.T`` against ``labels``; the gradients are made in forward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunks, chunk_fn):  # noqa: D417 - see the class docstring
+        dtype = _compute_dtype(h, weight)
+        want = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        with torch.autocast(h.device.type, enabled=False):
+            hc, w = h.to(dtype), weight.to(dtype)
+            n = hc.shape[0]
+            step = -(-n // chunks)
+            per_token = torch.empty(n, dtype=torch.promote_types(dtype, torch.float32), device=h.device)
+            grad_h = torch.empty_like(hc) if ctx.needs_input_grad[0] else None
+            grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+            for start in range(0, n, step):
+                rows = slice(start, min(start + step, n))
+                loss, g = chunk_fn(hc[rows] @ w.t(), labels[rows], want)
+                per_token[rows] = loss
+                if grad_h is not None:
+                    torch.matmul(g, w, out=grad_h[rows])
+                if grad_w is not None:
+                    grad_w.add_(g.t() @ hc[rows])
+                del g
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.mark_non_differentiable(per_token)
+        return per_token.sum(), per_token
+
+    @staticmethod
+    def backward(ctx, grad_sum, _grad_per_token):
+        grad_h, grad_w = ctx.saved_tensors
+        return (None if grad_h is None else grad_h * grad_sum.to(grad_h.dtype),
+                None if grad_w is None else grad_w * grad_sum.to(grad_w.dtype), None, None, None)
+
+
+class ChunkedHead:
+    """The output projection of one model, applied by the loss in ``chunks`` chunks (see the module docstring)."""
+
+    def __init__(self, head: torch.nn.Module, chunks: int, compile_backend: str | None) -> None:
+        self.head, self.chunks = head, chunks
+        self.chunk_fn = _compiled(compile_backend) if compile_backend else _chunk_loss_and_grad
+
+    def per_token(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum, per-token losses)`` of the batch: ``hidden`` is the model's output ``[batch, seq, dim]``."""
+        weight = self.head.weight
+        if isinstance(weight, DTensor):
+            raise RuntimeError(
+                "precision.lossChunks: the output projection's weight is sharded when the loss runs (FSDP resharded it "
+                "after the forward pass, or it is tensor-parallel); set precision.lossChunks to 0")
+        return _ChunkedHeadCrossEntropy.apply(hidden.flatten(0, 1), weight, labels.flatten(0, 1), self.chunks,
+                                              self.chunk_fn)
+
+
+def install(model: torch.nn.Module, loss_fn: Any, chunks: int, compile_backend: str | None) -> ChunkedHead:
+    """Make ``model``'s output projection pass the final norm's output through and ``loss_fn`` (a
+    :class:`kubetitan_trainer.source_loss.SourceLoss`) project it in ``chunks`` chunks. Parameter names, hooks (FSDP's)
+    and checkpoints are unchanged: only the projection's ``forward`` is replaced."""
+    head = getattr(model, "output", None)
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise RuntimeError("precision.lossChunks: the model has no output projection on this rank "
+                           "(pipeline parallelism?); set precision.lossChunks to 0")
+    chunked = ChunkedHead(head, chunks, compile_backend)
+    compat.set_forward(head, _passthrough)
+    loss_fn.bind_head(chunked)
+    return chunked
+
+
+def _passthrough(h: torch.Tensor) -> torch.Tensor:
+    """The output projection's ``forward`` under a chunked loss: the loss projects (``ChunkedHead.per_token``)."""
+    return h
