@@ -155,3 +155,21 @@ def test_the_real_trainer_under_fsdp2_on_two_ranks_gets_the_same_loss_and_gradie
         assert c["grads"].keys() == p["grads"].keys()
         for name, grad in p["grads"].items():
             torch.testing.assert_close(c["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
+def test_under_autocast_the_weights_gradient_accumulates_in_the_parameters_float32():
+    torch.manual_seed(6)
+    h = torch.randn(24, 16, requires_grad=True)
+    w = torch.randn(40, 16, requires_grad=True)  # a float32 parameter, as torchtitan keeps it under AMP
+    labels = torch.randint(0, 40, (24,))
+    ref = _reference(h, w, labels)
+    ref.backward()
+    want_h, want_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        total, _ = _ChunkedHeadCrossEntropy.apply(h, w, labels, 3, _chunk_loss_and_grad)
+    total.backward()
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(total, ref, rtol=2e-2, atol=0.0)  # bf16 products
+    torch.testing.assert_close(h.grad, want_h, rtol=5e-2, atol=5e-2 * float(want_h.abs().max()))
+    torch.testing.assert_close(w.grad, want_w, rtol=5e-2, atol=5e-2 * float(want_w.abs().max()))

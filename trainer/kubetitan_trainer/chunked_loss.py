@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.tools.logging import logger
 
 from kubetitan_trainer import compat
 
@@ -51,6 +52,27 @@ def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, want_grad: 
 @functools.cache
 def _compiled(backend: str):
     return torch.compile(_chunk_loss_and_grad, backend=backend, dynamic=False)
+
+
+_FP32_OUT = [True]
+"""Whether ``addmm``'s ``out_dtype`` (CUDA only in torch 2.11) accumulates a bf16 product into a float32 buffer."""
+
+
+def _accumulate(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """``grad_w += g.T @ h``; into a float32 ``grad_w`` (the parameter's dtype under autocast) without a bf16 temporary
+    of the weight's size where the device can (``addmm(..., out_dtype=float32)`` on CUDA)."""
+    if grad_w.dtype == g.dtype:
+        grad_w.addmm_(g.t(), h)
+        return
+    if grad_w.is_cuda and _FP32_OUT[0]:
+        try:
+            torch.addmm(grad_w, g.t(), h, out_dtype=grad_w.dtype, out=grad_w)
+            return
+        except (NotImplementedError, RuntimeError) as e:  # an older build: the temporary below, once said
+            _FP32_OUT[0] = False
+            logger.warning("Chunked loss: addmm with out_dtype is not available (%s); accumulating the output "
+                           "projection's gradient through a temporary of its size", str(e).splitlines()[0])
+    grad_w.add_(g.t() @ h)
 
 
 def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -80,7 +102,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 if grad_h is not None:
                     torch.matmul(g, w, out=grad_h[rows])
                 if grad_w is not None:
-                    grad_w.add_(g.t() @ hc[rows])
+                    _accumulate(grad_w, g, hc[rows])
                 del g
         ctx.save_for_backward(grad_h, grad_w)
         ctx.mark_non_differentiable(per_token)
