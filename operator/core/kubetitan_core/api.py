@@ -187,8 +187,8 @@ class PrecisionSpec(_Base):
     """Compute the output projection and the cross entropy in this many chunks of the batch's tokens, each chunk's
     gradient in the forward pass, so the logits of the whole batch (2 bytes x tokens x vocabulary, and as much again
     for their gradient) never exist: the memory that frees buys a larger batch or less activation checkpointing.
-    Same FLOPs; the projection then runs in bf16 even when `float8.filterFqns` puts it in FP8. 0 or 1: off (torchtitan's
-    loss). Not with tensor or pipeline parallelism."""
+    Same FLOPs; the projection then runs in bf16 and is kept out of FP8 even when `float8.filterFqns` would put it
+    there. 0 or 1: off (torchtitan's loss). Not with tensor or pipeline parallelism."""
 
 
 # ---------------------------------------------------------------------------- data

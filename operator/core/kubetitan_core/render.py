@@ -149,9 +149,19 @@ def _float8(s: LlamaPretrainSpec) -> dict[str, Any]:
         **float8,
         "enable_fsdp_float8_all_gather": f8.fsdp_float8_all_gather and dp_shard > 1,
         "precompute_float8_dynamic_scale_for_fsdp": f8.precompute_dynamic_scale and dp_shard > 1,
-        "filter_fqns": list(f8.filter_fqns),
+        "filter_fqns": _float8_filter(s),
         "emulate": f8.emulate,
     }
+
+
+def _float8_filter(s: LlamaPretrainSpec) -> list[str]:
+    """``filter_fqns``: the spec's, plus ``output`` under ``precision.lossChunks`` (the chunked loss multiplies by the
+    projection's weight itself, in bf16: an FP8 projection would only convert, and all-gather, a weight it never
+    uses as FP8; the spec warns, ``precision.loss-chunks-fp8-head``)."""
+    fqns = list(s.precision.float8.filter_fqns)
+    if s.precision.loss_chunks > 1 and not any(q in "output" for q in fqns):
+        fqns.append("output")
+    return fqns
 
 
 def efa_per_node(s: LlamaPretrainSpec) -> int:

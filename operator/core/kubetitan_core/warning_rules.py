@@ -315,8 +315,9 @@ def _loss_chunks_fp8_head(f: Facts) -> Iterator[tuple[str, str]]:
     if pr.loss_chunks > 1 and pr.float8.enabled and not any(q in "output" for q in pr.float8.filter_fqns):
         yield "spec.precision.lossChunks", (
             "float8.filterFqns leaves the output projection in FP8, but the chunked loss multiplies by its weight "
-            "itself, in bf16: the projection's FP8 speed-up is traded for the logits' memory; add \"output\" to "
-            "float8.filterFqns to say so, or set lossChunks to 0 to keep the FP8 projection")
+            "itself, in bf16, so kubetitan keeps the projection out of FP8: its FP8 speed-up is traded for the "
+            "logits' memory; add \"output\" to float8.filterFqns to say so, or set lossChunks to 0 to keep the FP8 "
+            "projection")
 
 
 @warns("run-policy.in-process-async-on-cpu")
