@@ -14,7 +14,8 @@
 #     pins ~43 GB of host memory while the model's ~75 GiB stay on the card.
 #   chunks: the chunked loss (`precision.lossChunks`, kubetitan_trainer/chunked_loss.py: no logits of the whole batch)
 #     at batch 2 WITHOUT activation checkpointing (out of memory by 376 MiB without it), 4 chunks three times and 8
-#     chunks once, alternating with plain's best layout (every 7th block checkpointed) twice and the recipe once.
+#     chunks once, alternating with plain's best layout (every 7th block checkpointed) twice and the recipe once, in
+#     that order of importance (a short SECONDS runs the first few).
 #   saves: the recipe's pinned-save run alone, then plain with every 7th block checkpointed (final's best plain, as the
 #     same machine's baseline), and both sides with every 10th block (3 blocks) checkpointed: does less recompute fit?
 # Prints the comparison table last (`gpu_bench.py compare`: tok/s per round, median, MFU, reserved memory, ratio to the
@@ -52,8 +53,8 @@ case "${1:-}" in
     CT=$((END - SECONDS - 5)) bench "$END" "$CKPT" ;;
   chunks)
     CH=3B:fp8tw:2:ac=none:alloc=exp:gpu=H100:path=kubetitan:$S
-    bench "$END" "${P[1]}:path=plain:$S,$CH:chunks=4:round=1,$RECIPE:$S,$CH:chunks=4:round=2,\
-${P[1]}:path=plain:$S:round=2,$CH:chunks=8,$CH:chunks=4:round=3" ;;
+    bench "$END" "${P[1]}:path=plain:$S,$CH:chunks=4:round=1,$RECIPE:$S,$CH:chunks=8,$CH:chunks=4:round=2,\
+${P[1]}:path=plain:$S:round=2,$CH:chunks=4:round=3" ;;
   saves)
     CT=150 bench "$END" "$CKPT"
     A10=3B:fp8tw:2:ac=selective:sac=10
