@@ -5,6 +5,7 @@ and took the launcher down, so the gang was recreated instead of restarting in p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -23,7 +24,8 @@ def _wait_for_kill(ready_fd: int) -> None:
     signal.pause()
 
 
-def _started_worker(tmp_path, torn: bytes):
+@contextlib.contextmanager
+def _killed_worker(tmp_path, torn: bytes):
     """One real elastic worker (fork) that the test kills after writing ``torn`` where its error file goes: the file
     as a kill in the middle of ``_wrap``'s ``pickle.dump`` leaves it."""
     ready_r, ready_w = os.pipe()
@@ -37,51 +39,45 @@ def _started_worker(tmp_path, torn: bytes):
         fh.write(torn)
     os.kill(pid, signal.SIGKILL)
     os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped: join reaps it
-    return pcontext
-
-
-@pytest.mark.parametrize("torn", [b"", b"\x80\x04\x95"], ids=["empty", "cut-mid-pickle"])
-def test_without_the_shim_torchs_join_dies_on_the_torn_error_file(tmp_path, torn):
-    pcontext = _started_worker(tmp_path, torn)
     try:
-        # If this stops raising, torch handles a torn error file itself: drop compat.tolerate_torn_error_files.
-        with pytest.raises((EOFError, pickle.UnpicklingError)):
-            pcontext.wait(0)
+        yield pcontext
     finally:
         pcontext.close()
 
 
-@pytest.mark.parametrize("torn", [b"", b"\x80\x04\x95"], ids=["empty", "cut-mid-pickle"])
+TORN = pytest.mark.parametrize("torn", [b"", b"\x80\x04\x95"], ids=["empty", "cut-mid-pickle"])
+
+
+@TORN
+def test_without_the_shim_torchs_join_dies_on_the_torn_error_file(tmp_path, torn):
+    with _killed_worker(tmp_path, torn) as pcontext:
+        # If this stops raising, torch handles a torn error file itself: drop compat.tolerate_torn_error_files.
+        with pytest.raises((EOFError, pickle.UnpicklingError)):
+            pcontext.wait(0)
+
+
+@TORN
 def test_a_worker_killed_while_writing_its_error_file_is_a_failed_worker_killed_by_sigkill(tmp_path, torn):
-    pcontext = _started_worker(tmp_path, torn)
-    try:
+    with _killed_worker(tmp_path, torn) as pcontext:
         compat.tolerate_torn_error_files(pcontext)
         compat.tolerate_torn_error_files(pcontext)  # installed once
         result = pcontext.wait(0)  # what the elastic agent's monitor calls
         assert result is not None and result.is_failed()
         assert result.failures[0].exitcode == -signal.SIGKILL
-    finally:
-        pcontext.close()
 
 
-@pytest.mark.parametrize("torn", [b"", b"\x80\x04\x95"], ids=["empty", "cut-mid-pickle"])
+@TORN
 def test_the_join_says_the_worker_died_by_its_signal_while_writing_its_error_file(tmp_path, torn):
-    pcontext = _started_worker(tmp_path, torn)
-    try:
+    with _killed_worker(tmp_path, torn) as pcontext:
         compat.tolerate_torn_error_files(pcontext)
         with pytest.raises(ProcessExitedException, match="process 0 terminated with signal SIGKILL while writing its "
                                                          "error file") as raised:
             pcontext._pc.join(-1)
         assert (raised.value.error_index, raised.value.exit_code, raised.value.signal_name) == (0, -9, "SIGKILL")
-    finally:
-        pcontext.close()
 
 
 def test_a_readable_error_file_still_reports_the_workers_own_traceback(tmp_path):
-    pcontext = _started_worker(tmp_path, pickle.dumps("Traceback: RuntimeError: the worker's own error"))
-    try:
+    with _killed_worker(tmp_path, pickle.dumps("Traceback: RuntimeError: the worker's own error")) as pcontext:
         compat.tolerate_torn_error_files(pcontext)
         with pytest.raises(ProcessRaisedException, match="the worker's own error"):
             pcontext._pc.join(-1)
-    finally:
-        pcontext.close()
