@@ -14,9 +14,9 @@ The projection runs in the autocast dtype (bf16): the products are plain ``matmu
 keeps it out of FP8 even where ``precision.float8.filterFqns`` would put it there (the spec warns). Its weight's
 gradient accumulates in float32 over the chunks, whatever the parameter's dtype. Under FSDP the weight is the
 projection's unsharded parameter: torchtitan shards the final norm and the projection together and keeps them
-unsharded between forward and backward, so the loss, which runs right after the model, sees it unsharded and returns the gradient for it, which FSDP
-then reduce-scatters as it does a linear's. Not with tensor or pipeline parallelism (the spec refuses both: their
-losses are computed in pieces).
+unsharded between forward and backward, so the loss, which runs right after the model, sees it unsharded and
+returns the gradient for it, which FSDP then reduce-scatters as it does a linear's. Not with tensor or pipeline
+parallelism (the spec refuses both: their losses are computed in pieces).
 """
 
 from __future__ import annotations
