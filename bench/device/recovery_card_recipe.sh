@@ -21,4 +21,8 @@ CARD_RECIPE=1 PLAN=${PLAN:-saved:warm_tier,saved:warm_tier,saved:warm_tier,saved
 rc=$?
 grep -ah "AOT\|Start-up of" "$OUT/launcher.log" 2>/dev/null | cut -c1-400 | tail -12
 ls -la /tmp/recovery-bench/compile-cache/*/aot 2>/dev/null || find /tmp/recovery-bench -name '*.aot' -ls 2>/dev/null | head
+# Triton re-benchmarks kernels at every warm restart (benchmark_all_configs in startup.jsonl's compile_parts): are
+# Inductor's saved best configurations there to be read back?
+echo "=== .best_config files in the compile cache: $(find /tmp/recovery-bench -name '*.best_config' 2>/dev/null | wc -l)"
+find /tmp/recovery-bench -name '*.best_config' -printf '%TT %s %p\n' 2>/dev/null | sort | head -20
 exit $rc
