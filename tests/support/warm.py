@@ -28,9 +28,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from support import forkrun
 from support.paths import REPO
@@ -156,6 +158,27 @@ def wait_all(procs: list[WarmProcess | subprocess.Popen], timeout: float, ok: tu
             break
         pending = [p for p in pending if p.poll() is None]
     return [p.returncode for p in procs]
+
+
+def run_code(code: str, where: Path, env: dict[str, str] | None = None, timeout: float = 300) -> tuple[int, str]:
+    """A probe script that would be ``python -c code``: forked from the warm parent instead of a cold interpreter (no
+    second import of torch), written to and logged in ``where``. Its exit code and its output (stdout and stderr,
+    interleaved)."""
+    fd, script = tempfile.mkstemp(prefix="probe-", suffix=".py", dir=where)
+    with os.fdopen(fd, "w") as f:
+        f.write(code)
+    log = Path(script).with_suffix(".log")
+    proc = popen("tests.support.run_code", [script], dict(os.environ if env is None else env), log)
+    code_ = wait_all([proc], timeout)[0]
+    return code_, log.read_text(errors="replace")
+
+
+def last_json(output: str) -> Any:
+    """The last line of ``output`` that is a JSON value (what a probe prints last; warnings may follow it)."""
+    for line in reversed(output.strip().splitlines()):
+        with contextlib.suppress(ValueError):
+            return json.loads(line)
+    raise AssertionError("no JSON line in the probe's output:\n" + output[-3000:])
 
 
 _zygotes: dict[frozenset, _Zygote] = {}

@@ -10,8 +10,6 @@ graph again); with it nothing is. The full round trip (a second process hitting 
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import textwrap
 
@@ -21,6 +19,8 @@ import torch
 import kubetitan_trainer.compile
 from kubetitan_trainer import compat
 from kubetitan_trainer.compile import aot_cache
+
+from support import warm
 
 PROBE = textwrap.dedent('''
     import json, pickle, torch
@@ -62,10 +62,10 @@ PROBE = textwrap.dedent('''
 ''')
 
 
-def test_enable_makes_an_fp8_blocks_graph_cacheable() -> None:
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+def test_enable_makes_an_fp8_blocks_graph_cacheable(tmp_path) -> None:
+    code, output = warm.run_code(PROBE, tmp_path)  # a fresh process: forked from the warm parent, nothing compiled
+    assert code == 0, output[-3000:]
+    got = warm.last_json(output)
     assert len(got["before"]) == 1 and len(got["after"]) == 1  # one graph each time: the block, fullgraph
     before = set(got["before"][0])
     # as shipped: the SDPA backend selection, torchao's configs and its Functions' closures are refused
@@ -124,10 +124,10 @@ STAND_INS = textwrap.dedent('''
 ''')
 
 
-def test_stand_ins_never_run_another_class_and_dynamo_traces_them_again() -> None:
-    out = subprocess.run([sys.executable, "-c", STAND_INS], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+def test_stand_ins_never_run_another_class_and_dynamo_traces_them_again(tmp_path) -> None:
+    code, output = warm.run_code(STAND_INS, tmp_path)
+    assert code == 0, output[-3000:]
+    got = warm.last_json(output)
     assert got["2.0"] == [2.0] * 3 and got["3.0"] == [3.0] * 3
     assert got["stand_in"] == "kubetitan_trainer.compile.aot_cache" and got["retraced"] == [6.0] * 3
 

@@ -100,11 +100,12 @@ def _install(model, **kwargs):
 
 
 def _probe(cache, env=None):
+    """PROBE in a fresh process (forked from the tests' warm parent: torch imported, nothing compiled)."""
     e = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
          **(env or {})}
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=e, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    code, output = warm.run_code(PROBE, cache, e)
+    assert code == 0, output[-3000:]
+    return warm.last_json(output)
 
 
 def test_a_single_process_makes_the_artefact_and_a_fresh_process_runs_it_without_tracing(tmp_path):
