@@ -40,8 +40,33 @@ def crd_only_server(workdir: Path, namespace: str, apiserver_bin: Path | None = 
             return conds.get("Established") == "True" and conds.get("NamesAccepted") == "True"
 
         wait_for(established, 30, "the CRD Established")
+        wait_for(lambda: discovered(cp.admin), 30, "the CRD's resource in the API server's discovery and OpenAPI v3")
         cp.admin.ensure_namespace(namespace)
         yield cp
+
+
+AGGREGATED = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"
+
+
+def discovered(api: Any) -> bool:
+    """Whether the server's aggregated discovery lists the CRD's resource and its OpenAPI v3 document holds the
+    CRD's schema: what ``kubectl explain`` reads. Established comes first; the discovery and OpenAPI controllers
+    publish the CRD a moment later, and an explain in between answers "couldn't find resource" (seen when the
+    explain test ran first on a fresh server)."""
+    group, plural = CRD["spec"]["group"], CRD["spec"]["names"]["plural"]
+    version = CRD["spec"]["versions"][0]["name"]
+    r = api.s.get(api.server + "/apis", headers={"Accept": AGGREGATED}, timeout=10)
+    groups = {g["metadata"]["name"]: g for g in (r.json().get("items") or [])} if r.ok else {}
+    versions = (groups.get(group) or {}).get("versions") or []
+    if not any(res.get("resource") == plural for v in versions for res in v.get("resources") or []):
+        return False
+    index = api.s.get(api.server + "/openapi/v3", timeout=10)
+    entry = ((index.json().get("paths") or {}) if index.ok else {}).get(f"apis/{group}/{version}")
+    if not entry:
+        return False
+    doc = api.s.get(api.server + entry["serverRelativeURL"], timeout=10)
+    kind = CRD["spec"]["names"]["kind"]
+    return doc.ok and any(name.endswith(f".{kind}") for name in (doc.json().get("components") or {}).get("schemas", {}))
 
 
 def post_dry_run(api: Any, doc: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
