@@ -167,6 +167,11 @@ class Float8Spec(_Base):
     filter_fqns: list[str] = Field(default_factory=lambda: ["output"])
     """Module names (fully-qualified-name fragments) kept out of FP8; the output projection by default."""
 
+    def filters_output(self) -> bool:
+        """Whether ``filter_fqns`` keeps the output projection (the module ``output``) out of FP8: torchtitan skips
+        a module whose name contains one of the fragments."""
+        return any(fragment in "output" for fragment in self.filter_fqns)
+
 
 class PrecisionSpec(_Base):
     """Numerics and the compiler: mixed precision, FP8, torch.compile, activation checkpointing."""

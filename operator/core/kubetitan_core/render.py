@@ -158,10 +158,8 @@ def _float8_filter(s: LlamaPretrainSpec) -> list[str]:
     """``filter_fqns``: the spec's, plus ``output`` under ``precision.lossChunks`` (the chunked loss multiplies by the
     projection's weight itself, in bf16: an FP8 projection would only convert, and all-gather, a weight it never
     uses as FP8; the spec warns, ``precision.loss-chunks-fp8-head``)."""
-    fqns = list(s.precision.float8.filter_fqns)
-    if s.precision.loss_chunks > 1 and not any(q in "output" for q in fqns):
-        fqns.append("output")
-    return fqns
+    f8 = s.precision.float8
+    return list(f8.filter_fqns) + (["output"] if s.precision.loss_chunks > 1 and not f8.filters_output() else [])
 
 
 def efa_per_node(s: LlamaPretrainSpec) -> int:

@@ -312,7 +312,7 @@ def _in_place_beyond_budget(f: Facts) -> Iterator[tuple[str, str]]:
 @warns("precision.loss-chunks-fp8-head")
 def _loss_chunks_fp8_head(f: Facts) -> Iterator[tuple[str, str]]:
     pr = f.spec.precision
-    if pr.loss_chunks > 1 and pr.float8.enabled and not any(q in "output" for q in pr.float8.filter_fqns):
+    if pr.loss_chunks > 1 and pr.float8.enabled and not pr.float8.filters_output():
         yield "spec.precision.lossChunks", (
             "float8.filterFqns leaves the output projection in FP8, but the chunked loss multiplies by its weight "
             "itself, in bf16, so kubetitan keeps the projection out of FP8: its FP8 speed-up is traded for the "
