@@ -28,7 +28,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.tools.logging import logger
 
 from kubetitan_trainer import compat
 
@@ -57,25 +56,15 @@ def _compiled(backend: str):
     return torch.compile(_chunk_loss_and_grad, backend=backend, dynamic=False)
 
 
-_FP32_OUT = [True]
-"""Whether ``addmm``'s ``out_dtype`` (CUDA only in torch 2.11) accumulates a bf16 product into a float32 buffer."""
-
-
 def _accumulate(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
     """``grad_w += g.T @ h`` into the float32 (or wider) ``grad_w``: on CUDA without a temporary of the weight's size
-    (``addmm(..., out_dtype=float32)``), elsewhere through one."""
+    (``addmm``'s ``out_dtype``, a CUDA overload in torch 2.11), elsewhere through one."""
     if grad_w.dtype == g.dtype:
         grad_w.addmm_(g.t(), h)
-        return
-    if grad_w.is_cuda and _FP32_OUT[0]:
-        try:
-            torch.addmm(grad_w, g.t(), h, out_dtype=grad_w.dtype, out=grad_w)
-            return
-        except NotImplementedError as e:  # a build without the overload: the temporary below, said once
-            _FP32_OUT[0] = False
-            logger.warning("Chunked loss: addmm with out_dtype is not available (%s); accumulating the output "
-                           "projection's gradient through a temporary of its size", str(e).splitlines()[0])
-    grad_w.add_(g.t() @ h)
+    elif grad_w.is_cuda:
+        torch.addmm(grad_w, g.t(), h, out_dtype=grad_w.dtype, out=grad_w)
+    else:
+        grad_w.add_(g.t() @ h)
 
 
 def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
