@@ -13,6 +13,7 @@ from kubetitan_trainer.launch import agent, orphans
 
 SCRIPT = textwrap.dedent("""
     import json, multiprocessing as mp, os, signal, sys, time
+    import psutil
     from kubetitan_trainer.launch import orphans
 
     def worker(q):  # a forked worker (torch elastic's start method) whose spawned writer outlives it
@@ -28,7 +29,7 @@ SCRIPT = textwrap.dedent("""
         w.start()
         writer = q.get()
         w.join()
-        adopted = writer in orphans.children()
+        adopted = writer in [c.pid for c in psutil.Process().children()]
         ended = orphans.reap()
         print(json.dumps({"subreaper": subreaper, "writer": writer, "adopted": adopted, "ended": ended,
                           "worker_code": w.exitcode}))

@@ -31,13 +31,6 @@ def become_subreaper() -> bool:
         return False
 
 
-def children() -> list[int]:
-    """This process's child processes, ended ones not yet collected (zombies) too."""
-    import psutil
-
-    return [c.pid for c in psutil.Process().children()]
-
-
 def reap(timeout: float = 5.0) -> list[int]:
     """SIGKILL every child of this process and collect its exit status (waiting at most ``timeout`` s in all); the
     pids ended. Children that ended on their own (zombies) are collected too."""
