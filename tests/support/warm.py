@@ -169,8 +169,8 @@ def run_code(code: str, where: Path, env: dict[str, str] | None = None, timeout:
         f.write(code)
     log = Path(script).with_suffix(".log")
     proc = popen("tests.support.run_code", [script], dict(os.environ if env is None else env), log)
-    code_ = wait_all([proc], timeout)[0]
-    return code_, log.read_text(errors="replace")
+    returncode = wait_all([proc], timeout)[0]
+    return returncode, log.read_text(errors="replace")
 
 
 def last_json(output: str) -> Any:
