@@ -62,6 +62,17 @@ def namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> It
     control_plane.admin.delete("v1/namespaces", None, name)
 
 
+@pytest.fixture(scope="module")
+def dry_run_namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    """One namespace for a module's tests that store nothing (server-side dry runs). A namespace per test would cost
+    the cluster a sweep at each deletion: the namespace controller lists and deletes every resource type in it,
+    about 90 requests a namespace, which made most of the API server's work in this lane."""
+    name = "dry-" + request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")[:40]
+    control_plane.admin.ensure_namespace(name)
+    yield name
+    control_plane.admin.delete("v1/namespaces", None, name)
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path

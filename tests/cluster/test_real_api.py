@@ -59,11 +59,11 @@ def test_kubectl_explain_reads_the_typed_spec_descriptions(control_plane: Contro
 
 @pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
 def test_every_corpus_spec_is_refused_by_the_real_server_as_the_validator_refuses_it(
-        case: dict[str, Any], control_plane: ControlPlane, operator: Any, namespace: str) -> None:
+        case: dict[str, Any], control_plane: ControlPlane, operator: Any, dry_run_namespace: str) -> None:
     """The CRD's OpenAPI schema and CEL rules run in the server before any webhook: a spec they refuse is answered
     422 with exactly the CEL rules the Python validator reports for it; a spec they pass reaches the webhook, which
     refuses it with the validator's errors."""
-    doc = make_lpt(case["spec"], name="c", namespace=namespace)
+    doc = make_lpt(case["spec"], name="c", namespace=dry_run_namespace)
     _, errors = parse(make_lpt(case["spec"]))
     py = {e.rule for e in errors}
     code, body, _ = post_dry_run(control_plane.admin, doc)
@@ -82,7 +82,7 @@ def test_every_corpus_spec_is_refused_by_the_real_server_as_the_validator_refuse
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_every_example_through_kubectl_dry_run_server_as_kubetitan_validate_says(
-        path: Path, control_plane: ControlPlane, operator: Any, namespace: str, tmp_path: Path,
+        path: Path, control_plane: ControlPlane, operator: Any, dry_run_namespace: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     """``kubectl apply --dry-run=server`` of each example (CRD, CEL, the webhook with the chart's default policy)
     agrees with ``kubetitan validate --policy charts/kubetitan/values.yaml`` (its ``main``, in this process: the
@@ -94,7 +94,7 @@ def test_every_example_through_kubectl_dry_run_server_as_kubetitan_validate_says
     own = yamlio.load(path.read_text())["metadata"].get("namespace")
     if own:
         control_plane.admin.ensure_namespace(own)
-    out = kubectl("apply", "--dry-run=server", "-n", own or namespace, "-f", str(path),
+    out = kubectl("apply", "--dry-run=server", "-n", own or dry_run_namespace, "-f", str(path),
                   kubeconfig=control_plane.admin_kubeconfig, check=False)
     assert (out.returncode == 0) == (code == 0), (out.stdout, out.stderr, said.out, said.err)
     if out.returncode:
