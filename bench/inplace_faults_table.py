@@ -1,6 +1,6 @@
 """One row per injected fault of an in-place run's log (bench/device/inplace_faults_gpu.sh): fault -> restart decided
--> state loaded -> the end of the first trained step after it, in seconds from the fault's own log line, and whether
-the process stayed the same (its pid in the restart lines).
+-> state loaded (or kept: a fault before the optimizer step loads nothing) -> the end of the first trained step after
+it, in seconds from the fault's own log line, and whether the process stayed the same (its pid in the restart lines).
 
     python bench/inplace_faults_table.py RUN_LOG
 """
@@ -16,7 +16,7 @@ FAULT = re.compile(r"Injected fault '(\w+)' at rank \d+ step (\d+)")
 RESTART = re.compile(r"In-process restart (\d+): .*restarting in-process")
 REBOUND = re.compile(r"In-process restart \d+: process groups re-bound.*\(pid (\d+)\)")
 FIRST_PID = re.compile(r"In-process restarts on: .*\(pid (\d+)\)")
-LOADED = re.compile(r"Loaded step (\d+) from the restore tier")
+LOADED = re.compile(r"Loaded step (\d+) from the restore tier|In-process restart: every rank kept the state of step (\d+)")
 STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+(\S+)")
 
 
@@ -44,7 +44,8 @@ def rows(lines: list[str]) -> tuple[list[dict], str | None]:
         elif (m := REBOUND.search(line)) and "pid" not in cur:
             cur["pid"] = m.group(1)
         elif (m := LOADED.search(line)) and "loaded_s" not in cur:
-            cur["loaded_s"], cur["loaded_step"] = t - cur["t"], int(m.group(1))
+            cur["loaded_s"], cur["loaded_step"] = t - cur["t"], int(m.group(1) or m.group(2))
+            cur["kept"] = m.group(2) is not None
         elif (m := STEP.search(line)) and "loaded_s" in cur and "first_step_s" not in cur:
             cur["first_step_s"], cur["first_step"] = t - cur["t"], int(m.group(1))
     return out, first_pid
@@ -65,7 +66,8 @@ def main(argv: list[str]) -> int:
             return f"{r[key]:.2f} s" if key in r else "—"
         same = "yes" if r.get("pid") and r.get("pid") == first_pid else f"no ({r.get('pid')} vs {first_pid})"
         ok &= "first_step_s" in r and same == "yes"
-        print(f"| {r['kind']} | {r['fault_step']} | {s('restart_s')} | {s('loaded_s')} ({r.get('loaded_step', '—')}) | "
+        held = f"{r.get('loaded_step', '—')}{', kept' if r.get('kept') else ''}"
+        print(f"| {r['kind']} | {r['fault_step']} | {s('restart_s')} | {s('loaded_s')} ({held}) | "
               f"{s('first_step_s')} ({r.get('first_step', '—')}) | {same} |")
     print("(seconds from the fault's own log line; a hang's include its detection, the progress timeout)")
     return 0 if ok else 1

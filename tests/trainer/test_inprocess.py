@@ -48,6 +48,30 @@ def test_decide(name, primary, faults, previous, restarts, want_retry, want_code
     assert (d.retry, d.exit_code) == (want_retry, want_code), (name, d.reason)
 
 
+@pytest.mark.parametrize("name, tokens, world, want", [
+    ("every rank holds the same whole step", ["step 3", "step 3"], 2, "step 3"),
+    ("one rank's optimizer step had begun", ["step 3", ""], 2, None),
+    ("no rank holds a whole step", ["", ""], 2, None),
+    ("the ranks hold different steps", ["step 3", "step 4"], 2, None),
+    ("a rank's word is missing", ["step 3"], 2, None),
+    ("one rank", ["step 0"], 1, "step 0"),
+])
+def test_kept_state(name, tokens, world, want):
+    assert inprocess.kept_state(tokens, world) == want, name
+
+
+def test_step_state_is_whole_from_a_steps_start_until_its_optimizer_step_begins():
+    s = inprocess.StepState()
+    assert s.token() == ""  # nothing known before the first step
+    s.begin(4)
+    s.batches.append("mb")
+    assert (s.token(), s.batches) == ("step 4", ["mb"])
+    s.spoil("optimizer", (), {})  # a step pre-hook's arguments
+    assert s.token() == ""
+    s.begin(5)
+    assert (s.token(), s.batches) == ("step 5", [])
+
+
 def test_inject_fires_once_and_only_where_asked(monkeypatch):
     monkeypatch.setenv(inprocess.ENV_TEST_FAULT, "1:4:raise,0:6:nan")
     monkeypatch.setattr(inprocess, "_fired", set())

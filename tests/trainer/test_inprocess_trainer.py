@@ -1,10 +1,13 @@
 """The torchtitan trainer under in-process restart (``[kubetitan] inprocess_restarts``): 2 gloo ranks (FSDP over
 both), checkpoints every 2 steps (synchronous: with async saves this scenario timed out in a collective after the
-restart once in seven suite runs, cause not found: docs/reliability.md), an exception injected on rank 1 at step 5.
-The workers restart their loop in the
-same processes (the launcher never restarts them), re-bound to a new process group, from the step-4 checkpoint, and
-the per-step losses equal an uninterrupted run's, and the ledger shows every global sample trained once, none
-skipped, in the steps that count (the last try of each)."""
+restart once in seven suite runs, cause not found: docs/reliability.md), and three faults: an exception on rank 1
+after its step-3 backward and one in the middle of its step-4 backward (both before any optimizer step: every rank
+keeps its state, nothing is loaded, the step trains again on its own microbatches; the second leaves FSDP's
+per-step state half-way, which the restart resets), then a NaN loss on rank 0 at step 6 (found after the optimizer
+step: the state is loaded from the step-4 checkpoint). The workers restart their loop in the same processes (the
+launcher never restarts them), re-bound to a new process group, and the per-step losses equal an uninterrupted
+run's, and the ledger shows every global sample trained once, none skipped, in the steps that count (the last try
+of each)."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def run(tmp: Path, fault: str = "") -> str:
                "data": {"source": "synthetic"}, "checkpoint": {"intervalSteps": 2, "asyncMode": "disabled"}})
     config = ledger_config(obj, tmp / "dump", tmp / "run.toml")
     cfg = tomllib.loads(config.read_text())
-    cfg["kubetitan"]["inprocess_restarts"] = 2
+    cfg["kubetitan"]["inprocess_restarts"] = 3
     # gloo cannot abort a collective: a rank blocked in one while its peer faulted waits for this timeout (FSDP keeps
     # the faulted rank's group, so its sockets stay open); NCCL's are aborted by the monitor
     cfg.setdefault("comm", {}).update(init_timeout_seconds=10, train_timeout_seconds=10)
@@ -46,16 +49,28 @@ def losses(tmp: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (tmp / "dump" / "kubetitan" / "steps.jsonl").open())}
 
 
-def test_exception_restarts_the_torchtitan_loop_in_process(tmp_path):
+def test_a_fault_before_the_optimizer_step_keeps_the_state_and_one_after_it_loads_the_checkpoint(tmp_path):
     (tmp_path / "base").mkdir()
     run(tmp_path / "base")
-    out = run(tmp_path, "1:5:raise")
-    assert "Injected fault 'raise' at rank 1 step 5" in out
-    restarted = re.findall(r"In-process restart 1: process groups re-bound \((\d+) FSDP references\).*?pid (\d+)", out)
+    out = run(tmp_path, "1:3:raise,1:4:raise-in-backward,0:6:nan")
+    assert all(f"Injected fault '{k}' at rank {r} step {s}" in out for r, s, k in ((1, 3, "raise"), (1, 4, "raise"),
+                                                                                    (0, 6, "nan"))), out[-4000:]
     started = re.findall(r"In-process restarts on: .*?pid (\d+)", out)
-    assert len(restarted) == 2 and all(int(n) > 0 for n, _ in restarted), out[-4000:]
-    assert sorted(p for _, p in restarted) == sorted(started), "both ranks trained on in the processes they began in"
-    assert "Training starts at step 5" in out, out[-4000:]  # the step-4 checkpoint
+    for i, what in ((1, "keeping the state every rank holds"), (2, "keeping the state every rank holds"),
+                    (3, "loading the newest saved state")):
+        restarted = re.findall(rf"In-process restart {i}: process groups re-bound \((\d+) FSDP references\).*?, "
+                               rf"{what} \(pid (\d+)\)", out)
+        assert len(restarted) == 2 and all(int(n) > 0 for n, _ in restarted), (i, out[-4000:])
+        assert sorted(p for _, p in restarted) == sorted(started), "both ranks trained on in the processes they began in"
+    # the first two faults: every rank held the step before whole (its optimizer step never began); nothing loaded
+    for kept in (2, 3):
+        assert out.count(f"every rank kept the state of step {kept} (the fault at step {kept + 1} came before the "
+                         f"optimizer step): nothing to load; step {kept + 1} trains again on its 1 microbatch(es) "
+                         "drawn before the fault") == 2, out[-4000:]
+        assert f"Training starts at step {kept + 1}" in out, out[-4000:]
+    # the third: the NaN is found after the optimizer step, so no rank holds a whole step; the step-4 checkpoint
+    assert out.count("the state is loaded: the ranks hold no whole step, no whole step") == 2, out[-4000:]
+    assert "Training starts at step 5" in out, out[-4000:]
     last: dict[tuple[int, int], list[int]] = {}
     for f in sorted((tmp_path / "dump" / "kubetitan" / "ledger").glob("rank-*.txt")):
         tries: dict[int, list[int]] = {}
@@ -67,5 +82,6 @@ def test_exception_restarts_the_torchtitan_loop_in_process(tmp_path):
         last.update({(f.name, s): p for s, p in tries.items()})
     trained = sorted(p for ps in last.values() for p in ps)
     assert trained == list(range(STEPS * BATCH)), "every sample trained once, none skipped"
-    # the state reloaded into the kept model and optimizer (FSDP on the new group) trains as if nothing happened
+    # the kept state and the state reloaded into the kept model and optimizer (FSDP on the new group) train as if
+    # nothing happened
     assert losses(tmp_path) == pytest.approx(losses(tmp_path / "base"), rel=1e-6)

@@ -115,6 +115,9 @@ class KubetitanTrainer(Trainer):
         self._local_loss: torch.Tensor | None = None
         self._inprocess: inprocess.InProcessRestart | None = None
         self._restarting = False  # an in-process restart's load: nothing to load is the end of in-process restarts
+        self._step_state = inprocess.StepState()  # what an in-process restart can keep (see _keep_state)
+        self._replay: list = []  # a kept-state restart's microbatches not yet trained again (StepState has them all)
+        self._batches: Any = None  # torchtitan's batch generator, kept through a kept-state restart
         self._tier_writer = restore_tier.BackgroundWriter()
         ck = job_config.checkpoint
         self._heartbeat = heartbeat.Writer.from_env(job_config.training.steps, ck.enable, ck.interval)
@@ -221,11 +224,34 @@ class KubetitanTrainer(Trainer):
         timeout = float(self.job_config.comm.train_timeout_seconds)
         logger.info(f"In-process restarts on: up to {kt.inprocess_restarts}, collective timeout {timeout:.0f} s, "
                     f"progress timeout {kt.inprocess_progress_timeout_seconds or 'off'} (pid {os.getpid()})")
+        for o in self.optimizers:  # from an optimizer step's start, the state is no whole step's until the next
+            o.register_step_pre_hook(self._step_state.spoil)
         return inprocess.InProcessRestart(
             inprocess.launcher_store_factory(), rank, world, backend=dist.get_backend(),
             collective_timeout=timeout, barrier_timeout=timeout + 30, max_restarts=kt.inprocess_restarts,
             progress_timeout=float(kt.inprocess_progress_timeout_seconds) or None,
-            before_teardown=self._let_the_last_write_end)
+            before_teardown=self._let_the_last_write_end, state_token=self._state_token)
+
+    def _state_token(self) -> str:
+        """This rank's word for the state it holds after a fault (``InProcessRestart.state_token``): the last whole
+        step, unless a restore tier's load still copies the optimizer's state in (its first step has not waited)."""
+        return "" if self._tier_hooks else self._step_state.token()
+
+    def _keep_state(self) -> bool:
+        """An in-process restart where every rank kept its state (the fault came before any rank's optimizer step):
+        nothing is loaded; torchtitan's loop trains the interrupted step again, on the microbatches it had drawn
+        (``batch_generator`` yields them first, then goes on with the same data iterator)."""
+        assert self._inprocess is not None
+        faulted = self.step
+        self.step = self._step_state.step
+        self._replay = list(self._step_state.batches)  # all of them again, also after a fault in a retried step
+        self._restarting = False
+        self._inprocess.mark("state_loaded")
+        logger.info(f"In-process restart: every rank kept the state of step {self.step} (the fault at step {faulted} "
+                    f"came before the optimizer step): nothing to load; step {self.step + 1} trains again on its "
+                    f"{len(self._replay)} microbatch(es) drawn before the fault")
+        self._after_load(kept=True)
+        return True
 
     def _let_the_last_write_end(self) -> None:
         """After a fault, before the process groups go: the last save's async write, if still in flight, is given up
@@ -251,22 +277,31 @@ class KubetitanTrainer(Trainer):
                     f"In-process restart {iteration}: the background write of the last save before the fault {cut}; "
                     + ("the restore tier holds its step" if self._tier else "the newest complete checkpoint is loaded"))
             n = compat.rebind_process_groups(self.parallel_dims, self.model_parts)
+            compat.reset_fsdp_runtime(self.model_parts)  # the interrupted step's FSDP state (a fault mid-backward)
             # after the meshes' groups, in the order torchtitan made them
             remade = ", the async-save group made again" if compat.remake_checkpoint_group(self.checkpointer) else ""
             if self._inprocess is not None and self._inprocess.recoveries:
                 self.metrics_processor.exporter.inprocess_restart(str(self._inprocess.recoveries[-1]["cause"]))
             ck = self.job_config.checkpoint
-            ck.load_step = resolve_load_step(self._store)  # a newer restore tier wins inside the load (-1: none)
+            kept = self._inprocess is not None and self._inprocess.kept is not None
+            if not kept:
+                ck.load_step = resolve_load_step(self._store)  # a newer restore tier wins inside the load (-1: none)
+                self._replay, self._batches = [], None  # the loaded state has its own data position
+                self._step_state = inprocess.StepState()  # nothing whole until the loaded state's first step begins
             self._restarting = True
             logger.info(f"In-process restart {iteration}: process groups re-bound ({n} FSDP references{remade}), "
-                        f"loading the newest saved state (pid {os.getpid()})")
+                        f"{'keeping the state every rank holds' if kept else 'loading the newest saved state'} "
+                        f"(pid {os.getpid()})")
         return super().train()
 
-    def _after_load(self) -> None:
+    def _after_load(self, kept: bool = False) -> None:
+        """After a load (``kept``: an in-process restart that kept the state, whose step is no checkpoint's)."""
         ex = self.metrics_processor.exporter
         data.attach(self.dataloader, self.job_config, ex, lambda: self.step)
         ex.carried(self.productive_seconds)
         ex.step.set(self.step)
+        if kept:
+            return
         ex.resumed_from.set(self.step)
         if self.step > 0:
             # The checkpoint this attempt resumed from is its newest complete one until it saves another:
@@ -282,12 +317,30 @@ class KubetitanTrainer(Trainer):
         return not self._stopping and super().should_continue_training()
 
     def batch_generator(self, data_iterable):
+        """torchtitan's, timed, and remembered for an in-process restart that keeps the state: the interrupted
+        step's microbatches first (``_replay``, counted in the tokens already), then the same iterator goes on
+        (never ``yield from``: closing this generator must not close the kept one)."""
         times = self.metrics_processor.data_loading_times
         observe = self.metrics_processor.exporter.data_loading.observe
-        for item in super().batch_generator(data_iterable):
+        remember = self._inprocess is not None  # the step's microbatches (StepState.begin empties them)
+        while self._replay:  # popped before it is yielded: a fault in between still finds it in StepState
+            input_dict, labels = self._replay.pop(0)
+            yield dict(input_dict), labels  # a copy: the step moves its tensors to the device in place
+        if self._batches is None:
+            self._batches = super().batch_generator(data_iterable)
+        batches = self._batches
+        while True:
+            try:
+                input_dict, labels = next(batches)
+                if remember:  # at once: an interrupt may come at any line after it
+                    self._step_state.batches.append((dict(input_dict), labels))
+            except BaseException:  # a generator that raised is finished, and so is the data position it held
+                self._step_state.step = -1
+                self._batches = None
+                raise
             if times:
                 observe(times[-1])
-            yield item
+            yield input_dict, labels
 
     def _chunk_loss(self, job_config: JobConfig) -> None:
         """``precision.lossChunks``: the model returns the final norm's output, the loss projects it in chunks."""
@@ -329,7 +382,15 @@ class KubetitanTrainer(Trainer):
         return super().post_dataloading_process(input_dict, labels)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-        loss = super().forward_backward_step(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        fault = None
+        if self._inprocess is not None:  # test-only (KUBETITAN_TEST_FAULT)
+            fault = inprocess.inject_into_backward(self.model_parts[0], self._rank_world()[0], self.step)
+        try:
+            loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                                 global_valid_tokens=global_valid_tokens)
+        finally:
+            if fault is not None:
+                fault.remove()
         if self._inprocess is not None:
             loss = inprocess.inject(self._rank_world()[0], self.step, loss)  # test-only (KUBETITAN_TEST_FAULT)
         d = loss.detach()
@@ -349,6 +410,8 @@ class KubetitanTrainer(Trainer):
             self._source_stats.reset()
         if self._inprocess is not None:
             self._inprocess.step = self.step
+            # the previous step passed its checks: a whole step's state (a step trained again keeps its microbatches)
+            self._step_state.begin(self.step - 1, again=bool(self._replay))
         super().train_step(data_iterator)
         # After the first step every NCCL communicator exists: its log says which network it is on.
         not_efa = self._check_network() if first else False
@@ -524,6 +587,8 @@ class KubetitanTrainer(Trainer):
 
     def _load_then_publish(self, load: Callable, step: int = -1) -> bool:
         """torchtitan's load (or the restore tier's, or the object store's), timed for the start-up anatomy."""
+        if self._restarting and self._inprocess is not None and self._inprocess.kept is not None:
+            return self._keep_state()
         rec = anatomy.current()
         rec.mark("load_begin")
         self._settle_tier_pending()

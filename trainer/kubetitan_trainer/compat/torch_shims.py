@@ -208,6 +208,63 @@ def rebind_process_groups(parallel_dims: Any, model_parts: list) -> int:
     return n
 
 
+_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+
+
+@_shim(Upstream(f"{_PARAM_GROUP}:FSDPParamGroup", sets=(
+           "_training_state", "_all_gather_result", "_post_reduce_event", "_reshard_after_forward_event",
+           "_partial_reduce_output", "_all_reduce_state", "_post_forward_indices", "comm_ctx", "fsdp_params")),
+       Upstream(f"{_PARAM_GROUP}:FSDPParamGroup._to_sharded", params=("self",)),
+       Upstream(f"{_PARAM_GROUP}:FSDPCommContext.lazy_init", sets=(
+           "all_gather_state", "reduce_scatter_state", "post_forward_order")),
+       Upstream("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPState", sets=(
+           "_training_state", "_state_ctx", "_fsdp_param_group")),
+       Upstream("torch.distributed.fsdp._fully_shard._fsdp_state:FSDPStateContext", sets=(
+           "iter_forward_root", "post_backward_final_callback_queued", "post_optim_event")),
+       Upstream("torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam", sets=("unsharded_accumulated_grad",)),
+       Upstream("torch.distributed.fsdp._fully_shard._fsdp_common:TrainingState"))
+def reset_fsdp_runtime(model_parts: list) -> int:
+    """After a fault in the middle of a forward or backward (an in-process restart): every FSDP2 module's runtime
+    state back to "between steps", the number of parameter groups reset.
+
+    FSDP2 keeps per-step state on its modules and parameter groups (training states left at ``FORWARD`` or
+    ``PRE_BACKWARD``, the backward's final callback marked as queued, the all-gather and reduce-scatter results of
+    the interrupted step, gradients on the unsharded parameters, groups left unsharded) and clears it only in the
+    backward's final callback, which an exception skips. Left as it is, the next step's collectives do not match
+    the other ranks' (gloo: "collective mismatch") or some parameters never get a gradient again. A load through
+    ``state_dict`` reshards the groups but resets none of the rest."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    n = 0
+    for part in model_parts:
+        for module in part.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            state._training_state = TrainingState.IDLE
+            ctx = state._state_ctx
+            ctx.iter_forward_root, ctx.post_backward_final_callback_queued, ctx.post_optim_event = None, False, None
+            group = state._fsdp_param_group
+            if group is None:
+                continue
+            group._training_state = TrainingState.IDLE
+            group._all_gather_result = group._post_reduce_event = group._reshard_after_forward_event = None
+            group._partial_reduce_output = group._all_reduce_state = None
+            group._post_forward_indices.clear()
+            comm = group.comm_ctx
+            comm.all_gather_state = comm.reduce_scatter_state = None
+            if hasattr(comm, "post_forward_order"):  # set by lazy_init: absent before the first forward
+                comm.post_forward_order.clear()
+            for p in group.fsdp_params:
+                if hasattr(p, "_unsharded_param"):
+                    p._unsharded_param.grad = None
+                p.unsharded_accumulated_grad = None
+            group._to_sharded()
+            n += 1
+    return n
+
+
 _DYN = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 
 

@@ -30,10 +30,19 @@ docs/reliability.md) in what matters, at a fraction of its size:
 - **Iteration ``g+1``** gets a new process group on the store prefix ``pg/g+1`` (same world, same ranks) and the
   same ``body``; the body reloads the state it needs (anything bound to the old group, such as a device mesh, must
   be re-bound by the body: the old one is destroyed).
+- **Kept state**: with the fault each rank writes ``state/g/rank/r``, the body's word for the state it holds
+  (``state_token``; the trainer's is :class:`StepState`'s: the last step whose optimizer step ended, as long as the
+  next one's has not begun). When every rank wrote the same non-empty word (:func:`kept_state`), :attr:`kept` says
+  so for iteration ``g+1`` and the body keeps its state instead of loading one: a fault that stops every rank's
+  host before its optimizer step (gloo collectives block the host; with NCCL a peer's host may already have queued
+  its optimizer step, and then the gang loads) loses no step and loads nothing; the step trains again on the
+  microbatches it had drawn.
 
 Test-only fault injection: ``KUBETITAN_TEST_FAULT=<rank>:<step>:<kind>`` (:func:`inject`), ``kind`` one of
 ``raise`` (a RuntimeError; several faults: comma-separated), ``nan`` (the step's loss becomes NaN), ``hang`` (the rank sleeps in the step), ``config``
-(a ConfigError, not restartable), each once per process, or ``raise-always`` (every time: a fault that repeats).
+(a ConfigError, not restartable), each once per process, or ``raise-always`` (every time: a fault that repeats);
+``raise-in-backward`` (:func:`inject_into_backward`) raises in the backward of the model's middle block, after the
+later blocks' gradients were reduced.
 """
 
 from __future__ import annotations
@@ -152,6 +161,40 @@ def decide(primary: Fault, faults: Sequence[Fault], previous: Fault | None, rest
     return Decision(True, f"rank {primary.rank} {primary.cause} at step {primary.step}: restarting in-process")
 
 
+def kept_state(tokens: Sequence[str], world_size: int) -> str | None:
+    """The state every rank kept through the fault (pure): the ranks' common word when all ``world_size`` of them
+    wrote the same non-empty one, else None (some rank's optimizer step had begun, or the ranks hold different
+    steps): the body loads a saved state."""
+    if len(tokens) != world_size or not tokens or not tokens[0] or any(t != tokens[0] for t in tokens):
+        return None
+    return tokens[0]
+
+
+@dataclass
+class StepState:
+    """What a rank's model and optimizer hold between two steps, for a restart that keeps them: ``step`` is the
+    last step whose optimizer step ended (-1: not known whole, e.g. from the moment the next one's optimizer step
+    begins until the step after it starts), ``batches`` the microbatches the step after it has drawn so far, which
+    that step trains again after the restart."""
+
+    step: int = -1
+    batches: list = field(default_factory=list)
+
+    def begin(self, last_whole_step: int, again: bool = False) -> None:
+        """A step begins: the state is that of ``last_whole_step``; no microbatch is drawn yet, unless the step
+        begins ``again`` after a restart that kept the state (its microbatches are the ones it trains again)."""
+        self.step = last_whole_step
+        if not again:
+            self.batches = []
+
+    def spoil(self, *_args: Any) -> None:
+        """The state is no longer a whole step's (an optimizer step began; a step pre-hook's signature)."""
+        self.step = -1
+
+    def token(self) -> str:
+        return f"step {self.step}" if self.step >= 0 else ""
+
+
 # --------------------------------------------------------------------------------------------------- injection
 _fired: set[str] = set()
 
@@ -162,10 +205,28 @@ def inject(rank: int, step: int, loss: Any = None) -> Any:
     specs = [x for x in os.environ.get(ENV_TEST_FAULT, "").split(",") if x]
     for spec in specs:
         r, s, kind = spec.split(":", 2)
+        if kind == "raise-in-backward":  # inject_into_backward's
+            continue
         if (int(r), int(s)) == (rank, step) and (spec not in _fired or kind == "raise-always"):
             _fired.add(spec)
             return _fire(kind, rank, step, loss)
     return loss
+
+
+def inject_into_backward(model: Any, rank: int, step: int) -> Any:
+    """Test-only: for ``<rank>:<step>:raise-in-backward`` (once per process), a backward pre-hook on the middle
+    block of ``model.layers`` that raises; the hook's handle (the caller removes it after the step), else None."""
+    for spec in [x for x in os.environ.get(ENV_TEST_FAULT, "").split(",") if x]:
+        r, s, kind = spec.split(":", 2)
+        if kind == "raise-in-backward" and (int(r), int(s)) == (rank, step) and spec not in _fired:
+            _fired.add(spec)
+            blocks = list(model.layers.values() if hasattr(model.layers, "values") else model.layers)
+
+            def fault(*_args: Any) -> None:
+                _fire("raise", rank, step, None)
+
+            return blocks[len(blocks) // 2].register_full_backward_pre_hook(fault)
+    return None
 
 
 def _fire(kind: str, rank: int, step: int, loss: Any) -> Any:
@@ -214,7 +275,7 @@ class InProcessRestart:
     def __init__(self, store_factory: Callable[[], Any], rank: int, world_size: int, *, backend: str = "gloo",
                  collective_timeout: float = 60.0, barrier_timeout: float = 60.0, max_restarts: int = 3,
                  poll_seconds: float = 0.02, progress_timeout: float | None = None,
-                 before_teardown: Callable[[], None] | None = None):
+                 before_teardown: Callable[[], None] | None = None, state_token: Callable[[], str] | None = None):
         self.store_factory = store_factory
         self.store = store_factory()
         self.rank, self.world_size, self.backend = rank, world_size, backend
@@ -229,6 +290,12 @@ class InProcessRestart:
         self.before_teardown = before_teardown
         """Called on each rank after a fault, before its process groups are torn down (the trainer lets an
         in-flight checkpoint write, whose collectives run on a group of their own, end first)."""
+        self.state_token = state_token
+        """The body's word for the state this rank holds, read after a fault (see :func:`kept_state`; None: never
+        kept)."""
+        self.kept: str | None = None
+        """The state every rank kept through the last fault (:func:`kept_state`), for the iteration it restarts;
+        None: the body loads a saved state."""
         self.generation = 0
         self.restarts = 0
         self.step = -1
@@ -380,6 +447,7 @@ class InProcessRestart:
 
     def _recover(self, exc: BaseException) -> None:
         g, caught = self.generation, time.time()
+        token = self.state_token() if self.state_token is not None else ""
         own = None if isinstance(exc, (RestartInterrupt, GangGaveUp)) else classify(
             exc, rank=self.rank, generation=g, step=self.step)
         if own is not None:
@@ -394,10 +462,12 @@ class InProcessRestart:
         self._abort_process_group()
         torn = time.time()
         try:
+            self.store.set(f"state/{g}/rank/{self.rank}", token)
             self._barrier(g)
             primary = Fault.loads(self.store.get(f"fault/{g}"))
             faults = [Fault.loads(self.store.get(f"fault/{g}/rank/{r}")) for r in range(self.world_size)
                       if self.store.check([f"fault/{g}/rank/{r}"])]
+            tokens = [self.store.get(f"state/{g}/rank/{r}").decode() for r in range(self.world_size)]
         except RuntimeError as e:  # torch's store errors (DistNetworkError, DistStoreError) are RuntimeErrors
             raise GangGaveUp(ExitCode.FAILED, f"in-process restart: the ranks' store failed during the restart "
                              f"({_first_line(e)}): another rank has left; exiting for the launcher's restart") from e
@@ -406,12 +476,15 @@ class InProcessRestart:
         if not d.retry:
             log.error("In-process restart given up: %s; exiting with code %d", d.reason, d.exit_code)
             raise GangGaveUp(own.exit_code if own is not None and not own.in_place else d.exit_code, d.reason) from exc
-        log.warning("In-process restart %d: %s", self.restarts + 1, d.reason)
+        self.kept = kept_state(tokens, self.world_size)
+        log.warning("In-process restart %d: %s (%s)", self.restarts + 1, d.reason,
+                    f"every rank kept the state of {self.kept}" if self.kept else
+                    f"the state is loaded: the ranks hold {', '.join(t or 'no whole step' for t in tokens)}")
         self.restarts += 1
         self.generation = g + 1
         self.recoveries.append({"generation": self.generation, "fault_rank": primary.rank, "cause": primary.cause,
                                 "fault_step": primary.step, "fault": primary.time, "caught": caught,
-                                "torn_down": torn, "agreed": time.time()})
+                                "torn_down": torn, "agreed": time.time(), "kept": self.kept or ""})
 
     def _barrier(self, g: int) -> None:
         """Every rank has torn iteration ``g`` down (and written its fault) before anyone reads the records."""
