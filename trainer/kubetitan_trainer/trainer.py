@@ -287,7 +287,8 @@ class KubetitanTrainer(Trainer):
             if not kept:
                 ck.load_step = resolve_load_step(self._store)  # a newer restore tier wins inside the load (-1: none)
                 self._replay, self._batches = [], None  # the loaded state has its own data position
-                self._step_state = inprocess.StepState()  # nothing whole until the loaded state's first step begins
+                self._step_state.begin(-1)  # nothing whole until the loaded state's first step begins (in place:
+                # the optimizers' step pre-hooks hold this object)
             self._restarting = True
             logger.info(f"In-process restart {iteration}: process groups re-bound ({n} FSDP references{remade}), "
                         f"{'keeping the state every rank holds' if kept else 'loading the newest saved state'} "
