@@ -4,6 +4,7 @@ and ServiceAccount (tests/support/cluster.py, tests/support/release.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from collections.abc import Iterator
@@ -57,9 +58,8 @@ def namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> It
     """A namespace of the test's own (deleted afterwards; the namespace controller empties it)."""
     name = "t-" + "".join(ch if ch.isalnum() else "-" for ch in request.node.name.lower())[:40].strip("-") + \
         f"-{int(time.monotonic() * 1000) % 100000}"
-    control_plane.admin.ensure_namespace(name)
-    yield name
-    control_plane.admin.delete("v1/namespaces", None, name)
+    with _namespace(control_plane, name):
+        yield name
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +67,17 @@ def dry_run_namespace(control_plane: ControlPlane, request: pytest.FixtureReques
     """One namespace for a module's tests that store nothing (server-side dry runs). A namespace per test would cost
     the cluster a sweep at each deletion: the namespace controller lists and deletes every resource type in it,
     about 90 requests a namespace, which made most of the API server's work in this lane."""
-    name = "dry-" + request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")[:40]
+    with _namespace(control_plane, "dry-" + request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")[:40]) as name:
+        yield name
+
+
+@contextlib.contextmanager
+def _namespace(control_plane: ControlPlane, name: str) -> Iterator[str]:
     control_plane.admin.ensure_namespace(name)
-    yield name
-    control_plane.admin.delete("v1/namespaces", None, name)
+    try:
+        yield name
+    finally:
+        control_plane.admin.delete("v1/namespaces", None, name)
 
 
 @pytest.fixture

@@ -622,8 +622,9 @@ FSDP_FAULT_PROBE = textwrap.dedent("""
         m = build()
         try:
             grads(m, boom=True)
-        except RuntimeError:
-            pass
+            raise AssertionError("the backward did not fail")
+        except RuntimeError as e:
+            assert "fault mid-backward" in str(e), e
         groups = compat.reset_fsdp_runtime([m]) if reset else 0
         try:
             got = grads(m)  # the step again, in the same process

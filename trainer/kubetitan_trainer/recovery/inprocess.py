@@ -165,7 +165,7 @@ def kept_state(tokens: Sequence[str], world_size: int) -> str | None:
     """The state every rank kept through the fault (pure): the ranks' common word when all ``world_size`` of them
     wrote the same non-empty one, else None (some rank's optimizer step had begun, or the ranks hold different
     steps): the body loads a saved state."""
-    if len(tokens) != world_size or not tokens or not tokens[0] or any(t != tokens[0] for t in tokens):
+    if len(tokens) != world_size or len(set(tokens)) != 1 or not tokens[0]:
         return None
     return tokens[0]
 
@@ -202,23 +202,28 @@ _fired: set[str] = set()
 def inject(rank: int, step: int, loss: Any = None) -> Any:
     """Test-only: the fault ``KUBETITAN_TEST_FAULT`` asks for at (``rank``, ``step``), else nothing (several faults:
     comma-separated). Returns ``loss`` (NaN for ``nan``)."""
-    specs = [x for x in os.environ.get(ENV_TEST_FAULT, "").split(",") if x]
-    for spec in specs:
-        r, s, kind = spec.split(":", 2)
-        if kind == "raise-in-backward":  # inject_into_backward's
-            continue
-        if (int(r), int(s)) == (rank, step) and (spec not in _fired or kind == "raise-always"):
+    for spec, kind in _faults(rank, step):
+        if kind != "raise-in-backward" and (spec not in _fired or kind == "raise-always"):  # that one: below
             _fired.add(spec)
             return _fire(kind, rank, step, loss)
     return loss
 
 
+def _faults(rank: int, step: int) -> list[tuple[str, str]]:
+    """The faults ``KUBETITAN_TEST_FAULT`` asks for at (``rank``, ``step``): (spec, kind) each."""
+    out = []
+    for spec in [x for x in os.environ.get(ENV_TEST_FAULT, "").split(",") if x]:
+        r, s, kind = spec.split(":", 2)
+        if (int(r), int(s)) == (rank, step):
+            out.append((spec, kind))
+    return out
+
+
 def inject_into_backward(model: Any, rank: int, step: int) -> Any:
     """Test-only: for ``<rank>:<step>:raise-in-backward`` (once per process), a backward pre-hook on the middle
     block of ``model.layers`` that raises; the hook's handle (the caller removes it after the step), else None."""
-    for spec in [x for x in os.environ.get(ENV_TEST_FAULT, "").split(",") if x]:
-        r, s, kind = spec.split(":", 2)
-        if kind == "raise-in-backward" and (int(r), int(s)) == (rank, step) and spec not in _fired:
+    for spec, kind in _faults(rank, step):
+        if kind == "raise-in-backward" and spec not in _fired:
             _fired.add(spec)
             blocks = list(model.layers.values() if hasattr(model.layers, "values") else model.layers)
 
