@@ -180,7 +180,9 @@ def test_api_faults_through_a_proxy_leave_the_run_untouched(
     the stock kubectl describes."""
     ckpt = _checkpoint_claim(control_plane, namespace, tmp_path)
     proxy, name, steps = api_proxy, "faulty", 40
-    spec = e2e_spec(ckpt, steps, steps // 2, free_port(), hangTimeoutSeconds=120)  # the gang is frozen a while
+    # the gang is frozen a while: 120 s as it is (Auto would make it max(10 median steps, 30 s), and the launchers'
+    # watchdogs stopped the frozen workers once, on a slow run, while the watches were being cut)
+    spec = e2e_spec(ckpt, steps, steps // 2, free_port(), hangTimeoutSeconds=120, hangTimeoutPolicy="Fixed")
     describe = lambda: kubectl("describe", "lpt", name, "-n", namespace,  # noqa: E731
                                kubeconfig=control_plane.admin_kubeconfig).stdout
     condition = lambda: kube.condition(namespace, name, "ChildrenCreated") or {}  # noqa: E731
