@@ -39,10 +39,10 @@ from kubelet import Kubelet  # noqa: E402
 from kmockx.harness import OperatorProcess, free_port  # noqa: E402
 from support.cluster import (LPT, NODES, PODS, POLL_SECONDS, ApiError, ControlPlane, KubeCluster,  # noqa: E402
                              wait_for)
+from support import hold  # noqa: E402
 from support.faultproxy import FaultProxy  # noqa: E402
 from support.release import Release, described_condition, kubectl  # noqa: E402
 from support.specs import CLAIM, cpu_spec, e2e_elastic_spec, e2e_spec, lpt  # noqa: E402
-from support.windows import slack  # noqa: E402
 from common import complete_checkpoints, step_log  # noqa: E402 - tests/e2e's readers of the run's files
 from kubetitan import conditions as C  # noqa: E402
 
@@ -477,13 +477,16 @@ def test_a_deleted_nodes_pod_garbage_collected_by_the_cluster_is_a_node_failure(
         kube.delete(LPT, namespace, "gone")
 
 
-ELASTIC_NODES, ELASTIC_STEPS, ELASTIC_INTERVAL, GLOBAL_BATCH = 2, 140, 5, 4
-"""rank 1's node goes silent at attempt 0's first checkpoint; the node lifecycle controller needs its grace period
-(10 s) before the node is NotReady, so the run is longer than the double's version of this scenario was. 2 -> 1 -> 2
-nodes, not 3 -> 2 -> 3: every assertion holds at either size (a gang of several pods shrinks and grows, gradient
-accumulation 2 at 2 nodes and 4 at 1), with 5 pod starts instead of 8. Attempt 1 (one rank) trained 60 steps
-between its first step and the grow on a quiet machine; 140 steps leave it as many again (the test prints the
-slack)."""
+ELASTIC_NODES, ELASTIC_STEPS, ELASTIC_INTERVAL, GLOBAL_BATCH = 2, 30, 5, 4
+ELASTIC_HOLDS = (6, 11, 16)
+"""The steps after which the trainers are held (``support.hold``) while the elastic scenario's node changes land:
+attempt 0 after its step-5 checkpoint (its rank 1's node goes silent there); attempt 1 (one rank, resumed from
+step 5) after its step-10 checkpoint until the grow is planned (a replacement node joined and has been Ready for
+``growCheckSeconds``), and after its step-15 checkpoint until the grow's SIGTERM has reached it (else it could train
+to the end first); attempt 2 trains the rest at 2 nodes. Until now attempt 1 trained ~60 steps between its first
+step and the grow (140 steps in all) only to outlast the node's registration and the grow check. 2 -> 1 -> 2 nodes,
+not 3 -> 2 -> 3: every assertion holds at either size (a gang of several pods shrinks and grows, gradient
+accumulation 2 at 2 nodes and 4 at 1), with 5 pod starts instead of 8."""
 
 
 def _ledger(ckpt: Path) -> list[tuple[int, ...]]:
@@ -512,17 +515,23 @@ def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_when_a_replacement
     # hangTimeoutSeconds above the node lifecycle controller's grace, as in the CPU run: the silent node must be
     # seen NotReady (WaitingForReplacement, then Shrink) before the frozen gang counts as hung (at load 10-14 the
     # node took over 10 s to turn NotReady and a Hang restart came first)
-    spec["runPolicy"]["hangTimeoutSeconds"] = 60
+    # (and Fixed: the launchers' Auto watchdog would stop a worker held longer than 30 s, on a loaded machine)
+    spec["runPolicy"].update(hangTimeoutSeconds=60, hangTimeoutPolicy="Fixed")
     st = lambda: kube.status(namespace, "el")  # noqa: E731
     cond = lambda t: next((c for c in st().get("conditions") or [] if c["type"] == t), None)  # noqa: E731
+    held = tmp_path / "held"
     with Kubelet(kube, tmp_path / "kubelet", nodes=ELASTIC_NODES, claims={CLAIM: ckpt}, node_prefix=f"{namespace}-n",
                  poll=POLL_SECONDS, ledger=True) as k, _explained(lambda: _diagnosis(kube, k, namespace, "el")):
+        k.env.update(hold.env(held, *ELASTIC_HOLDS))
         kube.apply(lpt("el", spec, namespace=namespace))
-        wait_for(lambda: complete_checkpoints(ckpt), START, "attempt 0's first checkpoint")
+        running = lambda: st().get("phase") not in ("Succeeded", "Failed")  # noqa: E731
+        hold.wait_held(held, ELASTIC_HOLDS[0], ranks=2, alive=running, timeout=START)
+        wait_for(lambda: complete_checkpoints(ckpt) == [ELASTIC_INTERVAL], 60, "attempt 0's step-5 checkpoint")
         a0 = _attempt_pods(kube, namespace, "el", 0)
         assert len({p["spec"]["nodeName"] for p in a0}) == 2  # elastic: one pod per node (anti-affinity)
         lost = next(p["spec"]["nodeName"] for p in a0 if p["metadata"]["name"].endswith("-1"))
         k.fail_node(lost)
+        hold.go(held, ELASTIC_HOLDS[0])  # rank 0 goes on into a collective its frozen peer never joins
         waiting = wait_for(lambda: (c := cond(C.READY)) and c["reason"] == C.WAITING_FOR_REPLACEMENT and c, 60,
                            "Ready=False/WaitingForReplacement once the node is NotReady")
         assert f"node {lost} of pod el-a0-1 is lost" in waiting["message"], waiting
@@ -533,11 +542,20 @@ def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_when_a_replacement
         assert lost not in {p["spec"]["nodeName"] for p in a1}
         assert all("--nnodes=1" in p["spec"]["containers"][0]["args"] for p in a1), a1
         assert (cond(C.FULL_SIZE)["status"], cond(C.FULL_SIZE)["reason"]) == ("False", C.SHRUNK)
-        wait_for(lambda: any(r.get("attempt") == 1 for r in step_log(ckpt)), START, "attempt 1's first step")
-        # the broken machine is replaced (its Node deleted, a new one registers): the gang grows onto the new node
+        hold.wait_held(held, ELASTIC_HOLDS[1], ranks=1, alive=running, timeout=START)
+        assert [r["attempt"] for r in step_log(ckpt) if r["step"] == ELASTIC_HOLDS[1]] == [1]
+        # the broken machine is replaced (its Node deleted, a new one registers): the grow is planned for attempt
+        # 1's next checkpoint, and the gang grows onto the new node there
         new = k.replace_node(lost)
-        wait_for(lambda: st().get("resizeCount") == 2, 120, "the grow once a replacement node joined")
-        slack("the grow (attempt 1)", step_log(ckpt), ELASTIC_STEPS, attempt=1)
+        planned = wait_for(lambda: (c := cond(C.FULL_SIZE)) and c["reason"] == C.GROW_PLANNED and c, 120,
+                           "FullSize=False/GrowPlanned once the replacement node has been Ready for growCheckSeconds")
+        assert st().get("resizeCount") == 1 and "it grows to 2 right after" in planned["message"], planned
+        hold.go(held, ELASTIC_HOLDS[1])
+        hold.wait_held(held, ELASTIC_HOLDS[2], ranks=1, alive=running, timeout=START)
+        wait_for(lambda: st().get("resizeCount") == 2, 120, "the grow at attempt 1's next checkpoint")
+        wait_for(lambda: (stops := hold.stop_files(held, ELASTIC_HOLDS[2])) and all(f.exists() for f in stops), 60,
+                 "the grow's SIGTERM at attempt 1's launcher")
+        hold.go(held, ELASTIC_HOLDS[2])  # it saves step 16 and stops; attempt 2 resumes there at 2 nodes
         wait_for(lambda: len({p["spec"].get("nodeName") for p in _attempt_pods(kube, namespace, "el", 2)} - {None})
                  == 2, 60, "attempt 2 bound on 2 nodes")
         assert new in {p["spec"]["nodeName"] for p in _attempt_pods(kube, namespace, "el", 2)}
