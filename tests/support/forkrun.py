@@ -18,9 +18,12 @@ from collections.abc import Callable
 
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "PYTHON", "LD_", "HOME", "XDG_",
                    "HF_", "TMPDIR", "LANG", "LC_")
-"""As support.warm.IMPORT_TIME_ENV: variables read when torch (or a library it loads) is imported or the interpreter
+"""Variables read when torch (or a library it loads) is imported or the interpreter
 starts. A fork is served only by the server started with the same values (:func:`server_name`)."""
-RUNTIME_ENV = ("TORCH_NCCL_", "PYTHONUNBUFFERED")
+RUNTIME_ENV = ("TORCH_NCCL_", "PYTHONUNBUFFERED", "PYTORCH_NVML_BASED_CUDA_CHECK")
+"""Exceptions: read when used (a process group's construction; ``torch.cuda.is_available()``, whose NVML check the
+trainer's launcher turns on in its own environment, so an in-process test of the launcher leaves it in the test
+process's), or applied by the fork itself (``-u``'s streams)."""
 
 
 def at_import(env: dict) -> dict:

@@ -11,8 +11,8 @@ Unix socket (``KUBETITAN_FORKSERVER``), sends its standard streams (their file d
 environment and working directory, and waits for the fork's exit status, which it exits with (a signal that ends
 the fork ends it the same way; SIGTERM, SIGINT, SIGHUP and SIGQUIT it receives are passed on). The fork becomes
 what ``python ARGS`` would be: ``-c CODE`` or ``SCRIPT``, ``-u`` and ``-B`` honoured, a ``__main__`` of its own.
-Each server serves one set of the variables read at import (``forkrun.IMPORT_TIME_ENV``, as
-``support.warm.IMPORT_TIME_ENV``): tests/conftest.py starts one with pytest's environment (the workers) and one
+Each server serves one set of the variables read at import (``forkrun.IMPORT_TIME_ENV``, which
+``support.warm`` uses too): tests/conftest.py starts one with pytest's environment (the workers) and one
 with the trainer launches' ``OMP_NUM_THREADS=1`` (the warm parents); a request whose variables differ finds no
 server, or is answered ``cold``, and the wrapper runs the real interpreter.
 

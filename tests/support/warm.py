@@ -39,12 +39,9 @@ from support.paths import REPO
 
 ZYGOTE = Path(__file__).with_name("zygote.py")
 FORKRUN = Path(__file__).with_name("forkrun.py")
-IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "PYTHON", "LD_", "HOME", "XDG_",
-                   "HF_", "TMPDIR", "LANG", "LC_")
-"""Variables read when torch (or a library it loads) is imported (or the interpreter starts): a launch is forked
-from a warm parent started with the same values."""
-RUNTIME_ENV = ("TORCH_NCCL_", "PYTHONUNBUFFERED")
-"""Exceptions: read when used (a process group's construction), or applied by the fork itself (``-u``'s streams)."""
+IMPORT_TIME_ENV, RUNTIME_ENV = forkrun.IMPORT_TIME_ENV, forkrun.RUNTIME_ENV
+"""Variables read when torch (or a library it loads) is imported (or the interpreter starts), and the exceptions
+read only when used: a launch is forked from a warm parent started with the same values (``forkrun`` says which)."""
 ENV_COLD = "KUBETITAN_TEST_COLD_LAUNCH"
 
 
@@ -198,7 +195,7 @@ def _stop_zygotes() -> None:
 
 def _at_import(env: dict[str, str]) -> frozenset:
     """The part of ``env`` that torch (or a library it loads) reads when it is imported."""
-    return frozenset((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and not k.startswith(RUNTIME_ENV))
+    return frozenset(forkrun.at_import(env).items())
 
 
 def popen(module: str, args: list[str], env: dict[str, str], log: Path, cwd: Path = REPO, new_session: bool = False,
