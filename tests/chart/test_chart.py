@@ -25,10 +25,14 @@ from kubetitan.monitoring import alerts, config as mcfg
 from chartlib import CHART, MATRIX, MATRIX_IDS, NAMESPACE, REPO, by_kind, helm, render, values_args
 from support import yamlio
 
+pytestmark = pytest.mark.xdist_group("chart")
+"""One worker: each process that validates a monitoring object imports cloudcoil's prometheus-operator models
+(~2.3 CPU s), and kubernetes-validate's schemas for both versions, once."""
+
 KUBE_VERSIONS = ["1.27", "1.35"]
 PROM_OPERATOR_KINDS = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
-"""Checked against cloudcoil's models of the prometheus-operator CRDs (imported on first use: 1.2 s, in every xdist
-worker when imported at collection)."""
+"""Checked against cloudcoil's models of the prometheus-operator CRDs (imported on first use, not at collection: it
+would be in every xdist worker then)."""
 
 
 def _dropped(sent: Any, kept: Any, path: str = "") -> list[str]:
