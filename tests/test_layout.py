@@ -13,6 +13,7 @@ directory in one process); ``bench/collect_pairs.py`` collects every pair of tes
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -209,3 +210,60 @@ def test_a_helper_process_ends_with_the_test_process_that_started_it() -> None:
         time.sleep(0.01)
     else:
         assert not os.path.exists(f"/proc/{child}"), "the helper outlived the killed test process"
+
+
+def _forkserver(prefix: str) -> subprocess.Popen:
+    """tests/support/forkserver.py with no imports of its own, for ``prefix``; ready when it returns."""
+    server = subprocess.Popen([sys.executable, str(REPO / "tests/support/forkserver.py"), prefix, "none"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**os.environ, "KUBETITAN_FORKSERVER": prefix})
+    assert server.stdout.readline() == b"ready\n"
+    return server
+
+
+def test_a_fork_runs_a_module_as_python_m_does_and_ends_with_its_killed_wrapper(tmp_path: Path) -> None:
+    """tests/support/forkrun.py (``forkrun.python()``, which the CLI tests run instead of ``sys.executable``): ``-m
+    MODULE ARGS`` in a fork prints and exits as ``python -m MODULE ARGS`` does (``__name__``, ``sys.argv``, the
+    working directory first on ``sys.path``, exit code, nothing more on stderr); and a fork whose wrapper is killed
+    outright (a test's time-out: SIGKILL cannot be passed on) ends too instead of running on under the server."""
+    prefix = f"kubetitan-forkserver-test-{os.getpid()}"
+    (tmp_path / "probe_mod.py").write_text(
+        "import json, os, sys\nprint(json.dumps([__name__, sys.argv, sys.path[0] == os.getcwd()]))\n"
+        "print('to stderr', file=sys.stderr)\nsys.exit(3)\n")
+    forkrun = str(REPO / "tests/support/forkrun.py")
+    env = {**os.environ, "KUBETITAN_FORKSERVER": prefix, "KUBETITAN_FORKSERVER_LOG": str(tmp_path / "cold.log")}
+    server = _forkserver(prefix)
+    try:
+        cold = subprocess.run([sys.executable, "-m", "probe_mod", "a", "--b"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60)
+        warm = subprocess.run([sys.executable, "-S", forkrun, "-m", "probe_mod", "a", "--b"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert not (tmp_path / "cold.log").exists()  # served by the server, not a cold start
+        assert (warm.returncode, warm.stdout, warm.stderr) == (cold.returncode, cold.stdout, cold.stderr) == (
+            3, cold.stdout, "to stderr\n")
+        name, argv, cwd_first = json.loads(cold.stdout)
+        assert (name, argv[1:], cwd_first) == ("__main__", ["a", "--b"], True) and argv[0].endswith("probe_mod.py")
+
+        wrapper = subprocess.Popen([sys.executable, "-S", forkrun, "-c",
+                                    "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
+                                   env=env, stdout=subprocess.PIPE, text=True)
+        fork = int(wrapper.stdout.readline())
+        assert fork != wrapper.pid
+        wrapper.kill()
+        wrapper.wait()
+        deadline = time.monotonic() + 10
+        while _alive(fork) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _alive(fork), "the fork outlived its killed wrapper"
+    finally:
+        server.stdin.close()
+        server.wait(30)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (not ended, nor a zombie waiting for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -9,6 +9,7 @@ import pytest
 from kubetitan import conditions as C
 from kubetitan_core import warning_rules
 from kubetitan_core.validation import parse
+from support import forkrun
 from support.specs import make_lpt
 
 SHOWN = {"checkpoint.no-volume", "resources.unknown-instance-type"}
@@ -95,7 +96,7 @@ def test_validate_prints_the_warning_and_still_accepts_the_run(tmp_path):
                                    "metadata": {"name": "run"}, "spec": {"model": {"flavor": "debug"},
                                    "training": {"steps": 100, "warmupSteps": 10}, "data": {"source": "synthetic"},
                                    "tokenizer": {"source": "builtin"}, "resources": {"gpusPerNode": 0}}}))
-    r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", str(run)], capture_output=True, text=True,
+    r = subprocess.run([*forkrun.python(), "-m", "kubetitan.cli", "validate", str(run)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "is valid" in r.stdout, r
     assert f"{run}: warning [checkpoint.no-volume] spec.checkpoint.storage: checkpoints are saved into the pod's own filesystem at /checkpoints" in r.stderr
@@ -113,7 +114,7 @@ def test_validate_does_not_warn_about_the_pods_filesystem_for_checkpoints_in_s3(
                                    "training": {"steps": 100, "warmupSteps": 10}, "data": {"source": "synthetic"},
                                    "tokenizer": {"source": "builtin"}, "resources": {"gpusPerNode": 0},
                                    "checkpoint": {"storage": S3}}}))
-    r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", str(run)], capture_output=True, text=True,
+    r = subprocess.run([*forkrun.python(), "-m", "kubetitan.cli", "validate", str(run)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "is valid" in r.stdout, r
     assert "checkpoint.no-volume" not in r.stderr and "pod's own filesystem" not in r.stderr, r.stderr

@@ -8,13 +8,14 @@ import sys
 import pytest
 import yaml
 
+from support import forkrun
 from support.paths import REPO
 from support.specs import make_lpt
 from support import yamlio
 
 
 def kt(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "kubetitan.cli", *args], input=stdin, capture_output=True,
+    return subprocess.run([*forkrun.python(), "-m", "kubetitan.cli", *args], input=stdin, capture_output=True,
                           text=True, cwd=REPO, timeout=60)
 
 
@@ -146,7 +147,7 @@ def test_the_trainers_local_entry_point_refuses_an_invalid_file(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("apiVersion: kubetitan.io/v1alpha1\nkind: LlamaPretrain\nmetadata: {name: bad}\n"
                  "spec: {training: {steps: 0}}\n")
-    r = subprocess.run([sys.executable, "-m", "kubetitan_trainer.local", str(f)], capture_output=True, text=True,
+    r = subprocess.run([*forkrun.python(), "-m", "kubetitan_trainer.local", str(f)], capture_output=True, text=True,
                        cwd=REPO, timeout=120)
     assert r.returncode == 1
     assert "spec.training.steps" in r.stderr and "kubetitan validate" in r.stderr

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from support import forkrun
 from support.paths import EXAMPLES, load_example
 from support.specs import make_lpt
 from kubetitan import policy
@@ -319,7 +319,7 @@ def test_operator_flags_are_the_policy_flags():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kubetitan.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([*forkrun.python(), "-m", "kubetitan.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_validate_with_policy_refuses_with_the_field_and_the_fix(tmp_path: Path):

@@ -4,11 +4,11 @@ it, and the warning for a type the catalog does not know."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import yaml
 
+from support import forkrun
 from support.specs import make_lpt
 from kubetitan_core.catalog import ACCELERATORS, INSTANCE_TYPES, pod_resources
 from kubetitan_core.warning_rules import warnings_for
@@ -124,7 +124,7 @@ def test_validate_prints_the_warning_and_still_exits_0(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text(yaml.safe_dump(make_lpt({"resources": {"instanceType": "p7.96xlarge"},
                                           "checkpoint": {"storage": {"persistentVolumeClaim": {"claimName": "c"}}}})))
-    r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", str(f)], capture_output=True, text=True,
+    r = subprocess.run([*forkrun.python(), "-m", "kubetitan.cli", "validate", str(f)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "is valid" in r.stdout
     assert f"{f}: warning [resources.unknown-instance-type] spec.resources.instanceType: instance type p7.96xlarge is not in kubetitan's catalog" in r.stderr

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kubetitan_core.validation import CEL_RULES, parse
+from support import forkrun
 from support.cluster import ControlPlane
 from support.crd_answers import CRD, crd_only_server, post_dry_run
 from support.paths import EXAMPLES, load_example
@@ -200,5 +200,5 @@ def test_cli_command_agrees_on_a_refused_spec(tmp_path: Path):
     assert admission(obj) == {"spec.training.steps"}
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump(obj))
-    r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", str(f)], capture_output=True, text=True)
+    r = subprocess.run([*forkrun.python(), "-m", "kubetitan.cli", "validate", str(f)], capture_output=True, text=True)
     assert r.returncode != 0 and "spec.training.steps" in r.stdout + r.stderr

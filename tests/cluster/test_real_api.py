@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import yaml
 
 from kubetitan import plan
 from kubetitan_core.validation import parse
+from support import forkrun
 from support.cluster import LPT, PODS, ApiError, ControlPlane, KubeCluster, kubernetes_version
 from support.crd_answers import CEL_IDS, CORPUS, CRD, cel_ids, post_dry_run
 from support.paths import EXAMPLES, REPO, load_example
@@ -272,7 +272,7 @@ def test_every_examples_pods_and_the_prepare_job_pass_pod_security_restricted(
             want = HOSTPATH_ALLOWANCE if run.spec.checkpoint.storage.host_path else set()
             assert found == want, (path.name, found)
     job = yamlio.load(subprocess.run(
-        [sys.executable, "-m", "kubetitan.cli", "prepare-data", "--render-job", "/data/in", "-o", "/data/shards",
+        [*forkrun.python(), "-m", "kubetitan.cli", "prepare-data", "--render-job", "/data/in", "-o", "/data/shards",
          "--parts", "2", "--job-name", "prep", "--job-namespace", restricted, "--job-image", "trainer:test",
          "--job-claim", "corpus", "--job-mount-path", "/data"], capture_output=True, text=True, check=True).stdout)
     template = job["spec"]["template"]

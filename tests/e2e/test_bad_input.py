@@ -12,11 +12,11 @@ from __future__ import annotations
 import copy
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from support import forkrun
 from support.specs import NS, e2e_spec
 from support.specs import lpt as _obj
 from support import yamlio
@@ -158,7 +158,7 @@ def test_cli_rejects_every_hand_written_case(tmp_path: Path) -> None:
         files.append(f)
 
     def validate(*paths: Path) -> tuple[int, str]:
-        r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "validate", *map(str, paths)], capture_output=True,
+        r = subprocess.run([*forkrun.python(), "-m", "kubetitan.cli", "validate", *map(str, paths)], capture_output=True,
                            text=True, timeout=120)
         return r.returncode, r.stdout + r.stderr
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from common import NS
 from kubelet import Kubelet
 
 from kmockx.harness import PODS, Cluster, wait_for
+from support import forkrun
 from support import yamlio
 
 JOBS = "batch/v1/jobs"
@@ -29,7 +29,7 @@ IDX = "batch.kubernetes.io/job-completion-index"
 
 
 def render(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kubetitan.cli", "prepare-data", "--render-job", *args],
+    return subprocess.run([*forkrun.python(), "-m", "kubetitan.cli", "prepare-data", "--render-job", *args],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -136,7 +136,7 @@ def test_the_indexed_job_writes_what_one_machine_writes(cluster, tmp_path: Path)
     assert index["units"] >= 3 and index["documents"] == 450
 
     local = tmp_path / "local"
-    r = subprocess.run([sys.executable, "-m", "kubetitan_trainer.data.prepare", *inputs, "-o", str(local), "--unit-mb",
+    r = subprocess.run([*forkrun.python(), "-m", "kubetitan_trainer.data.prepare", *inputs, "-o", str(local), "--unit-mb",
                         "0.02", "--workers", "2", "--no-progress"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads((local / "index.json").read_text()) == index

@@ -9,8 +9,9 @@ torchtitan, hypothesis, the operator's kopf and kubernetes client), and each war
 tests/support/forkrun.py stands in for ``python ARGS``: it connects to this server's abstract
 Unix socket (``KUBETITAN_FORKSERVER``), sends its standard streams (their file descriptors), arguments,
 environment and working directory, and waits for the fork's exit status, which it exits with (a signal that ends
-the fork ends it the same way; SIGTERM, SIGINT, SIGHUP and SIGQUIT it receives are passed on). The fork becomes
-what ``python ARGS`` would be: ``-c CODE`` or ``SCRIPT``, ``-u`` and ``-B`` honoured, a ``__main__`` of its own.
+the fork ends it the same way; SIGTERM, SIGINT, SIGHUP and SIGQUIT it receives are passed on, and a wrapper that
+ends first, killed, takes the fork with it). The fork becomes what ``python ARGS`` would be: ``-c CODE``, ``-m
+MODULE`` or ``SCRIPT``, ``-u`` and ``-B`` honoured, a ``__main__`` of its own.
 Each server serves one set of the variables read at import (``forkrun.IMPORT_TIME_ENV``, which
 ``support.warm`` uses too): tests/conftest.py starts one with pytest's environment (the workers) and one
 with the trainer launches' ``OMP_NUM_THREADS=1`` (the warm parents); a request whose variables differ finds no
@@ -113,7 +114,7 @@ def _child(req: dict, fds: list[int], closing: list[int]) -> None:
     os.environ.update(req["env"])
     argv = list(req["argv"])
     unbuffered = False
-    while argv and argv[0].startswith("-") and argv[0] != "-c":
+    while argv and argv[0].startswith("-") and argv[0] not in ("-c", "-m"):
         opt = argv.pop(0)
         if opt == "-u":
             unbuffered = True
@@ -129,6 +130,14 @@ def _child(req: dict, fds: list[int], closing: list[int]) -> None:
             sys.argv = ["-c", *argv[2:]]
             sys.path[0] = ""
             exec(compile(argv[1], "<string>", "exec"), main.__dict__)  # noqa: S102 - what `python -c` does
+        elif argv[0] == "-m":  # what `python -m` does: the module runs as __main__ only, the working directory first
+            import runpy
+
+            if not hasattr(sys.modules.get(argv[1]), "__path__"):  # a package runs its __main__: nothing to drop
+                sys.modules.pop(argv[1], None)  # imported here already: a later import makes a copy, as it would
+            sys.argv = argv[1:]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             import runpy
 
@@ -153,9 +162,9 @@ def _listen(name: str) -> socket.socket:
 
 
 def main() -> None:
-    """``forkserver.py PREFIX all|trainer``: serve forks for this environment's import-time variables; prints
-    ``ready`` once its imports are done."""
-    prefix, preload = sys.argv[1], PRELOAD if sys.argv[2] == "all" else TRAINER_PRELOAD
+    """``forkserver.py PREFIX all|trainer|none``: serve forks for this environment's import-time variables; prints
+    ``ready`` once its imports are done (``none``: no imports, for tests/test_layout.py's checks of the protocol)."""
+    prefix, preload = sys.argv[1], {"all": PRELOAD, "trainer": TRAINER_PRELOAD, "none": ()}[sys.argv[2]]
     sys.argv = ["-c"]  # what torchtitan binds as ConfigManager.parse_args' default at import: an xdist worker's
     sys.path[0] = ""  # as `python -c` (not this script's folder: tests/support would shadow top-level names)
     before = dict(os.environ)
@@ -181,12 +190,18 @@ def main() -> None:
     signal.set_wakeup_fd(wakeup[1])
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: dict[int, socket.socket] = {}
+    orphans: set[int] = set()  # children whose wrapper ended
     print("ready", flush=True)
     sys.stderr.flush()
     while True:
-        ready, _, _ = select.select([0, wakeup[0], *listeners], [], [])
+        watched = {conn: pid for pid, conn in children.items() if pid not in orphans}
+        ready, _, _ = select.select([0, wakeup[0], *listeners, *watched], [], [])
         if wakeup[0] in ready:
             os.read(wakeup[0], 4096)
+        for conn in set(ready) & set(watched):  # the wrapper sends nothing more: readable means it ended
+            orphans.add(watched[conn])  # (killed, say by a test's time-out: SIGKILL is not passed on): end it too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(watched[conn], signal.SIGKILL)
         if 0 in ready and not os.read(0, 4096):  # the pytest process ended
             return
         for listener in set(ready) & set(listeners):
@@ -225,6 +240,7 @@ def main() -> None:
             if pid == 0:
                 break
             conn = children.pop(pid, None)
+            orphans.discard(pid)
             if conn is not None:
                 _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
                 conn.close()

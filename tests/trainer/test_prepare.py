@@ -18,11 +18,13 @@ import pytest
 from kubetitan_trainer.data import prepare
 from kubetitan_trainer.data.shards import INDEX_FILE, ShardSet
 
+from support import forkrun
+
 TOKENIZER = prepare.BUILTIN_TOKENIZER / "tokenizer.json"
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kubetitan_trainer.data.prepare", *args], capture_output=True, text=True,
+    return subprocess.run([*forkrun.python(), "-m", "kubetitan_trainer.data.prepare", *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **(env or {})})
 
 
@@ -120,7 +122,7 @@ def test_help_does_not_import_torch() -> None:
             "assert 'torchtitan' not in sys.modules, 'torchtitan was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "usage: kubetitan prepare-data" in r.stdout, r.stderr
-    r = subprocess.run([sys.executable, "-m", "kubetitan.cli", "prepare-data", "--help"], capture_output=True,
+    r = subprocess.run([*forkrun.python(), "-m", "kubetitan.cli", "prepare-data", "--help"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "--render-job" in r.stdout, r.stderr
 
