@@ -68,14 +68,28 @@ def _data(case: dict) -> dict:
     return {"source": "synthetic"}
 
 
+def _card() -> str:
+    """The machine's GPU model as ``spec.resources.gpuProduct`` names it (H100 or H200, from ``nvidia-smi``), so that a
+    case without ``gpu=`` passes the pre-flight gate's model check on whichever card the call got; H200 if unknown."""
+    import subprocess
+
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "H200"
+    return next((m for m in ("H100", "H200") if m in name), "H200")
+
+
 def _resources(case: dict) -> dict:
-    """One H200; the debug model on a machine without a GPU (the bench's CPU dry runs): one CPU process."""
+    """One GPU of the model ``gpu=`` names (default: the machine's); the debug model on a machine without a GPU (the
+    bench's CPU dry runs): one CPU process."""
     if case["flavor"] == "debugmodel":
         from kubetitan_trainer.local import visible_gpus
 
         if not visible_gpus():
             return {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 1}
-    return {"nodes": 1, "gpusPerNode": 1, "gpuProduct": case.get("gpu", "H200")}
+    return {"nodes": 1, "gpusPerNode": 1, "gpuProduct": case.get("gpu") or _card()}
 
 
 def _activation_checkpointing(case: dict) -> dict:
