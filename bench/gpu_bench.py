@@ -25,7 +25,7 @@ block-causal attention at the documents' boundaries through flex attention; defa
 the compiler's activation-memory budget 0-1, plain path only: kubetitan's spec has no such mode), ``gb=N`` (global
 batch: gradient accumulation over ``N / BATCH`` micro-batches), ``chunks=N`` (kubetitan path: ``spec.precision.lossChunks``, the
 output projection and the loss in N chunks), ``gpu=H100|H200`` (the kubetitan path's
-``spec.resources.gpuProduct``, default H200), ``ckpt=sync|async|pinned``
+``spec.resources.gpuProduct``, default the machine's card), ``ckpt=sync|async|pinned``
 (checkpoint every ``ckint`` steps; pinned = ``async_with_pinned_mem``), ``profile=N`` (profile steps
 N+1..N+2), ``steps=``, ``warmup=``, ``seed=``.
 
@@ -96,7 +96,7 @@ def parse_case(text: str) -> dict:
         raise SystemExit(f"bad case {text!r}: write FLAVOUR:MODE:BATCH[:key=value...], MODE one of {sorted(MODES)}")
     case = {"flavor": parts[0], "mode": parts[1], "batch": int(parts[2]), "spec": "plain", "ac": "none",
             "ckpt": "none", "ckint": 10, "profile": 0, "scrape": 0, "resume": 0, "path": "", "round": 0, "fp8out": 0, "cdt": 0, "alloc": "", "data": "bench", "shards": "", "mask": "causal", "tok": "", "lrwarm": 4, "kill": 0, "steps": 28, "warmup": 8, "seed": 42, "sac": "op", "budget": 0.0, "gb": 0, "chunks": 0,
-            "gpu": "H200", "id": text}
+            "gpu": "", "id": text}
     for kv in parts[3:]:
         k, _, v = kv.partition("=")
         if k not in case:
