@@ -1,5 +1,5 @@
 #!/bin/bash
-# loss parity on REAL TEXT, one H200. NOT RUN YET on the device.
+# loss parity on REAL TEXT: one H200, or one H100 with SERIAL=1 (run on H100s: docs/benchmarks.md, "Loss parity").
 # 1. corpus: the text files of the machine (no network): bench/text_corpus.py (the Python standard library's .py,
 #    /usr/share/doc and common-licenses, man pages, the installed packages' .py/.md/.rst/.txt; one JSONL document a
 #    file); a 32,768-token byte-level BPE learnt from it (TOKENIZER=bpe, the default: kubetitan's builtin tokenizer,
@@ -31,7 +31,7 @@
 # On a card of less than ~127 GiB (an H100) the three runs go one after another (SERIAL=1, ~60 GiB each).
 # Usage (device tool, carry [".whl"], timeout_s 600): bash bench/device/loss_parity_real_text.sh
 # Knobs (env): STEPS (300), BATCH (2), SEQ (2048), SEED_A (42), SEED_B (1234), CORPUS_MB (64), TOKENIZER (bpe or
-# builtin), VOCAB (32768), END_S (540: no run goes past this many seconds of the script), PAIR_S (the limit of the
+# builtin), FP8OUT_A (1: run a's output projection in FP8, as the recipes; 0: in bf16, as plain torchtitan), VOCAB (32768), END_S (540: no run goes past this many seconds of the script), PAIR_S (the limit of the
 # a)+b) pair; default END_S - 130 - the set-up's seconds), CASE_EXTRA (more case fields for every run, e.g.
 # ac=selective:sac=7, the H100 recipe's every-7th-block checkpointing), RUNS (SERIAL=1 only: which of a b c run in
 # this call, default "a b c"; RUN_S: each run's limit but the last's, which gets what is left; the corpus and shards are made again the same way, so runs split over several calls
@@ -114,7 +114,7 @@ run() {  # run NAME TIMEOUT CASE: one bench case into $R/NAME (log, results.json
   GPUBENCH_WORK=$W/$1 python3 bench/gpu_bench.py run --out "$R/$1" --case-timeout "$2" --cases "$3" \
     > "$R/$1/bench.txt" 2>&1
 }
-CASE_a=$FLAV:$MODE:$C:fp8out=1:path=kubetitan:seed=$SEED_A  # the recipe's numerics
+CASE_a=$FLAV:$MODE:$C:fp8out=${FP8OUT_A:-1}:path=kubetitan:seed=$SEED_A  # the recipe's numerics (FP8OUT_A=0: bf16 head)
 CASE_b=$FLAV:$MODE:$C:path=plain:seed=$SEED_A                # plain torchtitan, the same seed
 CASE_c=$FLAV:$MODE:$C:path=plain:seed=$SEED_B                # plain torchtitan, another seed
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
