@@ -42,6 +42,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -81,6 +82,10 @@ STARTS_KEY = pytest.StashKey[list]()
 """Where a test session without xdist keeps the control plane's start line (tests/conftest.py prints it)."""
 
 
+_NODE_CERTS = threading.Lock()
+"""Held while a node's certificate is looked for and issued: the kubelet double's threads of a node that just joined
+(registration, Lease renewals, pod status) ask for it at once, and one found the certificate written before its key
+("Could not find the TLS key file": `make test` at 01737dd, the elastic scenario's replacement node)."""
 POLL_SECONDS = 0.2
 """How often a real-cluster test re-reads what it waits for: each read is a request to the API server, and the
 events waited for take seconds (the double's tests poll every 20 ms, which here cost more API server CPU than the
@@ -168,9 +173,11 @@ class Pki:
             b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = b.sign(self.ca_key, hashes.SHA256())
         crt, keyf = self.dir / f"{name}.crt", self.dir / f"{name}.key"
-        crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         keyf.write_bytes(_pem_key(key))
         keyf.chmod(0o600)
+        tmp = crt.with_name(f".{crt.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        os.replace(tmp, crt)  # the certificate last and whole: once it exists, so does its key
         return crt, keyf
 
     def service_account_keys(self) -> tuple[Path, Path]:
@@ -411,8 +418,9 @@ class ControlPlane:
     def node_api(self, node: str) -> Api:
         """The node agent's identity (``system:node:<node>``): the Node authorizer and NodeRestriction apply."""
         crt, key = self.pki.dir / f"node-{node}.crt", self.pki.dir / f"node-{node}.key"
-        if not crt.exists():  # one certificate per node, however many clients use it
-            crt, key = self.pki.issue(f"node-{node}", f"system:node:{node}", ("system:nodes",))
+        with _NODE_CERTS:  # one certificate per node, however many clients (threads) ask for it at once
+            if not crt.exists():
+                crt, key = self.pki.issue(f"node-{node}", f"system:node:{node}", ("system:nodes",))
         return Api(self.server, self.pki.ca_file, cert=(crt, key))
 
     def token(self, namespace: str, service_account: str, seconds: int = 3600) -> str:
