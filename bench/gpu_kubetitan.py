@@ -69,16 +69,19 @@ def _data(case: dict) -> dict:
 
 
 def _card() -> str:
-    """The machine's GPU model as ``spec.resources.gpuProduct`` names it (H100 or H200, from ``nvidia-smi``), so that a
-    case without ``gpu=`` passes the pre-flight gate's model check on whichever card the call got; H200 if unknown."""
+    """The machine's GPU model as ``spec.resources.gpuProduct`` names it (``nvidia-smi``'s name read by the catalog,
+    as the pre-flight gate reads it), so that a case without ``gpu=`` passes the gate's model check on whichever card
+    the call got; H200 if unknown."""
     import subprocess
+
+    from kubetitan_core.catalog import product_of
 
     try:
         name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout
+                              text=True, timeout=30).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return "H200"
-    return next((m for m in ("H100", "H200") if m in name), "H200")
+    return product_of(name[0] if name else None) or "H200"
 
 
 def _resources(case: dict) -> dict:
