@@ -203,13 +203,9 @@ def test_a_helper_process_ends_with_the_test_process_that_started_it() -> None:
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
-        with open(f"/proc/{child}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # ended, waiting to be reaped by init
-                break
+    while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.01)
-    else:
-        assert not os.path.exists(f"/proc/{child}"), "the helper outlived the killed test process"
+    assert not _alive(child), "the helper outlived the killed test process"
 
 
 def _forkserver(prefix: str) -> subprocess.Popen:

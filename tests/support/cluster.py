@@ -175,9 +175,7 @@ class Pki:
         crt, keyf = self.dir / f"{name}.crt", self.dir / f"{name}.key"
         keyf.write_bytes(_pem_key(key))
         keyf.chmod(0o600)
-        tmp = crt.with_name(f".{crt.name}.{os.getpid()}.{threading.get_ident()}")
-        tmp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        os.replace(tmp, crt)  # the certificate last and whole: once it exists, so does its key
+        crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))  # after its key: node_api looks for this one
         return crt, keyf
 
     def service_account_keys(self) -> tuple[Path, Path]:

@@ -72,7 +72,7 @@ def start_servers(tx: list) -> list:
         if preload == "all" and not _ready(_servers[0], READY_SECONDS):  # failed or stuck: cold workers
             _servers[0].kill()
             return tx
-    return [f"popen//python={sys.executable} -S {os.path.join(HERE, 'forkrun.py')}"] * len(tx)
+    return [f"popen//python={' '.join(python())}"] * len(tx)
 
 
 READY_SECONDS = 180.0
