@@ -200,12 +200,7 @@ def test_a_helper_process_ends_with_the_test_process_that_started_it() -> None:
             "print(p.pid, flush=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
-    parent.kill()
-    parent.wait()
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not _alive(child), "the helper outlived the killed test process"
+    assert _ends_after_kill(parent, child), "the helper outlived the killed test process"
 
 
 def _forkserver(prefix: str) -> subprocess.Popen:
@@ -245,15 +240,20 @@ def test_a_fork_runs_a_module_as_python_m_does_and_ends_with_its_killed_wrapper(
                                    env=env, stdout=subprocess.PIPE, text=True)
         fork = int(wrapper.stdout.readline())
         assert fork != wrapper.pid
-        wrapper.kill()
-        wrapper.wait()
-        deadline = time.monotonic() + 10
-        while _alive(fork) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not _alive(fork), "the fork outlived its killed wrapper"
+        assert _ends_after_kill(wrapper, fork), "the fork outlived its killed wrapper"
     finally:
         server.stdin.close()
         server.wait(30)
+
+
+def _ends_after_kill(parent: subprocess.Popen, pid: int, timeout: float = 10) -> bool:
+    """SIGKILL ``parent``, then whether ``pid`` (a process it started) has ended within ``timeout`` seconds."""
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not _alive(pid)
 
 
 def _alive(pid: int) -> bool:
