@@ -14,8 +14,12 @@
 # On an H100, before the launcher became a child subreaper, the second saved generation stopped with StorageFull (the
 # killed worker's DCP writer went on writing; disk.txt and cleaner.txt in logs.tgz); since, the whole plan runs
 # (bench/results/recovery/h100_card_recipe_saved3/, docs/reliability.md).
-# Usage (device tool, carry [".whl"], timeout_s 600; needs_h200 for the H200 row): bash bench/device/recovery_card_recipe.sh [560]
+# NAMES=1: the workers log Inductor's autotuner (TORCH_LOGS=+torch._inductor.runtime.triton_heuristics) and
+# bench/autotune_names.py names the kernels each generation benchmarked and whether their .best_config was on disk
+# -> $OUT/autotune_names.txt and autotune_names.jsonl.
+# Usage (device tool, carry [".whl"], timeout_s 600; needs_h200 for the H200 row): [NAMES=1] bash bench/device/recovery_card_recipe.sh [560]
 set -u
+[ "${NAMES:-0}" = 1 ] && export TORCH_LOGS=+torch._inductor.runtime.triton_heuristics
 CARD_RECIPE=1 PLAN=${PLAN:-saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier} PROBES=0 PROBE_S=0 PRECOMPILE=0 \
   RUNTIME=aotCompile=true,deferThreads=16 bash bench/device/recovery_anatomy.sh "${1:-560}"
 rc=$?
@@ -25,4 +29,9 @@ ls -la /tmp/recovery-bench/compile-cache/*/aot 2>/dev/null || find /tmp/recovery
 # Inductor's saved best configurations there to be read back?
 echo "=== .best_config files in the compile cache: $(find /tmp/recovery-bench -name '*.best_config' 2>/dev/null | wc -l)"
 find /tmp/recovery-bench -name '*.best_config' -printf '%TT %s %p\n' 2>/dev/null | sort | head -20
+if [ "${NAMES:-0}" = 1 ]; then
+  python3 bench/autotune_names.py "$OUT/launcher.log.gz" /tmp/recovery-bench --json "$OUT/autotune_names.jsonl" \
+    > "$OUT/autotune_names.txt" 2>&1
+  tail -25 "$OUT/autotune_names.txt"
+fi
 exit $rc
