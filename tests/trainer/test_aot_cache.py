@@ -197,7 +197,9 @@ def test_the_aot_modules_are_imported_and_torch_marked_only_with_the_runtime_swi
     """A default compiled run (``[kubetitan.runtime] aot_compile`` off) neither imports ``compile.aot_cache`` and
     ``compile.aot_precompile`` (made unimportable here: an import would raise) nor marks anything in torch's
     ``unsafe_marked_cacheable_functions``; with the switch on the TrainSpec's parallelize imports them and marks the
-    recipe's functions. In-process (a second once torchtitan is loaded, as it is in the suite)."""
+    recipe's functions. With it on, reductions also keep their compiled block size (``dynamic_scale_rblock`` off:
+    nothing for a restarted worker to benchmark again). In-process (a second once torchtitan is loaded, as it is in
+    the suite)."""
     import torch._inductor.config as inductor_config
 
     from kubetitan_core.contract.trainer_toml import KubetitanRuntime
@@ -205,13 +207,13 @@ def test_the_aot_modules_are_imported_and_torch_marked_only_with_the_runtime_swi
 
     parallelize = train_spec.wrap_parallelize(lambda model, dims, job_config: model)
     model = torch.nn.Module()
-    with inductor_config.patch(unsafe_marked_cacheable_functions={}):
+    with inductor_config.patch(unsafe_marked_cacheable_functions={}, dynamic_scale_rblock=True):
         for name in ("aot_cache", "aot_precompile"):  # importing either now raises ImportError
             monkeypatch.setitem(sys.modules, f"kubetitan_trainer.compile.{name}", None)
             monkeypatch.delattr(kubetitan_trainer.compile, name, raising=False)
         monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime())
         assert parallelize(model, None, _JobConfig()) is model and trainer.aot_blocks() is None
-        assert inductor_config.unsafe_marked_cacheable_functions == {}
+        assert inductor_config.unsafe_marked_cacheable_functions == {} and inductor_config.dynamic_scale_rblock
         monkeypatch.setattr(runtime, "CURRENT", KubetitanRuntime(aot_compile=True))
         with pytest.raises(ImportError, match="aot_cache"):
             parallelize(model, None, _JobConfig())
@@ -220,6 +222,7 @@ def test_the_aot_modules_are_imported_and_torch_marked_only_with_the_runtime_swi
         monkeypatch.setattr(compat, "name_autograd_trampolines", lambda namespace, on_new: lambda fn_cls: None)
         assert parallelize(model, _Dims(), _JobConfig()) is model  # no compiled blocks: no artefact, as before
         assert set(aot_cache.cacheable_names()) <= set(inductor_config.unsafe_marked_cacheable_functions)
+        assert inductor_config.dynamic_scale_rblock is False
         assert trainer.aot_blocks() is not None
         # compiled blocks get their artefact's dispatch, except under pipeline parallelism (each stage's model part
         # is parallelised on its own, and every rank must vote with all of its blocks)

@@ -514,6 +514,28 @@ def mark_cacheable(names: dict[str, str]) -> None:
     inductor_config.unsafe_marked_cacheable_functions.update(names)
 
 
+@_shim(Upstream("torch._inductor.config:dynamic_scale_rblock"),
+       Upstream("torch._inductor.codegen.triton:TritonKernel.inductor_meta_common", contains=('"dynamic_scale_rblock"',)),
+       Upstream("torch._inductor.runtime.triton_heuristics:CachingAutotuner._dynamic_scale_rblock",
+                contains=('inductor_meta.get("dynamic_scale_rblock", True)',)),
+       Upstream("torch._inductor.runtime.triton_heuristics:check_autotune_cache", contains=("len(configs) > 1",)))
+def fix_reduction_blocks() -> None:
+    """Compile reductions with the block size their heuristics chose, without a second, smaller one added when a
+    process loads the kernel.
+
+    torch 2.11 gives a register-heavy reduction (FP8 amax reductions of the recipe's blocks, a backward fused with
+    SiLU) one configuration at compile time. When a process loads the kernel, ``_dynamic_scale_rblock`` adds a
+    configuration with half the reduction block (for occupancy) and the kernel is benchmarked on its first call.
+    Inductor keeps its choice in a ``.best_config`` file only for kernels compiled with several configurations
+    (``check_autotune_cache``), so every new process benchmarks these again: 1.0-1.2 s of each warm restart's first
+    step on an H100 (docs/reliability.md). ``torch._inductor.config.dynamic_scale_rblock`` (read at code generation
+    into each kernel's ``inductor_meta``) turns the addition off; the two blocks measured within a few percent of
+    each other, the winner changing from one process to the next."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.dynamic_scale_rblock = False
+
+
 @_shim(Upstream("torch._dynamo.variables.misc:produce_trampoline_autograd_apply", params=("fn_cls",),
                 contains=("trampoline_autograd_apply._origin = produce_trampoline_autograd_apply",)),
        Upstream("torch._dynamo.symbolic_convert:InliningInstructionTranslator.check_inlineable",
