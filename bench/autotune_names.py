@@ -52,7 +52,7 @@ def benchmarks(lines: list[str]) -> list[dict]:
             current = {"generation": gen, "kernel": m.group(1), "configs": 0, "best_ms": None}
             out.append(current)
             continue
-        if current is not None and (c := CONFIG.search(line)):
+        if current is not None and "best config" not in line.lower() and (c := CONFIG.search(line)):
             current["configs"] += 1
             t = float(c.group(1))
             current["best_ms"] = t if current["best_ms"] is None else min(current["best_ms"], t)

@@ -15,6 +15,7 @@
 # same recipe at seq 2048, batch 2 (~56 GiB; the state, and so the tier and the staging, is the same ~40 GiB):
 # /tmp/llama3-3b-80gb.yaml, copied into $R. Its step and compile times are not the H200 recipe's.
 # CARD_RECIPE=1: on such a card, examples/llama3-3b-h100.yaml instead (the H100's own recipe at seq 8192).
+# KEEP=1: the bench keeps its work folder and the tier (recovery_bench.py --keep), e.g. to read the compile cache after.
 # Usage (device tool, carry [".whl"]): [PRECOMPILE=0] bash bench/device/recovery_anatomy.sh [SECONDS=540]
 export R=/tmp/r
 source bench/device/setup.sh
@@ -49,7 +50,8 @@ PC=--precompile; [ "${PRECOMPILE:-1}" = 0 ] && PC=
 RT=(--runtime "${RUNTIME:-}")  # spec.runtime fields, e.g. RUNTIME=aotCompile=true,deferThreads=16 (docs/api.md)
 echo "=== recovery bench $(date -u +%T) plan $PLAN $PC, $((END - SECONDS)) s left"
 python3 bench/recovery_bench.py --out "$OUT" --work /tmp/recovery-bench --tier /dev/shm/kt-recovery-tier \
-  --lpt "$LPT" --interval 20 --tier-only $PC "${RT[@]}" --deadline $((END - SECONDS - ${PROBE_S:-55})) --plan "$PLAN" 2>&1 | tee "$OUT/recovery.txt"
+  --lpt "$LPT" --interval 20 --tier-only $PC "${RT[@]}" --deadline $((END - SECONDS - ${PROBE_S:-55})) --plan "$PLAN" \
+  ${KEEP:+--keep} 2>&1 | tee "$OUT/recovery.txt"
 if [ -n "$PC" ] && ! grep -q '"generation": 0' "$OUT/events.jsonl"; then
   echo "=== generation 0 did not train with the precompile cache: again without it $(date -u +%T)"
   mv "$OUT/launcher.log" "$R/launcher_precompile.log"; mv "$OUT/events.jsonl" "$R/events_precompile.jsonl"

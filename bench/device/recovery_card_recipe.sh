@@ -16,15 +16,15 @@
 # (bench/results/recovery/h100_card_recipe_saved3/, docs/reliability.md).
 # NAMES=1: the workers log Inductor's autotuner (TORCH_LOGS=+torch._inductor.runtime.triton_heuristics) and
 # bench/autotune_names.py names the kernels each generation benchmarked and whether their .best_config was on disk
-# -> $OUT/autotune_names.txt and autotune_names.jsonl.
+# -> $OUT/autotune_names.txt and autotune_names.jsonl (the bench's work folder is kept for it, then removed).
 # Usage (device tool, carry [".whl"], timeout_s 600; needs_h200 for the H200 row): [NAMES=1] bash bench/device/recovery_card_recipe.sh [560]
 set -u
-[ "${NAMES:-0}" = 1 ] && export TORCH_LOGS=+torch._inductor.runtime.triton_heuristics
+[ "${NAMES:-0}" = 1 ] && export TORCH_LOGS=+torch._inductor.runtime.triton_heuristics KEEP=1  # the cache, read after
 CARD_RECIPE=1 PLAN=${PLAN:-saved:warm_tier,saved:warm_tier,saved:warm_tier,saved:cold_tier} PROBES=0 PROBE_S=0 PRECOMPILE=0 \
   RUNTIME=aotCompile=true,deferThreads=16 bash bench/device/recovery_anatomy.sh "${1:-560}"
 rc=$?
 grep -ah "AOT\|Start-up of" "$OUT/launcher.log" 2>/dev/null | cut -c1-400 | tail -12
-ls -la /tmp/recovery-bench/compile-cache/*/aot 2>/dev/null || find /tmp/recovery-bench -name '*.aot' -ls 2>/dev/null | head
+ls -la /tmp/recovery-bench/out/compile-cache/*/aot 2>/dev/null || find /tmp/recovery-bench -name '*.aot' -ls 2>/dev/null | head
 # Triton re-benchmarks kernels at every warm restart (benchmark_all_configs in startup.jsonl's compile_parts): are
 # Inductor's saved best configurations there to be read back?
 echo "=== .best_config files in the compile cache: $(find /tmp/recovery-bench -name '*.best_config' 2>/dev/null | wc -l)"
@@ -33,5 +33,6 @@ if [ "${NAMES:-0}" = 1 ]; then
   python3 bench/autotune_names.py "$OUT/launcher.log.gz" /tmp/recovery-bench --json "$OUT/autotune_names.jsonl" \
     > "$OUT/autotune_names.txt" 2>&1
   tail -25 "$OUT/autotune_names.txt"
+  rm -rf /tmp/recovery-bench /dev/shm/kt-recovery-tier  # kept for the names only: free the disk and the memory
 fi
 exit $rc
