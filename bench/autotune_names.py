@@ -122,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"  {c['kernel']:<60} {c['configs']:>2} configs  best {c['best_ms']} ms  "
                   f"{len(srcs)} source file(s)  .best_config: {state}")
-    again = collections.Counter(c["kernel"] for c in calls if c["generation"] > 0)
-    print(f"kernels benchmarked again after generation 0: {len(again)} "
-          f"({sum(again.values())} calls): {', '.join(sorted(again)) or '-'}")
+    later = [g for g in sorted(by_gen) if g > 0]
+    every = set.intersection(*({c["kernel"] for c in by_gen[g]} for g in later)) if later else set()
+    print(f"benchmark calls by generation: " + ", ".join(f"{g}: {len(by_gen[g])}" for g in sorted(by_gen)))
+    print(f"kernels benchmarked in every generation after generation 0 ({', '.join(map(str, later)) or '-'}): "
+          f"{len(every)}: {', '.join(sorted(every)) or '-'}")
     if a.json:
         a.json.write_text("\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n")
     return 0

@@ -36,7 +36,9 @@ def short_label(role: str, row: dict) -> str:
     seed = re.search(r"(?:^|:)seed=(\d+)", case)
     head = "FP8 output projection" if re.search(r"(?:^|:)fp8out=1", case) and row.get("mode", "").startswith("fp8") \
         else "bf16 output projection"
-    return f"{ROLES[role]}, {row.get('flavor', '')} {row.get('mode', '')} batch {row.get('batch', '')}, {head}, " \
+    what = ROLES[role] if (row.get("path") == "kubetitan") == (role == "recipe") else \
+        ("kubetitan run" if row.get("path") == "kubetitan" else "plain torchtitan")  # e.g. two recipe runs compared
+    return f"{what}, {row.get('flavor', '')} {row.get('mode', '')} batch {row.get('batch', '')}, {head}, " \
         f"seed {seed.group(1) if seed else 42}"
 
 
@@ -105,6 +107,22 @@ def report(curves: dict[str, list[float]], n: int, tail: range, weight: float) -
     return lines
 
 
+def windows(curves: dict[str, list[float]], n: int, width: int) -> list[str]:
+    """Per ``width``-step window: the mean signed difference of the recipe and of plain_B from plain_A (a steady
+    offset keeps its sign window after window; run-to-run noise swings both ways), and its mean |difference|."""
+    a = curves["plain_A"]
+    others = [k for k in ("recipe", "plain_B") if k in curves]
+    lines = [f"per {width}-step window, difference from plain_A: mean (signed) and mean |.|: "
+             + ", ".join(f"{k} - plain_A" for k in others)]
+    for lo in range(0, n - width + 1, width):
+        cells = []
+        for k in others:
+            d = [curves[k][i] - a[i] for i in range(lo, lo + width)]
+            cells.append(f"{k} {statistics.mean(d):+.4f} |{statistics.mean(abs(x) for x in d):.4f}|")
+        lines.append(f"  steps {lo + 1:>4}-{lo + width:<4} " + "   ".join(cells))
+    return lines
+
+
 def plot(curves: dict[str, list[float]], labels: dict[str, str], n: int, weight: float, png: str, title: str) -> bool:
     try:
         import matplotlib
@@ -159,6 +177,7 @@ def main(argv=None) -> None:
     ap.add_argument("--txt", help="also write the printed numbers here")
     ap.add_argument("--ema", type=float, default=0.9, help="EMA weight on the past (default 0.9: ~10 steps)")
     ap.add_argument("--tail", type=int, default=100, help="the last this many steps are compared (default 100)")
+    ap.add_argument("--windows", type=int, default=25, help="also the mean differences per this many steps (0: none)")
     a = ap.parse_args(argv)
     if len(a.files) not in (3, 4):
         ap.error("give RECIPE.jsonl PLAIN_A.jsonl [PLAIN_B.jsonl] OUT.png")
@@ -173,6 +192,8 @@ def main(argv=None) -> None:
     tail = range(max(0, n - a.tail), n)
     lines = [f"{k}: {labels[k]}: {v[0]['path']} {v[0]['case']} ({len(curves[k])} steps)" for k, v in loaded.items()]
     lines += report(curves, n, tail, a.ema)
+    if a.windows > 0:
+        lines += windows(curves, n, a.windows)
     title = next(x for x in lines if x.startswith("mean |recipe"))
     if "plain_B" in curves:
         title += "\n" + next(x for x in lines if x.startswith("run-to-run"))
