@@ -257,9 +257,10 @@ def _ends_after_kill(parent: subprocess.Popen, pid: int, timeout: float = 10) ->
 
 
 def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (not ended, nor a zombie waiting for its parent)."""
+    """Whether ``pid`` runs (not ended, nor a zombie waiting for its parent). A process that ends between the open
+    and the read makes the read fail with ESRCH (``ProcessLookupError``), hence any ``OSError``."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except OSError:
         return False
