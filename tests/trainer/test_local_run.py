@@ -233,12 +233,16 @@ def test_a_local_run_shows_its_eval_loss_a_rerun_says_it_is_complete_and_a_failu
     assert "already complete" not in first.stdout
     assert _left_behind(tmp_path, "evals") == []  # the launcher's folder and torchrun's logs went with it
 
+    log_size = (out / "train.log").stat().st_size
     again = _run_local(tmp_path, "evals", spec, out)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     said = [line for line in again.stdout.splitlines() if "already complete" in line]
     assert said == ["The run is already complete at step 4 (training.steps is 4): nothing to train. To train further, "
                     "raise spec.training.steps (or --steps); to train again from scratch, use a new run name or "
                     "output directory"], again.stdout
+    # said before anything starts: no launcher, no worker, nothing more in the log
+    assert "Training evals with" not in again.stdout and (out / "train.log").stat().st_size == log_size, again.stdout
+    assert f"Eval loss:   {last['eval_loss']:.4f} at step {last['step']}" in again.stdout, again.stdout
 
     bad = {**spec, "data": {"source": "shards", "shards": {"path": str(tmp_path / "no-shards-here")}}}
     failed = _run_local(tmp_path, "bad", bad, tmp_path / "bad")

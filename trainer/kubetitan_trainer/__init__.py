@@ -20,5 +20,11 @@ BUILTIN_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer"
 ALREADY_COMPLETE = "The run is already complete at step"
 """How the trainer's log says that it resumed at ``training.steps`` (nothing to train); ``local`` shows that line."""
 
+
+def already_complete(step: int, steps: int) -> str:
+    """What a run with nothing left to train says: the trainer's log, and ``kubetitan run`` before it starts one."""
+    return (f"{ALREADY_COMPLETE} {step} (training.steps is {steps}): nothing to train. To train further, raise "
+            "spec.training.steps (or --steps); to train again from scratch, use a new run name or output directory")
+
 ENV_STOP_FILE = "KUBETITAN_STOP_FILE"
 """Set by the launcher for its workers: the file whose existence asks them to checkpoint and stop."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import tomli_w
 
 from kubetitan_core import contract, render
-from kubetitan_trainer import ALREADY_COMPLETE
+from kubetitan_trainer import ALREADY_COMPLETE, already_complete
 from kubetitan_core.api import LlamaPretrain
 from kubetitan_core.contract.launcher import LauncherArgs, launcher_args, monitor_interval_seconds
 
@@ -209,6 +209,13 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
         return contract.ExitCode.CONFIG_ERROR
     nproc = processes_per_node(lpt)
     log_path = out / "train.log"
+    target = steps or lpt.spec.training.steps
+    if (done := completed_step(lpt, out)) is not None and done >= target:
+        # nothing to train: say so at once, without starting the launcher and the workers (the trainer would say
+        # the same after building the model and loading the checkpoint)
+        print(already_complete(done, target))
+        _summary(lpt, out, log_path, metrics_port, 0, started=False)
+        return 0
     cmd = [sys.executable, "-m", "kubetitan_trainer.launch", *local_launcher_args(lpt, config, master_port).to_argv()]
     env = {**os.environ, **spec_env(lpt), contract.ENV_ATTEMPT: os.environ.get(contract.ENV_ATTEMPT, "0"),
            contract.ENV_JOB_NAME: name, contract.ENV_JOB_NAMESPACE: lpt.metadata.namespace or "default",
@@ -220,6 +227,18 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
         code = _follow(proc, name, steps or lpt.spec.training.steps, metrics_port)
     _summary(lpt, out, log_path, metrics_port, code)
     return code
+
+
+def completed_step(lpt: LlamaPretrain, out: Path) -> int | None:
+    """The newest complete checkpoint step of a local run's own checkpoint folder under ``out`` (the one resume
+    rule, :func:`kubetitan_core.contract.newest_complete_step`); None without one, or when checkpoints are off or
+    go to S3 (the trainer then looks itself)."""
+    from kubetitan_trainer import storage  # torch-free
+
+    ck = lpt.spec.checkpoint
+    if not ck.enabled or ck.storage.s3 is not None:
+        return None
+    return storage.LocalStore(str(out / contract.CHECKPOINT_SUBDIR)).newest_complete_step()
 
 
 def _follow(proc: subprocess.Popen, name: str, total: int, metrics_port: int) -> int:
@@ -268,10 +287,11 @@ def _follow(proc: subprocess.Popen, name: str, total: int, metrics_port: int) ->
     return 128 - code if code < 0 else code
 
 
-def _summary(lpt: LlamaPretrain, out: Path, log_path: Path, metrics_port: int, code: int) -> None:
-    """What the run left and where: exit code, metrics, TensorBoard, checkpoints, and the log's tail on a failure."""
+def _summary(lpt: LlamaPretrain, out: Path, log_path: Path, metrics_port: int, code: int, started: bool = True) -> None:
+    """What the run left and where: exit code, metrics, TensorBoard, checkpoints, and the log's tail on a failure
+    (``started``: whether the launcher ran; a run with nothing to train starts nothing)."""
     ck = out / contract.CHECKPOINT_SUBDIR
-    text = log_path.read_text(errors="replace")
+    text = log_path.read_text(errors="replace") if started else ""
     complete = next((line for line in text.splitlines() if ALREADY_COMPLETE in line), None)
     if code == 0 and complete is not None:
         print(complete[complete.index(ALREADY_COMPLETE):])
@@ -282,7 +302,11 @@ def _summary(lpt: LlamaPretrain, out: Path, log_path: Path, metrics_port: int, c
         print(f"Stopped with a checkpoint (exit code {code}); the same command resumes from it")
     else:
         print(f"Exit code {code}" + ("" if code == 0 else f"; see {log_path}"))
-    print(f"Metrics:     served on http://127.0.0.1:{metrics_port}/metrics while running; per-step log {out / 'kubetitan' / 'steps.jsonl'}")
+    if started:
+        print(f"Metrics:     served on http://127.0.0.1:{metrics_port}/metrics while running; per-step log "
+              f"{out / 'kubetitan' / 'steps.jsonl'}")
+    else:
+        print(f"Per-step log: {out / 'kubetitan' / 'steps.jsonl'} (nothing started this time)")
     if lpt.spec.monitoring.tensorboard:
         print(f"TensorBoard: {out / 'tb'}  (tensorboard --logdir {out / 'tb'})")
     print(f"Checkpoints: {ck}")

@@ -42,7 +42,7 @@ from torchtitan.train import Trainer
 from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 
-from kubetitan_trainer import (ALREADY_COMPLETE, ENV_STOP_FILE, chunked_loss, compat, netcheck, runtime, source_loss,
+from kubetitan_trainer import (ENV_STOP_FILE, already_complete, chunked_loss, compat, netcheck, runtime, source_loss,
                               storage)
 from kubetitan_trainer.data import loaders as data, s3shards
 from kubetitan_trainer.errors import ConfigError, NetworkNotEfaError, NonFiniteLossError, StorageFullError
@@ -310,9 +310,7 @@ class KubetitanTrainer(Trainer):
             ex.ckpt_step.set(self.step)
         steps = self.job_config.training.steps
         if self.step >= steps and self._rank_world()[0] == 0:
-            logger.warning(f"{ALREADY_COMPLETE} {self.step} (training.steps is {steps}): nothing to train. To train "
-                           "further, raise spec.training.steps (or --steps); to train again from scratch, use a new "
-                           "run name or output directory")
+            logger.warning(already_complete(self.step, steps))
 
     def should_continue_training(self) -> bool:
         return not self._stopping and super().should_continue_training()
