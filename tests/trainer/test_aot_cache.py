@@ -197,8 +197,8 @@ def test_the_aot_modules_are_imported_and_torch_marked_only_with_the_runtime_swi
     """A default compiled run (``[kubetitan.runtime] aot_compile`` off) neither imports ``compile.aot_cache`` and
     ``compile.aot_precompile`` (made unimportable here: an import would raise) nor marks anything in torch's
     ``unsafe_marked_cacheable_functions``; with the switch on the TrainSpec's parallelize imports them and marks the
-    recipe's functions. With it on, reductions also keep their compiled block size (``dynamic_scale_rblock`` off:
-    nothing for a restarted worker to benchmark again). In-process (a second once torchtitan is loaded, as it is in
+    recipe's functions. With it on, reductions also keep their compiled block size (``dynamic_scale_rblock`` off: not
+    benchmarked again in every new process), unless the environment sets it. In-process (a second once torchtitan is loaded, as it is in
     the suite)."""
     import torch._inductor.config as inductor_config
 
@@ -222,6 +222,11 @@ def test_the_aot_modules_are_imported_and_torch_marked_only_with_the_runtime_swi
         monkeypatch.setattr(compat, "name_autograd_trampolines", lambda namespace, on_new: lambda fn_cls: None)
         assert parallelize(model, _Dims(), _JobConfig()) is model  # no compiled blocks: no artefact, as before
         assert set(aot_cache.cacheable_names()) <= set(inductor_config.unsafe_marked_cacheable_functions)
+        assert inductor_config.dynamic_scale_rblock is False
+        inductor_config.dynamic_scale_rblock = True
+        compat.fix_reduction_blocks({"TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK": "1"})  # the user's own choice stands
+        assert inductor_config.dynamic_scale_rblock is True
+        compat.fix_reduction_blocks({})
         assert inductor_config.dynamic_scale_rblock is False
         assert trainer.aot_blocks() is not None
         # compiled blocks get their artefact's dispatch, except under pipeline parallelism (each stage's model part

@@ -550,6 +550,12 @@ def test_the_artefact_is_named_by_the_compile_cache_key_even_when_the_pod_chose_
     names = {aot_precompile.artefact_name(inner, {compile_cache.KEY_ENV: k}) for k in ("a", "b", "")}
     assert len(names) == 3 and all(n.startswith("Linear-") and n.endswith(".aot") for n in names)
     assert aot_precompile.artefact_name(inner, {compile_cache.KEY_ENV: "a"}) in names  # stable
+    import torch._inductor.config as inductor_config
+
+    for scale in (True, False):  # kernels compiled under another Inductor setting kubetitan changes: another artefact
+        with inductor_config.patch(dynamic_scale_rblock=scale):
+            names.add(aot_precompile.artefact_name(inner, {compile_cache.KEY_ENV: "a"}))
+    assert len(names) == 4
     keys = []
     for backend in ("inductor", "aot_eager"):  # a [compile] change: another key, so another artefact
         cfg = tmp_path / f"{backend}.toml"

@@ -64,8 +64,8 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
     ``[kubetitan.runtime] aot_compile`` (``spec.runtime.aotCompile``; off by default), the AOTAutograd cache is made
     to serve the recipe's graphs first (:mod:`kubetitan_trainer.compile.aot_cache`: it marks functions in torch's
     ``unsafe_marked_cacheable_functions``, where a wrong key would be a silently wrong graph), reductions keep the
-    block size they were compiled with (:func:`kubetitan_trainer.compat.fix_reduction_blocks`: nothing for a restarted
-    worker to benchmark) and the compiled blocks get their ahead-of-time artefact (:mod:`kubetitan_trainer.compile.aot_precompile`); off, neither module is even
+    block size they were compiled with (:func:`kubetitan_trainer.compat.fix_reduction_blocks`: the recipe's block
+    reductions are no longer benchmarked again in every restarted worker) and the compiled blocks get their ahead-of-time artefact (:mod:`kubetitan_trainer.compile.aot_precompile`); off, neither module is even
     imported."""
     parallelize_fn = cpu_bridge.wrap_parallelize(parallelize_fn)
 
@@ -76,7 +76,7 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
             from kubetitan_trainer.compile import aot_cache
 
             aot_cache.enable()  # before anything is compiled: restarts then load the joint graphs from the cache
-            compat.fix_reduction_blocks()  # and run every kernel as compiled, with nothing to benchmark again
+            compat.fix_reduction_blocks()  # reductions keep their compiled block: not benchmarked again per process
         model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
         compile_fp8_head(model, job_config)
         if aot and "model" in job_config.compile.components and parallel_dims.pp_enabled:

@@ -666,8 +666,9 @@ class RuntimeSpec(_Base):
     """Compile ahead of time: compiled transformer blocks get an artefact that a restarted worker loads instead of
     compiling (each rank makes its own for its device once per node, in the compile cache's folder), and the AOTAutograd
     cache may serve the recipe's graphs (their functions are marked cacheable, keyed by their packages' versions
-    and sources), and reductions keep the block size they were compiled with, so a restarted worker has no kernel
-    to benchmark again. Off: the blocks compile as torch does. Needs `precision.compile`."""
+    and sources), and reductions keep the block size they were compiled with (unless
+    `TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK` is set), so a restarted worker does not benchmark them again. Off: the
+    blocks compile as torch does. Needs `precision.compile`."""
 
 
 class LlamaPretrainSpec(_Base):

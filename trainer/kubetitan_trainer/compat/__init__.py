@@ -26,7 +26,7 @@ from kubetitan_trainer.compat.registry import (  # noqa: F401 - re-exported: com
 from kubetitan_trainer.compat.torch_shims import (  # noqa: F401 - re-exported: compat.<name>
     abort_process_group, agent_store, aot_compile_module, aot_deserialize, aot_guard_failure, aot_run,
     aot_serialize, c10d_store_factory, compile_counts, compile_time_parts, compiled_module_parts,
-    ELASTIC_AGENT_OVERRIDES, fix_reduction_blocks, forbid_restarts, inner_state_dict_stager, local_tensor, LOCAL_WRITER_THREADS, mark_cacheable,
+    ELASTIC_AGENT_OVERRIDES, fix_reduction_blocks, forbid_restarts, inductor_key, inner_state_dict_stager, local_tensor, LOCAL_WRITER_THREADS, mark_cacheable,
     module_call_hooks, name_autograd_trampolines, overrides, poll_rendezvous_every, PRIVATE_OVERRIDES,
     rebind_process_groups, remaining_restarts, replace_c10d_store_factory, replace_state_dict_stager, reset_fsdp_runtime,
     set_compiled_forward, set_forward, set_pg_timeout, shared_storage_from_fd, shorten_rendezvous_cache, staged_storage_cache,

@@ -6,8 +6,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubetitan_trainer.compat.registry import Upstream, _declare, _rebind, _shim
@@ -519,21 +520,34 @@ def mark_cacheable(names: dict[str, str]) -> None:
        Upstream("torch._inductor.runtime.triton_heuristics:CachingAutotuner._dynamic_scale_rblock",
                 contains=('inductor_meta.get("dynamic_scale_rblock", True)',)),
        Upstream("torch._inductor.runtime.triton_heuristics:check_autotune_cache", contains=("len(configs) > 1",)))
-def fix_reduction_blocks() -> None:
+def fix_reduction_blocks(env: Mapping[str, str] | None = None) -> None:
     """Compile reductions with the block size their heuristics chose, without a second, smaller one added when a
-    process loads the kernel.
+    process loads the kernel; left to torch when ``TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK`` is set in ``env`` (the
+    process's environment by default: a user's explicit choice).
 
-    torch 2.11 gives a register-heavy reduction (FP8 amax reductions of the recipe's blocks, a backward fused with
-    SiLU) one configuration at compile time. When a process loads the kernel, ``_dynamic_scale_rblock`` adds a
-    configuration with half the reduction block (for occupancy) and the kernel is benchmarked on its first call.
+    torch 2.11 gives a register-heavy reduction (the recipe's FP8 amax reductions in its blocks, a backward fused
+    with SiLU) one configuration at compile time. When a process loads the kernel, ``_dynamic_scale_rblock`` adds a
+    configuration with half the reduction block (for occupancy), compiles it and benchmarks both on the first call.
     Inductor keeps its choice in a ``.best_config`` file only for kernels compiled with several configurations
-    (``check_autotune_cache``), so every new process benchmarks these again: 1.0-1.2 s of each warm restart's first
-    step on an H100 (docs/reliability.md). ``torch._inductor.config.dynamic_scale_rblock`` (read at code generation
-    into each kernel's ``inductor_meta``) turns the addition off; the two blocks measured within a few percent of
-    each other, the winner changing from one process to the next."""
+    (``check_autotune_cache``), so every new process does it again: 1.12-1.23 s of each warm restart's first step with
+    the H100 recipe (docs/reliability.md). There the compiled block won or tied: 2048 against 1024 for the two
+    costliest kernels in every process (0.44 against 0.50 ms), within 5 % either way for the others.
+    ``torch._inductor.config.dynamic_scale_rblock`` (read at code generation into each kernel's ``inductor_meta``)
+    turns the addition off for every reduction compiled after this call, in this process: the blocks, the head,
+    the loss. The block, and so the order of each sum, is then the same in every process."""
     import torch._inductor.config as inductor_config
 
-    inductor_config.dynamic_scale_rblock = False
+    if "TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK" not in (os.environ if env is None else env):
+        inductor_config.dynamic_scale_rblock = False
+
+
+@_shim(Upstream("torch._inductor.config:dynamic_scale_rblock"))
+def inductor_key() -> str:
+    """The Inductor settings kubetitan may change that generated kernels carry (:func:`fix_reduction_blocks`): part
+    of an AOT artefact's name, so a kernel compiled under other settings is never loaded as if it were the same."""
+    import torch._inductor.config as inductor_config
+
+    return f"dynamic_scale_rblock={inductor_config.dynamic_scale_rblock}"
 
 
 @_shim(Upstream("torch._dynamo.variables.misc:produce_trampoline_autograd_apply", params=("fn_cls",),

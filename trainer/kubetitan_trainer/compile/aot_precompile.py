@@ -137,9 +137,11 @@ def source_key(module: Any) -> str:
 
 def artefact_name(inner: Any, env: Mapping[str, str], device: str = "cpu") -> str:
     """``<block class>-<hash>-lr<local rank>.aot``: the hash of the compile cache's key, the Python version, the block's
-    sources, the local rank (``LOCAL_RANK``) and the device its guards were made for (``cuda:1``, ``cpu``)."""
+    sources, the Inductor settings kubetitan changes (``compat.inductor_key``: baked into the generated kernels), the
+    local rank (``LOCAL_RANK``) and the device its guards were made for (``cuda:1``, ``cpu``)."""
     local = env.get("LOCAL_RANK", "0") or "0"
-    key = "/".join((env.get(compile_cache.KEY_ENV, ""), sys.version.split()[0], source_key(inner), local, device))
+    key = "/".join((env.get(compile_cache.KEY_ENV, ""), sys.version.split()[0], source_key(inner),
+                    compat.inductor_key(), local, device))
     return f"{type(inner).__name__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}-lr{local}.aot"
 
 
