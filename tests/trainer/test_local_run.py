@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 import pytest
 
 from kubetitan_core import contract
-from kubetitan_core.api import LlamaPretrain
+from kubetitan_core.api import LlamaPretrain, S3CheckpointStorage
 from kubetitan_core.contract import ExitCode
 
 from support.specs import TINY, make_lpt
@@ -140,6 +140,72 @@ def test_a_resumed_bar_counts_rate_and_eta_from_the_resumed_step():
     assert d["n"] == 510 and d["elapsed"] == pytest.approx(10)
     line = tqdm.format_meter(**d)
     assert "510/1000" in line and "<08:10" in line, line  # ETA: 490 steps at 1 step/s, not a jump from 0 to 500
+
+
+def _finished(out: Path, *steps: int, partial: tuple[int, ...] = ()) -> None:
+    """Checkpoint folders under ``out`` as a run leaves them: complete steps (DCP metadata last) and cut-off ones."""
+    for step in (*steps, *partial):
+        (out / contract.CHECKPOINT_SUBDIR / f"step-{step}").mkdir(parents=True)
+    for step in steps:
+        (out / contract.CHECKPOINT_SUBDIR / f"step-{step}" / contract.DCP_METADATA_FILE).write_bytes(b"")
+
+
+@pytest.mark.parametrize("case, steps_arg, want_started", [
+    ("complete", None, False),               # newest complete step 4 = training.steps: nothing starts
+    ("lower --steps", 3, False),             # asked for fewer than it has
+    ("higher --steps", 6, True),             # more to train: the launcher starts (and resumes from step 4)
+    ("partial only", None, True),            # step 4 was cut off: the newest complete is 2
+    ("checkpoints off", None, True),         # no resume rule without checkpoints: trains from scratch
+    ("checkpoints in S3", None, True),       # the trainer looks in the bucket itself
+    ("changed spec", None, True),            # another learning rate than the folder's trainer.toml: the trainer decides
+    ("no trainer.toml", None, True),         # a folder some other tool filled
+])
+def test_a_finished_run_starts_nothing_unless_there_is_more_or_other_to_train(tmp_path, monkeypatch, capsys, case,
+                                                                               steps_arg, want_started):
+    from kubetitan_trainer import local
+
+    spec = {**TINY, "training": {**TINY["training"], "steps": 4}}
+    if case == "checkpoints off":
+        spec["checkpoint"] = {**spec.get("checkpoint", {}), "enabled": False}
+    lpt = LlamaPretrain.model_validate(make_lpt(spec, name="done", namespace="t"))
+    out = tmp_path / "out"
+    out.mkdir()
+    if case != "no trainer.toml":
+        local.write_config(lpt, out, None, metrics_port=1)  # the first run's
+    if case == "partial only":
+        _finished(out, 2, partial=(4,))
+    else:
+        _finished(out, 2, 4)
+    if case == "checkpoints in S3":
+        lpt.spec.checkpoint.storage.s3 = S3CheckpointStorage(uri="s3://bucket/run")
+    if case == "changed spec":
+        lpt.spec.training.learning_rate *= 2
+    started = []
+
+    class Launcher:  # stands in for the launcher's process: records that it was started
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+
+    monkeypatch.setattr(local.subprocess, "Popen", Launcher)
+    monkeypatch.setattr(local, "_follow", lambda proc, name, total, port: 0)
+    code = local.run_local(lpt, output_dir=str(out), steps=steps_arg)
+    said = capsys.readouterr().out
+    assert code == 0 and bool(started) == want_started, (case, said)
+    target = steps_arg or 4
+    assert ("already complete at step 4 (training.steps is %d)" % target in said) == (not want_started), said
+
+
+def test_the_summary_shows_the_trainers_own_already_complete_line(tmp_path, capsys):
+    """Where ``kubetitan run`` cannot see the checkpoint (S3), the trainer finds it complete after its load and logs
+    the line; the summary shows it from the log."""
+    from kubetitan_trainer import already_complete, local
+
+    lpt = LlamaPretrain.model_validate(make_lpt({**TINY, "training": {**TINY["training"], "steps": 4}}, name="s3",
+                                                namespace="t"))
+    log = tmp_path / "train.log"
+    log.write_text(f"[titan] 2026-12-08 00:00:00,000 - root - WARNING - {already_complete(4, 4)}\n")
+    local._summary(lpt, tmp_path, log, 1, 0)
+    assert already_complete(4, 4) + "\n" in capsys.readouterr().out
 
 
 def test_gpu_shortfall_says_so_before_any_process_starts():

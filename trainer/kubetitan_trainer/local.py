@@ -162,8 +162,8 @@ def spec_env(lpt: LlamaPretrain) -> dict[str, str]:
     return {e["name"]: str(e["value"]) for e in lpt.spec.resources.env if "name" in e and "value" in e}
 
 
-def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port: int, ledger: bool = False) -> Path:
-    """The run's ``trainer.toml`` in ``out``: the operator's rendering, with its dump folder ``out``, the metrics
+def config_for(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port: int, ledger: bool = False) -> dict:
+    """The run's ``trainer.toml`` as a dict: the operator's rendering, with its dump folder ``out``, the metrics
     endpoint on this machine's loopback at ``metrics_port``, and s3:// shards staged under ``out`` (no staging
     emptyDir here)."""
     kt = render.kubetitan_table(lpt)
@@ -175,9 +175,38 @@ def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port:
     cfg = render.trainer_config(lpt, dump_folder=str(out), kubetitan=kt)
     if steps is not None:
         cfg["training"]["steps"] = steps
+    return cfg
+
+
+def write_config(lpt: LlamaPretrain, out: Path, steps: int | None, metrics_port: int, ledger: bool = False) -> Path:
+    """The run's ``trainer.toml`` (:func:`config_for`) written into ``out``."""
+    return write_toml(lpt, out, config_for(lpt, out, steps, metrics_port, ledger))
+
+
+def write_toml(lpt: LlamaPretrain, out: Path, cfg: dict) -> Path:
+    """``cfg`` (:func:`config_for`) as ``out``'s ``trainer.toml``, under the operator's header line."""
     path = out / contract.CONFIG_KEY
     path.write_text(render.trainer_toml(lpt, str(out)).split("\n", 1)[0] + "\n" + tomli_w.dumps(cfg))
     return path
+
+
+def same_training(previous: Path, cfg: dict) -> bool:
+    """Whether the ``trainer.toml`` a run left in its folder (``previous``) trains what ``cfg`` trains: equal but for
+    the steps and the metrics port (a free port each time); False when there is none or it cannot be read."""
+    import tomllib
+
+    try:
+        old = tomllib.loads(previous.read_text())
+    except (OSError, ValueError):
+        return False
+
+    def comparable(c: dict) -> dict:
+        c = {k: dict(v) if isinstance(v, dict) else v for k, v in c.items()}
+        c.get("training", {}).pop("steps", None)
+        c.get("kubetitan", {}).pop("metrics_port", None)
+        return c
+
+    return comparable(old) == comparable(cfg)
 
 
 def local_launcher_args(lpt: LlamaPretrain, config: Path, master_port: int) -> LauncherArgs:
@@ -198,9 +227,19 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
         return contract.ExitCode.CONFIG_ERROR
     out = Path(output_dir or Path("runs") / name).resolve()
     metrics_port, master_port = free_port(), free_port()
+    cfg = config_for(lpt, out, steps, metrics_port, ledger)
+    log_path = out / "train.log"
+    target = steps or lpt.spec.training.steps
+    done = completed_step(lpt, out)
+    if done is not None and done >= target and same_training(out / contract.CONFIG_KEY, cfg):
+        # nothing to train: say so at once, without starting the launcher and the workers (the trainer would say
+        # the same after building the model and loading the checkpoint). A changed spec goes to the trainer.
+        print(already_complete(done, target))
+        _summary(lpt, out, log_path, metrics_port, contract.ExitCode.OK, started=False)
+        return contract.ExitCode.OK
     try:
         out.mkdir(parents=True, exist_ok=True)
-        config = write_config(lpt, out, steps, metrics_port, ledger)
+        config = write_toml(lpt, out, cfg)
         with open(out / "train.log", "ab"):
             pass
     except OSError as e:
@@ -208,14 +247,6 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
               "writable directory (checkpoints, logs and metrics go there)", file=sys.stderr)
         return contract.ExitCode.CONFIG_ERROR
     nproc = processes_per_node(lpt)
-    log_path = out / "train.log"
-    target = steps or lpt.spec.training.steps
-    if (done := completed_step(lpt, out)) is not None and done >= target:
-        # nothing to train: say so at once, without starting the launcher and the workers (the trainer would say
-        # the same after building the model and loading the checkpoint)
-        print(already_complete(done, target))
-        _summary(lpt, out, log_path, metrics_port, 0, started=False)
-        return 0
     cmd = [sys.executable, "-m", "kubetitan_trainer.launch", *local_launcher_args(lpt, config, master_port).to_argv()]
     env = {**os.environ, **spec_env(lpt), contract.ENV_ATTEMPT: os.environ.get(contract.ENV_ATTEMPT, "0"),
            contract.ENV_JOB_NAME: name, contract.ENV_JOB_NAMESPACE: lpt.metadata.namespace or "default",
@@ -224,7 +255,7 @@ def run_local(lpt: LlamaPretrain, output_dir: str | None = None, steps: int | No
     with open(log_path, "ab") as logf:
         # Own session: Ctrl-C reaches this process only, which turns it into a graceful stop.
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        code = _follow(proc, name, steps or lpt.spec.training.steps, metrics_port)
+        code = _follow(proc, name, target, metrics_port)
     _summary(lpt, out, log_path, metrics_port, code)
     return code
 
