@@ -66,8 +66,16 @@ def _kill_tree(proc: warm.WarmProcess | subprocess.Popen) -> None:
             pass
     proc.wait(timeout=60)
     for pid in pids[1:]:
-        while Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text():
+        while _running(pid):
             time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Neither ended nor a zombie; a process that ends between the check and the read is ended (ESRCH)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
 
 
 def _log(config: Path) -> str:

@@ -196,8 +196,10 @@ def test_seed_recipe_features_on_cpu(name, precision, log_lines, tmp_path):
 
 
 def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(x) for x in path.read_text().split()] if path.exists() else []
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:  # no such process, or it ended between the lookup and the read (ESRCH)
+        return []
 
 
 def _cut_off_newest_save(workers: list[int], tier: Path, newer_than: int) -> int:
