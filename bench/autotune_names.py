@@ -9,7 +9,9 @@ sha256 of ``<basename>:<cache_key_tag>`` hashed again with ``torch_key()``, besi
 
     python bench/autotune_names.py LAUNCHER_LOG[.gz] CACHE_DIR [--json OUT.json]
 
-Needs torch (for ``torch_key``) only to name the ``.best_config`` files; without it the column says ``?``.
+Needs torch (for ``torch_key``) only to name the ``.best_config`` files; without it the column says ``?``. Reads one
+rank's log (the bench's single-GPU runs): with several ranks' lines mixed in, their calls add up per generation.
+Calls after the last start-up line count for the generation after it (one that never finished its first step).
 """
 
 from __future__ import annotations

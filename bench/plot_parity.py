@@ -1,7 +1,7 @@
 """Loss parity of bench runs (results.jsonl rows with per-step ``losses``): numbers, a text file and a PNG.
 
     python bench/plot_parity.py RECIPE.jsonl PLAIN_A.jsonl [PLAIN_B.jsonl] OUT.png [--txt OUT.txt] [--ema 0.9]
-        [--tail 100]
+        [--tail 100] [--windows 25]
 
 RECIPE and PLAIN_A share the seed (initial weights and data order); PLAIN_B is plain torchtitan with another seed:
 ``|PLAIN_A - PLAIN_B|`` is the run-to-run noise that the recipe's difference from PLAIN_A is judged against.
