@@ -206,7 +206,7 @@ def same_training(previous: Path, cfg: dict) -> bool:
         c.get("kubetitan", {}).pop("metrics_port", None)
         return c
 
-    return comparable(old) == comparable(cfg)
+    return comparable(old) == comparable(tomllib.loads(tomli_w.dumps(cfg)))  # as written: tuples become lists
 
 
 def local_launcher_args(lpt: LlamaPretrain, config: Path, master_port: int) -> LauncherArgs:
