@@ -65,7 +65,8 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
     to serve the recipe's graphs first (:mod:`kubetitan_trainer.compile.aot_cache`: it marks functions in torch's
     ``unsafe_marked_cacheable_functions``, where a wrong key would be a silently wrong graph), reductions keep the
     block size they were compiled with (:func:`kubetitan_trainer.compat.fix_reduction_blocks`: the recipe's block
-    reductions are no longer benchmarked again in every restarted worker) and the compiled blocks get their ahead-of-time artefact (:mod:`kubetitan_trainer.compile.aot_precompile`); off, neither module is even
+    reductions are no longer benchmarked again in every restarted worker) and the compiled blocks get their
+    ahead-of-time artefact (:mod:`kubetitan_trainer.compile.aot_precompile`); off, neither module is even
     imported."""
     parallelize_fn = cpu_bridge.wrap_parallelize(parallelize_fn)
 

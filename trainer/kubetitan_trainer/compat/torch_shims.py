@@ -531,7 +531,7 @@ def fix_reduction_blocks(env: Mapping[str, str] | None = None) -> None:
     Inductor keeps its choice in a ``.best_config`` file only for kernels compiled with several configurations
     (``check_autotune_cache``), so every new process does it again: 1.12-1.23 s of each warm restart's first step with
     the H100 recipe (docs/reliability.md). There the compiled block won or tied: 2048 against 1024 for the two
-    costliest kernels in every process (0.44 against 0.50 ms), within 5 % either way for the others.
+    costliest kernels in every process (0.44 against 0.50 ms), within 0.5-14 % either way for the amax reductions.
     ``torch._inductor.config.dynamic_scale_rblock`` (read at code generation into each kernel's ``inductor_meta``)
     turns the addition off for every reduction compiled after this call, in this process: the blocks, the head,
     the loss. The block, and so the order of each sum, is then the same in every process."""
