@@ -198,8 +198,8 @@ def test_the_aot_modules_are_imported_and_torch_marked_only_with_the_runtime_swi
     ``compile.aot_precompile`` (made unimportable here: an import would raise) nor marks anything in torch's
     ``unsafe_marked_cacheable_functions``; with the switch on the TrainSpec's parallelize imports them and marks the
     recipe's functions. With it on, reductions also keep their compiled block size (``dynamic_scale_rblock`` off: not
-    benchmarked again in every new process), unless the environment sets it. In-process (a second once torchtitan is loaded, as it is in
-    the suite)."""
+    benchmarked again in every new process), unless the environment sets it. In-process (a second once torchtitan is
+    loaded, as it is in the suite)."""
     import torch._inductor.config as inductor_config
 
     from kubetitan_core.contract.trainer_toml import KubetitanRuntime
