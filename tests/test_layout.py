@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from support.paths import REPO
+from support.procs import running
 from support.pyparse import parse_file
 
 TESTS = REPO / "tests"
@@ -251,16 +252,6 @@ def _ends_after_kill(parent: subprocess.Popen, pid: int, timeout: float = 10) ->
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while running(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (not ended, nor a zombie waiting for its parent). A process that ends between the open
-    and the read makes the read fail with ESRCH (``ProcessLookupError``), hence any ``OSError``."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return not running(pid)

@@ -19,6 +19,7 @@ from kubetitan_core import contract
 from kubetitan_core.contract import ExitCode
 from kubetitan_trainer import storage
 from support import warm
+from support.procs import running
 from support.specs import tiny_lpt, write_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,16 +67,8 @@ def _kill_tree(proc: warm.WarmProcess | subprocess.Popen) -> None:
             pass
     proc.wait(timeout=60)
     for pid in pids[1:]:
-        while _running(pid):
+        while running(pid):
             time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    """Neither ended nor a zombie; a process that ends between the check and the read is ended (ESRCH)."""
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
 
 
 def _log(config: Path) -> str:

@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 from kubetitan_trainer.launch import agent, orphans
+from support.procs import running
 
 SCRIPT = textwrap.dedent("""
     import json, multiprocessing as mp, os, signal, sys, time
@@ -36,14 +37,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
-
-
 def _run(tmp_path, mode: str) -> dict:
     log = tmp_path / f"{mode}.log"  # a file, not a pipe: an orphan that holds the pipe would keep it open
     with open(log, "w") as f:
@@ -58,15 +51,15 @@ def test_the_launcher_adopts_and_ends_what_a_killed_worker_left_running(tmp_path
     got = _run(tmp_path, "on")
     assert got["subreaper"] is True and got["worker_code"] == -9
     assert got["adopted"] is True and got["writer"] in got["ended"]  # (with spawn's resource tracker)
-    assert not _alive(got["writer"])
+    assert not running(got["writer"])
 
 
 def test_without_the_subreaper_the_writer_outlives_its_worker_and_the_launcher_cannot_see_it(tmp_path):
     got = _run(tmp_path, "off")  # torch elastic's own behaviour: the orphan goes to init, out of the launcher's reach
     try:
-        assert got["adopted"] is False and got["ended"] == [] and _alive(got["writer"])
+        assert got["adopted"] is False and got["ended"] == [] and running(got["writer"])
     finally:
-        if _alive(got["writer"]):
+        if running(got["writer"]):
             os.kill(got["writer"], 9)
 
 
