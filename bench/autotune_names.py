@@ -112,15 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generation {gen}: {len(by_gen[gen])} benchmark calls")
         for c in by_gen[gen]:
             srcs = files.get(c["kernel"], [])
-            bests = [best_config_path(s) for s in srcs]
-            state = ("?" if any(b is None for b in bests) else
-                     ",".join("yes" if b.exists() else "no" for b in bests)) if srcs else "no source"
+            bests = [best_config_path(s) for s in srcs]  # None: no torch to name them
+            found = [b for b in bests if b is not None and b.exists()]
+            state = ("no source" if not srcs else "?" if None in bests else
+                     ",".join("yes" if b in found else "no" for b in bests))
             row = {**c, "sources": [str(s) for s in srcs], "best_config": state}
-            if srcs and bests and bests[0] is not None and bests[0].exists():
+            if found:
                 try:
-                    row["best_config_content"] = json.loads(bests[0].read_text())
-                except (OSError, ValueError):
-                    pass
+                    row["best_config_content"] = json.loads(found[0].read_text())
+                except (OSError, ValueError) as e:  # written while the run was cut off: say so in the row
+                    row["best_config_content"] = f"unreadable: {e}"
             rows.append(row)
             print(f"  {c['kernel']:<60} {c['configs']:>2} configs  best {c['best_ms']} ms  "
                   f"{len(srcs)} source file(s)  .best_config: {state}")
