@@ -333,16 +333,29 @@ def test_trainer_pods_get_no_api_token_and_match_the_podmonitor(example):
             assert any(k.replace(".", "_").replace("/", "_") == label for k in pod["metadata"]["labels"]), src
 
 
+HOST_PATH_REFUSED = "which this release's\n   policy refuses: policy.hostPathPrefixes is empty"
+ROLLOUT = "rollout status deploy/kt-kubetitan"
+OUT_OF_CLUSTER = "run the operator yourself, out of cluster"
+
+
 @pytest.mark.parametrize(
-    "sets, expect",
+    "sets, expect, absent",
     [
-        ([], ["watches LlamaPretrains in ALL namespaces", "Monitoring is off", "kubectl apply -n <namespace>"]),
-        (["watch.mode=namespaced", "watch.namespaces={ml}", "monitoring.rules.enabled=true"],
-         ["watches LlamaPretrains in: ml.", "kubectl apply -n ml", "PrometheusRule (alerts"]),
+        ([], ["watches LlamaPretrains in ALL namespaces", "Monitoring is off", "kubectl apply -n <namespace>",
+              ROLLOUT, "kubetitan validate --policy kt-values.yaml", HOST_PATH_REFUSED], [OUT_OF_CLUSTER]),
+        (["watch.mode=namespaced", "watch.namespaces={ml}", "monitoring.rules.enabled=true",
+          "policy.hostPathPrefixes={/var/lib/kubetitan}"],
+         ["watches LlamaPretrains in: ml.", "kubectl apply -n ml", "PrometheusRule (alerts", ROLLOUT],
+         [HOST_PATH_REFUSED]),
+        (["replicaCount=0", "webhook.url=https://127.0.0.1:9443"],
+         [OUT_OF_CLUSTER, "calls its webhook at https://127.0.0.1:9443",
+          "get deploy/kt-kubetitan -o jsonpath='{.spec.template.spec.containers[0].args}'", "create token kt-kubetitan"],
+         [ROLLOUT, "runs 0 replica"]),
+        (["replicaCount=0"], ["webhook refuses every\n   create", "--set replicaCount=2"], [ROLLOUT, OUT_OF_CLUSTER]),
     ],
-    ids=["defaults", "namespaced-monitoring"],
+    ids=["defaults", "namespaced-monitoring-hostpath-allowed", "out-of-cluster", "no-replica"],
 )
-def test_notes_tell_what_to_run_next(tmp_path, sets, expect):
+def test_notes_tell_what_to_run_next(tmp_path, sets, expect, absent):
     # helm prints NOTES only on install (which needs a cluster): render them as a ConfigMap
     # through `tpl` in a copy of the chart.
     chart = tmp_path / "kubetitan"
@@ -355,7 +368,8 @@ def test_notes_tell_what_to_run_next(tmp_path, sets, expect):
     notes = yamlio.load(out)["data"]["notes"]
     for text in expect:
         assert text in notes, notes
-    assert "rollout status deploy/kt-kubetitan" in notes
+    for text in absent:
+        assert text not in notes, notes
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from support import forkrun
 from support.cluster import LPT, PODS, ApiError, ControlPlane, KubeCluster, kubernetes_version
 from support.crd_answers import CEL_IDS, CORPUS, CRD, cel_ids, post_dry_run
 from support.paths import EXAMPLES, REPO, load_example
-from support.release import Release, kubectl
+from support.release import HELM, Release, kubectl, run_tool
 from support.specs import cpu_spec, lpt, make_lpt
 from support import yamlio
 
@@ -82,14 +82,18 @@ def test_every_corpus_spec_is_refused_by_the_real_server_as_the_validator_refuse
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_every_example_through_kubectl_dry_run_server_as_kubetitan_validate_says(
-        path: Path, control_plane: ControlPlane, operator: Any, dry_run_namespace: str, tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        path: Path, control_plane: ControlPlane, release: Release, operator: Any, dry_run_namespace: str,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``kubectl apply --dry-run=server`` of each example (CRD, CEL, the webhook with the chart's default policy)
-    agrees with ``kubetitan validate --policy charts/kubetitan/values.yaml`` (its ``main``, in this process: the
-    command's process itself is tests/api/test_cli.py's)."""
+    agrees with ``kubetitan validate --policy`` of the release's own values, as the chart's NOTES say to get them
+    (``helm get values RELEASE --all``; ``validate``'s ``main`` runs in this process: the command's process itself
+    is tests/api/test_cli.py's)."""
     from kubetitan import cli as kubetitan_cli
 
-    code = kubetitan_cli.main(["validate", "--policy", str(REPO / "charts/kubetitan/values.yaml"), str(path)])
+    values = tmp_path / "values.yaml"
+    values.write_text(run_tool(HELM, "get", "values", release.name, "-n", release.namespace, "--all",
+                               kubeconfig=control_plane.admin_kubeconfig).stdout)
+    code = kubetitan_cli.main(["validate", "--policy", str(values), str(path)])
     said = capsys.readouterr()
     own = yamlio.load(path.read_text())["metadata"].get("namespace")
     if own:
