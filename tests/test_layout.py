@@ -13,12 +13,15 @@ directory in one process); ``bench/collect_pairs.py`` collects every pair of tes
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from support.paths import REPO
 from support.procs import running
@@ -245,6 +248,39 @@ def test_a_fork_runs_a_module_as_python_m_does_and_ends_with_its_killed_wrapper(
     finally:
         server.stdin.close()
         server.wait(30)
+
+
+def test_a_reaped_fork_s_cpu_is_logged_with_the_test_that_asked_and_bench_sums_it(tmp_path: Path,
+                                                                                   capsys: pytest.CaptureFixture[str]
+                                                                                   ) -> None:
+    """With ``KUBETITAN_FORKSERVER_LOG`` the server writes a line per fork it reaps (``forkrun.log_fork_cpu``): its
+    CPU from ``wait4`` (a child it reaped included), its arguments and the test that started it; bench/fork_cpu.py
+    sums the lines by kind and by test."""
+    prefix = f"kubetitan-forkserver-cpu-{os.getpid()}"
+    log = tmp_path / "forks.log"
+    server = subprocess.Popen([sys.executable, str(REPO / "tests/support/forkserver.py"), prefix, "none"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**os.environ, "KUBETITAN_FORKSERVER": prefix, "KUBETITAN_FORKSERVER_LOG": str(log)})
+    try:
+        assert server.stdout.readline() == b"ready\n"
+        burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
+        spin = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {burn!r}], check=True)\n"  # its child
+        env = {**os.environ, "KUBETITAN_FORKSERVER": prefix, "PYTEST_CURRENT_TEST": "tests/x.py::test_spin (call)"}
+        r = subprocess.run([sys.executable, "-S", str(REPO / "tests/support/forkrun.py"), "-c", spin], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    finally:
+        server.stdin.close()
+        server.wait(30)
+    (line,) = [json.loads(x[len("forkserver: cpu "):]) for x in log.read_text().splitlines()]
+    assert line["argv"][:1] == ["-c"] and line["test"] == "tests/x.py::test_spin (call)" and line["parent"] == "server"
+    assert line["cpu"] >= 0.3 and line["wall"] >= 0.3, line
+    spec = importlib.util.spec_from_file_location("fork_cpu", REPO / "bench" / "fork_cpu.py")
+    fork_cpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fork_cpu)
+    assert fork_cpu.main([str(log)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"1 forks, {line['cpu']:.1f} CPU s ") and "tests/x.py::test_spin" in out, out
 
 
 def _ends_after_kill(parent: subprocess.Popen, pid: int, timeout: float = 10) -> bool:

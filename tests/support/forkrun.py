@@ -47,8 +47,21 @@ ENV = "KUBETITAN_FORKSERVER"
 ENV_OFF = "KUBETITAN_TEST_NO_FORKSERVER"
 """``1``: no servers; every xdist worker and warm parent starts as its own interpreter, as before."""
 ENV_LOG = "KUBETITAN_FORKSERVER_LOG"
-"""A file: what started cold, and which variables sent it there."""
+"""A file: what started cold, and which variables sent it there; and a line per fork the servers and the warm parents
+reap, with its CPU (:func:`log_fork_cpu`, summed by bench/fork_cpu.py)."""
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def log_fork_cpu(usage, started: float, argv: list[str], test: str, parent: str) -> None:
+    """Where :data:`ENV_LOG` names a file, append a reaped fork's line: ``wait4``'s CPU (user + system, its reaped
+    children's included), its wall time, its first arguments, the test that asked (``PYTEST_CURRENT_TEST``) and who
+    forked it (``server``, ``zygote``)."""
+    if not os.environ.get(ENV_LOG):
+        return
+    line = {"cpu": round(usage.ru_utime + usage.ru_stime, 3), "sys": round(usage.ru_stime, 3),
+            "wall": round(time.monotonic() - started, 3), "argv": argv[:4], "test": test, "parent": parent}
+    with open(os.environ[ENV_LOG], "a") as log:
+        print("forkserver: cpu " + json.dumps(line), file=log)
 _servers: list = []
 
 

@@ -36,9 +36,11 @@ import select
 import signal
 import socket
 import sys
+import time
 import types
 
-from forkrun import ENV_LOG, at_import, exit_as_python, server_name  # this script's folder is still sys.path[0]
+from forkrun import (ENV_LOG, at_import, exit_as_python, log_fork_cpu,  # this script's folder is still sys.path[0]
+                     server_name)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -190,6 +192,7 @@ def main() -> None:
     signal.set_wakeup_fd(wakeup[1])
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: dict[int, socket.socket] = {}
+    started: dict[int, tuple[float, list[str], str]] = {}  # pid -> (start, argv, the test that asked): ENV_LOG's
     orphans: set[int] = set()  # children whose wrapper ended
     print("ready", flush=True)
     sys.stderr.flush()
@@ -231,14 +234,16 @@ def main() -> None:
             for fd in fds:
                 os.close(fd)
             children[pid] = conn
+            started[pid] = (time.monotonic(), req["argv"], req["env"].get("PYTEST_CURRENT_TEST", ""))
             _send(conn, {"pid": pid})
         while children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
+            log_fork_cpu(usage, *started.pop(pid, (time.monotonic(), [], "")), parent="server")
             conn = children.pop(pid, None)
             orphans.discard(pid)
             if conn is not None:

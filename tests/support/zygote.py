@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 
-from forkrun import exit_as_python  # this script's folder is sys.path[0] at its start
+from forkrun import exit_as_python, log_fork_cpu  # this script's folder is sys.path[0] at its start
 
 PRELOAD = (
     "torch", "torch.distributed", "torch.distributed.run", "torch.distributed.checkpoint",
@@ -139,14 +139,19 @@ def _report(msg: dict) -> None:
         sys.stdout.flush()
 
 
+_STARTED: dict[int, tuple[float, list[str], str]] = {}
+"""pid -> (start, ``-m MODULE ARGS``, the test that asked), for the CPU line of ``forkrun.ENV_LOG``."""
+
+
 def _reap() -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        log_fork_cpu(usage, *_STARTED.pop(pid, (time.monotonic(), [], "")), parent="zygote")
         _report({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
 
@@ -196,6 +201,8 @@ def main() -> None:
                 pid = os.fork()
                 if pid == 0:
                     _child(req, wakeup)
+                _STARTED[pid] = (time.monotonic(), ["-m", req["module"], *req["args"]],
+                                 req["env"].get("PYTEST_CURRENT_TEST", ""))
                 _report({"id": req["id"], "pid": pid})
         _reap()
 
