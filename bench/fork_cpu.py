@@ -1,9 +1,9 @@
-"""Where the suite's forked processes spend their CPU: tests/support/forkserver.py serves `make test`'s xdist workers
-and the Python processes the tests start (trainers, launchers, operators, CLI runs), and with
-``KUBETITAN_FORKSERVER_LOG=FILE`` it writes one line per fork it reaps: its CPU (``wait4``'s user + system, the
-processes it reaped included), its wall time, its first arguments and the test that started it
-(``PYTEST_CURRENT_TEST`` of the requester). The same file gets one line per process that ran cold instead
-(no server for its environment):
+"""Where the suite's forked processes spend their CPU: tests/support/forkserver.py serves `make test`'s xdist workers,
+the warm parents (tests/support/zygote.py) and the CLI runs of the tests, and the warm parents serve the trainer
+launches. With ``KUBETITAN_FORKSERVER_LOG=FILE`` both write one line per fork they reap: its CPU (``wait4``'s user +
+system, the processes it reaped included), its wall time, its first arguments, the test that started it
+(``PYTEST_CURRENT_TEST`` of the requester) and who forked it. The same file gets one line per process that ran cold
+instead (no server for its environment):
 
     KUBETITAN_FORKSERVER_LOG=/tmp/fork.log python -m pytest -n 5 --dist loadgroup --no-loadscope-reorder tests
     python bench/fork_cpu.py /tmp/fork.log [--top 30]
@@ -23,7 +23,7 @@ import sys
 
 
 def kind(argv: list[str]) -> str:
-    """A short name for a fork: ``-m MODULE``, ``-c`` and the code's first import line, or the script."""
+    """A short name for a fork: ``-m MODULE``, an xdist worker, ``-c`` and the code's first line, or the script."""
     args = [a for a in argv if a not in ("-u", "-B", "-S", "-I")]
     if not args:
         return "?"
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             if line.startswith("forkserver: cpu "):
                 forks.append(json.loads(line[len("forkserver: cpu "):]))
             elif line.startswith(("forkrun: no server", "forkserver: cold")):
-                cold[line.split(" with ")[0].split(": [")[0] + ": " + line.split("[", 1)[1].split("]", 1)[0][:60]] += 1
+                cold[line.rstrip()[:120]] += 1
     total = sum(r["cpu"] for r in forks)
     print(f"{len(forks)} forks, {total:.1f} CPU s (a parent's figure includes its forks'); "
           f"{sum(cold.values())} cold starts")

@@ -250,9 +250,8 @@ def test_a_fork_runs_a_module_as_python_m_does_and_ends_with_its_killed_wrapper(
         server.wait(30)
 
 
-def test_a_reaped_fork_s_cpu_is_logged_with_the_test_that_asked_and_bench_sums_it(tmp_path: Path,
-                                                                                   capsys: pytest.CaptureFixture[str]
-                                                                                   ) -> None:
+def test_a_reaped_forks_cpu_is_logged_with_the_test_that_asked_and_the_bench_sums_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """With ``KUBETITAN_FORKSERVER_LOG`` the server writes a line per fork it reaps (``forkrun.log_fork_cpu``): its
     CPU from ``wait4`` (a child it reaped included), its arguments and the test that started it; bench/fork_cpu.py
     sums the lines by kind and by test."""

@@ -62,6 +62,8 @@ def log_fork_cpu(usage, started: float, argv: list[str], test: str, parent: str)
             "wall": round(time.monotonic() - started, 3), "argv": argv[:4], "test": test, "parent": parent}
     with open(os.environ[ENV_LOG], "a") as log:
         print("forkserver: cpu " + json.dumps(line), file=log)
+
+
 _servers: list = []
 
 
