@@ -335,25 +335,36 @@ def test_trainer_pods_get_no_api_token_and_match_the_podmonitor(example):
 
 HOST_PATH_REFUSED = "which this release's\n   policy refuses: policy.hostPathPrefixes is empty"
 ROLLOUT = "rollout status deploy/kt-kubetitan"
-OUT_OF_CLUSTER = "run the operator yourself, out of cluster"
+OUT_OF_CLUSTER = "Run the operator yourself, out of cluster"
+ARGS = "get deploy/kt-kubetitan \\\n       -o jsonpath='{.spec.template.spec.containers[0].args}'"
 
 
 @pytest.mark.parametrize(
     "sets, expect, absent",
     [
         ([], ["watches LlamaPretrains in ALL namespaces", "Monitoring is off", "kubectl apply -n <namespace>",
-              ROLLOUT, "kubetitan validate --policy kt-values.yaml", HOST_PATH_REFUSED], [OUT_OF_CLUSTER]),
+              ROLLOUT, "kubetitan validate --policy kt-values.yaml", HOST_PATH_REFUSED,
+              "helm upgrade kt <chart> -n kubetitan-system --reuse-values --set 'policy.hostPathPrefixes="],
+         [OUT_OF_CLUSTER]),
         (["watch.mode=namespaced", "watch.namespaces={ml}", "monitoring.rules.enabled=true",
           "policy.hostPathPrefixes={/var/lib/kubetitan}"],
          ["watches LlamaPretrains in: ml.", "kubectl apply -n ml", "PrometheusRule (alerts", ROLLOUT],
          [HOST_PATH_REFUSED]),
         (["replicaCount=0", "webhook.url=https://127.0.0.1:9443"],
-         [OUT_OF_CLUSTER, "calls its webhook at https://127.0.0.1:9443",
-          "get deploy/kt-kubetitan -o jsonpath='{.spec.template.spec.containers[0].args}'", "create token kt-kubetitan"],
-         [ROLLOUT, "runs 0 replica"]),
-        (["replicaCount=0"], ["webhook refuses every\n   create", "--set replicaCount=2"], [ROLLOUT, OUT_OF_CLUSTER]),
+         [OUT_OF_CLUSTER, "calls its webhook at\n   https://127.0.0.1:9443/validate-llamapretrain", ARGS,
+          "create token kt-kubetitan"],
+         [ROLLOUT, "replica(s)", "the others stand by"]),
+        (["replicaCount=0", "webhook.url=https://127.0.0.1:9443", "webhook.enabled=false"],
+         [OUT_OF_CLUSTER, ARGS], ["calls its webhook"]),
+        (["replicaCount=0"], ["the webhook (failurePolicy Fail) refuses every create",
+                              "helm upgrade kt <chart> -n kubetitan-system --reuse-values --set replicaCount=2"],
+         [ROLLOUT, OUT_OF_CLUSTER]),
+        (["replicaCount=0", "leaderElection.enabled=false", "webhook.failurePolicy=Ignore"],
+         ["the webhook (failurePolicy Ignore) admits creates unchecked", "--set replicaCount=1"],
+         ["refuses every create", "leader election"]),
     ],
-    ids=["defaults", "namespaced-monitoring-hostpath-allowed", "out-of-cluster", "no-replica"],
+    ids=["defaults", "namespaced-monitoring-hostpath-allowed", "out-of-cluster", "out-of-cluster-no-webhook",
+         "no-replica", "no-replica-no-election-ignore"],
 )
 def test_notes_tell_what_to_run_next(tmp_path, sets, expect, absent):
     # helm prints NOTES only on install (which needs a cluster): render them as a ConfigMap

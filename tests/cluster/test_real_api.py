@@ -80,20 +80,26 @@ def test_every_corpus_spec_is_refused_by_the_real_server_as_the_validator_refuse
         assert cel_ids(body) == py & CEL_IDS, (message, sorted(py))
 
 
+@pytest.fixture(scope="module")
+def release_values(control_plane: ControlPlane, release: Release, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The installed release's values as the chart's NOTES tell users to save them (``helm get values --all``)."""
+    values = tmp_path_factory.mktemp("release") / "values.yaml"
+    values.write_text(run_tool(HELM, "get", "values", release.name, "-n", release.namespace, "--all",
+                               kubeconfig=control_plane.admin_kubeconfig).stdout)
+    return values
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_every_example_through_kubectl_dry_run_server_as_kubetitan_validate_says(
-        path: Path, control_plane: ControlPlane, release: Release, operator: Any, dry_run_namespace: str,
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        path: Path, control_plane: ControlPlane, release_values: Path, operator: Any, dry_run_namespace: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """``kubectl apply --dry-run=server`` of each example (CRD, CEL, the webhook with the chart's default policy)
     agrees with ``kubetitan validate --policy`` of the release's own values, as the chart's NOTES say to get them
     (``helm get values RELEASE --all``; ``validate``'s ``main`` runs in this process: the command's process itself
     is tests/api/test_cli.py's)."""
     from kubetitan import cli as kubetitan_cli
 
-    values = tmp_path / "values.yaml"
-    values.write_text(run_tool(HELM, "get", "values", release.name, "-n", release.namespace, "--all",
-                               kubeconfig=control_plane.admin_kubeconfig).stdout)
-    code = kubetitan_cli.main(["validate", "--policy", str(values), str(path)])
+    code = kubetitan_cli.main(["validate", "--policy", str(release_values), str(path)])
     said = capsys.readouterr()
     own = yamlio.load(path.read_text())["metadata"].get("namespace")
     if own:
