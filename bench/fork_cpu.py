@@ -43,16 +43,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("log")
     p.add_argument("--top", type=int, default=25)
     a = p.parse_args(argv)
-    forks, cold = [], collections.Counter()
+    forks, cold, bad = [], collections.Counter(), 0
     with open(a.log) as f:
         for line in f:
             if line.startswith("forkserver: cpu "):
-                forks.append(json.loads(line[len("forkserver: cpu "):]))
+                try:
+                    forks.append(json.loads(line[len("forkserver: cpu "):]))
+                except json.JSONDecodeError:
+                    bad += 1
             elif line.startswith(("forkrun: no server", "forkserver: cold")):
                 cold[line.rstrip()[:120]] += 1
     total = sum(r["cpu"] for r in forks)
     print(f"{len(forks)} forks, {total:.1f} CPU s (a parent's figure includes its forks'); "
-          f"{sum(cold.values())} cold starts")
+          f"{sum(cold.values())} cold starts" + (f"; {bad} unreadable lines skipped" if bad else ""))
     none = "(no test: xdist workers, warm parents, e2e pods)"
     for title, key in (("by kind", lambda r: f'{r.get("parent", "server")}: {kind(r["argv"])}'),
                        ("by test file", lambda r: r["test"].split("::")[0] or none),

@@ -59,9 +59,15 @@ def log_fork_cpu(usage, started: float, argv: list[str], test: str, parent: str)
     if not os.environ.get(ENV_LOG):
         return
     line = {"cpu": round(usage.ru_utime + usage.ru_stime, 3), "sys": round(usage.ru_stime, 3),
-            "wall": round(time.monotonic() - started, 3), "argv": argv[:4], "test": test, "parent": parent}
-    with open(os.environ[ENV_LOG], "a") as log:
-        print("forkserver: cpu " + json.dumps(line), file=log)
+            "wall": round(time.monotonic() - started, 3), "argv": [a[:200] for a in argv[:4]], "test": test[:300],
+            "parent": parent}
+    data = ("forkserver: cpu " + json.dumps(line) + "\n").encode()
+    with contextlib.suppress(OSError):  # a diagnostic: a log that cannot be written never ends the server
+        fd = os.open(os.environ[ENV_LOG], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)  # one write on an O_APPEND file: whole lines from every process that appends
+        finally:
+            os.close(fd)
 
 
 _servers: list = []
