@@ -37,9 +37,10 @@ $(TOOLS)/.cluster: tests/cluster/go.mod tests/cluster/go.sum tests/cluster/build
 $(TOOLS)/.cluster-floor: tests/cluster/floor/go.mod tests/cluster/floor/go.sum tests/cluster/build.sh
 	tests/cluster/build.sh $(TOOLS)/floor/bin tests/cluster/floor
 	touch $@
-# Start the same control plane by hand (Ctrl-C stops it); it prints the KUBECONFIG to export.
+# Start the same control plane by hand (Ctrl-C stops it), with two tenants (alice in team-a, bob in team-b); it
+# prints the KUBECONFIG to export for the admin and for each tenant.
 cluster-up: python-env cluster
-	PYTHONPATH=tests:operator/core:operator $(PY) -m support.cluster
+	PYTHONPATH=tests:operator/core:operator $(PY) -m support.cluster --tenant alice:team-a --tenant bob:team-b
 moto: $(MOTO_VENV)/.installed
 # Only files under .tools are written; tests start and stop their own server (tests/s3/conftest.py).
 $(MOTO_VENV)/.installed: tests/s3/moto-constraints.txt

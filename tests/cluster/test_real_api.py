@@ -151,20 +151,10 @@ def test_server_side_apply_of_a_run_tracks_its_field_managers(control_plane: Con
 
 
 def _tenant(control_plane: ControlPlane, namespace: str, name: str) -> Path:
-    """A tenant who may create and read LlamaPretrains in ``namespace`` and read the team's checkpoint claim (and
-    nothing else): a client certificate and a Role the server's RBAC authorizer judges."""
-    _, kubeconfig = control_plane.user(name, ("tenants",), namespace=namespace)
-    control_plane.admin.create("rbac.authorization.k8s.io/v1/roles", namespace, {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": f"{name}-runs"},
-        "rules": [{"apiGroups": ["kubetitan.io"], "resources": ["llamapretrains"],
-                   "verbs": ["create", "get", "list", "watch", "patch", "update"]},
-                  {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"],
-                   "resourceNames": ["ckpt"]}]})  # the team's checkpoint claim
-    control_plane.admin.create("rbac.authorization.k8s.io/v1/rolebindings", namespace, {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": f"{name}-runs"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{name}-runs"},
-        "subjects": [{"kind": "User", "name": name, "apiGroup": "rbac.authorization.k8s.io"}]})
-    return kubeconfig
+    """A tenant (``ControlPlane.tenant``: LlamaPretrains and their pods' logs and events in ``namespace``) who may
+    also read the team's checkpoint claim, and nothing else; the server's RBAC authorizer judges."""
+    return control_plane.tenant(name, namespace, ({"apiGroups": [""], "resources": ["persistentvolumeclaims"],
+                                                   "verbs": ["get"], "resourceNames": ["ckpt"]},))
 
 
 def test_requester_checks_are_answered_by_the_servers_authorizer(
@@ -196,9 +186,11 @@ def test_requester_checks_are_answered_by_the_servers_authorizer(
         "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]})
     out = create("granted", "team-creds")
     assert out.returncode == 0, out.stderr
-    # what she may not do herself, the server refuses her directly too (her Role has no delete)
-    out = kubectl("delete", "lpt", "granted", "-n", namespace, kubeconfig=alice, check=False)
+    # what she may not do herself, the server refuses her directly too (no Role of hers names that Secret)
+    out = kubectl("get", "secret", "admin-creds", "-n", namespace, kubeconfig=alice, check=False)
     assert out.returncode != 0 and "forbidden" in out.stderr.lower(), out.stderr
+    out = kubectl("delete", "lpt", "granted", "-n", namespace, kubeconfig=alice, check=False)
+    assert out.returncode == 0, out.stderr  # her own run she may delete (ControlPlane.tenant's Role)
 
 
 def test_a_tenant_cannot_move_an_admins_secret_into_her_code_by_editing_the_run(

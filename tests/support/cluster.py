@@ -413,6 +413,25 @@ class ControlPlane:
         cert = self.pki.issue(f"user-{name}", name, groups)
         return Api(self.server, self.pki.ca_file, cert=cert), self._kubeconfig(f"user-{name}", cert, namespace)
 
+    def tenant(self, name: str, namespace: str, extra_rules: tuple[dict[str, Any], ...] = ()) -> Path:
+        """A tenant as a platform team would make one: a client certificate (CN ``name``, group ``tenants``) and a Role
+        in ``namespace`` (created if missing) to create, read, change and delete LlamaPretrains and read the pods and
+        events of their runs, plus ``extra_rules``; nothing cluster-wide. Returns the tenant's kubeconfig."""
+        self.admin.ensure_namespace(namespace)
+        _, kubeconfig = self.user(name, ("tenants",), namespace=namespace)
+        rules = [{"apiGroups": ["kubetitan.io"], "resources": ["llamapretrains"],
+                  "verbs": ["create", "get", "list", "watch", "patch", "update", "delete"]},
+                 {"apiGroups": [""], "resources": ["pods", "pods/log", "events"], "verbs": ["get", "list", "watch"]},
+                 *extra_rules]
+        meta = {"name": f"{name}-runs"}
+        self.admin.create("rbac.authorization.k8s.io/v1/roles", namespace, {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": rules})
+        self.admin.create("rbac.authorization.k8s.io/v1/rolebindings", namespace, {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": meta["name"]},
+            "subjects": [{"kind": "User", "name": name, "apiGroup": "rbac.authorization.k8s.io"}]})
+        return kubeconfig
+
     def node_api(self, node: str) -> Api:
         """The node agent's identity (``system:node:<node>``): the Node authorizer and NodeRestriction apply."""
         crt, key = self.pki.dir / f"node-{node}.crt", self.pki.dir / f"node-{node}.key"
@@ -709,6 +728,13 @@ def running(**kwargs: Any) -> Iterator[ControlPlane]:
         yield cp
 
 
+def _tenant_arg(text: str) -> tuple[str, str]:
+    name, _, namespace = text.partition(":")
+    if not name or not namespace:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:NAMESPACE, e.g. alice:team-a")
+    return name, namespace
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m support.cluster",
                                 description="Start the tests' real Kubernetes control plane and keep it up until "
@@ -716,12 +742,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=None, help="working directory (default: a new temporary one, "
                                                           "removed at exit)")
     p.add_argument("--no-scheduler", action="store_true", help="start no kube-scheduler")
+    p.add_argument("--tenant", action="append", default=[], metavar="NAME:NAMESPACE", type=_tenant_arg,
+                   help="also make this tenant (repeatable): a client certificate and a Role in NAMESPACE for "
+                        "LlamaPretrains and their pods' logs and events (ControlPlane.tenant); prints its KUBECONFIG")
     a = p.parse_args(argv)
     with ControlPlane(workdir=a.dir, scheduler=not a.no_scheduler) as cp:
         v = cp.version()
         print(f"Kubernetes {v['gitVersion']} up in {cp.timings['ready']:.1f} s "
               f"(etcd {cp.timings['etcd']:.1f} s, apiserver ready at {cp.timings['kube-apiserver']:.1f} s)")
         print(f"export KUBECONFIG={cp.admin_kubeconfig}")
+        for name, namespace in a.tenant:
+            print(f"tenant {name} in namespace {namespace}: export KUBECONFIG={cp.tenant(name, namespace)}")
         print(f"logs: {cp.workdir}/*.log; Ctrl-C stops it")
         sys.stdout.flush()
         with contextlib.suppress(KeyboardInterrupt):
