@@ -518,7 +518,9 @@ class ControlPlane:
         stageTimestamp), optionally of one resource (plural) and namespace."""
         out = []
         with open(self.audit_log) as f:
-            for line in f:
+            text = f.read()
+        for line in text.split("\n")[:-1]:  # a last line without its newline is still being written
+            if line:
                 e = json.loads(line)
                 ref = e.get("objectRef") or {}
                 if (resource is None or ref.get("resource") == resource) and (
